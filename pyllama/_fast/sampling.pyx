@@ -1,0 +1,925 @@
+# cython: language_level=3
+"""Sampling kernel: one call samples every row of a decode step.
+
+The per-row chain follows llama.cpp's default order: penalties -> top_k -> top_p -> min_p ->
+temperature -> dist (or greedy when temperature <= 0). It runs entirely without the GIL, rows in
+parallel (OpenMP, rows handed out dynamically), with one scratch block per thread and call.
+
+The candidates must be ordered by logit (descending, ties by lower id) for the top_p prefix, the
+draw walk and the top-n report, but sorting the vocabulary is never needed:
+
+- top_k <= 512 (llama-server's default is 40): a threshold from a strided sample of the row, a
+  vectorized gather of the tokens at or above it, nth_element + sort of that handful; the rest of
+  the chain runs on the k sorted candidates.
+- otherwise (top_k off or large): every token gets a bucket by its distance to the max logit
+  (1024 buckets). The kept candidates are always "every token of buckets [0, bK) plus the first
+  mK tokens of bucket bK"; top_k moves that boundary with per-bucket counts, top_p with
+  per-bucket masses, min_p with a logit threshold, and the draw walks per-bucket tempered masses.
+  Only the bucket a boundary or the draw falls in is sorted. Per-bucket sums are built lazily, the
+  top quarter of the range first, so peaked rows rarely pay for a full scatter pass.
+
+Greedy rows need only the argmax and the softmax normalizer (and the top-n selection when
+n_probs > 0).
+"""
+
+from cython.parallel cimport prange, parallel
+cimport openmp
+
+cdef extern from * nogil:
+    """
+    #include <algorithm>
+    #include <cmath>
+    #include <cstdint>
+    #include <cstring>
+    #include <cfloat>
+    #include <new>
+
+    // Python's build flags add -fwrapv, which makes this kernel about 2x slower (GCC must assume
+    // that int index arithmetic wraps); nothing here relies on signed overflow wrapping.
+    #if defined(__GNUC__) && !defined(__clang__)
+    #pragma GCC push_options
+    #pragma GCC optimize("no-wrapv")
+    #endif
+
+    namespace pyllama_sampling {
+
+    // Local helpers instead of std:: ones: those are defined before the optimize pragma above
+    // and GCC will not inline them into functions compiled with other options.
+    template <typename T> static inline T imin(T a, T b) { return a < b ? a : b; }
+
+    // Buckets by distance to the max logit. 1024 keeps a boundary bucket small for realistic
+    // logit ranges (a few hundredths of a logit wide).
+    static const int NB = 1024;
+    // Logits further than this below the max share the last bucket. Only speed depends on it
+    // (a walk that reaches the last bucket sorts it): at temperature 1 such a token weighs under
+    // e^-24 of the max, and the per-bucket passes skip the last bucket cheaply.
+    static const float MAX_RANGE = 24.0f;
+
+    struct Scratch {
+        void* block;      // the one allocation that holds every array below
+        float* buf;       // penalized, sanitized logits of the row             [n_vocab]
+        float* e;         // exp(l - max) at temperature 1, by id               [n_vocab]
+        float* fe;        // exp((l - max) / T) of kept candidates, by id       [n_vocab]
+        uint16_t* bkt;    // histogram bucket of each token                     [n_vocab]
+        uint64_t* keys;   // gathered sort keys                                 [n_vocab]
+        uint64_t* tmp;    // radix sort ping-pong buffer                        [n_vocab]
+        int* counts;      // penalty counts, all zero between rows              [n_vocab]
+        int* touched;     // distinct penalized tokens of the row               [L]
+        int hcount[NB];   // tokens per bucket
+        double hmass[NB]; // temperature-1 mass per bucket (never the last bucket)
+        double tmass[NB]; // tempered mass of each bucket kept whole
+        int counted_to;   // hcount is valid for buckets [0, counted_to)
+        int massed_to;    // hmass is valid for buckets [0, massed_to)
+        int tmassed_to;   // tmass is valid for buckets [0, min(tmassed_to, bfull))
+        int bfull;        // buckets [0, bfull) are kept whole (have fe[] weights)
+        // The sorted list of one bucket range, cached because the chain often asks for the
+        // same boundary bucket twice.
+        uint64_t* list;
+        int n_list, list_lo, list_hi;
+    };
+
+    // exp(x) for x <= 0, Cephes-style (about 1 ulp), written with plain arithmetic so that the
+    // loops calling it vectorize (libm expf does not without -ffast-math). Exactly 0 below -87
+    // (also for -inf and NaN) and exactly 1 at 0.
+    static inline float fexp(float x) {
+        const bool under = !(x >= -87.0f);
+        float xc = under ? -87.0f : x;
+        float z = xc * 1.44269504088896341f;
+        float n = __builtin_floorf(z + 0.5f);
+        float r = xc - n * 0.693359375f;
+        r = r - n * -2.12194440e-4f;
+        float p = 1.9875691500E-4f;
+        p = p * r + 1.3981999507E-3f;
+        p = p * r + 8.3334519073E-3f;
+        p = p * r + 4.1665795894E-2f;
+        p = p * r + 1.6666665459E-1f;
+        p = p * r + 5.0000001201E-1f;
+        float y = p * r * r + r + 1.0f;
+        int32_t bits = ((int32_t)n + 127) << 23;
+        float scale;
+        __builtin_memcpy(&scale, &bits, sizeof(scale));
+        y *= scale;
+        return under ? 0.0f : y;
+    }
+
+    // Sort key: ascending order of the key is descending logit, ties by ascending id.
+    static inline uint64_t make_key(float v, int id) {
+        uint32_t u;
+        __builtin_memcpy(&u, &v, sizeof(u));
+        if (u == 0x80000000u) u = 0;                      // -0 and +0 are the same logit
+        uint32_t ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // ascending with v
+        return ((uint64_t)(~ord) << 32) | (uint32_t)id;
+    }
+    static inline int key_id(uint64_t k) { return (int)(uint32_t)k; }
+
+    // Stable LSD radix sort on the upper 32 bits. The keys are gathered in ascending id order and
+    // the low 32 bits are the id, so stability alone orders ties by id. Returns the sorted array
+    // (either a or b).
+    static uint64_t* radix_sort_hi32(uint64_t* a, uint64_t* b, int n) {
+        int hist[4][256];
+        __builtin_memset(hist, 0, sizeof(hist));
+        for (int i = 0; i < n; i++) {
+            uint32_t h = (uint32_t)(a[i] >> 32);
+            hist[0][h & 255]++;
+            hist[1][(h >> 8) & 255]++;
+            hist[2][(h >> 16) & 255]++;
+            hist[3][h >> 24]++;
+        }
+        uint64_t* src = a;
+        uint64_t* dst = b;
+        for (int pass = 0; pass < 4; pass++) {
+            int* hp = hist[pass];
+            const int shift = 32 + 8 * pass;
+            // A digit shared by every key does not reorder anything: skip the pass.
+            if (hp[(uint32_t)(src[0] >> shift) & 255] == n) continue;
+            int sum = 0;
+            for (int d = 0; d < 256; d++) { int c = hp[d]; hp[d] = sum; sum += c; }
+            for (int i = 0; i < n; i++) {
+                uint64_t k = src[i];
+                dst[hp[(k >> shift) & 255]++] = k;
+            }
+            { uint64_t* t = src; src = dst; dst = t; }
+        }
+        return src;
+    }
+
+    static const int BLK = 32;
+
+    // The tokens of buckets [lo, hi], sorted (descending logit, ties by id) into s.list. Hits
+    // are found a block at a time with a vectorized test, so listing a small bucket costs a
+    // fraction of a pass over the vocabulary.
+    static void list_buckets(Scratch& s, int n_vocab, int lo, int hi) {
+        if (s.list && s.list_lo == lo && s.list_hi == hi) return;
+        const float* buf = s.buf;
+        const uint16_t* bkt = s.bkt;
+        uint64_t* keys = s.keys;
+        const unsigned width = (unsigned)(hi - lo);
+        int g = 0;
+        int i0 = 0;
+        for (; i0 + BLK <= n_vocab; i0 += BLK) {
+            // a bit mask of the block's hits (vectorized compare), then its set bits
+            uint32_t mask = 0;
+            for (int l = 0; l < BLK; l++)
+                mask |= (uint32_t)((unsigned)(bkt[i0 + l] - lo) <= width) << l;
+            while (mask) {
+                int i = i0 + __builtin_ctz(mask);
+                mask &= mask - 1;
+                keys[g++] = make_key(buf[i], i);
+            }
+        }
+        for (int i = i0; i < n_vocab; i++)
+            if ((unsigned)(bkt[i] - lo) <= width) keys[g++] = make_key(buf[i], i);
+        if (g <= 256) {
+            std::sort(keys, keys + g);
+            s.list = keys;
+        } else {
+            s.list = radix_sort_hi32(keys, s.tmp, g);
+        }
+        s.n_list = g;
+        s.list_lo = lo;
+        s.list_hi = hi;
+    }
+
+    static inline void list_bucket(Scratch& s, int n_vocab, int b) {
+        list_buckets(s, n_vocab, b, b);
+    }
+
+    // Sum of exp(buf[i] - M) over [0, n), in float blocks (vectorized) added up in double.
+    static double exp_sum(const float* buf, int n, float M) {
+        double Z = 0.0;
+        for (int i0 = 0; i0 < n; i0 += 512) {
+            int i1 = imin(n, i0 + 512);
+            float z = 0.0f;
+            for (int i = i0; i < i1; i++) z += fexp(buf[i] - M);
+            Z += z;
+        }
+        return Z;
+    }
+
+    static inline float bucket_scale(float M, float lo) {
+        float range = M - lo;
+        return range > 0.0f ? (float)(NB - 1) / range * 0.999999f : 0.0f;
+    }
+
+    // The bucket of a logit: floor((M - v) * scale), clamped to the last bucket. Monotone
+    // (non-increasing) in v, so buckets in increasing order hold logits in decreasing order.
+    static inline int bucket_of(float v, float M, float scale) {
+        float d = (M - v) * scale;
+        const float top = (float)(NB - 1);
+        d = d < top ? d : top;              // also maps NaN (inf * 0) and -inf to the last bucket
+        d = d > 0.0f ? d : 0.0f;
+        return (int)d;
+    }
+
+    // Buckets every token by its distance to the max, fills e[] = exp(l - max) and returns the
+    // total mass. Vectorized; per-bucket counts and masses come later, and only as far as needed.
+    static double histogram(Scratch& s, int n_vocab, float M, float scale) {
+        const float* buf = s.buf;
+        float* e = s.e;
+        uint16_t* bkt = s.bkt;
+        double Z = 0.0;
+        for (int i0 = 0; i0 < n_vocab; i0 += 512) {
+            int i1 = imin(n_vocab, i0 + 512);
+            float z = 0.0f;
+            for (int i = i0; i < i1; i++) {
+                float v = buf[i];
+                float ev = fexp(v - M);
+                e[i] = ev;
+                z += ev;
+                bkt[i] = (uint16_t)bucket_of(v, M, scale);
+            }
+            Z += z;
+        }
+        s.counted_to = 0;
+        s.massed_to = 0;
+        s.tmassed_to = 0;
+        return Z;
+    }
+
+    // Per-bucket sums are a scalar scatter (about a nanosecond per token), so they are built in
+    // two stages, each only when first needed: the top NB_FIRST buckets (the top quarter of the
+    // range: usually all that top_k, top_p, the draw and n_probs look at on a peaked row), with
+    // blocks that hold none of them skipped by a vectorized test, then the rest.
+    static const int NB_FIRST = 256;
+
+    // For every token i in buckets [lo, hi): cnt[bucket]++ (COUNT) and mass[bucket] += w[i] (MASS).
+    template <bool COUNT, bool MASS, bool SKIP>
+    static void scatter(const uint16_t* bkt, int n_vocab, int lo, int hi, int* cnt,
+                        const float* w, double* mass) {
+        if (hi <= lo) return;
+        const unsigned width = (unsigned)(hi - lo);
+        if (COUNT) __builtin_memset(cnt + lo, 0, sizeof(int) * (hi - lo));
+        if (MASS) __builtin_memset(mass + lo, 0, sizeof(double) * (hi - lo));
+        for (int i0 = 0; i0 < n_vocab; i0 += BLK) {
+            int i1 = imin(n_vocab, i0 + BLK);
+            if (SKIP) {
+                int any = 0;
+                for (int i = i0; i < i1; i++) any |= ((unsigned)(bkt[i] - lo) < width);
+                if (!any) continue;
+            }
+            for (int i = i0; i < i1; i++) {
+                int bi = bkt[i];
+                if ((unsigned)(bi - lo) < width) {
+                    if (COUNT) cnt[bi]++;
+                    if (MASS) mass[bi] += w[i];
+                }
+            }
+        }
+    }
+
+    // hcount valid for buckets [0, b] (and then some). The last bucket's count is what remains.
+    static void ensure_counts(Scratch& s, int n_vocab, int b) {
+        if (b < s.counted_to) return;
+        if (s.counted_to == 0 && b < NB_FIRST) {
+            scatter<true, false, true>(s.bkt, n_vocab, 0, NB_FIRST, s.hcount, nullptr, nullptr);
+            s.counted_to = NB_FIRST;
+            return;
+        }
+        scatter<true, false, false>(s.bkt, n_vocab, s.counted_to, NB - 1, s.hcount, nullptr,
+                                    nullptr);
+        long c = 0;
+        for (int k = 0; k < NB - 1; k++) c += s.hcount[k];
+        s.hcount[NB - 1] = (int)(n_vocab - c);
+        s.counted_to = NB;
+    }
+
+    // hmass (temperature-1 mass) valid for buckets [0, b], b < NB - 1: the last bucket is never
+    // weighed this way (a walk that reaches it lists it).
+    static void ensure_hmass(Scratch& s, int n_vocab, int b) {
+        if (b < s.massed_to) return;
+        const bool first = s.massed_to == 0 && b < NB_FIRST;
+        const int hi = first ? NB_FIRST : NB - 1;
+        if (first) scatter<false, true, true>(s.bkt, n_vocab, 0, hi, nullptr, s.e, s.hmass);
+        else scatter<false, true, false>(s.bkt, n_vocab, s.massed_to, hi, nullptr, s.e, s.hmass);
+        s.massed_to = hi;
+    }
+
+    // tmass (tempered mass) valid for buckets [0, b], b < s.bfull (the buckets kept whole, whose
+    // tokens all have their fe[] weight).
+    static void ensure_tmass(Scratch& s, int n_vocab, int b) {
+        if (b < s.tmassed_to) return;
+        const bool first = s.tmassed_to == 0 && b < NB_FIRST;
+        const int hi = imin(first ? NB_FIRST : NB, s.bfull);
+        if (first) scatter<false, true, true>(s.bkt, n_vocab, 0, hi, nullptr, s.fe, s.tmass);
+        else scatter<false, true, false>(s.bkt, n_vocab, s.tmassed_to, hi, nullptr, s.fe, s.tmass);
+        s.tmassed_to = first ? NB_FIRST : NB;
+    }
+
+    // Sum of e[i] over the tokens of buckets [0, b) (vectorized masked sum).
+    static double mass_below(const Scratch& s, int n_vocab, int b) {
+        const uint16_t* __restrict bkt = s.bkt;
+        const float* __restrict e = s.e;
+        double Z = 0.0;
+        for (int i0 = 0; i0 < n_vocab; i0 += 512) {
+            int i1 = imin(n_vocab, i0 + 512);
+            float z = 0.0f;
+            for (int i = i0; i < i1; i++) {
+                float ev = e[i];                // loaded unconditionally: the loop vectorizes
+                z += bkt[i] < b ? ev : 0.0f;
+            }
+            Z += z;
+        }
+        return Z;
+    }
+
+    // The first bucket at which the cumulative count reaches n (counting as needed), and the
+    // number of tokens in the buckets before it.
+    static int count_bucket(Scratch& s, int n_vocab, long n, long* before) {
+        long c = 0;
+        for (int b = 0; b < NB; b++) {
+            ensure_counts(s, n_vocab, b);
+            if (c + s.hcount[b] >= n) { *before = c; return b; }
+            c += s.hcount[b];
+        }
+        *before = c - s.hcount[NB - 1];
+        return NB - 1;
+    }
+
+    // The top n entries of the final distribution (ids, weight * inv), padded with -1 / 0 up to
+    // n_probs. Needs the buckets that hold the first n tokens, listed together.
+    static void fill_top(Scratch& s, int n_vocab, int n, int n_probs, const float* w, double inv,
+                         int* top_ids, float* top_probs) {
+        int j = 0;
+        if (n > 0) {
+            long before;
+            int bn = count_bucket(s, n_vocab, n, &before);
+            list_buckets(s, n_vocab, 0, bn);
+            for (; j < n; j++) {
+                int id = key_id(s.list[j]);
+                top_ids[j] = id;
+                top_probs[j] = (float)((double)w[id] * inv);
+            }
+        }
+        for (; j < n_probs; j++) { top_ids[j] = -1; top_probs[j] = 0.0f; }
+    }
+
+    // Top-k for a small k without any per-bucket pass: a threshold from a strided sample of the
+    // row, a vectorized gather of everything at or above it, then nth_element + sort of that
+    // handful. Writes the sorted keys of the k best tokens of buf to s.keys[0..k) and returns k
+    // (fewer when the row has fewer than k tokens that are not NaN).
+    static int select_top(Scratch& s, const float* buf, int n_vocab, int k) {
+        uint64_t* keys = s.keys;
+        if (k > n_vocab) k = n_vocab;
+        float tau = -INFINITY;
+        const int m = imin(n_vocab, 1024);
+        if ((long)k * 16 < n_vocab && m == 1024) {
+            // Sample rank r such that about 2k + 4 * stride tokens lie above the threshold, so
+            // at least k do with overwhelming probability (else the fallback below gathers all).
+            const int stride = n_vocab / m;
+            const int r = imin(m - 1, (int)((2.0 * k * m) / n_vocab) + 4);
+            if (r < 64) {
+                // the r+1 largest samples, kept sorted descending by insertion
+                float top[64];
+                int cnt = 0;
+                for (int j = 0; j < m; j++) {
+                    float v = buf[j * stride];
+                    if (cnt > r && !(v > top[r])) continue;
+                    int pos = cnt > r ? r : cnt++;
+                    while (pos > 0 && top[pos - 1] < v) { top[pos] = top[pos - 1]; pos--; }
+                    top[pos] = v;
+                }
+                tau = top[r];
+            } else {
+                // (negated so that std::nth_element's default, inlinable comparison applies)
+                float* smp = s.fe;
+                for (int j = 0; j < m; j++) smp[j] = -buf[j * stride];
+                std::nth_element(smp, smp + r, smp + m);
+                tau = -smp[r];
+            }
+        }
+        int g = 0;
+        for (int pass = 0; pass < 2; pass++) {
+            g = 0;
+            int i0 = 0;
+            for (; i0 + BLK <= n_vocab; i0 += BLK) {
+                // a bit mask of the block's hits (vectorized compare), then its set bits
+                uint32_t mask = 0;
+                for (int l = 0; l < BLK; l++) mask |= (uint32_t)(buf[i0 + l] >= tau) << l;
+                while (mask) {
+                    int i = i0 + __builtin_ctz(mask);
+                    mask &= mask - 1;
+                    keys[g++] = make_key(buf[i], i);
+                }
+            }
+            for (int i = i0; i < n_vocab; i++)
+                if (buf[i] >= tau) keys[g++] = make_key(buf[i], i);
+            if (g >= k) break;
+            tau = -INFINITY;                    // unlucky sample: take everything
+        }
+        if (g < k) k = g;                       // only NaN left out
+        // Every token left out is below tau, every gathered one at or above: the k best by
+        // (logit desc, id asc) are the k smallest keys gathered.
+        if (g > k) std::nth_element(keys, keys + k, keys + g);
+        std::sort(keys, keys + k);
+        return k;
+    }
+
+    // The chain for top_k <= KSMALL: everything after top_k runs on the sorted k candidates
+    // (above that, the bucket path below is faster: sorting k candidates dominates).
+    static const int KSMALL = 512;
+
+    static void sample_small_k(Scratch& s, int n_vocab, int top_k, float temp, float top_p,
+                               float min_p, float draw, int n_probs, int* out_id,
+                               float* out_prob, int* top_ids, float* top_probs) {
+        const float* buf = s.buf;
+        const int k = select_top(s, buf, n_vocab, top_k);
+        const uint64_t* keys = s.keys;
+        float* w = s.e;                         // per-position weights
+        const float M = buf[key_id(keys[0])];
+        int n = k;
+        if (top_p < 1.0f) {
+            double Zc = 0.0;
+            for (int j = 0; j < n; j++) { w[j] = fexp(buf[key_id(keys[j])] - M); Zc += w[j]; }
+            const double target = (double)top_p * Zc;
+            double c = 0.0;
+            for (int j = 0; j < n; j++) {
+                c += w[j];
+                if (c >= target) { n = j + 1; break; }
+            }
+        }
+        if (min_p > 0.0f) {
+            const float thr = M + __builtin_logf(min_p);
+            int j = 1;
+            while (j < n && buf[key_id(keys[j])] >= thr) j++;
+            n = j;
+        }
+        // (capped: a denormal temperature would make 0 * inf = NaN of the max's weight)
+        const float inv_t = imin(1.0f / temp, FLT_MAX);
+        double S = 0.0;
+        for (int j = 0; j < n; j++) { w[j] = fexp((buf[key_id(keys[j])] - M) * inv_t); S += w[j]; }
+        if (!(draw >= 0.0f)) draw = 0.0f;
+        const double target = (double)draw * S;
+        double c = 0.0;
+        int pick = -1, last_pos = 0;
+        for (int j = 0; j < n; j++) {
+            if (w[j] > 0.0f) last_pos = j;
+            c += w[j];
+            if (c > target) { pick = j; break; }
+        }
+        if (pick < 0) pick = last_pos;
+        *out_id = key_id(keys[pick]);
+        *out_prob = (float)((double)w[pick] / S);
+        int j = 0;
+        for (; j < n_probs && j < n; j++) {
+            top_ids[j] = key_id(keys[j]);
+            top_probs[j] = (float)((double)w[j] / S);
+        }
+        for (; j < n_probs; j++) { top_ids[j] = -1; top_probs[j] = 0.0f; }
+    }
+
+    // The max of a row with the lowest id reaching it, and its lowest finite value (the bucket
+    // range), in 16 independent lanes so that the loop vectorizes. With COPY it also writes the
+    // sanitized row to dst: NaN never wins (-inf), +inf becomes the largest finite float so that
+    // differences to the max stay defined.
+    template <bool COPY>
+    static void scan_max(const float* src, float* dst, int n_vocab, float* pM, int* pbest,
+                         float* plo) {
+        float mx[16], mn[16];
+        int ax[16];
+        for (int l = 0; l < 16; l++) { mx[l] = -INFINITY; mn[l] = INFINITY; ax[l] = l; }
+        int i0 = 0;
+        for (; i0 + 16 <= n_vocab; i0 += 16) {
+            for (int l = 0; l < 16; l++) {
+                float v = src[i0 + l];
+                if (COPY) {
+                    v = (v == v) ? v : -INFINITY;
+                    v = v < FLT_MAX ? v : FLT_MAX;
+                    dst[i0 + l] = v;
+                }
+                bool gt = v > mx[l];
+                mx[l] = gt ? v : mx[l];
+                ax[l] = gt ? i0 + l : ax[l];
+                float w = v > -INFINITY ? v : INFINITY;
+                mn[l] = w < mn[l] ? w : mn[l];
+            }
+        }
+        float M = -INFINITY, lo = INFINITY;
+        int best = 0;
+        for (int l = 0; l < 16; l++) {
+            if (mx[l] > M || (mx[l] == M && ax[l] < best)) { M = mx[l]; best = ax[l]; }
+            lo = mn[l] < lo ? mn[l] : lo;
+        }
+        for (; i0 < n_vocab; i0++) {
+            float v = src[i0];
+            if (COPY) {
+                v = (v == v) ? v : -INFINITY;
+                v = v < FLT_MAX ? v : FLT_MAX;
+                dst[i0] = v;
+            }
+            if (v > M) { M = v; best = i0; }
+            float w = v > -INFINITY ? v : INFINITY;
+            lo = w < lo ? w : lo;
+        }
+        *pM = M;
+        *pbest = best;
+        *plo = lo;
+    }
+
+    // Greedy: the argmax is known; out_prob and the top n_probs come from the softmax of the
+    // whole row.
+    static void greedy_finish(Scratch& s, const float* row, int n_vocab, float M, int best,
+                              int n_probs, int* out_id, float* out_prob, int* top_ids,
+                              float* top_probs) {
+        *out_id = best;
+        const double Z = exp_sum(row, n_vocab, M);
+        *out_prob = (float)(1.0 / Z);
+        if (n_probs <= 0) return;
+        const int n = select_top(s, row, n_vocab, n_probs);
+        int j = 0;
+        for (; j < n; j++) {
+            int id = key_id(s.keys[j]);
+            top_ids[j] = id;
+            top_probs[j] = (float)((double)fexp(row[id] - M) / Z);
+        }
+        for (; j < n_probs; j++) { top_ids[j] = -1; top_probs[j] = 0.0f; }
+    }
+
+    // Samples one row. fp: temperature, top_p, min_p, repeat_penalty, frequency_penalty,
+    // presence_penalty, draw. ip: top_k, n_probs, n_penalty_tokens. top_ids/top_probs have room
+    // for n_top_cols entries; the first n_probs are the row's, the rest padded with -1 / 0.
+    //
+    // The kept candidates are always a prefix of the sorted vocabulary, held as "every token of
+    // buckets [0, bK) plus the first mK tokens (in sorted order) of bucket bK". Each step of the
+    // chain moves that boundary using whole-bucket counts and masses, and sorts only the bucket
+    // the boundary falls in; the draw likewise sorts only the bucket where the cumulative mass
+    // crosses it.
+    static void sample_row(const float* logits, int n_vocab, const float* fp, const int* ip,
+                           const int* pen, Scratch& s, int* out_id, float* out_prob,
+                           int* top_ids, float* top_probs, int n_top_cols) {
+        const float temp = fp[0], top_p = fp[1], min_p = fp[2];
+        const float rp = fp[3], freq = fp[4], pres = fp[5];
+        float draw = fp[6];
+        const int top_k = ip[0], n_probs = ip[1], n_pen = ip[2];
+        float* buf = s.buf;
+        s.list = nullptr;
+
+        for (int j = n_probs; j < n_top_cols; j++) { top_ids[j] = -1; top_probs[j] = 0.0f; }
+
+        const bool pen_on = n_pen > 0 && (rp != 1.0f || freq != 0.0f || pres != 0.0f);
+        float M, lo;
+        int best;
+
+        // Greedy without penalties reads the logits in place: a finite max is all the copy
+        // below would have fixed (NaN never wins the max and weighs 0 in exp_sum).
+        if (!(temp > 0.0f) && !pen_on) {
+            scan_max<false>(logits, nullptr, n_vocab, &M, &best, &lo);
+            if (M > -INFINITY && M < INFINITY) {
+                greedy_finish(s, logits, n_vocab, M, best, n_probs, out_id, out_prob, top_ids,
+                              top_probs);
+                return;
+            }
+        }
+
+        // Copy, sanitize and find the max in one pass (see scan_max).
+        scan_max<true>(logits, buf, n_vocab, &M, &best, &lo);
+
+        // 1. Penalties over the distinct tokens of the window. counts[] is zero on entry and
+        // reset only at the touched entries, so a row costs O(window), not O(n_vocab).
+        if (pen_on) {
+            int nt = 0;
+            for (int j = 0; j < n_pen; j++) {
+                int t = pen[j];
+                if (t < 0 || t >= n_vocab) continue;    // padding / foreign ids: ignored
+                if (s.counts[t]++ == 0) s.touched[nt++] = t;
+            }
+            bool rescan = false;
+            for (int j = 0; j < nt; j++) {
+                int t = s.touched[j];
+                int c = s.counts[t];
+                s.counts[t] = 0;
+                float v = buf[t];
+                if (rp != 1.0f) v = v > 0.0f ? v / rp : v * rp;
+                v -= (float)c * freq + pres;
+                v = (v == v) ? v : -INFINITY;
+                v = v < FLT_MAX ? v : FLT_MAX;
+                buf[t] = v;
+                // The max moves only if it was penalized or something reached it.
+                rescan |= t == best || v >= M;
+                if (v > -INFINITY && v < lo) lo = v;
+            }
+            if (rescan) {
+                float lo2;
+                scan_max<false>(buf, buf, n_vocab, &M, &best, &lo2);
+                lo = lo2 < lo ? lo2 : lo;
+            }
+        }
+        if (M == -INFINITY) {
+            // Every logit is -inf (or NaN): nothing is preferred, so sample uniformly.
+            for (int i = 0; i < n_vocab; i++) buf[i] = 0.0f;
+            M = 0.0f;
+            lo = 0.0f;
+            best = 0;
+        }
+        if (lo < M - MAX_RANGE) lo = M - MAX_RANGE;
+        const float scale = bucket_scale(M, lo);
+
+        // 2. Greedy: argmax (lowest id on ties); probabilities from the full softmax.
+        if (!(temp > 0.0f)) {
+            greedy_finish(s, buf, n_vocab, M, best, n_probs, out_id, out_prob, top_ids,
+                          top_probs);
+            return;
+        }
+
+        // 3. Sampling chain on the kept prefix: every token of buckets [0, bK), plus the first
+        // mK tokens (in sorted order) of bucket bK, or all of it when mK < 0. It starts as the
+        // whole vocabulary.
+        const bool k_on = top_k > 0 && top_k < n_vocab;
+        if (k_on && top_k <= KSMALL) {
+            sample_small_k(s, n_vocab, top_k, temp, top_p, min_p, draw, n_probs, out_id, out_prob,
+                           top_ids, top_probs);
+            return;
+        }
+        const bool p_on = top_p < 1.0f;
+        const bool m_on = min_p > 0.0f;
+        const float* e = s.e;
+        const double Zfull = histogram(s, n_vocab, M, scale);
+        int bK = NB - 1, mK = -1;
+
+        // top_k: the bucket where the cumulative count reaches k
+        if (k_on) {
+            long c;
+            bK = count_bucket(s, n_vocab, top_k, &c);
+            mK = (int)(top_k - c);
+        }
+
+        // top_p: shortest prefix whose temperature-1 mass over the current candidates >= p
+        if (p_on) {
+            // Mass of the kept part of bucket b: whole buckets from the per-bucket sums, the
+            // boundary bucket and the (never weighed) last bucket from their sorted lists.
+            auto kept_mass = [&](int b) -> double {
+                if (b != NB - 1 && (b < bK || mK < 0)) {
+                    ensure_hmass(s, n_vocab, b);
+                    return s.hmass[b];
+                }
+                list_bucket(s, n_vocab, b);
+                int lim = (b == bK && mK >= 0) ? imin(mK, s.n_list) : s.n_list;
+                double m = 0.0;
+                for (int j = 0; j < lim; j++) m += e[key_id(s.list[j])];
+                return m;
+            };
+            const double Zc = k_on ? mass_below(s, n_vocab, bK) + kept_mass(bK) : Zfull;
+            const double target = (double)top_p * Zc;
+            double c = 0.0;
+            for (int b = 0; b <= bK; b++) {
+                double mb = kept_mass(b);
+                if (c + mb < target) { c += mb; continue; }
+                list_bucket(s, n_vocab, b);
+                int lim = (b == bK && mK >= 0) ? imin(mK, s.n_list) : s.n_list;
+                int j = 0;
+                for (; j < lim; j++) {
+                    c += e[key_id(s.list[j])];
+                    if (c >= target) break;
+                }
+                if (j < lim) { bK = b; mK = j + 1; break; }
+                // rounding left the walk short inside b: go on with the next bucket
+            }
+        }
+
+        // min_p: keep l >= max + log(min_p), i.e. prob >= min_p * max prob (at least one)
+        if (m_on) {
+            const float thr = M + __builtin_logf(min_p);
+            if (!(thr <= M)) {                  // min_p > 1: only the top token
+                bK = 0; mK = 1;
+            } else {
+                int bm = bucket_of(thr, M, scale);
+                if (bm <= bK) {
+                    // Tokens of bm at or above thr come first in its sorted order: count them.
+                    int cnt = 0, tot = 0;
+                    const uint16_t* bkt = s.bkt;
+                    for (int i = 0; i < n_vocab; i++) {
+                        int in = bkt[i] == bm;
+                        tot += in;
+                        cnt += in & (buf[i] >= thr);
+                    }
+                    if (bm == bK && mK >= 0) mK = imin(mK, cnt);
+                    else mK = cnt == tot ? -1 : cnt;
+                    bK = bm;    // buckets before bm hold the max, so the prefix is never empty
+                }
+            }
+        }
+
+        // temperature: tempered weights fe[] of the kept tokens and their total S
+        // (capped: a denormal temperature would make 0 * inf = NaN of the max's weight)
+        const float inv_t = imin(1.0f / temp, FLT_MAX);
+        float* fe = s.fe;
+        double S = 0.0, tpartial = 0.0;
+        s.bfull = mK < 0 ? bK + 1 : bK;         // buckets [0, bfull) are kept whole
+        {
+            const uint16_t* bkt = s.bkt;
+            const int bfull = s.bfull;
+            for (int i0 = 0; i0 < n_vocab; i0 += BLK) {
+                int i1 = imin(n_vocab, i0 + BLK);
+                int any = 0;
+                for (int i = i0; i < i1; i++) any |= bkt[i] < bfull;
+                if (!any) continue;
+                float z = 0.0f;
+                for (int i = i0; i < i1; i++) {
+                    float w = fexp((buf[i] - M) * inv_t);
+                    fe[i] = w;
+                    z += bkt[i] < bfull ? w : 0.0f;
+                }
+                S += z;
+            }
+            // The boundary bucket's kept part: its first mK tokens in sorted order.
+            if (mK > 0) {
+                list_bucket(s, n_vocab, bK);
+                mK = imin(mK, s.n_list);
+                for (int j = 0; j < mK; j++) {
+                    int id = key_id(s.list[j]);
+                    fe[id] = fexp((buf[id] - M) * inv_t);
+                    tpartial += fe[id];
+                }
+                S += tpartial;
+            }
+        }
+
+        // draw: the first candidate whose cumulative mass exceeds draw * S; only the bucket
+        // where that happens is sorted. A zero-weight candidate can never be that first one; a
+        // walk that rounding leaves short picks the last candidate with weight.
+        if (!(draw >= 0.0f)) draw = 0.0f;
+        const double target = (double)draw * S;
+        int pick = -1, last_b = 0;
+        {
+            double c = 0.0;
+            for (int b = 0; b <= bK && pick < 0; b++) {
+                double mb;
+                if (b < s.bfull) {
+                    ensure_tmass(s, n_vocab, b);
+                    mb = s.tmass[b];
+                } else {
+                    mb = tpartial;
+                }
+                if (mb > 0.0) last_b = b;
+                if (c + mb <= target) { c += mb; continue; }
+                list_bucket(s, n_vocab, b);
+                int lim = (b == bK && mK >= 0) ? mK : s.n_list;
+                for (int j = 0; j < lim; j++) {
+                    c += fe[key_id(s.list[j])];
+                    if (c > target) { pick = key_id(s.list[j]); break; }
+                }
+            }
+            if (pick < 0) {
+                list_bucket(s, n_vocab, last_b);
+                int lim = (last_b == bK && mK >= 0) ? mK : s.n_list;
+                pick = key_id(s.list[0]);
+                for (int j = 0; j < lim; j++)
+                    if (fe[key_id(s.list[j])] > 0.0f) pick = key_id(s.list[j]);
+            }
+        }
+        *out_id = pick;
+        *out_prob = (float)((double)fe[pick] / S);
+        if (n_probs > 0) {
+            long n_kept = n_vocab;
+            if (!(bK == NB - 1 && mK < 0)) {
+                ensure_counts(s, n_vocab, bK);
+                n_kept = mK < 0 ? s.hcount[bK] : mK;
+                for (int b = 0; b < bK; b++) n_kept += s.hcount[b];
+            }
+            fill_top(s, n_vocab, (int)imin<long>(n_probs, n_kept), n_probs, fe, 1.0 / S,
+                     top_ids, top_probs);
+        }
+    }
+
+    static void free_scratch(Scratch* s) {
+        if (!s) return;
+        std::free(s->block);
+        delete s;
+    }
+
+    static inline size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+    // One thread's scratch (about 30 bytes per vocabulary entry); NULL when out of memory.
+    // One block rather than one allocation per array: after the first call glibc's dynamic
+    // mmap threshold serves a block this size from the heap and keeps it mapped, where separate
+    // large arrays would be mmapped, page-faulted and unmapped again on every call.
+    static Scratch* new_scratch(int n_vocab, int L) {
+        Scratch* s = new (std::nothrow) Scratch;
+        if (!s) return nullptr;
+        size_t nv = (size_t)n_vocab;
+        size_t sz_f = align64(nv * sizeof(float));
+        size_t sz_b = align64(nv * sizeof(uint16_t));
+        size_t sz_k = align64(nv * sizeof(uint64_t));
+        size_t sz_c = align64(nv * sizeof(int));
+        size_t sz_t = align64((size_t)(L > 0 ? L : 1) * sizeof(int));
+        char* p = (char*)std::malloc(3 * sz_f + sz_b + 2 * sz_k + sz_c + sz_t + 64);
+        if (!p) { delete s; return nullptr; }
+        s->block = p;
+        p = (char*)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+        s->keys = (uint64_t*)p; p += sz_k;
+        s->tmp = (uint64_t*)p; p += sz_k;
+        s->buf = (float*)p; p += sz_f;
+        s->e = (float*)p; p += sz_f;
+        s->fe = (float*)p; p += sz_f;
+        s->counts = (int*)p; p += sz_c;
+        s->bkt = (uint16_t*)p; p += sz_b;
+        s->touched = (int*)p;
+        // counts[] starts zeroed and sample_row leaves it zeroed.
+        __builtin_memset(s->counts, 0, nv * sizeof(int));
+        s->list = nullptr;
+        return s;
+    }
+
+    }  // namespace pyllama_sampling
+
+    #if defined(__GNUC__) && !defined(__clang__)
+    #pragma GCC pop_options
+    #endif
+    """
+    cppclass Scratch "pyllama_sampling::Scratch":
+        pass
+    Scratch* new_scratch "pyllama_sampling::new_scratch"(int n_vocab, int L)
+    void free_scratch "pyllama_sampling::free_scratch"(Scratch* s)
+    void sample_row "pyllama_sampling::sample_row"(
+        const float* logits, int n_vocab, const float* fp, const int* ip, const int* pen,
+        Scratch& s, int* out_id, float* out_prob, int* top_ids, float* top_probs,
+        int n_top_cols)
+
+
+# Dummy buffers for zero-width arrays (a 0-column memoryview has no element to take the address of).
+cdef int _zero_i[1]
+cdef float _zero_f[1]
+
+
+def sample_rows(const float[:, ::1] logits,
+                const float[:, ::1] fparams,
+                const int[:, ::1] iparams,
+                const int[:, ::1] penalty_tokens,
+                int[::1] out_ids,
+                float[::1] out_prob,
+                int[:, ::1] out_top_ids,
+                float[:, ::1] out_top_probs,
+                int n_threads=0):
+    """Samples every row of ``logits`` (see the module docstring for the chain).
+
+    fparams [n_rows, 8]: temperature, top_p, min_p, repeat_penalty, frequency_penalty,
+    presence_penalty, draw (uniform in [0, 1)), unused. iparams [n_rows, 4]: top_k, n_probs,
+    n_penalty_tokens, unused. penalty_tokens [n_rows, L]: the row's recent tokens (the first
+    n_penalty_tokens are used; ids outside [0, n_vocab) are ignored). Writes out_ids, out_prob
+    (probability of the chosen token) and the rows' n_probs most probable candidates into
+    out_top_ids / out_top_probs (padding -1 / 0). n_threads 0 = OpenMP default.
+    """
+    cdef Py_ssize_t n_rows = logits.shape[0]
+    cdef Py_ssize_t n_vocab = logits.shape[1]
+    cdef Py_ssize_t L = penalty_tokens.shape[1]
+    cdef Py_ssize_t N = out_top_ids.shape[1]
+    cdef Py_ssize_t r
+    cdef int nt, n_probs, n_pen
+
+    if n_vocab < 1 or n_vocab > 0x7FFFFFFF:
+        raise ValueError(f"logits must have between 1 and 2**31-1 columns, got {n_vocab}")
+    if fparams.shape[1] != 8:
+        raise ValueError(f"fparams must have 8 columns, got {fparams.shape[1]}")
+    if iparams.shape[1] != 4:
+        raise ValueError(f"iparams must have 4 columns, got {iparams.shape[1]}")
+    for name, rows in (("fparams", fparams.shape[0]), ("iparams", iparams.shape[0]),
+                       ("penalty_tokens", penalty_tokens.shape[0]),
+                       ("out_ids", out_ids.shape[0]), ("out_prob", out_prob.shape[0]),
+                       ("out_top_ids", out_top_ids.shape[0]),
+                       ("out_top_probs", out_top_probs.shape[0])):
+        if rows != n_rows:
+            raise ValueError(f"{name} has {rows} rows, logits has {n_rows}")
+    if out_top_probs.shape[1] != N:
+        raise ValueError(f"out_top_probs has {out_top_probs.shape[1]} columns, "
+                         f"out_top_ids has {N}")
+    for r in range(n_rows):
+        n_probs = iparams[r, 1]
+        n_pen = iparams[r, 2]
+        if n_probs < 0 or n_probs > N:
+            raise ValueError(f"row {r}: n_probs={n_probs} must be in [0, {N}] "
+                             f"(the width of out_top_ids)")
+        if n_pen < 0 or n_pen > L:
+            raise ValueError(f"row {r}: n_penalty_tokens={n_pen} must be in [0, {L}] "
+                             f"(the width of penalty_tokens)")
+    if n_rows == 0:
+        return
+
+    nt = n_threads if n_threads > 0 else openmp.omp_get_max_threads()
+    if nt > n_rows:
+        nt = <int>n_rows    # one scratch per thread: never start threads that get no row
+
+    cdef const int* pen_ptr = &penalty_tokens[0, 0] if L > 0 else _zero_i
+    cdef int* top_ids_ptr = &out_top_ids[0, 0] if N > 0 else _zero_i
+    cdef float* top_probs_ptr = &out_top_probs[0, 0] if N > 0 else _zero_f
+    cdef const float* lg = &logits[0, 0]
+    cdef const float* fp = &fparams[0, 0]
+    cdef const int* ip = &iparams[0, 0]
+    cdef int* oid = &out_ids[0]
+    cdef float* opr = &out_prob[0]
+    cdef int nv = <int>n_vocab
+    cdef int Li = <int>L
+    cdef int Ni = <int>N
+    cdef Scratch* s = NULL
+    cdef int failed = 0
+    with nogil, parallel(num_threads=nt):
+        # Per-thread scratch, once per call; rows are handed out dynamically because greedy
+        # rows cost far less than rows with a wide candidate set.
+        s = new_scratch(nv, Li)
+        for r in prange(n_rows, schedule="dynamic", chunksize=1):
+            if s == NULL:
+                failed += 1
+            else:
+                sample_row(lg + r * nv, nv, fp + r * 8, ip + r * 4, pen_ptr + r * Li, s[0],
+                           oid + r, opr + r, top_ids_ptr + r * Ni, top_probs_ptr + r * Ni, Ni)
+        free_scratch(s)
+    if failed:
+        raise MemoryError("sample_rows: could not allocate the per-thread sampling scratch")

@@ -1,0 +1,182 @@
+"""The Backend interface: one device, its buffers, tensors as views into them, and graph compute.
+
+It mirrors ggml-backend so that the scheduler and the engine never ask what kind of device they
+hold: a CPU, a CUDA device and a remote device behind RPC all answer the same calls.
+"""
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as DType
+
+if TYPE_CHECKING:
+    from ..graph.ops import Graph
+
+__all__ = ["DType", "Buffer", "Tensor", "DeviceInfo", "Backend", "Event", "nbytes_of", "NP_DTYPES"]
+
+# numpy views exist for the element types that compute touches directly; quantized types are bytes.
+NP_DTYPES: dict[DType, np.dtype] = {
+    DType.F32: np.dtype(np.float32),
+    DType.F16: np.dtype(np.float16),
+    DType.I32: np.dtype(np.int32),
+}
+
+
+def nbytes_of(dtype: DType, shape: tuple[int, ...]) -> int:
+    """Bytes of a row-major tensor of `shape`; the last dimension is the row (in blocks for quants)."""
+    block, type_size = GGML_QUANT_SIZES[dtype]
+    n = 1
+    for d in shape:
+        n *= d
+    if shape and shape[-1] % block:
+        raise ValueError(f"row of {shape[-1]} is not a whole number of {dtype.name} blocks")
+    return n // block * type_size
+
+
+_buffer_ids = itertools.count(1)
+
+
+class Buffer:
+    """A region of device memory. Backends subclass it to hold their handle."""
+
+    __slots__ = ("backend", "id", "size", "usage", "__weakref__")
+
+    def __init__(self, backend: "Backend", size: int, usage: str):
+        self.backend = backend
+        self.id = next(_buffer_ids)
+        self.size = size
+        self.usage = usage
+
+    def __repr__(self) -> str:
+        return f"<Buffer {self.id} {self.usage} {self.size} B on {self.backend.name}>"
+
+
+class Tensor:
+    """A typed, shaped view of a buffer region. `buffer` is None until the scheduler places it."""
+
+    __slots__ = ("buffer", "offset", "dtype", "shape", "name", "nbytes")
+
+    def __init__(self, dtype: DType, shape: tuple[int, ...], name: str,
+                 buffer: Optional[Buffer] = None, offset: int = 0):
+        self.dtype = dtype
+        self.shape = tuple(int(d) for d in shape)
+        self.name = name
+        self.buffer = buffer
+        self.offset = offset
+        self.nbytes = nbytes_of(dtype, self.shape)
+
+    @property
+    def backend(self) -> "Backend":
+        assert self.buffer is not None, f"tensor {self.name} is not allocated"
+        return self.buffer.backend
+
+    def view(self, shape: tuple[int, ...], name: Optional[str] = None) -> "Tensor":
+        """The same bytes under another shape (row-major reinterpretation, same element count)."""
+        t = Tensor(self.dtype, shape, name or self.name, self.buffer, self.offset)
+        if t.nbytes != self.nbytes:
+            raise ValueError(f"view {shape} of {self.name}{self.shape} changes the size")
+        return t
+
+    def __repr__(self) -> str:
+        where = f"buf{self.buffer.id}+{self.offset}" if self.buffer else "unallocated"
+        return f"<Tensor {self.name} {self.dtype.name}{list(self.shape)} {where}>"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    kind: str  # "cpu", "cuda", "rpc"
+    description: str
+    free: int
+    total: int
+
+
+class Event:
+    """A point in a backend's stream of work. CPU backends complete work at submission."""
+
+    def __init__(self, backend: "Backend"):
+        self.backend = backend
+        self.handle: Any = None
+
+
+class Backend(ABC):
+    """One device. Blocking calls complete before returning; *_async calls complete by synchronize()."""
+
+    name: str
+
+    # --- buffers -----------------------------------------------------------------------------
+    @abstractmethod
+    def alloc_buffer(self, size: int, usage: str = "compute") -> Buffer: ...
+
+    @abstractmethod
+    def free_buffer(self, buffer: Buffer) -> None: ...
+
+    @abstractmethod
+    def clear_buffer(self, buffer: Buffer, value: int = 0) -> None: ...
+
+    # --- data --------------------------------------------------------------------------------
+    @abstractmethod
+    def set_tensor(self, tensor: Tensor, data: np.ndarray, offset: int = 0) -> None:
+        """Writes the bytes of `data` into the tensor starting `offset` bytes in."""
+
+    @abstractmethod
+    def get_tensor(self, tensor: Tensor, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Reads the tensor; into `out` (a C-contiguous array of the same byte size) when given."""
+
+    def set_tensor_async(self, tensor: Tensor, data: np.ndarray, offset: int = 0) -> None:
+        self.set_tensor(tensor, data, offset)
+
+    def get_tensor_async(self, tensor: Tensor, out: np.ndarray) -> None:
+        self.get_tensor(tensor, out)
+
+    def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
+        """Copies src (on any backend) into dst (on this one) if this backend knows how; else False."""
+        return False
+
+    def cpy_tensor_from_async(self, src: Tensor, dst: Tensor) -> bool:
+        """Source-side copy, for backends built for that role; others decline."""
+        return False
+
+    # --- compute -----------------------------------------------------------------------------
+    @abstractmethod
+    def graph_compute(self, graph: "Graph") -> None:
+        """Runs a graph whose tensors all live on this backend. May return before completion."""
+
+    def synchronize(self) -> None:
+        """Waits for every queued operation."""
+
+    # --- events ------------------------------------------------------------------------------
+    def event_new(self) -> Event:
+        return Event(self)
+
+    def event_record(self, event: Event) -> None:
+        """Marks the current end of this backend's queued work."""
+
+    def event_wait(self, event: Event) -> None:
+        """Makes later work on this backend wait for `event` (recorded on any backend)."""
+        event.backend.event_synchronize(event)
+
+    def event_synchronize(self, event: Event) -> None:
+        """Blocks the host until `event` completed."""
+
+    # --- information -------------------------------------------------------------------------
+    @abstractmethod
+    def device_info(self) -> DeviceInfo: ...
+
+    def weight_dtype(self, file_dtype: DType) -> DType:
+        """The type this backend stores a weight of `file_dtype` in (it may convert at load)."""
+        return file_dtype
+
+    # --- tracing (GPU backends only) -----------------------------------------------------------
+    def trace_mark(self) -> None:
+        return None
+
+    def trace_poll(self) -> list[dict[str, Any]]:
+        return []
+
+    def close(self) -> None:
+        """Releases every resource of the backend."""

@@ -1,0 +1,175 @@
+"""Context: a KV cache on every device plus compute buffers, and decode(batch) -> logits.
+
+One context serves many sequences at once: a batch mixes tokens of any sequences, each with its
+position and whether it wants logits. Prompts are processed in micro-batches (n_ubatch); only the
+rows that asked for logits produce them, and a decode step reads back one thing: those logits.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .backend.base import DType, Tensor
+from .errors import ContextLimitError
+from .graph.llama import build_forward
+from .kv_cache import KVCache
+from .models.model import Model
+from .weights import Placement, Weights
+from .sched import Plan, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """Tokens to decode. Arrays of one length; `logits[i]` asks for the logits of token i."""
+
+    tokens: np.ndarray
+    pos: np.ndarray
+    seq_id: np.ndarray
+    logits: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int32)
+        self.pos = np.ascontiguousarray(self.pos, dtype=np.int32)
+        self.seq_id = np.ascontiguousarray(self.seq_id, dtype=np.int32)
+        self.logits = np.ascontiguousarray(self.logits, dtype=bool)
+        n = len(self.tokens)
+        if not (len(self.pos) == len(self.seq_id) == len(self.logits) == n):
+            raise ValueError("batch arrays must have one entry per token")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def for_sequence(cls, tokens: Sequence[int], start: int, seq: int = 0, all_logits: bool = False) -> "Batch":
+        """Tokens of one sequence at positions start..; logits for the last one (or all)."""
+        n = len(tokens)
+        want = np.ones(n, dtype=bool) if all_logits else np.arange(n) == n - 1
+        return cls(np.asarray(tokens), np.arange(start, start + n), np.full(n, seq), want)
+
+    @classmethod
+    def concat(cls, batches: Sequence["Batch"]) -> "Batch":
+        return cls(*(np.concatenate([getattr(b, f) for b in batches]) for f in ("tokens", "pos", "seq_id", "logits")))
+
+
+@dataclass
+class DecodeOutput:
+    logits: np.ndarray  # [n_outputs, n_vocab], a view valid until the next decode
+    rows: np.ndarray    # batch index of each logits row, in batch order
+
+
+class Context:
+    """KV cache and compute state of one pipeline group over a loaded model."""
+
+    def __init__(self, model: Model, weights: Weights, placement: Placement, n_ctx: int, n_seq_max: int = 1,
+                 n_batch: int = 2048, n_ubatch: int = 512, kv_unified: bool = False):
+        hp = model.hparams
+        if n_ubatch <= 0 or n_batch <= 0:
+            raise ValueError("batch sizes must be positive")
+        self.model = model
+        self.hparams = hp
+        self.weights = weights
+        self.placement = placement
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.n_ubatch = min(n_ubatch, n_batch)
+        self.kv = KVCache(n_ctx, n_seq_max, kv_unified)
+        self.n_seq_max = n_seq_max
+        self._kv_buffers = []
+        self.kv_tensors: list[tuple[Tensor, Tensor]] = []
+        self.kv_bytes: dict[str, int] = {}
+        row = hp.n_embd_kv * 4
+        for il in range(hp.n_layer):
+            backend = placement.backends[placement.backend_of_layer(il)]
+            size = 2 * self.kv.n_cells * row
+            buf = backend.alloc_buffer(size, usage="kv")
+            self._kv_buffers.append(buf)
+            self.kv_bytes[backend.name] = self.kv_bytes.get(backend.name, 0) + size
+            k = Tensor(DType.F32, (self.kv.n_cells, hp.n_embd_kv), f"cache_k_l{il}", buf, 0)
+            v = Tensor(DType.F32, (self.kv.n_cells, hp.n_embd_kv), f"cache_v_l{il}", buf, self.kv.n_cells * row)
+            self.kv_tensors.append((k, v))
+        self.sched = Scheduler(placement)
+        self._plans: dict[tuple[int, int], Plan] = {}
+        self._logits = np.zeros((0, hp.n_vocab), dtype=np.float32)
+        self._plan(self.n_ubatch, self.n_ubatch)  # sizes the compute buffers for the worst case
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def seq_cap(self) -> int:
+        """The most positions one sequence may hold."""
+        return self.kv.seq_cap
+
+    def _plan(self, n_tokens: int, n_outputs: int) -> Plan:
+        key = (n_tokens, n_outputs)
+        plan = self._plans.get(key)
+        if plan is None or plan.generation != self.sched.generation:
+            listed = min(n_tokens, self.n_seq_max) * self.kv.seq_cap
+            fg = build_forward(self.hparams, self.weights, self.kv_tensors, n_tokens, n_outputs, listed)
+            plan = self.sched.plan(fg)
+            if plan.generation != self.sched.generation:  # placing it grew a buffer: earlier plans are stale
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def decode(self, batch: Batch) -> DecodeOutput:
+        """Runs the batch through the model; returns the logits of the rows that asked for them."""
+        n = len(batch)
+        if n == 0:
+            raise ValueError("empty batch")
+        if n > self.n_batch:
+            raise ValueError(f"batch of {n} tokens exceeds n_batch {self.n_batch}")
+        if batch.tokens.min() < 0 or batch.tokens.max() >= self.hparams.n_vocab:
+            raise ValueError(f"token ids must lie in [0, {self.hparams.n_vocab})")
+        rows = np.flatnonzero(batch.logits)
+        if len(self._logits) < len(rows):
+            self._logits = np.zeros((max(len(rows), 1), self.hparams.n_vocab), dtype=np.float32)
+        done = 0
+        for u0 in range(0, n, self.n_ubatch):
+            u1 = min(n, u0 + self.n_ubatch)
+            done += self._decode_ubatch(batch, u0, u1, done)
+        return DecodeOutput(self._logits[:len(rows)], rows)
+
+    def _decode_ubatch(self, batch: Batch, u0: int, u1: int, out_row: int) -> int:
+        seq, pos = batch.seq_id[u0:u1], batch.pos[u0:u1]
+        want = batch.logits[u0:u1]
+        n_out = int(want.sum())
+        kv_idx = self.kv.prepare(seq, pos)
+        cells, ranges = self.kv.attention_lists(seq, pos)
+        plan = self._plan(u1 - u0, n_out)
+        values = {
+            "inp_tokens": batch.tokens[u0:u1],
+            "inp_pos": pos,
+            "inp_kv_idx": kv_idx,
+            "inp_attn_cells": cells,
+            "inp_attn_ranges": ranges,
+        }
+        if "inp_out_ids" in plan.inputs:
+            values["inp_out_ids"] = np.flatnonzero(want).astype(np.int32)
+        self.sched.compute(plan, values)
+        if n_out:
+            out = plan.output
+            out.backend.get_tensor(out, out=self._logits[out_row:out_row + n_out])
+        return n_out
+
+    # ------------------------------------------------------------------------------------------
+    def seq_rm(self, seq: int, p0: int = 0) -> None:
+        self.kv.seq_rm(seq, p0)
+
+    def clear(self) -> None:
+        self.kv.clear()
+
+    def free(self) -> None:
+        self.sched.free()
+        for buf in self._kv_buffers:
+            buf.backend.free_buffer(buf)
+        self._kv_buffers.clear()
+
+
+def check_prompt_fits(n_prompt: int, seq_cap: int) -> None:
+    if n_prompt >= seq_cap:
+        raise ContextLimitError(
+            f"the prompt is {n_prompt} tokens long but the context holds {seq_cap} (use a larger -c)")

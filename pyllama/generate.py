@@ -1,0 +1,130 @@
+"""One-shot generation from the command line, on the same engine as the server.
+
+    python -m pyllama.generate -m MODEL -p PROMPT -n N [--temp T] [--seed S] [-t THREADS] [--tokens]
+
+Prints the completion (not the prompt) as it is generated; with --tokens, the generated token ids
+on one line instead. Without -m it runs the built-in default model.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from .cli import Parser, run_main, setup_logging
+from .context import Batch, Context, check_prompt_fits
+from .engine import Engine
+from .errors import PyllamaError
+from .sampling import BatchSampler, SamplingParams, SequenceSampler
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="python -m pyllama.generate", description="Generate text from a prompt with a GGUF model.")
+    p.add_argument("-m", "--model", help="GGUF model file (default: the built-in test model)")
+    p.add_argument("-p", "--prompt", default="", help="prompt text")
+    p.add_argument("-f", "--file", help="read the prompt from this file")
+    p.add_argument("-n", "--n-predict", type=int, default=-1, help="tokens to generate, -1 = until end of text or full context")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size, 0 = the model's (at most 4096)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size for the prompt")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="micro-batch size")
+    p.add_argument("-t", "--threads", type=int, default=0, help="compute threads, 0 = all cores")
+    p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature, <= 0 = greedy")
+    p.add_argument("--top-k", type=int, default=40, help="top-k sampling, <= 0 = off")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling, 1.0 = off")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling, 0.0 = off")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repeat penalty, 1.0 = off")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalties look back at, -1 = context")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="presence penalty")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="frequency penalty")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text tokens")
+    p.add_argument("--tokens", action="store_true", help="print the generated token ids, one line, instead of text")
+    p.add_argument("-v", "--verbose", action="store_true", help="log loading and timings to stderr")
+    return p.finish()
+
+
+def generate_tokens(ctx: Context, tokenizer: Tokenizer, prompt: Sequence[int], n_predict: int,
+                    params: SamplingParams, ignore_eos: bool = False, seq: int = 0) -> Iterator[int]:
+    """Decodes the prompt, then yields sampled tokens until n_predict, end of text or a full context."""
+    check_prompt_fits(len(prompt), ctx.seq_cap)
+    sampler = SequenceSampler(params, list(prompt))
+    batch_sampler = BatchSampler(ctx.hparams.n_vocab, 1, max(params.n_probs, 1))
+    pos = 0
+    for i in range(0, len(prompt), ctx.n_batch):
+        chunk = prompt[i:i + ctx.n_batch]
+        out = ctx.decode(Batch.for_sequence(chunk, pos, seq))
+        pos += len(chunk)
+    n_done = 0
+    while n_predict < 0 or n_done < n_predict:
+        token = int(batch_sampler.sample(out.logits, [sampler]).ids[0])
+        sampler.accept(token)
+        if tokenizer.is_eog(token) and not ignore_eos:
+            return
+        yield token
+        n_done += 1
+        if pos >= ctx.seq_cap or (n_predict >= 0 and n_done >= n_predict):
+            return
+        out = ctx.decode(Batch.for_sequence([token], pos, seq))
+        pos += 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    if args.n_predict < -1:
+        raise PyllamaError(f"-n {args.n_predict}: must be -1 (unlimited) or at least 0")
+    if args.ctx_size < 0:
+        raise PyllamaError(f"-c {args.ctx_size}: must be at least 0")
+    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            seed=args.seed)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise PyllamaError(str(exc)) from None
+    prompt_text = args.prompt
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as fh:
+                prompt_text = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PyllamaError(f"{args.file}: cannot read the prompt ({exc})") from None
+    model_path = args.model
+    if not model_path:
+        from .models.default import default_model_path  # noqa: PLC0415
+        model_path = default_model_path()
+    t0 = time.perf_counter()
+    engine = Engine(model_path, n_threads=args.threads)
+    hp = engine.model.hparams
+    n_ctx = args.ctx_size or min(hp.n_ctx_train, 4096)
+    ctx = engine.new_context(n_ctx, 1, args.batch_size, args.ubatch_size)
+    t_load = time.perf_counter() - t0
+    prompt = engine.tokenizer.encode(prompt_text, add_special=True, parse_special=True)
+    if not prompt:
+        raise PyllamaError("the prompt is empty and the model adds no BOS token")
+    check_prompt_fits(len(prompt), ctx.seq_cap)
+    detok = IncrementalDetokenizer(engine.tokenizer)
+    generated: list[int] = []
+    t1 = time.perf_counter()
+    for token in generate_tokens(ctx, engine.tokenizer, prompt, args.n_predict, params, args.ignore_eos):
+        generated.append(token)
+        if not args.tokens:
+            sys.stdout.write(detok.feed(token))
+            sys.stdout.flush()
+    if args.tokens:
+        print(" ".join(map(str, generated)))
+    else:
+        sys.stdout.write(detok.flush() + "\n")
+    dt = time.perf_counter() - t1
+    if args.verbose:
+        print(f"load {t_load:.2f} s, prompt {len(prompt)} tokens, generated {len(generated)} tokens in {dt:.2f} s "
+              f"({len(generated) / dt if dt > 0 else 0:.1f} tok/s incl. prompt)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,89 @@
+"""The llama-family forward graph (llama, qwen2, qwen3) for one micro-batch.
+
+The graph is built device-agnostic: nodes carry their layer, and the scheduler decides which
+backend runs them and where the hidden state crosses devices.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..backend.base import DType, Tensor
+from ..models.hparams import HParams
+from ..weights import Weights
+from .ops import Graph, Node, Op, input_tensor, node
+
+F32, I32 = DType.F32, DType.I32
+
+INPUT_NAMES = ("inp_tokens", "inp_pos", "inp_kv_idx", "inp_attn_cells", "inp_attn_ranges", "inp_out_ids")
+OUTPUT_NAME = "result_output"
+
+
+@dataclass
+class ForwardGraph:
+    nodes: list[Node]
+    inputs: dict[str, Tensor]   # name -> unallocated input tensor (the scheduler places copies)
+    output: Tensor | None       # logits [n_outputs, n_vocab], None when no row wants logits
+    n_tokens: int
+    n_outputs: int
+
+
+def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_tokens: int, n_outputs: int,
+                  n_cells_listed: int) -> ForwardGraph:
+    """Nodes for `n_tokens` tokens of which `n_outputs` rows produce logits.
+
+    kv[il] = (k_cache, v_cache) of layer il; `n_cells_listed` bounds the attention cell list.
+    """
+    n, e = n_tokens, hp.n_embd
+    inputs = {
+        "inp_tokens": input_tensor("inp_tokens", I32, (n,)),
+        "inp_pos": input_tensor("inp_pos", I32, (n,)),
+        "inp_kv_idx": input_tensor("inp_kv_idx", I32, (n,)),
+        "inp_attn_cells": input_tensor("inp_attn_cells", I32, (max(n_cells_listed, 1),)),
+        "inp_attn_ranges": input_tensor("inp_attn_ranges", I32, (n, 2)),
+    }
+    select_rows = 0 < n_outputs < n
+    if select_rows:
+        inputs["inp_out_ids"] = input_tensor("inp_out_ids", I32, (n_outputs,))
+    nodes: list[Node] = []
+
+    def add(op: Op, shape: tuple[int, ...], name: str, *srcs, params: tuple = (), layer: int) -> Tensor:
+        out = Tensor(F32, shape, name)
+        nodes.append(node(op, out, *srcs, params=params, layer=layer))
+        return out
+
+    x = add(Op.GET_ROWS, (n, e), "inp_embd", w["token_embd"], inputs["inp_tokens"], layer=-1)
+    attn_params = (hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_rot, hp.rope_mode, hp.rope_base, hp.rope_scale,
+                   hp.rms_eps, 1.0 / math.sqrt(hp.head_dim))
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        h = add(Op.RMS_NORM, (n, e), f"attn_norm-{il}", x, w[b + "attn_norm"], params=(hp.rms_eps,), layer=il)
+        qkv = add(Op.MUL_MAT, (n, hp.n_embd_q + 2 * hp.n_embd_kv), f"qkv-{il}", h, w[b + "attn_qkv"],
+                  w.get(b + "attn_qkv_bias"), layer=il)
+        k_cache, v_cache = kv[il]
+        a = add(Op.ATTENTION, (n, hp.n_embd_q), f"kqv_out-{il}", qkv, k_cache, v_cache, inputs["inp_pos"],
+                inputs["inp_kv_idx"], inputs["inp_attn_cells"], inputs["inp_attn_ranges"],
+                w.get(b + "attn_q_norm"), w.get(b + "attn_k_norm"), params=attn_params, layer=il)
+        if il == hp.n_layer - 1:
+            if n_outputs == 0:
+                break  # the KV cache is written; nothing downstream is read
+            if select_rows:  # only rows that want logits go through the last FFN and the output layer
+                a = add(Op.GET_ROWS, (n_outputs, hp.n_embd_q), f"kqv_out_sel-{il}", a, inputs["inp_out_ids"], layer=il)
+                x = add(Op.GET_ROWS, (n_outputs, e), f"inp_sel-{il}", x, inputs["inp_out_ids"], layer=il)
+        rows = a.shape[0]
+        o = add(Op.MUL_MAT, (rows, e), f"attn_out-{il}", a, w[b + "attn_output"], layer=il)
+        x1 = add(Op.ADD, (rows, e), f"ffn_inp-{il}", o, x, layer=il)
+        h2 = add(Op.RMS_NORM, (rows, e), f"ffn_norm-{il}", x1, w[b + "ffn_norm"], params=(hp.rms_eps,), layer=il)
+        gu = add(Op.MUL_MAT, (rows, 2 * hp.n_ff), f"ffn_gate_up-{il}", h2, w[b + "ffn_gate_up"], layer=il)
+        s = add(Op.SWIGLU, (rows, hp.n_ff), f"ffn_swiglu-{il}", gu, layer=il)
+        d = add(Op.MUL_MAT, (rows, e), f"ffn_out-{il}", s, w[b + "ffn_down"], layer=il)
+        x = add(Op.ADD, (rows, e), f"l_out-{il}", d, x1, layer=il)
+    output = None
+    if n_outputs > 0:
+        hn = add(Op.RMS_NORM, (n_outputs, e), "result_norm", x, w["output_norm"], params=(hp.rms_eps,),
+                 layer=hp.n_layer)
+        output = add(Op.MUL_MAT, (n_outputs, hp.n_vocab), OUTPUT_NAME, hn, w["output"], layer=hp.n_layer)
+    return ForwardGraph(nodes, inputs, output, n_tokens, n_outputs)
+
+
+__all__ = ["ForwardGraph", "build_forward", "INPUT_NAMES", "OUTPUT_NAME", "Graph"]

@@ -1,0 +1,114 @@
+"""Host-side bookkeeping of a paged KV cache: which cells each sequence's positions occupy.
+
+The cache is a pool of fixed-size blocks of cells (as in vLLM's PagedAttention); a sequence owns
+a block table, and position p of sequence s lives in cell table[p // B] * B + p % B. The same cell
+numbering holds on every device, each of which stores the K and V rows of its own layers. Both
+policies of llama.cpp are caps on one pool: split KV gives each of P sequences C/P positions,
+unified KV lets any sequence use up to all C cells.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ContextLimitError
+
+
+class KVCache:
+    def __init__(self, n_ctx: int, n_seq_max: int, unified: bool, block_size: int = 16):
+        if n_ctx <= 0 or n_seq_max <= 0:
+            raise ValueError("context size and sequence count must be positive")
+        if not unified and n_ctx < n_seq_max:
+            raise ValueError(f"context {n_ctx} is smaller than the {n_seq_max} sequences it is split over")
+        self.n_seq_max = n_seq_max
+        self.unified = unified
+        self.block_size = block_size
+        self.seq_cap = n_ctx if unified else n_ctx // n_seq_max
+        blocks_per_seq = -(-self.seq_cap // block_size)
+        # split KV reserves every sequence's worst case so no sequence can starve another
+        self.n_blocks = -(-n_ctx // block_size) if unified else n_seq_max * blocks_per_seq
+        self.n_cells = self.n_blocks * block_size
+        self._free = list(range(self.n_blocks - 1, -1, -1))
+        self._tables: list[list[int]] = [[] for _ in range(n_seq_max)]
+        self._cells = np.zeros((n_seq_max, blocks_per_seq * block_size), dtype=np.int32)
+        self.lengths = np.zeros(n_seq_max, dtype=np.int64)
+        self._arange = np.arange(block_size, dtype=np.int32)
+
+    # ------------------------------------------------------------------------------------------
+    def seq_len(self, seq: int) -> int:
+        return int(self.lengths[seq])
+
+    @property
+    def used_cells(self) -> int:
+        return (self.n_blocks - len(self._free)) * self.block_size
+
+    def n_tokens_cached(self) -> int:
+        return int(self.lengths.sum())
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq_max:
+            raise ValueError(f"sequence id {seq} outside [0, {self.n_seq_max})")
+
+    def prepare(self, seq_ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Cells for a micro-batch's tokens, allocating blocks; all-or-nothing on failure."""
+        if seq_ids.size == 0:
+            return np.zeros(0, dtype=np.int32)
+        if seq_ids.min() < 0 or seq_ids.max() >= self.n_seq_max:
+            raise ValueError(f"sequence ids must lie in [0, {self.n_seq_max})")
+        if pos.min() < 0:
+            raise ValueError("positions must be non-negative")
+        B = self.block_size
+        plan: list[tuple[int, int, int]] = []  # (seq, new length, blocks to add)
+        need_total = 0
+        for s in np.unique(seq_ids).tolist():
+            ps = pos[seq_ids == s]
+            top = int(ps.max()) + 1
+            if top > self.seq_cap:
+                raise ContextLimitError(
+                    f"position {top - 1} of sequence {s} exceeds the per-sequence context of {self.seq_cap}")
+            cur = int(self.lengths[s])
+            new = np.unique(ps[ps >= cur])
+            if new.size and (new[0] != cur or new[-1] != cur + new.size - 1):
+                raise ValueError(f"sequence {s}: positions must continue from {cur} without gaps")
+            length = max(cur, top)
+            add = -(-length // B) - len(self._tables[s])
+            plan.append((s, length, max(add, 0)))
+            need_total += max(add, 0)
+        if need_total > len(self._free):
+            raise ContextLimitError(
+                f"KV cache is full: {need_total} more blocks of {B} cells needed, {len(self._free)} free")
+        for s, length, add in plan:
+            table = self._tables[s]
+            for _ in range(add):
+                block = self._free.pop()
+                self._cells[s, len(table) * B:(len(table) + 1) * B] = block * B + self._arange
+                table.append(block)
+            self.lengths[s] = length
+        return self._cells[seq_ids, pos]
+
+    def attention_lists(self, seq_ids: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(cells, ranges): token t attends cells[ranges[t,0] : ranges[t,0] + ranges[t,1]]."""
+        uniq, inverse = np.unique(seq_ids, return_inverse=True)
+        lens = self.lengths[uniq]
+        starts = np.zeros(len(uniq), dtype=np.int64)
+        np.cumsum(lens[:-1], out=starts[1:])
+        cells = np.concatenate([self._cells[s, :int(n)] for s, n in zip(uniq.tolist(), lens.tolist())])
+        ranges = np.empty((len(seq_ids), 2), dtype=np.int32)
+        ranges[:, 0] = starts[inverse]
+        ranges[:, 1] = pos + 1
+        return cells, ranges
+
+    def seq_rm(self, seq: int, p0: int = 0) -> None:
+        """Forgets positions p0.. of a sequence (p0 = 0 clears it) and frees its unused blocks."""
+        self._check_seq(seq)
+        p0 = max(0, p0)
+        if p0 >= self.lengths[seq]:
+            return
+        keep = -(-p0 // self.block_size)
+        table = self._tables[seq]
+        while len(table) > keep:
+            self._free.append(table.pop())
+        self.lengths[seq] = p0
+
+    def clear(self) -> None:
+        for s in range(self.n_seq_max):
+            self.seq_rm(s, 0)

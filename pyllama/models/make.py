@@ -1,0 +1,347 @@
+"""Deterministic random-weight test models, written as GGUF files that llama.cpp also loads.
+
+    python -m pyllama.models.make --preset tiny|small|medium --out PATH [--vocab VOCAB.gguf]
+        [--type f32|f16|bf16|q8_0|q4_0] [--seed N] [--arch llama|qwen2|qwen3] [--tied|--untied]
+
+The same arguments give a byte-identical file: weights come from numpy's default_rng(seed) in
+float32, tensor by tensor in a fixed order, and the file has no timestamps. Tensor names and
+metadata keys are llama.cpp's for the architecture. Weight scales keep activations and logits
+realistic at every size (final logits have a standard deviation of about 2.5):
+embeddings N(0,1) (N(0, 2.5/sqrt(n_embd)) when tied, as they are then also the output matrix);
+q/k/v/gate/up N(0, 1/sqrt(fan_in)); attn_output/ffn_down N(0, 0.5/sqrt(fan_in));
+output.weight N(0, 2.5/sqrt(n_embd)); norm weights 1 + N(0, 0.1); biases N(0, 0.1).
+1-D tensors are always F32; 2-D weights are stored in --type.
+
+Without --vocab the model gets pyllama's own byte-level BPE vocabulary (default_vocab.py);
+with it, every `tokenizer.*` key of that GGUF file is copied and n_vocab is its token count.
+
+Tensors are generated and written one at a time, so memory stays at about one tensor.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from ..errors import ModelFileError, PyllamaError
+from .default_vocab import BOS, EOS, build_default_vocab
+from .gguf_file import GGUFFile
+
+
+@dataclass(frozen=True)
+class Preset:
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int  # without --vocab
+    n_ctx: int
+    tied: bool  # output layer reuses token_embd unless asked otherwise (keeps small ~15M, medium ~100M)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(64, 2, 4, 2, 192, 512, 512, False),
+    "small": Preset(288, 6, 6, 6, 768, 32000, 2048, True),
+    "medium": Preset(768, 12, 12, 4, 2048, 32000, 4096, True),
+}
+ARCHS = ("llama", "qwen2", "qwen3")
+# --type -> (ggml type of the 2-D weights, general.file_type)
+WTYPES: dict[str, tuple[Q, LlamaFileType]] = {
+    "f32": (Q.F32, LlamaFileType.ALL_F32),
+    "f16": (Q.F16, LlamaFileType.MOSTLY_F16),
+    "bf16": (Q.BF16, LlamaFileType.MOSTLY_BF16),
+    "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+}
+ROPE_FREQ_BASE = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
+RMS_EPS = 1e-5
+QUANTIZATION_VERSION = 2
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]  # numpy (row-major) order
+    kind: str  # "normal": N(0, std); "norm": 1 + N(0, 0.1); "bias": N(0, 0.1)
+    std: float = 0.0
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.shape)
+
+
+def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = None,
+                n_vocab: int | None = None) -> list[TensorSpec]:
+    """Every tensor of a model, in file (and random generation) order. tied=None: the preset's default."""
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    tied = p.tied if tied is None else tied
+    n_vocab = p.n_vocab if n_vocab is None else n_vocab
+    e, hd, ff = p.n_embd, p.head_dim, p.n_ff
+    nq, nkv = p.n_head * hd, p.n_head_kv * hd
+
+    def w(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
+        return TensorSpec(name, (rows, cols), "normal", gain / math.sqrt(cols))
+
+    plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 2.5 / math.sqrt(e) if tied else 1.0)]
+    for i in range(p.n_layer):
+        b = f"blk.{i}."
+        plan.append(TensorSpec(b + "attn_norm.weight", (e,), "norm"))
+        plan.append(w(b + "attn_q.weight", nq, e))
+        if arch == "qwen2":
+            plan.append(TensorSpec(b + "attn_q.bias", (nq,), "bias"))
+        plan.append(w(b + "attn_k.weight", nkv, e))
+        if arch == "qwen2":
+            plan.append(TensorSpec(b + "attn_k.bias", (nkv,), "bias"))
+        plan.append(w(b + "attn_v.weight", nkv, e))
+        if arch == "qwen2":
+            plan.append(TensorSpec(b + "attn_v.bias", (nkv,), "bias"))
+        if arch == "qwen3":
+            plan.append(TensorSpec(b + "attn_q_norm.weight", (hd,), "norm"))
+            plan.append(TensorSpec(b + "attn_k_norm.weight", (hd,), "norm"))
+        plan.append(w(b + "attn_output.weight", e, nq, 0.5))
+        plan.append(TensorSpec(b + "ffn_norm.weight", (e,), "norm"))
+        plan.append(w(b + "ffn_gate.weight", ff, e))
+        plan.append(w(b + "ffn_up.weight", ff, e))
+        plan.append(w(b + "ffn_down.weight", e, ff, 0.5))
+    plan.append(TensorSpec("output_norm.weight", (e,), "norm"))
+    if not tied:
+        plan.append(TensorSpec("output.weight", (n_vocab, e), "normal", 2.5 / math.sqrt(e)))
+    return plan
+
+
+def count_parameters(preset: str, arch: str = "llama", tied: bool | None = None, n_vocab: int | None = None) -> int:
+    """Number of weights of a model, from the preset table alone (nothing is generated)."""
+    return sum(t.n_elements for t in tensor_plan(preset, arch, tied, n_vocab))
+
+
+# ---- vocabulary ------------------------------------------------------------------------------
+
+_ARRAY_TYPES = {
+    "tokenizer.ggml.scores": GGUFValueType.FLOAT32,
+    "tokenizer.ggml.token_type": GGUFValueType.INT32,
+    "tokenizer.ggml.precompiled_charsmap": GGUFValueType.UINT8,
+}
+
+
+def _gguf_type(key: str, value: Any) -> tuple[GGUFValueType, GGUFValueType | None]:
+    """The GGUF type to write a metadata value with (GGUFFile gives plain Python values)."""
+    def scalar(v: Any) -> GGUFValueType:
+        if isinstance(v, bool):
+            return GGUFValueType.BOOL
+        if isinstance(v, int):
+            if 0 <= v < 2**32:
+                return GGUFValueType.UINT32
+            return GGUFValueType.INT32 if -(2**31) <= v < 0 else GGUFValueType.INT64 if v < 0 else GGUFValueType.UINT64
+        if isinstance(v, float):
+            return GGUFValueType.FLOAT32
+        return GGUFValueType.STRING
+
+    if isinstance(value, list):
+        if key in _ARRAY_TYPES:
+            return GGUFValueType.ARRAY, _ARRAY_TYPES[key]
+        first = scalar(value[0])
+        return GGUFValueType.ARRAY, GGUFValueType.INT32 if first == GGUFValueType.UINT32 else first
+    return scalar(value), None
+
+
+def _vocab_from_file(path: str) -> tuple[list[tuple[str, Any, GGUFValueType, GGUFValueType | None]], int]:
+    """(typed tokenizer.* entries, token count) of a GGUF file; ModelFileError naming it."""
+    gf = GGUFFile(path)
+    tokens = gf.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ModelFileError(f"{path}: no vocabulary in this GGUF file (metadata key 'tokenizer.ggml.tokens' is missing)")
+    entries = []
+    for key, value in gf.metadata.items():
+        if key.startswith("tokenizer.") and not (isinstance(value, list) and not value):
+            vtype, sub = _gguf_type(key, value)
+            entries.append((key, value, vtype, sub))
+    return entries, len(tokens)
+
+
+def _default_vocab_entries(n_vocab: int) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
+    tokens, types, merges = build_default_vocab(n_vocab)
+    A, S = GGUFValueType.ARRAY, GGUFValueType.STRING
+    return [
+        ("tokenizer.ggml.model", "gpt2", S, None),
+        ("tokenizer.ggml.pre", "default", S, None),
+        ("tokenizer.ggml.tokens", tokens, A, S),
+        ("tokenizer.ggml.token_type", types, A, GGUFValueType.INT32),
+        ("tokenizer.ggml.merges", merges, A, S),
+        ("tokenizer.ggml.bos_token_id", tokens.index(BOS), GGUFValueType.UINT32, None),
+        ("tokenizer.ggml.eos_token_id", tokens.index(EOS), GGUFValueType.UINT32, None),
+        ("tokenizer.ggml.add_bos_token", True, GGUFValueType.BOOL, None),
+        ("tokenizer.ggml.add_eos_token", False, GGUFValueType.BOOL, None),
+    ]
+
+
+# ---- weights ---------------------------------------------------------------------------------
+
+def _generate(rng: np.random.Generator, spec: TensorSpec) -> np.ndarray:
+    x = rng.standard_normal(spec.shape, dtype=np.float32)
+    if spec.kind == "norm":
+        x *= np.float32(0.1)
+        x += np.float32(1.0)
+    elif spec.kind == "bias":
+        x *= np.float32(0.1)
+    else:
+        x *= np.float32(spec.std)
+    return x
+
+
+def _encode(x: np.ndarray, qtype: Q) -> np.ndarray:
+    if qtype == Q.F32:
+        return x
+    if qtype == Q.F16:
+        return x.astype(np.float16)
+    return np.ascontiguousarray(quants.quantize(x, qtype))
+
+
+def _nbytes(spec: TensorSpec, qtype: Q) -> int:
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    return spec.n_elements // block * type_size
+
+
+def _check_args(preset: str, wtype: str, seed: int, arch: str) -> None:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    if wtype not in WTYPES:
+        raise ValueError(f"unknown weight type {wtype!r} (choose from {', '.join(WTYPES)})")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r} (choose from {', '.join(ARCHS)})")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+
+
+def make_model(preset: str, out: str, vocab: str | None = None, wtype: str = "f32", seed: int = 0,
+               arch: str = "llama", tied: bool | None = None) -> str:
+    """Writes a deterministic random-weight model to `out` and returns `out`.
+
+    Raises ValueError for bad arguments, ModelFileError for an unusable --vocab file and
+    OSError when `out` cannot be written. The file appears complete or not at all.
+    """
+    _check_args(preset, wtype, seed, arch)
+    out = os.fspath(out)
+    p = PRESETS[preset]
+    qtype, ftype = WTYPES[wtype]
+    if vocab is not None:
+        vocab_entries, n_vocab = _vocab_from_file(os.fspath(vocab))
+    else:
+        n_vocab = p.n_vocab
+        vocab_entries = _default_vocab_entries(n_vocab)
+    plan = tensor_plan(p, arch, tied, n_vocab)
+    for spec in plan:
+        if len(spec.shape) == 2 and spec.shape[1] % GGML_QUANT_SIZES[qtype][0]:
+            raise ValueError(f"{spec.name}: rows of {spec.shape[1]} cannot be stored as {wtype}")
+
+    tmp = f"{out}.{os.getpid()}.{threading.get_ident()}.tmp"
+    writer = GGUFWriter(tmp, arch)  # general.architecture
+    try:
+        _add_metadata(writer, preset, p, arch, ftype, n_vocab, vocab_entries)
+        for spec in plan:
+            t = qtype if len(spec.shape) == 2 else Q.F32
+            # element shape; the dtype argument is unused when raw_dtype is given
+            writer.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), _nbytes(spec, t), raw_dtype=t)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        rng = np.random.default_rng(seed)
+        for spec in plan:
+            x = _generate(rng, spec)
+            writer.write_tensor_data(_encode(x, qtype) if len(spec.shape) == 2 else x)
+            del x
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return out
+
+
+def _add_metadata(w: GGUFWriter, preset: str, p: Preset, arch: str, ftype: LlamaFileType, n_vocab: int,
+                  vocab_entries: list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]) -> None:
+    w.add_string("general.name", f"pyllama-{preset}")
+    w.add_uint32("general.file_type", int(ftype))
+    w.add_uint32("general.quantization_version", QUANTIZATION_VERSION)
+    w.add_uint32(f"{arch}.context_length", p.n_ctx)
+    w.add_uint32(f"{arch}.embedding_length", p.n_embd)
+    w.add_uint32(f"{arch}.block_count", p.n_layer)
+    w.add_uint32(f"{arch}.feed_forward_length", p.n_ff)
+    w.add_uint32(f"{arch}.attention.head_count", p.n_head)
+    w.add_uint32(f"{arch}.attention.head_count_kv", p.n_head_kv)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", RMS_EPS)
+    if arch == "qwen3":
+        w.add_uint32(f"{arch}.attention.key_length", p.head_dim)
+        w.add_uint32(f"{arch}.attention.value_length", p.head_dim)
+    w.add_float32(f"{arch}.rope.freq_base", ROPE_FREQ_BASE[arch])
+    w.add_uint32(f"{arch}.rope.dimension_count", p.head_dim)
+    w.add_uint32(f"{arch}.vocab_size", n_vocab)
+    for key, value, vtype, sub in vocab_entries:
+        w.add_key_value(key, value, vtype, sub)
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit status 1
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid seed {text!r} (expected a non-negative integer)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"invalid seed {text!r} (expected a non-negative integer)")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _Parser(prog="python -m pyllama.models.make",
+                 description="Write a deterministic random-weight test model as a GGUF file.")
+    ap.add_argument("--preset", required=True, choices=list(PRESETS), help="model size")
+    ap.add_argument("--out", required=True, help="output GGUF path")
+    ap.add_argument("--vocab", help="copy the tokenizer.* metadata (and vocabulary size) of this GGUF file")
+    ap.add_argument("--type", dest="wtype", default="f32", choices=list(WTYPES), help="type of the 2-D weights (default f32)")
+    ap.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
+    ap.add_argument("--arch", default="llama", choices=list(ARCHS), help="architecture (default llama)")
+    tie = ap.add_mutually_exclusive_group()
+    tie.add_argument("--tied", dest="tied", action="store_true", default=None,
+                     help="no output.weight: the output layer reuses token_embd (default for small and medium)")
+    tie.add_argument("--untied", dest="tied", action="store_false", help="a separate output.weight (default for tiny)")
+    args = ap.parse_args(argv)
+    try:
+        path = make_model(args.preset, args.out, vocab=args.vocab, wtype=args.wtype, seed=args.seed,
+                          arch=args.arch, tied=args.tied)
+    except (PyllamaError, ValueError) as exc:
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"{ap.prog}: error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    n_vocab = None if args.vocab is None else GGUFFile(path).get(f"{args.arch}.vocab_size")
+    n_params = count_parameters(args.preset, args.arch, args.tied, n_vocab)
+    print(f"wrote {path}: {args.arch} {args.preset}, {n_params / 1e6:.2f}M parameters, {args.wtype}, "
+          f"{os.path.getsize(path) / 2**20:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""A llama-family model file, checked against its architecture, and its weights as the graph wants them.
+
+Weights are fused at load where that saves ops per layer (q|k|v into one matrix, gate|up into
+one), so every backend sees the same coarse graph.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ..errors import ModelFileError
+from .gguf_file import GGUFFile, TensorInfo
+from .hparams import HParams, read_hparams
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+
+def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
+    """File tensor name -> numpy shape, for every tensor the graph needs (output.weight optional)."""
+    e, q, kv = hp.n_embd, hp.n_embd_q, hp.n_embd_kv
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (hp.n_vocab, e),
+        "output_norm.weight": (e,),
+    }
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        shapes.update({
+            b + "attn_norm.weight": (e,),
+            b + "attn_q.weight": (q, e),
+            b + "attn_k.weight": (kv, e),
+            b + "attn_v.weight": (kv, e),
+            b + "attn_output.weight": (e, q),
+            b + "ffn_norm.weight": (e,),
+            b + "ffn_gate.weight": (hp.n_ff, e),
+            b + "ffn_up.weight": (hp.n_ff, e),
+            b + "ffn_down.weight": (e, hp.n_ff),
+        })
+        if hp.qkv_bias:
+            shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
+        if hp.qk_norm:
+            shapes.update({b + "attn_q_norm.weight": (hp.head_dim,), b + "attn_k_norm.weight": (hp.head_dim,)})
+    return shapes
+
+
+class Model:
+    """A GGUF model file, validated: hyper-parameters, tokenizer and the tensors the graph needs."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        self.file = GGUFFile(self.path)
+        self.hparams = read_hparams(self.file)
+        self._check_tensors()
+
+    @property
+    def tied_output(self) -> bool:
+        return "output.weight" not in self.file.tensors
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def _check_tensors(self) -> None:
+        hp = self.hparams
+        want = expected_tensors(hp)
+        if "output.weight" in self.file.tensors:
+            want["output.weight"] = (hp.n_vocab, hp.n_embd)
+        for name, shape in want.items():
+            info = self.file.tensors.get(name)
+            if info is None:
+                raise ModelFileError(f"{self.path}: missing tensor '{name}'")
+            if info.shape != shape:
+                raise ModelFileError(f"{self.path}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}")
+            if info.qtype not in SUPPORTED_TYPES:
+                raise ModelFileError(f"{self.path}: tensor '{name}' has unsupported type {info.qtype.name} "
+                                     f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")
+            if len(shape) == 1 and info.qtype != QT.F32:
+                raise ModelFileError(f"{self.path}: tensor '{name}' must be F32, is {info.qtype.name}")
+
+    def n_params(self) -> int:
+        return sum(t.n_elements for t in self.file.tensors.values())
+
+    def weight_types(self) -> dict[str, int]:
+        """Count of tensors per file type (for the load log and the benchmark report)."""
+        out: dict[str, int] = {}
+        for t in self.file.tensors.values():
+            out[t.qtype.name] = out.get(t.qtype.name, 0) + 1
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    def logical_weights(self) -> dict[str, tuple[list[str], int]]:
+        """Logical weight name -> (file tensors concatenated by rows, layer)."""
+        hp = self.hparams
+        out: dict[str, tuple[list[str], int]] = {
+            "token_embd": (["token_embd.weight"], -1),
+            "output_norm": (["output_norm.weight"], hp.n_layer),
+            "output": (["token_embd.weight" if self.tied_output else "output.weight"], hp.n_layer),
+        }
+        for i in range(hp.n_layer):
+            b = f"blk.{i}."
+            out[b + "attn_norm"] = ([b + "attn_norm.weight"], i)
+            out[b + "attn_qkv"] = ([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"], i)
+            if hp.qkv_bias:
+                out[b + "attn_qkv_bias"] = ([b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"], i)
+            if hp.qk_norm:
+                out[b + "attn_q_norm"] = ([b + "attn_q_norm.weight"], i)
+                out[b + "attn_k_norm"] = ([b + "attn_k_norm.weight"], i)
+            out[b + "attn_output"] = ([b + "attn_output.weight"], i)
+            out[b + "ffn_norm"] = ([b + "ffn_norm.weight"], i)
+            out[b + "ffn_gate_up"] = ([b + "ffn_gate.weight", b + "ffn_up.weight"], i)
+            out[b + "ffn_down"] = ([b + "ffn_down.weight"], i)
+        return out
+
+    def host_data(self, parts: list[TensorInfo], dtype: QT) -> np.ndarray:
+        """Bytes (or floats) of the concatenated parts in the type the backend stores."""
+        if dtype == QT.F32:
+            from .._fast.quant import dequantize_to_f32  # noqa: PLC0415
+            arrays = []
+            for info in parts:
+                try:
+                    arrays.append(dequantize_to_f32(info.raw, int(info.qtype), info.shape))
+                except ValueError as exc:
+                    raise ModelFileError(f"{self.path}: tensor '{info.name}': {exc}") from None
+            return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+        if any(p.qtype != dtype for p in parts):
+            raise ModelFileError(f"{self.path}: fused tensors {[p.name for p in parts]} differ in type")
+        return np.concatenate([np.asarray(p.raw) for p in parts])

@@ -1,0 +1,218 @@
+"""Splits a forward graph over backends, inserts the copies at device boundaries, places memory.
+
+Like ggml's backend scheduler it never asks what kind of device it holds: a node runs on the
+backend of its layer, consecutive nodes of one backend form a split, a tensor produced on one
+backend and read on another is copied once into the consumer's compute buffer, and every
+intermediate tensor gets an offset in its backend's compute buffer by liveness (first fit).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .backend.base import Backend, Buffer, Tensor
+from .graph.llama import ForwardGraph
+from .graph.ops import Graph, Node
+from .weights import Placement
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64
+
+
+@dataclass
+class Copy:
+    src: Tensor
+    dst: Tensor
+
+
+@dataclass
+class Split:
+    backend_index: int
+    backend: Backend
+    graph: Graph
+    copies: list[Copy] = field(default_factory=list)  # inputs from other backends, before compute
+
+
+@dataclass
+class Plan:
+    """A forward graph placed on devices, ready to run any number of times."""
+
+    splits: list[Split]
+    inputs: dict[str, list[Tensor]]  # input name -> its copy on every backend that reads it
+    output: Optional[Tensor]
+    generation: int
+    peaks: list[int]
+
+
+class _FirstFit:
+    """Offsets inside one buffer, reusing the space of tensors whose last reader has run."""
+
+    def __init__(self) -> None:
+        self.free: list[tuple[int, int]] = []  # (offset, size), sorted by offset
+        self.top = 0
+
+    def alloc(self, size: int) -> int:
+        size = -(-size // ALIGN) * ALIGN
+        for i, (off, sz) in enumerate(self.free):
+            if sz >= size:
+                if sz == size:
+                    del self.free[i]
+                else:
+                    self.free[i] = (off + size, sz - size)
+                return off
+        off = self.top
+        self.top += size
+        return off
+
+    def release(self, off: int, size: int) -> None:
+        size = -(-size // ALIGN) * ALIGN
+        self.free.append((off, size))
+        self.free.sort()
+        merged: list[tuple[int, int]] = []
+        for o, s in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + s)
+            else:
+                merged.append((o, s))
+        if merged and merged[-1][0] + merged[-1][1] == self.top:  # give the tail back
+            self.top = merged[-1][0]
+            merged.pop()
+        self.free = merged
+
+
+class Scheduler:
+    """Owns one compute buffer per backend for one context, and turns graphs into plans."""
+
+    def __init__(self, placement: Placement):
+        self.placement = placement
+        self.backends = placement.backends
+        self.buffers: list[Optional[Buffer]] = [None] * len(self.backends)
+        self.generation = 0
+
+    # ------------------------------------------------------------------------------------------
+    def plan(self, fg: ForwardGraph) -> Plan:
+        nb = len(self.backends)
+        node_backend = [self.placement.backend_of_layer(nd.layer) for nd in fg.nodes]
+        input_names = {id(t): name for name, t in fg.inputs.items()}
+        produced: dict[int, int] = {}  # id(tensor) -> backend index that produces it
+        for nd, bi in zip(fg.nodes, node_backend):
+            produced[id(nd.out)] = bi
+
+        # 1. split into runs of one backend; redirect cross-backend reads to local copies
+        splits: list[Split] = []
+        local: dict[tuple[int, int], Tensor] = {}  # (id(tensor), backend) -> tensor to read there
+        inputs: dict[str, list[Tensor]] = {}
+        for nd, bi in zip(fg.nodes, node_backend):
+            if not splits or splits[-1].backend_index != bi:
+                splits.append(Split(bi, self.backends[bi], Graph([])))
+            split = splits[-1]
+            new_srcs = []
+            for src in nd.srcs:
+                key = (id(src), bi)
+                if key in local:
+                    new_srcs.append(local[key])
+                elif id(src) in input_names:
+                    copy = Tensor(src.dtype, src.shape, src.name)
+                    inputs.setdefault(input_names[id(src)], []).append(copy)
+                    local[key] = copy
+                    new_srcs.append(copy)
+                elif id(src) in produced and produced[id(src)] != bi:
+                    copy = Tensor(src.dtype, src.shape, src.name)
+                    split.copies.append(Copy(src, copy))
+                    local[key] = copy
+                    new_srcs.append(copy)
+                else:
+                    if src.buffer is not None and src.buffer.backend is not self.backends[bi]:
+                        raise RuntimeError(f"{src.name} lives on {src.buffer.backend.name}, read on {self.backends[bi].name}")
+                    new_srcs.append(src)
+            nd.srcs = tuple(new_srcs)
+            split.graph.nodes.append(nd)
+
+        # 2. lifetimes in execution order: a copy is read at its split's start
+        order: list[tuple[int, Tensor, list[int]]] = []  # (backend, tensor, [step of each read])
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        tensors: dict[int, tuple[int, Tensor]] = {}
+        step = 0
+        for split in splits:
+            for c in split.copies:
+                last[id(c.src)] = step
+                first.setdefault(id(c.dst), step)
+                tensors[id(c.dst)] = (split.backend_index, c.dst)
+                step += 1
+            for nd in split.graph.nodes:
+                for src in nd.srcs:
+                    last[id(src)] = step
+                    if src.buffer is None and id(src) not in tensors:  # an input copy
+                        tensors[id(src)] = (split.backend_index, src)
+                        first[id(src)] = -1
+                first.setdefault(id(nd.out), step)
+                tensors[id(nd.out)] = (split.backend_index, nd.out)
+                step += 1
+        if fg.output is not None:
+            last[id(fg.output)] = step + 1  # read back after compute
+
+        # 3. first-fit placement per backend
+        allocs = [_FirstFit() for _ in range(nb)]
+        peaks = [0] * nb
+        events: list[tuple[int, int, int]] = []  # (step, kind 0=alloc 1=free, id)
+        for tid in tensors:
+            events.append((first[tid], 0, tid))
+            events.append((last.get(tid, first[tid]), 1, tid))
+        # At one step allocations come before frees, so a node never writes over its own inputs.
+        events.sort(key=lambda e: (e[0], e[1]))
+        offsets: dict[int, int] = {}
+        for _, kind, tid in events:
+            bi, t = tensors[tid]
+            if kind == 0:
+                offsets[tid] = allocs[bi].alloc(t.nbytes)
+                peaks[bi] = max(peaks[bi], allocs[bi].top)
+            else:
+                allocs[bi].release(offsets[tid], t.nbytes)
+
+        self._ensure_buffers(peaks)
+        for tid, (bi, t) in tensors.items():
+            t.buffer = self.buffers[bi]
+            t.offset = offsets[tid]
+        return Plan(splits, inputs, fg.output, self.generation, peaks)
+
+    def _ensure_buffers(self, peaks: list[int]) -> None:
+        grown = False
+        for bi, peak in enumerate(peaks):
+            buf = self.buffers[bi]
+            if peak == 0 or (buf is not None and buf.size >= peak):
+                continue
+            if buf is not None:
+                self.backends[bi].free_buffer(buf)
+            self.buffers[bi] = self.backends[bi].alloc_buffer(peak, usage="compute")
+            grown = True
+            log.debug("compute buffer on %s: %.1f MiB", self.backends[bi].name, peak / 2**20)
+        if grown:
+            self.generation += 1
+
+    def compute_buffer_bytes(self) -> dict[str, int]:
+        return {b.name: (buf.size if buf else 0) for b, buf in zip(self.backends, self.buffers)}
+
+    # ------------------------------------------------------------------------------------------
+    def compute(self, plan: Plan, values: dict[str, np.ndarray]) -> None:
+        """Sets the inputs, runs every split in order with its copies, leaves the output on its device."""
+        for name, copies in plan.inputs.items():
+            data = values[name]
+            for t in copies:
+                t.backend.set_tensor(t, data)
+        for split in plan.splits:
+            for c in split.copies:
+                dst_backend = split.backend
+                if not dst_backend.cpy_tensor_async(c.src, c.dst):
+                    dst_backend.set_tensor(c.dst, c.src.backend.get_tensor(c.src))
+            split.backend.graph_compute(split.graph)
+
+    def free(self) -> None:
+        for bi, buf in enumerate(self.buffers):
+            if buf is not None:
+                self.backends[bi].free_buffer(buf)
+                self.buffers[bi] = None

@@ -1,0 +1,112 @@
+"""Weights on devices: which backend holds each layer, and the upload of the model's weights there."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .backend.base import Backend, Buffer, DType, Tensor, nbytes_of
+from .models.model import Model
+from .models.gguf_file import TensorInfo
+
+log = logging.getLogger(__name__)
+
+
+def layer_of(name: str, n_layer: int) -> int:
+    """-1 for the embedding, n_layer for the output layer, else the block index."""
+    if name.startswith("blk."):
+        return int(name.split(".")[1])
+    return -1 if name.startswith("token_embd") else n_layer
+
+
+@dataclass
+class Placement:
+    """Which backend holds each layer. The output layer sits on the last backend."""
+
+    backends: list[Backend]
+    layer_backend: list[int]  # per block index
+
+    @property
+    def output_backend(self) -> int:
+        return len(self.backends) - 1
+
+    def backend_of_layer(self, layer: int) -> int:
+        if layer < 0:
+            return self.layer_backend[0] if self.layer_backend else self.output_backend
+        if layer >= len(self.layer_backend):
+            return self.output_backend
+        return self.layer_backend[layer]
+
+
+def split_layers(n_layer: int, proportions: Sequence[float]) -> list[int]:
+    """Layer -> device index, contiguous ranges in device order, sized by `proportions`."""
+    total = float(sum(proportions))
+    if total <= 0 or any(p < 0 for p in proportions):
+        raise ValueError("tensor split proportions must be non-negative and not all zero")
+    cum, bounds = 0.0, []
+    for p in proportions:
+        cum += p / total
+        bounds.append(round(cum * n_layer))
+    out, dev = [], 0
+    for i in range(n_layer):
+        while i >= bounds[dev]:
+            dev += 1
+        out.append(dev)
+    return out
+
+
+@dataclass
+class Weights:
+    """The model's weights on their devices, by logical name (fused where fused)."""
+
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    buffers: list[Buffer] = field(default_factory=list)
+    bytes_per_backend: dict[str, int] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    def get(self, name: str) -> Optional[Tensor]:
+        return self.tensors.get(name)
+
+    def free(self) -> None:
+        for buf in self.buffers:
+            buf.backend.free_buffer(buf)
+        self.buffers.clear()
+        self.tensors.clear()
+
+
+def load_weights(model: Model, placement: Placement) -> Weights:
+    """Uploads every logical weight to the backend of its layer, one buffer per backend."""
+    hp = model.hparams
+    plan: list[tuple[str, list[TensorInfo], int, DType, tuple[int, ...]]] = []
+    sizes = [0] * len(placement.backends)
+    for lname, (fnames, layer) in model.logical_weights().items():
+        infos = [model.file.tensors[f] for f in fnames]
+        bi = placement.backend_of_layer(layer)
+        dtype = placement.backends[bi].weight_dtype(infos[0].qtype)
+        rows = sum(i.shape[0] for i in infos)
+        shape = (rows,) + infos[0].shape[1:] if len(infos[0].shape) > 1 else (sum(i.shape[0] for i in infos),)
+        plan.append((lname, infos, bi, dtype, shape))
+        sizes[bi] += _aligned(nbytes_of(dtype, shape))
+    weights = Weights()
+    buffers = []
+    for bi, backend in enumerate(placement.backends):
+        buf = backend.alloc_buffer(max(sizes[bi], 1), usage="weights")
+        buffers.append(buf)
+        weights.buffers.append(buf)
+        weights.bytes_per_backend[backend.name] = sizes[bi]
+    offsets = [0] * len(placement.backends)
+    for lname, infos, bi, dtype, shape in plan:
+        t = Tensor(dtype, shape, lname, buffers[bi], offsets[bi])
+        offsets[bi] += _aligned(t.nbytes)
+        data = model.host_data(infos, dtype)
+        placement.backends[bi].set_tensor(t, data)
+        weights.tensors[lname] = t
+    log.info("loaded %s: %s, %d layers, weights %s", model.name, hp.arch, hp.n_layer,
+             ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in weights.bytes_per_backend.items()))
+    return weights
+
+
+def _aligned(n: int, align: int = 64) -> int:
+    return -(-n // align) * align

@@ -1,0 +1,123 @@
+"""The forward pass against an independent float64 reference, and the engine's invariants:
+batched decode equals decoding alone, a layer split equals one device, micro-batches equal one batch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyllama.backend.cpu import CPUBackend
+from pyllama.context import Batch, Context
+from pyllama.engine import Engine
+from pyllama.models.model import Model
+from pyllama.weights import Placement, load_weights, split_layers
+from reference_forward import reference_logits
+
+PROMPTS = [
+    [256, 10, 20, 30, 40, 50, 60, 70],
+    [256, 300, 301, 302],
+    [256, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
+    [256, 400, 9],
+]
+
+
+def make_context(path: str, n_backends: int = 1, n_ctx: int = 256, n_seq: int = 4, n_ubatch: int = 64,
+                 kv_unified: bool = False) -> Context:
+    model = Model(path)
+    backends = [CPUBackend(1, f"CPU{i}") for i in range(n_backends)]
+    placement = Placement(backends, split_layers(model.hparams.n_layer, [1] * n_backends))
+    return Context(model, load_weights(model, placement), placement, n_ctx, n_seq, 256, n_ubatch, kv_unified)
+
+
+def greedy_run(ctx: Context, prompts: list[list[int]], n_gen: int, seqs: list[int]) -> list[list[int]]:
+    """Decodes the prompts together in one batch, then n_gen greedy steps for all of them together."""
+    batch = Batch.concat([Batch.for_sequence(p, 0, s) for p, s in zip(prompts, seqs)])
+    out = ctx.decode(batch)
+    pos = [len(p) for p in prompts]
+    result: list[list[int]] = [[] for _ in prompts]
+    for _ in range(n_gen):
+        ids = out.logits.argmax(axis=1)
+        for i, t in enumerate(ids.tolist()):
+            result[i].append(t)
+        out = ctx.decode(Batch(ids, pos, seqs, np.ones(len(ids), bool)))
+        pos = [p + 1 for p in pos]
+    return result
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("wtype", ["f32", "f16", "q8_0"])
+def test_logits_match_float64_reference(model_factory, arch, wtype):
+    path = model_factory("tiny", arch=arch, wtype=wtype)
+    tokens = PROMPTS[0] + PROMPTS[2]
+    ref = reference_logits(path, tokens)
+    ctx = make_context(path)
+    got = ctx.decode(Batch.for_sequence(tokens, 0, 0, all_logits=True)).logits.astype(np.float64)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    assert rel < 1e-4, f"relative error {rel:.2e}"
+    assert ref.std(axis=1).min() > 0.5  # the model is not degenerate, so the comparison means something
+
+
+def test_logits_match_reference_incrementally(tiny_model):
+    """The KV cache path: one token at a time gives the same logits as the reference's full pass."""
+    tokens = PROMPTS[2]
+    ref = reference_logits(tiny_model, tokens)
+    ctx = make_context(tiny_model)
+    rows = [ctx.decode(Batch.for_sequence([t], i, 1)).logits[0].astype(np.float64) for i, t in enumerate(tokens)]
+    rel = np.abs(np.array(rows) - ref).max() / np.abs(ref).max()
+    assert rel < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_batched_greedy_equals_alone(model_factory, arch):
+    path = model_factory("tiny", arch=arch)
+    together = greedy_run(make_context(path), PROMPTS, 12, [0, 1, 2, 3])
+    for i, prompt in enumerate(PROMPTS):
+        alone = greedy_run(make_context(path), [prompt], 12, [i])
+        assert alone[0] == together[i], f"sequence {i}"
+    assert len({tuple(r) for r in together}) > 1  # different prompts, different continuations
+
+
+def test_layer_split_equals_one_device(tiny_model):
+    one = greedy_run(make_context(tiny_model), PROMPTS, 10, [0, 1, 2, 3])
+    two = greedy_run(make_context(tiny_model, n_backends=2), PROMPTS, 10, [0, 1, 2, 3])
+    assert one == two
+    ctx = make_context(tiny_model, n_backends=2)
+    plan = ctx._plan(4, 4)
+    assert [s.backend.name for s in plan.splits] == ["CPU0", "CPU1"]
+    assert [c.dst.name for c in plan.splits[1].copies] == ["l_out-0"]  # the hidden state crosses once
+
+
+def test_micro_batches_equal_one_batch(tiny_model):
+    tokens = PROMPTS[2] + PROMPTS[0]
+    whole = make_context(tiny_model, n_ubatch=64).decode(Batch.for_sequence(tokens, 0, 0, all_logits=True)).logits
+    small = make_context(tiny_model, n_ubatch=3).decode(Batch.for_sequence(tokens, 0, 0, all_logits=True)).logits
+    np.testing.assert_allclose(small, whole, rtol=0, atol=1e-5)
+    assert (small.argmax(1) == whole.argmax(1)).all()
+
+
+def test_only_requested_rows_produce_logits(tiny_model):
+    ctx = make_context(tiny_model)
+    want = np.array([False, True, False, False, True, False, False, True])
+    out = ctx.decode(Batch(PROMPTS[0], range(8), [0] * 8, want))
+    assert out.logits.shape == (3, ctx.hparams.n_vocab)
+    assert out.rows.tolist() == [1, 4, 7]
+    full = make_context(tiny_model).decode(Batch.for_sequence(PROMPTS[0], 0, 0, all_logits=True)).logits
+    np.testing.assert_allclose(out.logits, full[[1, 4, 7]], atol=1e-5)
+
+
+def test_sequence_removal_and_reuse(tiny_model):
+    ctx = make_context(tiny_model)
+    first = ctx.decode(Batch.for_sequence(PROMPTS[0], 0, 0)).logits.copy()
+    ctx.seq_rm(0, 3)  # keep the first 3 positions, as a cached prompt prefix
+    again = ctx.decode(Batch.for_sequence(PROMPTS[0][3:], 3, 0)).logits
+    np.testing.assert_allclose(again, first, atol=1e-5)
+    ctx.seq_rm(0)
+    assert ctx.kv.seq_len(0) == 0 and ctx.kv.used_cells == 0
+
+
+def test_engine_loads_and_makes_contexts(tiny_model):
+    engine = Engine(tiny_model, n_threads=1)
+    ctx = engine.new_context(128, 2)
+    assert ctx.seq_cap == 64
+    ids = engine.tokenizer.encode("hello world")
+    assert ctx.decode(Batch.for_sequence(ids, 0, 1)).logits.shape == (1, engine.model.hparams.n_vocab)
+    engine.close()

@@ -1,0 +1,73 @@
+"""Paged KV cache bookkeeping: split and unified caps, all-or-nothing allocation, removal."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyllama.errors import ContextLimitError
+from pyllama.kv_cache import KVCache
+
+
+def put(kv: KVCache, seq: int, start: int, n: int) -> np.ndarray:
+    return kv.prepare(np.full(n, seq, np.int32), np.arange(start, start + n, dtype=np.int32))
+
+
+def test_split_kv_gives_each_sequence_its_share():
+    kv = KVCache(n_ctx=128, n_seq_max=4, unified=False, block_size=16)
+    assert kv.seq_cap == 32
+    for s in range(4):
+        put(kv, s, 0, 32)  # every sequence can reach its cap even when all are full
+    with pytest.raises(ContextLimitError, match="per-sequence context of 32"):
+        put(kv, 0, 32, 1)
+
+
+def test_unified_kv_lets_one_sequence_use_everything():
+    kv = KVCache(n_ctx=128, n_seq_max=4, unified=True, block_size=16)
+    assert kv.seq_cap == 128
+    cells = put(kv, 2, 0, 128)
+    assert sorted(cells.tolist()) == list(range(128))
+    with pytest.raises(ContextLimitError, match="KV cache is full"):
+        put(kv, 0, 0, 1)
+
+
+def test_failed_prepare_allocates_nothing():
+    kv = KVCache(n_ctx=64, n_seq_max=2, unified=True, block_size=16)
+    put(kv, 0, 0, 40)
+    free_before = kv.n_blocks - kv.used_cells // 16
+    with pytest.raises(ContextLimitError):
+        kv.prepare(np.array([1] * 30, np.int32), np.arange(30, dtype=np.int32))
+    assert kv.n_blocks - kv.used_cells // 16 == free_before
+    assert kv.seq_len(1) == 0
+
+
+def test_positions_must_be_contiguous():
+    kv = KVCache(n_ctx=64, n_seq_max=1, unified=False)
+    put(kv, 0, 0, 4)
+    with pytest.raises(ValueError, match="without gaps"):
+        put(kv, 0, 6, 1)
+    put(kv, 0, 2, 3)  # rewriting cached positions and extending by one is fine
+    assert kv.seq_len(0) == 5
+
+
+def test_attention_lists_cover_each_prefix():
+    kv = KVCache(n_ctx=64, n_seq_max=2, unified=True, block_size=4)
+    put(kv, 0, 0, 6)
+    seqs = np.array([1, 1, 0], np.int32)
+    pos = np.array([0, 1, 6], np.int32)
+    idx = kv.prepare(seqs, pos)
+    cells, ranges = kv.attention_lists(seqs, pos)
+    for t in range(3):
+        listed = cells[ranges[t, 0]:ranges[t, 0] + ranges[t, 1]]
+        assert len(listed) == pos[t] + 1
+        assert listed[-1] == idx[t]
+
+
+def test_removal_frees_blocks():
+    kv = KVCache(n_ctx=64, n_seq_max=2, unified=True, block_size=16)
+    put(kv, 0, 0, 40)
+    kv.seq_rm(0, 20)
+    assert kv.seq_len(0) == 20 and kv.used_cells == 32
+    kv.seq_rm(0)
+    assert kv.used_cells == 0
+    with pytest.raises(ValueError):
+        kv.seq_rm(5)

@@ -1,0 +1,319 @@
+"""pyllama.models.make (deterministic test models), its default vocabulary, and the float64
+reference forward pass of tests/reference_forward.py run on the models it writes."""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from pyllama.models.default_vocab import build_default_vocab, bytes_to_unicode
+from pyllama.models.gguf_file import GGUFFile
+from pyllama.models.make import PRESETS, WTYPES, count_parameters, make_model
+from reference_forward import reference_logits
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB_DIR = Path(__file__).resolve().parent / "data" / "vocab"
+SPM_VOCAB = VOCAB_DIR / "ggml-vocab-llama-spm.gguf"
+GPT2_VOCAB = VOCAB_DIR / "ggml-vocab-gpt-2.gguf"
+
+
+def sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def expected_params(preset: str, arch: str = "llama", tied: bool | None = None, n_vocab: int | None = None) -> int:
+    """Parameter count straight from the preset table (independent of make.tensor_plan)."""
+    p = PRESETS[preset]
+    tied = p.tied if tied is None else tied
+    e, hd, v = p.n_embd, p.n_embd // p.n_head, n_vocab or p.n_vocab
+    nq, nkv = p.n_head * hd, p.n_head_kv * hd
+    layer = 2 * e + 2 * e * nq + 2 * e * nkv + 3 * e * p.n_ff  # 2 norms, q+o, k+v, gate+up+down
+    if arch == "qwen2":
+        layer += nq + 2 * nkv  # biases
+    if arch == "qwen3":
+        layer += 2 * hd  # q/k norms
+    return v * e * (1 if tied else 2) + e + p.n_layer * layer
+
+
+# ---- determinism ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [{}, {"wtype": "q4_0", "arch": "qwen3"}, {"wtype": "bf16", "arch": "qwen2", "tied": True}])
+def test_same_arguments_same_bytes(tmp_path, kw):
+    a = make_model("tiny", str(tmp_path / "a.gguf"), **kw)
+    b = make_model("tiny", str(tmp_path / "b.gguf"), **kw)
+    assert sha256(a) == sha256(b)
+    c = make_model("tiny", str(tmp_path / "c.gguf"), seed=1, **kw)
+    assert sha256(c) != sha256(a)
+    assert os.path.getsize(c) == os.path.getsize(a)
+    assert sorted(os.listdir(tmp_path)) == ["a.gguf", "b.gguf", "c.gguf"]  # no temporary left over
+
+
+def test_returns_path_and_accepts_any_name(tmp_path):
+    out = str(tmp_path / "model.gguf.part")
+    assert make_model("tiny", out) == out
+    assert GGUFFile(out).get("general.name") == "pyllama-tiny"
+
+
+# ---- sizes ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset,kw", [("tiny", {}), ("tiny", {"arch": "qwen2"}), ("tiny", {"arch": "qwen3", "tied": True}),
+                                       ("small", {"wtype": "q4_0"})])
+def test_parameter_count_of_written_model(tmp_path, preset, kw):
+    path = make_model(preset, str(tmp_path / "m.gguf"), **kw)
+    n = sum(t.n_elements for t in GGUFFile(path).tensors.values())
+    assert n == expected_params(preset, kw.get("arch", "llama"), kw.get("tied"))
+    assert n == count_parameters(preset, kw.get("arch", "llama"), kw.get("tied"))
+
+
+def test_parameter_counts_from_table():
+    assert count_parameters("tiny") == expected_params("tiny") == 164_160
+    # small and medium tie their output layer by default: ~15M (llama2.c's stories15M shape) and ~100M
+    assert count_parameters("small") == expected_params("small") == 15_191_712
+    assert count_parameters("small", tied=False) == expected_params("small", tied=False) == 24_407_712
+    assert count_parameters("medium") == expected_params("medium") == 100_092_672
+    assert count_parameters("medium", tied=False) == 124_668_672
+    for arch in ("qwen2", "qwen3"):
+        assert count_parameters("medium", arch) == expected_params("medium", arch)
+
+
+# ---- file contents ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("wtype", list(WTYPES))
+def test_loads_with_both_readers(model_factory, arch, wtype):
+    path = model_factory("tiny", arch=arch, wtype=wtype)
+    p = PRESETS["tiny"]
+    hd = p.n_embd // p.n_head
+    gf = GGUFFile(path)
+    md = gf.metadata
+    assert md["general.architecture"] == arch
+    assert md["general.name"] == "pyllama-tiny"
+    assert md["general.file_type"] == int(WTYPES[wtype][1])
+    expect = {"context_length": 512, "embedding_length": 64, "block_count": 2, "feed_forward_length": 192,
+              "attention.head_count": 4, "attention.head_count_kv": 2, "rope.dimension_count": hd, "vocab_size": 512}
+    for key, value in expect.items():
+        assert md[f"{arch}.{key}"] == value, key
+    assert md[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    assert md[f"{arch}.rope.freq_base"] == (10000.0 if arch == "llama" else 1e6)
+    if arch == "qwen3":
+        assert md["qwen3.attention.key_length"] == md["qwen3.attention.value_length"] == hd
+    assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.ggml.pre"] == "default"
+    assert len(md["tokenizer.ggml.tokens"]) == 512
+    assert md["tokenizer.ggml.bos_token_id"] == 256 and md["tokenizer.ggml.eos_token_id"] == 257
+    assert md["tokenizer.ggml.add_bos_token"] is True and md["tokenizer.ggml.add_eos_token"] is False
+
+    t = gf.tensors
+    wq = WTYPES[wtype][0]
+    assert t["token_embd.weight"].shape == (512, 64) and t["token_embd.weight"].qtype == wq
+    assert t["output.weight"].shape == (512, 64) and t["output.weight"].qtype == wq
+    assert t["output_norm.weight"].shape == (64,) and t["output_norm.weight"].qtype == Q.F32
+    assert t["blk.1.attn_q.weight"].shape == (64, 64)
+    assert t["blk.1.attn_k.weight"].shape == t["blk.1.attn_v.weight"].shape == (2 * hd, 64)
+    assert t["blk.1.attn_output.weight"].shape == (64, 64)
+    assert t["blk.1.ffn_gate.weight"].shape == t["blk.1.ffn_up.weight"].shape == (192, 64)
+    assert t["blk.1.ffn_down.weight"].shape == (64, 192)
+    assert ("blk.0.attn_q.bias" in t) == (arch == "qwen2")
+    assert ("blk.0.attn_k_norm.weight" in t) == (arch == "qwen3")
+    for info in t.values():
+        assert info.qtype == (wq if len(info.shape) == 2 else Q.F32), info.name
+    if arch == "qwen2":
+        assert t["blk.0.attn_k.bias"].shape == (2 * hd,)
+    if arch == "qwen3":
+        assert t["blk.0.attn_q_norm.weight"].shape == (hd,)
+
+    reader = GGUFReader(path)
+    assert {x.name for x in reader.tensors} == set(t)
+    for x in reader.tensors:
+        assert tuple(int(d) for d in reversed(x.shape)) == t[x.name].shape
+        assert x.tensor_type == t[x.name].qtype
+    assert reader.fields["general.architecture"].contents() == arch
+
+
+def test_tied_has_no_output_weight(model_factory):
+    gf = GGUFFile(model_factory("tiny", tied=True))
+    assert "output.weight" not in gf.tensors
+    emb = gf.tensors["token_embd.weight"].raw.view(np.float32)
+    assert abs(float(emb.std()) - 2.5 / 8) < 0.02  # N(0, 2.5/sqrt(n_embd)) as it is the output matrix too
+
+
+def test_weight_scales(model_factory):
+    gf = GGUFFile(model_factory("tiny"))
+
+    def std(name):
+        return float(gf.tensors[name].raw.view(np.float32).std())
+
+    assert std("token_embd.weight") == pytest.approx(1.0, rel=0.02)
+    assert std("output.weight") == pytest.approx(2.5 / 8, rel=0.02)
+    assert std("blk.0.attn_q.weight") == pytest.approx(1 / 8, rel=0.05)
+    assert std("blk.0.ffn_down.weight") == pytest.approx(0.5 / np.sqrt(192), rel=0.05)
+    norm = gf.tensors["blk.0.attn_norm.weight"].raw.view(np.float32)
+    assert abs(float(norm.mean()) - 1) < 0.05 and 0.05 < float(norm.std()) < 0.15
+
+
+@pytest.mark.parametrize("vocab", [SPM_VOCAB, GPT2_VOCAB], ids=["llama-spm", "gpt-2"])
+def test_vocab_is_copied(tmp_path, vocab):
+    path = make_model("tiny", str(tmp_path / "m.gguf"), vocab=str(vocab), wtype="q8_0")
+    src, dst = GGUFFile(str(vocab)).metadata, GGUFFile(path).metadata
+    src_tok = {k: v for k, v in src.items() if k.startswith("tokenizer.")}
+    dst_tok = {k: v for k, v in dst.items() if k.startswith("tokenizer.")}
+    assert dst_tok == src_tok
+    n_vocab = len(src["tokenizer.ggml.tokens"])
+    assert dst["llama.vocab_size"] == n_vocab
+    assert GGUFFile(path).tensors["token_embd.weight"].shape == (n_vocab, 64)
+    if vocab == SPM_VOCAB:  # value types are kept too
+        a, b = GGUFReader(str(vocab)).fields, GGUFReader(path).fields
+        for key in src_tok:
+            assert a[key].types == b[key].types, key
+
+
+# ---- the default vocabulary -------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_vocab", [258, 512, 32000])
+def test_default_vocab_structure(n_vocab):
+    tokens, types, merges = build_default_vocab(n_vocab)
+    assert len(tokens) == len(types) == n_vocab and len(merges) == n_vocab - 258
+    assert len(set(tokens)) == n_vocab
+    b2u = bytes_to_unicode()
+    assert tokens[:256] == [b2u[b] for b in range(256)] and types[:256] == [1] * 256
+    assert tokens[256:258] == ["<s>", "</s>"] and types[256:258] == [3, 3]
+    index = {t: i for i, t in enumerate(tokens)}
+    for rank, merge in enumerate(merges):
+        a, b = merge.split(" ")
+        new = 258 + rank
+        assert tokens[new] == a + b and types[new] == 1
+        assert index[a] < new and index[b] < new and a not in ("<s>", "</s>") and b not in ("<s>", "</s>")
+    assert build_default_vocab(n_vocab) == (tokens, types, merges)
+
+
+def test_default_vocab_rejects_too_small():
+    with pytest.raises(ValueError, match="258"):
+        build_default_vocab(100)
+
+
+def _hf_tokenizer(n_vocab):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tokens, _, merges = build_default_vocab(n_vocab)
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges])
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+ENGLISH = ("Once upon a time, there was a little girl named Lily. She liked to play in the garden with "
+           "her friends. The quick brown fox jumps over the lazy dog; it was the best of times.")
+OTHER = ["naïve café — “quotes”, 日本語のテキスト, emoji 🙂👍🏽, Ελληνικά, русский\n\n\ttab  two spaces",
+         "x = [1, 2, 3]\nprint(x[-1] ** 2)  # 9\n", "\x00\x01 control \x7f bytes", ""]
+
+
+@pytest.mark.parametrize("n_vocab", [512, 32000])
+def test_default_vocab_round_trips_with_hf_tokenizers(n_vocab):
+    tok = _hf_tokenizer(n_vocab)
+    for text in [ENGLISH] + OTHER:
+        enc = tok.encode(text)
+        assert tok.decode(enc.ids) == text
+    ids = tok.encode(ENGLISH).ids
+    n_bytes = len(ENGLISH.encode())
+    # English becomes multi-character tokens: >= 1.5 bytes per token with 512, >= 3 with 32000
+    assert n_bytes / len(ids) >= (1.5 if n_vocab == 512 else 3.0)
+    if n_vocab == 32000:
+        pieces = tok.encode(ENGLISH).tokens
+        for word in ("Ġthe", "Ġlittle", "Ġgirl", "Ġplay", "Ġgarden", "Ġfriends", "Ġquick", "Ġbrown"):
+            assert word in pieces
+
+
+# ---- reference forward on the generated models -----------------------------------------------
+
+TOKENS = [256, 84, 104, 101, 300, 400, 32, 50, 511, 260, 1, 2]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("wtype", ["f32", "f16", "q8_0"])
+def test_reference_logits_are_realistic(model_factory, arch, wtype):
+    logits = reference_logits(model_factory("tiny", arch=arch, wtype=wtype), TOKENS)
+    assert logits.shape == (len(TOKENS), 512) and logits.dtype == np.float64
+    assert np.isfinite(logits).all()
+    std = logits.std(axis=1)
+    assert ((std > 1) & (std < 6)).all(), std
+    assert not np.allclose(logits, logits[0]), "all rows equal"
+    assert len(set(logits.argmax(axis=1).tolist())) > 1
+
+
+def test_reference_logits_tied_and_quantized_are_close(model_factory):
+    tied = reference_logits(model_factory("tiny", tied=True), TOKENS)
+    assert np.isfinite(tied).all() and ((tied.std(axis=1) > 1) & (tied.std(axis=1) < 6)).all()
+    f32 = reference_logits(model_factory("tiny"), TOKENS)
+    q8 = reference_logits(model_factory("tiny", wtype="q8_0"), TOKENS)
+    assert np.abs(q8 - f32).max() < 0.1  # same weights, 8-bit rounding only
+
+
+def test_reference_is_causal(model_factory):
+    path = model_factory("tiny", arch="qwen2")
+    full = reference_logits(path, TOKENS)
+    prefix = reference_logits(path, TOKENS[:5])
+    np.testing.assert_allclose(prefix, full[:5], rtol=1e-12, atol=1e-12)
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "pyllama.models.make", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=120)
+
+
+def test_cli_writes_a_model(tmp_path):
+    out = tmp_path / "m.gguf"
+    r = run_cli("--preset", "tiny", "--out", str(out), "--type", "q4_0", "--arch", "qwen3", "--seed", "3", "--tied")
+    assert r.returncode == 0, r.stderr
+    assert sha256(str(out)) == sha256(make_model("tiny", str(tmp_path / "api.gguf"), wtype="q4_0", arch="qwen3",
+                                                   seed=3, tied=True))
+
+
+def _one_line_error(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+def test_cli_errors(tmp_path):
+    out = str(tmp_path / "m.gguf")
+    assert "preset" in _one_line_error(run_cli("--preset", "huge", "--out", out))
+    assert "--out" in _one_line_error(run_cli("--preset", "tiny"))
+    assert "seed" in _one_line_error(run_cli("--preset", "tiny", "--out", out, "--seed", "-1"))
+    assert "type" in _one_line_error(run_cli("--preset", "tiny", "--out", out, "--type", "q5_k"))
+    missing = str(tmp_path / "nope.gguf")
+    assert missing in _one_line_error(run_cli("--preset", "tiny", "--out", out, "--vocab", missing))
+    text = tmp_path / "vocab.txt"
+    text.write_text("this is not a GGUF file, just some text that is long enough\n")
+    assert str(text) in _one_line_error(run_cli("--preset", "tiny", "--out", out, "--vocab", str(text)))
+    no_tokens = tmp_path / "no_tokens.gguf"
+    w = GGUFWriter(str(no_tokens), "llama")
+    w.add_key_value("general.name", "x", GGUFValueType.STRING)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    line = _one_line_error(run_cli("--preset", "tiny", "--out", out, "--vocab", str(no_tokens)))
+    assert str(no_tokens) in line and "tokenizer.ggml.tokens" in line
+    bad_dir = str(tmp_path / "no" / "such" / "dir" / "m.gguf")
+    assert bad_dir in _one_line_error(run_cli("--preset", "tiny", "--out", bad_dir))
+    assert not os.path.exists(out)
+
+
+def test_api_errors(tmp_path):
+    out = str(tmp_path / "m.gguf")
+    for kw in ({"preset": "huge"}, {"wtype": "q6_k"}, {"arch": "gpt2"}, {"seed": -1}):
+        args = {"preset": "tiny", **kw}
+        with pytest.raises(ValueError):
+            make_model(args.pop("preset"), out, **args)
+    assert not os.path.exists(out)

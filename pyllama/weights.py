@@ -80,10 +80,17 @@ def load_weights(model: Model, placement: Placement) -> Weights:
     """Uploads every logical weight to the backend of its layer, one buffer per backend."""
     hp = model.hparams
     plan: list[tuple[str, list[TensorInfo], int, DType, tuple[int, ...]]] = []
+    aliases: dict[str, str] = {}  # a tied output matrix on its embedding's device is stored once
+    first_of: dict[tuple[tuple[str, ...], int], str] = {}
     sizes = [0] * len(placement.backends)
     for lname, (fnames, layer) in model.logical_weights().items():
         infos = [model.file.tensors[f] for f in fnames]
         bi = placement.backend_of_layer(layer)
+        key = (tuple(fnames), bi)
+        if key in first_of:
+            aliases[lname] = first_of[key]
+            continue
+        first_of[key] = lname
         dtype = placement.backends[bi].weight_dtype(infos[0].qtype)
         rows = sum(i.shape[0] for i in infos)
         shape = (rows,) + infos[0].shape[1:] if len(infos[0].shape) > 1 else (sum(i.shape[0] for i in infos),)
@@ -103,6 +110,8 @@ def load_weights(model: Model, placement: Placement) -> Weights:
         data = model.host_data(infos, dtype)
         placement.backends[bi].set_tensor(t, data)
         weights.tensors[lname] = t
+    for lname, target in aliases.items():
+        weights.tensors[lname] = weights.tensors[target]
     log.info("loaded %s: %s, %d layers, weights %s", model.name, hp.arch, hp.n_layer,
              ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in weights.bytes_per_backend.items()))
     return weights

@@ -121,3 +121,21 @@ def test_engine_loads_and_makes_contexts(tiny_model):
     ids = engine.tokenizer.encode("hello world")
     assert ctx.decode(Batch.for_sequence(ids, 0, 1)).logits.shape == (1, engine.model.hparams.n_vocab)
     engine.close()
+
+
+def test_tied_output_is_stored_once_per_device(model_factory):
+    path = model_factory("tiny", tied=True)
+    model = Model(path)
+    one = Placement([CPUBackend(1)], split_layers(model.hparams.n_layer, [1]))
+    w1 = load_weights(model, one)
+    assert w1["output"] is w1["token_embd"]
+    two = Placement([CPUBackend(1, "CPU0"), CPUBackend(1, "CPU1")], split_layers(model.hparams.n_layer, [1, 1]))
+    w2 = load_weights(model, two)  # the output layer sits on the other device: it needs its own copy
+    assert w2["output"].backend is not w2["token_embd"].backend
+    emb = model.hparams.n_vocab * model.hparams.n_embd * 4
+    assert sum(w2.bytes_per_backend.values()) - sum(w1.bytes_per_backend.values()) >= emb
+    ref = reference_logits(path, PROMPTS[0])
+    for placement in (one, two):
+        ctx = Context(model, load_weights(model, placement), placement, 64, 1)
+        got = ctx.decode(Batch.for_sequence(PROMPTS[0], 0, 0, all_logits=True)).logits
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
 from .base import KEY_MERGES, KEY_PRE, Tokenizer
+from ..models.default_vocab import bytes_to_unicode  # GPT-2's byte map, shared with the test vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +43,6 @@ PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     "codeshell": _STARCODER, "exaone": _STARCODER, "minerva-7b": _STARCODER,
     "falcon": ((r"[\p{P}\$\+<=>\^~\|`]+", GPT2_REGEX, r"[0-9][0-9][0-9]"), False, False),
 }
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 BYTE_ENCODER = bytes_to_unicode()

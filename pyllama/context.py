@@ -156,8 +156,13 @@ class Context:
         return n_out
 
     # ------------------------------------------------------------------------------------------
-    def seq_rm(self, seq: int, p0: int = 0) -> None:
-        self.kv.seq_rm(seq, p0)
+    def seq_rm(self, seq: int, p0: int = 0) -> int:
+        """Forgets positions p0.. of a sequence; returns the length actually kept (see KVCache.seq_rm)."""
+        return self.kv.seq_rm(seq, p0)
+
+    def seq_share(self, src: int, dst: int, n_pos: int) -> int:
+        """dst starts with src's first positions (whole blocks, shared); returns how many."""
+        return self.kv.seq_share(src, dst, n_pos)
 
     def clear(self) -> None:
         self.kv.clear()

@@ -28,6 +28,7 @@ class KVCache:
         self.n_blocks = -(-n_ctx // block_size) if unified else n_seq_max * blocks_per_seq
         self.n_cells = self.n_blocks * block_size
         self._free = list(range(self.n_blocks - 1, -1, -1))
+        self._refs = np.zeros(self.n_blocks, dtype=np.int32)  # sequences whose table holds each block
         self._tables: list[list[int]] = [[] for _ in range(n_seq_max)]
         self._cells = np.zeros((n_seq_max, blocks_per_seq * block_size), dtype=np.int32)
         self.lengths = np.zeros(n_seq_max, dtype=np.int64)
@@ -66,6 +67,9 @@ class KVCache:
                 raise ContextLimitError(
                     f"position {top - 1} of sequence {s} exceeds the per-sequence context of {self.seq_cap}")
             cur = int(self.lengths[s])
+            old = ps[ps < cur]
+            if old.size and (self._refs[np.asarray(self._tables[s])[old // B]] > 1).any():
+                raise ValueError(f"sequence {s}: positions shared with another sequence cannot be rewritten")
             new = np.unique(ps[ps >= cur])
             if new.size and (new[0] != cur or new[-1] != cur + new.size - 1):
                 raise ValueError(f"sequence {s}: positions must continue from {cur} without gaps")
@@ -80,6 +84,7 @@ class KVCache:
             table = self._tables[s]
             for _ in range(add):
                 block = self._free.pop()
+                self._refs[block] = 1
                 self._cells[s, len(table) * B:(len(table) + 1) * B] = block * B + self._arange
                 table.append(block)
             self.lengths[s] = length
@@ -97,17 +102,44 @@ class KVCache:
         ranges[:, 1] = pos + 1
         return cells, ranges
 
-    def seq_rm(self, seq: int, p0: int = 0) -> None:
-        """Forgets positions p0.. of a sequence (p0 = 0 clears it) and frees its unused blocks."""
+    def seq_rm(self, seq: int, p0: int = 0) -> int:
+        """Forgets positions p0.. of a sequence (p0 = 0 clears it); returns the length kept.
+
+        A block shared with another sequence is never written again, so when p0 falls inside
+        a shared block the whole block goes and the kept length is rounded down to its start.
+        """
         self._check_seq(seq)
-        p0 = max(0, p0)
-        if p0 >= self.lengths[seq]:
-            return
-        keep = -(-p0 // self.block_size)
+        p0 = max(0, min(p0, int(self.lengths[seq])))
         table = self._tables[seq]
+        keep = -(-p0 // self.block_size)
+        if p0 % self.block_size and self._refs[table[p0 // self.block_size]] > 1:
+            keep = p0 // self.block_size
+            p0 = keep * self.block_size
         while len(table) > keep:
-            self._free.append(table.pop())
+            self._release(table.pop())
         self.lengths[seq] = p0
+        return p0
+
+    def seq_share(self, src: int, dst: int, n_pos: int) -> int:
+        """Makes dst (emptied first) begin with src's first n_pos positions without copying data:
+        the whole blocks among them are shared. Returns how many positions dst now holds (a
+        multiple of the block size); the caller computes the rest itself."""
+        self._check_seq(src)
+        self._check_seq(dst)
+        self.seq_rm(dst, 0)
+        n_blocks = min(max(0, n_pos), int(self.lengths[src])) // self.block_size
+        B = self.block_size
+        for i, block in enumerate(self._tables[src][:n_blocks]):
+            self._refs[block] += 1
+            self._tables[dst].append(block)
+            self._cells[dst, i * B:(i + 1) * B] = self._cells[src, i * B:(i + 1) * B]
+        self.lengths[dst] = n_blocks * B
+        return n_blocks * B
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free.append(block)
 
     def clear(self) -> None:
         for s in range(self.n_seq_max):

@@ -71,3 +71,22 @@ def test_removal_frees_blocks():
     assert kv.used_cells == 0
     with pytest.raises(ValueError):
         kv.seq_rm(5)
+
+
+def test_shared_prefix_blocks_are_counted_once_and_never_rewritten():
+    kv = KVCache(n_ctx=128, n_seq_max=3, unified=True, block_size=16)
+    put(kv, 0, 0, 40)
+    assert kv.seq_share(0, 1, 39) == 32  # whole blocks only
+    assert kv.used_cells == 48
+    cells0, _ = kv.attention_lists(np.array([0], np.int32), np.array([31], np.int32))
+    cells1, _ = kv.attention_lists(np.array([1], np.int32), np.array([31], np.int32))
+    assert cells0.tolist()[:32] == cells1.tolist()[:32]
+    new = put(kv, 1, 32, 8)  # the child's own continuation goes to a fresh block
+    assert not set(new.tolist()) & set(kv.prepare(np.array([0], np.int32), np.array([39], np.int32)).tolist())
+    with pytest.raises(ValueError, match="shared"):
+        put(kv, 1, 5, 1)
+    assert kv.seq_rm(1, 20) == 16  # truncating inside a shared block drops the whole block
+    kv.seq_rm(0)
+    assert kv.used_cells == 16  # the block still referenced by sequence 1 stays
+    kv.seq_rm(1)
+    assert kv.used_cells == 0

@@ -1,0 +1,165 @@
+"""python -m pyllama.server: the HTTP server (llama-server's API and the OpenAI-compatible API).
+
+The event loop starts listening at once (/health answers 503 while the model loads), the model
+loads on a worker thread, then the task thread and one decode thread per group start. SIGINT and
+SIGTERM shut down gracefully: in-flight requests finish or are cancelled, every socket closes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Optional, Sequence
+
+from ..cli import Parser, run_main, setup_logging
+from ..engine import Engine
+from ..errors import PyllamaError
+from .api import Api, ServerState
+from .chat import ChatTemplate
+from .group import PipelineGroup
+from .http import HTTPServer, install_uvloop
+from .router import Router
+from .slot import Slot
+
+log = logging.getLogger("pyllama.server")
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="python -m pyllama.server",
+               description="Serve a GGUF model over HTTP with llama-server's API and the OpenAI-compatible API.")
+    p.add_argument("-m", "--model", help="GGUF model file (default: the built-in test model)")
+    p.add_argument("-a", "--alias", help="model name reported by the API (default: the file name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (0 = any free port)")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, help="total context size, 0 = the model's")
+    p.add_argument("-np", "--parallel", type=int, default=1, help="number of slots (sequences decoded together)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, help="tokens per decode step at most")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="micro-batch size")
+    p.add_argument("-t", "--threads", type=int, default=0, help="compute threads, 0 = all cores")
+    p.add_argument("--kv-unified", action="store_true",
+                   help="one KV pool for all slots (a request may use the whole context) instead of C/P per slot")
+    p.add_argument("-n", "--n-predict", type=int, default=-1, help="default tokens to generate per request, -1 = until done")
+    p.add_argument("--slot-prompt-similarity", type=float, default=0.5,
+                   help="reuse a slot whose cached prompt covers more than this share of the new prompt")
+    p.add_argument("--chat-template", help="Jinja2 chat template overriding the model's (or 'chatml')")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds an idle keep-alive connection stays open")
+    p.add_argument("--max-body", type=int, default=16 << 20, help="largest accepted request body in bytes")
+    p.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
+    p.add_argument("-v", "--verbose", action="store_true", help="log more")
+    return p.finish()
+
+
+def check_args(args) -> None:
+    if args.parallel < 1:
+        raise PyllamaError(f"--parallel {args.parallel}: must be at least 1")
+    if args.ctx_size < 0:
+        raise PyllamaError(f"--ctx-size {args.ctx_size}: must be at least 0")
+    if args.n_predict < -1:
+        raise PyllamaError(f"--n-predict {args.n_predict}: must be -1 (unlimited) or at least 0")
+    if args.batch_size < 1 or args.ubatch_size < 1:
+        raise PyllamaError("--batch-size and --ubatch-size must be at least 1")
+    if not 0.0 <= args.slot_prompt_similarity <= 1.0:
+        raise PyllamaError("--slot-prompt-similarity must lie between 0 and 1")
+    if not 0 <= args.port <= 65535:
+        raise PyllamaError(f"--port {args.port}: not a port number")
+
+
+def load(state: ServerState) -> None:
+    """Loads the model and starts the threads (runs on a worker thread)."""
+    args = state.args
+    path = args.model
+    if not path:
+        from ..models.default import default_model_path  # noqa: PLC0415
+        path = default_model_path()
+    engine = Engine(path, n_threads=args.threads)
+    hp = engine.model.hparams
+    n_ctx = args.ctx_size or hp.n_ctx_train
+    if not args.kv_unified and n_ctx < args.parallel:
+        raise PyllamaError(f"--ctx-size {n_ctx} is smaller than --parallel {args.parallel}")
+    ctx = engine.new_context(n_ctx, args.parallel, args.batch_size, args.ubatch_size, args.kv_unified)
+    slots = [Slot(i, 0, i, ctx.seq_cap, engine.tokenizer) for i in range(args.parallel)]
+    group = PipelineGroup(0, ctx, slots, engine.tokenizer, state.metrics, on_free=lambda s: None,
+                          n_threads=1)
+    state.groups = [group]
+    state.slots_per_group = len(slots)
+    state.n_ctx_slot = ctx.seq_cap
+    tmpl = args.chat_template
+    source = None if tmpl in (None, "chatml") else tmpl
+    if tmpl is None:
+        source = engine.model.file.get("tokenizer.chat_template")
+    tok = engine.tokenizer
+    state.chat = ChatTemplate(source, bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                              eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
+    state.model_path = path
+    state.model_alias = args.alias or os.path.basename(path)
+    router = Router(state.groups, args.slot_prompt_similarity)
+    group.start()
+    router.start()
+    kv_mib = sum(ctx.kv_bytes.values()) / 2**20
+    log.warning("model %s loaded: %d slots, %d positions per request (%s KV), KV %.1f MiB, weights %.1f MiB",
+                state.model_alias, args.parallel, ctx.seq_cap, "unified" if args.kv_unified else "split",
+                kv_mib, sum(engine.weights.bytes_per_backend.values()) / 2**20)
+    state.router = router
+    state.engine = engine
+
+
+async def serve(args) -> int:
+    state = ServerState(args)
+    api = Api(state)
+    server = HTTPServer(api.routes(), max_body=args.max_body, keepalive_timeout=args.timeout)
+    try:
+        port = await server.start(args.host, args.port)
+    except OSError as exc:
+        raise PyllamaError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s: the server has no authentication; anyone who reaches it can use it", args.host)
+    log.warning("listening on http://%s:%d", args.host, port)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loader = loop.run_in_executor(None, load, state)
+    code = 0
+    try:
+        stopper = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if loader in done:
+            exc = loader.exception()
+            if exc is not None:
+                state.load_error = str(exc)
+                if isinstance(exc, PyllamaError):
+                    print(f"error: {exc}", file=sys.stderr)
+                else:
+                    log.error("loading failed", exc_info=exc)
+                    print(f"error: loading failed: {exc}", file=sys.stderr)
+                code = 1
+            else:
+                await stopper
+        else:
+            await asyncio.wait({loader})  # loading cannot be interrupted half-way; let it finish
+    finally:
+        log.warning("shutting down")
+        await server.shutdown(grace=5.0)
+        if state.router is not None:
+            state.router.stop()
+        for g in state.groups:
+            g.stop()
+        if state.engine is not None:
+            state.engine.close()
+    return code
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    if not args.verbose:
+        logging.getLogger("pyllama").setLevel(logging.WARNING)
+    check_args(args)
+    install_uvloop()
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,268 @@
+"""Chat templates: OpenAI chat messages -> the prompt text a model was trained on.
+
+A GGUF model carries its chat template as Jinja2 source in ``tokenizer.chat_template`` (the
+Hugging Face convention). It is rendered here the way Hugging Face ``transformers`` renders it
+(``apply_chat_template``): a sandboxed, immutable Jinja2 environment with ``trim_blocks`` and
+``lstrip_blocks``, the globals ``raise_exception`` and ``strftime_now``, a ``tojson`` filter that
+keeps non-ASCII text as is, the ``loopcontrols`` extension and the ``{% generation %}`` block tag.
+A model without a template, or with one that does not compile, gets ChatML, as llama-server does.
+
+Everything that goes wrong with a request's messages or while rendering raises
+:class:`ChatTemplateError`, which the HTTP layer answers with a 400.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.exceptions import SecurityError
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CHATML_TEMPLATE", "ChatTemplate", "ChatTemplateError", "validate_messages"]
+
+# llama.cpp's CHATML_TEMPLATE_SRC (common/chat.cpp), the template llama-server uses for a model
+# that has none.
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "  {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "  {{- '<|im_start|>assistant\\n' -}}\n"
+    "{%- endif -%}"
+)
+
+_IMAGE_PART_TYPES = frozenset({"image_url", "image", "input_image"})
+_AUDIO_PART_TYPES = frozenset({"input_audio", "audio"})
+
+
+class ChatTemplateError(ValueError):
+    """Bad chat messages, or a chat template that fails to render them (HTTP 400)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Jinja2 environment
+
+
+def _raise_exception(message: Any = "") -> None:
+    raise ChatTemplateError(str(message))
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, indent: int | str | None = None, ensure_ascii: bool = False,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    """HF's ``tojson``: plain ``json.dumps`` with ``ensure_ascii=False`` and no HTML escaping.
+
+    Templates call it with keywords (``x | tojson(indent=4)``), which behaves exactly as in HF;
+    a positional argument is taken as ``indent``, as Jinja2's own ``tojson`` does.
+    """
+    if isinstance(separators, list):
+        separators = tuple(separators)
+    return json.dumps(value, ensure_ascii=bool(ensure_ascii), indent=indent,
+                      separators=separators, sort_keys=bool(sort_keys))
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):  # type: ignore[no-untyped-def]
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):  # type: ignore[no-untyped-def]
+        return caller()
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """An immutable sandbox in which touching an unsafe attribute fails at once.
+
+    The stock sandbox returns an undefined value that prints as an empty string, so
+    ``{{ ''.__class__ }}`` would silently render nothing; here it is an error.
+    """
+
+    def unsafe_undefined(self, obj: Any, attribute: str):  # type: ignore[override]
+        raise SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+
+def _make_environment() -> jinja2.Environment:
+    env = _Sandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        extensions=["jinja2.ext.loopcontrols", _GenerationTag],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages
+
+
+def _join_content(where: str, content: list) -> str:
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise ChatTemplateError(f"{at}: a content part must be an object, got {_kind(part)}")
+        ptype = part.get("type")
+        if not isinstance(ptype, str):
+            raise ChatTemplateError(f"{at}: 'type' must be a string")
+        if ptype == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ChatTemplateError(f"{at}: 'text' must be a string")
+            texts.append(text)
+        elif ptype in _IMAGE_PART_TYPES:
+            raise ChatTemplateError(f"{at}: this model does not support images")
+        elif ptype in _AUDIO_PART_TYPES:
+            raise ChatTemplateError(f"{at}: this model does not support audio")
+        else:
+            raise ChatTemplateError(f"{at}: unsupported content part type {ptype!r}")
+    # llama.cpp joins the text parts of a message with newlines for text-only templates
+    return "\n".join(texts)
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def validate_messages(messages: Any) -> list[dict]:
+    """Check OpenAI chat messages and return copies ready for a template.
+
+    Each message is an object with a non-empty string ``role`` and a ``content`` that is a
+    string, an array of content parts or null (null or absent only for ``assistant`` messages,
+    which may carry ``tool_calls`` instead). Text parts are joined with newlines; image and audio
+    parts are refused, since this server runs text-only models. A null content becomes ``""``.
+    Other fields (``name``, ``tool_calls``, ``tool_call_id``, ...) are passed to the template
+    unchanged. The input is not modified.
+    """
+    if not isinstance(messages, list):
+        raise ChatTemplateError(f"'messages' must be an array, got {_kind(messages)}")
+    if not messages:
+        raise ChatTemplateError("'messages' must contain at least one message")
+    out: list[dict] = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise ChatTemplateError(f"{where}: a message must be an object, got {_kind(msg)}")
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            if "role" not in msg:
+                raise ChatTemplateError(f"{where}: missing 'role'")
+            raise ChatTemplateError(f"{where}: 'role' must be a non-empty string")
+        content = msg.get("content")
+        if isinstance(content, str):
+            pass
+        elif isinstance(content, list):
+            content = _join_content(where, content)
+        elif content is None:
+            if role != "assistant":
+                raise ChatTemplateError(
+                    f"{where}: 'content' is required for a {role!r} message")
+            content = ""
+        else:
+            raise ChatTemplateError(
+                f"{where}: 'content' must be a string or an array of content parts, "
+                f"got {_kind(content)}")
+        tool_calls = msg.get("tool_calls")
+        if tool_calls is not None and not (
+                isinstance(tool_calls, list) and all(isinstance(c, dict) for c in tool_calls)):
+            raise ChatTemplateError(f"{where}: 'tool_calls' must be an array of objects")
+        copy = dict(msg)
+        copy["content"] = content
+        out.append(copy)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Template
+
+
+class ChatTemplate:
+    """A compiled chat template; :meth:`render` is safe to call from several threads."""
+
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "",
+                 name: str | None = None) -> None:
+        self.name = name
+        self.bos_token = bos_token or ""
+        self.eos_token = eos_token or ""
+        self._env = _make_environment()
+        if isinstance(source, (bytes, bytearray)):
+            source = bytes(source).decode("utf-8", errors="replace")
+        self.is_fallback = True
+        self._source = CHATML_TEMPLATE
+        if source is not None and not isinstance(source, str):
+            log.warning("chat template%s is not text (%s); using the ChatML fallback",
+                        self._label(), type(source).__name__)
+        elif source and source.strip():
+            try:
+                self._template = self._env.from_string(source)
+            except Exception as e:  # TemplateSyntaxError, TemplateAssertionError, ...
+                log.warning("chat template%s does not compile (%s); using the ChatML fallback",
+                            self._label(), _describe(e))
+            else:
+                self._source = source
+                self.is_fallback = False
+        if self.is_fallback:
+            self._template = self._env.from_string(CHATML_TEMPLATE)
+
+    def _label(self) -> str:
+        return f" of {self.name}" if self.name else ""
+
+    @property
+    def source(self) -> str:
+        """The template text in use (the ChatML fallback when the model's was missing or bad)."""
+        return self._source
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list | None = None, **kwargs: Any) -> str:
+        """Render validated ``messages`` (see :func:`validate_messages`) to prompt text.
+
+        ``kwargs`` become extra template variables (e.g. ``enable_thinking``, ``date_string``)
+        and may override ``bos_token`` / ``eos_token``. Any failure, including a template's own
+        ``raise_exception`` and sandbox violations, raises :class:`ChatTemplateError`.
+        """
+        context: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        context.update(kwargs)
+        context["messages"] = messages
+        context["add_generation_prompt"] = bool(add_generation_prompt)
+        context["tools"] = tools
+        try:
+            return self._template.render(context)
+        except ChatTemplateError:
+            raise
+        except RecursionError as e:
+            raise ChatTemplateError("chat template error: recursion too deep") from e
+        except Exception as e:
+            raise ChatTemplateError(f"chat template error: {_describe(e)}") from e
+
+    def __repr__(self) -> str:
+        kind = "ChatML fallback" if self.is_fallback else f"{len(self._source)} chars"
+        return f"ChatTemplate({self.name or 'unnamed'}, {kind})"
+
+
+def _describe(e: BaseException) -> str:
+    msg = str(e)
+    lineno = getattr(e, "lineno", None)
+    if lineno:
+        msg = f"line {lineno}: {msg}"
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__

@@ -1,0 +1,212 @@
+"""A pipeline group: one context, its slots, and the decode thread that runs them.
+
+The loop is continuous batching: each iteration takes newly assigned tasks, builds one batch of
+every generating slot's next token plus prompt chunks up to n_batch, decodes it, samples every
+output row in one kernel call, and publishes the step's events in one hand-off to the event loop.
+The task thread never touches the context: it hands tasks over through `submit` and hears of
+freed slots through `on_free`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..context import Batch, Context
+from ..sampling import BatchSampler
+from ..tokenizer import Tokenizer
+from .metrics import Metrics
+from .slot import Slot, SlotState, common_prefix, token_probs
+from .task import CompletionTask, ErrorEvent, EventSink, FinalEvent
+
+log = logging.getLogger(__name__)
+
+MAX_PROBS = 20
+
+
+class PipelineGroup:
+    def __init__(self, index: int, ctx: Context, slots: list[Slot], tokenizer: Tokenizer, metrics: Metrics,
+                 on_free: Callable[[Slot], None], n_threads: int = 1):
+        self.index = index
+        self.ctx = ctx
+        self.slots = slots
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.on_free = on_free
+        self.lock = threading.Lock()
+        self._wake = threading.Condition(self.lock)
+        self._inbox: deque[list[tuple[Slot, CompletionTask]]] = deque()
+        self._running = True
+        self.sampler = BatchSampler(ctx.hparams.n_vocab, max(len(slots), 1), MAX_PROBS, n_threads=n_threads)
+        self.sink = EventSink()
+        self.fault: Optional[str] = None
+        self.thread = threading.Thread(target=self._run, name=f"decode-{index}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._running = False
+            self._wake.notify()
+        self.thread.join(timeout=30)
+
+    def submit(self, placements: list[tuple[Slot, CompletionTask]]) -> None:
+        """Hands tasks to this group (from the task thread); n > 1 choices come as one list."""
+        with self._wake:
+            self._inbox.append(placements)
+            self._wake.notify()
+
+    def n_busy(self) -> int:
+        return sum(1 for s in self.slots if s.busy)
+
+    # ------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while self._running and not self._inbox and not any(s.busy for s in self.slots):
+                    self._wake.wait()
+                if not self._running:
+                    break
+                try:
+                    self._iteration()
+                except Exception as exc:  # a failed step fails its requests, never the thread
+                    log.exception("decode step failed in group %d", self.index)
+                    self._fail_all(f"decode failed: {exc}")
+            self.sink.flush()
+        for slot in self.slots:  # shutting down: whatever still runs ends as cancelled
+            if slot.busy:
+                self._finish(slot, None)
+        self.sink.flush()
+
+    def _iteration(self) -> None:
+        while self._inbox:
+            self._place(self._inbox.popleft())
+        for slot in self.slots:
+            if slot.busy and slot.task is not None and slot.task.cancelled.is_set():
+                self._finish(slot, None)
+        batch, rows = self._build_batch()
+        if batch is None:
+            return
+        out = self.ctx.decode(batch)
+        self.metrics.on_decode(sum(1 for s in self.slots if s.busy))
+        self._after_decode(out.logits, rows)
+
+    def _place(self, placements: list[tuple[Slot, CompletionTask]]) -> None:
+        parent: Optional[Slot] = None
+        for slot, task in placements:
+            if parent is None:
+                n_keep = 0
+                if task.cache_prompt:
+                    n_keep = min(common_prefix(slot.cache_tokens, task.prompt), len(task.prompt) - 1)
+                n_keep = self.ctx.seq_rm(slot.seq, n_keep)
+                slot.start(task, n_keep)
+                parent = slot
+            else:
+                self.ctx.seq_rm(slot.seq, 0)
+                slot.start(task, 0, parent=parent)
+
+    def _build_batch(self) -> tuple[Optional[Batch], list[Slot]]:
+        """Next tokens of generating slots first, then prompt chunks within n_batch."""
+        tokens: list[int] = []
+        pos: list[int] = []
+        seqs: list[int] = []
+        want: list[bool] = []
+        rows: list[Slot] = []
+        for slot in self.slots:
+            slot.n_pending = 0
+            if slot.state is SlotState.GENERATING:
+                tokens.append(slot.next_token)
+                pos.append(slot.n_past)
+                seqs.append(slot.seq)
+                want.append(True)
+                rows.append(slot)
+        budget = self.ctx.n_batch - len(tokens)
+        for slot in self.slots:
+            if slot.state is not SlotState.PROMPT or budget <= 0:
+                continue
+            chunk = slot.prompt[slot.i_prompt:slot.i_prompt + budget]
+            start = slot.n_past
+            tokens.extend(chunk)
+            pos.extend(range(start, start + len(chunk)))
+            seqs.extend([slot.seq] * len(chunk))
+            slot.n_pending = len(chunk)
+            last = slot.i_prompt + len(chunk) == len(slot.prompt)
+            want.extend([False] * (len(chunk) - 1) + [last])
+            if last:
+                rows.append(slot)
+            budget -= len(chunk)
+        if not tokens:
+            return None, []
+        # rows must follow batch order: decode rows come first, prompt rows in slot order after
+        return Batch(np.asarray(tokens), np.asarray(pos), np.asarray(seqs), np.asarray(want)), rows
+
+    def _release_children(self, parent: Slot) -> None:
+        """Choices waiting on `parent` start: sharing its prompt's whole cache blocks when the
+        prompt is complete, else (the parent went away early) computing the prompt themselves."""
+        for slot in self.slots:
+            if slot.state is not SlotState.WAIT_PARENT or slot.parent is not parent:
+                continue
+            n = 0
+            if parent.i_prompt == len(parent.prompt):
+                n = self.ctx.seq_share(parent.seq, slot.seq, len(slot.prompt) - 1)
+            slot.i_prompt = slot.n_cached = n
+            slot.cache_tokens = slot.prompt[:n]
+            slot.parent = None
+            slot.state = SlotState.PROMPT
+
+    def _after_decode(self, logits: np.ndarray, rows: list[Slot]) -> None:
+        # the batch's tokens are now in the cache
+        for slot in self.slots:
+            if slot.state is SlotState.GENERATING:
+                slot.cache_tokens.append(slot.next_token)
+            elif slot.state is SlotState.PROMPT and slot.n_pending:
+                slot.cache_tokens.extend(slot.prompt[slot.i_prompt:slot.i_prompt + slot.n_pending])
+                slot.i_prompt += slot.n_pending
+        if not rows:
+            return
+        samplers = [slot.sampler for slot in rows]
+        res = self.sampler.sample(logits, samplers)
+        ids, probs, top_ids, top_probs = res.ids.tolist(), res.probs, res.top_ids, res.top_probs
+        for i, slot in enumerate(rows):
+            task = slot.task
+            assert task is not None
+            if slot.state is SlotState.PROMPT:
+                slot.state = SlotState.GENERATING
+                self.metrics.on_prompt(len(slot.prompt) - slot.n_cached, time.perf_counter() - slot.t_start)
+                self._release_children(slot)
+            p = None
+            if task.n_probs > 0:
+                p = token_probs(self.tokenizer, ids[i], float(probs[i]), top_ids[i], top_probs[i], task.n_probs)
+            event, final = slot.accept(ids[i], p)
+            if event is not None:
+                self.sink.put(task, event)
+            if final is not None:
+                self._finish(slot, final)
+
+    def _finish(self, slot: Slot, final: Optional[FinalEvent]) -> None:
+        task = slot.task
+        if task is not None and final is not None:
+            self.sink.put(task, final)
+            self.metrics.on_prediction(final.n_predicted, final.predicted_ms / 1e3)
+        # keep the cache consistent with what the slot remembers (a cancelled prompt may be partial)
+        n = self.ctx.seq_rm(slot.seq, slot.n_past)
+        del slot.cache_tokens[n:]
+        slot.release()
+        self._release_children(slot)
+        self.on_free(slot)
+
+    def _fail_all(self, message: str) -> None:
+        self.fault = message
+        for slot in self.slots:
+            if slot.busy:
+                if slot.task is not None:
+                    self.sink.put(slot.task, ErrorEvent(message))
+                slot.cache_tokens = []
+                self.ctx.seq_rm(slot.seq, 0)
+                slot.release()
+                self.on_free(slot)

@@ -1,0 +1,836 @@
+"""A small HTTP/1.1 server on uvloop + httptools: the front end of pyllama.server.
+
+The event loop thread owns every socket and never computes. Handlers are coroutines that await
+results produced by other threads; each runs as its own asyncio Task, so a client that goes away
+cancels it (its ``finally`` blocks run) and closes the iterator of a streamed response.
+
+One connection = one ``_Connection`` protocol with its own httptools parser. Requests are parsed
+ahead and queued, then answered strictly in order, one handler at a time per connection
+(pipelining). Timeouts are enforced by one periodic sweep over all connections instead of a
+timer per request: a request then costs a float store, not a TimerHandle.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import http
+import logging
+import re
+from email.utils import formatdate
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
+from urllib.parse import parse_qsl, unquote
+
+import httptools
+import ujson
+
+__all__ = [
+    "HTTPError", "Request", "Response", "StreamResponse", "Handler", "HTTPServer",
+    "json_response", "error_response", "sse_event", "SSE_DONE", "install_uvloop", "MAX_JSON_DEPTH",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_JSON_DEPTH = 64
+SSE_DONE = b"data: [DONE]\n\n"
+
+# Pipelined requests parsed ahead are bounded: past this many queued, reading pauses.
+_MAX_QUEUED = 8
+# After an error that ends a connection, keep reading (and discarding) this long so that the
+# client's unread upload does not turn our close into a RST that destroys the error response.
+_LINGER_S = 2.0
+
+
+class HTTPError(Exception):
+    """Raised by handlers (and by Request.json) to answer with an llama-server style error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+
+
+class Request:
+    __slots__ = ("method", "path", "query", "headers", "body", "peer")
+
+    def __init__(self, method: str, path: str, query: Optional[dict[str, str]] = None,
+                 headers: Optional[dict[str, str]] = None, body: bytes = b"", peer: str = "") -> None:
+        self.method = method
+        self.path = path
+        self.query = query if query is not None else {}
+        self.headers = headers if headers is not None else {}
+        self.body = body
+        self.peer = peer
+
+    def json(self) -> Any:
+        """The body parsed as JSON; HTTPError(400) on invalid UTF-8, bad JSON or deep nesting."""
+        body = self.body
+        if not body.isascii():
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise HTTPError(400, f"Invalid UTF-8 in request body at byte {exc.start}") from None
+        # Counting brackets runs at C speed; only bodies with many of them pay for the real scan.
+        if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _json_too_deep(body, MAX_JSON_DEPTH):
+            raise HTTPError(400, f"Invalid JSON: nesting deeper than {MAX_JSON_DEPTH} levels")
+        try:
+            return ujson.loads(body)
+        except (ValueError, OverflowError, TypeError) as exc:
+            raise HTTPError(400, f"Invalid JSON: {exc}") from None
+
+    def __repr__(self) -> str:
+        return f"<Request {self.method} {self.path} from {self.peer}>"
+
+
+# A string token always matches at a quote (unterminated strings run to the end), so the scan is
+# linear: a failed string match retried at every later quote would be quadratic.
+_JSON_SCAN = re.compile(rb'"[^"\\]*(?:\\[\s\S][^"\\]*)*"?|([\[{])|([\]}])')
+
+
+def _json_too_deep(body: bytes, limit: int) -> bool:
+    depth = 0
+    for m in _JSON_SCAN.finditer(body):
+        g = m.lastindex
+        if g == 1:
+            depth += 1
+            if depth > limit:
+                return True
+        elif g == 2:
+            depth -= 1
+    return False
+
+
+class Response:
+    __slots__ = ("status", "body", "content_type", "headers")
+
+    def __init__(self, status: int = 200, body: Union[bytes, str] = b"",
+                 content_type: str = "application/json; charset=utf-8",
+                 headers: Optional[list[tuple[str, str]]] = None) -> None:
+        self.status = status
+        self.body = body.encode("utf-8") if isinstance(body, str) else body
+        self.content_type = content_type
+        self.headers = headers
+
+    def __repr__(self) -> str:
+        return f"<Response {self.status} {len(self.body)} bytes>"
+
+
+class StreamResponse:
+    """A body produced piece by piece (SSE): sent chunked, each chunk flushed as it comes."""
+
+    __slots__ = ("chunks", "content_type", "headers", "status")
+
+    def __init__(self, chunks: AsyncIterator[bytes], content_type: str = "text/event-stream",
+                 headers: Optional[list[tuple[str, str]]] = None, status: int = 200) -> None:
+        self.chunks = chunks
+        self.content_type = content_type
+        self.headers = headers
+        self.status = status
+
+
+Handler = Callable[[Request], Awaitable[Union[Response, StreamResponse]]]
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(status, ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False).encode("utf-8"))
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error") -> Response:
+    return json_response({"error": {"code": status, "message": message, "type": type}}, status)
+
+
+def sse_event(obj: Any) -> bytes:
+    return b"data: " + ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False).encode("utf-8") + b"\n\n"
+
+
+def install_uvloop() -> None:
+    """Make uvloop the event loop of asyncio.run and new_event_loop; asyncio's own if it is missing."""
+    try:
+        import uvloop
+    except ImportError:
+        log.warning("uvloop is not installed: using asyncio's default event loop (slower)")
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+# ---------------------------------------------------------------------------------------------
+# response serialization
+
+_STATUS_LINES: dict[int, bytes] = {
+    s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode("latin-1")) for s in http.HTTPStatus
+}
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = b"HTTP/1.1 %d Unknown\r\n" % status
+    return line
+
+
+def _extra_headers(headers: list[tuple[str, str]]) -> bytes:
+    text = "".join(f"{k}: {v}\r\n" for k, v in headers)
+    # A handler echoing client input into a header must not be able to split the response.
+    if text.count("\n") != len(headers) or text.count("\r") != len(headers):
+        raise ValueError("response header contains a line break")
+    return text.encode("latin-1")
+
+
+_CONN_CLOSE = b"Connection: close\r\n"
+_CONN_KEEP = b"Connection: keep-alive\r\n"
+_NO_BODY_STATUS = frozenset((204, 304))
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class _Reject(Exception):
+    """Raised inside parser callbacks to stop parsing and answer with an error, then close."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+
+
+class _WriteStalled(Exception):
+    pass
+
+
+_BAD_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
+
+
+def _split_target(url: bytes) -> tuple[str, dict[str, str]]:
+    """Request target -> (decoded path, query dict); HTTPError(400) on bad encoding."""
+    if b"#" in url:  # clients should not send fragments; ignore one if they do
+        url = url.partition(b"#")[0]
+    if url[:1] != b"/":
+        if url == b"*":
+            return "*", {}
+        try:  # absolute-form, as sent to proxies
+            parsed = httptools.parse_url(url)
+        except httptools.HttpParserInvalidURLError:
+            raise HTTPError(400, "Invalid request target") from None
+        raw_path = parsed.path or b"/"
+        raw_query = parsed.query or b""
+    else:
+        raw_path, _, raw_query = url.partition(b"?")
+    try:
+        path = raw_path.decode("utf-8")
+        if "%" in path:
+            if _BAD_PERCENT.search(path):
+                raise HTTPError(400, "Invalid percent-encoding in the path")
+            path = unquote(path, errors="strict")
+    except UnicodeDecodeError:
+        raise HTTPError(400, "Invalid UTF-8 in the path") from None
+    if not raw_query:
+        return path, {}
+    try:
+        qs = raw_query.decode("utf-8")
+        if "%" in qs and _BAD_PERCENT.search(qs):
+            raise HTTPError(400, "Invalid percent-encoding in the query string")
+        return path, dict(parse_qsl(qs, keep_blank_values=True, errors="strict", max_num_fields=1000))
+    except UnicodeDecodeError:
+        raise HTTPError(400, "Invalid UTF-8 in the query string") from None
+    except ValueError as exc:  # too many fields
+        raise HTTPError(400, f"Invalid query string: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# the connection protocol
+
+class _Connection(asyncio.Protocol):
+    __slots__ = (
+        "_srv", "_loop", "_parser", "_transport", "_peer", "_queue", "_task", "_closed", "_discard",
+        "_url", "_headers", "_body", "_body_size", "_hdr_bytes", "_hdr_raw", "_in_headers",
+        "_in_body", "_deadline", "_write_paused", "_drain_waiter", "_read_paused", "_reject",
+        "_counted",
+    )
+
+    def __init__(self, srv: "HTTPServer") -> None:
+        self._srv = srv
+        self._loop = srv._loop
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: Optional[asyncio.Transport] = None
+        self._peer = ""
+        # (Request, keep_alive, http10) or (None, rendered error response, keep_alive)
+        self._queue: collections.deque = collections.deque()
+        self._task: Optional[asyncio.Task] = None
+        self._closed = False
+        self._discard = False  # a final error is decided: input is read and thrown away
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._hdr_bytes = 0
+        self._hdr_raw = 0
+        self._in_headers = False
+        self._in_body = False
+        # Sweep closes the connection when no handler runs and loop.time() passed this (0 = never).
+        self._deadline = 0.0
+        self._write_paused = False
+        self._drain_waiter: Optional[asyncio.Future] = None
+        self._read_paused = False
+        self._reject: Optional[_Reject] = None
+        self._counted = False
+
+    # --- asyncio.Protocol -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        srv = self._srv
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            self._peer = f"{peer[0]}:{peer[1]}"
+        elif peer:
+            self._peer = str(peer)
+        if srv._closing or len(srv._conns) >= srv._max_connections:
+            if len(srv._rejected) >= srv._max_connections:  # a flood: no courtesy answer
+                self._closed = self._discard = True
+                transport.abort()
+                return
+            srv._rejected.add(self)
+            if not srv._closing:
+                srv._n_refused += 1
+                now = self._loop.time()
+                if now - srv._refused_logged > 10.0:  # one line per 10 s, not one per connection
+                    srv._refused_logged = now
+                    log.warning("refused %d connection(s) with 503: %d open (limit %d)",
+                                srv._n_refused, len(srv._conns), srv._max_connections)
+                    srv._n_refused = 0
+            self._end_with(srv._render_error(503, "Too many connections, try again later",
+                                             "unavailable_error", False))
+            return
+        srv._conns.add(self)
+        self._counted = True
+        self._deadline = self._loop.time() + srv._keepalive_timeout
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._closed = True
+        srv = self._srv
+        if self._counted:
+            srv._conns.discard(self)
+        else:
+            srv._rejected.discard(self)
+        self._queue.clear()
+        if self._task is not None:
+            # The handler's finally blocks run (generation gets cancelled); a stream's iterator
+            # is closed by _write_stream.
+            self._task.cancel()
+        w = self._drain_waiter
+        if w is not None and not w.done():
+            w.set_exception(ConnectionResetError("client went away"))
+        self._drain_waiter = None
+
+    def eof_received(self) -> Optional[bool]:
+        # A FIN from an HTTP client means it is gone (no HTTP client half-closes to wait for an
+        # answer); treating it as a disconnect cancels generation without waiting for a write
+        # to fail. Returning None lets the transport close itself.
+        return None
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        w = self._drain_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+        self._drain_waiter = None
+        if self._task is None and self._queue and not self._closed:
+            self._dispatch()
+
+    def data_received(self, data: bytes) -> None:
+        if self._discard:
+            return
+        was_in_headers = self._in_headers
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            # No upgrades are supported: the request was queued as an ordinary one; go on
+            # parsing what followed it.
+            off = exc.args[0] if exc.args and isinstance(exc.args[0], int) else len(data)
+            if off < len(data):
+                self.data_received(data[off:])
+            return
+        except httptools.HttpParserError as exc:
+            rej = self._reject
+            self._reject = None
+            if rej is None:
+                rej = _Reject(400, f"Malformed HTTP request: {exc}")
+                log.debug("malformed request from %s: %s", self._peer, exc)
+            self._fail(rej)
+            return
+        if self._in_headers and was_in_headers:
+            # httptools buffers an unfinished header line without calling us; count raw bytes so
+            # one endless header cannot grow memory without bound. A packet that starts and ends
+            # inside the headers is all header bytes, so this never overcounts.
+            self._hdr_raw += len(data)
+            if self._hdr_raw > self._srv._max_header_bytes:
+                self._fail(_Reject(431, "Request header fields too large"))
+
+    # --- httptools callbacks ----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_headers = True
+        self._url = b""
+        self._headers = {}
+        self._body = []
+        self._body_size = 0
+        self._hdr_bytes = 0
+        self._hdr_raw = 0
+        self._deadline = self._loop.time() + self._srv._header_timeout
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._hdr_bytes += len(url)
+        if self._hdr_bytes > self._srv._max_header_bytes:
+            self._raise(_Reject(431, "Request header fields too large"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._hdr_bytes += len(name) + len(value) + 4
+        if self._hdr_bytes > self._srv._max_header_bytes:
+            self._raise(_Reject(431, "Request header fields too large"))
+        key = name.decode("latin-1").lower()
+        headers = self._headers
+        if key in headers:
+            headers[key] += ", " + value.decode("latin-1")
+        else:
+            headers[key] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        self._in_body = True
+        srv = self._srv
+        cl = self._headers.get("content-length")
+        if cl is not None:
+            try:
+                n = int(cl)
+            except ValueError:
+                self._raise(_Reject(400, "Invalid Content-Length"))
+            if n > srv._max_body:
+                self._raise(_Reject(413, f"Request body too large: {n} bytes, the limit is {srv._max_body}"))
+        # A body must keep arriving; the same idle limit as between requests applies.
+        self._deadline = self._loop.time() + srv._keepalive_timeout
+        expect = self._headers.get("expect")
+        if expect is not None and expect.lower() == "100-continue" and self._task is None and not self._queue:
+            # Only when nothing is in flight: interim responses must not overtake earlier answers.
+            self._transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_size += len(body)
+        if self._body_size > self._srv._max_body:
+            self._raise(_Reject(413, f"Request body too large: the limit is {self._srv._max_body} bytes"))
+        self._body.append(body)
+        if len(body) > 4096:
+            self._deadline = self._loop.time() + self._srv._keepalive_timeout
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        if self._closed:  # more pipelined requests after one that closes the connection
+            return
+        p = self._parser
+        body = self._body
+        body = b"" if not body else body[0] if len(body) == 1 else b"".join(body)
+        self._body = []
+        keep_alive = p.should_keep_alive()
+        http10 = p.get_http_version() == "1.0"
+        try:
+            path, query = _split_target(self._url)
+        except HTTPError as exc:
+            self._queue.append((None, self._srv._render_error(exc.status, exc.message, exc.type, keep_alive),
+                                keep_alive))
+        else:
+            self._queue.append((Request(p.get_method().decode("ascii"), path, query, self._headers, body,
+                                        self._peer), keep_alive, http10))
+        self._headers = {}
+        if self._task is None:
+            self._dispatch()
+        elif len(self._queue) >= _MAX_QUEUED and not self._read_paused:
+            self._read_paused = True
+            self._transport.pause_reading()
+
+    # --- request processing -----------------------------------------------------------------
+
+    def _raise(self, rej: _Reject) -> None:
+        # httptools reports a callback exception as a generic parser error; keep the real one.
+        self._reject = rej
+        raise rej
+
+    def _dispatch(self) -> None:
+        """Start the next queued request; answers that need no handler are written right away."""
+        srv = self._srv
+        queue = self._queue
+        while self._task is None and queue and not self._closed and not self._write_paused:
+            item = queue.popleft()
+            req = item[0]
+            if req is None:  # an error decided while parsing
+                if item[2] and not srv._closing:
+                    self._transport.write(item[1])
+                    continue
+                self._end_with(item[1])
+                return
+            keep_alive = item[1] and not srv._closing
+            handler, head_only, resp = srv._resolve(req)
+            if handler is None:
+                self._write_response(resp, keep_alive, item[2], head_only)
+                if not keep_alive:
+                    self._close()
+                    return
+                continue
+            self._task = self._loop.create_task(self._run(handler, req, keep_alive, item[2], head_only))
+            return
+        if self._closed:
+            return
+        if self._read_paused and len(queue) < _MAX_QUEUED // 2:
+            self._read_paused = False
+            self._transport.resume_reading()
+        if self._task is None:
+            if srv._closing and not queue:
+                self._close()
+            elif not queue and not self._in_headers and not self._in_body:
+                self._deadline = self._loop.time() + srv._keepalive_timeout
+            elif queue:  # waiting for the client to read what we wrote
+                self._deadline = self._loop.time() + srv._keepalive_timeout
+
+    async def _run(self, handler: Handler, req: Request, keep_alive: bool, http10: bool, head_only: bool) -> None:
+        try:
+            try:
+                resp = await handler(req)
+            except HTTPError as exc:
+                resp = error_response(exc.status, exc.message, exc.type)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("handler for %s %s failed", req.method, req.path)
+                resp = error_response(500, str(exc) or type(exc).__name__, "server_error")
+            if self._closed:
+                if isinstance(resp, StreamResponse):
+                    await _aclose(resp.chunks)
+                return
+            keep_alive = keep_alive and not self._srv._closing
+            if isinstance(resp, StreamResponse):
+                keep_alive = await self._write_stream(resp, keep_alive, http10, head_only)
+            elif isinstance(resp, Response):
+                try:
+                    self._write_response(resp, keep_alive, http10, head_only)
+                except ValueError as exc:
+                    log.error("bad response from handler for %s %s: %s", req.method, req.path, exc)
+                    self._write_response(error_response(500, str(exc), "server_error"), keep_alive, http10, head_only)
+            else:
+                log.error("handler for %s %s returned %r, not a Response", req.method, req.path, type(resp))
+                self._write_response(error_response(500, "handler returned no response", "server_error"),
+                                     keep_alive, http10, head_only)
+        except asyncio.CancelledError:
+            if not self._closed:  # cancelled by shutdown, not by the client: nothing more to say
+                keep_alive = False
+        except _WriteStalled:
+            log.info("closing connection from %s: the client stopped reading", self._peer)
+            keep_alive = False
+            self._abort()
+        except ConnectionError:
+            keep_alive = False
+        except Exception:  # a bug of ours or a response that cannot be serialized
+            log.exception("answering %s %s failed", req.method, req.path)
+            keep_alive = False
+            self._abort()
+        finally:
+            self._task = None
+        if self._closed:
+            return
+        if not keep_alive:
+            self._close()
+        else:
+            self._dispatch()
+
+    def _write_response(self, resp: Response, keep_alive: bool, http10: bool, head_only: bool) -> None:
+        status = resp.status
+        body = resp.body
+        parts = [_status_line(status), self._srv._prefix]
+        if status in _NO_BODY_STATUS:
+            body = b""
+        else:
+            parts.append(b"Content-Type: %b\r\nContent-Length: %d\r\n"
+                         % (resp.content_type.encode("latin-1"), len(body)))
+        if not keep_alive:
+            parts.append(_CONN_CLOSE)
+        elif http10:
+            parts.append(_CONN_KEEP)
+        if resp.headers:
+            parts.append(_extra_headers(resp.headers))
+        parts.append(b"\r\n")
+        if head_only or not body:
+            self._transport.write(b"".join(parts))
+        elif len(body) < 65536:
+            parts.append(body)
+            self._transport.write(b"".join(parts))
+        else:  # large bodies go out without another copy
+            self._transport.writelines((b"".join(parts), body))
+
+    async def _write_stream(self, resp: StreamResponse, keep_alive: bool, http10: bool, head_only: bool) -> bool:
+        """Write a chunked response; returns whether the connection may serve another request."""
+        chunks = resp.chunks
+        chunked = not http10
+        if not chunked:
+            keep_alive = False  # an HTTP/1.0 body without a length ends when the connection does
+        t = self._transport
+        try:
+            parts = [_status_line(resp.status), self._srv._prefix,
+                     b"Content-Type: %b\r\n" % resp.content_type.encode("latin-1")]
+            if chunked:
+                parts.append(b"Transfer-Encoding: chunked\r\n")
+            if not keep_alive:
+                parts.append(_CONN_CLOSE)
+            if resp.headers:
+                parts.append(_extra_headers(resp.headers))
+            parts.append(b"\r\n")
+            t.write(b"".join(parts))
+            if head_only:
+                return keep_alive
+            try:
+                async for chunk in chunks:
+                    if not chunk:
+                        continue  # an empty chunk would end the chunked body
+                    if isinstance(chunk, str):
+                        chunk = chunk.encode("utf-8")
+                    if self._closed:
+                        return False
+                    t.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+                    if self._write_paused:
+                        await self._drain()
+            except (asyncio.CancelledError, _WriteStalled, ConnectionError):
+                raise
+            except Exception:
+                # The status line is gone already: the only honest signal left is to cut the
+                # body short, which a chunked reader sees as an incomplete response.
+                log.exception("stream for %s failed mid-response", self._peer)
+                return False
+            if chunked and not self._closed:
+                t.write(b"0\r\n\r\n")
+            return keep_alive
+        finally:
+            await _aclose(chunks)
+
+    async def _drain(self) -> None:
+        if self._closed:
+            raise ConnectionResetError("client went away")
+        fut = self._loop.create_future()
+        self._drain_waiter = fut
+        handle = self._loop.call_later(self._srv._keepalive_timeout, _stall, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+
+    # --- closing ------------------------------------------------------------------------------
+
+    def _fail(self, rej: _Reject) -> None:
+        """Stop parsing; answer `rej` after the answers already owed, then close."""
+        self._discard = True
+        self._in_headers = self._in_body = False
+        if self._read_paused:  # reading must go on to drain the upload while we linger
+            self._read_paused = False
+            self._transport.resume_reading()
+        self._queue.append((None, self._srv._render_error(rej.status, rej.message, rej.type, False), False))
+        if self._task is None:
+            self._dispatch()
+
+    def _end_with(self, data: bytes) -> None:
+        """Write a final answer, half-close, and linger reading until the client closes too."""
+        t = self._transport
+        self._discard = True
+        self._closed = True
+        self._queue.clear()
+        t.write(data)
+        try:
+            t.write_eof()
+        except (NotImplementedError, RuntimeError):
+            t.close()
+            return
+        self._deadline = self._loop.time() + _LINGER_S
+
+    def _close(self) -> None:
+        """Close after what is buffered is sent; the sweep aborts it if that takes too long."""
+        if not self._closed and self._transport is not None:
+            self._discard = True
+            self._closed = True
+            self._deadline = self._loop.time() + self._srv._keepalive_timeout
+            self._transport.close()
+
+    def _abort(self) -> None:
+        self._discard = True
+        self._closed = True
+        if self._transport is not None:
+            self._transport.abort()
+
+
+def _stall(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(_WriteStalled())
+
+
+async def _aclose(chunks: Any) -> None:
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await aclose()
+    except Exception:
+        log.exception("closing a response stream failed")
+
+
+# ---------------------------------------------------------------------------------------------
+# the server
+
+class HTTPServer:
+    def __init__(self, routes: dict[tuple[str, str], Handler], *, max_body: int = 16 << 20,
+                 max_header_bytes: int = 64 << 10, keepalive_timeout: float = 60.0,
+                 header_timeout: float = 30.0, max_connections: int = 1024,
+                 cors_origin: Optional[str] = "*") -> None:
+        self._paths: dict[str, dict[str, Handler]] = {}
+        for (method, path), handler in routes.items():
+            self._paths.setdefault(path, {})[method.upper()] = handler
+        self._allow: dict[str, str] = {}
+        for path, methods in self._paths.items():
+            names = set(methods) | {"OPTIONS"}
+            if "GET" in names:
+                names.add("HEAD")
+            self._allow[path] = ", ".join(sorted(names))
+        self._max_body = max_body
+        self._max_header_bytes = max_header_bytes
+        self._keepalive_timeout = keepalive_timeout
+        self._header_timeout = header_timeout
+        self._max_connections = max_connections
+        self._cors_origin = cors_origin
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._server: Optional[asyncio.AbstractServer] = None
+        self._conns: set[_Connection] = set()
+        self._rejected: set[_Connection] = set()
+        self._closing = False
+        self._stopped: Optional[asyncio.Event] = None
+        self._n_refused = 0
+        self._refused_logged = 0.0
+        self._sweep_handle: Optional[asyncio.TimerHandle] = None
+        self._date = ""
+        self._prefix = b""
+        self._update_date()
+
+    @property
+    def n_connections(self) -> int:
+        return len(self._conns)
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0 = any free port); returns the port bound."""
+        self._loop = asyncio.get_running_loop()
+        self._server = await self._loop.create_server(
+            lambda: _Connection(self), host, port, reuse_address=True,
+            backlog=max(128, min(self._max_connections, 4096)))
+        bound = self._server.sockets[0].getsockname()[1]
+        interval = min(self._header_timeout, self._keepalive_timeout) / 4.0
+        self._sweep_interval = min(1.0, max(0.02, interval))
+        self._sweep_handle = self._loop.call_later(self._sweep_interval, self._sweep)
+        log.info("HTTP server listening on %s:%d", host, bound)
+        return bound
+
+    async def shutdown(self, grace: float = 10.0) -> None:
+        """Stop accepting, close idle connections, let running handlers finish for up to `grace`
+        seconds, cancel the rest, close every socket."""
+        if self._closing:
+            if self._stopped is not None:  # a second caller waits for the first one's work
+                await self._stopped.wait()
+            return
+        self._closing = True
+        self._stopped = asyncio.Event()
+        try:
+            await self._shutdown(grace)
+        finally:
+            self._stopped.set()
+
+    async def _shutdown(self, grace: float) -> None:
+        if self._server is not None:
+            self._server.close()
+        for c in list(self._conns):
+            if c._task is None:
+                c._close()
+        for c in list(self._rejected):
+            c._abort()
+        tasks = [c._task for c in self._conns if c._task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=grace)
+            if pending:
+                log.warning("shutdown: cancelling %d request(s) still running after %.1f s", len(pending), grace)
+                for t in pending:
+                    t.cancel()
+                await asyncio.wait(pending, timeout=2.0)
+        for c in list(self._conns):
+            c._close()
+        # close() flushes what is buffered; a client that does not read gets a short while.
+        for _ in range(50):
+            if not self._conns:
+                break
+            await asyncio.sleep(0.02)
+        for c in list(self._conns) + list(self._rejected):
+            c._abort()
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+            self._sweep_handle = None
+        await asyncio.sleep(0)  # let the listening socket's close complete
+        log.info("HTTP server stopped")
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _update_date(self) -> None:
+        date = formatdate(usegmt=True)
+        if date == self._date:
+            return
+        self._date = date
+        prefix = b"Server: pyllama\r\nDate: " + date.encode("ascii") + b"\r\n"
+        if self._cors_origin:
+            prefix += b"Access-Control-Allow-Origin: " + self._cors_origin.encode("latin-1") + b"\r\n"
+            if self._cors_origin != "*":
+                prefix += b"Vary: Origin\r\n"
+        self._prefix = prefix
+
+    def _sweep(self) -> None:
+        now = self._loop.time()
+        self._update_date()
+        for group in (self._conns, self._rejected):
+            expired = [c for c in group if c._task is None and 0.0 < c._deadline < now]
+            for c in expired:
+                if c._in_headers:
+                    log.debug("closing connection from %s: headers not complete within %.1f s",
+                             c._peer, self._header_timeout)
+                if c._discard:
+                    c._abort()
+                else:
+                    c._close()
+        self._sweep_handle = self._loop.call_later(self._sweep_interval, self._sweep)
+
+    def _render_error(self, status: int, message: str, type: str, keep_alive: bool) -> bytes:
+        body = ujson.dumps({"error": {"code": status, "message": message, "type": type}},
+                           ensure_ascii=False, escape_forward_slashes=False).encode("utf-8")
+        return b"".join((_status_line(status), self._prefix,
+                         b"Content-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n" % len(body),
+                         b"" if keep_alive else _CONN_CLOSE, b"\r\n", body))
+
+    def _resolve(self, req: Request) -> tuple[Optional[Handler], bool, Optional[Response]]:
+        """(handler, head_only, None), or (None, head_only, response) when no handler is needed."""
+        methods = self._paths.get(req.path)
+        if methods is None:
+            return None, req.method == "HEAD", error_response(404, "File Not Found", "not_found_error")
+        handler = methods.get(req.method)
+        if handler is not None:
+            return handler, False, None
+        if req.method == "HEAD" and "GET" in methods:
+            return methods["GET"], True, None
+        allow = self._allow[req.path]
+        if req.method == "OPTIONS":
+            headers = [("Allow", allow)]
+            if self._cors_origin:
+                headers.append(("Access-Control-Allow-Methods", allow))
+                headers.append(("Access-Control-Allow-Headers",
+                                req.headers.get("access-control-request-headers") or "*"))
+                headers.append(("Access-Control-Max-Age", "86400"))
+            return None, False, Response(204, headers=headers)
+        resp = error_response(405, f"Method {req.method} is not allowed on {req.path}", "invalid_request_error")
+        resp.headers = [("Allow", allow)]
+        return None, req.method == "HEAD", resp

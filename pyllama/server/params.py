@@ -1,0 +1,139 @@
+"""Request bodies to task parameters, checked field by field: a wrong type or an out-of-range value
+is a 400 naming the field, never an exception from deep inside the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..sampling import SamplingParams
+from ..tokenizer import Tokenizer
+from .http import HTTPError
+
+MAX_N_PROBS = 20
+
+
+def _bad(name: str, what: str) -> HTTPError:
+    return HTTPError(400, f"'{name}' must be {what}")
+
+
+def get_int(body: dict, name: str, default: Optional[int], lo: Optional[int] = None, hi: Optional[int] = None) -> Optional[int]:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise _bad(name, "an integer")
+    v = int(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f"at least {lo}" if hi is None else (f"at most {hi}" if lo is None else f"between {lo} and {hi}")
+        raise _bad(name, bounds)
+    return v
+
+
+def get_float(body: dict, name: str, default: float) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(name, "a number")
+    return float(v)
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(name, "true or false")
+    return v
+
+
+def get_stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return list(v)
+    raise _bad("stop", "a string or a list of strings")
+
+
+def tokenize_prompt(tok: Tokenizer, prompt: Any, name: str = "prompt") -> list[int]:
+    """llama-server's prompt forms: text, token ids, or a list mixing text pieces and ids."""
+    if isinstance(prompt, str):
+        return tok.encode(prompt, add_special=True, parse_special=True)
+    if isinstance(prompt, list) and prompt:
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            return tokenize_prompt(tok, prompt[0], name)
+        out: list[int] = []
+        for i, piece in enumerate(prompt):
+            if isinstance(piece, str):
+                out.extend(tok.encode(piece, add_special=(i == 0), parse_special=True))
+            elif isinstance(piece, int) and not isinstance(piece, bool):
+                if not 0 <= piece < tok.n_vocab:
+                    raise HTTPError(400, f"'{name}' holds token id {piece} outside the vocabulary of {tok.n_vocab}")
+                out.append(piece)
+            else:
+                raise _bad(name, "a string, a list of token ids, or a list mixing strings and token ids")
+        return out
+    if isinstance(prompt, list):
+        raise HTTPError(400, f"'{name}' is empty")
+    raise _bad(name, "a string or a list of token ids")
+
+
+@dataclass
+class CompletionParams:
+    sampling: SamplingParams
+    n_predict: int = -1
+    stream: bool = False
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    n_probs: int = 0
+    cache_prompt: bool = True
+    id_slot: int = -1
+    n: int = 1
+    include_usage: bool = False
+
+
+def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool = False) -> CompletionParams:
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    n_predict = default_n_predict
+    for name in ("n_predict", "max_tokens", "max_completion_tokens"):
+        if body.get(name) is not None:
+            n_predict = get_int(body, name, default_n_predict, lo=-1)  # type: ignore[assignment]
+    n_probs = get_int(body, "n_probs", 0, lo=0, hi=MAX_N_PROBS) or 0
+    if oai:  # OpenAI's forms: completions take an int, chat takes a bool plus top_logprobs
+        lp = body.get("logprobs")
+        if isinstance(lp, bool):
+            n_probs = get_int(body, "top_logprobs", 1 if lp else 0, lo=0, hi=MAX_N_PROBS) if lp else 0  # type: ignore[assignment]
+        elif lp is not None:
+            n_probs = get_int(body, "logprobs", 0, lo=0, hi=MAX_N_PROBS)  # type: ignore[assignment]
+    defaults = SamplingParams()
+    sampling = SamplingParams(
+        temperature=get_float(body, "temperature", defaults.temperature),
+        top_k=get_int(body, "top_k", defaults.top_k),  # type: ignore[arg-type]
+        top_p=get_float(body, "top_p", defaults.top_p),
+        min_p=get_float(body, "min_p", defaults.min_p),
+        repeat_penalty=get_float(body, "repeat_penalty", defaults.repeat_penalty),
+        repeat_last_n=get_int(body, "repeat_last_n", defaults.repeat_last_n),  # type: ignore[arg-type]
+        frequency_penalty=get_float(body, "frequency_penalty", defaults.frequency_penalty),
+        presence_penalty=get_float(body, "presence_penalty", defaults.presence_penalty),
+        seed=get_int(body, "seed", defaults.seed),  # type: ignore[arg-type]
+        n_probs=n_probs,
+    )
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise HTTPError(400, str(exc)) from None
+    n = get_int(body, "n", 1, lo=1)
+    assert n is not None
+    if n > n_slots:
+        raise HTTPError(400, f"'n' is {n} but the server has {n_slots} slots per group")
+    opts = body.get("stream_options")
+    include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+    return CompletionParams(
+        sampling=sampling, n_predict=n_predict, stream=get_bool(body, "stream", False), stop=get_stop(body),
+        ignore_eos=get_bool(body, "ignore_eos", False), n_probs=n_probs,
+        cache_prompt=get_bool(body, "cache_prompt", True), id_slot=get_int(body, "id_slot", -1, lo=-1),  # type: ignore[arg-type]
+        n=n, include_usage=include_usage)

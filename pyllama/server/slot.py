@@ -1,0 +1,196 @@
+"""A slot: one sequence of a group's context, and the request it is serving.
+
+State is carried here plainly (like a scheduler's Sequence): the tokens in the KV cache, where the
+prompt stands, the sampler, the detokenizer and the stop-string matcher. The group's decode thread
+is the only one that mutates a slot while it serves; the task thread only reads the fields it
+needs to choose a slot, and /slots reads a snapshot.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import time
+from typing import Optional
+
+import numpy as np
+
+from ..sampling import SequenceSampler
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .task import CompletionTask, FinalEvent, TokenEvent
+
+
+class SlotState(enum.Enum):
+    IDLE = "idle"
+    WAIT_PARENT = "wait_parent"  # a choice of an n > 1 request, waiting for the shared prompt
+    PROMPT = "prompt"
+    GENERATING = "generating"
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n]) != np.asarray(b[:n])
+    return int(x.argmax()) if x.any() else n
+
+
+class StopMatcher:
+    """Finds stop strings in generated text and holds back text that may start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.max_len = max((len(s) for s in self.stops), default=0)
+
+    def find(self, text: str, start: int) -> tuple[int, str]:
+        """(index, word) of the earliest full stop string at or after `start`, or (-1, "")."""
+        best, word = -1, ""
+        for s in self.stops:
+            i = text.find(s, max(0, start - len(s) + 1))
+            if i >= 0 and (best < 0 or i < best):
+                best, word = i, s
+        return best, word
+
+    def held(self, text: str) -> int:
+        """How many trailing characters could still become a stop string."""
+        for n in range(min(self.max_len - 1, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0
+
+
+class Slot:
+    def __init__(self, slot_id: int, group: int, seq: int, n_ctx: int, tokenizer: Tokenizer):
+        self.id = slot_id
+        self.group = group
+        self.seq = seq                  # sequence id inside the group's context
+        self.n_ctx = n_ctx              # positions this slot may hold
+        self.tokenizer = tokenizer
+        self.state = SlotState.IDLE
+        self.task: Optional[CompletionTask] = None
+        self.cache_tokens: list[int] = []  # tokens whose K/V are in the cache, in order
+        self.last_used = 0.0
+        self.parent: Optional["Slot"] = None
+        self._reset_request()
+
+    def _reset_request(self) -> None:
+        self.prompt: list[int] = []
+        self.i_prompt = 0
+        self.n_pending = 0              # prompt tokens in the batch being decoded
+        self.n_cached = 0
+        self.n_decoded = 0
+        self.next_token = -1            # sampled, not yet in the cache
+        self.sampler: Optional[SequenceSampler] = None
+        self.detok: Optional[IncrementalDetokenizer] = None
+        self.stopper = StopMatcher([])
+        self.text = ""
+        self.n_sent = 0                 # characters of self.text already sent
+        self.t_start = self.t_prompt_done = self.t_last = 0.0
+
+    # --- life cycle (decode thread) --------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.state is not SlotState.IDLE
+
+    def start(self, task: CompletionTask, n_keep: int, parent: Optional["Slot"] = None) -> None:
+        """Takes a task; the first n_keep prompt tokens are already in the cache."""
+        self._reset_request()
+        self.task = task
+        self.prompt = task.prompt
+        self.i_prompt = self.n_cached = n_keep
+        self.cache_tokens = task.prompt[:n_keep]
+        self.sampler = SequenceSampler(task.params, task.prompt)
+        self.detok = IncrementalDetokenizer(self.tokenizer)
+        self.stopper = StopMatcher(task.stop)
+        self.parent = parent
+        self.state = SlotState.WAIT_PARENT if parent is not None else SlotState.PROMPT
+        self.t_start = time.perf_counter()
+
+    def release(self) -> None:
+        self.state = SlotState.IDLE
+        self.task = None
+        self.parent = None
+        self.last_used = time.monotonic()
+
+    @property
+    def n_past(self) -> int:
+        return len(self.cache_tokens)
+
+    # --- generation (decode thread) --------------------------------------------------------------
+    def accept(self, token: int, probs: Optional[dict]) -> tuple[Optional[TokenEvent], Optional[FinalEvent]]:
+        """Records a sampled token; returns the event to send and, when the request ends, its end."""
+        task = self.task
+        assert task is not None and self.sampler is not None and self.detok is not None
+        now = time.perf_counter()
+        if self.n_decoded == 0:
+            self.t_prompt_done = now
+        self.t_last = now
+        self.sampler.accept(token)
+        eog = self.tokenizer.is_eog(token) and not task.ignore_eos
+        if eog:
+            return None, self._final("eos")
+        self.n_decoded += 1
+        self.next_token = token
+        self.text += self.detok.feed(token)
+        stop_type, word = "", ""
+        if self.stopper.stops:
+            i, word = self.stopper.find(self.text, self.n_sent)
+            if i >= 0:
+                self.text = self.text[:i]
+                stop_type = "word"
+        if not stop_type and task.n_predict >= 0 and self.n_decoded >= task.n_predict:
+            stop_type = "limit"
+        if not stop_type and self.n_past >= self.n_ctx:
+            stop_type = "limit"  # the token cannot be stored to continue: the slot's context is full
+        if stop_type:
+            if stop_type != "word":
+                self.text += self.detok.flush()
+            event = TokenEvent(self._take_text(hold=0), token, probs)
+            return event, self._final(stop_type, word)
+        hold = self.stopper.held(self.text) if self.stopper.stops else 0
+        return TokenEvent(self._take_text(hold), token, probs), None
+
+    def _take_text(self, hold: int) -> str:
+        end = max(self.n_sent, len(self.text) - hold)
+        out = self.text[self.n_sent:end]
+        self.n_sent = end
+        return out
+
+    def _final(self, stop_type: str, word: str = "") -> FinalEvent:
+        tail = self._take_text(0) if stop_type == "eos" else ""
+        if stop_type == "eos":
+            tail += self.detok.flush() if self.detok else ""
+        t_prompt = self.t_prompt_done or self.t_last
+        return FinalEvent(
+            stop_type=stop_type, stopping_word=word, n_prompt=len(self.prompt),
+            n_evaluated=len(self.prompt) - self.n_cached, n_predicted=self.n_decoded,
+            prompt_ms=(t_prompt - self.t_start) * 1e3, predicted_ms=(self.t_last - t_prompt) * 1e3,
+            id_slot=self.id, text_tail=tail)
+
+    def snapshot(self) -> dict:
+        task = self.task
+        return {
+            "id": self.id,
+            "group": self.group,
+            "id_task": task.id if task else -1,
+            "n_ctx": self.n_ctx,
+            "is_processing": self.busy,
+            "state": self.state.value,
+            "n_past": self.n_past,
+            "n_prompt_tokens": len(self.prompt) if task else 0,
+            "n_decoded": self.n_decoded if task else 0,
+            "params": {"n_predict": task.n_predict, "temperature": task.params.temperature,
+                       "seed": self.sampler.seed if self.sampler else task.params.seed} if task else {},
+        }
+
+
+def token_probs(tokenizer: Tokenizer, token: int, prob: float, top_ids: np.ndarray, top_probs: np.ndarray,
+                n_probs: int) -> dict:
+    """llama-server's completion_probabilities entry for one generated token."""
+    def entry(t: int, p: float) -> dict:
+        piece = tokenizer.token_bytes(t)
+        return {"id": t, "token": piece.decode("utf-8", errors="replace"), "bytes": list(piece),
+                "logprob": math.log(p) if p > 0 else -1e30}  # JSON has no -inf
+    out = entry(token, prob)
+    out["top_logprobs"] = [entry(int(t), float(p)) for t, p in zip(top_ids[:n_probs], top_probs[:n_probs]) if t >= 0]
+    return out

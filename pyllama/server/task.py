@@ -1,0 +1,97 @@
+"""What travels between the HTTP handlers and the decode threads: tasks in, events out.
+
+A handler makes a CompletionTask per completion and awaits its events on an asyncio queue; the
+decode thread produces the events and hands each step's batch of them to the event loop in one
+call (`EventSink.flush`), so a step costs one cross-thread wake-up however many slots it served.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..sampling import SamplingParams
+
+_task_ids = itertools.count(1)
+
+
+@dataclass
+class CompletionTask:
+    prompt: list[int]
+    params: SamplingParams
+    n_predict: int = -1
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    n_probs: int = 0
+    cache_prompt: bool = True
+    id_slot: int = -1
+    index: int = 0                          # choice index within a request with n > 1
+    siblings: list["CompletionTask"] = field(default_factory=list)  # the other choices, to be placed together
+    id: int = field(default_factory=lambda: next(_task_ids))
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    queue: Optional[asyncio.Queue] = None   # (index, event) for the handler, filled on the event loop
+    loop: Optional[asyncio.AbstractEventLoop] = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclass
+class TokenEvent:
+    """Text that became final with this token (may be empty while a stop string is undecided)."""
+
+    text: str
+    token: int
+    probs: Optional[dict[str, Any]] = None
+
+
+@dataclass
+class FinalEvent:
+    stop_type: str             # "eos", "limit", "word", "none"
+    stopping_word: str
+    n_prompt: int              # tokens of the prompt
+    n_evaluated: int           # prompt tokens actually computed (the rest came from the cache)
+    n_predicted: int
+    prompt_ms: float
+    predicted_ms: float
+    id_slot: int
+    text_tail: str = ""        # text held back by stop-string matching and released at the end
+    truncated: bool = False
+
+
+@dataclass
+class ErrorEvent:
+    message: str
+    status: int = 500
+    type: str = "server_error"
+
+
+class EventSink:
+    """Collects a step's events per task and delivers them to the event loop in one call."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[CompletionTask, object]] = []
+
+    def put(self, task: CompletionTask, event: object) -> None:
+        if task.queue is not None:
+            self._pending.append((task, event))
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
+        for task, event in batch:
+            by_loop.setdefault(id(task.loop), (task.loop, []))[1].append((task.queue, (task.index, event)))
+        for loop, items in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)

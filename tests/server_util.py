@@ -1,0 +1,86 @@
+"""Starting and stopping a real `python -m pyllama.server` process for tests."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str, *args: str, env: Optional[dict] = None):
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "pyllama.server", "-m", model, "--port", str(self.port), "-t", "1", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})}, text=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 60) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stderr.read()}")
+            try:
+                status, _ = self.request("GET", "/health")
+                if status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("server did not become ready")
+
+    def request(self, method: str, path: str, body: Any = None, raw: Optional[bytes] = None,
+                headers: Optional[dict] = None, timeout: float = 60) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+            resp = conn.getresponse()
+            payload = resp.read()
+            ctype = resp.getheader("Content-Type", "")
+            return resp.status, json.loads(payload) if "json" in ctype and payload else payload.decode()
+        finally:
+            conn.close()
+
+    def post(self, path: str, body: Any, **kw) -> tuple[int, Any]:
+        return self.request("POST", path, body, **kw)
+
+    def stream(self, path: str, body: dict, timeout: float = 60) -> list[Any]:
+        """POSTs with stream=true; returns the decoded `data:` events ('[DONE]' kept as a string)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request("POST", path, body=json.dumps({**body, "stream": True}),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()
+            events = []
+            for line in resp.read().decode().split("\n"):
+                if line.startswith("data: "):
+                    data = line[6:]
+                    events.append(data if data == "[DONE]" else json.loads(data))
+            return events
+        finally:
+            conn.close()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        return self.proc.returncode

@@ -21,7 +21,8 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(self, model: str, *args: str, env: Optional[dict] = None):
         self.port = free_port()
-        cmd = [sys.executable, "-m", "pyllama.server", "-m", model, "--port", str(self.port), "-t", "1", *args]
+        model_args = ["-m", model] if model else []
+        cmd = [sys.executable, "-m", "pyllama.server", *model_args, "--port", str(self.port), "-t", "1", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                      env={**os.environ, **(env or {})}, text=True)
         self.url = f"http://127.0.0.1:{self.port}"

@@ -274,3 +274,15 @@ def test_sigterm_finishes_in_flight_work(tiny_model):
     assert srv.stop() == 0
     t.join(30)
     assert got and got[0][0] == 200 and got[0][1]["tokens_predicted"] == 30
+
+
+def test_default_model_when_none_given(tmp_path):
+    """The README's run command: no -m serves the built-in model, written once into the cache."""
+    srv = ServerProcess("", env={"PYLLAMA_CACHE": str(tmp_path)})
+    try:
+        srv.wait_ready(timeout=120)
+        status, res = srv.post("/completion", {"prompt": "Once upon a time", "n_predict": 4, "ignore_eos": True})
+        assert status == 200 and res["tokens_predicted"] == 4
+        assert any(p.name.endswith(".gguf") for p in tmp_path.iterdir())
+    finally:
+        assert srv.stop() == 0

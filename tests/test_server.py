@@ -286,3 +286,52 @@ def test_default_model_when_none_given(tmp_path):
         assert any(p.name.endswith(".gguf") for p in tmp_path.iterdir())
     finally:
         assert srv.stop() == 0
+
+
+def test_health_is_503_while_loading():
+    import asyncio
+    from types import SimpleNamespace
+
+    from pyllama.server.api import Api, ServerState
+    from pyllama.server.http import HTTPError, Request
+
+    api = Api(ServerState(SimpleNamespace(n_predict=-1)))
+    res = asyncio.run(api.health(Request("GET", "/health")))
+    assert res.status == 503 and json.loads(res.body)["error"]["type"] == "unavailable_error"
+    with pytest.raises(HTTPError) as err:
+        asyncio.run(api.completion(Request("POST", "/completion", body=b'{"prompt": "x"}')))
+    assert err.value.status == 503
+
+
+def test_long_prompt_does_not_stall_running_generation(tiny_model):
+    """While one slot generates, another's long prompt is fed one micro-batch per step."""
+    from pyllama.engine import Engine
+    from pyllama.sampling import SamplingParams
+    from pyllama.server.group import PipelineGroup
+    from pyllama.server.metrics import Metrics
+    from pyllama.server.slot import Slot, SlotState
+    from pyllama.server.task import CompletionTask
+
+    engine = Engine(tiny_model, n_threads=1)
+    ctx = engine.new_context(4096, 2, n_batch=2048, n_ubatch=32)
+    slots = [Slot(i, 0, i, ctx.seq_cap, engine.tokenizer) for i in range(2)]
+    group = PipelineGroup(0, ctx, slots, engine.tokenizer, Metrics(), on_free=lambda s: None)
+    greedy = SamplingParams(temperature=0)
+    group.submit([(slots[0], CompletionTask(prompt=engine.tokenizer.encode(PROMPT), params=greedy, n_predict=50))])
+    group._iteration()
+    assert slots[0].state is SlotState.GENERATING
+    long_prompt = [300 + i % 200 for i in range(1000)]
+    group.submit([(slots[1], CompletionTask(prompt=long_prompt, params=greedy, n_predict=2))])
+    sizes = []
+    while slots[1].state is not SlotState.GENERATING:
+        group._iteration()
+        sizes.append(slots[1].n_past)
+    steps = [b - a for a, b in zip([0] + sizes, sizes)]
+    assert max(steps) <= 32 and len(steps) >= 1000 // 32
+    assert slots[0].n_decoded == min(50, len(steps) + 1)  # the generation advanced at every step
+    # alone, the prompt goes in one step of up to n_batch
+    group._finish(slots[0], None)
+    group._finish(slots[1], None)
+    group.submit([(slots[1], CompletionTask(prompt=long_prompt[::-1], params=greedy, n_predict=2, cache_prompt=False))])
+    group._iteration()
+    assert slots[1].state is SlotState.GENERATING

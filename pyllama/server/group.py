@@ -126,6 +126,8 @@ class PipelineGroup:
                 want.append(True)
                 rows.append(slot)
         budget = self.ctx.n_batch - len(tokens)
+        if tokens:  # generations are running: one micro-batch of prompt per step keeps their pace
+            budget = min(budget, self.ctx.n_ubatch)
         for slot in self.slots:
             if slot.state is not SlotState.PROMPT or budget <= 0:
                 continue

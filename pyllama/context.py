@@ -17,6 +17,7 @@ from .errors import ContextLimitError
 from .graph.llama import build_forward
 from .kv_cache import KVCache
 from .models.model import Model
+from .rpc import stats as rpc_stats
 from .weights import Placement, Weights
 from .sched import Plan, Scheduler
 
@@ -128,12 +129,21 @@ class Context:
         if len(self._logits) < len(rows):
             self._logits = np.zeros((max(len(rows), 1), self.hparams.n_vocab), dtype=np.float32)
         done = 0
+        readers = set()
         for u0 in range(0, n, self.n_ubatch):
             u1 = min(n, u0 + self.n_ubatch)
-            done += self._decode_ubatch(batch, u0, u1, done)
+            k, backend = self._decode_ubatch(batch, u0, u1, done)
+            done += k
+            if backend is not None:
+                readers.add(backend)
+        for backend in readers:  # the queued output reads leave as one read per device
+            backend.synchronize()
+        if rpc_stats.enabled:
+            rpc_stats.on_step()
         return DecodeOutput(self._logits[:len(rows)], rows)
 
-    def _decode_ubatch(self, batch: Batch, u0: int, u1: int, out_row: int) -> int:
+    def _decode_ubatch(self, batch: Batch, u0: int, u1: int, out_row: int):
+        """Runs one micro-batch; returns (rows of logits queued for reading, the backend they come from)."""
         seq, pos = batch.seq_id[u0:u1], batch.pos[u0:u1]
         want = batch.logits[u0:u1]
         n_out = int(want.sum())
@@ -150,10 +160,11 @@ class Context:
         if "inp_out_ids" in plan.inputs:
             values["inp_out_ids"] = np.flatnonzero(want).astype(np.int32)
         self.sched.compute(plan, values)
-        if n_out:
-            out = plan.output
-            out.backend.get_tensor(out, out=self._logits[out_row:out_row + n_out])
-        return n_out
+        if not n_out:
+            return 0, None
+        out = plan.output
+        out.backend.get_tensor_async(out, self._logits[out_row:out_row + n_out])
+        return n_out, out.backend
 
     # ------------------------------------------------------------------------------------------
     def seq_rm(self, seq: int, p0: int = 0) -> int:

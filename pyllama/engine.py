@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 from .backend.base import Backend
 from .backend.cpu import CPUBackend
 from .context import Context
+from .devices import default_split
 from .errors import ModelFileError
 from .models.model import Model
 from .tokenizer import Tokenizer, load_tokenizer
@@ -39,7 +40,7 @@ class Engine:
             raise ModelFileError(f"{model_path}: the vocabulary has {self.tokenizer.n_vocab} tokens "
                                  f"but the model has {hp.n_vocab} embedding rows")
         self.backends = list(backends) if backends else [CPUBackend(self.n_threads)]
-        proportions = tensor_split or [1.0] * len(self.backends)
+        proportions = tensor_split or (default_split(self.backends) if len(self.backends) > 1 else [1.0])
         if len(proportions) != len(self.backends):
             raise ValueError(f"--tensor-split has {len(proportions)} values for {len(self.backends)} devices")
         self.placement = Placement(self.backends, split_layers(hp.n_layer, proportions))

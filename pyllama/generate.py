@@ -15,6 +15,7 @@ import numpy as np
 
 from .cli import Parser, run_main, setup_logging
 from .context import Batch, Context, check_prompt_fits
+from .devices import add_device_args, make_backends, parse_split
 from .engine import Engine
 from .errors import PyllamaError
 from .sampling import BatchSampler, SamplingParams, SequenceSampler
@@ -43,6 +44,7 @@ def build_parser() -> Parser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text tokens")
     p.add_argument("--tokens", action="store_true", help="print the generated token ids, one line, instead of text")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and timings to stderr")
+    add_device_args(p)
     return p.finish()
 
 
@@ -98,7 +100,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .models.default import default_model_path  # noqa: PLC0415
         model_path = default_model_path()
     t0 = time.perf_counter()
-    engine = Engine(model_path, n_threads=args.threads)
+    backends = make_backends(args.device, args.rpc, args.split_mode, args.threads)
+    engine = Engine(model_path, n_threads=args.threads, backends=backends,
+                    tensor_split=parse_split(args.tensor_split, len(backends)))
     hp = engine.model.hparams
     n_ctx = args.ctx_size or min(hp.n_ctx_train, 4096)
     ctx = engine.new_context(n_ctx, 1, args.batch_size, args.ubatch_size)

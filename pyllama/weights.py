@@ -30,6 +30,15 @@ class Placement:
     def output_backend(self) -> int:
         return len(self.backends) - 1
 
+    def describe(self) -> str:
+        """e.g. 'RPC0 0-5, CPU 6-11 + output'."""
+        parts = []
+        for bi, b in enumerate(self.backends):
+            layers = [i for i, x in enumerate(self.layer_backend) if x == bi]
+            span = f"{layers[0]}-{layers[-1]}" if layers else "none"
+            parts.append(f"{b.name} {span}" + (" + output" if bi == self.output_backend else ""))
+        return ", ".join(parts)
+
     def backend_of_layer(self, layer: int) -> int:
         if layer < 0:
             return self.layer_backend[0] if self.layer_backend else self.output_backend

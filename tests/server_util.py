@@ -85,3 +85,40 @@ class ServerProcess:
         self.proc.stdout.close()
         self.proc.stderr.close()
         return self.proc.returncode
+
+
+class RPCServerProcess:
+    """`python -m pyllama.rpc_server` on a free loopback port (read from its 'listening on' line)."""
+
+    def __init__(self, *args: str, env: Optional[dict] = None):
+        cmd = [sys.executable, "-m", "pyllama.rpc_server", "--host", "127.0.0.1", "--port", "0", "-t", "1", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})}, text=True)
+        deadline = time.monotonic() + 60
+        self.port = 0
+        self.log: list[str] = []
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError(f"rpc_server exited {self.proc.wait()}: {''.join(self.log)}")
+            self.log.append(line)
+            if "listening on" in line:
+                self.port = int(line.rsplit(":", 1)[1].split()[0])
+                break
+        if not self.port:
+            raise TimeoutError("rpc_server did not start")
+        self.endpoint = f"127.0.0.1:{self.port}"
+        # keep draining stderr so the server never blocks on a full pipe
+        import threading
+        self._drain = threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True)
+        self._drain.start()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

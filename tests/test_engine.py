@@ -139,3 +139,16 @@ def test_tied_output_is_stored_once_per_device(model_factory):
         ctx = Context(model, load_weights(model, placement), placement, 64, 1)
         got = ctx.decode(Batch.for_sequence(PROMPTS[0], 0, 0, all_logits=True)).logits
         assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
+
+
+def test_attention_refuses_head_counts_that_wrap_32_bits():
+    """H * hd computed in 32 bits would wrap to a plausible width and pass the shape checks."""
+    from pyllama._fast import ops
+    H, Hkv, hd = 65537, 1, 65536  # (H + 2 Hkv) * hd wraps to 3 * 65536 in 32 bits
+    f = np.zeros((1, 3 * 65536), np.float32)
+    cache = np.zeros((4, 65536), np.float32)
+    i1 = np.zeros(1, np.int32)
+    with pytest.raises(ValueError, match="shapes"):
+        ops.attention(f, cache, cache.copy(), i1, i1, i1, np.array([[0, 1]], np.int32),
+                      np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros((1, 65536), np.float32),
+                      H, Hkv, hd, 2, 0, 10000.0, 1.0, 1e-5, 1.0, 1)

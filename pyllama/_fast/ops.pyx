@@ -190,9 +190,11 @@ def attention(const float[:, ::1] qkv, float[:, ::1] k_cache, float[:, ::1] v_ca
         raise ValueError("attention: bad head parameters")
     if rope_mode not in (0, 2):
         raise ValueError(f"attention: unknown rope mode {rope_mode}")
-    if qkv.shape[1] != (H + 2 * Hkv) * hd or out.shape[0] != n or out.shape[1] != H * hd:
+    # widths in 64 bits: crafted head counts must not wrap into plausible shapes
+    cdef Py_ssize_t q_width = <Py_ssize_t>H * hd, kv_width = <Py_ssize_t>Hkv * hd
+    if qkv.shape[1] != q_width + 2 * kv_width or out.shape[0] != n or out.shape[1] != q_width:
         raise ValueError("attention: qkv / out shapes do not match the head parameters")
-    if k_cache.shape[1] != Hkv * hd or v_cache.shape[0] != n_cells or v_cache.shape[1] != Hkv * hd:
+    if k_cache.shape[1] != kv_width or v_cache.shape[0] != n_cells or v_cache.shape[1] != kv_width:
         raise ValueError("attention: KV cache shapes do not match the head parameters")
     if pos.shape[0] != n or kv_idx.shape[0] != n or ranges.shape[0] != n or ranges.shape[1] != 2:
         raise ValueError("attention: per-token inputs must have one row per token")

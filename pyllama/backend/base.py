@@ -149,6 +149,9 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Waits for every queued operation."""
 
+    def forget_graph(self, uid: int) -> None:
+        """Drops whatever the backend keeps for a graph it will not see again."""
+
     # --- events ------------------------------------------------------------------------------
     def event_new(self) -> Event:
         return Event(self)

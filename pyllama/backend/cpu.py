@@ -123,6 +123,11 @@ class CPUBackend(Backend):
         for step in steps:
             step()
 
+    def forget_graph(self, uid: int) -> None:
+        """Drops the bound plan of a graph (its views would keep freed buffers alive)."""
+        with self._plans_lock:
+            self._plans.pop(uid, None)
+
     def _prepare(self, graph: Graph) -> list[Callable[[], None]]:
         """Binds every node to its kernel and its numpy views once per graph."""
         steps: list[Callable[[], None]] = []

@@ -14,6 +14,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..cli import Parser, run_main, setup_logging
+from ..devices import add_device_args, make_backends, parse_split
 from ..engine import Engine
 from ..errors import PyllamaError
 from .api import Api, ServerState
@@ -48,6 +49,7 @@ def build_parser() -> Parser:
     p.add_argument("--max-body", type=int, default=16 << 20, help="largest accepted request body in bytes")
     p.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
+    add_device_args(p)
     return p.finish()
 
 
@@ -73,7 +75,9 @@ def load(state: ServerState) -> None:
     if not path:
         from ..models.default import default_model_path  # noqa: PLC0415
         path = default_model_path()
-    engine = Engine(path, n_threads=args.threads)
+    backends = make_backends(args.device, args.rpc, args.split_mode, args.threads)
+    engine = Engine(path, n_threads=args.threads, backends=backends,
+                    tensor_split=parse_split(args.tensor_split, len(backends)))
     hp = engine.model.hparams
     n_ctx = args.ctx_size or hp.n_ctx_train
     if not args.kv_unified and n_ctx < args.parallel:
@@ -98,9 +102,10 @@ def load(state: ServerState) -> None:
     group.start()
     router.start()
     kv_mib = sum(ctx.kv_bytes.values()) / 2**20
-    log.warning("model %s loaded: %d slots, %d positions per request (%s KV), KV %.1f MiB, weights %.1f MiB",
+    log.warning("model %s loaded: %d slots, %d positions per request (%s KV), KV %.1f MiB, weights %s; layers: %s",
                 state.model_alias, args.parallel, ctx.seq_cap, "unified" if args.kv_unified else "split",
-                kv_mib, sum(engine.weights.bytes_per_backend.values()) / 2**20)
+                kv_mib, ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in engine.weights.bytes_per_backend.items()),
+                engine.placement.describe())
     state.router = router
     state.engine = engine
 

@@ -1,0 +1,178 @@
+"""The RPC backend: a device of another machine, behind `python -m pyllama.rpc_server`.
+
+Every Backend call becomes one command on the process-wide connection to that endpoint. Reads
+queued with get_tensor_async leave as one GET_TENSORS at the next flush point (synchronize, a graph,
+a write, a free) so a decode step costs one read round trip whatever its batch; a graph already
+sent on this connection for this device is re-run by uid (GRAPH_RECOMPUTE), checked under the send
+lock so one group never re-runs another's graph.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from typing import Optional
+
+import numpy as np
+
+from .._fast.wire import encode_graph
+from ..graph.ops import Graph
+from ..rpc.connection import Connection, RPCError
+from ..rpc.protocol import (ALLOC_REP, ALLOC_REQ, DEVICE_INFO, GRAPH_HEAD, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32,
+                            U64, USAGE, Cap, Cmd)
+from .base import Backend, Buffer, DeviceInfo, DType, Tensor
+
+_TENSOR = struct.Struct(f"<QQII{MAX_DIMS}Q{NAME_LEN}s")
+_GRAPH_CACHE = 256
+
+
+class RPCBuffer(Buffer):
+    __slots__ = ("remote_id",)
+
+    def __init__(self, backend: "RPCBackend", size: int, usage: str, remote_id: int):
+        super().__init__(backend, size, usage)
+        self.remote_id = remote_id
+
+
+def tensor_bytes(t: Tensor) -> bytes:
+    """The wire descriptor of a tensor (docs/rpc-protocol.md, `tensor`)."""
+    shape = list(t.shape) + [0] * (MAX_DIMS - len(t.shape))
+    return _TENSOR.pack(t.buffer.remote_id, t.offset, int(t.dtype), len(t.shape), *shape,  # type: ignore[union-attr]
+                        t.name.encode()[:NAME_LEN])
+
+
+class RPCBackend(Backend):
+    def __init__(self, conn: Connection, device: int = 0, name: str = "RPC0"):
+        self.conn = conn
+        self.device = device
+        self.name = name
+        self.batched_get = conn.has(Cap.GET_TENSORS) and os.environ.get("PYLLAMA_RPC_NO_BATCHED_GET", "") in ("", "0")
+        self._reads: list[tuple[Tensor, np.ndarray]] = []
+        self._reads_lock = threading.Lock()
+        self._encoded: dict[int, bytes] = {}
+
+    # --- buffers -------------------------------------------------------------------------------
+    def alloc_buffer(self, size: int, usage: str = "compute") -> Buffer:
+        rep = self.conn.call(Cmd.ALLOC_BUFFER, ALLOC_REQ.pack(self.device, USAGE.get(usage, 0), size))
+        remote_id, got = ALLOC_REP.unpack(rep)
+        return RPCBuffer(self, got, usage, remote_id)
+
+    def free_buffer(self, buffer: Buffer) -> None:
+        self._flush_reads()
+        if not self.conn.broken:
+            self.conn.call(Cmd.FREE_BUFFER, U64.pack(buffer.remote_id))  # type: ignore[attr-defined]
+
+    def clear_buffer(self, buffer: Buffer, value: int = 0) -> None:
+        self._flush_reads()
+        self.conn.call(Cmd.BUFFER_CLEAR, U64.pack(buffer.remote_id) + bytes([value & 0xFF]))  # type: ignore[attr-defined]
+
+    # --- data ------------------------------------------------------------------------------------
+    def set_tensor(self, tensor: Tensor, data: np.ndarray, offset: int = 0) -> None:
+        src = memoryview(np.ascontiguousarray(data)).cast("B")
+        if offset < 0 or offset + len(src) > tensor.nbytes:
+            raise ValueError(f"set_tensor: {len(src)} bytes at {offset} overflow {tensor.name} ({tensor.nbytes} B)")
+        self._flush_reads()
+        self.conn.send(Cmd.SET_TENSOR, [tensor_bytes(tensor), U64.pack(offset), src])
+
+    def get_tensor(self, tensor: Tensor, out: Optional[np.ndarray] = None) -> np.ndarray:
+        self._flush_reads()
+        if out is None:
+            out = np.empty(tensor.nbytes, dtype=np.uint8)
+            if tensor.dtype in (DType.F32, DType.I32, DType.F16):
+                out = out.view({DType.F32: np.float32, DType.I32: np.int32, DType.F16: np.float16}[tensor.dtype]).reshape(tensor.shape)
+        dst = memoryview(out.reshape(-1).view(np.uint8))
+        if len(dst) != tensor.nbytes:
+            raise ValueError(f"get_tensor: {tensor.name} has {tensor.nbytes} B, destination {len(dst)} B")
+        self.conn.call(Cmd.GET_TENSOR, tensor_bytes(tensor), REGION.pack(0, tensor.nbytes), into=dst)
+        return out
+
+    def get_tensor_async(self, tensor: Tensor, out: np.ndarray) -> None:
+        if not self.batched_get:
+            self.get_tensor(tensor, out)
+            return
+        if out.nbytes != tensor.nbytes or not out.flags.c_contiguous:
+            raise ValueError(f"get_tensor_async: destination of {tensor.name} must be contiguous and {tensor.nbytes} B")
+        with self._reads_lock:
+            self._reads.append((tensor, out))
+
+    def _flush_reads(self) -> None:
+        """Sends the queued reads as one GET_TENSORS and fills their destinations."""
+        with self._reads_lock:
+            reads, self._reads = self._reads, []
+        if not reads:
+            return
+        parts = [U32.pack(len(reads))]
+        for t, _ in reads:
+            parts.append(tensor_bytes(t))
+            parts.append(REGION.pack(0, t.nbytes))
+        total = sum(t.nbytes for t, _ in reads)
+        if len(reads) == 1:
+            self.conn.call(Cmd.GET_TENSORS, *parts, into=memoryview(reads[0][1].reshape(-1).view(np.uint8)))
+            return
+        buf = bytearray(total)
+        self.conn.call(Cmd.GET_TENSORS, *parts, into=memoryview(buf))
+        pos = 0
+        for t, out in reads:
+            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(buf, np.uint8, t.nbytes, pos)
+            pos += t.nbytes
+
+    def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
+        if not isinstance(src.backend, RPCBackend) or src.backend.conn is not self.conn:
+            return False
+        self._flush_reads()
+        self.conn.call(Cmd.COPY_TENSOR, tensor_bytes(src), tensor_bytes(dst))
+        return True
+
+    # --- compute ---------------------------------------------------------------------------------
+    def graph_compute(self, graph: Graph) -> None:
+        self._flush_reads()
+        conn = self.conn
+        with conn.send_lock:
+            if conn.last_graph.get(self.device) == graph.uid:
+                conn.send(Cmd.GRAPH_RECOMPUTE, [RECOMPUTE.pack(self.device, 0, graph.uid)], locked=True)
+                return
+            payload = self._encoded.get(graph.uid)
+            if payload is None:
+                payload = self._encode(graph)
+            conn.send(Cmd.GRAPH_COMPUTE, [payload], locked=True)
+            conn.last_graph[self.device] = graph.uid
+
+    def _encode(self, graph: Graph) -> bytes:
+        index: dict[int, int] = {}
+        tensors = []
+
+        def idx(t: Tensor) -> int:
+            i = index.get(id(t))
+            if i is None:
+                if t.buffer is None or t.buffer.backend is not self:
+                    raise ValueError(f"graph tensor {t.name} is not on {self.name}")
+                i = index[id(t)] = len(tensors)
+                tensors.append((t.buffer.remote_id, t.offset, int(t.dtype), t.shape, t.name))  # type: ignore[attr-defined]
+            return i
+
+        nodes = [(int(nd.op), idx(nd.out), tuple(idx(s) for s in nd.srcs), tuple(float(p) for p in nd.params))
+                 for nd in graph.nodes]
+        payload = encode_graph(self.device, graph.uid, tensors, nodes)
+        if len(self._encoded) >= _GRAPH_CACHE:
+            self._encoded.pop(next(iter(self._encoded)))
+        self._encoded[graph.uid] = payload
+        return payload
+
+    def synchronize(self) -> None:
+        if self._reads:
+            self._flush_reads()  # its reply also reports any earlier one-way failure
+        else:
+            self.conn.call(Cmd.SYNCHRONIZE, U32.pack(self.device))
+
+    # --- information -------------------------------------------------------------------------
+    def device_info(self) -> DeviceInfo:
+        name, kind, _, free, total = DEVICE_INFO.unpack(self.conn.call(Cmd.GET_DEVICE_INFO, U32.pack(self.device)))
+        kinds = {0: "cpu", 1: "cuda"}
+        desc = name.rstrip(b"\0").decode("utf-8", "replace")
+        return DeviceInfo(self.name, "rpc", f"{desc} ({kinds.get(kind, '?')}) at {self.conn.endpoint}", free, total)
+
+    def weight_dtype(self, file_dtype: DType) -> DType:
+        return DType.F32  # the server's CPU backend computes in F32
+
+
+__all__ = ["RPCBackend", "RPCBuffer", "RPCError", "tensor_bytes"]

@@ -1,0 +1,1 @@
+"""The RPC wire protocol and the client connection, shared by both ends (docs/rpc-protocol.md)."""

@@ -1,0 +1,76 @@
+"""Constants and fixed layouts of the RPC protocol; docs/rpc-protocol.md is the normative text.
+
+The structure layouts are numpy structured dtypes so both ends read and write them without any
+general-purpose deserializer; `pyllama._fast.wire` encodes and validates graphs with them.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+
+import numpy as np
+
+VERSION = (1, 0, 0)
+
+
+class Cmd(enum.IntEnum):
+    HELLO = 0
+    DEVICE_COUNT = 1
+    GET_DEVICE_INFO = 2
+    ALLOC_BUFFER = 3
+    FREE_BUFFER = 4
+    BUFFER_CLEAR = 5
+    SET_TENSOR = 6
+    SET_TENSOR_HASH = 7
+    GET_TENSOR = 8
+    GET_TENSORS = 9
+    COPY_TENSOR = 10
+    GRAPH_COMPUTE = 11
+    GRAPH_RECOMPUTE = 12
+    SYNCHRONIZE = 13
+    TRACE_SYNC = 14
+
+
+ONE_WAY = frozenset({Cmd.SET_TENSOR, Cmd.GRAPH_COMPUTE, Cmd.GRAPH_RECOMPUTE})
+
+
+class Cap(enum.IntFlag):
+    GET_TENSORS = 1 << 0
+    TRACE_SYNC = 1 << 1
+    SET_TENSOR_HASH = 1 << 2
+
+
+STATUS_OK = 0
+STATUS_ERROR = 1
+STATUS_EARLIER_ERROR = 2
+
+HEADER = struct.Struct("<BQ")           # request: command, payload size; reply: status, payload size
+HELLO_REQ = struct.Struct("<BBBB")
+HELLO_REP = struct.Struct("<BBBBIQ")
+DEVICE_INFO = struct.Struct("<64sIIQQ")
+ALLOC_REQ = struct.Struct("<IIQ")
+ALLOC_REP = struct.Struct("<QQ")
+U32 = struct.Struct("<I")
+U64 = struct.Struct("<Q")
+REGION = struct.Struct("<QQ")           # offset, size (after a tensor)
+GRAPH_HEAD = struct.Struct("<IIQII")    # device, reserved, uid, n_tensors, n_nodes
+RECOMPUTE = struct.Struct("<IIQ")       # device, reserved, uid
+TRACE_REP = struct.Struct("<QQ")
+
+MAX_DIMS = 4
+NAME_LEN = 48
+MAX_SRC = 10
+N_PARAMS = 12
+NO_SRC = 0xFFFFFFFF
+
+TENSOR = np.dtype([("buffer", "<u8"), ("offset", "<u8"), ("dtype", "<u4"), ("n_dims", "<u4"),
+                   ("shape", "<u8", (MAX_DIMS,)), ("name", f"S{NAME_LEN}")])
+NODE = np.dtype([("op", "<u4"), ("out", "<u4"), ("n_src", "<u4"), ("src", "<u4", (MAX_SRC,)),
+                 ("params", "<f8", (N_PARAMS,))])
+assert TENSOR.itemsize == 104 and NODE.itemsize == 148
+
+USAGE = {"compute": 0, "weights": 1, "kv": 2}
+KIND = {"cpu": 0, "cuda": 1}
+
+DEFAULT_MAX_FRAME = 4 << 30             # largest payload a server accepts
+DEFAULT_MAX_READ = 4 << 30              # largest total a GET_TENSORS reply may carry

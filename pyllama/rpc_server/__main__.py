@@ -1,0 +1,110 @@
+"""python -m pyllama.rpc_server: serve this machine's device to pyllama servers over TCP.
+
+Prints `listening on HOST:PORT` on stderr once bound (`--port 0` picks a free port). SIGINT and
+SIGTERM stop it cleanly: no new connections, every connection closed and its buffers freed, the
+executor threads ended, exit status 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+import sys
+from typing import Optional, Sequence
+
+from ..backend.cpu import CPUBackend
+from ..cli import Parser, run_main, setup_logging
+from ..errors import PyllamaError
+from ..rpc.protocol import DEFAULT_MAX_FRAME
+from ..server.http import install_uvloop
+from .server import RPCServer, caps_mask_from_env
+
+log = logging.getLogger("pyllama.rpc_server")
+
+DEVICES = ("CPU",)
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="python -m pyllama.rpc_server",
+               description="Expose this machine's device to pyllama servers over TCP (docs/rpc-protocol.md). "
+                           "WARNING: the server has no authentication: anyone who can connect can allocate "
+                           "memory and run graphs on it. It binds 127.0.0.1 by default; bind other addresses "
+                           "only on a trusted network.")
+    p.add_argument("-H", "--host", default="127.0.0.1", help="address to listen on (no authentication: keep it private)")
+    p.add_argument("-p", "--port", type=int, default=50052, help="port to listen on (0 = any free port)")
+    p.add_argument("-d", "--device", default="CPU", help=f"device to expose ({', '.join(DEVICES)})")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU compute threads, 0 = all cores")
+    p.add_argument("-m", "--mem", type=int, default=0, metavar="MiB",
+                   help="memory clients may allocate on the device, in MiB (0 = what the host has)")
+    p.add_argument("--cache", metavar="DIR",
+                   help="directory of the tensor cache (enables SET_TENSOR_HASH: weights are not re-sent after a restart)")
+    p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES",
+                   help="largest request payload accepted; also caps a GET_TENSORS reply")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every connection and allocation")
+    return p.finish()
+
+
+def check_args(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise PyllamaError(f"--port {args.port}: not a port number")
+    if args.device.upper() not in DEVICES:
+        raise PyllamaError(f"--device {args.device}: this server exposes {', '.join(DEVICES)} only")
+    if args.threads < 0:
+        raise PyllamaError(f"--threads {args.threads}: must be at least 0")
+    if args.mem < 0:
+        raise PyllamaError(f"--mem {args.mem}: must be at least 0")
+    if args.max_frame < 1024:
+        raise PyllamaError(f"--max-frame {args.max_frame}: must be at least 1024")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve(args) -> int:
+    try:
+        server = RPCServer(args.host, args.port, backend_factory=lambda: CPUBackend(args.threads),
+                           mem_limit=args.mem << 20 if args.mem else None, cache_dir=args.cache,
+                           max_frame=args.max_frame)
+    except OSError as exc:
+        raise PyllamaError(f"--cache {args.cache}: {exc.strerror or exc}") from None
+    try:
+        port = await server.start()
+    except OSError as exc:
+        raise PyllamaError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    if not _is_loopback(args.host):
+        log.warning("listening on %s: the RPC server has no authentication; anyone who reaches this port can "
+                    "allocate memory and run graphs on it", args.host)
+    print(f"listening on {args.host}:{port}", file=sys.stderr, flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        await server.stop()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    check_args(args)
+    try:
+        caps_mask_from_env()
+    except ValueError as exc:
+        raise PyllamaError(str(exc)) from None
+    install_uvloop()
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    run_main(main)

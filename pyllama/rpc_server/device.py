@@ -1,0 +1,150 @@
+"""A device the RPC server exposes: its backend, its memory accounting and its executor thread.
+
+Every command that touches a device runs on that device's one executor thread, in arrival order
+over all connections, so a write never races a graph still computing from the same buffer.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from ..backend.base import Backend, Buffer
+from ..backend.cpu import CPUBackend
+from ..rpc.protocol import KIND
+
+log = logging.getLogger("pyllama.rpc_server")
+
+_MAX_HOLD = 0.0005  # seconds a completed one-way command may wait to be reported with others
+
+
+class Executor:
+    """One thread that runs submitted jobs in order; exceptions are logged, never raised.
+
+    A job is `fn` plus, optionally, the loop and callback that receive its result; such an `fn`
+    returns `(urgent, result)`. Results go back with `loop.call_soon_threadsafe`, batched: an urgent
+    one (a reply) is handed over at once with everything completed before it; others (one-way
+    commands) wait until the queue runs dry or the oldest has waited _MAX_HOLD, so a burst of
+    one-way commands costs the loop one wake-up, not one each.
+    """
+
+    def __init__(self, name: str):
+        self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = False
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    def submit(self, fn: Callable[[], Any], loop: Optional[asyncio.AbstractEventLoop] = None,
+               done: Optional[Callable[[Any], None]] = None) -> None:
+        self._q.put((fn, loop, done))
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Runs what is queued, then ends the thread."""
+        if self._started:
+            self._q.put(None)
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        ready: list[tuple[asyncio.AbstractEventLoop, Callable[[Any], None], Any]] = []
+        first = 0.0
+        while True:
+            if ready:
+                try:
+                    job = self._q.get_nowait()
+                except queue.Empty:
+                    _hand_over(ready)
+                    continue
+            else:
+                job = self._q.get()
+            if job is None:
+                _hand_over(ready)
+                return
+            fn, loop, done = job
+            try:
+                out = fn()
+            except BaseException:  # noqa: BLE001 - the thread must survive anything a job does
+                log.exception("executor %s: unexpected failure", self._thread.name)
+                continue
+            if done is not None and loop is not None:
+                urgent, result = out
+                if not ready:
+                    first = time.monotonic()
+                ready.append((loop, done, result))
+                if urgent or time.monotonic() - first > _MAX_HOLD:
+                    _hand_over(ready)
+
+
+def _hand_over(ready: list) -> None:
+    """Delivers completed results to their loops, one wake-up per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for loop, done, result in ready:
+        by_loop.setdefault(loop, []).append((done, result))
+    ready.clear()
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the loop is closed (shutdown)
+            pass
+
+
+def _deliver(items: list) -> None:
+    for done, result in items:
+        try:
+            done(result)
+        except Exception:  # noqa: BLE001
+            log.exception("delivering a result failed")
+
+
+class Device:
+    """One device: its backend, what is allocated on it and the cap, and its executor."""
+
+    def __init__(self, index: int, backend: Backend, mem_limit: Optional[int] = None):
+        self.index = index
+        self.backend = backend
+        self.name = backend.name
+        info = backend.device_info()
+        self.kind = KIND.get(info.kind, 0)
+        self.mem_limit = mem_limit
+        self.allocated = 0  # bytes of live buffers, over all connections (executor thread only)
+        # work is done when the executor returns from a command (no device queue to wait for)
+        self.completes_in_executor = isinstance(backend, CPUBackend)
+        self.executor = Executor(f"rpc-exec-{backend.name}")
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total): the cap when one is set, else what the backend reports."""
+        if self.mem_limit is not None:
+            return max(0, self.mem_limit - self.allocated), self.mem_limit
+        info = self.backend.device_info()
+        return info.free, info.total
+
+    def alloc(self, size: int, usage: str) -> Buffer:
+        if self.mem_limit is not None and size > self.mem_limit - self.allocated:
+            raise MemoryError(f"allocating {size} B on {self.name} exceeds the server's memory cap "
+                              f"({self.allocated} of {self.mem_limit} B in use)")
+        if self.mem_limit is None:
+            free, _ = self.memory()
+            if free and size > free:
+                raise MemoryError(f"allocating {size} B on {self.name}: only {free} B are available")
+        buf = self.backend.alloc_buffer(size, usage)
+        self.allocated += size
+        return buf
+
+    def free(self, buf: Buffer) -> None:
+        self.allocated -= buf.size
+        self.backend.free_buffer(buf)
+
+    def forget_graph(self, uid: int) -> None:
+        """Drops whatever the backend keeps per graph (the CPU backend's bound plan holds views of
+        its buffers, which would keep freed memory alive until the plan ages out)."""
+        self.backend.forget_graph(uid)

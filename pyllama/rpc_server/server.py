@@ -1,0 +1,453 @@
+"""The RPC server: an event loop that owns the sockets and parses frames, executor threads that run
+the commands (DESIGN.md section 2, docs/rpc-protocol.md).
+
+The loop never computes. Each connection is an `asyncio.BufferedProtocol`: small frames are parsed
+out of a receive buffer (a frame may arrive in many pieces, several frames in one piece); a payload
+larger than that buffer is received straight into its own staging array, allocated once the header
+was checked against --max-frame. A complete frame goes to the executor of its device, which runs the
+commands of all connections in arrival order and hands each reply back with
+`loop.call_soon_threadsafe`; replies of one connection therefore leave in request order. A few
+informational commands (DEVICE_COUNT, GET_DEVICE_INFO, TRACE_SYNC, and SYNCHRONIZE on a CPU device)
+are answered on the loop when nothing of that connection is queued, which keeps that order too.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import threading
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..backend.base import Backend
+from ..backend.cpu import CPUBackend
+from ..rpc import protocol as P
+from ..rpc.protocol import Cap, Cmd
+from .cache import TensorCache
+from .device import Device
+from .session import Session, frame, now_us
+
+log = logging.getLogger("pyllama.rpc_server")
+
+CAPS_ENV = "PYLLAMA_RPC_SERVER_CAPS"
+_RX_SIZE = 256 * 1024          # receive buffer; larger payloads get their own staging array
+_QUEUED_HIGH = 64 << 20        # stop reading a connection while this much of it waits to execute
+_QUEUED_LOW = 16 << 20
+_LOOP_CMDS = frozenset({Cmd.HELLO, Cmd.DEVICE_COUNT, Cmd.GET_DEVICE_INFO, Cmd.TRACE_SYNC})
+_KNOWN = frozenset(int(c) for c in Cmd)
+_HELLO_MAX = 64                # a first frame claiming more than this is not a HELLO
+
+
+def caps_mask_from_env() -> Optional[int]:
+    raw = os.environ.get(CAPS_ENV)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        mask = int(raw.strip(), 0)
+    except ValueError:
+        raise ValueError(f"{CAPS_ENV}={raw!r} is not an integer") from None
+    if not 0 <= mask <= 0xFFFFFFFF:
+        raise ValueError(f"{CAPS_ENV}={raw!r} is not a 32-bit mask")
+    return mask
+
+
+class RPCServer:
+    """Serves the devices made by `backend_factory` (one for now) over TCP.
+
+    mem_limit: bytes all connections may allocate on a device (None: what the host has);
+    cache_dir: enables the SET_TENSOR_HASH weight cache; max_frame: the largest request payload.
+    caps_mask: restricts the advertised capabilities (default: $PYLLAMA_RPC_SERVER_CAPS, else none).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 50052,
+                 backend_factory: Callable[[], Backend] = CPUBackend, mem_limit: Optional[int] = None,
+                 cache_dir: Optional[str] = None, max_frame: int = P.DEFAULT_MAX_FRAME,
+                 caps_mask: Optional[int] = None):
+        if max_frame < P.GRAPH_HEAD.size:
+            raise ValueError(f"max_frame {max_frame} is too small")
+        if mem_limit is not None and mem_limit < 0:
+            raise ValueError("mem_limit must not be negative")
+        self.host, self.port = host, port
+        self.max_frame = max_frame
+        self.max_read = min(P.DEFAULT_MAX_READ, max_frame)
+        self.cache = TensorCache(cache_dir) if cache_dir else None
+        caps = Cap.GET_TENSORS | Cap.TRACE_SYNC | (Cap.SET_TENSOR_HASH if self.cache else 0)
+        mask = caps_mask if caps_mask is not None else caps_mask_from_env()
+        if mask is not None:
+            caps &= mask
+        self.capabilities = int(caps)
+        self.server_id = secrets.randbits(64) or 1
+        self.devices = [Device(0, backend_factory(), mem_limit)]
+        self._server: Optional[asyncio.AbstractServer] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._conns: set["_Connection"] = set()
+        self._all_closed: Optional[asyncio.Event] = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> int:
+        """Starts the executors and listens; returns the bound port."""
+        self._loop = asyncio.get_running_loop()
+        self._all_closed = asyncio.Event()
+        self._all_closed.set()
+        for dev in self.devices:
+            dev.executor.start()
+        self._server = await self._loop.create_server(lambda: _Connection(self), self.host, self.port,
+                                                      reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("serving %s on %s:%d (capabilities 0x%x, server id %016x)", ", ".join(d.name for d in self.devices),
+                 self.host, self.port, self.capabilities, self.server_id)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stops accepting, closes every connection (freeing its buffers), ends the threads."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._conns):
+            conn.abort()
+        if self._all_closed is not None:
+            try:
+                await asyncio.wait_for(self._all_closed.wait(), 5.0)
+            except asyncio.TimeoutError:  # pragma: no cover
+                log.warning("some connections did not close in time")
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        loop = asyncio.get_running_loop()
+        for dev in self.devices:
+            await loop.run_in_executor(None, dev.executor.stop)
+        if self.cache is not None:
+            await loop.run_in_executor(None, self.cache.close)
+        for dev in self.devices:
+            dev.backend.close()
+
+    def allocated(self) -> int:
+        """Bytes allocated by all connections on all devices."""
+        return sum(d.allocated for d in self.devices)
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    def _opened(self, conn: "_Connection") -> None:
+        self._conns.add(conn)
+        assert self._all_closed is not None
+        self._all_closed.clear()
+
+    def _closed(self, conn: "_Connection") -> None:
+        self._conns.discard(conn)
+        if not self._conns and self._all_closed is not None:
+            self._all_closed.set()
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """Frames of one client: incremental parsing, HELLO gate, in-order dispatch, flow control."""
+
+    def __init__(self, server: RPCServer):
+        self.server = server
+        self.transport: Optional[asyncio.Transport] = None
+        self.session: Optional[Session] = None
+        self.peer = "?"
+        self.hello_done = False
+        self.closing = False
+        self._eof = False
+        self.inflight = 0          # commands handed to an executor and not yet completed
+        self.queued_bytes = 0      # their payload bytes
+        self._write_paused = False
+        self._read_paused = False
+        self._rx = bytearray(_RX_SIZE)
+        self._rxv = memoryview(self._rx)
+        self._start = 0            # unparsed bytes are _rx[_start:_end]
+        self._end = 0
+        self._payload: Optional[np.ndarray] = None  # a large payload being received into place
+        self._pfill = 0
+        self._pcmd = 0
+        # a CPU device finishes its work inside the executor: with nothing of this connection queued,
+        # SYNCHRONIZE has nothing to wait for and is answered at once
+        self._sync_on_loop = all(d.completes_in_executor for d in server.devices)
+
+    # --- asyncio callbacks ---------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # pragma: no cover
+                pass
+        self.session = Session(self.server, self.peer)
+        self.server._opened(self)
+        log.info("%s: connected", self.peer)
+
+    def connection_lost(self, exc) -> None:
+        self._log_partial_frame()
+        log.info("%s: disconnected%s", self.peer, f" ({exc})" if exc else "")
+        self.closing = True
+        self._payload = None
+        session = self.session
+        if session is not None:
+            session.closed = True
+            for dev in self.server.devices:  # frees its buffers after whatever is already queued
+                dev.executor.submit(lambda dev=dev: session.release(dev))
+        self.server._closed(self)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._update_reading()
+
+    def eof_received(self) -> bool:
+        """The client stopped sending: answer what is queued, then close."""
+        self._log_partial_frame()
+        self._eof = True
+        if self.inflight == 0:
+            self._close()
+        return True
+
+    def _log_partial_frame(self) -> None:
+        if self.closing:
+            return
+        if self._payload is not None or self._end > self._start:
+            got = self._pfill + P.HEADER.size if self._payload is not None else self._end - self._start
+            log.warning("%s: connection closed in the middle of a frame (%d bytes of it received)", self.peer, got)
+            self._payload = None
+            self._start = self._end = 0
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._payload is not None:
+            return memoryview(self._payload)[self._pfill:]
+        if self._end == len(self._rx):  # only when a frame header sits at the very end
+            self._compact()
+        return self._rxv[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closing:
+            return
+        if self._payload is not None:
+            self._pfill += nbytes
+            if self._pfill == len(self._payload):
+                payload, self._payload = self._payload, None
+                self._dispatch(self._pcmd, payload)
+            return
+        self._end += nbytes
+        self._parse()
+
+    # --- parsing -------------------------------------------------------------------------------
+    def _compact(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._start:
+            n = self._end - self._start
+            self._rx[:n] = self._rx[self._start:self._end]
+            self._start, self._end = 0, n
+
+    def _parse(self) -> None:
+        hs = P.HEADER.size
+        while not self.closing:
+            avail = self._end - self._start
+            if avail < hs:
+                break
+            cmd, size = P.HEADER.unpack_from(self._rx, self._start)
+            if not self._header_ok(cmd, size):
+                return
+            if avail - hs >= size:
+                p0 = self._start + hs
+                payload = bytes(self._rxv[p0:p0 + size])
+                self._start = p0 + size
+                self._dispatch(cmd, payload)
+                continue
+            if hs + size <= len(self._rx):
+                break  # the rest arrives into the receive buffer
+            try:
+                staged = np.empty(size, np.uint8)
+            except (MemoryError, ValueError):
+                log.warning("%s: cannot stage a %d-byte payload: closing", self.peer, size)
+                self._close()
+                return
+            have = avail - hs
+            staged[:have] = np.frombuffer(self._rx, np.uint8, have, self._start + hs)
+            self._start = self._end = 0
+            self._payload, self._pfill, self._pcmd = staged, have, cmd
+            return
+        self._compact()
+
+    def _header_ok(self, cmd: int, size: int) -> bool:
+        """Checks made on a header alone, before any of its payload is kept."""
+        if size > self.server.max_frame:
+            log.warning("%s: %s payload of %d bytes exceeds the frame limit of %d: closing", self.peer,
+                        _cmd_name(cmd), size, self.server.max_frame)
+            self._close()
+            return False
+        if not self.hello_done and (cmd != Cmd.HELLO or size > _HELLO_MAX):
+            log.warning("%s: first command is %s (%d bytes), not HELLO: closing", self.peer, _cmd_name(cmd), size)
+            self._close()
+            return False
+        if cmd not in _KNOWN:
+            log.warning("%s: unknown command %d: closing", self.peer, cmd)
+            self._close()
+            return False
+        return True
+
+    # --- dispatch ------------------------------------------------------------------------------
+    def _dispatch(self, code: int, payload) -> None:
+        t_recv = now_us()
+        cmd = Cmd(code)
+        if not self.hello_done:
+            self._hello(payload)
+            return
+        session = self.session
+        assert session is not None
+        if self.inflight == 0 and (cmd in _LOOP_CMDS or (cmd is Cmd.SYNCHRONIZE and self._sync_on_loop)):
+            reply = session.execute(cmd, payload, t_recv)
+            if reply is not None:
+                self._write(reply)
+            return
+        nbytes = len(payload)
+        self.inflight += 1
+        self.queued_bytes += nbytes
+
+        def run() -> tuple[bool, tuple]:
+            reply = None
+            if not session.closed:
+                try:
+                    reply = session.execute(cmd, payload, t_recv)
+                except BaseException as exc:  # noqa: BLE001 - execute answers errors itself; this is a bug
+                    log.exception("%s: %s crashed", session.peer, cmd.name)
+                    if cmd not in P.ONE_WAY:
+                        reply = frame(P.STATUS_ERROR, f"{cmd.name}: internal error: {exc!r}".encode())
+            return reply is not None, (reply, nbytes)
+
+        self.server.devices[0].executor.submit(run, self.server._loop, self._done)
+        self._update_reading()
+
+    def _done(self, result: tuple) -> None:
+        """On the loop: a queued command completed."""
+        reply, nbytes = result
+        self.inflight -= 1
+        self.queued_bytes -= nbytes
+        if reply is not None:
+            self._write(reply)
+        if self._eof and self.inflight == 0:
+            self._close()
+            return
+        self._update_reading()
+
+    def _hello(self, payload) -> None:
+        if len(payload) != P.HELLO_REQ.size:
+            self._write(frame(P.STATUS_ERROR, f"HELLO: payload of {len(payload)} bytes, expected "
+                                              f"{P.HELLO_REQ.size}".encode()))
+            log.warning("%s: malformed HELLO: closing", self.peer)
+            self._close()
+            return
+        major, minor, patch, _ = P.HELLO_REQ.unpack(payload)
+        if major != P.VERSION[0]:
+            msg = (f"client protocol {major}.{minor}.{patch} is not compatible with server "
+                   f"{'.'.join(map(str, P.VERSION))} (the major versions differ)")
+            log.warning("%s: %s: closing", self.peer, msg)
+            self._write(frame(P.STATUS_ERROR, msg.encode()))
+            self._close()
+            return
+        self.hello_done = True
+        log.info("%s: HELLO from protocol %d.%d.%d", self.peer, major, minor, patch)
+        self._write(frame(P.STATUS_OK, P.HELLO_REP.pack(*P.VERSION, 0, self.server.capabilities,
+                                                         self.server.server_id)))
+
+    # --- output and flow control ----------------------------------------------------------------
+    def _write(self, data) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def _update_reading(self) -> None:
+        if self.transport is None or self.closing:
+            return
+        if self._read_paused:
+            if not self._write_paused and self.queued_bytes <= _QUEUED_LOW:
+                self._read_paused = False
+                self.transport.resume_reading()
+        elif self._write_paused or self.queued_bytes > _QUEUED_HIGH:
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    def _close(self) -> None:
+        """Closes after what was written is flushed; nothing more is read."""
+        self.closing = True
+        self._payload = None
+        self._start = self._end = 0
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def _cmd_name(code: int) -> str:
+    try:
+        return Cmd(code).name
+    except ValueError:
+        return f"command {code}"
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop loop when uvloop is installed, else asyncio's."""
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:  # pragma: no cover
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class ServerThread:
+    """Runs an RPCServer on its own event loop in a background thread (tests, embedding).
+
+    with ServerThread(port=0, mem_limit=...) as st: ... st.port, st.server ...
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, **kwargs):
+        self.server = RPCServer(host, port, **kwargs)
+        self.port = 0
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self, timeout: float = 10.0) -> int:
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rpc-server-loop", daemon=True)
+        self._thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout)
+        return self.port
+
+    def call(self, fn: Callable, *args, timeout: float = 10.0):
+        """Runs fn(*args) on the server's loop and returns its result."""
+        assert self._loop is not None
+
+        async def run():
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._loop is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(timeout)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            assert self._thread is not None
+            self._thread.join(timeout)
+            self._loop.close()
+            self._loop = None
+
+    def __enter__(self) -> "ServerThread":
+        if self._loop is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,465 @@
+"""One connection's state on the server and the handlers of its commands.
+
+A Session holds what a connection owns: its buffers (id -> Buffer), the last graph per device
+(decoded once, re-run by GRAPH_RECOMPUTE), and the first failure of a one-way command until the
+next replying command reports it. Handlers run on the device's executor thread (a few informational
+ones run on the event loop while nothing of the connection is queued), so the state needs no lock.
+
+Everything a request names is checked before anything is allocated or written (docs/rpc-protocol.md,
+"Validation"): Python integers never wrap, and the codec checks graph structure in 64-bit
+arithmetic with explicit overflow tests.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import struct
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Union
+
+import numpy as np
+
+from .._fast import wire
+from ..backend.base import Buffer, DType, Tensor
+from ..backend.cpu import CPUBackend
+from ..graph.ops import Graph, Node, Op
+from ..rpc import protocol as P
+from ..rpc.protocol import Cap, Cmd
+from .cache import CACHE_MIN_BYTES, as_bytes_view
+
+if TYPE_CHECKING:
+    from .device import Device
+    from .server import RPCServer
+
+log = logging.getLogger("pyllama.rpc_server")
+
+TENSOR_SIZE = P.TENSOR.itemsize                                       # 104
+REGION_ENTRY = np.dtype([("tensor", P.TENSOR), ("offset", "<u8"), ("size", "<u8")])  # 120
+SET_HEAD = TENSOR_SIZE + P.U64.size                                   # SET_TENSOR: tensor | offset
+GET_REQ = TENSOR_SIZE + P.REGION.size                                 # tensor | offset | size
+HASH_REQ = GET_REQ + 32                                               # ... | sha256
+CLEAR_REQ = struct.Struct("<QB")                                      # buffer_id, value
+MAX_GET_TENSORS = 1 << 16                                             # entries in one GET_TENSORS
+USAGE_NAMES = {v: k for k, v in P.USAGE.items()}
+INT32_MAX = 2**31 - 1
+
+F32, I32 = DType.F32, DType.I32
+# op -> (accepted source counts, dtype of each source position, parameters used); outputs are F32
+OP_SPEC: dict[Op, tuple[tuple[int, ...], tuple[DType, ...], int]] = {
+    Op.GET_ROWS: ((2,), (F32, I32), 0),
+    Op.RMS_NORM: ((2,), (F32, F32), 1),
+    Op.MUL_MAT: ((2, 3), (F32, F32, F32), 0),
+    Op.ADD: ((2,), (F32, F32), 0),
+    Op.SWIGLU: ((1,), (F32,), 0),
+    Op.ATTENTION: ((7, 9), (F32, F32, F32, I32, I32, I32, I32, F32, F32), 9),
+}
+ATTN_INT_PARAMS = 5  # n_head, n_head_kv, head_dim, n_rot, rope_mode travel as f64
+
+
+class CommandError(Exception):
+    """A request the server refuses; the message goes back to the client."""
+
+
+class Frame(bytearray):
+    """A reply that a handler built whole (header included), to copy large payloads only once."""
+
+
+def frame(status: int, payload: bytes = b"") -> bytes:
+    return P.HEADER.pack(status, len(payload)) + payload
+
+
+def now_us() -> int:
+    return time.monotonic_ns() // 1000
+
+
+@dataclass
+class StoredGraph:
+    uid: int
+    payload: bytes
+    graph: Graph
+    buffers: frozenset
+
+
+def _name(raw: bytes) -> str:
+    return bytes(raw).split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def _expect(payload, size: int, what: str) -> None:
+    if len(payload) != size:
+        raise CommandError(f"{what}: payload of {len(payload)} bytes, expected {size}")
+
+
+def _make_tensor(dtype: DType, shape: tuple, name: str, buf: Buffer, offset: int, nbytes: int) -> Tensor:
+    t = Tensor.__new__(Tensor)
+    t.dtype, t.shape, t.name, t.buffer, t.offset, t.nbytes = dtype, shape, name, buf, offset, nbytes
+    return t
+
+
+def _byte_view(t: Tensor, offset: int, size: int) -> Tensor:
+    """The bytes [offset, offset + size) of `t` as a 1-D I8 tensor (already checked to fit)."""
+    return _make_tensor(DType.I8, (size,), t.name, t.buffer, t.offset + offset, size)
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, (CommandError, ValueError, IndexError)):
+        return str(exc)
+    if isinstance(exc, MemoryError):
+        return str(exc) or "out of memory"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def log_failure(peer: str, cmd: Cmd, exc: BaseException) -> None:
+    if isinstance(exc, (CommandError, ValueError, IndexError, MemoryError, OverflowError)):
+        log.warning("%s: %s refused: %s", peer, cmd.name, describe(exc))
+    else:
+        log.error("%s: %s failed", peer, cmd.name, exc_info=exc)
+
+
+class Session:
+    """The state of one connection, touched only by its device's executor (or the loop while idle)."""
+
+    def __init__(self, server: "RPCServer", peer: str):
+        self.server = server
+        self.peer = peer
+        self.buffers: dict[int, tuple[Buffer, "Device"]] = {}
+        self.graphs: dict[int, StoredGraph] = {}   # device index -> last graph
+        self.pending: Optional[str] = None          # the first one-way failure not yet reported
+        self._more_failures = 0                     # one-way failures after it
+        self.closed = False
+        self._handlers: dict[Cmd, Callable] = {
+            Cmd.HELLO: self._hello_again,
+            Cmd.DEVICE_COUNT: self._device_count,
+            Cmd.GET_DEVICE_INFO: self._device_info,
+            Cmd.ALLOC_BUFFER: self._alloc,
+            Cmd.FREE_BUFFER: self._free,
+            Cmd.BUFFER_CLEAR: self._clear,
+            Cmd.SET_TENSOR: self._set_tensor,
+            Cmd.SET_TENSOR_HASH: self._set_tensor_hash,
+            Cmd.GET_TENSOR: self._get_tensor,
+            Cmd.GET_TENSORS: self._get_tensors,
+            Cmd.COPY_TENSOR: self._copy_tensor,
+            Cmd.GRAPH_COMPUTE: self._graph_compute,
+            Cmd.GRAPH_RECOMPUTE: self._graph_recompute,
+            Cmd.SYNCHRONIZE: self._synchronize,
+            Cmd.TRACE_SYNC: self._trace_sync,
+        }
+
+    # --- dispatch ------------------------------------------------------------------------------
+    def execute(self, cmd: Cmd, payload, t_recv: int) -> Optional[Union[bytes, bytearray]]:
+        """Runs one command; returns the whole reply frame, or None for a one-way command."""
+        handler = self._handlers[cmd]
+        if cmd in P.ONE_WAY:
+            try:
+                handler(payload, t_recv)
+            except Exception as exc:  # noqa: BLE001 - any failure becomes the connection's pending error
+                log_failure(self.peer, cmd, exc)
+                if self.pending is None:
+                    self.pending = f"{cmd.name} failed: {describe(exc)}"
+                else:
+                    self._more_failures += 1
+            return None
+        if self.pending is not None:
+            msg, self.pending = self.pending, None
+            if self._more_failures:
+                msg += f" (and {self._more_failures} later one-way command(s) failed too)"
+                self._more_failures = 0
+            return frame(P.STATUS_EARLIER_ERROR, msg.encode("utf-8", "replace"))
+        try:
+            out = handler(payload, t_recv)
+        except Exception as exc:  # noqa: BLE001 - any failure is an error reply, the server keeps serving
+            log_failure(self.peer, cmd, exc)
+            return frame(P.STATUS_ERROR, f"{cmd.name}: {describe(exc)}".encode("utf-8", "replace"))
+        if isinstance(out, Frame):
+            return out
+        return frame(P.STATUS_OK, out)
+
+    def release(self, device: "Device") -> None:
+        """Frees everything this connection holds on `device` (runs on its executor at close)."""
+        for uid_dev in [d for d in self.graphs if d == device.index]:
+            device.forget_graph(self.graphs.pop(uid_dev).graph.uid)
+        for bid in [b for b, (_, dev) in self.buffers.items() if dev is device]:
+            buf, _ = self.buffers.pop(bid)
+            device.free(buf)
+
+    # --- lookups -------------------------------------------------------------------------------
+    def _device(self, index: int) -> "Device":
+        devices = self.server.devices
+        if index >= len(devices):
+            raise CommandError(f"device {index} does not exist (the server has {len(devices)})")
+        return devices[index]
+
+    def _buffer(self, bid: int, what: str) -> tuple[Buffer, "Device"]:
+        entry = self.buffers.get(bid)
+        if entry is None:
+            raise CommandError(f"{what}: buffer {bid} is not a live buffer of this connection")
+        return entry
+
+    def _need(self, cap: Cap, cmd: Cmd) -> None:
+        if not self.server.capabilities & cap:
+            raise CommandError(f"{cmd.name} is not advertised by this server")
+
+    def _tensor(self, rec, what: str) -> tuple[Tensor, "Device"]:
+        """A wire tensor record checked whole: dims, dtype, size, live buffer, region inside it."""
+        nd = int(rec["n_dims"])
+        dims = rec["shape"].tolist()
+        name = _name(rec["name"])
+        if not 1 <= nd <= P.MAX_DIMS:
+            raise CommandError(f"{what} {name!r}: n_dims {nd} is not in 1..{P.MAX_DIMS}")
+        if any(dims[nd:]):
+            raise CommandError(f"{what} {name!r}: unused shape entries {dims[nd:]} are not 0")
+        shape = tuple(dims[:nd])
+        dtype = int(rec["dtype"])
+        try:
+            nbytes = wire.tensor_nbytes(dtype, shape)
+        except ValueError as exc:
+            raise CommandError(f"{what} {name!r}: {exc}") from None
+        buf, dev = self._buffer(int(rec["buffer"]), f"{what} {name!r}")
+        off = int(rec["offset"])
+        if off > buf.size or nbytes > buf.size - off:
+            raise CommandError(f"{what} {name!r}: bytes [{off}, {off + nbytes}) lie outside buffer {buf.id} "
+                               f"of {buf.size} B")
+        return _make_tensor(DType(dtype), shape, name, buf, off, nbytes), dev
+
+    @staticmethod
+    def _region(t: Tensor, offset: int, size: int, what: str) -> Tensor:
+        if offset > t.nbytes or size > t.nbytes - offset:
+            raise CommandError(f"{what} {t.name!r}: bytes [{offset}, {offset + size}) lie outside the tensor "
+                               f"of {t.nbytes} B")
+        return _byte_view(t, offset, size)
+
+    # --- informational commands ------------------------------------------------------------------
+    def _hello_again(self, payload, t_recv: int) -> bytes:
+        raise CommandError("HELLO was already exchanged on this connection")
+
+    def _device_count(self, payload, t_recv: int) -> bytes:
+        _expect(payload, 0, "DEVICE_COUNT")
+        return P.U32.pack(len(self.server.devices))
+
+    def _device_info(self, payload, t_recv: int) -> bytes:
+        _expect(payload, P.U32.size, "GET_DEVICE_INFO")
+        dev = self._device(P.U32.unpack(payload)[0])
+        free, total = dev.memory()
+        name = dev.name.encode("utf-8")[:63].decode("utf-8", "ignore").encode("utf-8")
+        return P.DEVICE_INFO.pack(name, dev.kind, 0, free, total)
+
+    def _trace_sync(self, payload, t_recv: int) -> bytes:
+        self._need(Cap.TRACE_SYNC, Cmd.TRACE_SYNC)
+        _expect(payload, P.U64.size, "TRACE_SYNC")
+        return P.TRACE_REP.pack(t_recv, now_us())
+
+    def _synchronize(self, payload, t_recv: int) -> bytes:
+        _expect(payload, P.U32.size, "SYNCHRONIZE")
+        self._device(P.U32.unpack(payload)[0]).backend.synchronize()
+        return b""
+
+    # --- buffers ---------------------------------------------------------------------------------
+    def _alloc(self, payload, t_recv: int) -> bytes:
+        _expect(payload, P.ALLOC_REQ.size, "ALLOC_BUFFER")
+        device, usage, size = P.ALLOC_REQ.unpack(payload)
+        dev = self._device(device)
+        if usage not in USAGE_NAMES:
+            raise CommandError(f"unknown buffer usage {usage} (0 compute, 1 weights, 2 kv)")
+        buf = dev.alloc(size, USAGE_NAMES[usage])
+        self.buffers[buf.id] = (buf, dev)
+        log.info("%s: buffer %d of %d B (%s) on %s", self.peer, buf.id, size, USAGE_NAMES[usage], dev.name)
+        return P.ALLOC_REP.pack(buf.id, buf.size)
+
+    def _free(self, payload, t_recv: int) -> bytes:
+        _expect(payload, P.U64.size, "FREE_BUFFER")
+        bid = P.U64.unpack(payload)[0]
+        buf, dev = self._buffer(bid, "FREE_BUFFER")
+        self._drop_graphs_using(bid)
+        del self.buffers[bid]
+        dev.free(buf)
+        return b""
+
+    def _clear(self, payload, t_recv: int) -> bytes:
+        _expect(payload, CLEAR_REQ.size, "BUFFER_CLEAR")
+        bid, value = CLEAR_REQ.unpack(payload)
+        buf, dev = self._buffer(bid, "BUFFER_CLEAR")
+        dev.backend.clear_buffer(buf, value)
+        return b""
+
+    # --- tensor data -----------------------------------------------------------------------------
+    def _set_tensor(self, payload, t_recv: int) -> None:
+        n = len(payload)
+        if n < SET_HEAD:
+            raise CommandError(f"payload of {n} bytes is shorter than tensor + offset ({SET_HEAD})")
+        t, dev = self._tensor(np.frombuffer(payload, P.TENSOR, 1)[0], "SET_TENSOR")
+        off = P.U64.unpack_from(payload, TENSOR_SIZE)[0]
+        size = n - SET_HEAD
+        view = self._region(t, off, size, "SET_TENSOR")
+        if size:
+            dev.backend.set_tensor(view, np.frombuffer(payload, np.uint8, size, SET_HEAD))
+        cache = self.server.cache
+        if cache is not None and size >= CACHE_MIN_BYTES:
+            cache.store_async(as_bytes_view(payload)[SET_HEAD:])
+
+    def _set_tensor_hash(self, payload, t_recv: int) -> bytes:
+        self._need(Cap.SET_TENSOR_HASH, Cmd.SET_TENSOR_HASH)
+        _expect(payload, HASH_REQ, "SET_TENSOR_HASH")
+        t, dev = self._tensor(np.frombuffer(payload, P.TENSOR, 1)[0], "SET_TENSOR_HASH")
+        off, size = P.REGION.unpack_from(payload, TENSOR_SIZE)
+        view = self._region(t, off, size, "SET_TENSOR_HASH")
+        digest = bytes(payload[GET_REQ:HASH_REQ])
+        cache = self.server.cache
+        if cache is None:
+            return b"\0"
+        if isinstance(dev.backend, CPUBackend):  # straight into the buffer
+            found = cache.read_into(digest, memoryview(CPUBackend.bytes_of(view)))
+        else:
+            tmp = np.empty(size, np.uint8)
+            found = cache.read_into(digest, memoryview(tmp))
+            if found:
+                dev.backend.set_tensor(view, tmp)
+        return b"\1" if found else b"\0"
+
+    def _get_tensor(self, payload, t_recv: int) -> Frame:
+        _expect(payload, GET_REQ, "GET_TENSOR")
+        t, dev = self._tensor(np.frombuffer(payload, P.TENSOR, 1)[0], "GET_TENSOR")
+        off, size = P.REGION.unpack_from(payload, TENSOR_SIZE)
+        view = self._region(t, off, size, "GET_TENSOR")
+        return self._read_frame([(view, dev)], size)
+
+    def _get_tensors(self, payload, t_recv: int) -> Frame:
+        self._need(Cap.GET_TENSORS, Cmd.GET_TENSORS)
+        n = len(payload)
+        if n < P.U32.size:
+            raise CommandError(f"payload of {n} bytes has no count")
+        count = P.U32.unpack_from(payload)[0]
+        if count > MAX_GET_TENSORS:
+            raise CommandError(f"{count} regions in one request (at most {MAX_GET_TENSORS})")
+        need = P.U32.size + count * REGION_ENTRY.itemsize
+        if n != need:
+            raise CommandError(f"payload of {n} bytes, {count} regions need {need}")
+        ceiling = self.server.max_read
+        entries = np.frombuffer(payload, REGION_ENTRY, count, P.U32.size)
+        views, total = [], 0
+        for i in range(count):
+            e = entries[i]
+            t, dev = self._tensor(e["tensor"], f"GET_TENSORS entry {i}")
+            off, size = int(e["offset"]), int(e["size"])
+            views.append((self._region(t, off, size, f"GET_TENSORS entry {i}"), dev))
+            total += size
+            if total > ceiling:
+                raise CommandError(f"the regions add up to more than the {ceiling} B a reply may carry")
+        return self._read_frame(views, total)
+
+    @staticmethod
+    def _read_frame(views: list[tuple[Tensor, "Device"]], total: int) -> Frame:
+        out = Frame(P.HEADER.size + total)
+        P.HEADER.pack_into(out, 0, P.STATUS_OK, total)
+        pos = P.HEADER.size
+        for view, dev in views:
+            if view.nbytes:
+                dev.backend.get_tensor(view, out=np.frombuffer(out, np.uint8, view.nbytes, pos))
+                pos += view.nbytes
+        return out
+
+    def _copy_tensor(self, payload, t_recv: int) -> bytes:
+        _expect(payload, 2 * TENSOR_SIZE, "COPY_TENSOR")
+        recs = np.frombuffer(payload, P.TENSOR, 2)
+        src, sdev = self._tensor(recs[0], "COPY_TENSOR source")
+        dst, ddev = self._tensor(recs[1], "COPY_TENSOR destination")
+        if sdev is not ddev:
+            raise CommandError("COPY_TENSOR between devices is not supported")
+        if src.nbytes > dst.nbytes:
+            raise CommandError(f"COPY_TENSOR: source {src.name!r} ({src.nbytes} B) is larger than destination "
+                               f"{dst.name!r} ({dst.nbytes} B)")
+        s, d = _byte_view(src, 0, src.nbytes), _byte_view(dst, 0, src.nbytes)
+        if not ddev.backend.cpy_tensor_async(s, d):
+            ddev.backend.set_tensor(d, ddev.backend.get_tensor(s))
+        ddev.backend.synchronize()
+        return b""
+
+    # --- graphs ----------------------------------------------------------------------------------
+    def _graph_compute(self, payload, t_recv: int) -> None:
+        if len(payload) < P.GRAPH_HEAD.size:
+            raise CommandError(f"payload of {len(payload)} bytes is shorter than the graph head")
+        device, _, uid, _, _ = P.GRAPH_HEAD.unpack_from(payload)
+        dev = self._device(device)
+        data = payload if isinstance(payload, bytes) else bytes(payload)
+        stored = self.graphs.get(device)
+        if stored is None or stored.uid != uid or stored.payload != data:
+            self._drop_graph(device)
+            graph, bufs = self._build_graph(dev, data)
+            stored = self.graphs[device] = StoredGraph(uid, data, graph, bufs)
+        dev.backend.graph_compute(stored.graph)
+
+    def _graph_recompute(self, payload, t_recv: int) -> None:
+        _expect(payload, P.RECOMPUTE.size, "GRAPH_RECOMPUTE")
+        device, _, uid = P.RECOMPUTE.unpack(payload)
+        dev = self._device(device)
+        stored = self.graphs.get(device)
+        if stored is None or stored.uid != uid:
+            last = "none" if stored is None else stored.uid
+            raise CommandError(f"graph {uid} is not the last graph of device {device} on this connection "
+                               f"(that is {last})")
+        dev.backend.graph_compute(stored.graph)
+
+    def _drop_graph(self, device: int) -> None:
+        stored = self.graphs.pop(device, None)
+        if stored is not None:
+            self.server.devices[device].forget_graph(stored.graph.uid)
+
+    def _drop_graphs_using(self, bid: int) -> None:
+        for device in [d for d, g in self.graphs.items() if bid in g.buffers]:
+            self._drop_graph(device)
+
+    def _build_graph(self, dev: "Device", payload: bytes) -> tuple[Graph, frozenset]:
+        """Decodes and checks a whole graph; refuses it whole on the first problem."""
+        try:
+            _, _, tens, nodes = wire.decode_graph(payload)
+        except ValueError as exc:
+            raise CommandError(f"malformed graph: {exc}") from None
+        tensors: list[Tensor] = []
+        bufs: set[int] = set()
+        for i in range(len(tens)):
+            t, tdev = self._tensor(tens[i], f"graph tensor {i}")
+            if tdev is not dev:
+                raise CommandError(f"graph tensor {i} {t.name!r} lives on {tdev.name}, the graph runs on {dev.name}")
+            tensors.append(t)
+            bufs.add(t.buffer.id)
+        out_nodes: list[Node] = []
+        ops, outs, nsrc = nodes["op"].tolist(), nodes["out"].tolist(), nodes["n_src"].tolist()
+        srcs, params = nodes["src"].tolist(), nodes["params"].tolist()
+        for j in range(len(ops)):
+            try:
+                op = Op(ops[j])
+            except ValueError:
+                raise CommandError(f"graph node {j}: unknown op code {ops[j]}") from None
+            counts, dtypes, n_params = OP_SPEC[op]
+            n = nsrc[j]
+            if n not in counts:
+                raise CommandError(f"graph node {j} ({op.name}): {n} sources, expected "
+                                   f"{' or '.join(map(str, counts))}")
+            out = tensors[outs[j]]
+            ins = tuple(tensors[s] for s in srcs[j][:n])
+            if out.dtype != F32:
+                raise CommandError(f"graph node {j} ({op.name}): output {out.name!r} is {out.dtype.name}, not F32")
+            for k, t in enumerate(ins):
+                if t.dtype != dtypes[k]:
+                    raise CommandError(f"graph node {j} ({op.name}): source {k} {t.name!r} is {t.dtype.name}, "
+                                       f"not {dtypes[k].name}")
+            p = params[j]
+            self._check_params(j, op, p, n_params)
+            out_nodes.append(Node(op, out, ins, tuple(p[:n_params])))
+        return Graph(out_nodes), frozenset(bufs)
+
+    @staticmethod
+    def _check_params(j: int, op: Op, p: list[float], n_used: int) -> None:
+        for k in range(n_used, P.N_PARAMS):
+            if p[k] != 0.0:
+                raise CommandError(f"graph node {j} ({op.name}): unused parameter {k} is {p[k]}, not 0")
+        for k in range(n_used):
+            if not math.isfinite(p[k]):
+                raise CommandError(f"graph node {j} ({op.name}): parameter {k} is {p[k]}")
+        if op == Op.ATTENTION:
+            for k in range(ATTN_INT_PARAMS):
+                if p[k] != int(p[k]) or not -INT32_MAX - 1 <= p[k] <= INT32_MAX:
+                    raise CommandError(f"graph node {j} (ATTENTION): parameter {k} ({p[k]}) is not a 32-bit integer")
+            h, hkv, hd = int(p[0]), int(p[1]), int(p[2])
+            # the kernel indexes rows in 32-bit ints: keep (H + 2 Hkv) * head_dim inside them
+            if h <= 0 or hkv <= 0 or hd <= 0 or (h + 2 * hkv) * hd > INT32_MAX:
+                raise CommandError(f"graph node {j} (ATTENTION): head parameters ({h}, {hkv}, {hd}) out of range")

@@ -140,3 +140,43 @@ def test_split_check_script_passes():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compared 3 completions" in proc.stdout
+
+
+def test_weight_cache_spares_the_upload_after_a_restart(tmp_path, model_factory):
+    model = model_factory("small")  # weights of >= 1 MiB go through the cache
+    cache = tmp_path / "cache"
+    sent = []
+    for _ in range(2):
+        peer = RPCServerProcess("--cache", str(cache))
+        try:
+            conn = Connection(peer.endpoint)
+            assert conn.has(Cap.SET_TENSOR_HASH)
+            was = stats.enabled
+            stats.enabled = True
+            stats.reset()
+            try:
+                engine = Engine(model, n_threads=1, backends=[RPCBackend(conn, 0, "RPC0")], tensor_split=[1])
+                counts, _ = stats.snapshot()
+            finally:
+                stats.enabled = was
+            logits = engine.new_context(64, 1).decode(Batch.for_sequence([256, 300, 301], 0, 0)).logits.copy()
+            sent.append((counts.get("SET_TENSOR", (0, 0, 0))[1], counts.get("SET_TENSOR_HASH", (0,))[0], logits))
+            engine.close()
+            conn.close()
+        finally:
+            peer.stop()
+    (first_bytes, first_hashes, first_logits), (second_bytes, second_hashes, second_logits) = sent
+    assert first_hashes > 0 and second_hashes == first_hashes
+    # only tensors under the 1 MiB hashing threshold travel again (about 13 of 61 MB here)
+    assert first_bytes > 40 << 20 and second_bytes < first_bytes / 4
+    np.testing.assert_array_equal(first_logits, second_logits)
+
+
+def test_rpc_stats_printed_by_the_program(tiny_model, peers):
+    a, _ = peers
+    proc = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", tiny_model, "-p", PROMPT, "-n", "40",
+                           "--temp", "0", "--ignore-eos", "--rpc", a.endpoint, "--device", "RPC0,CPU", "-t", "1"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYLLAMA_RPC_STATS": "1", "PYLLAMA_RPC_STATS_MS": "100"})
+    assert proc.returncode == 0, proc.stderr
+    assert "rpc stats:" in proc.stderr and "GET_TENSOR" in proc.stderr and "per decode step" in proc.stderr

@@ -8,6 +8,7 @@ lock so one group never re-runs another's graph.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import threading
@@ -18,12 +19,13 @@ import numpy as np
 from .._fast.wire import encode_graph
 from ..graph.ops import Graph
 from ..rpc.connection import Connection, RPCError
-from ..rpc.protocol import (ALLOC_REP, ALLOC_REQ, DEVICE_INFO, GRAPH_HEAD, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32,
-                            U64, USAGE, Cap, Cmd)
+from ..rpc.protocol import (ALLOC_REP, ALLOC_REQ, DEVICE_INFO, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32, U64, USAGE,
+                            Cap, Cmd)
 from .base import Backend, Buffer, DeviceInfo, DType, Tensor
 
 _TENSOR = struct.Struct(f"<QQII{MAX_DIMS}Q{NAME_LEN}s")
 _GRAPH_CACHE = 256
+HASH_MIN_BYTES = 1 << 20  # smaller uploads are cheaper to send than to look up
 
 
 class RPCBuffer(Buffer):
@@ -72,7 +74,14 @@ class RPCBackend(Backend):
         if offset < 0 or offset + len(src) > tensor.nbytes:
             raise ValueError(f"set_tensor: {len(src)} bytes at {offset} overflow {tensor.name} ({tensor.nbytes} B)")
         self._flush_reads()
-        self.conn.send(Cmd.SET_TENSOR, [tensor_bytes(tensor), U64.pack(offset), src])
+        desc = tensor_bytes(tensor)
+        if len(src) >= HASH_MIN_BYTES and tensor.buffer.usage == "weights" and self.conn.has(Cap.SET_TENSOR_HASH):
+            # the server's weight cache may already hold these bytes: a restart then resends nothing
+            digest = hashlib.sha256(src).digest()
+            found = self.conn.call(Cmd.SET_TENSOR_HASH, desc, REGION.pack(offset, len(src)), digest)
+            if found == b"\x01":
+                return
+        self.conn.send(Cmd.SET_TENSOR, [desc, U64.pack(offset), src])
 
     def get_tensor(self, tensor: Tensor, out: Optional[np.ndarray] = None) -> np.ndarray:
         self._flush_reads()

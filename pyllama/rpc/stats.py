@@ -1,7 +1,8 @@
 """PYLLAMA_RPC_STATS=1: command counts and bytes per command type, printed every
-PYLLAMA_RPC_STATS_MS milliseconds (default 5000) with the average per decode step."""
+PYLLAMA_RPC_STATS_MS milliseconds (default 5000) and at exit, with the average per decode step."""
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -67,7 +68,14 @@ def _ensure_printer() -> None:
         def run() -> None:
             while True:
                 time.sleep(period)
-                print(format_stats(*snapshot()), file=sys.stderr, flush=True)
+                if enabled:
+                    print(format_stats(*snapshot()), file=sys.stderr, flush=True)
 
         _printer = threading.Thread(target=run, name="rpc-stats", daemon=True)
         _printer.start()
+        atexit.register(_print_final)
+
+
+def _print_final() -> None:
+    if enabled:
+        print(format_stats(*snapshot()), file=sys.stderr, flush=True)

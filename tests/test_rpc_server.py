@@ -26,6 +26,7 @@ from pyllama.rpc import protocol as P
 from pyllama.rpc.protocol import Cap, Cmd
 from pyllama.rpc_server import ServerThread
 from pyllama.weights import Placement, load_weights, split_layers
+from pyllama.rpc.protocol import graph_tables
 
 U64_MAX = 2**64 - 1
 LOGGER = "pyllama.rpc_server"
@@ -308,18 +309,7 @@ def test_one_way_error_reported_by_next_reply(healthy):
 # --- a real graph ------------------------------------------------------------------------------------------------
 
 def graph_to_wire(graph, buffer_id):
-    index: dict[int, int] = {}
-    tensors = []
-
-    def idx(t) -> int:
-        if id(t) not in index:
-            index[id(t)] = len(tensors)
-            tensors.append((buffer_id(t.buffer), t.offset, int(t.dtype), t.shape, t.name))
-        return index[id(t)]
-
-    nodes = [(int(nd.op), idx(nd.out), tuple(idx(s) for s in nd.srcs), tuple(float(p) for p in nd.params))
-             for nd in graph.nodes]
-    return tensors, nodes
+    return graph_tables(graph, buffer_id)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from pyllama.graph.ops import Graph, Op
 from pyllama.models.model import Model
 from pyllama.rpc.protocol import GRAPH_HEAD, NO_SRC, NODE, TENSOR
 from pyllama.weights import Placement, load_weights, split_layers
+from pyllama.rpc.protocol import graph_tables
 
 U64_MAX = 2**64 - 1
 HEAD = GRAPH_HEAD.size
@@ -21,19 +22,7 @@ TS, NS = TENSOR.itemsize, NODE.itemsize
 
 
 def graph_to_wire(graph: Graph, buffer_id=lambda buf: buf.id):
-    """(tensors, nodes) in encode_graph's form, tensors numbered in order of first use."""
-    index: dict[int, int] = {}
-    tensors = []
-
-    def idx(t) -> int:
-        if id(t) not in index:
-            index[id(t)] = len(tensors)
-            tensors.append((buffer_id(t.buffer), t.offset, int(t.dtype), t.shape, t.name))
-        return index[id(t)]
-
-    nodes = [(int(nd.op), idx(nd.out), tuple(idx(s) for s in nd.srcs), tuple(float(p) for p in nd.params))
-             for nd in graph.nodes]
-    return tensors, nodes
+    return graph_tables(graph, buffer_id)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import numpy as np
 from .._fast.wire import encode_graph
 from ..graph.ops import Graph
 from ..rpc.connection import Connection, RPCError
-from ..rpc.protocol import (ALLOC_REP, ALLOC_REQ, DEVICE_INFO, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32, U64, USAGE,
+from ..rpc.protocol import (ALLOC_REP, graph_tables, ALLOC_REQ, DEVICE_INFO, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32, U64, USAGE,
                             Cap, Cmd)
 from .base import Backend, Buffer, DeviceInfo, DType, Tensor
 
@@ -147,20 +147,12 @@ class RPCBackend(Backend):
             conn.last_graph[self.device] = graph.uid
 
     def _encode(self, graph: Graph) -> bytes:
-        index: dict[int, int] = {}
-        tensors = []
+        def remote_id(buf: Buffer) -> int:
+            if buf is None or buf.backend is not self:
+                raise ValueError(f"a graph tensor is not on {self.name}")
+            return buf.remote_id  # type: ignore[attr-defined]
 
-        def idx(t: Tensor) -> int:
-            i = index.get(id(t))
-            if i is None:
-                if t.buffer is None or t.buffer.backend is not self:
-                    raise ValueError(f"graph tensor {t.name} is not on {self.name}")
-                i = index[id(t)] = len(tensors)
-                tensors.append((t.buffer.remote_id, t.offset, int(t.dtype), t.shape, t.name))  # type: ignore[attr-defined]
-            return i
-
-        nodes = [(int(nd.op), idx(nd.out), tuple(idx(s) for s in nd.srcs), tuple(float(p) for p in nd.params))
-                 for nd in graph.nodes]
+        tensors, nodes = graph_tables(graph, remote_id)
         payload = encode_graph(self.device, graph.uid, tensors, nodes)
         if len(self._encoded) >= _GRAPH_CACHE:
             self._encoded.pop(next(iter(self._encoded)))

@@ -160,19 +160,16 @@ class Connection:
             raise RPCError(self.broken)
 
     def _fail(self, why: str) -> None:
-        if not self.broken:
-            self.broken = f"RPC peer {self.endpoint} is gone ({why})"
-            log.error("%s", self.broken)
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-        with self._turn:
-            self._turn.notify_all()
+        self._shut(f"RPC peer {self.endpoint} is gone ({why})", log.error)
 
     def close(self) -> None:
+        self._shut(f"RPC connection to {self.endpoint} closed", log.debug)
+
+    def _shut(self, reason: str, say) -> None:
+        """Marks the connection broken (the first reason wins) and wakes every waiting thread."""
         if not self.broken:
-            self.broken = f"RPC connection to {self.endpoint} closed"
+            self.broken = reason
+            say("%s", reason)
             try:
                 self.sock.close()
             except OSError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from typing import Any, Callable
 
 import numpy as np
 
@@ -74,3 +75,21 @@ KIND = {"cpu": 0, "cuda": 1}
 
 DEFAULT_MAX_FRAME = 4 << 30             # largest payload a server accepts
 DEFAULT_MAX_READ = 4 << 30              # largest total a GET_TENSORS reply may carry
+
+
+def graph_tables(graph: Any, buffer_id: Callable[[Any], int]) -> tuple[list, list]:
+    """A graph's (tensors, nodes) in the form `pyllama._fast.wire.encode_graph` takes: tensors
+    numbered in order of first use, `buffer_id(buffer)` naming each tensor's buffer on the wire."""
+    index: dict[int, int] = {}
+    tensors: list = []
+
+    def idx(t: Any) -> int:
+        i = index.get(id(t))
+        if i is None:
+            i = index[id(t)] = len(tensors)
+            tensors.append((buffer_id(t.buffer), t.offset, int(t.dtype), t.shape, t.name))
+        return i
+
+    nodes = [(int(nd.op), idx(nd.out), tuple(idx(s) for s in nd.srcs), tuple(float(p) for p in nd.params))
+             for nd in graph.nodes]
+    return tensors, nodes

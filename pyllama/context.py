@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .backend.base import DType, Tensor
+from .backend.base import Buffer, DType, Tensor
 from .errors import ContextLimitError
 from .graph.llama import build_forward
 from .kv_cache import KVCache
@@ -67,7 +67,9 @@ class Context:
     """KV cache and compute state of one pipeline group over a loaded model."""
 
     def __init__(self, model: Model, weights: Weights, placement: Placement, n_ctx: int, n_seq_max: int = 1,
-                 n_batch: int = 2048, n_ubatch: int = 512, kv_unified: bool = False):
+                 n_batch: int = 2048, n_ubatch: int = 512, kv_unified: bool = False, allocate: bool = True):
+        """allocate=False builds the context on paper only (placeholder buffers, a dry plan), to
+        learn what it would take on each device (`device_bytes`) before anything is allocated."""
         hp = model.hparams
         if n_ubatch <= 0 or n_batch <= 0:
             raise ValueError("batch sizes must be positive")
@@ -87,18 +89,26 @@ class Context:
         for il in range(hp.n_layer):
             backend = placement.backends[placement.backend_of_layer(il)]
             size = 2 * self.kv.n_cells * row
-            buf = backend.alloc_buffer(size, usage="kv")
-            self._kv_buffers.append(buf)
+            buf = backend.alloc_buffer(size, usage="kv") if allocate else Buffer(backend, size, "kv")
+            if allocate:
+                self._kv_buffers.append(buf)
             self.kv_bytes[backend.name] = self.kv_bytes.get(backend.name, 0) + size
             k = Tensor(DType.F32, (self.kv.n_cells, hp.n_embd_kv), f"cache_k_l{il}", buf, 0)
             v = Tensor(DType.F32, (self.kv.n_cells, hp.n_embd_kv), f"cache_v_l{il}", buf, self.kv.n_cells * row)
             self.kv_tensors.append((k, v))
-        self.sched = Scheduler(placement)
+        self.sched = Scheduler(placement, dry=not allocate)
         self._plans: dict[tuple[int, int], Plan] = {}
         self._logits = np.zeros((0, hp.n_vocab), dtype=np.float32)
         self._plan(self.n_ubatch, self.n_ubatch)  # sizes the compute buffers for the worst case
 
     # ------------------------------------------------------------------------------------------
+    def device_bytes(self) -> dict[str, int]:
+        """KV cache plus compute buffers of this context, per device name."""
+        out = dict(self.kv_bytes)
+        for backend, peak in zip(self.placement.backends, self.sched.peaks):
+            out[backend.name] = out.get(backend.name, 0) + peak
+        return out
+
     @property
     def seq_cap(self) -> int:
         """The most positions one sequence may hold."""

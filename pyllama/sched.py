@@ -87,11 +87,14 @@ class _FirstFit:
 class Scheduler:
     """Owns one compute buffer per backend for one context, and turns graphs into plans."""
 
-    def __init__(self, placement: Placement):
+    def __init__(self, placement: Placement, dry: bool = False):
+        """dry=True plans without allocating anything: `peaks` tells the buffer sizes needed."""
         self.placement = placement
         self.backends = placement.backends
         self.buffers: list[Optional[Buffer]] = [None] * len(self.backends)
         self.generation = 0
+        self.dry = dry
+        self.peaks = [0] * len(self.backends)
 
     # ------------------------------------------------------------------------------------------
     def plan(self, fg: ForwardGraph) -> Plan:
@@ -174,6 +177,9 @@ class Scheduler:
             else:
                 allocs[bi].release(offsets[tid], t.nbytes)
 
+        self.peaks = [max(a, b) for a, b in zip(self.peaks, peaks)]
+        if self.dry:
+            return Plan(splits, inputs, fg.output, self.generation, peaks)
         self._ensure_buffers(peaks)
         for tid, (bi, t) in tensors.items():
             t.buffer = self.buffers[bi]

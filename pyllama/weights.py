@@ -85,8 +85,12 @@ class Weights:
         self.tensors.clear()
 
 
-def load_weights(model: Model, placement: Placement) -> Weights:
-    """Uploads every logical weight to the backend of its layer, one buffer per backend."""
+def load_weights(model: Model, placement: Placement, upload: bool = True) -> Weights:
+    """Places every logical weight on the backend of its layer, one buffer per backend, and uploads it.
+
+    With upload=False nothing is allocated on any device: the tensors sit in placeholder buffers
+    of the right sizes, which is enough to plan graphs and to check memory before loading.
+    """
     hp = model.hparams
     plan: list[tuple[str, list[TensorInfo], int, DType, tuple[int, ...]]] = []
     aliases: dict[str, str] = {}  # a tied output matrix on its embedding's device is stored once
@@ -108,21 +112,24 @@ def load_weights(model: Model, placement: Placement) -> Weights:
     weights = Weights()
     buffers = []
     for bi, backend in enumerate(placement.backends):
-        buf = backend.alloc_buffer(max(sizes[bi], 1), usage="weights")
+        size = max(sizes[bi], 1)
+        buf = backend.alloc_buffer(size, usage="weights") if upload else Buffer(backend, size, "weights")
         buffers.append(buf)
-        weights.buffers.append(buf)
+        if upload:
+            weights.buffers.append(buf)
         weights.bytes_per_backend[backend.name] = sizes[bi]
     offsets = [0] * len(placement.backends)
     for lname, infos, bi, dtype, shape in plan:
         t = Tensor(dtype, shape, lname, buffers[bi], offsets[bi])
         offsets[bi] += _aligned(t.nbytes)
-        data = model.host_data(infos, dtype)
-        placement.backends[bi].set_tensor(t, data)
+        if upload:
+            placement.backends[bi].set_tensor(t, model.host_data(infos, dtype))
         weights.tensors[lname] = t
     for lname, target in aliases.items():
         weights.tensors[lname] = weights.tensors[target]
-    log.info("loaded %s: %s, %d layers, weights %s", model.name, hp.arch, hp.n_layer,
-             ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in weights.bytes_per_backend.items()))
+    if upload:
+        log.info("loaded %s: %s, %d layers, weights %s", model.name, hp.arch, hp.n_layer,
+                 ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in weights.bytes_per_backend.items()))
     return weights
 
 

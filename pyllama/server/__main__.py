@@ -39,6 +39,9 @@ def build_parser() -> Parser:
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="tokens per decode step at most")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="micro-batch size")
     p.add_argument("-t", "--threads", type=int, default=0, help="compute threads, 0 = all cores")
+    p.add_argument("--pipeline-groups", type=int, default=1,
+                   help="N contexts of the model, each with its own batch and decode thread, so N batches are in "
+                        "flight over a layer split; must divide --parallel")
     p.add_argument("--kv-unified", action="store_true",
                    help="one KV pool for all slots (a request may use the whole context) instead of C/P per slot")
     p.add_argument("-n", "--n-predict", type=int, default=-1, help="default tokens to generate per request, -1 = until done")
@@ -56,6 +59,13 @@ def build_parser() -> Parser:
 def check_args(args) -> None:
     if args.parallel < 1:
         raise PyllamaError(f"--parallel {args.parallel}: must be at least 1")
+    if args.pipeline_groups < 1:
+        raise PyllamaError(f"--pipeline-groups {args.pipeline_groups}: must be at least 1")
+    if args.parallel % args.pipeline_groups:
+        raise PyllamaError(f"--pipeline-groups {args.pipeline_groups} does not divide --parallel {args.parallel}")
+    if args.ctx_size and not args.kv_unified and args.ctx_size % args.pipeline_groups:
+        raise PyllamaError(f"--ctx-size {args.ctx_size} is not divisible by --pipeline-groups {args.pipeline_groups} "
+                           "(split KV gives each group an equal share; or use --kv-unified)")
     if args.ctx_size < 0:
         raise PyllamaError(f"--ctx-size {args.ctx_size}: must be at least 0")
     if args.n_predict < -1:
@@ -77,17 +87,28 @@ def load(state: ServerState) -> None:
         path = default_model_path()
     backends = make_backends(args.device, args.rpc, args.split_mode, args.threads)
     engine = Engine(path, n_threads=args.threads, backends=backends,
-                    tensor_split=parse_split(args.tensor_split, len(backends)))
+                    tensor_split=parse_split(args.tensor_split, len(backends)), load=False)
     hp = engine.model.hparams
+    n_groups = args.pipeline_groups
     n_ctx = args.ctx_size or hp.n_ctx_train
-    if not args.kv_unified and n_ctx < args.parallel:
+    if not args.kv_unified and n_ctx % n_groups:
+        raise PyllamaError(f"the context of {n_ctx} is not divisible by --pipeline-groups {n_groups} (set -c)")
+    # split KV: each group gets C/N cells for its P/N sequences (per-request context unchanged);
+    # unified KV: every group gets the whole C (N times the memory)
+    ctx_group = n_ctx if args.kv_unified else n_ctx // n_groups
+    seq_group = args.parallel // n_groups
+    if not args.kv_unified and ctx_group < seq_group:
         raise PyllamaError(f"--ctx-size {n_ctx} is smaller than --parallel {args.parallel}")
-    ctx = engine.new_context(n_ctx, args.parallel, args.batch_size, args.ubatch_size, args.kv_unified)
-    slots = [Slot(i, 0, i, ctx.seq_cap, engine.tokenizer) for i in range(args.parallel)]
-    group = PipelineGroup(0, ctx, slots, engine.tokenizer, state.metrics, on_free=lambda s: None,
-                          n_threads=1)
-    state.groups = [group]
-    state.slots_per_group = len(slots)
+    need = engine.check_memory(n_groups, ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified)
+    engine.load()
+    state.groups = []
+    for g in range(n_groups):
+        ctx = engine.new_context(ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified)
+        slots = [Slot(g * seq_group + i, g, i, ctx.seq_cap, engine.tokenizer) for i in range(seq_group)]
+        state.groups.append(PipelineGroup(g, ctx, slots, engine.tokenizer, state.metrics, on_free=lambda s: None,
+                                          n_threads=1))
+
+    state.slots_per_group = seq_group
     state.n_ctx_slot = ctx.seq_cap
     tmpl = args.chat_template
     source = None if tmpl in (None, "chatml") else tmpl
@@ -99,15 +120,23 @@ def load(state: ServerState) -> None:
     state.model_path = path
     state.model_alias = args.alias or os.path.basename(path)
     router = Router(state.groups, args.slot_prompt_similarity)
-    group.start()
+    for group in state.groups:
+        group.start()
     router.start()
-    kv_mib = sum(ctx.kv_bytes.values()) / 2**20
-    log.warning("model %s loaded: %d slots, %d positions per request (%s KV), KV %.1f MiB, weights %s; layers: %s",
-                state.model_alias, args.parallel, ctx.seq_cap, "unified" if args.kv_unified else "split",
-                kv_mib, ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in engine.weights.bytes_per_backend.items()),
-                engine.placement.describe())
+    kv = {}
+    for group in state.groups:
+        for name, size in group.ctx.kv_bytes.items():
+            kv[name] = kv.get(name, 0) + size
+    log.warning("model %s loaded: %d slots in %d pipeline group(s); at most %d positions per request (%s KV); "
+                "KV cache %s; weights %s; needed in all %s; layers: %s",
+                state.model_alias, args.parallel, n_groups, ctx.seq_cap, "unified" if args.kv_unified else "split",
+                _mib(kv), _mib(engine.weights.bytes_per_backend), _mib(need), engine.placement.describe())
     state.router = router
     state.engine = engine
+
+
+def _mib(per_device: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in per_device.items())
 
 
 async def serve(args) -> int:

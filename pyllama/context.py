@@ -169,12 +169,11 @@ class Context:
         }
         if "inp_out_ids" in plan.inputs:
             values["inp_out_ids"] = np.flatnonzero(want).astype(np.int32)
-        self.sched.compute(plan, values)
         if not n_out:
+            self.sched.compute(plan, values)
             return 0, None
-        out = plan.output
-        out.backend.get_tensor_async(out, self._logits[out_row:out_row + n_out])
-        return n_out, out.backend
+        self.sched.compute(plan, values, output=self._logits[out_row:out_row + n_out])
+        return n_out, plan.output.backend
 
     # ------------------------------------------------------------------------------------------
     def seq_rm(self, seq: int, p0: int = 0) -> int:

@@ -7,7 +7,7 @@ import os
 from typing import Optional, Sequence
 
 from .backend.base import Backend
-from .backend.cpu import CPUBackend
+from .backend.cpu import CPUBackend, set_compute_threads
 from .context import Context
 from .devices import default_split
 from .errors import ModelFileError, PyllamaError
@@ -16,17 +16,6 @@ from .tokenizer import Tokenizer, load_tokenizer
 from .weights import Placement, Weights, load_weights, split_layers
 
 log = logging.getLogger(__name__)
-
-
-def set_compute_threads(n_threads: int) -> int:
-    """Caps BLAS threads for the whole process (the Cython kernels take the count per call)."""
-    n = n_threads if n_threads > 0 else (os.cpu_count() or 1)
-    try:
-        from threadpoolctl import threadpool_limits  # noqa: PLC0415
-        threadpool_limits(limits=n, user_api="blas")
-    except Exception as exc:  # pragma: no cover - only where threadpoolctl cannot see the BLAS
-        log.warning("could not limit BLAS threads to %d: %s", n, exc)
-    return n
 
 
 class Engine:

@@ -27,6 +27,7 @@ ALIGN = 64
 class Copy:
     src: Tensor
     dst: Tensor
+    staging: Optional[np.ndarray] = None  # host bytes, when the devices cannot copy directly
 
 
 @dataclass
@@ -204,18 +205,35 @@ class Scheduler:
         return {b.name: (buf.size if buf else 0) for b, buf in zip(self.backends, self.buffers)}
 
     # ------------------------------------------------------------------------------------------
-    def compute(self, plan: Plan, values: dict[str, np.ndarray]) -> None:
-        """Sets the inputs, runs every split in order with its copies, leaves the output on its device."""
+    def compute(self, plan: Plan, values: dict[str, np.ndarray], output: Optional[np.ndarray] = None) -> None:
+        """Sets the inputs and runs every split in order with its copies. A tensor that leaves a
+        device is read back as part of its producing graph (so no other user's command can come
+        between the graph and the read on a shared connection) and written to the consumer before
+        its graph. With `output`, the logits are read into it the same way: complete it with the
+        output backend's synchronize()."""
         for name, copies in plan.inputs.items():
             data = values[name]
             for t in copies:
                 t.backend.set_tensor(t, data)
-        for split in plan.splits:
+        for i, split in enumerate(plan.splits):
+            dst_backend = split.backend
             for c in split.copies:
-                dst_backend = split.backend
-                if not dst_backend.cpy_tensor_async(c.src, c.dst):
-                    dst_backend.set_tensor(c.dst, c.src.backend.get_tensor(c.src))
-            split.backend.graph_compute(split.graph)
+                if c.staging is None:
+                    dst_backend.cpy_tensor_async(c.src, c.dst)
+                else:
+                    c.src.backend.synchronize()  # the read sent with the producing graph
+                    dst_backend.set_tensor(c.dst, c.staging)
+            reads = [(c.src, self._staging(c)) for later in plan.splits[i + 1:] for c in later.copies
+                     if c.src.backend is split.backend and not later.backend.can_copy_from(split.backend)]
+            if output is not None and i == len(plan.splits) - 1 and plan.output is not None:
+                reads.append((plan.output, output))
+            split.backend.graph_compute(split.graph, reads)
+
+    @staticmethod
+    def _staging(c: Copy) -> np.ndarray:
+        if c.staging is None:
+            c.staging = np.empty(c.src.nbytes, dtype=np.uint8)
+        return c.staging
 
     def free(self) -> None:
         for bi, buf in enumerate(self.buffers):

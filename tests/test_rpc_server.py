@@ -323,11 +323,11 @@ def captured(model_factory):
     seen = {}
     run = backend.graph_compute
 
-    def capture(graph):
+    def capture(graph, reads=()):
         bufs = {t.buffer.id: t.buffer for nd in graph.nodes for t in (nd.out, *nd.srcs)}
         seen["graph"], seen["buffers"] = graph, bufs
         seen["before"] = {i: b.data.tobytes() for i, b in bufs.items()}
-        run(graph)
+        run(graph, reads)
         seen["after"] = {i: b.data.tobytes() for i, b in bufs.items()}
     backend.graph_compute = capture  # type: ignore[method-assign]
     out = ctx.decode(Batch.for_sequence([256, 17, 33, 99, 4, 250, 7], 0, all_logits=True))

@@ -34,7 +34,7 @@ def llama_graph(model_factory) -> Graph:
     ctx = Context(model, load_weights(model, placement), placement, 64, 1, 16, 16)
     graphs = []
     run = backend.graph_compute
-    backend.graph_compute = lambda g: (graphs.append(g), run(g))  # type: ignore[method-assign]
+    backend.graph_compute = lambda g, reads=(): (graphs.append(g), run(g, reads))  # type: ignore[method-assign]
     ctx.decode(Batch.for_sequence([256, 3, 4, 5, 6], 0))
     assert len(graphs) == 1
     return graphs[0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as DType
@@ -133,6 +133,10 @@ class Backend(ABC):
     def get_tensor_async(self, tensor: Tensor, out: np.ndarray) -> None:
         self.get_tensor(tensor, out)
 
+    def can_copy_from(self, src: "Backend") -> bool:
+        """Whether cpy_tensor_async can take a tensor of `src` without passing through the host."""
+        return False
+
     def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
         """Copies src (on any backend) into dst (on this one) if this backend knows how; else False."""
         return False
@@ -143,8 +147,10 @@ class Backend(ABC):
 
     # --- compute -----------------------------------------------------------------------------
     @abstractmethod
-    def graph_compute(self, graph: "Graph") -> None:
-        """Runs a graph whose tensors all live on this backend. May return before completion."""
+    def graph_compute(self, graph: "Graph", reads: Sequence[tuple[Tensor, np.ndarray]] = ()) -> None:
+        """Runs a graph whose tensors all live on this backend. May return before completion.
+        `reads`: tensors to read back into host arrays right after the graph, as part of it;
+        they are complete after synchronize()."""
 
     def synchronize(self) -> None:
         """Waits for every queued operation."""

@@ -6,10 +6,11 @@ synchronize and events are trivial here.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import OrderedDict
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -18,6 +19,17 @@ from ..graph.ops import Graph, Op
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 
 _PLAN_CACHE = 256
+
+
+def set_compute_threads(n_threads: int) -> int:
+    """Caps BLAS threads for the whole process (the Cython kernels take the count per call)."""
+    n = n_threads if n_threads > 0 else (os.cpu_count() or 1)
+    try:
+        from threadpoolctl import threadpool_limits  # noqa: PLC0415
+        threadpool_limits(limits=n, user_api="blas")
+    except Exception as exc:  # pragma: no cover - only where threadpoolctl cannot see the BLAS
+        logging.getLogger(__name__).warning("could not limit BLAS threads to %d: %s", n, exc)
+    return n
 
 
 class CPUBuffer(Buffer):
@@ -103,6 +115,9 @@ class CPUBackend(Backend):
         dst[:] = data
         return out
 
+    def can_copy_from(self, src: Backend) -> bool:
+        return isinstance(src, CPUBackend)
+
     def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
         if not isinstance(src.backend, CPUBackend):
             return False
@@ -110,7 +125,7 @@ class CPUBackend(Backend):
         return True
 
     # --- compute ---------------------------------------------------------------------------------
-    def graph_compute(self, graph: Graph) -> None:
+    def graph_compute(self, graph: Graph, reads: Sequence[tuple[Tensor, np.ndarray]] = ()) -> None:
         with self._plans_lock:
             steps = self._plans.get(graph.uid)
             if steps is None:
@@ -122,6 +137,8 @@ class CPUBackend(Backend):
                 self._plans.move_to_end(graph.uid)
         for step in steps:
             step()
+        for t, out in reads:
+            self.get_tensor(t, out)
 
     def forget_graph(self, uid: int) -> None:
         """Drops the bound plan of a graph (its views would keep freed buffers alive)."""

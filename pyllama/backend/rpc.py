@@ -49,9 +49,23 @@ class RPCBackend(Backend):
         self.device = device
         self.name = name
         self.batched_get = conn.has(Cap.GET_TENSORS) and os.environ.get("PYLLAMA_RPC_NO_BATCHED_GET", "") in ("", "0")
-        self._reads: list[tuple[Tensor, np.ndarray]] = []
-        self._reads_lock = threading.Lock()
+        # per thread: every pipeline group uses this backend from its own decode thread
+        self._local = threading.local()
         self._encoded: dict[int, bytes] = {}
+
+    @property
+    def _reads(self) -> list[tuple[Tensor, np.ndarray]]:
+        """Reads queued by get_tensor_async, not sent yet."""
+        if not hasattr(self._local, "reads"):
+            self._local.reads = []
+        return self._local.reads
+
+    @property
+    def _inflight(self) -> list[tuple[int, Cmd, list[tuple[Tensor, np.ndarray]]]]:
+        """Reads sent (with their tickets) whose replies are still to be received."""
+        if not hasattr(self._local, "inflight"):
+            self._local.inflight = []
+        return self._local.inflight
 
     # --- buffers -------------------------------------------------------------------------------
     def alloc_buffer(self, size: int, usage: str = "compute") -> Buffer:
@@ -101,29 +115,46 @@ class RPCBackend(Backend):
             return
         if out.nbytes != tensor.nbytes or not out.flags.c_contiguous:
             raise ValueError(f"get_tensor_async: destination of {tensor.name} must be contiguous and {tensor.nbytes} B")
-        with self._reads_lock:
-            self._reads.append((tensor, out))
+        self._reads.append((tensor, out))
 
     def _flush_reads(self) -> None:
-        """Sends the queued reads as one GET_TENSORS and fills their destinations."""
-        with self._reads_lock:
-            reads, self._reads = self._reads, []
-        if not reads:
-            return
-        parts = [U32.pack(len(reads))]
-        for t, _ in reads:
-            parts.append(tensor_bytes(t))
-            parts.append(REGION.pack(0, t.nbytes))
-        total = sum(t.nbytes for t, _ in reads)
-        if len(reads) == 1:
-            self.conn.call(Cmd.GET_TENSORS, *parts, into=memoryview(reads[0][1].reshape(-1).view(np.uint8)))
-            return
-        buf = bytearray(total)
-        self.conn.call(Cmd.GET_TENSORS, *parts, into=memoryview(buf))
-        pos = 0
+        """Sends this thread's queued reads and waits for every read it has in flight."""
+        reads = self._reads
+        if reads:
+            self._send_reads(list(reads), locked=False)
+            reads.clear()
+        inflight = self._inflight
+        while inflight:
+            ticket, cmd, batch = inflight.pop(0)
+            if len(batch) == 1:
+                self.conn.receive(ticket, cmd, into=memoryview(batch[0][1].reshape(-1).view(np.uint8)))
+                continue
+            buf = bytearray(sum(t.nbytes for t, _ in batch))
+            self.conn.receive(ticket, cmd, into=memoryview(buf))
+            pos = 0
+            for t, out in batch:
+                out.reshape(-1).view(np.uint8)[:] = np.frombuffer(buf, np.uint8, t.nbytes, pos)
+                pos += t.nbytes
+
+    def _send_reads(self, reads: list[tuple[Tensor, np.ndarray]], locked: bool) -> None:
+        """Sends reads (one GET_TENSORS, or one GET_TENSOR each without the capability); their
+        replies are received by _flush_reads."""
         for t, out in reads:
-            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(buf, np.uint8, t.nbytes, pos)
-            pos += t.nbytes
+            if out.nbytes != t.nbytes or not out.flags.c_contiguous:
+                raise ValueError(f"read of {t.name}: destination must be contiguous and {t.nbytes} B")
+        if self.batched_get:
+            parts = [U32.pack(len(reads))]
+            for t, _ in reads:
+                parts += [tensor_bytes(t), REGION.pack(0, t.nbytes)]
+            ticket = self.conn.send(Cmd.GET_TENSORS, parts, locked=locked)
+            self._inflight.append((ticket, Cmd.GET_TENSORS, reads))  # type: ignore[arg-type]
+            return
+        for t, out in reads:
+            ticket = self.conn.send(Cmd.GET_TENSOR, [tensor_bytes(t), REGION.pack(0, t.nbytes)], locked=locked)
+            self._inflight.append((ticket, Cmd.GET_TENSOR, [(t, out)]))  # type: ignore[arg-type]
+
+    def can_copy_from(self, src: Backend) -> bool:
+        return isinstance(src, RPCBackend) and src.conn is self.conn
 
     def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
         if not isinstance(src.backend, RPCBackend) or src.backend.conn is not self.conn:
@@ -133,18 +164,22 @@ class RPCBackend(Backend):
         return True
 
     # --- compute ---------------------------------------------------------------------------------
-    def graph_compute(self, graph: Graph) -> None:
+    def graph_compute(self, graph: Graph, reads=()) -> None:
+        """Sends the graph (or re-runs it by uid) and, under the same send lock, the reads that
+        belong to it, so no other thread's graph can come between them on the wire."""
         self._flush_reads()
         conn = self.conn
         with conn.send_lock:
             if conn.last_graph.get(self.device) == graph.uid:
                 conn.send(Cmd.GRAPH_RECOMPUTE, [RECOMPUTE.pack(self.device, 0, graph.uid)], locked=True)
-                return
-            payload = self._encoded.get(graph.uid)
-            if payload is None:
-                payload = self._encode(graph)
-            conn.send(Cmd.GRAPH_COMPUTE, [payload], locked=True)
-            conn.last_graph[self.device] = graph.uid
+            else:
+                payload = self._encoded.get(graph.uid)
+                if payload is None:
+                    payload = self._encode(graph)
+                conn.send(Cmd.GRAPH_COMPUTE, [payload], locked=True)
+                conn.last_graph[self.device] = graph.uid
+            if reads:
+                self._send_reads(list(reads), locked=True)
 
     def _encode(self, graph: Graph) -> bytes:
         def remote_id(buf: Buffer) -> int:
@@ -160,8 +195,8 @@ class RPCBackend(Backend):
         return payload
 
     def synchronize(self) -> None:
-        if self._reads:
-            self._flush_reads()  # its reply also reports any earlier one-way failure
+        if self._reads or self._inflight:
+            self._flush_reads()  # their replies also report any earlier one-way failure
         else:
             self.conn.call(Cmd.SYNCHRONIZE, U32.pack(self.device))
 

@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from ..backend.cpu import CPUBackend
+from ..backend.cpu import CPUBackend, set_compute_threads
 from ..cli import Parser, run_main, setup_logging
 from ..errors import PyllamaError
 from ..rpc.protocol import DEFAULT_MAX_FRAME
@@ -69,6 +69,7 @@ def _is_loopback(host: str) -> bool:
 
 async def serve(args) -> int:
     try:
+        set_compute_threads(args.threads)  # BLAS threads too: idle ones spin and steal the cores
         server = RPCServer(args.host, args.port, backend_factory=lambda: CPUBackend(args.threads),
                            mem_limit=args.mem << 20 if args.mem else None, cache_dir=args.cache,
                            max_frame=args.max_frame)

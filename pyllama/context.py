@@ -7,6 +7,7 @@ rows that asked for logits produce them, and a decode step reads back one thing:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -99,6 +100,7 @@ class Context:
         self.sched = Scheduler(placement, dry=not allocate)
         self._plans: dict[tuple[int, int], Plan] = {}
         self._logits = np.zeros((0, hp.n_vocab), dtype=np.float32)
+        self.last_submit_s = self.last_sync_s = 0.0  # of the last decode: building and sending, then waiting
         self._plan(self.n_ubatch, self.n_ubatch)  # sizes the compute buffers for the worst case
 
     # ------------------------------------------------------------------------------------------
@@ -138,6 +140,7 @@ class Context:
         rows = np.flatnonzero(batch.logits)
         if len(self._logits) < len(rows):
             self._logits = np.zeros((max(len(rows), 1), self.hparams.n_vocab), dtype=np.float32)
+        t0 = time.perf_counter()
         done = 0
         readers = set()
         for u0 in range(0, n, self.n_ubatch):
@@ -146,8 +149,10 @@ class Context:
             done += k
             if backend is not None:
                 readers.add(backend)
-        for backend in readers:  # the queued output reads leave as one read per device
+        t1 = time.perf_counter()
+        for backend in readers:  # the reads sent with the graphs complete here
             backend.synchronize()
+        self.last_submit_s, self.last_sync_s = t1 - t0, time.perf_counter() - t1
         if rpc_stats.enabled:
             rpc_stats.on_step()
         return DecodeOutput(self._logits[:len(rows)], rows)

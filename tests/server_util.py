@@ -75,15 +75,14 @@ class ServerProcess:
             conn.close()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """Stops the server; what it wrote on stderr is kept in `stderr_text`."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
+        try:
+            _, self.stderr_text = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, self.stderr_text = self.proc.communicate()
         return self.proc.returncode
 
 

@@ -150,3 +150,27 @@ def test_refused_when_a_peer_lacks_memory(model_factory):
         assert len(line) == 1 and "not enough memory on RPC0" in line[0] and "short by" in line[0], proc.stderr
     finally:
         peer.stop()
+
+
+def test_pipe_prof_reports_each_group(tiny_model):
+    srv = ServerProcess(tiny_model, "-np", "2", "--pipeline-groups", "2", "-c", "1024",
+                        env={"PYLLAMA_PIPE_PROF": "1", "PYLLAMA_PIPE_PROF_MS": "200"}).wait_ready()
+    try:
+        threads = [threading.Thread(target=srv.post, args=("/completion", {"prompt": p, "n_predict": 40,
+                                                                           "ignore_eos": True, "stop": ["zz"]}))
+                   for p in PROMPTS[:2]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        time.sleep(0.5)
+    finally:
+        assert srv.stop() == 0
+    log = srv.stderr_text
+    for g in (0, 1):
+        lines = [ln for ln in log.splitlines() if ln.startswith(f"pipe prof group {g}:")]
+        busy = [ln for ln in lines if " 0 steps" not in ln]
+        assert busy, log[-2000:]
+        for name in ("lock_wait", "pre_decode", "submit", "synchronize", "post_decode", "sampling", "detokenize",
+                     "stop_strings", "result_send"):
+            assert name in busy[0]

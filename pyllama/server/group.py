@@ -19,6 +19,7 @@ import numpy as np
 from ..context import Batch, Context
 from ..sampling import BatchSampler
 from ..tokenizer import Tokenizer
+from . import pipe_prof
 from .metrics import Metrics
 from .slot import Slot, SlotState, common_prefix, token_probs
 from .task import CompletionTask, ErrorEvent, EventSink, FinalEvent
@@ -44,6 +45,7 @@ class PipelineGroup:
         self.sampler = BatchSampler(ctx.hparams.n_vocab, max(len(slots), 1), MAX_PROBS, n_threads=n_threads)
         self.sink = EventSink()
         self.fault: Optional[str] = None
+        self.prof = pipe_prof.profile_for(index) if pipe_prof.enabled else None
         self.thread = threading.Thread(target=self._run, name=f"decode-{index}", daemon=True)
 
     def start(self) -> None:
@@ -67,7 +69,9 @@ class PipelineGroup:
     # ------------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
+            t_want = time.perf_counter()
             with self._wake:
+                t_got = time.perf_counter()
                 while self._running and not self._inbox and not any(s.busy for s in self.slots):
                     self._wake.wait()
                 if not self._running:
@@ -77,13 +81,17 @@ class PipelineGroup:
                 except Exception as exc:  # a failed step fails its requests, never the thread
                     log.exception("decode step failed in group %d", self.index)
                     self._fail_all(f"decode failed: {exc}")
+            t_send = time.perf_counter()
             self.sink.flush()
+            if self.prof is not None:
+                self.prof.add(lock_wait=t_got - t_want, result_send=time.perf_counter() - t_send)
         for slot in self.slots:  # shutting down: whatever still runs ends as cancelled
             if slot.busy:
                 self._finish(slot, None)
         self.sink.flush()
 
     def _iteration(self) -> None:
+        self._t_iter = time.perf_counter()
         while self._inbox:
             self._place(self._inbox.popleft())
         for slot in self.slots:
@@ -92,9 +100,14 @@ class PipelineGroup:
         batch, rows = self._build_batch()
         if batch is None:
             return
+        t_pre = time.perf_counter()
         out = self.ctx.decode(batch)
+        t_dec = time.perf_counter()
         self.metrics.on_decode(sum(1 for s in self.slots if s.busy))
         self._after_decode(out.logits, rows)
+        if self.prof is not None:
+            self.prof.add(steps=1, pre_decode=t_pre - self._t_iter, submit=self.ctx.last_submit_s,
+                          synchronize=self.ctx.last_sync_s, post_decode=time.perf_counter() - t_dec)
 
     def _place(self, placements: list[tuple[Slot, CompletionTask]]) -> None:
         parent: Optional[Slot] = None
@@ -172,7 +185,9 @@ class PipelineGroup:
         if not rows:
             return
         samplers = [slot.sampler for slot in rows]
+        t0 = time.perf_counter()
         res = self.sampler.sample(logits, samplers)
+        t_sampling = time.perf_counter() - t0
         ids, probs, top_ids, top_probs = res.ids.tolist(), res.probs, res.top_ids, res.top_probs
         for i, slot in enumerate(rows):
             task = slot.task
@@ -189,6 +204,11 @@ class PipelineGroup:
                 self.sink.put(task, event)
             if final is not None:
                 self._finish(slot, final)
+        if self.prof is not None:
+            self.prof.add(tokens=len(rows), sampling=t_sampling,
+                          detokenize=sum(s.t_detok for s in rows), stop_strings=sum(s.t_stop for s in rows))
+            for s in rows:
+                s.t_detok = s.t_stop = 0.0
 
     def _finish(self, slot: Slot, final: Optional[FinalEvent]) -> None:
         task = slot.task

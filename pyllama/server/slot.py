@@ -86,6 +86,7 @@ class Slot:
         self.text = ""
         self.n_sent = 0                 # characters of self.text already sent
         self.t_start = self.t_prompt_done = self.t_last = 0.0
+        self.t_detok = self.t_stop = 0.0  # accumulated for PYLLAMA_PIPE_PROF
 
     # --- life cycle (decode thread) --------------------------------------------------------------
     @property
@@ -131,13 +132,17 @@ class Slot:
             return None, self._final("eos")
         self.n_decoded += 1
         self.next_token = token
+        t0 = time.perf_counter()
         self.text += self.detok.feed(token)
+        t1 = time.perf_counter()
         stop_type, word = "", ""
         if self.stopper.stops:
             i, word = self.stopper.find(self.text, self.n_sent)
             if i >= 0:
                 self.text = self.text[:i]
                 stop_type = "word"
+        self.t_detok += t1 - t0
+        self.t_stop += time.perf_counter() - t1
         if not stop_type and task.n_predict >= 0 and self.n_decoded >= task.n_predict:
             stop_type = "limit"
         if not stop_type and self.n_past >= self.n_ctx:

@@ -11,6 +11,8 @@ arithmetic with explicit overflow tests.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import logging
 import math
 import struct
@@ -73,6 +75,9 @@ def now_us() -> int:
     return time.monotonic_ns() // 1000
 
 
+RECENT_GRAPHS = 16  # decoded graphs kept per connection (several pipeline groups, several shapes)
+
+
 @dataclass
 class StoredGraph:
     uid: int
@@ -124,6 +129,9 @@ class Session:
         self.peer = peer
         self.buffers: dict[int, tuple[Buffer, "Device"]] = {}
         self.graphs: dict[int, StoredGraph] = {}   # device index -> last graph
+        # recently decoded graphs by (device, uid): pipeline groups alternate their graphs on one
+        # connection, and re-decoding and re-binding each one every step costs the server a lot
+        self.recent: "OrderedDict[tuple[int, int], StoredGraph]" = OrderedDict()
         self.pending: Optional[str] = None          # the first one-way failure not yet reported
         self._more_failures = 0                     # one-way failures after it
         self.closed = False
@@ -176,8 +184,9 @@ class Session:
 
     def release(self, device: "Device") -> None:
         """Frees everything this connection holds on `device` (runs on its executor at close)."""
-        for uid_dev in [d for d in self.graphs if d == device.index]:
-            device.forget_graph(self.graphs.pop(uid_dev).graph.uid)
+        self.graphs.pop(device.index, None)
+        for key in [k for k in self.recent if k[0] == device.index]:
+            device.forget_graph(self.recent.pop(key).graph.uid)
         for bid in [b for b, (_, dev) in self.buffers.items() if dev is device]:
             buf, _ = self.buffers.pop(bid)
             device.free(buf)
@@ -380,11 +389,17 @@ class Session:
         device, _, uid, _, _ = P.GRAPH_HEAD.unpack_from(payload)
         dev = self._device(device)
         data = payload if isinstance(payload, bytes) else bytes(payload)
-        stored = self.graphs.get(device)
-        if stored is None or stored.uid != uid or stored.payload != data:
-            self._drop_graph(device)
+        self.graphs.pop(device, None)  # a refused graph still replaces the last one
+        stored = self.recent.get((device, uid))
+        if stored is None or stored.payload != data:
+            self._forget((device, uid))
             graph, bufs = self._build_graph(dev, data)
-            stored = self.graphs[device] = StoredGraph(uid, data, graph, bufs)
+            stored = StoredGraph(uid, data, graph, bufs)
+        self.recent[(device, uid)] = stored
+        self.recent.move_to_end((device, uid))
+        while len(self.recent) > RECENT_GRAPHS:
+            self._forget(next(iter(self.recent)))
+        self.graphs[device] = stored
         dev.backend.graph_compute(stored.graph)
 
     def _graph_recompute(self, payload, t_recv: int) -> None:
@@ -398,14 +413,16 @@ class Session:
                                f"(that is {last})")
         dev.backend.graph_compute(stored.graph)
 
-    def _drop_graph(self, device: int) -> None:
-        stored = self.graphs.pop(device, None)
+    def _forget(self, key: tuple[int, int]) -> None:
+        stored = self.recent.pop(key, None)
         if stored is not None:
-            self.server.devices[device].forget_graph(stored.graph.uid)
+            if self.graphs.get(key[0]) is stored:
+                del self.graphs[key[0]]
+            self.server.devices[key[0]].forget_graph(stored.graph.uid)
 
     def _drop_graphs_using(self, bid: int) -> None:
-        for device in [d for d, g in self.graphs.items() if bid in g.buffers]:
-            self._drop_graph(device)
+        for key in [k for k, g in self.recent.items() if bid in g.buffers]:
+            self._forget(key)
 
     def _build_graph(self, dev: "Device", payload: bytes) -> tuple[Graph, frozenset]:
         """Decodes and checks a whole graph; refuses it whole on the first problem."""

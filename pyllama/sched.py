@@ -36,6 +36,7 @@ class Split:
     backend: Backend
     graph: Graph
     copies: list[Copy] = field(default_factory=list)  # inputs from other backends, before compute
+    outgoing: list[Copy] = field(default_factory=list)  # later copies read back with this split's graph
 
 
 @dataclass
@@ -178,6 +179,13 @@ class Scheduler:
             else:
                 allocs[bi].release(offsets[tid], t.nbytes)
 
+        # a tensor that leaves a device without a direct copy is staged through the host
+        for i, split in enumerate(splits):
+            for later in splits[i + 1:]:
+                for c in later.copies:
+                    if produced[id(c.src)] == split.backend_index and not later.backend.can_copy_from(split.backend):
+                        c.staging = np.empty(c.src.nbytes, dtype=np.uint8)
+                        split.outgoing.append(c)
         self.peaks = [max(a, b) for a, b in zip(self.peaks, peaks)]
         if self.dry:
             return Plan(splits, inputs, fg.output, self.generation, peaks)
@@ -223,17 +231,10 @@ class Scheduler:
                 else:
                     c.src.backend.synchronize()  # the read sent with the producing graph
                     dst_backend.set_tensor(c.dst, c.staging)
-            reads = [(c.src, self._staging(c)) for later in plan.splits[i + 1:] for c in later.copies
-                     if c.src.backend is split.backend and not later.backend.can_copy_from(split.backend)]
+            reads = [(c.src, c.staging) for c in split.outgoing]
             if output is not None and i == len(plan.splits) - 1 and plan.output is not None:
                 reads.append((plan.output, output))
             split.backend.graph_compute(split.graph, reads)
-
-    @staticmethod
-    def _staging(c: Copy) -> np.ndarray:
-        if c.staging is None:
-            c.staging = np.empty(c.src.nbytes, dtype=np.uint8)
-        return c.staging
 
     def free(self) -> None:
         for bi, buf in enumerate(self.buffers):

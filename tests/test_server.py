@@ -335,3 +335,49 @@ def test_long_prompt_does_not_stall_running_generation(tiny_model):
     group.submit([(slots[1], CompletionTask(prompt=long_prompt[::-1], params=greedy, n_predict=2, cache_prompt=False))])
     group._iteration()
     assert slots[1].state is SlotState.GENERATING
+
+
+def test_submit_does_not_wait_for_a_running_step(tiny_model):
+    """Handing a task to a group must not block behind that group's decode step: the task thread
+    places work for every group, and a step over a split can take a long time."""
+    from pyllama.engine import Engine
+    from pyllama.sampling import SamplingParams
+    from pyllama.server.group import PipelineGroup
+    from pyllama.server.metrics import Metrics
+    from pyllama.server.slot import Slot
+    from pyllama.server.task import CompletionTask
+
+    engine = Engine(tiny_model, n_threads=1)
+    ctx = engine.new_context(512, 2)
+    slots = [Slot(i, 0, i, ctx.seq_cap, engine.tokenizer) for i in range(2)]
+    group = PipelineGroup(0, ctx, slots, engine.tokenizer, Metrics(), on_free=lambda s: None)
+    in_step, release = threading.Event(), threading.Event()
+    real_decode = ctx.decode
+
+    def slow_decode(batch):
+        in_step.set()
+        assert release.wait(30), "the test never released the step"
+        return real_decode(batch)
+
+    ctx.decode = slow_decode
+    greedy = SamplingParams(temperature=0)
+    group.start()
+    try:
+        group.submit([(slots[0], CompletionTask(prompt=engine.tokenizer.encode(PROMPT), params=greedy, n_predict=3))])
+        assert in_step.wait(30), "the group never started its step"
+        second = threading.Thread(target=group.submit, args=(
+            [(slots[1], CompletionTask(prompt=engine.tokenizer.encode(PROMPT), params=greedy, n_predict=3))],))
+        second.start()
+        second.join(10)
+        blocked = second.is_alive()
+        release.set()
+        second.join(30)
+        assert not blocked, "submit waited for the running decode step"
+        deadline = time.monotonic() + 30
+        while any(s.busy for s in slots) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not any(s.busy for s in slots), "the submitted tasks did not finish"
+        assert all(s.n_decoded == 3 for s in slots)
+    finally:
+        release.set()
+        group.stop()

@@ -1,4 +1,8 @@
-"""The CPU backend: numpy buffers, BLAS for matrix products, Cython kernels for the rest.
+"""The CPU backend: numpy buffers, Cython kernels, BLAS for matrix products of many rows.
+
+Matrix products of at most `gemm.small_rows_max()` rows (decode batches) run on the streaming
+kernel of `_fast/gemm.pyx`, which reads each weight once; larger ones (prompts) go to BLAS.
+PYLLAMA_CPU_BLAS_ONLY=1 sends every product to BLAS (for A/B runs).
 
 Every kernel releases the GIL (numpy's BLAS does, and the Cython kernels run `nogil`), so the
 decode threads of several contexts overlap for real. Work completes inside graph_compute, so
@@ -14,11 +18,13 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from .._fast import gemm
 from .._fast import ops as k
 from ..graph.ops import Graph, Op
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 
 _PLAN_CACHE = 256
+_BLAS_ONLY = os.environ.get("PYLLAMA_CPU_BLAS_ONLY", "") not in ("", "0")
 
 
 def set_compute_threads(n_threads: int) -> int:
@@ -162,11 +168,13 @@ class CPUBackend(Backend):
             elif op == Op.RMS_NORM:
                 steps.append(_bind(k.rms_norm, s[0], s[1], out, float(nd.params[0]), nt))
             elif op == Op.MUL_MAT:
-                wt = s[1].T
-                if len(s) == 3:
-                    steps.append(_bind_mul_mat_bias(s[0], wt, s[2], out))
+                bias = s[2] if len(s) == 3 else None
+                if s[0].shape[0] <= gemm.small_rows_max() and not _BLAS_ONLY:
+                    steps.append(_bind(gemm.mul_mat_t, s[0], s[1], out, bias, nt))
+                elif bias is not None:
+                    steps.append(_bind_mul_mat_bias(s[0], s[1].T, bias, out))
                 else:
-                    steps.append(_bind(np.matmul, s[0], wt, out=out))
+                    steps.append(_bind(np.matmul, s[0], s[1].T, out=out))
             elif op == Op.ADD:
                 steps.append(_bind(np.add, s[0], s[1], out=out))
             elif op == Op.SWIGLU:

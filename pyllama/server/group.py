@@ -38,8 +38,10 @@ class PipelineGroup:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.on_free = on_free
+        # `lock` is held by the decode thread for a whole iteration (context and slots); the
+        # inbox has its own lock so the task thread never waits behind a running step.
         self.lock = threading.Lock()
-        self._wake = threading.Condition(self.lock)
+        self._wake = threading.Condition(threading.Lock())
         self._inbox: deque[list[tuple[Slot, CompletionTask]]] = deque()
         self._running = True
         self.sampler = BatchSampler(ctx.hparams.n_vocab, max(len(slots), 1), MAX_PROBS, n_threads=n_threads)
@@ -69,13 +71,15 @@ class PipelineGroup:
     # ------------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            t_want = time.perf_counter()
             with self._wake:
-                t_got = time.perf_counter()
+                # slots change only on this thread, so reading `busy` here races with nothing
                 while self._running and not self._inbox and not any(s.busy for s in self.slots):
                     self._wake.wait()
                 if not self._running:
                     break
+            t_want = time.perf_counter()
+            with self.lock:
+                t_got = time.perf_counter()
                 try:
                     self._iteration()
                 except Exception as exc:  # a failed step fails its requests, never the thread
@@ -92,8 +96,12 @@ class PipelineGroup:
 
     def _iteration(self) -> None:
         self._t_iter = time.perf_counter()
-        while self._inbox:
-            self._place(self._inbox.popleft())
+        while True:
+            with self._wake:
+                if not self._inbox:
+                    break
+                placements = self._inbox.popleft()
+            self._place(placements)
         for slot in self.slots:
             if slot.busy and slot.task is not None and slot.task.cancelled.is_set():
                 self._finish(slot, None)

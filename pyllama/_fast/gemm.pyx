@@ -1,0 +1,136 @@
+# cython: language_level=3
+"""Matrix products for decode-sized batches: out = x @ w.T (+ bias), w stored (N, K) row-major.
+
+BLAS packs the whole weight matrix on every call; when x has only a few rows that packing costs
+more than the product, and a single thread then reads weights at a third of the memory bandwidth.
+This kernel streams each weight row once from memory and keeps x in cache: blocks of 4 weight
+rows times up to 4 rows of x, accumulated in vector registers along K. Every output element is
+summed in the same order whatever the number of rows, so a sequence's logits do not depend on
+what else shares its batch. Above `small_rows_max()` rows BLAS is faster and the caller uses it.
+"""
+from cython.parallel cimport prange
+
+cdef extern from * nogil:
+    """
+    #include <string.h>
+    typedef float pl_v16 __attribute__((vector_size(64)));
+
+    static inline pl_v16 pl_load(const float* p) { pl_v16 v; memcpy(&v, p, sizeof v); return v; }
+
+    static inline float pl_hsum(pl_v16 v) {
+        float s = 0.0f;
+        for (int i = 0; i < 16; ++i) s += v[i];
+        return s;
+    }
+
+    /* MB rows of x against NB rows of w; every element sums 16-lane partials in a fixed order. */
+    template <int MB, int NB>
+    static inline void pl_block(const float* x, long ldx, const float* w, long ldw, float* out,
+                                long ldo, const float* bias, long K, const float* pf) {
+        pl_v16 acc[MB][NB];
+        for (int i = 0; i < MB; ++i)
+            for (int j = 0; j < NB; ++j) acc[i][j] = (pl_v16){0};
+        long k = 0;
+        for (; k + 16 <= K; k += 16) {
+            pl_v16 wv[NB];
+            for (int j = 0; j < NB; ++j) wv[j] = pl_load(w + j * ldw + k);
+            if (pf)
+                for (int j = 0; j < 4; ++j) __builtin_prefetch(pf + j * ldw + k, 0, 3);
+            for (int i = 0; i < MB; ++i) {
+                pl_v16 xv = pl_load(x + i * ldx + k);
+                for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
+            }
+        }
+        for (int i = 0; i < MB; ++i) {
+            for (int j = 0; j < NB; ++j) {
+                float s = pl_hsum(acc[i][j]);
+                for (long kk = k; kk < K; ++kk) s += x[i * ldx + kk] * w[j * ldw + kk];
+                out[i * ldo + j] = bias ? s + bias[j] : s;
+            }
+        }
+    }
+
+    template <int NB>
+    static inline void pl_rows(const float* x, long M, long ldx, const float* w, long ldw,
+                               float* out, long ldo, const float* bias, long K, const float* pf) {
+        /* the first pass over w also pulls the next 4 weight rows into cache, so memory streams
+           while the remaining rows of x compute */
+        long m = 0;
+        for (; m + 4 <= M; m += 4, pf = 0)
+            pl_block<4, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf);
+        switch (M - m) {
+            case 3: pl_block<3, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf); break;
+            case 2: pl_block<2, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf); break;
+            case 1: pl_block<1, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf); break;
+            default: break;
+        }
+    }
+
+    /* Weight rows [4*b0, 4*b1) of the product (one thread's share). */
+    static void pl_mm_t_range(const float* x, long M, long K, long ldx, const float* w, long N,
+                              float* out, long ldo, const float* bias, long b0, long b1) {
+        for (long b = b0; b < b1; ++b) {
+            long n = 4 * b;
+            const float* bb = bias ? bias + n : 0;
+            const float* pf = n + 12 <= N ? w + (n + 8) * K : 0;
+            switch (N - n < 4 ? N - n : 4) {
+                case 4: pl_rows<4>(x, M, ldx, w + n * K, K, out + n, ldo, bb, K, pf); break;
+                case 3: pl_rows<3>(x, M, ldx, w + n * K, K, out + n, ldo, bb, K, pf); break;
+                case 2: pl_rows<2>(x, M, ldx, w + n * K, K, out + n, ldo, bb, K, pf); break;
+                default: pl_rows<1>(x, M, ldx, w + n * K, K, out + n, ldo, bb, K, pf); break;
+            }
+        }
+    }
+    """
+    void pl_mm_t_range(const float* x, long M, long K, long ldx, const float* w, long N,
+                       float* out, long ldo, const float* bias, long b0, long b1)
+
+# Measured on AVX-512 (bench/bench_gemm.py): up to this many rows the kernel beats OpenBLAS on
+# one thread; above it BLAS's packed micro-kernels win.
+DEF SMALL_ROWS_MAX = 32
+# Weight-row blocks per thread chunk: large enough that a thread streams whole pages of w.
+DEF CHUNK_BLOCKS = 16
+
+
+def small_rows_max() -> int:
+    """The most rows of x for which mul_mat_t is the faster kernel."""
+    return SMALL_ROWS_MAX
+
+
+def mul_mat_t(const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias=None,
+              int n_threads=1):
+    """out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]). Rows of x and out may be strided; their
+    elements must be contiguous."""
+    cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"mul_mat_t: x has {K} columns, w has {w.shape[1]}")
+    if out.shape[0] != M or out.shape[1] != N:
+        raise ValueError(f"mul_mat_t: out is {out.shape[0]}x{out.shape[1]}, expected {M}x{N}")
+    if (K > 1 and x.strides[1] != 4) or (N > 1 and out.strides[1] != 4):
+        raise ValueError("mul_mat_t: rows of x and out must be contiguous")
+    cdef const float[::1] b
+    cdef const float* bp = NULL
+    if bias is not None:
+        b = bias
+        if b.shape[0] != N:
+            raise ValueError(f"mul_mat_t: bias has {b.shape[0]} elements, expected {N}")
+        bp = &b[0]
+    if M == 0 or N == 0:
+        return
+    cdef const float* xp = &x[0, 0]
+    cdef const float* wp = &w[0, 0]
+    cdef float* op = &out[0, 0]
+    cdef long ldx = x.strides[0] // 4, ldo = out.strides[0] // 4
+    cdef long blocks = (N + 3) // 4
+    cdef long chunks = (blocks + CHUNK_BLOCKS - 1) // CHUNK_BLOCKS
+    cdef long c, b0, b1
+    if n_threads <= 1 or chunks < 2:
+        with nogil:
+            pl_mm_t_range(xp, M, K, ldx, wp, N, op, ldo, bp, 0, blocks)
+        return
+    for c in prange(chunks, nogil=True, num_threads=n_threads, schedule="static"):
+        b0 = c * CHUNK_BLOCKS
+        b1 = b0 + CHUNK_BLOCKS
+        if b1 > blocks:
+            b1 = blocks
+        pl_mm_t_range(xp, M, K, ldx, wp, N, op, ldo, bp, b0, b1)

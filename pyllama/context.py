@@ -13,9 +13,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from . import trace
 from .backend.base import Buffer, DType, Tensor
 from .errors import ContextLimitError
-from .graph.llama import build_forward
+from .graph.llama import SAMPLING_INPUT, build_forward
+from .graph.ops import Op, sample_in_cols, sample_out_cols
 from .kv_cache import KVCache
 from .models.model import Model
 from .rpc import stats as rpc_stats
@@ -60,8 +62,9 @@ class Batch:
 
 @dataclass
 class DecodeOutput:
-    logits: np.ndarray  # [n_outputs, n_vocab], a view valid until the next decode
+    logits: np.ndarray  # [n_outputs, n_vocab], a view valid until the next decode (empty when sampled)
     rows: np.ndarray    # batch index of each logits row, in batch order
+    sampled: Optional[np.ndarray] = None  # int32 [n_outputs, 2 + 2N] when sampled on the device
 
 
 class Context:
@@ -98,9 +101,13 @@ class Context:
             v = Tensor(DType.F32, (self.kv.n_cells, hp.n_embd_kv), f"cache_v_l{il}", buf, self.kv.n_cells * row)
             self.kv_tensors.append((k, v))
         self.sched = Scheduler(placement, dry=not allocate)
-        self._plans: dict[tuple[int, int], Plan] = {}
+        self._plans: dict[tuple, Plan] = {}
         self._logits = np.zeros((0, hp.n_vocab), dtype=np.float32)
         self.last_submit_s = self.last_sync_s = 0.0  # of the last decode: building and sending, then waiting
+        self.last_spans = (0, 0, 0)  # trace times of the last decode: start, submitted, synchronized
+        self._n_splits = 0
+        self._sampled = np.zeros((0, 0), dtype=np.int32)
+        self._sampling: Optional[tuple[np.ndarray, tuple[int, int]]] = None  # for the decode under way
         self._plan(self.n_ubatch, self.n_ubatch)  # sizes the compute buffers for the worst case
 
     # ------------------------------------------------------------------------------------------
@@ -116,20 +123,31 @@ class Context:
         """The most positions one sequence may hold."""
         return self.kv.seq_cap
 
-    def _plan(self, n_tokens: int, n_outputs: int) -> Plan:
-        key = (n_tokens, n_outputs)
+    def can_sample_on_device(self) -> bool:
+        """Whether the device holding the output layer runs the SAMPLE op (backend sampling)."""
+        hp = self.hparams
+        return self.placement.backends[self.placement.backend_of_layer(hp.n_layer)].supports(Op.SAMPLE)
+
+    def _plan(self, n_tokens: int, n_outputs: int, sample: Optional[tuple[int, int]] = None) -> Plan:
+        key = (n_tokens, n_outputs, sample)
         plan = self._plans.get(key)
         if plan is None or plan.generation != self.sched.generation:
             listed = min(n_tokens, self.n_seq_max) * self.kv.seq_cap
-            fg = build_forward(self.hparams, self.weights, self.kv_tensors, n_tokens, n_outputs, listed)
+            fg = build_forward(self.hparams, self.weights, self.kv_tensors, n_tokens, n_outputs, listed,
+                               sample if n_outputs else None)
             plan = self.sched.plan(fg)
             if plan.generation != self.sched.generation:  # placing it grew a buffer: earlier plans are stale
                 self._plans.clear()
             self._plans[key] = plan
         return plan
 
-    def decode(self, batch: Batch) -> DecodeOutput:
-        """Runs the batch through the model; returns the logits of the rows that asked for them."""
+    def decode(self, batch: Batch, sampling: Optional[np.ndarray] = None,
+               sample: Optional[tuple[int, int]] = None) -> DecodeOutput:
+        """Runs the batch through the model; returns the logits of the rows that asked for them.
+
+        With `sampling` (int32 [n_outputs, 12 + window], the packed sampler inputs of those rows,
+        see sampling.BatchSampler.pack) and `sample` = (n_probs, window), the rows are sampled on
+        the device that holds the output layer and only the packed results come back."""
         n = len(batch)
         if n == 0:
             raise ValueError("empty batch")
@@ -138,8 +156,17 @@ class Context:
         if batch.tokens.min() < 0 or batch.tokens.max() >= self.hparams.n_vocab:
             raise ValueError(f"token ids must lie in [0, {self.hparams.n_vocab})")
         rows = np.flatnonzero(batch.logits)
-        if len(self._logits) < len(rows):
+        if sampling is not None:
+            if sample is None or sampling.shape != (len(rows), sample_in_cols(sample[1])) \
+                    or sampling.dtype != np.int32:
+                raise ValueError(f"sampling inputs {sampling.shape} do not match {len(rows)} output rows and {sample}")
+            cols = sample_out_cols(sample[0])
+            if self._sampled.shape[0] < len(rows) or self._sampled.shape[1] != cols:
+                self._sampled = np.zeros((max(len(rows), 1), cols), dtype=np.int32)
+            self._sampling = (sampling, sample)
+        elif len(self._logits) < len(rows):
             self._logits = np.zeros((max(len(rows), 1), self.hparams.n_vocab), dtype=np.float32)
+        tr0 = trace.now() if trace.enabled else 0
         t0 = time.perf_counter()
         done = 0
         readers = set()
@@ -150,11 +177,20 @@ class Context:
             if backend is not None:
                 readers.add(backend)
         t1 = time.perf_counter()
+        tr1 = trace.now() if tr0 else 0
         for backend in readers:  # the reads sent with the graphs complete here
             backend.synchronize()
         self.last_submit_s, self.last_sync_s = t1 - t0, time.perf_counter() - t1
+        if tr0:
+            tr2 = trace.now()
+            self.last_spans = (tr0, tr1, tr2)
+            trace.event("ctx", "decode", tr0, tr2, n_tokens=n, n_outputs=len(rows),
+                        n_splits=self._n_splits, grp=trace.group())
         if rpc_stats.enabled:
             rpc_stats.on_step()
+        if sampling is not None:
+            self._sampling = None
+            return DecodeOutput(self._logits[:0], rows, self._sampled[:len(rows)])
         return DecodeOutput(self._logits[:len(rows)], rows)
 
     def _decode_ubatch(self, batch: Batch, u0: int, u1: int, out_row: int):
@@ -164,7 +200,9 @@ class Context:
         n_out = int(want.sum())
         kv_idx = self.kv.prepare(seq, pos)
         cells, ranges = self.kv.attention_lists(seq, pos)
-        plan = self._plan(u1 - u0, n_out)
+        sampling = self._sampling if n_out else None
+        plan = self._plan(u1 - u0, n_out, sampling[1] if sampling else None)
+        self._n_splits = len(plan.splits)
         values = {
             "inp_tokens": batch.tokens[u0:u1],
             "inp_pos": pos,
@@ -177,6 +215,10 @@ class Context:
         if not n_out:
             self.sched.compute(plan, values)
             return 0, None
+        if sampling:
+            values[SAMPLING_INPUT] = sampling[0][out_row:out_row + n_out]
+            self.sched.compute(plan, values, output=self._sampled[out_row:out_row + n_out])
+            return n_out, plan.output.backend
         self.sched.compute(plan, values, output=self._logits[out_row:out_row + n_out])
         return n_out, plan.output.backend
 

@@ -3,7 +3,6 @@ made from it and share its weights."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional, Sequence
 
 from .backend.base import Backend

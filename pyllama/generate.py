@@ -7,12 +7,12 @@ on one line instead. Without -m it runs the built-in default model.
 """
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from typing import Iterator, Optional, Sequence
 
-import numpy as np
-
+from . import trace
 from .cli import Parser, run_main, setup_logging
 from .context import Batch, Context, check_prompt_fits
 from .devices import add_device_args, make_backends, parse_split
@@ -43,6 +43,7 @@ def build_parser() -> Parser:
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="frequency penalty")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text tokens")
     p.add_argument("--tokens", action="store_true", help="print the generated token ids, one line, instead of text")
+    p.add_argument("--trace", metavar="PATH", help="write a trace of every decode step (JSON lines; also $PYLLAMA_TRACE)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and timings to stderr")
     add_device_args(p)
     return p.finish()
@@ -99,6 +100,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not model_path:
         from .models.default import default_model_path  # noqa: PLC0415
         model_path = default_model_path()
+    try:
+        traced = trace.start(args.trace, "generate")
+    except OSError as exc:
+        raise PyllamaError(f"--trace: {exc.strerror or exc}") from None
+    if traced:  # SIGTERM ends through the normal exit path, which writes the trace out
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        return _run(args, params, prompt_text, model_path)
+    finally:
+        trace.close()
+
+
+def _run(args, params: SamplingParams, prompt_text: str, model_path: str) -> int:
     t0 = time.perf_counter()
     backends = make_backends(args.device, args.rpc, args.split_mode, args.threads)
     engine = Engine(model_path, n_threads=args.threads, backends=backends,

@@ -260,6 +260,7 @@ class BatchSampler:
         self.out_prob = np.zeros(max_rows, dtype=np.float32)
         self.out_top_ids = np.full((max_rows, max_probs), -1, dtype=np.int32)
         self.out_top_probs = np.zeros((max_rows, max_probs), dtype=np.float32)
+        self._packed: "np.ndarray | None" = None  # SAMPLE inputs, made on first pack()
 
     def sample(self, logits: np.ndarray, samplers: list[SequenceSampler]) -> SampleResult:
         """Samples row i of logits [n, n_vocab] with samplers[i]; does not call accept()."""
@@ -281,5 +282,41 @@ class BatchSampler:
         _sample_rows(logits, self.fparams[:n], self.iparams[:n], self.penalty_tokens[:n],
                      self.out_ids[:n], self.out_prob[:n], self.out_top_ids[:n],
                      self.out_top_probs[:n], self.n_threads)
+        return SampleResult(self.out_ids[:n], self.out_prob[:n], self.out_top_ids[:n],
+                            self.out_top_probs[:n])
+
+    # --- backend sampling: the same chain on the device that holds the logits ----------------
+    def device_spec(self) -> tuple[int, int]:
+        """(n_probs, window) of the SAMPLE op this sampler's packed rows fit."""
+        return self.max_probs, self.window
+
+    def pack(self, samplers: list[SequenceSampler]) -> np.ndarray:
+        """The rows' sampler inputs as one int32 tensor [n, 12 + window] (SAMPLE's input layout:
+        fparams as float32 bits, iparams, penalty tokens). Takes each row's draw, exactly as
+        sample() does, so a seeded sequence draws the same stream on either path."""
+        n = len(samplers)
+        if n > self.max_rows:
+            raise ValueError(f"{n} rows exceed max_rows={self.max_rows}")
+        for s in samplers:
+            if s._n_probs > self.max_probs:
+                raise ValueError(f"n_probs={s._n_probs} exceeds this sampler's max_probs={self.max_probs}")
+        if self._packed is None:
+            self._packed = np.zeros((self.max_rows, N_FPARAMS + N_IPARAMS + self.window), dtype=np.int32)
+        pack_rows(samplers, self.fparams, self.iparams, self.penalty_tokens)
+        out = self._packed[:n]
+        out[:, :N_FPARAMS] = self.fparams[:n].view(np.int32)
+        out[:, N_FPARAMS:N_FPARAMS + N_IPARAMS] = self.iparams[:n]
+        out[:, N_FPARAMS + N_IPARAMS:] = self.penalty_tokens[:n]
+        return out
+
+    def unpack(self, sampled: np.ndarray) -> SampleResult:
+        """A SampleResult from SAMPLE's packed output [n, 2 + 2 max_probs]."""
+        n, N = sampled.shape[0], self.max_probs
+        if sampled.shape[1] != 2 + 2 * N or n > self.max_rows:
+            raise ValueError(f"sampled rows {sampled.shape} do not match max_probs={N}")
+        self.out_ids[:n] = sampled[:, 0]
+        self.out_prob[:n] = sampled[:, 1].view(np.float32)
+        self.out_top_ids[:n] = sampled[:, 2:2 + N]
+        self.out_top_probs[:n] = sampled[:, 2 + N:].view(np.float32)
         return SampleResult(self.out_ids[:n], self.out_prob[:n], self.out_top_ids[:n],
                             self.out_top_probs[:n])

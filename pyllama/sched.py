@@ -13,6 +13,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import trace
 from .backend.base import Backend, Buffer, Tensor
 from .graph.llama import ForwardGraph
 from .graph.ops import Graph, Node
@@ -223,11 +224,15 @@ class Scheduler:
             data = values[name]
             for t in copies:
                 t.backend.set_tensor(t, data)
+        traced = trace.enabled
         for i, split in enumerate(plan.splits):
+            t_split = trace.now() if traced else 0
             dst_backend = split.backend
             for c in split.copies:
                 if c.staging is None:
                     dst_backend.cpy_tensor_async(c.src, c.dst)
+                elif traced:
+                    self._staged_copy_traced(c, dst_backend)
                 else:
                     c.src.backend.synchronize()  # the read sent with the producing graph
                     dst_backend.set_tensor(c.dst, c.staging)
@@ -235,6 +240,23 @@ class Scheduler:
             if output is not None and i == len(plan.splits) - 1 and plan.output is not None:
                 reads.append((plan.output, output))
             split.backend.graph_compute(split.graph, reads)
+            if traced:
+                trace.event("sched", "split", t_split, trace.now(), backend=split.backend.name,
+                            n_inputs=len(split.copies), n_nodes=len(split.graph.nodes), grp=trace.group())
+
+    @staticmethod
+    def _staged_copy_traced(c, dst_backend: Backend) -> None:
+        """A staged copy with its two halves on the trace: waiting for the read, then the write."""
+        t0 = trace.now()
+        c.src.backend.synchronize()
+        t1 = trace.now()
+        dst_backend.set_tensor(c.dst, c.staging)
+        t2 = trace.now()
+        grp = trace.group()
+        fields = dict(backend=dst_backend.name, subj=c.dst.name, nbytes=c.dst.nbytes, grp=grp)
+        trace.event("sched", "copy_read", t0, t1, **fields)
+        trace.event("sched", "copy_send", t1, t2, **fields)
+        trace.event("sched", "copy_stage", t0, t2, **fields)
 
     def free(self) -> None:
         for bi, buf in enumerate(self.buffers):

@@ -169,7 +169,7 @@ def test_hello_fields_and_capabilities(healthy, tmp_path, monkeypatch):
     with Client(healthy.port) as a, Client(healthy.port) as b:
         major, minor, patch, reserved, caps, sid = a.hello_reply
         assert (major, minor, patch, reserved) == (*P.VERSION, 0)
-        assert caps == Cap.GET_TENSORS | Cap.TRACE_SYNC
+        assert caps == Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING
         assert sid != 0 and b.hello_reply[5] == sid  # one id per server
     # another minor is compatible; a second HELLO is refused but the connection stays
     with Client(healthy.port, hello=False) as c:
@@ -177,7 +177,7 @@ def test_hello_fields_and_capabilities(healthy, tmp_path, monkeypatch):
         assert "already" in c.error(Cmd.HELLO, P.HELLO_REQ.pack(1, 0, 0, 0))
         assert c.ok(Cmd.DEVICE_COUNT) == P.U32.pack(1)
     with start_server(cache_dir=str(tmp_path)) as st, Client(st.port) as c:
-        assert c.hello_reply[4] == Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.SET_TENSOR_HASH
+        assert c.hello_reply[4] == Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.SET_TENSOR_HASH
         assert c.hello_reply[5] != sid
     monkeypatch.setenv("PYLLAMA_RPC_SERVER_CAPS", "0")
     with start_server(cache_dir=str(tmp_path)) as st, Client(st.port) as c:
@@ -702,3 +702,56 @@ def test_program_flags_help_listening_line_and_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _sample_graph(bid: int, rows: int, vocab: int, n_probs: int, window: int, out_dtype=DType.I32,
+                  params=None) -> bytes:
+    cols_in, cols_out = 12 + window, 2 + 2 * n_probs
+    logits_off, in_off = 0, rows * vocab * 4
+    out_off = in_off + rows * cols_in * 4
+    tensors = [(bid, logits_off, int(DType.F32), (rows, vocab), "result_output"),
+               (bid, in_off, int(DType.I32), (rows, cols_in), "inp_sampling"),
+               (bid, out_off, int(out_dtype), (rows, cols_out), "result_sampled")]
+    return wire.encode_graph(0, 9, tensors, [(int(Op.SAMPLE), 2, (0, 1), params or (n_probs, window))])
+
+
+def test_sample_op_runs_the_host_sampler_and_is_validated(healthy):
+    """SAMPLE on the peer equals the host's kernel on the same packed rows; bad parameters, a wrong
+    output type and a server without the capability are refused."""
+    from pyllama.sampling import BatchSampler, SamplingParams, SequenceSampler
+    rows, vocab, n_probs, window = 3, 50, 4, 8
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 3
+    bs = BatchSampler(vocab, rows, n_probs, window=window)
+    samplers = [SequenceSampler(SamplingParams(temperature=t, seed=3, n_probs=2, repeat_penalty=1.2), [1, 2, 3])
+                for t in (0.0, 0.7, 1.5)]
+    packed = bs.pack(samplers).copy()
+    ref = [SequenceSampler(SamplingParams(temperature=t, seed=3, n_probs=2, repeat_penalty=1.2), [1, 2, 3])
+           for t in (0.0, 0.7, 1.5)]
+    want = BatchSampler(vocab, rows, n_probs, window=window).sample(logits, ref)
+    size = logits.nbytes + packed.nbytes + rows * (2 + 2 * n_probs) * 4
+    with Client(healthy.port) as c:
+        bid = c.alloc(size)
+        c.set_tensor(tensor(bid, 0, DType.F32, (logits.size,)), logits.tobytes())
+        c.set_tensor(tensor(bid, logits.nbytes, DType.I32, (packed.size,)), packed.tobytes())
+        c.send(Cmd.GRAPH_COMPUTE, _sample_graph(bid, rows, vocab, n_probs, window))
+        raw = c.get_tensor(tensor(bid, logits.nbytes + packed.nbytes, DType.I32, (rows, 2 + 2 * n_probs)), 0,
+                           rows * (2 + 2 * n_probs) * 4)
+        got = bs.unpack(np.frombuffer(raw, np.int32).reshape(rows, -1))
+        assert got.ids.tolist() == want.ids.tolist()
+        assert got.probs.tolist() == want.probs.tolist()
+        assert got.top_ids.tolist() == want.top_ids.tolist()
+        for params, expect in [((n_probs, -1), "out of range"), ((5000, window), "out of range"),
+                               ((n_probs + 0.5, window), "out of range"), ((n_probs, window + 1), "SAMPLE")]:
+            c.send(Cmd.GRAPH_COMPUTE, _sample_graph(bid, rows, vocab, n_probs, window, params=params))
+            status, msg = c.sync()
+            assert status == P.STATUS_EARLIER_ERROR and expect in msg.decode(), (params, msg)
+        c.send(Cmd.GRAPH_COMPUTE, _sample_graph(bid, rows, vocab, n_probs, window, out_dtype=DType.F32))
+        status, msg = c.sync()
+        assert status == P.STATUS_EARLIER_ERROR and "not I32" in msg.decode(), msg
+        c.free(bid)
+    with start_server(caps_mask=int(Cap.GET_TENSORS)) as st, Client(st.port) as c:
+        bid = c.alloc(size)
+        c.send(Cmd.GRAPH_COMPUTE, _sample_graph(bid, rows, vocab, n_probs, window))
+        status, msg = c.sync()
+        assert status == P.STATUS_EARLIER_ERROR and "BACKEND_SAMPLING" in msg.decode(), msg

@@ -2,7 +2,6 @@
 metrics, continuous batching under concurrency, cancellation, and bad input."""
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import subprocess

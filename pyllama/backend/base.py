@@ -176,6 +176,11 @@ class Backend(ABC):
     @abstractmethod
     def device_info(self) -> DeviceInfo: ...
 
+    def supports(self, op: int) -> bool:
+        """Whether graphs on this device may hold `op` (an Op code); every device runs the core
+        ops, optional ones (SAMPLE) depend on the device or, for a peer, its capabilities."""
+        return True
+
     def weight_dtype(self, file_dtype: DType) -> DType:
         """The type this backend stores a weight of `file_dtype` in (it may convert at load)."""
         return file_dtype

@@ -18,9 +18,11 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from .. import trace
 from .._fast import gemm
 from .._fast import ops as k
-from ..graph.ops import Graph, Op
+from .._fast import sampling as k_sampling
+from ..graph.ops import Graph, Op, sample_in_cols, sample_out_cols
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 
 _PLAN_CACHE = 256
@@ -141,8 +143,11 @@ class CPUBackend(Backend):
                     self._plans.popitem(last=False)
             else:
                 self._plans.move_to_end(graph.uid)
+        t0 = trace.now() if trace.enabled else 0
         for step in steps:
             step()
+        if t0:
+            trace.event("dev", f"compute {self.name}", t0, trace.now(), n_nodes=len(graph.nodes))
         for t, out in reads:
             self.get_tensor(t, out)
 
@@ -185,6 +190,8 @@ class CPUBackend(Backend):
                 steps.append(_bind(k.attention, s[0], s[1], s[2], s[3], s[4], s[5], s[6], qn, kn, out,
                                    int(p[0]), int(p[1]), int(p[2]), int(p[3]), int(p[4]), float(p[5]),
                                    float(p[6]), float(p[7]), float(p[8]), nt))
+            elif op == Op.SAMPLE:
+                steps.append(_bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             else:
                 raise ValueError(f"unknown op {op!r}")
         return steps
@@ -203,6 +210,37 @@ def _bind(fn: Callable, *args, **kwargs) -> Callable[[], None]:
 
 def _bind_get_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> Callable[[], None]:
     return lambda: np.take(table, ids, axis=0, out=out, mode="raise")
+
+
+def _bind_sample(logits: np.ndarray, inp: np.ndarray, out: np.ndarray, n_probs: int, window: int,
+                 nt: int) -> Callable[[], None]:
+    """The SAMPLE op: unpacks the rows' sampler inputs, runs the sampling kernel, packs the ids,
+    probabilities and candidates (layout in graph/ops.py)."""
+    rows = logits.shape[0]
+    if not 0 <= n_probs <= 4096 or not 0 <= window <= 1 << 20:
+        raise ValueError(f"SAMPLE: n_probs {n_probs} or window {window} out of range")
+    if inp.shape != (rows, sample_in_cols(window)) or inp.dtype != np.int32:
+        raise ValueError(f"SAMPLE: sampling input {inp.shape} {inp.dtype}, expected int32 ({rows}, {sample_in_cols(window)})")
+    if out.shape != (rows, sample_out_cols(n_probs)) or out.dtype != np.int32:
+        raise ValueError(f"SAMPLE: output {out.shape} {out.dtype}, expected int32 ({rows}, {sample_out_cols(n_probs)})")
+    fparams = np.zeros((rows, 8), np.float32)
+    iparams = np.zeros((rows, 4), np.int32)
+    pen = np.zeros((rows, window), np.int32)
+    ids = np.zeros(rows, np.int32)
+    prob = np.zeros(rows, np.float32)
+    top_ids = np.zeros((rows, n_probs), np.int32)
+    top_probs = np.zeros((rows, n_probs), np.float32)
+
+    def run() -> None:
+        fparams.view(np.int32)[:] = inp[:, :8]
+        iparams[:] = inp[:, 8:12]
+        pen[:] = inp[:, 12:]
+        k_sampling.sample_rows(logits, fparams, iparams, pen, ids, prob, top_ids, top_probs, nt)
+        out[:, 0] = ids
+        out[:, 1] = prob.view(np.int32)
+        out[:, 2:2 + n_probs] = top_ids
+        out[:, 2 + n_probs:] = top_probs.view(np.int32)
+    return run
 
 
 def _bind_mul_mat_bias(x: np.ndarray, wt: np.ndarray, bias: np.ndarray, out: np.ndarray) -> Callable[[], None]:

@@ -16,8 +16,9 @@ from typing import Optional
 
 import numpy as np
 
+from .. import trace
 from .._fast.wire import encode_graph
-from ..graph.ops import Graph
+from ..graph.ops import Graph, Op
 from ..rpc.connection import Connection, RPCError
 from ..rpc.protocol import (ALLOC_REP, graph_tables, ALLOC_REQ, DEVICE_INFO, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32, U64, USAGE,
                             Cap, Cmd)
@@ -92,10 +93,10 @@ class RPCBackend(Backend):
         if len(src) >= HASH_MIN_BYTES and tensor.buffer.usage == "weights" and self.conn.has(Cap.SET_TENSOR_HASH):
             # the server's weight cache may already hold these bytes: a restart then resends nothing
             digest = hashlib.sha256(src).digest()
-            found = self.conn.call(Cmd.SET_TENSOR_HASH, desc, REGION.pack(offset, len(src)), digest)
+            found = self.conn.call(Cmd.SET_TENSOR_HASH, desc, REGION.pack(offset, len(src)), digest, subj=tensor.name)
             if found == b"\x01":
                 return
-        self.conn.send(Cmd.SET_TENSOR, [desc, U64.pack(offset), src])
+        self.conn.send(Cmd.SET_TENSOR, [desc, U64.pack(offset), src], subj=tensor.name)
 
     def get_tensor(self, tensor: Tensor, out: Optional[np.ndarray] = None) -> np.ndarray:
         self._flush_reads()
@@ -106,7 +107,7 @@ class RPCBackend(Backend):
         dst = memoryview(out.reshape(-1).view(np.uint8))
         if len(dst) != tensor.nbytes:
             raise ValueError(f"get_tensor: {tensor.name} has {tensor.nbytes} B, destination {len(dst)} B")
-        self.conn.call(Cmd.GET_TENSOR, tensor_bytes(tensor), REGION.pack(0, tensor.nbytes), into=dst)
+        self.conn.call(Cmd.GET_TENSOR, tensor_bytes(tensor), REGION.pack(0, tensor.nbytes), into=dst, subj=tensor.name)
         return out
 
     def get_tensor_async(self, tensor: Tensor, out: np.ndarray) -> None:
@@ -146,11 +147,13 @@ class RPCBackend(Backend):
             parts = [U32.pack(len(reads))]
             for t, _ in reads:
                 parts += [tensor_bytes(t), REGION.pack(0, t.nbytes)]
-            ticket = self.conn.send(Cmd.GET_TENSORS, parts, locked=locked)
+            subj = ",".join(t.name for t, _ in reads) if trace.enabled else ""
+            ticket = self.conn.send(Cmd.GET_TENSORS, parts, locked=locked, subj=subj)
             self._inflight.append((ticket, Cmd.GET_TENSORS, reads))  # type: ignore[arg-type]
             return
         for t, out in reads:
-            ticket = self.conn.send(Cmd.GET_TENSOR, [tensor_bytes(t), REGION.pack(0, t.nbytes)], locked=locked)
+            ticket = self.conn.send(Cmd.GET_TENSOR, [tensor_bytes(t), REGION.pack(0, t.nbytes)], locked=locked,
+                                    subj=t.name)
             self._inflight.append((ticket, Cmd.GET_TENSOR, [(t, out)]))  # type: ignore[arg-type]
 
     def can_copy_from(self, src: Backend) -> bool:
@@ -160,7 +163,7 @@ class RPCBackend(Backend):
         if not isinstance(src.backend, RPCBackend) or src.backend.conn is not self.conn:
             return False
         self._flush_reads()
-        self.conn.call(Cmd.COPY_TENSOR, tensor_bytes(src), tensor_bytes(dst))
+        self.conn.call(Cmd.COPY_TENSOR, tensor_bytes(src), tensor_bytes(dst), subj=dst.name)
         return True
 
     # --- compute ---------------------------------------------------------------------------------
@@ -171,12 +174,13 @@ class RPCBackend(Backend):
         conn = self.conn
         with conn.send_lock:
             if conn.last_graph.get(self.device) == graph.uid:
-                conn.send(Cmd.GRAPH_RECOMPUTE, [RECOMPUTE.pack(self.device, 0, graph.uid)], locked=True)
+                conn.send(Cmd.GRAPH_RECOMPUTE, [RECOMPUTE.pack(self.device, 0, graph.uid)], locked=True,
+                          subj=str(graph.uid) if trace.enabled else "")
             else:
                 payload = self._encoded.get(graph.uid)
                 if payload is None:
                     payload = self._encode(graph)
-                conn.send(Cmd.GRAPH_COMPUTE, [payload], locked=True)
+                conn.send(Cmd.GRAPH_COMPUTE, [payload], locked=True, subj=str(graph.uid) if trace.enabled else "")
                 conn.last_graph[self.device] = graph.uid
             if reads:
                 self._send_reads(list(reads), locked=True)
@@ -206,6 +210,9 @@ class RPCBackend(Backend):
         kinds = {0: "cpu", 1: "cuda"}
         desc = name.rstrip(b"\0").decode("utf-8", "replace")
         return DeviceInfo(self.name, "rpc", f"{desc} ({kinds.get(kind, '?')}) at {self.conn.endpoint}", free, total)
+
+    def supports(self, op: int) -> bool:
+        return op != Op.SAMPLE or self.conn.has(Cap.BACKEND_SAMPLING)
 
     def weight_dtype(self, file_dtype: DType) -> DType:
         return DType.F32  # the server's CPU backend computes in F32

@@ -7,32 +7,38 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from ..backend.base import DType, Tensor
 from ..models.hparams import HParams
 from ..weights import Weights
-from .ops import Graph, Node, Op, input_tensor, node
+from .ops import Graph, Node, Op, input_tensor, node, sample_in_cols, sample_out_cols
 
 F32, I32 = DType.F32, DType.I32
 
 INPUT_NAMES = ("inp_tokens", "inp_pos", "inp_kv_idx", "inp_attn_cells", "inp_attn_ranges", "inp_out_ids")
 OUTPUT_NAME = "result_output"
+SAMPLED_NAME = "result_sampled"
+SAMPLING_INPUT = "inp_sampling"
 
 
 @dataclass
 class ForwardGraph:
     nodes: list[Node]
     inputs: dict[str, Tensor]   # name -> unallocated input tensor (the scheduler places copies)
-    output: Tensor | None       # logits [n_outputs, n_vocab], None when no row wants logits
+    output: Tensor | None       # logits [n_outputs, n_vocab] (or, sampling on the device, the packed
+                                # sampled ids [n_outputs, 2 + 2N]); None when no row wants logits
     n_tokens: int
     n_outputs: int
 
 
 def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_tokens: int, n_outputs: int,
-                  n_cells_listed: int) -> ForwardGraph:
+                  n_cells_listed: int, sample: Optional[tuple[int, int]] = None) -> ForwardGraph:
     """Nodes for `n_tokens` tokens of which `n_outputs` rows produce logits.
 
     kv[il] = (k_cache, v_cache) of layer il; `n_cells_listed` bounds the attention cell list.
+    sample = (n_probs, window): the output rows are sampled by a SAMPLE node on the output
+    layer's device, and the graph's output is its packed result instead of the logits.
     """
     n, e = n_tokens, hp.n_embd
     inputs = {
@@ -83,7 +89,13 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
         hn = add(Op.RMS_NORM, (n_outputs, e), "result_norm", x, w["output_norm"], params=(hp.rms_eps,),
                  layer=hp.n_layer)
         output = add(Op.MUL_MAT, (n_outputs, hp.n_vocab), OUTPUT_NAME, hn, w["output"], layer=hp.n_layer)
+        if sample is not None:
+            n_probs, window = sample
+            inputs[SAMPLING_INPUT] = input_tensor(SAMPLING_INPUT, I32, (n_outputs, sample_in_cols(window)))
+            output = Tensor(I32, (n_outputs, sample_out_cols(n_probs)), SAMPLED_NAME)
+            nodes.append(node(Op.SAMPLE, output, nodes[-1].out, inputs[SAMPLING_INPUT],
+                              params=(n_probs, window), layer=hp.n_layer))
     return ForwardGraph(nodes, inputs, output, n_tokens, n_outputs)
 
 
-__all__ = ["ForwardGraph", "build_forward", "INPUT_NAMES", "OUTPUT_NAME", "Graph"]
+__all__ = ["ForwardGraph", "build_forward", "INPUT_NAMES", "OUTPUT_NAME", "SAMPLED_NAME", "SAMPLING_INPUT", "Graph"]

@@ -32,9 +32,28 @@ class Op(IntEnum):
     # -> out [n, H hd]. Token t writes its k, v to cell kv_idx[t], then attends to the cells
     # attn_cells[r0 : r0 + r1] where (r0, r1) = attn_ranges[t].
     ATTENTION = 6
+    # The sampler chain of every output row, run where the logits are (backend sampling):
+    # srcs (logits [r, n_vocab], sampling i32 [r, 12 + L]); params (n_probs N, window L)
+    # -> out i32 [r, 2 + 2N]. A sampling row holds the packed inputs of sampling.pack_rows: 8
+    # float32 parameters (bit patterns; the 7th is the row's uniform draw), 4 ints (top_k, n_probs,
+    # n_penalty_tokens, 0) and L penalty tokens. An out row holds the chosen id, its probability
+    # (float32 bits), N candidate ids and their probabilities (float32 bits).
+    SAMPLE = 7
 
 
 from ..models.hparams import ROPE_NEOX, ROPE_NORMAL  # noqa: F401 - the ATTENTION op's rope modes
+
+SAMPLE_PARAM_COLS = 12  # the 8 float and 4 int parameters at the start of a SAMPLE input row
+
+
+def sample_in_cols(window: int) -> int:
+    """Columns of SAMPLE's packed input with a penalty window of `window` tokens."""
+    return SAMPLE_PARAM_COLS + window
+
+
+def sample_out_cols(n_probs: int) -> int:
+    """Columns of SAMPLE's packed output with room for `n_probs` candidates."""
+    return 2 + 2 * n_probs
 
 _graph_uids = itertools.count(1)
 

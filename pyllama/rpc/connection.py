@@ -13,9 +13,10 @@ import socket
 import threading
 from typing import Optional, Sequence
 
+from .. import trace
 from ..errors import PyllamaError
 from . import stats
-from .protocol import (HEADER, HELLO_REP, HELLO_REQ, ONE_WAY, STATUS_OK, VERSION, Cap, Cmd)
+from .protocol import (HEADER, HELLO_REP, HELLO_REQ, ONE_WAY, STATUS_OK, TRACE_REP, U64, VERSION, Cap, Cmd)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Connection:
         self.broken: Optional[str] = None
         self.last_graph: dict[int, int] = {}  # device -> uid of the last graph sent (guarded by the send lock)
         self.send_lock = self._send_lock
+        self._traced: dict[int, tuple] = {}  # ticket -> the send half of its trace event
         rep = self.call(Cmd.HELLO, HELLO_REQ.pack(*VERSION, 0))
         if len(rep) != HELLO_REP.size:
             raise RPCError(f"{endpoint}: malformed HELLO reply")
@@ -76,19 +78,40 @@ class Connection:
         self.server_version = (major, minor, patch)
         self.caps = Cap(caps)
         self.server_id = server_id
+        if trace.enabled:
+            self.trace_sync()
+
+    def trace_sync(self) -> None:
+        """Measures the peer's clock against ours (TRACE_SYNC, four timestamps) and records the
+        offset with the peer's id, which binds its trace file to ours. Peers that do not
+        advertise the capability are never sent the command."""
+        if not self.has(Cap.TRACE_SYNC):
+            return
+        t1 = trace.now()
+        rep = self.call(Cmd.TRACE_SYNC, U64.pack(t1))
+        t4 = trace.now()
+        t2, t3 = TRACE_REP.unpack(rep)
+        offset = ((t2 - t1) + (t3 - t4)) // 2
+        # an instant at t1: its span's t1 is the exchange's t1, so t1..t4 all read as the protocol names them
+        trace.event("clock", "offset", t1, t1, endpoint=self.endpoint, peer_uid=f"{self.server_id:016x}",
+                    t2=t2, t3=t3, t4=t4, offset_us=offset, rtt_us=(t4 - t1) - (t3 - t2))
 
     def has(self, cap: Cap) -> bool:
         return bool(self.caps & cap)
 
     # ------------------------------------------------------------------------------------------
-    def send(self, cmd: Cmd, parts: Sequence[bytes | memoryview], locked: bool = False) -> Optional[int]:
+    def send(self, cmd: Cmd, parts: Sequence[bytes | memoryview], locked: bool = False,
+             subj: str = "") -> Optional[int]:
         """Writes one whole message; returns its reply ticket (None for one-way commands).
-        With locked=True the caller already holds the send lock."""
+        With locked=True the caller already holds the send lock. `subj` names what the command
+        is about (a tensor, a graph uid) for the trace."""
         size = sum(len(p) for p in parts)
+        t_enq = trace.now() if trace.enabled else 0
         if not locked:
             self._send_lock.acquire()
         try:
             self._check()
+            t_send0 = trace.now() if t_enq else 0
             ticket = None
             if cmd not in ONE_WAY:
                 ticket = self._next_ticket
@@ -100,6 +123,12 @@ class Connection:
             except OSError as exc:
                 self._fail(f"send failed: {exc}")
                 raise RPCError(self.broken) from None
+            if t_enq:
+                sent = (t_enq, t_send0, trace.now(), size + HEADER.size, subj, trace.group())
+                if ticket is None:
+                    self._trace(cmd, sent, None, True)
+                else:
+                    self._traced[ticket] = sent
         finally:
             if not locked:
                 self._send_lock.release()
@@ -112,33 +141,55 @@ class Connection:
         with self._turn:
             while self._next_reply != ticket and not self.broken:
                 self._turn.wait()
-        self._check()
+        sent = self._traced.pop(ticket, None) if self._traced else None
+        t_turn = t_recv0 = 0
+        if sent is not None:
+            t_turn = trace.now()
+        size = 0
+        status = STATUS_OK
         try:
+            self._check()
             head = self._recv_exact(HEADER.size)
             status, size = HEADER.unpack(head)
+            if sent is not None:
+                t_recv0 = trace.now()
             if status != STATUS_OK or into is None or size != len(into):
                 payload = self._recv_exact(size)
             else:
                 self._recv_into(into)
                 payload = b""
         except (OSError, RPCError) as exc:
-            self._fail(f"receive failed: {exc}")
+            if sent is not None:
+                self._trace(cmd, sent, (t_turn, t_recv0 or trace.now(), trace.now(), 0), False)
+            if not self.broken:
+                self._fail(f"receive failed: {exc}")
             raise RPCError(self.broken) from None
         finally:
             with self._turn:
                 self._next_reply += 1
                 self._turn.notify_all()
+        if sent is not None:
+            self._trace(cmd, sent, (t_turn, t_recv0, trace.now(), size + HEADER.size), status == STATUS_OK)
         if stats.enabled:
             stats.record(cmd.name, 0, size + HEADER.size, count=0)
         if status != STATUS_OK:
             raise RPCError(f"{self.endpoint}: {cmd.name} failed: {payload.decode('utf-8', 'replace')}")
         return payload
 
-    def call(self, cmd: Cmd, *parts: bytes | memoryview, into: Optional[memoryview] = None) -> bytes:
-        ticket = self.send(cmd, parts)
+    def call(self, cmd: Cmd, *parts: bytes | memoryview, into: Optional[memoryview] = None,
+             subj: str = "") -> bytes:
+        ticket = self.send(cmd, parts, subj=subj)
         if ticket is None:
             return b""
         return self.receive(ticket, cmd, into)
+
+    def _trace(self, cmd: Cmd, sent: tuple, got: Optional[tuple], ok: bool) -> None:
+        t_enq, t_send0, t_send1, bytes_out, subj, grp = sent
+        t_turn, t_recv0, t_recv1, bytes_in = got if got is not None else (None, None, None, 0)
+        trace.event("rpc.client", cmd.name, t_enq, t_recv1 if t_recv1 is not None else t_send1,
+                    endpoint=self.endpoint, bytes_out=bytes_out, bytes_in=bytes_in, subj=subj, grp=grp,
+                    t_enq=t_enq, t_send0=t_send0, t_send1=t_send1, t_turn=t_turn, t_recv0=t_recv0,
+                    t_recv1=t_recv1, ok=ok)
 
     # ------------------------------------------------------------------------------------------
     def _recv_exact(self, n: int) -> bytes:

@@ -39,6 +39,7 @@ class Cap(enum.IntFlag):
     GET_TENSORS = 1 << 0
     TRACE_SYNC = 1 << 1
     SET_TENSOR_HASH = 1 << 2
+    BACKEND_SAMPLING = 1 << 3  # graphs may hold the SAMPLE op
 
 
 STATUS_OK = 0

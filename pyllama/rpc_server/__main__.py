@@ -13,6 +13,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
+from .. import trace
 from ..backend.cpu import CPUBackend, set_compute_threads
 from ..cli import Parser, run_main, setup_logging
 from ..errors import PyllamaError
@@ -41,6 +42,8 @@ def build_parser() -> Parser:
                    help="directory of the tensor cache (enables SET_TENSOR_HASH: weights are not re-sent after a restart)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES",
                    help="largest request payload accepted; also caps a GET_TENSORS reply")
+    p.add_argument("--trace", metavar="PATH",
+                   help="write a trace of every command served here (JSON lines; also $PYLLAMA_TRACE)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every connection and allocation")
     return p.finish()
 
@@ -82,6 +85,14 @@ async def serve(args) -> int:
     if not _is_loopback(args.host):
         log.warning("listening on %s: the RPC server has no authentication; anyone who reaches this port can "
                     "allocate memory and run graphs on it", args.host)
+    try:
+        traced = trace.start(args.trace, "rpc-server", endpoint=f"{args.host}:{port}",
+                             trace_uid=f"{server.server_id:016x}")
+    except OSError as exc:
+        await server.stop()
+        raise PyllamaError(f"--trace: {exc.strerror or exc}") from None
+    if traced:
+        log.info("tracing to %s", traced)
     print(f"listening on {args.host}:{port}", file=sys.stderr, flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -92,6 +103,7 @@ async def serve(args) -> int:
     finally:
         log.info("shutting down")
         await server.stop()
+        trace.close()
     return 0
 
 

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .. import trace
 from ..backend.base import Backend
 from ..backend.cpu import CPUBackend
 from ..rpc import protocol as P
@@ -74,11 +75,13 @@ class RPCServer:
         self.max_frame = max_frame
         self.max_read = min(P.DEFAULT_MAX_READ, max_frame)
         self.cache = TensorCache(cache_dir) if cache_dir else None
-        caps = Cap.GET_TENSORS | Cap.TRACE_SYNC | (Cap.SET_TENSOR_HASH if self.cache else 0)
+        caps = (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING
+                | (Cap.SET_TENSOR_HASH if self.cache else 0))
         mask = caps_mask if caps_mask is not None else caps_mask_from_env()
         if mask is not None:
             caps &= mask
         self.capabilities = int(caps)
+        # also the trace uid of `python -m pyllama.rpc_server`: a client's clock event names it
         self.server_id = secrets.randbits(64) or 1
         self.devices = [Device(0, backend_factory(), mem_limit)]
         self._server: Optional[asyncio.AbstractServer] = None
@@ -164,6 +167,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._payload: Optional[np.ndarray] = None  # a large payload being received into place
         self._pfill = 0
         self._pcmd = 0
+        self._hdr_t = 0            # when the header of the frame being received was first seen (tracing)
         # a CPU device finishes its work inside the executor: with nothing of this connection queued,
         # SYNCHRONIZE has nothing to wait for and is answered at once
         self._sync_on_loop = all(d.completes_in_executor for d in server.devices)
@@ -255,6 +259,8 @@ class _Connection(asyncio.BufferedProtocol):
             if avail < hs:
                 break
             cmd, size = P.HEADER.unpack_from(self._rx, self._start)
+            if trace.enabled and not self._hdr_t:
+                self._hdr_t = trace.now()
             if not self._header_ok(cmd, size):
                 return
             if avail - hs >= size:
@@ -298,6 +304,9 @@ class _Connection(asyncio.BufferedProtocol):
     # --- dispatch ------------------------------------------------------------------------------
     def _dispatch(self, code: int, payload) -> None:
         t_recv = now_us()
+        # (t_recv0, t_recv1) of this frame while tracing, else None
+        rx = (self._hdr_t or t_recv, t_recv) if trace.enabled else None
+        self._hdr_t = 0
         cmd = Cmd(code)
         if not self.hello_done:
             self._hello(payload)
@@ -305,9 +314,13 @@ class _Connection(asyncio.BufferedProtocol):
         session = self.session
         assert session is not None
         if self.inflight == 0 and (cmd in _LOOP_CMDS or (cmd is Cmd.SYNCHRONIZE and self._sync_on_loop)):
+            t_exec0 = trace.now() if rx else 0
             reply = session.execute(cmd, payload, t_recv)
+            t_exec1 = trace.now() if rx else 0
             if reply is not None:
                 self._write(reply)
+            if rx:
+                self._trace(cmd, rx, (t_exec0, t_exec1, None), len(payload), reply)
             return
         nbytes = len(payload)
         self.inflight += 1
@@ -315,6 +328,7 @@ class _Connection(asyncio.BufferedProtocol):
 
         def run() -> tuple[bool, tuple]:
             reply = None
+            t_exec0 = trace.now() if rx else 0
             if not session.closed:
                 try:
                     reply = session.execute(cmd, payload, t_recv)
@@ -322,18 +336,21 @@ class _Connection(asyncio.BufferedProtocol):
                     log.exception("%s: %s crashed", session.peer, cmd.name)
                     if cmd not in P.ONE_WAY:
                         reply = frame(P.STATUS_ERROR, f"{cmd.name}: internal error: {exc!r}".encode())
-            return reply is not None, (reply, nbytes)
+            ex = (t_exec0, trace.now(), session.last_nodes) if rx else None
+            return reply is not None, (reply, nbytes, cmd, rx, ex)
 
         self.server.devices[0].executor.submit(run, self.server._loop, self._done)
         self._update_reading()
 
     def _done(self, result: tuple) -> None:
         """On the loop: a queued command completed."""
-        reply, nbytes = result
+        reply, nbytes, cmd, rx, ex = result
         self.inflight -= 1
         self.queued_bytes -= nbytes
         if reply is not None:
             self._write(reply)
+        if rx is not None and ex is not None:
+            self._trace(cmd, rx, ex, nbytes, reply)
         if self._eof and self.inflight == 0:
             self._close()
             return
@@ -358,6 +375,14 @@ class _Connection(asyncio.BufferedProtocol):
         log.info("%s: HELLO from protocol %d.%d.%d", self.peer, major, minor, patch)
         self._write(frame(P.STATUS_OK, P.HELLO_REP.pack(*P.VERSION, 0, self.server.capabilities,
                                                          self.server.server_id)))
+
+    def _trace(self, cmd: Cmd, rx: tuple, ex: tuple, nbytes: int, reply) -> None:
+        """One rpc.server event; the reply (if any) was just handed to the transport."""
+        t_send = trace.now() if reply is not None else None
+        trace.event("rpc.server", cmd.name, rx[0], t_send or ex[1], t_recv0=rx[0], t_recv1=rx[1],
+                    t_exec0=ex[0], t_exec1=ex[1], t_send0=t_send, t_send1=t_send,
+                    bytes_in=nbytes + P.HEADER.size, bytes_out=len(reply) if reply is not None else 0,
+                    n_nodes=ex[2], dev=self.server.devices[0].name, peer=self.peer)
 
     # --- output and flow control ----------------------------------------------------------------
     def _write(self, data) -> None:

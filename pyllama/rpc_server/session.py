@@ -55,7 +55,11 @@ OP_SPEC: dict[Op, tuple[tuple[int, ...], tuple[DType, ...], int]] = {
     Op.ADD: ((2,), (F32, F32), 0),
     Op.SWIGLU: ((1,), (F32,), 0),
     Op.ATTENTION: ((7, 9), (F32, F32, F32, I32, I32, I32, I32, F32, F32), 9),
+    Op.SAMPLE: ((2,), (F32, I32), 2),
 }
+OUT_DTYPE = {Op.SAMPLE: I32}  # every other op writes F32
+SAMPLE_MAX_PROBS = 4096
+SAMPLE_MAX_WINDOW = 1 << 20
 ATTN_INT_PARAMS = 5  # n_head, n_head_kv, head_dim, n_rot, rope_mode travel as f64
 
 
@@ -135,6 +139,7 @@ class Session:
         self.pending: Optional[str] = None          # the first one-way failure not yet reported
         self._more_failures = 0                     # one-way failures after it
         self.closed = False
+        self.last_nodes = 0                         # nodes of the graph the last command ran (tracing)
         self._handlers: dict[Cmd, Callable] = {
             Cmd.HELLO: self._hello_again,
             Cmd.DEVICE_COUNT: self._device_count,
@@ -157,6 +162,7 @@ class Session:
     def execute(self, cmd: Cmd, payload, t_recv: int) -> Optional[Union[bytes, bytearray]]:
         """Runs one command; returns the whole reply frame, or None for a one-way command."""
         handler = self._handlers[cmd]
+        self.last_nodes = 0
         if cmd in P.ONE_WAY:
             try:
                 handler(payload, t_recv)
@@ -400,6 +406,7 @@ class Session:
         while len(self.recent) > RECENT_GRAPHS:
             self._forget(next(iter(self.recent)))
         self.graphs[device] = stored
+        self.last_nodes = len(stored.graph.nodes)
         dev.backend.graph_compute(stored.graph)
 
     def _graph_recompute(self, payload, t_recv: int) -> None:
@@ -411,6 +418,7 @@ class Session:
             last = "none" if stored is None else stored.uid
             raise CommandError(f"graph {uid} is not the last graph of device {device} on this connection "
                                f"(that is {last})")
+        self.last_nodes = len(stored.graph.nodes)
         dev.backend.graph_compute(stored.graph)
 
     def _forget(self, key: tuple[int, int]) -> None:
@@ -453,8 +461,11 @@ class Session:
                                    f"{' or '.join(map(str, counts))}")
             out = tensors[outs[j]]
             ins = tuple(tensors[s] for s in srcs[j][:n])
-            if out.dtype != F32:
-                raise CommandError(f"graph node {j} ({op.name}): output {out.name!r} is {out.dtype.name}, not F32")
+            if op == Op.SAMPLE and not self.server.capabilities & Cap.BACKEND_SAMPLING:
+                raise CommandError(f"graph node {j}: SAMPLE needs the BACKEND_SAMPLING capability, not advertised here")
+            want = OUT_DTYPE.get(op, F32)
+            if out.dtype != want:
+                raise CommandError(f"graph node {j} ({op.name}): output {out.name!r} is {out.dtype.name}, not {want.name}")
             for k, t in enumerate(ins):
                 if t.dtype != dtypes[k]:
                     raise CommandError(f"graph node {j} ({op.name}): source {k} {t.name!r} is {t.dtype.name}, "
@@ -472,6 +483,11 @@ class Session:
         for k in range(n_used):
             if not math.isfinite(p[k]):
                 raise CommandError(f"graph node {j} ({op.name}): parameter {k} is {p[k]}")
+        if op == Op.SAMPLE:
+            n_probs, window = p[0], p[1]
+            if n_probs != int(n_probs) or not 0 <= n_probs <= SAMPLE_MAX_PROBS \
+                    or window != int(window) or not 0 <= window <= SAMPLE_MAX_WINDOW:
+                raise CommandError(f"graph node {j} (SAMPLE): n_probs {n_probs} / window {window} out of range")
         if op == Op.ATTENTION:
             for k in range(ATTN_INT_PARAMS):
                 if p[k] != int(p[k]) or not -INT32_MAX - 1 <= p[k] <= INT32_MAX:

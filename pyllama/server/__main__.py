@@ -13,6 +13,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
+from .. import trace
 from ..cli import Parser, run_main, setup_logging
 from ..devices import add_device_args, make_backends, parse_split
 from ..engine import Engine
@@ -44,6 +45,9 @@ def build_parser() -> Parser:
                         "flight over a layer split; must divide --parallel")
     p.add_argument("--kv-unified", action="store_true",
                    help="one KV pool for all slots (a request may use the whole context) instead of C/P per slot")
+    p.add_argument("--backend-sampling", action="store_true",
+                   help="run every request's sampler chain on the device that holds the output layer (local or an rpc "
+                        "server that supports it): only token ids come back instead of the logits")
     p.add_argument("-n", "--n-predict", type=int, default=-1, help="default tokens to generate per request, -1 = until done")
     p.add_argument("--slot-prompt-similarity", type=float, default=0.5,
                    help="reuse a slot whose cached prompt covers more than this share of the new prompt")
@@ -51,6 +55,8 @@ def build_parser() -> Parser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds an idle keep-alive connection stays open")
     p.add_argument("--max-body", type=int, default=16 << 20, help="largest accepted request body in bytes")
     p.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
+    p.add_argument("--trace", metavar="PATH",
+                   help="write a trace of every decode step, RPC command and device span (JSON lines; also $PYLLAMA_TRACE)")
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
     add_device_args(p)
     return p.finish()
@@ -104,9 +110,13 @@ def load(state: ServerState) -> None:
     state.groups = []
     for g in range(n_groups):
         ctx = engine.new_context(ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified)
+        backend_sampling = args.backend_sampling and ctx.can_sample_on_device()
+        if args.backend_sampling and not backend_sampling and g == 0:
+            log.warning("--backend-sampling: the device of the output layer does not run the sampler (an rpc server "
+                        "without the capability); sampling on this host")
         slots = [Slot(g * seq_group + i, g, i, ctx.seq_cap, engine.tokenizer) for i in range(seq_group)]
         state.groups.append(PipelineGroup(g, ctx, slots, engine.tokenizer, state.metrics, on_free=lambda s: None,
-                                          n_threads=1))
+                                          n_threads=1, backend_sampling=backend_sampling))
 
     state.slots_per_group = seq_group
     state.n_ctx_slot = ctx.seq_cap
@@ -149,6 +159,13 @@ async def serve(args) -> int:
         raise PyllamaError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s: the server has no authentication; anyone who reaches it can use it", args.host)
+    try:
+        traced = trace.start(args.trace, "server", endpoint=f"{args.host}:{port}")
+    except OSError as exc:
+        await server.shutdown(grace=0)
+        raise PyllamaError(f"--trace: {exc.strerror or exc}") from None
+    if traced:
+        log.warning("tracing to %s", traced)
     log.warning("listening on http://%s:%d", args.host, port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -182,6 +199,7 @@ async def serve(args) -> int:
             g.stop()
         if state.engine is not None:
             state.engine.close()
+        trace.close()
     return code
 
 

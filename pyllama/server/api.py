@@ -8,7 +8,6 @@ which frees their slots at the next decode step.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
 from dataclasses import dataclass, field

@@ -16,9 +16,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..context import Batch, Context
+from ..context import Batch, Context, DecodeOutput
 from ..sampling import BatchSampler
 from ..tokenizer import Tokenizer
+from .. import trace
 from . import pipe_prof
 from .metrics import Metrics
 from .slot import Slot, SlotState, common_prefix, token_probs
@@ -31,7 +32,7 @@ MAX_PROBS = 20
 
 class PipelineGroup:
     def __init__(self, index: int, ctx: Context, slots: list[Slot], tokenizer: Tokenizer, metrics: Metrics,
-                 on_free: Callable[[Slot], None], n_threads: int = 1):
+                 on_free: Callable[[Slot], None], n_threads: int = 1, backend_sampling: bool = False):
         self.index = index
         self.ctx = ctx
         self.slots = slots
@@ -45,9 +46,13 @@ class PipelineGroup:
         self._inbox: deque[list[tuple[Slot, CompletionTask]]] = deque()
         self._running = True
         self.sampler = BatchSampler(ctx.hparams.n_vocab, max(len(slots), 1), MAX_PROBS, n_threads=n_threads)
+        # sampling where the logits are: only ids come back (the caller checked the device can)
+        self.backend_sampling = backend_sampling
         self.sink = EventSink()
         self.fault: Optional[str] = None
         self.prof = pipe_prof.profile_for(index) if pipe_prof.enabled else None
+        self._tr_iter = 0   # trace time the current iteration began (0: not traced)
+        self._n_rows = self._n_prompt = self._n_decode = 0
         self.thread = threading.Thread(target=self._run, name=f"decode-{index}", daemon=True)
 
     def start(self) -> None:
@@ -70,6 +75,7 @@ class PipelineGroup:
 
     # ------------------------------------------------------------------------------------------
     def _run(self) -> None:
+        trace.set_group(self.index)
         while True:
             with self._wake:
                 # slots change only on this thread, so reading `busy` here races with nothing
@@ -86,7 +92,14 @@ class PipelineGroup:
                     log.exception("decode step failed in group %d", self.index)
                     self._fail_all(f"decode failed: {exc}")
             t_send = time.perf_counter()
+            tr_send = trace.now() if trace.enabled else 0
             self.sink.flush()
+            if tr_send:
+                t_end = trace.now()
+                trace.event("server", "result_send", tr_send, t_end, grp=self.index, n_slots=self._n_rows)
+                if self._tr_iter:
+                    trace.event("server", "iteration", self._tr_iter, t_end, grp=self.index, n_slots=self._n_rows,
+                                n_prompt=self._n_prompt, n_decode=self._n_decode)
             if self.prof is not None:
                 self.prof.add(lock_wait=t_got - t_want, result_send=time.perf_counter() - t_send)
         for slot in self.slots:  # shutting down: whatever still runs ends as cancelled
@@ -96,6 +109,8 @@ class PipelineGroup:
 
     def _iteration(self) -> None:
         self._t_iter = time.perf_counter()
+        self._tr_iter = trace.now() if trace.enabled else 0
+        self._n_rows = self._n_prompt = self._n_decode = 0
         while True:
             with self._wake:
                 if not self._inbox:
@@ -107,12 +122,31 @@ class PipelineGroup:
                 self._finish(slot, None)
         batch, rows = self._build_batch()
         if batch is None:
+            self._tr_iter = 0  # nothing was submitted: not a step
             return
         t_pre = time.perf_counter()
-        out = self.ctx.decode(batch)
+        traced = self._tr_iter != 0
+        if traced:
+            t = trace.now()
+            self._n_rows = len(rows)
+            self._n_decode = sum(1 for s in self.slots if s.state is SlotState.GENERATING)
+            self._n_prompt = len(batch) - self._n_decode
+            trace.event("server", "batch_build", self._tr_iter, t, grp=self.index, n_slots=self._n_rows)
+        if self.backend_sampling and rows:
+            packed = self.sampler.pack([slot.sampler for slot in rows])
+            out = self.ctx.decode(batch, packed, self.sampler.device_spec())
+        else:
+            out = self.ctx.decode(batch)
         t_dec = time.perf_counter()
+        if traced:
+            s0, s1, s2 = self.ctx.last_spans
+            trace.event("server", "submit", s0, s1, grp=self.index, n_slots=self._n_rows)
+            trace.event("server", "synchronize", s1, s2, grp=self.index, n_slots=self._n_rows)
+            t_post = trace.now()
         self.metrics.on_decode(sum(1 for s in self.slots if s.busy))
-        self._after_decode(out.logits, rows)
+        self._after_decode(out, rows)
+        if traced:
+            trace.event("server", "post_decode", t_post, trace.now(), grp=self.index, n_slots=self._n_rows)
         if self.prof is not None:
             self.prof.add(steps=1, pre_decode=t_pre - self._t_iter, submit=self.ctx.last_submit_s,
                           synchronize=self.ctx.last_sync_s, post_decode=time.perf_counter() - t_dec)
@@ -182,7 +216,7 @@ class PipelineGroup:
             slot.parent = None
             slot.state = SlotState.PROMPT
 
-    def _after_decode(self, logits: np.ndarray, rows: list[Slot]) -> None:
+    def _after_decode(self, out: DecodeOutput, rows: list[Slot]) -> None:
         # the batch's tokens are now in the cache
         for slot in self.slots:
             if slot.state is SlotState.GENERATING:
@@ -192,10 +226,15 @@ class PipelineGroup:
                 slot.i_prompt += slot.n_pending
         if not rows:
             return
-        samplers = [slot.sampler for slot in rows]
         t0 = time.perf_counter()
-        res = self.sampler.sample(logits, samplers)
+        tr0 = trace.now() if trace.enabled else 0
+        if out.sampled is not None:
+            res = self.sampler.unpack(out.sampled)
+        else:
+            res = self.sampler.sample(out.logits, [slot.sampler for slot in rows])
         t_sampling = time.perf_counter() - t0
+        if tr0:
+            trace.event("server", "sampling", tr0, trace.now(), grp=self.index, n_slots=len(rows))
         ids, probs, top_ids, top_probs = res.ids.tolist(), res.probs, res.top_ids, res.top_probs
         for i, slot in enumerate(rows):
             task = slot.task

@@ -1,0 +1,84 @@
+"""Tokens/s of the split's cost-cutting arms, side by side in one run.
+
+    python bench/cheap_split.py [--preset medium] [--orders 'CPU,RPC0;RPC0,CPU'] [--groups 1,2]
+        [--users 32] [--npp 64] [--ntg 128] [-t 1] [--ts 7,5] [--legs 1]
+
+One rpc server for the whole run; per cell (device order, groups, arm) a fresh server driven by
+bench_users. Arms: `base` (host sampling: the logits of every output row come back from the device
+of the output layer) and `backend sampling` (`--backend-sampling`: the sampler runs there, only ids
+come back). With `CPU,RPC0` the output layer is on the peer, with `RPC0,CPU` it is local. Arms are
+interleaved per leg. Printed: tokens/s per cell, and each arm's ratio to `base` in the same order
+and groups.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _p in (HERE, os.path.join(ROOT, "tests"), ROOT):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from bench_users import run_bench  # noqa: E402
+from pipeline_cells import model_path, prompt_vocab  # noqa: E402
+from server_util import RPCServerProcess, ServerProcess  # noqa: E402
+
+ARMS = {"base": ([], {}), "backend sampling": (["--backend-sampling"], {})}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--orders", default="CPU,RPC0;RPC0,CPU")
+    ap.add_argument("--groups", default="1,2")
+    ap.add_argument("--users", type=int, default=32)
+    ap.add_argument("--npp", type=int, default=64)
+    ap.add_argument("--ntg", type=int, default=128)
+    ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("--ts", default="7,5")
+    ap.add_argument("--legs", type=int, default=1)
+    a = ap.parse_args()
+    model = model_path(a.preset)
+    vocab = prompt_vocab(model)
+    orders = [o for o in a.orders.split(";") if o]
+    groups = [int(g) for g in a.groups.split(",")]
+    env = {"PYLLAMA_TRACE": ""}
+    rpc = RPCServerProcess("-t", str(a.threads), env=env)
+    res: dict[tuple, list[float]] = {}
+    failed = False
+    try:
+        print(f"# {a.preset}, {a.users} users, npp {a.npp}, ntg {a.ntg}, -t {a.threads}, -ts {a.ts}, legs {a.legs}")
+        for order in orders:
+            for g in groups:
+                for leg in range(a.legs):
+                    for arm, (extra, arm_env) in ARMS.items():
+                        n_slots = -(-a.users // g) * g
+                        args = ["--rpc", rpc.endpoint, "--device", order, "-np", str(n_slots),
+                                "-c", str(n_slots * (a.npp + a.ntg + 16)), "-t", str(a.threads), "-ts", a.ts,
+                                "--pipeline-groups", str(g), *extra]
+                        srv = ServerProcess(model, *args, env={**env, **arm_env}).wait_ready(600)
+                        try:
+                            rep = run_bench(srv.url, a.users, 1, a.npp, a.ntg, warmup=1, vocab=vocab)
+                        finally:
+                            srv.stop()
+                        failed |= bool(rep["errors"])
+                        res.setdefault((order, g, arm), []).append(rep["gen_tok_s"])
+                        print(f"  {order} groups {g} {arm:17s} leg {leg + 1}: {rep['gen_tok_s']:7.1f} tok/s, "
+                              f"TPOT {rep['tpot_ms']:.1f} ms, errors {rep['errors']}", flush=True)
+        print(f"{'order':9s} {'groups':>6s} " + " ".join(f"{arm:>17s}" for arm in ARMS) + "  ratios to base")
+        for order in orders:
+            for g in groups:
+                means = {arm: statistics.fmean(res[(order, g, arm)]) for arm in ARMS}
+                print(f"{order:9s} {g:6d} " + " ".join(f"{means[arm]:17.1f}" for arm in ARMS) + "  "
+                      + ", ".join(f"{arm} {means[arm] / means['base']:.2f}x" for arm in ARMS if arm != "base"))
+    finally:
+        rpc.stop()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

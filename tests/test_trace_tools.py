@@ -1,0 +1,314 @@
+"""trace_tools on synthetic traces whose answers are known by construction."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from trace_tools import device_idle, merge  # noqa: E402
+
+BASE_UID = "00000000000000b1"
+PEER_UID = "00000000000000c1"
+
+
+def write_trace(path: Path, role: str, uid: str, events: list[dict], host: str = "h1",
+                endpoint: str | None = None, tail: str = "") -> str:
+    """A trace file: header line, one line per event, then `tail` as written (a partial line)."""
+    header = {"type": "header", "version": 1, "role": role, "uid": uid, "host": host, "pid": 7,
+              "endpoint": endpoint, "t_open_us": 0, "wall_us": 1_700_000_000_000_000}
+    path.write_text("\n".join(json.dumps(x) for x in [header, *events]) + "\n" + tail)
+    return str(path)
+
+
+def ev(c: str, n: str, t0: int, t1: int, tid: str = "srv", **extra) -> dict:
+    return {"c": c, "n": n, "t0": t0, "t1": t1, "tid": tid, **extra}
+
+
+def clock(peer_uid: str, offset: int, rtt: int = 40, endpoint: str = "gpuhost:50052") -> dict:
+    """A client's clock measurement of a peer: peer clock = our clock + offset. Its own `t1`
+    field (the send time) lands on the event's t1, as the writer's field merge does."""
+    half = rtt // 2
+    return ev("clock", "offset", 100, 100, tid="conn", endpoint=endpoint, peer_uid=peer_uid, t2=100 + offset + half,
+              t3=100 + offset + half, t4=100 + rtt, offset_us=offset, rtt_us=rtt)
+
+
+def rpc_client(n: str, t0: int, t1: int, subj: str, grp: int | None = 0, bytes_in: int = 4096) -> dict:
+    third = (t1 - t0) // 3
+    return ev("rpc.client", n, t0, t1, endpoint="gpuhost:50052", bytes_out=24, bytes_in=bytes_in, subj=subj,
+              grp=grp, t_enq=t0, t_send0=t0, t_send1=t0 + third, t_turn=t0 + third, t_recv0=t1 - third,
+              t_recv1=t1, ok=True)
+
+
+def iteration(t0: int, t1: int, grp: int, n_prompt: int, n_decode: int, n_slots: int = 1) -> dict:
+    return ev("server", "iteration", t0, t1, tid=f"srv{grp}", grp=grp, n_slots=n_slots,
+              n_prompt=n_prompt, n_decode=n_decode)
+
+
+# --- (a) idle attribution -------------------------------------------------------------------
+PEER_OFFSET = 7000
+
+
+@pytest.fixture
+def step_files(tmp_path: Path) -> list[str]:
+    """One step [1000, 2000) of group 0. Devices work [1000,1100) [1500,1600) here and [1700,1800)
+    on the peer, so 700 µs are idle: 100 of them ([1800,1900)) under no span of group 0."""
+    base = [
+        iteration(1000, 2000, 0, n_prompt=0, n_decode=1),
+        ev("server", "batch_build", 1100, 1200, tid="srv0", grp=0, n_slots=1),
+        ev("server", "submit", 1200, 1500, tid="srv0", grp=0, n_slots=1),
+        ev("ctx", "decode", 1210, 1490, tid="srv0", grp=0, n_tokens=1, n_outputs=1, n_splits=2),
+        ev("sched", "split", 1210, 1250, tid="srv0", backend="CPU", n_inputs=1, n_nodes=9),
+        rpc_client("GET_TENSOR", 1300, 1450, "result_output"),
+        ev("server", "sampling", 1600, 1650, tid="srv0", grp=0, n_slots=1),
+        ev("server", "result_send", 1650, 1700, tid="srv0", grp=0, n_slots=1),
+        ev("server", "sampling", 1800, 1900, tid="srv1", grp=1, n_slots=1),  # another group's
+        ev("server", "post_decode", 1900, 2000, tid="srv0", grp=0, n_slots=1),
+        ev("dev", "compute CPU", 1000, 1100, tid="dev"),
+        ev("dev", "compute CPU", 1500, 1600, tid="dev"),
+        clock(PEER_UID, PEER_OFFSET),
+    ]
+    o = PEER_OFFSET
+    peer = [
+        ev("rpc.server", "GRAPH_COMPUTE", 1690 + o, 1810 + o, tid="conn", t_recv0=1690 + o, t_recv1=1700 + o,
+           t_exec0=1700 + o, t_exec1=1800 + o, t_send0=1800 + o, t_send1=1810 + o, bytes_in=900, bytes_out=16,
+           n_nodes=40, dev=0),
+        ev("dev", "compute CUDA0", 1700 + o, 1800 + o, tid="gpu"),
+    ]
+    return [write_trace(tmp_path / "trace.jsonl", "server", BASE_UID, base),
+            write_trace(tmp_path / "trace.rpc.jsonl", "rpc-server", PEER_UID, peer, host="gpuhost")]
+
+
+def test_idle_attribution_innermost_and_exact(step_files: list[str]) -> None:
+    row = merge.step_summary(merge.load(step_files)).iloc[0]
+    expected = {"grp": 0, "t0": 1000, "step_us": 1000, "n_prompt": 0, "n_decode": 1,
+                "batch_build_us": 100, "submit_us": 300, "synchronize_us": 0, "post_decode_us": 100,
+                "sampling_us": 50, "result_send_us": 50, "local_busy_us": 200, "peer_busy_us": 100,
+                "idle_both_us": 700, "logits_read_us": 150,
+                "idle_server:batch_build_us": 100, "idle_server:submit_us": 20, "idle_ctx:decode_us": 90,
+                "idle_sched:split_us": 40,  # same start as ctx.decode, shorter: innermost
+                "idle_rpc.client:GET_TENSOR_us": 150,  # nested in submit and ctx.decode: inner wins
+                "idle_server:sampling_us": 50, "idle_server:result_send_us": 50,
+                "idle_server:post_decode_us": 100, "idle_unattributed_us": 100}
+    assert {k: int(row[k]) for k in expected} == expected
+    attributed = [k for k in row.index if k.startswith("idle_") and k != "idle_both_us"]
+    assert sum(int(row[k]) for k in attributed) == row["idle_both_us"]
+
+
+def _oracle(dev: list[tuple[int, int]], host: list[tuple[int, int, str]], end: int) -> Counter:
+    """Idle time charged per label, one microsecond at a time (the slow, obvious way)."""
+    out: Counter = Counter()
+    for t in range(end):
+        if any(a <= t < b for a, b in dev):
+            continue
+        covering = [(-a, b - a, k) for k, (a, b, _) in enumerate(host) if a <= t < b]
+        out[host[min(covering)[2]][2] if covering else "unattributed"] += 1
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_idle_attribution_matches_brute_force(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    names = ["submit", "synchronize", "sampling"]
+    host = []
+    for _ in range(12):
+        a = rng.randrange(0, 290)
+        host.append((a, a + rng.randrange(1, 60), rng.choice(names)))
+    dev = [(a, a + rng.randrange(1, 40)) for a in (rng.randrange(0, 290) for _ in range(6))]
+    events = [iteration(0, 300, 0, 0, 1)]
+    events += [ev("server", name, a, b, tid="srv0", grp=0) for a, b, name in host]
+    events += [ev("dev", "compute CPU", a, b, tid="dev") for a, b in dev]
+    row = merge.step_summary(merge.load([write_trace(tmp_path / "t.jsonl", "server", BASE_UID, events)])).iloc[0]
+    want = _oracle(dev, host, 300)
+    got = {k[len("idle_server:"):-3]: int(row[k]) for k in row.index if k.startswith("idle_server:")}
+    got["unattributed"] = int(row["idle_unattributed_us"])
+    assert {k: v for k, v in got.items() if v} == dict(want)
+    assert sum(got.values()) == row["idle_both_us"] == sum(want.values())
+
+
+# --- (b) phases -----------------------------------------------------------------------------
+def test_device_idle_phase_split(tmp_path: Path) -> None:
+    """prefill [0,100) [320,350); decode [100,300) [350,450) (a speculative-looking batch, a mixed
+    one, and group 1's decode overlapping a prefill); other [300,320)."""
+    off = 1_000_000
+    base = [iteration(0, 100, 0, n_prompt=10, n_decode=0),
+            iteration(100, 200, 0, n_prompt=0, n_decode=8, n_slots=2),
+            iteration(200, 300, 0, n_prompt=5, n_decode=2, n_slots=3),
+            iteration(320, 400, 0, n_prompt=4, n_decode=0),
+            iteration(350, 450, 1, n_prompt=0, n_decode=1),
+            clock(PEER_UID, off)]
+    base += [ev("dev", "compute CPU", a, b, tid="dev") for a, b in [(10, 60), (150, 250), (310, 330), (400, 420)]]
+    peer = [ev("dev", "compute CUDA0", a + off, b + off, tid="gpu") for a, b in [(40, 120), (240, 260), (340, 360)]]
+    files = [write_trace(tmp_path / "trace.jsonl", "server", BASE_UID, base),
+             write_trace(tmp_path / "peer.jsonl", "rpc-server", PEER_UID, peer)]
+    table = device_idle.device_idle(merge.load(files)).set_index(["device", "phase"])
+    cols = ["span_us", "busy_us", "idle_other_us", "idle_neither_us", "idle_median_us"]
+    cpu, gpu = f"server:{BASE_UID[:8]}:compute CPU", f"rpc-server:{PEER_UID[:8]}:compute CUDA0"
+    expected = {
+        (cpu, "prefill"): [130, 60, 50, 20, 20.0], (cpu, "decode"): [300, 120, 40, 140, 50.0],
+        (cpu, "other"): [20, 10, 0, 10, 10.0], (cpu, "all"): [450, 190, 90, 170, 60.0],
+        (gpu, "prefill"): [130, 70, 40, 20, 30.0], (gpu, "decode"): [300, 50, 110, 140, 90.0],
+        (gpu, "other"): [20, 0, 10, 10, 20.0], (gpu, "all"): [450, 120, 160, 170, 85.0],
+    }
+    for key, want in expected.items():
+        assert table.loc[key, cols].tolist() == want, key
+
+
+# --- (c) binding by uid ---------------------------------------------------------------------
+def test_peers_on_one_host_bound_by_uid(tmp_path: Path) -> None:
+    """Two peers on one host; the clock events come in the other order, with endpoints that do
+    not match the headers, and a worse (larger rtt) measurement of A that must lose."""
+    a_uid, b_uid = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
+    a_off, b_off = 500_000, -300_000
+    base = [clock(b_uid, b_off, rtt=30, endpoint="gpuhost:50052"),
+            clock(a_uid, 123_456, rtt=900, endpoint="gpuhost:50053"),
+            clock(a_uid, a_off, rtt=35, endpoint="gpuhost:50053"),
+            ev("dev", "compute CPU", 10_000_000, 10_000_500, tid="dev")]
+    peer_a = [ev("dev", "compute CUDA0", 10_001_000 + a_off, 10_001_100 + a_off, tid="gpu"),
+              ev("rpc.server", "GRAPH_COMPUTE", 10_000_990 + a_off, 10_001_110 + a_off, tid="c",
+                 t_recv0=10_000_990 + a_off, t_recv1=10_001_000 + a_off, t_exec0=10_001_000 + a_off,
+                 t_exec1=10_001_100 + a_off, t_send0=10_001_100 + a_off, t_send1=10_001_110 + a_off)]
+    peer_b = [ev("dev", "compute CUDA0", 10_002_000 + b_off, 10_002_100 + b_off, tid="gpu")]
+    files = [write_trace(tmp_path / "trace.jsonl", "server", BASE_UID, base, host="front"),
+             write_trace(tmp_path / "a.jsonl", "rpc-server", a_uid, peer_a, host="gpuhost", endpoint="gpuhost:50052"),
+             write_trace(tmp_path / "b.jsonl", "rpc-server", b_uid, peer_b, host="gpuhost", endpoint="gpuhost:50053")]
+    trace = merge.load(files)
+    assert [h["offset_us"] for h in trace.headers] == [0, a_off, b_off]
+    assert trace.warnings == []
+    dev = trace.events[trace.events["c"] == "dev"].set_index("uid")
+    assert dev.loc[a_uid, ["t0", "t1"]].tolist() == [10_001_000, 10_001_100]
+    assert dev.loc[b_uid, ["t0", "t1"]].tolist() == [10_002_000, 10_002_100]
+    rs = trace.events[trace.events["c"] == "rpc.server"].iloc[0]
+    assert [rs["t_exec0"], rs["t_exec1"]] == [10_001_000, 10_001_100]
+
+
+def test_unbound_peer_warns_and_keeps_its_clock(tmp_path: Path) -> None:
+    files = [write_trace(tmp_path / "trace.jsonl", "server", BASE_UID, [clock("0123456789abcdef", 5)]),
+             write_trace(tmp_path / "p.jsonl", "rpc-server", PEER_UID, [ev("dev", "compute CUDA0", 50, 60)])]
+    with pytest.warns(UserWarning, match=PEER_UID):
+        trace = merge.load(files)
+    assert trace.headers[1]["offset_us"] == 0 and len(trace.warnings) == 1
+    assert trace.events[trace.events["c"] == "dev"]["t0"].tolist() == [50]
+
+
+# --- (d) logits read by tensor name -----------------------------------------------------------
+def test_logits_read_identified_by_tensor_name(tmp_path: Path) -> None:
+    events = [iteration(0, 1000, 0, 0, 1),
+              rpc_client("GET_TENSOR", 100, 200, "result_output", bytes_in=4096),
+              rpc_client("GET_TENSOR", 300, 450, "l_out-3", bytes_in=4096),  # same size, not logits
+              rpc_client("GET_TENSORS", 500, 530, "l_out-5,result_output"),
+              rpc_client("GET_TENSOR", 600, 640, "result_output_norm"),
+              rpc_client("SET_TENSOR", 650, 660, "result_output"),
+              rpc_client("GET_TENSOR", 700, 800, "result_output", grp=1)]  # another group's
+    steps = merge.step_summary(merge.load([write_trace(tmp_path / "t.jsonl", "server", BASE_UID, events)]))
+    assert steps["logits_read_us"].tolist() == [100 + 30]
+
+
+# --- (e) damaged files ----------------------------------------------------------------------
+def test_truncated_last_line_is_ignored(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.jsonl", "server", BASE_UID, [ev("dev", "compute CPU", 0, 5)],
+                       tail='{"c":"dev","n":"compute CP')
+    assert len(merge.load([path]).events) == 1
+
+
+HEADER = {"type": "header", "version": 1, "role": "server", "uid": BASE_UID, "host": "h", "pid": 1,
+          "endpoint": None, "t_open_us": 0, "wall_us": 0}
+EVENT = json.dumps(ev("dev", "x", 0, 1))
+
+
+@pytest.mark.parametrize("lines, line", [
+    ([json.dumps(HEADER), EVENT, "not json", EVENT], 3),  # garbage in the middle
+    ([EVENT], 1),  # no header
+    (['{"type":"header","version":1,"role":"server"'], 1),  # partial header
+    ([json.dumps(dict(HEADER, role="client"))], 1),
+    ([json.dumps(dict(HEADER, uid="xyz"))], 1),
+    ([json.dumps(dict(HEADER, version=2))], 1),
+    ([], 1),  # empty file
+])
+def test_bad_file_raises_trace_error(tmp_path: Path, lines: list[str], line: int) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(x + "\n" for x in lines))
+    with pytest.raises(merge.TraceError, match=rf"bad\.jsonl:{line}:"):
+        merge.load([str(path)])
+    assert issubclass(merge.TraceError, ValueError)
+
+
+def _cli(tool: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"trace_tools/{tool}.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_bad_file_exits_1_with_one_line(tmp_path: Path, step_files: list[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("garbage\n")
+    for tool in ("merge", "device_idle"):
+        res = _cli(tool, step_files[0], str(bad))
+        assert res.returncode == 1
+        assert len(res.stderr.strip().splitlines()) == 1 and "bad.jsonl:1" in res.stderr
+
+
+# --- (f) Chrome trace -----------------------------------------------------------------------
+def test_chrome_trace(step_files: list[str], tmp_path: Path) -> None:
+    trace = merge.load(step_files)
+    out = tmp_path / "chrome.json"
+    merge.write_chrome(trace, out)
+    events = json.loads(out.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {1: f"server h1 {BASE_UID[:8]}", 2: f"rpc-server gpuhost {PEER_UID[:8]}"}
+    spans = [e for e in events if e["ph"] == "X" and not e["cat"].endswith(".phase")]
+    want = Counter((int(r.file) + 1, r.c, r.n, int(r.t0), int(r.t1 - r.t0)) for r in trace.events.itertuples())
+    assert Counter((e["pid"], e["cat"], e["name"], e["ts"], e["dur"]) for e in spans) == want
+    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"srv0 g0", "srv1 g1", "compute CPU", "compute CUDA0"} <= set(rows.values())
+    phases = [e for e in events if e["ph"] == "X" and e["cat"].endswith(".phase")]
+    assert sorted(e["name"] for e in phases) == ["exec", "recv", "recv", "send", "send", "wait"]
+    for p in phases:
+        parents = [e for e in spans if e["cat"] == p["cat"][:-len(".phase")] and e["name"] == p["args"]["cmd"]
+                   and (e["pid"], e["tid"]) == (p["pid"], p["tid"])]
+        assert parents and all(e["ts"] <= p["ts"] and p["ts"] + p["dur"] <= e["ts"] + e["dur"] for e in parents)
+
+
+# --- (g) CLI --------------------------------------------------------------------------------
+def test_cli_summary_chrome_csv(step_files: list[str], tmp_path: Path) -> None:
+    chrome, csv = tmp_path / "c.json", tmp_path / "s.csv"
+    res = _cli("merge", *step_files, "--summary", "--chrome", str(chrome), "--csv", str(csv))
+    assert res.returncode == 0, res.stderr
+    assert "merged 2 files, 15 events, 1 steps" in res.stdout and "idle_unattributed_us" in res.stdout
+    assert "median" in res.stdout
+    assert json.loads(chrome.read_text())["traceEvents"]
+    assert csv.read_text().startswith("grp,t0,step_us")
+    res = _cli("device_idle", *step_files)
+    assert res.returncode == 0, res.stderr
+    assert "compute CUDA0" in res.stdout and "idle_neither_us" in res.stdout
+
+
+# --- (h) notebook ---------------------------------------------------------------------------
+def test_notebook_is_valid_and_compiles() -> None:
+    nb = json.loads((ROOT / "trace_tools" / "notebook.ipynb").read_text())
+    assert nb["nbformat"] == 4
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code
+    for cell in code:
+        assert cell["outputs"] == [] and cell["execution_count"] is None
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        compile(src, "notebook cell", "exec")
+    assert any("from trace_tools import" in "".join(c["source"]) for c in code)
+
+
+def test_interval_helpers() -> None:
+    s, e = merge.union([5, 0, 3, 20], [8, 4, 6, 20])
+    assert s.tolist() == [0] and e.tolist() == [8]
+    assert merge.overlap([0, 2], [4, 6], [1, 10], [3, 12]).tolist() == [3, 0]
+    a = (np.array([0, 10]), np.array([5, 15]))
+    b = (np.array([3]), np.array([12]))
+    d = merge.combine([a, b], lambda x, y: x & ~y)
+    assert d[0].tolist() == [0, 12] and d[1].tolist() == [3, 15]

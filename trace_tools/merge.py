@@ -1,0 +1,501 @@
+"""Merges the trace files of one run onto a common time line.
+
+Every process of a run (the HTTP server, `generate`, each rpc-server) writes its own JSON-lines
+file in the microseconds of its own host's monotonic clock. Those clocks are unrelated across
+hosts, so the files only make sense together once each rpc-server file is shifted by the offset
+its client measured (the `clock` events). This module does that shift, then offers three views:
+
+* `chrome_trace`: every span in the Chrome trace event format, to look at in Perfetto or
+  chrome://tracing, with the RPC phases (send / wait / recv, recv / exec / send) as nested slices;
+* `step_summary`: one row per decode step (`server`/`iteration`) with its host phases, how busy
+  the devices were, and where the time that no device worked went;
+* the CLI: ``python trace_tools/merge.py TRACE... [--chrome OUT.json] [--summary] [--csv OUT.csv]``.
+
+The events table (`Trace.events`) has one row per event and flattened columns: `file` (the
+position of its file in the list given to `load`), `uid`, `role`, `host` (from that file's
+header), `c`, `n`, `t0`, `t1`, `tid`, `grp`, then one column per other field found in any event
+(`subj`, `endpoint`, `t_send0`, `n_decode`, ...), missing values as NA. `t0`, `t1` and every
+`t_*` column are on the base file's clock; other fields are kept as written (so the `t2`/`t3` of
+a `clock` event stay in the peer's clock).
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import re
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+ROLES = ("server", "rpc-server", "generate")
+CLIENT_ROLES = ("server", "generate")
+CORE = ["file", "uid", "role", "host", "c", "n", "t0", "t1", "tid", "grp"]
+STEP_PHASES = ("batch_build", "submit", "synchronize", "post_decode", "sampling", "result_send")
+LOGITS_TENSOR = "result_output"
+LOGITS_READS = ("GET_TENSOR", "GET_TENSORS")
+RPC_PHASES = {
+    "rpc.client": (("send", "t_send0", "t_send1"), ("wait", "t_send1", "t_recv0"), ("recv", "t_recv0", "t_recv1")),
+    "rpc.server": (("recv", "t_recv0", "t_recv1"), ("exec", "t_exec0", "t_exec1"), ("send", "t_send0", "t_send1")),
+}
+_UID = re.compile(r"[0-9a-fA-F]{16}")
+
+Intervals = tuple[np.ndarray, np.ndarray]  # sorted, disjoint [start, end) pairs as two int64 arrays
+
+
+class TraceError(ValueError):
+    """A trace file that does not follow the format; the message names the file and line."""
+
+
+@dataclass
+class Trace:
+    """The merged files. `headers[i]` describes file i (its header fields plus `path` and
+    `offset_us`, the peer clock minus the base clock that was subtracted from its times);
+    `base` is the file whose clock is the common time line (None when no server/generate file
+    was given); `warnings` lists what could not be aligned."""
+    headers: list[dict]
+    events: pd.DataFrame
+    base: Optional[int]
+    warnings: list[str] = field(default_factory=list)
+
+
+# --- reading --------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _header_problem(h: Any) -> Optional[str]:
+    """Why `h` is not a valid header, or None. Checked strictly: every later step trusts it."""
+    if not isinstance(h, dict) or h.get("type") != "header":
+        return "missing header (line 1 is not a header record)"
+    if h.get("version") != 1:
+        return f"unsupported trace version {h.get('version')!r}"
+    if h.get("role") not in ROLES:
+        return f"invalid header: role {h.get('role')!r} is not one of {', '.join(ROLES)}"
+    if not isinstance(h.get("uid"), str) or not _UID.fullmatch(h["uid"]):
+        return f"invalid header: uid {h.get('uid')!r} is not 16 hex digits"
+    if not isinstance(h.get("host"), str) or not _is_int(h.get("pid")):
+        return "invalid header: host must be a string and pid an integer"
+    if h.get("endpoint") is not None and not isinstance(h.get("endpoint"), str):
+        return "invalid header: endpoint must be a string or null"
+    if not (_is_int(h.get("t_open_us")) and _is_int(h.get("wall_us"))):
+        return "invalid header: t_open_us and wall_us must be integers"
+    return None
+
+
+def _event(line: str) -> Optional[dict]:
+    """The event on `line`, or None when the line is not one (bad JSON or missing fields)."""
+    try:
+        ev = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    ok = (isinstance(ev, dict) and isinstance(ev.get("c"), str) and isinstance(ev.get("n"), str)
+          and _is_int(ev.get("t0")) and _is_int(ev.get("t1")))
+    return ev if ok else None
+
+
+def read_file(path: str | Path) -> tuple[dict, list[dict]]:
+    """Header and events of one file. A process killed while writing leaves a partial last
+    line, which is dropped; any other bad line means the file is not what we think it is, so
+    it raises TraceError rather than silently merging half a file."""
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    try:
+        header = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        header = None
+    problem = _header_problem(header)
+    if problem:
+        raise TraceError(f"{path}:1: {problem}")
+    events = []
+    for no, line in enumerate(lines[1:], start=2):
+        ev = _event(line)
+        if ev is None:
+            if no == len(lines):
+                break
+            raise TraceError(f"{path}:{no}: not a trace event: {line[:60]!r}")
+        events.append(ev)
+    return header, events
+
+
+def _frame(i: int, header: dict, events: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame.from_records(events) if events else pd.DataFrame(columns=["c", "n", "t0", "t1"])
+    return df.assign(file=i, uid=header["uid"], role=header["role"], host=header["host"])
+
+
+def _normalise(df: pd.DataFrame) -> pd.DataFrame:
+    """Fixed dtypes and column order: int64 times, nullable Int64 for optional integers."""
+    for col in CORE:
+        if col not in df:
+            df[col] = pd.NA
+    df["t0"] = df["t0"].astype("int64")
+    df["t1"] = df["t1"].astype("int64")
+    df["file"] = df["file"].astype("int64")
+    df["tid"] = df["tid"].fillna("").astype(str)
+    for col in ["grp"] + _time_columns(df):
+        df[col] = pd.to_numeric(df[col], errors="coerce").round().astype("Int64")
+    return df[CORE + sorted(c for c in df.columns if c not in CORE)]
+
+
+def _time_columns(df: pd.DataFrame) -> list[str]:
+    """The optional time-stamp fields (t_send0, t_exec1, ...): the ones the clock shift moves."""
+    return [c for c in df.columns if c.startswith("t_")]
+
+
+def column(df: pd.DataFrame, col: str) -> pd.Series:
+    """A column that may be absent (no event had that field): all NA then."""
+    return df[col] if col in df else pd.Series(pd.NA, index=df.index, dtype="object")
+
+
+def _bind_offsets(headers: list[dict], events: pd.DataFrame, base: Optional[int]) -> tuple[list[int], list[str]]:
+    """Offset per file. An rpc-server file is bound by its uid to the base file's `clock` events
+    (the peer_uid is the uid the peer put in its header, so host names and endpoints, which
+    repeat and get rewritten by proxies, play no part); of several measurements the one with the
+    smallest round trip is the tightest."""
+    offsets, notes = [0] * len(headers), []
+    uids = [h["uid"] for h in headers]
+    for u in sorted({u for u in uids if uids.count(u) > 1}):
+        notes.append(f"uid {u} appears in several files; their clocks cannot be told apart")
+    clocks = events[(events["file"] == base) & (events["c"] == "clock") & (events["n"] == "offset")]
+    peer = column(clocks, "peer_uid").astype("string").str.lower()
+    offset = pd.to_numeric(column(clocks, "offset_us"), errors="coerce")
+    rtt = pd.to_numeric(column(clocks, "rtt_us"), errors="coerce").fillna(np.inf)
+    for i, h in enumerate(headers):
+        if h["role"] != "rpc-server":
+            continue
+        mine = (peer == h["uid"].lower()).fillna(False).to_numpy(bool) & offset.notna().to_numpy(bool)
+        if base is None or not mine.any():
+            notes.append(f"{h['path']}: no clock event of the base trace names uid {h['uid']}; "
+                         "its times are left unshifted (offset 0)")
+            continue
+        offsets[i] = int(offset[mine].loc[rtt[mine].idxmin()])
+    return offsets, notes
+
+
+def load(paths: Sequence[str | Path]) -> Trace:
+    """Reads the files and puts every event on the clock of the base file (the first server or
+    generate file given). Files that cannot be aligned are still merged, with a warning."""
+    files = [read_file(p) for p in paths]
+    headers = [dict(h, path=str(p)) for p, (h, _) in zip(paths, files)]
+    frames = [_frame(i, h, evs) for i, (h, evs) in enumerate(files)]
+    events = _normalise(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame())
+    base = next((i for i, h in enumerate(headers) if h["role"] in CLIENT_ROLES), None)
+    offsets, notes = _bind_offsets(headers, events, base)
+    shift = events["file"].map(dict(enumerate(offsets))).astype("int64")
+    for col in ["t0", "t1"] + _time_columns(events):
+        events[col] = events[col] - shift
+    for h, off in zip(headers, offsets):
+        h["offset_us"] = off
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
+    return Trace(headers=headers, events=events, base=base, warnings=notes)
+
+
+# --- interval arithmetic ------------------------------------------------------------------
+def union(starts: Any, ends: Any) -> Intervals:
+    """The spans merged into sorted disjoint intervals (touching ones joined, empty ones
+    dropped): the time during which at least one of them was open."""
+    s, e = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+    s, e = s[e > s], e[e > s]
+    if len(s) == 0:
+        return s, e
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    reach = np.maximum.accumulate(e)
+    first = np.r_[True, s[1:] > reach[:-1]]
+    last = np.r_[first[1:], True]
+    return s[first], reach[last]
+
+
+def _length_before(starts: np.ndarray, ends: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Sum over spans of their length left of each x: a piecewise linear function of x, so
+    sorted starts and ends with prefix sums give it for all x at once."""
+    s, e = np.sort(starts), np.sort(ends)
+    cs, ce = np.r_[np.int64(0), np.cumsum(s)], np.r_[np.int64(0), np.cumsum(e)]
+    i, j = np.searchsorted(s, x, "right"), np.searchsorted(e, x, "right")
+    return (i * x - cs[i]) - (j * x - ce[j])
+
+
+def overlap(starts: Any, ends: Any, w0: Any, w1: Any) -> np.ndarray:
+    """For each window [w0, w1): the summed length of the spans' overlaps with it. Overlapping
+    spans count each time; pass `union(...)` to measure covered time instead."""
+    s, e = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+    s, e = s[e > s], e[e > s]
+    w0, w1 = np.asarray(w0, np.int64), np.asarray(w1, np.int64)
+    return _length_before(s, e, w1) - _length_before(s, e, w0)
+
+
+def locate(iv: Intervals, x: np.ndarray) -> np.ndarray:
+    """Index of the interval of `iv` that contains each x, -1 where none does."""
+    s, e = iv
+    if len(s) == 0:
+        return np.full(len(x), -1)
+    k = np.searchsorted(s, x, "right") - 1
+    return np.where((k >= 0) & (x < e[np.maximum(k, 0)]), k, -1)
+
+
+def combine(sets: Sequence[Intervals], keep: Callable[..., np.ndarray]) -> Intervals:
+    """Set algebra on interval sets: cuts the time line at every edge of every set and keeps the
+    pieces where `keep(*memberships)` holds, e.g. `combine([a, b], lambda x, y: x & ~y)` is a
+    minus b."""
+    edges = np.unique(np.concatenate([np.r_[s, e] for s, e in sets] + [np.empty(0, np.int64)]))
+    lo, hi = edges[:-1], edges[1:]
+    inside = keep(*[locate(iv, lo) >= 0 for iv in sets])
+    return union(lo[inside], hi[inside])
+
+
+def length(iv: Intervals) -> int:
+    """Total time of a disjoint interval set."""
+    return int((iv[1] - iv[0]).sum())
+
+
+def innermost(t0: Any, t1: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cuts the time covered by (possibly nested) spans into pieces, each owned by its innermost
+    covering span: the one that started last, ties going to the shortest. That is the span the
+    thread was actually in. A sweep over the sorted edges with a heap of open spans; returns
+    (starts, ends, owner index), pieces sorted and disjoint."""
+    t0, t1 = np.asarray(t0, np.int64).tolist(), np.asarray(t1, np.int64).tolist()
+    order = sorted(range(len(t0)), key=t0.__getitem__)
+    edges = sorted(set(t0) | set(t1))
+    heap: list[tuple[int, int, int]] = []
+    pieces: list[tuple[int, int, int]] = []
+    nxt = 0
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        while nxt < len(order) and t0[order[nxt]] <= lo:
+            k = order[nxt]
+            heapq.heappush(heap, (-t0[k], t1[k] - t0[k], k))
+            nxt += 1
+        while heap and t1[heap[0][2]] <= lo:
+            heapq.heappop(heap)
+        if heap:
+            pieces.append((lo, hi, heap[0][2]))
+    s, e, k = np.array(pieces, np.int64).reshape(-1, 3).T
+    return s, e, k
+
+
+# --- per-step summary ---------------------------------------------------------------------
+def _same_group(grp: pd.Series, g: Any) -> np.ndarray:
+    """Rows of group g (a missing group matches missing ones only)."""
+    return (grp.isna() if pd.isna(g) else grp.eq(g).fillna(False)).to_numpy(bool)
+
+
+def _by_group(spans: pd.DataFrame, it: pd.DataFrame) -> np.ndarray:
+    """Per iteration: summed overlap with its window of the spans of the same group."""
+    out = np.zeros(len(it), np.int64)
+    for g in it["grp"].unique():
+        m = _same_group(it["grp"], g)
+        mine = spans[_same_group(spans["grp"], g)]
+        out[m] = overlap(mine["t0"], mine["t1"], it["t0"].to_numpy()[m], it["t1"].to_numpy()[m])
+    return out
+
+
+def _names(subj: pd.Series, name: str) -> pd.Series:
+    """Whether a comma-joined tensor list names `name` exactly."""
+    pattern = rf"(?:^|,){re.escape(name)}(?:,|$)"
+    return subj.astype("string").str.contains(pattern, regex=True).fillna(False).astype(bool)
+
+
+def _inherit_group(spans: pd.DataFrame, mine: pd.DataFrame) -> pd.Series:
+    """The group of each span; one written without a group (the scheduler's spans, a command sent
+    outside a tagged thread) takes it from the ctx.decode, else the iteration, that encloses it
+    on the same thread: it was done on behalf of that step."""
+    grp = spans["grp"].copy()
+    for c, n in (("ctx", "decode"), ("server", "iteration")):
+        todo = spans[grp.isna()]
+        parents = mine[(mine["c"] == c) & (mine["n"] == n) & mine["grp"].notna()]
+        if todo.empty or parents.empty:
+            continue
+        left = todo[["tid", "t0", "t1"]].rename_axis("row").reset_index().sort_values("t0")
+        right = parents[["tid", "t0", "t1", "grp"]].rename(columns={"t0": "p0", "t1": "p1"}).sort_values("p0")
+        hit = pd.merge_asof(left, right, left_on="t0", right_on="p0", by="tid", direction="backward")
+        hit = hit[hit["p1"].astype("float") >= hit["t1"]]
+        grp.loc[hit["row"].to_numpy()] = hit["grp"].to_numpy()
+    return grp
+
+
+def _host_spans(mine: pd.DataFrame) -> pd.DataFrame:
+    """The base file's host-side spans that idle device time can be charged to, labelled c:n."""
+    c, n = mine["c"], mine["n"]
+    host = mine[((c == "server") & (n != "iteration")) | ((c == "ctx") & (n == "decode"))
+                | (c == "sched") | (c == "rpc.client")]
+    return pd.DataFrame({"t0": host["t0"], "t1": host["t1"], "grp": _inherit_group(host, mine),
+                         "label": host["c"] + ":" + host["n"]})
+
+
+def _attribute_idle(mine: pd.DataFrame, it: pd.DataFrame, busy: Intervals) -> pd.DataFrame:
+    """Per iteration, the time no device worked, split by the innermost host span of the step's
+    group covering it. Pieces are disjoint and lie inside the idle time, so the columns never add
+    up to more than the idle time."""
+    host = _host_spans(mine)
+    cols = {f"idle_{lab}_us": np.zeros(len(it), np.int64) for lab in sorted(host["label"].unique())}
+    w0, w1 = it["t0"].to_numpy(), it["t1"].to_numpy()
+    for g in it["grp"].unique():
+        m = _same_group(it["grp"], g)
+        h = host[_same_group(host["grp"], g)]
+        s, e, owner = innermost(h["t0"], h["t1"])
+        edges = np.unique(np.r_[s, e, busy[0], busy[1]])
+        lo, hi = edges[:-1], edges[1:]
+        piece = locate((s, e), lo)
+        idle = (piece >= 0) & (locate(busy, lo) < 0)
+        labels = h["label"].to_numpy()[owner[piece[idle]]]
+        for lab in np.unique(labels):
+            sel = labels == lab
+            cols[f"idle_{lab}_us"][m] += overlap(lo[idle][sel], hi[idle][sel], w0[m], w1[m])
+    return pd.DataFrame(cols, index=it.index)
+
+
+def iterations(trace: Trace) -> pd.DataFrame:
+    """The base file's decode steps (server/iteration events), in time order."""
+    ev = trace.events
+    it = ev[(ev["file"] == trace.base) & (ev["c"] == "server") & (ev["n"] == "iteration")]
+    return it.sort_values("t0", kind="stable")
+
+
+def counts(df: pd.DataFrame, col: str) -> np.ndarray:
+    """An optional count field (n_prompt, n_decode) as int64, 0 where it was not written."""
+    return pd.to_numeric(column(df, col), errors="coerce").fillna(0).astype("int64").to_numpy()
+
+
+def step_summary(trace: Trace) -> pd.DataFrame:
+    """One row per decode step of the base file: its host phases, device busy time, the time no
+    device worked (`idle_both_us`) and to which host phase that time belongs. Times in µs."""
+    ev = trace.events
+    mine = ev[ev["file"] == trace.base]
+    it = iterations(trace)
+    w0, w1 = it["t0"].to_numpy(np.int64), it["t1"].to_numpy(np.int64)
+    out = pd.DataFrame({"grp": it["grp"].array, "t0": w0, "step_us": w1 - w0,
+                        "n_prompt": counts(it, "n_prompt"), "n_decode": counts(it, "n_decode")}, index=it.index)
+    for name in STEP_PHASES:
+        out[f"{name}_us"] = _by_group(mine[(mine["c"] == "server") & (mine["n"] == name)], it)
+    dev = ev[ev["c"] == "dev"]
+    local = (dev["file"] == trace.base).to_numpy(bool)
+    busy = union(dev["t0"], dev["t1"])
+    out["local_busy_us"] = overlap(*union(dev["t0"][local], dev["t1"][local]), w0, w1)
+    out["peer_busy_us"] = overlap(*union(dev["t0"][~local], dev["t1"][~local]), w0, w1)
+    out["idle_both_us"] = (w1 - w0) - overlap(*busy, w0, w1)
+    logits = _names(column(mine, "subj"), LOGITS_TENSOR)
+    reads = mine[(mine["c"] == "rpc.client") & mine["n"].isin(LOGITS_READS) & logits]
+    out["logits_read_us"] = _by_group(reads, it)
+    attributed = _attribute_idle(mine, it, busy)
+    out = pd.concat([out, attributed], axis=1)
+    out["idle_unattributed_us"] = out["idle_both_us"] - attributed.sum(axis=1).astype("int64")
+    return out.reset_index(drop=True)
+
+
+def format_summary(steps: pd.DataFrame) -> str:
+    """The per-step table and, per column, its median and mean over the steps."""
+    if steps.empty:
+        return "no steps: the base trace has no server/iteration events"
+    with pd.option_context("display.width", 250, "display.max_columns", None, "display.max_rows", None):
+        table = steps.to_string(index=False)
+        totals = steps.drop(columns=["grp", "t0"]).astype(float).agg(["median", "mean"]).T.round(1)
+        return f"{table}\n\ntotals over {len(steps)} steps\n{totals.to_string()}"
+
+
+# --- Chrome trace ---------------------------------------------------------------------------
+def _row_names(ev: pd.DataFrame) -> pd.Series:
+    """The timeline row of each event: its thread, split per pipeline group, and one row per
+    device for what the devices executed."""
+    row = ev["tid"] + (" g" + ev["grp"].astype("string")).fillna("")
+    return row.where(ev["c"] != "dev", ev["n"])
+
+
+def _present(v: Any) -> bool:
+    return v is not None and v is not pd.NA and not (isinstance(v, float) and math.isnan(v))
+
+
+def _json_default(v: Any) -> Any:
+    return v.item() if isinstance(v, np.generic) else str(v)
+
+
+def _phase_slices(ev: pd.DataFrame, pid: np.ndarray, tid: np.ndarray) -> list[dict]:
+    """Child slices of each RPC command, clipped to the command so that they always nest."""
+    out = []
+    t0, t1 = ev["t0"].to_numpy(float), ev["t1"].to_numpy(float)
+    for c, parts in RPC_PHASES.items():
+        for name, a, b in parts:
+            if a not in ev or b not in ev:
+                continue
+            lo = np.maximum(ev[a].to_numpy(float, na_value=np.nan), t0)
+            hi = np.minimum(ev[b].to_numpy(float, na_value=np.nan), t1)
+            for k in np.flatnonzero((ev["c"] == c).to_numpy(bool) & (hi >= lo)):
+                out.append({"ph": "X", "name": name, "cat": f"{c}.phase", "pid": int(pid[k]), "tid": int(tid[k]),
+                            "ts": int(lo[k]), "dur": int(hi[k] - lo[k]), "args": {"cmd": ev["n"].iat[k]}})
+    return out
+
+
+def chrome_trace(trace: Trace) -> dict:
+    """The merged trace in the Chrome trace event format: one process per file, one X event per
+    span (ts and dur in µs on the common time line), RPC phases as slices inside their command."""
+    ev = trace.events
+    pid = ev["file"].to_numpy() + 1
+    rows = _row_names(ev)
+    tid_index, keys = pd.factorize(ev["file"].astype(str) + "|" + rows)
+    tid = tid_index + 1
+    out: list[dict] = []
+    for i, h in enumerate(trace.headers):
+        out.append({"ph": "M", "name": "process_name", "pid": i + 1,
+                    "args": {"name": f"{h['role']} {h['host']} {h['uid'][:8]}"}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": i + 1, "args": {"sort_index": i}})
+    for k, key in enumerate(keys):
+        file, name = key.split("|", 1)
+        out.append({"ph": "M", "name": "thread_name", "pid": int(file) + 1, "tid": k + 1, "args": {"name": name}})
+    skip = {"file", "uid", "role", "host", "c", "n", "t0", "t1", "tid"}
+    for k, rec in enumerate(ev.to_dict("records")):
+        args = {key: v for key, v in rec.items() if key not in skip and _present(v)}
+        out.append({"ph": "X", "name": rec["n"], "cat": rec["c"], "pid": int(pid[k]), "tid": int(tid[k]),
+                    "ts": int(rec["t0"]), "dur": int(rec["t1"] - rec["t0"]), "args": args})
+    out.extend(_phase_slices(ev, pid, tid))
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def write_chrome(trace: Trace, path: str | Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(chrome_trace(trace), f, default=_json_default)
+
+
+# --- command line ---------------------------------------------------------------------------
+def load_for_cli(paths: Sequence[str], prog: str) -> Optional[Trace]:
+    """load() for a command line: warnings go to stderr as lines, a bad file is one line and None."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trace = load(paths)
+    except (TraceError, OSError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+    for note in trace.warnings:
+        print(f"{prog}: warning: {note}", file=sys.stderr)
+    return trace
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description="Merge pyllama trace files onto one time line.")
+    ap.add_argument("traces", nargs="+", help="trace files (JSON lines), the server's first")
+    ap.add_argument("--chrome", metavar="OUT.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
+    ap.add_argument("--summary", action="store_true", help="print the per-step table and its medians/means")
+    ap.add_argument("--csv", metavar="OUT.csv", help="write the per-step table as CSV")
+    args = ap.parse_args(argv)
+    trace = load_for_cli(args.traces, "merge")
+    if trace is None:
+        return 1
+    steps = step_summary(trace)
+    if args.chrome:
+        write_chrome(trace, args.chrome)
+    if args.csv:
+        steps.to_csv(args.csv, index=False)
+    if args.summary:
+        print(format_summary(steps))
+    print(f"merged {len(trace.headers)} files, {len(trace.events)} events, {len(steps)} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,9 +4,10 @@
         [--users 32] [--npp 64] [--ntg 128] [-t 1] [--ts 7,5] [--legs 1]
 
 One rpc server for the whole run; per cell (device order, groups, arm) a fresh server driven by
-bench_users. Arms: `base` (host sampling: the logits of every output row come back from the device
-of the output layer) and `backend sampling` (`--backend-sampling`: the sampler runs there, only ids
-come back). With `CPU,RPC0` the output layer is on the peer, with `RPC0,CPU` it is local. Arms are
+bench_users. Arms: `base` (asynchronous split copies off, PYLLAMA_RPC_NO_ASYNC_COPY=1, and host
+sampling: the logits of every output row come back from the device of the output layer), `async
+copy` (split copies through the connection's staging arena, or straight out of host memory),
+`backend sampling` (`--backend-sampling`: the sampler runs there, only ids come back) and `both`. With `CPU,RPC0` the output layer is on the peer, with `RPC0,CPU` it is local. Arms are
 interleaved per leg. Printed: tokens/s per cell, and each arm's ratio to `base` in the same order
 and groups.
 """
@@ -27,7 +28,10 @@ from bench_users import run_bench  # noqa: E402
 from pipeline_cells import model_path, prompt_vocab  # noqa: E402
 from server_util import RPCServerProcess, ServerProcess  # noqa: E402
 
-ARMS = {"base": ([], {}), "backend sampling": (["--backend-sampling"], {})}
+OFF = {"PYLLAMA_RPC_NO_ASYNC_COPY": "1"}
+ON = {"PYLLAMA_RPC_NO_ASYNC_COPY": "0"}
+ARMS = {"base": ([], OFF), "async copy": ([], ON), "backend sampling": (["--backend-sampling"], OFF),
+        "both": (["--backend-sampling"], ON)}
 
 
 def main() -> int:

@@ -225,38 +225,53 @@ class Scheduler:
             for t in copies:
                 t.backend.set_tensor(t, data)
         traced = trace.enabled
-        for i, split in enumerate(plan.splits):
-            t_split = trace.now() if traced else 0
-            dst_backend = split.backend
-            for c in split.copies:
-                if c.staging is None:
-                    dst_backend.cpy_tensor_async(c.src, c.dst)
-                elif traced:
-                    self._staged_copy_traced(c, dst_backend)
-                else:
-                    c.src.backend.synchronize()  # the read sent with the producing graph
-                    dst_backend.set_tensor(c.dst, c.staging)
-            reads = [(c.src, c.staging) for c in split.outgoing]
-            if output is not None and i == len(plan.splits) - 1 and plan.output is not None:
-                reads.append((plan.output, output))
-            split.backend.graph_compute(split.graph, reads)
-            if traced:
-                trace.event("sched", "split", t_split, trace.now(), backend=split.backend.name,
-                            n_inputs=len(split.copies), n_nodes=len(split.graph.nodes), grp=trace.group())
+        regions: dict[int, object] = {}  # id(copy) -> its region of the source's staging arena
+        try:
+            for i, split in enumerate(plan.splits):
+                t_split = trace.now() if traced else 0
+                dst_backend = split.backend
+                for c in split.copies:
+                    if c.staging is None:
+                        dst_backend.cpy_tensor_async(c.src, c.dst)
+                    else:
+                        self._staged_copy(c, dst_backend, regions.pop(id(c), None), traced)
+                reads = []
+                for c in split.outgoing:
+                    # the producer's own staging arena when it has one (shared by every group on
+                    # that connection), else the host bytes this plan set aside
+                    region = c.src.backend.stage_read(c.src)
+                    if region is not None:
+                        regions[id(c)] = region
+                    reads.append((c.src, region.view if region is not None else c.staging))
+                if output is not None and i == len(plan.splits) - 1 and plan.output is not None:
+                    reads.append((plan.output, output))
+                split.backend.graph_compute(split.graph, reads)
+                if traced:
+                    trace.event("sched", "split", t_split, trace.now(), backend=split.backend.name,
+                                n_inputs=len(split.copies), n_nodes=len(split.graph.nodes), grp=trace.group())
+        finally:
+            for region in regions.values():  # a failed step must not keep arena space
+                region.release()  # type: ignore[attr-defined]
 
     @staticmethod
-    def _staged_copy_traced(c, dst_backend: Backend) -> None:
-        """A staged copy with its two halves on the trace: waiting for the read, then the write."""
-        t0 = trace.now()
-        c.src.backend.synchronize()
-        t1 = trace.now()
-        dst_backend.set_tensor(c.dst, c.staging)
-        t2 = trace.now()
-        grp = trace.group()
-        fields = dict(backend=dst_backend.name, subj=c.dst.name, nbytes=c.dst.nbytes, grp=grp)
-        trace.event("sched", "copy_read", t0, t1, **fields)
-        trace.event("sched", "copy_send", t1, t2, **fields)
-        trace.event("sched", "copy_stage", t0, t2, **fields)
+    def _staged_copy(c: Copy, dst_backend: Backend, region, traced: bool) -> None:
+        """Waits for the read sent with the producing graph, writes the bytes to the consumer and
+        frees the staging; traced, as its two halves (waiting for the read, the write)."""
+        t0 = trace.now() if traced else 0
+        try:
+            c.src.backend.synchronize()
+            t1 = trace.now() if traced else 0
+            dst_backend.set_tensor_async(c.dst, region.view if region is not None else c.staging)
+        finally:
+            if region is not None:
+                region.release()  # set_tensor_async of a host-synchronous device has taken the bytes
+        if traced:
+            t2 = trace.now()
+            fields = dict(backend=dst_backend.name, subj=c.dst.name, nbytes=c.dst.nbytes, grp=trace.group())
+            trace.event("sched", "copy_read", t0, t1, **fields)
+            trace.event("sched", "copy_send", t1, t2, **fields)
+            trace.event("sched", "copy_stage", t0, t2, **fields)
+
 
     def free(self) -> None:
         for bi, buf in enumerate(self.buffers):

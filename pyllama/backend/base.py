@@ -133,6 +133,19 @@ class Backend(ABC):
     def get_tensor_async(self, tensor: Tensor, out: np.ndarray) -> None:
         self.get_tensor(tensor, out)
 
+    def stage_read(self, tensor: Tensor) -> Any:
+        """A staging region (with `.view`, a uint8 array, and `.release()`) for reading `tensor`
+        out of this device on its way to another, or None: the caller then uses the host bytes
+        its plan set aside. Devices with a staging arena of their own (RPC) override this."""
+        return None
+
+    host_memory = False  # whether tensors live in this host's memory (host_array gives views)
+
+    def host_array(self, tensor: Tensor) -> Optional[np.ndarray]:
+        """A numpy view of the tensor when its bytes live in this host's memory (a CPU device),
+        so a copy to another device can read them in place; None otherwise."""
+        return None
+
     def can_copy_from(self, src: "Backend") -> bool:
         """Whether cpy_tensor_async can take a tensor of `src` without passing through the host."""
         return False

@@ -123,6 +123,11 @@ class CPUBackend(Backend):
         dst[:] = data
         return out
 
+    host_memory = True
+
+    def host_array(self, tensor: Tensor) -> Optional[np.ndarray]:
+        return self.bytes_of(tensor)
+
     def can_copy_from(self, src: Backend) -> bool:
         return isinstance(src, CPUBackend)
 

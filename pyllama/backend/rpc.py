@@ -50,6 +50,8 @@ class RPCBackend(Backend):
         self.device = device
         self.name = name
         self.batched_get = conn.has(Cap.GET_TENSORS) and os.environ.get("PYLLAMA_RPC_NO_BATCHED_GET", "") in ("", "0")
+        # split copies without host round trips of their own (PYLLAMA_RPC_NO_ASYNC_COPY=1: off)
+        self.async_copy = os.environ.get("PYLLAMA_RPC_NO_ASYNC_COPY", "") in ("", "0")
         # per thread: every pipeline group uses this backend from its own decode thread
         self._local = threading.local()
         self._encoded: dict[int, bytes] = {}
@@ -157,14 +159,32 @@ class RPCBackend(Backend):
             self._inflight.append((ticket, Cmd.GET_TENSOR, [(t, out)]))  # type: ignore[arg-type]
 
     def can_copy_from(self, src: Backend) -> bool:
-        return isinstance(src, RPCBackend) and src.conn is self.conn
+        if isinstance(src, RPCBackend):
+            return src.conn is self.conn
+        # a host-memory producer: the SET_TENSOR goes out of its bytes in place, no staging
+        return self.async_copy and src.host_memory
 
     def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
-        if not isinstance(src.backend, RPCBackend) or src.backend.conn is not self.conn:
+        if isinstance(src.backend, RPCBackend):
+            if src.backend.conn is not self.conn:
+                return False
+            self._flush_reads()
+            self.conn.call(Cmd.COPY_TENSOR, tensor_bytes(src), tensor_bytes(dst), subj=dst.name)
+            return True
+        host = src.backend.host_array(src) if self.async_copy else None
+        if host is None:
             return False
-        self._flush_reads()
-        self.conn.call(Cmd.COPY_TENSOR, tensor_bytes(src), tensor_bytes(dst), subj=dst.name)
+        # the producer's compute is complete when its graph_compute returned (host devices run
+        # synchronously), so its bytes can go as they are; SET_TENSOR is one-way
+        self.set_tensor(dst, host)
         return True
+
+    def stage_read(self, tensor: Tensor):
+        """A region of the connection's staging arena to read `tensor` into (the read travels
+        with the producing graph), or None: async copies off, or no room without waiting."""
+        if not self.async_copy:
+            return None
+        return self.conn.arena.reserve(tensor.nbytes)
 
     # --- compute ---------------------------------------------------------------------------------
     def graph_compute(self, graph: Graph, reads=()) -> None:

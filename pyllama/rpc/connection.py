@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from .. import trace
 from ..errors import PyllamaError
 from . import stats
+from .staging import StagingArena, arena_size
 from .protocol import (HEADER, HELLO_REP, HELLO_REQ, ONE_WAY, STATUS_OK, TRACE_REP, U64, VERSION, Cap, Cmd)
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class Connection:
         self.last_graph: dict[int, int] = {}  # device -> uid of the last graph sent (guarded by the send lock)
         self.send_lock = self._send_lock
         self._traced: dict[int, tuple] = {}  # ticket -> the send half of its trace event
+        self._arena: Optional[StagingArena] = None
+        self._arena_lock = threading.Lock()
         rep = self.call(Cmd.HELLO, HELLO_REQ.pack(*VERSION, 0))
         if len(rep) != HELLO_REP.size:
             raise RPCError(f"{endpoint}: malformed HELLO reply")
@@ -95,6 +98,15 @@ class Connection:
         # an instant at t1: its span's t1 is the exchange's t1, so t1..t4 all read as the protocol names them
         trace.event("clock", "offset", t1, t1, endpoint=self.endpoint, peer_uid=f"{self.server_id:016x}",
                     t2=t2, t3=t3, t4=t4, offset_us=offset, rtt_us=(t4 - t1) - (t3 - t2))
+
+    @property
+    def arena(self) -> StagingArena:
+        """The host staging shared by every group on this connection (made on first use)."""
+        if self._arena is None:
+            with self._arena_lock:
+                if self._arena is None:
+                    self._arena = StagingArena(arena_size())
+        return self._arena
 
     def has(self, cap: Cap) -> bool:
         return bool(self.caps & cap)
@@ -221,6 +233,8 @@ class Connection:
         if not self.broken:
             self.broken = reason
             say("%s", reason)
+            if self._arena is not None:
+                self._arena.close()
             try:
                 self.sock.close()
             except OSError:

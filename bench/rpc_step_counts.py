@@ -4,8 +4,9 @@
 
 Two local rpc servers on the CPU backend and a server with `--device RPC0,RPC1 -sm layer` (so the
 output layer and its logits are on a peer), 8 concurrent users (bench_users), prompts of npp tokens,
-ntg generated. Four arms: host sampling and `--backend-sampling`, each before (batched reads off:
-PYLLAMA_RPC_NO_BATCHED_GET=1, one GET_TENSOR per tensor read) and after (batched reads on). The
+ntg generated. Four arms: host sampling and `--backend-sampling`, each before (features off:
+PYLLAMA_RPC_NO_BATCHED_GET=1, one GET_TENSOR per tensor read, and PYLLAMA_RPC_NO_ASYNC_COPY=1) and
+after (batched reads and asynchronous split copies on). The
 server traces (`--trace`); a step counts when its iteration submitted decode tokens only (prefill
 and mixed steps excluded), and a command belongs to the step whose iteration (same group) contains
 its start. Printed per arm: GET_TENSOR, GET_TENSORS, SET_TENSOR, graph commands and all commands
@@ -67,7 +68,8 @@ def count_per_step(trace_file: str) -> dict:
 
 
 def run_arm(model: str, a, backend_sampling: bool, batched: bool, vocab) -> dict:
-    env = {"PYLLAMA_TRACE": "", "PYLLAMA_RPC_NO_BATCHED_GET": "0" if batched else "1"}
+    off = "0" if batched else "1"
+    env = {"PYLLAMA_TRACE": "", "PYLLAMA_RPC_NO_BATCHED_GET": off, "PYLLAMA_RPC_NO_ASYNC_COPY": off}
     tag = f"{'bs' if backend_sampling else 'hs'}-{'after' if batched else 'before'}"
     base = os.path.join(a.out, f"steps-{tag}.jsonl")
     for f in glob.glob(base[:-6] + "*.jsonl"):

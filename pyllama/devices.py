@@ -17,6 +17,8 @@ def add_device_args(p) -> None:
                    help="layer: split the layers over the devices; none: everything on the first device")
     p.add_argument("-ts", "--tensor-split", help="comma-separated proportions of layers per device "
                                                   "(default: by free memory)")
+    p.add_argument("--rpc-token-file", metavar="PATH",
+                   help="token the rpc servers require (first line of the file; also $PYLLAMA_RPC_TOKEN)")
 
 
 def parse_split(text: Optional[str], n_devices: int) -> Optional[list[float]]:
@@ -33,8 +35,10 @@ def parse_split(text: Optional[str], n_devices: int) -> Optional[list[float]]:
     return values
 
 
-def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_threads: int) -> list[Backend]:
-    """The backends in layer order. Connections to rpc servers are opened here (once per endpoint)."""
+def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_threads: int,
+                  token_file: Optional[str] = None) -> list[Backend]:
+    """The backends in layer order. Connections to rpc servers are opened here (once per endpoint),
+    proving the token of `token_file` (else $PYLLAMA_RPC_TOKEN) to servers that require one."""
     endpoints = [e.strip() for e in rpc.split(",") if e.strip()] if rpc else []
     names = [d.strip().upper() for d in device.split(",") if d.strip()] if device else \
         [f"RPC{i}" for i in range(len(endpoints))] + ["CPU"]
@@ -49,7 +53,9 @@ def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_
             if i >= len(endpoints):
                 raise PyllamaError(f"--device {name}: there are {len(endpoints)} --rpc endpoints")
             from .backend.rpc import RPCBackend  # noqa: PLC0415 - only when RPC is used
-            from .rpc.connection import get_connection  # noqa: PLC0415
+            from .rpc.auth import read_token  # noqa: PLC0415
+            from .rpc.connection import get_connection, set_token  # noqa: PLC0415
+            set_token(read_token(token_file, "--rpc-token-file"))
             backends.append(RPCBackend(get_connection(endpoints[i]), 0, name))
         elif name.startswith("CUDA"):
             raise PyllamaError(f"--device {name}: this build has no CUDA backend")

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from .. import trace
 from ..errors import PyllamaError
-from . import stats
+from . import auth, stats
 from .staging import StagingArena, arena_size
 from .protocol import (HEADER, HELLO_REP, HELLO_REQ, ONE_WAY, STATUS_OK, TRACE_REP, U64, VERSION, Cap, Cmd)
 
@@ -23,6 +23,18 @@ log = logging.getLogger(__name__)
 
 _connections: dict[str, "Connection"] = {}
 _connections_lock = threading.Lock()
+_token: Optional[bytes] = None
+_token_set = False
+
+
+def set_token(token: Optional[bytes]) -> None:
+    """The token later connections prove (None: none); without a call, $PYLLAMA_RPC_TOKEN."""
+    global _token, _token_set
+    _token, _token_set = token, True
+
+
+def configured_token() -> Optional[bytes]:
+    return _token if _token_set else auth.read_token(None, "")
 
 
 class RPCError(PyllamaError):
@@ -81,8 +93,36 @@ class Connection:
         self.server_version = (major, minor, patch)
         self.caps = Cap(caps)
         self.server_id = server_id
+        try:
+            self._authenticate(configured_token())
+        except BaseException:
+            self.close()
+            raise
         if trace.enabled:
             self.trace_sync()
+
+    def _authenticate(self, token: Optional[bytes]) -> None:
+        """Proves the token to a server that asks for one (and checks the server's proof first);
+        refuses a server that does not ask when a token is configured."""
+        if not self.has(Cap.AUTH):
+            if token is not None:
+                raise RPCError(f"{self.endpoint}: a token is configured but this RPC server does not authenticate; "
+                               "refusing it (give the server --auth-token-file, or drop the token)")
+            return
+        if token is None:
+            raise RPCError(f"{self.endpoint}: the RPC server requires a token: give --rpc-token-file PATH "
+                           f"or set ${auth.ENV}")
+        cn = auth.new_nonce()
+        rep = self.call(Cmd.AUTH, bytes([auth.STEP_BEGIN]) + cn)
+        if len(rep) != auth.NONCE + auth.PROOF:
+            raise RPCError(f"{self.endpoint}: malformed AUTH reply")
+        sn, proof = rep[:auth.NONCE], rep[auth.NONCE:]
+        if not auth.verify(auth.server_proof(token, cn, sn), proof):
+            raise RPCError(f"{self.endpoint}: the RPC server does not hold our token (wrong token on one side)")
+        try:
+            self.call(Cmd.AUTH, bytes([auth.STEP_PROVE]) + auth.client_proof(token, cn, sn))
+        except RPCError as exc:
+            raise RPCError(f"{self.endpoint}: authentication refused: {exc}") from None
 
     def trace_sync(self) -> None:
         """Measures the peer's clock against ours (TRACE_SYNC, four timestamps) and records the

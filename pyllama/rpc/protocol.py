@@ -30,6 +30,7 @@ class Cmd(enum.IntEnum):
     GRAPH_RECOMPUTE = 12
     SYNCHRONIZE = 13
     TRACE_SYNC = 14
+    AUTH = 15
 
 
 ONE_WAY = frozenset({Cmd.SET_TENSOR, Cmd.GRAPH_COMPUTE, Cmd.GRAPH_RECOMPUTE})
@@ -40,6 +41,7 @@ class Cap(enum.IntFlag):
     TRACE_SYNC = 1 << 1
     SET_TENSOR_HASH = 1 << 2
     BACKEND_SAMPLING = 1 << 3  # graphs may hold the SAMPLE op
+    AUTH = 1 << 4              # the server requires AUTH before any other command
 
 
 STATUS_OK = 0

@@ -17,6 +17,7 @@ from .. import trace
 from ..backend.cpu import CPUBackend, set_compute_threads
 from ..cli import Parser, run_main, setup_logging
 from ..errors import PyllamaError
+from ..rpc.auth import read_token
 from ..rpc.protocol import DEFAULT_MAX_FRAME
 from ..server.http import install_uvloop
 from .server import RPCServer, caps_mask_from_env
@@ -29,10 +30,11 @@ DEVICES = ("CPU",)
 def build_parser() -> Parser:
     p = Parser(prog="python -m pyllama.rpc_server",
                description="Expose this machine's device to pyllama servers over TCP (docs/rpc-protocol.md). "
-                           "WARNING: the server has no authentication: anyone who can connect can allocate "
-                           "memory and run graphs on it. It binds 127.0.0.1 by default; bind other addresses "
-                           "only on a trusted network.")
-    p.add_argument("-H", "--host", default="127.0.0.1", help="address to listen on (no authentication: keep it private)")
+                           "Without --auth-token-file (or $PYLLAMA_RPC_TOKEN) there is no authentication: anyone "
+                           "who can connect can allocate memory and run graphs on it. It binds 127.0.0.1 by "
+                           "default; bind other addresses only with a token or on a trusted network.")
+    p.add_argument("-H", "--host", default="127.0.0.1",
+                   help="address to listen on (without a token anyone who reaches it may use it)")
     p.add_argument("-p", "--port", type=int, default=50052, help="port to listen on (0 = any free port)")
     p.add_argument("-d", "--device", default="CPU", help=f"device to expose ({', '.join(DEVICES)})")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU compute threads, 0 = all cores")
@@ -42,6 +44,9 @@ def build_parser() -> Parser:
                    help="directory of the tensor cache (enables SET_TENSOR_HASH: weights are not re-sent after a restart)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES",
                    help="largest request payload accepted; also caps a GET_TENSORS reply")
+    p.add_argument("--auth-token-file", metavar="PATH",
+                   help="require clients to prove this token (first line of the file, at least 16 bytes; also "
+                        "$PYLLAMA_RPC_TOKEN) before any command; the token never crosses the wire")
     p.add_argument("--trace", metavar="PATH",
                    help="write a trace of every command served here (JSON lines; also $PYLLAMA_TRACE)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every connection and allocation")
@@ -61,6 +66,14 @@ def check_args(args) -> None:
         raise PyllamaError(f"--max-frame {args.max_frame}: must be at least 1024")
 
 
+def exposure_warning(host: str, token: Optional[bytes]) -> Optional[str]:
+    """The start-up warning for a server reachable beyond this host without a token."""
+    if token is not None or _is_loopback(host):
+        return None
+    return (f"listening on {host} without --auth-token-file: the RPC server has no authentication; anyone who "
+            "reaches this port can allocate memory and run graphs on it")
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -71,20 +84,21 @@ def _is_loopback(host: str) -> bool:
 
 
 async def serve(args) -> int:
+    token = read_token(args.auth_token_file, "--auth-token-file")
     try:
         set_compute_threads(args.threads)  # BLAS threads too: idle ones spin and steal the cores
         server = RPCServer(args.host, args.port, backend_factory=lambda: CPUBackend(args.threads),
                            mem_limit=args.mem << 20 if args.mem else None, cache_dir=args.cache,
-                           max_frame=args.max_frame)
+                           max_frame=args.max_frame, token=token)
     except OSError as exc:
         raise PyllamaError(f"--cache {args.cache}: {exc.strerror or exc}") from None
     try:
         port = await server.start()
     except OSError as exc:
         raise PyllamaError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    if not _is_loopback(args.host):
-        log.warning("listening on %s: the RPC server has no authentication; anyone who reaches this port can "
-                    "allocate memory and run graphs on it", args.host)
+    warning = exposure_warning(args.host, token)
+    if warning:
+        log.warning("%s", warning)
     try:
         traced = trace.start(args.trace, "rpc-server", endpoint=f"{args.host}:{port}",
                              trace_uid=f"{server.server_id:016x}")

@@ -25,6 +25,7 @@ import numpy as np
 from .. import trace
 from ..backend.base import Backend
 from ..backend.cpu import CPUBackend
+from ..rpc import auth
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
 from .cache import TensorCache
@@ -37,7 +38,7 @@ CAPS_ENV = "PYLLAMA_RPC_SERVER_CAPS"
 _RX_SIZE = 256 * 1024          # receive buffer; larger payloads get their own staging array
 _QUEUED_HIGH = 64 << 20        # stop reading a connection while this much of it waits to execute
 _QUEUED_LOW = 16 << 20
-_LOOP_CMDS = frozenset({Cmd.HELLO, Cmd.DEVICE_COUNT, Cmd.GET_DEVICE_INFO, Cmd.TRACE_SYNC})
+_LOOP_CMDS = frozenset({Cmd.HELLO, Cmd.DEVICE_COUNT, Cmd.GET_DEVICE_INFO, Cmd.TRACE_SYNC, Cmd.AUTH})
 _KNOWN = frozenset(int(c) for c in Cmd)
 _HELLO_MAX = 64                # a first frame claiming more than this is not a HELLO
 
@@ -66,7 +67,7 @@ class RPCServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 50052,
                  backend_factory: Callable[[], Backend] = CPUBackend, mem_limit: Optional[int] = None,
                  cache_dir: Optional[str] = None, max_frame: int = P.DEFAULT_MAX_FRAME,
-                 caps_mask: Optional[int] = None):
+                 caps_mask: Optional[int] = None, token: Optional[bytes] = None):
         if max_frame < P.GRAPH_HEAD.size:
             raise ValueError(f"max_frame {max_frame} is too small")
         if mem_limit is not None and mem_limit < 0:
@@ -80,6 +81,9 @@ class RPCServer:
         mask = caps_mask if caps_mask is not None else caps_mask_from_env()
         if mask is not None:
             caps &= mask
+        self.token = token
+        if token is not None:  # never masked away: it is a requirement, not an offer
+            caps |= Cap.AUTH
         self.capabilities = int(caps)
         # also the trace uid of `python -m pyllama.rpc_server`: a client's clock event names it
         self.server_id = secrets.randbits(64) or 1
@@ -168,6 +172,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._pfill = 0
         self._pcmd = 0
         self._hdr_t = 0            # when the header of the frame being received was first seen (tracing)
+        self.authed = server.token is None
+        self._nonces: Optional[tuple[bytes, bytes]] = None  # (client, server) of a begun AUTH
         # a CPU device finishes its work inside the executor: with nothing of this connection queued,
         # SYNCHRONIZE has nothing to wait for and is answered at once
         self._sync_on_loop = all(d.completes_in_executor for d in server.devices)
@@ -299,6 +305,12 @@ class _Connection(asyncio.BufferedProtocol):
             log.warning("%s: unknown command %d: closing", self.peer, cmd)
             self._close()
             return False
+        if self.hello_done and not self.authed and (cmd != Cmd.AUTH or size > _HELLO_MAX):
+            # nothing of an unauthenticated client is buffered beyond a handshake frame
+            log.warning("%s: %s (%d bytes) before authentication: closing", self.peer, _cmd_name(cmd), size)
+            self._write(frame(P.STATUS_ERROR, f"authentication required before {_cmd_name(cmd)}".encode()))
+            self._close()
+            return False
         return True
 
     # --- dispatch ------------------------------------------------------------------------------
@@ -310,6 +322,9 @@ class _Connection(asyncio.BufferedProtocol):
         cmd = Cmd(code)
         if not self.hello_done:
             self._hello(payload)
+            return
+        if not self.authed:
+            self._auth(cmd, bytes(payload))
             return
         session = self.session
         assert session is not None
@@ -355,6 +370,33 @@ class _Connection(asyncio.BufferedProtocol):
             self._close()
             return
         self._update_reading()
+
+    def _auth(self, cmd: Cmd, payload: bytes) -> None:
+        """Before authentication only AUTH is served; anything else, or a wrong proof, closes."""
+        token = self.server.token
+        assert token is not None
+        step = payload[0] if payload else 0
+        body = payload[1:]
+        if cmd is Cmd.AUTH and step == auth.STEP_BEGIN and len(body) == auth.NONCE and self._nonces is None:
+            sn = auth.new_nonce()
+            self._nonces = (body, sn)
+            self._write(frame(P.STATUS_OK, sn + auth.server_proof(token, body, sn)))
+            return
+        if cmd is Cmd.AUTH and step == auth.STEP_PROVE and len(body) == auth.PROOF and self._nonces is not None:
+            cn, sn = self._nonces
+            if auth.verify(auth.client_proof(token, cn, sn), body):
+                self.authed = True
+                log.info("%s: authenticated", self.peer)
+                self._write(frame(P.STATUS_OK, b""))
+                return
+            why = "authentication failed"
+        elif cmd is Cmd.AUTH:
+            why = "malformed AUTH"
+        else:
+            why = f"authentication required before {cmd.name}"
+        log.warning("%s: %s: closing", self.peer, why)
+        self._write(frame(P.STATUS_ERROR, why.encode()))
+        self._close()
 
     def _hello(self, payload) -> None:
         if len(payload) != P.HELLO_REQ.size:

@@ -156,6 +156,7 @@ class Session:
             Cmd.GRAPH_RECOMPUTE: self._graph_recompute,
             Cmd.SYNCHRONIZE: self._synchronize,
             Cmd.TRACE_SYNC: self._trace_sync,
+            Cmd.AUTH: self._auth_again,
         }
 
     # --- dispatch ------------------------------------------------------------------------------
@@ -246,6 +247,10 @@ class Session:
     # --- informational commands ------------------------------------------------------------------
     def _hello_again(self, payload, t_recv: int) -> bytes:
         raise CommandError("HELLO was already exchanged on this connection")
+
+    def _auth_again(self, payload, t_recv: int) -> bytes:
+        self._need(Cap.AUTH, Cmd.AUTH)
+        raise CommandError("this connection is already authenticated")
 
     def _device_count(self, payload, t_recv: int) -> bytes:
         _expect(payload, 0, "DEVICE_COUNT")

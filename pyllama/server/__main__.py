@@ -91,7 +91,7 @@ def load(state: ServerState) -> None:
     if not path:
         from ..models.default import default_model_path  # noqa: PLC0415
         path = default_model_path()
-    backends = make_backends(args.device, args.rpc, args.split_mode, args.threads)
+    backends = make_backends(args.device, args.rpc, args.split_mode, args.threads, args.rpc_token_file)
     engine = Engine(path, n_threads=args.threads, backends=backends,
                     tensor_split=parse_split(args.tensor_split, len(backends)), load=False)
     hp = engine.model.hparams

@@ -1,0 +1,204 @@
+"""An authenticated RPC server: challenge-response with a shared token that never crosses the wire,
+nothing served before it, clear refusals at both ends, unauthenticated setups unchanged."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from pyllama.backend.cpu import CPUBackend
+from pyllama.rpc import auth
+from pyllama.rpc import protocol as P
+from pyllama.rpc.connection import Connection, RPCError, set_token
+from pyllama.rpc.protocol import Cap, Cmd
+from pyllama.rpc_server import ServerThread
+from pyllama.rpc_server.__main__ import exposure_warning
+from server_util import RPCServerProcess
+
+TOKEN = b"0123456789abcdef0123456789abcdef"
+PROMPT = "The little cat sat on the"
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_bytes(TOKEN + b"\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def generate(model: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", PROMPT, "-n", "12",
+                           "--temp", "0", "--ignore-eos", "--tokens", "-t", "1", *args],
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYLLAMA_RPC_TOKEN": "", **(env or {})})
+
+
+def test_split_with_the_token_equals_local(tiny_model, token_file, tmp_path):
+    local = generate(tiny_model)
+    assert local.returncode == 0, local.stderr
+    peer = RPCServerProcess("--auth-token-file", token_file)
+    try:
+        split = ["--rpc", peer.endpoint, "--device", "RPC0,CPU"]
+        ok = generate(tiny_model, *split, "--rpc-token-file", token_file)
+        assert ok.returncode == 0, ok.stderr
+        assert ok.stdout == local.stdout
+        by_env = generate(tiny_model, *split, env={"PYLLAMA_RPC_TOKEN": TOKEN.decode()})
+        assert by_env.stdout == local.stdout, by_env.stderr
+
+        missing = generate(tiny_model, *split)
+        assert missing.returncode == 1 and "requires a token" in missing.stderr
+        assert "Traceback" not in missing.stderr
+        wrong = tmp_path / "wrong"
+        wrong.write_bytes(b"not-the-token-but-long-enough\n")
+        bad = generate(tiny_model, *split, "--rpc-token-file", str(wrong))
+        assert bad.returncode == 1 and "does not hold our token" in bad.stderr
+        # the server keeps serving authenticated clients after the refusals
+        assert generate(tiny_model, *split, "--rpc-token-file", token_file).stdout == local.stdout
+    finally:
+        assert peer.stop() == 0
+    plain = RPCServerProcess()
+    try:
+        refused = generate(tiny_model, "--rpc", plain.endpoint, "--device", "RPC0,CPU", "--rpc-token-file", token_file)
+        assert refused.returncode == 1 and "does not authenticate" in refused.stderr
+        assert generate(tiny_model, "--rpc", plain.endpoint, "--device", "RPC0,CPU").stdout == local.stdout
+    finally:
+        assert plain.stop() == 0
+
+
+def test_bad_token_files_are_one_line_errors(tmp_path):
+    short = tmp_path / "short"
+    short.write_bytes(b"abc\n")
+    for args, needle in [(["--auth-token-file", str(short)], "at least 16 bytes"),
+                         (["--auth-token-file", str(tmp_path / "none")], "No such file")]:
+        p = subprocess.run([sys.executable, "-m", "pyllama.rpc_server", "--port", "0", *args], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PYLLAMA_RPC_TOKEN": ""})
+        assert p.returncode == 1 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_exposure_warning():
+    assert exposure_warning("127.0.0.1", None) is None
+    assert exposure_warning("::1", None) is None
+    assert "without --auth-token-file" in exposure_warning("0.0.0.0", None)
+    assert exposure_warning("0.0.0.0", TOKEN) is None
+
+
+# --- the wire, with a raw client ----------------------------------------------------------------
+
+class Raw:
+    """A socket speaking frames by hand; records every byte it sends."""
+
+    def __init__(self, port: int):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.sent = bytearray()
+
+    def send(self, cmd: int, payload: bytes = b"") -> None:
+        data = P.HEADER.pack(cmd, len(payload)) + payload
+        self.sent += data
+        self.sock.sendall(data)
+
+    def reply(self) -> tuple[int, bytes]:
+        head = self._exact(P.HEADER.size)
+        status, size = P.HEADER.unpack(head)
+        return status, self._exact(size)
+
+    def _exact(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("closed")
+            buf += chunk
+        return buf
+
+    def closed(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except OSError:
+            return True
+
+    def hello(self) -> int:
+        self.send(Cmd.HELLO, P.HELLO_REQ.pack(*P.VERSION, 0))
+        status, rep = self.reply()
+        assert status == 0
+        return P.HELLO_REP.unpack(rep)[4]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def guarded():
+    st = ServerThread(port=0, backend_factory=lambda: CPUBackend(1), token=TOKEN, caps_mask=0)
+    st.start()
+    yield st
+    st.stop()
+
+
+def test_nothing_is_served_before_authentication(guarded):
+    c = Raw(guarded.port)
+    assert c.hello() == Cap.AUTH  # advertised even with every optional capability masked
+    c.send(Cmd.DEVICE_COUNT)
+    status, msg = c.reply()
+    assert status == P.STATUS_ERROR and b"authentication required" in msg
+    assert c.closed()
+    c.close()
+    # a large frame before authentication is refused from its header, never buffered
+    c = Raw(guarded.port)
+    c.hello()
+    c.sock.sendall(P.HEADER.pack(Cmd.SET_TENSOR, 1 << 30))
+    status, msg = c.reply()
+    assert status == P.STATUS_ERROR and c.closed()
+    c.close()
+    assert guarded.server.allocated() == 0
+
+
+def test_wrong_proof_closes_and_right_proof_opens(guarded):
+    c = Raw(guarded.port)
+    c.hello()
+    cn = auth.new_nonce()
+    c.send(Cmd.AUTH, bytes([auth.STEP_BEGIN]) + cn)
+    status, rep = c.reply()
+    sn, proof = rep[:32], rep[32:]
+    assert status == 0 and auth.verify(auth.server_proof(TOKEN, cn, sn), proof)
+    c.send(Cmd.AUTH, bytes([auth.STEP_PROVE]) + auth.client_proof(b"x" * 32, cn, sn))
+    status, msg = c.reply()
+    assert status == P.STATUS_ERROR and b"authentication failed" in msg and c.closed()
+    c.close()
+
+    c = Raw(guarded.port)
+    c.hello()
+    cn = auth.new_nonce()
+    c.send(Cmd.AUTH, bytes([auth.STEP_BEGIN]) + cn)
+    sn = c.reply()[1][:32]
+    c.send(Cmd.AUTH, bytes([auth.STEP_PROVE]) + auth.client_proof(TOKEN, cn, sn))
+    assert c.reply() == (0, b"")
+    c.send(Cmd.DEVICE_COUNT)
+    assert c.reply() == (0, P.U32.pack(1))
+    c.send(Cmd.AUTH, bytes([auth.STEP_BEGIN]) + cn)  # once is enough
+    status, msg = c.reply()
+    assert status == P.STATUS_ERROR and b"already authenticated" in msg
+    assert TOKEN not in bytes(c.sent)  # the token itself never crossed the wire
+    c.close()
+
+
+def test_client_connection_proves_and_checks(guarded):
+    set_token(TOKEN)
+    try:
+        conn = Connection(f"127.0.0.1:{guarded.port}")
+        assert conn.has(Cap.AUTH)
+        assert conn.call(Cmd.DEVICE_COUNT) == P.U32.pack(1)
+        conn.close()
+        set_token(b"y" * 32)
+        with pytest.raises(RPCError, match="does not hold our token"):
+            Connection(f"127.0.0.1:{guarded.port}")
+        set_token(None)
+        with pytest.raises(RPCError, match="requires a token"):
+            Connection(f"127.0.0.1:{guarded.port}")
+    finally:
+        set_token(None)
+        import pyllama.rpc.connection as c
+        c._token_set = False

@@ -366,7 +366,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._write(reply)
         if rx is not None and ex is not None:
             self._trace(cmd, rx, ex, nbytes, reply)
-        if self._eof and self.inflight == 0:
+        if (self._eof or self.closing) and self.inflight == 0:
             self._close()
             return
         self._update_reading()
@@ -443,12 +443,20 @@ class _Connection(asyncio.BufferedProtocol):
             self.transport.pause_reading()
 
     def _close(self) -> None:
-        """Closes after what was written is flushed; nothing more is read."""
+        """Stops reading at once; closes once the commands already queued have completed and what
+        was written is flushed. A refused frame must not cost the client the replies of the valid
+        commands before it (else what a client gets would depend on how TCP cut its stream)."""
         self.closing = True
         self._payload = None
         self._start = self._end = 0
-        if self.transport is not None:
-            self.transport.close()
+        if self.transport is None:
+            return
+        if self.inflight:  # _done closes after the last of them
+            if not self._read_paused:
+                self._read_paused = True
+                self.transport.pause_reading()
+            return
+        self.transport.close()
 
     def abort(self) -> None:
         self.closing = True

@@ -110,6 +110,12 @@ def _byte_view(t: Tensor, offset: int, size: int) -> Tensor:
     return _make_tensor(DType.I8, (size,), t.name, t.buffer, t.offset + offset, size)
 
 
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors share a byte (empty ones share none)."""
+    return (a.buffer is b.buffer and a.nbytes > 0 and b.nbytes > 0
+            and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes)
+
+
 def describe(exc: BaseException) -> str:
     if isinstance(exc, (CommandError, ValueError, IndexError)):
         return str(exc)
@@ -477,8 +483,24 @@ class Session:
                                        f"not {dtypes[k].name}")
             p = params[j]
             self._check_params(j, op, p, n_params)
+            if op == Op.ATTENTION:
+                self._check_attention_aliasing(j, out, ins)
             out_nodes.append(Node(op, out, ins, tuple(p[:n_params])))
         return Graph(out_nodes), frozenset(bufs)
+
+    @staticmethod
+    def _check_attention_aliasing(j: int, out: Tensor, ins: tuple) -> None:
+        """The attention kernel checks its indices (kv_idx, attn_cells, attn_ranges) once, then
+        addresses the KV cache and its scratch with them while it writes the output and the cache:
+        a graph laying a written tensor over an index tensor would move those addresses after the
+        check (out-of-bounds reads and writes). No real graph does (a node's output never reuses
+        the memory of its own sources, and the cache has buffers of its own)."""
+        written = (("output", out), ("k_cache", ins[1]), ("v_cache", ins[2]))
+        for name, t in written:
+            for k, what in ((4, "kv_idx"), (5, "attn_cells"), (6, "attn_ranges")):
+                if _overlap(t, ins[k]):
+                    raise CommandError(f"graph node {j} (ATTENTION): {name} {t.name!r} overlaps {what} "
+                                       f"{ins[k].name!r}, which the kernel reads while it writes")
 
     @staticmethod
     def _check_params(j: int, op: Op, p: list[float], n_used: int) -> None:

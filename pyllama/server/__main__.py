@@ -54,6 +54,18 @@ def build_parser() -> Parser:
     p.add_argument("--chat-template", help="Jinja2 chat template overriding the model's (or 'chatml')")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds an idle keep-alive connection stays open")
     p.add_argument("--max-body", type=int, default=16 << 20, help="largest accepted request body in bytes")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers (for the first request, counted from "
+                        "connecting); a slower client is disconnected")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a client has to send a request's body once the headers are in; a slower one gets 408")
+    p.add_argument("--max-header-bytes", type=int, default=64 << 10,
+                   help="largest request line plus headers in bytes; a larger request gets 431")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open client connections at most; one more gets 503 and is closed")
+    p.add_argument("--max-pipelined", type=int, default=8,
+                   help="requests read ahead on one connection while an earlier one is answered; at the limit the "
+                        "server stops reading from that connection until it catches up")
     p.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
     p.add_argument("--trace", metavar="PATH",
                    help="write a trace of every decode step, RPC command and device span (JSON lines; also $PYLLAMA_TRACE)")
@@ -82,6 +94,15 @@ def check_args(args) -> None:
         raise PyllamaError("--slot-prompt-similarity must lie between 0 and 1")
     if not 0 <= args.port <= 65535:
         raise PyllamaError(f"--port {args.port}: not a port number")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not value > 0:
+            raise PyllamaError(f"{flag} {value}: must be more than 0 seconds")
+    if args.max_body < 1:
+        raise PyllamaError(f"--max-body {args.max_body}: must be at least 1")
+    if args.max_header_bytes < 1024:
+        raise PyllamaError(f"--max-header-bytes {args.max_header_bytes}: must be at least 1024")
+    if args.max_connections < 1 or args.max_pipelined < 1:
+        raise PyllamaError("--max-connections and --max-pipelined must be at least 1")
 
 
 def load(state: ServerState) -> None:
@@ -152,7 +173,10 @@ def _mib(per_device: dict[str, int]) -> str:
 async def serve(args) -> int:
     state = ServerState(args)
     api = Api(state)
-    server = HTTPServer(api.routes(), max_body=args.max_body, keepalive_timeout=args.timeout)
+    server = HTTPServer(api.routes(), max_body=args.max_body, max_header_bytes=args.max_header_bytes,
+                        keepalive_timeout=args.timeout, header_timeout=args.header_timeout,
+                        body_timeout=args.body_timeout, max_connections=args.max_connections,
+                        max_pipelined=args.max_pipelined)
     try:
         port = await server.start(args.host, args.port)
     except OSError as exc:

@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from .. import __version__
 from ..sampling import SamplingParams
@@ -39,6 +39,7 @@ class ServerState:
     slots_per_group: int = 0
     load_error: Optional[str] = None
     created: int = field(default_factory=lambda: int(time.time()))
+    _max_token_chars: int = 0
 
     @property
     def ready(self) -> bool:
@@ -48,10 +49,59 @@ class ServerState:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def max_token_chars(self) -> int:
+        """The longest vocabulary text: no token stands for more characters of input than this."""
+        if not self._max_token_chars:  # computed once, on the first long prompt
+            tok = self.tokenizer
+            self._max_token_chars = max(1, max(len(tok.token_text(i)) for i in range(tok.n_vocab)))
+        return self._max_token_chars
+
+    def check_prompt_fits(self, n_chars: int, n_ids: int) -> None:
+        """A 400 for a prompt of n_chars characters of text plus n_ids token ids that cannot fit a
+        slot whatever its tokens, before tokenizing it: tokenizing megabytes costs seconds and
+        hundreds of megabytes only to learn that it does not fit."""
+        n_ctx = self.n_ctx_slot
+        if n_ids + n_chars < n_ctx:
+            return
+        # Halved once more as a margin for tokenizers that normalize text before matching it.
+        at_least = n_ids + n_chars // (2 * self.max_token_chars())
+        if at_least >= n_ctx:
+            raise HTTPError(400, f"the request exceeds the available context size: the prompt is at least "
+                                 f"{at_least} tokens and a slot holds {n_ctx}", "exceed_context_size_error")
+
+
+def _prompt_size(prompt: Any) -> tuple[int, int]:
+    """(characters of text, token ids) in a prompt of any of llama-server's forms; pieces of other
+    types are left for tokenize_prompt to refuse."""
+    if isinstance(prompt, str):
+        return len(prompt), 0
+    if not isinstance(prompt, list):
+        return 0, 0
+    if len(prompt) == 1 and isinstance(prompt[0], list):
+        return _prompt_size(prompt[0])
+    n_chars = sum(len(x) for x in prompt if isinstance(x, str))
+    n_ids = sum(1 for x in prompt if isinstance(x, int) and not isinstance(x, bool))
+    return n_chars, n_ids
+
 
 def _require_ready(state: ServerState) -> None:
     if not state.ready:
         raise HTTPError(503, "Loading model", "unavailable_error")
+
+
+T = TypeVar("T")
+
+# Bodies up to this size are parsed and tokenized on the event loop (milliseconds at most). Larger
+# ones go to a worker thread: tokenizing a prompt of several megabytes takes seconds, during which
+# the loop would answer no other connection at all.
+_INLINE_BODY = 16 << 10
+
+
+async def _prepare(req: Request, work: Callable[[], T]) -> T:
+    """work() (which reads req's body), off the event loop when the body is large."""
+    if len(req.body) <= _INLINE_BODY:
+        return work()
+    return await asyncio.to_thread(work)
 
 
 def _timings(final: FinalEvent) -> dict:
@@ -131,6 +181,9 @@ class Api:
 
     async def tokenize(self, req: Request) -> Response:
         _require_ready(self.state)
+        return await _prepare(req, lambda: self._tokenize(req))
+
+    def _tokenize(self, req: Request) -> Response:
         body = req.json()
         if not isinstance(body, dict) or not isinstance(body.get("content"), str):
             raise HTTPError(400, "'content' must be a string")
@@ -153,6 +206,9 @@ class Api:
 
     async def detokenize(self, req: Request) -> Response:
         _require_ready(self.state)
+        return await _prepare(req, lambda: self._detokenize(req))
+
+    def _detokenize(self, req: Request) -> Response:
         body = req.json()
         ids = body.get("tokens") if isinstance(body, dict) else None
         tok = self.state.tokenizer
@@ -246,13 +302,19 @@ class Api:
         return choices
 
     # llama-server /completion
-    async def completion(self, req: Request) -> Response | StreamResponse:
-        _require_ready(self.state)
+    def _completion_input(self, req: Request, oai: bool) -> tuple[dict, CompletionParams, list[int]]:
+        """The body, its parameters and its prompt's tokens (runs off the loop for large bodies)."""
+        st = self.state
         body = req.json()
-        p = parse_completion(body, self.state.args.n_predict, self.state.slots_per_group)
+        p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=oai, n_vocab=st.tokenizer.n_vocab)
         if "prompt" not in body:
             raise HTTPError(400, "'prompt' is required")
-        prompt = tokenize_prompt(self.state.tokenizer, body["prompt"])
+        st.check_prompt_fits(*_prompt_size(body["prompt"]))
+        return body, p, tokenize_prompt(st.tokenizer, body["prompt"])
+
+    async def completion(self, req: Request) -> Response | StreamResponse:
+        _require_ready(self.state)
+        body, p, prompt = await _prepare(req, lambda: self._completion_input(req, oai=False))
         tasks = self._tasks(prompt, p)
         text_prompt = body["prompt"] if isinstance(body["prompt"], str) else ""
         if p.stream:
@@ -297,29 +359,31 @@ class Api:
     # OpenAI /v1/completions
     async def oai_completion(self, req: Request) -> Response | StreamResponse:
         _require_ready(self.state)
-        body = req.json()
-        p = parse_completion(body, self.state.args.n_predict, self.state.slots_per_group, oai=True)
-        if "prompt" not in body:
-            raise HTTPError(400, "'prompt' is required")
-        prompt = tokenize_prompt(self.state.tokenizer, body["prompt"])
+        _, p, prompt = await _prepare(req, lambda: self._completion_input(req, oai=True))
         return await self._oai(self._tasks(prompt, p), p, len(prompt), chat=False)
 
     # OpenAI /v1/chat/completions
     async def oai_chat(self, req: Request) -> Response | StreamResponse:
         _require_ready(self.state)
+        p, prompt = await _prepare(req, lambda: self._chat_input(req))
+        return await self._oai(self._tasks(prompt, p), p, len(prompt), chat=True)
+
+    def _chat_input(self, req: Request) -> tuple[CompletionParams, list[int]]:
+        """The parameters and the rendered, tokenized conversation (off the loop for large bodies)."""
+        st = self.state
         body = req.json()
         if not isinstance(body, dict):
             raise HTTPError(400, "the request body must be a JSON object")
-        p = parse_completion(body, self.state.args.n_predict, self.state.slots_per_group, oai=True)
+        p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=True, n_vocab=st.tokenizer.n_vocab)
         try:
             messages = validate_messages(body.get("messages"))
-            text = self.state.chat.render(messages, add_generation_prompt=True, tools=body.get("tools"))
+            text = st.chat.render(messages, add_generation_prompt=True, tools=body.get("tools"))
         except ChatTemplateError as exc:
             raise HTTPError(400, str(exc)) from None
-        tok = self.state.tokenizer
+        st.check_prompt_fits(len(text), 0)
+        tok = st.tokenizer
         bos = _token_text(tok, tok.bos_id)
-        prompt = tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
-        return await self._oai(self._tasks(prompt, p), p, len(prompt), chat=True)
+        return p, tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
 
     async def _oai(self, tasks, p: CompletionParams, n_prompt: int, chat: bool) -> Response | StreamResponse:
         prefix = "chatcmpl-" if chat else "cmpl-"

@@ -6,8 +6,12 @@ cancels it (its ``finally`` blocks run) and closes the iterator of a streamed re
 
 One connection = one ``_Connection`` protocol with its own httptools parser. Requests are parsed
 ahead and queued, then answered strictly in order, one handler at a time per connection
-(pipelining). Timeouts are enforced by one periodic sweep over all connections instead of a
-timer per request: a request then costs a float store, not a TimerHandle.
+(pipelining); at most `max_pipelined` wait (or `max_body` bytes of their bodies), beyond which the
+connection's input is held unparsed and reading pauses. Timeouts are enforced by one periodic sweep
+over all connections instead of a timer per request: a request then costs a float store, not a
+TimerHandle. A new connection must send its first request's headers within `header_timeout`, a
+later request within `header_timeout` of its first byte, and a body within `body_timeout` of its
+headers (else 408).
 """
 from __future__ import annotations
 
@@ -33,8 +37,17 @@ log = logging.getLogger(__name__)
 MAX_JSON_DEPTH = 64
 SSE_DONE = b"data: [DONE]\n\n"
 
-# Pipelined requests parsed ahead are bounded: past this many queued, reading pauses.
-_MAX_QUEUED = 8
+# Input is parsed this many bytes at a time so that a burst of pipelined requests stops being
+# parsed once enough of them wait (httptools cannot pause in the middle of a buffer).
+_FEED_SLICE = 4096
+# The body phase of a request may read this much more than its body on the wire (chunk sizes,
+# extensions, trailers), beyond twice the body limit; without a bound an endless chunk extension
+# would be read until the body timeout.
+_FRAMING_ALLOWANCE = 64 << 10
+# Each chunk costs a Python callback (about 2 us): a body may come in at most max_body / 64 chunks
+# (and 1024 in any case), so that 1-byte chunks cannot buy seconds of event loop time per request.
+_MIN_AVG_CHUNK = 64
+_MIN_MAX_CHUNKS = 1024
 # After an error that ends a connection, keep reading (and discarding) this long so that the
 # client's unread upload does not turn our close into a RST that destroys the error response.
 _LINGER_S = 2.0
@@ -241,9 +254,9 @@ def _split_target(url: bytes) -> tuple[str, dict[str, str]]:
 class _Connection(asyncio.Protocol):
     __slots__ = (
         "_srv", "_loop", "_parser", "_transport", "_peer", "_queue", "_task", "_closed", "_discard",
-        "_url", "_headers", "_body", "_body_size", "_hdr_bytes", "_hdr_raw", "_in_headers",
+        "_url", "_headers", "_body", "_body_size", "_hdr_bytes", "_hdr_raw", "_body_raw", "_in_headers",
         "_in_body", "_deadline", "_write_paused", "_drain_waiter", "_read_paused", "_reject",
-        "_counted",
+        "_counted", "_n_requests", "_queued_bytes", "_held", "_feeding", "_n_chunks",
     )
 
     def __init__(self, srv: "HTTPServer") -> None:
@@ -259,10 +272,14 @@ class _Connection(asyncio.Protocol):
         self._discard = False  # a final error is decided: input is read and thrown away
         self._url = b""
         self._headers: dict[str, str] = {}
-        self._body: list[bytes] = []
+        # bytes while one piece has come, a bytearray after that: a body sent in many tiny chunks
+        # must not cost a Python object per chunk
+        self._body: Union[bytes, bytearray] = b""
         self._body_size = 0
         self._hdr_bytes = 0
         self._hdr_raw = 0
+        self._body_raw = 0  # bytes on the wire while in the body, framing included
+        self._n_chunks = 0
         self._in_headers = False
         self._in_body = False
         # Sweep closes the connection when no handler runs and loop.time() passed this (0 = never).
@@ -272,6 +289,11 @@ class _Connection(asyncio.Protocol):
         self._read_paused = False
         self._reject: Optional[_Reject] = None
         self._counted = False
+        self._n_requests = 0  # requests begun on this connection
+        self._queued_bytes = 0  # body bytes of the requests in _queue
+        # input not yet parsed because enough requests wait; reading is paused while it is held
+        self._held: Optional[Union[bytes, memoryview]] = None
+        self._feeding = False
 
     # --- asyncio.Protocol -------------------------------------------------------------------
 
@@ -302,7 +324,9 @@ class _Connection(asyncio.Protocol):
             return
         srv._conns.add(self)
         self._counted = True
-        self._deadline = self._loop.time() + srv._keepalive_timeout
+        # The first request's headers are due within the header timeout of connecting: an idle
+        # new connection must not hold one of --max-connections for a whole keep-alive timeout.
+        self._deadline = self._loop.time() + srv._header_timeout
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._closed = True
@@ -312,6 +336,8 @@ class _Connection(asyncio.Protocol):
         else:
             srv._rejected.discard(self)
         self._queue.clear()
+        self._queued_bytes = 0
+        self._held = None
         if self._task is not None:
             # The handler's finally blocks run (generation gets cancelled); a stream's iterator
             # is closed by _write_stream.
@@ -342,16 +368,44 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._discard:
             return
-        was_in_headers = self._in_headers
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade as exc:
-            # No upgrades are supported: the request was queued as an ordinary one; go on
-            # parsing what followed it.
-            off = exc.args[0] if exc.args and isinstance(exc.args[0], int) else len(data)
-            if off < len(data):
-                self.data_received(data[off:])
+        if self._held is not None:  # arrived after reading paused: keep it behind what is held
+            self._held = bytes(self._held) + data
             return
+        self._feed(data)
+
+    def _feed(self, data: Union[bytes, memoryview]) -> None:
+        """Parse `data` a slice at a time; once enough requests wait, hold the rest unparsed and
+        pause reading until the queue drains (see _dispatch)."""
+        self._feeding = True
+        try:
+            while data and not self._discard:
+                if self._queue and self._backlogged():
+                    self._held = data
+                    if not self._read_paused:
+                        self._read_paused = True
+                        self._transport.pause_reading()
+                    return
+                if len(data) <= _FEED_SLICE:  # the usual packet: parsed as it is
+                    used = self._feed_slice(data)
+                else:
+                    if not isinstance(data, memoryview):
+                        data = memoryview(data)  # slices without copies
+                    used = self._feed_slice(data[:_FEED_SLICE])
+                data = data[used:]
+        finally:
+            self._feeding = False
+
+    def _feed_slice(self, piece: Union[bytes, memoryview]) -> int:
+        """Feed one slice to the parser; returns how many of its bytes were consumed."""
+        was_in_headers = self._in_headers
+        was_in_body = self._in_body
+        try:
+            self._parser.feed_data(piece)
+        except httptools.HttpParserUpgrade as exc:
+            # No upgrades are supported: the request was queued as an ordinary one; what follows
+            # it is parsed as the next request (by the caller's loop: no recursion per request).
+            off = exc.args[0] if exc.args and isinstance(exc.args[0], int) else len(piece)
+            return off if 0 < off <= len(piece) else len(piece)
         except httptools.HttpParserError as exc:
             rej = self._reject
             self._reject = None
@@ -359,14 +413,34 @@ class _Connection(asyncio.Protocol):
                 rej = _Reject(400, f"Malformed HTTP request: {exc}")
                 log.debug("malformed request from %s: %s", self._peer, exc)
             self._fail(rej)
-            return
+            return len(piece)
+        srv = self._srv
         if self._in_headers and was_in_headers:
             # httptools buffers an unfinished header line without calling us; count raw bytes so
-            # one endless header cannot grow memory without bound. A packet that starts and ends
+            # one endless header cannot grow memory without bound. A slice that starts and ends
             # inside the headers is all header bytes, so this never overcounts.
-            self._hdr_raw += len(data)
-            if self._hdr_raw > self._srv._max_header_bytes:
+            self._hdr_raw += len(piece)
+            if self._hdr_raw > srv._max_header_bytes:
                 self._fail(_Reject(431, "Request header fields too large"))
+        elif self._in_body and was_in_body:
+            self._body_raw += len(piece)
+            if self._body_raw > srv._max_body_wire:
+                self._fail(_Reject(413, f"Request body too large: over {srv._max_body_wire} bytes of chunked "
+                                        f"framing for a limit of {srv._max_body} bytes"))
+        return len(piece)
+
+    def _backlogged(self) -> bool:
+        q = self._queue
+        return bool(q) and (len(q) >= self._srv._max_pipelined or self._queued_bytes >= self._srv._max_body)
+
+    def _resume_input(self) -> None:
+        """Parse the input held back, then read again unless the queue filled up once more."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._feed(held)
+        if self._held is None and self._read_paused and not self._closed:
+            self._read_paused = False
+            self._transport.resume_reading()
 
     # --- httptools callbacks ----------------------------------------------------------------
 
@@ -374,11 +448,15 @@ class _Connection(asyncio.Protocol):
         self._in_headers = True
         self._url = b""
         self._headers = {}
-        self._body = []
+        self._body = b""
         self._body_size = 0
         self._hdr_bytes = 0
         self._hdr_raw = 0
-        self._deadline = self._loop.time() + self._srv._header_timeout
+        self._body_raw = 0
+        self._n_chunks = 0
+        if self._n_requests:  # the first request's deadline runs from connecting
+            self._deadline = self._loop.time() + self._srv._header_timeout
+        self._n_requests += 1
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -401,6 +479,10 @@ class _Connection(asyncio.Protocol):
         self._in_headers = False
         self._in_body = True
         srv = self._srv
+        version = self._parser.get_http_version()
+        if version not in ("1.1", "1.0"):
+            # llhttp accepts 0.9 and 2.0 request lines; neither can be answered in HTTP/1.1 terms.
+            self._raise(_Reject(400, f"HTTP version {version} is not supported: use HTTP/1.1 or HTTP/1.0"))
         cl = self._headers.get("content-length")
         if cl is not None:
             try:
@@ -409,8 +491,11 @@ class _Connection(asyncio.Protocol):
                 self._raise(_Reject(400, "Invalid Content-Length"))
             if n > srv._max_body:
                 self._raise(_Reject(413, f"Request body too large: {n} bytes, the limit is {srv._max_body}"))
-        # A body must keep arriving; the same idle limit as between requests applies.
-        self._deadline = self._loop.time() + srv._keepalive_timeout
+        if self._parser.should_upgrade() and (cl not in (None, "0") or "transfer-encoding" in self._headers):
+            # llhttp hands what follows an upgrade request's headers back as the next request, so
+            # its body would be parsed as a request that a proxy in front never saw.
+            self._raise(_Reject(400, "Upgrade is not supported, and a request asking for one must not have a body"))
+        self._deadline = self._loop.time() + srv._body_timeout
         expect = self._headers.get("expect")
         if expect is not None and expect.lower() == "100-continue" and self._task is None and not self._queue:
             # Only when nothing is in flight: interim responses must not overtake earlier answers.
@@ -420,9 +505,17 @@ class _Connection(asyncio.Protocol):
         self._body_size += len(body)
         if self._body_size > self._srv._max_body:
             self._raise(_Reject(413, f"Request body too large: the limit is {self._srv._max_body} bytes"))
-        self._body.append(body)
-        if len(body) > 4096:
-            self._deadline = self._loop.time() + self._srv._keepalive_timeout
+        if not self._body:
+            self._body = body
+        else:
+            if not isinstance(self._body, bytearray):
+                self._body = bytearray(self._body)
+            self._body += body
+
+    def on_chunk_header(self) -> None:
+        self._n_chunks += 1
+        if self._n_chunks > self._srv._max_chunks:
+            self._raise(_Reject(413, f"Request body in too many chunks: at most {self._srv._max_chunks} are accepted"))
 
     def on_message_complete(self) -> None:
         self._in_body = False
@@ -430,8 +523,9 @@ class _Connection(asyncio.Protocol):
             return
         p = self._parser
         body = self._body
-        body = b"" if not body else body[0] if len(body) == 1 else b"".join(body)
-        self._body = []
+        if isinstance(body, bytearray):
+            body = bytes(body)
+        self._body = b""
         keep_alive = p.should_keep_alive()
         http10 = p.get_http_version() == "1.0"
         try:
@@ -442,12 +536,10 @@ class _Connection(asyncio.Protocol):
         else:
             self._queue.append((Request(p.get_method().decode("ascii"), path, query, self._headers, body,
                                         self._peer), keep_alive, http10))
+            self._queued_bytes += len(body)
         self._headers = {}
         if self._task is None:
             self._dispatch()
-        elif len(self._queue) >= _MAX_QUEUED and not self._read_paused:
-            self._read_paused = True
-            self._transport.pause_reading()
 
     # --- request processing -----------------------------------------------------------------
 
@@ -469,6 +561,7 @@ class _Connection(asyncio.Protocol):
                     continue
                 self._end_with(item[1])
                 return
+            self._queued_bytes -= len(req.body)
             keep_alive = item[1] and not srv._closing
             handler, head_only, resp = srv._resolve(req)
             if handler is None:
@@ -481,9 +574,10 @@ class _Connection(asyncio.Protocol):
             return
         if self._closed:
             return
-        if self._read_paused and len(queue) < _MAX_QUEUED // 2:
-            self._read_paused = False
-            self._transport.resume_reading()
+        if (self._held is not None or self._read_paused) and not self._feeding and not self._backlogged():
+            self._resume_input()
+            if self._closed:
+                return
         if self._task is None:
             if srv._closing and not queue:
                 self._close()
@@ -627,6 +721,7 @@ class _Connection(asyncio.Protocol):
         """Stop parsing; answer `rej` after the answers already owed, then close."""
         self._discard = True
         self._in_headers = self._in_body = False
+        self._held = None
         if self._read_paused:  # reading must go on to drain the upload while we linger
             self._read_paused = False
             self._transport.resume_reading()
@@ -640,6 +735,7 @@ class _Connection(asyncio.Protocol):
         self._discard = True
         self._closed = True
         self._queue.clear()
+        self._queued_bytes = 0
         t.write(data)
         try:
             t.write_eof()
@@ -684,8 +780,8 @@ async def _aclose(chunks: Any) -> None:
 class HTTPServer:
     def __init__(self, routes: dict[tuple[str, str], Handler], *, max_body: int = 16 << 20,
                  max_header_bytes: int = 64 << 10, keepalive_timeout: float = 60.0,
-                 header_timeout: float = 30.0, max_connections: int = 1024,
-                 cors_origin: Optional[str] = "*") -> None:
+                 header_timeout: float = 10.0, body_timeout: float = 60.0, max_connections: int = 1024,
+                 max_pipelined: int = 8, cors_origin: Optional[str] = "*") -> None:
         self._paths: dict[str, dict[str, Handler]] = {}
         for (method, path), handler in routes.items():
             self._paths.setdefault(path, {})[method.upper()] = handler
@@ -696,10 +792,14 @@ class HTTPServer:
                 names.add("HEAD")
             self._allow[path] = ", ".join(sorted(names))
         self._max_body = max_body
+        self._max_body_wire = 2 * max_body + _FRAMING_ALLOWANCE
+        self._max_chunks = max(_MIN_MAX_CHUNKS, max_body // _MIN_AVG_CHUNK)
         self._max_header_bytes = max_header_bytes
         self._keepalive_timeout = keepalive_timeout
         self._header_timeout = header_timeout
+        self._body_timeout = body_timeout
         self._max_connections = max_connections
+        self._max_pipelined = max_pipelined
         self._cors_origin = cors_origin
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._server: Optional[asyncio.AbstractServer] = None
@@ -725,7 +825,7 @@ class HTTPServer:
             lambda: _Connection(self), host, port, reuse_address=True,
             backlog=max(128, min(self._max_connections, 4096)))
         bound = self._server.sockets[0].getsockname()[1]
-        interval = min(self._header_timeout, self._keepalive_timeout) / 4.0
+        interval = min(self._header_timeout, self._body_timeout, self._keepalive_timeout) / 4.0
         self._sweep_interval = min(1.0, max(0.02, interval))
         self._sweep_handle = self._loop.call_later(self._sweep_interval, self._sweep)
         log.info("HTTP server listening on %s:%d", host, bound)
@@ -798,9 +898,13 @@ class HTTPServer:
             for c in expired:
                 if c._in_headers:
                     log.debug("closing connection from %s: headers not complete within %.1f s",
-                             c._peer, self._header_timeout)
+                              c._peer, self._header_timeout)
                 if c._discard:
                     c._abort()
+                elif c._in_body and not c._read_paused:
+                    # The request is known by now: say why it ends (reading is paused only while
+                    # answers are owed, and then the wait is ours, not the client's).
+                    c._fail(_Reject(408, f"Request body not received within {self._body_timeout:g} s"))
                 else:
                     c._close()
         self._sweep_handle = self._loop.call_later(self._sweep_interval, self._sweep)

@@ -2,6 +2,7 @@
 is a 400 naming the field, never an exception from deep inside the engine."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -10,6 +11,13 @@ from ..tokenizer import Tokenizer
 from .http import HTTPError
 
 MAX_N_PROBS = 20
+# Integer fields are int32 in llama-server; JSON integers are unbounded here, and a value past
+# int32 is never meaningful (n_predict 1e18 would only run until the slot is full).
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+# Every generated token is matched against every stop string on the decode thread, which all slots
+# of a group share: 100000 stop strings cost about 0.1 s per token for everyone.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256
 
 
 def _bad(name: str, what: str) -> HTTPError:
@@ -17,25 +25,34 @@ def _bad(name: str, what: str) -> HTTPError:
 
 
 def get_int(body: dict, name: str, default: Optional[int], lo: Optional[int] = None, hi: Optional[int] = None) -> Optional[int]:
+    """An integer field (a float with an integral value is accepted), within [lo, hi] (int32 by default)."""
     v = body.get(name, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
         raise _bad(name, "an integer")
     v = int(v)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        bounds = f"at least {lo}" if hi is None else (f"at most {hi}" if lo is None else f"between {lo} and {hi}")
-        raise _bad(name, bounds)
+    lo = INT32_MIN if lo is None else lo
+    hi = INT32_MAX if hi is None else hi
+    if not lo <= v <= hi:
+        raise _bad(name, f"between {lo} and {hi}")
     return v
 
 
 def get_float(body: dict, name: str, default: float) -> float:
+    """A finite number field; an integer literal beyond the float range is refused, not an OverflowError."""
     v = body.get(name, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _bad(name, "a number")
-    return float(v)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise _bad(name, "a finite number")
+    return f
 
 
 def get_bool(body: dict, name: str, default: bool) -> bool:
@@ -52,10 +69,28 @@ def get_stop(body: dict) -> list[str]:
     if v is None:
         return []
     if isinstance(v, str):
-        return [v]
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return list(v)
-    raise _bad("stop", "a string or a list of strings")
+        stops = [v]
+    elif isinstance(v, list) and all(isinstance(s, str) for s in v):
+        stops = list(v)
+    else:
+        raise _bad("stop", "a string or a list of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise HTTPError(400, f"'stop' holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise HTTPError(400, f"'stop' strings must be at most {MAX_STOP_CHARS} characters long")
+    return stops
+
+
+def check_logit_bias(body: dict, n_vocab: Optional[int]) -> None:
+    """`logit_bias` is accepted for compatibility and not applied; its shape and size are still
+    checked, so a malformed or absurd one is refused rather than silently ignored."""
+    v = body.get("logit_bias")
+    if v is None:
+        return
+    if not isinstance(v, (dict, list)):
+        raise _bad("logit_bias", "an object or an array")
+    if n_vocab is not None and len(v) > n_vocab:
+        raise HTTPError(400, f"'logit_bias' has {len(v)} entries but the vocabulary has {n_vocab} tokens")
 
 
 def tokenize_prompt(tok: Tokenizer, prompt: Any, name: str = "prompt") -> list[int]:
@@ -95,7 +130,8 @@ class CompletionParams:
     include_usage: bool = False
 
 
-def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool = False) -> CompletionParams:
+def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool = False,
+                     n_vocab: Optional[int] = None) -> CompletionParams:
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object")
     n_predict = default_n_predict
@@ -119,7 +155,7 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         repeat_last_n=get_int(body, "repeat_last_n", defaults.repeat_last_n),  # type: ignore[arg-type]
         frequency_penalty=get_float(body, "frequency_penalty", defaults.frequency_penalty),
         presence_penalty=get_float(body, "presence_penalty", defaults.presence_penalty),
-        seed=get_int(body, "seed", defaults.seed),  # type: ignore[arg-type]
+        seed=get_int(body, "seed", defaults.seed, lo=-1, hi=0xFFFFFFFF),  # type: ignore[arg-type]
         n_probs=n_probs,
     )
     try:
@@ -128,6 +164,7 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         raise HTTPError(400, str(exc)) from None
     n = get_int(body, "n", 1, lo=1)
     assert n is not None
+    check_logit_bias(body, n_vocab)
     if n > n_slots:
         raise HTTPError(400, f"'n' is {n} but the server has {n_slots} slots per group")
     opts = body.get("stream_options")

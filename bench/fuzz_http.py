@@ -1,0 +1,532 @@
+"""Randomized HTTP fuzzer for `python -m pyllama.server`.
+
+    python bench/fuzz_http.py [--minutes N | --seconds S] [--seed K] [--model PATH] [--out DIR]
+
+Starts the server on the tiny test model (made with pyllama.models.make when --model is not
+given) with small timeouts and limits, then sends it mutated versions of valid requests: byte
+flips, insertions, deletions, truncations, duplicated and extra headers, oversized fields,
+tampered Content-Length, re-chunked bodies, random JSON and hostile field values, pipelined
+batches and requests split into small packets. After every case the server must still answer
+GET /health, and no response may carry a 5xx status; every so often a normal completion must
+succeed. Failing inputs are saved under bench/out/fuzz_http/ (raw bytes plus a JSON note), and
+the server's log is checked for tracebacks at the end.
+
+Prints the number of cases, a histogram of the statuses received, and the failures; exits 1 if
+there were any.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+DEFAULT_OUT = os.path.join(HERE, "out", "fuzz_http")
+
+# Small limits make the limit paths cheap to reach; the timeouts bound how long a case that never
+# completes its request can take.
+SERVER_ARGS = ["-np", "2", "-c", "512", "-t", "1", "--header-timeout", "1", "--body-timeout", "1",
+               "--timeout", "5", "--max-body", str(256 << 10), "--max-header-bytes", str(16 << 10),
+               "--max-connections", "64", "--max-pipelined", "4"]
+
+PROMPT = "The little cat sat on the"
+
+SEEDS: list[tuple[str, str, Optional[dict]]] = [
+    ("GET", "/health", None),
+    ("GET", "/v1/models", None),
+    ("GET", "/props", None),
+    ("GET", "/slots", None),
+    ("GET", "/metrics", None),
+    ("HEAD", "/health", None),
+    ("OPTIONS", "/completion", None),
+    ("POST", "/completion", {"prompt": PROMPT, "n_predict": 3, "temperature": 0}),
+    ("POST", "/completion", {"prompt": PROMPT, "n_predict": 3, "stream": True, "stop": ["x"], "n_probs": 2}),
+    ("POST", "/completion", {"prompt": [1, 2, 3, 4], "n_predict": 2, "seed": 7, "top_k": 5}),
+    ("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "logprobs": 2}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                      "stream": True, "stream_options": {"include_usage": True}}),
+    ("POST", "/tokenize", {"content": PROMPT, "with_pieces": True}),
+    ("POST", "/detokenize", {"tokens": [1, 2, 3]}),
+]
+
+NASTY_VALUES: list = [
+    None, True, False, 0, -1, -2, 1, 2**31, 2**31 - 1, 2**32, 2**63, 2**64, -2**63, 10**30, -10**30,
+    10**400, -10**400, 1e18, 1e308, -1e308, 1.5, -0.0, 1e-320, "", "abc", "1", "-1", "NaN", "\u0000", "\ud7ff" * 3,
+    "x" * 5000, [], [1], [[]], {}, {"a": 1}, [1] * 3000, ["x"] * 500, list(range(600)),
+]
+# numbers at the edges of int32, int64, float and beyond; numeric fields get them half the time
+NASTY_NUMBERS: list = [10**400, -10**400, 10**30, -10**30, 2**64, 2**63, -2**63 - 1, 2**32, 2**31, -2**31 - 1,
+                       1e308, -1e308, 1e18, -1, -2, 0, 0.5, -0.0, 1e-320]
+NUMERIC_FIELDS = ["n_predict", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n_probs", "n",
+                  "repeat_last_n", "repeat_penalty", "presence_penalty", "frequency_penalty", "id_slot",
+                  "logprobs", "top_logprobs"]
+RAW_NUMBERS = [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e999", b"1" * 5000, b"1" * 400,
+               b"0x10", b"01", b"1.", b".5", b"-", b"1e", b"9" * 30]
+FIELDS = ["prompt", "n_predict", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n_probs",
+          "n", "stop", "stream", "logit_bias", "repeat_last_n", "repeat_penalty", "presence_penalty",
+          "frequency_penalty", "id_slot", "cache_prompt", "ignore_eos", "logprobs", "top_logprobs",
+          "messages", "content", "tokens", "with_pieces", "add_special", "stream_options", "tools"]
+HEADER_POOL = [
+    b"Transfer-Encoding: chunked", b"Transfer-Encoding: gzip", b"Transfer-Encoding: chunked, chunked",
+    b"Transfer-Encoding:  chunked", b"Content-Length: 0", b"Content-Length: -1", b"Content-Length: 1",
+    b"Content-Length: 99999999999999999999999", b"Content-Length: 18446744073709551615",
+    b"Content-Length: 1, 1", b"Content-Length: +5", b"Content-Length: 0x10", b"Expect: 100-continue",
+    b"Expect: garbage", b"Connection: close", b"Connection: keep-alive", b"Connection: Upgrade",
+    b"Upgrade: websocket", b"Upgrade: h2c", b"Host: ", b"Host: a\x00b", b"X-\xff\xfe: v", b"X: \xff\xfe",
+    b" X-Leading-Space: v", b"X-Fold: a\r\n b", b"Content-Type: application/json; charset=latin-1",
+    b"Access-Control-Request-Headers: " + b"a," * 2000,
+]
+METHODS = [b"GET", b"POST", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"PATCH", b"TRACE", b"CONNECT",
+           b"PRI", b"get", b"G ET", b"GETT", b"X" * 200, b"", b"\x16\x03\x01"]
+VERSIONS = [b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/0.9", b"HTTP/1.2", b"HTTP/9.9", b"HTTP/1",
+            b"HTTP/1.1 extra", b"http/1.1", b"", b"HTTP/11.1"]
+PATHS = [b"/", b"*", b"/%", b"/%zz", b"/%ff", b"/%c3%a9", b"/\xc3\xa9", b"/\xff", b"/completion?%ff",
+         b"/completion?" + b"a=1&" * 2000, b"http://evil/completion", b"//health", b"/health#frag",
+         b"/health/../health", b"/" + b"a" * 20000, b"example.com:443", b"/health?x=%00"]
+
+
+# ---------------------------------------------------------------------------------------------
+# building requests
+
+def render(method: bytes, path: bytes, headers: list[bytes], body: bytes, version: bytes = b"HTTP/1.1") -> bytes:
+    return method + b" " + path + b" " + version + b"\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n" + body
+
+
+def seed_request(rng: random.Random) -> tuple[bytes, bytes, list[bytes], bytes]:
+    method, path, obj = rng.choice(SEEDS)
+    body = b"" if obj is None else json.dumps(obj).encode()
+    headers = [b"Host: fuzz"]
+    if obj is not None:
+        headers += [b"Content-Type: application/json", b"Content-Length: %d" % len(body)]
+    return method.encode(), path.encode(), headers, body
+
+
+def chunked(body: bytes, rng: random.Random) -> bytes:
+    out = []
+    i = 0
+    while i < len(body):
+        n = rng.choice([1, 2, 7, 64, 1000, len(body)])
+        piece = body[i:i + n]
+        ext = rng.choice([b"", b"", b";a=b", b";" + b"e" * 300])
+        out.append(b"%x%b\r\n%b\r\n" % (len(piece), ext, piece))
+        i += n
+    out.append(rng.choice([b"0\r\n\r\n", b"0\r\n\r\n", b"0\r\nX-Trailer: 1\r\n\r\n", b"0\r\n", b"zz\r\n\r\n"]))
+    return b"".join(out)
+
+
+def random_json(rng: random.Random, depth: int = 0) -> object:
+    r = rng.random()
+    if depth > 6 or r < 0.4:
+        return rng.choice(NASTY_VALUES)
+    if r < 0.7:
+        return [random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {rng.choice(FIELDS): random_json(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+def json_body(obj: Optional[dict], rng: random.Random) -> bytes:
+    """A hostile variant of a JSON body: nasty field values, raw number literals, deep nesting,
+    invalid UTF-8, or random JSON."""
+    base = dict(obj or {"prompt": PROMPT, "n_predict": 2})
+    r = rng.random()
+    if r < 0.35:  # one hostile value in an otherwise valid body reaches that field's checks
+        if rng.random() < 0.5:
+            base[rng.choice(NUMERIC_FIELDS)] = rng.choice(NASTY_NUMBERS)
+        else:
+            base[rng.choice(FIELDS)] = rng.choice(NASTY_VALUES)
+        return json.dumps(base).encode()
+    if r < 0.5:
+        for _ in range(rng.randrange(1, 4)):
+            base[rng.choice(FIELDS)] = random_json(rng, 3)
+        return json.dumps(base).encode()
+    if r < 0.65:
+        name = rng.choice(FIELDS)
+        return json.dumps(base)[:-1].encode() + b', "%s": %s}' % (name.encode(), rng.choice(RAW_NUMBERS))
+    if r < 0.75:
+        n = rng.choice([65, 200, 1000, 100000])
+        return b'{"prompt": ' + b"[" * n + b"1" + b"]" * rng.choice([0, n]) + b"}"
+    if r < 0.85:
+        text = json.dumps(base).encode()
+        i = rng.randrange(len(text))
+        return text[:i] + rng.choice([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x00"]) + text[i:]
+    return json.dumps(random_json(rng)).encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# mutations: each takes and returns raw request bytes
+
+def m_flip(data: bytes, rng: random.Random) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.randrange(1, 9)):
+        if b:
+            b[rng.randrange(len(b))] = rng.randrange(256)
+    return bytes(b)
+
+
+def m_insert(data: bytes, rng: random.Random) -> bytes:
+    i = rng.randrange(len(data) + 1)
+    junk = rng.choice([b"\r\n", b"\n", b"\r", b" ", b":", b"\x00", b"\xff", os.urandom(rng.randrange(1, 16)),
+                       b"\r\n\r\n", b"0\r\n\r\n", b"GET / HTTP/1.1\r\n"])
+    return data[:i] + junk + data[i:]
+
+
+def m_delete(data: bytes, rng: random.Random) -> bytes:
+    i = rng.randrange(len(data) + 1)
+    return data[:i] + data[i + rng.randrange(1, 32):]
+
+
+def m_dup_header(data: bytes, rng: random.Random) -> bytes:
+    head, sep, body = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    if len(lines) > 1:
+        i = rng.randrange(1, len(lines))
+        lines[i:i] = [lines[i]] * rng.choice([1, 2, 50])
+    return b"\r\n".join(lines) + sep + body
+
+
+def m_add_header(data: bytes, rng: random.Random) -> bytes:
+    head, sep, body = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    lines.insert(rng.randrange(1, len(lines) + 1), rng.choice(HEADER_POOL))
+    return b"\r\n".join(lines) + sep + body
+
+
+def m_oversize(data: bytes, rng: random.Random) -> bytes:
+    head, sep, body = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    n = rng.choice([8 << 10, 17 << 10, 70 << 10])
+    kind = rng.randrange(4)
+    if kind == 0:
+        lines.insert(1, b"X-Big: " + b"a" * n)
+    elif kind == 1:
+        lines[1:1] = [b"X-H%d: %s" % (i, b"v" * 60) for i in range(n // 64)]
+    elif kind == 2:
+        parts = lines[0].split(b" ")
+        if len(parts) == 3:
+            lines[0] = b" ".join([parts[0], parts[1] + b"?q=" + b"x" * n, parts[2]])
+    else:
+        body = body + b" " * (300 << 10)  # past --max-body; Content-Length stays as it was
+        lines.append(b"Content-Length: %d" % len(body))
+    return b"\r\n".join(lines) + sep + body
+
+
+def m_request_line(data: bytes, rng: random.Random) -> bytes:
+    line, sep, rest = data.partition(b"\r\n")
+    parts = line.split(b" ")
+    if len(parts) != 3:
+        return data
+    which = rng.randrange(3)
+    if which == 0:
+        parts[0] = rng.choice(METHODS)
+    elif which == 1:
+        parts[1] = rng.choice(PATHS)
+    else:
+        parts[2] = rng.choice(VERSIONS)
+    return b" ".join(parts) + sep + rest
+
+
+MUTATIONS = [m_flip, m_insert, m_delete, m_dup_header, m_add_header, m_oversize, m_request_line]
+
+
+@dataclass
+class Case:
+    kind: str
+    segments: list[bytes]           # sent one after another, a small pause between them
+    truncated: bool = False         # the request is incomplete on purpose: no answer is owed
+
+
+def make_case(rng: random.Random) -> Case:
+    method, path, headers, body = seed_request(rng)
+    r = rng.random()
+    kind = "plain"
+    if r < 0.4 and body:
+        kind = "json"
+        body = json_body(json.loads(body), rng)
+        headers = [h for h in headers if not h.startswith(b"Content-Length")] + [b"Content-Length: %d" % len(body)]
+    elif r < 0.5 and body:
+        kind = "chunked"
+        headers = [h for h in headers if not h.startswith(b"Content-Length")] + [b"Transfer-Encoding: chunked"]
+        body = chunked(body, rng)
+    data = render(method, path, headers, body)
+    if rng.random() < (0.25 if kind == "json" else 0.6):  # hostile JSON is worth more when it parses
+        mut = rng.choice(MUTATIONS)
+        kind += "+" + mut.__name__[2:]
+        for _ in range(rng.choice([1, 1, 1, 2, 3])):
+            data = mut(data, rng)
+    truncated = False
+    if rng.random() < 0.08:
+        kind += "+truncated"
+        data = data[:rng.randrange(1, max(2, len(data)))]
+        truncated = True
+    elif rng.random() < 0.12:
+        kind += "+pipelined"
+        extra = [render(*seed_request(rng)) for _ in range(rng.randrange(1, 4))]
+        data = b"".join([data] + extra if rng.random() < 0.5 else extra + [data])
+    segments = [data]
+    if rng.random() < 0.15 and len(data) > 2:
+        kind += "+split"
+        cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randrange(1, 6))))
+        segments = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
+    return Case(kind, segments, truncated)
+
+
+# ---------------------------------------------------------------------------------------------
+# talking to the server
+
+_STATUS = re.compile(rb"HTTP/1\.[01] (\d{3})[^\r\n]*\r\n")
+
+
+def parse_responses(data: bytes) -> tuple[list[int], bool]:
+    """Statuses of the complete responses at the start of `data`, and whether bytes were left that
+    do not form a complete response (a response cut short, or garbage)."""
+    statuses = []
+    i = 0
+    while i < len(data):
+        m = _STATUS.match(data, i)
+        if m is None:
+            return statuses, True
+        end = data.find(b"\r\n\r\n", m.end() - 2)
+        if end < 0:
+            return statuses, True
+        head = data[m.end():end].decode("latin-1").lower()
+        headers = dict(h.split(":", 1) for h in head.split("\r\n") if ":" in h)
+        status = int(m.group(1))
+        i = end + 4
+        if "content-length" in headers:
+            n = int(headers["content-length"])
+            if n and (i == len(data) or _STATUS.match(data, i)):
+                n = 0  # the answer to a HEAD request: the length of a body that is not sent
+            i += n
+            if i > len(data):
+                return statuses, True
+        elif headers.get("transfer-encoding", "").strip() == "chunked":
+            while True:
+                eol = data.find(b"\r\n", i)
+                if eol < 0:
+                    return statuses, True
+                size = int(data[i:eol].split(b";")[0], 16)
+                i = eol + 2 + size + 2
+                if i > len(data):
+                    return statuses, True
+                if size == 0:
+                    break
+        elif status not in (204, 304) and "connection" in headers and "close" in headers["connection"]:
+            i = len(data)  # a body that ends with the connection
+        statuses.append(status)
+    return statuses, False
+
+
+def exchange(port: int, segments: list[bytes], wait: float, idle: float = 0.05) -> tuple[bytes, bool]:
+    """Sends the segments, then reads until the server closes, nothing arrives for `wait` seconds
+    before the first byte, or for `idle` seconds after a complete response. Returns what was read
+    and whether the server closed the connection."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = b""
+    closed = False
+    try:
+        for k, seg in enumerate(segments):
+            try:
+                s.sendall(seg)
+            except OSError:  # the server closed early (an error answer, a limit): read what it said
+                break
+            if k + 1 < len(segments):
+                time.sleep(0.002)
+        deadline = time.monotonic() + wait
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            s.settimeout(left)
+            try:
+                d = s.recv(1 << 16)
+            except (socket.timeout, TimeoutError):
+                break
+            except ConnectionResetError:
+                closed = True
+                break
+            if not d:
+                closed = True
+                break
+            buf += d
+            statuses, partial = parse_responses(buf)
+            if statuses and not partial:
+                deadline = min(deadline, time.monotonic() + idle)
+    finally:
+        s.close()
+    return buf, closed
+
+
+def http_get(port: int, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
+    data, _ = exchange(port, [b"GET %s HTTP/1.1\r\nHost: fuzz\r\nConnection: close\r\n\r\n" % path.encode()],
+                       wait=timeout)
+    statuses, _ = parse_responses(data)
+    return (statuses[0] if statuses else 0), data
+
+
+def completion_ok(port: int) -> bool:
+    body = json.dumps({"prompt": PROMPT, "n_predict": 4, "ignore_eos": True}).encode()
+    headers = [b"Host: fuzz", b"Connection: close", b"Content-Length: %d" % len(body)]
+    req = render(b"POST", b"/completion", headers, body)
+    data, _ = exchange(port, [req], wait=30)
+    statuses, _ = parse_responses(data)
+    return statuses == [200] and b'"tokens_predicted":4' in data
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+@dataclass
+class Report:
+    cases: int = 0
+    statuses: collections.Counter = field(default_factory=collections.Counter)
+    failures: list[dict] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, log_path: str) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "pyllama.server", "-m", model, "--port", str(port), *SERVER_ARGS],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+    log.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}: {open(log_path).read()[-2000:]}")
+        try:
+            if http_get(port, "/health", timeout=1)[0] == 200:
+                return proc, port
+        except OSError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError("server did not become ready")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def save_failure(out: str, index: int, case: Case, why: str, response: bytes, report: Report) -> None:
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, f"case-{index:06d}")
+    with open(stem + ".bin", "wb") as f:
+        f.write(b"".join(case.segments))
+    note = {"case": index, "kind": case.kind, "why": why, "segments": [len(s) for s in case.segments],
+            "input_head": b"".join(case.segments)[:2000].decode("latin-1"),
+            "response_head": response[:2000].decode("latin-1")}
+    with open(stem + ".json", "w") as f:
+        json.dump(note, f, indent=1)
+    report.failures.append({**note, "file": stem + ".bin"})
+
+
+def run_case(port: int, case: Case) -> tuple[list[int], Optional[str], bytes]:
+    """(statuses, why it failed or None, raw response)."""
+    data, _ = exchange(port, case.segments, wait=0.3 if case.truncated else 3.0)
+    statuses, partial = parse_responses(data)
+    if partial and not (data.startswith(b"HTTP/1.1 ") and b"text/event-stream" in data[:400]):
+        return statuses, "unparseable or truncated response", data
+    bad = [s for s in statuses if s >= 500]
+    if bad:
+        return statuses, f"server error status {bad[0]}", data
+    return statuses, None, data
+
+
+def fuzz(port: int, seconds: float, seed: int, out: str, proc: Optional[subprocess.Popen] = None,
+         max_failures: int = 20) -> Report:
+    rng = random.Random(seed)
+    report = Report()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and len(report.failures) < max_failures:
+        case = make_case(rng)
+        index = report.cases
+        report.cases += 1
+        statuses, why, data = run_case(port, case)
+        for s in statuses:
+            report.statuses[s] += 1
+        if not statuses:
+            report.statuses["none"] += 1
+        if why is None:
+            if proc is not None and proc.poll() is not None:
+                why = f"server exited with status {proc.returncode}"
+            elif http_get(port, "/health")[0] != 200:
+                why = "GET /health did not answer 200 after the case"
+            elif index % 25 == 0 and not completion_ok(port):
+                why = "a normal completion failed after the case"
+        if why is not None:
+            save_failure(out, index, case, why, data, report)
+            if proc is not None and proc.poll() is not None:
+                break
+    return report
+
+
+def log_problems(log_path: str) -> list[str]:
+    text = open(log_path, errors="replace").read()
+    return [m.group(0) for m in re.finditer(r"(Traceback|Fatal error|RecursionError)[^\n]*", text)]
+
+
+def ensure_model(out: str) -> str:
+    path = os.path.join(out, "tiny.gguf")
+    if not os.path.exists(path):
+        os.makedirs(out, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pyllama.models.make", "--preset", "tiny", "--out", path],
+                       check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=1.0, help="how long to fuzz")
+    ap.add_argument("--seconds", type=float, help="how long to fuzz, in seconds (overrides --minutes)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed (the same seed replays the same cases)")
+    ap.add_argument("--model", help="GGUF model to serve (default: a tiny one made under --out)")
+    ap.add_argument("--out", default=DEFAULT_OUT, help="where failing inputs and the server log go")
+    args = ap.parse_args(argv)
+    seconds = args.seconds if args.seconds is not None else args.minutes * 60
+    os.makedirs(args.out, exist_ok=True)
+    model = args.model or ensure_model(args.out)
+    log_path = os.path.join(args.out, "server.log")
+    proc, port = start_server(model, log_path)
+    t0 = time.monotonic()
+    try:
+        report = fuzz(port, seconds, args.seed, args.out, proc)
+    finally:
+        stop_server(proc)
+    for line in log_problems(log_path):
+        report.failures.append({"why": "server log: " + line, "file": log_path})
+    elapsed = time.monotonic() - t0
+    hist = ", ".join(f"{k}: {v}" for k, v in sorted(report.statuses.items(), key=lambda kv: str(kv[0])))
+    print(f"{report.cases} cases in {elapsed:.1f} s (seed {args.seed})")
+    print(f"statuses: {hist}")
+    print(f"failures: {len(report.failures)}")
+    for f in report.failures:
+        print(f"  {f.get('kind', '-')}: {f['why']} -> {f['file']}")
+        if "input_head" in f:
+            print(f"    {f['input_head'][:160]!r}")
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -571,8 +571,6 @@ def test_large_detokenize_does_not_stall_other_clients(server):
     serving(server)
 
 
-@pytest.mark.xfail(strict=True, reason="the BPE tokenizer calls tokenizers' Tokenizer.encode(), which holds the GIL "
-                                       "for the whole text even on a worker thread (encode_batch() releases it)")
 def test_large_tokenize_does_not_stall_other_clients(server):
     status, dt, worst = stall_during(server, "/tokenize", {"content": "hello world " * 170000})
     assert status == 200

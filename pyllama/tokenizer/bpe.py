@@ -109,4 +109,6 @@ class BPETokenizer(Tokenizer):
         return b"".join(bytes([BYTE_DECODER[c]]) if c in BYTE_DECODER else c.encode("utf-8") for c in text)
 
     def _encode_text(self, text: str, prev_special: bool, out: list[int]) -> None:
-        out.extend(self._hf.encode(text, add_special_tokens=False).ids)
+        # encode_batch releases the GIL while it works (encode holds it for the whole text), so a
+        # large text tokenized on a worker thread does not stall the event loop
+        out.extend(self._hf.encode_batch([text], add_special_tokens=False)[0].ids)

@@ -107,7 +107,6 @@ class Context:
         self.last_spans = (0, 0, 0)  # trace times of the last decode: start, submitted, synchronized
         self._n_splits = 0
         self._sampled = np.zeros((0, 0), dtype=np.int32)
-        self._sampling: Optional[tuple[np.ndarray, tuple[int, int]]] = None  # for the decode under way
         self._plan(self.n_ubatch, self.n_ubatch)  # sizes the compute buffers for the worst case
 
     # ------------------------------------------------------------------------------------------
@@ -163,7 +162,6 @@ class Context:
             cols = sample_out_cols(sample[0])
             if self._sampled.shape[0] < len(rows) or self._sampled.shape[1] != cols:
                 self._sampled = np.zeros((max(len(rows), 1), cols), dtype=np.int32)
-            self._sampling = (sampling, sample)
         elif len(self._logits) < len(rows):
             self._logits = np.zeros((max(len(rows), 1), self.hparams.n_vocab), dtype=np.float32)
         tr0 = trace.now() if trace.enabled else 0
@@ -172,7 +170,7 @@ class Context:
         readers = set()
         for u0 in range(0, n, self.n_ubatch):
             u1 = min(n, u0 + self.n_ubatch)
-            k, backend = self._decode_ubatch(batch, u0, u1, done)
+            k, backend = self._decode_ubatch(batch, u0, u1, done, sampling, sample)
             done += k
             if backend is not None:
                 readers.add(backend)
@@ -189,19 +187,19 @@ class Context:
         if rpc_stats.enabled:
             rpc_stats.on_step()
         if sampling is not None:
-            self._sampling = None
             return DecodeOutput(self._logits[:0], rows, self._sampled[:len(rows)])
         return DecodeOutput(self._logits[:len(rows)], rows)
 
-    def _decode_ubatch(self, batch: Batch, u0: int, u1: int, out_row: int):
+    def _decode_ubatch(self, batch: Batch, u0: int, u1: int, out_row: int,
+                       sampling: Optional[np.ndarray] = None, sample: Optional[tuple[int, int]] = None):
         """Runs one micro-batch; returns (rows of logits queued for reading, the backend they come from)."""
         seq, pos = batch.seq_id[u0:u1], batch.pos[u0:u1]
         want = batch.logits[u0:u1]
         n_out = int(want.sum())
         kv_idx = self.kv.prepare(seq, pos)
         cells, ranges = self.kv.attention_lists(seq, pos)
-        sampling = self._sampling if n_out else None
-        plan = self._plan(u1 - u0, n_out, sampling[1] if sampling else None)
+        sampled = sampling is not None and n_out > 0
+        plan = self._plan(u1 - u0, n_out, sample if sampled else None)
         self._n_splits = len(plan.splits)
         values = {
             "inp_tokens": batch.tokens[u0:u1],
@@ -215,8 +213,8 @@ class Context:
         if not n_out:
             self.sched.compute(plan, values)
             return 0, None
-        if sampling:
-            values[SAMPLING_INPUT] = sampling[0][out_row:out_row + n_out]
+        if sampled:
+            values[SAMPLING_INPUT] = sampling[out_row:out_row + n_out]
             self.sched.compute(plan, values, output=self._sampled[out_row:out_row + n_out])
             return n_out, plan.output.backend
         self.sched.compute(plan, values, output=self._logits[out_row:out_row + n_out])

@@ -3,7 +3,6 @@ nothing served before it, clear refusals at both ends, unauthenticated setups un
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ from pyllama.rpc.protocol import Cap, Cmd
 from pyllama.rpc_server import ServerThread
 from pyllama.rpc_server.__main__ import exposure_warning
 from server_util import RPCServerProcess
+from test_rpc_server import Client
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 PROMPT = "The little cat sat on the"
@@ -88,46 +88,19 @@ def test_exposure_warning():
 
 # --- the wire, with a raw client ----------------------------------------------------------------
 
-class Raw:
-    """A socket speaking frames by hand; records every byte it sends."""
+class Raw(Client):
+    """The raw frame client of test_rpc_server, recording every byte it sends."""
 
     def __init__(self, port: int):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         self.sent = bytearray()
+        super().__init__(port, hello=False)
 
     def send(self, cmd: int, payload: bytes = b"") -> None:
-        data = P.HEADER.pack(cmd, len(payload)) + payload
-        self.sent += data
-        self.sock.sendall(data)
-
-    def reply(self) -> tuple[int, bytes]:
-        head = self._exact(P.HEADER.size)
-        status, size = P.HEADER.unpack(head)
-        return status, self._exact(size)
-
-    def _exact(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("closed")
-            buf += chunk
-        return buf
-
-    def closed(self) -> bool:
-        try:
-            return self.sock.recv(1) == b""
-        except OSError:
-            return True
+        self.sent += P.HEADER.pack(int(cmd), len(payload)) + payload
+        super().send(cmd, payload)
 
     def hello(self) -> int:
-        self.send(Cmd.HELLO, P.HELLO_REQ.pack(*P.VERSION, 0))
-        status, rep = self.reply()
-        assert status == 0
-        return P.HELLO_REP.unpack(rep)[4]
-
-    def close(self) -> None:
-        self.sock.close()
+        return P.HELLO_REP.unpack(self.ok(Cmd.HELLO, P.HELLO_REQ.pack(*P.VERSION, 0)))[4]
 
 
 @pytest.fixture
@@ -144,14 +117,14 @@ def test_nothing_is_served_before_authentication(guarded):
     c.send(Cmd.DEVICE_COUNT)
     status, msg = c.reply()
     assert status == P.STATUS_ERROR and b"authentication required" in msg
-    assert c.closed()
+    assert c.closed_by_server()
     c.close()
     # a large frame before authentication is refused from its header, never buffered
     c = Raw(guarded.port)
     c.hello()
     c.sock.sendall(P.HEADER.pack(Cmd.SET_TENSOR, 1 << 30))
     status, msg = c.reply()
-    assert status == P.STATUS_ERROR and c.closed()
+    assert status == P.STATUS_ERROR and c.closed_by_server()
     c.close()
     assert guarded.server.allocated() == 0
 
@@ -166,7 +139,7 @@ def test_wrong_proof_closes_and_right_proof_opens(guarded):
     assert status == 0 and auth.verify(auth.server_proof(TOKEN, cn, sn), proof)
     c.send(Cmd.AUTH, bytes([auth.STEP_PROVE]) + auth.client_proof(b"x" * 32, cn, sn))
     status, msg = c.reply()
-    assert status == P.STATUS_ERROR and b"authentication failed" in msg and c.closed()
+    assert status == P.STATUS_ERROR and b"authentication failed" in msg and c.closed_by_server()
     c.close()
 
     c = Raw(guarded.port)

@@ -292,40 +292,30 @@ class _Drain:
 
 
 class CellServer:
-    """A pyllama.server for one cell (tests/server_util.ServerProcess), its output drained."""
+    """A pyllama.server for one cell (tests/server_util.ServerProcess, which drains its output)."""
 
     live: "set[CellServer]" = set()   # stopped by main()'s cleanup if a signal cut a stop() short
 
     def __init__(self, model: str, args: list[str], ready_timeout: float) -> None:
         self.sp = ServerProcess(model, *args)
         CellServer.live.add(self)
-        self.drains: list[_Drain] = []
         try:
             self.sp.wait_ready(timeout=ready_timeout)
         except BaseException:  # a signal while loading must not leave the server behind
             self.stop()
             raise
-        self.drains = [_Drain(self.sp.proc.stdout), _Drain(self.sp.proc.stderr)]
 
     @property
     def url(self) -> str:
         return self.sp.url
 
+    def log_tail(self) -> str:
+        return self.sp.log_tail()
+
     def stop(self) -> Optional[int]:
-        proc = self.sp.proc
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for d in self.drains:
-            d.thread.join(5)
-        if all(not d.thread.is_alive() for d in self.drains):
-            self.sp.stop()  # closes the pipes
+        code = self.sp.stop(timeout=60)
         CellServer.live.discard(self)
-        return proc.returncode
+        return code
 
 
 def _run_quiet(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -525,7 +515,7 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
     for k in ("gen_tok_s", "tpot_ms", "ttft_ms_median", "ttft_ms_p99", "errors", "short", "exit_status",
               "failures"):
         rec[k] = rep[k]
-    rec["server_log_tail"] = "".join(d.tail() for d in server.drains)
+    rec["server_log_tail"] = server.log_tail()
     return rec
 
 

@@ -79,8 +79,7 @@ def run_arm(model: str, a, backend_sampling: bool, batched: bool, vocab) -> dict
     try:
         args = ["--rpc", ",".join(p.endpoint for p in peers), "--device", "RPC0,RPC1", "-sm", "layer",
                 "-np", str(a.users), "-c", str(a.users * (a.npp + a.ntg + 16)), "--trace", base]
-        if backend_sampling:
-            args.append("--backend-sampling")
+        args.append("--backend-sampling" if backend_sampling else "--no-backend-sampling")
         srv = ServerProcess(model, *args, env=env).wait_ready(600)
         rep = run_bench(srv.url, a.users, 1, a.npp, a.ntg, warmup=0, vocab=vocab)
     finally:

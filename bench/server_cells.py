@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from bench_users import run_bench  # noqa: E402
+from server_util import ServerProcess  # noqa: E402
 from pyllama.models.make import make_model  # noqa: E402
 
 
@@ -35,41 +33,6 @@ def model_path(preset: str) -> str:
     if not os.path.exists(path):
         make_model(preset, path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model: str, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "pyllama.server", "-m", model, "--port", str(self.port),
-                                      *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.2)
-        raise TimeoutError("server did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stderr.close()
 
 
 def main() -> int:
@@ -89,8 +52,8 @@ def main() -> int:
     presets = [m for m in args.models.split(",") if m and m != "none"]
     for preset in presets:
         np_ = max(users)
-        srv = Server(model_path(preset), "-np", str(np_), "-c", str(np_ * (args.npp + args.ntg + 16)),
-                     "-t", str(args.threads))
+        srv = ServerProcess(model_path(preset), "-np", str(np_), "-c", str(np_ * (args.npp + args.ntg + 16)),
+                            "-t", str(args.threads)).wait_ready(300)
         try:
             for u in users:
                 r = run_bench(srv.url, u, args.requests, args.npp, args.ntg, warmup=1)
@@ -102,7 +65,7 @@ def main() -> int:
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             srv.stop()
-    srv = Server(model_path("tiny"), "-np", str(args.frontend_users), "-t", "1")
+    srv = ServerProcess(model_path("tiny"), "-np", str(args.frontend_users), "-t", "1").wait_ready(300)
     try:
         fe = run_bench(srv.url, args.frontend_users, args.frontend_requests, 8, 1, warmup=1, vocab=(260, 512))
         failed |= fe["exit_status"] != 0

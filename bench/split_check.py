@@ -15,9 +15,7 @@ import http.client
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))

@@ -41,9 +41,10 @@ class Parser(argparse.ArgumentParser):
                 continue
             raw = os.environ[name]
             try:
-                if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+                if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                       argparse.BooleanOptionalAction)):
                     truthy = raw.strip().lower() in ("1", "true", "yes", "on", "enabled")
-                    value = truthy if isinstance(action, argparse._StoreTrueAction) else not truthy
+                    value = truthy if not isinstance(action, argparse._StoreFalseAction) else not truthy
                 else:
                     value = action.type(raw) if action.type else raw
                     if action.choices is not None and value not in action.choices:

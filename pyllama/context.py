@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
 from . import trace
-from .backend.base import Buffer, DType, Tensor
+from .backend.base import Backend, Buffer, DType, Tensor
 from .errors import ContextLimitError
 from .graph.llama import SAMPLING_INPUT, build_forward
 from .graph.ops import Op, sample_in_cols, sample_out_cols
@@ -23,6 +24,11 @@ from .models.model import Model
 from .rpc import stats as rpc_stats
 from .weights import Placement, Weights
 from .sched import Plan, Scheduler
+
+# Plans kept per context, least recently used dropped first. Under a mixed load nearly every step
+# has another (tokens, outputs) shape, and each plan holds its graph, host staging and the
+# devices' bound kernels: without a bound, memory grows with the variety of shapes.
+PLAN_CACHE = 128
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +107,7 @@ class Context:
             v = Tensor(DType.F32, (self.kv.n_cells, hp.n_embd_kv), f"cache_v_l{il}", buf, self.kv.n_cells * row)
             self.kv_tensors.append((k, v))
         self.sched = Scheduler(placement, dry=not allocate)
-        self._plans: dict[tuple, Plan] = {}
+        self._plans: OrderedDict[tuple, Plan] = OrderedDict()
         self._logits = np.zeros((0, hp.n_vocab), dtype=np.float32)
         self.last_submit_s = self.last_sync_s = 0.0  # of the last decode: building and sending, then waiting
         self.last_spans = (0, 0, 0)  # trace times of the last decode: start, submitted, synchronized
@@ -122,23 +128,49 @@ class Context:
         """The most positions one sequence may hold."""
         return self.kv.seq_cap
 
+    def lost_devices(self) -> dict[str, str]:
+        """Devices of this context that cannot be used any more (name -> why, naming the peer)."""
+        lost = {}
+        for b in self.placement.backends:
+            why = b.lost()
+            if why:
+                lost[b.name] = why
+        return lost
+
+    def output_backend(self) -> Backend:
+        """The device that holds the output layer (and so the logits)."""
+        return self.placement.backends[self.placement.backend_of_layer(self.hparams.n_layer)]
+
     def can_sample_on_device(self) -> bool:
         """Whether the device holding the output layer runs the SAMPLE op (backend sampling)."""
-        hp = self.hparams
-        return self.placement.backends[self.placement.backend_of_layer(hp.n_layer)].supports(Op.SAMPLE)
+        return self.output_backend().supports(Op.SAMPLE)
 
     def _plan(self, n_tokens: int, n_outputs: int, sample: Optional[tuple[int, int]] = None) -> Plan:
         key = (n_tokens, n_outputs, sample)
         plan = self._plans.get(key)
-        if plan is None or plan.generation != self.sched.generation:
-            listed = min(n_tokens, self.n_seq_max) * self.kv.seq_cap
-            fg = build_forward(self.hparams, self.weights, self.kv_tensors, n_tokens, n_outputs, listed,
-                               sample if n_outputs else None)
-            plan = self.sched.plan(fg)
-            if plan.generation != self.sched.generation:  # placing it grew a buffer: earlier plans are stale
-                self._plans.clear()
-            self._plans[key] = plan
+        if plan is not None and plan.generation == self.sched.generation:
+            self._plans.move_to_end(key)
+            return plan
+        listed = min(n_tokens, self.n_seq_max) * self.kv.seq_cap
+        fg = build_forward(self.hparams, self.weights, self.kv_tensors, n_tokens, n_outputs, listed,
+                           sample if n_outputs else None)
+        plan = self.sched.plan(fg)
+        stale = self._plans.pop(key, None)
+        if stale is not None:
+            self._forget(stale)
+        if plan.generation != self.sched.generation:  # placing it grew a buffer: earlier plans are stale
+            while self._plans:
+                self._forget(self._plans.popitem()[1])
+        self._plans[key] = plan
+        while len(self._plans) > PLAN_CACHE:
+            self._forget(self._plans.popitem(last=False)[1])
         return plan
+
+    @staticmethod
+    def _forget(plan: Plan) -> None:
+        """Tells the devices that a dropped plan's graphs will not run again."""
+        for split in plan.splits:
+            split.backend.forget_graph(split.graph.uid)
 
     def decode(self, batch: Batch, sampling: Optional[np.ndarray] = None,
                sample: Optional[tuple[int, int]] = None) -> DecodeOutput:

@@ -11,7 +11,7 @@ from .errors import PyllamaError
 
 def add_device_args(p) -> None:
     p.add_argument("--rpc", help="comma-separated rpc_server endpoints host:port; RPCi is the i-th")
-    p.add_argument("-dev", "--device", help="comma-separated devices in layer order, e.g. RPC0,CPU "
+    p.add_argument("-dev", "--device", help="comma-separated devices in layer order, e.g. RPC0,CPU or CUDA0,RPC0 "
                                              "(default: every RPC device, then CPU); the last holds the output layer")
     p.add_argument("-sm", "--split-mode", default="layer", choices=["layer", "none"],
                    help="layer: split the layers over the devices; none: everything on the first device")
@@ -58,9 +58,12 @@ def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_
             set_token(read_token(token_file, "--rpc-token-file"))
             backends.append(RPCBackend(get_connection(endpoints[i]), 0, name))
         elif name.startswith("CUDA"):
-            raise PyllamaError(f"--device {name}: this build has no CUDA backend")
+            # PyCUDA is imported only when a CUDA device is asked for; without PyCUDA, a driver, the
+            # device or the built kernels this is one PyllamaError saying which
+            from .backend.cuda import open_backend  # noqa: PLC0415
+            backends.append(open_backend(name))
         else:
-            raise PyllamaError(f"--device: unknown device '{name}' (expected CPU, RPC<i>)")
+            raise PyllamaError(f"--device: unknown device '{name}' (expected CPU, CUDA<i>, RPC<i>)")
     if split_mode == "none":
         backends = backends[:1]
     return backends

@@ -1,8 +1,16 @@
 """Engine: a model loaded on its devices with its tokenizer. Contexts (one per pipeline group) are
-made from it and share its weights."""
+made from it and share its weights.
+
+A device whose peer is lost (`lost_devices`) is brought back in two steps: `reach_lost_devices`
+opens a new connection to each such peer and touches nothing the contexts use, so it may run
+while they work; `restore_lost_devices`, with no context in use, re-creates on those devices
+everything the engine had there (weights, every context's KV cache and compute buffers) and
+empties every context's KV cache, whose contents went with the peer.
+"""
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Optional, Sequence
 
 from .backend.base import Backend
@@ -35,6 +43,7 @@ class Engine:
             raise ValueError(f"--tensor-split has {len(proportions)} values for {len(self.backends)} devices")
         self.placement = Placement(self.backends, split_layers(hp.n_layer, proportions))
         self.weights: Optional[Weights] = None
+        self._contexts: "weakref.WeakSet[Context]" = weakref.WeakSet()
         if load:
             self.load()
 
@@ -67,7 +76,58 @@ class Engine:
     def new_context(self, n_ctx: int, n_seq_max: int = 1, n_batch: int = 2048, n_ubatch: int = 512,
                     kv_unified: bool = False) -> Context:
         assert self.weights is not None, "load() the weights first"
-        return Context(self.model, self.weights, self.placement, n_ctx, n_seq_max, n_batch, n_ubatch, kv_unified)
+        ctx = Context(self.model, self.weights, self.placement, n_ctx, n_seq_max, n_batch, n_ubatch, kv_unified)
+        self._contexts.add(ctx)
+        return ctx
+
+    # --- lost peers ----------------------------------------------------------------------------
+    def lost_devices(self) -> dict[str, str]:
+        """The devices that cannot be used any more, by name, with the reason (naming the peer)."""
+        lost = {}
+        for b in self.backends:
+            why = b.lost()
+            if why:
+                lost[b.name] = why
+        return lost
+
+    def reach_lost_devices(self) -> None:
+        """Opens a new connection to the peer of every lost device; raises the error of the first
+        that cannot be reached yet. Safe while contexts decode: nothing they use changes."""
+        for b in self.backends:
+            if b.lost():
+                b.reach()
+
+    def restore_lost_devices(self) -> list[str]:
+        """Re-creates on every lost device what it held: its buffers (weights, each context's KV
+        cache and compute buffers) allocated again, the weights written again (a peer with a
+        weight cache takes them from there), and every context's KV cache emptied, since part of
+        each sequence went with the peer. Returns the names of the restored devices; raises
+        (RPCError) if a peer fails meanwhile, leaving it lost. No context may be in use."""
+        restored = []
+        for b in self.backends:
+            if not b.lost():
+                continue
+            try:
+                b.reconnect()
+                if self.weights is not None:
+                    self.weights.upload(self.model, b)
+                b.synchronize()  # the uploads are one-way: their errors come back here
+            except BaseException:
+                b.disconnect()  # half restored is not restored: it stays lost, to be tried again
+                raise
+            restored.append(b.name)
+        if restored:
+            for ctx in list(self._contexts):
+                ctx.clear()
+            log.warning("restored %s: weights uploaded again, %d context(s) emptied", ", ".join(restored),
+                        len(self._contexts))
+        return restored
+
+    def disconnect(self) -> None:
+        """Drops the connections to every peer: a thread waiting on one gets an error at once.
+        For shutting down; the engine cannot compute on its remote devices afterwards."""
+        for b in self.backends:
+            b.disconnect()
 
     def close(self) -> None:
         if self.weights is not None:

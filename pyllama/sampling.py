@@ -22,7 +22,7 @@ import math
 import random
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -61,6 +61,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int = -1  # -1 (or 0xFFFFFFFF): a random seed, as llama.cpp
     n_probs: int = 0
+    # (token ids int32, biases float32), ids strictly increasing; a bias of -inf bans the token. Added to the
+    # row's logits before the chain, as llama.cpp's logit-bias sampler, which comes first.
+    logit_bias: Optional[tuple[np.ndarray, np.ndarray]] = None
 
     def validate(self) -> None:
         """Raises ValueError naming the first out-of-range field."""
@@ -103,6 +106,14 @@ class SamplingParams:
         n_probs = integer("n_probs")
         if n_probs < 0:
             raise ValueError(f"n_probs must be >= 0, got {n_probs}")
+        if self.logit_bias is not None:
+            ids, bias = self.logit_bias
+            if ids.dtype != np.int32 or bias.dtype != np.float32 or ids.shape != bias.shape or ids.ndim != 1:
+                raise ValueError("logit_bias must be (int32 ids, float32 biases) of one length")
+            if len(ids) and (ids[0] < 0 or not np.all(np.diff(ids) > 0)):
+                raise ValueError("logit_bias ids must be non-negative and strictly increasing")
+            if np.isnan(bias).any() or np.isposinf(bias).any():
+                raise ValueError("logit_bias values must be finite or -inf")
 
 
 def _random_seed() -> int:
@@ -120,6 +131,7 @@ class SequenceSampler:
         if max_window < 0:
             raise ValueError(f"max_window must be >= 0, got {max_window}")
         self.params = params
+        self.logit_bias = params.logit_bias if params.logit_bias is not None and len(params.logit_bias[0]) else None
         self.seed: int = _random_seed() if params.seed in (-1, RANDOM_SEED) else int(params.seed)
         self._rng = random.Random(self.seed)
 
@@ -278,6 +290,12 @@ class BatchSampler:
             if s._n_probs > self.max_probs:
                 raise ValueError(f"n_probs={s._n_probs} exceeds this sampler's "
                                  f"max_probs={self.max_probs}")
+        for i, s in enumerate(samplers):
+            if s.logit_bias is not None:
+                ids, bias = s.logit_bias
+                if ids[-1] >= self.n_vocab:
+                    raise ValueError(f"logit_bias names token {int(ids[-1])} beyond n_vocab {self.n_vocab}")
+                logits[i, ids] += bias
         pack_rows(samplers, self.fparams, self.iparams, self.penalty_tokens)
         _sample_rows(logits, self.fparams[:n], self.iparams[:n], self.penalty_tokens[:n],
                      self.out_ids[:n], self.out_prob[:n], self.out_top_ids[:n],

@@ -16,7 +16,7 @@ import numpy as np
 from . import trace
 from .backend.base import Backend, Buffer, Tensor
 from .graph.llama import ForwardGraph
-from .graph.ops import Graph, Node
+from .graph.ops import Graph
 from .weights import Placement
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,6 @@ class Scheduler:
             split.graph.nodes.append(nd)
 
         # 2. lifetimes in execution order: a copy is read at its split's start
-        order: list[tuple[int, Tensor, list[int]]] = []  # (backend, tensor, [step of each read])
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         tensors: dict[int, tuple[int, Tensor]] = {}
@@ -197,18 +196,18 @@ class Scheduler:
         return Plan(splits, inputs, fg.output, self.generation, peaks)
 
     def _ensure_buffers(self, peaks: list[int]) -> None:
-        grown = False
         for bi, peak in enumerate(peaks):
             buf = self.buffers[bi]
             if peak == 0 or (buf is not None and buf.size >= peak):
                 continue
+            # plans placed in the old buffer are stale from here on, even if the allocation below
+            # fails (a lost peer): none may run on a freed buffer
+            self.generation += 1
             if buf is not None:
+                self.buffers[bi] = None
                 self.backends[bi].free_buffer(buf)
             self.buffers[bi] = self.backends[bi].alloc_buffer(peak, usage="compute")
-            grown = True
             log.debug("compute buffer on %s: %.1f MiB", self.backends[bi].name, peak / 2**20)
-        if grown:
-            self.generation += 1
 
     def compute_buffer_bytes(self) -> dict[str, int]:
         return {b.name: (buf.size if buf else 0) for b, buf in zip(self.backends, self.buffers)}

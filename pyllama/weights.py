@@ -71,6 +71,8 @@ class Weights:
     tensors: dict[str, Tensor] = field(default_factory=dict)
     buffers: list[Buffer] = field(default_factory=list)
     bytes_per_backend: dict[str, int] = field(default_factory=dict)
+    # what was uploaded: each stored tensor with the file tensors and type it was made from
+    sources: list[tuple[Tensor, list[TensorInfo], DType]] = field(default_factory=list)
 
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]
@@ -78,11 +80,18 @@ class Weights:
     def get(self, name: str) -> Optional[Tensor]:
         return self.tensors.get(name)
 
+    def upload(self, model: Model, backend: Backend) -> None:
+        """Writes the weights that live on `backend` again (its buffers were made anew)."""
+        for t, infos, dtype in self.sources:
+            if t.backend is backend:
+                _upload(backend, model, t, infos)
+
     def free(self) -> None:
         for buf in self.buffers:
             buf.backend.free_buffer(buf)
         self.buffers.clear()
         self.tensors.clear()
+        self.sources.clear()
 
 
 def load_weights(model: Model, placement: Placement, upload: bool = True) -> Weights:
@@ -123,7 +132,8 @@ def load_weights(model: Model, placement: Placement, upload: bool = True) -> Wei
         t = Tensor(dtype, shape, lname, buffers[bi], offsets[bi])
         offsets[bi] += _aligned(t.nbytes)
         if upload:
-            placement.backends[bi].set_tensor(t, model.host_data(infos, dtype))
+            _upload(placement.backends[bi], model, t, infos)
+            weights.sources.append((t, infos, dtype))
         weights.tensors[lname] = t
     for lname, target in aliases.items():
         weights.tensors[lname] = weights.tensors[target]
@@ -131,6 +141,19 @@ def load_weights(model: Model, placement: Placement, upload: bool = True) -> Wei
         log.info("loaded %s: %s, %d layers, weights %s", model.name, hp.arch, hp.n_layer,
                  ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in weights.bytes_per_backend.items()))
     return weights
+
+
+def _upload(backend: Backend, model: Model, t: Tensor, infos: list[TensorInfo]) -> None:
+    """Writes one logical weight: converted to F32 on the host (CPU and RPC devices), or the file
+    bytes as they are when the device stores the file's type; a device that stores another type
+    (CUDA: F16) gets each file tensor to convert on arrival, into its rows of the fused tensor."""
+    if t.dtype == DType.F32 or all(i.qtype == t.dtype for i in infos):
+        backend.set_tensor(t, model.host_data(infos, t.dtype))
+        return
+    offset = 0
+    for info in infos:
+        backend.set_weight(t, offset, info.qtype, info.raw)
+        offset += nbytes_of(t.dtype, info.shape)
 
 
 def _aligned(n: int, align: int = 64) -> int:

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -26,12 +27,29 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                      env={**os.environ, **(env or {})}, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
+        # read both pipes all along: a server that logs a lot must never block on a full pipe
+        self._out: list[str] = []
+        self._err: list[str] = []
+        self._drains = [threading.Thread(target=lambda f=f, b=b: b.extend(f), daemon=True)
+                        for f, b in ((self.proc.stdout, self._out), (self.proc.stderr, self._err))]
+        for t in self._drains:
+            t.start()
+
+    def log_tail(self, n: int = 20) -> str:
+        """The last n lines the server wrote on stdout and on stderr so far."""
+        return "".join(self._out[-n:] + self._err[-n:])
+
+    def _collect(self) -> None:
+        for t in self._drains:
+            t.join(10)
+        self.stderr_text = "".join(self._err)
 
     def wait_ready(self, timeout: float = 60) -> "ServerProcess":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stderr.read()}")
+                self._collect()
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.stderr_text}")
             try:
                 status, _ = self.request("GET", "/health")
                 if status == 200:
@@ -79,10 +97,11 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            _, self.stderr_text = self.proc.communicate(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, self.stderr_text = self.proc.communicate()
+            self.proc.wait()
+        self._collect()
         return self.proc.returncode
 
 

@@ -107,20 +107,47 @@ def completions(srv: ServerProcess, seeded: bool = False) -> list:
 @pytest.mark.parametrize("groups", [1, 2])
 def test_server_output_identical_with_backend_sampling(tiny_model, peer, order, groups, tmp_path):
     common = ["--rpc", peer.endpoint, "--device", order, "-np", "2", "-c", "512", "--pipeline-groups", str(groups)]
-    results = {}
-    trace_path = tmp_path / "server.jsonl"
-    for flag in ([], ["--backend-sampling", "--trace", str(trace_path)]):
-        srv = ServerProcess(tiny_model, *common, *flag).wait_ready()
+    results, reads = {}, {}
+    arms = {False: ["--no-backend-sampling"], True: ["--backend-sampling"]}
+    if order == "CPU,RPC0":
+        arms[None] = []  # the default with the output layer on a peer
+    for arm, flag in arms.items():
+        trace_path = tmp_path / f"server-{arm}.jsonl"
+        srv = ServerProcess(tiny_model, *common, *flag, "--trace", str(trace_path)).wait_ready()
         try:
-            results[bool(flag)] = (completions(srv), completions(srv, seeded=True), completions(srv, seeded=True))
+            results[arm] = (completions(srv), completions(srv, seeded=True), completions(srv, seeded=True))
         finally:
             srv.stop()
+        events = [json.loads(x) for x in trace_path.read_text().splitlines()[1:]]
+        reads[arm] = [e["subj"] for e in events if e["c"] == "rpc.client" and e["n"].startswith("GET_TENSOR")]
     host, dev = results[False], results[True]
     if order == "CPU,RPC0":  # the output layer is on the peer: ids come back, never the logits
-        events = [json.loads(x) for x in trace_path.read_text().splitlines()[1:]]
-        reads = [e["subj"] for e in events if e["c"] == "rpc.client" and e["n"].startswith("GET_TENSOR")]
-        assert reads and all("result_sampled" in r for r in reads), reads[:3]
-        assert not any("result_output" in r for r in reads)
+        for arm in (True, None):
+            assert reads[arm] and all("result_sampled" in r for r in reads[arm]), (arm, reads[arm][:3])
+            assert not any("result_output" in r for r in reads[arm])
+        assert any("result_output" in r for r in reads[False]), "--no-backend-sampling still sampled on the peer"
+        assert results[None] == dev
     assert dev[0] == host[0], "greedy text or probabilities differ with backend sampling"
     assert dev[1] == dev[2], "a seeded run is not reproducible with backend sampling"
     assert dev[1] == host[1], "seeded sampling differs between the host and the device"
+
+
+def test_logit_bias_with_the_output_layer_on_the_peer(tiny_model, peer):
+    """A step holding a biased row takes the logits back and samples here; results equal host sampling."""
+    common = ["--rpc", peer.endpoint, "--device", "CPU,RPC0", "-np", "2", "-c", "512"]
+    body = {"prompt": "Once upon a time", "n_predict": 8, "ignore_eos": True, "cache_prompt": False,
+            "temperature": 0}
+    got = {}
+    for flag in ("--backend-sampling", "--no-backend-sampling"):
+        srv = ServerProcess(tiny_model, *common, flag).wait_ready()
+        try:
+            status, plain = srv.post("/completion", body)
+            assert status == 200, plain
+            status, banned = srv.post("/completion", {**body, "logit_bias": [[plain["tokens"][0], False]]})
+            assert status == 200, banned
+            got[flag] = (plain["tokens"], banned["tokens"])
+        finally:
+            srv.stop()
+    assert got["--backend-sampling"] == got["--no-backend-sampling"]
+    plain, banned = got["--backend-sampling"]
+    assert plain[0] not in banned

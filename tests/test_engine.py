@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pyllama.backend.cpu import CPUBackend
-from pyllama.context import Batch, Context
+from pyllama.context import PLAN_CACHE, Batch, Context
 from pyllama.engine import Engine
 from pyllama.models.model import Model
 from pyllama.weights import Placement, load_weights, split_layers
@@ -152,3 +152,25 @@ def test_attention_refuses_head_counts_that_wrap_32_bits():
         ops.attention(f, cache, cache.copy(), i1, i1, i1, np.array([[0, 1]], np.int32),
                       np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros((1, 65536), np.float32),
                       H, Hkv, hd, 2, 0, 10000.0, 1.0, 1e-5, 1.0, 1)
+
+
+def test_plans_stay_bounded_over_many_batch_shapes(tiny_model):
+    """Under a mixed load nearly every step has another (tokens, outputs) shape. The context keeps a
+    bounded number of plans (each holds a graph, its host staging and the devices' bound kernels),
+    tells the devices to forget the graphs it drops, and plans a dropped shape again alike."""
+    cap = PLAN_CACHE
+    ctx = make_context(tiny_model, n_backends=2, n_ctx=512, n_seq=1, n_ubatch=512)
+    forgotten: list[int] = []
+    for b in ctx.placement.backends:
+        inner = b.forget_graph
+        b.forget_graph = lambda uid, inner=inner: (forgotten.append(uid), inner(uid))[1]
+    tokens = [int(t) for t in np.random.default_rng(0).integers(300, 500, cap + 40)]
+    first = ctx.decode(Batch.for_sequence(tokens[:1], 0, 0)).logits.copy()
+    ctx.seq_rm(0)
+    for n in range(2, cap + 41):
+        ctx.decode(Batch.for_sequence(tokens[:n], 0, 0))
+        ctx.seq_rm(0)
+    assert len(ctx._plans) <= cap
+    assert len(forgotten) >= 2 * 40  # every dropped plan's graphs, on both devices
+    again = ctx.decode(Batch.for_sequence(tokens[:1], 0, 0)).logits
+    np.testing.assert_array_equal(again, first)

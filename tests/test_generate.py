@@ -72,3 +72,20 @@ def test_unlimited_stops_at_full_context(tiny_model):
 def test_n_zero_generates_nothing(tiny_model):
     proc = run("-m", tiny_model, "-p", "Hi", "-n", "0", "--tokens")
     assert proc.returncode == 0 and proc.stdout.strip() == ""
+
+
+def test_on_off_flags_read_from_environment(monkeypatch):
+    from pyllama.cli import Parser
+    import argparse
+
+    def parse(*argv):
+        p = Parser(prog="x")
+        p.add_argument("--thing", action=argparse.BooleanOptionalAction, default=None)
+        return p.parse_args(list(argv)).thing
+
+    assert parse() is None
+    monkeypatch.setenv("PYLLAMA_ARG_THING", "0")
+    assert parse() is False
+    monkeypatch.setenv("PYLLAMA_ARG_THING", "on")
+    assert parse() is True
+    assert parse("--no-thing") is False  # the command line wins

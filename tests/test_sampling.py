@@ -625,3 +625,43 @@ def test_sample_is_one_kernel_call_without_vocab_sized_python_work(monkeypatch):
     assert calls[0][0] is logits
     assert np.shares_memory(calls[0][4], bs.out_ids)
     assert peak < 64 * 1024
+
+
+def test_logit_bias_is_added_before_the_chain():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(3, 50)).astype(np.float32)
+    top = int(np.argmax(logits[0]))
+    ids = np.array(sorted({top, 7}), dtype=np.int32)
+    bias = np.array([-np.inf if i == top else 0.0 for i in ids], dtype=np.float32)
+    greedy = SamplingParams(temperature=0)
+    rows = [SequenceSampler(SamplingParams(temperature=0, logit_bias=(ids, bias))),
+            SequenceSampler(SamplingParams(temperature=0, logit_bias=(np.array([7], np.int32),
+                                                                      np.array([100.0], np.float32)))),
+            SequenceSampler(greedy)]
+    bs = BatchSampler(50, 3)
+    expect_third = int(np.argmax(logits[2]))
+    res = bs.sample(logits.copy(), rows)
+    second = np.argsort(logits[0])[-2]
+    assert int(res.ids[0]) == second  # the banned argmax is skipped
+    assert int(res.ids[1]) == 7
+    assert int(res.ids[2]) == expect_third  # an unbiased row is untouched
+
+
+@pytest.mark.parametrize("bad", [
+    (np.array([3, 3], np.int32), np.array([1, 1], np.float32)),
+    (np.array([4, 3], np.int32), np.array([1, 1], np.float32)),
+    (np.array([-1], np.int32), np.array([1], np.float32)),
+    (np.array([1], np.int64), np.array([1], np.float32)),
+    (np.array([1], np.int32), np.array([np.nan], np.float32)),
+    (np.array([1], np.int32), np.array([np.inf], np.float32)),
+])
+def test_logit_bias_is_validated(bad):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bad).validate()
+
+
+def test_logit_bias_beyond_the_vocabulary_is_refused():
+    s = SequenceSampler(SamplingParams(temperature=0, logit_bias=(np.array([60], np.int32),
+                                                                  np.array([1.0], np.float32))))
+    with pytest.raises(ValueError, match="n_vocab"):
+        BatchSampler(50, 1).sample(np.zeros((1, 50), np.float32), [s])

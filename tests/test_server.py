@@ -380,3 +380,28 @@ def test_submit_does_not_wait_for_a_running_step(tiny_model):
     finally:
         release.set()
         group.stop()
+
+
+def _biased_tokens(server, bias) -> list[int]:
+    body = {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    if bias is not None:
+        body["logit_bias"] = bias
+    status, doc = server.post("/completion", body)
+    assert status == 200, doc
+    return doc["tokens"]
+
+
+def test_logit_bias_is_applied(server):
+    plain = _biased_tokens(server, None)
+    # banning the first greedy token changes the first token, and nothing else in the request changes
+    banned = _biased_tokens(server, [[plain[0], False]])
+    assert banned[0] != plain[0] and plain[0] not in banned
+    assert _biased_tokens(server, {str(plain[0]): False}) == banned  # OpenAI's form
+    forced = _biased_tokens(server, [[7, 1000]])
+    assert forced == [7] * 6
+    # a string gets the bias on every token of its encoding
+    status, doc = server.post("/tokenize", {"content": "zq", "add_special": False})
+    assert status == 200
+    assert set(_biased_tokens(server, [["zq", 1000]])) <= set(doc["tokens"])
+    status, doc = server.post("/completion", {"prompt": PROMPT, "logit_bias": [[100000, 1.0]]})
+    assert status == 400 and "outside the vocabulary" in doc["error"]["message"]

@@ -194,9 +194,26 @@ class Backend(ABC):
         ops, optional ones (SAMPLE) depend on the device or, for a peer, its capabilities."""
         return True
 
+    # the types a graph may give as a weight (MUL_MAT's matrix, GET_ROWS's table): the rpc server
+    # accepts exactly these from a client
+    weight_types: frozenset = frozenset({DType.F32})
+
     def weight_dtype(self, file_dtype: DType) -> DType:
         """The type this backend stores a weight of `file_dtype` in (it may convert at load)."""
         return file_dtype
+
+    def set_weight(self, tensor: Tensor, offset: int, file_dtype: DType, raw: np.ndarray) -> None:
+        """Writes one file tensor (`raw`: its bytes, of type `file_dtype`) into `tensor` (of this
+        backend's weight_dtype) starting `offset` bytes in, converting on the way. Called when the
+        two types differ and are not F32; a device that converts on arrival (CUDA) overrides this,
+        the default converts on the host (to F16)."""
+        from .._fast.quant import dequantize_to_f32  # noqa: PLC0415
+        if tensor.dtype != DType.F16:
+            raise ValueError(f"{self.name}: cannot convert {file_dtype.name} weights to {tensor.dtype.name} on the host")
+        block, type_size = GGML_QUANT_SIZES[file_dtype]
+        values = dequantize_to_f32(np.ascontiguousarray(raw).reshape(-1).view(np.uint8), int(file_dtype),
+                                   (raw.size // type_size * block,))
+        self.set_tensor(tensor, values.astype(np.float16), offset)
 
     # --- tracing (GPU backends only) -----------------------------------------------------------
     def trace_mark(self) -> None:
@@ -204,6 +221,26 @@ class Backend(ABC):
 
     def trace_poll(self) -> list[dict[str, Any]]:
         return []
+
+    # --- a device of another machine ------------------------------------------------------------
+    remote = False  # reached over the network: it can be lost, and reconnected
+
+    def lost(self) -> Optional[str]:
+        """Why this device cannot be used any more (its peer went away or stopped answering), or
+        None. Local devices are never lost."""
+        return None
+
+    def reach(self) -> None:
+        """Opens a new connection to a lost device's peer without touching anything in use (raises
+        while the peer cannot be reached); `reconnect` then continues on it."""
+
+    def reconnect(self) -> list[Buffer]:
+        """Makes a lost device usable again: every live buffer exists there again (under the same
+        Buffer objects), contents lost; returns them. Only devices that can be lost implement it."""
+        raise NotImplementedError(f"{self.name} cannot reconnect")
+
+    def disconnect(self) -> None:
+        """Stops waiting on the device's peer, if it has one: pending and later calls fail at once."""
 
     def close(self) -> None:
         """Releases every resource of the backend."""

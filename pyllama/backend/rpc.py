@@ -5,6 +5,11 @@ queued with get_tensor_async leave as one GET_TENSORS at the next flush point (s
 a write, a free) so a decode step costs one read round trip whatever its batch; a graph already
 sent on this connection for this device is re-run by uid (GRAPH_RECOMPUTE), checked under the send
 lock so one group never re-runs another's graph.
+
+A lost peer (`lost()`) is brought back by `reconnect()`: a new connection to the same endpoint, on
+which every buffer still alive here is allocated again under its old Buffer object (the tensors,
+plans and contexts that point at it stay valid); what those buffers held is for the caller to
+restore.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import hashlib
 import os
 import struct
 import threading
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -19,10 +25,12 @@ import numpy as np
 from .. import trace
 from .._fast.wire import encode_graph
 from ..graph.ops import Graph, Op
-from ..rpc.connection import Connection, RPCError
-from ..rpc.protocol import (ALLOC_REP, graph_tables, ALLOC_REQ, DEVICE_INFO, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32, U64, USAGE,
+from ..rpc.connection import Connection, RPCError, get_connection
+from ..rpc.protocol import (ALLOC_REP, graph_tables, ALLOC_REQ, DEVICE_INFO, KIND, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32, U64, USAGE,
                             Cap, Cmd)
 from .base import Backend, Buffer, DeviceInfo, DType, Tensor
+
+_KIND_NAMES = {v: k for k, v in KIND.items()}
 
 _TENSOR = struct.Struct(f"<QQII{MAX_DIMS}Q{NAME_LEN}s")
 _GRAPH_CACHE = 256
@@ -45,41 +53,100 @@ def tensor_bytes(t: Tensor) -> bytes:
 
 
 class RPCBackend(Backend):
+    remote = True
+
     def __init__(self, conn: Connection, device: int = 0, name: str = "RPC0"):
-        self.conn = conn
         self.device = device
         self.name = name
-        self.batched_get = conn.has(Cap.GET_TENSORS) and os.environ.get("PYLLAMA_RPC_NO_BATCHED_GET", "") in ("", "0")
         # split copies without host round trips of their own (PYLLAMA_RPC_NO_ASYNC_COPY=1: off)
         self.async_copy = os.environ.get("PYLLAMA_RPC_NO_ASYNC_COPY", "") in ("", "0")
         # per thread: every pipeline group uses this backend from its own decode thread
         self._local = threading.local()
         self._encoded: dict[int, bytes] = {}
+        self._kind: Optional[int] = None  # the peer device's kind (GET_DEVICE_INFO), once asked
+        # every buffer allocated here and not freed, to allocate again after a reconnect
+        self._buffers: "weakref.WeakValueDictionary[int, RPCBuffer]" = weakref.WeakValueDictionary()
+        self._use(conn)
+
+    def _use(self, conn: Connection) -> None:
+        self.conn = conn
+        self.batched_get = conn.has(Cap.GET_TENSORS) and os.environ.get("PYLLAMA_RPC_NO_BATCHED_GET", "") in ("", "0")
+        self._encoded.clear()  # encoded graphs name the old connection's buffer ids
+
+    def _thread_state(self):
+        """This thread's queued and in-flight reads, which belong to one connection: after a
+        reconnect a thread starts afresh instead of waiting for tickets of the old one."""
+        local = self._local
+        if getattr(local, "conn", None) is not self.conn:
+            local.conn = self.conn
+            local.reads = []     # queued by get_tensor_async, not sent yet
+            local.inflight = []  # sent (with their tickets), replies still to be received
+        return local
 
     @property
     def _reads(self) -> list[tuple[Tensor, np.ndarray]]:
-        """Reads queued by get_tensor_async, not sent yet."""
-        if not hasattr(self._local, "reads"):
-            self._local.reads = []
-        return self._local.reads
+        return self._thread_state().reads
 
     @property
     def _inflight(self) -> list[tuple[int, Cmd, list[tuple[Tensor, np.ndarray]]]]:
-        """Reads sent (with their tickets) whose replies are still to be received."""
-        if not hasattr(self._local, "inflight"):
-            self._local.inflight = []
-        return self._local.inflight
+        return self._thread_state().inflight
+
+    # --- a lost peer ---------------------------------------------------------------------------
+    def lost(self) -> Optional[str]:
+        return self.conn.check_peer()
+
+    def reach(self) -> None:
+        get_connection(self.conn.endpoint)
+
+    def reconnect(self) -> list[Buffer]:
+        """Continues on a new connection to the same endpoint (the process-wide one: opened here
+        unless already reopened) and allocates every live buffer there again, each under its old
+        Buffer object. Returns those buffers; their contents are lost. Raises RPCError when the
+        peer cannot be reached or refuses, or lacks a capability this backend's graphs rely on.
+        Nothing may use this backend meanwhile."""
+        old = self.conn
+        conn = get_connection(old.endpoint)
+        if old.has(Cap.BACKEND_SAMPLING) and not conn.has(Cap.BACKEND_SAMPLING):
+            raise RPCError(f"{old.endpoint}: the RPC server came back without backend sampling, which this "
+                           "server's graphs use; restart it as it was")
+        kind = self._kind
+        self._use(conn)
+        if kind is not None:
+            self.device_info()
+            if self._kind != kind:  # the weights were converted for the old device's kind
+                raise RPCError(f"{old.endpoint}: the RPC server came back serving a {_KIND_NAMES.get(self._kind, '?')} "
+                               f"device instead of {_KIND_NAMES.get(kind, '?')}; restart it as it was")
+        buffers = sorted(self._buffers.values(), key=lambda b: b.id)
+        for buf in buffers:
+            rep = conn.call(Cmd.ALLOC_BUFFER, ALLOC_REQ.pack(self.device, USAGE.get(buf.usage, 0), buf.size))
+            buf.remote_id, got = ALLOC_REP.unpack(rep)
+            if got < buf.size:
+                raise RPCError(f"{old.endpoint}: ALLOC_BUFFER gave {got} of {buf.size} bytes")
+        return list(buffers)
 
     # --- buffers -------------------------------------------------------------------------------
     def alloc_buffer(self, size: int, usage: str = "compute") -> Buffer:
         rep = self.conn.call(Cmd.ALLOC_BUFFER, ALLOC_REQ.pack(self.device, USAGE.get(usage, 0), size))
         remote_id, got = ALLOC_REP.unpack(rep)
-        return RPCBuffer(self, got, usage, remote_id)
+        buf = RPCBuffer(self, got, usage, remote_id)
+        self._buffers[buf.id] = buf
+        return buf
 
     def free_buffer(self, buffer: Buffer) -> None:
-        self._flush_reads()
-        if not self.conn.broken:
+        self._buffers.pop(buffer.id, None)
+        if self.conn.broken:  # the peer freed it with the connection
+            return
+        try:
+            self._flush_reads()
             self.conn.call(Cmd.FREE_BUFFER, U64.pack(buffer.remote_id))  # type: ignore[attr-defined]
+        except RPCError:
+            if not self.conn.broken:  # a refusal, not a lost peer (which freed it anyway)
+                raise
+
+    def disconnect(self) -> None:
+        """Closes the connection: whoever waits on it gets an error at once, and the peer frees
+        everything this process had there."""
+        self.conn.close()
 
     def clear_buffer(self, buffer: Buffer, value: int = 0) -> None:
         self._flush_reads()
@@ -184,6 +251,8 @@ class RPCBackend(Backend):
         with the producing graph), or None: async copies off, or no room without waiting."""
         if not self.async_copy:
             return None
+        if self.conn.broken:
+            raise RPCError(self.conn.broken)
         return self.conn.arena.reserve(tensor.nbytes)
 
     # --- compute ---------------------------------------------------------------------------------
@@ -227,15 +296,19 @@ class RPCBackend(Backend):
     # --- information -------------------------------------------------------------------------
     def device_info(self) -> DeviceInfo:
         name, kind, _, free, total = DEVICE_INFO.unpack(self.conn.call(Cmd.GET_DEVICE_INFO, U32.pack(self.device)))
-        kinds = {0: "cpu", 1: "cuda"}
+        self._kind = kind
         desc = name.rstrip(b"\0").decode("utf-8", "replace")
-        return DeviceInfo(self.name, "rpc", f"{desc} ({kinds.get(kind, '?')}) at {self.conn.endpoint}", free, total)
+        return DeviceInfo(self.name, "rpc", f"{desc} ({_KIND_NAMES.get(kind, '?')}) at {self.conn.endpoint}", free, total)
 
     def supports(self, op: int) -> bool:
         return op != Op.SAMPLE or self.conn.has(Cap.BACKEND_SAMPLING)
 
     def weight_dtype(self, file_dtype: DType) -> DType:
-        return DType.F32  # the server's CPU backend computes in F32
+        # A CPU peer computes in F32; a GPU peer takes every matrix in F16, as the local CUDA
+        # backend stores it (converted here, on the host), which halves upload and memory.
+        if self._kind is None:
+            self.device_info()
+        return DType.F16 if self._kind == KIND["cuda"] and file_dtype != DType.F32 else DType.F32
 
 
 __all__ = ["RPCBackend", "RPCBuffer", "RPCError", "tensor_bytes"]

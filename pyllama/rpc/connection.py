@@ -4,11 +4,18 @@ Whole messages are written under the send lock, and each replying command takes 
 replies are read in ticket order by the thread whose turn it is, so a thread waiting for its reply
 holds no lock and other threads keep sending. Errors of one-way commands come back with the next
 reply (status 2). A broken connection fails every waiter and every later call with one clear error.
+
+Every blocking socket operation is bounded by the RPC timeout (`set_timeout`, else
+$PYLLAMA_RPC_TIMEOUT, else 120 s): a whole send, and each wait for reply bytes. A peer that
+stops answering therefore breaks the connection after at most that long, and breaking it (or
+closing it) wakes every thread waiting on it at once. A broken connection stays broken: a later
+`get_connection` opens a new one to the same endpoint.
 """
 from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import threading
 from typing import Optional, Sequence
@@ -25,6 +32,10 @@ _connections: dict[str, "Connection"] = {}
 _connections_lock = threading.Lock()
 _token: Optional[bytes] = None
 _token_set = False
+_timeout: Optional[float] = None
+TIMEOUT_ENV = "PYLLAMA_RPC_TIMEOUT"
+DEFAULT_TIMEOUT = 120.0
+_PEER_CLOSED = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 
 def set_token(token: Optional[bytes]) -> None:
@@ -35,6 +46,29 @@ def set_token(token: Optional[bytes]) -> None:
 
 def configured_token() -> Optional[bytes]:
     return _token if _token_set else auth.read_token(None, "")
+
+
+def set_timeout(seconds: Optional[float]) -> None:
+    """The RPC timeout of later connections (None: $PYLLAMA_RPC_TIMEOUT, else 120 s)."""
+    global _timeout
+    if seconds is not None and not (seconds > 0 and seconds != float("inf")):
+        raise PyllamaError(f"RPC timeout {seconds}: must be a positive number of seconds")
+    _timeout = seconds
+
+
+def configured_timeout() -> float:
+    if _timeout is not None:
+        return _timeout
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not (value > 0 and value != float("inf")):
+        raise PyllamaError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    return value
 
 
 class RPCError(PyllamaError):
@@ -49,27 +83,37 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 def get_connection(endpoint: str) -> "Connection":
-    """The one connection of this process to `endpoint` (opened on first use)."""
+    """The one connection of this process to `endpoint`, opened when there is none or the last one
+    broke. The handshake runs outside the registry's lock: a peer that accepts but never answers
+    holds up only the caller, for at most the RPC timeout."""
     with _connections_lock:
         conn = _connections.get(endpoint)
-        if conn is None or conn.broken:
-            conn = Connection(endpoint)
-            _connections[endpoint] = conn
-        return conn
+        if conn is not None and not conn.broken:
+            return conn
+    fresh = Connection(endpoint)
+    with _connections_lock:
+        conn = _connections.get(endpoint)
+        if conn is not None and not conn.broken:  # another thread got there first
+            extra, fresh = fresh, conn
+            extra.close()
+        else:
+            _connections[endpoint] = fresh
+        return fresh
 
 
 def close_all() -> None:
     with _connections_lock:
-        for conn in _connections.values():
-            conn.close()
+        conns = list(_connections.values())
         _connections.clear()
+    for conn in conns:
+        conn.close()
 
 
 class Connection:
     def __init__(self, endpoint: str, timeout: Optional[float] = None):
         self.endpoint = endpoint
         host, port = parse_endpoint(endpoint)
-        self.timeout = timeout if timeout is not None else float(os.environ.get("PYLLAMA_RPC_TIMEOUT", "120"))
+        self.timeout = timeout if timeout is not None else configured_timeout()
         try:
             self.sock = socket.create_connection((host, port), timeout=min(self.timeout, 10.0))
         except OSError as exc:
@@ -151,6 +195,23 @@ class Connection:
     def has(self, cap: Cap) -> bool:
         return bool(self.caps & cap)
 
+    def check_peer(self) -> Optional[str]:
+        """Why the connection is unusable, or None. Also notices, without waiting or reading, a
+        peer that closed its end (it exited, or was killed) while nobody waits for a reply, and
+        then breaks the connection; a peer that merely stops answering is noticed by the next
+        command that waits for it (within the timeout)."""
+        if self.broken:
+            return self.broken
+        try:
+            poller = select.poll()
+            poller.register(self.sock.fileno(), _PEER_CLOSED)
+            closed = any(ev & _PEER_CLOSED for _, ev in poller.poll(0))
+        except (OSError, ValueError):
+            closed = True
+        if closed:
+            self._fail("the peer closed the connection")
+        return self.broken
+
     # ------------------------------------------------------------------------------------------
     def send(self, cmd: Cmd, parts: Sequence[bytes | memoryview], locked: bool = False,
              subj: str = "") -> Optional[int]:
@@ -172,6 +233,9 @@ class Connection:
                 self.sock.sendall(HEADER.pack(int(cmd), size))
                 for p in parts:
                     self.sock.sendall(p)
+            except TimeoutError:
+                self._fail(f"a send did not complete within {self.timeout:g} s", stalled=True)
+                raise RPCError(self.broken) from None
             except OSError as exc:
                 self._fail(f"send failed: {exc}")
                 raise RPCError(self.broken) from None
@@ -214,7 +278,10 @@ class Connection:
             if sent is not None:
                 self._trace(cmd, sent, (t_turn, t_recv0 or trace.now(), trace.now(), 0), False)
             if not self.broken:
-                self._fail(f"receive failed: {exc}")
+                if isinstance(exc, TimeoutError):
+                    self._fail(f"no reply within {self.timeout:g} s", stalled=True)
+                else:
+                    self._fail(f"receive failed: {exc}")
             raise RPCError(self.broken) from None
         finally:
             with self._turn:
@@ -262,8 +329,9 @@ class Connection:
         if self.broken:
             raise RPCError(self.broken)
 
-    def _fail(self, why: str) -> None:
-        self._shut(f"RPC peer {self.endpoint} is gone ({why})", log.error)
+    def _fail(self, why: str, stalled: bool = False) -> None:
+        state = "is not answering" if stalled else "is gone"
+        self._shut(f"RPC peer {self.endpoint} {state} ({why})", log.error)
 
     def close(self) -> None:
         self._shut(f"RPC connection to {self.endpoint} closed", log.debug)
@@ -275,6 +343,10 @@ class Connection:
             say("%s", reason)
             if self._arena is not None:
                 self._arena.close()
+            try:  # wakes a thread blocked on this socket at once (close alone would not)
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 self.sock.close()
             except OSError:

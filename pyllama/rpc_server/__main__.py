@@ -14,6 +14,7 @@ import sys
 from typing import Optional, Sequence
 
 from .. import trace
+from ..backend.base import Backend
 from ..backend.cpu import CPUBackend, set_compute_threads
 from ..cli import Parser, run_main, setup_logging
 from ..errors import PyllamaError
@@ -24,7 +25,7 @@ from .server import RPCServer, caps_mask_from_env
 
 log = logging.getLogger("pyllama.rpc_server")
 
-DEVICES = ("CPU",)
+DEVICES = ("CPU", "CUDA<i>")
 
 
 def build_parser() -> Parser:
@@ -36,7 +37,7 @@ def build_parser() -> Parser:
     p.add_argument("-H", "--host", default="127.0.0.1",
                    help="address to listen on (without a token anyone who reaches it may use it)")
     p.add_argument("-p", "--port", type=int, default=50052, help="port to listen on (0 = any free port)")
-    p.add_argument("-d", "--device", default="CPU", help=f"device to expose ({', '.join(DEVICES)})")
+    p.add_argument("-d", "--device", default="CPU", help=f"device to expose ({', '.join(DEVICES)}, e.g. CUDA0)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU compute threads, 0 = all cores")
     p.add_argument("-m", "--mem", type=int, default=0, metavar="MiB",
                    help="memory clients may allocate on the device, in MiB (0 = what the host has)")
@@ -56,7 +57,8 @@ def build_parser() -> Parser:
 def check_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise PyllamaError(f"--port {args.port}: not a port number")
-    if args.device.upper() not in DEVICES:
+    dev = args.device.strip().upper()
+    if dev != "CPU" and not (dev.startswith("CUDA") and dev[4:].isdigit()):
         raise PyllamaError(f"--device {args.device}: this server exposes {', '.join(DEVICES)} only")
     if args.threads < 0:
         raise PyllamaError(f"--threads {args.threads}: must be at least 0")
@@ -83,11 +85,21 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def open_device(name: str, threads: int) -> Backend:
+    """The backend to serve: the CPU, or CUDA<i> (a PyllamaError saying why when it cannot run here)."""
+    name = name.strip().upper()
+    if name == "CPU":
+        return CPUBackend(threads)
+    from ..backend.cuda import open_backend  # noqa: PLC0415 - PyCUDA only when a GPU is served
+    return open_backend(name)
+
+
 async def serve(args) -> int:
     token = read_token(args.auth_token_file, "--auth-token-file")
+    backend = open_device(args.device, args.threads)
     try:
         set_compute_threads(args.threads)  # BLAS threads too: idle ones spin and steal the cores
-        server = RPCServer(args.host, args.port, backend_factory=lambda: CPUBackend(args.threads),
+        server = RPCServer(args.host, args.port, backend_factory=lambda: backend,
                            mem_limit=args.mem << 20 if args.mem else None, cache_dir=args.cache,
                            max_frame=args.max_frame, token=token)
     except OSError as exc:

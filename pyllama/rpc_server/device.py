@@ -115,6 +115,7 @@ class Device:
         self.name = backend.name
         info = backend.device_info()
         self.kind = KIND.get(info.kind, 0)
+        self.weight_types = backend.weight_types
         self.mem_limit = mem_limit
         self.allocated = 0  # bytes of live buffers, over all connections (executor thread only)
         # work is done when the executor returns from a command (no device queue to wait for)

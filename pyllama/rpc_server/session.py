@@ -58,6 +58,8 @@ OP_SPEC: dict[Op, tuple[tuple[int, ...], tuple[DType, ...], int]] = {
     Op.SAMPLE: ((2,), (F32, I32), 2),
 }
 OUT_DTYPE = {Op.SAMPLE: I32}  # every other op writes F32
+# the source that may be a weight in the device's own storage type (Device.weight_types)
+WEIGHT_SOURCE = {Op.MUL_MAT: 1, Op.GET_ROWS: 0}
 SAMPLE_MAX_PROBS = 4096
 SAMPLE_MAX_WINDOW = 1 << 20
 ATTN_INT_PARAMS = 5  # n_head, n_head_kv, head_dim, n_rot, rope_mode travel as f64
@@ -477,7 +479,10 @@ class Session:
             want = OUT_DTYPE.get(op, F32)
             if out.dtype != want:
                 raise CommandError(f"graph node {j} ({op.name}): output {out.name!r} is {out.dtype.name}, not {want.name}")
+            weight = WEIGHT_SOURCE.get(op)
             for k, t in enumerate(ins):
+                if k == weight and t.dtype in dev.weight_types:
+                    continue
                 if t.dtype != dtypes[k]:
                     raise CommandError(f"graph node {j} ({op.name}): source {k} {t.name!r} is {t.dtype.name}, "
                                        f"not {dtypes[k].name}")

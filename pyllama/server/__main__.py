@@ -1,16 +1,20 @@
 """python -m pyllama.server: the HTTP server (llama-server's API and the OpenAI-compatible API).
 
 The event loop starts listening at once (/health answers 503 while the model loads), the model
-loads on a worker thread, then the task thread and one decode thread per group start. SIGINT and
-SIGTERM shut down gracefully: in-flight requests finish or are cancelled, every socket closes.
+loads on a worker thread, then the task thread, one decode thread per group and the
+PeerReconnector (which brings lost rpc servers back) start. SIGINT and SIGTERM shut down
+gracefully: in-flight requests finish or are cancelled, every socket closes; a peer that stopped
+answering does not hold the shutdown up.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
 import signal
 import sys
+import time
 from typing import Optional, Sequence
 
 from .. import trace
@@ -18,10 +22,12 @@ from ..cli import Parser, run_main, setup_logging
 from ..devices import add_device_args, make_backends, parse_split
 from ..engine import Engine
 from ..errors import PyllamaError
+from ..rpc.connection import set_timeout as set_rpc_timeout
 from .api import Api, ServerState
 from .chat import ChatTemplate
 from .group import PipelineGroup
 from .http import HTTPServer, install_uvloop
+from .reconnect import PeerReconnector
 from .router import Router
 from .slot import Slot
 
@@ -45,9 +51,10 @@ def build_parser() -> Parser:
                         "flight over a layer split; must divide --parallel")
     p.add_argument("--kv-unified", action="store_true",
                    help="one KV pool for all slots (a request may use the whole context) instead of C/P per slot")
-    p.add_argument("--backend-sampling", action="store_true",
+    p.add_argument("--backend-sampling", action=argparse.BooleanOptionalAction, default=None,
                    help="run every request's sampler chain on the device that holds the output layer (local or an rpc "
-                        "server that supports it): only token ids come back instead of the logits")
+                        "server that supports it): only token ids come back instead of the logits; default: on when "
+                        "the output layer is on an rpc server that supports it, off when it is local")
     p.add_argument("-n", "--n-predict", type=int, default=-1, help="default tokens to generate per request, -1 = until done")
     p.add_argument("--slot-prompt-similarity", type=float, default=0.5,
                    help="reuse a slot whose cached prompt covers more than this share of the new prompt")
@@ -66,6 +73,10 @@ def build_parser() -> Parser:
     p.add_argument("--max-pipelined", type=int, default=8,
                    help="requests read ahead on one connection while an earlier one is answered; at the limit the "
                         "server stops reading from that connection until it catches up")
+    p.add_argument("--rpc-timeout", type=float, metavar="SECONDS",
+                   help="how long to wait on an rpc server (a whole send, or the next bytes of a reply) before the "
+                        "requests it serves fail and it counts as lost; set it above the longest step "
+                        "(default: $PYLLAMA_RPC_TIMEOUT, else 120)")
     p.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
     p.add_argument("--trace", metavar="PATH",
                    help="write a trace of every decode step, RPC command and device span (JSON lines; also $PYLLAMA_TRACE)")
@@ -103,6 +114,8 @@ def check_args(args) -> None:
         raise PyllamaError(f"--max-header-bytes {args.max_header_bytes}: must be at least 1024")
     if args.max_connections < 1 or args.max_pipelined < 1:
         raise PyllamaError("--max-connections and --max-pipelined must be at least 1")
+    if args.rpc_timeout is not None and not 0 < args.rpc_timeout < float("inf"):
+        raise PyllamaError(f"--rpc-timeout {args.rpc_timeout}: must be a positive number of seconds")
 
 
 def load(state: ServerState) -> None:
@@ -112,6 +125,7 @@ def load(state: ServerState) -> None:
     if not path:
         from ..models.default import default_model_path  # noqa: PLC0415
         path = default_model_path()
+    set_rpc_timeout(args.rpc_timeout)
     backends = make_backends(args.device, args.rpc, args.split_mode, args.threads, args.rpc_token_file)
     engine = Engine(path, n_threads=args.threads, backends=backends,
                     tensor_split=parse_split(args.tensor_split, len(backends)), load=False)
@@ -131,7 +145,10 @@ def load(state: ServerState) -> None:
     state.groups = []
     for g in range(n_groups):
         ctx = engine.new_context(ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified)
-        backend_sampling = args.backend_sampling and ctx.can_sample_on_device()
+        wanted = args.backend_sampling
+        if wanted is None:  # the logits would cross a wire: sampling there saves n_vocab floats per row
+            wanted = not ctx.output_backend().host_memory
+        backend_sampling = wanted and ctx.can_sample_on_device()
         if args.backend_sampling and not backend_sampling and g == 0:
             log.warning("--backend-sampling: the device of the output layer does not run the sampler (an rpc server "
                         "without the capability); sampling on this host")
@@ -151,9 +168,13 @@ def load(state: ServerState) -> None:
     state.model_path = path
     state.model_alias = args.alias or os.path.basename(path)
     router = Router(state.groups, args.slot_prompt_similarity)
+    reconnector = PeerReconnector(engine, state.groups) if any(b.remote for b in engine.backends) else None
     for group in state.groups:
         group.start()
     router.start()
+    if reconnector is not None:
+        reconnector.start()
+    state.reconnector = reconnector
     kv = {}
     for group in state.groups:
         for name, size in group.ctx.kv_bytes.items():
@@ -219,6 +240,17 @@ async def serve(args) -> int:
         await server.shutdown(grace=5.0)
         if state.router is not None:
             state.router.stop()
+        if state.reconnector is not None:
+            state.reconnector.stop()
+        for g in state.groups:
+            g.request_stop()
+        deadline = time.monotonic() + 2.0
+        for g in state.groups:  # a running step normally ends in milliseconds
+            g.stop(timeout=max(0.0, deadline - time.monotonic()))
+        if state.engine is not None:
+            # the peers free everything with the connection; closing it also ends at once a step
+            # (or a buffer release) that would wait on a peer that stopped answering
+            state.engine.disconnect()
         for g in state.groups:
             g.stop()
         if state.engine is not None:

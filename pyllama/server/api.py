@@ -32,6 +32,7 @@ class ServerState:
     engine: Any = None
     groups: list = field(default_factory=list)
     router: Any = None
+    reconnector: Any = None
     chat: Optional[ChatTemplate] = None
     model_alias: str = ""
     model_path: str = ""
@@ -165,6 +166,15 @@ class Api:
             return error_response(500, st.load_error, "server_error")
         if not st.ready:
             return error_response(503, "Loading model", "unavailable_error")
+        lost = st.engine.lost_devices()
+        if lost:  # an rpc server went away or stopped answering: reconnecting
+            body = {"status": "error", "error": "; ".join(lost.values()), "lost_devices": lost}
+            rc = st.reconnector
+            if rc is not None:
+                body["reconnect_attempts"] = rc.attempts
+                if rc.last_error:
+                    body["reconnect_error"] = rc.last_error
+            return json_response(body, 500)
         faults = [g.fault for g in st.groups if g.fault]
         if faults:
             return json_response({"status": "error", "error": faults[0]}, 500)
@@ -306,7 +316,8 @@ class Api:
         """The body, its parameters and its prompt's tokens (runs off the loop for large bodies)."""
         st = self.state
         body = req.json()
-        p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=oai, n_vocab=st.tokenizer.n_vocab)
+        p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=oai, n_vocab=st.tokenizer.n_vocab,
+                             tokenizer=st.tokenizer)
         if "prompt" not in body:
             raise HTTPError(400, "'prompt' is required")
         st.check_prompt_fits(*_prompt_size(body["prompt"]))
@@ -374,7 +385,8 @@ class Api:
         body = req.json()
         if not isinstance(body, dict):
             raise HTTPError(400, "the request body must be a JSON object")
-        p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=True, n_vocab=st.tokenizer.n_vocab)
+        p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=True, n_vocab=st.tokenizer.n_vocab,
+                             tokenizer=st.tokenizer)
         try:
             messages = validate_messages(body.get("messages"))
             text = st.chat.render(messages, add_generation_prompt=True, tools=body.get("tools"))

@@ -5,6 +5,11 @@ every generating slot's next token plus prompt chunks up to n_batch, decodes it,
 output row in one kernel call, and publishes the step's events in one hand-off to the event loop.
 The task thread never touches the context: it hands tasks over through `submit` and hears of
 freed slots through `on_free`.
+
+A step that fails fails the requests of the group (`fault` says why, for /health). When the cause
+is a lost device (an rpc server that went away or stopped answering), the group calls `on_fault`,
+answers new requests with 503 at once until the device is back, and leaves the rest to the
+server's PeerReconnector, which calls `abandon` and clears `fault` with the group stopped.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class PipelineGroup:
         self.backend_sampling = backend_sampling
         self.sink = EventSink()
         self.fault: Optional[str] = None
+        self.on_fault: Callable[[], None] = lambda: None  # a step failed because a device was lost
         self.prof = pipe_prof.profile_for(index) if pipe_prof.enabled else None
         self._tr_iter = 0   # trace time the current iteration began (0: not traced)
         self._n_rows = self._n_prompt = self._n_decode = 0
@@ -58,11 +64,19 @@ class PipelineGroup:
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Asks the decode thread to finish: a running step completes, then whatever still runs
+        is cancelled."""
         with self._wake:
             self._running = False
             self._wake.notify()
-        self.thread.join(timeout=30)
+
+    def stop(self, timeout: float = 30) -> bool:
+        """request_stop, then waits up to `timeout`; True once the thread has ended."""
+        self.request_stop()
+        if self.thread.is_alive():
+            self.thread.join(timeout=timeout)
+        return not self.thread.is_alive()
 
     def submit(self, placements: list[tuple[Slot, CompletionTask]]) -> None:
         """Hands tasks to this group (from the task thread); n > 1 choices come as one list."""
@@ -89,8 +103,13 @@ class PipelineGroup:
                 try:
                     self._iteration()
                 except Exception as exc:  # a failed step fails its requests, never the thread
-                    log.exception("decode step failed in group %d", self.index)
-                    self._fail_all(f"decode failed: {exc}")
+                    lost = self.ctx.lost_devices()
+                    if lost:  # the connection has said why (and logged it): no traceback
+                        self._fail_all("; ".join(lost.values()))
+                        self.on_fault()
+                    else:
+                        log.exception("decode step failed in group %d", self.index)
+                        self._fail_all(f"decode failed: {exc}")
             t_send = time.perf_counter()
             tr_send = trace.now() if trace.enabled else 0
             self.sink.flush()
@@ -132,7 +151,8 @@ class PipelineGroup:
             self._n_decode = sum(1 for s in self.slots if s.state is SlotState.GENERATING)
             self._n_prompt = len(batch) - self._n_decode
             trace.event("server", "batch_build", self._tr_iter, t, grp=self.index, n_slots=self._n_rows)
-        if self.backend_sampling and rows:
+        # a logit bias is applied to host logits: a step with one takes the logits back
+        if self.backend_sampling and rows and not any(slot.sampler.logit_bias is not None for slot in rows):
             packed = self.sampler.pack([slot.sampler for slot in rows])
             out = self.ctx.decode(batch, packed, self.sampler.device_spec())
         else:
@@ -152,6 +172,13 @@ class PipelineGroup:
                           synchronize=self.ctx.last_sync_s, post_decode=time.perf_counter() - t_dec)
 
     def _place(self, placements: list[tuple[Slot, CompletionTask]]) -> None:
+        lost = self.ctx.lost_devices()
+        if lost:  # nothing can run until the device is back: say so at once
+            message = "; ".join(lost.values()) + "; reconnecting"
+            for slot, task in placements:
+                self.sink.put(task, ErrorEvent(message, 503, "unavailable_error"))
+                self.on_free(slot)
+            return
         parent: Optional[Slot] = None
         for slot, task in placements:
             if parent is None:
@@ -268,6 +295,15 @@ class PipelineGroup:
         slot.release()
         self._release_children(slot)
         self.on_free(slot)
+
+    def abandon(self, reason: str) -> None:
+        """After a lost device (called with `lock` held, from another thread): the requests still
+        running fail, since part of their KV cache went with the device, and every slot forgets
+        its cached prompt. Their events are delivered at once."""
+        self._fail_all(reason)
+        for slot in self.slots:
+            slot.cache_tokens = []
+        self.sink.flush()
 
     def _fail_all(self, message: str) -> None:
         self.fault = message

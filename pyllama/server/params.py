@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .http import HTTPError
@@ -81,16 +83,54 @@ def get_stop(body: dict) -> list[str]:
     return stops
 
 
-def check_logit_bias(body: dict, n_vocab: Optional[int]) -> None:
-    """`logit_bias` is accepted for compatibility and not applied; its shape and size are still
-    checked, so a malformed or absurd one is refused rather than silently ignored."""
+def parse_logit_bias(body: dict, n_vocab: Optional[int], tokenizer: Optional[Tokenizer] = None) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """llama-server's `logit_bias`: `[[token, bias], ...]` or OpenAI's `{"token": bias, ...}`, where
+    a token is an id or a string (every token of its encoding gets the bias) and a bias is a number
+    or `false` (never produce the token). Biases of a repeated token add up. Returns (ids, biases)
+    sorted by id, or None."""
     v = body.get("logit_bias")
     if v is None:
-        return
-    if not isinstance(v, (dict, list)):
+        return None
+    if isinstance(v, dict):
+        pairs = list(v.items())
+    elif isinstance(v, list):
+        pairs = []
+        for e in v:
+            if not isinstance(e, list) or len(e) != 2:
+                raise _bad("logit_bias", "a list of [token, bias] pairs")
+            pairs.append((e[0], e[1]))
+    else:
         raise _bad("logit_bias", "an object or an array")
-    if n_vocab is not None and len(v) > n_vocab:
-        raise HTTPError(400, f"'logit_bias' has {len(v)} entries but the vocabulary has {n_vocab} tokens")
+    if n_vocab is not None and len(pairs) > n_vocab:
+        raise HTTPError(400, f"'logit_bias' has {len(pairs)} entries but the vocabulary has {n_vocab} tokens")
+    ids: list[int] = []
+    biases: list[float] = []
+    for tok, bias in pairs:
+        if bias is False:
+            b = -math.inf
+        elif isinstance(bias, (int, float)) and not isinstance(bias, bool) and abs(bias) <= 1e30:
+            b = float(bias)  # (NaN fails the comparison; a huge int is compared before any conversion)
+        else:
+            raise HTTPError(400, f"'logit_bias' value {bias!r} for {tok!r} must be a finite number or false")
+        if isinstance(tok, str) and isinstance(v, dict) and tok.isascii() and tok.lstrip("-").isdigit() \
+                and len(tok) <= 12:
+            tok = int(tok)  # OpenAI's keys are token ids written as strings
+        if isinstance(tok, int) and not isinstance(tok, bool):
+            if tok < 0 or (n_vocab is not None and tok >= n_vocab):
+                raise HTTPError(400, f"'logit_bias' names token {tok} outside the vocabulary of {n_vocab}")
+            toks = [tok]
+        elif isinstance(tok, str) and tokenizer is not None:
+            toks = tokenizer.encode(tok, add_special=False)
+        else:
+            raise HTTPError(400, f"'logit_bias' key {tok!r} must be a token id or a string")
+        ids.extend(toks)
+        biases.extend([b] * len(toks))
+    if not ids:
+        return None
+    uniq, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
+    summed = np.zeros(len(uniq), dtype=np.float64)
+    np.add.at(summed, inverse, np.asarray(biases, dtype=np.float64))
+    return uniq.astype(np.int32), summed.astype(np.float32)
 
 
 def tokenize_prompt(tok: Tokenizer, prompt: Any, name: str = "prompt") -> list[int]:
@@ -131,7 +171,7 @@ class CompletionParams:
 
 
 def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool = False,
-                     n_vocab: Optional[int] = None) -> CompletionParams:
+                     n_vocab: Optional[int] = None, tokenizer: Optional[Tokenizer] = None) -> CompletionParams:
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object")
     n_predict = default_n_predict
@@ -157,6 +197,7 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         presence_penalty=get_float(body, "presence_penalty", defaults.presence_penalty),
         seed=get_int(body, "seed", defaults.seed, lo=-1, hi=0xFFFFFFFF),  # type: ignore[arg-type]
         n_probs=n_probs,
+        logit_bias=parse_logit_bias(body, n_vocab, tokenizer),
     )
     try:
         sampling.validate()
@@ -164,7 +205,6 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         raise HTTPError(400, str(exc)) from None
     n = get_int(body, "n", 1, lo=1)
     assert n is not None
-    check_logit_bias(body, n_vocab)
     if n > n_slots:
         raise HTTPError(400, f"'n' is {n} but the server has {n_slots} slots per group")
     opts = body.get("stream_options")

@@ -69,19 +69,24 @@ class ErrorEvent:
 
 
 class EventSink:
-    """Collects a step's events per task and delivers them to the event loop in one call."""
+    """Collects a step's events per task and delivers them to the event loop in one call. Its
+    owner is the group's decode thread; another thread holding the group's lock may put and flush
+    too (failing requests after a lost peer), hence the lock."""
 
     def __init__(self) -> None:
         self._pending: list[tuple[CompletionTask, object]] = []
+        self._lock = threading.Lock()
 
     def put(self, task: CompletionTask, event: object) -> None:
         if task.queue is not None:
-            self._pending.append((task, event))
+            with self._lock:
+                self._pending.append((task, event))
 
     def flush(self) -> None:
         if not self._pending:
             return
-        batch, self._pending = self._pending, []
+        with self._lock:
+            batch, self._pending = self._pending, []
         by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
         for task, event in batch:
             by_loop.setdefault(id(task.loop), (task.loop, []))[1].append((task.queue, (task.index, event)))

@@ -19,6 +19,10 @@ def add_device_args(p) -> None:
                                                   "(default: by free memory)")
     p.add_argument("--rpc-token-file", metavar="PATH",
                    help="token the rpc servers require (first line of the file; also $PYLLAMA_RPC_TOKEN)")
+    p.add_argument("--rpc-timeout", type=float, metavar="SECONDS",
+                   help="how long to wait on an rpc server (a whole send, or the next bytes of a reply) before the "
+                        "requests it serves fail and it counts as lost; set it above the longest step "
+                        "(default: $PYLLAMA_RPC_TIMEOUT, else 120)")
 
 
 def parse_split(text: Optional[str], n_devices: int) -> Optional[list[float]]:
@@ -36,9 +40,10 @@ def parse_split(text: Optional[str], n_devices: int) -> Optional[list[float]]:
 
 
 def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_threads: int,
-                  token_file: Optional[str] = None) -> list[Backend]:
+                  token_file: Optional[str] = None, rpc_timeout: Optional[float] = None) -> list[Backend]:
     """The backends in layer order. Connections to rpc servers are opened here (once per endpoint),
-    proving the token of `token_file` (else $PYLLAMA_RPC_TOKEN) to servers that require one."""
+    proving the token of `token_file` (else $PYLLAMA_RPC_TOKEN) to servers that require one, with
+    `rpc_timeout` seconds (else $PYLLAMA_RPC_TIMEOUT, else 120) as their timeout."""
     endpoints = [e.strip() for e in rpc.split(",") if e.strip()] if rpc else []
     names = [d.strip().upper() for d in device.split(",") if d.strip()] if device else \
         [f"RPC{i}" for i in range(len(endpoints))] + ["CPU"]
@@ -54,8 +59,9 @@ def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_
                 raise PyllamaError(f"--device {name}: there are {len(endpoints)} --rpc endpoints")
             from .backend.rpc import RPCBackend  # noqa: PLC0415 - only when RPC is used
             from .rpc.auth import read_token  # noqa: PLC0415
-            from .rpc.connection import get_connection, set_token  # noqa: PLC0415
+            from .rpc.connection import get_connection, set_timeout, set_token  # noqa: PLC0415
             set_token(read_token(token_file, "--rpc-token-file"))
+            set_timeout(rpc_timeout)
             backends.append(RPCBackend(get_connection(endpoints[i]), 0, name))
         elif name.startswith("CUDA"):
             # PyCUDA is imported only when a CUDA device is asked for; without PyCUDA, a driver, the

@@ -114,7 +114,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _run(args, params: SamplingParams, prompt_text: str, model_path: str) -> int:
     t0 = time.perf_counter()
-    backends = make_backends(args.device, args.rpc, args.split_mode, args.threads, args.rpc_token_file)
+    backends = make_backends(args.device, args.rpc, args.split_mode, args.threads, args.rpc_token_file,
+                             args.rpc_timeout)
     engine = Engine(model_path, n_threads=args.threads, backends=backends,
                     tensor_split=parse_split(args.tensor_split, len(backends)))
     hp = engine.model.hparams

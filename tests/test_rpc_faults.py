@@ -557,3 +557,20 @@ def test_slow_and_lossy_link(tiny_model):
         stop(srv)
         proxy.close()
         peer.stop()
+
+
+def test_generate_takes_rpc_timeout(tiny_model):
+    """`generate --rpc-timeout` bounds the wait on a peer that accepts and never answers."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    peer = SilentPeer(read=True, answer_hello=False)
+    try:
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", tiny_model, "-p", "hi", "-n", "2",
+                               "--rpc", peer.endpoint, "--device", "RPC0,CPU", "--rpc-timeout", "1"],
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 1, proc.stderr
+        assert time.monotonic() - t0 < 20
+        assert peer.endpoint in proc.stderr and proc.stderr.count("\n") <= 2, proc.stderr
+    finally:
+        peer.close()

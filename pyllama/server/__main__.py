@@ -22,7 +22,6 @@ from ..cli import Parser, run_main, setup_logging
 from ..devices import add_device_args, make_backends, parse_split
 from ..engine import Engine
 from ..errors import PyllamaError
-from ..rpc.connection import set_timeout as set_rpc_timeout
 from .api import Api, ServerState
 from .chat import ChatTemplate
 from .group import PipelineGroup
@@ -73,10 +72,6 @@ def build_parser() -> Parser:
     p.add_argument("--max-pipelined", type=int, default=8,
                    help="requests read ahead on one connection while an earlier one is answered; at the limit the "
                         "server stops reading from that connection until it catches up")
-    p.add_argument("--rpc-timeout", type=float, metavar="SECONDS",
-                   help="how long to wait on an rpc server (a whole send, or the next bytes of a reply) before the "
-                        "requests it serves fail and it counts as lost; set it above the longest step "
-                        "(default: $PYLLAMA_RPC_TIMEOUT, else 120)")
     p.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
     p.add_argument("--trace", metavar="PATH",
                    help="write a trace of every decode step, RPC command and device span (JSON lines; also $PYLLAMA_TRACE)")
@@ -125,8 +120,8 @@ def load(state: ServerState) -> None:
     if not path:
         from ..models.default import default_model_path  # noqa: PLC0415
         path = default_model_path()
-    set_rpc_timeout(args.rpc_timeout)
-    backends = make_backends(args.device, args.rpc, args.split_mode, args.threads, args.rpc_token_file)
+    backends = make_backends(args.device, args.rpc, args.split_mode, args.threads, args.rpc_token_file,
+                             args.rpc_timeout)
     engine = Engine(path, n_threads=args.threads, backends=backends,
                     tensor_split=parse_split(args.tensor_split, len(backends)), load=False)
     hp = engine.model.hparams

@@ -883,3 +883,28 @@ def test_shutdown_grace_expires(serve):
     assert event("slow_finally").is_set()
     assert recv_until_closed(s, limit=2) == b""
     s.close()
+
+
+def test_a_stream_cut_by_shutdown_ends_with_an_error_event(serve):
+    """A client must be able to tell a shutdown from a crash: the cut stream says why and ends
+    as a complete chunked body."""
+    st = serve()
+    s = st.connect()
+    s.sendall(b"GET /forever HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.2)
+    st.stop(grace=0.2)
+    raw = recv_until_closed(s, limit=3)
+    s.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in head
+    assert body.endswith(b"0\r\n\r\n"), body[-80:]
+    chunks, rest = [], body
+    while rest:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        chunks.append(rest[:n])
+        rest = rest[n + 2:]
+        if n == 0:
+            break
+    last = json.loads(chunks[-2].decode().removeprefix("data: "))
+    assert last["error"]["code"] == 503 and "shutting down" in last["error"]["message"]

@@ -691,7 +691,15 @@ class _Connection(asyncio.Protocol):
                     t.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
                     if self._write_paused:
                         await self._drain()
-            except (asyncio.CancelledError, _WriteStalled, ConnectionError):
+            except asyncio.CancelledError:
+                if self._srv._closing and not self._closed and resp.content_type.startswith("text/event-stream"):
+                    # cut by shutdown: say so, and end the body properly, so that a client can tell
+                    # this from a crash
+                    ev = sse_event({"error": {"code": 503, "message": "the server is shutting down",
+                                              "type": "unavailable_error"}})
+                    t.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(ev), ev) if chunked else ev)
+                raise
+            except (_WriteStalled, ConnectionError):
                 raise
             except Exception:
                 # The status line is gone already: the only honest signal left is to cut the

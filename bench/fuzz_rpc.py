@@ -73,6 +73,9 @@ from pyllama.rpc import auth
 from pyllama.rpc import protocol as P
 from pyllama.rpc.protocol import Cmd
 from pyllama.rpc_server import ServerThread
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from rpc_client import RawClient, StatusError, cmd_name  # noqa: E402
 from pyllama.rpc_server import server as server_mod
 from pyllama.rpc_server.cache import CACHE_MIN_BYTES
 
@@ -129,13 +132,6 @@ def frame(cmd: int, payload: bytes = b"") -> bytes:
 
 def hello_frame() -> bytes:
     return frame(Cmd.HELLO, P.HELLO_REQ.pack(*P.VERSION, 0))
-
-
-def cmd_name(code: int) -> str:
-    try:
-        return Cmd(code).name
-    except ValueError:
-        return f"CMD_{code}"
 
 
 def split_frames(stream: bytes) -> tuple[list[tuple[int, bytes]], bytes]:
@@ -1129,46 +1125,12 @@ class ProcessTarget(Target):
 
 # --- a small blocking client ----------------------------------------------------------------------------------
 
-class ProtocolError(AssertionError):
-    pass
+ProtocolError = StatusError
 
 
-class Client:
+class Client(RawClient):
     def __init__(self, port: int, token: Optional[bytes] = None, timeout: float = CASE_TIMEOUT, hello: bool = True):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if hello:
-            self.ok(Cmd.HELLO, P.HELLO_REQ.pack(*P.VERSION, 0))
-            if token is not None:
-                cn = auth.new_nonce()
-                rep = self.ok(Cmd.AUTH, bytes([auth.STEP_BEGIN]) + cn)
-                self.ok(Cmd.AUTH, bytes([auth.STEP_PROVE]) + auth.client_proof(token, cn, rep[:auth.NONCE]))
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.sock.close()
-
-    def recv_exact(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise EOFError("closed by the server")
-            buf += chunk
-        return bytes(buf)
-
-    def call(self, cmd: int, payload: bytes = b"") -> tuple[int, bytes]:
-        self.sock.sendall(frame(cmd, payload))
-        status, size = P.HEADER.unpack(self.recv_exact(P.HEADER.size))
-        return status, self.recv_exact(size)
-
-    def ok(self, cmd: int, payload: bytes = b"") -> bytes:
-        status, data = self.call(cmd, payload)
-        if status != P.STATUS_OK:
-            raise ProtocolError(f"{cmd_name(cmd)}: status {status}: {data[:200]!r}")
-        return data
+        super().__init__(port, hello=hello, timeout=timeout, token=token)
 
 
 # --- running cases -----------------------------------------------------------------------------------------------

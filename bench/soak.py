@@ -96,6 +96,20 @@ OUTCOMES = ("complete", "invalid", "failed", "truncated", "lost", "aborted")
 # ---------------------------------------------------------------------------------------------
 # Processes
 
+
+def kill_survivors(children: list) -> list[str]:
+    """Kills the processes of `children` (psutil) still running; returns what they were."""
+    left = []
+    for c in children:
+        try:
+            if c.is_running() and c.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{c.pid} {' '.join(c.cmdline())[:120]}")
+                c.kill()
+        except psutil.Error:
+            pass
+    return left
+
+
 class Proc:
     """A child process logging to a file."""
 
@@ -135,15 +149,7 @@ class Proc:
             self.proc.kill()
             res["exit_status"] = self.proc.wait()
         res["exit_s"] = round(time.monotonic() - t0, 3)
-        left = []
-        for c in children:
-            try:
-                if c.is_running() and c.status() != psutil.STATUS_ZOMBIE:
-                    left.append(f"{c.pid} {' '.join(c.cmdline())[:120]}")
-                    c.kill()
-            except psutil.Error:
-                pass
-        res["children_left"] = left
+        res["children_left"] = kill_survivors(children)
         self._log.close()
         return res
 
@@ -748,14 +754,7 @@ class Run:
         sampler.cancel()
         progress.cancel()
         self._csv_file.close()
-        left = []
-        for c in children:
-            try:
-                if c.is_running() and c.status() != psutil.STATUS_ZOMBIE:
-                    left.append(f"{c.pid} {' '.join(c.cmdline())[:120]}")
-                    c.kill()
-            except psutil.Error:
-                pass
+        left = kill_survivors(children)
         try:
             rpc_after = round(self.rpc.ps.memory_info().rss / 2**20, 2)
             rpc_fds_after = self.rpc.ps.num_fds()

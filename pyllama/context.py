@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import trace
-from .backend.base import Backend, Buffer, DType, Tensor
+from .backend.base import Backend, Buffer, DType, Tensor, lost_devices
 from .errors import ContextLimitError
 from .graph.llama import SAMPLING_INPUT, build_forward
 from .graph.ops import Op, sample_in_cols, sample_out_cols
@@ -130,12 +130,7 @@ class Context:
 
     def lost_devices(self) -> dict[str, str]:
         """Devices of this context that cannot be used any more (name -> why, naming the peer)."""
-        lost = {}
-        for b in self.placement.backends:
-            why = b.lost()
-            if why:
-                lost[b.name] = why
-        return lost
+        return lost_devices(self.placement.backends)
 
     def output_backend(self) -> Backend:
         """The device that holds the output layer (and so the logits)."""

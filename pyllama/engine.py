@@ -13,7 +13,7 @@ import logging
 import weakref
 from typing import Optional, Sequence
 
-from .backend.base import Backend
+from .backend.base import Backend, lost_devices
 from .backend.cpu import CPUBackend, set_compute_threads
 from .context import Context
 from .devices import default_split
@@ -83,12 +83,7 @@ class Engine:
     # --- lost peers ----------------------------------------------------------------------------
     def lost_devices(self) -> dict[str, str]:
         """The devices that cannot be used any more, by name, with the reason (naming the peer)."""
-        lost = {}
-        for b in self.backends:
-            why = b.lost()
-            if why:
-                lost[b.name] = why
-        return lost
+        return lost_devices(self.backends)
 
     def reach_lost_devices(self) -> None:
         """Opens a new connection to the peer of every lost device; raises the error of the first

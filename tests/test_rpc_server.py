@@ -26,6 +26,7 @@ from pyllama.rpc import protocol as P
 from pyllama.rpc.protocol import Cap, Cmd
 from pyllama.rpc_server import ServerThread
 from pyllama.weights import Placement, load_weights, split_layers
+from rpc_client import RawClient
 from pyllama.rpc.protocol import graph_tables
 
 U64_MAX = 2**64 - 1
@@ -43,52 +44,8 @@ def tensor(buf: int, offset: int = 0, dtype: int = DType.F32, shape=(16,), name:
     return rec.tobytes()
 
 
-class Client:
-    def __init__(self, port: int, hello: bool = True, timeout: float = 10.0):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.hello_reply = None
-        if hello:
-            self.hello_reply = P.HELLO_REP.unpack(self.ok(Cmd.HELLO, P.HELLO_REQ.pack(*P.VERSION, 0)))
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send(self, cmd: int, payload: bytes = b"") -> None:
-        self.sock.sendall(P.HEADER.pack(int(cmd), len(payload)) + payload)
-
-    def _recv(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise EOFError("closed by the server")
-            buf += chunk
-        return bytes(buf)
-
-    def reply(self) -> tuple[int, bytes]:
-        status, size = P.HEADER.unpack(self._recv(P.HEADER.size))
-        return status, self._recv(size)
-
-    def call(self, cmd: int, payload: bytes = b"") -> tuple[int, bytes]:
-        self.send(cmd, payload)
-        return self.reply()
-
-    def ok(self, cmd: int, payload: bytes = b"") -> bytes:
-        status, data = self.call(cmd, payload)
-        assert status == P.STATUS_OK, f"{Cmd(cmd).name}: status {status}: {data.decode(errors='replace')}"
-        return data
-
-    def error(self, cmd: int, payload: bytes = b"", status: int = P.STATUS_ERROR) -> str:
-        got, data = self.call(cmd, payload)
-        assert got == status, f"{Cmd(cmd).name}: expected status {status}, got {got} {data[:200]!r}"
-        return data.decode()
+class Client(RawClient):
+    """The raw frame client (tests/rpc_client.py) with the commands these tests use."""
 
     def closed_by_server(self, timeout: float = 5.0) -> bool:
         self.sock.settimeout(timeout)

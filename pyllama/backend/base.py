@@ -244,3 +244,13 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Releases every resource of the backend."""
+
+
+def lost_devices(backends: Sequence["Backend"]) -> dict[str, str]:
+    """Of `backends`, those that cannot be used any more, by name, with why (naming the peer)."""
+    lost = {}
+    for b in backends:
+        why = b.lost()
+        if why:
+            lost[b.name] = why
+    return lost

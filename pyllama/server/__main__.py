@@ -141,8 +141,8 @@ def load(state: ServerState) -> None:
     for g in range(n_groups):
         ctx = engine.new_context(ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified)
         wanted = args.backend_sampling
-        if wanted is None:  # the logits would cross a wire: sampling there saves n_vocab floats per row
-            wanted = not ctx.output_backend().host_memory
+        if wanted is None:  # the logits would cross the network: sampling there saves n_vocab floats per row
+            wanted = ctx.output_backend().remote
         backend_sampling = wanted and ctx.can_sample_on_device()
         if args.backend_sampling and not backend_sampling and g == 0:
             log.warning("--backend-sampling: the device of the output layer does not run the sampler (an rpc server "

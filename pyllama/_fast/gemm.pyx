@@ -17,9 +17,16 @@ cdef extern from * nogil:
 
     static inline pl_v16 pl_load(const float* p) { pl_v16 v; memcpy(&v, p, sizeof v); return v; }
 
-    static inline float pl_hsum(pl_v16 v) {
+    /* The lane sum and the K tail are summed in a fixed order whatever the block shape: with
+       the project's -fassociative-math GCC vectorizes these loops differently in each template
+       instantiation, so a row's result would depend on how many rows share its block. */
+    __attribute__((noinline, optimize("no-associative-math", "fp-contract=off")))
+    static float pl_finish(const pl_v16* v, const float* x, const float* w, long k, long K) {
+        float lanes[16];
+        memcpy(lanes, v, sizeof lanes);
         float s = 0.0f;
-        for (int i = 0; i < 16; ++i) s += v[i];
+        for (int i = 0; i < 16; ++i) s += lanes[i];
+        for (; k < K; ++k) s += x[k] * w[k];
         return s;
     }
 
@@ -43,8 +50,7 @@ cdef extern from * nogil:
         }
         for (int i = 0; i < MB; ++i) {
             for (int j = 0; j < NB; ++j) {
-                float s = pl_hsum(acc[i][j]);
-                for (long kk = k; kk < K; ++kk) s += x[i * ldx + kk] * w[j * ldw + kk];
+                float s = pl_finish(&acc[i][j], x + i * ldx, w + j * ldw, k, K);
                 out[i * ldo + j] = bias ? s + bias[j] : s;
             }
         }

@@ -11,8 +11,8 @@ from gguf import quants
 quant = pytest.importorskip("pyllama._fast.quant", reason="Cython extensions not built (python setup.py build_ext --inplace)")
 
 # Where each K-quant block keeps its f16 super-block scales: (d, dmin) or d alone.
-K_SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
-QUANTIZABLE = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0)
+K_SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+QUANTIZABLE = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
 ALL_TYPES = QUANTIZABLE + tuple(K_SCALE_OFFSETS)
 
 
@@ -118,8 +118,8 @@ def _err(raw, qtype, n, out, n_threads=0):
 
 
 def test_unsupported_type_is_named():
-    msg = _err(np.zeros(20, np.uint8), T.Q4_1, 32, np.empty(32, np.float32))
-    assert "Q4_1" in msg and "unsupported" in msg
+    msg = _err(np.zeros(66, np.uint8), T.IQ2_XXS, 256, np.empty(256, np.float32))
+    assert "IQ2_XXS" in msg and "unsupported" in msg
     msg = _err(np.zeros(20, np.uint8), 9999, 32, np.empty(32, np.float32))
     assert "9999" in msg
 
@@ -163,3 +163,23 @@ def test_bad_counts():
     out = np.empty(32, np.float32)
     assert "n_elements" in _err(np.zeros(34, np.uint8), T.Q8_0, -32, out)
     assert "n_threads" in _err(np.zeros(34, np.uint8), T.Q8_0, 32, out, -1)
+
+
+@pytest.mark.parametrize("qtype", (T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K), ids=lambda t: t.name)
+def test_edge_blocks_match_gguf(qtype):
+    """Blocks of all-zero and all-0xFF quants, negative / zero / subnormal / largest f16 scales."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    offs = {T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), **K_SCALE_OFFSETS}[qtype]
+    blocks = []
+    for fill in (0x00, 0xFF, 0x5A):
+        for scale in (-0.0625, 0.0, 6e-8, 65504.0, -1.5):
+            b = np.full(size, fill, np.uint8)
+            for off in offs:
+                b[off:off + 2] = np.array([scale], np.float16).view(np.uint8)
+            blocks.append(b)
+    raw = np.concatenate(blocks)
+    n = len(blocks) * block
+    ref = np.asarray(quants.dequantize(raw.reshape(len(blocks), -1), qtype), np.float32).reshape(-1)
+    out = np.empty(n, np.float32)
+    quant.dequantize(raw, qtype, n, out, 1)
+    assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))

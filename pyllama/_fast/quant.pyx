@@ -53,13 +53,22 @@ cdef extern from *:
     float load_f16 "pyl_load_f16"(const uint8_t *p) noexcept nogil
     float bf16_to_f32 "pyl_bf16_to_f32"(uint16_t h) noexcept nogil
 
+cdef extern from "ggml_quants.h" nogil:
+    # Block dequantizers of the types without a tuned kernel below (bit-exact, as ggml's).
+    void pq_dequant_block(int t, const uint8_t *b, float *y) noexcept
+
 
 # ggml type ids (gguf.GGMLQuantizationType values) and their (block size, bytes per block).
 cdef enum:
     T_F32 = 0
     T_F16 = 1
     T_Q4_0 = 2
+    T_Q4_1 = 3
+    T_Q5_0 = 6
+    T_Q5_1 = 7
     T_Q8_0 = 8
+    T_Q2_K = 10
+    T_Q3_K = 11
     T_Q4_K = 12
     T_Q5_K = 13
     T_Q6_K = 14
@@ -77,6 +86,11 @@ BLOCK_SIZES = {
     T_BF16: (1, 2),
     T_Q8_0: (32, 34),
     T_Q4_0: (32, 18),
+    T_Q4_1: (32, 20),
+    T_Q5_0: (32, 22),
+    T_Q5_1: (32, 24),
+    T_Q2_K: (QK_K, 84),
+    T_Q3_K: (QK_K, 110),
     T_Q4_K: (QK_K, 144),
     T_Q5_K: (QK_K, 176),
     T_Q6_K: (QK_K, 210),
@@ -274,6 +288,15 @@ cdef void _range_q6_k(const uint8_t *src, float *dst, Py_ssize_t nb) noexcept no
         _deq_q6_k(src + i * 210, dst + i * QK_K)
 
 
+cdef void _range_generic(int qtype, const uint8_t *src, float *dst, Py_ssize_t nb,
+                        Py_ssize_t block, Py_ssize_t type_size) noexcept nogil:
+    # Q4_1, Q5_0, Q5_1, Q2_K, Q3_K: ggml_quants.h's block functions (the formulas of
+    # ggml's dequantize_row_*, every product exact in float32 as above).
+    cdef Py_ssize_t i
+    for i in range(nb):
+        pq_dequant_block(qtype, src + i * type_size, dst + i * block)
+
+
 cdef void _deq_range(int qtype, const uint8_t *src, float *dst, Py_ssize_t n,
                      Py_ssize_t block, Py_ssize_t type_size) noexcept nogil:
     # n elements (a whole number of blocks) starting at block-aligned src/dst.
@@ -288,8 +311,10 @@ cdef void _deq_range(int qtype, const uint8_t *src, float *dst, Py_ssize_t n,
         _range_q4_k(src, dst, nb)
     elif qtype == T_Q5_K:
         _range_q5_k(src, dst, nb)
-    else:
+    elif qtype == T_Q6_K:
         _range_q6_k(src, dst, nb)
+    else:
+        _range_generic(qtype, src, dst, nb, block, type_size)
 
 
 cdef void _run(int qtype, const uint8_t *src, float *dst, Py_ssize_t n_elements,
@@ -314,7 +339,8 @@ def dequantize(raw, int qtype, Py_ssize_t n_elements, out, int n_threads=0):
 
     raw: 1-D C-contiguous uint8 array (or other byte buffer) of exactly
     n_elements / block_size * type_size bytes; read-only buffers (memory maps) are fine.
-    qtype: a gguf.GGMLQuantizationType value: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K.
+    qtype: a gguf.GGMLQuantizationType value: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+    Q2_K, Q3_K, Q4_K, Q5_K or Q6_K.
     out: 1-D C-contiguous writable float32 array of n_elements.
     n_threads: OpenMP threads to use; 0 = the OpenMP default (small inputs always use one).
 

@@ -1,0 +1,1050 @@
+/* ggml's quantized matrix-vector arithmetic for the CPU backend: weights stay in their GGUF block
+ * layout, activation rows are quantized to the weight type's "vec_dot_type" exactly as ggml's
+ * reference quantize_row_*_ref does, and each weight block is dotted with the matching activation
+ * block in integers before the block scales are applied in float, as ggml's vec_dot_* do.
+ *
+ * Two paths compute every product:
+ *   - portable: plain C, one activation row at a time, following ggml's scalar (generic) code for
+ *     the integer sums and the order in which the scales are applied (pq_isums_* + pq_dot1_*);
+ *   - AVX2 (+FMA, F16C; compiled when the build targets them): maddubs/madd integer dot products,
+ *     several activation rows per weight block while the unpacked block sits in registers, float
+ *     accumulation in vector lanes (as ggml's AVX2 code does).
+ * Both paths compute the same integer sums per block from the same quantized activations (the
+ * quantizers below are shared, so the activations agree bit for bit). The final float results
+ * differ only by the order of float additions and by where the block scale is multiplied in:
+ *     |result - exact| <= (k + 16) * 2^-24 * S
+ * where k is the row length and S = sum over elements of |w_scale * q_w| * |x_scale * q_x| (plus
+ * the same with the block minimum for the types that have one): every path adds at most k
+ * rounded terms, each carrying at most 3 roundings from its scale products. Two paths therefore
+ * agree within twice that bound. tests/test_qmatmul.py checks both against a float64 reference.
+ * (For the bound to hold, every float term must be a sum of element-level terms of one sign
+ * structure: the AVX2 Q6_K kernel therefore reduces its integer sum, whose offset correction
+ * lives in other lanes, before converting it to float.)
+ *
+ * Byte layouts are ggml's (gguf.quants mirrors them). AVX-512 / VNNI paths are not written: the
+ * development machine has none to run them on.
+ */
+#ifndef PYLLAMA_GGML_QUANTS_H
+#define PYLLAMA_GGML_QUANTS_H
+
+#include <stdint.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PQ_HAVE_AVX2 1
+#else
+#define PQ_HAVE_AVX2 0
+#endif
+
+/* ggml type ids (gguf.GGMLQuantizationType values) */
+enum {
+    PQ_F32 = 0, PQ_F16 = 1, PQ_Q4_0 = 2, PQ_Q4_1 = 3, PQ_Q5_0 = 6, PQ_Q5_1 = 7, PQ_Q8_0 = 8,
+    PQ_Q8_1 = 9, PQ_Q2_K = 10, PQ_Q3_K = 11, PQ_Q4_K = 12, PQ_Q5_K = 13, PQ_Q6_K = 14,
+    PQ_Q8_K = 15, PQ_BF16 = 30
+};
+#define PQ_QK_K 256
+/* Entry points: a module that includes this header uses only some of them. */
+#define PQ_API static __attribute__((unused))
+/* Most activation rows one weight row is dotted with while its unpacked block is in registers. */
+#define PQ_MAX_NR 4
+/* Activation rows per chunk of the batch loop (see pq_mul_mat). */
+#define PQ_ROW_CHUNK 64
+
+typedef struct {
+    int block;     /* elements per block */
+    int bytes;     /* bytes per block */
+    int vec_type;  /* the activation type of the dot product (weights only) */
+    int ints;      /* integer sums per block reported by pq_isums (0: a float type) */
+} pq_traits;
+
+/* 1 and the traits of `t` when known, else 0. Q8_1/Q8_K are activation types only. */
+static inline int pq_get_traits(int t, pq_traits *tr) {
+    switch (t) {
+    case PQ_F32:  *tr = (pq_traits){1, 4, PQ_F32, 0}; return 1;
+    case PQ_F16:  *tr = (pq_traits){1, 2, PQ_F16, 0}; return 1;
+    case PQ_BF16: *tr = (pq_traits){1, 2, PQ_BF16, 0}; return 1;
+    case PQ_Q4_0: *tr = (pq_traits){32, 18, PQ_Q8_0, 1}; return 1;
+    case PQ_Q4_1: *tr = (pq_traits){32, 20, PQ_Q8_1, 1}; return 1;
+    case PQ_Q5_0: *tr = (pq_traits){32, 22, PQ_Q8_0, 1}; return 1;
+    case PQ_Q5_1: *tr = (pq_traits){32, 24, PQ_Q8_1, 1}; return 1;
+    case PQ_Q8_0: *tr = (pq_traits){32, 34, PQ_Q8_0, 1}; return 1;
+    case PQ_Q8_1: *tr = (pq_traits){32, 36, -1, 0}; return 1;
+    case PQ_Q2_K: *tr = (pq_traits){PQ_QK_K, 84, PQ_Q8_K, 18}; return 1;
+    case PQ_Q3_K: *tr = (pq_traits){PQ_QK_K, 110, PQ_Q8_K, 17}; return 1;
+    case PQ_Q4_K: *tr = (pq_traits){PQ_QK_K, 144, PQ_Q8_K, 10}; return 1;
+    case PQ_Q5_K: *tr = (pq_traits){PQ_QK_K, 176, PQ_Q8_K, 10}; return 1;
+    case PQ_Q6_K: *tr = (pq_traits){PQ_QK_K, 210, PQ_Q8_K, 17}; return 1;
+    case PQ_Q8_K: *tr = (pq_traits){PQ_QK_K, 292, -1, 0}; return 1;
+    default: return 0;
+    }
+}
+
+static inline int pq_have_avx2(void) { return PQ_HAVE_AVX2; }
+
+/* ---------------------------------------------------------------------------------------------
+ * Scalar conversions. Integer-only, so the compiler's float reassociation cannot change them. */
+
+static inline float pq_bits_f32(uint32_t w) { float f; memcpy(&f, &w, 4); return f; }
+static inline uint32_t pq_f32_bits(float f) { uint32_t w; memcpy(&w, &f, 4); return w; }
+
+/* IEEE half -> float, exact for every input (branch-free). */
+static inline float pq_f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t em = h & 0x7fffu;
+    uint32_t bits;
+    if (em >= 0x7c00u) {                 /* inf / nan */
+        bits = sign | 0x7f800000u | ((em & 0x3ffu) << 13);
+    } else if (em >= 0x0400u) {          /* normal */
+        bits = sign | ((em << 13) + 0x38000000u);
+    } else {                             /* subnormal or zero: em * 2^-24, exact */
+        return sign ? -((float)em * 5.9604644775390625e-8f) : (float)em * 5.9604644775390625e-8f;
+    }
+    return pq_bits_f32(bits);
+}
+
+/* float -> IEEE half, round to nearest even (what F16C, numpy and ggml's converters do). */
+static inline uint16_t pq_f32_to_f16(float f) {
+    const uint32_t x = pq_f32_bits(f);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((ax >> 13) & 0x3ffu);  /* nan, quiet */
+    if (ax >= 0x477ff000u) return sign | 0x7c00u;         /* >= 65520 rounds to inf */
+    if (ax < 0x38800000u) {                                /* below 2^-14: subnormal half */
+        if (ax < 0x33000000u) return sign;                 /* < 2^-25 rounds to 0 */
+        const uint32_t e = ax >> 23;                       /* 102..112 */
+        const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126u - e;                   /* 14..24 */
+        uint32_t q = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (q & 1u))) q++;
+        return sign | (uint16_t)q;
+    }
+    const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);   /* round at bit 13, ties to even */
+    return sign | (uint16_t)((r - 0x38000000u) >> 13);
+}
+
+/* float -> bfloat16 as ggml_compute_fp32_to_bf16: nan made quiet, else round to nearest even. */
+static inline uint16_t pq_f32_to_bf16(float f) {
+    const uint32_t u = pq_f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64u);
+    return (uint16_t)((u + (0x7fffu + ((u >> 16) & 1u))) >> 16);
+}
+static inline float pq_bf16_to_f32(uint16_t h) { return pq_bits_f32((uint32_t)h << 16); }
+
+static inline float pq_ld_f16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return pq_f16_to_f32(h); }
+static inline float pq_ld_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
+static inline int16_t pq_ld_i16(const uint8_t *p) { int16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t pq_ld_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* C's roundf (half away from zero) for |v| < 2^31, written so that loops over it vectorize. */
+static inline int pq_roundf_int(float v) {
+    const int i = (int)v;                  /* truncates toward zero, exact */
+    const float r = v - (float)i;          /* exact */
+    return i + (r >= 0.5f) - (r <= -0.5f);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Activation quantizers: ggml's quantize_row_q8_0_ref / q8_1_ref / q8_K_ref, F16 and BF16
+ * conversion. Shared by both paths; reassociation and FMA contraction are off so that every
+ * build computes the reference's float operations one by one. */
+
+#define PQ_EXACT __attribute__((noinline, unused, optimize("no-associative-math", "fp-contract=off")))
+
+PQ_EXACT static void pq_quantize_row_q8_0(const float *x, uint8_t *y, int64_t k) {
+    for (int64_t b = 0; b < k / 32; b++, x += 32, y += 34) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) { const float a = fabsf(x[j]); amax = amax > a ? amax : a; }
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t dh = pq_f32_to_f16(d);
+        memcpy(y, &dh, 2);
+        int8_t *qs = (int8_t *)(y + 2);
+        for (int j = 0; j < 32; j++) qs[j] = (int8_t)pq_roundf_int(x[j] * id);
+    }
+}
+
+PQ_EXACT static void pq_quantize_row_q8_1(const float *x, uint8_t *y, int64_t k) {
+    for (int64_t b = 0; b < k / 32; b++, x += 32, y += 36) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) { const float a = fabsf(x[j]); amax = amax > a ? amax : a; }
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int8_t *qs = (int8_t *)(y + 4);
+        int sum = 0;
+        for (int j = 0; j < 32; j++) { qs[j] = (int8_t)pq_roundf_int(x[j] * id); sum += qs[j]; }
+        const uint16_t dh = pq_f32_to_f16(d), sh = pq_f32_to_f16((float)sum * d);
+        memcpy(y, &dh, 2);
+        memcpy(y + 2, &sh, 2);
+    }
+}
+
+/* Q8_K: float d, int8 qs[256], int16 bsums[16]; ggml's nearest_int rounds half to even. */
+PQ_EXACT static void pq_quantize_row_q8_K(const float *x, uint8_t *y, int64_t k) {
+    for (int64_t b = 0; b < k / PQ_QK_K; b++, x += PQ_QK_K, y += 292) {
+        float max = 0.0f, amax = 0.0f;
+        for (int j = 0; j < PQ_QK_K; j++) {
+            const float ax = fabsf(x[j]);
+            if (ax > amax) { amax = ax; max = x[j]; }
+        }
+        int8_t *qs = (int8_t *)(y + 4);
+        if (amax == 0.0f) {
+            memset(y, 0, 292);
+            continue;
+        }
+        const float iscale = -127.0f / max;
+        for (int j = 0; j < PQ_QK_K; j++) {
+            const int v = (int)nearbyintf(iscale * x[j]);
+            qs[j] = (int8_t)(v < 127 ? v : 127);
+        }
+        for (int g = 0; g < 16; g++) {
+            int s = 0;
+            for (int l = 0; l < 16; l++) s += qs[16 * g + l];
+            const int16_t s16 = (int16_t)s;
+            memcpy(y + 260 + 2 * g, &s16, 2);
+        }
+        const float d = 1.0f / iscale;
+        memcpy(y, &d, 4);
+    }
+}
+
+PQ_API void pq_quantize_row_f16(const float *x, uint8_t *y, int64_t k) {
+    uint16_t *h = (uint16_t *)y;
+    int64_t i = 0;
+#if PQ_HAVE_AVX2
+    for (; i + 8 <= k; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < k; i++) h[i] = pq_f32_to_f16(x[i]);
+}
+
+PQ_API void pq_quantize_row_bf16(const float *x, uint8_t *y, int64_t k) {
+    uint16_t *h = (uint16_t *)y;
+    for (int64_t i = 0; i < k; i++) h[i] = pq_f32_to_bf16(x[i]);
+}
+
+/* One row of k floats to vec type `t` (F32, F16, BF16, Q8_0, Q8_1, Q8_K). */
+static inline void pq_quantize_row(int t, const float *x, uint8_t *y, int64_t k) {
+    switch (t) {
+    case PQ_Q8_0: pq_quantize_row_q8_0(x, y, k); break;
+    case PQ_Q8_1: pq_quantize_row_q8_1(x, y, k); break;
+    case PQ_Q8_K: pq_quantize_row_q8_K(x, y, k); break;
+    case PQ_F16: pq_quantize_row_f16(x, y, k); break;
+    case PQ_BF16: pq_quantize_row_bf16(x, y, k); break;
+    default: memcpy(y, x, (size_t)k * 4); break;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Weight dequantizers, bit-exact with ggml's dequantize_row_* (every product below is exact in
+ * float32, so FMA contraction cannot change a result). Used for row lookups and tile unpacking. */
+
+static inline void pq_k4_scale_min(int j, const uint8_t *s, uint8_t *sc, uint8_t *m) {
+    if (j < 4) { *sc = s[j] & 63; *m = s[j + 4] & 63; }
+    else { *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+}
+
+static inline int pq_q3_scale(const uint8_t *s, int i) {
+    const int lo = (s[i % 8] >> (4 * (i / 8))) & 0xF;
+    const int hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+/* One block of type t at `b` -> its `block` floats. */
+static inline void pq_dequant_block(int t, const uint8_t *b, float *y) {
+    switch (t) {
+    case PQ_Q4_0: { const float d = pq_ld_f16(b);
+        for (int j = 0; j < 16; j++) { y[j] = (float)((b[2 + j] & 0xF) - 8) * d; y[j + 16] = (float)((b[2 + j] >> 4) - 8) * d; }
+        break; }
+    case PQ_Q4_1: { const float d = pq_ld_f16(b), m = pq_ld_f16(b + 2);
+        for (int j = 0; j < 16; j++) { y[j] = (float)(b[4 + j] & 0xF) * d + m; y[j + 16] = (float)(b[4 + j] >> 4) * d + m; }
+        break; }
+    case PQ_Q5_0: { const float d = pq_ld_f16(b); const uint32_t qh = pq_ld_u32(b + 2);
+        for (int j = 0; j < 16; j++) {
+            const int h0 = (qh >> j) & 1, h1 = (qh >> (j + 16)) & 1;
+            y[j] = (float)(((b[6 + j] & 0xF) | (h0 << 4)) - 16) * d;
+            y[j + 16] = (float)(((b[6 + j] >> 4) | (h1 << 4)) - 16) * d;
+        }
+        break; }
+    case PQ_Q5_1: { const float d = pq_ld_f16(b), m = pq_ld_f16(b + 2); const uint32_t qh = pq_ld_u32(b + 4);
+        for (int j = 0; j < 16; j++) {
+            const int h0 = (qh >> j) & 1, h1 = (qh >> (j + 16)) & 1;
+            y[j] = (float)((b[8 + j] & 0xF) | (h0 << 4)) * d + m;
+            y[j + 16] = (float)((b[8 + j] >> 4) | (h1 << 4)) * d + m;
+        }
+        break; }
+    case PQ_Q8_0: { const float d = pq_ld_f16(b);
+        for (int j = 0; j < 32; j++) y[j] = (float)(int8_t)b[2 + j] * d;
+        break; }
+    case PQ_Q2_K: { /* scales[16] | qs[64] | d | dmin */
+        const float d = pq_ld_f16(b + 80), dmin = pq_ld_f16(b + 82);
+        for (int e = 0; e < PQ_QK_K; e++) {
+            const int h = e / 128, s = (e / 32) % 4, l = e % 32, g = e / 16;
+            const int q = (b[16 + 32 * h + l] >> (2 * s)) & 3;
+            y[e] = d * (float)(b[g] & 0xF) * (float)q - dmin * (float)(b[g] >> 4);
+        }
+        break; }
+    case PQ_Q3_K: { /* hmask[32] | qs[64] | scales[12] | d */
+        const float d = pq_ld_f16(b + 108);
+        for (int e = 0; e < PQ_QK_K; e++) {
+            const int h = e / 128, s = (e / 32) % 4, l = e % 32;
+            const int q = ((b[32 + 32 * h + l] >> (2 * s)) & 3) - (((b[l] >> (e / 32)) & 1) ? 0 : 4);
+            y[e] = d * (float)pq_q3_scale(b + 96, e / 16) * (float)q;
+        }
+        break; }
+    case PQ_Q4_K: case PQ_Q5_K: {
+        const float d = pq_ld_f16(b), dmin = pq_ld_f16(b + 2);
+        const uint8_t *qh = b + 16, *qs = b + (t == PQ_Q5_K ? 48 : 16);
+        for (int g = 0; g < 8; g++) {
+            uint8_t sc, m; pq_k4_scale_min(g, b + 4, &sc, &m);
+            const float dl = d * (float)sc, ml = dmin * (float)m;
+            for (int l = 0; l < 32; l++) {
+                int q = (qs[32 * (g / 2) + l] >> (4 * (g % 2))) & 0xF;
+                if (t == PQ_Q5_K) q |= ((qh[l] >> g) & 1) << 4;
+                y[32 * g + l] = dl * (float)q - ml;
+            }
+        }
+        break; }
+    case PQ_Q6_K: { /* ql[128] | qh[64] | scales int8[16] | d */
+        const float d = pq_ld_f16(b + 208);
+        for (int e = 0; e < PQ_QK_K; e++) {
+            const int h = e / 128, k = (e / 32) % 4, l = e % 32;
+            const int lo = (b[64 * h + 32 * (k & 1) + l] >> (4 * (k >> 1))) & 0xF;
+            const int hi = (b[128 + 32 * h + l] >> (2 * k)) & 3;
+            y[e] = d * (float)(int8_t)b[192 + e / 16] * (float)((lo | (hi << 4)) - 32);
+        }
+        break; }
+    case PQ_F16: y[0] = pq_ld_f16(b); break;
+    case PQ_BF16: { uint16_t h; memcpy(&h, b, 2); y[0] = pq_bf16_to_f32(h); break; }
+    default: y[0] = pq_ld_f32(b); break;
+    }
+}
+
+/* A row of k elements of type t -> floats. */
+PQ_API void pq_dequant_row(int t, const uint8_t *w, float *y, int64_t k) {
+    pq_traits tr;
+    if (!pq_get_traits(t, &tr)) return;
+    if (t == PQ_F16) {
+        int64_t i = 0;
+#if PQ_HAVE_AVX2
+        for (; i + 8 <= k; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i))));
+#endif
+        for (; i < k; i++) y[i] = pq_ld_f16(w + 2 * i);
+        return;
+    }
+    if (t == PQ_F32) { memcpy(y, w, (size_t)k * 4); return; }
+    for (int64_t b = 0; b < k / tr.block; b++) pq_dequant_block(t, w + b * tr.bytes, y + b * tr.block);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Portable path: integer sums per block as ggml's generic vec_dot_* form them, then the scales in
+ * ggml's order. pq_isums_* fill `s` with pq_traits.ints values per block:
+ *   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: [sum q_w * q_x]
+ *   Q2_K: 16 sub-block sums of q_w (0..3) * q_x, then isum = sum sc_lo * sub, summs = sum bsums * sc_hi
+ *   Q3_K: 16 sub-block sums of q_w (-4..3) * q_x, then isum = sum (scale - 32) * sub
+ *   Q4_K, Q5_K: 8 sub-block (32) sums of q_w * q_x, then isum = sum scale * sub, summs = sum bsums * min
+ *   Q6_K: 16 sub-block sums of (q_w - 32) * q_x, then isum = sum scale * sub */
+
+static inline void pq_isums_q4_0(const uint8_t *w, const uint8_t *x, int32_t *s) {
+    const int8_t *q8 = (const int8_t *)(x + 2);
+    int s0 = 0, s1 = 0;
+    for (int j = 0; j < 16; j++) {
+        s0 += ((w[2 + j] & 0xF) - 8) * q8[j];
+        s1 += ((w[2 + j] >> 4) - 8) * q8[j + 16];
+    }
+    s[0] = s0 + s1;
+}
+
+static inline void pq_isums_q4_1(const uint8_t *w, const uint8_t *x, int32_t *s) {
+    const int8_t *q8 = (const int8_t *)(x + 4);
+    int s0 = 0, s1 = 0;
+    for (int j = 0; j < 16; j++) { s0 += (w[4 + j] & 0xF) * q8[j]; s1 += (w[4 + j] >> 4) * q8[j + 16]; }
+    s[0] = s0 + s1;
+}
+
+static inline void pq_isums_q5_0(const uint8_t *w, const uint8_t *x, int32_t *s) {
+    const int8_t *q8 = (const int8_t *)(x + 2);
+    const uint32_t qh = pq_ld_u32(w + 2);
+    int s0 = 0, s1 = 0;
+    for (int j = 0; j < 16; j++) {
+        const int h0 = ((qh >> j) & 1) << 4, h1 = ((qh >> (j + 16)) & 1) << 4;
+        s0 += (((w[6 + j] & 0xF) | h0) - 16) * q8[j];
+        s1 += (((w[6 + j] >> 4) | h1) - 16) * q8[j + 16];
+    }
+    s[0] = s0 + s1;
+}
+
+static inline void pq_isums_q5_1(const uint8_t *w, const uint8_t *x, int32_t *s) {
+    const int8_t *q8 = (const int8_t *)(x + 4);
+    const uint32_t qh = pq_ld_u32(w + 4);
+    int s0 = 0, s1 = 0;
+    for (int j = 0; j < 16; j++) {
+        const int h0 = ((qh >> j) & 1) << 4, h1 = ((qh >> (j + 16)) & 1) << 4;
+        s0 += ((w[8 + j] & 0xF) | h0) * q8[j];
+        s1 += ((w[8 + j] >> 4) | h1) * q8[j + 16];
+    }
+    s[0] = s0 + s1;
+}
+
+static inline void pq_isums_q8_0(const uint8_t *w, const uint8_t *x, int32_t *s) {
+    const int8_t *qw = (const int8_t *)(w + 2), *q8 = (const int8_t *)(x + 2);
+    int sum = 0;
+    for (int j = 0; j < 32; j++) sum += qw[j] * q8[j];
+    s[0] = sum;
+}
+
+static inline void pq_isums_q2_K(const uint8_t *w, const uint8_t *x, int32_t *s) {
+    const uint8_t *sc = w, *q2 = w + 16;
+    const int8_t *q8 = (const int8_t *)(x + 4);
+    int isum = 0, summs = 0;
+    for (int g = 0; g < 16; g++) summs += pq_ld_i16(x + 260 + 2 * g) * (sc[g] >> 4);
+    for (int g = 0; g < 16; g++) {   /* element e = 16g + l: qs byte 32*(e/128) + e%32, shift 2*((e/32)%4) */
+        const int h = g / 8, sh = 2 * ((g / 2) % 4), off = 16 * (g % 2);
+        int sub = 0;
+        for (int l = 0; l < 16; l++) sub += q8[16 * g + l] * ((q2[32 * h + off + l] >> sh) & 3);
+        s[g] = sub;
+        isum += (sc[g] & 0xF) * sub;
+    }
+    s[16] = isum;
+    s[17] = summs;
+}
+
+static inline void pq_isums_q3_K(const uint8_t *w, const uint8_t *x, int32_t *s) {
+    const uint8_t *hm = w, *q3 = w + 32;
+    const int8_t *q8 = (const int8_t *)(x + 4);
+    int isum = 0;
+    for (int g = 0; g < 16; g++) {
+        const int h = g / 8, sh = 2 * ((g / 2) % 4), off = 16 * (g % 2), bit = g / 2;
+        int sub = 0;
+        for (int l = 0; l < 16; l++) {
+            const int q = ((q3[32 * h + off + l] >> sh) & 3) - (((hm[off + l] >> bit) & 1) ? 0 : 4);
+            sub += q8[16 * g + l] * q;
+        }
+        s[g] = sub;
+        isum += pq_q3_scale(w + 96, g) * sub;
+    }
+    s[16] = isum;
+}
+
+static inline void pq_isums_q45_K(const uint8_t *w, const uint8_t *x, int32_t *s, int five) {
+    const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
+    const int8_t *q8 = (const int8_t *)(x + 4);
+    int isum = 0, summs = 0;
+    for (int g = 0; g < 8; g++) {
+        uint8_t sc, m; pq_k4_scale_min(g, w + 4, &sc, &m);
+        int sub = 0;
+        for (int l = 0; l < 32; l++) {
+            int q = (qs[32 * (g / 2) + l] >> (4 * (g % 2))) & 0xF;
+            if (five) q += ((qh[l] >> g) & 1) ? 16 : 0;
+            sub += q8[32 * g + l] * q;
+        }
+        s[g] = sub;
+        isum += sc * sub;
+        summs += (pq_ld_i16(x + 260 + 4 * g) + pq_ld_i16(x + 262 + 4 * g)) * m;
+    }
+    s[8] = isum;
+    s[9] = summs;
+}
+
+static inline void pq_isums_q6_K(const uint8_t *w, const uint8_t *x, int32_t *s) {
+    const int8_t *q8 = (const int8_t *)(x + 4);
+    const int8_t *sc = (const int8_t *)(w + 192);
+    int isum = 0;
+    for (int g = 0; g < 16; g++) {
+        const int h = g / 8, k = (g / 2) % 4, off = 16 * (g % 2);
+        int sub = 0;
+        for (int l = off; l < off + 16; l++) {
+            const int lo = (w[64 * h + 32 * (k & 1) + l] >> (4 * (k >> 1))) & 0xF;
+            const int hi = (w[128 + 32 * h + l] >> (2 * k)) & 3;
+            sub += q8[128 * h + 32 * k + l] * ((lo | (hi << 4)) - 32);
+        }
+        s[g] = sub;
+        isum += sc[g] * sub;
+    }
+    s[16] = isum;
+}
+
+/* The per-block integer sums of a whole row (nb blocks); 0 if t has none. */
+PQ_API int pq_isums_row(int t, int64_t nb, const uint8_t *w, const uint8_t *x, int32_t *out) {
+    pq_traits tw, tx;
+    if (!pq_get_traits(t, &tw) || tw.ints == 0) return 0;
+    pq_get_traits(tw.vec_type, &tx);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * tw.bytes, *xb = x + b * tx.bytes;
+        int32_t *s = out + b * tw.ints;
+        switch (t) {
+        case PQ_Q4_0: pq_isums_q4_0(wb, xb, s); break;
+        case PQ_Q4_1: pq_isums_q4_1(wb, xb, s); break;
+        case PQ_Q5_0: pq_isums_q5_0(wb, xb, s); break;
+        case PQ_Q5_1: pq_isums_q5_1(wb, xb, s); break;
+        case PQ_Q8_0: pq_isums_q8_0(wb, xb, s); break;
+        case PQ_Q2_K: pq_isums_q2_K(wb, xb, s); break;
+        case PQ_Q3_K: pq_isums_q3_K(wb, xb, s); break;
+        case PQ_Q4_K: pq_isums_q45_K(wb, xb, s, 0); break;
+        case PQ_Q5_K: pq_isums_q45_K(wb, xb, s, 1); break;
+        case PQ_Q6_K: pq_isums_q6_K(wb, xb, s); break;
+        }
+    }
+    return 1;
+}
+
+/* One weight row . one quantized activation row, portable. n = row length in elements. */
+PQ_API float pq_dot1_portable(int t, int64_t n, const uint8_t *w, const uint8_t *x) {
+    int32_t s[18];
+    float sumf = 0.0f;
+    int64_t i;
+    switch (t) {
+    case PQ_Q4_0:
+        for (i = 0; i < n / 32; i++) {
+            pq_isums_q4_0(w + 18 * i, x + 34 * i, s);
+            sumf += (float)s[0] * pq_ld_f16(w + 18 * i) * pq_ld_f16(x + 34 * i);
+        }
+        return sumf;
+    case PQ_Q4_1:
+        for (i = 0; i < n / 32; i++) {
+            const uint8_t *wb = w + 20 * i, *xb = x + 36 * i;
+            pq_isums_q4_1(wb, xb, s);
+            sumf += (pq_ld_f16(wb) * pq_ld_f16(xb)) * (float)s[0] + pq_ld_f16(wb + 2) * pq_ld_f16(xb + 2);
+        }
+        return sumf;
+    case PQ_Q5_0:
+        for (i = 0; i < n / 32; i++) {
+            pq_isums_q5_0(w + 22 * i, x + 34 * i, s);
+            sumf += (pq_ld_f16(w + 22 * i) * pq_ld_f16(x + 34 * i)) * (float)s[0];
+        }
+        return sumf;
+    case PQ_Q5_1:
+        for (i = 0; i < n / 32; i++) {
+            const uint8_t *wb = w + 24 * i, *xb = x + 36 * i;
+            pq_isums_q5_1(wb, xb, s);
+            sumf += (pq_ld_f16(wb) * pq_ld_f16(xb)) * (float)s[0] + pq_ld_f16(wb + 2) * pq_ld_f16(xb + 2);
+        }
+        return sumf;
+    case PQ_Q8_0:
+        for (i = 0; i < n / 32; i++) {
+            pq_isums_q8_0(w + 34 * i, x + 34 * i, s);
+            sumf += (float)s[0] * (pq_ld_f16(w + 34 * i) * pq_ld_f16(x + 34 * i));
+        }
+        return sumf;
+    case PQ_Q2_K:
+        for (i = 0; i < n / PQ_QK_K; i++) {
+            const uint8_t *wb = w + 84 * i, *xb = x + 292 * i;
+            pq_isums_q2_K(wb, xb, s);
+            const float yd = pq_ld_f32(xb);
+            const float dall = yd * pq_ld_f16(wb + 80), dmin = yd * pq_ld_f16(wb + 82);
+            sumf += dall * (float)s[16] - dmin * (float)s[17];
+        }
+        return sumf;
+    case PQ_Q3_K:
+        for (i = 0; i < n / PQ_QK_K; i++) {
+            const uint8_t *wb = w + 110 * i, *xb = x + 292 * i;
+            pq_isums_q3_K(wb, xb, s);
+            sumf += (pq_ld_f16(wb + 108) * pq_ld_f32(xb)) * (float)s[16];
+        }
+        return sumf;
+    case PQ_Q4_K: case PQ_Q5_K: {
+        const int bytes = t == PQ_Q4_K ? 144 : 176;
+        for (i = 0; i < n / PQ_QK_K; i++) {
+            const uint8_t *wb = w + bytes * i, *xb = x + 292 * i;
+            pq_isums_q45_K(wb, xb, s, t == PQ_Q5_K);
+            const float yd = pq_ld_f32(xb);
+            sumf += (pq_ld_f16(wb) * yd) * (float)s[8];
+            sumf -= (pq_ld_f16(wb + 2) * yd) * (float)s[9];
+        }
+        return sumf; }
+    case PQ_Q6_K:
+        for (i = 0; i < n / PQ_QK_K; i++) {
+            const uint8_t *wb = w + 210 * i, *xb = x + 292 * i;
+            pq_isums_q6_K(wb, xb, s);
+            sumf += (pq_ld_f16(wb + 208) * pq_ld_f32(xb)) * (float)s[16];
+        }
+        return sumf;
+    case PQ_F16: {
+        const uint16_t *a = (const uint16_t *)w, *b = (const uint16_t *)x;
+        for (i = 0; i < n; i++) sumf += pq_f16_to_f32(a[i]) * pq_f16_to_f32(b[i]);
+        return sumf; }
+    case PQ_BF16: {
+        const uint16_t *a = (const uint16_t *)w, *b = (const uint16_t *)x;
+        for (i = 0; i < n; i++) sumf += pq_bf16_to_f32(a[i]) * pq_bf16_to_f32(b[i]);
+        return sumf; }
+    default: {
+        const float *a = (const float *)w, *b = (const float *)x;
+        for (i = 0; i < n; i++) sumf += a[i] * b[i];
+        return sumf; }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * AVX2 path. Each kernel dots one weight row with NR (1..4) activation rows at byte stride xs,
+ * unpacking each weight block once for all NR rows. The always_inline bodies take NR as a
+ * constant from thin wrappers, so the per-row loops unroll and the accumulators stay in
+ * registers. */
+#if PQ_HAVE_AVX2
+
+#define PQ_INLINE static inline __attribute__((always_inline))
+
+PQ_INLINE float pq_hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+PQ_INLINE float pq_hsum128(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+PQ_INLINE int32_t pq_hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+}
+PQ_INLINE float pq_h2f(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
+/* 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0..15), then high nibbles (16..31) */
+PQ_INLINE __m256i pq_nibbles32(const uint8_t *p) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+/* 32 bits -> 32 bytes, byte j = 0xFF where bit j is set */
+PQ_INLINE __m256i pq_bits_to_bytes(uint32_t bits) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                           0x0101010101010101LL, 0x0000000000000000LL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x7fbfdfeff7fbfdfeULL);
+    v = _mm256_or_si256(v, bit);
+    return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+}
+/* signed bytes a . signed bytes b, in 8 int32 lanes (|a|, |b| <= 128, never both -128) */
+PQ_INLINE __m256i pq_dot_i8(__m256i a_abs, __m256i a, __m256i b) {
+    const __m256i p = _mm256_maddubs_epi16(a_abs, _mm256_sign_epi8(b, a));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+/* unsigned bytes u (<= 63) . signed bytes b, in 8 int32 lanes */
+PQ_INLINE __m256i pq_dot_u8(__m256i u, __m256i b) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, b), _mm256_set1_epi16(1));
+}
+
+/* Q4_0, Q5_0, Q8_0 x Q8_0: signed weights, per-block scale dx*dy */
+PQ_INLINE void pq_avx2_q_0(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    __m256 acc[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    const int wb = t == PQ_Q4_0 ? 18 : t == PQ_Q5_0 ? 22 : 34;
+    for (int64_t i = 0; i < nb; i++, w += wb) {
+        __m256i q;
+        if (t == PQ_Q4_0) {
+            q = _mm256_sub_epi8(pq_nibbles32(w + 2), _mm256_set1_epi8(8));
+        } else if (t == PQ_Q5_0) {
+            /* (nibble | hbit << 4) - 16 == nibble - (hbit ? 0 : 16) */
+            const __m256i hb = pq_bits_to_bytes(pq_ld_u32(w + 2));
+            q = _mm256_sub_epi8(pq_nibbles32(w + 6), _mm256_andnot_si256(hb, _mm256_set1_epi8(16)));
+        } else {
+            q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        }
+        const __m256i qa = _mm256_sign_epi8(q, q);
+        const float dx = pq_h2f(w);
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *y = x + r * xs + 34 * i;
+            const __m256i p = pq_dot_i8(qa, q, _mm256_loadu_si256((const __m256i *)(y + 2)));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * pq_h2f(y)), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]);
+}
+
+/* Q4_1, Q5_1 x Q8_1: unsigned weights, plus the block minimum times the activation's s */
+PQ_INLINE void pq_avx2_q_1(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    __m256 acc[PQ_MAX_NR];
+    float accm[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = 0.0f; }
+    const int wb = t == PQ_Q4_1 ? 20 : 24;
+    for (int64_t i = 0; i < nb; i++, w += wb) {
+        __m256i q;
+        if (t == PQ_Q4_1) {
+            q = pq_nibbles32(w + 4);
+        } else {
+            const __m256i hb = pq_bits_to_bytes(pq_ld_u32(w + 4));
+            q = _mm256_or_si256(pq_nibbles32(w + 8), _mm256_and_si256(hb, _mm256_set1_epi8(16)));
+        }
+        const float dx = pq_h2f(w), mx = pq_h2f(w + 2);
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *y = x + r * xs + 36 * i;
+            const __m256i p = pq_dot_u8(q, _mm256_loadu_si256((const __m256i *)(y + 4)));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * pq_h2f(y)), _mm256_cvtepi32_ps(p), acc[r]);
+            accm[r] += mx * pq_h2f(y + 2);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]) + accm[r];
+}
+
+/* Q4_K, Q5_K x Q8_K */
+PQ_INLINE void pq_avx2_q45_K(int five, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    __m256 acc[PQ_MAX_NR];
+    __m128 accm[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = _mm_setzero_ps(); }
+    const int wb = five ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t i = 0; i < nb; i++, w += wb) {
+        uint32_t u[4];
+        memcpy(u, w + 4, 12);
+        /* unpack eight 6-bit scales (u[0..1]) and mins (u[2..3]) as ggml's get_scale_min_k4 */
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+        const uint32_t mins_lo = u[1] & 0x3f3f3f3fu;
+        u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+        u[2] = mins_lo;
+        u[0] &= 0x3f3f3f3fu;
+        const __m256i sm = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
+        const __m128i mins = _mm256_extracti128_si256(sm, 1);
+        const __m128i sc128 = _mm256_castsi256_si128(sm);
+        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        const float dx = pq_h2f(w), dminx = pq_h2f(w + 2);
+        const uint8_t *qs = w + (five ? 48 : 16);
+        const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+        __m256i sumi[PQ_MAX_NR];
+        for (int r = 0; r < NR; r++) sumi[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(bits, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            if (five) {
+                const __m256i one = _mm256_set1_epi8(1);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
+            }
+            /* int16 broadcast of scale 2j and 2j+1 */
+            const __m256i sl = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(((4 * j + 1) << 8) | (4 * j))));
+            const __m256i sh = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(((4 * j + 3) << 8) | (4 * j + 2))));
+            for (int r = 0; r < NR; r++) {
+                const uint8_t *y = x + r * xs + 292 * i + 4 + 64 * j;
+                const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)y)), sl);
+                const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 32))), sh);
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+            }
+        }
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *y = x + r * xs + 292 * i;
+            const float yd = pq_ld_f32(y);
+            const __m128i b0 = _mm_loadu_si128((const __m128i *)(y + 260));
+            const __m128i b1 = _mm_loadu_si128((const __m128i *)(y + 276));
+            const __m128i pm = _mm_madd_epi16(mins, _mm_hadd_epi16(b0, b1));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * yd), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            accm[r] = _mm_fmadd_ps(_mm_set1_ps(dminx * yd), _mm_cvtepi32_ps(pm), accm[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]) - pq_hsum128(accm[r]);
+}
+
+/* Q6_K x Q8_K: q6 stored unsigned (0..63); the -32 offset is taken out once per super-block as
+ * 32 * sum(scale * bsum). */
+PQ_INLINE void pq_avx2_q6_K(int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    float acc[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) acc[r] = 0.0f;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    for (int64_t i = 0; i < nb; i++, w += 210) {
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const float dx = pq_h2f(w + 208);
+        __m256i sumi[PQ_MAX_NR];
+        for (int r = 0; r < NR; r++) sumi[r] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+            const __m128i s8 = _mm_cvtepi8_epi16(h ? _mm_unpackhi_epi64(sc8, sc8) : sc8);   /* 8 int16 scales of this half */
+            const __m256i s16 = _mm256_set_m128i(s8, s8);
+            for (int k = 0; k < 4; k++) {
+                /* lanes 0..7: scale 2k of the half, lanes 8..15: scale 2k+1 */
+                const __m256i sk = _mm256_shuffle_epi8(s16, _mm256_set_epi16(
+                    (short)(((4 * k + 3) << 8) | (4 * k + 2)), (short)(((4 * k + 3) << 8) | (4 * k + 2)),
+                    (short)(((4 * k + 3) << 8) | (4 * k + 2)), (short)(((4 * k + 3) << 8) | (4 * k + 2)),
+                    (short)(((4 * k + 3) << 8) | (4 * k + 2)), (short)(((4 * k + 3) << 8) | (4 * k + 2)),
+                    (short)(((4 * k + 3) << 8) | (4 * k + 2)), (short)(((4 * k + 3) << 8) | (4 * k + 2)),
+                    (short)(((4 * k + 1) << 8) | (4 * k)), (short)(((4 * k + 1) << 8) | (4 * k)),
+                    (short)(((4 * k + 1) << 8) | (4 * k)), (short)(((4 * k + 1) << 8) | (4 * k)),
+                    (short)(((4 * k + 1) << 8) | (4 * k)), (short)(((4 * k + 1) << 8) | (4 * k)),
+                    (short)(((4 * k + 1) << 8) | (4 * k)), (short)(((4 * k + 1) << 8) | (4 * k))));
+                for (int r = 0; r < NR; r++) {
+                    const uint8_t *y = x + r * xs + 292 * i + 4 + 128 * h + 32 * k;
+                    const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)y));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, sk));
+                }
+            }
+        }
+        for (int r = 0; r < NR; r++) {
+            /* The correction's lanes hold other elements than the products' lanes: reduce the
+             * exact integer first, so that no float term exceeds the element-level terms. */
+            const uint8_t *y = x + r * xs + 292 * i;
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(y + 260));
+            const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5);
+            acc[r] += (dx * pq_ld_f32(y)) * (float)pq_hsum_i32(_mm256_sub_epi32(sumi[r], corr));
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = acc[r];
+}
+
+/* Q2_K x Q8_K */
+PQ_INLINE void pq_avx2_q2_K(int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    __m256 acc[PQ_MAX_NR];
+    __m256 accm[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = _mm256_setzero_ps(); }
+    const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t i = 0; i < nb; i++, w += 84) {
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)w);
+        const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc8, 4), _mm_set1_epi8(0x0F)));
+        const __m128i scl = _mm_and_si128(sc8, _mm_set1_epi8(0x0F));
+        const float dx = pq_h2f(w + 80), dminx = pq_h2f(w + 82);
+        __m256i sumi[PQ_MAX_NR];
+        for (int r = 0; r < NR; r++) sumi[r] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * h));
+            const __m128i s8 = _mm_cvtepu8_epi16(h ? _mm_unpackhi_epi64(scl, scl) : scl);
+            const __m256i s16 = _mm256_set_m128i(s8, s8);
+            for (int s = 0; s < 4; s++) {
+                const __m256i q = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * s), m3);
+                const __m256i sk = _mm256_shuffle_epi8(s16, _mm256_set_m128i(
+                    _mm_set1_epi16((short)(((4 * s + 3) << 8) | (4 * s + 2))),
+                    _mm_set1_epi16((short)(((4 * s + 1) << 8) | (4 * s)))));
+                for (int r = 0; r < NR; r++) {
+                    const uint8_t *y = x + r * xs + 292 * i + 4 + 128 * h + 32 * s;
+                    const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)y));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, sk));
+                }
+            }
+        }
+        (void)m4;
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *y = x + r * xs + 292 * i;
+            const float yd = pq_ld_f32(y);
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(y + 260));
+            const __m256i pm = _mm256_madd_epi16(bs, mins16);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dx), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dminx), _mm256_cvtepi32_ps(pm), accm[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]) - pq_hsum256(accm[r]);
+}
+
+/* Q3_K x Q8_K: q3 = low2 - (hbit ? 0 : 4), via maddubs(low2, q8) - maddubs(4*!hbit, q8) */
+PQ_INLINE void pq_avx2_q3_K(int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    __m256 acc[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int64_t i = 0; i < nb; i++, w += 110) {
+        int16_t scs[16];
+        for (int g = 0; g < 16; g++) scs[g] = (int16_t)pq_q3_scale(w + 96, g);
+        const float dx = pq_h2f(w + 108);
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)w);
+        __m256i sumi[PQ_MAX_NR];
+        for (int r = 0; r < NR; r++) sumi[r] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * h));
+            for (int s = 0; s < 4; s++) {
+                const int run = 4 * h + s;   /* elements 32*run .. +31, hmask bit `run` */
+                const __m256i ql = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * s), m3);
+                const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, run), _mm256_set1_epi8(1));
+                const __m256i qn = _mm256_slli_epi16(_mm256_xor_si256(hb, _mm256_set1_epi8(1)), 2);  /* 4 where bit clear */
+                const __m256i sk = _mm256_set_m128i(_mm_set1_epi16(scs[2 * run + 1]), _mm_set1_epi16(scs[2 * run]));
+                for (int r = 0; r < NR; r++) {
+                    const __m256i q8 = _mm256_loadu_si256((const __m256i *)(x + r * xs + 292 * i + 4 + 32 * run));
+                    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(ql, q8), _mm256_maddubs_epi16(qn, q8));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, sk));
+                }
+            }
+        }
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *y = x + r * xs + 292 * i;
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * pq_ld_f32(y)), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]);
+}
+
+/* F16 / BF16 / F32 weights with activations of the same type: products exact in float32 for
+ * the 16-bit types, FMA accumulation in 8 lanes. */
+PQ_INLINE __m256 pq_ld8(int t, const uint8_t *p) {
+    if (t == PQ_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (t == PQ_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
+}
+PQ_INLINE void pq_avx2_float(int t, int NR, int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    const int es = t == PQ_F32 ? 4 : 2;
+    __m256 acc[PQ_MAX_NR][2];
+    for (int r = 0; r < NR; r++) { acc[r][0] = _mm256_setzero_ps(); acc[r][1] = _mm256_setzero_ps(); }
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256 w0 = pq_ld8(t, w + es * i), w1 = pq_ld8(t, w + es * (i + 8));
+        for (int r = 0; r < NR; r++) {
+            acc[r][0] = _mm256_fmadd_ps(w0, pq_ld8(t, x + r * xs + es * i), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, pq_ld8(t, x + r * xs + es * (i + 8)), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        float s = pq_hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
+        const uint8_t *y = x + r * xs;
+        for (int64_t j = i; j < n; j++) {
+            float a, b;
+            if (t == PQ_F16) { a = pq_ld_f16(w + 2 * j); b = pq_ld_f16(y + 2 * j); }
+            else if (t == PQ_BF16) { uint16_t u, v; memcpy(&u, w + 2 * j, 2); memcpy(&v, y + 2 * j, 2); a = pq_bf16_to_f32(u); b = pq_bf16_to_f32(v); }
+            else { a = pq_ld_f32(w + 4 * j); b = pq_ld_f32(y + 4 * j); }
+            s += a * b;
+        }
+        out[r] = s;
+    }
+}
+
+/* `n` is the row length in elements; nb the number of blocks. */
+typedef void (*pq_dot_fn)(int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out);
+
+#define PQ_DEF4(name, body) \
+    static void name##_1(int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) { const int NR = 1; body; } \
+    static void name##_2(int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) { const int NR = 2; body; } \
+    static void name##_3(int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) { const int NR = 3; body; } \
+    static void name##_4(int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) { const int NR = 4; body; }
+
+PQ_DEF4(pq_k_q4_0, pq_avx2_q_0(PQ_Q4_0, NR, n / 32, w, x, xs, out))
+PQ_DEF4(pq_k_q5_0, pq_avx2_q_0(PQ_Q5_0, NR, n / 32, w, x, xs, out))
+PQ_DEF4(pq_k_q8_0, pq_avx2_q_0(PQ_Q8_0, NR, n / 32, w, x, xs, out))
+PQ_DEF4(pq_k_q4_1, pq_avx2_q_1(PQ_Q4_1, NR, n / 32, w, x, xs, out))
+PQ_DEF4(pq_k_q5_1, pq_avx2_q_1(PQ_Q5_1, NR, n / 32, w, x, xs, out))
+PQ_DEF4(pq_k_q2_K, pq_avx2_q2_K(NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_q3_K, pq_avx2_q3_K(NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_q4_K, pq_avx2_q45_K(0, NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_q5_K, pq_avx2_q45_K(1, NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_q6_K, pq_avx2_q6_K(NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_f16, pq_avx2_float(PQ_F16, NR, n, w, x, xs, out))
+PQ_DEF4(pq_k_bf16, pq_avx2_float(PQ_BF16, NR, n, w, x, xs, out))
+PQ_DEF4(pq_k_f32, pq_avx2_float(PQ_F32, NR, n, w, x, xs, out))
+
+#define PQ_TAB(name) { name##_1, name##_2, name##_3, name##_4 }
+
+/* The AVX2 kernel for type t and nr rows, NULL when none. */
+PQ_API pq_dot_fn pq_avx2_kernel(int t, int nr) {
+    static const pq_dot_fn q4_0[4] = PQ_TAB(pq_k_q4_0), q5_0[4] = PQ_TAB(pq_k_q5_0), q8_0[4] = PQ_TAB(pq_k_q8_0);
+    static const pq_dot_fn q4_1[4] = PQ_TAB(pq_k_q4_1), q5_1[4] = PQ_TAB(pq_k_q5_1);
+    static const pq_dot_fn q2_K[4] = PQ_TAB(pq_k_q2_K), q3_K[4] = PQ_TAB(pq_k_q3_K), q4_K[4] = PQ_TAB(pq_k_q4_K);
+    static const pq_dot_fn q5_K[4] = PQ_TAB(pq_k_q5_K), q6_K[4] = PQ_TAB(pq_k_q6_K);
+    static const pq_dot_fn f16[4] = PQ_TAB(pq_k_f16), bf16[4] = PQ_TAB(pq_k_bf16), f32[4] = PQ_TAB(pq_k_f32);
+    const pq_dot_fn *tab;
+    switch (t) {
+    case PQ_Q4_0: tab = q4_0; break;
+    case PQ_Q5_0: tab = q5_0; break;
+    case PQ_Q8_0: tab = q8_0; break;
+    case PQ_Q4_1: tab = q4_1; break;
+    case PQ_Q5_1: tab = q5_1; break;
+    case PQ_Q2_K: tab = q2_K; break;
+    case PQ_Q3_K: tab = q3_K; break;
+    case PQ_Q4_K: tab = q4_K; break;
+    case PQ_Q5_K: tab = q5_K; break;
+    case PQ_Q6_K: tab = q6_K; break;
+    case PQ_F16: tab = f16; break;
+    case PQ_BF16: tab = bf16; break;
+    case PQ_F32: tab = f32; break;
+    default: return NULL;
+    }
+    return tab[nr - 1];
+}
+#endif /* PQ_HAVE_AVX2 */
+
+/* nr activation rows (1..PQ_MAX_NR) at byte stride xs against one weight row. */
+static inline void pq_dot_rows(int t, int nr, int64_t k, const uint8_t *w, const uint8_t *x, size_t xs,
+                               float *out, int portable) {
+#if PQ_HAVE_AVX2
+    if (!portable) {
+        pq_avx2_kernel(t, nr)(k, w, x, xs, out);
+        return;
+    }
+#endif
+    (void)portable;
+    for (int r = 0; r < nr; r++) out[r] = pq_dot1_portable(t, k, w, x + r * xs);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * out[r, j] = x[r, :] . dequant(w[j, :]) (+ bias[j]) for r < n, j < m, with ggml's arithmetic.
+ * x: n rows of k floats at stride ldx; w: m rows of wstride bytes; out rows at stride ldo.
+ * xq: scratch of n * xq_stride bytes for the quantized activations (xq_stride = the vec type's
+ * row bytes). The activation rows are quantized once; then tiles of weight rows (about 16 KiB,
+ * kept in L1/L2) go to the threads, and each weight row of a tile is dotted with groups of up
+ * to PQ_MAX_NR activation rows while its unpacked blocks are in registers. */
+PQ_API void pq_mul_mat(int t, const float *x, int64_t n, int64_t k, int64_t ldx,
+                       const uint8_t *w, int64_t m, int64_t wstride,
+                       float *out, int64_t ldo, const float *bias,
+                       uint8_t *xq, int64_t xq_stride, int n_threads, int portable) {
+    pq_traits tr = {1, 4, PQ_F32, 0};
+    pq_get_traits(t, &tr);
+    const int vt = tr.vec_type;
+    int nt = n_threads < 1 ? 1 : n_threads;
+    if (nt > m) nt = (int)(m > 0 ? m : 1);
+    /* Waking a second thread costs microseconds (tens when cores are shared): below ~10 us of
+     * single-thread work one thread does it all. */
+    if (m * wstride * ((n + PQ_MAX_NR - 1) / PQ_MAX_NR) < 65536) nt = 1;
+    /* weight rows per tile: about 16 KiB of weights, reused by every group of activation rows */
+    int64_t tile = 16384 / (wstride > 0 ? wstride : 1);
+    if (tile < 1) tile = 1;
+    /* Small batches are quantized by the calling thread: one barrier fewer, and a barrier costs
+     * a time slice whenever the OS has parked one of the threads (shared cores). */
+    const int serial_quantize = nt == 1 || n <= 2 * PQ_MAX_NR;
+    if (serial_quantize)
+        for (int64_t r = 0; r < n; r++) pq_quantize_row(vt, x + r * ldx, xq + r * xq_stride, k);
+    const int64_t ntiles = (m + tile - 1) / tile;
+    const int64_t nchunks = (n + PQ_ROW_CHUNK - 1) / PQ_ROW_CHUNK;
+    #pragma omp parallel num_threads(nt) if(nt > 1)
+    {
+        if (!serial_quantize) {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) pq_quantize_row(vt, x + r * ldx, xq + r * xq_stride, k);
+            /* implicit barrier: every quantized row is ready */
+        }
+        /* Work items: (chunk of activation rows) x (tile of weight rows), handed out dynamically
+         * so that a thread delayed by the OS does not hold the others up. Chunks of activation
+         * rows are outermost: with all rows at once, a large batch's output and quantized rows
+         * outgrow L2 and the kernel slows down (measured at n >= 128, m = 2048); the weights
+         * re-read per chunk come from L3. Each output is computed by the same kernel whatever
+         * the thread, so results do not depend on the thread count. */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < nchunks * ntiles; item++) {
+            const int64_t c0 = item / ntiles * PQ_ROW_CHUNK;
+            const int64_t c1 = c0 + PQ_ROW_CHUNK < n ? c0 + PQ_ROW_CHUNK : n;
+            const int64_t jt = item % ntiles * tile;
+            const int64_t je = jt + tile < m ? jt + tile : m;
+            for (int64_t r0 = c0; r0 < c1; r0 += PQ_MAX_NR) {
+                const int nr = (int)(c1 - r0 < PQ_MAX_NR ? c1 - r0 : PQ_MAX_NR);
+                for (int64_t j = jt; j < je; j++) {
+                    float s[PQ_MAX_NR];
+                    pq_dot_rows(t, nr, k, w + j * wstride, xq + r0 * xq_stride, (size_t)xq_stride, s, portable);
+                    const float b = bias ? bias[j] : 0.0f;
+                    for (int r = 0; r < nr; r++) out[(r0 + r) * ldo + j] = bias ? s[r] + b : s[r];
+                }
+            }
+        }
+    }
+}
+
+/* Rows ids[i] of w (m rows of k elements of type t) dequantized into out rows (stride ldo). */
+PQ_API void pq_get_rows(int t, const uint8_t *w, int64_t wstride, int64_t k, const int32_t *ids, int64_t n,
+                        float *out, int64_t ldo, int n_threads) {
+    const int nt = n_threads < 1 ? 1 : n_threads;
+    #pragma omp parallel for schedule(static) num_threads(nt) if(nt > 1 && n > 1)
+    for (int64_t i = 0; i < n; i++) pq_dequant_row(t, w + (int64_t)ids[i] * wstride, out + i * ldo, k);
+}
+
+/* Dequantize weight rows [j0, j1) into a row-major float tile (for the BLAS prompt path). */
+PQ_API void pq_dequant_rows(int t, const uint8_t *w, int64_t wstride, int64_t k, int64_t j0, int64_t j1,
+                            float *out, int n_threads) {
+    const int nt = n_threads < 1 ? 1 : n_threads;
+    #pragma omp parallel for schedule(static) num_threads(nt) if(nt > 1 && j1 - j0 > 1)
+    for (int64_t j = j0; j < j1; j++) pq_dequant_row(t, w + j * wstride, out + (j - j0) * k, k);
+}
+
+#endif /* PYLLAMA_GGML_QUANTS_H */

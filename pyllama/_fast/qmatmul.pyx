@@ -1,0 +1,287 @@
+"""Matrix products against weights kept in their GGUF block layout, with ggml's arithmetic.
+
+`mul_mat_q` quantizes the activation rows to the weight type's vec_dot_type exactly as ggml's
+reference quantizers do (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K for the K-quants,
+F16/BF16 for F16/BF16 weights), then forms integer dot products per block and applies the block
+scales as ggml's vec_dot_* do. The kernels are C (ggml_quants.h): AVX2 when the build targets it
+(several activation rows per unpacked weight block), a portable scalar path otherwise or on
+request (`portable=True`), both computing the same integer block sums; their float results
+differ only by summation order, within (k + 16) * 2^-24 * sum|terms| (see ggml_quants.h).
+
+`mul_mat_q_blas` is the prompt-sized alternative: weight tiles dequantized to float32 (exactly,
+as gguf/ggml dequantize) and multiplied by BLAS sgemm with float32 activations, i.e. ggml's
+arithmetic with BLAS rather than its quantized-activation arithmetic. `prompt_rows_min()` is the
+row count from which it is faster on the measured machine (bench/bench_qmatmul.py).
+
+Every function validates its arguments (ValueError with the reason) before releasing the GIL.
+"""
+from libc.stdint cimport int32_t, int64_t, uint8_t
+from libc.stdlib cimport malloc, free
+
+import numpy as np
+
+cdef extern from "ggml_quants.h" nogil:
+    ctypedef struct pq_traits:
+        int block
+        int bytes
+        int vec_type
+        int ints
+    int pq_get_traits(int t, pq_traits *tr)
+    int pq_have_avx2()
+    void pq_quantize_row(int t, const float *x, uint8_t *y, int64_t k)
+    int pq_isums_row(int t, int64_t nb, const uint8_t *w, const uint8_t *x, int32_t *out)
+    void pq_mul_mat(int t, const float *x, int64_t n, int64_t k, int64_t ldx,
+                    const uint8_t *w, int64_t m, int64_t wstride,
+                    float *out, int64_t ldo, const float *bias,
+                    uint8_t *xq, int64_t xq_stride, int n_threads, int portable)
+    void pq_get_rows(int t, const uint8_t *w, int64_t wstride, int64_t k, const int32_t *ids, int64_t n,
+                     float *out, int64_t ldo, int n_threads)
+    void pq_dequant_rows(int t, const uint8_t *w, int64_t wstride, int64_t k, int64_t j0, int64_t j1,
+                         float *out, int n_threads)
+
+# Weight types accepted by mul_mat_q / get_rows_q (gguf.GGMLQuantizationType values).
+DEF T_Q8_1 = 9
+DEF T_Q8_K = 15
+_SUPPORTED = (0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14)
+_VEC_TYPES = (0, 1, 30, 8, 9, 15)
+
+# Rows of x from which mul_mat_q_blas beats mul_mat_q: measured on one AVX2 core (Q4_K, k = 768,
+# m = 2048) the integer path gives 33-35 GMAC/s at 32..128 rows and 24 at 512, dequantized
+# tiles + OpenBLAS 19-28 GMAC/s at 32..128 rows and 34 at 512.
+DEF PROMPT_ROWS_MIN = 256
+# Weight rows dequantized per BLAS tile: 1 MiB or so of float32 at k = 768..4096.
+DEF BLAS_TILE_ELEMS = 262144
+
+
+def _name(int qtype):
+    try:
+        from gguf import GGMLQuantizationType
+        return GGMLQuantizationType(qtype).name
+    except Exception:
+        return f"type id {qtype}"
+
+
+cdef pq_traits _traits(int qtype, tuple allowed, str what) except *:
+    cdef pq_traits tr
+    if qtype not in allowed or not pq_get_traits(qtype, &tr):
+        names = ", ".join(_name(t) for t in allowed)
+        raise ValueError(f"{what}: unsupported type {_name(qtype)} (supported: {names})")
+    return tr
+
+
+cdef int64_t _row_bytes(pq_traits tr, int qtype, int64_t k, str what) except -1:
+    if k < 0:
+        raise ValueError(f"{what}: row length must be >= 0, got {k}")
+    if k % tr.block:
+        raise ValueError(
+            f"{what}: a row of {k} elements is not a whole number of {_name(qtype)} blocks of {tr.block}")
+    return k // tr.block * tr.bytes
+
+
+def supported_types() -> tuple:
+    """ggml type ids that mul_mat_q and get_rows_q accept."""
+    return _SUPPORTED
+
+
+def have_avx2() -> bool:
+    """True when this build contains the AVX2 kernels (else only the portable path)."""
+    return bool(pq_have_avx2())
+
+
+def prompt_rows_min() -> int:
+    """Rows of x from which mul_mat_q_blas is faster than mul_mat_q on the measured machine."""
+    return PROMPT_ROWS_MIN
+
+
+def vec_dot_type(int qtype) -> int:
+    """The activation type ggml quantizes x to for a dot product with weights of `qtype`."""
+    return _traits(qtype, _SUPPORTED, "vec_dot_type").vec_type
+
+
+def row_bytes(int qtype, Py_ssize_t k) -> int:
+    """Bytes of one row of k elements of `qtype` (weight or activation type); ValueError if k is
+    not a whole number of blocks."""
+    cdef pq_traits tr = _traits(qtype, _SUPPORTED + (T_Q8_1, T_Q8_K), "row_bytes")
+    return _row_bytes(tr, qtype, k, "row_bytes")
+
+
+def quantize_rows(x, int vec_type):
+    """x: float32 [n, k] -> uint8 [n, row_bytes(vec_type, k)], each row quantized as ggml's
+    reference quantizer for `vec_type` (F32, F16, BF16, Q8_0, Q8_1 or Q8_K) does."""
+    cdef pq_traits tr = _traits(vec_type, _VEC_TYPES, "quantize_rows")
+    arr = np.ascontiguousarray(x, dtype=np.float32)
+    if arr.ndim != 2:
+        raise ValueError(f"quantize_rows: x must be 2-D, got shape {arr.shape}")
+    cdef const float[:, ::1] xv = arr
+    cdef int64_t n = xv.shape[0], k = xv.shape[1]
+    cdef int64_t rb = _row_bytes(tr, vec_type, k, "quantize_rows")
+    out = np.zeros((n, rb), dtype=np.uint8)
+    if n == 0 or k == 0:
+        return out
+    cdef uint8_t[:, ::1] ov = out
+    cdef int64_t r
+    with nogil:
+        for r in range(n):
+            pq_quantize_row(vec_type, &xv[r, 0], &ov[r, 0], k)
+    return out
+
+
+def int_block_sums(xq, w, int qtype, Py_ssize_t k):
+    """The integer sums per block (and sub-block) that the portable path forms for one weight
+    row `w` (uint8, row_bytes(qtype, k)) and one quantized activation row `xq` (uint8,
+    row_bytes(vec_dot_type(qtype), k)): int32 [n_blocks, ints], ints per type as documented in
+    ggml_quants.h (pq_isums_*). Float types (F32, F16, BF16) have none: ValueError."""
+    cdef pq_traits tw = _traits(qtype, _SUPPORTED, "int_block_sums")
+    if tw.ints == 0:
+        raise ValueError(f"int_block_sums: {_name(qtype)} has no integer block sums")
+    cdef pq_traits tx = tw
+    pq_get_traits(tw.vec_type, &tx)
+    cdef int64_t wb = _row_bytes(tw, qtype, k, "int_block_sums")
+    cdef int64_t xb = _row_bytes(tx, tw.vec_type, k, "int_block_sums")
+    cdef const uint8_t[::1] wv = np.ascontiguousarray(w, dtype=np.uint8).reshape(-1)
+    cdef const uint8_t[::1] xv = np.ascontiguousarray(xq, dtype=np.uint8).reshape(-1)
+    if wv.shape[0] != wb:
+        raise ValueError(f"int_block_sums: w has {wv.shape[0]} bytes, a {_name(qtype)} row of {k} needs {wb}")
+    if xv.shape[0] != xb:
+        raise ValueError(f"int_block_sums: xq has {xv.shape[0]} bytes, a {_name(tw.vec_type)} row of {k} needs {xb}")
+    cdef int64_t nb = k // tw.block
+    out = np.zeros((nb, tw.ints), dtype=np.int32)
+    if nb == 0:
+        return out
+    cdef int32_t[:, ::1] ov = out
+    with nogil:
+        pq_isums_row(qtype, nb, &wv[0], &xv[0], &ov[0, 0])
+    return out
+
+
+cdef int64_t _check_matmul(str what, int qtype, pq_traits tr, const float[:, ::1] x, const uint8_t[:, ::1] w,
+                           float[:, :] out, bias, int n_threads) except -1:
+    cdef int64_t n = x.shape[0], k = x.shape[1], m = w.shape[0]
+    cdef int64_t rb = _row_bytes(tr, qtype, k, what)
+    if w.shape[1] != rb:
+        raise ValueError(
+            f"{what}: weight rows have {w.shape[1]} bytes, a {_name(qtype)} row of {k} elements needs {rb}")
+    if out.shape[0] != n or out.shape[1] != m:
+        raise ValueError(f"{what}: out is {out.shape[0]}x{out.shape[1]}, expected {n}x{m}")
+    if m > 1 and out.strides[1] != 4:
+        raise ValueError(f"{what}: the elements of each row of out must be contiguous")
+    if n > 1 and out.strides[0] % 4:
+        raise ValueError(f"{what}: the row stride of out must be a whole number of floats")
+    if bias is not None:
+        b = np.asarray(bias)
+        if b.dtype != np.float32 or b.ndim != 1 or b.shape[0] != m:
+            raise ValueError(f"{what}: bias must be float32 [{m}], got {b.dtype} {b.shape}")
+    if n_threads < 1:
+        raise ValueError(f"{what}: n_threads must be >= 1, got {n_threads}")
+    return rb
+
+
+def mul_mat_q(const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:, :] out, bias=None,
+              int n_threads=1, bint portable=False):
+    """out[n, m] = x[n, k] @ dequant(w[m, :]).T (+ bias[m]) with ggml's arithmetic.
+
+    x: float32 [n, k], C-contiguous. w: uint8 [m, row_bytes(qtype, k)] (memory maps are fine).
+    out: float32 [n, m] whose rows may be strided (a column slice of a wider array).
+    bias: float32 [m] or None. n_threads: OpenMP threads over tiles of weight rows (handed out
+    dynamically; products under ~10 us of work use one thread); results do not depend on it.
+    portable: force the scalar path (tests). The GIL is released while computing.
+    """
+    cdef pq_traits tr = _traits(qtype, _SUPPORTED, "mul_mat_q")
+    _check_matmul("mul_mat_q", qtype, tr, x, w, out, bias, n_threads)
+    cdef int64_t n = x.shape[0], k = x.shape[1], m = w.shape[0]
+    if n == 0 or m == 0:
+        return
+    cdef pq_traits tx = tr
+    pq_get_traits(tr.vec_type, &tx)
+    cdef int64_t xq_stride = k // tx.block * tx.bytes
+    cdef const float[::1] bv
+    cdef const float *bp = NULL
+    if bias is not None:
+        bv = bias
+        bp = &bv[0]
+    if k == 0:
+        for r in range(n):
+            for j in range(m):
+                out[r, j] = bp[j] if bp != NULL else 0.0
+        return
+    cdef int64_t ldo = out.strides[0] // 4 if n > 1 else m
+    cdef const float *xp = &x[0, 0]
+    cdef const uint8_t *wp = &w[0, 0]
+    cdef float *op = &out[0, 0]
+    cdef int64_t ldx = x.strides[0] // 4 if n > 1 else k
+    cdef int64_t wstride = w.strides[0] if m > 1 else w.shape[1]
+    cdef uint8_t *xq = <uint8_t *>malloc(n * xq_stride + 64)
+    if xq == NULL:
+        raise MemoryError("mul_mat_q: cannot allocate the quantized activations")
+    cdef int qt = qtype, port = portable
+    with nogil:
+        pq_mul_mat(qt, xp, n, k, ldx, wp, m, wstride, op, ldo, bp, xq, xq_stride, n_threads, port)
+    free(xq)
+
+
+def dequantize_rows(const uint8_t[:, ::1] w, int qtype, Py_ssize_t k, Py_ssize_t j0, Py_ssize_t j1,
+                    float[:, ::1] out, int n_threads=1):
+    """Weight rows [j0, j1) of w (k elements each) dequantized bit-exactly into out[j1 - j0, k]."""
+    cdef pq_traits tr = _traits(qtype, _SUPPORTED, "dequantize_rows")
+    cdef int64_t rb = _row_bytes(tr, qtype, k, "dequantize_rows")
+    if w.shape[1] != rb:
+        raise ValueError(f"dequantize_rows: weight rows have {w.shape[1]} bytes, expected {rb}")
+    if not (0 <= j0 <= j1 <= w.shape[0]):
+        raise ValueError(f"dequantize_rows: rows [{j0}, {j1}) outside 0..{w.shape[0]}")
+    if out.shape[0] != j1 - j0 or out.shape[1] != k:
+        raise ValueError(f"dequantize_rows: out is {out.shape[0]}x{out.shape[1]}, expected {j1 - j0}x{k}")
+    if j1 == j0 or k == 0:
+        return
+    cdef int qt = qtype
+    cdef int64_t wstride = w.strides[0]
+    with nogil:
+        pq_dequant_rows(qt, &w[0, 0], wstride, k, j0, j1, &out[0, 0], n_threads)
+
+
+def mul_mat_q_blas(const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, out, bias=None,
+                   int n_threads=1):
+    """As mul_mat_q, but weight tiles are dequantized to float32 and multiplied by BLAS with the
+    float32 activations (no activation quantization): the faster path for prompts of
+    prompt_rows_min() rows or more. BLAS uses its own thread pool."""
+    cdef pq_traits tr = _traits(qtype, _SUPPORTED, "mul_mat_q_blas")
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.ndim != 2:
+        raise ValueError("mul_mat_q_blas: out must be a 2-D float32 array")
+    _check_matmul("mul_mat_q_blas", qtype, tr, x, w, out, bias, n_threads)
+    cdef int64_t n = x.shape[0], k = x.shape[1], m = w.shape[0]
+    if n == 0 or m == 0:
+        return
+    xa = np.asarray(x)
+    tile_rows = max(1, min(m, BLAS_TILE_ELEMS // max(k, 1)))
+    tile = np.empty((tile_rows, k), dtype=np.float32)
+    for j0 in range(0, m, tile_rows):
+        j1 = min(m, j0 + tile_rows)
+        t = tile[: j1 - j0]
+        dequantize_rows(w, qtype, k, j0, j1, t, n_threads)
+        np.matmul(xa, t.T, out=out[:, j0:j1])
+    if bias is not None:
+        out += np.asarray(bias, dtype=np.float32)
+
+
+def get_rows_q(const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, float[:, ::1] out, int n_threads=1):
+    """out[i] = dequant(w[ids[i]]) bit-exactly as gguf/ggml dequantize (the token embedding
+    lookup). w: uint8 [m, row_bytes(qtype, k)] with k = out.shape[1]; ids bounds-checked."""
+    cdef pq_traits tr = _traits(qtype, _SUPPORTED, "get_rows_q")
+    cdef int64_t n = ids.shape[0], k = out.shape[1], m = w.shape[0]
+    cdef int64_t rb = _row_bytes(tr, qtype, k, "get_rows_q")
+    if w.shape[1] != rb:
+        raise ValueError(
+            f"get_rows_q: weight rows have {w.shape[1]} bytes, a {_name(qtype)} row of {k} elements needs {rb}")
+    if out.shape[0] != n:
+        raise ValueError(f"get_rows_q: out has {out.shape[0]} rows for {n} ids")
+    if n_threads < 1:
+        raise ValueError(f"get_rows_q: n_threads must be >= 1, got {n_threads}")
+    cdef int64_t i
+    for i in range(n):
+        if ids[i] < 0 or ids[i] >= m:
+            raise ValueError(f"get_rows_q: id {ids[i]} at position {i} is outside 0..{m - 1}")
+    if n == 0 or k == 0:
+        return
+    cdef int qt = qtype
+    cdef int64_t wstride = w.strides[0] if m > 1 else rb
+    with nogil:
+        pq_get_rows(qt, &w[0, 0], wstride, k, &ids[0], n, &out[0, 0], k, n_threads)

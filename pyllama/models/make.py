@@ -1,7 +1,8 @@
 """Deterministic random-weight test models, written as GGUF files that llama.cpp also loads.
 
     python -m pyllama.models.make --preset tiny|small|medium --out PATH [--vocab VOCAB.gguf]
-        [--type f32|f16|bf16|q8_0|q4_0] [--seed N] [--arch llama|qwen2|qwen3] [--tied|--untied]
+        [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m|q5_k_m]
+        [--seed N] [--arch llama|qwen2|qwen3] [--tied|--untied]
 
 The same arguments give a byte-identical file: weights come from numpy's default_rng(seed) in
 float32, tensor by tensor in a fixed order, and the file has no timestamps. Tensor names and
@@ -10,7 +11,25 @@ realistic at every size (final logits have a standard deviation of about 2.5):
 embeddings N(0,1) (N(0, 2.5/sqrt(n_embd)) when tied, as they are then also the output matrix);
 q/k/v/gate/up N(0, 1/sqrt(fan_in)); attn_output/ffn_down N(0, 0.5/sqrt(fan_in));
 output.weight N(0, 2.5/sqrt(n_embd)); norm weights 1 + N(0, 0.1); biases N(0, 0.1).
-1-D tensors are always F32; 2-D weights are stored in --type.
+1-D tensors are always F32; 2-D weights are stored in --type, as llama.cpp's quantizer
+(llama-quantize, no importance matrix) would store them from the F32 model:
+
+- f32 ... q5_1, q2_k ... q6_k: every 2-D weight in that type (llama-quantize --pure). general.file_type
+  is the matching MOSTLY_* value (MOSTLY_Q3_K_S, _Q4_K_S, _Q5_K_S for the plain q3_k, q4_k, q5_k).
+- q4_k_m / q5_k_m (general.file_type MOSTLY_Q4_K_M / MOSTLY_Q5_K_M): Q4_K / Q5_K, except
+  * output.weight, or token_embd.weight when there is no output.weight (tied: it is the output
+    matrix): Q6_K, or Q8_0 when its rows are not a multiple of 256;
+  * attn_v.weight and ffn_down.weight of the layers where use_more_bits(i, n_layer) holds, that is
+    i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2 (integer division: layers 0, 3, 6, 9, 10 and 11 of
+    12, layers 2 and 5 of 6), counting layers in file order as llama.cpp does: Q6_K.
+- K-quant fallback, for plain K types and the mixes alike: a tensor whose rows are not a multiple of
+  256 (the K-quants' super-block) gets Q4_0 instead of Q2_K or Q3_K, Q5_0 instead of Q4_K, Q5_1
+  instead of Q5_K and Q8_0 instead of Q6_K (F16 if its rows are not a multiple of 32 either). A
+  K type that would then apply to no tensor at all (the tiny preset: 64-wide rows) is refused.
+  Rows: medium 768 and 2048, all K-quant; small 288 (fallback) and 768 (ffn_down, K-quant).
+
+K-quants are computed by pyllama.models.quantize (ggml's reference searches, vectorized); the other
+types by the gguf package.
 
 Without --vocab the model gets pyllama's own byte-level BPE vocabulary (default_vocab.py);
 with it, every `tokenizer.*` key of that GGUF file is copied and n_vocab is its token count.
@@ -30,11 +49,11 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as Q
-from gguf import quants
 
 from ..errors import ModelFileError, PyllamaError
 from .default_vocab import BOS, EOS, build_default_vocab
 from .gguf_file import GGUFFile
+from .quantize import QK_K, quantize
 
 
 @dataclass(frozen=True)
@@ -66,7 +85,19 @@ WTYPES: dict[str, tuple[Q, LlamaFileType]] = {
     "bf16": (Q.BF16, LlamaFileType.MOSTLY_BF16),
     "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "q4_1": (Q.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "q5_0": (Q.Q5_0, LlamaFileType.MOSTLY_Q5_0),
+    "q5_1": (Q.Q5_1, LlamaFileType.MOSTLY_Q5_1),
+    "q2_k": (Q.Q2_K, LlamaFileType.MOSTLY_Q2_K),
+    "q3_k": (Q.Q3_K, LlamaFileType.MOSTLY_Q3_K_S),
+    "q4_k": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
+    "q5_k": (Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_S),
+    "q6_k": (Q.Q6_K, LlamaFileType.MOSTLY_Q6_K),
+    "q4_k_m": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),  # base type; tensor_types() applies the mix
+    "q5_k_m": (Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
 }
+MIXES = frozenset({"q4_k_m", "q5_k_m"})
+K_QUANT_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 ROPE_FREQ_BASE = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
 RMS_EPS = 1e-5
 QUANTIZATION_VERSION = 2
@@ -188,6 +219,60 @@ def _default_vocab_entries(n_vocab: int) -> list[tuple[str, Any, GGUFValueType, 
     ]
 
 
+# ---- tensor types ----------------------------------------------------------------------------
+
+def use_more_bits(i_layer: int, n_layer: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v / ffn_down get more bits in the _M mixes."""
+    return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
+
+
+def _with_fallback(qtype: Q, row: int) -> Q:
+    """The type a tensor of `row`-wide rows gets when `qtype` is asked for (see the module docstring)."""
+    if row % GGML_QUANT_SIZES[qtype][0] == 0:
+        return qtype
+    fallback = K_QUANT_FALLBACK.get(qtype)
+    if fallback is None:
+        raise ValueError(f"rows of {row} cannot be stored as {qtype.name}")
+    return fallback if row % GGML_QUANT_SIZES[fallback][0] == 0 else Q.F16
+
+
+def tensor_types(plan: list[TensorSpec], wtype: str) -> dict[str, Q]:
+    """The ggml type of every tensor of `plan` for --type `wtype` (rules in the module docstring).
+
+    Raises ValueError naming the tensor when a row cannot be stored in a non-K type.
+    """
+    base = WTYPES[wtype][0]
+    tied = not any(spec.name == "output.weight" for spec in plan)
+    n_attn_v = sum(1 for spec in plan if spec.name.endswith("attn_v.weight"))
+    n_layer = n_attn_v  # one attn_v and one ffn_down per layer
+    i_attn_v = i_ffn_down = 0
+    types: dict[str, Q] = {}
+    for spec in plan:
+        if len(spec.shape) != 2:
+            types[spec.name] = Q.F32
+            continue
+        qtype, row = base, spec.shape[1]
+        if wtype in MIXES:
+            if spec.name == "output.weight" or (tied and spec.name == "token_embd.weight"):
+                qtype = Q.Q8_0 if row % QK_K else Q.Q6_K
+            elif spec.name.endswith("attn_v.weight"):
+                qtype = Q.Q6_K if use_more_bits(i_attn_v, n_attn_v) else base
+                i_attn_v += 1
+            elif spec.name.endswith("ffn_down.weight"):
+                qtype = Q.Q6_K if use_more_bits(i_ffn_down, n_layer) else base
+                i_ffn_down += 1
+        try:
+            types[spec.name] = _with_fallback(qtype, row)
+        except ValueError as exc:
+            raise ValueError(f"{spec.name}: {exc} (--type {wtype})") from None
+    if base in K_QUANT_FALLBACK and not any(t in K_QUANT_FALLBACK for t in types.values()):
+        widest = max((s for s in plan if len(s.shape) == 2), key=lambda s: s.shape[1])
+        raise ValueError(f"--type {wtype}: no tensor has rows that are a multiple of {QK_K} "
+                         f"({widest.name} has {widest.shape[1]}), so every tensor would fall back "
+                         f"to another type; use --preset medium (all rows K-quant) or small")
+    return types
+
+
 # ---- weights ---------------------------------------------------------------------------------
 
 def _generate(rng: np.random.Generator, spec: TensorSpec) -> np.ndarray:
@@ -200,14 +285,6 @@ def _generate(rng: np.random.Generator, spec: TensorSpec) -> np.ndarray:
     else:
         x *= np.float32(spec.std)
     return x
-
-
-def _encode(x: np.ndarray, qtype: Q) -> np.ndarray:
-    if qtype == Q.F32:
-        return x
-    if qtype == Q.F16:
-        return x.astype(np.float16)
-    return np.ascontiguousarray(quants.quantize(x, qtype))
 
 
 def _nbytes(spec: TensorSpec, qtype: Q) -> int:
@@ -236,23 +313,21 @@ def make_model(preset: str, out: str, vocab: str | None = None, wtype: str = "f3
     _check_args(preset, wtype, seed, arch)
     out = os.fspath(out)
     p = PRESETS[preset]
-    qtype, ftype = WTYPES[wtype]
+    ftype = WTYPES[wtype][1]
     if vocab is not None:
         vocab_entries, n_vocab = _vocab_from_file(os.fspath(vocab))
     else:
         n_vocab = p.n_vocab
         vocab_entries = _default_vocab_entries(n_vocab)
     plan = tensor_plan(p, arch, tied, n_vocab)
-    for spec in plan:
-        if len(spec.shape) == 2 and spec.shape[1] % GGML_QUANT_SIZES[qtype][0]:
-            raise ValueError(f"{spec.name}: rows of {spec.shape[1]} cannot be stored as {wtype}")
+    types = tensor_types(plan, wtype)
 
     tmp = f"{out}.{os.getpid()}.{threading.get_ident()}.tmp"
     writer = GGUFWriter(tmp, arch)  # general.architecture
     try:
         _add_metadata(writer, preset, p, arch, ftype, n_vocab, vocab_entries)
         for spec in plan:
-            t = qtype if len(spec.shape) == 2 else Q.F32
+            t = types[spec.name]
             # element shape; the dtype argument is unused when raw_dtype is given
             writer.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), _nbytes(spec, t), raw_dtype=t)
         writer.write_header_to_file()
@@ -261,7 +336,7 @@ def make_model(preset: str, out: str, vocab: str | None = None, wtype: str = "f3
         rng = np.random.default_rng(seed)
         for spec in plan:
             x = _generate(rng, spec)
-            writer.write_tensor_data(_encode(x, qtype) if len(spec.shape) == 2 else x)
+            writer.write_tensor_data(quantize(x, types[spec.name]))
             del x
         writer.close()
         os.replace(tmp, out)
@@ -319,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", required=True, choices=list(PRESETS), help="model size")
     ap.add_argument("--out", required=True, help="output GGUF path")
     ap.add_argument("--vocab", help="copy the tokenizer.* metadata (and vocabulary size) of this GGUF file")
-    ap.add_argument("--type", dest="wtype", default="f32", choices=list(WTYPES), help="type of the 2-D weights (default f32)")
+    ap.add_argument("--type", dest="wtype", default="f32", choices=list(WTYPES),
+                    help="type of the 2-D weights, or llama.cpp's q4_k_m / q5_k_m mix (default f32)")
     ap.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
     ap.add_argument("--arch", default="llama", choices=list(ARCHS), help="architecture (default llama)")
     tie = ap.add_mutually_exclusive_group()

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
-from .backend.base import Backend, Buffer, DType, Tensor, nbytes_of
+import numpy as np
+
+from .backend.base import Backend, Buffer, DType, Tensor, dequantize_f32, nbytes_of
+from .errors import ModelFileError
+from .tensor import Op
 from .models.model import Model
 from .models.gguf_file import TensorInfo
 
@@ -64,20 +68,26 @@ def split_layers(n_layer: int, proportions: Sequence[float]) -> list[int]:
     return out
 
 
+# A logical weight on its device: one tensor, or (a fused q|k|v or gate|up whose file tensors the
+# device stores in different types) its parts in row order, each part one type.
+WeightRef = Union[Tensor, tuple[Tensor, ...]]
+
+
 @dataclass
 class Weights:
     """The model's weights on their devices, by logical name (fused where fused)."""
 
-    tensors: dict[str, Tensor] = field(default_factory=dict)
+    tensors: dict[str, WeightRef] = field(default_factory=dict)
     buffers: list[Buffer] = field(default_factory=list)
     bytes_per_backend: dict[str, int] = field(default_factory=dict)
-    # what was uploaded: each stored tensor with the file tensors and type it was made from
+    # what was written: each stored tensor with the file tensors and type it was made from
+    # (weights used in place in a memory-mapped file are not here: nothing was written)
     sources: list[tuple[Tensor, list[TensorInfo], DType]] = field(default_factory=list)
 
-    def __getitem__(self, name: str) -> Tensor:
+    def __getitem__(self, name: str) -> WeightRef:
         return self.tensors[name]
 
-    def get(self, name: str) -> Optional[Tensor]:
+    def get(self, name: str) -> Optional[WeightRef]:
         return self.tensors.get(name)
 
     def upload(self, model: Model, backend: Backend) -> None:
@@ -94,17 +104,55 @@ class Weights:
         self.sources.clear()
 
 
-def load_weights(model: Model, placement: Placement, upload: bool = True) -> Weights:
-    """Places every logical weight on the backend of its layer, one buffer per backend, and uploads it.
+@dataclass
+class _Part:
+    """One stored tensor of a logical weight: consecutive file tensors of one stored type."""
 
+    infos: list[TensorInfo]
+    dtype: DType
+    shape: tuple[int, ...]
+    mapped: bool  # used in place in the file's memory map (one file tensor, stored as the file has it)
+
+
+def _parts(infos: list[TensorInfo], backend: Backend, can_map: bool) -> list[_Part]:
+    """Groups a logical weight's file tensors (concatenated by rows) into runs the device stores
+    in one type: one part when the types agree (the fusion stays whole), else one per run."""
+    dtypes = [backend.weight_dtype(i.qtype) for i in infos]
+    if len(set(dtypes)) > 1 and not backend.supports(Op.MUL_MAT_CAT):
+        dtypes = [DType.F32] * len(infos)  # a device without MUL_MAT_CAT gets the fusion whole, in F32
+    parts: list[_Part] = []
+    for info, dtype in zip(infos, dtypes):
+        if parts and parts[-1].dtype == dtype:
+            parts[-1].infos.append(info)
+        else:
+            parts.append(_Part([info], dtype, (), False))
+    for p in parts:
+        first = p.infos[0]
+        rows = sum(i.shape[0] for i in p.infos)
+        p.shape = (rows,) + first.shape[1:]
+        # in place when the file's bytes serve as they are (GGUF aligns tensor data to 32 bytes by
+        # default; a file with a smaller alignment gets its tensors copied, to aligned rows)
+        p.mapped = can_map and len(p.infos) == 1 and p.dtype == first.qtype and first.offset % _MAP_ALIGN == 0
+    return parts
+
+
+def load_weights(model: Model, placement: Placement, upload: bool = True) -> Weights:
+    """Places every logical weight on the backend of its layer, and uploads it.
+
+    A device that can use host memory in place (the CPU) reads every weight that is one file
+    tensor of a type it computes on straight from the file's memory map; the others (fused
+    tensors, converted types, every weight of a device elsewhere) get one buffer per backend.
     With upload=False nothing is allocated on any device: the tensors sit in placeholder buffers
     of the right sizes, which is enough to plan graphs and to check memory before loading.
     """
     hp = model.hparams
-    plan: list[tuple[str, list[TensorInfo], int, DType, tuple[int, ...]]] = []
+    n_backends = len(placement.backends)
+    plan: list[tuple[str, int, list[_Part]]] = []
     aliases: dict[str, str] = {}  # a tied output matrix on its embedding's device is stored once
     first_of: dict[tuple[tuple[str, ...], int], str] = {}
-    sizes = [0] * len(placement.backends)
+    mapped_bufs: list[Optional[Buffer]] = [b.map_host(model.file.data) for b in placement.backends]
+    sizes = [0] * n_backends
+    mapped_sizes = [0] * n_backends
     for lname, (fnames, layer) in model.logical_weights().items():
         infos = [model.file.tensors[f] for f in fnames]
         bi = placement.backend_of_layer(layer)
@@ -113,11 +161,13 @@ def load_weights(model: Model, placement: Placement, upload: bool = True) -> Wei
             aliases[lname] = first_of[key]
             continue
         first_of[key] = lname
-        dtype = placement.backends[bi].weight_dtype(infos[0].qtype)
-        rows = sum(i.shape[0] for i in infos)
-        shape = (rows,) + infos[0].shape[1:] if len(infos[0].shape) > 1 else (sum(i.shape[0] for i in infos),)
-        plan.append((lname, infos, bi, dtype, shape))
-        sizes[bi] += _aligned(nbytes_of(dtype, shape))
+        parts = _parts(infos, placement.backends[bi], mapped_bufs[bi] is not None)
+        for p in parts:
+            if p.mapped:
+                mapped_sizes[bi] += nbytes_of(p.dtype, p.shape)
+            else:
+                sizes[bi] += _aligned(nbytes_of(p.dtype, p.shape))
+        plan.append((lname, bi, parts))
     weights = Weights()
     buffers = []
     for bi, backend in enumerate(placement.backends):
@@ -126,34 +176,67 @@ def load_weights(model: Model, placement: Placement, upload: bool = True) -> Wei
         buffers.append(buf)
         if upload:
             weights.buffers.append(buf)
-        weights.bytes_per_backend[backend.name] = sizes[bi]
-    offsets = [0] * len(placement.backends)
-    for lname, infos, bi, dtype, shape in plan:
-        t = Tensor(dtype, shape, lname, buffers[bi], offsets[bi])
-        offsets[bi] += _aligned(t.nbytes)
-        if upload:
-            _upload(placement.backends[bi], model, t, infos)
-            weights.sources.append((t, infos, dtype))
-        weights.tensors[lname] = t
+            if mapped_sizes[bi]:
+                weights.buffers.append(mapped_bufs[bi])  # type: ignore[arg-type]
+        weights.bytes_per_backend[backend.name] = sizes[bi] + mapped_sizes[bi]
+    offsets = [0] * n_backends
+    copied: list[TensorInfo] = []
+    for lname, bi, parts in plan:
+        stored = []
+        for k, p in enumerate(parts):
+            name = lname if len(parts) == 1 else f"{lname}.{k}"
+            if p.mapped:
+                stored.append(Tensor(p.dtype, p.shape, name, mapped_bufs[bi], p.infos[0].offset))
+                continue
+            t = Tensor(p.dtype, p.shape, name, buffers[bi], offsets[bi])
+            offsets[bi] += _aligned(t.nbytes)
+            if upload:
+                _upload(placement.backends[bi], model, t, p.infos)
+                weights.sources.append((t, p.infos, p.dtype))
+                copied.extend(p.infos)
+            stored.append(t)
+        weights.tensors[lname] = stored[0] if len(stored) == 1 else tuple(stored)
     for lname, target in aliases.items():
         weights.tensors[lname] = weights.tensors[target]
     if upload:
-        log.info("loaded %s: %s, %d layers, weights %s", model.name, hp.arch, hp.n_layer,
-                 ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in weights.bytes_per_backend.items()))
+        in_place = {id(p.infos[0]) for _, bi, parts in plan for p in parts if p.mapped}
+        for info in copied:  # their bytes now live in a device buffer: the file's pages can go
+            if id(info) not in in_place:
+                model.file.release_pages(info)
+        log.info("loaded %s: %s, %d layers, weights %s%s", model.name, hp.arch, hp.n_layer,
+                 ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in weights.bytes_per_backend.items()),
+                 "".join(f" ({placement.backends[bi].name}: {m / 2**20:.1f} MiB read in place from the file)"
+                         for bi, m in enumerate(mapped_sizes) if m and upload))
     return weights
 
 
 def _upload(backend: Backend, model: Model, t: Tensor, infos: list[TensorInfo]) -> None:
-    """Writes one logical weight: converted to F32 on the host (CPU and RPC devices), or the file
-    bytes as they are when the device stores the file's type; a device that stores another type
-    (CUDA: F16) gets each file tensor to convert on arrival, into its rows of the fused tensor."""
-    if t.dtype == DType.F32 or all(i.qtype == t.dtype for i in infos):
-        backend.set_tensor(t, model.host_data(infos, t.dtype))
+    """Writes one stored tensor: the file bytes as they are when the device stores the file's type
+    (concatenated once when fused), F32 converted on the host (a peer that computes in F32), or
+    each file tensor converted into its rows of the tensor by the device (set_weight)."""
+    if all(i.qtype == t.dtype for i in infos):
+        backend.set_tensor(t, infos[0].raw if len(infos) == 1 else np.concatenate([i.raw for i in infos]))
+        return
+    if t.dtype == DType.F32:
+        backend.set_tensor(t, _f32(model, infos))
         return
     offset = 0
     for info in infos:
         backend.set_weight(t, offset, info.qtype, info.raw)
         offset += nbytes_of(t.dtype, info.shape)
+
+
+def _f32(model: Model, infos: list[TensorInfo]) -> np.ndarray:
+    arrays = []
+    for info in infos:
+        try:
+            arrays.append(dequantize_f32(info.raw, info.qtype, info.shape))
+        except ValueError as exc:
+            raise ModelFileError(f"{model.path}: tensor '{info.name}': {exc}") from None
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+
+
+_MAP_ALIGN = 32
 
 
 def _aligned(n: int, align: int = 64) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pyllama.backend.base import DType
 from pyllama.backend.cpu import CPUBackend
 from pyllama.context import PLAN_CACHE, Batch, Context
 from pyllama.engine import Engine
@@ -21,11 +22,13 @@ PROMPTS = [
 
 
 def make_context(path: str, n_backends: int = 1, n_ctx: int = 256, n_seq: int = 4, n_ubatch: int = 64,
-                 kv_unified: bool = False) -> Context:
+                 kv_unified: bool = False, kv_type: DType = DType.F32) -> Context:
+    """An F32 KV cache unless asked: the float64 reference keeps k and v unrounded."""
     model = Model(path)
     backends = [CPUBackend(1, f"CPU{i}") for i in range(n_backends)]
     placement = Placement(backends, split_layers(model.hparams.n_layer, [1] * n_backends))
-    return Context(model, load_weights(model, placement), placement, n_ctx, n_seq, 256, n_ubatch, kv_unified)
+    return Context(model, load_weights(model, placement), placement, n_ctx, n_seq, 256, n_ubatch, kv_unified,
+                   type_k=kv_type, type_v=kv_type)
 
 
 def greedy_run(ctx: Context, prompts: list[list[int]], n_gen: int, seqs: list[int]) -> list[list[int]]:
@@ -52,7 +55,10 @@ def test_logits_match_float64_reference(model_factory, arch, wtype):
     ctx = make_context(path)
     got = ctx.decode(Batch.for_sequence(tokens, 0, 0, all_logits=True)).logits.astype(np.float64)
     rel = np.abs(got - ref).max() / np.abs(ref).max()
-    assert rel < 1e-4, f"relative error {rel:.2e}"
+    # F16 and Q8_0 weights take their activations rounded to F16 / Q8_0 (as ggml, and as the
+    # reference): a float32 difference of one ulp upstream may move one rounding, by up to ~1e-3
+    tol = 1e-4 if wtype == "f32" else 1e-3
+    assert rel < tol, f"relative error {rel:.2e}"
     assert ref.std(axis=1).min() > 0.5  # the model is not degenerate, so the comparison means something
 
 
@@ -136,7 +142,7 @@ def test_tied_output_is_stored_once_per_device(model_factory):
     assert sum(w2.bytes_per_backend.values()) - sum(w1.bytes_per_backend.values()) >= emb
     ref = reference_logits(path, PROMPTS[0])
     for placement in (one, two):
-        ctx = Context(model, load_weights(model, placement), placement, 64, 1)
+        ctx = Context(model, load_weights(model, placement), placement, 64, 1, type_k=DType.F32, type_v=DType.F32)
         got = ctx.decode(Batch.for_sequence(PROMPTS[0], 0, 0, all_logits=True)).logits
         assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
 

@@ -24,7 +24,7 @@ from pyllama.rpc.protocol import (GRAPH_HEAD, MAX_DIMS, MAX_SRC, N_PARAMS, NAME_
 __all__ = ["encode_graph", "decode_graph", "tensor_nbytes", "SUPPORTED_DTYPES",
            "MAX_GRAPH_TENSORS", "MAX_GRAPH_NODES"]
 
-# A graph of the coarse ops is ~9 nodes per layer; these bounds are far above any real model and
+# A graph of the coarse ops is ~10 nodes per layer; these bounds are far above any real model and
 # keep a hostile count from costing more than one small refusal.
 MAX_GRAPH_TENSORS = 1 << 16
 MAX_GRAPH_NODES = 1 << 16
@@ -70,8 +70,9 @@ cdef uint64_t _type_size[N_TYPE_IDS]
 memset(_block, 0, sizeof(_block))
 memset(_type_size, 0, sizeof(_type_size))
 
-SUPPORTED_DTYPES = tuple(int(t) for t in (_QT.F32, _QT.F16, _QT.BF16, _QT.I32, _QT.Q8_0, _QT.Q4_0,
-                                          _QT.Q4_K, _QT.Q5_K, _QT.Q6_K))
+# the element types (F32, F16, BF16, I32) and every weight type of pyllama.tensor.WEIGHT_TYPES
+SUPPORTED_DTYPES = tuple(int(t) for t in (_QT.F32, _QT.F16, _QT.BF16, _QT.I32, _QT.Q4_0, _QT.Q4_1, _QT.Q5_0,
+                                          _QT.Q5_1, _QT.Q8_0, _QT.Q2_K, _QT.Q3_K, _QT.Q4_K, _QT.Q5_K, _QT.Q6_K))
 for _t in SUPPORTED_DTYPES:
     _block[_t] = GGML_QUANT_SIZES[_QT(_t)][0]
     _type_size[_t] = GGML_QUANT_SIZES[_QT(_t)][1]

@@ -5,85 +5,16 @@ hold: a CPU, a CUDA device and a remote device behind RPC all answer the same ca
 """
 from __future__ import annotations
 
-import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as DType
 
-if TYPE_CHECKING:
-    from ..graph.ops import Graph
+# the shared vocabulary lives in the bottom module; re-exported for the backends' callers
+from ..tensor import NP_DTYPES, Buffer, DType, Graph, Tensor, nbytes_of
 
 __all__ = ["DType", "Buffer", "Tensor", "DeviceInfo", "Backend", "Event", "nbytes_of", "NP_DTYPES"]
-
-# numpy views exist for the element types that compute touches directly; quantized types are bytes.
-NP_DTYPES: dict[DType, np.dtype] = {
-    DType.F32: np.dtype(np.float32),
-    DType.F16: np.dtype(np.float16),
-    DType.I32: np.dtype(np.int32),
-}
-
-
-def nbytes_of(dtype: DType, shape: tuple[int, ...]) -> int:
-    """Bytes of a row-major tensor of `shape`; the last dimension is the row (in blocks for quants)."""
-    block, type_size = GGML_QUANT_SIZES[dtype]
-    n = 1
-    for d in shape:
-        n *= d
-    if shape and shape[-1] % block:
-        raise ValueError(f"row of {shape[-1]} is not a whole number of {dtype.name} blocks")
-    return n // block * type_size
-
-
-_buffer_ids = itertools.count(1)
-
-
-class Buffer:
-    """A region of device memory. Backends subclass it to hold their handle."""
-
-    __slots__ = ("backend", "id", "size", "usage", "__weakref__")
-
-    def __init__(self, backend: "Backend", size: int, usage: str):
-        self.backend = backend
-        self.id = next(_buffer_ids)
-        self.size = size
-        self.usage = usage
-
-    def __repr__(self) -> str:
-        return f"<Buffer {self.id} {self.usage} {self.size} B on {self.backend.name}>"
-
-
-class Tensor:
-    """A typed, shaped view of a buffer region. `buffer` is None until the scheduler places it."""
-
-    __slots__ = ("buffer", "offset", "dtype", "shape", "name", "nbytes")
-
-    def __init__(self, dtype: DType, shape: tuple[int, ...], name: str,
-                 buffer: Optional[Buffer] = None, offset: int = 0):
-        self.dtype = dtype
-        self.shape = tuple(int(d) for d in shape)
-        self.name = name
-        self.buffer = buffer
-        self.offset = offset
-        self.nbytes = nbytes_of(dtype, self.shape)
-
-    @property
-    def backend(self) -> "Backend":
-        assert self.buffer is not None, f"tensor {self.name} is not allocated"
-        return self.buffer.backend
-
-    def view(self, shape: tuple[int, ...], name: Optional[str] = None) -> "Tensor":
-        """The same bytes under another shape (row-major reinterpretation, same element count)."""
-        t = Tensor(self.dtype, shape, name or self.name, self.buffer, self.offset)
-        if t.nbytes != self.nbytes:
-            raise ValueError(f"view {shape} of {self.name}{self.shape} changes the size")
-        return t
-
-    def __repr__(self) -> str:
-        where = f"buf{self.buffer.id}+{self.offset}" if self.buffer else "unallocated"
-        return f"<Tensor {self.name} {self.dtype.name}{list(self.shape)} {where}>"
 
 
 @dataclass(frozen=True)
@@ -198,22 +129,30 @@ class Backend(ABC):
     # accepts exactly these from a client
     weight_types: frozenset = frozenset({DType.F32})
 
+    # the types this device holds a KV cache in (ATTENTION's k_cache, v_cache); a context that asks
+    # for another keeps that cache in F32 on this device, and logs it
+    kv_types: frozenset = frozenset({DType.F32})
+
     def weight_dtype(self, file_dtype: DType) -> DType:
         """The type this backend stores a weight of `file_dtype` in (it may convert at load)."""
         return file_dtype
+
+    def map_host(self, data: np.ndarray, usage: str = "weights") -> Optional[Buffer]:
+        """A buffer over host bytes the caller keeps alive (a model file's memory map), so weights
+        stored as the file stores them are used in place; None for devices that cannot (every
+        device whose memory is not this host's)."""
+        return None
 
     def set_weight(self, tensor: Tensor, offset: int, file_dtype: DType, raw: np.ndarray) -> None:
         """Writes one file tensor (`raw`: its bytes, of type `file_dtype`) into `tensor` (of this
         backend's weight_dtype) starting `offset` bytes in, converting on the way. Called when the
         two types differ and are not F32; a device that converts on arrival (CUDA) overrides this,
-        the default converts on the host (to F16)."""
-        from .._fast.quant import dequantize_to_f32  # noqa: PLC0415
-        if tensor.dtype != DType.F16:
+        the default converts on the host (to F16 or BF16)."""
+        if tensor.dtype not in (DType.F16, DType.BF16):
             raise ValueError(f"{self.name}: cannot convert {file_dtype.name} weights to {tensor.dtype.name} on the host")
-        block, type_size = GGML_QUANT_SIZES[file_dtype]
-        values = dequantize_to_f32(np.ascontiguousarray(raw).reshape(-1).view(np.uint8), int(file_dtype),
-                                   (raw.size // type_size * block,))
-        self.set_tensor(tensor, values.astype(np.float16), offset)
+        row = tensor.shape[-1]
+        values = dequantize_f32(raw, file_dtype, (raw.size // nbytes_of(file_dtype, (row,)), row))
+        self.set_tensor(tensor, values.astype(np.float16) if tensor.dtype == DType.F16 else f32_to_bf16(values), offset)
 
     # --- tracing (GPU backends only) -----------------------------------------------------------
     def trace_mark(self) -> None:
@@ -244,6 +183,30 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Releases every resource of the backend."""
+
+
+def dequantize_f32(raw: np.ndarray, qtype: DType, shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 copy of a tensor's values from its bytes of `qtype` (any type of
+    tensor.WEIGHT_TYPES), for devices that store weights in another type than the file's."""
+    rows, k = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (1, int(shape[0]))
+    data = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if nbytes_of(qtype, (rows, k)) != data.size:
+        raise ValueError(f"{data.size} B are not a {qtype.name} tensor of shape {list(shape)}")
+    if qtype == DType.F32:
+        return data.view(np.float32).reshape(shape).copy()
+    if qtype == DType.F16:
+        return data.view(np.float16).astype(np.float32).reshape(shape)
+    from .._fast import qmatmul  # noqa: PLC0415 - the kernels' row lookup dequantizes every type
+    out = np.empty((rows, k), np.float32)
+    qmatmul.get_rows_q(data.reshape(rows, -1), int(qtype), np.arange(rows, dtype=np.int32), out)
+    return out.reshape(shape)
+
+
+def f32_to_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 values as bfloat16 bit patterns (uint16), rounded to nearest even (NaN kept NaN)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((bits.astype(np.uint64) + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
 
 
 def lost_devices(backends: Sequence["Backend"]) -> dict[str, str]:

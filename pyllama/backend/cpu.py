@@ -1,8 +1,12 @@
 """The CPU backend: numpy buffers, Cython kernels, BLAS for matrix products of many rows.
 
-Matrix products of at most `gemm.small_rows_max()` rows (decode batches) run on the streaming
-kernel of `_fast/gemm.pyx`, which reads each weight once; larger ones (prompts) go to BLAS.
-PYLLAMA_CPU_BLAS_ONLY=1 sends every product to BLAS (for A/B runs).
+Weights stay in the type the model file stores them in (F32, F16, BF16 and ggml's block formats,
+`weight_types`), memory-mapped from the file where a weight is one file tensor (`map_host`).
+Products against F32 weights of at most `gemm.small_rows_max()` rows (decode batches) run on the
+streaming kernel of `_fast/gemm.pyx`, which reads each weight once; larger ones (prompts) go to
+BLAS. PYLLAMA_CPU_BLAS_ONLY=1 sends every F32 product to BLAS (for A/B runs). Products against
+every other type run on `_fast/qmatmul.pyx` with ggml's arithmetic (activations quantized to the
+weight type's dot-product type), and embedding rows of those types are dequantized when looked up.
 
 Every kernel releases the GIL (numpy's BLAS does, and the Cython kernels run `nogil`), so the
 decode threads of several contexts overlap for real. Work completes inside graph_compute, so
@@ -19,10 +23,10 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .. import trace
-from .._fast import gemm
+from .._fast import gemm, qmatmul
 from .._fast import ops as k
 from .._fast import sampling as k_sampling
-from ..graph.ops import Graph, Op, sample_in_cols, sample_out_cols
+from ..tensor import KV_CACHE_TYPES, Graph, Op, check_node, sample_in_cols, sample_out_cols
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 
 _PLAN_CACHE = 256
@@ -41,10 +45,14 @@ def set_compute_threads(n_threads: int) -> int:
 
 
 class CPUBuffer(Buffer):
-    __slots__ = ("data",)
+    __slots__ = ("data", "mapped")
 
-    def __init__(self, backend: "CPUBackend", size: int, usage: str):
+    def __init__(self, backend: "CPUBackend", size: int, usage: str, data: Optional[np.ndarray] = None):
         super().__init__(backend, size, usage)
+        self.mapped = data is not None
+        if data is not None:  # host memory owned elsewhere (a model file's memory map)
+            self.data = data
+            return
         # 64-byte aligned so BLAS and the vectorized kernels see aligned rows
         raw = np.zeros(size + 64, dtype=np.uint8)
         start = (-raw.ctypes.data) % 64
@@ -69,8 +77,15 @@ def _available_memory() -> int:
     return _total_memory()
 
 
+# the weight types the CPU computes on as stored: F32 on gemm/BLAS, the rest on qmatmul
+CPU_WEIGHT_TYPES = frozenset({DType.F32}) | frozenset(DType(t) for t in qmatmul.supported_types())
+
+
 class CPUBackend(Backend):
-    """The host's CPU as a device. Weights of every file type are stored as F32."""
+    """The host's CPU as a device. Weights keep their file type (module docstring)."""
+
+    weight_types = CPU_WEIGHT_TYPES
+    kv_types = KV_CACHE_TYPES  # F32, F16, BF16, Q8_0: the attention kernel reads each in its own type
 
     def __init__(self, n_threads: int = 0, name: str = "CPU"):
         self.name = name
@@ -87,8 +102,14 @@ class CPUBackend(Backend):
         self.allocated += size
         return buf
 
+    def map_host(self, data: np.ndarray, usage: str = "weights") -> Buffer:
+        """A buffer over host bytes the caller keeps alive (a model file's memory map): weights
+        placed in it are read where they lie, never copied. Read-only if `data` is."""
+        return CPUBuffer(self, data.size, usage, data.reshape(-1).view(np.uint8))
+
     def free_buffer(self, buffer: Buffer) -> None:
-        self.allocated -= buffer.size
+        if not buffer.mapped:  # type: ignore[attr-defined]
+            self.allocated -= buffer.size
         buffer.data = np.zeros(0, dtype=np.uint8)  # type: ignore[attr-defined]
 
     def clear_buffer(self, buffer: Buffer, value: int = 0) -> None:
@@ -104,6 +125,15 @@ class CPUBackend(Backend):
     def array(cls, t: Tensor) -> np.ndarray:
         """A numpy view of the tensor (element types only)."""
         return cls.bytes_of(t).view(NP_DTYPES[t.dtype]).reshape(t.shape)
+
+    @classmethod
+    def view(cls, t: Tensor) -> np.ndarray:
+        """What a kernel takes: F32 and I32 tensors as arrays of their shape, every other type (a
+        weight in its file type) as its rows of bytes, uint8 [rows, bytes per row]."""
+        if t.dtype in (DType.F32, DType.I32):
+            return cls.array(t)
+        rows = t.shape[0] if len(t.shape) > 1 else 1
+        return cls.bytes_of(t).reshape(rows, -1 if rows else 0)
 
     def set_tensor(self, tensor: Tensor, data: np.ndarray, offset: int = 0) -> None:
         src = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -170,21 +200,23 @@ class CPUBackend(Backend):
             for t in (nd.out, *nd.srcs):
                 if t.buffer is None or t.buffer.backend is not self:
                     raise ValueError(f"graph tensor {t.name} is not on {self.name}")
-            out = self.array(nd.out)
-            s = [self.array(t) for t in nd.srcs]
             op = nd.op
+            why = check_node(op, nd.out.dtype, [t.dtype for t in nd.srcs], nd.params, self.weight_types)
+            if why is not None:
+                raise ValueError(f"{op.name} {nd.out.name}: {why}")
+            out = self.array(nd.out)
+            s = [self.view(t) for t in nd.srcs]
             if op == Op.GET_ROWS:
-                steps.append(_bind_get_rows(s[0], s[1], out))
+                steps.append(_bind_get_rows(s[0], nd.srcs[0].dtype, s[1], out, nt))
             elif op == Op.RMS_NORM:
                 steps.append(_bind(k.rms_norm, s[0], s[1], out, float(nd.params[0]), nt))
             elif op == Op.MUL_MAT:
                 bias = s[2] if len(s) == 3 else None
-                if s[0].shape[0] <= gemm.small_rows_max() and not _BLAS_ONLY:
-                    steps.append(_bind(gemm.mul_mat_t, s[0], s[1], out, bias, nt))
-                elif bias is not None:
-                    steps.append(_bind_mul_mat_bias(s[0], s[1].T, bias, out))
-                else:
-                    steps.append(_bind(np.matmul, s[0], s[1].T, out=out))
+                steps.append(_bind_mul_mat(s[0], s[1], nd.srcs[1].dtype, out, bias, nt))
+            elif op == Op.MUL_MAT_CAT:  # x, the weight parts, an optional bias (checked above)
+                n_parts = int(nd.params[0])
+                steps.append(_bind_mul_mat_cat(s[0], s[1:1 + n_parts], [t.dtype for t in nd.srcs[1:1 + n_parts]],
+                                               out, s[1 + n_parts] if len(s) > 1 + n_parts else None, nt))
             elif op == Op.ADD:
                 steps.append(_bind(np.add, s[0], s[1], out=out))
             elif op == Op.SWIGLU:
@@ -192,9 +224,10 @@ class CPUBackend(Backend):
             elif op == Op.ATTENTION:
                 qn, kn = (s[7], s[8]) if len(s) == 9 else (empty, empty)
                 p = nd.params
-                steps.append(_bind(k.attention, s[0], s[1], s[2], s[3], s[4], s[5], s[6], qn, kn, out,
+                kc, vc = nd.srcs[1], nd.srcs[2]  # the caches as rows of bytes in their cache types
+                steps.append(_bind(k.attention, s[0], _rows(kc), _rows(vc), s[3], s[4], s[5], s[6], qn, kn, out,
                                    int(p[0]), int(p[1]), int(p[2]), int(p[3]), int(p[4]), float(p[5]),
-                                   float(p[6]), float(p[7]), float(p[8]), nt))
+                                   float(p[6]), float(p[7]), float(p[8]), nt, int(kc.dtype), int(vc.dtype)))
             elif op == Op.SAMPLE:
                 steps.append(_bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             else:
@@ -206,15 +239,64 @@ class CPUBackend(Backend):
         return DeviceInfo(self.name, "cpu", f"CPU ({self.n_threads} threads)", _available_memory(), _total_memory())
 
     def weight_dtype(self, file_dtype: DType) -> DType:
-        return DType.F32
+        # every type the kernels take stays as the file stores it; anything else (no model file
+        # gets here: Model refuses types outside tensor.WEIGHT_TYPES) would be computed in F32
+        return file_dtype if file_dtype in self.weight_types else DType.F32
+
+
+def _rows(t: Tensor) -> np.ndarray:
+    """The bytes of a 2-D tensor (a KV cache of any cache type) as uint8 [rows, bytes per row]."""
+    return CPUBackend.bytes_of(t).reshape(t.shape[0], -1 if t.shape[0] else 0)
 
 
 def _bind(fn: Callable, *args, **kwargs) -> Callable[[], None]:
     return lambda: fn(*args, **kwargs)
 
 
-def _bind_get_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> Callable[[], None]:
-    return lambda: np.take(table, ids, axis=0, out=out, mode="raise")
+def _bind_get_rows(table: np.ndarray, dtype: DType, ids: np.ndarray, out: np.ndarray, nt: int) -> Callable[[], None]:
+    if dtype == DType.F32:
+        return lambda: np.take(table, ids, axis=0, out=out, mode="raise")
+    # a table in its file type (the token embedding): rows are dequantized as they are looked up
+    if table.shape[1] != qmatmul.row_bytes(int(dtype), out.shape[1]) or out.shape[0] != ids.shape[0]:
+        raise ValueError(f"GET_ROWS: {dtype.name} rows of {table.shape[1]} B, ids {list(ids.shape)} and out "
+                         f"{list(out.shape)} disagree")
+    return lambda: qmatmul.get_rows_q(table, int(dtype), ids, out, nt)
+
+
+def _bind_mul_mat(x: np.ndarray, w: np.ndarray, dtype: DType, out: np.ndarray, bias: Optional[np.ndarray],
+                  nt: int) -> Callable[[], None]:
+    """out = x @ w.T (+ bias). F32 weights: the streaming kernel for decode batches, BLAS above;
+    every other type: qmatmul with ggml's arithmetic (it picks its own path by batch size)."""
+    if dtype != DType.F32:
+        n, k = x.shape
+        if w.shape[1] != qmatmul.row_bytes(int(dtype), k) or out.shape != (n, w.shape[0]):
+            raise ValueError(f"MUL_MAT: x {list(x.shape)}, {dtype.name} weight of {w.shape[0]} rows of "
+                             f"{w.shape[1]} B and out {list(out.shape)} disagree")
+        return lambda: qmatmul.mul_mat_q(x, w, int(dtype), out, bias, nt)
+    if x.shape[0] <= gemm.small_rows_max() and not _BLAS_ONLY:
+        return _bind(gemm.mul_mat_t, x, w, out, bias, nt)
+    if bias is not None:
+        return _bind_mul_mat_bias(x, w.T, bias, out)
+    return _bind(np.matmul, x, w.T, out=out)
+
+
+def _bind_mul_mat_cat(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequence[DType], out: np.ndarray,
+                      bias: Optional[np.ndarray], nt: int) -> Callable[[], None]:
+    """MUL_MAT_CAT: each weight part's product written into its columns of `out`, in one step."""
+    steps, col = [], 0
+    for w, dtype in zip(parts, dtypes):
+        m = w.shape[0]
+        if col + m > out.shape[1]:
+            raise ValueError(f"MUL_MAT_CAT: the weight parts have more rows than out has columns ({out.shape[1]})")
+        steps.append(_bind_mul_mat(x, w, dtype, out[:, col:col + m], None if bias is None else bias[col:col + m], nt))
+        col += m
+    if col != out.shape[1]:
+        raise ValueError(f"MUL_MAT_CAT: the weight parts have {col} rows, out has {out.shape[1]} columns")
+
+    def run() -> None:
+        for step in steps:
+            step()
+    return run
 
 
 def _bind_sample(logits: np.ndarray, inp: np.ndarray, out: np.ndarray, n_probs: int, window: int,

@@ -5,7 +5,8 @@ What runs where (docs/cuda.md):
   <name>.fatbin (sm_90 code plus compute_90 PTX) and loaded here with module_from_file;
   matrix products through cuBLAS (cublasGemmEx via ctypes, pyllama/backend/cublas.py).
 - weights: quantized (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), F16 and BF16 file tensors are converted on
-  the device at load into one half-precision type (F16, or BF16 with PYLLAMA_CUDA_WEIGHTS=bf16),
+  the device at load into one half-precision type (F16, or BF16 with PYLLAMA_CUDA_WEIGHTS=bf16);
+  the other block types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K) are dequantized on the host to that type,
   so every MUL_MAT is one cuBLAS GEMM with float32 accumulation; F32 tensors stay F32.
   Activations, the KV cache and every op's output are float32.
 - streams: every thread that uses the device gets its own stream, cuBLAS handle and scratch (a
@@ -17,7 +18,7 @@ What runs where (docs/cuda.md):
 - reads queued with a graph (`reads`) or get_tensor_async go to pinned staging on the stream and
   land in the caller's arrays at synchronize().
 - events: real CUDA events; event_wait makes this thread's stream wait on the GPU, not the host.
-- tracing (DESIGN section 9): CUDA events recorded around each graph compute; their times are put
+- tracing (docs/tracing.md, `dev` spans): CUDA events recorded around each graph compute; their times are put
   on the host's monotonic microsecond scale through an anchor event recorded when the stream
   goes from idle to busy (so the anchor's GPU time is the host time of its recording within a
   few microseconds), and collected when the caller is idle anyway (synchronize, blocking reads,
@@ -44,7 +45,7 @@ from gguf import GGML_QUANT_SIZES
 
 from .. import trace
 from ..errors import PyllamaError
-from ..graph.ops import Graph, Op, sample_in_cols, sample_out_cols
+from ..tensor import Graph, Op, check_node, sample_in_cols, sample_out_cols
 from . import cuda_build
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Event, Tensor
 
@@ -247,6 +248,7 @@ class CUDABackend(Backend):
     """One CUDA device (see the module docstring)."""
 
     weight_types = frozenset({F32, F16, BF16})  # whatever this process stores, a client may send any
+    kv_types = frozenset({F32})  # the attention kernels read and write F32 caches only
 
     def __init__(self, index: int = 0, name: Optional[str] = None):
         drv = _driver()
@@ -489,8 +491,9 @@ class CUDABackend(Backend):
         """Converts one file tensor on the device into its rows of `tensor` (F16 or BF16): the raw
         bytes go up in chunks, a dequant kernel writes the half-precision values."""
         kname = DEQUANT_KERNELS.get((file_dtype, tensor.dtype))
-        if kname is None:
-            raise ValueError(f"{self.name}: no conversion of {file_dtype.name} weights to {tensor.dtype.name}")
+        if kname is None:  # a type cuda_src/dequant.cu lacks (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K): on the host
+            super().set_weight(tensor, offset, file_dtype, raw)
+            return
         kernel = self._kernels[kname]
         block, type_size = GGML_QUANT_SIZES[file_dtype]
         src = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
@@ -591,6 +594,11 @@ class CUDABackend(Backend):
 
     def _bind(self, nd: Any, lane: _Lane, scratch: int) -> list[Callable[[Any], None]]:
         op, out, s, p = nd.op, nd.out, nd.srcs, nd.params
+        if op not in OP_KERNELS:
+            raise ValueError(f"{op.name} does not run on {self.name}")
+        why = check_node(op, out.dtype, [t.dtype for t in s], p, self.weight_types)  # the op table's types
+        if why is not None:
+            raise ValueError(f"{op.name} {out.name}: {why}")
         K, P = self._kernels, self._ptr
         err = int(lane.err_dev)
         if op == Op.GET_ROWS:

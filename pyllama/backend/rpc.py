@@ -24,10 +24,10 @@ import numpy as np
 
 from .. import trace
 from .._fast.wire import encode_graph
-from ..graph.ops import Graph, Op
+from ..tensor import KV_CACHE_TYPES, Graph, Op
 from ..rpc.connection import Connection, RPCError, get_connection
 from ..rpc.protocol import (ALLOC_REP, graph_tables, ALLOC_REQ, DEVICE_INFO, KIND, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32, U64, USAGE,
-                            Cap, Cmd)
+                            Cap, Cmd, DEVICE_TYPES_HEAD, MAX_DEVICE_TYPES)
 from .base import Backend, Buffer, DeviceInfo, DType, Tensor
 
 _KIND_NAMES = {v: k for k, v in KIND.items()}
@@ -64,6 +64,7 @@ class RPCBackend(Backend):
         self._local = threading.local()
         self._encoded: dict[int, bytes] = {}
         self._kind: Optional[int] = None  # the peer device's kind (GET_DEVICE_INFO), once asked
+        self._peer_types: Optional[tuple[Connection, tuple[frozenset, frozenset]]] = None  # GET_DEVICE_TYPES
         # every buffer allocated here and not freed, to allocate again after a reconnect
         self._buffers: "weakref.WeakValueDictionary[int, RPCBuffer]" = weakref.WeakValueDictionary()
         self._use(conn)
@@ -110,7 +111,11 @@ class RPCBackend(Backend):
             raise RPCError(f"{old.endpoint}: the RPC server came back without backend sampling, which this "
                            "server's graphs use; restart it as it was")
         kind = self._kind
+        held = self._peer_types[1][0] if self._peer_types else None
         self._use(conn)
+        if held is not None and not held <= self.weight_types:  # weights were stored in those types
+            raise RPCError(f"{old.endpoint}: the RPC server came back holding other weight types "
+                           f"({', '.join(sorted(t.name for t in self.weight_types))}); restart it as it was")
         if kind is not None:
             self.device_info()
             if self._kind != kind:  # the weights were converted for the old device's kind
@@ -188,23 +193,34 @@ class RPCBackend(Backend):
         self._reads.append((tensor, out))
 
     def _flush_reads(self) -> None:
-        """Sends this thread's queued reads and waits for every read it has in flight."""
+        """Sends this thread's queued reads and waits for every read it has in flight. Every
+        ticket is collected even when one reply is an error (the first error is raised after):
+        a ticket left behind would stall every other user of the connection."""
         reads = self._reads
         if reads:
             self._send_reads(list(reads), locked=False)
             reads.clear()
         inflight = self._inflight
+        first: Optional[RPCError] = None
         while inflight:
             ticket, cmd, batch = inflight.pop(0)
-            if len(batch) == 1:
-                self.conn.receive(ticket, cmd, into=memoryview(batch[0][1].reshape(-1).view(np.uint8)))
-                continue
-            buf = bytearray(sum(t.nbytes for t, _ in batch))
-            self.conn.receive(ticket, cmd, into=memoryview(buf))
-            pos = 0
-            for t, out in batch:
-                out.reshape(-1).view(np.uint8)[:] = np.frombuffer(buf, np.uint8, t.nbytes, pos)
-                pos += t.nbytes
+            try:
+                self._receive_read(ticket, cmd, batch)
+            except RPCError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _receive_read(self, ticket: int, cmd: Cmd, batch: list[tuple[Tensor, np.ndarray]]) -> None:
+        if len(batch) == 1:
+            self.conn.receive(ticket, cmd, into=memoryview(batch[0][1].reshape(-1).view(np.uint8)))
+            return
+        buf = bytearray(sum(t.nbytes for t, _ in batch))
+        self.conn.receive(ticket, cmd, into=memoryview(buf))
+        pos = 0
+        for t, out in batch:
+            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(buf, np.uint8, t.nbytes, pos)
+            pos += t.nbytes
 
     def _send_reads(self, reads: list[tuple[Tensor, np.ndarray]], locked: bool) -> None:
         """Sends reads (one GET_TENSORS, or one GET_TENSOR each without the capability); their
@@ -301,14 +317,78 @@ class RPCBackend(Backend):
         return DeviceInfo(self.name, "rpc", f"{desc} ({_KIND_NAMES.get(kind, '?')}) at {self.conn.endpoint}", free, total)
 
     def supports(self, op: int) -> bool:
+        if op == Op.MUL_MAT_CAT:  # servers that negotiate weight types run it, on a CPU device
+            return self.conn.has(Cap.DEVICE_TYPES) and self.device_kind() == KIND["cpu"]
         return op != Op.SAMPLE or self.conn.has(Cap.BACKEND_SAMPLING)
 
-    def weight_dtype(self, file_dtype: DType) -> DType:
-        # A CPU peer computes in F32; a GPU peer takes every matrix in F16, as the local CUDA
-        # backend stores it (converted here, on the host), which halves upload and memory.
+    def device_kind(self) -> int:
+        """The peer device's kind (protocol KIND), asked once."""
         if self._kind is None:
             self.device_info()
-        return DType.F16 if self._kind == KIND["cuda"] and file_dtype != DType.F32 else DType.F32
+        return self._kind  # type: ignore[return-value]
+
+    @property
+    def kv_types(self) -> frozenset:  # type: ignore[override]
+        """A CPU peer holds every KV cache type, a GPU peer F32 only (as the local CUDA backend)."""
+        if self._kind is None:
+            self.device_info()
+        return frozenset({DType.F32}) if self._kind == KIND["cuda"] else KV_CACHE_TYPES
+
+    def peer_types(self) -> Optional[tuple[frozenset, frozenset]]:
+        """(weight types, KV cache types) the peer's device holds, asked once per connection
+        (GET_DEVICE_TYPES); None from a peer without the DEVICE_TYPES capability."""
+        conn = self.conn
+        if not conn.has(Cap.DEVICE_TYPES):
+            return None
+        cached = self._peer_types
+        if cached is not None and cached[0] is conn:
+            return cached[1]
+        rep = conn.call(Cmd.GET_DEVICE_TYPES, U32.pack(self.device))
+        n_w, n_kv = DEVICE_TYPES_HEAD.unpack_from(rep)
+        if n_w > MAX_DEVICE_TYPES or n_kv > MAX_DEVICE_TYPES or len(rep) != DEVICE_TYPES_HEAD.size + 4 * (n_w + n_kv):
+            raise RPCError(f"{conn.endpoint}: malformed GET_DEVICE_TYPES reply ({len(rep)} bytes)")
+        ids = struct.unpack_from(f"<{n_w + n_kv}I", rep, DEVICE_TYPES_HEAD.size)
+        types = (frozenset(_known_types(ids[:n_w])), frozenset(_known_types(ids[n_w:])))
+        self._peer_types = (conn, types)
+        return types
+
+    @property
+    def weight_types(self) -> frozenset:  # type: ignore[override]
+        """The weight types the peer computes on as stored: as it says (DEVICE_TYPES), else what
+        peers without that capability hold (F32 on a CPU; F32, F16, BF16 on a GPU)."""
+        types = self.peer_types()
+        if types is not None:
+            return types[0]
+        if self._kind is None:
+            self.device_info()
+        return frozenset({DType.F32, DType.F16, DType.BF16}) if self._kind == KIND["cuda"] else frozenset({DType.F32})
+
+    def weight_dtype(self, file_dtype: DType) -> DType:
+        # A peer gets each weight in its file type when it holds that type (the file's bytes go
+        # up as they are: a CPU peer computes on them as the local CPU backend does). Otherwise a
+        # GPU peer takes it in F16, as the local CUDA backend stores it (converted here, on the
+        # host); a CPU peer without DEVICE_TYPES (an older server) computes in F32.
+        held = self.weight_types
+        if file_dtype in held:
+            return file_dtype
+        if DType.F16 in held:
+            return DType.F16
+        if self.peer_types() is None:
+            return DType.F32
+        raise RPCError(f"{self.name}: the RPC server at {self.conn.endpoint} cannot hold {file_dtype.name} weights "
+                       f"(it holds {', '.join(sorted(t.name for t in held))}); run a server that does, or keep "
+                       "these layers on another device")
+
+
+def _known_types(ids) -> list[DType]:
+    """The type ids a peer listed that this side knows (an unknown one it cannot be sent anyway)."""
+    out = []
+    for i in ids:
+        try:
+            out.append(DType(i))
+        except ValueError:
+            pass
+    return out
 
 
 __all__ = ["RPCBackend", "RPCBuffer", "RPCError", "tensor_bytes"]

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..backend.base import DType, Tensor
+from ..tensor import DType, Tensor
 from ..models.hparams import HParams
 from ..weights import Weights
 from .ops import Graph, Node, Op, input_tensor, node, sample_in_cols, sample_out_cols
@@ -58,14 +58,22 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
         nodes.append(node(op, out, *srcs, params=params, layer=layer))
         return out
 
+    def mul_mat(shape: tuple[int, ...], name: str, x: Tensor, wt, bias: Optional[Tensor] = None, *,
+                layer: int) -> Tensor:
+        """x @ w.T: one MUL_MAT, or one MUL_MAT_CAT when the device stores the weight's fused
+        parts in different types (a quantization mix); one node either way."""
+        if isinstance(wt, tuple):
+            return add(Op.MUL_MAT_CAT, shape, name, x, *wt, bias, params=(len(wt),), layer=layer)
+        return add(Op.MUL_MAT, shape, name, x, wt, bias, layer=layer)
+
     x = add(Op.GET_ROWS, (n, e), "inp_embd", w["token_embd"], inputs["inp_tokens"], layer=-1)
     attn_params = (hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_rot, hp.rope_mode, hp.rope_base, hp.rope_scale,
                    hp.rms_eps, 1.0 / math.sqrt(hp.head_dim))
     for il in range(hp.n_layer):
         b = f"blk.{il}."
         h = add(Op.RMS_NORM, (n, e), f"attn_norm-{il}", x, w[b + "attn_norm"], params=(hp.rms_eps,), layer=il)
-        qkv = add(Op.MUL_MAT, (n, hp.n_embd_q + 2 * hp.n_embd_kv), f"qkv-{il}", h, w[b + "attn_qkv"],
-                  w.get(b + "attn_qkv_bias"), layer=il)
+        qkv = mul_mat((n, hp.n_embd_q + 2 * hp.n_embd_kv), f"qkv-{il}", h, w[b + "attn_qkv"],
+                      w.get(b + "attn_qkv_bias"), layer=il)
         k_cache, v_cache = kv[il]
         a = add(Op.ATTENTION, (n, hp.n_embd_q), f"kqv_out-{il}", qkv, k_cache, v_cache, inputs["inp_pos"],
                 inputs["inp_kv_idx"], inputs["inp_attn_cells"], inputs["inp_attn_ranges"],
@@ -77,18 +85,18 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
                 a = add(Op.GET_ROWS, (n_outputs, hp.n_embd_q), f"kqv_out_sel-{il}", a, inputs["inp_out_ids"], layer=il)
                 x = add(Op.GET_ROWS, (n_outputs, e), f"inp_sel-{il}", x, inputs["inp_out_ids"], layer=il)
         rows = a.shape[0]
-        o = add(Op.MUL_MAT, (rows, e), f"attn_out-{il}", a, w[b + "attn_output"], layer=il)
+        o = mul_mat((rows, e), f"attn_out-{il}", a, w[b + "attn_output"], layer=il)
         x1 = add(Op.ADD, (rows, e), f"ffn_inp-{il}", o, x, layer=il)
         h2 = add(Op.RMS_NORM, (rows, e), f"ffn_norm-{il}", x1, w[b + "ffn_norm"], params=(hp.rms_eps,), layer=il)
-        gu = add(Op.MUL_MAT, (rows, 2 * hp.n_ff), f"ffn_gate_up-{il}", h2, w[b + "ffn_gate_up"], layer=il)
+        gu = mul_mat((rows, 2 * hp.n_ff), f"ffn_gate_up-{il}", h2, w[b + "ffn_gate_up"], layer=il)
         s = add(Op.SWIGLU, (rows, hp.n_ff), f"ffn_swiglu-{il}", gu, layer=il)
-        d = add(Op.MUL_MAT, (rows, e), f"ffn_out-{il}", s, w[b + "ffn_down"], layer=il)
+        d = mul_mat((rows, e), f"ffn_out-{il}", s, w[b + "ffn_down"], layer=il)
         x = add(Op.ADD, (rows, e), f"l_out-{il}", d, x1, layer=il)
     output = None
     if n_outputs > 0:
         hn = add(Op.RMS_NORM, (n_outputs, e), "result_norm", x, w["output_norm"], params=(hp.rms_eps,),
                  layer=hp.n_layer)
-        output = add(Op.MUL_MAT, (n_outputs, hp.n_vocab), OUTPUT_NAME, hn, w["output"], layer=hp.n_layer)
+        output = mul_mat((n_outputs, hp.n_vocab), OUTPUT_NAME, hn, w["output"], layer=hp.n_layer)
         if sample is not None:
             n_probs, window = sample
             inputs[SAMPLING_INPUT] = input_tensor(SAMPLING_INPUT, I32, (n_outputs, sample_in_cols(window)))

@@ -34,6 +34,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     n_elements: int
     raw: np.ndarray  # uint8 view of the tensor's bytes in the memory map
+    offset: int = 0  # where those bytes start in the file (and in GGUFFile.data)
 
 
 class _Cursor:
@@ -159,7 +160,21 @@ class GGUFFile:
                 raise ModelFileError(f"{self.path}: tensor '{name}' is truncated (its data ends past the end of the file)")
             if name in self.tensors:
                 raise ModelFileError(f"{self.path}: tensor '{name}' appears twice")
-            self.tensors[name] = TensorInfo(name, qtype, tuple(reversed(ne)), n_el, self.data[start:start + n_bytes])
+            self.tensors[name] = TensorInfo(name, qtype, tuple(reversed(ne)), n_el, self.data[start:start + n_bytes],
+                                            start)
+
+    def release_pages(self, info: TensorInfo) -> None:
+        """Tells the kernel this process is done with a tensor's bytes (they were copied): the
+        pages wholly inside it leave the process's resident set. Reading them again later is
+        still correct (they come back from the file), so a neighbour's shared page is kept."""
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page
+        end = (info.offset + info.raw.size) // page * page
+        if end > start and hasattr(self._mmap, "madvise"):
+            try:
+                self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+            except (OSError, ValueError, AttributeError):  # pragma: no cover - advice only
+                pass
 
     def require(self, key: str) -> Any:
         """A metadata value that must be present."""

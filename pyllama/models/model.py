@@ -8,16 +8,16 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ..errors import ModelFileError
+from ..tensor import WEIGHT_TYPES
 from .gguf_file import GGUFFile, TensorInfo
 from .hparams import HParams, read_hparams
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+SUPPORTED_TYPES = WEIGHT_TYPES  # the types a model's tensors may have (the IQ*, TQ*, MXFP4 families not)
 
 
 def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
@@ -114,18 +114,3 @@ class Model:
             out[b + "ffn_gate_up"] = ([b + "ffn_gate.weight", b + "ffn_up.weight"], i)
             out[b + "ffn_down"] = ([b + "ffn_down.weight"], i)
         return out
-
-    def host_data(self, parts: list[TensorInfo], dtype: QT) -> np.ndarray:
-        """Bytes (or floats) of the concatenated parts in the type the backend stores."""
-        if dtype == QT.F32:
-            from .._fast.quant import dequantize_to_f32  # noqa: PLC0415
-            arrays = []
-            for info in parts:
-                try:
-                    arrays.append(dequantize_to_f32(info.raw, int(info.qtype), info.shape))
-                except ValueError as exc:
-                    raise ModelFileError(f"{self.path}: tensor '{info.name}': {exc}") from None
-            return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
-        if any(p.qtype != dtype for p in parts):
-            raise ModelFileError(f"{self.path}: fused tensors {[p.name for p in parts]} differ in type")
-        return np.concatenate([np.asarray(p.raw) for p in parts])

@@ -31,6 +31,7 @@ class Cmd(enum.IntEnum):
     SYNCHRONIZE = 13
     TRACE_SYNC = 14
     AUTH = 15
+    GET_DEVICE_TYPES = 16
 
 
 ONE_WAY = frozenset({Cmd.SET_TENSOR, Cmd.GRAPH_COMPUTE, Cmd.GRAPH_RECOMPUTE})
@@ -42,6 +43,7 @@ class Cap(enum.IntFlag):
     SET_TENSOR_HASH = 1 << 2
     BACKEND_SAMPLING = 1 << 3  # graphs may hold the SAMPLE op
     AUTH = 1 << 4              # the server requires AUTH before any other command
+    DEVICE_TYPES = 1 << 5      # GET_DEVICE_TYPES: the weight and KV cache types a device holds
 
 
 STATUS_OK = 0
@@ -60,6 +62,8 @@ REGION = struct.Struct("<QQ")           # offset, size (after a tensor)
 GRAPH_HEAD = struct.Struct("<IIQII")    # device, reserved, uid, n_tensors, n_nodes
 RECOMPUTE = struct.Struct("<IIQ")       # device, reserved, uid
 TRACE_REP = struct.Struct("<QQ")
+DEVICE_TYPES_HEAD = struct.Struct("<II")  # n_weight_types, n_kv_types (then that many u32 type ids)
+MAX_DEVICE_TYPES = 64                     # type ids are below 64; a reply listing more is refused
 
 MAX_DIMS = 4
 NAME_LEN = 48

@@ -19,6 +19,8 @@ from ..rpc.protocol import KIND
 log = logging.getLogger("pyllama.rpc_server")
 
 _MAX_HOLD = 0.0005  # seconds a completed one-way command may wait to be reported with others
+_IDLE_WAIT_S = 5.0  # an idle executor wakes this often (stop() wakes it at once)
+STOP_WAIT_S = 60.0  # stop() waits this long at most for the queued commands
 
 
 class Executor:
@@ -45,8 +47,8 @@ class Executor:
                done: Optional[Callable[[Any], None]] = None) -> None:
         self._q.put((fn, loop, done))
 
-    def stop(self, timeout: Optional[float] = None) -> None:
-        """Runs what is queued, then ends the thread."""
+    def stop(self, timeout: float = STOP_WAIT_S) -> None:
+        """Runs what is queued (for at most `timeout` seconds), then ends the thread."""
         if self._started:
             self._q.put(None)
             self._thread.join(timeout)
@@ -66,7 +68,10 @@ class Executor:
                     _hand_over(ready)
                     continue
             else:
-                job = self._q.get()
+                try:
+                    job = self._q.get(timeout=_IDLE_WAIT_S)
+                except queue.Empty:
+                    continue
             if job is None:
                 _hand_over(ready)
                 return
@@ -115,7 +120,8 @@ class Device:
         self.name = backend.name
         info = backend.device_info()
         self.kind = KIND.get(info.kind, 0)
-        self.weight_types = backend.weight_types
+        self.weight_types = frozenset(backend.weight_types)  # what graphs may give as weights here
+        self.kv_types = frozenset(backend.kv_types)  # the KV cache types it holds
         self.mem_limit = mem_limit
         self.allocated = 0  # bytes of live buffers, over all connections (executor thread only)
         # work is done when the executor returns from a command (no device queue to wait for)

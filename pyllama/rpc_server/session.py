@@ -25,7 +25,7 @@ import numpy as np
 from .._fast import wire
 from ..backend.base import Buffer, DType, Tensor
 from ..backend.cpu import CPUBackend
-from ..graph.ops import Graph, Node, Op
+from ..tensor import OP_TABLE, Graph, Node, Op, check_node
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
 from .cache import CACHE_MIN_BYTES, as_bytes_view
@@ -46,20 +46,6 @@ MAX_GET_TENSORS = 1 << 16                                             # entries 
 USAGE_NAMES = {v: k for k, v in P.USAGE.items()}
 INT32_MAX = 2**31 - 1
 
-F32, I32 = DType.F32, DType.I32
-# op -> (accepted source counts, dtype of each source position, parameters used); outputs are F32
-OP_SPEC: dict[Op, tuple[tuple[int, ...], tuple[DType, ...], int]] = {
-    Op.GET_ROWS: ((2,), (F32, I32), 0),
-    Op.RMS_NORM: ((2,), (F32, F32), 1),
-    Op.MUL_MAT: ((2, 3), (F32, F32, F32), 0),
-    Op.ADD: ((2,), (F32, F32), 0),
-    Op.SWIGLU: ((1,), (F32,), 0),
-    Op.ATTENTION: ((7, 9), (F32, F32, F32, I32, I32, I32, I32, F32, F32), 9),
-    Op.SAMPLE: ((2,), (F32, I32), 2),
-}
-OUT_DTYPE = {Op.SAMPLE: I32}  # every other op writes F32
-# the source that may be a weight in the device's own storage type (Device.weight_types)
-WEIGHT_SOURCE = {Op.MUL_MAT: 1, Op.GET_ROWS: 0}
 SAMPLE_MAX_PROBS = 4096
 SAMPLE_MAX_WINDOW = 1 << 20
 ATTN_INT_PARAMS = 5  # n_head, n_head_kv, head_dim, n_rot, rope_mode travel as f64
@@ -165,6 +151,7 @@ class Session:
             Cmd.SYNCHRONIZE: self._synchronize,
             Cmd.TRACE_SYNC: self._trace_sync,
             Cmd.AUTH: self._auth_again,
+            Cmd.GET_DEVICE_TYPES: self._device_types,
         }
 
     # --- dispatch ------------------------------------------------------------------------------
@@ -271,6 +258,13 @@ class Session:
         name = dev.name.encode("utf-8")[:63].decode("utf-8", "ignore").encode("utf-8")
         return P.DEVICE_INFO.pack(name, dev.kind, 0, free, total)
 
+    def _device_types(self, payload, t_recv: int) -> bytes:
+        self._need(Cap.DEVICE_TYPES, Cmd.GET_DEVICE_TYPES)
+        _expect(payload, P.U32.size, "GET_DEVICE_TYPES")
+        dev = self._device(P.U32.unpack(payload)[0])
+        weights, kv = sorted(int(t) for t in dev.weight_types), sorted(int(t) for t in dev.kv_types)
+        return P.DEVICE_TYPES_HEAD.pack(len(weights), len(kv)) + struct.pack(f"<{len(weights) + len(kv)}I", *weights, *kv)
+
     def _trace_sync(self, payload, t_recv: int) -> bytes:
         self._need(Cap.TRACE_SYNC, Cmd.TRACE_SYNC)
         _expect(payload, P.U64.size, "TRACE_SYNC")
@@ -290,7 +284,7 @@ class Session:
             raise CommandError(f"unknown buffer usage {usage} (0 compute, 1 weights, 2 kv)")
         buf = dev.alloc(size, USAGE_NAMES[usage])
         self.buffers[buf.id] = (buf, dev)
-        log.info("%s: buffer %d of %d B (%s) on %s", self.peer, buf.id, size, USAGE_NAMES[usage], dev.name)
+        log.debug("%s: buffer %d of %d B (%s) on %s", self.peer, buf.id, size, USAGE_NAMES[usage], dev.name)
         return P.ALLOC_REP.pack(buf.id, buf.size)
 
     def _free(self, payload, t_recv: int) -> bytes:
@@ -467,25 +461,16 @@ class Session:
                 op = Op(ops[j])
             except ValueError:
                 raise CommandError(f"graph node {j}: unknown op code {ops[j]}") from None
-            counts, dtypes, n_params = OP_SPEC[op]
             n = nsrc[j]
-            if n not in counts:
-                raise CommandError(f"graph node {j} ({op.name}): {n} sources, expected "
-                                   f"{' or '.join(map(str, counts))}")
             out = tensors[outs[j]]
             ins = tuple(tensors[s] for s in srcs[j][:n])
             if op == Op.SAMPLE and not self.server.capabilities & Cap.BACKEND_SAMPLING:
                 raise CommandError(f"graph node {j}: SAMPLE needs the BACKEND_SAMPLING capability, not advertised here")
-            want = OUT_DTYPE.get(op, F32)
-            if out.dtype != want:
-                raise CommandError(f"graph node {j} ({op.name}): output {out.name!r} is {out.dtype.name}, not {want.name}")
-            weight = WEIGHT_SOURCE.get(op)
-            for k, t in enumerate(ins):
-                if k == weight and t.dtype in dev.weight_types:
-                    continue
-                if t.dtype != dtypes[k]:
-                    raise CommandError(f"graph node {j} ({op.name}): source {k} {t.name!r} is {t.dtype.name}, "
-                                       f"not {dtypes[k].name}")
+            # the op table (pyllama.tensor) states each op's sources and types, for every backend
+            why = check_node(op, out.dtype, [t.dtype for t in ins], params[j], dev.weight_types)
+            if why is not None:
+                raise CommandError(f"graph node {j} ({op.name}): {why}")
+            n_params = OP_TABLE[op].n_params
             p = params[j]
             self._check_params(j, op, p, n_params)
             if op == Op.ATTENTION:

@@ -1,0 +1,264 @@
+"""The vocabulary every layer shares: element types, buffers, tensors, ops, graphs, and the op table.
+
+This module is the bottom of the engine: the graph builders (graph/), the backends (backend/), the
+scheduler and the rpc server all import it, and it imports nothing of pyllama, so no package
+depends on another one just to name a tensor or an op.
+
+`OP_TABLE` states, once, what every op takes and gives: its sources (name, allowed types, whether
+the position may hold a weight in a type the device stores), its output type and its parameter
+count. The CPU and CUDA backends check each node against it before binding a kernel, and the rpc
+server checks every node a client sends against it (`check_node`), so the three cannot drift.
+
+Op codes are fixed once released (a graph travels over RPC as codes plus fixed-size parameter
+blocks); new ops are appended.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as DType
+
+__all__ = ["DType", "Buffer", "Tensor", "nbytes_of", "NP_DTYPES", "WEIGHT_TYPES", "QUANT_TYPES", "KV_CACHE_TYPES",
+           "Op", "Node", "Graph", "node", "input_tensor", "Src", "OpSpec", "OP_TABLE", "src_roles", "check_node",
+           "sample_in_cols", "sample_out_cols", "SAMPLE_PARAM_COLS", "MAX_SRCS"]
+
+# numpy views exist for the element types that compute touches directly; quantized types are bytes.
+NP_DTYPES: dict[DType, np.dtype] = {
+    DType.F32: np.dtype(np.float32),
+    DType.F16: np.dtype(np.float16),
+    DType.I32: np.dtype(np.int32),
+}
+
+# ggml's block formats that the engine keeps as the file stores them (and computes on directly)
+QUANT_TYPES: tuple[DType, ...] = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0,
+                                  DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K, DType.Q6_K)
+# every type a model file may give a weight (the IQ*, TQ* and MXFP4 families are refused at load)
+WEIGHT_TYPES: tuple[DType, ...] = (DType.F32, DType.F16, DType.BF16) + QUANT_TYPES
+# the types a KV cache may be stored in (ATTENTION's k_cache and v_cache)
+KV_CACHE_TYPES: frozenset = frozenset({DType.F32, DType.F16, DType.BF16, DType.Q8_0})
+
+
+def nbytes_of(dtype: DType, shape: tuple[int, ...]) -> int:
+    """Bytes of a row-major tensor of `shape`; the last dimension is the row (in blocks for quants)."""
+    block, type_size = GGML_QUANT_SIZES[dtype]
+    n = 1
+    for d in shape:
+        n *= d
+    if shape and shape[-1] % block:
+        raise ValueError(f"row of {shape[-1]} is not a whole number of {dtype.name} blocks")
+    return n // block * type_size
+
+
+_buffer_ids = itertools.count(1)
+
+
+class Buffer:
+    """A region of device memory. Backends subclass it to hold their handle."""
+
+    __slots__ = ("backend", "id", "size", "usage", "__weakref__")
+
+    def __init__(self, backend: Any, size: int, usage: str):
+        self.backend = backend  # the Backend (backend/base.py) that owns it
+        self.id = next(_buffer_ids)
+        self.size = size
+        self.usage = usage
+
+    def __repr__(self) -> str:
+        return f"<Buffer {self.id} {self.usage} {self.size} B on {self.backend.name}>"
+
+
+class Tensor:
+    """A typed, shaped view of a buffer region. `buffer` is None until the scheduler places it."""
+
+    __slots__ = ("buffer", "offset", "dtype", "shape", "name", "nbytes")
+
+    def __init__(self, dtype: DType, shape: tuple[int, ...], name: str,
+                 buffer: Optional[Buffer] = None, offset: int = 0):
+        self.dtype = dtype
+        self.shape = tuple(int(d) for d in shape)
+        self.name = name
+        self.buffer = buffer
+        self.offset = offset
+        self.nbytes = nbytes_of(dtype, self.shape)
+
+    @property
+    def backend(self) -> Any:
+        assert self.buffer is not None, f"tensor {self.name} is not allocated"
+        return self.buffer.backend
+
+    def view(self, shape: tuple[int, ...], name: Optional[str] = None) -> "Tensor":
+        """The same bytes under another shape (row-major reinterpretation, same element count)."""
+        t = Tensor(self.dtype, shape, name or self.name, self.buffer, self.offset)
+        if t.nbytes != self.nbytes:
+            raise ValueError(f"view {shape} of {self.name}{self.shape} changes the size")
+        return t
+
+    def __repr__(self) -> str:
+        where = f"buf{self.buffer.id}+{self.offset}" if self.buffer else "unallocated"
+        return f"<Tensor {self.name} {self.dtype.name}{list(self.shape)} {where}>"
+
+
+# --- ops ------------------------------------------------------------------------------------------
+class Op(IntEnum):
+    # srcs (table [n, d], ids i32 [m]) -> out [m, d]: embedding lookup and output-row selection
+    GET_ROWS = 1
+    # srcs (x [n, d], w [d]); params (eps,) -> out [n, d] = x / rms(x) * w
+    RMS_NORM = 2
+    # srcs (x [n, k], w [m, k] [, bias [m]]) -> out [n, m] = x @ w.T (+ bias)
+    MUL_MAT = 3
+    # srcs (a, b) same shape -> out = a + b
+    ADD = 4
+    # srcs (gu [n, 2f]) -> out [n, f] = silu(gu[:, :f]) * gu[:, f:]
+    SWIGLU = 5
+    # Self-attention of one layer with its KV-cache write, RoPE and optional q/k norm fused:
+    # srcs (qkv [n, (H + 2 Hkv) hd], k_cache [cells, Hkv hd], v_cache [cells, Hkv hd], pos i32 [n],
+    #       kv_idx i32 [n], attn_cells i32 [c], attn_ranges i32 [n, 2] [, q_norm [hd], k_norm [hd]])
+    # params (n_head, n_head_kv, head_dim, n_rot, rope_mode, freq_base, freq_scale, norm_eps, scale)
+    # -> out [n, H hd]. Token t writes its k, v to cell kv_idx[t], then attends to the cells
+    # attn_cells[r0 : r0 + r1] where (r0, r1) = attn_ranges[t].
+    ATTENTION = 6
+    # The sampler chain of every output row, run where the logits are (backend sampling):
+    # srcs (logits [r, n_vocab], sampling i32 [r, 12 + L]); params (n_probs N, window L)
+    # -> out i32 [r, 2 + 2N]. A sampling row holds the packed inputs of sampling.pack_rows: 8
+    # float32 parameters (bit patterns; the 7th is the row's uniform draw), 4 ints (top_k, n_probs,
+    # n_penalty_tokens, 0) and L penalty tokens. An out row holds the chosen id, its probability
+    # (float32 bits), N candidate ids and their probabilities (float32 bits).
+    SAMPLE = 7
+    # One product against weights of different types, concatenated by rows (a fused q|k|v or
+    # gate|up whose parts a quantization mix stored in different types):
+    # srcs (x [n, k], w_1 [m_1, k], ..., w_p [m_p, k] [, bias [m_1 + ... + m_p]]); params (p,)
+    # -> out [n, m_1 + ... + m_p], part i written into its columns. Same result as MUL_MAT
+    # against the rows concatenated, in one node (Python pays per node).
+    MUL_MAT_CAT = 8
+
+
+MAX_SRCS = 10  # sources a node may have (the wire's fixed node layout)
+F32, I32 = DType.F32, DType.I32
+
+
+@dataclass(frozen=True)
+class Src:
+    """One source position of an op: what it is, which types it takes, whether it may be a weight
+    (then any type the device stores for weights is accepted too)."""
+
+    name: str
+    dtypes: frozenset
+    weight: bool = False
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    srcs: tuple[Src, ...]    # every position, optional ones last
+    counts: tuple[int, ...]  # accepted source counts
+    out: DType
+    n_params: int            # parameters the op reads (the rest of the wire's block must be 0)
+
+
+def _s(name: str, *dtypes: DType, weight: bool = False) -> Src:
+    return Src(name, frozenset(dtypes), weight)
+
+
+OP_TABLE: dict[Op, OpSpec] = {
+    Op.GET_ROWS: OpSpec((_s("table", F32, weight=True), _s("ids", I32)), (2,), F32, 0),
+    Op.RMS_NORM: OpSpec((_s("x", F32), _s("w", F32)), (2,), F32, 1),
+    Op.MUL_MAT: OpSpec((_s("x", F32), _s("w", F32, weight=True), _s("bias", F32)), (2, 3), F32, 0),
+    Op.ADD: OpSpec((_s("a", F32), _s("b", F32)), (2,), F32, 0),
+    Op.SWIGLU: OpSpec((_s("gu", F32),), (1,), F32, 0),
+    Op.ATTENTION: OpSpec((_s("qkv", F32), Src("k_cache", KV_CACHE_TYPES), Src("v_cache", KV_CACHE_TYPES),
+                          _s("pos", I32), _s("kv_idx", I32), _s("attn_cells", I32), _s("attn_ranges", I32),
+                          _s("q_norm", F32), _s("k_norm", F32)), (7, 9), F32, 9),
+    Op.SAMPLE: OpSpec((_s("logits", F32), _s("sampling", I32)), (2,), I32, 2),
+    # sources are laid out by src_roles (x, p weights, optional bias)
+    Op.MUL_MAT_CAT: OpSpec((_s("x", F32), _s("w", F32, weight=True), _s("bias", F32)),
+                           tuple(range(3, MAX_SRCS + 1)), F32, 1),
+}
+assert set(OP_TABLE) == set(Op), "every op needs its row in OP_TABLE"
+
+
+def src_roles(op: Op, n_srcs: int, params: Sequence[float] = ()) -> Optional[list[Src]]:
+    """What each of a node's `n_srcs` sources is, or None when the op takes no such count."""
+    spec = OP_TABLE[op]
+    if n_srcs not in spec.counts:
+        return None
+    if op == Op.MUL_MAT_CAT:
+        if not params:
+            return None
+        p = params[0]
+        if p != int(p) or not 2 <= p <= n_srcs - 1 or n_srcs - 1 - p > 1:
+            return None
+        x, w, bias = spec.srcs
+        return [x] + [w] * int(p) + [bias] * (n_srcs - 1 - int(p))
+    return list(spec.srcs[:n_srcs])
+
+
+def check_node(op: Op, out_dtype: DType, src_dtypes: Sequence[DType], params: Sequence[float],
+               weight_types: Iterable[DType]) -> Optional[str]:
+    """Why a node cannot run on a device storing weights in `weight_types` (the op table's types
+    only; shapes and parameter values are the kernels' business), or None when it can."""
+    spec = OP_TABLE[op]
+    roles = src_roles(op, len(src_dtypes), params)
+    if roles is None:
+        if op == Op.MUL_MAT_CAT:
+            return (f"{len(src_dtypes)} sources with {list(params[:1])} weight parts (expected x, 2 or more "
+                    f"weights and an optional bias, at most {MAX_SRCS} sources)")
+        return f"{len(src_dtypes)} sources, expected {' or '.join(map(str, spec.counts))}"
+    if out_dtype != spec.out:
+        return f"output is {DType(out_dtype).name}, not {spec.out.name}"
+    wtypes = frozenset(weight_types)
+    for k, (role, dt) in enumerate(zip(roles, src_dtypes)):
+        if dt in role.dtypes or (role.weight and dt in wtypes):
+            continue
+        allowed = role.dtypes | (wtypes if role.weight else frozenset())
+        return (f"source {k} ({role.name}) is {DType(dt).name}, not "
+                f"{' or '.join(sorted(DType(t).name for t in allowed))}")
+    return None
+
+
+SAMPLE_PARAM_COLS = 12  # the 8 float and 4 int parameters at the start of a SAMPLE input row
+
+
+def sample_in_cols(window: int) -> int:
+    """Columns of SAMPLE's packed input with a penalty window of `window` tokens."""
+    return SAMPLE_PARAM_COLS + window
+
+
+def sample_out_cols(n_probs: int) -> int:
+    """Columns of SAMPLE's packed output with room for `n_probs` candidates."""
+    return 2 + 2 * n_probs
+
+
+# --- graphs ---------------------------------------------------------------------------------------
+_graph_uids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Node:
+    op: Op
+    out: Tensor
+    srcs: tuple[Tensor, ...]
+    params: tuple = ()
+    layer: int = -1  # which model layer the node belongs to; decides its device
+
+
+@dataclass(eq=False)
+class Graph:
+    """Nodes in execution order, all on one backend once the scheduler has split them."""
+
+    nodes: list[Node]
+    uid: int = field(default_factory=lambda: next(_graph_uids))
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+def input_tensor(name: str, dtype: DType, shape: tuple[int, ...]) -> Tensor:
+    """A tensor the host fills before each compute (token ids, positions, cell lists...)."""
+    return Tensor(dtype, shape, name)
+
+
+def node(op: Op, out: Tensor, *srcs: Optional[Tensor], params: tuple = (), layer: int = -1) -> Node:
+    return Node(op, out, tuple(s for s in srcs if s is not None), params, layer)

@@ -15,7 +15,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import trace
-from .backend.base import Backend, Buffer, DType, Tensor, lost_devices
+from .backend.base import Backend, Buffer, DType, Tensor, lost_devices, nbytes_of
+from .cache_types import cache_type, cache_type_name, check_cache_row
 from .errors import ContextLimitError
 from .graph.llama import SAMPLING_INPUT, build_forward
 from .graph.ops import Op, sample_in_cols, sample_out_cols
@@ -31,6 +32,7 @@ from .sched import Plan, Scheduler
 PLAN_CACHE = 128
 
 log = logging.getLogger(__name__)
+_KV_FALLBACK_LOGGED: set = set()  # (device, K type, V type) already logged as kept in F32
 
 
 @dataclass
@@ -77,9 +79,12 @@ class Context:
     """KV cache and compute state of one pipeline group over a loaded model."""
 
     def __init__(self, model: Model, weights: Weights, placement: Placement, n_ctx: int, n_seq_max: int = 1,
-                 n_batch: int = 2048, n_ubatch: int = 512, kv_unified: bool = False, allocate: bool = True):
+                 n_batch: int = 2048, n_ubatch: int = 512, kv_unified: bool = False, allocate: bool = True,
+                 type_k: DType = DType.F16, type_v: DType = DType.F16):
         """allocate=False builds the context on paper only (placeholder buffers, a dry plan), to
-        learn what it would take on each device (`device_bytes`) before anything is allocated."""
+        learn what it would take on each device (`device_bytes`) before anything is allocated.
+        type_k, type_v: the KV cache types (F32, F16, BF16, Q8_0); a device that cannot hold one
+        keeps that cache in F32 (logged; `kv_types` says what each device holds)."""
         hp = model.hparams
         if n_ubatch <= 0 or n_batch <= 0:
             raise ValueError("batch sizes must be positive")
@@ -95,16 +100,24 @@ class Context:
         self._kv_buffers = []
         self.kv_tensors: list[tuple[Tensor, Tensor]] = []
         self.kv_bytes: dict[str, int] = {}
-        row = hp.n_embd_kv * 4
+        self.type_k, self.type_v = cache_type(type_k), cache_type(type_v)
+        check_cache_row(self.type_k, hp.n_embd_kv, "K")
+        check_cache_row(self.type_v, hp.n_embd_kv, "V")
+        self.kv_types: dict[str, tuple[DType, DType]] = {}  # device name -> (K, V) cache types it holds
+        n_cells, width = self.kv.n_cells, hp.n_embd_kv
         for il in range(hp.n_layer):
             backend = placement.backends[placement.backend_of_layer(il)]
-            size = 2 * self.kv.n_cells * row
+            tk, tv = self.kv_types.get(backend.name) or self._device_kv_types(backend)
+            self.kv_types[backend.name] = (tk, tv)
+            # V starts on a 64-byte boundary whatever the K rows' size (a Q8_0 row is 34 B per block)
+            v_off = -(-nbytes_of(tk, (n_cells, width)) // 64) * 64
+            size = v_off + nbytes_of(tv, (n_cells, width))
             buf = backend.alloc_buffer(size, usage="kv") if allocate else Buffer(backend, size, "kv")
             if allocate:
                 self._kv_buffers.append(buf)
             self.kv_bytes[backend.name] = self.kv_bytes.get(backend.name, 0) + size
-            k = Tensor(DType.F32, (self.kv.n_cells, hp.n_embd_kv), f"cache_k_l{il}", buf, 0)
-            v = Tensor(DType.F32, (self.kv.n_cells, hp.n_embd_kv), f"cache_v_l{il}", buf, self.kv.n_cells * row)
+            k = Tensor(tk, (n_cells, width), f"cache_k_l{il}", buf, 0)
+            v = Tensor(tv, (n_cells, width), f"cache_v_l{il}", buf, v_off)
             self.kv_tensors.append((k, v))
         self.sched = Scheduler(placement, dry=not allocate)
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
@@ -116,6 +129,17 @@ class Context:
         self._plan(self.n_ubatch, self.n_ubatch)  # sizes the compute buffers for the worst case
 
     # ------------------------------------------------------------------------------------------
+    def _device_kv_types(self, backend: Backend) -> tuple[DType, DType]:
+        """The (K, V) cache types `backend` holds: the context's, or F32 for a type it cannot hold."""
+        tk, tv = (t if t in backend.kv_types else DType.F32 for t in (self.type_k, self.type_v))
+        key = (backend.name, self.type_k, self.type_v)
+        if (tk, tv) != (self.type_k, self.type_v) and key not in _KV_FALLBACK_LOGGED:
+            _KV_FALLBACK_LOGGED.add(key)
+            log.warning("%s cannot hold a KV cache of K %s, V %s: its layers keep it as K %s, V %s", backend.name,
+                        cache_type_name(self.type_k), cache_type_name(self.type_v), cache_type_name(tk),
+                        cache_type_name(tv))
+        return tk, tv
+
     def device_bytes(self) -> dict[str, int]:
         """KV cache plus compute buffers of this context, per device name."""
         out = dict(self.kv_bytes)
@@ -195,12 +219,16 @@ class Context:
         t0 = time.perf_counter()
         done = 0
         readers = set()
-        for u0 in range(0, n, self.n_ubatch):
-            u1 = min(n, u0 + self.n_ubatch)
-            k, backend = self._decode_ubatch(batch, u0, u1, done, sampling, sample)
-            done += k
-            if backend is not None:
-                readers.add(backend)
+        try:
+            for u0 in range(0, n, self.n_ubatch):
+                u1 = min(n, u0 + self.n_ubatch)
+                k, backend = self._decode_ubatch(batch, u0, u1, done, sampling, sample)
+                done += k
+                if backend is not None:
+                    readers.add(backend)
+        except BaseException:
+            self._collect_pending()
+            raise
         t1 = time.perf_counter()
         tr1 = trace.now() if tr0 else 0
         for backend in readers:  # the reads sent with the graphs complete here
@@ -216,6 +244,17 @@ class Context:
         if sampling is not None:
             return DecodeOutput(self._logits[:0], rows, self._sampled[:len(rows)])
         return DecodeOutput(self._logits[:len(rows)], rows)
+
+    def _collect_pending(self) -> None:
+        """After a failed micro-batch: collects every reply this thread still has queued on any
+        device of the step (the logits of earlier micro-batches, a split's outgoing read). A
+        reply left uncollected on a shared RPC connection would stall every other group on it.
+        Each wait is bounded by the RPC timeout; an error here is secondary to the one raised."""
+        for backend in self.placement.backends:
+            try:
+                backend.synchronize()
+            except Exception as exc:  # noqa: BLE001 - the step's own error is what the caller gets
+                log.debug("after a failed step, %s: %s", backend.name, exc)
 
     def _decode_ubatch(self, batch: Batch, u0: int, u1: int, out_row: int,
                        sampling: Optional[np.ndarray] = None, sample: Optional[tuple[int, int]] = None):

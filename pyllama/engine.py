@@ -13,7 +13,7 @@ import logging
 import weakref
 from typing import Optional, Sequence
 
-from .backend.base import Backend, lost_devices
+from .backend.base import Backend, DType, lost_devices
 from .backend.cpu import CPUBackend, set_compute_threads
 from .context import Context
 from .devices import default_split
@@ -51,13 +51,13 @@ class Engine:
         self.weights = load_weights(self.model, self.placement)
 
     def check_memory(self, n_groups: int, n_ctx: int, n_seq_max: int, n_batch: int, n_ubatch: int,
-                     kv_unified: bool) -> dict[str, int]:
+                     kv_unified: bool, type_k: DType = DType.F16, type_v: DType = DType.F16) -> dict[str, int]:
         """Refuses (PyllamaError naming the device and the shortfall) a configuration whose weights
-        plus every group's KV cache and compute buffers do not fit each device's free memory.
-        Nothing is allocated; returns the bytes needed per device."""
+        plus every group's KV cache (of the cache types each device holds) and compute buffers do
+        not fit each device's free memory. Nothing is allocated; returns the bytes needed per device."""
         paper_weights = load_weights(self.model, self.placement, upload=False)
         paper = Context(self.model, paper_weights, self.placement, n_ctx, n_seq_max, n_batch, n_ubatch, kv_unified,
-                        allocate=False)
+                        allocate=False, type_k=type_k, type_v=type_v)
         per_group = paper.device_bytes()
         need: dict[str, int] = {}
         for backend in self.backends:
@@ -74,9 +74,11 @@ class Engine:
         return need
 
     def new_context(self, n_ctx: int, n_seq_max: int = 1, n_batch: int = 2048, n_ubatch: int = 512,
-                    kv_unified: bool = False) -> Context:
+                    kv_unified: bool = False, type_k: DType = DType.F16, type_v: DType = DType.F16) -> Context:
+        """A context with its KV cache in type_k / type_v (F32, F16, BF16, Q8_0; F16 as llama.cpp)."""
         assert self.weights is not None, "load() the weights first"
-        ctx = Context(self.model, self.weights, self.placement, n_ctx, n_seq_max, n_batch, n_ubatch, kv_unified)
+        ctx = Context(self.model, self.weights, self.placement, n_ctx, n_seq_max, n_batch, n_ubatch, kv_unified,
+                      type_k=type_k, type_v=type_v)
         self._contexts.add(ctx)
         return ctx
 

@@ -13,6 +13,7 @@ import time
 from typing import Iterator, Optional, Sequence
 
 from . import trace
+from .cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from .cli import Parser, run_main, setup_logging
 from .context import Batch, Context, check_prompt_fits
 from .devices import add_device_args, make_backends, parse_split
@@ -32,6 +33,10 @@ def build_parser() -> Parser:
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size for the prompt")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="micro-batch size")
     p.add_argument("-t", "--threads", type=int, default=0, help="compute threads, 0 = all cores")
+    p.add_argument("-ctk", "--cache-type-k", default=DEFAULT_CACHE_TYPE, choices=list(CACHE_TYPES),
+                   help="KV cache type for K: f32, f16, bf16 or q8_0")
+    p.add_argument("-ctv", "--cache-type-v", default=DEFAULT_CACHE_TYPE, choices=list(CACHE_TYPES),
+                   help="KV cache type for V: f32, f16, bf16 or q8_0")
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random")
     p.add_argument("--temp", type=float, default=0.8, help="temperature, <= 0 = greedy")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling, <= 0 = off")
@@ -120,7 +125,8 @@ def _run(args, params: SamplingParams, prompt_text: str, model_path: str) -> int
                     tensor_split=parse_split(args.tensor_split, len(backends)))
     hp = engine.model.hparams
     n_ctx = args.ctx_size or min(hp.n_ctx_train, 4096)
-    ctx = engine.new_context(n_ctx, 1, args.batch_size, args.ubatch_size)
+    ctx = engine.new_context(n_ctx, 1, args.batch_size, args.ubatch_size,
+                             type_k=CACHE_TYPES[args.cache_type_k], type_v=CACHE_TYPES[args.cache_type_v])
     t_load = time.perf_counter() - t0
     prompt = engine.tokenizer.encode(prompt_text, add_special=True, parse_special=True)
     if not prompt:

@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""CPU kernels for the coarse graph ops: RMS norm, SwiGLU, and attention with RoPE and KV write.
+"""CPU kernels for the coarse graph ops: RMS norm, SwiGLU, and attention with RoPE and the KV
+write, over a cache of any KV cache type (F32, F16, BF16, Q8_0; conversions in kv_types.h).
 
 Every kernel checks its arguments while it still holds the GIL (a graph may come from the wire),
 then runs without it, parallel over rows with OpenMP.
@@ -7,6 +8,8 @@ then runs without it, parallel over rows with OpenMP.
 from cython.parallel cimport parallel, prange
 from libc.math cimport exp, pow, cos, sin, sqrt, INFINITY
 from libc.stdlib cimport malloc, free
+
+import numpy as np
 
 # Below these sizes a kernel runs on the calling thread: waking a thread team costs more than
 # the work, and on few cores an idle team spinning beside BLAS's threads costs even more.
@@ -93,11 +96,30 @@ cdef inline void _rope(float* v, const float* cs, int n_rot, int mode) noexcept 
             v[i + half] = x0 * s + x1 * c
 
 
+cdef extern from "kv_types.h" nogil:
+    int KV_F32, KV_F16, KV_BF16, KV_Q8_0
+    long long kv_row_bytes(int type, long long n)
+    void kv_store_row(int type, const float* x, unsigned char* row, long long n)
+    void kv_load(int type, const unsigned char* row, long long start, long long n, float* out)
+
+# The KV cache holds k and v in their cache type (F32, F16, BF16 or Q8_0; ggml's type ids). A
+# token's k (after q/k norm and RoPE, computed in f32) and its v are rounded into that type when
+# written, as ggml's f32 -> type copy does (Q8_0: quantize_row_q8_0_ref). Reading converts every
+# element back to f32 exactly, and the products and the softmax run in f32 exactly as with an F32
+# cache: the semantics of llama.cpp's non-flash-attention GPU paths. ggml's CPU kernels would also
+# round q to the cache's dot-product type (f16, or q8_0 blocks) for q.k, and the probabilities to
+# f16 for p.v; pyllama does not, for every cache type alike, so the cache's rounding is the only
+# difference from an F32 cache.
+KV_TYPE_NAMES = {0: "F32", 1: "F16", 8: "Q8_0", 30: "BF16"}
+
+
 cdef struct AttnArgs:
     const float* qkv
     Py_ssize_t qkv_stride
-    float* k_cache
-    float* v_cache
+    unsigned char* k_cache
+    unsigned char* v_cache
+    Py_ssize_t k_row, v_row  # bytes per cache row
+    int k_type, v_type
     const int* pos
     const int* kv_idx
     const int* cells
@@ -110,15 +132,16 @@ cdef struct AttnArgs:
     float eps, scale
 
 
-cdef void _store_token(AttnArgs* a, Py_ssize_t t, float* cs) noexcept nogil:
-    """Rotates (and normalizes) token t's q into out and its k into the cache; copies v."""
+cdef void _store_token(AttnArgs* a, Py_ssize_t t, float* scratch) noexcept nogil:
+    """Rotates (and normalizes) token t's q into out; its k likewise, and its v as it is, rounded
+    into their cache rows. scratch: n_rot + 2 floats of cos/sin, then Hkv * hd for k."""
     cdef int i, h, d, hd = a.hd, H = a.H, Hkv = a.Hkv, half = a.n_rot // 2
     cdef double theta
     cdef const float* src = a.qkv + t * a.qkv_stride
     cdef float* q = a.out + t * H * hd
-    cdef Py_ssize_t row = <Py_ssize_t>a.kv_idx[t] * Hkv * hd
-    cdef float* k = a.k_cache + row
-    cdef float* v = a.v_cache + row
+    cdef Py_ssize_t cell = a.kv_idx[t]
+    cdef float* cs = scratch
+    cdef float* k = scratch + a.n_rot + 2
     for i in range(half):
         theta = a.pos[t] * a.freq_scale * pow(a.freq_base, -2.0 * i / a.n_rot)
         cs[2 * i] = <float>cos(theta)
@@ -127,7 +150,6 @@ cdef void _store_token(AttnArgs* a, Py_ssize_t t, float* cs) noexcept nogil:
         q[d] = src[d]
     for d in range(Hkv * hd):
         k[d] = src[H * hd + d]
-        v[d] = src[(H + Hkv) * hd + d]
     for h in range(H):
         if a.q_norm != NULL:
             _norm_head(q + h * hd, a.q_norm, hd, a.eps)
@@ -136,28 +158,40 @@ cdef void _store_token(AttnArgs* a, Py_ssize_t t, float* cs) noexcept nogil:
         if a.k_norm != NULL:
             _norm_head(k + h * hd, a.k_norm, hd, a.eps)
         _rope(k + h * hd, cs, a.n_rot, a.rope_mode)
+    kv_store_row(a.k_type, k, a.k_cache + cell * a.k_row, Hkv * hd)
+    kv_store_row(a.v_type, src + (H + Hkv) * hd, a.v_cache + cell * a.v_row, Hkv * hd)
 
 
 cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
-    """softmax(q k^T * scale) v for head i % H of token i // H, over the token's listed cells."""
+    """softmax(q k^T * scale) v for head i % H of token i // H, over the token's listed cells.
+    scratch: q, acc, a converted k row and v row (hd each), then one score per listed cell."""
     cdef int hd = a.hd, H = a.H, d
     cdef Py_ssize_t t = i // H, j
     cdef int h = <int>(i % H)
     cdef int kvh = h // (H // a.Hkv)
     cdef Py_ssize_t r0 = a.ranges[2 * t], r1 = a.ranges[2 * t + 1]
-    cdef Py_ssize_t stride = <Py_ssize_t>a.Hkv * hd
+    cdef Py_ssize_t head = <Py_ssize_t>kvh * hd
     cdef float* q = scratch
     cdef float* acc = scratch + hd
-    cdef float* scores = scratch + 2 * hd
+    cdef float* kbuf = scratch + 2 * hd
+    cdef float* vbuf = scratch + 3 * hd
+    cdef float* scores = scratch + 4 * hd
     cdef float* o = a.out + t * H * hd + h * hd
     cdef const float* kr
     cdef const float* vr
+    cdef const unsigned char* row
+    cdef bint k_f32 = a.k_type == KV_F32, v_f32 = a.v_type == KV_F32
     cdef float s, m = -INFINITY, total = 0.0, p
     for d in range(hd):
         q[d] = o[d]
         acc[d] = 0.0
     for j in range(r1):
-        kr = a.k_cache + a.cells[r0 + j] * stride + kvh * hd
+        row = a.k_cache + a.cells[r0 + j] * a.k_row
+        if k_f32:
+            kr = <const float*>row + head
+        else:
+            kv_load(a.k_type, row, head, hd, kbuf)
+            kr = kbuf
         s = 0.0
         for d in range(hd):
             s = s + q[d] * kr[d]
@@ -168,20 +202,69 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
     for j in range(r1):
         p = <float>exp(scores[j] - m)
         total = total + p
-        vr = a.v_cache + a.cells[r0 + j] * stride + kvh * hd
+        row = a.v_cache + a.cells[r0 + j] * a.v_row
+        if v_f32:
+            vr = <const float*>row + head
+        else:
+            kv_load(a.v_type, row, head, hd, vbuf)
+            vr = vbuf
         for d in range(hd):
             acc[d] = acc[d] + p * vr[d]
     for d in range(hd):
         o[d] = acc[d] / total
 
 
-def attention(const float[:, ::1] qkv, float[:, ::1] k_cache, float[:, ::1] v_cache,
+cdef object _cache_bytes(object cache):
+    """A cache as rows of bytes: the kernel takes any C-contiguous 2-D array (F32 tests pass float
+    arrays; the backends pass the bytes of F16, BF16 and Q8_0 rows as uint8)."""
+    if getattr(cache, "dtype", None) == np.uint8:
+        return cache
+    arr = np.asarray(cache)
+    if arr.ndim != 2 or not arr.flags.c_contiguous:
+        raise ValueError("attention: a KV cache must be a C-contiguous 2-D array")
+    return arr.view(np.uint8).reshape(arr.shape[0], -1)
+
+
+def kv_row_nbytes(int cache_type, Py_ssize_t n) -> int:
+    """Bytes of a KV cache row of n elements of `cache_type` (a ggml type id); 0 when the type
+    cannot hold such a row (not a cache type, or Q8_0 with n not a multiple of 32)."""
+    return kv_row_bytes(cache_type, n) if n >= 0 else 0
+
+
+def kv_store(int cache_type, const float[:, ::1] x, unsigned char[:, ::1] rows):
+    """Writes the rows of x into cache rows of `cache_type`, rounding as the attention kernel does."""
+    cdef Py_ssize_t i, n = x.shape[0], w = x.shape[1]
+    if rows.shape[0] != n or kv_row_bytes(cache_type, w) == 0 or rows.shape[1] != kv_row_bytes(cache_type, w):
+        raise ValueError(f"kv_store: {n} rows of {w} do not fit {KV_TYPE_NAMES.get(cache_type, cache_type)} "
+                         f"rows of {rows.shape[1]} bytes")
+    with nogil:
+        for i in range(n):
+            kv_store_row(cache_type, &x[i, 0], &rows[i, 0], w)
+
+
+def kv_load_rows(int cache_type, const unsigned char[:, ::1] rows, float[:, ::1] out):
+    """Reads cache rows of `cache_type` back as floats, as the attention kernel does."""
+    cdef Py_ssize_t i, n = rows.shape[0], w = out.shape[1]
+    if out.shape[0] != n or kv_row_bytes(cache_type, w) == 0 or rows.shape[1] != kv_row_bytes(cache_type, w):
+        raise ValueError(f"kv_load_rows: {n} rows of {rows.shape[1]} bytes are not "
+                         f"{KV_TYPE_NAMES.get(cache_type, cache_type)} rows of {w}")
+    with nogil:
+        for i in range(n):
+            kv_load(cache_type, &rows[i, 0], 0, w, &out[i, 0])
+
+
+def attention(const float[:, ::1] qkv, k_cache, v_cache,
               const int[::1] pos, const int[::1] kv_idx, const int[::1] cells, const int[:, ::1] ranges,
               const float[::1] q_norm, const float[::1] k_norm, float[:, ::1] out,
               int n_head, int n_head_kv, int head_dim, int n_rot, int rope_mode,
-              double freq_base, double freq_scale, float norm_eps, float scale, int n_threads=1):
-    """One layer's self-attention for a micro-batch (see graph.ops.Op.ATTENTION)."""
-    cdef Py_ssize_t n = qkv.shape[0], n_cells = k_cache.shape[0], n_listed = cells.shape[0]
+              double freq_base, double freq_scale, float norm_eps, float scale, int n_threads=1,
+              int k_type=0, int v_type=0):
+    """One layer's self-attention for a micro-batch (see Op.ATTENTION). k_cache and v_cache are
+    [n_cells, row] arrays holding rows of k_type and v_type (ggml type ids: F32 0, F16 1, Q8_0 8,
+    BF16 30), as uint8 bytes or, for F32, as float32."""
+    cdef unsigned char[:, ::1] kc = _cache_bytes(k_cache)
+    cdef unsigned char[:, ::1] vc = _cache_bytes(v_cache)
+    cdef Py_ssize_t n = qkv.shape[0], n_cells = kc.shape[0], n_listed = cells.shape[0]
     cdef int hd = head_dim, H = n_head, Hkv = n_head_kv
     cdef int use_norm = q_norm.shape[0] > 0
     cdef Py_ssize_t t, i, j, c, r0, r1, max_len = 0, max_end = 0
@@ -194,8 +277,15 @@ def attention(const float[:, ::1] qkv, float[:, ::1] k_cache, float[:, ::1] v_ca
     cdef Py_ssize_t q_width = <Py_ssize_t>H * hd, kv_width = <Py_ssize_t>Hkv * hd
     if qkv.shape[1] != q_width + 2 * kv_width or out.shape[0] != n or out.shape[1] != q_width:
         raise ValueError("attention: qkv / out shapes do not match the head parameters")
-    if k_cache.shape[1] != kv_width or v_cache.shape[0] != n_cells or v_cache.shape[1] != kv_width:
-        raise ValueError("attention: KV cache shapes do not match the head parameters")
+    for name, typ in (("K", k_type), ("V", v_type)):
+        if typ not in KV_TYPE_NAMES:
+            raise ValueError(f"attention: type {typ} cannot hold a {name} cache (F32, F16, BF16, Q8_0 can)")
+        if kv_row_bytes(typ, kv_width) == 0:
+            raise ValueError(f"attention: a {KV_TYPE_NAMES[typ]} {name} cache needs rows of a multiple of 32 "
+                             f"elements, not {kv_width}")
+    cdef Py_ssize_t k_row = kv_row_bytes(k_type, kv_width), v_row = kv_row_bytes(v_type, kv_width)
+    if kc.shape[1] != k_row or vc.shape[0] != n_cells or vc.shape[1] != v_row:
+        raise ValueError("attention: KV cache shapes do not match the head parameters and cache types")
     if pos.shape[0] != n or kv_idx.shape[0] != n or ranges.shape[0] != n or ranges.shape[1] != 2:
         raise ValueError("attention: per-token inputs must have one row per token")
     if use_norm and (q_norm.shape[0] != hd or k_norm.shape[0] != hd):
@@ -214,6 +304,8 @@ def attention(const float[:, ::1] qkv, float[:, ::1] k_cache, float[:, ::1] v_ca
     for i in range(max_end):  # only the referenced prefix of the list is meaningful
         if cells[i] < 0 or cells[i] >= n_cells:
             raise ValueError(f"attention: listed cell {cells[i]} outside the cache of {n_cells}")
+    if n == 0:
+        return
 
     cdef Py_ssize_t work = 0
     for t in range(n):
@@ -223,8 +315,12 @@ def attention(const float[:, ::1] qkv, float[:, ::1] k_cache, float[:, ::1] v_ca
     cdef AttnArgs a
     a.qkv = &qkv[0, 0]
     a.qkv_stride = qkv.shape[1]
-    a.k_cache = &k_cache[0, 0]
-    a.v_cache = &v_cache[0, 0]
+    a.k_cache = &kc[0, 0]
+    a.v_cache = &vc[0, 0]
+    a.k_row = k_row
+    a.v_row = v_row
+    a.k_type = k_type
+    a.v_type = v_type
     a.pos = &pos[0]
     a.kv_idx = &kv_idx[0]
     a.cells = &cells[0]
@@ -241,10 +337,12 @@ def attention(const float[:, ::1] qkv, float[:, ::1] k_cache, float[:, ::1] v_ca
     a.freq_scale = freq_scale
     a.eps = norm_eps
     a.scale = scale
+    # per thread: the store's cos/sin and k row, then the attend's q, acc, k, v rows and scores
+    cdef Py_ssize_t store_floats = n_rot + 2 + kv_width, attend_floats = 4 * hd + max_len
     cdef float* scratch
     with nogil:
         if nt == 1:
-            scratch = <float*>malloc(sizeof(float) * (max_len + 2 * hd + n_rot + 2))
+            scratch = <float*>malloc(sizeof(float) * (store_floats if store_floats > attend_floats else attend_floats))
             for t in range(n):
                 _store_token(&a, t, scratch)
             for i in range(n * H):
@@ -252,12 +350,12 @@ def attention(const float[:, ::1] qkv, float[:, ::1] k_cache, float[:, ::1] v_ca
             free(scratch)
         else:
             with parallel(num_threads=nt):
-                scratch = <float*>malloc(sizeof(float) * (max_len + 2 * hd + n_rot + 2))
+                scratch = <float*>malloc(sizeof(float) * store_floats)
                 for t in prange(n, schedule="static"):
                     _store_token(&a, t, scratch)
                 free(scratch)
             with parallel(num_threads=nt):
-                scratch = <float*>malloc(sizeof(float) * (max_len + 2 * hd + n_rot + 2))
+                scratch = <float*>malloc(sizeof(float) * attend_floats)
                 for i in prange(n * H, schedule="dynamic"):
                     _attend(&a, i, scratch)
                 free(scratch)

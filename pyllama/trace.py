@@ -1,4 +1,4 @@
-"""The tracer: JSON-lines span events of one process (DESIGN.md section 9).
+"""The tracer: JSON-lines span events of one process (the file format and catalogue: docs/tracing.md).
 
 Off by default and free when off: call sites read the module-level `enabled` and branch, so no
 clock is read and nothing is allocated. On with PYLLAMA_TRACE=<path> or `--trace <path>`.

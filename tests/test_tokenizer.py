@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import pytest
@@ -62,28 +61,7 @@ def test_decode_round_trips_vectors(name):
         assert tok.decode(tok.encode(text, add_special=False)) == text, f"{name} input #{i} {text!r}"
 
 
-@pytest.mark.parametrize("name", VOCABS)
-def test_encode_speed(name):
-    tok = tokenizer(name)
-    text = "".join(x for x, _ in vectors(name))
-    text = (text * (4096 // len(text.encode()) + 1)).encode()[:4096].decode("utf-8", "ignore")
-    words = " ".join(f"w{i * 7919 % 100003}x{i}" for i in range(600)).encode()[:4096].decode()
-    for sample in (text, words):  # the second has ~600 distinct words: no help from a word cache
-        first = _timed(tok.encode, sample)  # cold: nothing of this text cached yet
-        assert first < 0.1, f"{name}: 4 KB encoded in {first * 1000:.1f} ms"
-
-
-def test_bpe_construction_speed():
-    md = metadata("ggml-vocab-gpt-2.gguf")
-    assert len(md["tokenizer.ggml.tokens"]) > 50000
-    best = min(_timed(load_tokenizer, md) for _ in range(2))
-    assert best < 1.0, f"50k-token BPE built in {best:.2f} s"
-
-
-def _timed(fn, *args) -> float:
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
+# The encode and construction timings are a benchmark, not a test: bench/bench_tokenizer.py.
 
 
 # ---- the same algorithms written naively, on random text ---------------------------------------

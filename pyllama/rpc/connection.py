@@ -6,10 +6,12 @@ holds no lock and other threads keep sending. Errors of one-way commands come ba
 reply (status 2). A broken connection fails every waiter and every later call with one clear error.
 
 Every blocking socket operation is bounded by the RPC timeout (`set_timeout`, else
-$PYLLAMA_RPC_TIMEOUT, else 120 s): a whole send, and each wait for reply bytes. A peer that
-stops answering therefore breaks the connection after at most that long, and breaking it (or
-closing it) wakes every thread waiting on it at once. A broken connection stays broken: a later
-`get_connection` opens a new one to the same endpoint.
+$PYLLAMA_RPC_TIMEOUT, else 120 s): a whole send, each wait for reply bytes, and each wait for a
+turn to read (a reply that nobody reads or cancels for that long breaks the connection: its owner
+failed without `cancel`). A peer that stops answering therefore breaks the connection after at
+most that long, TCP keepalive notices a vanished idle peer within about as long, and breaking the
+connection (or closing it) wakes every thread waiting on it at once. A broken connection stays
+broken: a later `get_connection` opens a new one to the same endpoint.
 """
 from __future__ import annotations
 
@@ -18,13 +20,16 @@ import os
 import select
 import socket
 import threading
+import time
 from typing import Optional, Sequence
 
 from .. import trace
 from ..errors import PyllamaError
 from . import auth, stats
+from .keepalive import enable_keepalive
 from .staging import StagingArena, arena_size
-from .protocol import (HEADER, HELLO_REP, HELLO_REQ, ONE_WAY, STATUS_OK, TRACE_REP, U64, VERSION, Cap, Cmd)
+from .protocol import (HEADER, HELLO_REP, HELLO_REQ, ONE_WAY, STATUS_EARLIER_ERROR, STATUS_OK, TRACE_REP, U64,
+                       VERSION, Cap, Cmd)
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +114,21 @@ def close_all() -> None:
         conn.close()
 
 
+class _SendLock:
+    """The connection's send lock as a context manager whose wait is bounded (acquire_send)."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: "Connection"):
+        self._conn = conn
+
+    def __enter__(self) -> None:
+        self._conn.acquire_send()
+
+    def __exit__(self, *exc) -> None:
+        self._conn.release_send()
+
+
 class Connection:
     def __init__(self, endpoint: str, timeout: Optional[float] = None):
         self.endpoint = endpoint
@@ -120,13 +140,17 @@ class Connection:
             raise RPCError(f"cannot connect to the RPC server at {endpoint}: {exc.strerror or exc}") from None
         self.sock.settimeout(self.timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        enable_keepalive(self.sock, self.timeout)  # a half-open idle peer is noticed within about the timeout
         self._send_lock = threading.Lock()
         self._turn = threading.Condition()
         self._next_ticket = 0
         self._next_reply = 0
+        self._reading = False  # a thread is reading the reply of _next_reply (guarded by _turn)
+        self._cancelled: set[int] = set()  # tickets whose replies nobody will collect (guarded by _turn)
+        self._carried: Optional[str] = None  # an earlier one-way failure read from a dropped reply
         self.broken: Optional[str] = None
         self.last_graph: dict[int, int] = {}  # device -> uid of the last graph sent (guarded by the send lock)
-        self.send_lock = self._send_lock
+        self.send_lock = _SendLock(self)  # `with conn.send_lock:` waits at most the RPC timeout
         self._traced: dict[int, tuple] = {}  # ticket -> the send half of its trace event
         self._arena: Optional[StagingArena] = None
         self._arena_lock = threading.Lock()
@@ -189,7 +213,7 @@ class Connection:
         if self._arena is None:
             with self._arena_lock:
                 if self._arena is None:
-                    self._arena = StagingArena(arena_size())
+                    self._arena = StagingArena(arena_size(), wait_s=self.timeout)
         return self._arena
 
     def has(self, cap: Cap) -> bool:
@@ -221,7 +245,7 @@ class Connection:
         size = sum(len(p) for p in parts)
         t_enq = trace.now() if trace.enabled else 0
         if not locked:
-            self._send_lock.acquire()
+            self.acquire_send()
         try:
             self._check()
             t_send0 = trace.now() if t_enq else 0
@@ -252,11 +276,24 @@ class Connection:
             stats.record(cmd.name, size + HEADER.size, 0)
         return ticket
 
+    def acquire_send(self) -> None:
+        """Takes the send lock. Its holder's send is bounded by the RPC timeout, so a wait longer
+        than that means the connection is stuck: the caller gets an RPCError instead of waiting on."""
+        if not self._send_lock.acquire(timeout=self.timeout):
+            self._check()
+            raise RPCError(f"RPC connection to {self.endpoint}: no turn to send within {self.timeout:g} s")
+
+    def release_send(self) -> None:
+        self._send_lock.release()
+
     def receive(self, ticket: int, cmd: Cmd, into: Optional[memoryview] = None) -> bytes:
-        """Waits for the reply of `ticket` (replies come in ticket order); holds no send lock."""
-        with self._turn:
-            while self._next_reply != ticket and not self.broken:
-                self._turn.wait()
+        """Waits for the reply of `ticket` (replies come in ticket order); holds no send lock.
+        Replies of cancelled tickets ahead of it are read and dropped on the way."""
+        while True:
+            taken = self._take_turn(ticket)
+            if taken == ticket:
+                break
+            self._drop_reply(taken)
         sent = self._traced.pop(ticket, None) if self._traced else None
         t_turn = t_recv0 = 0
         if sent is not None:
@@ -277,16 +314,13 @@ class Connection:
         except (OSError, RPCError) as exc:
             if sent is not None:
                 self._trace(cmd, sent, (t_turn, t_recv0 or trace.now(), trace.now(), 0), False)
-            if not self.broken:
-                if isinstance(exc, TimeoutError):
-                    self._fail(f"no reply within {self.timeout:g} s", stalled=True)
-                else:
-                    self._fail(f"receive failed: {exc}")
+            self._fail_receive(exc)
             raise RPCError(self.broken) from None
         finally:
-            with self._turn:
-                self._next_reply += 1
-                self._turn.notify_all()
+            carried, self._carried = self._carried, None  # only the thread whose turn it is touches it
+            self._end_turn()
+        if carried is not None and status == STATUS_OK:
+            status, payload = STATUS_EARLIER_ERROR, carried.encode()
         if sent is not None:
             self._trace(cmd, sent, (t_turn, t_recv0, trace.now(), size + HEADER.size), status == STATUS_OK)
         if stats.enabled:
@@ -294,6 +328,82 @@ class Connection:
         if status != STATUS_OK:
             raise RPCError(f"{self.endpoint}: {cmd.name} failed: {payload.decode('utf-8', 'replace')}")
         return payload
+
+    def cancel(self, ticket: Optional[int]) -> None:
+        """Gives up the reply of `ticket` (taken by send, not received): whoever waits behind it
+        reads and drops it, so a caller that fails between sending and receiving never stalls
+        the other users of the connection."""
+        if ticket is None:
+            return
+        with self._turn:
+            if ticket >= self._next_reply:
+                self._cancelled.add(ticket)
+                self._traced.pop(ticket, None)
+                self._turn.notify_all()
+
+    def _take_turn(self, ticket: int) -> int:
+        """Blocks until this thread may read the next reply: its own (returns `ticket`) or that
+        of a cancelled ticket ahead of it (returns that ticket, to drop). Bounded: the wait is
+        woken by every reply read and by the connection breaking; a reply that is neither being
+        read nor cancelled for a whole RPC timeout means its owner will never collect it, which
+        breaks the connection (every waiter gets an error) instead of stalling it forever."""
+        with self._turn:
+            seen = self._next_reply
+            deadline = time.monotonic() + self.timeout
+            while not self.broken:
+                nxt = self._next_reply
+                if not self._reading:
+                    if nxt == ticket:
+                        self._reading = True
+                        return ticket
+                    if nxt in self._cancelled:
+                        self._cancelled.discard(nxt)
+                        self._reading = True
+                        return nxt
+                if nxt != seen or self._reading:  # progress, or a reader bounded by the socket timeout
+                    seen = nxt
+                    deadline = time.monotonic() + self.timeout
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._turn.wait(min(left, self.timeout))
+        if not self.broken:
+            self._shut(f"RPC connection to {self.endpoint} stalled: the reply to request #{self._next_reply} was "
+                       f"never collected within {self.timeout:g} s", log.error)
+        return ticket  # the caller's own read fails at once on the broken connection
+
+    def _end_turn(self) -> None:
+        with self._turn:
+            self._reading = False
+            self._next_reply += 1
+            self._turn.notify_all()
+
+    def _drop_reply(self, ticket: int) -> None:
+        """Reads the reply of a cancelled ticket and throws it away (an error in it included)."""
+        try:
+            self._check()
+            status, size = HEADER.unpack(self._recv_exact(HEADER.size))
+            scratch = memoryview(bytearray(min(size, 1 << 20) or 1))
+            left = size
+            while left:
+                k = min(left, len(scratch))
+                self._recv_into(scratch[:k])
+                left -= k
+            if status == STATUS_EARLIER_ERROR:  # an earlier one-way command failed: the next reply says so
+                self._carried = bytes(scratch[:min(size, len(scratch))]).decode("utf-8", "replace")
+            elif status != STATUS_OK:
+                log.debug("%s: dropped the error reply of cancelled request #%d", self.endpoint, ticket)
+        except (OSError, RPCError) as exc:
+            self._fail_receive(exc)
+        finally:
+            self._end_turn()
+
+    def _fail_receive(self, exc: BaseException) -> None:
+        if not self.broken:
+            if isinstance(exc, TimeoutError):
+                self._fail(f"no reply within {self.timeout:g} s", stalled=True)
+            else:
+                self._fail(f"receive failed: {exc}")
 
     def call(self, cmd: Cmd, *parts: bytes | memoryview, into: Optional[memoryview] = None,
              subj: str = "") -> bytes:

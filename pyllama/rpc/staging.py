@@ -6,13 +6,16 @@ only then is the region released. Regions are handed out in order from a ring. A
 not fit before the end wraps to the start, and a wrap waits until every outstanding region, of
 whichever group, has been released, so no two live regions ever overlap. A caller that already
 holds a region is never made to wait for a wrap (it would wait for itself): it gets None and
-takes the synchronous path for that copy. Closing the arena (the connection went away) wakes every
+takes the synchronous path for that copy, and so does a caller whose wrap found no room within
+`wait_s` (the RPC timeout: the regions it waits for are released within it, unless their owner
+failed). Closing the arena (the connection went away) wakes every
 waiter; their reservations fail.
 """
 from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Optional
 
 import numpy as np
@@ -54,11 +57,12 @@ class Region:
 
 
 class StagingArena:
-    def __init__(self, size: int):
+    def __init__(self, size: int, wait_s: float = 120.0):
         raw = np.zeros(size + ALIGN, dtype=np.uint8)
         start = (-raw.ctypes.data) % ALIGN
         self.data = raw[start:start + size]
         self.size = size
+        self.wait_s = wait_s
         self._head = 0
         self._outstanding = 0
         self._held = threading.local()  # regions the calling thread holds
@@ -67,12 +71,14 @@ class StagingArena:
         self.wraps = 0  # how many times the ring wrapped (for tests and stats)
 
     def reserve(self, nbytes: int) -> Optional[Region]:
-        """A region of `nbytes`, or None when it can never fit or fitting it would mean waiting
-        for a region this thread holds. Raises RuntimeError once the arena is closed."""
+        """A region of `nbytes`, or None when it can never fit, fitting it would mean waiting
+        for a region this thread holds, or no room came within `wait_s`. Raises RuntimeError
+        once the arena is closed."""
         n = -(-nbytes // ALIGN) * ALIGN
         if n > self.size:
             return None
         held = getattr(self._held, "n", 0)
+        deadline = None
         with self._cond:
             while True:
                 if self._closed:
@@ -85,7 +91,12 @@ class StagingArena:
                     self._head = 0
                     self.wraps += 1
                     break
-                self._cond.wait()
+                if deadline is None:
+                    deadline = time.monotonic() + self.wait_s
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
             start = self._head
             self._head += n
             self._outstanding += 1

@@ -2,21 +2,24 @@
 
 Prints `listening on HOST:PORT` on stderr once bound (`--port 0` picks a free port). SIGINT and
 SIGTERM stop it cleanly: no new connections, every connection closed and its buffers freed, the
-executor threads ended, exit status 0.
+executor threads ended, exit status 0; a second one exits at once (status 128 + the signal).
+
+Its flags read PYLLAMA_RPC_SERVER_ARG_<NAME>, not the server's PYLLAMA_ARG_<NAME> or
+LLAMA_ARG_<NAME>: those are exported for `pyllama.server` (PYLLAMA_ARG_DEVICE=RPC0,CPU, a port)
+and must not change how an rpc server on the same machine starts.
 """
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import logging
-import signal
 import sys
 from typing import Optional, Sequence
 
 from .. import trace
 from ..backend.base import Backend
 from ..backend.cpu import CPUBackend, set_compute_threads
-from ..cli import Parser, run_main, setup_logging
+from ..cli import Parser, install_stop_signals, run_main, setup_logging
 from ..errors import PyllamaError
 from ..rpc.auth import read_token
 from ..rpc.protocol import DEFAULT_MAX_FRAME
@@ -25,11 +28,12 @@ from .server import RPCServer, caps_mask_from_env
 
 log = logging.getLogger("pyllama.rpc_server")
 
+ENV_PREFIX = "PYLLAMA_RPC_SERVER_ARG_"
 DEVICES = ("CPU", "CUDA<i>")
 
 
 def build_parser() -> Parser:
-    p = Parser(prog="python -m pyllama.rpc_server",
+    p = Parser(prog="python -m pyllama.rpc_server", env_prefixes=(ENV_PREFIX,),
                description="Expose this machine's device to pyllama servers over TCP (docs/rpc-protocol.md). "
                            "Without --auth-token-file (or $PYLLAMA_RPC_TOKEN) there is no authentication: anyone "
                            "who can connect can allocate memory and run graphs on it. It binds 127.0.0.1 by "
@@ -50,7 +54,7 @@ def build_parser() -> Parser:
                         "$PYLLAMA_RPC_TOKEN) before any command; the token never crosses the wire")
     p.add_argument("--trace", metavar="PATH",
                    help="write a trace of every command served here (JSON lines; also $PYLLAMA_TRACE)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log every connection and allocation")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every allocation and cache write too")
     return p.finish()
 
 
@@ -117,13 +121,14 @@ async def serve(args) -> int:
     except OSError as exc:
         await server.stop()
         raise PyllamaError(f"--trace: {exc.strerror or exc}") from None
-    if traced:
-        log.info("tracing to %s", traced)
-    print(f"listening on {args.host}:{port}", file=sys.stderr, flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    install_stop_signals(loop, stop.set)  # before the line below: whoever read it may signal at once
+    print(f"listening on {args.host}:{port}", file=sys.stderr, flush=True)  # the first line, for scripts
+    log.info("serving %s (capabilities 0x%x, server id %016x)", ", ".join(d.name for d in server.devices),
+             server.capabilities, server.server_id)
+    if traced:
+        log.info("tracing to %s", traced)
     try:
         await stop.wait()
     finally:
@@ -135,7 +140,7 @@ async def serve(args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.verbose)
+    setup_logging(args.verbose, logging.INFO)
     check_args(args)
     try:
         caps_mask_from_env()

@@ -1,5 +1,5 @@
 """The RPC server: an event loop that owns the sockets and parses frames, executor threads that run
-the commands (DESIGN.md section 2, docs/rpc-protocol.md).
+the commands (docs/rpc-protocol.md).
 
 The loop never computes. Each connection is an `asyncio.BufferedProtocol`: small frames are parsed
 out of a receive buffer (a frame may arrive in many pieces, several frames in one piece); a payload
@@ -26,6 +26,8 @@ from .. import trace
 from ..backend.base import Backend
 from ..backend.cpu import CPUBackend
 from ..rpc import auth
+from ..rpc.connection import DEFAULT_TIMEOUT
+from ..rpc.keepalive import enable_keepalive
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
 from .cache import TensorCache
@@ -76,7 +78,7 @@ class RPCServer:
         self.max_frame = max_frame
         self.max_read = min(P.DEFAULT_MAX_READ, max_frame)
         self.cache = TensorCache(cache_dir) if cache_dir else None
-        caps = (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING
+        caps = (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.DEVICE_TYPES
                 | (Cap.SET_TENSOR_HASH if self.cache else 0))
         mask = caps_mask if caps_mask is not None else caps_mask_from_env()
         if mask is not None:
@@ -104,8 +106,8 @@ class RPCServer:
         self._server = await self._loop.create_server(lambda: _Connection(self), self.host, self.port,
                                                       reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("serving %s on %s:%d (capabilities 0x%x, server id %016x)", ", ".join(d.name for d in self.devices),
-                 self.host, self.port, self.capabilities, self.server_id)
+        log.debug("serving %s on %s:%d (capabilities 0x%x, server id %016x)", ", ".join(d.name for d in self.devices),
+                  self.host, self.port, self.capabilities, self.server_id)
         return self.port
 
     async def stop(self) -> None:
@@ -120,14 +122,20 @@ class RPCServer:
             except asyncio.TimeoutError:  # pragma: no cover
                 log.warning("some connections did not close in time")
         if self._server is not None:
-            await self._server.wait_closed()
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 5.0)
+            except asyncio.TimeoutError:  # pragma: no cover
+                pass
             self._server = None
         loop = asyncio.get_running_loop()
-        for dev in self.devices:
+        for dev in self.devices:  # each bounded (Executor.stop, TensorCache.close)
             await loop.run_in_executor(None, dev.executor.stop)
         if self.cache is not None:
             await loop.run_in_executor(None, self.cache.close)
         for dev in self.devices:
+            if dev.executor.alive:  # a command still computing: its buffers stay until the process ends
+                log.warning("%s: a command is still running; not closing the device", dev.name)
+                continue
             dev.backend.close()
 
     def allocated(self) -> int:
@@ -187,6 +195,9 @@ class _Connection(asyncio.BufferedProtocol):
         if sock is not None:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                # a client whose machine vanished is noticed (and its buffers freed) within about
+                # the default RPC timeout, though it never closed the connection
+                enable_keepalive(sock, DEFAULT_TIMEOUT, user_timeout=False)
             except OSError:  # pragma: no cover
                 pass
         self.session = Session(self.server, self.peer)
@@ -414,7 +425,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._close()
             return
         self.hello_done = True
-        log.info("%s: HELLO from protocol %d.%d.%d", self.peer, major, minor, patch)
+        log.debug("%s: HELLO from protocol %d.%d.%d", self.peer, major, minor, patch)
         self._write(frame(P.STATUS_OK, P.HELLO_REP.pack(*P.VERSION, 0, self.server.capabilities,
                                                          self.server.server_id)))
 

@@ -51,6 +51,8 @@ _MIN_MAX_CHUNKS = 1024
 # After an error that ends a connection, keep reading (and discarding) this long so that the
 # client's unread upload does not turn our close into a RST that destroys the error response.
 _LINGER_S = 2.0
+# what shutdown takes beyond its grace: cancelled handlers (2 s), then lingering closes (1 s)
+_SHUTDOWN_SLACK_S = 5.0
 
 
 class HTTPError(Exception):
@@ -836,15 +838,18 @@ class HTTPServer:
         interval = min(self._header_timeout, self._body_timeout, self._keepalive_timeout) / 4.0
         self._sweep_interval = min(1.0, max(0.02, interval))
         self._sweep_handle = self._loop.call_later(self._sweep_interval, self._sweep)
-        log.info("HTTP server listening on %s:%d", host, bound)
+        log.debug("HTTP socket bound to %s:%d", host, bound)  # the program says "listening on" once it serves
         return bound
 
     async def shutdown(self, grace: float = 10.0) -> None:
         """Stop accepting, close idle connections, let running handlers finish for up to `grace`
         seconds, cancel the rest, close every socket."""
         if self._closing:
-            if self._stopped is not None:  # a second caller waits for the first one's work
-                await self._stopped.wait()
+            if self._stopped is not None:  # a second caller waits for the first one's work (itself bounded)
+                try:
+                    await asyncio.wait_for(self._stopped.wait(), grace + _SHUTDOWN_SLACK_S)
+                except asyncio.TimeoutError:
+                    log.warning("shutdown: still closing connections after %.1f s", grace + _SHUTDOWN_SLACK_S)
             return
         self._closing = True
         self._stopped = asyncio.Event()

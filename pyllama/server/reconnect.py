@@ -8,7 +8,8 @@ answers new requests with 503.
 
 Each attempt first opens a new connection to the lost peers without stopping anything (a peer
 still down costs a refused connect; a stalled one, up to the RPC timeout). Once that succeeds it
-stops every group between steps (their locks, taken in order) and, with all of them stopped:
+stops every group between steps (their locks, taken in order, each waited for at most the RPC
+timeout) and, with all of them stopped:
 fails the requests still running (part of their KV cache went with the peer; they are never
 resumed on an empty one), makes every slot forget its cached prompt, has the engine re-create
 what it had on the peer (weight buffers refilled, through the peer's weight cache when it has
@@ -22,6 +23,7 @@ import threading
 from typing import Optional
 
 from ..engine import Engine
+from ..rpc.connection import RPCError, configured_timeout
 from .group import PipelineGroup
 
 log = logging.getLogger(__name__)
@@ -87,10 +89,12 @@ class PeerReconnector:
         if self._stop.is_set():
             return
         reason = "; ".join(lost.values())
-        locks = [g.lock for g in self.groups]
-        for lock in locks:
-            lock.acquire()
+        locks = []
         try:
+            for g in self.groups:  # a step ends within the RPC timeout; one that does not fails this attempt
+                if not g.lock.acquire(timeout=configured_timeout()):
+                    raise RPCError(f"pipeline group {g.index} did not finish its step within {configured_timeout():g} s")
+                locks.append(g.lock)
             for g in self.groups:
                 g.abandon(reason)
             restored = self.engine.restore_lost_devices()
@@ -99,4 +103,4 @@ class PeerReconnector:
         finally:
             for lock in reversed(locks):
                 lock.release()
-        log.warning("reconnected %s; serving again", ", ".join(restored))
+        log.info("reconnected %s; serving again", ", ".join(restored))

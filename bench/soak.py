@@ -2,7 +2,7 @@
 
     python bench/soak.py [--preset small | --model PATH] [--clients 256] [--minutes 5]
         [--warmup-s 30] [--device RPC0,CPU] [--groups 2] [-t 1] [--ts 1,1] [--slots N]
-        [--rss-interval 2] [--max-slope 5] [--request-timeout 300] [--shutdown-bound 30]
+        [--ctx CELLS] [--rss-interval 2] [--max-slope 5] [--request-timeout 300] [--shutdown-bound 30]
         [--abort-rate 0.02] [--seed 0] [--server-args '...'] [--out DIR]
 
 Starts one rpc server (`python -m pyllama.rpc_server -t T`) and one server splitting the model
@@ -716,6 +716,7 @@ class Run:
         await asyncio.sleep(a.minutes * 60.0)
         self.sample()
         health = await self.health()
+        scheduler = await self.scheduler_counts()
         # the end of the window: SIGTERM under load
         self.t_load_end = time.monotonic()
         self.phase = "shutdown"
@@ -760,7 +761,8 @@ class Run:
             rpc_fds_after = self.rpc.ps.num_fds()
         except psutil.Error:
             rpc_after = rpc_fds_after = None
-        return {"health_before_term": health, "server_exit_status": exit_status, "server_killed": killed,
+        return {"health_before_term": health, "scheduler": scheduler,
+                "server_exit_status": exit_status, "server_killed": killed,
                 "server_exit_s": round(t_exit - self.t_term, 3), "server_children_left": left,
                 "clients_hung": hung, "rpc_rss_after_server_exit_mib": rpc_after,
                 "rpc_fds_after_server_exit": rpc_fds_after,
@@ -772,6 +774,20 @@ class Run:
             return {"status": status, "body": body.decode("utf-8", "replace")[:200]}
         except (OSError, asyncio.TimeoutError, ValueError) as e:
             return {"status": None, "body": f"{type(e).__name__}: {e}"}
+
+    async def scheduler_counts(self) -> dict:
+        """Preemptions and context shifts so far, from /metrics (None where it does not say)."""
+        out: dict = {"preemptions": None, "context_shifts": None}
+        try:
+            status, body = await _get(self.host, self.port, "/metrics", 30.0)
+        except (OSError, asyncio.TimeoutError, ValueError):
+            return out
+        for line in body.decode("utf-8", "replace").splitlines():
+            for key, name in (("preemptions", "llamacpp:n_preemptions_total "),
+                              ("context_shifts", "llamacpp:n_context_shifts_total ")):
+                if line.startswith(name):
+                    out[key] = int(float(line[len(name):]))
+        return out
 
     async def progress(self) -> None:
         while True:
@@ -873,6 +889,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-t", "--threads", type=int, default=1, help="-t of each process")
     ap.add_argument("--ts", default="1,1", help="-ts of the server ('' for none)")
     ap.add_argument("--slots", type=int, default=0, help="-np (default: clients rounded up to the groups)")
+    ap.add_argument("--ctx", type=int, default=0,
+                    help="a KV pool of this many cells per group (-c C --kv-unified), smaller than all clients need "
+                         "at once: requests wait and are preempted (default: -c SLOTS*256, split, never full)")
     ap.add_argument("--server-args", default="", help="more server arguments")
     ap.add_argument("--rss-interval", type=float, default=2.0, help="seconds between memory samples")
     ap.add_argument("--max-slope", type=float, default=5.0,
@@ -904,7 +923,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     model, vocab = model_and_vocab(a)
     n_slots = a.slots or -(-a.clients // a.groups) * a.groups
-    server_args = ["-t", str(a.threads), "--device", a.device, "-np", str(n_slots), "-c", str(n_slots * PER_SLOT),
+    ctx_args = ["-c", str(a.ctx), "--kv-unified"] if a.ctx else ["-c", str(n_slots * PER_SLOT)]
+    server_args = ["-t", str(a.threads), "--device", a.device, "-np", str(n_slots), *ctx_args,
                    "--pipeline-groups", str(a.groups)]
     if a.ts:
         server_args += ["-ts", a.ts]
@@ -995,7 +1015,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "tokens_load": run.tokens["load"], "tokens_per_s": round(run.tokens["load"] / window, 2),
         "completed_in_window": run.completed_in["load"],
         "requests_per_s": round(run.completed_in["load"] / window, 3),
-        "kinds_completed": run.kinds, "stop_types": run.stop_types,
+        "kinds_completed": run.kinds, "stop_types": run.stop_types, "scheduler": shut["scheduler"],
         "memory": mem, "fds": fds, "max_slope_mib_per_min": a.max_slope, "slope_judged": slope_judged,
         "shutdown": {**shut, **sd, "rpc_server": rpc_stop},
         "failures": failures, "passed": not failures, "exit_status": 1 if failures else 0,
@@ -1024,6 +1044,8 @@ def format_summary(s: dict) -> str:
         f"  throughput       {s['tokens_per_s']:.1f} tok/s ({s['tokens_load']} tokens), "
         f"{s['requests_per_s']:.2f} req/s",
         f"  completions      {s['kinds_completed']}  stops {s['stop_types']}",
+        f"  scheduler        preemptions {s['scheduler']['preemptions']}, context shifts "
+        f"{s['scheduler']['context_shifts']} (since the server started)",
     ]
     for name in ("server", "rpc"):
         m = s["memory"][name]

@@ -45,6 +45,18 @@ class KVCache:
     def n_tokens_cached(self) -> int:
         return int(self.lengths.sum())
 
+    @property
+    def n_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_to_grow(self, seq: int, length: int) -> int:
+        """Blocks `prepare` would take from the pool for `seq` to hold `length` positions."""
+        return max(0, -(-length // self.block_size) - len(self._tables[seq]))
+
+    def room(self, seq: int, extra_blocks: int) -> int:
+        """Positions `seq` can hold with `extra_blocks` more blocks (within its cap)."""
+        return min(self.seq_cap, (len(self._tables[seq]) + max(0, extra_blocks)) * self.block_size)
+
     def _check_seq(self, seq: int) -> None:
         if not 0 <= seq < self.n_seq_max:
             raise ValueError(f"sequence id {seq} outside [0, {self.n_seq_max})")

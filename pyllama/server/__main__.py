@@ -1,10 +1,12 @@
 """python -m pyllama.server: the HTTP server (llama-server's API and the OpenAI-compatible API).
 
-The event loop starts listening at once (/health answers 503 while the model loads), the model
-loads on a worker thread, then the task thread, one decode thread per group and the
-PeerReconnector (which brings lost rpc servers back) start. SIGINT and SIGTERM shut down
-gracefully: in-flight requests finish or are cancelled, every socket closes; a peer that stopped
-answering does not hold the shutdown up.
+The event loop binds the port at once (/health answers 503 while the model loads), the model
+loads and is checked on a worker thread, then the task thread, one decode thread per group and the
+PeerReconnector (which brings lost rpc servers back) start; only then is `listening on` logged.
+Normal events log at INFO, problems at WARNING or ERROR; -v adds DEBUG. SIGINT and SIGTERM shut
+down gracefully: in-flight requests finish or are cancelled, every socket closes; a peer that
+stopped answering does not hold the shutdown up. A second SIGINT or SIGTERM exits at once (130
+for a second Ctrl+C).
 """
 from __future__ import annotations
 
@@ -12,13 +14,13 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 import time
 from typing import Optional, Sequence
 
 from .. import trace
-from ..cli import Parser, run_main, setup_logging
+from ..cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE, cache_type_name
+from ..cli import Parser, install_stop_signals, run_main, setup_logging
 from ..devices import add_device_args, make_backends, parse_split
 from ..engine import Engine
 from ..errors import PyllamaError
@@ -48,8 +50,17 @@ def build_parser() -> Parser:
     p.add_argument("--pipeline-groups", type=int, default=1,
                    help="N contexts of the model, each with its own batch and decode thread, so N batches are in "
                         "flight over a layer split; must divide --parallel")
+    p.add_argument("-ctk", "--cache-type-k", default=DEFAULT_CACHE_TYPE, choices=list(CACHE_TYPES),
+                   help="KV cache type for K: f32, f16, bf16 or q8_0")
+    p.add_argument("-ctv", "--cache-type-v", default=DEFAULT_CACHE_TYPE, choices=list(CACHE_TYPES),
+                   help="KV cache type for V: f32, f16, bf16 or q8_0")
     p.add_argument("--kv-unified", action="store_true",
                    help="one KV pool for all slots (a request may use the whole context) instead of C/P per slot")
+    p.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=False,
+                   help="when a request reaches its slot's context: keep its first --keep tokens, drop half of the "
+                        "rest and go on (default: off, as llama-server: the request ends with truncated: true)")
+    p.add_argument("--keep", type=int, default=0,
+                   help="prompt tokens a context shift keeps, -1 = the whole prompt (a request's n_keep overrides it)")
     p.add_argument("--backend-sampling", action=argparse.BooleanOptionalAction, default=None,
                    help="run every request's sampler chain on the device that holds the output layer (local or an rpc "
                         "server that supports it): only token ids come back instead of the logits; default: on when "
@@ -92,6 +103,8 @@ def check_args(args) -> None:
                            "(split KV gives each group an equal share; or use --kv-unified)")
     if args.ctx_size < 0:
         raise PyllamaError(f"--ctx-size {args.ctx_size}: must be at least 0")
+    if args.keep < -1:
+        raise PyllamaError(f"--keep {args.keep}: must be -1 (the whole prompt) or at least 0")
     if args.n_predict < -1:
         raise PyllamaError(f"--n-predict {args.n_predict}: must be -1 (unlimited) or at least 0")
     if args.batch_size < 1 or args.ubatch_size < 1:
@@ -135,11 +148,14 @@ def load(state: ServerState) -> None:
     seq_group = args.parallel // n_groups
     if not args.kv_unified and ctx_group < seq_group:
         raise PyllamaError(f"--ctx-size {n_ctx} is smaller than --parallel {args.parallel}")
-    need = engine.check_memory(n_groups, ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified)
+    type_k, type_v = CACHE_TYPES[args.cache_type_k], CACHE_TYPES[args.cache_type_v]
+    need = engine.check_memory(n_groups, ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified,
+                               type_k, type_v)
     engine.load()
     state.groups = []
     for g in range(n_groups):
-        ctx = engine.new_context(ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified)
+        ctx = engine.new_context(ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified,
+                                 type_k, type_v)
         wanted = args.backend_sampling
         if wanted is None:  # the logits would cross the network: sampling there saves n_vocab floats per row
             wanted = ctx.output_backend().remote
@@ -149,7 +165,8 @@ def load(state: ServerState) -> None:
                         "without the capability); sampling on this host")
         slots = [Slot(g * seq_group + i, g, i, ctx.seq_cap, engine.tokenizer) for i in range(seq_group)]
         state.groups.append(PipelineGroup(g, ctx, slots, engine.tokenizer, state.metrics, on_free=lambda s: None,
-                                          n_threads=1, backend_sampling=backend_sampling))
+                                          n_threads=1, backend_sampling=backend_sampling,
+                                          context_shift=args.context_shift))
 
     state.slots_per_group = seq_group
     state.n_ctx_slot = ctx.seq_cap
@@ -174,10 +191,12 @@ def load(state: ServerState) -> None:
     for group in state.groups:
         for name, size in group.ctx.kv_bytes.items():
             kv[name] = kv.get(name, 0) + size
-    log.warning("model %s loaded: %d slots in %d pipeline group(s); at most %d positions per request (%s KV); "
-                "KV cache %s; weights %s; needed in all %s; layers: %s",
-                state.model_alias, args.parallel, n_groups, ctx.seq_cap, "unified" if args.kv_unified else "split",
-                _mib(kv), _mib(engine.weights.bytes_per_backend), _mib(need), engine.placement.describe())
+    kv_desc = {f"{name} (K {cache_type_name(tk)}, V {cache_type_name(tv)})": kv[name]
+               for name, (tk, tv) in ctx.kv_types.items()}
+    log.info("model %s loaded: %d slots in %d pipeline group(s); at most %d positions per request (%s KV); "
+             "KV cache %s; weights %s; needed in all %s; layers: %s",
+             state.model_alias, args.parallel, n_groups, ctx.seq_cap, "unified" if args.kv_unified else "split",
+             _mib(kv_desc), _mib(engine.weights.bytes_per_backend), _mib(need), engine.placement.describe())
     state.router = router
     state.engine = engine
 
@@ -205,12 +224,10 @@ async def serve(args) -> int:
         await server.shutdown(grace=0)
         raise PyllamaError(f"--trace: {exc.strerror or exc}") from None
     if traced:
-        log.warning("tracing to %s", traced)
-    log.warning("listening on http://%s:%d", args.host, port)
+        log.info("tracing to %s", traced)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    install_stop_signals(loop, stop.set)
     loader = loop.run_in_executor(None, load, state)
     code = 0
     try:
@@ -227,11 +244,12 @@ async def serve(args) -> int:
                     print(f"error: loading failed: {exc}", file=sys.stderr)
                 code = 1
             else:
+                log.info("listening on http://%s:%d", args.host, port)  # loaded and checked: serving
                 await stopper
         else:
             await asyncio.wait({loader})  # loading cannot be interrupted half-way; let it finish
     finally:
-        log.warning("shutting down")
+        log.info("shutting down")
         await server.shutdown(grace=5.0)
         if state.router is not None:
             state.router.stop()
@@ -256,9 +274,7 @@ async def serve(args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.verbose)
-    if not args.verbose:
-        logging.getLogger("pyllama").setLevel(logging.WARNING)
+    setup_logging(args.verbose, logging.INFO)
     check_args(args)
     install_uvloop()
     return asyncio.run(serve(args))

@@ -40,6 +40,16 @@ class ServerState:
     slots_per_group: int = 0
     load_error: Optional[str] = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # Set from the command line (--api-key, --cors-origins, --slots, --props, --slot-save-path,
+    # --metrics, -v, --alias); the handlers and the HTTP layer read them.
+    api_keys: list[str] = field(default_factory=list)
+    cors_origins: list[str] = field(default_factory=list)  # empty: only localhost origins
+    slots_enabled: bool = True
+    props_writable: bool = False
+    slot_save_path: Optional[str] = None
+    metrics_enabled: bool = False
+    verbose: bool = False
+    aliases: list[str] = field(default_factory=list)
     _max_token_chars: int = 0
 
     @property
@@ -125,7 +135,7 @@ def _settings(state: ServerState, p: CompletionParams) -> dict:
             "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n,
             "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty, "seed": s.seed,
             "n_probs": p.n_probs, "stop": p.stop, "ignore_eos": p.ignore_eos, "stream": p.stream,
-            "cache_prompt": p.cache_prompt}
+            "cache_prompt": p.cache_prompt, "n_keep": p.n_keep}
 
 
 class Choice:
@@ -231,7 +241,8 @@ class Api:
     async def props(self, req: Request) -> Response:
         _require_ready(self.state)
         st = self.state
-        defaults = parse_completion({}, st.args.n_predict, st.slots_per_group)
+        defaults = parse_completion({}, st.args.n_predict, st.slots_per_group, default_n_keep=_keep(st.args))
+        snap = st.metrics.snapshot()
         return json_response({
             "default_generation_settings": {"n_ctx": st.n_ctx_slot, "params": _settings(st, defaults)},
             "total_slots": sum(len(g.slots) for g in st.groups),
@@ -241,6 +252,8 @@ class Api:
             "eos_token": _token_text(st.tokenizer, st.tokenizer.eos_id),
             "modalities": {"vision": False, "audio": False},
             "build_info": f"pyllama {__version__}",
+            "context_shift": bool(getattr(st.args, "context_shift", False)),
+            "n_preemptions": snap["n_preemptions_total"], "n_context_shifts": snap["n_context_shifts_total"],
         })
 
     async def slots(self, req: Request) -> Response:
@@ -273,7 +286,7 @@ class Api:
             sampling = p.sampling
             if p.n > 1 and sampling.seed not in (-1, 0xFFFFFFFF):
                 sampling = SamplingParams(**{**sampling.__dict__, "seed": (sampling.seed + i) & 0xFFFFFFFF})
-            tasks.append(CompletionTask(prompt=prompt, params=sampling, n_predict=p.n_predict,
+            tasks.append(CompletionTask(prompt=prompt, params=sampling, n_predict=p.n_predict, n_keep=p.n_keep,
                                         ignore_eos=p.ignore_eos, stop=p.stop, n_probs=p.n_probs,
                                         cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=i))
         return tasks
@@ -317,7 +330,7 @@ class Api:
         st = self.state
         body = req.json()
         p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=oai, n_vocab=st.tokenizer.n_vocab,
-                             tokenizer=st.tokenizer)
+                             tokenizer=st.tokenizer, default_n_keep=_keep(st.args))
         if "prompt" not in body:
             raise HTTPError(400, "'prompt' is required")
         st.check_prompt_fits(*_prompt_size(body["prompt"]))
@@ -341,7 +354,7 @@ class Api:
                "model": self.state.model_alias, "tokens_predicted": f.n_predicted, "tokens_evaluated": f.n_prompt,
                "generation_settings": _settings(self.state, p), "prompt": text_prompt,
                "has_new_line": "\n" in c.content, "truncated": f.truncated, "stop_type": f.stop_type,
-               "stopping_word": f.stopping_word, "tokens_cached": f.n_prompt + f.n_predicted,
+               "stopping_word": f.stopping_word, "tokens_cached": f.n_cache,
                "timings": _timings(f)}
         if p.n_probs:
             out["completion_probabilities"] = c.probs
@@ -353,7 +366,7 @@ class Api:
             c = choices[index]
             if isinstance(ev, TokenEvent):
                 c.tokens.append(ev.token)
-                chunk = {"index": index, "content": ev.text, "tokens": [ev.token], "stop": False, "id_slot": -1,
+                chunk = {"index": index, "content": ev.text, "tokens": [ev.token], "stop": False, "id_slot": ev.id_slot,
                          "tokens_predicted": len(c.tokens), "tokens_evaluated": len(prompt)}
                 if ev.probs is not None:
                     chunk["completion_probabilities"] = [ev.probs]
@@ -386,7 +399,7 @@ class Api:
         if not isinstance(body, dict):
             raise HTTPError(400, "the request body must be a JSON object")
         p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=True, n_vocab=st.tokenizer.n_vocab,
-                             tokenizer=st.tokenizer)
+                             tokenizer=st.tokenizer, default_n_keep=_keep(st.args))
         try:
             messages = validate_messages(body.get("messages"))
             text = st.chat.render(messages, add_generation_prompt=True, tools=body.get("tools"))
@@ -464,6 +477,11 @@ class Api:
                              "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
                                        "total_tokens": n_prompt + n_gen}})
         yield SSE_DONE
+
+
+def _keep(args: Any) -> int:
+    """The server's --keep (the default of a request's n_keep)."""
+    return int(getattr(args, "keep", 0))
 
 
 def _token_text(tok, token_id: Optional[int]) -> str:

@@ -6,8 +6,16 @@ output row in one kernel call, and publishes the step's events in one hand-off t
 The task thread never touches the context: it hands tasks over through `submit` and hears of
 freed slots through `on_free`.
 
-A step that fails fails the requests of the group (`fault` says why, for /health). When the cause
-is a lost device (an rpc server that went away or stopped answering), the group calls `on_fault`,
+Cells of the KV pool are handed out before each step, never by catching a failed one (see
+`_schedule`): requests go first in order of arrival; a prompt waits (its slot stays queued) until
+its whole prompt fits; a sequence that cannot grow takes the cells of the most recently started
+one, which is preempted: its cells are freed and its prompt plus the tokens generated so far are
+recomputed later, after which it generates on where it stopped (same sampler state, no text
+repeated or lost). A sequence at its own context limit is context-shifted (`--context-shift`, by
+recomputation as well) or ends with `truncated`.
+
+A step that fails fails the requests of the group (`fault` says why, for /health; the next step
+that succeeds clears it). When the cause is a lost device (an rpc server that went away or stopped answering), the group calls `on_fault`,
 answers new requests with 503 at once until the device is back, and leaves the rest to the
 server's PeerReconnector, which calls `abandon` and clears `fault` with the group stopped.
 """
@@ -25,6 +33,7 @@ from ..context import Batch, Context, DecodeOutput
 from ..sampling import BatchSampler
 from ..tokenizer import Tokenizer
 from .. import trace
+from .._fast import gemm
 from . import pipe_prof
 from .metrics import Metrics
 from .slot import Slot, SlotState, common_prefix, token_probs
@@ -32,13 +41,25 @@ from .task import CompletionTask, ErrorEvent, EventSink, FinalEvent
 
 log = logging.getLogger(__name__)
 
+_FEEDING = (SlotState.PROMPT, SlotState.RECOMPUTE)
+
 MAX_PROBS = 20
+# Rows up to which a step computes each row exactly as a one-row decode would (the CPU backend's
+# streaming kernel sums in a fixed order whatever the row count; BLAS, above, does not). Tokens
+# that were generated are recomputed in steps at most this large, so that their K/V, and so the
+# text that follows, are bit for bit those of the decode steps that first computed them.
+EXACT_ROWS = gemm.small_rows_max()
 
 
 class PipelineGroup:
     def __init__(self, index: int, ctx: Context, slots: list[Slot], tokenizer: Tokenizer, metrics: Metrics,
-                 on_free: Callable[[Slot], None], n_threads: int = 1, backend_sampling: bool = False):
+                 on_free: Callable[[Slot], None], n_threads: int = 1, backend_sampling: bool = False,
+                 context_shift: bool = False):
         self.index = index
+        self.context_shift = context_shift
+        for slot in slots:
+            slot.context_shift = context_shift
+        self._arrivals = 0  # requests placed so far: their order is their priority
         self.ctx = ctx
         self.slots = slots
         self.tokenizer = tokenizer
@@ -163,6 +184,8 @@ class PipelineGroup:
             trace.event("server", "submit", s0, s1, grp=self.index, n_slots=self._n_rows)
             trace.event("server", "synchronize", s1, s2, grp=self.index, n_slots=self._n_rows)
             t_post = trace.now()
+        if self.fault is not None and not self.ctx.lost_devices():
+            self.fault = None  # a step went through: the device is fine again
         self.metrics.on_decode(sum(1 for s in self.slots if s.busy))
         self._after_decode(out, rows)
         if traced:
@@ -180,54 +203,222 @@ class PipelineGroup:
                 self.on_free(slot)
             return
         parent: Optional[Slot] = None
+        self._arrivals += 1
         for slot, task in placements:
             if parent is None:
                 n_keep = 0
                 if task.cache_prompt:
                     n_keep = min(common_prefix(slot.cache_tokens, task.prompt), len(task.prompt) - 1)
                 n_keep = self.ctx.seq_rm(slot.seq, n_keep)
-                slot.start(task, n_keep)
+                slot.start(task, n_keep, priority=self._arrivals)
                 parent = slot
             else:
                 self.ctx.seq_rm(slot.seq, 0)
-                slot.start(task, 0, parent=parent)
+                slot.start(task, 0, parent=parent, priority=self._arrivals)
 
     def _build_batch(self) -> tuple[Optional[Batch], list[Slot]]:
-        """Next tokens of generating slots first, then prompt chunks within n_batch."""
+        """Next tokens of generating slots first, then prompt (and recomputation) chunks within n_batch."""
+        decode, chunks = self._schedule()
         tokens: list[int] = []
         pos: list[int] = []
         seqs: list[int] = []
         want: list[bool] = []
         rows: list[Slot] = []
-        for slot in self.slots:
-            slot.n_pending = 0
-            if slot.state is SlotState.GENERATING:
-                tokens.append(slot.next_token)
-                pos.append(slot.n_past)
-                seqs.append(slot.seq)
-                want.append(True)
-                rows.append(slot)
-        budget = self.ctx.n_batch - len(tokens)
-        if tokens:  # generations are running: one micro-batch of prompt per step keeps their pace
-            budget = min(budget, self.ctx.n_ubatch)
-        for slot in self.slots:
-            if slot.state is not SlotState.PROMPT or budget <= 0:
-                continue
-            chunk = slot.prompt[slot.i_prompt:slot.i_prompt + budget]
+        for slot in decode:
+            tokens.append(slot.next_token)
+            pos.append(slot.n_past)
+            seqs.append(slot.seq)
+            want.append(True)
+            rows.append(slot)
+        for slot, n in chunks:
             start = slot.n_past
-            tokens.extend(chunk)
-            pos.extend(range(start, start + len(chunk)))
-            seqs.extend([slot.seq] * len(chunk))
-            slot.n_pending = len(chunk)
-            last = slot.i_prompt + len(chunk) == len(slot.prompt)
-            want.extend([False] * (len(chunk) - 1) + [last])
+            tokens.extend(slot.feed[start:start + n])
+            pos.extend(range(start, start + n))
+            seqs.extend([slot.seq] * n)
+            # a recomputation samples nothing: the token that follows it was sampled already
+            last = slot.state is SlotState.PROMPT and start + n == len(slot.prompt)
+            want.extend([False] * (n - 1) + [last])
             if last:
                 rows.append(slot)
-            budget -= len(chunk)
         if not tokens:
             return None, []
-        # rows must follow batch order: decode rows come first, prompt rows in slot order after
+        # rows must follow batch order: decode rows come first, prompt rows after
         return Batch(np.asarray(tokens), np.asarray(pos), np.asarray(seqs), np.asarray(want)), rows
+
+    # --- scheduling under a full KV pool -----------------------------------------------------------
+    def _schedule(self) -> tuple[list[Slot], list[tuple[Slot, int]]]:
+        """Chooses this step's decode rows and prompt chunks so that their cells are free.
+
+        Slots go in order of arrival. A generating slot that needs a block takes it from the idle
+        slots' cached prompts first, then from the most recently started request holding cells
+        (possibly itself), which is preempted. A prompt or recomputation that has not started waits
+        until all of it fits (later arrivals wait behind it); once started, it takes what is free,
+        preempting only requests newer than itself. Sets `n_pending` of every slot."""
+        kv = self.ctx.kv
+        for slot in self.slots:
+            slot.n_pending = 0
+        for slot in self.slots:  # a sequence at its context limit shifts (or ends) first
+            if slot.state is SlotState.GENERATING and slot.n_past >= slot.n_ctx:
+                self._shift(slot)
+        order = sorted((s for s in self.slots if s.state in _FEEDING or s.state is SlotState.GENERATING),
+                       key=lambda s: (s.priority, s.id))
+        self._reserved = 0
+        self._decode_need: dict[int, int] = {}  # slot id -> blocks its decode row takes
+        decode: list[Slot] = []
+        for slot in order:
+            if slot.state is not SlotState.GENERATING:
+                continue
+            need = kv.blocks_to_grow(slot.seq, slot.n_past + 1)
+            while need > self._free() and self._evict_for(slot, order, self_ok=True):
+                pass
+            if slot.state is SlotState.GENERATING and need <= self._free():
+                self._reserved += need
+                self._decode_need[slot.id] = need
+                decode.append(slot)
+                slot.n_pending = 1
+        budget = self.ctx.n_batch - len(decode)
+        if decode:  # generations are running: one micro-batch of prompt per step keeps their pace
+            budget = min(budget, self.ctx.n_ubatch)
+        n_rows = len(decode)
+        # With as many decode rows as EXACT_ROWS the step runs on BLAS anyway (and the running
+        # sequences' own tokens with it): there is no exactness left to keep, only speed.
+        exact_ok = n_rows < EXACT_ROWS
+        chunks: list[tuple[Slot, int]] = []
+        blocked = False  # an older waiting prompt does not fit: newer ones wait behind it
+        for slot in order:
+            if slot.state not in _FEEDING or budget <= 0:
+                continue
+            feed = slot.feed
+            start = slot.n_past
+            if not slot.admitted:
+                if blocked:
+                    continue
+                # all of it, plus the position of the token that follows a recomputation
+                total = len(feed) + (slot.state is SlotState.RECOMPUTE)
+                need_all = kv.blocks_to_grow(slot.seq, min(total, kv.seq_cap))
+                while need_all > self._free() and (self._evict_idle() or self._evict_waiting(slot, order)):
+                    pass
+                if need_all > self._free():
+                    blocked = True
+                    continue
+                slot.admitted = True
+            n = min(budget, len(feed) - start)
+            exact = exact_ok and slot.state is SlotState.RECOMPUTE and start >= slot.exact_from
+            if exact:  # decoded tokens: in steps small enough to compute them as decode steps did
+                n = min(n, EXACT_ROWS - n_rows)
+            elif slot.state is SlotState.RECOMPUTE and start < slot.exact_from:
+                n = min(n, slot.exact_from - start)  # the prompt part, as a prompt
+            if n <= 0:
+                continue
+            need = kv.blocks_to_grow(slot.seq, start + n)
+            while need > self._free() and self._evict_for(slot, order, self_ok=False):
+                pass
+            if need > self._free():
+                n = kv.room(slot.seq, self._free()) - start
+                if n <= 0:
+                    continue
+                need = kv.blocks_to_grow(slot.seq, start + n)
+            self._reserved += need
+            chunks.append((slot, n))
+            slot.n_pending = n
+            budget -= n
+            n_rows += n
+            if exact:
+                budget = min(budget, EXACT_ROWS - n_rows)
+        # a decode row may have been given up to a prompt older than its slot
+        decode = [s for s in decode if s.state is SlotState.GENERATING and s.id in self._decode_need]
+        return decode, chunks
+
+    def _free(self) -> int:
+        return self.ctx.kv.n_free_blocks - self._reserved
+
+    def _evict_idle(self) -> bool:
+        """Drops the cached prompt of the least recently used idle slot holding cells."""
+        idle = [s for s in self.slots if s.state is SlotState.IDLE and self.ctx.kv.seq_len(s.seq)]
+        if not idle:
+            return False
+        slot = min(idle, key=lambda s: s.last_used)
+        self.ctx.seq_rm(slot.seq, 0)
+        slot.cache_tokens = []
+        return True
+
+    def _evict_waiting(self, slot: Slot, order: list[Slot]) -> bool:
+        """Drops the cached prompt prefix of the newest request that arrived after `slot` and has
+        not started yet: waiting prompts must not hold the cells that older ones need to start."""
+        key = (slot.priority, slot.id)
+        for victim in reversed(order):
+            if (victim.priority, victim.id) <= key:
+                break
+            if victim.state is SlotState.PROMPT and not victim.admitted and self.ctx.kv.seq_len(victim.seq):
+                self.ctx.seq_rm(victim.seq, 0)
+                victim.cache_tokens = []
+                victim.i_prompt = victim.n_cached = 0
+                return True
+        return False
+
+    def _evict_for(self, slot: Slot, order: list[Slot], self_ok: bool) -> bool:
+        """Frees cells for `slot`: an idle slot's cache, else the newest request holding cells that
+        arrived after `slot` (or `slot` itself when self_ok and there is none). False: nothing left."""
+        if self._evict_idle():
+            return True
+        kv = self.ctx.kv
+        key = (slot.priority, slot.id)
+        scheduled = {s.id for s in self.slots if s.n_pending and s.state in _FEEDING}
+        for victim in reversed(order):
+            if (victim.priority, victim.id) < key or (victim is slot and not self_ok):
+                break
+            if victim.id in scheduled or not kv.seq_len(victim.seq):
+                continue
+            self._preempt(victim)
+            return True
+        return False
+
+    def _preempt(self, slot: Slot) -> None:
+        """Frees a request's cells; what it had computed is recomputed once cells are free again."""
+        if slot.id in self._decode_need:  # its decode row of this step goes too
+            self._reserved -= self._decode_need.pop(slot.id)
+            slot.n_pending = 0
+        if slot.state is SlotState.GENERATING:
+            slot.recompute = list(slot.cache_tokens)
+            slot.exact_from = slot.n_prompt_path
+            slot.state = SlotState.RECOMPUTE
+        elif slot.state is SlotState.PROMPT:
+            slot.i_prompt = slot.n_cached = 0
+        self.ctx.seq_rm(slot.seq, 0)
+        slot.cache_tokens = []
+        slot.admitted = False
+        slot.n_preempted += 1
+        self.metrics.on_preempt()
+        log.info("slot %d: preempted (KV cache full): %d tokens to recompute", slot.id,
+                 len(slot.feed) if slot.state in _FEEDING else 0)
+
+    def _shift(self, slot: Slot) -> None:
+        """A generating slot whose next token has no position left: with --context-shift keeps the
+        first n_keep tokens, drops half of the rest and recomputes what follows the kept ones at
+        their new positions (as llama-server does, but by recomputation instead of rotating K);
+        else, or when nothing can be dropped, the request ends."""
+        task = slot.task
+        assert task is not None
+        n_past = slot.n_past
+        n_keep = len(slot.prompt) if task.n_keep < 0 else task.n_keep
+        n_keep = max(0, min(n_keep + int(self.tokenizer.add_bos), slot.n_ctx - 4))
+        n_left = n_past - n_keep
+        n_discard = max(0, min(n_left // 2, n_left - 1))
+        if not slot.context_shift or n_discard <= 0:
+            self._finish(slot, slot.end_at_limit())
+            return
+        tokens = slot.cache_tokens[:n_keep] + slot.cache_tokens[n_keep + n_discard:]
+        kept = self.ctx.seq_rm(slot.seq, n_keep)  # (less when a shared block holds position n_keep)
+        slot.cache_tokens = tokens[:kept]
+        slot.recompute = tokens
+        slot.exact_from = slot.n_prompt_path = len(tokens)  # no earlier K/V to match: as a prompt
+        slot.state = SlotState.RECOMPUTE
+        slot.admitted = True  # it keeps its place; it needs fewer cells than it held
+        slot.truncated = True
+        slot.n_shifted += 1
+        self.metrics.on_context_shift()
+        log.info("slot %d: context shift: n_keep = %d, n_left = %d, n_discard = %d", slot.id, n_keep, n_left,
+                 n_discard)
 
     def _release_children(self, parent: Slot) -> None:
         """Choices waiting on `parent` start: sharing its prompt's whole cache blocks when the
@@ -246,11 +437,19 @@ class PipelineGroup:
     def _after_decode(self, out: DecodeOutput, rows: list[Slot]) -> None:
         # the batch's tokens are now in the cache
         for slot in self.slots:
+            if not slot.n_pending:
+                continue
             if slot.state is SlotState.GENERATING:
                 slot.cache_tokens.append(slot.next_token)
-            elif slot.state is SlotState.PROMPT and slot.n_pending:
+            elif slot.state is SlotState.PROMPT:
                 slot.cache_tokens.extend(slot.prompt[slot.i_prompt:slot.i_prompt + slot.n_pending])
                 slot.i_prompt += slot.n_pending
+            elif slot.state is SlotState.RECOMPUTE:
+                n = slot.n_past
+                slot.cache_tokens.extend(slot.recompute[n:n + slot.n_pending])
+                if slot.n_past == len(slot.recompute):  # back where it was: its next token is pending
+                    slot.recompute = []
+                    slot.state = SlotState.GENERATING
         if not rows:
             return
         t0 = time.perf_counter()
@@ -268,8 +467,12 @@ class PipelineGroup:
             assert task is not None
             if slot.state is SlotState.PROMPT:
                 slot.state = SlotState.GENERATING
+                slot.n_prompt_path = len(slot.prompt)
                 self.metrics.on_prompt(len(slot.prompt) - slot.n_cached, time.perf_counter() - slot.t_start)
                 self._release_children(slot)
+                if task.n_predict == 0:  # the prompt is cached; no token is wanted
+                    self._finish(slot, slot.end_without_tokens())
+                    continue
             p = None
             if task.n_probs > 0:
                 p = token_probs(self.tokenizer, ids[i], float(probs[i]), top_ids[i], top_probs[i], task.n_probs)
@@ -289,6 +492,14 @@ class PipelineGroup:
         if task is not None and final is not None:
             self.sink.put(task, final)
             self.metrics.on_prediction(final.n_predicted, final.predicted_ms / 1e3)
+            if log.isEnabledFor(logging.INFO):
+                gen_s = final.predicted_ms / 1e3
+                log.info("slot %d: task %d done (%s): prompt %d tokens (%d evaluated) in %.1f ms, %d tokens "
+                         "generated in %.1f ms (%.1f tokens/s)%s", slot.id, task.id, final.stop_type,
+                         final.n_prompt, final.n_evaluated, final.prompt_ms, final.n_predicted, final.predicted_ms,
+                         final.n_predicted / gen_s if gen_s > 0 else 0.0,
+                         (f", preempted {final.n_preempted}x" if final.n_preempted else "")
+                         + (f", context shifts {final.n_shifted}" if final.n_shifted else ""))
         # keep the cache consistent with what the slot remembers (a cancelled prompt may be partial)
         n = self.ctx.seq_rm(slot.seq, slot.n_past)
         del slot.cache_tokens[n:]

@@ -21,6 +21,9 @@ _COUNTERS = (
     ("tokens_predicted_total", "Number of generation tokens processed."),
     ("tokens_predicted_seconds_total", "Predict process time"),
     ("n_decode_total", "Total number of llama_decode() calls"),
+    # pyllama's own: the scheduler under a full KV pool (docs/server.md)
+    ("n_preemptions_total", "Requests preempted: their KV cells freed for an older request and recomputed later"),
+    ("n_context_shifts_total", "Context shifts (--context-shift)"),
 )
 _GAUGES = (
     ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call"),
@@ -66,6 +69,8 @@ class Metrics:
         self._predicted_seconds = 0.0
         self._n_decode = 0
         self._n_busy_slots = 0
+        self._n_preemptions = 0
+        self._n_context_shifts = 0
 
     # -- updates (decode threads) ------------------------------------------------------------
 
@@ -87,6 +92,15 @@ class Metrics:
             self._n_decode += 1
             self._n_busy_slots += n_busy_slots
 
+    def on_preempt(self) -> None:
+        """A request's KV cells were freed for an older request; it will be recomputed."""
+        with self._lock:
+            self._n_preemptions += 1
+
+    def on_context_shift(self) -> None:
+        with self._lock:
+            self._n_context_shifts += 1
+
     # -- reading (event loop) ----------------------------------------------------------------
 
     def snapshot(self) -> dict[str, float]:
@@ -95,7 +109,10 @@ class Metrics:
             pt, ps = self._prompt_tokens, self._prompt_seconds
             gt, gs = self._predicted_tokens, self._predicted_seconds
             nd, nb = self._n_decode, self._n_busy_slots
+            npre, nshift = self._n_preemptions, self._n_context_shifts
         return {
+            "n_preemptions_total": npre,
+            "n_context_shifts_total": nshift,
             "prompt_tokens_total": pt,
             "prompt_seconds_total": ps,
             "tokens_predicted_total": gt,

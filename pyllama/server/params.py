@@ -168,10 +168,12 @@ class CompletionParams:
     id_slot: int = -1
     n: int = 1
     include_usage: bool = False
+    n_keep: int = 0         # prompt tokens a context shift keeps, -1: all of them
 
 
 def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool = False,
-                     n_vocab: Optional[int] = None, tokenizer: Optional[Tokenizer] = None) -> CompletionParams:
+                     n_vocab: Optional[int] = None, tokenizer: Optional[Tokenizer] = None,
+                     default_n_keep: int = 0) -> CompletionParams:
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object")
     n_predict = default_n_predict
@@ -213,4 +215,4 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         sampling=sampling, n_predict=n_predict, stream=get_bool(body, "stream", False), stop=get_stop(body),
         ignore_eos=get_bool(body, "ignore_eos", False), n_probs=n_probs,
         cache_prompt=get_bool(body, "cache_prompt", True), id_slot=get_int(body, "id_slot", -1, lo=-1),  # type: ignore[arg-type]
-        n=n, include_usage=include_usage)
+        n=n, include_usage=include_usage, n_keep=get_int(body, "n_keep", default_n_keep, lo=-1))  # type: ignore[arg-type]

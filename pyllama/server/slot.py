@@ -23,6 +23,7 @@ class SlotState(enum.Enum):
     IDLE = "idle"
     WAIT_PARENT = "wait_parent"  # a choice of an n > 1 request, waiting for the shared prompt
     PROMPT = "prompt"
+    RECOMPUTE = "recompute"      # preempted or context-shifted: its tokens re-enter the cache, then it generates on
     GENERATING = "generating"
 
 
@@ -71,6 +72,7 @@ class Slot:
         self.cache_tokens: list[int] = []  # tokens whose K/V are in the cache, in order
         self.last_used = 0.0
         self.parent: Optional["Slot"] = None
+        self.context_shift = False      # at the context limit: shift (True) or end the request (False)
         self._reset_request()
 
     def _reset_request(self) -> None:
@@ -87,15 +89,25 @@ class Slot:
         self.n_sent = 0                 # characters of self.text already sent
         self.t_start = self.t_prompt_done = self.t_last = 0.0
         self.t_detok = self.t_stop = 0.0  # accumulated for PYLLAMA_PIPE_PROF
+        # scheduling under a full KV pool (see group.py)
+        self.priority = 0               # order of arrival: lower is older and goes first
+        self.admitted = False           # its prompt (or recomputation) has been given cells
+        self.recompute: list[int] = []  # RECOMPUTE: the tokens the cache must hold again
+        self.exact_from = 0             # RECOMPUTE positions from here were decoded: recomputed in small steps
+        self.n_prompt_path = 0          # leading cache positions that were computed as a prompt
+        self.truncated = False
+        self.n_preempted = 0
+        self.n_shifted = 0
 
     # --- life cycle (decode thread) --------------------------------------------------------------
     @property
     def busy(self) -> bool:
         return self.state is not SlotState.IDLE
 
-    def start(self, task: CompletionTask, n_keep: int, parent: Optional["Slot"] = None) -> None:
+    def start(self, task: CompletionTask, n_keep: int, parent: Optional["Slot"] = None, priority: int = 0) -> None:
         """Takes a task; the first n_keep prompt tokens are already in the cache."""
         self._reset_request()
+        self.priority = priority
         self.task = task
         self.prompt = task.prompt
         self.i_prompt = self.n_cached = n_keep
@@ -116,6 +128,12 @@ class Slot:
     @property
     def n_past(self) -> int:
         return len(self.cache_tokens)
+
+    @property
+    def feed(self) -> list[int]:
+        """PROMPT / RECOMPUTE: every token the cache must hold before the next sampled one; the
+        next to compute is feed[n_past]."""
+        return self.recompute if self.state is SlotState.RECOMPUTE else self.prompt
 
     # --- generation (decode thread) --------------------------------------------------------------
     def accept(self, token: int, probs: Optional[dict]) -> tuple[Optional[TokenEvent], Optional[FinalEvent]]:
@@ -145,15 +163,26 @@ class Slot:
         self.t_stop += time.perf_counter() - t1
         if not stop_type and task.n_predict >= 0 and self.n_decoded >= task.n_predict:
             stop_type = "limit"
-        if not stop_type and self.n_past >= self.n_ctx:
+        if not stop_type and self.n_past >= self.n_ctx and not self.context_shift:
             stop_type = "limit"  # the token cannot be stored to continue: the slot's context is full
+            self.truncated = True
         if stop_type:
             if stop_type != "word":
                 self.text += self.detok.flush()
-            event = TokenEvent(self._take_text(hold=0), token, probs)
+            event = TokenEvent(self._take_text(hold=0), token, probs, self.id)
             return event, self._final(stop_type, word)
         hold = self.stopper.held(self.text) if self.stopper.stops else 0
-        return TokenEvent(self._take_text(hold), token, probs), None
+        return TokenEvent(self._take_text(hold), token, probs, self.id), None
+
+    def end_at_limit(self) -> FinalEvent:
+        """Ends the request at the context limit (a context shift could free nothing)."""
+        self.truncated = True
+        return self._final("limit", flush=True)
+
+    def end_without_tokens(self) -> FinalEvent:
+        """Ends a request for no tokens (n_predict 0) once its prompt is in the cache."""
+        self.t_prompt_done = self.t_last = time.perf_counter()
+        return self._final("limit")
 
     def _take_text(self, hold: int) -> str:
         end = max(self.n_sent, len(self.text) - hold)
@@ -161,16 +190,18 @@ class Slot:
         self.n_sent = end
         return out
 
-    def _final(self, stop_type: str, word: str = "") -> FinalEvent:
-        tail = self._take_text(0) if stop_type == "eos" else ""
-        if stop_type == "eos":
+    def _final(self, stop_type: str, word: str = "", flush: bool = False) -> FinalEvent:
+        flush = flush or stop_type == "eos"
+        tail = self._take_text(0) if flush else ""
+        if flush:
             tail += self.detok.flush() if self.detok else ""
         t_prompt = self.t_prompt_done or self.t_last
         return FinalEvent(
             stop_type=stop_type, stopping_word=word, n_prompt=len(self.prompt),
             n_evaluated=len(self.prompt) - self.n_cached, n_predicted=self.n_decoded,
             prompt_ms=(t_prompt - self.t_start) * 1e3, predicted_ms=(self.t_last - t_prompt) * 1e3,
-            id_slot=self.id, text_tail=tail)
+            id_slot=self.id, text_tail=tail, truncated=self.truncated, n_cache=min(self.n_past, self.n_ctx),
+            n_preempted=self.n_preempted, n_shifted=self.n_shifted)
 
     def snapshot(self) -> dict:
         task = self.task
@@ -184,6 +215,8 @@ class Slot:
             "n_past": self.n_past,
             "n_prompt_tokens": len(self.prompt) if task else 0,
             "n_decoded": self.n_decoded if task else 0,
+            "n_preempted": self.n_preempted if task else 0,
+            "n_context_shifts": self.n_shifted if task else 0,
             "params": {"n_predict": task.n_predict, "temperature": task.params.temperature,
                        "seed": self.sampler.seed if self.sampler else task.params.seed} if task else {},
         }

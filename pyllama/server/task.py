@@ -22,6 +22,7 @@ class CompletionTask:
     prompt: list[int]
     params: SamplingParams
     n_predict: int = -1
+    n_keep: int = 0                         # prompt tokens a context shift keeps (-1: the whole prompt)
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     n_probs: int = 0
@@ -45,6 +46,7 @@ class TokenEvent:
     text: str
     token: int
     probs: Optional[dict[str, Any]] = None
+    id_slot: int = -1
 
 
 @dataclass
@@ -58,7 +60,10 @@ class FinalEvent:
     predicted_ms: float
     id_slot: int
     text_tail: str = ""        # text held back by stop-string matching and released at the end
-    truncated: bool = False
+    truncated: bool = False    # the context ran out: the request was cut there or context-shifted
+    n_cache: int = 0           # positions of the sequence in the KV cache at the end (at most n_ctx)
+    n_preempted: int = 0       # times its cells were freed for an older request and recomputed
+    n_shifted: int = 0         # context shifts
 
 
 @dataclass

@@ -1,0 +1,101 @@
+"""Smaller server behaviours: n_predict 0, tokens_cached, id_slot in stream events, and a failed
+step on a local device that stops reporting on /health once a step succeeds again."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from server_util import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model):
+    s = ServerProcess(tiny_model, "-c", "256", "-np", "2").wait_ready()
+    yield s
+    s.stop()
+
+
+def test_n_predict_zero_returns_no_token(srv):
+    status, res = srv.post("/completion", {"prompt": "Once upon a time", "n_predict": 0})
+    assert status == 200, res
+    assert res["content"] == "" and res["tokens"] == [] and res["tokens_predicted"] == 0
+    assert res["stop"] is True and res["stop_type"] == "limit" and res["truncated"] is False
+    assert res["timings"]["predicted_n"] == 0 and res["timings"]["prompt_n"] == res["tokens_evaluated"]
+    events = srv.stream("/completion", {"prompt": "Once upon a time", "n_predict": 0})
+    assert len(events) == 1 and events[0]["stop"] is True and events[0]["content"] == ""
+    status, res = srv.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 0})
+    assert status == 200 and res["choices"][0]["text"] == "" and res["usage"]["completion_tokens"] == 0
+    assert res["choices"][0]["finish_reason"] == "length"
+
+
+def test_tokens_cached_counts_the_cache(srv):
+    status, res = srv.post("/completion", {"prompt": "Once upon a time", "n_predict": 7, "ignore_eos": True})
+    assert status == 200
+    # the last token is sampled, not stored: as llama-server's prompt + generated - 1
+    assert res["tokens_cached"] == res["tokens_evaluated"] + 7 - 1
+    status, res = srv.post("/completion", {"prompt": "Once upon a time", "n_predict": 500, "ignore_eos": True})
+    assert status == 200 and res["truncated"] and res["tokens_cached"] == 128  # -c 256 over 2 slots
+
+
+def test_stream_events_carry_the_slot(srv):
+    events = srv.stream("/completion", {"prompt": "Hello", "n_predict": 5, "ignore_eos": True, "id_slot": 1})
+    assert len(events) == 6
+    assert all(e["id_slot"] == 1 for e in events), [e["id_slot"] for e in events]
+
+
+def test_local_fault_clears_on_the_next_good_step(tiny_model, monkeypatch):
+    """A step that fails on a local device sets the group's fault (/health 500); the next step that
+    succeeds clears it, without a restart."""
+    from pyllama.engine import Engine
+    from pyllama.sampling import SamplingParams
+    from pyllama.server.api import Api, ServerState
+    from pyllama.server.group import PipelineGroup
+    from pyllama.server.metrics import Metrics
+    from pyllama.server.slot import Slot
+    from pyllama.server.task import CompletionTask
+
+    engine = Engine(tiny_model, n_threads=1)
+    ctx = engine.new_context(64, 1)
+    slots = [Slot(0, 0, 0, ctx.seq_cap, engine.tokenizer)]
+    freed = []
+    group = PipelineGroup(0, ctx, slots, engine.tokenizer, Metrics(), on_free=freed.append)
+    real = ctx.decode
+    calls = {"n": 0}
+
+    def flaky(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device fault")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ctx, "decode", flaky)
+    state = ServerState(args=None)
+    state.engine, state.groups, state.router = engine, [group], object()
+    api = Api(state)
+
+    def health() -> tuple[int, dict]:
+        resp = asyncio.run(api.health(None))
+        return resp.status, json.loads(resp.body)
+
+    def wait(cond) -> None:
+        deadline = time.monotonic() + 60
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    group.start()
+    try:
+        prompt = engine.tokenizer.encode("Hello", add_special=True)
+        group.submit([(slots[0], CompletionTask(prompt=prompt, params=SamplingParams(), n_predict=2))])
+        wait(lambda: len(freed) == 1)
+        assert group.fault and "device fault" in group.fault
+        status, body = health()
+        assert status == 500 and "device fault" in body["error"]
+        group.submit([(slots[0], CompletionTask(prompt=prompt, params=SamplingParams(), n_predict=2))])
+        wait(lambda: len(freed) == 2)
+        assert group.fault is None
+        assert health() == (200, {"status": "ok"})
+    finally:
+        group.stop()

@@ -91,8 +91,9 @@ cdef extern from * nogil:
     void pl_mm_t_range(const float* x, long M, long K, long ldx, const float* w, long N,
                        float* out, long ldo, const float* bias, long b0, long b1)
 
-# Measured on AVX-512 (bench/bench_gemm.py): up to this many rows the kernel beats OpenBLAS on
-# one thread; above it BLAS's packed micro-kernels win.
+# Up to this many rows the kernel beat OpenBLAS on one thread on the AVX-512 machine it was tuned
+# on; above it BLAS's packed micro-kernels win. The crossover depends on the vector width and the
+# caches: bench/bench_gemm.py measures it side by side on the machine at hand.
 DEF SMALL_ROWS_MAX = 32
 # Weight-row blocks per thread chunk: large enough that a thread streams whole pages of w.
 DEF CHUNK_BLOCKS = 16

@@ -13,24 +13,51 @@ from cython.parallel cimport prange
 cdef extern from * nogil:
     """
     #include <string.h>
-    typedef float pl_v16 __attribute__((vector_size(64)));
+    /* Every output element is summed exactly as written, whatever the block shape: with the
+       project's -fassociative-math GCC splits or reorders the reduction chains differently in
+       each template instantiation (fewer chains get more partial sums), so a row's result would
+       depend on how many rows share its block. */
+    #pragma GCC push_options
+    #pragma GCC optimize("no-associative-math", "fp-contract=off")
+    /* One accumulator per (x row, weight row) pair must stay in registers: 16-lane vectors with
+       4x4 blocks fill AVX-512's 32 registers; AVX2 has 16 registers of 8 lanes, so there the
+       vectors are 8 lanes and x rows go 2 at a time (8 accumulators + 4 weight vectors + 1). */
+    #if defined(__AVX512F__)
+    #define PL_LANES 16
+    #define PL_MB 4
+    #else
+    #define PL_LANES 8
+    #define PL_MB 2
+    #endif
+    typedef float pl_v16 __attribute__((vector_size(PL_LANES * 4)));
 
     static inline pl_v16 pl_load(const float* p) { pl_v16 v; memcpy(&v, p, sizeof v); return v; }
 
-    /* The lane sum and the K tail are summed in a fixed order whatever the block shape: with
-       the project's -fassociative-math GCC vectorizes these loops differently in each template
-       instantiation, so a row's result would depend on how many rows share its block. */
-    __attribute__((noinline, optimize("no-associative-math", "fp-contract=off")))
+    /* a fused multiply-add asked for explicitly: contraction is off in this block, so whether a
+       product is fused never depends on how the compiler scheduled an instantiation */
+    #include <immintrin.h>
+    static inline pl_v16 pl_fma(pl_v16 a, pl_v16 b, pl_v16 c) {
+    #if defined(__AVX512F__)
+        return (pl_v16) _mm512_fmadd_ps((__m512) a, (__m512) b, (__m512) c);
+    #elif defined(__FMA__)
+        return (pl_v16) _mm256_fmadd_ps((__m256) a, (__m256) b, (__m256) c);
+    #else
+        return a * b + c;
+    #endif
+    }
+
+    /* The lane sum and the K tail, out of line so every block shape shares one code path. */
+    __attribute__((noinline))
     static float pl_finish(const pl_v16* v, const float* x, const float* w, long k, long K) {
-        float lanes[16];
+        float lanes[PL_LANES];
         memcpy(lanes, v, sizeof lanes);
         float s = 0.0f;
-        for (int i = 0; i < 16; ++i) s += lanes[i];
+        for (int i = 0; i < PL_LANES; ++i) s += lanes[i];
         for (; k < K; ++k) s += x[k] * w[k];
         return s;
     }
 
-    /* MB rows of x against NB rows of w; every element sums 16-lane partials in a fixed order. */
+    /* MB rows of x against NB rows of w; every element sums its lane partials in a fixed order. */
     template <int MB, int NB>
     static inline void pl_block(const float* x, long ldx, const float* w, long ldw, float* out,
                                 long ldo, const float* bias, long K, const float* pf) {
@@ -38,14 +65,14 @@ cdef extern from * nogil:
         for (int i = 0; i < MB; ++i)
             for (int j = 0; j < NB; ++j) acc[i][j] = (pl_v16){0};
         long k = 0;
-        for (; k + 16 <= K; k += 16) {
+        for (; k + PL_LANES <= K; k += PL_LANES) {
             pl_v16 wv[NB];
             for (int j = 0; j < NB; ++j) wv[j] = pl_load(w + j * ldw + k);
             if (pf)
                 for (int j = 0; j < 4; ++j) __builtin_prefetch(pf + j * ldw + k, 0, 3);
             for (int i = 0; i < MB; ++i) {
                 pl_v16 xv = pl_load(x + i * ldx + k);
-                for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
+                for (int j = 0; j < NB; ++j) acc[i][j] = pl_fma(xv, wv[j], acc[i][j]);
             }
         }
         for (int i = 0; i < MB; ++i) {
@@ -62,8 +89,8 @@ cdef extern from * nogil:
         /* the first pass over w also pulls the next 4 weight rows into cache, so memory streams
            while the remaining rows of x compute */
         long m = 0;
-        for (; m + 4 <= M; m += 4, pf = 0)
-            pl_block<4, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf);
+        for (; m + PL_MB <= M; m += PL_MB, pf = 0)
+            pl_block<PL_MB, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf);
         switch (M - m) {
             case 3: pl_block<3, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf); break;
             case 2: pl_block<2, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf); break;
@@ -87,6 +114,7 @@ cdef extern from * nogil:
             }
         }
     }
+    #pragma GCC pop_options
     """
     void pl_mm_t_range(const float* x, long M, long K, long ldx, const float* w, long N,
                        float* out, long ldo, const float* bias, long b0, long b1)

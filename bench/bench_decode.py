@@ -10,7 +10,9 @@ A cell measures tokens/s of batched decode at each batch size (B sequences, one 
 step, greedy sampling included), prompt tokens/s for a --prompt-token prompt, resident memory after
 loading and after the run, the weights as stored, the weight bytes a decode step reads (every
 weight but the embedding table, which is read by rows; all of it when it is also the output
-matrix), and the share of a decode step spent in Python rather than in kernels.
+matrix), and the share of a decode step spent in Python rather than in kernels. "model RSS" is what loading
+the model added to the process (resident memory after loading minus before: the weights' pages and
+the KV cache pages touched so far), set against the file's size.
 
 Where llama.cpp's programs are found (--peers, default ../shared/peers/llama.cpp or
 $PYLLAMA_PEERS), `llama-batched-bench` runs on the same file with the same threads right after
@@ -256,7 +258,7 @@ def main() -> int:
             errors = {r["pyllama"].get("error") or r.get("llama.cpp", {}).get("error") for r in cells} - {None}
             print(" | ".join(line) + (f"  # {'; '.join(errors)}" if errors else ""))
     print("\nmodel | weight types | file MiB | tensor MiB | read per step MiB | stored weights MiB | KV MiB | "
-          "RSS loaded MiB | RSS end MiB | RSS / file")
+          "RSS loaded MiB | RSS end MiB | model RSS MiB | model RSS / file")
     for name, _ in models:
         f = files[name]
         cells = [r["pyllama"] for r in records if r["model"] == name and "rss_end_MiB" in r["pyllama"]]
@@ -266,7 +268,8 @@ def main() -> int:
         types = ",".join(f"{k}x{v}" for k, v in sorted(f["weight_types"].items()))
         print(f"{name} | {types} | {f['file_MiB']:.1f} | {f['tensor_MiB']:.1f} | {f['read_per_step_MiB']:.1f} | "
               f"{c['weights_MiB']:.1f} | {c['kv_MiB']:.1f} | {c['rss_loaded_MiB']:.0f} | {c['rss_end_MiB']:.0f} | "
-              f"{c['rss_end_MiB'] / f['file_MiB']:.2f}")
+              f"{c['rss_loaded_MiB'] - c['rss_start_MiB']:.0f} | "
+              f"{(c['rss_loaded_MiB'] - c['rss_start_MiB']) / f['file_MiB']:.2f}")
     base = {nt: next((r["pyllama"] for r in records if r["model"].endswith("-f32") and r["threads"] == nt
                       and "tg_b1_tok_s" in r["pyllama"]), None) for nt in threads}
     for name, _ in models:

@@ -1,28 +1,120 @@
 """Devices from the command line: `--device` (ordered, e.g. RPC0,CPU), `--rpc host:port,...`,
-`-sm layer|none` and `--tensor-split a,b,...`, as llama.cpp names them."""
+`-sm layer|none`, `--tensor-split a,b,...`, `-ngl N` and `-mg I`, as llama.cpp names them."""
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 from .backend.base import Backend
 from .backend.cpu import CPUBackend
 from .errors import PyllamaError
 
+log = logging.getLogger("pyllama.devices")
+
+
+def gpu_layers(text: str) -> int:
+    """-ngl's value: a number of layers, 'all' or 'auto' (-1: pyllama's own split)."""
+    t = text.strip().lower()
+    if t == "auto":
+        return -1
+    if t == "all":
+        return ALL_LAYERS
+    n = int(t)
+    if n < -1:
+        raise ValueError(f"{text}: must be a number of layers, -1, 'auto' or 'all'")
+    return n
+
+
+ALL_LAYERS = 1 << 30
+
 
 def add_device_args(p) -> None:
-    p.add_argument("--rpc", help="comma-separated rpc_server endpoints host:port; RPCi is the i-th")
-    p.add_argument("-dev", "--device", help="comma-separated devices in layer order, e.g. RPC0,CPU or CUDA0,RPC0 "
-                                             "(default: every RPC device, then CPU); the last holds the output layer")
-    p.add_argument("-sm", "--split-mode", default="layer", choices=["layer", "none"],
-                   help="layer: split the layers over the devices; none: everything on the first device")
-    p.add_argument("-ts", "--tensor-split", help="comma-separated proportions of layers per device "
-                                                  "(default: by free memory)")
+    p.add_argument("--rpc", llama_env="LLAMA_ARG_RPC",
+                   help="comma-separated rpc_server endpoints host:port; RPCi is the i-th")
+    p.add_argument("-dev", "--device", llama_env="LLAMA_ARG_DEVICE",
+                   help="comma-separated devices in layer order, e.g. RPC0,CPU or CUDA0,RPC0 "
+                        "(default: every RPC device, then CPU); the last holds the output layer; none = CPU only")
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=gpu_layers, default=-1,
+                   metavar="N", llama_env="LLAMA_ARG_N_GPU_LAYERS",
+                   help="layers on the non-CPU devices, counted as llama.cpp does: the output layer first, then "
+                        "the last blocks; the CPU keeps the rest (a number, 'all', or 'auto' = by free memory, "
+                        "-ts proportions)")
+    p.add_argument("-sm", "--split-mode", default="layer", choices=["layer", "none", "row", "tensor"],
+                   llama_env="LLAMA_ARG_SPLIT_MODE",
+                   help="layer: split the layers over the devices; none: everything on one device (-mg); "
+                        "row and tensor are not supported")
+    p.add_argument("-ts", "--tensor-split", llama_env="LLAMA_ARG_TENSOR_SPLIT",
+                   help="comma-separated proportions of layers per device (with -ngl: per non-CPU device) "
+                        "(default: by free memory)")
+    p.add_argument("-mg", "--main-gpu", type=int, default=0, metavar="INDEX", llama_env="LLAMA_ARG_MAIN_GPU",
+                   help="with -sm none: the non-CPU device (0 = the first) that holds the whole model")
     p.add_argument("--rpc-token-file", metavar="PATH",
                    help="token the rpc servers require (first line of the file; also $PYLLAMA_RPC_TOKEN)")
     p.add_argument("--rpc-timeout", type=float, metavar="SECONDS",
                    help="how long to wait on an rpc server (a whole send, or the next bytes of a reply) before the "
                         "requests it serves fail and it counts as lost; set it above the longest step "
                         "(default: $PYLLAMA_RPC_TIMEOUT, else 120)")
+
+
+def device_names(device: Optional[str], rpc: Optional[str]) -> list[str]:
+    """The device names in layer order: --device's (none = CPU), else every RPC endpoint, then CPU."""
+    n_rpc = len([e for e in rpc.split(",") if e.strip()]) if rpc else 0
+    if device and device.strip().lower() == "none":
+        return ["CPU"]
+    if device:
+        return [d.strip().upper() for d in device.split(",") if d.strip()]
+    return [f"RPC{i}" for i in range(n_rpc)] + ["CPU"]
+
+
+def plan_devices(names: Sequence[str], n_layer: int, n_gpu_layers: int = -1, split_mode: str = "layer",
+                 main_gpu: int = 0, tensor_split: Optional[str] = None) -> tuple[list[str], Optional[list[float]]]:
+    """The devices in layer order and their layer proportions (None: by free memory), from
+    llama-server's -ngl, -sm, -mg and -ts over the named devices.
+
+    -ngl N, as llama.cpp counts: the output layer is offloaded first, then the blocks from the last
+    one down, so N layers are the output layer plus the last N-1 blocks; they go to the non-CPU
+    devices in order (by -ts, else evenly), the CPU keeps the first blocks. With no non-CPU device
+    -ngl changes nothing (llama-server ignores it on a CPU build)."""
+    if split_mode in ("row", "tensor"):
+        raise PyllamaError(f"--split-mode {split_mode} is not supported (pyllama splits by layers: layer or none)")
+    accel = [n for n in names if n != "CPU"]
+    if split_mode == "none":
+        if not accel:
+            return ["CPU"], None
+        if not 0 <= main_gpu < len(accel):
+            raise PyllamaError(f"--main-gpu {main_gpu}: there are {len(accel)} non-CPU devices")
+        if n_gpu_layers == 0:
+            return ["CPU"], None
+        return [accel[main_gpu]], None
+    if n_gpu_layers < 0 or not accel:
+        if n_gpu_layers >= 0:
+            log.info("-ngl %d: there is no non-CPU device (--device/--rpc); every layer stays on the CPU",
+                     n_gpu_layers)
+        return list(names), parse_split(tensor_split, len(names))
+    offloaded = min(n_gpu_layers, n_layer + 1)  # the output layer counts as one
+    if offloaded == 0:
+        return ["CPU"], None
+    gpu_blocks = offloaded - 1
+    cpu_blocks = n_layer - gpu_blocks
+    shares = parse_split(tensor_split, len(accel)) or [1.0] * len(accel)
+    total = sum(shares)
+    counts = _apportion(gpu_blocks, [s / total for s in shares])
+    if gpu_blocks == 0:
+        counts = [0] * len(accel)  # only the output layer: on the last device
+    out_names = (["CPU"] if cpu_blocks > 0 else []) + accel
+    props = ([float(cpu_blocks)] if cpu_blocks > 0 else []) + [float(c) for c in counts]
+    if sum(props) == 0:  # a model of no blocks
+        props = [1.0] * len(out_names)
+    return out_names, props
+
+
+def _apportion(n: int, fractions: Sequence[float]) -> list[int]:
+    """n items split by fractions into whole numbers that add up to n (largest remainders)."""
+    raw = [n * f for f in fractions]
+    counts = [int(r) for r in raw]
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)[:n - sum(counts)]:
+        counts[i] += 1
+    return counts
 
 
 def parse_split(text: Optional[str], n_devices: int) -> Optional[list[float]]:
@@ -40,13 +132,13 @@ def parse_split(text: Optional[str], n_devices: int) -> Optional[list[float]]:
 
 
 def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_threads: int,
-                  token_file: Optional[str] = None, rpc_timeout: Optional[float] = None) -> list[Backend]:
+                  token_file: Optional[str] = None, rpc_timeout: Optional[float] = None,
+                  names: Optional[Sequence[str]] = None) -> list[Backend]:
     """The backends in layer order. Connections to rpc servers are opened here (once per endpoint),
     proving the token of `token_file` (else $PYLLAMA_RPC_TOKEN) to servers that require one, with
     `rpc_timeout` seconds (else $PYLLAMA_RPC_TIMEOUT, else 120) as their timeout."""
     endpoints = [e.strip() for e in rpc.split(",") if e.strip()] if rpc else []
-    names = [d.strip().upper() for d in device.split(",") if d.strip()] if device else \
-        [f"RPC{i}" for i in range(len(endpoints))] + ["CPU"]
+    names = list(names) if names is not None else device_names(device, rpc)
     if len(set(names)) != len(names):
         raise PyllamaError(f"--device '{device}' lists a device twice")
     backends: list[Backend] = []
@@ -79,3 +171,20 @@ def default_split(backends: Sequence[Backend]) -> list[float]:
     """Layer proportions by each device's free memory, as llama.cpp does without --tensor-split."""
     free = [max(b.device_info().free, 1) for b in backends]
     return [f / sum(free) for f in free]
+
+
+def open_devices(args, model_path: str) -> tuple[list[Backend], Optional[list[float]]]:
+    """The backends in layer order and their layer proportions (None: by free memory) for a
+    program's device flags (--device, --rpc, -ngl, -sm, -mg, -ts)."""
+    names = device_names(args.device, args.rpc)
+    n_gpu_layers = getattr(args, "n_gpu_layers", -1)
+    n_layer = 0
+    if n_gpu_layers >= 0 and args.split_mode == "layer" and any(n != "CPU" for n in names):
+        from .models.gguf_file import GGUFFile  # noqa: PLC0415 - the layer count, before placing
+        from .models.hparams import read_hparams  # noqa: PLC0415
+        n_layer = read_hparams(GGUFFile(model_path)).n_layer
+    names, proportions = plan_devices(names, n_layer, n_gpu_layers, args.split_mode, getattr(args, "main_gpu", 0),
+                                      args.tensor_split)
+    backends = make_backends(args.device, args.rpc, "layer", args.threads, args.rpc_token_file, args.rpc_timeout,
+                             names=names)
+    return backends, proportions

@@ -27,9 +27,11 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model_path: str, n_threads: int = 0, backends: Optional[Sequence[Backend]] = None,
-                 tensor_split: Optional[Sequence[float]] = None, load: bool = True):
+                 tensor_split: Optional[Sequence[float]] = None, load: bool = True, map_weights: bool = True):
         """Opens the model and places its layers; with load=False the weights are not uploaded yet
-        (check_memory first, then load())."""
+        (check_memory first, then load()). map_weights=False (--no-mmap) copies the weights a CPU
+        would use in place in the file's memory map."""
+        self.map_weights = map_weights
         self.n_threads = set_compute_threads(n_threads)
         self.model = Model(model_path)
         self.tokenizer: Tokenizer = load_tokenizer(self.model.file.metadata, source=model_path)
@@ -48,14 +50,14 @@ class Engine:
             self.load()
 
     def load(self) -> None:
-        self.weights = load_weights(self.model, self.placement)
+        self.weights = load_weights(self.model, self.placement, map_weights=self.map_weights)
 
     def check_memory(self, n_groups: int, n_ctx: int, n_seq_max: int, n_batch: int, n_ubatch: int,
                      kv_unified: bool, type_k: DType = DType.F16, type_v: DType = DType.F16) -> dict[str, int]:
         """Refuses (PyllamaError naming the device and the shortfall) a configuration whose weights
         plus every group's KV cache (of the cache types each device holds) and compute buffers do
         not fit each device's free memory. Nothing is allocated; returns the bytes needed per device."""
-        paper_weights = load_weights(self.model, self.placement, upload=False)
+        paper_weights = load_weights(self.model, self.placement, upload=False, map_weights=self.map_weights)
         paper = Context(self.model, paper_weights, self.placement, n_ctx, n_seq_max, n_batch, n_ubatch, kv_unified,
                         allocate=False, type_k=type_k, type_v=type_v)
         per_group = paper.device_bytes()

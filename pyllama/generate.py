@@ -14,9 +14,9 @@ from typing import Iterator, Optional, Sequence
 
 from . import trace
 from .cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
-from .cli import Parser, run_main, setup_logging
+from .cli import Parser, Toggle, run_main, setup_logging
 from .context import Batch, Context, check_prompt_fits
-from .devices import add_device_args, make_backends, parse_split
+from .devices import add_device_args, open_devices
 from .engine import Engine
 from .errors import PyllamaError
 from .sampling import BatchSampler, SamplingParams, SequenceSampler
@@ -25,21 +25,24 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 def build_parser() -> Parser:
     p = Parser(prog="python -m pyllama.generate", description="Generate text from a prompt with a GGUF model.")
-    p.add_argument("-m", "--model", help="GGUF model file (default: the built-in test model)")
+    p.add_argument("-m", "--model", llama_env="LLAMA_ARG_MODEL",
+                   help="GGUF model file (default: the built-in test model)")
     p.add_argument("-p", "--prompt", default="", help="prompt text")
     p.add_argument("-f", "--file", help="read the prompt from this file")
-    p.add_argument("-n", "--n-predict", type=int, default=-1, help="tokens to generate, -1 = until end of text or full context")
+    p.add_argument("-n", "--n-predict", "--predict", dest="n_predict", llama_env="LLAMA_ARG_N_PREDICT", type=int,
+                   default=-1, help="tokens to generate, -1 = until end of text or full context")
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size, 0 = the model's (at most 4096)")
-    p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size for the prompt")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="micro-batch size")
+    p.add_argument("-b", "--batch-size", llama_env="LLAMA_ARG_BATCH",
+                   type=int, default=2048, help="logical batch size for the prompt")
+    p.add_argument("-ub", "--ubatch-size", llama_env="LLAMA_ARG_UBATCH", type=int, default=512, help="micro-batch size")
     p.add_argument("-t", "--threads", type=int, default=0, help="compute threads, 0 = all cores")
     p.add_argument("-ctk", "--cache-type-k", default=DEFAULT_CACHE_TYPE, choices=list(CACHE_TYPES),
                    help="KV cache type for K: f32, f16, bf16 or q8_0")
     p.add_argument("-ctv", "--cache-type-v", default=DEFAULT_CACHE_TYPE, choices=list(CACHE_TYPES),
                    help="KV cache type for V: f32, f16, bf16 or q8_0")
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random")
-    p.add_argument("--temp", type=float, default=0.8, help="temperature, <= 0 = greedy")
-    p.add_argument("--top-k", type=int, default=40, help="top-k sampling, <= 0 = off")
+    p.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.8, help="temperature, <= 0 = greedy")
+    p.add_argument("--top-k", llama_env="LLAMA_ARG_TOP_K", type=int, default=40, help="top-k sampling, <= 0 = off")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling, 1.0 = off")
     p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling, 0.0 = off")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repeat penalty, 1.0 = off")
@@ -47,6 +50,8 @@ def build_parser() -> Parser:
     p.add_argument("--presence-penalty", type=float, default=0.0, help="presence penalty")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="frequency penalty")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text tokens")
+    p.add_argument("--mmap", "--no-mmap", dest="mmap", action=Toggle, negatives=("--no-mmap",), default=True,
+                   help="use CPU weights in place in the file's memory map; --no-mmap copies them into memory")
     p.add_argument("--tokens", action="store_true", help="print the generated token ids, one line, instead of text")
     p.add_argument("--trace", metavar="PATH", help="write a trace of every decode step (JSON lines; also $PYLLAMA_TRACE)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and timings to stderr")
@@ -119,10 +124,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _run(args, params: SamplingParams, prompt_text: str, model_path: str) -> int:
     t0 = time.perf_counter()
-    backends = make_backends(args.device, args.rpc, args.split_mode, args.threads, args.rpc_token_file,
-                             args.rpc_timeout)
-    engine = Engine(model_path, n_threads=args.threads, backends=backends,
-                    tensor_split=parse_split(args.tensor_split, len(backends)))
+    backends, proportions = open_devices(args, model_path)
+    engine = Engine(model_path, n_threads=args.threads, backends=backends, tensor_split=proportions,
+                    map_weights=args.mmap)
     hp = engine.model.hparams
     n_ctx = args.ctx_size or min(hp.n_ctx_train, 4096)
     ctx = engine.new_context(n_ctx, 1, args.batch_size, args.ubatch_size,

@@ -136,7 +136,7 @@ def _parts(infos: list[TensorInfo], backend: Backend, can_map: bool) -> list[_Pa
     return parts
 
 
-def load_weights(model: Model, placement: Placement, upload: bool = True) -> Weights:
+def load_weights(model: Model, placement: Placement, upload: bool = True, map_weights: bool = True) -> Weights:
     """Places every logical weight on the backend of its layer, and uploads it.
 
     A device that can use host memory in place (the CPU) reads every weight that is one file
@@ -144,13 +144,15 @@ def load_weights(model: Model, placement: Placement, upload: bool = True) -> Wei
     tensors, converted types, every weight of a device elsewhere) get one buffer per backend.
     With upload=False nothing is allocated on any device: the tensors sit in placeholder buffers
     of the right sizes, which is enough to plan graphs and to check memory before loading.
+    map_weights=False (--no-mmap) uses nothing in place: every weight is copied.
     """
     hp = model.hparams
     n_backends = len(placement.backends)
     plan: list[tuple[str, int, list[_Part]]] = []
     aliases: dict[str, str] = {}  # a tied output matrix on its embedding's device is stored once
     first_of: dict[tuple[tuple[str, ...], int], str] = {}
-    mapped_bufs: list[Optional[Buffer]] = [b.map_host(model.file.data) for b in placement.backends]
+    mapped_bufs: list[Optional[Buffer]] = [b.map_host(model.file.data) if map_weights else None
+                                           for b in placement.backends]
     sizes = [0] * n_backends
     mapped_sizes = [0] * n_backends
     for lname, (fnames, layer) in model.logical_weights().items():

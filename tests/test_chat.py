@@ -287,3 +287,192 @@ def test_validate_messages_ok_and_copies():
 def test_validate_messages_errors(messages, match):
     with pytest.raises(ChatTemplateError, match=match):
         validate_messages(messages)
+
+
+# --- llama-server's built-in templates, requests, prefill -------------------------------------
+
+from pyllama.server.chat import BUILTIN, template_from_option  # noqa: E402
+from pyllama.server.chat_builtin import detect  # noqa: E402
+
+S = "You are a helpful assistant"
+CONVERSATION = [{"role": "system", "content": S}, {"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "Who are you"}]
+_DS_EOS = "<｜end▁of▁sentence｜>"
+# The published layout of each built-in name (llama.cpp's src/llama-chat.cpp and the model cards it
+# cites) for the conversation above, with the generation prompt.
+PUBLISHED = {
+    "chatml": f"<|im_start|>system\n{S}<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+              "Hi there<|im_end|>\n<|im_start|>user\nWho are you<|im_end|>\n<|im_start|>assistant\n",
+    "llama2": f"[INST] {S}\nHello [/INST]Hi there</s>[INST] Who are you [/INST]",
+    "llama2-sys": f"[INST] <<SYS>>\n{S}\n<</SYS>>\n\nHello [/INST]Hi there</s>[INST] Who are you [/INST]",
+    "llama2-sys-bos": f"[INST] <<SYS>>\n{S}\n<</SYS>>\n\nHello [/INST]Hi there</s><s>[INST] Who are you [/INST]",
+    "llama2-sys-strip": f"[INST] <<SYS>>\n{S}\n<</SYS>>\n\nHello [/INST]Hi there</s>[INST] Who are you [/INST]",
+    "mistral-v1": f" [INST] {S}\n\nHello [/INST] Hi there</s> [INST] Who are you [/INST]",
+    "mistral-v3": f"[INST] {S}\n\nHello[/INST] Hi there</s>[INST] Who are you[/INST]",
+    "mistral-v3-tekken": f"[INST]{S}\n\nHello[/INST]Hi there</s>[INST]Who are you[/INST]",
+    "mistral-v7": f"[SYSTEM_PROMPT] {S}[/SYSTEM_PROMPT][INST] Hello[/INST] Hi there</s>[INST] Who are you[/INST]",
+    "mistral-v7-tekken": f"[SYSTEM_PROMPT]{S}[/SYSTEM_PROMPT][INST]Hello[/INST]Hi there</s>[INST]Who are you[/INST]",
+    "phi3": f"<|system|>\n{S}<|end|>\n<|user|>\nHello<|end|>\n<|assistant|>\nHi there<|end|>\n<|user|>\n"
+            "Who are you<|end|>\n<|assistant|>\n",
+    "phi4": f"<|im_start|>system<|im_sep|>{S}<|im_end|><|im_start|>user<|im_sep|>Hello<|im_end|>"
+            "<|im_start|>assistant<|im_sep|>Hi there<|im_end|><|im_start|>user<|im_sep|>Who are you<|im_end|>"
+            "<|im_start|>assistant<|im_sep|>",
+    "falcon3": f"<|system|>\n{S}\n<|user|>\nHello\n<|assistant|>\nHi there\n<|user|>\nWho are you\n<|assistant|>\n",
+    "zephyr": f"<|system|>\n{S}<|endoftext|>\n<|user|>\nHello<|endoftext|>\n<|assistant|>\nHi there<|endoftext|>\n"
+              "<|user|>\nWho are you<|endoftext|>\n<|assistant|>\n",
+    "monarch": f"system\n{S}</s>\n<s>user\nHello</s>\n<s>assistant\nHi there</s>\n<s>user\nWho are you</s>\n"
+               "<s>assistant\n",
+    "gemma": f"<start_of_turn>user\n{S}\n\nHello<end_of_turn>\n<start_of_turn>model\nHi there<end_of_turn>\n"
+             "<start_of_turn>user\nWho are you<end_of_turn>\n<start_of_turn>model\n",
+    "orion": f"Human: {S}\n\nHello\n\nAssistant: </s>Hi there</s>Human: Who are you\n\nAssistant: </s>",
+    "openchat": f"{S}<|end_of_turn|>GPT4 Correct User: Hello<|end_of_turn|>GPT4 Correct Assistant: Hi there"
+                "<|end_of_turn|>GPT4 Correct User: Who are you<|end_of_turn|>GPT4 Correct Assistant:",
+    "vicuna": f"{S}\n\nUSER: Hello\nASSISTANT: Hi there</s>\nUSER: Who are you\nASSISTANT:",
+    "vicuna-orca": f"SYSTEM: {S}\nUSER: Hello\nASSISTANT: Hi there</s>\nUSER: Who are you\nASSISTANT:",
+    "deepseek": f"{S}### Instruction:\nHello\n### Response:\nHi there\n<|EOT|>\n### Instruction:\nWho are you\n"
+                "### Response:\n",
+    "deepseek2": f"{S}\n\nUser: Hello\n\nAssistant: Hi there{_DS_EOS}User: Who are you\n\nAssistant:",
+    "deepseek3": f"{S}\n\n<｜User｜>Hello<｜Assistant｜>Hi there{_DS_EOS}<｜User｜>Who are you<｜Assistant｜>",
+    "command-r": f"<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>{S}<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|>"
+                 "<|USER_TOKEN|>Hello<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>Hi there"
+                 "<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Who are you<|END_OF_TURN_TOKEN|>"
+                 "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+    "llama3": f"<|start_header_id|>system<|end_header_id|>\n\n{S}<|eot_id|><|start_header_id|>user<|end_header_id|>"
+              "\n\nHello<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nHi there<|eot_id|>"
+              "<|start_header_id|>user<|end_header_id|>\n\nWho are you<|eot_id|>"
+              "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "chatglm3": f"[gMASK]sop<|system|>\n {S}<|user|>\n Hello<|assistant|>\n Hi there<|user|>\n Who are you<|assistant|>",
+    "chatglm4": f"[gMASK]<sop><|system|>\n{S}<|user|>\nHello<|assistant|>\nHi there<|user|>\nWho are you<|assistant|>\n",
+    "glmedge": f"<|system|>\n{S}<|user|>\nHello<|assistant|>\nHi there<|user|>\nWho are you<|assistant|>",
+    "minicpm": f"{S}<用户>Hello<AI>Hi there<用户>Who are you<AI>",
+    "exaone3": f"[|system|]{S}[|endofturn|]\n[|user|]Hello\n[|assistant|]Hi there[|endofturn|]\n[|user|]Who are you\n"
+               "[|assistant|]",
+    "exaone4": f"[|system|]{S}[|endofturn|]\n[|user|]Hello\n[|assistant|]Hi there[|endofturn|]\n[|user|]Who are you\n"
+               "[|assistant|]",
+    "rwkv-world": f"System: {S}\n\nUser: Hello\n\nAssistant: Hi there\n\nUser: Who are you\n\nAssistant:",
+    "granite": f"<|start_of_role|>system<|end_of_role|>{S}<|end_of_text|>\n<|start_of_role|>user<|end_of_role|>Hello"
+               "<|end_of_text|>\n<|start_of_role|>assistant<|end_of_role|>Hi there<|end_of_text|>\n"
+               "<|start_of_role|>user<|end_of_role|>Who are you<|end_of_text|>\n"
+               "<|start_of_role|>assistant<|end_of_role|>\n",
+    "gigachat": f"<s>{S}<|message_sep|>user<|role_sep|>Hello<|message_sep|>available functions<|role_sep|>[]"
+                "<|message_sep|>assistant<|role_sep|>Hi there<|message_sep|>user<|role_sep|>Who are you"
+                "<|message_sep|>available functions<|role_sep|>[]<|message_sep|>assistant<|role_sep|>",
+    "megrez": f"<|role_start|>system<|role_end|>{S}<|turn_end|><|role_start|>user<|role_end|>Hello<|turn_end|>"
+              "<|role_start|>assistant<|role_end|>Hi there<|turn_end|><|role_start|>user<|role_end|>Who are you"
+              "<|turn_end|><|role_start|>assistant<|role_end|>",
+    "yandex": "<s> Пользователь: Hello\n\n Ассистент: Hi there\n\n Пользователь: Who are you\n\n Ассистент:[SEP]",
+    "bailing": f"<role>SYSTEM</role>{S}<role>HUMAN</role>Hello<role>ASSISTANT</role>Hi there<role>HUMAN</role>"
+               "Who are you<role>ASSISTANT</role>",
+    "llama4": f"<|header_start|>system<|header_end|>\n\n{S}<|eot|><|header_start|>user<|header_end|>\n\nHello<|eot|>"
+              "<|header_start|>assistant<|header_end|>\n\nHi there<|eot|><|header_start|>user<|header_end|>\n\n"
+              "Who are you<|eot|><|header_start|>assistant<|header_end|>\n\n",
+    "smolvlm": f"<|im_start|>{S}\n\nUser: Hello<end_of_utterance>\nAssistant: Hi there<end_of_utterance>\n"
+               "User: Who are you<end_of_utterance>\nAssistant:",
+    "hunyuan-moe": f"<|startoftext|>{S}<|extra_4|><|startoftext|>Hello<|extra_0|>Hi there<|eos|>"
+                   "<|startoftext|>Who are you<|extra_0|>",
+}
+
+
+def test_every_builtin_name_has_a_published_layout():
+    assert set(PUBLISHED) == set(BUILTIN)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_builtin_template_renders_published_layout(name):
+    tmpl = template_from_option(name, None)
+    assert tmpl.builtin == name and tmpl.source == name
+    assert tmpl.render(validate_messages(CONVERSATION), add_generation_prompt=True) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("llama3", "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant"
+               "<|end_header_id|>\n\nI am<|eot_id|>"),
+    ("mistral-v3", "[INST] Hi[/INST] I am</s>"),
+    ("mistral-v1", " [INST] Hi [/INST]   I am  </s>"),
+    ("llama2-sys-strip", "[INST] Hi [/INST]I am</s>"),
+])
+def test_builtin_templates_trim_as_published(name, expected):
+    msgs = validate_messages([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  I am  "}])
+    assert template_from_option(name, None).render(msgs, add_generation_prompt=False) == expected
+
+
+def test_template_option_that_is_not_jinja_is_an_error():
+    with pytest.raises(ChatTemplateError, match="neither a built-in template name"):
+        template_from_option("llama-three", None)
+    with pytest.raises(ChatTemplateError, match="not supported by pyllama"):
+        template_from_option("gpt-oss", None)
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        template_from_option("{% for m in messages %}", None)
+
+
+def test_template_option_jinja_text_and_model_template():
+    t = template_from_option("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}", None)
+    assert t.render(validate_messages([{"role": "user", "content": "x"}])) == "<user>x"
+    model = "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>{{ m.content }}{% endfor %}"
+    assert template_from_option(None, model).source == model
+    assert template_from_option(None, None).is_fallback
+    # --no-jinja: the built-in layout the model's template resembles, as llama-server guesses it
+    legacy = template_from_option(None, model, jinja=False)
+    assert legacy.builtin == "llama3"
+    assert template_from_option(None, "{{ weird }}", jinja=False).builtin == "chatml"
+
+
+@pytest.mark.parametrize("snippet, name", [
+    ("{{ '<|im_start|>' + m.role }}", "chatml"), ("<|im_start|>x<|im_sep|>", "phi4"),
+    ("[INST] {{ x }} [SYSTEM_PROMPT]", "mistral-v7"), ("<<SYS>> [INST]", "llama2-sys"),
+    ("<start_of_turn>", "gemma"), ("<|start_header_id|> <|end_header_id|>", "llama3"),
+    ("<|header_start|><|header_end|>", "llama4"), ("<|START_OF_TURN_TOKEN|><|USER_TOKEN|>", "command-r"),
+    ("<|start_of_role|>", "granite"), ("nothing known", ""),
+])
+def test_detect_builtin_layout(snippet, name):
+    assert detect(snippet) == name
+
+
+def _req(tmpl, messages, **body):
+    return tmpl.render_request({"messages": messages, **body})
+
+
+def test_final_assistant_message_is_continued():
+    t = template_from_option("chatml", None)
+    msgs = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
+    expected = "<|im_start|>user\nCount<|im_end|>\n<|im_start|>assistant\n1, 2,"
+    assert _req(t, msgs) == expected
+    assert _req(t, msgs, continue_final_message=True, add_generation_prompt=False) == expected
+    # the prefill is the default; with --no-prefill-assistant the message is closed instead
+    closed = template_from_option("chatml", None, prefill_assistant=False)
+    assert _req(closed, msgs) == expected + "<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_continuation_refusals_as_llama_server():
+    t = template_from_option("chatml", None)
+    msgs = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
+    with pytest.raises(ChatTemplateError) as e:
+        _req(t, msgs, continue_final_message=True)  # add_generation_prompt defaults to true
+    assert str(e.value) == "Cannot set both add_generation_prompt and continue_final_message to true."
+    with pytest.raises(ChatTemplateError) as e:
+        _req(t, msgs + [{"role": "assistant", "content": "3"}])
+    assert str(e.value) == "Cannot have 2 or more assistant messages at the end of the list."
+    tool_msg = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}
+    with pytest.raises(ChatTemplateError) as e:
+        _req(t, msgs[:1] + [tool_msg], continue_final_message=True, add_generation_prompt=False)
+    assert str(e.value) == "Cannot continue an assistant message that contains tool calls."
+    with pytest.raises(ChatTemplateError, match="add_generation_prompt"):
+        _req(t, msgs[:1], add_generation_prompt="yes")
+
+
+def test_add_generation_prompt_false_is_honoured():
+    t = template_from_option("chatml", None)
+    assert _req(t, [{"role": "user", "content": "Hi"}], add_generation_prompt=False) == \
+        "<|im_start|>user\nHi<|im_end|>\n"
+
+
+def test_chat_template_kwargs_reach_the_template():
+    src = "{{ greeting }}|{{ level }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    t = template_from_option(src, None, kwargs={"greeting": "server", "level": 1})
+    msgs = [{"role": "user", "content": "x"}]
+    assert _req(t, msgs) == "server|1|x"
+    assert _req(t, msgs, chat_template_kwargs={"greeting": "request"}) == "request|1|x"
+    # the request cannot replace the conversation itself
+    assert _req(t, msgs, chat_template_kwargs={"messages": []}) == "server|1|x"
+    with pytest.raises(ChatTemplateError, match="chat_template_kwargs"):
+        _req(t, msgs, chat_template_kwargs=["x"])

@@ -6,6 +6,10 @@ Hugging Face convention). It is rendered here the way Hugging Face ``transformer
 ``lstrip_blocks``, the globals ``raise_exception`` and ``strftime_now``, a ``tojson`` filter that
 keeps non-ASCII text as is, the ``loopcontrols`` extension and the ``{% generation %}`` block tag.
 A model without a template, or with one that does not compile, gets ChatML, as llama-server does.
+llama-server's built-in template names (``--chat-template llama3``) select a built-in layout
+(chat_builtin.py); :meth:`ChatTemplate.render_request` applies a chat request as llama-server
+does: a final assistant message is continued (prefill), ``continue_final_message`` and
+``add_generation_prompt`` are checked, ``chat_template_kwargs`` reach the template.
 
 Everything that goes wrong with a request's messages or while rendering raises
 :class:`ChatTemplateError`, which the HTTP layer answers with a 400.
@@ -23,9 +27,12 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .chat_builtin import BUILTIN, UNSUPPORTED_BUILTIN, detect
+
 log = logging.getLogger(__name__)
 
-__all__ = ["CHATML_TEMPLATE", "ChatTemplate", "ChatTemplateError", "validate_messages"]
+__all__ = ["BUILTIN", "CHATML_TEMPLATE", "ChatTemplate", "ChatTemplateError", "template_from_option",
+           "validate_messages"]
 
 # llama.cpp's CHATML_TEMPLATE_SRC (common/chat.cpp), the template llama-server uses for a model
 # that has none.
@@ -201,11 +208,23 @@ class ChatTemplate:
     """A compiled chat template; :meth:`render` is safe to call from several threads."""
 
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "",
-                 name: str | None = None) -> None:
+                 name: str | None = None, builtin: str | None = None, kwargs: dict | None = None,
+                 prefill_assistant: bool = True) -> None:
+        """source: Jinja text (None or unusable: ChatML); builtin: a name of BUILTIN instead;
+        kwargs: template variables every request gets (--chat-template-kwargs); prefill_assistant:
+        a final assistant message is continued rather than closed (llama-server's default)."""
         self.name = name
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
+        self.kwargs = dict(kwargs or {})
+        self.prefill_assistant = prefill_assistant
+        self.builtin = builtin
+        self._format = BUILTIN[builtin] if builtin else None
         self._env = _make_environment()
+        if builtin:
+            self.is_fallback = False
+            self._source = builtin
+            return
         if isinstance(source, (bytes, bytearray)):
             source = bytes(source).decode("utf-8", errors="replace")
         self.is_fallback = True
@@ -241,6 +260,8 @@ class ChatTemplate:
         and may override ``bos_token`` / ``eos_token``. Any failure, including a template's own
         ``raise_exception`` and sandbox violations, raises :class:`ChatTemplateError`.
         """
+        if self._format is not None:
+            return self._format(messages, bool(add_generation_prompt))
         context: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         context.update(kwargs)
         context["messages"] = messages
@@ -255,6 +276,49 @@ class ChatTemplate:
         except Exception as e:
             raise ChatTemplateError(f"chat template error: {_describe(e)}") from e
 
+    def render_request(self, body: dict, add_generation_prompt: Any = None) -> str:
+        """A chat request's prompt text, as llama-server builds it from the body's ``messages``,
+        ``tools``, ``add_generation_prompt`` (default true), ``continue_final_message`` and
+        ``chat_template_kwargs`` (over the server's own).
+
+        A final assistant message is continued (prefill, unless the server was started with
+        --no-prefill-assistant): the conversation before it is rendered with the generation
+        prompt, then its content follows as is, so the model goes on from its last character.
+        Refused as llama-server refuses them: two assistant messages at the end, an explicit
+        ``continue_final_message`` together with ``add_generation_prompt`` true, continuing a
+        message that holds tool calls."""
+        if not isinstance(body, dict):
+            raise ChatTemplateError("the request body must be a JSON object")
+        messages = validate_messages(body.get("messages"))
+        add_gen = body.get("add_generation_prompt", True) if add_generation_prompt is None else add_generation_prompt
+        if not isinstance(add_gen, bool):
+            raise ChatTemplateError("'add_generation_prompt' must be true or false")
+        cont = body.get("continue_final_message")
+        if cont is not None and not isinstance(cont, bool) and cont not in ("content", "auto"):
+            raise ChatTemplateError("'continue_final_message' must be true, false or \"content\"")
+        cont = bool(cont)
+        if not cont and self.prefill_assistant and messages[-1]["role"] == "assistant":
+            if len(messages) >= 2 and messages[-2]["role"] == "assistant":
+                raise ChatTemplateError("Cannot have 2 or more assistant messages at the end of the list.")
+            cont, add_gen = True, False
+        if cont and add_gen:
+            raise ChatTemplateError("Cannot set both add_generation_prompt and continue_final_message to true.")
+        if cont and messages[-1]["role"] != "assistant":
+            raise ChatTemplateError("'continue_final_message' needs an assistant message at the end of the list")
+        if cont and messages[-1].get("tool_calls"):
+            raise ChatTemplateError("Cannot continue an assistant message that contains tool calls.")
+        extra = body.get("chat_template_kwargs")
+        if extra is not None and not isinstance(extra, dict):
+            raise ChatTemplateError("'chat_template_kwargs' must be an object")
+        kwargs = {**self.kwargs, **(extra or {})}
+        for reserved in ("messages", "add_generation_prompt", "tools"):
+            kwargs.pop(reserved, None)
+        tools = body.get("tools")
+        if cont:
+            head = self.render(messages[:-1], add_generation_prompt=True, tools=tools, **kwargs)
+            return head + messages[-1]["content"]
+        return self.render(messages, add_generation_prompt=add_gen, tools=tools, **kwargs)
+
     def __repr__(self) -> str:
         kind = "ChatML fallback" if self.is_fallback else f"{len(self._source)} chars"
         return f"ChatTemplate({self.name or 'unnamed'}, {kind})"
@@ -266,3 +330,55 @@ def _describe(e: BaseException) -> str:
     if lineno:
         msg = f"line {lineno}: {msg}"
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+def is_jinja(text: str) -> bool:
+    return "{%" in text or "{{" in text
+
+
+def template_from_option(option: str | None, model_source: Any, jinja: bool = True, bos_token: str = "",
+                         eos_token: str = "", kwargs: dict | None = None,
+                         prefill_assistant: bool = True) -> ChatTemplate:
+    """The server's chat template from --chat-template (a built-in name or Jinja text; None: the
+    model's own), --jinja/--no-jinja and the model's ``tokenizer.chat_template``.
+
+    With --no-jinja, Jinja text (the model's or the option's) selects the built-in layout it
+    resembles, as llama-server does; none resembling it: ChatML with a warning for the model's,
+    an error for the option's. Text that is neither a built-in name nor Jinja is an error, never
+    a template that renders itself."""
+    common = dict(bos_token=bos_token, eos_token=eos_token, kwargs=kwargs, prefill_assistant=prefill_assistant)
+    if option is not None:
+        name = option.strip()
+        if name in BUILTIN:
+            return ChatTemplate(None, name=name, builtin=name, **common)
+        if name in UNSUPPORTED_BUILTIN:
+            raise ChatTemplateError(f"llama-server's built-in template '{name}' is not supported by pyllama; "
+                                    "pass the model's Jinja template with --chat-template-file")
+        if not is_jinja(option):
+            raise ChatTemplateError(f"'{_short(option)}' is neither a built-in template name ("
+                                    f"{', '.join(sorted(BUILTIN))}) nor Jinja template text")
+        if not jinja:
+            found = detect(option)
+            if not found:
+                raise ChatTemplateError("--no-jinja: this template resembles no built-in layout; use --jinja")
+            return ChatTemplate(None, name=found, builtin=found, **common)
+        try:
+            _make_environment().from_string(option)
+        except Exception as e:  # noqa: BLE001 - any compile failure is the user's template's
+            raise ChatTemplateError(f"the template does not compile ({_describe(e)})") from None
+        return ChatTemplate(option, name="--chat-template", **common)
+    if isinstance(model_source, (bytes, bytearray)):
+        model_source = bytes(model_source).decode("utf-8", errors="replace")
+    if not jinja:
+        found = detect(model_source) if isinstance(model_source, str) and model_source else ""
+        if not found:
+            if model_source:
+                log.warning("--no-jinja: the model's chat template resembles no built-in layout; using chatml")
+            found = "chatml"
+        return ChatTemplate(None, name=found, builtin=found, **common)
+    return ChatTemplate(model_source, name="the model", **common)
+
+
+def _short(text: str, n: int = 40) -> str:
+    text = text.replace("\n", " ")
+    return text if len(text) <= n else text[:n] + "..."

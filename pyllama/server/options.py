@@ -1,0 +1,494 @@
+"""The server's command line: llama-server's flags, spellings, short forms, defaults and LLAMA_ARG_*
+variables (docs/server.md, "Flags", lists each as same, differs or not supported), plus pyllama's
+own limits. `parse_args` reads and checks a command line without loading anything;
+`configure` turns it into the values ServerState holds."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from .. import __version__
+from ..cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
+from ..cli import Parser, Toggle, parse_bool
+from ..devices import add_device_args
+from ..errors import PyllamaError
+from ..sampling import SamplingParams
+
+log = logging.getLogger("pyllama.server")
+
+PROG = "python -m pyllama.server"
+# llama-server's -np -1: 4 slots sharing one unified KV cache
+AUTO_PARALLEL = 4
+REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
+POOLING_TYPES = ("none", "mean", "cls", "last")
+
+# llama-server flags pyllama does not have, and why: each is refused in one line (a server that
+# silently ignored --lora or --mmproj would answer with another model than the one asked for)
+_LORA = "LoRA adapters are not supported"
+_DRAFT = "speculative decoding (draft models) is not supported"
+_MM = "multimodal projectors are not supported (text models only)"
+_DL = "pyllama does not download models; pass a local GGUF file with -m"
+_SAMPLER = "this sampler is not supported (the chain is penalties, top-k, top-p, min-p, temperature)"
+_ROPE = "RoPE scaling overrides are not supported (the model's own RoPE parameters are used)"
+_GRAMMAR = "grammar-constrained sampling is not supported yet"
+UNSUPPORTED: dict[str, str] = {
+    **{f: _LORA for f in ("--lora", "--lora-scaled", "--lora-init-without-apply")},
+    **{f: "control vectors are not supported" for f in ("--control-vector", "--control-vector-scaled",
+                                                        "--control-vector-layer-range")},
+    **{f: _DRAFT for f in ("-md", "--model-draft", "--draft", "--draft-n", "--draft-max", "--draft-min",
+                           "--draft-n-min", "--draft-p-min", "--draft-p-split", "-ngld", "--gpu-layers-draft",
+                           "--n-gpu-layers-draft", "-devd", "--device-draft", "-ctkd", "--cache-type-k-draft",
+                           "-ctvd", "--cache-type-v-draft", "-td", "--threads-draft", "-tbd",
+                           "--threads-batch-draft", "-hfd", "-hfrd", "--hf-repo-draft", "-otd",
+                           "--override-tensor-draft", "-cmoed", "--cpu-moe-draft", "-ncmoed", "--n-cpu-moe-draft",
+                           "--mtp", "--dflash", "--eagle3", "--lookup-cache-static", "-lcs",
+                           "--lookup-cache-dynamic", "-lcd")},
+    **{f: _MM for f in ("-mm", "--mmproj", "-mmu", "--mmproj-url", "--no-mmproj", "--mmproj-auto",
+                        "--no-mmproj-auto", "--mmproj-offload", "--no-mmproj-offload", "--image-min-tokens",
+                        "--image-max-tokens", "--media-path")},
+    **{f: _DL for f in ("-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-hft", "--hf-token", "-mu",
+                        "--model-url", "-dr", "--docker-repo", "--offline")},
+    **{f: _GRAMMAR for f in ("--grammar", "--grammar-file", "--json-schema", "-j", "-jf", "--json-schema-file")},
+    **{f: _SAMPLER for f in ("--samplers", "--sampler-seq", "--sampling-seq", "--mirostat", "--mirostat-lr",
+                             "--mirostat-ent", "--dry-multiplier", "--dry-base", "--dry-allowed-length",
+                             "--dry-penalty-last-n", "--dry-sequence-breaker", "--xtc-probability",
+                             "--xtc-threshold", "--typical", "--typical-p", "--dynatemp-range", "--dynatemp-exp",
+                             "--top-nsigma", "--top-n-sigma", "--adaptive-target", "--adaptive-decay",
+                             "-l", "--logit-bias")},
+    **{f: _ROPE for f in ("--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale",
+                          "--yarn-orig-ctx", "--yarn-ext-factor", "--yarn-attn-factor", "--yarn-beta-slow",
+                          "--yarn-beta-fast", "-gan", "--grp-attn-n", "-gaw", "--grp-attn-w")},
+    **{f: "tensor placement overrides are not supported (layers go to devices with -ngl, -dev, -ts)"
+       for f in ("-ot", "--override-tensor", "-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe")},
+    **{f: "model metadata overrides are not supported" for f in ("--override-kv",)},
+    **{f: "TLS is not supported; put a reverse proxy in front for HTTPS" for f in ("--ssl-key-file",
+                                                                                    "--ssl-cert-file")},
+    **{f: "the router mode (several models) is not supported" for f in ("--models-dir", "--models-preset",
+                                                                         "--models-max", "--models-autoload",
+                                                                         "--no-models-autoload")},
+    **{f: "reranking is not supported" for f in ("--rerank", "--reranking")},
+    **{f: "agent tools and MCP are not supported" for f in ("--tools", "--mcp-servers-config", "--mcp-servers-json",
+                                                            "--agent", "-no-ag", "--no-agent", "--ui-mcp-proxy",
+                                                            "--webui-mcp-proxy", "--no-ui-mcp-proxy",
+                                                            "--no-webui-mcp-proxy")},
+    **{f: "reasoning control is not supported (the template's default is used)"
+       for f in ("-rea", "--reasoning", "--reasoning-budget", "--reasoning-budget-message",
+                 "--reasoning-preserve", "--no-reasoning-preserve")},
+    **{f: "fitting to device memory is not supported (pyllama checks memory and refuses what does not fit)"
+       for f in ("--fit", "-fitt", "--fit-target", "-fitc", "--fit-ctx", "-fitp", "--fit-print")},
+    **{f: "this loading or memory option is not supported" for f in (
+        "--numa", "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "-nkvo",
+        "--no-kv-offload", "-kvo", "--kv-offload", "-nr", "--no-repack", "--repack", "--no-host",
+        "--check-tensors", "--no-op-offload", "--op-offload", "-cram", "--cache-ram", "-ctxcp",
+        "--ctx-checkpoints", "--swa-checkpoints", "-cms", "--checkpoint-min-step", "--swa-full",
+        "--cache-idle-slots", "--no-cache-idle-slots", "--sleep-idle-seconds")},
+    **{f: "not supported" for f in ("--api-prefix", "--ui-config", "--webui-config", "--ui-config-file",
+                                    "--webui-config-file", "-sys", "--system-prompt", "--system-prompt-file",
+                                    "-sysf", "--spm-infill", "--reuse-port", "--cors-methods", "--cors-headers",
+                                    "--cors-credentials", "--no-cors-credentials", "--sse-ping-interval",
+                                    "--skip-chat-parsing", "--no-skip-chat-parsing", "--log-prompts-dir",
+                                    "--attention", "-Cr", "--cpu-range", "-C", "--cpu-mask", "--cpu-strict",
+                                    "--prio", "--poll", "-Crb", "--cpu-range-batch", "-Cb", "--cpu-mask-batch",
+                                    "--cpu-strict-batch", "--prio-batch", "--poll-batch", "--list-devices",
+                                    "--server-base")},
+}
+UNSUPPORTED_PREFIXES = {"--spec-": _DRAFT}
+# llama-server variables of unsupported flags: set in a container, they must not pass unnoticed
+UNSUPPORTED_ENV = {"LLAMA_ARG_HF_REPO": "--hf-repo", "LLAMA_ARG_HF_FILE": "--hf-file",
+                   "LLAMA_ARG_MODEL_URL": "--model-url", "LLAMA_ARG_DOCKER_REPO": "--docker-repo",
+                   "LLAMA_ARG_MMPROJ": "--mmproj", "LLAMA_ARG_MMPROJ_URL": "--mmproj-url",
+                   "LLAMA_ARG_SPEC_DRAFT_MODEL": "--model-draft", "LLAMA_ARG_OVERRIDE_TENSOR": "--override-tensor",
+                   "LLAMA_ARG_RERANKING": "--reranking", "LLAMA_ARG_SSL_KEY_FILE": "--ssl-key-file",
+                   "LLAMA_ARG_SSL_CERT_FILE": "--ssl-cert-file", "LLAMA_ARG_MODELS_DIR": "--models-dir"}
+
+
+def _flash_attn(text: str) -> str:
+    t = text.strip().lower()
+    if t == "auto":
+        return "auto"
+    try:
+        return "on" if parse_bool(t) else "off"
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"unknown value for --flash-attn: '{text}' (on, off or auto)") from None
+
+
+def _comma_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _kwargs_json(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"version: pyllama {__version__}", file=sys.stderr)
+        parser.exit(0)
+
+
+def build_parser() -> Parser:
+    unsupported = sorted({f for f in UNSUPPORTED if f.startswith("--")})
+    p = Parser(prog=PROG,
+               description="Serve a GGUF model over HTTP with llama-server's API and the OpenAI-compatible API. "
+                           "Flags follow llama-server's names, short forms, defaults and LLAMA_ARG_* variables.",
+               epilog="llama-server flags that are refused as not supported: " + ", ".join(unsupported) +
+                      ", --spec-*.")
+    a = p.add_argument
+    # --- model and slots
+    a("-m", "--model", llama_env="LLAMA_ARG_MODEL", help="GGUF model file (default: the built-in test model)")
+    a("-a", "--alias", type=_comma_list, llama_env="LLAMA_ARG_ALIAS",
+      help="model names reported by the API, comma-separated; the first is the main one (default: the file name)")
+    a("--tags", type=_comma_list, llama_env="LLAMA_ARG_TAGS", help="model tags, comma-separated (informational)")
+    a("-c", "--ctx-size", type=int, default=0, llama_env="LLAMA_ARG_CTX_SIZE",
+      help="total context size, 0 = the model's")
+    a("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=-1, llama_env="LLAMA_ARG_N_PREDICT",
+      help="default tokens to generate per request, -1 = until done")
+    a("-np", "--parallel", type=int, default=-1, llama_env="LLAMA_ARG_N_PARALLEL",
+      help=f"number of slots (sequences decoded together), -1 = auto: {AUTO_PARALLEL} slots sharing one unified "
+           "KV cache, as llama-server")
+    a("-b", "--batch-size", type=int, default=2048, llama_env="LLAMA_ARG_BATCH", help="tokens per decode step at most")
+    a("-ub", "--ubatch-size", type=int, default=512, llama_env="LLAMA_ARG_UBATCH", help="micro-batch size")
+    a("-t", "--threads", type=int, default=0, llama_env="LLAMA_ARG_THREADS", help="compute threads, 0 = all cores")
+    a("-tb", "--threads-batch", type=int, default=None, llama_env=None,
+      help="accepted; pyllama computes prompts and generation with the same --threads")
+    a("--pipeline-groups", type=int, default=1,
+      help="N contexts of the model, each with its own batch and decode thread, so N batches are in "
+           "flight over a layer split; must divide --parallel")
+    a("-ctk", "--cache-type-k", default=DEFAULT_CACHE_TYPE, choices=list(CACHE_TYPES),
+      llama_env="LLAMA_ARG_CACHE_TYPE_K", help="KV cache type for K: f32, f16, bf16 or q8_0")
+    a("-ctv", "--cache-type-v", default=DEFAULT_CACHE_TYPE, choices=list(CACHE_TYPES),
+      llama_env="LLAMA_ARG_CACHE_TYPE_V", help="KV cache type for V: f32, f16, bf16 or q8_0")
+    a("-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified", action=Toggle, negatives=("-no-kvu", "--no-kv-unified"),
+      default=None, llama_env="LLAMA_ARG_KV_UNIFIED",
+      help="one KV pool for all slots (a request may use the whole context) instead of C/P per slot "
+           "(default: on with -np auto, else off)")
+    a("--context-shift", "--no-context-shift", action=Toggle, negatives=("--no-context-shift",), default=False,
+      llama_env="LLAMA_ARG_CONTEXT_SHIFT",
+      help="when a request reaches its slot's context: keep its first --keep tokens, drop half of the "
+           "rest and go on (otherwise the request ends with truncated: true)")
+    a("--keep", type=int, default=0,
+      help="prompt tokens a context shift keeps, -1 = the whole prompt (a request's n_keep overrides it)")
+    a("-cb", "--cont-batching", "-nocb", "--no-cont-batching", action=Toggle, negatives=("-nocb", "--no-cont-batching"),
+      default=True, llama_env="LLAMA_ARG_CONT_BATCHING",
+      help="continuous batching; pyllama always batches continuously, --no-cont-batching is accepted and logged")
+    a("-fa", "--flash-attn", type=_flash_attn, nargs="?", const="on", default="auto", metavar="on|off|auto",
+      llama_env="LLAMA_ARG_FLASH_ATTN",
+      help="accepted and logged: pyllama's attention is always one fused kernel")
+    a("--mlock", action="store_true", llama_env="LLAMA_ARG_MLOCK",
+      help="keep the process's memory (the model included) in RAM: mlockall; a failure is logged")
+    a("--mmap", "--no-mmap", dest="mmap", action=Toggle, negatives=("--no-mmap",), default=True,
+      llama_env="LLAMA_ARG_MMAP",
+      help="use CPU weights in place in the file's memory map; --no-mmap copies them into memory")
+    a("-dt", "--defrag-thold", type=float, default=None, llama_env="LLAMA_ARG_DEFRAG_THOLD",
+      help="deprecated in llama-server and ignored, as there")
+    a("--backend-sampling", "--no-backend-sampling", "-bs", action=Toggle, negatives=("--no-backend-sampling",),
+      default=None, llama_env="LLAMA_ARG_BACKEND_SAMPLING",
+      help="run every request's sampler chain on the device that holds the output layer (local or an rpc "
+           "server that supports it): only token ids come back instead of the logits; default: on when "
+           "the output layer is on an rpc server that supports it, off when it is local")
+    a("--embedding", "--embeddings", dest="embedding", action="store_true", llama_env="LLAMA_ARG_EMBEDDINGS",
+      help="serve the embedding endpoints")
+    a("--pooling", choices=list(POOLING_TYPES), default=None, llama_env="LLAMA_ARG_POOLING",
+      help="pooling of embeddings: none, mean, cls or last (default: the model's, else mean)")
+    # --- sampling defaults (a request's own fields override them)
+    d = SamplingParams()
+    a("--temp", "--temperature", dest="temp", type=float, default=d.temperature, help="temperature, <= 0 = greedy")
+    a("--top-k", type=int, default=d.top_k, llama_env="LLAMA_ARG_TOP_K", help="top-k sampling, 0 = off")
+    a("--top-p", type=float, default=d.top_p, help="top-p sampling, 1.0 = off")
+    a("--min-p", type=float, default=d.min_p, help="min-p sampling, 0.0 = off")
+    a("--repeat-penalty", type=float, default=d.repeat_penalty, help="repeat penalty, 1.0 = off")
+    a("--repeat-last-n", type=int, default=d.repeat_last_n,
+      help="tokens the penalties look back at, 0 = off, -1 = the context")
+    a("--presence-penalty", type=float, default=d.presence_penalty, help="presence penalty, 0.0 = off")
+    a("--frequency-penalty", type=float, default=d.frequency_penalty, help="frequency penalty, 0.0 = off")
+    a("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random")
+    a("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    # --- HTTP
+    a("--host", default="127.0.0.1", llama_env="LLAMA_ARG_HOST", help="address to listen on")
+    a("--port", type=int, default=8080, llama_env="LLAMA_ARG_PORT", help="port to listen on (0 = any free port)")
+    a("--path", default=None, llama_env="LLAMA_ARG_STATIC_PATH", help="serve static files from this folder")
+    a("--webui", "--ui", "--no-webui", "--no-ui", dest="webui", action=Toggle, negatives=("--no-webui", "--no-ui"),
+      default=True, llama_env="LLAMA_ARG_UI", help="serve the page at /")
+    a("--api-key", type=_comma_list, default=None, llama_env="LLAMA_API_KEY",
+      help="API keys, comma-separated: every endpoint but /health wants one (Authorization: Bearer or X-Api-Key)")
+    a("--api-key-file", default=None, llama_env="LLAMA_ARG_API_KEY_FILE", metavar="PATH",
+      help="a file of API keys, one per line; lines starting with # are comments")
+    a("--cors-origins", type=_comma_list, default=None, llama_env="LLAMA_ARG_CORS_ORIGINS",
+      help="origins allowed cross-origin, comma-separated, * for any (default: localhost origins only)")
+    a("-to", "--timeout", type=float, default=600.0, llama_env="LLAMA_ARG_TIMEOUT",
+      help="server read/write timeout in seconds: how long a connection may wait on the client between requests")
+    a("--threads-http", type=int, default=-1, llama_env="LLAMA_ARG_THREADS_HTTP",
+      help="accepted; pyllama answers HTTP on one event loop (large bodies are parsed on worker threads)")
+    a("--metrics", action="store_true", llama_env="LLAMA_ARG_ENDPOINT_METRICS",
+      help="serve Prometheus metrics at /metrics (off: 501)")
+    a("--slots", "--no-slots", dest="slots", action=Toggle, negatives=("--no-slots",), default=True,
+      llama_env="LLAMA_ARG_ENDPOINT_SLOTS", help="serve the slots monitoring endpoint /slots (off: 501)")
+    a("--props", action="store_true", llama_env="LLAMA_ARG_ENDPOINT_PROPS",
+      help="allow changing global properties with POST /props")
+    a("--slot-save-path", default=None, metavar="PATH", help="folder for /slots/{id}?action=save|restore files")
+    a("-sps", "--slot-prompt-similarity", type=float, default=0.1,
+      help="reuse a slot whose cached prompt covers more than this share of the new prompt, 0.0 = off")
+    a("--cache-reuse", type=int, default=0, llama_env="LLAMA_ARG_CACHE_REUSE",
+      help="accepted; pyllama reuses the cached prefix of a prompt, not chunks found by shifting the cache")
+    a("--max-body", type=int, default=16 << 20, help="largest accepted request body in bytes")
+    a("--header-timeout", type=float, default=10.0,
+      help="seconds a client has to send a request's headers (for the first request, counted from "
+           "connecting); a slower client is disconnected")
+    a("--body-timeout", type=float, default=60.0,
+      help="seconds a client has to send a request's body once the headers are in; a slower one gets 408")
+    a("--max-header-bytes", type=int, default=64 << 10,
+      help="largest request line plus headers in bytes; a larger request gets 431")
+    a("--max-connections", type=int, default=1024,
+      help="open client connections at most; one more gets 503 and is closed")
+    a("--max-pipelined", type=int, default=8,
+      help="requests read ahead on one connection while an earlier one is answered; at the limit the "
+           "server stops reading from that connection until it catches up")
+    # --- chat templates
+    a("--jinja", "--no-jinja", dest="jinja", action=Toggle, negatives=("--no-jinja",), default=True,
+      llama_env="LLAMA_ARG_JINJA",
+      help="render the model's Jinja chat template; --no-jinja uses the built-in format it resembles")
+    a("--chat-template", default=None, metavar="JINJA_TEMPLATE", llama_env="LLAMA_ARG_CHAT_TEMPLATE",
+      help="a built-in template name (chatml, llama3, mistral-v7, gemma, ...) or Jinja template text, "
+           "overriding the model's")
+    a("--chat-template-file", default=None, metavar="PATH", llama_env="LLAMA_ARG_CHAT_TEMPLATE_FILE",
+      help="read the Jinja chat template from this file")
+    a("--chat-template-kwargs", type=_kwargs_json, default=None, metavar="JSON",
+      llama_env="LLAMA_ARG_CHAT_TEMPLATE_KWARGS",
+      help="a JSON object of extra template variables, e.g. '{\"enable_thinking\": false}'; a request's "
+           "chat_template_kwargs override them")
+    a("--prefill-assistant", "--no-prefill-assistant", dest="prefill_assistant", action=Toggle,
+      negatives=("--no-prefill-assistant",), default=True, llama_env="LLAMA_ARG_PREFILL_ASSISTANT",
+      help="continue a final assistant message instead of starting a new one")
+    a("--reasoning-format", choices=list(REASONING_FORMATS), default="auto", llama_env="LLAMA_ARG_THINK",
+      help="accepted and checked; pyllama returns thoughts unparsed in the content (as 'none')")
+    # --- logging and the rest
+    a("--log-disable", action="store_true", help="log nothing")
+    a("--log-file", default=None, metavar="PATH", llama_env="LLAMA_ARG_LOG_FILE", help="also log to this file")
+    a("-lv", "--verbosity", "--log-verbosity", dest="log_verbosity", type=int, default=3,
+      llama_env="LLAMA_ARG_LOG_VERBOSITY",
+      help="log threshold: 1 errors, 2 warnings, 3 info, 4 and more debug")
+    a("--log-colors", default=None, help="accepted; pyllama's log has no colors")
+    a("--log-prefix", "--no-log-prefix", dest="log_prefix", action=Toggle, negatives=("--no-log-prefix",),
+      default=None, help="accepted; pyllama's log lines always carry a prefix")
+    a("--log-timestamps", "--no-log-timestamps", dest="log_timestamps", action=Toggle,
+      negatives=("--no-log-timestamps",), default=None, help="accepted; pyllama's log lines always carry a time")
+    a("--trace", metavar="PATH",
+      help="write a trace of every decode step, RPC command and device span (JSON lines; also $PYLLAMA_TRACE)")
+    a("-v", "--verbose", "--log-verbose", dest="verbose", action="store_true",
+      help="log everything, and add __verbose to completion responses")
+    a("--version", action=_Version)
+    add_device_args(p)
+    return p.finish()
+
+
+def _refuse_unsupported(argv: Sequence[str]) -> None:
+    for arg in argv:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        why = UNSUPPORTED.get(name)
+        if why is None:
+            why = next((w for pre, w in UNSUPPORTED_PREFIXES.items() if name.startswith(pre)), None)
+        if why is not None:
+            raise PyllamaError(f"{name}: llama-server flag not supported by pyllama: {why}")
+    for var, flag in UNSUPPORTED_ENV.items():
+        if os.environ.get(var):
+            raise PyllamaError(f"{var} ({flag}): llama-server flag not supported by pyllama: {UNSUPPORTED[flag]}")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Reads and checks a command line (and the variables); a bad one raises PyllamaError (one
+    line), --help and --version exit. Nothing is loaded."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _refuse_unsupported(argv)
+    args = build_parser().parse_args(argv)
+    resolve(args)
+    check_args(args)
+    return args
+
+
+def resolve(args: argparse.Namespace) -> None:
+    """Fills in the values that depend on others: -np auto, -kvu's default, the API keys."""
+    n_groups = max(args.pipeline_groups, 1)
+    if args.parallel == -1:
+        # llama-server's auto: 4 slots on one unified KV cache (rounded up to a multiple of the groups)
+        args.parallel = -(-AUTO_PARALLEL // n_groups) * n_groups
+        if args.kv_unified is None:
+            args.kv_unified = True
+    if args.kv_unified is None:
+        args.kv_unified = False
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as fh:
+                keys += [ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
+        except OSError as exc:
+            raise PyllamaError(f"--api-key-file {args.api_key_file}: {exc.strerror or exc}") from None
+    args.api_keys = keys
+    if args.chat_template_file:
+        try:
+            with open(args.chat_template_file, encoding="utf-8") as fh:
+                args.chat_template = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PyllamaError(f"--chat-template-file {args.chat_template_file}: cannot read it ({exc})") from None
+
+
+def check_args(args) -> None:
+    if not hasattr(args, "api_keys"):  # straight from build_parser().parse_args()
+        resolve(args)
+    if args.parallel < 1:
+        raise PyllamaError(f"--parallel {args.parallel}: must be -1 (auto) or at least 1")
+    if args.pipeline_groups < 1:
+        raise PyllamaError(f"--pipeline-groups {args.pipeline_groups}: must be at least 1")
+    if args.parallel % args.pipeline_groups:
+        raise PyllamaError(f"--pipeline-groups {args.pipeline_groups} does not divide --parallel {args.parallel}")
+    if args.ctx_size and not args.kv_unified and args.ctx_size % args.pipeline_groups:
+        raise PyllamaError(f"--ctx-size {args.ctx_size} is not divisible by --pipeline-groups {args.pipeline_groups} "
+                           "(split KV gives each group an equal share; or use --kv-unified)")
+    if args.ctx_size < 0:
+        raise PyllamaError(f"--ctx-size {args.ctx_size}: must be at least 0")
+    if args.keep < -1:
+        raise PyllamaError(f"--keep {args.keep}: must be -1 (the whole prompt) or at least 0")
+    if args.n_predict < -1:
+        raise PyllamaError(f"--n-predict {args.n_predict}: must be -1 (unlimited) or at least 0")
+    if args.batch_size < 1 or args.ubatch_size < 1:
+        raise PyllamaError("--batch-size and --ubatch-size must be at least 1")
+    if not 0.0 <= args.slot_prompt_similarity <= 1.0:
+        raise PyllamaError("--slot-prompt-similarity must lie between 0 and 1")
+    if not 0 <= args.port <= 65535:
+        raise PyllamaError(f"--port {args.port}: not a port number")
+    if not args.timeout > 0:
+        raise PyllamaError(f"--timeout {args.timeout}: must be more than 0 seconds")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not value > 0:
+            raise PyllamaError(f"{flag} {value}: must be more than 0 seconds")
+    if args.max_body < 1:
+        raise PyllamaError(f"--max-body {args.max_body}: must be at least 1")
+    if args.max_header_bytes < 1024:
+        raise PyllamaError(f"--max-header-bytes {args.max_header_bytes}: must be at least 1024")
+    if args.max_connections < 1 or args.max_pipelined < 1:
+        raise PyllamaError("--max-connections and --max-pipelined must be at least 1")
+    if args.rpc_timeout is not None and not 0 < args.rpc_timeout < float("inf"):
+        raise PyllamaError(f"--rpc-timeout {args.rpc_timeout}: must be a positive number of seconds")
+    if args.cache_reuse < 0:
+        raise PyllamaError(f"--cache-reuse {args.cache_reuse}: must be at least 0")
+    if args.split_mode in ("row", "tensor"):
+        raise PyllamaError(f"--split-mode {args.split_mode} is not supported (pyllama splits by layers: layer or none)")
+    if args.repeat_last_n < -1:
+        raise PyllamaError(f"--repeat-last-n {args.repeat_last_n}: must be -1 (the context) or at least 0")
+    if not 0 <= args.seed <= 0xFFFFFFFF and args.seed != -1:
+        raise PyllamaError(f"--seed {args.seed}: must be -1 (random) or between 0 and 4294967295")
+    try:
+        sampling_defaults(args).validate()
+    except ValueError as exc:
+        raise PyllamaError(str(exc)) from None
+    if args.chat_template is not None:
+        from .chat import ChatTemplateError, template_from_option  # noqa: PLC0415
+        try:  # a name or Jinja text is checked here, before the model loads
+            template_from_option(args.chat_template, None, jinja=args.jinja)
+        except ChatTemplateError as exc:
+            flag = "--chat-template-file" if args.chat_template_file else "--chat-template"
+            raise PyllamaError(f"{flag}: {exc}") from None
+    if args.slot_save_path is not None and not os.path.isdir(args.slot_save_path):
+        raise PyllamaError(f"--slot-save-path {args.slot_save_path}: not a folder")
+    if args.path is not None and not os.path.isdir(args.path):
+        raise PyllamaError(f"--path {args.path}: not a folder")
+
+
+def sampling_defaults(args) -> SamplingParams:
+    """The sampler settings a request gets for the fields it leaves out."""
+    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.seed if args.seed != -1 else SamplingParams().seed)
+
+
+@dataclass
+class ServerSettings:
+    """What the command line sets on ServerState (besides `args` itself)."""
+
+    api_keys: list[str] = field(default_factory=list)
+    cors_origins: list[str] = field(default_factory=list)
+    slots_enabled: bool = True
+    props_writable: bool = False
+    slot_save_path: Optional[str] = None
+    metrics_enabled: bool = False
+    verbose: bool = False
+    aliases: list[str] = field(default_factory=list)
+
+
+def settings(args) -> ServerSettings:
+    return ServerSettings(api_keys=list(args.api_keys), cors_origins=list(args.cors_origins or []),
+                          slots_enabled=bool(args.slots), props_writable=bool(args.props),
+                          slot_save_path=args.slot_save_path, metrics_enabled=bool(args.metrics),
+                          verbose=bool(args.verbose), aliases=list(args.alias or []))
+
+
+def apply_settings(state: Any, args) -> None:
+    """Sets the command line's values on a ServerState."""
+    for name, value in settings(args).__dict__.items():
+        setattr(state, name, value)
+
+
+def log_level(args) -> int:
+    """The pyllama loggers' level: --log-disable, -v, else -lv (llama.cpp's 1 error .. 5 debug)."""
+    if args.log_disable:
+        return logging.CRITICAL + 10
+    if args.verbose:
+        return logging.DEBUG
+    v = args.log_verbosity
+    if v > 3:
+        return logging.DEBUG
+    return {2: logging.WARNING, 3: logging.INFO}.get(v, logging.ERROR)
+
+
+def log_accepted(args) -> None:
+    """One line for each llama-server flag that is accepted but changes nothing here."""
+    if args.flash_attn != "auto":
+        log.info("-fa %s: attention is always one fused kernel in pyllama", args.flash_attn)
+    if not args.cont_batching:
+        log.warning("--no-cont-batching: pyllama always batches continuously")
+    if args.threads_batch is not None and args.threads_batch != args.threads:
+        log.info("-tb %d: pyllama uses --threads (%d) for prompts and generation alike", args.threads_batch,
+                 args.threads)
+    if args.threads_http != -1:
+        log.info("--threads-http %d: pyllama answers HTTP on one event loop", args.threads_http)
+    if args.cache_reuse:
+        log.info("--cache-reuse %d: pyllama reuses cached prompt prefixes only", args.cache_reuse)
+    if args.defrag_thold is not None:
+        log.warning("--defrag-thold is deprecated and no longer necessary to specify")
+    if args.reasoning_format not in ("auto", "none"):
+        log.info("--reasoning-format %s: thoughts stay in the content (pyllama does not separate them)",
+                 args.reasoning_format)
+    if args.log_colors is not None or args.log_prefix is not None or args.log_timestamps is not None:
+        log.debug("--log-colors/--log-prefix/--log-timestamps: pyllama's log format is fixed")
+
+
+def lock_memory() -> None:
+    """--mlock: mlockall(MCL_CURRENT | MCL_FUTURE); a failure (RLIMIT_MEMLOCK) is a warning, as in
+    llama.cpp."""
+    import ctypes  # noqa: PLC0415
+    import ctypes.util  # noqa: PLC0415
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.mlockall(1 | 2) != 0:
+            err = ctypes.get_errno()
+            log.warning("--mlock: mlockall failed (%s); raise the limit with ulimit -l", os.strerror(err))
+        else:
+            log.info("--mlock: the process's memory is locked in RAM")
+    except (OSError, AttributeError) as exc:
+        log.warning("--mlock: not available here (%s)", exc)

@@ -1,0 +1,489 @@
+"""llama-server's command lines as users copy them from its documentation and guides: each one is
+read into the server's configuration (or refused in one line naming the flag), the LLAMA_ARG_*
+variables with llama-server's names, exact option matching (no prefixes, no short-option
+clustering), --help's defaults, and a few real starts with the tiny model.
+
+Every "same" row of docs/server.md's flags table has a check here."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from pyllama.devices import ALL_LAYERS, device_names, plan_devices
+from pyllama.errors import PyllamaError
+from pyllama.sampling import SamplingParams
+from pyllama.server import params
+from pyllama.server.options import UNSUPPORTED, build_parser, log_level, parse_args, settings
+from server_util import ServerProcess
+
+LLAMA_VARS = ("LLAMA_ARG_", "PYLLAMA_ARG_", "LLAMA_API_KEY", "LLAMA_LOG_")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    import os
+    for name in list(os.environ):
+        if name.startswith(LLAMA_VARS):
+            monkeypatch.delenv(name)
+
+
+def refused(argv) -> str:
+    with pytest.raises(PyllamaError) as info:
+        parse_args(argv)
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def exits(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+# --- real command lines -----------------------------------------------------------------------
+
+def test_guide_command_line_gpu_server():
+    a = parse_args("-m M -c 4096 -ngl 99 --host 0.0.0.0 --port 8080 -np 4 -cb -fa on --jinja".split())
+    assert (a.model, a.ctx_size, a.n_gpu_layers, a.host, a.port, a.parallel) == ("M", 4096, 99, "0.0.0.0", 8080, 4)
+    assert a.cont_batching is True and a.flash_attn == "on" and a.jinja is True
+    assert a.n_predict == -1 and a.kv_unified is False  # -np given: split KV, as llama-server
+
+
+def test_guide_command_line_api_key_metrics_slots():
+    a = parse_args("-m M --api-key secret --metrics --slots".split())
+    s = settings(a)
+    assert s.api_keys == ["secret"] and s.metrics_enabled and s.slots_enabled and not s.props_writable
+
+
+def test_guide_command_line_kv_types_and_threads():
+    a = parse_args("-m M -ctk q8_0 -ctv q8_0 -t 2 -tb 2".split())
+    assert (a.cache_type_k, a.cache_type_v, a.threads, a.threads_batch) == ("q8_0", "q8_0", 2, 2)
+
+
+@pytest.mark.parametrize("line, check", [
+    ("-m M --port 8080", lambda a: a.port == 8080 and a.host == "127.0.0.1"),
+    ("-m M -c 2048 -n 256", lambda a: a.ctx_size == 2048 and a.n_predict == 256),
+    ("-m M --predict 16", lambda a: a.n_predict == 16),
+    ("-m M --n-predict 16", lambda a: a.n_predict == 16),
+    ("-m M -a my-model", lambda a: a.alias == ["my-model"]),
+    ("-m M --tags chat,small", lambda a: a.tags == ["chat", "small"]),
+    ("-m M -fa --jinja", lambda a: a.flash_attn == "on" and a.jinja is True),
+    ("-m M --alias gpt-4o,gpt-4o-mini", lambda a: settings(a).aliases == ["gpt-4o", "gpt-4o-mini"]),
+    ("-m M -b 512 -ub 128", lambda a: (a.batch_size, a.ubatch_size) == (512, 128)),
+    ("-m M --ctx-size 8192 --parallel 2", lambda a: (a.ctx_size, a.parallel) == (8192, 2)),
+    ("-m M -np 8 -kvu", lambda a: a.parallel == 8 and a.kv_unified is True),
+    ("-m M -np 8 --kv-unified", lambda a: a.kv_unified is True),
+    ("-m M -no-kvu", lambda a: a.parallel == 4 and a.kv_unified is False),
+    ("-m M -np -1", lambda a: a.parallel == 4 and a.kv_unified is True),
+    ("-m M --no-cont-batching", lambda a: a.cont_batching is False),
+    ("-m M -nocb", lambda a: a.cont_batching is False),
+    ("-m M -fa", lambda a: a.flash_attn == "on"),
+    ("-m M -fa off", lambda a: a.flash_attn == "off"),
+    ("-m M --flash-attn auto", lambda a: a.flash_attn == "auto"),
+    ("-m M --mlock --no-mmap", lambda a: a.mlock is True and a.mmap is False),
+    ("-m M --context-shift --keep 16", lambda a: a.context_shift is True and a.keep == 16),
+    ("-m M --no-context-shift", lambda a: a.context_shift is False),
+    ("-m M --timeout 30", lambda a: a.timeout == 30),
+    ("-m M -to 45", lambda a: a.timeout == 45),
+    ("-m M --threads-http 8", lambda a: a.threads_http == 8),
+    ("-m M --no-slots", lambda a: settings(a).slots_enabled is False),
+    ("-m M --props", lambda a: settings(a).props_writable is True),
+    ("-m M -sps 0.5", lambda a: a.slot_prompt_similarity == 0.5),
+    ("-m M --slot-prompt-similarity 0", lambda a: a.slot_prompt_similarity == 0.0),
+    ("-m M --cache-reuse 256", lambda a: a.cache_reuse == 256),
+    ("-m M --api-key k1,k2", lambda a: settings(a).api_keys == ["k1", "k2"]),
+    ("-m M --cors-origins https://a.example,https://b.example",
+     lambda a: settings(a).cors_origins == ["https://a.example", "https://b.example"]),
+    ("-m M --no-webui", lambda a: a.webui is False),
+    ("-m M --webui", lambda a: a.webui is True),
+    ("-m M --no-jinja", lambda a: a.jinja is False),
+    ("-m M --chat-template chatml", lambda a: a.chat_template == "chatml"),
+    ("-m M --chat-template-kwargs {\"enable_thinking\":false}",
+     lambda a: a.chat_template_kwargs == {"enable_thinking": False}),
+    ("-m M --reasoning-format deepseek", lambda a: a.reasoning_format == "deepseek"),
+    ("-m M --reasoning-format none", lambda a: a.reasoning_format == "none"),
+    ("-m M --temp 0.7 --top-k 20 --top-p 0.8 --min-p 0.01", lambda a: (a.temp, a.top_k, a.top_p, a.min_p) ==
+     (0.7, 20, 0.8, 0.01)),
+    ("-m M --temperature 0.2", lambda a: a.temp == 0.2),
+    ("-m M --repeat-penalty 1.1 --repeat-last-n 128 --presence-penalty 0.5 --frequency-penalty 0.25",
+     lambda a: (a.repeat_penalty, a.repeat_last_n, a.presence_penalty, a.frequency_penalty) == (1.1, 128, 0.5, 0.25)),
+    ("-m M --seed 42 --ignore-eos", lambda a: a.seed == 42 and a.ignore_eos is True),
+    ("-m M -s 7", lambda a: a.seed == 7),
+    ("-m M --log-disable", lambda a: log_level(a) > logging.CRITICAL),
+    ("-m M --log-verbosity 2", lambda a: log_level(a) == logging.WARNING),
+    ("-m M -lv 5", lambda a: log_level(a) == logging.DEBUG),
+    ("-m M -v", lambda a: log_level(a) == logging.DEBUG and settings(a).verbose),
+    ("-m M --verbose", lambda a: settings(a).verbose),
+    ("-m M --rpc 10.0.0.2:50052,10.0.0.3:50052 -ngl 99", lambda a: a.rpc == "10.0.0.2:50052,10.0.0.3:50052"),
+    ("-m M -dev none", lambda a: device_names(a.device, a.rpc) == ["CPU"]),
+    ("-m M -sm none -mg 1", lambda a: a.split_mode == "none" and a.main_gpu == 1),
+    ("-m M -ts 3,1", lambda a: a.tensor_split == "3,1"),
+    ("-m M -ngl all", lambda a: a.n_gpu_layers == ALL_LAYERS),
+    ("-m M -ngl auto", lambda a: a.n_gpu_layers == -1),
+    ("-m M --gpu-layers 10", lambda a: a.n_gpu_layers == 10),
+    ("-m M --n-gpu-layers 10", lambda a: a.n_gpu_layers == 10),
+    ("-m M --embedding --pooling mean", lambda a: a.embedding is True and a.pooling == "mean"),
+    ("-m M --embeddings", lambda a: a.embedding is True),
+    ("-m M -dt 0.1", lambda a: a.defrag_thold == 0.1),
+    ("-m M --no-prefill-assistant", lambda a: a.prefill_assistant is False),
+])
+def test_llama_server_command_lines(line, check):
+    assert check(parse_args(line.split()))
+
+
+@pytest.mark.parametrize("line, flag", [
+    ("-m M -hf ggml-org/gemma-3-1b-it-GGUF", "-hf"),
+    ("-hf x", "-hf"),
+    ("--hf-repo x/y --hf-file z.gguf", "--hf-repo"),
+    ("-m M --lora a.gguf", "--lora"),
+    ("-m M -md d.gguf", "-md"),
+    ("-m M --model-draft d.gguf -ngld 99", "--model-draft"),
+    ("-m M --mmproj mm.gguf", "--mmproj"),
+    ("-m M -ot exps=CPU", "-ot"),
+    ("-m M --override-tensor exps=CPU", "--override-tensor"),
+    ("-m M --draft-max 16", "--draft-max"),
+    ("-m M --spec-draft-n-max 16", "--spec-draft-n-max"),
+    ("-m M --grammar-file g.gbnf", "--grammar-file"),
+    ("-m M --grammar root::=x", "--grammar"),
+    ("-m M --rope-scaling yarn", "--rope-scaling"),
+    ("-m M --ssl-key-file k.pem", "--ssl-key-file"),
+    ("-m M --mirostat 2", "--mirostat"),
+    ("-m M -sm row", "--split-mode row"),
+])
+def test_unsupported_flags_are_one_line_naming_the_flag(line, flag):
+    msg = refused(line.split())
+    assert flag in msg and "not supported" in msg
+
+
+def test_every_listed_unsupported_flag_is_refused():
+    for flag in UNSUPPORTED:
+        msg = refused(["-m", "M", flag, "x"])
+        assert msg.startswith(f"{flag}:") and "not supported" in msg
+
+
+def test_unsupported_flag_with_equals_value():
+    assert refused(["-m", "M", "--lora=a.gguf"]).startswith("--lora:")
+
+
+def test_unknown_value_of_flash_attn(capsys):
+    assert "--flash-attn" in exits(["-fa", "maybe"], capsys)
+
+
+def test_bad_values_are_one_line(capsys):
+    assert "--reasoning-format" in exits(["--reasoning-format", "bogus"], capsys)
+    assert "--chat-template-kwargs" in exits(["--chat-template-kwargs", "{not json"], capsys)
+    assert "--chat-template-kwargs" in exits(["--chat-template-kwargs", "[1]"], capsys)
+    assert "-ngl" in exits(["-ngl", "lots"], capsys)
+    assert "--pooling" in exits(["--pooling", "rank"], capsys)
+
+
+def test_checks_of_values():
+    assert "--parallel" in refused(["-np", "0"])
+    assert "--seed" in refused(["--seed", "-5"])
+    assert "--repeat-last-n" in refused(["--repeat-last-n", "-2"])
+    assert "--timeout" in refused(["--timeout", "0"])
+    assert "--slot-save-path" in refused(["--slot-save-path", "/nonexistent/folder"])
+    assert "--api-key-file" in refused(["--api-key-file", "/nonexistent/keys"])
+
+
+# --- exact matching ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, dest, value", [
+    (["-ngl", "99"], "n_gpu_layers", 99),
+    (["-np", "3"], "parallel", 3),
+    (["-tb", "2"], "threads_batch", 2),
+    (["-to", "30"], "timeout", 30.0),
+    (["-cb"], "cont_batching", True),
+    (["-ctk", "q8_0"], "cache_type_k", "q8_0"),
+    (["-ctv", "bf16"], "cache_type_v", "bf16"),
+    (["-ub", "64"], "ubatch_size", 64),
+    (["-sps", "0.3"], "slot_prompt_similarity", 0.3),
+    (["-dev", "CPU"], "device", "CPU"),
+    (["-ts", "1,1"], "tensor_split", "1,1"),
+    (["-sm", "none"], "split_mode", "none"),
+    (["-mg", "0"], "main_gpu", 0),
+    (["-lv", "4"], "log_verbosity", 4),
+    (["-kvu"], "kv_unified", True),
+])
+def test_multi_letter_short_flags_are_not_clustered(argv, dest, value):
+    a = parse_args(argv)
+    assert getattr(a, dest) == value
+    # none of them is read as a one-letter flag with the rest as its value
+    assert a.n_predict == -1 and a.ctx_size == 0 and a.threads == 0 and a.model is None
+
+
+def test_no_prefix_abbreviations(capsys):
+    assert "--ctx" in exits(["--ctx", "100"], capsys)
+    assert "--chat-templ" in exits(["--chat-templ", "chatml"], capsys)
+    assert "--api" in exits(["--api", "k"], capsys)
+    assert "-cx" in exits(["-cx"], capsys)          # not -c with value x
+    assert "-tq" in exits(["-tq", "2"], capsys)     # not -t with value q
+
+
+def test_help_lists_defaults_and_variables():
+    text = build_parser().format_help()
+    flat = " ".join(text.split())
+    assert "(default: 0.1)" in flat and "--slot-prompt-similarity" in flat
+    assert "(default: 600.0)" in flat and "LLAMA_ARG_TIMEOUT" in flat
+    assert "-1 = auto: 4 slots" in flat and "LLAMA_ARG_N_PARALLEL" in flat
+    assert "LLAMA_ARG_N_GPU_LAYERS" in flat and "LLAMA_API_KEY" in flat and "LLAMA_ARG_CTX_SIZE" in flat
+    assert "--metrics" in flat and "(default: off)" in flat
+    assert "--lora" in flat  # the refused llama-server flags are listed
+
+
+def test_version_exits_zero():
+    proc = subprocess.run([sys.executable, "-m", "pyllama.server", "--version"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "pyllama" in proc.stderr
+
+
+def test_unsupported_flag_from_the_program_is_one_line_exit_1():
+    proc = subprocess.run([sys.executable, "-m", "pyllama.server", "-m", "x.gguf", "--lora", "a.gguf"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and "--lora" in proc.stderr, proc.stderr
+
+
+# --- environment ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("var, raw, dest, value", [
+    ("LLAMA_ARG_CTX_SIZE", "4096", "ctx_size", 4096),
+    ("LLAMA_ARG_N_GPU_LAYERS", "99", "n_gpu_layers", 99),
+    ("LLAMA_ARG_N_PARALLEL", "3", "parallel", 3),
+    ("LLAMA_ARG_THREADS", "2", "threads", 2),
+    ("LLAMA_ARG_MODEL", "/models/m.gguf", "model", "/models/m.gguf"),
+    ("LLAMA_ARG_HOST", "0.0.0.0", "host", "0.0.0.0"),
+    ("LLAMA_ARG_PORT", "9000", "port", 9000),
+    ("LLAMA_ARG_BATCH", "256", "batch_size", 256),
+    ("LLAMA_ARG_UBATCH", "64", "ubatch_size", 64),
+    ("LLAMA_ARG_N_PREDICT", "32", "n_predict", 32),
+    ("LLAMA_ARG_FLASH_ATTN", "on", "flash_attn", "on"),
+    ("LLAMA_ARG_CACHE_TYPE_K", "q8_0", "cache_type_k", "q8_0"),
+    ("LLAMA_ARG_CONT_BATCHING", "0", "cont_batching", False),
+    ("LLAMA_ARG_ENDPOINT_METRICS", "1", "metrics", True),
+    ("LLAMA_ARG_ENDPOINT_SLOTS", "false", "slots", False),
+    ("LLAMA_ARG_ENDPOINT_PROPS", "true", "props", True),
+    ("LLAMA_ARG_NO_MMAP", "1", "mmap", False),
+    ("LLAMA_ARG_MMAP", "0", "mmap", False),
+    ("LLAMA_ARG_MLOCK", "1", "mlock", True),
+    ("LLAMA_ARG_JINJA", "0", "jinja", False),
+    ("LLAMA_ARG_CHAT_TEMPLATE", "llama3", "chat_template", "llama3"),
+    ("LLAMA_ARG_TIMEOUT", "30", "timeout", 30.0),
+    ("LLAMA_ARG_ALIAS", "a,b", "alias", ["a", "b"]),
+    ("LLAMA_ARG_DEVICE", "CPU", "device", "CPU"),
+    ("LLAMA_ARG_RPC", "h:1", "rpc", "h:1"),
+    ("LLAMA_ARG_CONTEXT_SHIFT", "1", "context_shift", True),
+    ("LLAMA_ARG_KV_UNIFIED", "0", "kv_unified", False),
+    ("LLAMA_ARG_TOP_K", "5", "top_k", 5),
+    ("LLAMA_ARG_THINK", "deepseek", "reasoning_format", "deepseek"),
+    ("LLAMA_ARG_EMBEDDINGS", "1", "embedding", True),
+    ("LLAMA_ARG_UI", "0", "webui", False),
+    ("LLAMA_ARG_NO_UI", "1", "webui", False),
+])
+def test_llama_arg_variables(monkeypatch, var, raw, dest, value):
+    monkeypatch.setenv(var, raw)
+    assert getattr(parse_args([]), dest) == value
+
+
+def test_api_key_variable_and_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLAMA_API_KEY", "s1,s2")
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nk3\n\n  k4  \n")
+    assert settings(parse_args(["--api-key-file", str(keys)])).api_keys == ["s1", "s2", "k3", "k4"]
+
+
+def test_precedence_command_line_then_pyllama_then_llama(monkeypatch):
+    monkeypatch.setenv("LLAMA_ARG_CTX_SIZE", "64")
+    assert parse_args([]).ctx_size == 64
+    monkeypatch.setenv("PYLLAMA_ARG_CTX_SIZE", "128")
+    assert parse_args([]).ctx_size == 128
+    assert parse_args(["-c", "256"]).ctx_size == 256
+    monkeypatch.setenv("LLAMA_ARG_N_PARALLEL", "2")
+    monkeypatch.setenv("PYLLAMA_ARG_PARALLEL", "6")
+    assert parse_args([]).parallel == 6
+    monkeypatch.setenv("LLAMA_ARG_ENDPOINT_SLOTS", "0")
+    assert parse_args(["--slots"]).slots is True
+
+
+def test_bad_variable_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("LLAMA_ARG_N_PARALLEL", "many")
+    assert "LLAMA_ARG_N_PARALLEL" in exits([], capsys)
+    monkeypatch.delenv("LLAMA_ARG_N_PARALLEL")
+    monkeypatch.setenv("LLAMA_ARG_ENDPOINT_METRICS", "perhaps")
+    assert "LLAMA_ARG_ENDPOINT_METRICS" in exits([], capsys)
+
+
+def test_variable_of_unsupported_flag_is_refused(monkeypatch):
+    monkeypatch.setenv("LLAMA_ARG_HF_REPO", "ggml-org/x")
+    assert "LLAMA_ARG_HF_REPO" in refused([])
+
+
+def test_rpc_server_ignores_the_server_variables(monkeypatch):
+    from pyllama.rpc_server.__main__ import build_parser as rpc_parser
+    base = rpc_parser().parse_args([])
+    for var, raw in (("LLAMA_ARG_DEVICE", "CUDA3"), ("PYLLAMA_ARG_DEVICE", "RPC0,CPU"), ("LLAMA_ARG_PORT", "1"),
+                     ("LLAMA_ARG_HOST", "0.0.0.0"), ("LLAMA_ARG_THREADS", "99"), ("LLAMA_ARG_N_GPU_LAYERS", "5")):
+        monkeypatch.setenv(var, raw)
+    assert vars(rpc_parser().parse_args([])) == vars(base)
+
+
+# --- what the flags do ------------------------------------------------------------------------
+
+def test_ngl_counts_the_output_layer_first():
+    # 12 blocks: -ngl 1 = only the output layer, -ngl 5 = output + the last 4 blocks, 13+ = all
+    assert plan_devices(["RPC0", "CPU"], 12, 1) == (["CPU", "RPC0"], [12.0, 0.0])
+    assert plan_devices(["RPC0", "CPU"], 12, 5) == (["CPU", "RPC0"], [8.0, 4.0])
+    assert plan_devices(["RPC0", "CPU"], 12, 13) == (["RPC0"], [12.0])
+    assert plan_devices(["RPC0", "CPU"], 12, 99) == (["RPC0"], [12.0])
+    assert plan_devices(["RPC0", "CPU"], 12, 0) == (["CPU"], None)
+
+
+def test_ngl_goes_to_the_non_cpu_devices_in_order_by_tensor_split():
+    assert plan_devices(["RPC0", "RPC1", "CPU"], 12, 9, tensor_split="3,1") == (["CPU", "RPC0", "RPC1"],
+                                                                               [4.0, 6.0, 2.0])
+    assert plan_devices(["RPC1", "RPC0"], 12, 99) == (["RPC1", "RPC0"], [6.0, 6.0])
+
+
+def test_ngl_without_a_non_cpu_device_changes_nothing(caplog):
+    with caplog.at_level(logging.INFO, logger="pyllama.devices"):
+        assert plan_devices(["CPU"], 12, 99) == (["CPU"], None)
+    assert "-ngl 99" in caplog.text
+
+
+def test_split_mode_none_and_main_gpu():
+    assert plan_devices(["RPC0", "RPC1", "CPU"], 12, 99, split_mode="none", main_gpu=1) == (["RPC1"], None)
+    with pytest.raises(PyllamaError, match="--main-gpu 2"):
+        plan_devices(["RPC0", "CPU"], 12, 99, split_mode="none", main_gpu=2)
+
+
+def test_sampling_flags_become_the_request_defaults():
+    a = parse_args("--temp 0.3 --top-k 7 --top-p 0.5 --min-p 0.2 --repeat-penalty 1.3 --repeat-last-n 32 "
+                   "--presence-penalty 0.4 --frequency-penalty 0.6 --seed 11 --ignore-eos".split())
+    from pyllama.server.options import sampling_defaults
+    try:
+        params.set_generation_defaults(sampling_defaults(a), a.ignore_eos)
+        p = params.parse_completion({}, -1, 1)
+        s = p.sampling
+        assert (s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty, s.repeat_last_n, s.presence_penalty,
+                s.frequency_penalty, s.seed, p.ignore_eos) == (0.3, 7, 0.5, 0.2, 1.3, 32, 0.4, 0.6, 11, True)
+        q = params.parse_completion({"temperature": 1.5, "ignore_eos": False}, -1, 1)
+        assert q.sampling.temperature == 1.5 and q.sampling.top_k == 7 and q.ignore_eos is False
+    finally:
+        params.set_generation_defaults()
+    assert params.parse_completion({}, -1, 1).sampling == SamplingParams()
+
+
+def test_chat_template_file(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    assert parse_args(["--chat-template-file", str(f)]).chat_template == f.read_text()
+
+
+# --- real starts with the tiny model ----------------------------------------------------------
+
+def test_start_with_llama_server_flags(tiny_model, tmp_path):
+    log_file = tmp_path / "server.log"
+    srv = ServerProcess(tiny_model, "--log-file", str(log_file), "-c", "256", "-np", "2", "-ngl", "99", "-fa", "on",
+                        "-cb", "--jinja", "--metrics",
+                        "--temp", "0", "--top-k", "1", "--seed", "5", "--chat-template", "llama3", "--no-mmap",
+                        "-a", "first,second", "-to", "30", "-sps", "0.2", "-ctk", "q8_0", "-ctv", "q8_0",
+                        "--threads-http", "4", "-tb", "1").wait_ready()
+    try:
+        status, props = srv.request("GET", "/props")
+        assert status == 200
+        gen = props["default_generation_settings"]["params"]
+        assert gen["temperature"] == 0 and gen["top_k"] == 1 and gen["seed"] == 5
+        assert props["chat_template"] == "llama3"
+        assert props["model_alias"] == "first"
+        status, _ = srv.request("GET", "/metrics")
+        assert status == 200
+    finally:
+        assert srv.stop() == 0
+    assert "-fa on: attention is always one fused kernel" in srv.stderr_text
+    assert "listening on" in log_file.read_text()
+
+
+def test_no_mmap_copies_the_weights(tiny_model):
+    from pyllama.engine import Engine
+    mapped = Engine(tiny_model, n_threads=1)
+    copied = Engine(tiny_model, n_threads=1, map_weights=False)
+    try:
+        n_file = len(copied.model.file.tensors)
+        assert sum(len(infos) for _, infos, _ in copied.weights.sources) == n_file
+        assert sum(len(infos) for _, infos, _ in mapped.weights.sources) < n_file
+    finally:
+        mapped.close()
+        copied.close()
+
+
+def test_mlock_locks_or_says_why(caplog):
+    from pyllama.server.options import lock_memory
+    with caplog.at_level(logging.INFO, logger="pyllama.server"):
+        lock_memory()
+    assert "--mlock: the process's memory is locked in RAM" in caplog.text or "mlockall failed" in caplog.text
+
+
+def test_start_from_llama_arg_variables(tiny_model):
+    env = {"LLAMA_ARG_CTX_SIZE": "256", "LLAMA_ARG_N_PARALLEL": "2", "LLAMA_API_KEY": "secret",
+           "LLAMA_ARG_ENDPOINT_SLOTS": "0"}
+    srv = ServerProcess(tiny_model, env=env).wait_ready()
+    try:
+        status, _ = srv.request("GET", "/props")
+        assert status == 401
+        status, props = srv.request("GET", "/props", headers={"Authorization": "Bearer secret"})
+        assert status == 200 and props["total_slots"] == 2
+        status, _ = srv.request("GET", "/slots", headers={"Authorization": "Bearer secret"})
+        assert status == 501
+        status, _ = srv.request("GET", "/metrics", headers={"Authorization": "Bearer secret"})
+        assert status == 501  # no --metrics
+    finally:
+        assert srv.stop() == 0
+
+
+def test_default_parallel_is_auto(tiny_model):
+    srv = ServerProcess(tiny_model, "-c", "256").wait_ready()
+    try:
+        status, props = srv.request("GET", "/props")
+        assert status == 200 and props["total_slots"] == 4
+        # unified KV: one request may use the whole context, not a quarter of it
+        status, doc = srv.request("POST", "/completion", {"prompt": [1] * 100, "n_predict": 1})
+        assert status == 200, doc
+    finally:
+        assert srv.stop() == 0
+
+
+def test_bad_chat_template_name_fails_at_start(tiny_model):
+    proc = subprocess.run([sys.executable, "-m", "pyllama.server", "-m", tiny_model, "--port", "0", "-c", "128",
+                           "--chat-template", "llama-three"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "llama-three" in proc.stderr and "built-in template name" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
+
+
+@pytest.mark.parametrize("ngl, layers", [("99", "RPC0 0-{last} + output"),
+                                         ("2", "CPU 0-{cpu_last}, RPC0 {last}-{last} + output"),
+                                         ("0", "CPU 0-{last} + output")])
+def test_ngl_over_an_rpc_server(tiny_model, ngl, layers):
+    """llama-server's `--rpc HOST:PORT -ngl N`: the output layer and the last N-1 blocks on the peer."""
+    from pyllama.models.model import Model
+    from server_util import RPCServerProcess
+    n_layer = Model(tiny_model).hparams.n_layer
+    want = layers.format(last=n_layer - 1, cpu_last=n_layer - 2)
+    peer = RPCServerProcess()
+    try:
+        srv = ServerProcess(tiny_model, "--rpc", peer.endpoint, "-ngl", ngl, "-c", "256", "-np", "1").wait_ready()
+        try:
+            status, doc = srv.request("POST", "/completion", {"prompt": "Hello", "n_predict": 2})
+            assert status == 200, doc
+        finally:
+            assert srv.stop() == 0
+    finally:
+        peer.stop()
+    assert f"layers: {want}" in srv.stderr_text, srv.stderr_text[-2000:]

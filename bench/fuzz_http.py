@@ -35,7 +35,7 @@ DEFAULT_OUT = os.path.join(HERE, "out", "fuzz_http")
 
 # Small limits make the limit paths cheap to reach; the timeouts bound how long a case that never
 # completes its request can take.
-SERVER_ARGS = ["-np", "2", "-c", "512", "-t", "1", "--header-timeout", "1", "--body-timeout", "1",
+SERVER_ARGS = ["--metrics", "-np", "2", "-c", "512", "-t", "1", "--header-timeout", "1", "--body-timeout", "1",
                "--timeout", "5", "--max-body", str(256 << 10), "--max-header-bytes", str(16 << 10),
                "--max-connections", "64", "--max-pipelined", "4"]
 

@@ -179,7 +179,7 @@ def start_rpc_server(threads: int, log_path: str, env: dict, timeout: float = 12
 
 def start_server(model: str, args: list[str], log_path: str, env: dict, timeout: float = 600) -> tuple[Proc, int]:
     port = free_port()
-    cmd = [sys.executable, "-m", "pyllama.server", "-m", model, "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "pyllama.server", "-m", model, "--port", str(port), "--metrics", *args]
     p = Proc(cmd, log_path, env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -60,7 +60,7 @@ def main() -> int:
         for i in range(args.prompts):
             prompt = PROMPTS[i % len(PROMPTS)] + (f" ({i})" if i >= len(PROMPTS) else "")
             body = {"prompt": prompt, "n_predict": args.n_predict, "temperature": 0, "ignore_eos": True,
-                    "cache_prompt": False}
+                    "cache_prompt": False, "return_tokens": True}
             results = []
             for srv in (plain, split):
                 try:

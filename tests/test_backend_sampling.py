@@ -94,11 +94,14 @@ def test_peer_without_the_capability(tiny_model):
 def completions(srv: ServerProcess, seeded: bool = False) -> list:
     out = []
     for i, prompt in enumerate(["The little cat sat on the", "Once upon a time", "1 2 3 4"]):
-        body = {"prompt": prompt, "n_predict": 12, "ignore_eos": True, "cache_prompt": False, "n_probs": 2}
+        # post-sampling probabilities come from the sampler kernel, on the device with backend sampling
+        # (pre-sampling ones, the default, are the host logits' softmax: such a step takes the logits back)
+        body = {"prompt": prompt, "n_predict": 12, "ignore_eos": True, "cache_prompt": False, "n_probs": 2,
+                "return_tokens": True, "post_sampling_probs": True}
         body.update({"temperature": 0.8, "seed": 100 + i} if seeded else {"temperature": 0})
         status, doc = srv.post("/completion", body)
         assert status == 200, doc
-        out.append((doc["content"], [(p["id"], p["logprob"], [(c["id"], c["logprob"]) for c in p["top_logprobs"]])
+        out.append((doc["content"], [(p["id"], p["prob"], [(c["id"], c["prob"]) for c in p["top_probs"]])
                                      for p in doc["completion_probabilities"]]))
     return out
 
@@ -136,7 +139,7 @@ def test_logit_bias_with_the_output_layer_on_the_peer(tiny_model, peer):
     """A step holding a biased row takes the logits back and samples here; results equal host sampling."""
     common = ["--rpc", peer.endpoint, "--device", "CPU,RPC0", "-np", "2", "-c", "512"]
     body = {"prompt": "Once upon a time", "n_predict": 8, "ignore_eos": True, "cache_prompt": False,
-            "temperature": 0}
+            "temperature": 0, "return_tokens": True}
     got = {}
     for flag in ("--backend-sampling", "--no-backend-sampling"):
         srv = ServerProcess(tiny_model, *common, flag).wait_ready()

@@ -40,7 +40,8 @@ def shifts_logged(srv: ServerProcess) -> list[tuple[int, int, int]]:
 
 def test_shift_on_generates_past_the_context(shift_on):
     srv = shift_on
-    req = {"prompt": PROMPT, "n_predict": 3 * N_CTX, "temperature": 0, "ignore_eos": True, "n_keep": 4}
+    req = {"prompt": PROMPT, "n_predict": 3 * N_CTX, "temperature": 0, "ignore_eos": True, "n_keep": 4,
+           "return_tokens": True}
     status, res = srv.post("/completion", req)
     assert status == 200, res
     assert res["tokens_predicted"] == 3 * N_CTX and len(res["tokens"]) == 3 * N_CTX

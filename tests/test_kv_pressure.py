@@ -89,7 +89,7 @@ def check_server(srv: ServerProcess) -> None:
 
 
 def test_full_pool_preempts_instead_of_failing(tiny_model):
-    srv = ServerProcess(tiny_model, "-c", "256", "-np", "4", "--kv-unified").wait_ready()
+    srv = ServerProcess(tiny_model, "--metrics", "-c", "256", "-np", "4", "--kv-unified").wait_ready()
     try:
         check_server(srv)
     finally:
@@ -97,7 +97,7 @@ def test_full_pool_preempts_instead_of_failing(tiny_model):
 
 
 def test_full_pool_two_pipeline_groups(tiny_model):
-    srv = ServerProcess(tiny_model, "-c", "256", "-np", "4", "--kv-unified", "--pipeline-groups", "2").wait_ready()
+    srv = ServerProcess(tiny_model, "--metrics", "-c", "256", "-np", "4", "--kv-unified", "--pipeline-groups", "2").wait_ready()
     try:
         # two groups of two slots, each with its own pool of 256: two requests of about 150 cells
         # overflow a group's pool whichever two requests it gets
@@ -113,7 +113,7 @@ def test_full_pool_two_pipeline_groups(tiny_model):
 def test_full_pool_over_rpc(tiny_model):
     peer = RPCServerProcess()
     try:
-        srv = ServerProcess(tiny_model, "-c", "256", "-np", "4", "--kv-unified", "--rpc", peer.endpoint,
+        srv = ServerProcess(tiny_model, "--metrics", "-c", "256", "-np", "4", "--kv-unified", "--rpc", peer.endpoint,
                             "--device", "RPC0,CPU").wait_ready()
         try:
             check_server(srv)

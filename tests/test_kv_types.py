@@ -369,7 +369,8 @@ def test_greedy_identical_in_two_pipeline_groups(tiny_model):
             out = []
             for p in ("The little cat sat on the", "Once upon a time"):
                 status, res = srv.post("/completion", {"prompt": p, "n_predict": 12, "temperature": 0,
-                                                       "ignore_eos": True, "cache_prompt": False})
+                                                       "ignore_eos": True, "cache_prompt": False,
+                                                       "return_tokens": True})
                 assert status == 200, res
                 out.append(res["tokens"])
             return out

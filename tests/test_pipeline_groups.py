@@ -21,7 +21,7 @@ def greedy_outputs(srv: ServerProcess) -> list:
     out = []
     for p in PROMPTS:
         status, res = srv.post("/completion", {"prompt": p, "n_predict": 12, "temperature": 0, "ignore_eos": True,
-                                               "cache_prompt": False})
+                                               "cache_prompt": False, "return_tokens": True})
         assert status == 200, res
         out.append(res["tokens"])
     return out
@@ -40,7 +40,7 @@ def test_greedy_identical_across_group_counts(tiny_model, peers, split):
     extra = ["--rpc", f"{peers[0].endpoint},{peers[1].endpoint}", "--device", "RPC0,RPC1"] if split else []
     results = {}
     for n in (1, 2, 4):
-        srv = ServerProcess(tiny_model, "-np", "4", "-c", "1024", "--pipeline-groups", str(n), *extra).wait_ready()
+        srv = ServerProcess(tiny_model, "--metrics", "-np", "4", "-c", "1024", "--pipeline-groups", str(n), *extra).wait_ready()
         try:
             results[n] = greedy_outputs(srv)
             _, slots = srv.request("GET", "/slots")
@@ -51,7 +51,7 @@ def test_greedy_identical_across_group_counts(tiny_model, peers, split):
 
 
 def test_stress_two_groups(tiny_model):
-    srv = ServerProcess(tiny_model, "-np", "4", "-c", "2048", "--pipeline-groups", "2").wait_ready()
+    srv = ServerProcess(tiny_model, "--metrics", "-np", "4", "-c", "2048", "--pipeline-groups", "2").wait_ready()
     errors: list[str] = []
     done = {"ok": 0, "cancelled": 0}
     stop_polling = threading.Event()

@@ -143,7 +143,7 @@ def test_tokens_identical_over_splits_and_groups(model_factory, peer, preset, wt
     try:
         for _ in range(2):  # one request per group
             status, res = srv.post("/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0,
-                                                   "ignore_eos": True, "cache_prompt": False})
+                                                   "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
             assert status == 200, res
             assert res["tokens"] == local
     finally:

@@ -18,7 +18,7 @@ PROMPT = "The little cat sat on the"
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    srv = ServerProcess(tiny_model, "-np", "4", "-c", "4096").wait_ready()
+    srv = ServerProcess(tiny_model, "-np", "4", "-c", "4096", "--metrics").wait_ready()
     yield srv
     assert srv.stop() == 0
 
@@ -49,7 +49,8 @@ def test_health_and_models(server):
 
 
 def test_completion_non_streaming(server):
-    status, res = server.post("/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "ignore_eos": True})
+    status, res = server.post("/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "ignore_eos": True,
+                                              "return_tokens": True})
     assert status == 200
     assert res["tokens_predicted"] == 8 and len(res["tokens"]) == 8
     assert res["stop"] is True and res["stop_type"] == "limit"
@@ -58,7 +59,8 @@ def test_completion_non_streaming(server):
 
 
 def test_completion_streaming_matches_non_streaming(server):
-    body = {"prompt": PROMPT, "n_predict": 10, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    body = {"prompt": PROMPT, "n_predict": 10, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
+            "return_tokens": True}
     _, whole = server.post("/completion", body)
     events = server.stream("/completion", body)
     assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
@@ -73,14 +75,17 @@ def test_greedy_completion_equals_generate(server, tiny_model):
                            "--temp", "0", "--ignore-eos", "--tokens", "-t", "1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     expect = [int(x) for x in proc.stdout.split()]
-    _, res = server.post("/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "ignore_eos": True})
+    _, res = server.post("/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "ignore_eos": True,
+                                         "return_tokens": True})
     assert res["tokens"] == expect
 
 
 def test_token_id_prompt(server):
     _, tok = server.post("/tokenize", {"content": PROMPT, "add_special": True})
-    _, a = server.post("/completion", {"prompt": tok["tokens"], "n_predict": 6, "temperature": 0, "ignore_eos": True})
-    _, b = server.post("/completion", {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "ignore_eos": True})
+    _, a = server.post("/completion", {"prompt": tok["tokens"], "n_predict": 6, "temperature": 0, "ignore_eos": True,
+                                       "return_tokens": True})
+    _, b = server.post("/completion", {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "ignore_eos": True,
+                                       "return_tokens": True})
     assert a["tokens"] == b["tokens"]
 
 
@@ -109,7 +114,8 @@ def test_stop_string(server):
 
 
 def test_prompt_cache_reuses_the_prefix(server):
-    body = {"prompt": PROMPT + " and then", "n_predict": 4, "temperature": 0, "ignore_eos": True, "id_slot": 2}
+    body = {"prompt": PROMPT + " and then", "n_predict": 4, "temperature": 0, "ignore_eos": True, "id_slot": 2,
+            "return_tokens": True}
     _, first = server.post("/completion", body)
     _, second = server.post("/completion", body)
     assert second["tokens"] == first["tokens"]
@@ -383,7 +389,8 @@ def test_submit_does_not_wait_for_a_running_step(tiny_model):
 
 
 def _biased_tokens(server, bias) -> list[int]:
-    body = {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    body = {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
+            "return_tokens": True}
     if bias is not None:
         body["logit_bias"] = bias
     status, doc = server.post("/completion", body)

@@ -8,19 +8,25 @@ which frees their slots at the next decode step.
 from __future__ import annotations
 
 import asyncio
+import math
+import os
+import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Optional, TypeVar
+
+import numpy as np
+import ujson
 
 from .. import __version__
 from ..sampling import SamplingParams
-from .chat import ChatTemplate, ChatTemplateError, validate_messages
+from .chat import ChatTemplate, ChatTemplateError
 from .http import (SSE_DONE, HTTPError, Request, Response, StreamResponse, error_response, json_response,
                    sse_event)
 from .metrics import Metrics
-from .params import CompletionParams, parse_completion, tokenize_prompt
-from .task import CompletionTask, ErrorEvent, FinalEvent, TokenEvent
+from .params import CompletionParams, parse_completion, split_prompts, tokenize_prompt
+from .task import CompletionTask, ErrorEvent, FinalEvent, ProgressEvent, TokenEvent
 
 
 @dataclass
@@ -77,8 +83,7 @@ class ServerState:
         # Halved once more as a margin for tokenizers that normalize text before matching it.
         at_least = n_ids + n_chars // (2 * self.max_token_chars())
         if at_least >= n_ctx:
-            raise HTTPError(400, f"the request exceeds the available context size: the prompt is at least "
-                                 f"{at_least} tokens and a slot holds {n_ctx}", "exceed_context_size_error")
+            raise _exceeds_context(at_least, n_ctx, at_least=True)
 
 
 def _prompt_size(prompt: Any) -> tuple[int, int]:
@@ -100,12 +105,49 @@ def _require_ready(state: ServerState) -> None:
         raise HTTPError(503, "Loading model", "unavailable_error")
 
 
+NOT_SUPPORTED = "not_supported_error"
+
+
+def _not_enabled(what: str, flag: str) -> HTTPError:
+    """llama-server's 501 for an endpoint that its command line left off."""
+    return HTTPError(501, f"This server does not support {what}. Start it with `{flag}`", NOT_SUPPORTED)
+
+
+def _exceeds_context(n_prompt: int, n_ctx: int, at_least: bool = False) -> HTTPError:
+    """llama-server's exceed_context_size_error, with its n_prompt_tokens and n_ctx fields."""
+    size = f"at least {n_prompt}" if at_least else f"{n_prompt}"
+    return HTTPError(400, f"the request exceeds the available context size, try increasing it: the prompt is {size} "
+                          f"tokens and a slot holds {n_ctx}", "exceed_context_size_error",
+                     n_prompt_tokens=n_prompt, n_ctx=n_ctx)
+
+
 T = TypeVar("T")
 
 # Bodies up to this size are parsed and tokenized on the event loop (milliseconds at most). Larger
 # ones go to a worker thread: tokenizing a prompt of several megabytes takes seconds, during which
 # the loop would answer no other connection at all.
 _INLINE_BODY = 16 << 10
+
+# The order of the sampler chain (pyllama.sampling), in llama-server's names.
+SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
+
+# Characters a slot file name must not hold: path separators, a drive colon, the characters
+# Windows reserves, and controls (llama.cpp's fs_validate_filename refuses the same).
+_BAD_FILENAME = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|]')
+SLOT_FILE_MAGIC = b"PYLLAMA-SLOT-1\n"
+
+
+def valid_slot_filename(name: Any) -> bool:
+    """A bare file name that cannot leave --slot-save-path: no separators, no '..', no leading
+    dot (hidden files, '.', '..'), no surrounding spaces, at most 255 bytes of valid text."""
+    if not isinstance(name, str) or not name or name != name.strip() or name.startswith(".") or ".." in name:
+        return False
+    if name.endswith(".") or _BAD_FILENAME.search(name):
+        return False
+    try:
+        return len(name.encode("utf-8")) <= 255
+    except UnicodeEncodeError:  # lone surrogates
+        return False
 
 
 async def _prepare(req: Request, work: Callable[[], T]) -> T:
@@ -115,14 +157,19 @@ async def _prepare(req: Request, work: Callable[[], T]) -> T:
     return await asyncio.to_thread(work)
 
 
-def _timings(final: FinalEvent) -> dict:
+def _timings_dict(prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float, cache_n: int) -> dict:
     def per(ms: float, n: int) -> tuple[float, float]:
         return (ms / n if n else 0.0), (1e3 * n / ms if ms > 0 else 0.0)
-    p_tok, p_sec = per(final.prompt_ms, final.n_evaluated)
-    g_tok, g_sec = per(final.predicted_ms, final.n_predicted)
-    return {"prompt_n": final.n_evaluated, "prompt_ms": final.prompt_ms, "prompt_per_token_ms": p_tok,
-            "prompt_per_second": p_sec, "predicted_n": final.n_predicted, "predicted_ms": final.predicted_ms,
+    p_tok, p_sec = per(prompt_ms, prompt_n)
+    g_tok, g_sec = per(predicted_ms, predicted_n)
+    return {"cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": prompt_ms, "prompt_per_token_ms": p_tok,
+            "prompt_per_second": p_sec, "predicted_n": predicted_n, "predicted_ms": predicted_ms,
             "predicted_per_token_ms": g_tok, "predicted_per_second": g_sec}
+
+
+def _timings(final: FinalEvent) -> dict:
+    return _timings_dict(final.n_evaluated, final.prompt_ms, final.n_predicted, final.predicted_ms,
+                         final.n_prompt - final.n_evaluated)
 
 
 def _finish_reason(final: FinalEvent) -> str:
@@ -130,12 +177,35 @@ def _finish_reason(final: FinalEvent) -> str:
 
 
 def _settings(state: ServerState, p: CompletionParams) -> dict:
+    """llama-server's generation settings (the `params` of /props and /slots, a result's
+    generation_settings)."""
     s = p.sampling
-    return {"n_ctx": state.n_ctx_slot, "n_predict": p.n_predict, "temperature": s.temperature, "top_k": s.top_k,
-            "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n,
-            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty, "seed": s.seed,
-            "n_probs": p.n_probs, "stop": p.stop, "ignore_eos": p.ignore_eos, "stream": p.stream,
-            "cache_prompt": p.cache_prompt, "n_keep": p.n_keep}
+    bias = [] if s.logit_bias is None else [[int(t), float(b)] for t, b in zip(*s.logit_bias)]
+    return {"n_ctx": state.n_ctx_slot, "n_predict": p.n_predict, "max_tokens": p.n_predict, "seed": s.seed,
+            "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+            "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n,
+            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+            "n_probs": p.n_probs, "post_sampling_probs": p.post_sampling_probs, "stop": p.stop,
+            "ignore_eos": p.ignore_eos, "stream": p.stream, "cache_prompt": p.cache_prompt, "n_keep": p.n_keep,
+            "logit_bias": bias, "samplers": list(SAMPLERS), "timings_per_token": p.timings_per_token,
+            "return_tokens": p.return_tokens, "return_progress": p.return_progress, "id_slot": p.id_slot,
+            "n_cmpl": p.n}
+
+
+def nested_fields(paths: list[str], obj: dict) -> dict:
+    """llama-server's response_fields: the value at each path ('a/b' looks into a's object), keyed
+    by the path; paths that lead nowhere are left out."""
+    out = {}
+    for path in paths:
+        cur: Any = obj
+        for key in path.split("/"):
+            if isinstance(cur, dict) and key in cur:
+                cur = cur[key]
+            else:
+                break
+        else:
+            out[path] = cur
+    return out
 
 
 class Choice:
@@ -164,8 +234,14 @@ class Api:
             ("POST", "/v1/completions"): self.oai_completion,
             ("POST", "/v1/chat/completions"): self.oai_chat, ("POST", "/chat/completions"): self.oai_chat,
             ("GET", "/v1/models"): self.models, ("GET", "/models"): self.models,
+            ("POST", "/apply-template"): self.apply_template,
             ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
-            ("GET", "/props"): self.props, ("GET", "/slots"): self.slots, ("GET", "/metrics"): self.metrics,
+            ("GET", "/props"): self.props, ("POST", "/props"): self.props_change,
+            ("GET", "/slots"): self.slots, ("POST", "/slots/*"): self.slot_action,
+            ("GET", "/metrics"): self.metrics,
+            ("POST", "/infill"): self.infill,
+            ("POST", "/embedding"): self.embeddings, ("POST", "/embeddings"): self.embeddings,
+            ("POST", "/v1/embeddings"): self.embeddings,
         }
         return r
 
@@ -191,13 +267,24 @@ class Api:
         return json_response({"status": "ok"})
 
     async def models(self, req: Request) -> Response:
+        """OpenAI's `data` list and llama-server's (Ollama-style) `models` list, one model each."""
         _require_ready(self.state)
         st = self.state
         hp = st.engine.model.hparams
-        meta = {"n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train, "n_embd": hp.n_embd,
+        meta = {"vocab_type": 2 if st.tokenizer.__class__.__name__.lower().startswith("bpe") else 1,
+                "n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train, "n_embd": hp.n_embd,
                 "n_params": st.engine.model.n_params(), "size": st.engine.model.file.data.nbytes}
-        return json_response({"object": "list", "data": [
-            {"id": st.model_alias, "object": "model", "created": st.created, "owned_by": "pyllama", "meta": meta}]})
+        aliases = list(st.aliases) or [st.model_alias]
+        name = st.model_alias or aliases[0]
+        tags = _tags(st.args)
+        return json_response({
+            "models": [{"name": name, "model": name, "modified_at": "", "size": "", "digest": "", "type": "model",
+                        "description": "", "tags": tags or [""], "capabilities": ["completion"], "parameters": "",
+                        "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
+                                    "parameter_size": "", "quantization_level": ""}}],
+            "object": "list",
+            "data": [{"id": name, "aliases": aliases, "tags": tags, "object": "model", "created": st.created,
+                      "owned_by": "pyllama", "meta": meta}]})
 
     async def tokenize(self, req: Request) -> Response:
         _require_ready(self.state)
@@ -207,17 +294,18 @@ class Api:
         body = req.json()
         if not isinstance(body, dict) or not isinstance(body.get("content"), str):
             raise HTTPError(400, "'content' must be a string")
-        add_special = body.get("add_special", False)
-        with_pieces = body.get("with_pieces", False)
-        if not isinstance(add_special, bool) or not isinstance(with_pieces, bool):
-            raise HTTPError(400, "'add_special' and 'with_pieces' must be true or false")
+        flags = {}
+        for name, default in (("add_special", False), ("parse_special", True), ("with_pieces", False)):
+            flags[name] = body.get(name, default)
+            if not isinstance(flags[name], bool):
+                raise HTTPError(400, f"'{name}' must be true or false")
         tok = self.state.tokenizer
-        ids = tok.encode(body["content"], add_special=add_special, parse_special=True)
-        if with_pieces:
+        ids = tok.encode(body["content"], add_special=flags["add_special"], parse_special=flags["parse_special"])
+        if flags["with_pieces"]:
             out: list = []
             for t in ids:
                 piece = tok.token_bytes(t)
-                try:
+                try:  # text when the piece is valid UTF-8, else its bytes (as llama-server)
                     out.append({"id": t, "piece": piece.decode("utf-8")})
                 except UnicodeDecodeError:
                     out.append({"id": t, "piece": list(piece)})
@@ -238,31 +326,62 @@ class Api:
             raise HTTPError(400, f"'tokens' holds ids outside the vocabulary of {tok.n_vocab}")
         return json_response({"content": tok.decode(ids)})
 
+    def _defaults(self) -> CompletionParams:
+        st = self.state
+        return parse_completion({}, st.args.n_predict, st.slots_per_group, default_n_keep=_keep(st.args))
+
     async def props(self, req: Request) -> Response:
         _require_ready(self.state)
         st = self.state
-        defaults = parse_completion({}, st.args.n_predict, st.slots_per_group, default_n_keep=_keep(st.args))
         snap = st.metrics.snapshot()
+        tok = st.tokenizer
         return json_response({
-            "default_generation_settings": {"n_ctx": st.n_ctx_slot, "params": _settings(st, defaults)},
+            "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": st.n_ctx_slot, "speculative": False,
+                                            "is_processing": False, "params": _settings(st, self._defaults())},
             "total_slots": sum(len(g.slots) for g in st.groups),
             "model_alias": st.model_alias, "model_path": st.model_path,
             "chat_template": st.chat.source if st.chat else "",
-            "bos_token": _token_text(st.tokenizer, st.tokenizer.bos_id),
-            "eos_token": _token_text(st.tokenizer, st.tokenizer.eos_id),
+            "bos_token": _token_text(tok, tok.bos_id), "eos_token": _token_text(tok, tok.eos_id),
             "modalities": {"vision": False, "audio": False},
             "build_info": f"pyllama {__version__}",
+            "endpoint_slots": st.slots_enabled, "endpoint_props": st.props_writable,
+            "endpoint_metrics": st.metrics_enabled,
             "context_shift": bool(getattr(st.args, "context_shift", False)),
             "n_preemptions": snap["n_preemptions_total"], "n_context_shifts": snap["n_context_shifts_total"],
         })
 
+    async def props_change(self, req: Request) -> Response:
+        """POST /props: as llama-server, accepted with --props, and no property is writable yet."""
+        if not self.state.props_writable:
+            raise _not_enabled("changing global properties", "--props")
+        body = req.json()
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the request body must be a JSON object")
+        return json_response({"success": True})
+
     async def slots(self, req: Request) -> Response:
-        _require_ready(self.state)
-        return json_response([s.snapshot() for g in self.state.groups for s in g.slots])
+        st = self.state
+        if not st.slots_enabled:
+            raise _not_enabled("slots endpoint", "--slots")
+        _require_ready(st)
+        slots = [s for g in st.groups for s in g.slots]
+        if req.query.get("fail_on_no_slot", "0") not in ("0", "false") and not any(self._idle(s) for s in slots):
+            raise HTTPError(503, "no slot available", "unavailable_error")
+        out = []
+        for s in slots:
+            snap = s.snapshot()
+            snap.setdefault("speculative", False)
+            out.append(snap)
+        return json_response(out)
+
+    def _idle(self, slot) -> bool:
+        return not slot.busy and slot.id not in self.state.router.taken
 
     async def metrics(self, req: Request) -> Response:
-        _require_ready(self.state)
         st = self.state
+        if not st.metrics_enabled:
+            raise _not_enabled("metrics endpoint", "--metrics")
+        _require_ready(st)
         kv_used = sum(g.ctx.kv.used_cells for g in st.groups)
         kv_total = sum(g.ctx.kv.n_cells for g in st.groups)
         text = st.metrics.render(
@@ -271,32 +390,139 @@ class Api:
             kv_cache_tokens=sum(g.ctx.kv.n_tokens_cached() for g in st.groups))
         return Response(200, text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
-    # --- completions -------------------------------------------------------------------------------
-    def _tasks(self, prompt: list[int], p: CompletionParams) -> list[CompletionTask]:
+    async def embeddings(self, req: Request) -> Response:
+        raise HTTPError(501, "embeddings are not supported: pyllama's graph ends at the output layer and does not "
+                             "return the final hidden state", NOT_SUPPORTED)
+
+    # --- slot save / restore / erase ----------------------------------------------------------
+    async def slot_action(self, req: Request) -> Response:
+        """POST /slots/{id}?action=save|restore|erase. A saved slot is the file of its cached
+        tokens; restoring recomputes their KV into the slot (the next request that starts with
+        them reuses it)."""
         st = self.state
-        if not prompt:
-            raise HTTPError(400, "the prompt is empty")
-        if len(prompt) >= st.n_ctx_slot:
-            raise HTTPError(400, f"the request exceeds the available context size: the prompt is {len(prompt)} "
-                                 f"tokens and a slot holds {st.n_ctx_slot}", "exceed_context_size_error")
+        if not st.slots_enabled:
+            raise _not_enabled("slots endpoint", "--slots")
+        _require_ready(st)
+        slot_id = req.path.rsplit("/", 1)[1]
+        slots = [s for g in st.groups for s in g.slots]
+        if not slot_id.isascii() or not slot_id.isdigit() or int(slot_id) >= len(slots):
+            raise HTTPError(400, "Invalid slot ID")
+        slot = slots[int(slot_id)]
+        action = req.query.get("action", "")
+        if action == "erase":
+            return json_response(await self._slot_erase(slot))
+        if action not in ("save", "restore"):
+            raise HTTPError(400, "Invalid action")
+        if not st.slot_save_path:
+            raise _not_enabled("slots action", "--slot-save-path")
+        body = req.json() if req.body else {}
+        filename = body.get("filename") if isinstance(body, dict) else None
+        if not valid_slot_filename(filename):
+            raise HTTPError(400, "Invalid filename")
+        path = os.path.join(st.slot_save_path, filename)
+        if action == "save":
+            return json_response(await self._slot_save(slot, path, filename))
+        return json_response(await self._slot_restore(slot, path, filename))
+
+    async def _when_idle(self, slot, work: Callable[[], T]) -> T:
+        """work() under the slot's group lock once the slot serves nothing (as llama-server, the
+        action waits for a busy slot)."""
+        group = self.state.groups[slot.group]
+
+        def attempt():
+            with group.lock:
+                if not self._idle(slot):
+                    return False, None
+                return True, work()
+        while True:
+            done, value = await asyncio.to_thread(attempt)
+            if done:
+                return value
+            await asyncio.sleep(0.02)
+
+    async def _slot_erase(self, slot) -> dict:
+        ctx = self.state.groups[slot.group].ctx
+
+        def erase() -> int:
+            n = len(slot.cache_tokens)
+            ctx.seq_rm(slot.seq, 0)
+            slot.cache_tokens = []
+            return n
+        return {"id_slot": slot.id, "n_erased": await self._when_idle(slot, erase)}
+
+    async def _slot_save(self, slot, path: str, filename: str) -> dict:
+        st = self.state
+        t0 = time.perf_counter()
+        tokens = await self._when_idle(slot, lambda: list(slot.cache_tokens))
+        header = {"n_vocab": st.tokenizer.n_vocab, "model": os.path.basename(st.model_path), "n_tokens": len(tokens)}
+        data = SLOT_FILE_MAGIC + ujson.dumps(header).encode() + b"\n" + np.asarray(tokens, dtype="<i4").tobytes()
+
+        def write() -> None:
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        try:
+            await asyncio.to_thread(write)
+        except OSError as exc:
+            raise HTTPError(500, f"cannot write slot file {filename}: {exc.strerror or exc}", "server_error") from None
+        return {"id_slot": slot.id, "filename": filename, "n_saved": len(tokens), "n_written": len(data),
+                "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
+
+    async def _slot_restore(self, slot, path: str, filename: str) -> dict:
+        st = self.state
+        t0 = time.perf_counter()
+        try:
+            data = await asyncio.to_thread(lambda: open(path, "rb").read())
+        except FileNotFoundError:
+            raise HTTPError(400, f"slot file {filename} does not exist") from None
+        except OSError as exc:
+            raise HTTPError(500, f"cannot read slot file {filename}: {exc.strerror or exc}", "server_error") from None
+        tokens = _read_slot_file(data, st.tokenizer.n_vocab, filename)
+        if len(tokens) >= st.n_ctx_slot:
+            raise _exceeds_context(len(tokens), st.n_ctx_slot)
+        if tokens:  # computed into the slot like a prompt that wants no token
+            task = CompletionTask(prompt=tokens, params=SamplingParams(), n_predict=0, cache_prompt=True,
+                                  id_slot=slot.id)
+            await self._gather([[task]])
+        else:
+            await self._slot_erase(slot)
+        return {"id_slot": slot.id, "filename": filename, "n_restored": len(tokens), "n_read": len(data),
+                "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
+
+    # --- completions -------------------------------------------------------------------------------
+    def _tasks(self, prompts: list[list[int]], p: CompletionParams) -> list[list[CompletionTask]]:
+        """One list of tasks per prompt (its n choices, placed together); index = prompt * n + choice."""
+        st = self.state
         if p.id_slot >= sum(len(g.slots) for g in st.groups):
             raise HTTPError(400, f"'id_slot' {p.id_slot} does not exist")
-        tasks = []
-        for i in range(p.n):
-            sampling = p.sampling
-            if p.n > 1 and sampling.seed not in (-1, 0xFFFFFFFF):
-                sampling = SamplingParams(**{**sampling.__dict__, "seed": (sampling.seed + i) & 0xFFFFFFFF})
-            tasks.append(CompletionTask(prompt=prompt, params=sampling, n_predict=p.n_predict, n_keep=p.n_keep,
-                                        ignore_eos=p.ignore_eos, stop=p.stop, n_probs=p.n_probs,
-                                        cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=i))
-        return tasks
+        out = []
+        for k, prompt in enumerate(prompts):
+            if not prompt:
+                raise HTTPError(400, "the prompt is empty")
+            if len(prompt) >= st.n_ctx_slot:
+                raise _exceeds_context(len(prompt), st.n_ctx_slot)
+            tasks = []
+            for i in range(p.n):
+                sampling = p.sampling
+                if p.n > 1 and sampling.seed not in (-1, 0xFFFFFFFF):
+                    sampling = SamplingParams(**{**sampling.__dict__, "seed": (sampling.seed + i) & 0xFFFFFFFF})
+                tasks.append(CompletionTask(
+                    prompt=prompt, params=sampling, n_predict=p.n_predict, n_keep=p.n_keep, ignore_eos=p.ignore_eos,
+                    stop=p.stop, n_probs=p.n_probs, post_sampling_probs=p.post_sampling_probs,
+                    timings_per_token=p.timings_per_token, return_progress=p.return_progress and p.stream,
+                    cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=k * p.n + i))
+            out.append(tasks)
+        return out
 
-    async def _events(self, tasks: list[CompletionTask]) -> AsyncIterator[tuple[int, object]]:
+    async def _events(self, task_lists: list[list[CompletionTask]]) -> AsyncIterator[tuple[int, object]]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        tasks = [t for ts in task_lists for t in ts]
         for t in tasks:
             t.queue, t.loop = q, loop
-        self.state.router.submit(tasks)
+        for ts in task_lists:
+            self.state.router.submit(ts)
         remaining = len(tasks)
         try:
             while remaining:
@@ -308,9 +534,9 @@ class Api:
             for t in tasks:
                 t.cancel()
 
-    async def _gather(self, tasks: list[CompletionTask]) -> list[Choice]:
-        choices = [Choice(i) for i in range(len(tasks))]
-        async for index, ev in self._events(tasks):
+    async def _gather(self, task_lists: list[list[CompletionTask]]) -> list[Choice]:
+        choices = [Choice(i) for i in range(sum(len(ts) for ts in task_lists))]
+        async for index, ev in self._events(task_lists):
             c = choices[index]
             if isinstance(ev, TokenEvent):
                 c.text.append(ev.text)
@@ -325,72 +551,127 @@ class Api:
         return choices
 
     # llama-server /completion
-    def _completion_input(self, req: Request, oai: bool) -> tuple[dict, CompletionParams, list[int]]:
-        """The body, its parameters and its prompt's tokens (runs off the loop for large bodies)."""
+    def _completion_input(self, req: Request, oai: bool) -> tuple[dict, CompletionParams, list[Any], list[list[int]]]:
+        """The body, its parameters, its prompts as given and as tokens (off the loop for large bodies)."""
         st = self.state
         body = req.json()
         p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=oai, n_vocab=st.tokenizer.n_vocab,
                              tokenizer=st.tokenizer, default_n_keep=_keep(st.args))
         if "prompt" not in body:
             raise HTTPError(400, "'prompt' is required")
-        st.check_prompt_fits(*_prompt_size(body["prompt"]))
-        return body, p, tokenize_prompt(st.tokenizer, body["prompt"])
+        given = split_prompts(body["prompt"])
+        for prompt in given:
+            st.check_prompt_fits(*_prompt_size(prompt))
+        return body, p, given, [tokenize_prompt(st.tokenizer, prompt) for prompt in given]
 
     async def completion(self, req: Request) -> Response | StreamResponse:
         _require_ready(self.state)
-        body, p, prompt = await _prepare(req, lambda: self._completion_input(req, oai=False))
-        tasks = self._tasks(prompt, p)
-        text_prompt = body["prompt"] if isinstance(body["prompt"], str) else ""
+        body, p, given, prompts = await _prepare(req, lambda: self._completion_input(req, oai=False))
+        return await self._completion_response(p, given, prompts)
+
+    async def _completion_response(self, p: CompletionParams, given: list[Any],
+                                   prompts: list[list[int]]) -> Response | StreamResponse:
+        task_lists = self._tasks(prompts, p)
+        texts = [g if isinstance(g, str) else self.state.tokenizer.decode(t) for g, t in zip(given, prompts)]
         if p.stream:
-            return StreamResponse(self._completion_stream(tasks, p, prompt, text_prompt))
-        choices = await self._gather(tasks)
-        out = [self._completion_json(c, p, prompt, text_prompt) for c in choices]
+            return StreamResponse(self._completion_stream(task_lists, p, prompts, texts))
+        choices = await self._gather(task_lists)
+        out = [self._completion_json(c, p, prompts[c.index // p.n], texts[c.index // p.n]) for c in choices]
         return json_response(out[0] if len(out) == 1 else out)
 
-    def _completion_json(self, c: Choice, p: CompletionParams, prompt: list[int], text_prompt: str) -> dict:
+    def _completion_json(self, c: Choice, p: CompletionParams, prompt: list[int], text_prompt: str,
+                         stream: bool = False) -> dict:
         f = c.final
         assert f is not None
-        out = {"index": c.index, "content": c.content, "tokens": c.tokens, "id_slot": f.id_slot, "stop": True,
+        out = {"index": c.index, "content": c.content, "tokens": c.tokens if p.return_tokens and not stream else [],
+               "id_slot": f.id_slot, "stop": True,
                "model": self.state.model_alias, "tokens_predicted": f.n_predicted, "tokens_evaluated": f.n_prompt,
                "generation_settings": _settings(self.state, p), "prompt": text_prompt,
                "has_new_line": "\n" in c.content, "truncated": f.truncated, "stop_type": f.stop_type,
                "stopping_word": f.stopping_word, "tokens_cached": f.n_cache,
                "timings": _timings(f)}
-        if p.n_probs:
+        if p.n_probs and not stream:
             out["completion_probabilities"] = c.probs
+        full = out
+        if p.response_fields:
+            out = nested_fields(p.response_fields, out)
+        if self.state.verbose:
+            out["__verbose"] = dict(full)
         return out
 
-    async def _completion_stream(self, tasks, p, prompt, text_prompt) -> AsyncIterator[bytes]:
-        choices = [Choice(i) for i in range(len(tasks))]
-        async for index, ev in self._events(tasks):
+    async def _completion_stream(self, task_lists, p, prompts, texts) -> AsyncIterator[bytes]:
+        choices = [Choice(i) for i in range(sum(len(ts) for ts in task_lists))]
+        async for index, ev in self._events(task_lists):
             c = choices[index]
+            prompt = prompts[index // p.n]
             if isinstance(ev, TokenEvent):
                 c.tokens.append(ev.token)
                 chunk = {"index": index, "content": ev.text, "tokens": [ev.token], "stop": False, "id_slot": ev.id_slot,
                          "tokens_predicted": len(c.tokens), "tokens_evaluated": len(prompt)}
+                if ev.timings is not None:
+                    prompt_n, prompt_ms, predicted_n, predicted_ms = ev.timings
+                    chunk["timings"] = _timings_dict(prompt_n, prompt_ms, predicted_n, predicted_ms,
+                                                     len(prompt) - prompt_n)
                 if ev.probs is not None:
                     chunk["completion_probabilities"] = [ev.probs]
                 yield sse_event(chunk)
+            elif isinstance(ev, ProgressEvent):
+                yield sse_event({"index": index, "content": "", "tokens": [], "stop": False, "id_slot": -1,
+                                 "tokens_predicted": 0, "tokens_evaluated": len(prompt),
+                                 "prompt_progress": {"total": ev.total, "cache": ev.cache, "processed": ev.processed,
+                                                     "time_ms": ev.time_ms}})
             elif isinstance(ev, FinalEvent):
                 c.final = ev
                 c.text = [ev.text_tail]
-                final = self._completion_json(c, p, prompt, text_prompt)
-                final["tokens"] = []
-                yield sse_event(final)
+                yield sse_event(self._completion_json(c, p, prompt, texts[index // p.n], stream=True))
             elif isinstance(ev, ErrorEvent):
                 yield sse_event({"error": {"code": ev.status, "message": ev.message, "type": ev.type}})
+
+    # llama-server /infill
+    async def infill(self, req: Request) -> Response | StreamResponse:
+        _require_ready(self.state)
+        st = self.state
+
+        def work():
+            body = req.json()
+            p = parse_completion(body, st.args.n_predict, st.slots_per_group, n_vocab=st.tokenizer.n_vocab,
+                                 tokenizer=st.tokenizer, default_n_keep=_keep(st.args))
+            for name in ("input_prefix", "input_suffix", "prompt"):
+                if len(body.get(name) or "") >= 2 * st.n_ctx_slot * st.max_token_chars():
+                    raise _exceeds_context(len(body[name]) // st.max_token_chars(), st.n_ctx_slot, at_least=True)
+            return p, infill_prompt(st.tokenizer, body)
+        p, prompt = await _prepare(req, work)
+        return await self._completion_response(p, [""], [prompt])
 
     # OpenAI /v1/completions
     async def oai_completion(self, req: Request) -> Response | StreamResponse:
         _require_ready(self.state)
-        _, p, prompt = await _prepare(req, lambda: self._completion_input(req, oai=True))
-        return await self._oai(self._tasks(prompt, p), p, len(prompt), chat=False)
+        _, p, _, prompts = await _prepare(req, lambda: self._completion_input(req, oai=True))
+        return await self._oai(self._tasks(prompts, p), p, sum(len(x) for x in prompts), chat=False)
 
     # OpenAI /v1/chat/completions
     async def oai_chat(self, req: Request) -> Response | StreamResponse:
         _require_ready(self.state)
         p, prompt = await _prepare(req, lambda: self._chat_input(req))
-        return await self._oai(self._tasks(prompt, p), p, len(prompt), chat=True)
+        return await self._oai(self._tasks([prompt], p), p, len(prompt), chat=True)
+
+    def _render_chat(self, body: dict) -> str:
+        """The prompt text of a chat body: template, prefill, chat_template_kwargs (chat.py)."""
+        try:
+            return self.state.chat.render_request(body)
+        except ChatTemplateError as exc:
+            raise HTTPError(400, str(exc)) from None
+
+    async def apply_template(self, req: Request) -> Response:
+        """llama-server's /apply-template: the prompt a chat body would be, without generating."""
+        _require_ready(self.state)
+
+        def work() -> Response:
+            body = req.json()
+            if not isinstance(body, dict):
+                raise HTTPError(400, "the request body must be a JSON object")
+            return json_response({"prompt": self._render_chat(body)})
+        return await _prepare(req, work)
 
     def _chat_input(self, req: Request) -> tuple[CompletionParams, list[int]]:
         """The parameters and the rendered, tokenized conversation (off the loop for large bodies)."""
@@ -400,25 +681,21 @@ class Api:
             raise HTTPError(400, "the request body must be a JSON object")
         p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=True, n_vocab=st.tokenizer.n_vocab,
                              tokenizer=st.tokenizer, default_n_keep=_keep(st.args))
-        try:
-            messages = validate_messages(body.get("messages"))
-            text = st.chat.render(messages, add_generation_prompt=True, tools=body.get("tools"))
-        except ChatTemplateError as exc:
-            raise HTTPError(400, str(exc)) from None
+        text = self._render_chat(body)
         st.check_prompt_fits(len(text), 0)
         tok = st.tokenizer
         bos = _token_text(tok, tok.bos_id)
         return p, tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
 
-    async def _oai(self, tasks, p: CompletionParams, n_prompt: int, chat: bool) -> Response | StreamResponse:
+    async def _oai(self, task_lists, p: CompletionParams, n_prompt: int, chat: bool) -> Response | StreamResponse:
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         model = self.state.model_alias
         if p.stream:
-            return StreamResponse(self._oai_stream(tasks, p, n_prompt, chat, rid, created, model))
-        choices = await self._gather(tasks)
+            return StreamResponse(self._oai_stream(task_lists, p, n_prompt, chat, rid, created, model))
+        choices = await self._gather(task_lists)
         out_choices = []
         for c in choices:
             assert c.final is not None
@@ -431,14 +708,19 @@ class Api:
                 entry["logprobs"] = _oai_text_logprobs(c.probs) if p.n_probs else None
             out_choices.append(entry)
         n_gen = sum(c.final.n_predicted for c in choices if c.final)
-        return json_response({
+        out = {
             "id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": f"pyllama-{__version__}",
             "choices": out_choices,
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen},
             "timings": _timings(choices[0].final) if choices[0].final else {},
-        })
+        }
+        if self.state.verbose:
+            first = choices[0]
+            out["__verbose"] = self._completion_json(first, replace(p, response_fields=[]),
+                                                     task_lists[0][0].prompt, "") if first.final else {}
+        return json_response(out)
 
-    async def _oai_stream(self, tasks, p, n_prompt, chat, rid, created, model) -> AsyncIterator[bytes]:
+    async def _oai_stream(self, task_lists, p, n_prompt, chat, rid, created, model) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_gen = 0
 
@@ -459,9 +741,10 @@ class Api:
                               "system_fingerprint": f"pyllama-{__version__}", "choices": [choice]})
 
         if chat:
-            for t in tasks:
-                yield chunk(t.index, None, None, first=True)
-        async for index, ev in self._events(tasks):
+            for ts in task_lists:
+                for t in ts:
+                    yield chunk(t.index, None, None, first=True)
+        async for index, ev in self._events(task_lists):
             if isinstance(ev, TokenEvent):
                 n_gen += 1
                 if ev.text or ev.probs is not None:
@@ -479,22 +762,95 @@ class Api:
         yield SSE_DONE
 
 
+def infill_prompt(tok, body: Any) -> list[int]:
+    """llama-server's fill-in-the-middle prompt (prefix-suffix-middle order): [BOS] FIM_PRE prefix
+    FIM_SUF suffix FIM_MID prompt, the input_extra chunks first (each after FIM_SEP and its file
+    name when the model has that token). A 400 when the model has no FIM tokens."""
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    pre, suf, mid = (getattr(tok, a, None) for a in ("fim_pre_id", "fim_suf_id", "fim_mid_id"))
+    if pre is None or suf is None or mid is None:
+        raise HTTPError(400, "the model has no fill-in-the-middle tokens (FIM prefix, suffix and middle: "
+                             "tokenizer.ggml.fim_pre/suf/mid_token_id or <|fim_prefix|>-like tokens), so /infill "
+                             "cannot be served")
+    texts = {}
+    for name in ("input_prefix", "input_suffix", "prompt"):
+        v = body.get(name, "")
+        if not isinstance(v, str):
+            raise HTTPError(400, f"'{name}' must be a string")
+        texts[name] = v
+    extra = body.get("input_extra", [])
+    if not isinstance(extra, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("text", ""), str) and isinstance(e.get("filename", ""), str)
+            for e in extra):
+        raise HTTPError(400, "'input_extra' must be a list of {\"filename\": string, \"text\": string} objects")
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special=False, parse_special=False) if text else []
+    out: list[int] = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    sep = getattr(tok, "fim_sep_id", None)
+    for e in extra:
+        if sep is not None:
+            out += [sep] + enc(e.get("filename", "") + "\n")
+        out += enc(e.get("text", ""))
+    out += [pre] + enc(texts["input_prefix"]) + [suf] + enc(texts["input_suffix"]) + [mid] + enc(texts["prompt"])
+    return out
+
+
+def _read_slot_file(data: bytes, n_vocab: int, filename: str) -> list[int]:
+    """The tokens of a slot file written by POST /slots/{id}?action=save; a 400 for anything else."""
+    bad = HTTPError(400, f"{filename} is not a slot file of this server")
+    if not data.startswith(SLOT_FILE_MAGIC):
+        raise bad
+    head, sep, rest = data[len(SLOT_FILE_MAGIC):].partition(b"\n")
+    try:
+        header = ujson.loads(head)
+    except ValueError:
+        raise bad from None
+    if not sep or not isinstance(header, dict) or len(rest) % 4 or header.get("n_tokens") != len(rest) // 4:
+        raise bad
+    if header.get("n_vocab") != n_vocab:
+        raise HTTPError(400, f"{filename} was saved with a model of {header.get('n_vocab')} tokens, not this one's "
+                             f"{n_vocab}")
+    tokens = np.frombuffer(rest, dtype="<i4")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= n_vocab):
+        raise bad
+    return tokens.astype(np.int64).tolist()
+
+
 def _keep(args: Any) -> int:
     """The server's --keep (the default of a request's n_keep)."""
     return int(getattr(args, "keep", 0))
+
+
+def _tags(args: Any) -> list[str]:
+    """The model's tags (--tags, a comma list), [] when none."""
+    v = getattr(args, "tags", None)
+    if not v:
+        return []
+    return [t.strip() for t in v.split(",") if t.strip()] if isinstance(v, str) else list(v)
 
 
 def _token_text(tok, token_id: Optional[int]) -> str:
     return tok.token_text(token_id) if token_id is not None else ""
 
 
+def _logprob(entry: dict) -> float:
+    """An entry's log-probability, whichever form it carries (post_sampling_probs gives `prob`)."""
+    if "logprob" in entry:
+        return entry["logprob"]
+    p = entry.get("prob", 0.0)
+    return math.log(p) if p > 0 else -1e30
+
+
 def _oai_logprob(entry: dict) -> dict:
-    return {"token": entry["token"], "logprob": entry["logprob"], "bytes": entry["bytes"],
-            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]}
-                             for t in entry["top_logprobs"]]}
+    top = entry.get("top_logprobs", entry.get("top_probs", []))
+    return {"token": entry["token"], "logprob": _logprob(entry), "bytes": entry["bytes"],
+            "top_logprobs": [{"token": t["token"], "logprob": _logprob(t), "bytes": t["bytes"]} for t in top]}
 
 
 def _oai_text_logprobs(entries: list[dict]) -> dict:
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [_logprob(e) for e in entries],
+            "top_logprobs": [{t["token"]: _logprob(t) for t in e.get("top_logprobs", e.get("top_probs", []))}
+                             for e in entries],
             "text_offset": []}

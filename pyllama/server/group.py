@@ -36,8 +36,8 @@ from .. import trace
 from .._fast import gemm
 from . import pipe_prof
 from .metrics import Metrics
-from .slot import Slot, SlotState, common_prefix, token_probs
-from .task import CompletionTask, ErrorEvent, EventSink, FinalEvent
+from .slot import Slot, SlotState, common_prefix, presampling_probs, token_probs
+from .task import CompletionTask, ErrorEvent, EventSink, FinalEvent, ProgressEvent
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,10 @@ class PipelineGroup:
             self._n_decode = sum(1 for s in self.slots if s.state is SlotState.GENERATING)
             self._n_prompt = len(batch) - self._n_decode
             trace.event("server", "batch_build", self._tr_iter, t, grp=self.index, n_slots=self._n_rows)
-        # a logit bias is applied to host logits: a step with one takes the logits back
-        if self.backend_sampling and rows and not any(slot.sampler.logit_bias is not None for slot in rows):
+        # a logit bias is applied to host logits, and pre-sampling probabilities are the host
+        # logits' softmax: a step with either takes the logits back
+        if self.backend_sampling and rows and not any(slot.sampler.logit_bias is not None or _wants_raw_probs(slot)
+                                                      for slot in rows):
             packed = self.sampler.pack([slot.sampler for slot in rows])
             out = self.ctx.decode(batch, packed, self.sampler.device_spec())
         else:
@@ -444,6 +446,9 @@ class PipelineGroup:
             elif slot.state is SlotState.PROMPT:
                 slot.cache_tokens.extend(slot.prompt[slot.i_prompt:slot.i_prompt + slot.n_pending])
                 slot.i_prompt += slot.n_pending
+                if slot.task is not None and slot.task.return_progress:
+                    self.sink.put(slot.task, ProgressEvent(len(slot.prompt), slot.n_cached, slot.i_prompt,
+                                                           (time.perf_counter() - slot.t_start) * 1e3))
             elif slot.state is SlotState.RECOMPUTE:
                 n = slot.n_past
                 slot.cache_tokens.extend(slot.recompute[n:n + slot.n_pending])
@@ -454,6 +459,9 @@ class PipelineGroup:
             return
         t0 = time.perf_counter()
         tr0 = trace.now() if trace.enabled else 0
+        raw = None  # the rows wanting pre-sampling probabilities, copied before sampling biases them
+        if out.sampled is None and any(_wants_raw_probs(slot) for slot in rows):
+            raw = {i: out.logits[i].copy() for i, slot in enumerate(rows) if _wants_raw_probs(slot)}
         if out.sampled is not None:
             res = self.sampler.unpack(out.sampled)
         else:
@@ -474,8 +482,11 @@ class PipelineGroup:
                     self._finish(slot, slot.end_without_tokens())
                     continue
             p = None
-            if task.n_probs > 0:
-                p = token_probs(self.tokenizer, ids[i], float(probs[i]), top_ids[i], top_probs[i], task.n_probs)
+            if task.n_probs > 0 and raw is not None and i in raw:
+                p = presampling_probs(self.tokenizer, raw[i], ids[i], task.n_probs)
+            elif task.n_probs > 0:
+                p = token_probs(self.tokenizer, ids[i], float(probs[i]), top_ids[i], top_probs[i], task.n_probs,
+                                post_sampling=True)
             event, final = slot.accept(ids[i], p)
             if event is not None:
                 self.sink.put(task, event)
@@ -526,3 +537,10 @@ class PipelineGroup:
                 self.ctx.seq_rm(slot.seq, 0)
                 slot.release()
                 self.on_free(slot)
+
+
+def _wants_raw_probs(slot: Slot) -> bool:
+    """Whether the slot's request asks for llama-server's default probabilities (the softmax of
+    the raw logits), which only the host logits give."""
+    task = slot.task
+    return task is not None and task.n_probs > 0 and not task.post_sampling_probs

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import http
 import logging
 import re
 from email.utils import formatdate
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
+from types import SimpleNamespace
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Optional, Sequence, Union
 from urllib.parse import parse_qsl, unquote
 
 import httptools
@@ -58,11 +60,12 @@ _SHUTDOWN_SLACK_S = 5.0
 class HTTPError(Exception):
     """Raised by handlers (and by Request.json) to answer with an llama-server style error body."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error") -> None:
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", **extra: Any) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
+        self.extra = extra  # more fields of the error object (llama-server's n_prompt_tokens, n_ctx, ...)
 
 
 class Request:
@@ -150,8 +153,9 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(status, ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False).encode("utf-8"))
 
 
-def error_response(status: int, message: str, type: str = "invalid_request_error") -> Response:
-    return json_response({"error": {"code": status, "message": message, "type": type}}, status)
+def error_response(status: int, message: str, type: str = "invalid_request_error",
+                   extra: Optional[dict] = None) -> Response:
+    return json_response({"error": {"code": status, "message": message, "type": type, **(extra or {})}}, status)
 
 
 def sse_event(obj: Any) -> bytes:
@@ -189,6 +193,42 @@ def _extra_headers(headers: list[tuple[str, str]]) -> bytes:
     if text.count("\n") != len(headers) or text.count("\r") != len(headers):
         raise ValueError("response header contains a line break")
     return text.encode("latin-1")
+
+
+# llama-server's answer to a missing or wrong API key
+INVALID_API_KEY = (401, "Invalid API Key", "authentication_error")
+# answered without an API key: probes and the static page
+PUBLIC_PATHS = frozenset(("/health", "/v1/health", "/"))
+# http(s)://localhost, 127.0.0.1 or [::1], any port: the origins a browser page served by this
+# machine has; the only ones allowed cross-origin unless more are configured
+_LOCAL_ORIGIN = re.compile(r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?")
+
+
+def api_key_valid(req: Request, keys: Sequence[str]) -> bool:
+    """Whether `Authorization: Bearer <key>` or `X-Api-Key: <key>` names one of `keys`. Every key
+    is compared in constant time, and all of them always, so timing tells nothing of a key."""
+    given = []
+    auth = req.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        given.append(auth[7:].strip())
+    xkey = req.headers.get("x-api-key")
+    if xkey is not None:
+        given.append(xkey.strip())
+    ok = False
+    for g in given:
+        gb = g.encode("latin-1", "replace")  # the header's bytes as sent (headers are decoded as latin-1)
+        for k in keys:
+            ok |= hmac.compare_digest(gb, k.encode("utf-8"))
+    return ok
+
+
+def origin_allowed(origin: str, allowed: Sequence[str]) -> bool:
+    """A browser Origin against the configured list: '*' allows all, an empty list only local pages."""
+    if not origin:
+        return False
+    if _LOCAL_ORIGIN.fullmatch(origin):
+        return True
+    return any(a == "*" or a.rstrip("/") == origin for a in allowed)
 
 
 _CONN_CLOSE = b"Connection: close\r\n"
@@ -566,13 +606,14 @@ class _Connection(asyncio.Protocol):
             self._queued_bytes -= len(req.body)
             keep_alive = item[1] and not srv._closing
             handler, head_only, resp = srv._resolve(req)
+            extra = srv._cors(req)
             if handler is None:
-                self._write_response(resp, keep_alive, item[2], head_only)
+                self._write_response(resp, keep_alive, item[2], head_only, extra)
                 if not keep_alive:
                     self._close()
                     return
                 continue
-            self._task = self._loop.create_task(self._run(handler, req, keep_alive, item[2], head_only))
+            self._task = self._loop.create_task(self._run(handler, req, keep_alive, item[2], head_only, extra))
             return
         if self._closed:
             return
@@ -588,12 +629,13 @@ class _Connection(asyncio.Protocol):
             elif queue:  # waiting for the client to read what we wrote
                 self._deadline = self._loop.time() + srv._keepalive_timeout
 
-    async def _run(self, handler: Handler, req: Request, keep_alive: bool, http10: bool, head_only: bool) -> None:
+    async def _run(self, handler: Handler, req: Request, keep_alive: bool, http10: bool, head_only: bool,
+                   extra: bytes = b"") -> None:
         try:
             try:
                 resp = await handler(req)
             except HTTPError as exc:
-                resp = error_response(exc.status, exc.message, exc.type)
+                resp = error_response(exc.status, exc.message, exc.type, exc.extra)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -605,17 +647,18 @@ class _Connection(asyncio.Protocol):
                 return
             keep_alive = keep_alive and not self._srv._closing
             if isinstance(resp, StreamResponse):
-                keep_alive = await self._write_stream(resp, keep_alive, http10, head_only)
+                keep_alive = await self._write_stream(resp, keep_alive, http10, head_only, extra)
             elif isinstance(resp, Response):
                 try:
-                    self._write_response(resp, keep_alive, http10, head_only)
+                    self._write_response(resp, keep_alive, http10, head_only, extra)
                 except ValueError as exc:
                     log.error("bad response from handler for %s %s: %s", req.method, req.path, exc)
-                    self._write_response(error_response(500, str(exc), "server_error"), keep_alive, http10, head_only)
+                    self._write_response(error_response(500, str(exc), "server_error"), keep_alive, http10, head_only,
+                                         extra)
             else:
                 log.error("handler for %s %s returned %r, not a Response", req.method, req.path, type(resp))
                 self._write_response(error_response(500, "handler returned no response", "server_error"),
-                                     keep_alive, http10, head_only)
+                                     keep_alive, http10, head_only, extra)
         except asyncio.CancelledError:
             if not self._closed:  # cancelled by shutdown, not by the client: nothing more to say
                 keep_alive = False
@@ -638,10 +681,11 @@ class _Connection(asyncio.Protocol):
         else:
             self._dispatch()
 
-    def _write_response(self, resp: Response, keep_alive: bool, http10: bool, head_only: bool) -> None:
+    def _write_response(self, resp: Response, keep_alive: bool, http10: bool, head_only: bool,
+                        extra: bytes = b"") -> None:
         status = resp.status
         body = resp.body
-        parts = [_status_line(status), self._srv._prefix]
+        parts = [_status_line(status), self._srv._prefix, extra]
         if status in _NO_BODY_STATUS:
             body = b""
         else:
@@ -662,7 +706,8 @@ class _Connection(asyncio.Protocol):
         else:  # large bodies go out without another copy
             self._transport.writelines((b"".join(parts), body))
 
-    async def _write_stream(self, resp: StreamResponse, keep_alive: bool, http10: bool, head_only: bool) -> bool:
+    async def _write_stream(self, resp: StreamResponse, keep_alive: bool, http10: bool, head_only: bool,
+                            extra: bytes = b"") -> bool:
         """Write a chunked response; returns whether the connection may serve another request."""
         chunks = resp.chunks
         chunked = not http10
@@ -670,7 +715,7 @@ class _Connection(asyncio.Protocol):
             keep_alive = False  # an HTTP/1.0 body without a length ends when the connection does
         t = self._transport
         try:
-            parts = [_status_line(resp.status), self._srv._prefix,
+            parts = [_status_line(resp.status), self._srv._prefix, extra,
                      b"Content-Type: %b\r\n" % resp.content_type.encode("latin-1")]
             if chunked:
                 parts.append(b"Transfer-Encoding: chunked\r\n")
@@ -791,7 +836,13 @@ class HTTPServer:
     def __init__(self, routes: dict[tuple[str, str], Handler], *, max_body: int = 16 << 20,
                  max_header_bytes: int = 64 << 10, keepalive_timeout: float = 60.0,
                  header_timeout: float = 10.0, body_timeout: float = 60.0, max_connections: int = 1024,
-                 max_pipelined: int = 8, cors_origin: Optional[str] = "*") -> None:
+                 max_pipelined: int = 8, cors_origins: Optional[Sequence[str]] = ("*",),
+                 api_keys: Sequence[str] = (), public_paths: Collection[str] = PUBLIC_PATHS,
+                 access: Any = None) -> None:
+        """`cors_origins`: browser origins answered with Access-Control-Allow-Origin (local pages
+        always; '*' any), None for no CORS headers at all. `api_keys`: when any, every path but
+        `public_paths` (and CORS preflights) needs one. `access`: an object whose `api_keys` and
+        `cors_origins` attributes are read at each request instead (the server's settings)."""
         self._paths: dict[str, dict[str, Handler]] = {}
         for (method, path), handler in routes.items():
             self._paths.setdefault(path, {})[method.upper()] = handler
@@ -810,7 +861,9 @@ class HTTPServer:
         self._body_timeout = body_timeout
         self._max_connections = max_connections
         self._max_pipelined = max_pipelined
-        self._cors_origin = cors_origin
+        self._access = access if access is not None else SimpleNamespace(api_keys=list(api_keys),
+                                                                         cors_origins=cors_origins)
+        self._public = frozenset(public_paths)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._server: Optional[asyncio.AbstractServer] = None
         self._conns: set[_Connection] = set()
@@ -896,12 +949,21 @@ class HTTPServer:
         if date == self._date:
             return
         self._date = date
-        prefix = b"Server: pyllama\r\nDate: " + date.encode("ascii") + b"\r\n"
-        if self._cors_origin:
-            prefix += b"Access-Control-Allow-Origin: " + self._cors_origin.encode("latin-1") + b"\r\n"
-            if self._cors_origin != "*":
-                prefix += b"Vary: Origin\r\n"
-        self._prefix = prefix
+        self._prefix = b"Server: pyllama\r\nDate: " + date.encode("ascii") + b"\r\n"
+
+    def _cors(self, req: Request) -> bytes:
+        """The CORS headers of the answer to `req`: its Origin reflected when allowed (a client
+        that sends none gets '*' only where every origin is allowed)."""
+        allowed = self._access.cors_origins
+        if allowed is None:
+            return b""
+        origin = req.headers.get("origin", "")
+        if origin and origin_allowed(origin, allowed) and "\r" not in origin and "\n" not in origin:
+            return (b"Access-Control-Allow-Origin: " + origin.encode("latin-1", "replace")
+                    + b"\r\nAccess-Control-Allow-Credentials: true\r\nVary: Origin\r\n")
+        if "*" in allowed:
+            return b"Access-Control-Allow-Origin: *\r\nVary: Origin\r\n"
+        return b"Vary: Origin\r\n" if origin else b""
 
     def _sweep(self) -> None:
         now = self._loop.time()
@@ -931,7 +993,16 @@ class HTTPServer:
 
     def _resolve(self, req: Request) -> tuple[Optional[Handler], bool, Optional[Response]]:
         """(handler, head_only, None), or (None, head_only, response) when no handler is needed."""
-        methods = self._paths.get(req.path)
+        keys = self._access.api_keys
+        if keys and req.method != "OPTIONS" and req.path not in self._public and not api_key_valid(req, keys):
+            # (a browser's preflight carries no credentials: it is answered, the request itself is not)
+            return None, req.method == "HEAD", error_response(*INVALID_API_KEY)
+        path = req.path
+        methods = self._paths.get(path)
+        if methods is None:
+            head, sep, _ = path.rpartition("/")
+            path = head + "/*"
+            methods = self._paths.get(path) if sep and head else None
         if methods is None:
             return None, req.method == "HEAD", error_response(404, "File Not Found", "not_found_error")
         handler = methods.get(req.method)
@@ -939,15 +1010,16 @@ class HTTPServer:
             return handler, False, None
         if req.method == "HEAD" and "GET" in methods:
             return methods["GET"], True, None
-        allow = self._allow[req.path]
-        if req.method == "OPTIONS":
+        allow = self._allow[path]
+        if req.method == "OPTIONS":  # a CORS preflight, answered 200 as llama-server does
             headers = [("Allow", allow)]
-            if self._cors_origin:
+            if self._access.cors_origins is not None:
                 headers.append(("Access-Control-Allow-Methods", allow))
+                # reflected: a '*' does not cover Authorization, which API key clients send
                 headers.append(("Access-Control-Allow-Headers",
                                 req.headers.get("access-control-request-headers") or "*"))
                 headers.append(("Access-Control-Max-Age", "86400"))
-            return None, False, Response(204, headers=headers)
+            return None, False, Response(200, headers=headers, content_type="text/plain; charset=utf-8")
         resp = error_response(405, f"Method {req.method} is not allowed on {req.path}", "invalid_request_error")
         resp.headers = [("Allow", allow)]
         return None, req.method == "HEAD", resp

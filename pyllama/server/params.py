@@ -156,6 +156,18 @@ def tokenize_prompt(tok: Tokenizer, prompt: Any, name: str = "prompt") -> list[i
     raise _bad(name, "a string or a list of token ids")
 
 
+def split_prompts(prompt: Any) -> list[Any]:
+    """llama-server's prompt forms, one or several: text, token ids, or text and ids mixed are one
+    prompt; a list of such prompts is several (each gets its own result)."""
+    if isinstance(prompt, str) or not isinstance(prompt, list) or not prompt:
+        return [prompt]
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        return [prompt]
+    if any(isinstance(x, str) for x in prompt) and any(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        return [prompt]  # mixed text and ids
+    return list(prompt)
+
+
 @dataclass
 class CompletionParams:
     sampling: SamplingParams
@@ -169,6 +181,31 @@ class CompletionParams:
     n: int = 1
     include_usage: bool = False
     n_keep: int = 0         # prompt tokens a context shift keeps, -1: all of them
+    return_tokens: bool = False       # the generated token ids in the final result
+    response_fields: list[str] = field(default_factory=list)  # only these fields ("a/b" nested) of the result
+    timings_per_token: bool = False
+    return_progress: bool = False     # streamed prompt_progress chunks
+    post_sampling_probs: bool = False  # n_probs as probabilities after the sampler chain
+
+
+def get_fields(body: dict) -> list[str]:
+    v = body.get("response_fields")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise _bad("response_fields", "a list of strings")
+    return v
+
+
+# The server's default sampler settings and ignore_eos (its --temp, --top-k, ..., --ignore-eos),
+# for the fields a request leaves out; set once at start-up by the server (set_generation_defaults).
+_GENERATION_DEFAULTS: tuple[SamplingParams, bool] = (SamplingParams(), False)
+
+
+def set_generation_defaults(sampling: Optional[SamplingParams] = None, ignore_eos: bool = False) -> None:
+    """The defaults parse_completion uses for the fields a request omits (None: llama-server's)."""
+    global _GENERATION_DEFAULTS
+    _GENERATION_DEFAULTS = (sampling or SamplingParams(), bool(ignore_eos))
 
 
 def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool = False,
@@ -187,7 +224,7 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
             n_probs = get_int(body, "top_logprobs", 1 if lp else 0, lo=0, hi=MAX_N_PROBS) if lp else 0  # type: ignore[assignment]
         elif lp is not None:
             n_probs = get_int(body, "logprobs", 0, lo=0, hi=MAX_N_PROBS)  # type: ignore[assignment]
-    defaults = SamplingParams()
+    defaults, default_ignore_eos = _GENERATION_DEFAULTS
     sampling = SamplingParams(
         temperature=get_float(body, "temperature", defaults.temperature),
         top_k=get_int(body, "top_k", defaults.top_k),  # type: ignore[arg-type]
@@ -205,14 +242,18 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         sampling.validate()
     except ValueError as exc:
         raise HTTPError(400, str(exc)) from None
-    n = get_int(body, "n", 1, lo=1)
+    n = get_int(body, "n_cmpl" if body.get("n_cmpl") is not None else "n", 1, lo=1)  # llama-server: n_cmpl
     assert n is not None
     if n > n_slots:
-        raise HTTPError(400, f"'n' is {n} but the server has {n_slots} slots per group")
+        raise HTTPError(400, f"'n' (or 'n_cmpl') is {n} but the server has {n_slots} slots per group")
     opts = body.get("stream_options")
     include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
     return CompletionParams(
         sampling=sampling, n_predict=n_predict, stream=get_bool(body, "stream", False), stop=get_stop(body),
-        ignore_eos=get_bool(body, "ignore_eos", False), n_probs=n_probs,
+        ignore_eos=get_bool(body, "ignore_eos", default_ignore_eos), n_probs=n_probs,
         cache_prompt=get_bool(body, "cache_prompt", True), id_slot=get_int(body, "id_slot", -1, lo=-1),  # type: ignore[arg-type]
-        n=n, include_usage=include_usage, n_keep=get_int(body, "n_keep", default_n_keep, lo=-1))  # type: ignore[arg-type]
+        n=n, include_usage=include_usage, n_keep=get_int(body, "n_keep", default_n_keep, lo=-1),  # type: ignore[arg-type]
+        return_tokens=get_bool(body, "return_tokens", False), response_fields=get_fields(body),
+        timings_per_token=get_bool(body, "timings_per_token", False),
+        return_progress=get_bool(body, "return_progress", False),
+        post_sampling_probs=get_bool(body, "post_sampling_probs", False))

@@ -39,6 +39,11 @@ class Router:
     def start(self) -> None:
         self.thread.start()
 
+    @property
+    def taken(self) -> set[int]:
+        """Ids of the slots handed a task (busy, or about to be): read by /slots from the event loop."""
+        return self._taken
+
     def stop(self) -> None:
         self._commands.put(("stop", None))
         self.thread.join(timeout=10)

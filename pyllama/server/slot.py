@@ -172,7 +172,16 @@ class Slot:
             event = TokenEvent(self._take_text(hold=0), token, probs, self.id)
             return event, self._final(stop_type, word)
         hold = self.stopper.held(self.text) if self.stopper.stops else 0
-        return TokenEvent(self._take_text(hold), token, probs, self.id), None
+        event = TokenEvent(self._take_text(hold), token, probs, self.id)
+        if task.timings_per_token:
+            event.timings = self.timings()
+        return event, None
+
+    def timings(self) -> tuple[int, float, int, float]:
+        """(prompt tokens computed, prompt ms, tokens generated, generation ms) so far."""
+        t_prompt = self.t_prompt_done or self.t_last
+        return (len(self.prompt) - self.n_cached, (t_prompt - self.t_start) * 1e3, self.n_decoded,
+                (self.t_last - t_prompt) * 1e3)
 
     def end_at_limit(self) -> FinalEvent:
         """Ends the request at the context limit (a context shift could free nothing)."""
@@ -223,12 +232,38 @@ class Slot:
 
 
 def token_probs(tokenizer: Tokenizer, token: int, prob: float, top_ids: np.ndarray, top_probs: np.ndarray,
-                n_probs: int) -> dict:
-    """llama-server's completion_probabilities entry for one generated token."""
+                n_probs: int, post_sampling: bool = False) -> dict:
+    """llama-server's completion_probabilities entry for one generated token, from probabilities:
+    `prob` / `top_probs` when post_sampling (the sampler chain's), else `logprob` / `top_logprobs`."""
     def entry(t: int, p: float) -> dict:
         piece = tokenizer.token_bytes(t)
-        return {"id": t, "token": piece.decode("utf-8", errors="replace"), "bytes": list(piece),
-                "logprob": math.log(p) if p > 0 else -1e30}  # JSON has no -inf
+        out = {"id": t, "token": piece.decode("utf-8", errors="replace"), "bytes": list(piece)}
+        if post_sampling:
+            out["prob"] = p
+        else:
+            out["logprob"] = math.log(p) if p > 0 else -1e30  # JSON has no -inf
+        return out
     out = entry(token, prob)
-    out["top_logprobs"] = [entry(int(t), float(p)) for t, p in zip(top_ids[:n_probs], top_probs[:n_probs]) if t >= 0]
+    out["top_probs" if post_sampling else "top_logprobs"] = [
+        entry(int(t), float(p)) for t, p in zip(top_ids[:n_probs], top_probs[:n_probs]) if t >= 0]
+    return out
+
+
+def presampling_probs(tokenizer: Tokenizer, logits: np.ndarray, token: int, n_probs: int) -> dict:
+    """llama-server's default completion_probabilities entry: log-probabilities of the model's own
+    softmax over the raw logits (before penalties, bias, top-k/p, temperature), the n_probs most
+    probable first (lower id first on ties)."""
+    row = logits.astype(np.float64, copy=False)
+    m = float(row.max())
+    lse = m + math.log(float(np.exp(row - m).sum()))
+    n = min(n_probs, row.shape[0])
+    top = np.argpartition(-row, n - 1)[:n] if n > 0 else np.empty(0, dtype=np.int64)
+    top = top[np.lexsort((top, -row[top]))]
+
+    def entry(t: int) -> dict:
+        piece = tokenizer.token_bytes(t)
+        return {"id": t, "token": piece.decode("utf-8", errors="replace"), "bytes": list(piece),
+                "logprob": float(row[t]) - lse}
+    out = entry(token)
+    out["top_logprobs"] = [entry(int(t)) for t in top]
     return out

@@ -26,6 +26,9 @@ class CompletionTask:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     n_probs: int = 0
+    post_sampling_probs: bool = False       # n_probs after the sampler chain, not the model's softmax
+    timings_per_token: bool = False         # every token event carries the timings so far
+    return_progress: bool = False           # prompt processing reports its progress
     cache_prompt: bool = True
     id_slot: int = -1
     index: int = 0                          # choice index within a request with n > 1
@@ -47,6 +50,17 @@ class TokenEvent:
     token: int
     probs: Optional[dict[str, Any]] = None
     id_slot: int = -1
+    timings: Optional[tuple[int, float, int, float]] = None  # (prompt_n, prompt_ms, predicted_n, predicted_ms)
+
+
+@dataclass
+class ProgressEvent:
+    """Prompt processing went on by a batch (requests with return_progress)."""
+
+    total: int                 # prompt tokens
+    cache: int                 # of them, reused from the cache
+    processed: int             # of them, in the cache now
+    time_ms: float
 
 
 @dataclass

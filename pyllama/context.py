@@ -73,6 +73,7 @@ class DecodeOutput:
     logits: np.ndarray  # [n_outputs, n_vocab], a view valid until the next decode (empty when sampled)
     rows: np.ndarray    # batch index of each logits row, in batch order
     sampled: Optional[np.ndarray] = None  # int32 [n_outputs, 2 + 2N] when sampled on the device
+    embd: Optional[np.ndarray] = None     # [n_outputs, n_embd] hidden states (decode(embeddings=True)), a view
 
 
 class Context:
@@ -126,6 +127,7 @@ class Context:
         self.last_spans = (0, 0, 0)  # trace times of the last decode: start, submitted, synchronized
         self._n_splits = 0
         self._sampled = np.zeros((0, 0), dtype=np.int32)
+        self._embd = np.zeros((0, hp.n_embd), dtype=np.float32)
         self._plan(self.n_ubatch, self.n_ubatch)  # sizes the compute buffers for the worst case
 
     # ------------------------------------------------------------------------------------------
@@ -164,15 +166,16 @@ class Context:
         """Whether the device holding the output layer runs the SAMPLE op (backend sampling)."""
         return self.output_backend().supports(Op.SAMPLE)
 
-    def _plan(self, n_tokens: int, n_outputs: int, sample: Optional[tuple[int, int]] = None) -> Plan:
-        key = (n_tokens, n_outputs, sample)
+    def _plan(self, n_tokens: int, n_outputs: int, sample: Optional[tuple[int, int]] = None,
+              embd: bool = False) -> Plan:
+        key = (n_tokens, n_outputs, sample, embd)
         plan = self._plans.get(key)
         if plan is not None and plan.generation == self.sched.generation:
             self._plans.move_to_end(key)
             return plan
         listed = min(n_tokens, self.n_seq_max) * self.kv.seq_cap
         fg = build_forward(self.hparams, self.weights, self.kv_tensors, n_tokens, n_outputs, listed,
-                           sample if n_outputs else None)
+                           sample if n_outputs else None, embd=embd)
         plan = self.sched.plan(fg)
         stale = self._plans.pop(key, None)
         if stale is not None:
@@ -192,12 +195,14 @@ class Context:
             split.backend.forget_graph(split.graph.uid)
 
     def decode(self, batch: Batch, sampling: Optional[np.ndarray] = None,
-               sample: Optional[tuple[int, int]] = None) -> DecodeOutput:
+               sample: Optional[tuple[int, int]] = None, embeddings: bool = False) -> DecodeOutput:
         """Runs the batch through the model; returns the logits of the rows that asked for them.
 
         With `sampling` (int32 [n_outputs, 12 + window], the packed sampler inputs of those rows,
         see sampling.BatchSampler.pack) and `sample` = (n_probs, window), the rows are sampled on
-        the device that holds the output layer and only the packed results come back."""
+        the device that holds the output layer and only the packed results come back.
+        With `embeddings`, those rows' final hidden states after the output norm [n_outputs,
+        n_embd] come back in `embd` instead of logits."""
         n = len(batch)
         if n == 0:
             raise ValueError("empty batch")
@@ -206,7 +211,12 @@ class Context:
         if batch.tokens.min() < 0 or batch.tokens.max() >= self.hparams.n_vocab:
             raise ValueError(f"token ids must lie in [0, {self.hparams.n_vocab})")
         rows = np.flatnonzero(batch.logits)
-        if sampling is not None:
+        if embeddings and sampling is not None:
+            raise ValueError("a decode returns either embeddings or sampled tokens")
+        if embeddings:
+            if len(self._embd) < len(rows):
+                self._embd = np.zeros((max(len(rows), 1), self.hparams.n_embd), dtype=np.float32)
+        elif sampling is not None:
             if sample is None or sampling.shape != (len(rows), sample_in_cols(sample[1])) \
                     or sampling.dtype != np.int32:
                 raise ValueError(f"sampling inputs {sampling.shape} do not match {len(rows)} output rows and {sample}")
@@ -222,7 +232,7 @@ class Context:
         try:
             for u0 in range(0, n, self.n_ubatch):
                 u1 = min(n, u0 + self.n_ubatch)
-                k, backend = self._decode_ubatch(batch, u0, u1, done, sampling, sample)
+                k, backend = self._decode_ubatch(batch, u0, u1, done, sampling, sample, embeddings)
                 done += k
                 if backend is not None:
                     readers.add(backend)
@@ -241,6 +251,8 @@ class Context:
                         n_splits=self._n_splits, grp=trace.group())
         if rpc_stats.enabled:
             rpc_stats.on_step()
+        if embeddings:
+            return DecodeOutput(self._logits[:0], rows, embd=self._embd[:len(rows)])
         if sampling is not None:
             return DecodeOutput(self._logits[:0], rows, self._sampled[:len(rows)])
         return DecodeOutput(self._logits[:len(rows)], rows)
@@ -257,7 +269,8 @@ class Context:
                 log.debug("after a failed step, %s: %s", backend.name, exc)
 
     def _decode_ubatch(self, batch: Batch, u0: int, u1: int, out_row: int,
-                       sampling: Optional[np.ndarray] = None, sample: Optional[tuple[int, int]] = None):
+                       sampling: Optional[np.ndarray] = None, sample: Optional[tuple[int, int]] = None,
+                       embeddings: bool = False):
         """Runs one micro-batch; returns (rows of logits queued for reading, the backend they come from)."""
         seq, pos = batch.seq_id[u0:u1], batch.pos[u0:u1]
         want = batch.logits[u0:u1]
@@ -265,7 +278,7 @@ class Context:
         kv_idx = self.kv.prepare(seq, pos)
         cells, ranges = self.kv.attention_lists(seq, pos)
         sampled = sampling is not None and n_out > 0
-        plan = self._plan(u1 - u0, n_out, sample if sampled else None)
+        plan = self._plan(u1 - u0, n_out, sample if sampled else None, embeddings and n_out > 0)
         self._n_splits = len(plan.splits)
         values = {
             "inp_tokens": batch.tokens[u0:u1],
@@ -283,7 +296,8 @@ class Context:
             values[SAMPLING_INPUT] = sampling[out_row:out_row + n_out]
             self.sched.compute(plan, values, output=self._sampled[out_row:out_row + n_out])
             return n_out, plan.output.backend
-        self.sched.compute(plan, values, output=self._logits[out_row:out_row + n_out])
+        dest = self._embd if embeddings else self._logits
+        self.sched.compute(plan, values, output=dest[out_row:out_row + n_out])
         return n_out, plan.output.backend
 
     # ------------------------------------------------------------------------------------------

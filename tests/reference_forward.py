@@ -127,6 +127,17 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def reference_logits(model_path: str, tokens: list[int]) -> np.ndarray:
     """Logits [len(tokens), n_vocab] (float64) of one sequence at positions 0..n-1."""
+    h, W = _final_hidden(model_path, tokens)
+    return matmul(h, W.get("output.weight", W["token_embd.weight"]))
+
+
+def reference_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
+    """The final hidden states after the output norm [len(tokens), n_embd] (float64): llama.cpp's
+    `result_norm`, what it returns as embeddings."""
+    return _final_hidden(model_path, tokens)[0]
+
+
+def _final_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     meta, W = load_model(model_path)
     arch = meta["general.architecture"]
     n_layer = meta[f"{arch}.block_count"]
@@ -167,5 +178,4 @@ def reference_logits(model_path: str, tokens: list[int]) -> np.ndarray:
         h = rmsnorm(x, eps) * W[p + "ffn_norm.weight"]
         x = x + matmul(silu(matmul(h, W[p + "ffn_gate.weight"])) * matmul(h, W[p + "ffn_up.weight"]),
                    W[p + "ffn_down.weight"])
-    h = rmsnorm(x, eps) * W["output_norm.weight"]
-    return matmul(h, W.get("output.weight", W["token_embd.weight"]))
+    return rmsnorm(x, eps) * W["output_norm.weight"], W

@@ -405,7 +405,7 @@ def test_infill_prompt_layout():
         infill_prompt(Tok(), {"input_prefix": 3})
 
 
-def test_embeddings_not_supported(srv):
+def test_embeddings_need_the_embedding_flag(srv):
     for path in ("/embedding", "/embeddings", "/v1/embeddings"):
         status, doc = srv.post(path, {"input": "x"})
         assert status == 501 and doc["error"]["type"] == "not_supported_error", path

@@ -27,18 +27,21 @@ class ForwardGraph:
     nodes: list[Node]
     inputs: dict[str, Tensor]   # name -> unallocated input tensor (the scheduler places copies)
     output: Tensor | None       # logits [n_outputs, n_vocab] (or, sampling on the device, the packed
-                                # sampled ids [n_outputs, 2 + 2N]); None when no row wants logits
+                                # sampled ids [n_outputs, 2 + 2N]; with embd, the normed hidden state
+                                # [n_outputs, n_embd]); None when no row wants an output
     n_tokens: int
     n_outputs: int
 
 
 def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_tokens: int, n_outputs: int,
-                  n_cells_listed: int, sample: Optional[tuple[int, int]] = None) -> ForwardGraph:
+                  n_cells_listed: int, sample: Optional[tuple[int, int]] = None, embd: bool = False) -> ForwardGraph:
     """Nodes for `n_tokens` tokens of which `n_outputs` rows produce logits.
 
     kv[il] = (k_cache, v_cache) of layer il; `n_cells_listed` bounds the attention cell list.
     sample = (n_probs, window): the output rows are sampled by a SAMPLE node on the output
     layer's device, and the graph's output is its packed result instead of the logits.
+    embd: the graph ends at `result_norm`, the final hidden state after the output norm (what
+    llama.cpp returns as embeddings): no output matrix product.
     """
     n, e = n_tokens, hp.n_embd
     inputs = {
@@ -96,6 +99,8 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
     if n_outputs > 0:
         hn = add(Op.RMS_NORM, (n_outputs, e), "result_norm", x, w["output_norm"], params=(hp.rms_eps,),
                  layer=hp.n_layer)
+        if embd:
+            return ForwardGraph(nodes, inputs, hn, n_tokens, n_outputs)
         output = mul_mat((n_outputs, hp.n_vocab), OUTPUT_NAME, hn, w["output"], layer=hp.n_layer)
         if sample is not None:
             n_probs, window = sample

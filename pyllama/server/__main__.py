@@ -25,6 +25,7 @@ from ..engine import Engine
 from ..errors import PyllamaError
 from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
+from .embedding import model_pooling
 from .group import PipelineGroup
 from .http import HTTPServer, install_uvloop
 from .options import (apply_settings, build_parser, check_args, lock_memory, log_accepted, log_level,  # noqa: F401
@@ -64,6 +65,10 @@ def load(state: ServerState) -> None:
     need = engine.check_memory(n_groups, ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified,
                                type_k, type_v)
     engine.load()
+    state.pooling = model_pooling(engine.model.file, args.pooling)
+    if args.embedding:
+        log.info("embeddings: pooling %s; completion endpoints are off (as llama-server with --embeddings)",
+                 state.pooling)
     state.groups = []
     for g in range(n_groups):
         ctx = engine.new_context(ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified,
@@ -78,7 +83,7 @@ def load(state: ServerState) -> None:
         slots = [Slot(g * seq_group + i, g, i, ctx.seq_cap, engine.tokenizer) for i in range(seq_group)]
         state.groups.append(PipelineGroup(g, ctx, slots, engine.tokenizer, state.metrics, on_free=lambda s: None,
                                           n_threads=1, backend_sampling=backend_sampling,
-                                          context_shift=args.context_shift))
+                                          context_shift=args.context_shift, pooling=state.pooling))
 
     state.slots_per_group = seq_group
     state.n_ctx_slot = ctx.seq_cap

@@ -26,7 +26,8 @@ from .http import (SSE_DONE, HTTPError, Request, Response, StreamResponse, error
                    sse_event)
 from .metrics import Metrics
 from .params import CompletionParams, parse_completion, split_prompts, tokenize_prompt
-from .task import CompletionTask, ErrorEvent, FinalEvent, ProgressEvent, TokenEvent
+from . import embedding as embd
+from .task import CompletionTask, EmbeddingEvent, ErrorEvent, FinalEvent, ProgressEvent, TokenEvent
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ServerState:
     metrics_enabled: bool = False
     verbose: bool = False
     aliases: list[str] = field(default_factory=list)
+    pooling: str = "none"  # of embeddings: --pooling, else the model's (set when it loads)
     _max_token_chars: int = 0
 
     @property
@@ -241,9 +243,17 @@ class Api:
             ("GET", "/metrics"): self.metrics,
             ("POST", "/infill"): self.infill,
             ("POST", "/embedding"): self.embeddings, ("POST", "/embeddings"): self.embeddings,
-            ("POST", "/v1/embeddings"): self.embeddings,
+            ("POST", "/v1/embeddings"): self.oai_embeddings,
         }
+        if getattr(self.state.args, "embedding", False):  # as llama-server: an embedding server generates nothing
+            for key in (("POST", "/completion"), ("POST", "/completions"), ("POST", "/v1/completions"),
+                        ("POST", "/v1/chat/completions"), ("POST", "/chat/completions"), ("POST", "/infill")):
+                r[key] = self.completions_off
         return r
+
+    async def completions_off(self, req: Request) -> Response:
+        raise HTTPError(501, "This server does not support completions. Start it without `--embeddings`",
+                        NOT_SUPPORTED)
 
     # --- simple endpoints ------------------------------------------------------------------------
     async def health(self, req: Request) -> Response:
@@ -390,9 +400,73 @@ class Api:
             kv_cache_tokens=sum(g.ctx.kv.n_tokens_cached() for g in st.groups))
         return Response(200, text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # --- embeddings ---------------------------------------------------------------------------
     async def embeddings(self, req: Request) -> Response:
-        raise HTTPError(501, "embeddings are not supported: pyllama's graph ends at the output layer and does not "
-                             "return the final hidden state", NOT_SUPPORTED)
+        """/embedding, /embeddings: llama-server's native form, one item per input."""
+        return await self._embeddings(req, oai=False)
+
+    async def oai_embeddings(self, req: Request) -> Response:
+        """/v1/embeddings: OpenAI's form (llama-server's native one when the body gives `content`)."""
+        return await self._embeddings(req, oai=True)
+
+    async def _embeddings(self, req: Request, oai: bool) -> Response:
+        st = self.state
+        if not getattr(st.args, "embedding", False):
+            raise _not_enabled("embeddings", "--embeddings")
+        _require_ready(st)
+        body, oai, prompts, norm, use_base64 = await _prepare(req, lambda: self._embedding_input(req, oai))
+        tasks = [[CompletionTask(prompt=p, params=SamplingParams(), n_predict=0, cache_prompt=False, embedding=True,
+                                 index=i)] for i, p in enumerate(prompts)]
+        results: list[Optional[EmbeddingEvent]] = [None] * len(prompts)
+        async for index, ev in self._events(tasks):
+            if isinstance(ev, EmbeddingEvent):
+                results[index] = ev
+            elif isinstance(ev, ErrorEvent):
+                raise HTTPError(ev.status, ev.message, ev.type)
+        vectors = []
+        for ev in results:
+            assert ev is not None
+            v = embd.pool(ev.hidden, st.pooling)
+            vectors.append(v if st.pooling == "none" else embd.normalize(v, norm))  # as llama-server
+        if oai:
+            model = body.get("model") if isinstance(body.get("model"), str) else st.model_alias
+            return json_response(embd.oai_response(model, [(v, ev.n_prompt) for v, ev in zip(vectors, results)],
+                                                   use_base64))
+        return json_response([embd.native_item(i, v) for i, v in enumerate(vectors)])
+
+    def _embedding_input(self, req: Request, oai: bool) -> tuple[dict, bool, list[list[int]], int, bool]:
+        """(body, OpenAI form, the inputs as tokens, embd_normalize, base64) of an embeddings request."""
+        st = self.state
+        body = req.json()
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the request body must be a JSON object")
+        if "input" in body:
+            given = body["input"]
+        elif "content" in body:
+            given, oai = body["content"], False  # `content` is llama-server's own field: its own form
+        else:
+            raise HTTPError(400, '"input" or "content" must be provided')
+        if oai and st.pooling == "none":
+            raise HTTPError(400, "Pooling type 'none' is not OAI compatible. Please use a different pooling type")
+        use_base64 = False
+        if "encoding_format" in body:
+            fmt = body["encoding_format"]
+            if fmt not in ("float", "base64"):
+                raise HTTPError(400, "The format to return the embeddings in. Can be either float or base64")
+            use_base64 = fmt == "base64"
+        norm = body.get("embd_normalize", 2)
+        if not isinstance(norm, int) or isinstance(norm, bool) or norm < -1:
+            raise HTTPError(400, "'embd_normalize' must be an integer: -1 none, 0 max-abs, 2 Euclidean, p > 0 p-norm")
+        prompts = []
+        for prompt in split_prompts(given):
+            st.check_prompt_fits(*_prompt_size(prompt))
+            tokens = tokenize_prompt(st.tokenizer, prompt, "input") if prompt != [] else []
+            if not tokens:
+                raise HTTPError(400, "Input content cannot be empty")
+            if len(tokens) > st.n_ctx_slot:
+                raise _exceeds_context(len(tokens), st.n_ctx_slot)
+            prompts.append(tokens)
+        return body, oai, prompts, norm, use_base64
 
     # --- slot save / restore / erase ----------------------------------------------------------
     async def slot_action(self, req: Request) -> Response:
@@ -527,7 +601,7 @@ class Api:
         try:
             while remaining:
                 index, event = await q.get()
-                if isinstance(event, (FinalEvent, ErrorEvent)):
+                if isinstance(event, (FinalEvent, ErrorEvent, EmbeddingEvent)):
                     remaining -= 1
                 yield index, event
         finally:

@@ -36,8 +36,9 @@ from .. import trace
 from .._fast import gemm
 from . import pipe_prof
 from .metrics import Metrics
+from .embedding import rows_wanted
 from .slot import Slot, SlotState, common_prefix, presampling_probs, token_probs
-from .task import CompletionTask, ErrorEvent, EventSink, FinalEvent, ProgressEvent
+from .task import CompletionTask, EmbeddingEvent, ErrorEvent, EventSink, FinalEvent, ProgressEvent
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,9 @@ EXACT_ROWS = gemm.small_rows_max()
 class PipelineGroup:
     def __init__(self, index: int, ctx: Context, slots: list[Slot], tokenizer: Tokenizer, metrics: Metrics,
                  on_free: Callable[[Slot], None], n_threads: int = 1, backend_sampling: bool = False,
-                 context_shift: bool = False):
+                 context_shift: bool = False, pooling: str = "none"):
         self.index = index
+        self.pooling = pooling  # of embedding tasks: which hidden rows their prompts return
         self.context_shift = context_shift
         for slot in slots:
             slot.context_shift = context_shift
@@ -174,8 +176,10 @@ class PipelineGroup:
             trace.event("server", "batch_build", self._tr_iter, t, grp=self.index, n_slots=self._n_rows)
         # a logit bias is applied to host logits, and pre-sampling probabilities are the host
         # logits' softmax: a step with either takes the logits back
-        if self.backend_sampling and rows and not any(slot.sampler.logit_bias is not None or _wants_raw_probs(slot)
-                                                      for slot in rows):
+        if any(slot.task is not None and slot.task.embedding for slot in rows):
+            out = self.ctx.decode(batch, embeddings=True)  # hidden states instead of logits
+        elif self.backend_sampling and rows and not any(slot.sampler.logit_bias is not None
+                                                        or _wants_raw_probs(slot) for slot in rows):
             packed = self.sampler.pack([slot.sampler for slot in rows])
             out = self.ctx.decode(batch, packed, self.sampler.device_spec())
         else:
@@ -237,6 +241,13 @@ class PipelineGroup:
             tokens.extend(slot.feed[start:start + n])
             pos.extend(range(start, start + n))
             seqs.extend([slot.seq] * n)
+            if slot.task is not None and slot.task.embedding:  # the rows its pooling reads
+                wanted = rows_wanted(self.pooling, start, n, len(slot.prompt))
+                k = int(wanted.sum())
+                want.extend(wanted.tolist())
+                slot.embd_span = (len(rows), len(rows) + k)
+                rows.extend([slot] * k)
+                continue
             # a recomputation samples nothing: the token that follows it was sampled already
             last = slot.state is SlotState.PROMPT and start + n == len(slot.prompt)
             want.extend([False] * (n - 1) + [last])
@@ -386,6 +397,7 @@ class PipelineGroup:
             slot.state = SlotState.RECOMPUTE
         elif slot.state is SlotState.PROMPT:
             slot.i_prompt = slot.n_cached = 0
+            slot.embd_parts = []  # an embedding prompt starts over: its rows come again
         self.ctx.seq_rm(slot.seq, 0)
         slot.cache_tokens = []
         slot.admitted = False
@@ -449,6 +461,8 @@ class PipelineGroup:
                 if slot.task is not None and slot.task.return_progress:
                     self.sink.put(slot.task, ProgressEvent(len(slot.prompt), slot.n_cached, slot.i_prompt,
                                                            (time.perf_counter() - slot.t_start) * 1e3))
+                if slot.task is not None and slot.task.embedding:
+                    self._embedding_step(slot, out)
             elif slot.state is SlotState.RECOMPUTE:
                 n = slot.n_past
                 slot.cache_tokens.extend(slot.recompute[n:n + slot.n_pending])
@@ -456,6 +470,9 @@ class PipelineGroup:
                     slot.recompute = []
                     slot.state = SlotState.GENERATING
         if not rows:
+            return
+        if out.embd is not None:
+            self._after_embedding_step(rows)
             return
         t0 = time.perf_counter()
         tr0 = trace.now() if trace.enabled else 0
@@ -497,6 +514,41 @@ class PipelineGroup:
                           detokenize=sum(s.t_detok for s in rows), stop_strings=sum(s.t_stop for s in rows))
             for s in rows:
                 s.t_detok = s.t_stop = 0.0
+
+    def _embedding_step(self, slot: Slot, out: DecodeOutput) -> None:
+        """Keeps the hidden rows an embedding task's prompt chunk returned; once the whole prompt
+        is computed the task ends with them (pooled and normalized by the handler)."""
+        a, b = slot.embd_span
+        if b > a:
+            slot.embd_parts.append(out.embd[a:b].copy())  # out.embd is reused by the next decode
+        if slot.i_prompt < len(slot.prompt):
+            return
+        task = slot.task
+        assert task is not None
+        hidden = np.concatenate(slot.embd_parts) if slot.embd_parts else np.zeros((0, self.ctx.hparams.n_embd),
+                                                                                  dtype=np.float32)
+        slot.embd_parts = []
+        self.metrics.on_prompt(len(slot.prompt) - slot.n_cached, time.perf_counter() - slot.t_start)
+        self.sink.put(task, EmbeddingEvent(hidden, len(slot.prompt), slot.id))
+        self._finish(slot, None)
+
+    def _after_embedding_step(self, rows: list[Slot]) -> None:
+        """The other output rows of a step that returned hidden states. A server in embedding mode
+        runs no completion (as llama-server), so only a prompt that wants no token (a slot
+        restore) can share such a step; anything else fails rather than sample from nothing."""
+        for slot in dict.fromkeys(rows):
+            task = slot.task
+            if task is None or task.embedding:
+                continue
+            if slot.state is SlotState.PROMPT and task.n_predict == 0:
+                slot.state = SlotState.GENERATING
+                slot.n_prompt_path = len(slot.prompt)
+                self.metrics.on_prompt(len(slot.prompt) - slot.n_cached, time.perf_counter() - slot.t_start)
+                self._release_children(slot)
+                self._finish(slot, slot.end_without_tokens())
+            else:
+                self.sink.put(task, ErrorEvent("a completion cannot share a step with embeddings"))
+                self._finish(slot, None)
 
     def _finish(self, slot: Slot, final: Optional[FinalEvent]) -> None:
         task = slot.task

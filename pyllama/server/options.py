@@ -203,7 +203,7 @@ def build_parser() -> Parser:
     a("--embedding", "--embeddings", dest="embedding", action="store_true", llama_env="LLAMA_ARG_EMBEDDINGS",
       help="serve the embedding endpoints")
     a("--pooling", choices=list(POOLING_TYPES), default=None, llama_env="LLAMA_ARG_POOLING",
-      help="pooling of embeddings: none, mean, cls or last (default: the model's, else mean)")
+      help="pooling of embeddings: none, mean, cls or last (default: the model's, else none)")
     # --- sampling defaults (a request's own fields override them)
     d = SamplingParams()
     a("--temp", "--temperature", dest="temp", type=float, default=d.temperature, help="temperature, <= 0 = greedy")

@@ -98,6 +98,8 @@ class Slot:
         self.truncated = False
         self.n_preempted = 0
         self.n_shifted = 0
+        self.embd_parts: list[np.ndarray] = []  # embedding tasks: the hidden rows computed so far
+        self.embd_span = (0, 0)         # embedding tasks: its output rows in the step being decoded
 
     # --- life cycle (decode thread) --------------------------------------------------------------
     @property

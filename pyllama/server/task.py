@@ -30,6 +30,7 @@ class CompletionTask:
     timings_per_token: bool = False         # every token event carries the timings so far
     return_progress: bool = False           # prompt processing reports its progress
     cache_prompt: bool = True
+    embedding: bool = False                 # the prompt's pooled hidden state is the result: no sampling
     id_slot: int = -1
     index: int = 0                          # choice index within a request with n > 1
     siblings: list["CompletionTask"] = field(default_factory=list)  # the other choices, to be placed together
@@ -78,6 +79,15 @@ class FinalEvent:
     n_cache: int = 0           # positions of the sequence in the KV cache at the end (at most n_ctx)
     n_preempted: int = 0       # times its cells were freed for an older request and recomputed
     n_shifted: int = 0         # context shifts
+
+
+@dataclass
+class EmbeddingEvent:
+    """The end of an embedding task: the hidden states its pooling read (rows, n_embd), unpooled."""
+
+    hidden: Any
+    n_prompt: int
+    id_slot: int
 
 
 @dataclass

@@ -129,6 +129,44 @@ def test_threads_strided_out_and_bias(qtype):
     assert (wide[:, :4] == -7).all() and (wide[:, 4 + m:] == -7).all()
 
 
+@pytest.mark.parametrize("qtype", (T.Q4_K, T.Q4_0), ids=lambda t: t.name)
+def test_thread_pool_many_products_and_concurrent_callers(qtype):
+    """Products large enough to be split over the thread pool (several tiles, a batch quantized
+    in parallel, two chunks of activation rows), issued back to back, with more helpers than
+    cores and from two Python threads at once: every result equals the one-thread result."""
+    import threading
+    rng = np.random.default_rng(11)
+    m = 700
+    w = ref.random_weights(qtype, m, K, rng)
+    xs = [activations(n, K, rng) for n in (1, 9, 70)]
+    base = []
+    for x in xs:
+        o = np.empty((x.shape[0], m), np.float32)
+        qmatmul.mul_mat_q(x, w, int(qtype), o, n_threads=1)
+        base.append(o)
+    for nt in (2, 3, 4):
+        for _ in range(20):
+            for x, b in zip(xs, base):
+                o = np.full_like(b, np.nan)
+                qmatmul.mul_mat_q(x, w, int(qtype), o, n_threads=nt)
+                assert np.array_equal(o, b)
+    failures = []
+
+    def worker(seed):
+        order = np.random.default_rng(seed).permutation(len(xs) * 10) % len(xs)
+        for i in order:
+            o = np.full_like(base[i], np.nan)
+            qmatmul.mul_mat_q(xs[i], w, int(qtype), o, n_threads=2)
+            if not np.array_equal(o, base[i]):
+                failures.append(i)
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_get_rows_q_bit_exact(qtype):
     rng = np.random.default_rng(300 + int(qtype))

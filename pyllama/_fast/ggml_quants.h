@@ -35,6 +35,11 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include <pthread.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#include <linux/futex.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -632,22 +637,37 @@ PQ_INLINE __m256i pq_dot_u8(__m256i u, __m256i b) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, b), _mm256_set1_epi16(1));
 }
 
-/* Q4_0, Q5_0, Q8_0 x Q8_0: signed weights, per-block scale dx*dy */
+/* Q4_0, Q5_0, Q8_0 x Q8_0: signed weights, per-block scale dx*dy. Q4_0 and Q5_0 take two blocks
+ * per iteration into two accumulators (Q5_0 +10-20%, Q4_0 even); Q8_0 one (two cost it 6% at
+ * 8 and more rows, from register pressure). */
+PQ_INLINE __m256i pq_unpack_q_0(int t, const uint8_t *w) {
+    if (t == PQ_Q4_0) return _mm256_sub_epi8(pq_nibbles32(w + 2), _mm256_set1_epi8(8));
+    if (t == PQ_Q5_0) {
+        /* (nibble | hbit << 4) - 16 == nibble - (hbit ? 0 : 16) */
+        const __m256i hb = pq_bits_to_bytes(pq_ld_u32(w + 2));
+        return _mm256_sub_epi8(pq_nibbles32(w + 6), _mm256_andnot_si256(hb, _mm256_set1_epi8(16)));
+    }
+    return _mm256_loadu_si256((const __m256i *)(w + 2));
+}
 PQ_INLINE void pq_avx2_q_0(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
-    __m256 acc[PQ_MAX_NR];
-    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    __m256 acc[PQ_MAX_NR], acc2[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); acc2[r] = _mm256_setzero_ps(); }
     const int wb = t == PQ_Q4_0 ? 18 : t == PQ_Q5_0 ? 22 : 34;
-    for (int64_t i = 0; i < nb; i++, w += wb) {
-        __m256i q;
-        if (t == PQ_Q4_0) {
-            q = _mm256_sub_epi8(pq_nibbles32(w + 2), _mm256_set1_epi8(8));
-        } else if (t == PQ_Q5_0) {
-            /* (nibble | hbit << 4) - 16 == nibble - (hbit ? 0 : 16) */
-            const __m256i hb = pq_bits_to_bytes(pq_ld_u32(w + 2));
-            q = _mm256_sub_epi8(pq_nibbles32(w + 6), _mm256_andnot_si256(hb, _mm256_set1_epi8(16)));
-        } else {
-            q = _mm256_loadu_si256((const __m256i *)(w + 2));
+    int64_t i = 0;
+    for (; t != PQ_Q8_0 && i + 2 <= nb; i += 2, w += 2 * wb) {
+        const __m256i q0 = pq_unpack_q_0(t, w), q1 = pq_unpack_q_0(t, w + wb);
+        const __m256i qa0 = _mm256_sign_epi8(q0, q0), qa1 = _mm256_sign_epi8(q1, q1);
+        const float dx0 = pq_h2f(w), dx1 = pq_h2f(w + wb);
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *y = x + r * xs + 34 * i;
+            const __m256i p0 = pq_dot_i8(qa0, q0, _mm256_loadu_si256((const __m256i *)(y + 2)));
+            const __m256i p1 = pq_dot_i8(qa1, q1, _mm256_loadu_si256((const __m256i *)(y + 36)));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx0 * pq_h2f(y)), _mm256_cvtepi32_ps(p0), acc[r]);
+            acc2[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx1 * pq_h2f(y + 34)), _mm256_cvtepi32_ps(p1), acc2[r]);
         }
+    }
+    for (; i < nb; i++, w += wb) {
+        const __m256i q = pq_unpack_q_0(t, w);
         const __m256i qa = _mm256_sign_epi8(q, q);
         const float dx = pq_h2f(w);
         for (int r = 0; r < NR; r++) {
@@ -656,7 +676,7 @@ PQ_INLINE void pq_avx2_q_0(int t, int NR, int64_t nb, const uint8_t *w, const ui
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * pq_h2f(y)), _mm256_cvtepi32_ps(p), acc[r]);
         }
     }
-    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]);
+    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(_mm256_add_ps(acc[r], acc2[r]));
 }
 
 /* Q4_1, Q5_1 x Q8_1: unsigned weights, plus the block minimum times the activation's s */
@@ -970,6 +990,200 @@ static inline void pq_dot_rows(int t, int nr, int64_t k, const uint8_t *w, const
     for (int r = 0; r < nr; r++) out[r] = pq_dot1_portable(t, k, w, x + r * xs);
 }
 
+
+/* ---------------------------------------------------------------------------------------------
+ * The products' thread pool. A decode step runs ~100 products of tens of microseconds each; an
+ * OpenMP region per product costs a wake-up per region when its threads sleep and, worse, ends
+ * in a barrier that waits for every thread to arrive: on a shared machine a helper that the OS
+ * has not scheduled holds the caller up for a time slice. Here the caller publishes a job of
+ * numbered items, works through them itself, and waits only for items a helper has claimed;
+ * a helper that wakes late finds nothing left and goes back to spinning or sleeping. Helpers spin
+ * PQ_POOL_SPIN_NS after their last item (the next product usually arrives within it), then
+ * sleep on a futex. Which thread computes an item never changes its result.
+ *
+ * The job state is one atomic word: generation (16 bits) | item count (24) | next item (24), so
+ * that a claim (a CAS on it) names its job exactly; the job's function and context are read
+ * after a successful claim, when the job cannot end before the claimed item is done. A forked
+ * child inherits no helpers: the pool forgets them (pthread_atfork) and starts its own. */
+#define PQ_POOL_MAX 64
+#define PQ_POOL_SPIN_NS 200000
+#define PQ_POOL_WAIT_SPIN_NS 20000
+#define PQ_POOL_ITEMS_MAX ((1 << 24) - 1)
+
+typedef void (*pq_item_fn)(void *ctx, int64_t item);
+
+static struct {
+    uint64_t state;         /* atomic: gen << 48 | n << 24 | next */
+    int done;               /* atomic futex word: items finished in the current job */
+    int waiting;            /* atomic: the caller sleeps on `done` */
+    pq_item_fn fn;
+    void *ctx;
+    int wake;               /* atomic futex word, bumped to wake sleepers */
+    int sleepers;           /* atomic */
+    int nhelpers;           /* helpers started (guarded by lock) */
+    pthread_mutex_t lock;
+} pq_pool = {0, 0, 0, NULL, NULL, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER};
+
+static inline int64_t pq_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+static inline void pq_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Claims one item of the current job: 1 and the item (fn and ctx of its job) or 0. */
+static inline int pq_pool_claim(int64_t *item) {
+    uint64_t s = __atomic_load_n(&pq_pool.state, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const uint64_t n = (s >> 24) & 0xFFFFFFu, next = s & 0xFFFFFFu;
+        if (next >= n) return 0;
+        if (__atomic_compare_exchange_n(&pq_pool.state, &s, s + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            *item = (int64_t)next;
+            return 1;
+        }
+    }
+}
+
+static inline void pq_pool_run_claimed(int64_t item) {
+    pq_pool.fn(pq_pool.ctx, item);
+    __atomic_fetch_add(&pq_pool.done, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&pq_pool.waiting, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &pq_pool.done, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
+static void *pq_pool_helper(void *arg) {
+    (void)arg;
+    for (;;) {
+        int64_t item;
+        int64_t idle_since = pq_now_ns();
+        for (;;) {
+            if (pq_pool_claim(&item)) { pq_pool_run_claimed(item); idle_since = pq_now_ns(); continue; }
+            for (int i = 0; i < 64; i++) pq_cpu_relax();
+            if (pq_now_ns() - idle_since > PQ_POOL_SPIN_NS) break;
+        }
+        /* sleep until the caller bumps `wake`; re-check for work after announcing ourselves */
+        __atomic_fetch_add(&pq_pool.sleepers, 1, __ATOMIC_SEQ_CST);
+        const int seq = __atomic_load_n(&pq_pool.wake, __ATOMIC_SEQ_CST);
+        const uint64_t s = __atomic_load_n(&pq_pool.state, __ATOMIC_SEQ_CST);
+        if ((s & 0xFFFFFFu) >= ((s >> 24) & 0xFFFFFFu))
+            syscall(SYS_futex, &pq_pool.wake, FUTEX_WAIT_PRIVATE, seq, NULL, NULL, 0);
+        __atomic_fetch_sub(&pq_pool.sleepers, 1, __ATOMIC_SEQ_CST);
+    }
+    return NULL;
+}
+
+static int pq_pool_busy = 0;
+static void pq_pool_after_fork_child(void) {
+    pq_pool.state = 0; pq_pool.done = 0; pq_pool.waiting = 0; pq_pool.sleepers = 0; pq_pool.nhelpers = 0;
+    pq_pool_busy = 0;
+    pthread_mutex_init(&pq_pool.lock, NULL);
+}
+static pthread_once_t pq_pool_once = PTHREAD_ONCE_INIT;
+static void pq_pool_register_fork(void) { pthread_atfork(NULL, NULL, pq_pool_after_fork_child); }
+
+/* Runs fn(ctx, i) for i < n_items on the caller and up to n_threads - 1 helpers; returns when all
+ * are done. Callers must not overlap (the products are issued by one thread at a time; a second
+ * concurrent caller runs its items alone). */
+PQ_API void pq_pool_run(int n_threads, int64_t n_items, pq_item_fn fn, void *ctx) {
+    int64_t item;
+    if (n_items <= 0) return;
+    if (n_threads > PQ_POOL_MAX) n_threads = PQ_POOL_MAX;
+    if (n_threads <= 1 || n_items == 1 || n_items > PQ_POOL_ITEMS_MAX
+        || __atomic_exchange_n(&pq_pool_busy, 1, __ATOMIC_ACQUIRE)) {
+        for (int64_t i = 0; i < n_items; i++) fn(ctx, i);
+        return;
+    }
+    if (pq_pool.nhelpers < n_threads - 1) {
+        pthread_once(&pq_pool_once, pq_pool_register_fork);
+        pthread_mutex_lock(&pq_pool.lock);
+        while (pq_pool.nhelpers < n_threads - 1) {
+            pthread_t th;
+            pthread_attr_t at;
+            pthread_attr_init(&at);
+            pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+            pthread_attr_setstacksize(&at, 256 * 1024);
+            const int rc = pthread_create(&th, &at, pq_pool_helper, NULL);
+            pthread_attr_destroy(&at);
+            if (rc != 0) break;
+            pq_pool.nhelpers++;
+        }
+        pthread_mutex_unlock(&pq_pool.lock);
+    }
+    /* publish: the previous job is finished (done == n), so no helper holds one of its items */
+    pq_pool.fn = fn;
+    pq_pool.ctx = ctx;
+    __atomic_store_n(&pq_pool.done, 0, __ATOMIC_RELAXED);
+    const uint64_t gen = ((__atomic_load_n(&pq_pool.state, __ATOMIC_RELAXED) >> 48) + 1) & 0xFFFFu;
+    __atomic_store_n(&pq_pool.state, gen << 48 | (uint64_t)n_items << 24, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&pq_pool.sleepers, __ATOMIC_SEQ_CST) > 0) {
+        __atomic_fetch_add(&pq_pool.wake, 1, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, &pq_pool.wake, FUTEX_WAKE_PRIVATE, n_threads - 1, NULL, NULL, 0);
+    }
+    while (pq_pool_claim(&item)) pq_pool_run_claimed(item);
+    /* Only items that a helper claimed can be outstanding. Spin briefly, then sleep until the
+     * helper finishes them: a helper the OS preempted in the middle of an item can then run on
+     * this core (an idle core pulls waiting threads) instead of waiting for its own. */
+    const int64_t wait_from = pq_now_ns();
+    for (;;) {
+        const int d = __atomic_load_n(&pq_pool.done, __ATOMIC_ACQUIRE);
+        if (d >= n_items) break;
+        if (pq_now_ns() - wait_from < PQ_POOL_WAIT_SPIN_NS) {
+            for (int i = 0; i < 16; i++) pq_cpu_relax();
+            continue;
+        }
+        __atomic_store_n(&pq_pool.waiting, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&pq_pool.done, __ATOMIC_SEQ_CST) == d)
+            syscall(SYS_futex, &pq_pool.done, FUTEX_WAIT_PRIVATE, d, NULL, NULL, 0);
+    }
+    __atomic_store_n(&pq_pool.waiting, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&pq_pool_busy, 0, __ATOMIC_RELEASE);
+}
+
+typedef struct {
+    int t, vt;
+    const float *x; int64_t n, k, ldx;
+    const uint8_t *w; int64_t m, wstride;
+    float *out; int64_t ldo; const float *bias;
+    uint8_t *xq; int64_t xq_stride, tile, ntiles;
+    int portable;
+} pq_mm_job;
+
+static void pq_mm_quantize_item(void *ctx, int64_t r) {
+    const pq_mm_job *j = (const pq_mm_job *)ctx;
+    pq_quantize_row(j->vt, j->x + r * j->ldx, j->xq + r * j->xq_stride, j->k);
+}
+
+static void pq_mm_tile_item(void *ctx, int64_t item) {
+    const pq_mm_job *jb = (const pq_mm_job *)ctx;
+    const int64_t n = jb->n, m = jb->m;
+    const int64_t c0 = item / jb->ntiles * PQ_ROW_CHUNK;
+    const int64_t c1 = c0 + PQ_ROW_CHUNK < n ? c0 + PQ_ROW_CHUNK : n;
+    const int64_t jt = item % jb->ntiles * jb->tile;
+    const int64_t je = jt + jb->tile < m ? jt + jb->tile : m;
+    for (int64_t r0 = c0; r0 < c1; r0 += PQ_MAX_NR) {
+        const int nr = (int)(c1 - r0 < PQ_MAX_NR ? c1 - r0 : PQ_MAX_NR);
+#if PQ_HAVE_AVX2
+        /* looked up once per group of rows: a short row (k = 768) is only a few blocks */
+        const pq_dot_fn fn = jb->portable ? NULL : pq_avx2_kernel(jb->t, nr);
+#endif
+        for (int64_t j = jt; j < je; j++) {
+            float s[PQ_MAX_NR];
+#if PQ_HAVE_AVX2
+            if (fn) fn(jb->k, jb->w + j * jb->wstride, jb->xq + r0 * jb->xq_stride, (size_t)jb->xq_stride, s);
+            else
+#endif
+            pq_dot_rows(jb->t, nr, jb->k, jb->w + j * jb->wstride, jb->xq + r0 * jb->xq_stride,
+                        (size_t)jb->xq_stride, s, jb->portable);
+            const float b = jb->bias ? jb->bias[j] : 0.0f;
+            for (int r = 0; r < nr; r++) jb->out[(r0 + r) * jb->ldo + j] = jb->bias ? s[r] + b : s[r];
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------------------------
  * out[r, j] = x[r, :] . dequant(w[j, :]) (+ bias[j]) for r < n, j < m, with ggml's arithmetic.
  * x: n rows of k floats at stride ldx; w: m rows of wstride bytes; out rows at stride ldo.
@@ -986,49 +1200,27 @@ PQ_API void pq_mul_mat(int t, const float *x, int64_t n, int64_t k, int64_t ldx,
     const int vt = tr.vec_type;
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > m) nt = (int)(m > 0 ? m : 1);
-    /* Waking a second thread costs microseconds (tens when cores are shared): below ~10 us of
-     * single-thread work one thread does it all. */
+    /* Handing items to a helper costs about a microsecond (a futex wake when it sleeps): below
+     * ~10 us of single-thread work one thread does it all. */
     if (m * wstride * ((n + PQ_MAX_NR - 1) / PQ_MAX_NR) < 65536) nt = 1;
     /* weight rows per tile: about 16 KiB of weights, reused by every group of activation rows */
     int64_t tile = 16384 / (wstride > 0 ? wstride : 1);
     if (tile < 1) tile = 1;
-    /* Small batches are quantized by the calling thread: one barrier fewer, and a barrier costs
-     * a time slice whenever the OS has parked one of the threads (shared cores). */
-    const int serial_quantize = nt == 1 || n <= 2 * PQ_MAX_NR;
-    if (serial_quantize)
+    /* Small batches are quantized by the calling thread; larger ones are items of a first job. */
+    pq_mm_job job = {t, vt, x, n, k, ldx, w, m, wstride, out, ldo, bias, xq, xq_stride, tile,
+                     (m + tile - 1) / tile, portable};
+    if (nt == 1 || n <= 2 * PQ_MAX_NR)
         for (int64_t r = 0; r < n; r++) pq_quantize_row(vt, x + r * ldx, xq + r * xq_stride, k);
-    const int64_t ntiles = (m + tile - 1) / tile;
+    else
+        pq_pool_run(nt, n, pq_mm_quantize_item, &job);
+    /* Work items: (chunk of activation rows) x (tile of weight rows), claimed one at a time so
+     * that a thread delayed by the OS does not hold the others up. Chunks of activation rows are
+     * outermost: with all rows at once, a large batch's output and quantized rows outgrow L2 and
+     * the kernel slows down (measured at n >= 128, m = 2048); the weights re-read per chunk come
+     * from L3. Each output is computed by the same kernel whatever the thread, so results do not
+     * depend on the thread count. */
     const int64_t nchunks = (n + PQ_ROW_CHUNK - 1) / PQ_ROW_CHUNK;
-    #pragma omp parallel num_threads(nt) if(nt > 1)
-    {
-        if (!serial_quantize) {
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) pq_quantize_row(vt, x + r * ldx, xq + r * xq_stride, k);
-            /* implicit barrier: every quantized row is ready */
-        }
-        /* Work items: (chunk of activation rows) x (tile of weight rows), handed out dynamically
-         * so that a thread delayed by the OS does not hold the others up. Chunks of activation
-         * rows are outermost: with all rows at once, a large batch's output and quantized rows
-         * outgrow L2 and the kernel slows down (measured at n >= 128, m = 2048); the weights
-         * re-read per chunk come from L3. Each output is computed by the same kernel whatever
-         * the thread, so results do not depend on the thread count. */
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < nchunks * ntiles; item++) {
-            const int64_t c0 = item / ntiles * PQ_ROW_CHUNK;
-            const int64_t c1 = c0 + PQ_ROW_CHUNK < n ? c0 + PQ_ROW_CHUNK : n;
-            const int64_t jt = item % ntiles * tile;
-            const int64_t je = jt + tile < m ? jt + tile : m;
-            for (int64_t r0 = c0; r0 < c1; r0 += PQ_MAX_NR) {
-                const int nr = (int)(c1 - r0 < PQ_MAX_NR ? c1 - r0 : PQ_MAX_NR);
-                for (int64_t j = jt; j < je; j++) {
-                    float s[PQ_MAX_NR];
-                    pq_dot_rows(t, nr, k, w + j * wstride, xq + r0 * xq_stride, (size_t)xq_stride, s, portable);
-                    const float b = bias ? bias[j] : 0.0f;
-                    for (int r = 0; r < nr; r++) out[(r0 + r) * ldo + j] = bias ? s[r] + b : s[r];
-                }
-            }
-        }
-    }
+    pq_pool_run(nt, nchunks * job.ntiles, pq_mm_tile_item, &job);
 }
 
 /* Rows ids[i] of w (m rows of k elements of type t) dequantized into out rows (stride ldo). */

@@ -182,8 +182,9 @@ def mul_mat_q(const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:
 
     x: float32 [n, k], C-contiguous. w: uint8 [m, row_bytes(qtype, k)] (memory maps are fine).
     out: float32 [n, m] whose rows may be strided (a column slice of a wider array).
-    bias: float32 [m] or None. n_threads: OpenMP threads over tiles of weight rows (handed out
-    dynamically; products under ~10 us of work use one thread); results do not depend on it.
+    bias: float32 [m] or None. n_threads: threads of the products' pool (ggml_quants.h) over tiles
+    of weight rows, handed out one at a time, the caller among them (products under ~10 us of
+    work use one thread); results do not depend on it.
     portable: force the scalar path (tests). The GIL is released while computing.
     """
     cdef pq_traits tr = _traits(qtype, _SUPPORTED, "mul_mat_q")

@@ -270,8 +270,11 @@ def main() -> int:
               f"{c['weights_MiB']:.1f} | {c['kv_MiB']:.1f} | {c['rss_loaded_MiB']:.0f} | {c['rss_end_MiB']:.0f} | "
               f"{c['rss_loaded_MiB'] - c['rss_start_MiB']:.0f} | "
               f"{(c['rss_loaded_MiB'] - c['rss_start_MiB']) / f['file_MiB']:.2f}")
-    base = {nt: next((r["pyllama"] for r in records if r["model"].endswith("-f32") and r["threads"] == nt
-                      and "tg_b1_tok_s" in r["pyllama"]), None) for nt in threads}
+    base: dict[int, Optional[dict]] = {}
+    for nt in threads:  # the f32 cells' means, the baseline of the "vs f32" lines
+        f32 = [r["pyllama"] for r in records if r["model"].endswith("-f32") and r["threads"] == nt
+               and "tg_b1_tok_s" in r["pyllama"]]
+        base[nt] = {f"tg_b{b}_tok_s": float(np.mean([c[f"tg_b{b}_tok_s"] for c in f32])) for b in batches} if f32 else None
     for name, _ in models:
         for nt in threads:
             if base[nt] is None or name.endswith("-f32"):

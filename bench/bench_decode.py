@@ -14,8 +14,8 @@ matrix), and the share of a decode step spent in Python rather than in kernels. 
 the model added to the process (resident memory after loading minus before: the weights' pages and
 the KV cache pages touched so far), set against the file's size.
 
-Where llama.cpp's programs are found (--peers, default ../shared/peers/llama.cpp or
-$PYLLAMA_PEERS), `llama-batched-bench` runs on the same file with the same threads right after
+Given a folder of llama.cpp's programs (--peers DIR or $PYLLAMA_PEERS: a folder with
+bin/llama-batched-bench, e.g. a llama.cpp build directory), `llama-batched-bench` runs on the same file with the same threads right after
 each pyllama cell, and the table prints pyllama / llama.cpp. A peer that cannot run on this
 machine is reported with its reason and the column is left empty. Cells of a leg run in the same
 order; with --legs N the figure is the mean over the legs and the spread is printed beside it.
@@ -215,7 +215,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
     ap.add_argument("--prompt", type=int, default=512, help="prompt length for prompt processing")
     ap.add_argument("--legs", type=int, default=1, help="interleaved repetitions of every cell")
-    ap.add_argument("--peers", help="llama.cpp's programs (a folder with bin/); default: the shared peers")
+    ap.add_argument("--peers", help="llama.cpp's programs (a folder with bin/llama-batched-bench); default $PYLLAMA_PEERS")
     ap.add_argument("--no-peers", action="store_true", help="skip llama.cpp")
     ap.add_argument("--cell", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write every measurement here")

@@ -1,7 +1,7 @@
 """llama.cpp's programs, for side-by-side figures in the benches (never needed by the project).
 
     from peers import Peers
-    peers = Peers.find(args.peers)      # None when the folder is absent: the bench skips that column
+    peers = Peers.find(args.peers)      # None without a folder: the bench skips that column
     out = peers.run("llama-batched-bench", "-m", path, ...)
 
 The folder holds `bin/` with the programs and their shared libraries. A copy of such a folder
@@ -17,8 +17,6 @@ import subprocess
 import tempfile
 from typing import Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_DIR = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "peers", "llama.cpp"))
 
 
 class Peers:
@@ -39,8 +37,10 @@ class Peers:
 
     @classmethod
     def find(cls, folder: Optional[str] = None) -> Optional["Peers"]:
-        """The peers in `folder` (default: the shared peers folder beside the repository), or None."""
-        folder = folder or os.environ.get("PYLLAMA_PEERS") or DEFAULT_DIR
+        """The peers in `folder` (else $PYLLAMA_PEERS), or None when neither names one."""
+        folder = folder or os.environ.get("PYLLAMA_PEERS")
+        if not folder:
+            return None
         if not os.path.isfile(os.path.join(folder, "bin", "llama-batched-bench")):
             return None
         return cls(folder)

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 from .. import __version__
@@ -417,22 +417,9 @@ def sampling_defaults(args) -> SamplingParams:
                           seed=args.seed if args.seed != -1 else SamplingParams().seed)
 
 
-@dataclass
-class ServerSettings:
-    """What the command line sets on ServerState (besides `args` itself)."""
-
-    api_keys: list[str] = field(default_factory=list)
-    cors_origins: list[str] = field(default_factory=list)
-    slots_enabled: bool = True
-    props_writable: bool = False
-    slot_save_path: Optional[str] = None
-    metrics_enabled: bool = False
-    verbose: bool = False
-    aliases: list[str] = field(default_factory=list)
-
-
-def settings(args) -> ServerSettings:
-    return ServerSettings(api_keys=list(args.api_keys), cors_origins=list(args.cors_origins or []),
+def settings(args) -> SimpleNamespace:
+    """The fields of ServerState (server/api.py) that the command line sets, by name."""
+    return SimpleNamespace(api_keys=list(args.api_keys), cors_origins=list(args.cors_origins or []),
                           slots_enabled=bool(args.slots), props_writable=bool(args.props),
                           slot_save_path=args.slot_save_path, metrics_enabled=bool(args.metrics),
                           verbose=bool(args.verbose), aliases=list(args.alias or []))
@@ -440,7 +427,7 @@ def settings(args) -> ServerSettings:
 
 def apply_settings(state: Any, args) -> None:
     """Sets the command line's values on a ServerState."""
-    for name, value in settings(args).__dict__.items():
+    for name, value in vars(settings(args)).items():
         setattr(state, name, value)
 
 

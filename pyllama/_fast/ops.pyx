@@ -3,18 +3,23 @@
 write, over a cache of any KV cache type (F32, F16, BF16, Q8_0; conversions in kv_types.h).
 
 Every kernel checks its arguments while it still holds the GIL (a graph may come from the wire),
-then runs without it, parallel over rows with OpenMP.
+then runs without it, split into items on the products' worker pool (qmatmul.pxd): one set of
+helper threads serves every kernel of a step, and a helper the OS is late to schedule holds
+nobody up (no barrier). Which thread computes an item never changes its result.
 """
-from cython.parallel cimport parallel, prange
 from libc.math cimport exp, pow, cos, sin, sqrt, INFINITY
+from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
+
+from pyllama._fast.qmatmul cimport pool_run
 
 import numpy as np
 
-# Below these sizes a kernel runs on the calling thread: waking a thread team costs more than
-# the work, and on few cores an idle team spinning beside BLAS's threads costs even more.
-DEF PARALLEL_MIN_ELEMENTS = 262144
-DEF PARALLEL_MIN_ATTENTION = 65536
+# Below these amounts of work a kernel runs on the calling thread alone: handing items to a
+# helper costs about a microsecond, so only kernels of some tens of microseconds gain from it.
+DEF PARALLEL_MIN_ELEMENTS = 16384   # rms_norm / swiglu elements
+DEF PARALLEL_MIN_ATTENTION = 32768  # attention: query heads x listed cells x head_dim
+DEF SWIGLU_CHUNK = 2048             # swiglu elements per item
 
 
 cdef inline void _rms_row(const float* x, const float* w, float* out, Py_ssize_t d, float eps) noexcept nogil:
@@ -27,6 +32,19 @@ cdef inline void _rms_row(const float* x, const float* w, float* out, Py_ssize_t
         out[j] = x[j] * scale * w[j]
 
 
+cdef struct RowsJob:
+    const float* x
+    const float* w
+    float* out
+    Py_ssize_t d, chunks
+    float eps
+
+
+cdef void _rms_item(void* ctx, int64_t i) noexcept nogil:
+    cdef RowsJob* j = <RowsJob*>ctx
+    _rms_row(j.x + i * j.d, j.w, j.out + i * j.d, j.d, j.eps)
+
+
 def rms_norm(const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float eps, int n_threads=1):
     """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w"""
     cdef Py_ssize_t n = x.shape[0], d = x.shape[1], i
@@ -34,21 +52,30 @@ def rms_norm(const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float
         raise ValueError(f"rms_norm: shapes x {(n, d)}, w {w.shape[0]}, out {(out.shape[0], out.shape[1])} disagree")
     if n == 0:
         return
+    cdef RowsJob job
+    job.x = &x[0, 0]
+    job.w = &w[0]
+    job.out = &out[0, 0]
+    job.d = d
+    job.eps = eps
     with nogil:
-        if n * d < PARALLEL_MIN_ELEMENTS or n_threads <= 1:
-            for i in range(n):
-                _rms_row(&x[i, 0], &w[0], &out[i, 0], d, eps)
-        else:
-            for i in prange(n, num_threads=n_threads, schedule="static"):
-                _rms_row(&x[i, 0], &w[0], &out[i, 0], d, eps)
+        pool_run(n_threads if n * d >= PARALLEL_MIN_ELEMENTS else 1, n, _rms_item, &job)
 
 
-cdef inline void _swiglu_row(const float* gu, float* out, Py_ssize_t f) noexcept nogil:
+cdef inline void _swiglu_span(const float* gu, float* out, Py_ssize_t f, Py_ssize_t j0, Py_ssize_t j1) noexcept nogil:
     cdef Py_ssize_t j
     cdef float g
-    for j in range(f):
+    for j in range(j0, j1):
         g = gu[j]
         out[j] = g / (1.0 + exp(-g)) * gu[f + j]
+
+
+cdef void _swiglu_item(void* ctx, int64_t item) noexcept nogil:
+    # item: (row, chunk of SWIGLU_CHUNK columns), so that one long row spreads over the threads too
+    cdef RowsJob* j = <RowsJob*>ctx
+    cdef Py_ssize_t r = item // j.chunks, c0 = item % j.chunks * SWIGLU_CHUNK
+    cdef Py_ssize_t c1 = c0 + SWIGLU_CHUNK if c0 + SWIGLU_CHUNK < j.d else j.d
+    _swiglu_span(j.x + r * 2 * j.d, j.out + r * j.d, j.d, c0, c1)
 
 
 def swiglu(const float[:, ::1] gu, float[:, ::1] out, int n_threads=1):
@@ -56,15 +83,15 @@ def swiglu(const float[:, ::1] gu, float[:, ::1] out, int n_threads=1):
     cdef Py_ssize_t n = gu.shape[0], f = out.shape[1], i
     if gu.shape[1] != 2 * f or out.shape[0] != n:
         raise ValueError(f"swiglu: input {(n, gu.shape[1])} and output {(out.shape[0], f)} disagree")
-    if n == 0:
+    if n == 0 or f == 0:
         return
+    cdef RowsJob job
+    job.x = &gu[0, 0]
+    job.out = &out[0, 0]
+    job.d = f
+    job.chunks = (f + SWIGLU_CHUNK - 1) // SWIGLU_CHUNK
     with nogil:
-        if n * f < PARALLEL_MIN_ELEMENTS or n_threads <= 1:
-            for i in range(n):
-                _swiglu_row(&gu[i, 0], &out[i, 0], f)
-        else:
-            for i in prange(n, num_threads=n_threads, schedule="static"):
-                _swiglu_row(&gu[i, 0], &out[i, 0], f)
+        pool_run(n_threads if n * f >= PARALLEL_MIN_ELEMENTS else 1, n * job.chunks, _swiglu_item, &job)
 
 
 cdef inline void _norm_head(float* v, const float* w, int hd, float eps) noexcept nogil:
@@ -130,6 +157,9 @@ cdef struct AttnArgs:
     int H, Hkv, hd, n_rot, rope_mode
     double freq_base, freq_scale
     float eps, scale
+    Py_ssize_t max_len  # the longest list of cells a token attends to (scores per head: max_len + 1)
+    Py_ssize_t store_floats, attend_floats  # scratch per item
+    int failed          # an item could not allocate its scratch
 
 
 cdef void _store_token(AttnArgs* a, Py_ssize_t t, float* scratch) noexcept nogil:
@@ -163,26 +193,29 @@ cdef void _store_token(AttnArgs* a, Py_ssize_t t, float* scratch) noexcept nogil
 
 
 cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
-    """softmax(q k^T * scale) v for head i % H of token i // H, over the token's listed cells.
-    scratch: q, acc, a converted k row and v row (hd each), then one score per listed cell."""
-    cdef int hd = a.hd, H = a.H, d
-    cdef Py_ssize_t t = i // H, j
-    cdef int h = <int>(i % H)
-    cdef int kvh = h // (H // a.Hkv)
-    cdef Py_ssize_t r0 = a.ranges[2 * t], r1 = a.ranges[2 * t + 1]
+    """softmax(q k^T * scale) v for the G = H / Hkv query heads of token i // Hkv that share kv
+    head i % Hkv, over the token's listed cells: each cache row is read (and converted) once for
+    the G heads. Per head the arithmetic is that of one head alone. scratch: q and acc (G * hd
+    each), a converted k row and v row (hd each), then G * max_len scores."""
+    cdef int hd = a.hd, H = a.H, G = a.H // a.Hkv, d, g
+    cdef Py_ssize_t t = i // a.Hkv, j
+    cdef int kvh = <int>(i % a.Hkv)
+    cdef Py_ssize_t r0 = a.ranges[2 * t], r1 = a.ranges[2 * t + 1], L = a.max_len + 1  # scores per head
     cdef Py_ssize_t head = <Py_ssize_t>kvh * hd
     cdef float* q = scratch
-    cdef float* acc = scratch + hd
-    cdef float* kbuf = scratch + 2 * hd
-    cdef float* vbuf = scratch + 3 * hd
-    cdef float* scores = scratch + 4 * hd
-    cdef float* o = a.out + t * H * hd + h * hd
+    cdef float* acc = scratch + G * hd
+    cdef float* kbuf = scratch + 2 * G * hd
+    cdef float* vbuf = kbuf + hd
+    cdef float* scores = vbuf + hd
+    cdef float* o = a.out + t * H * hd + kvh * G * hd
     cdef const float* kr
     cdef const float* vr
+    cdef const float* qg
+    cdef float* ag
     cdef const unsigned char* row
     cdef bint k_f32 = a.k_type == KV_F32, v_f32 = a.v_type == KV_F32
-    cdef float s, m = -INFINITY, total = 0.0, p
-    for d in range(hd):
+    cdef float sc, m, total, p
+    for d in range(G * hd):
         q[d] = o[d]
         acc[d] = 0.0
     for j in range(r1):
@@ -192,26 +225,59 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
         else:
             kv_load(a.k_type, row, head, hd, kbuf)
             kr = kbuf
-        s = 0.0
-        for d in range(hd):
-            s = s + q[d] * kr[d]
-        s = s * a.scale
-        scores[j] = s
-        if s > m:
-            m = s
+        for g in range(G):
+            qg = q + g * hd
+            sc = 0.0
+            for d in range(hd):
+                sc = sc + qg[d] * kr[d]
+            scores[g * L + j] = sc * a.scale
+    for g in range(G):
+        m = -INFINITY
+        for j in range(r1):
+            if scores[g * L + j] > m:
+                m = scores[g * L + j]
+        total = 0.0
+        for j in range(r1):
+            p = <float>exp(scores[g * L + j] - m)
+            scores[g * L + j] = p
+            total = total + p
+        scores[g * L + r1] = total  # (room for it: r1 <= max_len)
     for j in range(r1):
-        p = <float>exp(scores[j] - m)
-        total = total + p
         row = a.v_cache + a.cells[r0 + j] * a.v_row
         if v_f32:
             vr = <const float*>row + head
         else:
             kv_load(a.v_type, row, head, hd, vbuf)
             vr = vbuf
+        for g in range(G):
+            p = scores[g * L + j]
+            ag = acc + g * hd
+            for d in range(hd):
+                ag[d] = ag[d] + p * vr[d]
+    for g in range(G):
+        total = scores[g * L + r1]
         for d in range(hd):
-            acc[d] = acc[d] + p * vr[d]
-    for d in range(hd):
-        o[d] = acc[d] / total
+            o[g * hd + d] = acc[g * hd + d] / total
+
+
+cdef void _store_item(void* ctx, int64_t t) noexcept nogil:
+    cdef AttnArgs* a = <AttnArgs*>ctx
+    cdef float* scratch = <float*>malloc(sizeof(float) * a.store_floats)
+    if scratch != NULL:
+        _store_token(a, t, scratch)
+        free(scratch)
+    else:
+        a.failed = 1
+
+
+cdef void _attend_item(void* ctx, int64_t i) noexcept nogil:
+    cdef AttnArgs* a = <AttnArgs*>ctx
+    cdef float* scratch = <float*>malloc(sizeof(float) * a.attend_floats)
+    if scratch != NULL:
+        _attend(a, i, scratch)
+        free(scratch)
+    else:
+        a.failed = 1
 
 
 cdef object _cache_bytes(object cache):
@@ -310,8 +376,8 @@ def attention(const float[:, ::1] qkv, k_cache, v_cache,
     cdef Py_ssize_t work = 0
     for t in range(n):
         work += ranges[t, 1]
-    work *= H
-    cdef int nt = n_threads if (n_threads > 1 and work >= PARALLEL_MIN_ATTENTION) else 1
+    work *= H * hd
+    cdef int nt = n_threads if work >= PARALLEL_MIN_ATTENTION else 1
     cdef AttnArgs a
     a.qkv = &qkv[0, 0]
     a.qkv_stride = qkv.shape[1]
@@ -337,25 +403,15 @@ def attention(const float[:, ::1] qkv, k_cache, v_cache,
     a.freq_scale = freq_scale
     a.eps = norm_eps
     a.scale = scale
-    # per thread: the store's cos/sin and k row, then the attend's q, acc, k, v rows and scores
-    cdef Py_ssize_t store_floats = n_rot + 2 + kv_width, attend_floats = 4 * hd + max_len
-    cdef float* scratch
+    a.max_len = max_len
+    # the store's cos/sin and k row; the attend's q and acc per head, k and v rows, scores
+    a.store_floats = n_rot + 2 + kv_width
+    a.attend_floats = 2 * q_width // Hkv + 2 * hd + (H // Hkv) * (max_len + 1)
+    a.failed = 0
     with nogil:
-        if nt == 1:
-            scratch = <float*>malloc(sizeof(float) * (store_floats if store_floats > attend_floats else attend_floats))
-            for t in range(n):
-                _store_token(&a, t, scratch)
-            for i in range(n * H):
-                _attend(&a, i, scratch)
-            free(scratch)
-        else:
-            with parallel(num_threads=nt):
-                scratch = <float*>malloc(sizeof(float) * store_floats)
-                for t in prange(n, schedule="static"):
-                    _store_token(&a, t, scratch)
-                free(scratch)
-            with parallel(num_threads=nt):
-                scratch = <float*>malloc(sizeof(float) * attend_floats)
-                for i in prange(n * H, schedule="dynamic"):
-                    _attend(&a, i, scratch)
-                free(scratch)
+        # every token's k and v are in the cache before any token attends (a prompt's tokens
+        # attend to each other)
+        pool_run(nt, n, _store_item, &a)
+        pool_run(nt, n * Hkv, _attend_item, &a)
+    if a.failed:
+        raise MemoryError("attention: cannot allocate scratch")

@@ -38,6 +38,13 @@ cdef extern from "ggml_quants.h" nogil:
                      float *out, int64_t ldo, int n_threads)
     void pq_dequant_rows(int t, const uint8_t *w, int64_t wstride, int64_t k, int64_t j0, int64_t j1,
                          float *out, int n_threads)
+    ctypedef void (*pq_item_fn)(void *ctx, int64_t item) noexcept nogil
+    void pq_pool_run(int n_threads, int64_t n_items, pq_item_fn fn, void *ctx)
+
+
+cdef void pool_run(int n_threads, int64_t n_items, pool_item_fn fn, void *ctx) noexcept nogil:
+    """fn(ctx, i) for i < n_items on the calling thread and up to n_threads - 1 of the pool's helpers."""
+    pq_pool_run(n_threads, n_items, <pq_item_fn>fn, ctx)
 
 # Weight types accepted by mul_mat_q / get_rows_q (gguf.GGMLQuantizationType values).
 DEF T_Q8_1 = 9

@@ -1,0 +1,76 @@
+"""The step kernels split their work into items on the products' worker pool: results must not
+depend on the thread count, and sizes on both sides of the parallel thresholds must agree with a
+plain numpy computation."""
+import numpy as np
+import pytest
+
+from pyllama._fast import ops
+
+THREADS = (1, 2, 3)
+
+
+@pytest.mark.parametrize("n,d", [(1, 768), (32, 768), (64, 4096)])
+def test_rms_norm_is_the_same_on_any_thread_count(n, d):
+    rng = np.random.default_rng(n * d)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    outs = []
+    for nt in THREADS:
+        out = np.empty_like(x)
+        ops.rms_norm(x, w, out, 1e-5, nt)
+        outs.append(out)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,f", [(1, 2048), (1, 5000), (32, 2048), (3, 4097)])
+def test_swiglu_is_the_same_on_any_thread_count(n, f):
+    rng = np.random.default_rng(n + f)
+    gu = rng.standard_normal((n, 2 * f)).astype(np.float32)
+    outs = []
+    for nt in THREADS:
+        out = np.full((n, f), np.nan, np.float32)
+        ops.swiglu(gu, out, nt)
+        outs.append(out)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    g, u = gu[:, :f].astype(np.float64), gu[:, f:].astype(np.float64)
+    np.testing.assert_allclose(outs[0], g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,L,H,Hkv,k_type", [(1, 70, 12, 4, 1), (32, 70, 12, 4, 1), (8, 300, 8, 8, 0),
+                                              (16, 40, 6, 2, 8)])
+def test_attention_is_the_same_on_any_thread_count(n, L, H, Hkv, k_type):
+    """Sequences of L cached cells each, one new token per sequence (the decode shape), GQA
+    groups of H / Hkv heads; above and below the parallel threshold."""
+    rng = np.random.default_rng(n * L + H)
+    hd = 64
+    kvw = Hkv * hd
+    n_cells = n * (L + 1)
+    old = rng.standard_normal((n_cells, kvw)).astype(np.float32)
+    if k_type == 0:
+        cache = old
+    else:
+        cache = np.zeros((n_cells, ops.kv_row_nbytes(k_type, kvw)), np.uint8)
+        ops.kv_store(k_type, old, cache)
+    qkv = rng.standard_normal((n, (H + 2 * Hkv) * hd)).astype(np.float32)
+    pos = np.full(n, L, np.int32)
+    kv_idx = (np.arange(n, dtype=np.int32) * (L + 1) + L).astype(np.int32)
+    cells = np.arange(n_cells, dtype=np.int32)
+    ranges = np.stack([np.arange(n) * (L + 1), np.full(n, L + 1)], 1).astype(np.int32)
+    e = np.zeros(0, np.float32)
+    outs = []
+    for nt in THREADS:
+        kc, vc = cache.copy(), cache[::-1].copy()
+        out = np.full((n, H * hd), np.nan, np.float32)
+        ops.attention(qkv, kc, vc, pos, kv_idx, cells, ranges, e, e, out, H, Hkv, hd, hd, 2, 10000.0, 1.0,
+                      1e-5, 0.125, nt, k_type, k_type)
+        outs.append((out, kc, vc))
+    for out, kc, vc in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0][0])
+        np.testing.assert_array_equal(kc, outs[0][1])
+        np.testing.assert_array_equal(vc, outs[0][2])
+    assert np.isfinite(outs[0][0]).all()

@@ -6,8 +6,9 @@
  * Two paths compute every product:
  *   - portable: plain C, one activation row at a time, following ggml's scalar (generic) code for
  *     the integer sums and the order in which the scales are applied (pq_isums_* + pq_dot1_*);
- *   - AVX2 (+FMA, F16C; compiled when the build targets them): maddubs/madd integer dot products,
- *     several activation rows per weight block while the unpacked block sits in registers, float
+ *   - AVX2 (+FMA, F16C; compiled when the build targets them): maddubs/madd integer dot products
+ *     (VNNI's dpbusd for the byte products where the build targets AVX-VNNI or AVX-512 VNNI: the
+ *     same exact integer sums in one instruction), several activation rows per weight block while the unpacked block sits in registers, float
  *     accumulation in vector lanes (as ggml's AVX2 code does).
  * Both paths compute the same integer sums per block from the same quantized activations (the
  * quantizers below are shared, so the activations agree bit for bit). The final float results
@@ -627,14 +628,25 @@ PQ_INLINE __m256i pq_bits_to_bytes(uint32_t bits) {
     v = _mm256_or_si256(v, bit);
     return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
 }
+/* unsigned bytes u . signed bytes b, 4 products per int32 lane. With VNNI one instruction; without,
+ * maddubs + madd, whose int16 pair sums cannot saturate for the callers' ranges (|u| <= 128,
+ * |b| <= 127), so both give the exact sums. */
+PQ_INLINE __m256i pq_dpbusd(__m256i u, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, b);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, b), _mm256_set1_epi16(1));
+#endif
+}
 /* signed bytes a . signed bytes b, in 8 int32 lanes (|a|, |b| <= 128, never both -128) */
 PQ_INLINE __m256i pq_dot_i8(__m256i a_abs, __m256i a, __m256i b) {
-    const __m256i p = _mm256_maddubs_epi16(a_abs, _mm256_sign_epi8(b, a));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    return pq_dpbusd(a_abs, _mm256_sign_epi8(b, a));
 }
 /* unsigned bytes u (<= 63) . signed bytes b, in 8 int32 lanes */
 PQ_INLINE __m256i pq_dot_u8(__m256i u, __m256i b) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, b), _mm256_set1_epi16(1));
+    return pq_dpbusd(u, b);
 }
 
 /* Q4_0, Q5_0, Q8_0 x Q8_0: signed weights, per-block scale dx*dy. Q4_0 and Q5_0 take two blocks

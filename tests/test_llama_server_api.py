@@ -193,7 +193,8 @@ def test_props_values(srv, tiny_model):
     assert (params["top_k"], params["top_p"], params["min_p"]) == (40, pytest.approx(0.95), pytest.approx(0.05))
     assert params["repeat_last_n"] == 64 and params["repeat_penalty"] == 1.0 and params["seed"] == -1
     assert params["n_probs"] == 0 and params["stop"] == [] and params["ignore_eos"] is False
-    assert params["samplers"] == ["penalties", "top_k", "top_p", "min_p", "temperature"]
+    assert params["samplers"] == ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
+                                  "temperature"]
     assert props["total_slots"] == N_SLOTS
     assert props["model_path"] == tiny_model and props["model_alias"] == os.path.basename(tiny_model)
     assert props["bos_token"] == "<s>" and props["eos_token"] == srv.state.tokenizer.token_text(srv.state.tokenizer.eos_id)

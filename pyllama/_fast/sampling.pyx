@@ -23,6 +23,7 @@ n_probs > 0).
 """
 
 from cython.parallel cimport prange, parallel
+from libc.stdlib cimport calloc, free
 cimport openmp
 
 cdef extern from * nogil:
@@ -76,6 +77,17 @@ cdef extern from * nogil:
         // same boundary bucket twice.
         uint64_t* list;
         int n_list, list_lo, list_hi;
+        // The general chain's candidate arrays (sample_row_ext), allocated on first use: rows of
+        // the default chain never need them.
+        int nv;
+        void* xblock;
+        int* cid;         // candidate ids                                     [n_vocab]
+        float* cl;        // candidate logits                                  [n_vocab]
+        float* cp;        // candidate probabilities                           [n_vocab]
+        int* tid;         // reordering buffers                                [n_vocab]
+        float* tl;        //                                                   [n_vocab]
+        int* dry;         // DRY repeat counts                                 [dry_cap]
+        int dry_cap;
     };
 
     // exp(x) for x <= 0, Cephes-style (about 1 ulp), written with plain arithmetic so that the
@@ -534,9 +546,486 @@ cdef extern from * nogil:
         for (; j < n_probs; j++) { top_ids[j] = -1; top_probs[j] = 0.0f; }
     }
 
+    // ---- The general chain: any order, and the samplers the bucketed path above lacks ----------
+    //
+    // llama.cpp's definitions, sampler by sampler, on an explicit candidate list (id, logit, p)
+    // with a `sorted` flag (descending logit, ties by lower id). Rows take this path only when
+    // they use typical-p, XTC, DRY, top-n-sigma, dynamic temperature, mirostat, min_keep or a
+    // chain order other than the default; the others keep the faster path above.
+
+    // Chain codes (pyllama/sampling.py SAMPLER_CODES).
+    enum { C_PENALTIES = 0, C_DRY = 1, C_TOP_N_SIGMA = 2, C_TOP_K = 3, C_TYPICAL = 4, C_TOP_P = 5,
+           C_MIN_P = 6, C_XTC = 7, C_TEMPERATURE = 8 };
+    // Extended float parameters (xparams columns) and int parameters (xiparams columns).
+    enum { XF_TYPICAL = 0, XF_NSIGMA = 1, XF_XTC_P = 2, XF_XTC_T = 3, XF_XTC_DRAW = 4, XF_DRY_MULT = 5,
+           XF_DRY_BASE = 6, XF_TAU = 7, XF_ETA = 8, XF_MU = 9, XF_DYN_RANGE = 10, XF_DYN_EXP = 11 };
+    enum { XI_EXT = 0, XI_MIN_KEEP = 1, XI_MIROSTAT = 2, XI_DRY_ALLOWED = 3, XI_CHAIN_LEN = 4, XI_CHAIN = 5 };
+    static const int MAX_CHAIN = 16;
+
+    struct Cands {
+        int* id;
+        float* logit;
+        float* p;
+        int size;
+        bool sorted;
+        bool identity;   // id[i] == i for every i < size == n_vocab (nothing removed or moved)
+    };
+
+    static bool ensure_ext(Scratch& s) {
+        if (s.xblock) return true;
+        size_t nv = (size_t)s.nv;
+        size_t sz = (nv * 4 + 63) & ~(size_t)63;
+        char* p = (char*)std::malloc(5 * sz + 64);
+        if (!p) return false;
+        s.xblock = p;
+        p = (char*)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+        s.cid = (int*)p; p += sz;
+        s.cl = (float*)p; p += sz;
+        s.cp = (float*)p; p += sz;
+        s.tid = (int*)p; p += sz;
+        s.tl = (float*)p;
+        return true;
+    }
+
+    static inline float key_logit(uint64_t k) {
+        uint32_t ord = ~(uint32_t)(k >> 32);
+        uint32_t u = (ord & 0x80000000u) ? (ord & 0x7fffffffu) : ~ord;
+        float v;
+        __builtin_memcpy(&v, &u, sizeof(v));
+        return v;
+    }
+
+    // Sorts keys[0, n) by the whole 64-bit key (logit descending, then id ascending): a radix
+    // sort on the logit half, then the rare runs of equal logits by id.
+    static uint64_t* sort_keys(Scratch& s, int n) {
+        uint64_t* k = s.keys;
+        if (n <= 256) { std::sort(k, k + n); return k; }
+        k = radix_sort_hi32(k, s.tmp, n);
+        for (int i = 0; i < n;) {
+            int j = i + 1;
+            uint32_t h = (uint32_t)(k[i] >> 32);
+            while (j < n && (uint32_t)(k[j] >> 32) == h) j++;
+            if (j - i > 1) std::sort(k + i, k + j);
+            i = j;
+        }
+        return k;
+    }
+
+    static void cands_from_keys(Cands& c, const uint64_t* k, int n) {
+        for (int j = 0; j < n; j++) { c.id[j] = key_id(k[j]); c.logit[j] = key_logit(k[j]); }
+        c.size = n;
+        c.sorted = true;
+        c.identity = false;
+    }
+
+    static void sort_cands(Scratch& s, Cands& c) {
+        if (c.sorted) return;
+        for (int i = 0; i < c.size; i++) s.keys[i] = make_key(c.logit[i], c.id[i]);
+        cands_from_keys(c, sort_keys(s, c.size), c.size);
+    }
+
+    // llama.cpp's softmax: p = exp(l - max) / sum over the current candidates.
+    static void softmax(Cands& c) {
+        float mx = c.logit[0];
+        if (!c.sorted) for (int i = 1; i < c.size; i++) mx = c.logit[i] > mx ? c.logit[i] : mx;
+        double sum = 0.0;
+        for (int i = 0; i < c.size; i++) { float p = std::exp(c.logit[i] - mx); c.p[i] = p; sum += p; }
+        for (int i = 0; i < c.size; i++) c.p[i] = (float)(c.p[i] / sum);
+    }
+
+    static void keep_prefix(Cands& c, int n) {
+        if (n < c.size) { c.size = n; c.identity = false; }
+    }
+
+    static void op_penalties(Scratch& s, Cands& c, const int* pen, int n_pen, float rp, float freq,
+                             float pres) {
+        if (n_pen <= 0 || (rp == 1.0f && freq == 0.0f && pres == 0.0f)) return;
+        const int nv = s.nv;
+        for (int j = 0; j < n_pen; j++) { int t = pen[j]; if (t >= 0 && t < nv) s.counts[t]++; }
+        for (int i = 0; i < c.size; i++) {
+            int cnt = s.counts[c.id[i]];
+            if (!cnt) continue;
+            float v = c.logit[i];
+            v = v <= 0.0f ? v * rp : v / rp;
+            v -= (float)cnt * freq + pres;
+            v = (v == v) ? v : -INFINITY;
+            c.logit[i] = v < FLT_MAX ? v : FLT_MAX;
+        }
+        for (int j = 0; j < n_pen; j++) { int t = pen[j]; if (t >= 0 && t < nv) s.counts[t] = 0; }
+        c.sorted = false;
+    }
+
+    // The breaker table (pyllama/sampling.py dry_breaker_table): [n, (head, offset) x n, tails]
+    // with heads ascending; a tail at `offset` is [length, tokens...].
+    static void breaker_range(const int* brk, int token, int* lo, int* hi) {
+        if (!brk) { *lo = *hi = 0; return; }
+        int n = brk[0];
+        int a = 0, b = n;
+        while (a < b) { int m = (a + b) / 2; if (brk[1 + 2 * m] < token) a = m + 1; else b = m; }
+        int e = a;
+        while (e < n && brk[1 + 2 * e] == token) e++;
+        *lo = a;
+        *hi = e;
+    }
+
+    static void op_dry(Scratch& s, Cands& c, const int* hist, int n_hist, float mult, float base,
+                       int allowed, const int* brk) {
+        if (mult == 0.0f || base < 1.0f || n_hist <= 0) return;
+        const int N = n_hist;
+        if (N <= allowed) return;
+        auto rat = [&](int i) -> int { return hist[N - 1 - i]; };
+        // 1. The most recent sequence breaker limits how far back a repeat may reach.
+        int rep_limit = N;
+        for (int i = 0; i < N; i++) {
+            int lo, hi;
+            breaker_range(brk, rat(i), &lo, &hi);
+            if (lo == hi) continue;
+            int longest = -1;
+            for (int e = lo; e < hi; e++) {
+                const int* tail = brk + brk[2 + 2 * e];
+                int len = tail[0];
+                if (len > longest && len <= i) {
+                    bool match = true;
+                    for (int o = 0; o < len; o++)
+                        if (tail[1 + o] != rat(i - o - 1)) { match = false; break; }
+                    if (match) longest = len;
+                }
+            }
+            if (longest >= 0) { rep_limit = i - longest; break; }
+        }
+        if (rep_limit < allowed) return;
+        // 2. Z-algorithm over the reversed history: cnt[N - 1 - k] = length of the longest
+        // suffix of the history that also ends k tokens earlier (capped at rep_limit).
+        if (s.dry_cap < N) {
+            int* d = (int*)std::realloc(s.dry, sizeof(int) * (size_t)N);
+            if (!d) return;     // out of memory: no DRY penalty this step
+            s.dry = d;
+            s.dry_cap = N;
+        }
+        int* cnt = s.dry;
+        for (int i = 0; i < N; i++) cnt[i] = 0;
+        {
+            const int last = N - 1;
+            int rt = 0, lt = 0;
+            for (int k = 1; k < N; k++) {
+                if (k > rt) {
+                    int n = 0;
+                    while (n + k < N && rat(n) == rat(n + k)) n++;
+                    cnt[last - k] = imin(n, rep_limit);
+                    if (n > 0) { lt = k; rt = k + n - 1; }
+                } else {
+                    int p = k - lt;
+                    int right = rt - k + 1;
+                    if (cnt[last - p] < right) {
+                        cnt[last - k] = imin(cnt[last - p], rep_limit);
+                    } else {
+                        int i = rt + 1;
+                        while (i < N && rat(i) == rat(i - k)) i++;
+                        cnt[last - k] = imin(i - k, rep_limit);
+                        lt = k;
+                        rt = i - 1;
+                    }
+                }
+            }
+        }
+        // 3. The token after each repeat would extend it: the longest such repeat per token
+        // (stored + 1 in counts[], which is zero outside this function).
+        const int nv = s.nv;
+        bool any = false;
+        for (int i = 0; i < N - 1; i++) {
+            int len = cnt[i];
+            if (len >= allowed) {
+                int t = rat(N - 2 - i);
+                if (t < 0 || t >= nv) continue;
+                if (s.counts[t] < len + 1) s.counts[t] = len + 1;
+                any = true;
+            }
+        }
+        if (any) {
+            // 4. Penalize, except single-token sequence breakers.
+            int max_exp = 0;
+            if (base > 1.000001f) max_exp = (int)(88.7228391f / std::log(base));
+            for (int i = 0; i < c.size; i++) {
+                int m = s.counts[c.id[i]];
+                if (!m) continue;
+                int lo, hi;
+                breaker_range(brk, c.id[i], &lo, &hi);
+                bool single = false;
+                for (int e = lo; e < hi; e++) if (brk[brk[2 + 2 * e]] == 0) { single = true; break; }
+                if (single) continue;
+                int rexp = m - 1 - allowed;
+                if (max_exp > 0 && rexp > max_exp) rexp = max_exp;
+                float pen = mult * (float)std::pow((double)base, (double)rexp);
+                c.logit[i] -= pen;
+            }
+            for (int i = 0; i < N; i++) { int t = hist[i]; if (t >= 0 && t < nv) s.counts[t] = 0; }
+        }
+        c.sorted = false;
+    }
+
+    static void op_top_n_sigma(Scratch& s, Cands& c, float n) {
+        if (n <= 0.0f || c.size <= 1) return;
+        float mx = c.logit[0], sum = 0.0f;
+        int valid = 0;
+        for (int i = 0; i < c.size; i++) {
+            float v = c.logit[i];
+            if (v != -INFINITY) { if (v > mx) mx = v; sum += v; valid++; }
+        }
+        float mean = valid > 0 ? sum / valid : 0.0f;
+        float acc = 0.0f;
+        for (int i = 0; i < c.size; i++)
+            if (c.logit[i] != -INFINITY) acc += (float)std::pow((double)(c.logit[i] - mean), 2.0);
+        float sd = valid > 0 ? std::sqrt(acc / valid) : 0.0f;
+        for (int i = 0; i < c.size; i++)
+            if (c.logit[i] < mx - n * sd) c.logit[i] = -INFINITY;
+        sort_cands(s, c);
+        softmax(c);
+    }
+
+    static void op_top_k(Scratch& s, Cands& c, int k) {
+        if (k <= 0) return;
+        if (k > c.size) k = c.size;
+        if (c.sorted) { keep_prefix(c, k); return; }
+        if (c.identity && k <= KSMALL) {
+            int got = select_top(s, c.logit, c.size, k);   // (no NaN here: got == k)
+            cands_from_keys(c, s.keys, got);
+            return;
+        }
+        for (int i = 0; i < c.size; i++) s.keys[i] = make_key(c.logit[i], c.id[i]);
+        if (k < c.size) std::nth_element(s.keys, s.keys + k, s.keys + c.size);
+        std::sort(s.keys, s.keys + k);
+        cands_from_keys(c, s.keys, k);
+    }
+
+    static void op_typical(Scratch& s, Cands& c, float p, int min_keep) {
+        if (p >= 1.0f) return;
+        sort_cands(s, c);
+        softmax(c);
+        // (a zero probability adds nothing to the entropy; llama.cpp's 0 * log 0 would be NaN)
+        float ent = 0.0f;
+        for (int i = 0; i < c.size; i++) if (c.p[i] > 0.0f) ent += -c.p[i] * std::log(c.p[i]);
+        // order by |-log p - entropy|, ties by position (keys: score bits, then position)
+        uint64_t* k = s.keys;
+        for (int i = 0; i < c.size; i++) {
+            float sc = std::fabs(-std::log(c.p[i]) - ent);
+            if (!(sc == sc)) sc = INFINITY;
+            uint32_t u;
+            __builtin_memcpy(&u, &sc, sizeof(u));
+            k[i] = ((uint64_t)u << 32) | (uint32_t)i;
+        }
+        std::sort(k, k + c.size);
+        float cum = 0.0f;
+        int last = c.size;
+        for (int i = 0; i < c.size; i++) {
+            cum += c.p[(uint32_t)k[i]];
+            if (cum > p && (min_keep == 0 || i >= min_keep - 1)) { last = i + 1; break; }
+        }
+        for (int i = 0; i < last; i++) {
+            int j = (int)(uint32_t)k[i];
+            s.tid[i] = c.id[j];
+            s.tl[i] = c.logit[j];
+        }
+        // (the probabilities are not carried: every later step that reads them recomputes them)
+        for (int i = 0; i < last; i++) { c.id[i] = s.tid[i]; c.logit[i] = s.tl[i]; }
+        c.size = last;
+        c.sorted = false;
+        c.identity = false;
+    }
+
+    static void op_top_p(Scratch& s, Cands& c, float p, int min_keep) {
+        if (p >= 1.0f) return;
+        sort_cands(s, c);
+        softmax(c);
+        float cum = 0.0f;
+        int last = c.size;
+        for (int i = 0; i < c.size; i++) {
+            cum += c.p[i];
+            if (cum >= p && i + 1 >= min_keep) { last = i + 1; break; }
+        }
+        keep_prefix(c, last);
+    }
+
+    static void op_min_p(Scratch& s, Cands& c, float p, int min_keep) {
+        if (p <= 0.0f || c.size == 0) return;
+        if (!c.sorted) {
+            float mx = -FLT_MAX;
+            for (int i = 0; i < c.size; i++) mx = c.logit[i] > mx ? c.logit[i] : mx;
+            const float thr = mx + std::log(p);
+            int n = 0;
+            for (int i = 0; i < c.size; i++)
+                if (c.logit[i] >= thr) { s.tid[n] = c.id[i]; s.tl[n] = c.logit[i]; n++; }
+            if (n > 0 && n >= min_keep) {
+                if (n < c.size) {
+                    for (int i = 0; i < n; i++) { c.id[i] = s.tid[i]; c.logit[i] = s.tl[i]; }
+                    c.size = n;
+                    c.identity = false;
+                }
+                return;
+            }
+        }
+        sort_cands(s, c);
+        const float thr = c.logit[0] + std::log(p);
+        int i = 1;
+        for (; i < c.size; i++) if (c.logit[i] < thr && i >= min_keep) break;
+        keep_prefix(c, i);
+    }
+
+    static void op_xtc(Scratch& s, Cands& c, float prob, float thr, float chance, int min_keep) {
+        if (prob <= 0.0f || thr > 0.5f || c.size < 2) return;
+        if (chance > prob) return;
+        sort_cands(s, c);
+        softmax(c);
+        int pos_last = 0;
+        for (int i = 0; i < c.size; i++) { if (c.p[i] >= thr) pos_last = i; else break; }
+        if (c.size - pos_last >= min_keep && pos_last > 0) {
+            std::memmove(c.id, c.id + pos_last, sizeof(int) * (size_t)(c.size - pos_last));
+            std::memmove(c.logit, c.logit + pos_last, sizeof(float) * (size_t)(c.size - pos_last));
+            std::memmove(c.p, c.p + pos_last, sizeof(float) * (size_t)(c.size - pos_last));
+            c.size -= pos_last;
+            c.identity = false;
+        }
+    }
+
+    // Temperature; <= 0 keeps only the first maximum (every other logit becomes -inf).
+    static void temp_impl(Cands& c, float t) {
+        if (t <= 0.0f) {
+            int mi = 0;
+            float ml = c.logit[0];
+            for (int i = 1; i < c.size; i++) {
+                if (c.logit[i] > ml) { c.logit[mi] = -INFINITY; mi = i; ml = c.logit[i]; }
+                else c.logit[i] = -INFINITY;
+            }
+            return;
+        }
+        for (int i = 0; i < c.size; i++) c.logit[i] /= t;
+    }
+
+    // llama.cpp's temp-ext: with a range, the temperature follows the normalized entropy.
+    static void op_temperature(Scratch& s, Cands& c, float t, float delta, float exponent) {
+        if (delta > 0.0f) {
+            const float tmin = t - delta > 0.0f ? t - delta : 0.0f, tmax = t + delta;
+            if (c.size <= 1) return;
+            const float max_ent = -std::log(1.0f / c.size);
+            sort_cands(s, c);
+            softmax(c);
+            float ent = 0.0f;
+            for (int i = 0; i < c.size; i++) if (c.p[i] > 0.0f) ent -= c.p[i] * std::log(c.p[i]);
+            const float norm = ent / max_ent;
+            const float dyn = tmin + (tmax - tmin) * std::pow(norm, exponent);
+            temp_impl(c, dyn);
+            return;
+        }
+        temp_impl(c, t);
+    }
+
+    // Sorts, normalizes and picks: the first candidate whose cumulative probability exceeds the
+    // draw (a walk that rounding leaves short picks the last candidate with weight).
+    static int dist_pick(Scratch& s, Cands& c, float draw) {
+        sort_cands(s, c);
+        softmax(c);
+        if (!(draw >= 0.0f)) draw = 0.0f;
+        double cum = 0.0;
+        int last = 0;
+        for (int i = 0; i < c.size; i++) {
+            if (c.p[i] > 0.0f) last = i;
+            cum += c.p[i];
+            if (cum > draw) return i;
+        }
+        return last;
+    }
+
+    static int mirostat_v1(Scratch& s, Cands& c, int n_vocab, float tau, float eta, float* mu,
+                           float draw) {
+        const int m = 100;
+        sort_cands(s, c);
+        softmax(c);
+        float sum_tb = 0.0f, sum_tt = 0.0f;
+        for (int i = 0; i < m - 1 && i < c.size - 1; i++) {
+            float ti = std::log((float)(i + 2) / (float)(i + 1));
+            float bi = std::log(c.p[i] / c.p[i + 1]);
+            sum_tb += ti * bi;
+            sum_tt += ti * ti;
+        }
+        const float s_hat = sum_tb / sum_tt;
+        const float eps = s_hat - 1;
+        float k = std::pow((eps * std::pow(2.0f, *mu)) / (1 - std::pow((float)n_vocab, -eps)), 1 / s_hat);
+        int ki = !(k >= 1.0f) ? 1 : (k >= (float)c.size ? c.size : (int)k);
+        keep_prefix(c, ki);
+        int idx = dist_pick(s, c, draw);
+        float e = -std::log2(c.p[idx]) - tau;
+        *mu = *mu - eta * e;
+        return idx;
+    }
+
+    static int mirostat_v2(Scratch& s, Cands& c, float tau, float eta, float* mu, float draw) {
+        sort_cands(s, c);
+        softmax(c);
+        int n = 0;
+        while (n < c.size && !(-std::log2(c.p[n]) > *mu)) n++;
+        keep_prefix(c, n > 0 ? n : 1);
+        int idx = dist_pick(s, c, draw);
+        float e = -std::log2(c.p[idx]) - tau;
+        *mu = *mu - eta * e;
+        return idx;
+    }
+
+    static void sample_row_ext(const float* logits, int n_vocab, const float* fp, const int* ip,
+                               const int* pen, float* xf, const int* xi, const int* hist,
+                               int n_hist, const int* brk, Scratch& s, int* out_id,
+                               float* out_prob, int* top_ids, float* top_probs, int n_top_cols) {
+        const float temp = fp[0], top_p = fp[1], min_p = fp[2];
+        const float rp = fp[3], freq = fp[4], pres = fp[5], draw = fp[6];
+        const int top_k = ip[0], n_probs = ip[1], n_pen = ip[2];
+        const int min_keep = xi[XI_MIN_KEEP], mirostat = xi[XI_MIROSTAT];
+        for (int j = 0; j < n_top_cols; j++) { top_ids[j] = -1; top_probs[j] = 0.0f; }
+        Cands c;
+        c.id = s.cid; c.logit = s.cl; c.p = s.cp;
+        c.size = n_vocab; c.sorted = false; c.identity = true;
+        for (int i = 0; i < n_vocab; i++) {
+            float v = logits[i];
+            v = (v == v) ? v : -INFINITY;
+            c.logit[i] = v < FLT_MAX ? v : FLT_MAX;
+            c.id[i] = i;
+        }
+        s.list = nullptr;
+        int pick;
+        if (mirostat == 1 || mirostat == 2) {
+            // llama.cpp's common sampler: with mirostat the chain is temperature then mirostat.
+            temp_impl(c, temp);
+            pick = mirostat == 1
+                ? mirostat_v1(s, c, n_vocab, xf[XF_TAU], xf[XF_ETA], &xf[XF_MU], draw)
+                : mirostat_v2(s, c, xf[XF_TAU], xf[XF_ETA], &xf[XF_MU], draw);
+        } else {
+            const int n_chain = imin(xi[XI_CHAIN_LEN], MAX_CHAIN);
+            for (int q = 0; q < n_chain; q++) {
+                switch (xi[XI_CHAIN + q]) {
+                    case C_PENALTIES: op_penalties(s, c, pen, n_pen, rp, freq, pres); break;
+                    case C_DRY: op_dry(s, c, hist, n_hist, xf[XF_DRY_MULT], xf[XF_DRY_BASE],
+                                       xi[XI_DRY_ALLOWED], brk); break;
+                    case C_TOP_N_SIGMA: op_top_n_sigma(s, c, xf[XF_NSIGMA]); break;
+                    case C_TOP_K: op_top_k(s, c, top_k); break;
+                    case C_TYPICAL: op_typical(s, c, xf[XF_TYPICAL], min_keep); break;
+                    case C_TOP_P: op_top_p(s, c, top_p, min_keep); break;
+                    case C_MIN_P: op_min_p(s, c, min_p, min_keep); break;
+                    case C_XTC: op_xtc(s, c, xf[XF_XTC_P], xf[XF_XTC_T], xf[XF_XTC_DRAW], min_keep); break;
+                    case C_TEMPERATURE: op_temperature(s, c, temp, xf[XF_DYN_RANGE], xf[XF_DYN_EXP]); break;
+                    default: break;
+                }
+            }
+            pick = dist_pick(s, c, draw);
+        }
+        *out_id = c.id[pick];
+        *out_prob = c.p[pick];
+        const int n = imin(n_probs, c.size);
+        for (int j = 0; j < n; j++) { top_ids[j] = c.id[j]; top_probs[j] = c.p[j]; }
+    }
+
     // Samples one row. fp: temperature, top_p, min_p, repeat_penalty, frequency_penalty,
     // presence_penalty, draw. ip: top_k, n_probs, n_penalty_tokens. top_ids/top_probs have room
     // for n_top_cols entries; the first n_probs are the row's, the rest padded with -1 / 0.
+    // xi (NULL: none) marks a row of the general chain (sample_row_ext), with xf its extended
+    // parameters (the mirostat mu is updated in place), hist its DRY history (oldest first) and
+    // brk its DRY breaker table.
     //
     // The kept candidates are always a prefix of the sorted vocabulary, held as "every token of
     // buckets [0, bK) plus the first mK tokens (in sorted order) of bucket bK". Each step of the
@@ -544,8 +1033,15 @@ cdef extern from * nogil:
     // the boundary falls in; the draw likewise sorts only the bucket where the cumulative mass
     // crosses it.
     static void sample_row(const float* logits, int n_vocab, const float* fp, const int* ip,
-                           const int* pen, Scratch& s, int* out_id, float* out_prob,
+                           const int* pen, float* xf, const int* xi, const int* hist, int n_hist,
+                           const int* brk, Scratch& s, int* out_id, float* out_prob,
                            int* top_ids, float* top_probs, int n_top_cols) {
+        if (xi && xi[XI_EXT]) {
+            if (!ensure_ext(s)) { *out_id = -1; return; }   // (reported as a MemoryError)
+            sample_row_ext(logits, n_vocab, fp, ip, pen, xf, xi, hist, n_hist, brk, s, out_id,
+                           out_prob, top_ids, top_probs, n_top_cols);
+            return;
+        }
         const float temp = fp[0], top_p = fp[1], min_p = fp[2];
         const float rp = fp[3], freq = fp[4], pres = fp[5];
         float draw = fp[6];
@@ -783,6 +1279,8 @@ cdef extern from * nogil:
     static void free_scratch(Scratch* s) {
         if (!s) return;
         std::free(s->block);
+        std::free(s->xblock);
+        std::free(s->dry);
         delete s;
     }
 
@@ -816,6 +1314,10 @@ cdef extern from * nogil:
         // counts[] starts zeroed and sample_row leaves it zeroed.
         __builtin_memset(s->counts, 0, nv * sizeof(int));
         s->list = nullptr;
+        s->nv = n_vocab;
+        s->xblock = nullptr;
+        s->dry = nullptr;
+        s->dry_cap = 0;
         return s;
     }
 
@@ -831,6 +1333,7 @@ cdef extern from * nogil:
     void free_scratch "pyllama_sampling::free_scratch"(Scratch* s)
     void sample_row "pyllama_sampling::sample_row"(
         const float* logits, int n_vocab, const float* fp, const int* ip, const int* pen,
+        float* xf, const int* xi, const int* hist, int n_hist, const int* brk,
         Scratch& s, int* out_id, float* out_prob, int* top_ids, float* top_probs,
         int n_top_cols)
 
@@ -848,7 +1351,11 @@ def sample_rows(const float[:, ::1] logits,
                 float[::1] out_prob,
                 int[:, ::1] out_top_ids,
                 float[:, ::1] out_top_probs,
-                int n_threads=0):
+                int n_threads=0,
+                float[:, ::1] xparams=None,
+                const int[:, ::1] xiparams=None,
+                list dry_tokens=None,
+                list dry_breakers=None):
     """Samples every row of ``logits`` (see the module docstring for the chain).
 
     fparams [n_rows, 8]: temperature, top_p, min_p, repeat_penalty, frequency_penalty,
@@ -857,6 +1364,16 @@ def sample_rows(const float[:, ::1] logits,
     n_penalty_tokens are used; ids outside [0, n_vocab) are ignored). Writes out_ids, out_prob
     (probability of the chosen token) and the rows' n_probs most probable candidates into
     out_top_ids / out_top_probs (padding -1 / 0). n_threads 0 = OpenMP default.
+
+    The general chain (any order; typical-p, XTC, DRY, top-n-sigma, dynamic temperature,
+    mirostat, min_keep) runs for the rows whose xiparams[r, 0] is non-zero:
+    xparams float32 [n_rows, 16]: typical_p, top_n_sigma, xtc_probability, xtc_threshold,
+    xtc draw, dry_multiplier, dry_base, mirostat_tau, mirostat_eta, mirostat mu (updated in place),
+    dynatemp_range, dynatemp_exponent, unused. xiparams int32 [n_rows, 24]: general chain (0/1),
+    min_keep, mirostat (0/1/2), dry_allowed_length, chain length (<= 16), chain codes (0
+    penalties, 1 dry, 2 top_n_sigma, 3 top_k, 4 typical, 5 top_p, 6 min_p, 7 xtc, 8 temperature).
+    dry_tokens / dry_breakers: per row, None or a C-contiguous int32 array (the DRY history,
+    oldest first; the breaker table of pyllama.sampling.dry_breaker_table).
     """
     cdef Py_ssize_t n_rows = logits.shape[0]
     cdef Py_ssize_t n_vocab = logits.shape[1]
@@ -893,6 +1410,60 @@ def sample_rows(const float[:, ::1] logits,
     if n_rows == 0:
         return
 
+    # The general chain's per-row inputs: pointers taken here, with the GIL, from arrays the
+    # caller keeps alive for the call.
+    cdef float* xf_ptr = NULL
+    cdef const int* xi_ptr = NULL
+    cdef const int** hist_ptrs = NULL
+    cdef int* hist_lens = NULL
+    cdef const int** brk_ptrs = NULL
+    cdef const int[::1] arr
+    cdef Py_ssize_t e, n_e, off
+    if xiparams is not None:
+        if xparams is None or xparams.shape[0] != n_rows or xparams.shape[1] != 16:
+            raise ValueError("xparams must be float32 [n_rows, 16] with xiparams")
+        if xiparams.shape[0] != n_rows or xiparams.shape[1] != 24:
+            raise ValueError("xiparams must be int32 [n_rows, 24]")
+        for r in range(n_rows):
+            if xiparams[r, 4] < 0 or xiparams[r, 4] > 16:
+                raise ValueError(f"row {r}: the chain holds {xiparams[r, 4]} samplers (at most 16)")
+        for name, lst in (("dry_tokens", dry_tokens), ("dry_breakers", dry_breakers)):
+            if lst is not None and len(lst) != n_rows:
+                raise ValueError(f"{name} has {len(lst)} rows, logits has {n_rows}")
+        xf_ptr = &xparams[0, 0]
+        xi_ptr = &xiparams[0, 0]
+        hist_ptrs = <const int**>calloc(n_rows, sizeof(int*))
+        hist_lens = <int*>calloc(n_rows, sizeof(int))
+        brk_ptrs = <const int**>calloc(n_rows, sizeof(int*))
+        if hist_ptrs == NULL or hist_lens == NULL or brk_ptrs == NULL:
+            free(hist_ptrs); free(hist_lens); free(brk_ptrs)
+            raise MemoryError("sample_rows: could not allocate the row pointers")
+        try:
+            for r in range(n_rows):
+                if dry_tokens is not None and dry_tokens[r] is not None:
+                    arr = dry_tokens[r]
+                    if arr.shape[0] > 0x7FFFFFFF:
+                        raise ValueError(f"row {r}: DRY history too long")
+                    hist_lens[r] = <int>arr.shape[0]
+                    if arr.shape[0] > 0:
+                        hist_ptrs[r] = &arr[0]
+                if dry_breakers is not None and dry_breakers[r] is not None:
+                    arr = dry_breakers[r]
+                    # a malformed table must fail here, not read out of bounds in the kernel
+                    if arr.shape[0] < 1 or arr[0] < 0 or 1 + 2 * arr[0] > arr.shape[0]:
+                        raise ValueError(f"row {r}: malformed DRY breaker table")
+                    n_e = arr[0]
+                    for e in range(n_e):
+                        off = arr[2 + 2 * e]
+                        if off < 1 + 2 * n_e or off >= arr.shape[0] or arr[off] < 0 \
+                                or off + 1 + arr[off] > arr.shape[0] \
+                                or (e > 0 and arr[1 + 2 * e] < arr[2 * e - 1]):
+                            raise ValueError(f"row {r}: malformed DRY breaker table")
+                    brk_ptrs[r] = &arr[0]
+        except BaseException:
+            free(hist_ptrs); free(hist_lens); free(brk_ptrs)
+            raise
+
     nt = n_threads if n_threads > 0 else openmp.omp_get_max_threads()
     if nt > n_rows:
         nt = <int>n_rows    # one scratch per thread: never start threads that get no row
@@ -917,9 +1488,20 @@ def sample_rows(const float[:, ::1] logits,
         for r in prange(n_rows, schedule="dynamic", chunksize=1):
             if s == NULL:
                 failed += 1
+            elif xi_ptr != NULL:
+                sample_row(lg + r * nv, nv, fp + r * 8, ip + r * 4, pen_ptr + r * Li,
+                           xf_ptr + r * 16, xi_ptr + r * 24, hist_ptrs[r], hist_lens[r],
+                           brk_ptrs[r], s[0], oid + r, opr + r, top_ids_ptr + r * Ni,
+                           top_probs_ptr + r * Ni, Ni)
+                if oid[r] < 0:
+                    failed += 1
             else:
-                sample_row(lg + r * nv, nv, fp + r * 8, ip + r * 4, pen_ptr + r * Li, s[0],
+                sample_row(lg + r * nv, nv, fp + r * 8, ip + r * 4, pen_ptr + r * Li,
+                           NULL, NULL, NULL, 0, NULL, s[0],
                            oid + r, opr + r, top_ids_ptr + r * Ni, top_probs_ptr + r * Ni, Ni)
         free_scratch(s)
+    free(hist_ptrs)
+    free(hist_lens)
+    free(brk_ptrs)
     if failed:
         raise MemoryError("sample_rows: could not allocate the per-thread sampling scratch")

@@ -35,6 +35,7 @@ from ..tokenizer import Tokenizer
 from .. import trace
 from .._fast import gemm
 from . import pipe_prof
+from .constraint import Constraint, MaskWorker, apply_masks
 from .metrics import Metrics
 from .embedding import rows_wanted
 from .slot import Slot, SlotState, common_prefix, presampling_probs, token_probs
@@ -80,6 +81,7 @@ class PipelineGroup:
         self.fault: Optional[str] = None
         self.on_fault: Callable[[], None] = lambda: None  # a step failed because a device was lost
         self.prof = pipe_prof.profile_for(index) if pipe_prof.enabled else None
+        self._masks: Optional[MaskWorker] = None  # made for the first constrained request
         self._tr_iter = 0   # trace time the current iteration began (0: not traced)
         self._n_rows = self._n_prompt = self._n_decode = 0
         self.thread = threading.Thread(target=self._run, name=f"decode-{index}", daemon=True)
@@ -148,6 +150,8 @@ class PipelineGroup:
             if slot.busy:
                 self._finish(slot, None)
         self.sink.flush()
+        if self._masks is not None:
+            self._masks.close()
 
     def _iteration(self) -> None:
         self._t_iter = time.perf_counter()
@@ -174,12 +178,15 @@ class PipelineGroup:
             self._n_decode = sum(1 for s in self.slots if s.state is SlotState.GENERATING)
             self._n_prompt = len(batch) - self._n_decode
             trace.event("server", "batch_build", self._tr_iter, t, grp=self.index, n_slots=self._n_rows)
-        # a logit bias is applied to host logits, and pre-sampling probabilities are the host
-        # logits' softmax: a step with either takes the logits back
+        # a logit bias and a grammar's token mask are applied to host logits, and pre-sampling
+        # probabilities are the host logits' softmax: a step with any of them takes the logits back;
+        # so does a row using a sampler the device samplers lack (SequenceSampler.device_ok)
         if any(slot.task is not None and slot.task.embedding for slot in rows):
             out = self.ctx.decode(batch, embeddings=True)  # hidden states instead of logits
         elif self.backend_sampling and rows and not any(slot.sampler.logit_bias is not None
-                                                        or _wants_raw_probs(slot) for slot in rows):
+                                                        or _wants_raw_probs(slot)
+                                                        or slot.constraint is not None
+                                                        or not slot.sampler.device_ok for slot in rows):
             packed = self.sampler.pack([slot.sampler for slot in rows])
             out = self.ctx.decode(batch, packed, self.sampler.device_spec())
         else:
@@ -221,6 +228,16 @@ class PipelineGroup:
             else:
                 self.ctx.seq_rm(slot.seq, 0)
                 slot.start(task, 0, parent=parent, priority=self._arrivals)
+        # the first token's mask is computed while the prompt is
+        self._request_masks([slot for slot, _ in placements if slot.constraint is not None])
+
+    def _request_masks(self, slots: list[Slot]) -> None:
+        """Queues the next token masks of constrained slots on the mask worker."""
+        if not slots:
+            return
+        if self._masks is None:
+            self._masks = MaskWorker(f"masks-{self.index}")
+        self._masks.request_mask([s.constraint for s in slots if s.constraint is not None])
 
     def _build_batch(self) -> tuple[Optional[Batch], list[Slot]]:
         """Next tokens of generating slots first, then prompt (and recomputation) chunks within n_batch."""
@@ -479,14 +496,23 @@ class PipelineGroup:
         raw = None  # the rows wanting pre-sampling probabilities, copied before sampling biases them
         if out.sampled is None and any(_wants_raw_probs(slot) for slot in rows):
             raw = {i: out.logits[i].copy() for i, slot in enumerate(rows) if _wants_raw_probs(slot)}
+        t_mask_wait = t_mask_apply = 0.0
         if out.sampled is not None:
             res = self.sampler.unpack(out.sampled)
         else:
+            masked = [i for i, slot in enumerate(rows) if slot.constraint is not None]
+            if masked:
+                constraints: list[Constraint] = [rows[i].constraint for i in masked]  # type: ignore[misc]
+                t_mask_wait = sum(c.take_mask() for c in constraints)
+                t1 = time.perf_counter()
+                apply_masks(out.logits, masked, constraints)
+                t_mask_apply = time.perf_counter() - t1
             res = self.sampler.sample(out.logits, [slot.sampler for slot in rows])
         t_sampling = time.perf_counter() - t0
         if tr0:
             trace.event("server", "sampling", tr0, trace.now(), grp=self.index, n_slots=len(rows))
         ids, probs, top_ids, top_probs = res.ids.tolist(), res.probs, res.top_ids, res.top_probs
+        constrained: list[Slot] = []
         for i, slot in enumerate(rows):
             task = slot.task
             assert task is not None
@@ -504,14 +530,25 @@ class PipelineGroup:
             elif task.n_probs > 0:
                 p = token_probs(self.tokenizer, ids[i], float(probs[i]), top_ids[i], top_probs[i], task.n_probs,
                                 post_sampling=True)
+            if slot.constraint is not None and not slot.constraint.consume(ids[i]):
+                # only a token the mask allowed can be sampled: this is the grammar engine failing
+                why = slot.constraint.error or f"token {ids[i]} refused"
+                self.sink.put(task, ErrorEvent(f"constrained decoding failed: {why}"))
+                self._finish(slot, None)
+                continue
             event, final = slot.accept(ids[i], p)
             if event is not None:
                 self.sink.put(task, event)
             if final is not None:
                 self._finish(slot, final)
+            elif slot.constraint is not None:
+                constrained.append(slot)
+        # the next masks are computed while the next step is built and decoded
+        self._request_masks(constrained)
         if self.prof is not None:
-            self.prof.add(tokens=len(rows), sampling=t_sampling,
-                          detokenize=sum(s.t_detok for s in rows), stop_strings=sum(s.t_stop for s in rows))
+            self.prof.add(tokens=len(rows), sampling=t_sampling - t_mask_wait - t_mask_apply,
+                          detokenize=sum(s.t_detok for s in rows), stop_strings=sum(s.t_stop for s in rows),
+                          mask_wait=t_mask_wait, mask_apply=t_mask_apply)
             for s in rows:
                 s.t_detok = s.t_stop = 0.0
 

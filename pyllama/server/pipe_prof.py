@@ -2,8 +2,9 @@
 (PYLLAMA_PIPE_PROF_MS changes the period).
 
 Per group: waiting for its lock, pre-decode (placing tasks, building the batch), decode submit,
-synchronize, post-decode; per generated token: sampling, detokenizing, stop-string handling and
-result send. Each group counts only its own work (its own object, touched only by its thread).
+synchronize, post-decode; per generated token: sampling, detokenizing, stop-string handling,
+result send, and for constrained rows waiting for and applying their token masks. Each group
+counts only its own work (its own object, touched only by its thread).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ enabled = os.environ.get("PYLLAMA_PIPE_PROF", "") not in ("", "0")
 PERIOD_S = max(int(os.environ.get("PYLLAMA_PIPE_PROF_MS", "5000") or 5000), 50) / 1000
 
 PHASES = ("lock_wait", "pre_decode", "submit", "synchronize", "post_decode")
-PER_TOKEN = ("sampling", "detokenize", "stop_strings", "result_send")
+PER_TOKEN = ("sampling", "detokenize", "stop_strings", "result_send", "mask_wait", "mask_apply")
 
 
 class GroupProfile:

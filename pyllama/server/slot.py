@@ -16,6 +16,7 @@ import numpy as np
 
 from ..sampling import SequenceSampler
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .constraint import Constraint
 from .task import CompletionTask, FinalEvent, TokenEvent
 
 
@@ -85,6 +86,9 @@ class Slot:
         self.sampler: Optional[SequenceSampler] = None
         self.detok: Optional[IncrementalDetokenizer] = None
         self.stopper = StopMatcher([])
+        # the grammar or schema the output follows: the group feeds it each sampled token exactly
+        # once, as the token is accepted, never the tokens a recomputation puts back in the cache
+        self.constraint: Optional[Constraint] = None
         self.text = ""
         self.n_sent = 0                 # characters of self.text already sent
         self.t_start = self.t_prompt_done = self.t_last = 0.0
@@ -117,6 +121,8 @@ class Slot:
         self.sampler = SequenceSampler(task.params, task.prompt)
         self.detok = IncrementalDetokenizer(self.tokenizer)
         self.stopper = StopMatcher(task.stop)
+        if task.matcher is not None:
+            self.constraint = Constraint(task.matcher, self.tokenizer.n_vocab)
         self.parent = parent
         self.state = SlotState.WAIT_PARENT if parent is not None else SlotState.PROMPT
         self.t_start = time.perf_counter()
@@ -124,6 +130,7 @@ class Slot:
     def release(self) -> None:
         self.state = SlotState.IDLE
         self.task = None
+        self.constraint = None
         self.parent = None
         self.last_used = time.monotonic()
 
@@ -168,6 +175,8 @@ class Slot:
         if not stop_type and self.n_past >= self.n_ctx and not self.context_shift:
             stop_type = "limit"  # the token cannot be stored to continue: the slot's context is full
             self.truncated = True
+        if not stop_type and self.constraint is not None and self.constraint.done:
+            stop_type = "eos"  # the grammar allows nothing more but the end: the model's EOS is all that could follow
         if stop_type:
             if stop_type != "word":
                 self.text += self.detok.flush()

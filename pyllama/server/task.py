@@ -31,6 +31,7 @@ class CompletionTask:
     return_progress: bool = False           # prompt processing reports its progress
     cache_prompt: bool = True
     embedding: bool = False                 # the prompt's pooled hidden state is the result: no sampling
+    matcher: Any = None                     # constrained output: a fresh llguidance matcher (constraint.py)
     id_slot: int = -1
     index: int = 0                          # choice index within a request with n > 1
     siblings: list["CompletionTask"] = field(default_factory=list)  # the other choices, to be placed together

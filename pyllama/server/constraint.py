@@ -1,0 +1,299 @@
+"""Constrained decoding: grammars and JSON schemas as token masks, with llguidance.
+
+A request's constraint is a `ConstraintSpec` (a GBNF grammar, a JSON schema, a Lark grammar in
+llguidance's dialect, or "any JSON object"). `compile_constraint` checks it and returns a fresh
+matcher before any work is queued: an invalid spec is a 400 naming the request field and the
+problem. Compiled grammars are cached (a schema sent with every request compiles once), and each
+request gets its own copy of the compiled matcher.
+
+During generation a slot holds a `Constraint`: its matcher and the bitmask of the tokens allowed
+next. The group's decode thread applies the mask to the row's host logits before the sampler
+(disallowed tokens become -inf), feeds the sampled token to the matcher, and asks the group's
+`MaskWorker` for the next mask right away: the worker computes it on its own thread (llguidance
+releases the GIL) while the next step is built and decoded, so the mask is usually ready when the
+logits come back. A constraint is done when the matcher allows nothing but the end of
+generation; the request then ends as if the model had produced EOS.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+try:
+    import llguidance as llg
+except ImportError:  # pragma: no cover - a dependency; the error says what to install
+    llg = None
+
+from .._fast import masks as _masks
+from ..tokenizer import Tokenizer
+from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
+from .http import HTTPError
+
+KINDS = ("gbnf", "json_schema", "lark", "json_object")
+# The request field each kind comes from by default, for error messages.
+_DEFAULT_FIELD = {"gbnf": "grammar", "json_schema": "json_schema", "lark": "grammar", "json_object": "response_format"}
+# Whitespace between JSON tokens: llama.cpp's JSON-schema grammars allow nothing, one space, or one
+# or two newlines plus up to 20 spaces or tabs. Unbounded whitespace (llguidance's default) lets a
+# weak model spend its whole token budget on indentation.
+JSON_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})?"
+_JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
+# "Any JSON object": OpenAI's JSON mode
+_ANY_OBJECT = '{"type": "object"}'
+MAX_CACHED = 64
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What a request constrains its output to.
+
+    kind: "gbnf" (llama.cpp's GBNF), "json_schema" (text is the schema as JSON), "lark"
+    (llguidance's Lark dialect, which can embed `%json {...}`), or "json_object" (any JSON object;
+    text is ""). field: the request field it came from, named in errors ("" = the kind's usual one).
+    """
+
+    kind: str
+    text: str
+    field: str = ""
+
+    @property
+    def source(self) -> str:
+        return self.field or _DEFAULT_FIELD.get(self.kind, "grammar")
+
+
+def _need_llguidance() -> None:
+    if llg is None:
+        raise HTTPError(500, "constrained decoding needs the llguidance package (pip install llguidance)",
+                        "server_error")
+
+
+def grammar_text(spec: ConstraintSpec) -> str:
+    """llguidance's grammar for a spec (not yet checked against a vocabulary). Raises HTTPError
+    400 for a spec that cannot even be translated (bad GBNF syntax, schema that is not JSON)."""
+    _need_llguidance()
+    if spec.kind not in KINDS:
+        raise HTTPError(400, f"'{spec.source}': unknown constraint kind {spec.kind!r} (one of {', '.join(KINDS)})")
+    try:
+        if spec.kind == "gbnf":
+            return llg.grammar_from("gbnf", spec.text)
+        if spec.kind == "lark":
+            return llg.LLMatcher.grammar_from_lark(spec.text)
+        schema = _ANY_OBJECT if spec.kind == "json_object" else spec.text
+        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as exc:
+        raise HTTPError(400, f"'{spec.source}': invalid {_what(spec)}: {_short(exc)}") from None
+
+
+def check_spec(spec: ConstraintSpec) -> None:
+    """Checks a spec without a vocabulary (the command line's defaults, before the model loads);
+    raises HTTPError 400 naming the problem."""
+    grammar = grammar_text(spec)
+    err, msgs = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    if err:
+        raise HTTPError(400, f"'{spec.source}': invalid {_what(spec)}: {_short(msgs[0] if msgs else 'rejected')}")
+
+
+def _what(spec: ConstraintSpec) -> str:
+    return {"gbnf": "grammar", "lark": "grammar", "json_schema": "JSON schema", "json_object": "JSON object format"}[
+        spec.kind]
+
+
+def _short(exc: Any, limit: int = 500) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# --- the vocabulary as llguidance sees it ------------------------------------------------------
+class _Vocab:
+    """llguidance's view of a pyllama tokenizer: every token's bytes, special tokens marked (as
+    llama.cpp does, by a 0xFF byte before their text, so that no text can produce them), and an
+    encoder for the text llguidance needs tokenized."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+        plain = (TT_NORMAL, TT_USER_DEFINED, TT_BYTE)
+        self.tokens: list[bytes] = []
+        self.special_token_ids: list[int] = []
+        for i in range(tok.n_vocab):
+            if tok.token_type(i) in plain:
+                self.tokens.append(tok.token_bytes(i))
+            else:
+                self.tokens.append(b"\xff" + tok.token_text(i).encode("utf-8", errors="replace"))
+                self.special_token_ids.append(i)
+        eog = sorted(tok.eog_ids)
+        self.eos_tokens = eog or [tok.eos_id if tok.eos_id is not None else 0]
+        self.eos_token_id = self.eos_tokens[0]
+        self.bos_token_id = tok.bos_id
+
+    def __call__(self, text: Any) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tok.encode(text, add_special=False)
+
+
+_tokenizers: "weakref.WeakKeyDictionary[Tokenizer, Any]" = weakref.WeakKeyDictionary()
+_tokenizers_lock = threading.Lock()
+
+
+def ll_tokenizer(tok: Tokenizer) -> Any:
+    """The llguidance tokenizer of a model's tokenizer, built once per tokenizer."""
+    _need_llguidance()
+    with _tokenizers_lock:
+        found = _tokenizers.get(tok)
+        if found is None:
+            vocab = _Vocab(tok)
+            found = llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=tok.n_vocab, eos_token=vocab.eos_tokens)
+            _tokenizers[tok] = found
+        return found
+
+
+# --- compiling ----------------------------------------------------------------------------------
+_compiled: "OrderedDict[tuple, Any]" = OrderedDict()
+_compiled_lock = threading.Lock()
+
+
+def compile_constraint(spec: ConstraintSpec, tok: Tokenizer) -> Any:
+    """A fresh llguidance matcher for `spec` over the model's vocabulary. Raises HTTPError 400
+    naming the request field and the problem when the grammar or schema is invalid. The compiled
+    grammar is cached; each call returns its own matcher (a copy), ready for a new sequence."""
+    lt = ll_tokenizer(tok)
+    key = (spec.kind, spec.text, id(lt))
+    with _compiled_lock:
+        template = _compiled.get(key)
+        if template is not None:
+            _compiled.move_to_end(key)
+    if template is None:
+        grammar = grammar_text(spec)
+        template = llg.LLMatcher(lt, grammar, log_level=0)  # (the GIL is released while it compiles)
+        if template.is_error():
+            raise HTTPError(400, f"'{spec.source}': invalid {_what(spec)}: {_short(template.get_error())}")
+        with _compiled_lock:
+            _compiled[key] = template
+            while len(_compiled) > MAX_CACHED:
+                _compiled.popitem(last=False)
+    return template.deep_copy()
+
+
+def json_schema_spec(schema: Any, field: str) -> ConstraintSpec:
+    """A json_schema spec from a request's schema value: an object, its JSON text, or true (any
+    JSON value)."""
+    if isinstance(schema, str):  # the schema's JSON text, as some clients send it
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise HTTPError(400, f"'{field}' must be a JSON schema object (or its JSON text)") from None
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise HTTPError(400, f"'{field}' must be a JSON schema object (or its JSON text)")
+    return ConstraintSpec("json_schema", json.dumps(schema), field)
+
+
+# --- per-sequence state and mask computation ---------------------------------------------------
+# A mask takes microseconds; llguidance bounds its own work per token, so this only guards the
+# decode thread (and every sequence of its group) against a matcher that never returns.
+MASK_TIMEOUT_S = 30.0
+
+
+class Constraint:
+    """A sequence's matcher and the mask of the tokens it allows next. The decode thread owns
+    it; the mask worker writes `mask` and reads the matcher only between `request_mask` and the
+    `take_mask` that follows, while the decode thread leaves both alone."""
+
+    def __init__(self, matcher: Any, n_vocab: int) -> None:
+        self.matcher = matcher
+        self.n_vocab = n_vocab
+        self.mask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
+        self._pending: Optional[Future] = None
+        self._ready = False
+        self.failed = ""  # why the matcher can no longer be used (its request then ends with an error)
+
+    @property
+    def done(self) -> bool:
+        """Nothing but the end of generation is allowed (or the matcher failed)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        if self.failed:
+            return self.failed
+        return self.matcher.get_error() if self.matcher.is_error() else ""
+
+    def compute_mask(self) -> None:
+        """Computes the mask here (the worker's job, or a caller that has no worker)."""
+        self.matcher.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
+        self._ready = True
+
+    def take_mask(self) -> float:
+        """Makes the mask current; returns the seconds spent waiting for it. A mask not ready
+        within MASK_TIMEOUT_S fails the constraint: the worker may still hold the matcher, so
+        nothing here touches it again, and `consume` refuses every token."""
+        if self._pending is not None:
+            t0 = time.perf_counter()
+            try:
+                self._pending.result(timeout=MASK_TIMEOUT_S)
+            except FutureTimeout:
+                self.failed = f"the token mask was not ready within {MASK_TIMEOUT_S:.0f} s"
+                self.mask[:] = -1  # (the row is sampled with the others; its token is refused)
+            self._pending = None
+            return time.perf_counter() - t0
+        if not self._ready:
+            t0 = time.perf_counter()
+            self.compute_mask()
+            return time.perf_counter() - t0
+        return 0.0
+
+    def consume(self, token: int) -> bool:
+        """Feeds a sampled token to the matcher (after `take_mask`); False when the grammar refuses it."""
+        self._ready = False
+        if self.failed:
+            return False
+        return bool(self.matcher.consume_token(token))
+
+
+def apply_masks(logits: np.ndarray, rows: list[int], constraints: list[Constraint]) -> None:
+    """Sets the logits of the tokens each row's constraint disallows to -inf, in place (one
+    kernel pass over the packed masks, without the GIL)."""
+    if not rows:
+        return
+    masks = np.stack([c.mask for c in constraints]).view(np.uint32)
+    _masks.apply_bitmasks(logits, np.asarray(rows, dtype=np.int32), masks)
+
+
+class MaskWorker:
+    """One group's mask computations, off the decode thread: `request_mask` queues a batch of
+    constraints whose matchers just consumed a token; their masks are computed while the next
+    step runs, and `Constraint.take_mask` picks them up before sampling. One thread: a mask takes
+    microseconds and the step it overlaps milliseconds, and more threads would only compete with
+    the step's own."""
+
+    def __init__(self, name: str = "masks") -> None:
+        _need_llguidance()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self.t_compute = 0.0  # seconds spent computing masks (on the worker)
+        self.n_masks = 0
+
+    def request_mask(self, constraints: list[Constraint]) -> None:
+        if not constraints:
+            return
+        future = self._pool.submit(self._compute, list(constraints))
+        for c in constraints:
+            c._pending = future
+
+    def _compute(self, constraints: list[Constraint]) -> None:
+        t0 = time.perf_counter()
+        for c in constraints:
+            c.compute_mask()
+        self.t_compute += time.perf_counter() - t0
+        self.n_masks += len(constraints)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)

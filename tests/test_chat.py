@@ -283,6 +283,14 @@ def test_validate_messages_ok_and_copies():
      "does not support audio"),
     ([{"role": "user", "content": [{"type": "video"}]}], "unsupported content part type 'video'"),
     ([{"role": "assistant", "content": "", "tool_calls": {"id": 1}}], "'tool_calls' must be an array"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"type": "function"}]}],
+     r"tool_calls\[0\]: 'function' must be an object"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"type": "code", "function": {"name": "f"}}]}],
+     r"tool_calls\[0\]: 'type' must be \"function\""),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": ""}}]}],
+     r"tool_calls\[0\]\.function: 'name' must be a non-empty string"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}],
+     r"'arguments' must be a JSON string or an object"),
 ])
 def test_validate_messages_errors(messages, match):
     with pytest.raises(ChatTemplateError, match=match):
@@ -452,7 +460,8 @@ def test_continuation_refusals_as_llama_server():
     with pytest.raises(ChatTemplateError) as e:
         _req(t, msgs + [{"role": "assistant", "content": "3"}])
     assert str(e.value) == "Cannot have 2 or more assistant messages at the end of the list."
-    tool_msg = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}
+    tool_msg = {"role": "assistant", "content": None,
+                "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
     with pytest.raises(ChatTemplateError) as e:
         _req(t, msgs[:1] + [tool_msg], continue_final_message=True, add_generation_prompt=False)
     assert str(e.value) == "Cannot continue an assistant message that contains tool calls."

@@ -150,11 +150,9 @@ def test_llama_server_command_lines(line, check):
     ("-m M --override-tensor exps=CPU", "--override-tensor"),
     ("-m M --draft-max 16", "--draft-max"),
     ("-m M --spec-draft-n-max 16", "--spec-draft-n-max"),
-    ("-m M --grammar-file g.gbnf", "--grammar-file"),
-    ("-m M --grammar root::=x", "--grammar"),
     ("-m M --rope-scaling yarn", "--rope-scaling"),
     ("-m M --ssl-key-file k.pem", "--ssl-key-file"),
-    ("-m M --mirostat 2", "--mirostat"),
+    ("-m M --adaptive-target 0.5", "--adaptive-target"),
     ("-m M -sm row", "--split-mode row"),
 ])
 def test_unsupported_flags_are_one_line_naming_the_flag(line, flag):

@@ -28,9 +28,9 @@ from .chat import ChatTemplateError, template_from_option
 from .embedding import model_pooling
 from .group import PipelineGroup
 from .http import HTTPServer, install_uvloop
-from .options import (apply_settings, build_parser, check_args, lock_memory, log_accepted, log_level,  # noqa: F401
-                      parse_args, resolve, sampling_defaults)
-from .params import set_generation_defaults
+from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401
+                      log_accepted, log_level, parse_args, resolve, sampling_defaults)
+from .params import set_default_constraint, set_generation_defaults
 from .reconnect import PeerReconnector
 from .router import Router
 from .slot import Slot
@@ -128,6 +128,7 @@ async def serve(args) -> int:
     state = ServerState(args)
     apply_settings(state, args)
     set_generation_defaults(sampling_defaults(args), args.ignore_eos)
+    set_default_constraint(default_constraint(args))
     state.metrics_enabled = bool(getattr(args, "metrics", False))
     api = Api(state)
     server = HTTPServer(api.routes(), max_body=args.max_body, max_header_bytes=args.max_header_bytes,

@@ -21,11 +21,15 @@ import ujson
 
 from .. import __version__
 from ..sampling import SamplingParams
+from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
 from .chat import ChatTemplate, ChatTemplateError
+from .constraint import ConstraintSpec, compile_constraint
 from .http import (SSE_DONE, HTTPError, Request, Response, StreamResponse, error_response, json_response,
                    sse_event)
 from .metrics import Metrics
 from .params import CompletionParams, parse_completion, split_prompts, tokenize_prompt
+from .reasoning import ReasoningStream, check_format, prompt_opens_thinking
+from .tool_calls import ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request
 from . import embedding as embd
 from .task import CompletionTask, EmbeddingEvent, ErrorEvent, FinalEvent, ProgressEvent, TokenEvent
 
@@ -130,8 +134,6 @@ T = TypeVar("T")
 # the loop would answer no other connection at all.
 _INLINE_BODY = 16 << 10
 
-# The order of the sampler chain (pyllama.sampling), in llama-server's names.
-SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
 
 # Characters a slot file name must not hold: path separators, a drive colon, the characters
 # Windows reserves, and controls (llama.cpp's fs_validate_filename refuses the same).
@@ -189,9 +191,15 @@ def _settings(state: ServerState, p: CompletionParams) -> dict:
             "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
             "n_probs": p.n_probs, "post_sampling_probs": p.post_sampling_probs, "stop": p.stop,
             "ignore_eos": p.ignore_eos, "stream": p.stream, "cache_prompt": p.cache_prompt, "n_keep": p.n_keep,
-            "logit_bias": bias, "samplers": list(SAMPLERS), "timings_per_token": p.timings_per_token,
+            "typical_p": s.typical_p, "min_keep": s.min_keep, "top_n_sigma": s.top_n_sigma,
+            "xtc_probability": s.xtc_probability, "xtc_threshold": s.xtc_threshold,
+            "dry_multiplier": s.dry_multiplier, "dry_base": s.dry_base, "dry_allowed_length": s.dry_allowed_length,
+            "dry_penalty_last_n": s.dry_penalty_last_n, "dry_sequence_breakers": list(s.dry_sequence_breakers),
+            "mirostat": s.mirostat, "mirostat_tau": s.mirostat_tau, "mirostat_eta": s.mirostat_eta,
+            "dynatemp_range": s.dynatemp_range, "dynatemp_exponent": s.dynatemp_exponent,
+            "logit_bias": bias, "samplers": list(s.samplers), "timings_per_token": p.timings_per_token,
             "return_tokens": p.return_tokens, "return_progress": p.return_progress, "id_slot": p.id_slot,
-            "n_cmpl": p.n}
+            "n_cmpl": p.n, "grammar": p.constraint.text if p.constraint is not None else ""}
 
 
 def nested_fields(paths: list[str], obj: dict) -> dict:
@@ -223,6 +231,69 @@ class Choice:
     @property
     def content(self) -> str:
         return "".join(self.text)
+
+
+@dataclass
+class ChatOutputSpec:
+    """How a chat reply is read: the template's tool-call family (None: no call parsing), the
+    request's tools, its reasoning format, and whether the prompt left a think tag open."""
+
+    family: Optional[str] = None
+    tools: ToolSpec = field(default_factory=ToolSpec)
+    reasoning_format: str = "auto"
+    forced_open: bool = False
+
+
+class ChatReply:
+    """One chat choice's generated text -> OpenAI message parts: ``reasoning_content`` (the
+    model's thinking, reasoning.py), ``content`` and ``tool_calls`` (tool_calls.py).
+
+    Feed it the text as it comes (:meth:`feed` returns the stream's delta dicts), then
+    :meth:`finish`; :meth:`message` is the non-streamed message and :attr:`has_calls` decides
+    the ``tool_calls`` finish reason. Streamed and whole replies go through the same steps, so
+    the deltas add up to the message."""
+
+    def __init__(self, spec: ChatOutputSpec) -> None:
+        self.thoughts = ReasoningStream(spec.reasoning_format, spec.forced_open)
+        self.calls = ToolCallStream(spec.family, spec.tools.parallel) \
+            if spec.family is not None and spec.tools.parse_calls else None
+
+    def feed(self, text: str) -> list[dict]:
+        return self._deltas(*self.thoughts.feed(text)) if text else []
+
+    def finish(self) -> list[dict]:
+        out = self._deltas(*self.thoughts.finish())
+        if self.calls is not None:
+            out += self.calls.finish()
+        return out
+
+    def _deltas(self, reasoning: str, content: str) -> list[dict]:
+        out: list[dict] = [{"reasoning_content": reasoning}] if reasoning else []
+        if content:
+            out += self.calls.feed(content) if self.calls is not None else [{"content": content}]
+        return out
+
+    @property
+    def has_calls(self) -> bool:
+        return self.calls is not None and bool(self.calls.snapshot.calls)
+
+    def message(self) -> dict:
+        msg: dict = {"role": "assistant"}
+        if self.calls is not None:
+            msg["content"], calls = self.calls.message()
+        else:
+            msg["content"], calls = self.thoughts.content, []
+        if self.thoughts.reasoning:
+            msg["reasoning_content"] = self.thoughts.reasoning
+        if calls:
+            msg["tool_calls"] = calls
+        return msg
+
+
+def chat_finish_reason(final: FinalEvent, reply: ChatReply) -> str:
+    """"tool_calls" when the reply called tools (and was not cut short), else as for text."""
+    reason = _finish_reason(final)
+    return "tool_calls" if reason == "stop" and reply.has_calls else reason
 
 
 class Api:
@@ -578,6 +649,9 @@ class Api:
                 raise _exceeds_context(len(prompt), st.n_ctx_slot)
             tasks = []
             for i in range(p.n):
+                # each choice follows the grammar from its start: a matcher of its own (a copy of
+                # the compiled one, which _check_constraint already built off the event loop)
+                matcher = compile_constraint(p.constraint, st.tokenizer) if p.constraint is not None else None
                 sampling = p.sampling
                 if p.n > 1 and sampling.seed not in (-1, 0xFFFFFFFF):
                     sampling = SamplingParams(**{**sampling.__dict__, "seed": (sampling.seed + i) & 0xFFFFFFFF})
@@ -585,7 +659,7 @@ class Api:
                     prompt=prompt, params=sampling, n_predict=p.n_predict, n_keep=p.n_keep, ignore_eos=p.ignore_eos,
                     stop=p.stop, n_probs=p.n_probs, post_sampling_probs=p.post_sampling_probs,
                     timings_per_token=p.timings_per_token, return_progress=p.return_progress and p.stream,
-                    cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=k * p.n + i))
+                    cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=k * p.n + i, matcher=matcher))
             out.append(tasks)
         return out
 
@@ -636,6 +710,7 @@ class Api:
         given = split_prompts(body["prompt"])
         for prompt in given:
             st.check_prompt_fits(*_prompt_size(prompt))
+        _check_constraint(st, p)
         return body, p, given, [tokenize_prompt(st.tokenizer, prompt) for prompt in given]
 
     async def completion(self, req: Request) -> Response | StreamResponse:
@@ -713,6 +788,7 @@ class Api:
             for name in ("input_prefix", "input_suffix", "prompt"):
                 if len(body.get(name) or "") >= 2 * st.n_ctx_slot * st.max_token_chars():
                     raise _exceeds_context(len(body[name]) // st.max_token_chars(), st.n_ctx_slot, at_least=True)
+            _check_constraint(st, p)
             return p, infill_prompt(st.tokenizer, body)
         p, prompt = await _prepare(req, work)
         return await self._completion_response(p, [""], [prompt])
@@ -726,8 +802,8 @@ class Api:
     # OpenAI /v1/chat/completions
     async def oai_chat(self, req: Request) -> Response | StreamResponse:
         _require_ready(self.state)
-        p, prompt = await _prepare(req, lambda: self._chat_input(req))
-        return await self._oai(self._tasks([prompt], p), p, len(prompt), chat=True)
+        p, prompt, spec = await _prepare(req, lambda: self._chat_input(req))
+        return await self._oai(self._tasks([prompt], p), p, len(prompt), chat=True, chat_spec=spec)
 
     def _render_chat(self, body: dict) -> str:
         """The prompt text of a chat body: template, prefill, chat_template_kwargs (chat.py)."""
@@ -747,35 +823,73 @@ class Api:
             return json_response({"prompt": self._render_chat(body)})
         return await _prepare(req, work)
 
-    def _chat_input(self, req: Request) -> tuple[CompletionParams, list[int]]:
-        """The parameters and the rendered, tokenized conversation (off the loop for large bodies)."""
+    def _chat_input(self, req: Request) -> tuple[CompletionParams, list[int], ChatOutputSpec]:
+        """The parameters, the rendered, tokenized conversation and how to read the reply (off
+        the loop for large bodies)."""
         st = self.state
         body = req.json()
         if not isinstance(body, dict):
             raise HTTPError(400, "the request body must be a JSON object")
         p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=True, n_vocab=st.tokenizer.n_vocab,
                              tokenizer=st.tokenizer, default_n_keep=_keep(st.args))
+        spec = self._chat_output_spec(body)
         text = self._render_chat(body)
+        spec.forced_open = prompt_opens_thinking(text)
+        if spec.tools.required and spec.family is not None:
+            # a call is required: generation follows a grammar of the family's call format (after
+            # closing the thinking the prompt opened, so that the call is not read as thoughts)
+            if any(body.get(k) is not None for k in ("grammar", "json_schema")) or \
+                    isinstance(body.get("response_format"), dict) and body["response_format"].get("type") != "text":
+                raise HTTPError(400, "'tool_choice' requires a tool call, which cannot be combined with 'grammar', "
+                                     "'json_schema' or 'response_format'")
+            grammar = call_grammar(spec.family, spec.tools, self._special_token,
+                                   close_thinking=spec.forced_open and spec.reasoning_format != "none")
+            p.constraint = ConstraintSpec("lark", grammar, "tools")
         st.check_prompt_fits(len(text), 0)
+        _check_constraint(st, p)
         tok = st.tokenizer
         bos = _token_text(tok, tok.bos_id)
-        return p, tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+        return p, tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True), spec
 
-    async def _oai(self, task_lists, p: CompletionParams, n_prompt: int, chat: bool) -> Response | StreamResponse:
+    def _special_token(self, text: str) -> Optional[int]:
+        """The id of the special (control) token whose text is `text`, if the vocabulary has one."""
+        tok = self.state.tokenizer
+        ids = tok.encode(text, add_special=False, parse_special=True)
+        if len(ids) == 1 and tok.token_text(ids[0]) == text and tok.token_type(ids[0]) not in _PLAIN_TOKEN_TYPES:
+            return ids[0]
+        return None
+
+    def _chat_output_spec(self, body: dict) -> ChatOutputSpec:
+        """The request's tools, tool_choice, parallel_tool_calls and reasoning_format, checked."""
+        try:
+            tools = parse_tool_request(body)
+            fmt = check_format(body.get("reasoning_format"), getattr(self.state.args, "reasoning_format", "auto"))
+        except (ToolChoiceError, ValueError) as exc:
+            raise HTTPError(400, str(exc)) from None
+        chat = self.state.chat
+        return ChatOutputSpec(family=chat.family if chat is not None else None, tools=tools, reasoning_format=fmt)
+
+    async def _oai(self, task_lists, p: CompletionParams, n_prompt: int, chat: bool,
+                   chat_spec: Optional[ChatOutputSpec] = None) -> Response | StreamResponse:
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         model = self.state.model_alias
         if p.stream:
-            return StreamResponse(self._oai_stream(task_lists, p, n_prompt, chat, rid, created, model))
+            return StreamResponse(self._oai_stream(task_lists, p, n_prompt, chat, rid, created, model,
+                                                   chat_spec or ChatOutputSpec()))
         choices = await self._gather(task_lists)
         out_choices = []
         for c in choices:
             assert c.final is not None
             entry: dict = {"index": c.index, "finish_reason": _finish_reason(c.final)}
             if chat:
-                entry["message"] = {"role": "assistant", "content": c.content}
+                reply = ChatReply(chat_spec or ChatOutputSpec())
+                reply.feed(c.content)
+                reply.finish()
+                entry["finish_reason"] = chat_finish_reason(c.final, reply)
+                entry["message"] = reply.message()
                 entry["logprobs"] = {"content": [_oai_logprob(x) for x in c.probs]} if p.n_probs else None
             else:
                 entry["text"] = c.content
@@ -794,17 +908,19 @@ class Api:
                                                      task_lists[0][0].prompt, "") if first.final else {}
         return json_response(out)
 
-    async def _oai_stream(self, task_lists, p, n_prompt, chat, rid, created, model) -> AsyncIterator[bytes]:
+    async def _oai_stream(self, task_lists, p, n_prompt, chat, rid, created, model,
+                          chat_spec: Optional[ChatOutputSpec] = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_gen = 0
+        replies = {t.index: ChatReply(chat_spec or ChatOutputSpec()) for ts in task_lists for t in ts} if chat else {}
 
-        def chunk(index: int, text: Optional[str], finish: Optional[str], first: bool = False, probs=None) -> bytes:
+        def chunk(index: int, text: Optional[str], finish: Optional[str], first: bool = False, probs=None,
+                  delta: Optional[dict] = None) -> bytes:
             if chat:
-                delta: dict = {}
                 if first:
                     delta = {"role": "assistant", "content": None}
-                elif text is not None:
-                    delta = {"content": text}
+                elif delta is None:
+                    delta = {"content": text} if text is not None else {}
                 choice: dict = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
                 if probs is not None:
                     choice["logprobs"] = {"content": [_oai_logprob(probs)]}
@@ -821,9 +937,23 @@ class Api:
         async for index, ev in self._events(task_lists):
             if isinstance(ev, TokenEvent):
                 n_gen += 1
-                if ev.text or ev.probs is not None:
+                if chat:
+                    # the reply's reader decides what the text is (content, reasoning, a call) and
+                    # may hold it back; the token's logprobs go with the first delta it yields
+                    deltas = replies[index].feed(ev.text)
+                    if not deltas and ev.probs is not None:
+                        deltas = [{}]
+                    for k, d in enumerate(deltas):
+                        yield chunk(index, None, None, probs=ev.probs if k == 0 else None, delta=d)
+                elif ev.text or ev.probs is not None:
                     yield chunk(index, ev.text, None, probs=ev.probs)
             elif isinstance(ev, FinalEvent):
+                if chat:
+                    reply = replies[index]
+                    for d in reply.feed(ev.text_tail) + reply.finish():
+                        yield chunk(index, None, None, delta=d)
+                    yield chunk(index, None, chat_finish_reason(ev, reply))
+                    continue
                 if ev.text_tail:
                     yield chunk(index, ev.text_tail, None)
                 yield chunk(index, None, _finish_reason(ev))
@@ -890,6 +1020,16 @@ def _read_slot_file(data: bytes, n_vocab: int, filename: str) -> list[int]:
     if tokens.size and (tokens.min() < 0 or tokens.max() >= n_vocab):
         raise bad
     return tokens.astype(np.int64).tolist()
+
+
+def _check_constraint(st: ServerState, p: CompletionParams) -> None:
+    """Compiles the request's grammar or schema (off the event loop, before any work): an invalid
+    one is a 400 naming it; a valid one is cached for the tasks' own matchers."""
+    if p.constraint is not None:
+        compile_constraint(p.constraint, st.tokenizer)
+
+
+_PLAIN_TOKEN_TYPES = (TT_NORMAL, TT_USER_DEFINED, TT_BYTE)
 
 
 def _keep(args: Any) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import datetime
-from typing import Any
+from typing import Any, Optional
 
 import jinja2
 from jinja2 import nodes
@@ -28,6 +28,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .chat_builtin import BUILTIN, UNSUPPORTED_BUILTIN, detect
+from .tool_calls import detect_family
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,25 @@ def _kind(value: Any) -> str:
             list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
 
+def _check_tool_calls(where: str, tool_calls: Any) -> None:
+    """An assistant message's ``tool_calls``, in OpenAI's shape (as llama-server checks them)."""
+    if not (isinstance(tool_calls, list) and all(isinstance(c, dict) for c in tool_calls)):
+        raise ChatTemplateError(f"{where}: 'tool_calls' must be an array of objects")
+    for j, call in enumerate(tool_calls):
+        at = f"{where}.tool_calls[{j}]"
+        if call.get("type", "function") != "function":
+            raise ChatTemplateError(f"{at}: 'type' must be \"function\"")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise ChatTemplateError(f"{at}: 'function' must be an object with 'name' and 'arguments'")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ChatTemplateError(f"{at}.function: 'name' must be a non-empty string")
+        if not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            raise ChatTemplateError(f"{at}.function: 'arguments' must be a JSON string or an object")
+        if "id" in call and call["id"] is not None and not isinstance(call["id"], str):
+            raise ChatTemplateError(f"{at}: 'id' must be a string")
+
+
 def validate_messages(messages: Any) -> list[dict]:
     """Check OpenAI chat messages and return copies ready for a template.
 
@@ -191,9 +211,8 @@ def validate_messages(messages: Any) -> list[dict]:
                 f"{where}: 'content' must be a string or an array of content parts, "
                 f"got {_kind(content)}")
         tool_calls = msg.get("tool_calls")
-        if tool_calls is not None and not (
-                isinstance(tool_calls, list) and all(isinstance(c, dict) for c in tool_calls)):
-            raise ChatTemplateError(f"{where}: 'tool_calls' must be an array of objects")
+        if tool_calls is not None:
+            _check_tool_calls(where, tool_calls)
         copy = dict(msg)
         copy["content"] = content
         out.append(copy)
@@ -220,6 +239,7 @@ class ChatTemplate:
         self.prefill_assistant = prefill_assistant
         self.builtin = builtin
         self._format = BUILTIN[builtin] if builtin else None
+        self._caps: Optional[dict[str, bool]] = None
         self._env = _make_environment()
         if builtin:
             self.is_fallback = False
@@ -246,6 +266,47 @@ class ChatTemplate:
 
     def _label(self) -> str:
         return f" of {self.name}" if self.name else ""
+
+    @property
+    def family(self) -> Optional[str]:
+        """The tool-call format of this template (tool_calls.detect_family); None for a built-in
+        layout, which cannot describe tools (llama-server needs --jinja for them too)."""
+        if self._format is not None:
+            return None
+        return detect_family(self._source)
+
+    @property
+    def caps(self) -> dict[str, bool]:
+        """What the template does with tools, learnt once by rendering probe conversations (as
+        llama.cpp's template capabilities): ``tools`` (lists the request's tools),
+        ``tool_calls`` (shows an assistant's calls), ``tool_responses`` (shows tool results),
+        ``object_arguments`` (expects a call's arguments as an object, e.g. ``| tojson``)."""
+        if self._caps is None:
+            self._caps = self._probe()
+        return self._caps
+
+    def _probe(self) -> dict[str, bool]:
+        def out(messages: list[dict], **kw: Any) -> str:
+            try:
+                return self.render(messages, add_generation_prompt=True, **kw)
+            except ChatTemplateError:
+                return ""
+        user = {"role": "user", "content": "Hi"}
+        tool = {"type": "function", "function": {"name": "probe_tool_name", "description": "d",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+        def call_convo(args: Any) -> list[dict]:
+            return [user, {"role": "assistant", "content": "",
+                           "tool_calls": [{"id": "probe0001", "type": "function",
+                                           "function": {"name": "probe_call_name", "arguments": args}}]},
+                    {"role": "tool", "tool_call_id": "probe0001", "name": "probe_call_name",
+                     "content": "probe_tool_result"}, user]
+        as_object = out(call_convo({"probe_arg": 1}), tools=[tool])
+        as_string = out(call_convo('{"probe_arg": 1}'), tools=[tool])
+        return {"tools": "probe_tool_name" in out([user], tools=[tool]),
+                "tool_calls": "probe_call_name" in as_object + as_string,
+                "tool_responses": "probe_tool_result" in as_object + as_string,
+                "object_arguments": '"probe_arg": 1' in as_object}
 
     @property
     def source(self) -> str:
@@ -314,14 +375,73 @@ class ChatTemplate:
         for reserved in ("messages", "add_generation_prompt", "tools"):
             kwargs.pop(reserved, None)
         tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise ChatTemplateError("'tools' must be an array of tools")
+        if tools and self._format is not None:
+            raise ChatTemplateError("tools param requires --jinja flag")
+        messages = self._tool_messages(messages, tools or None, body.get("tool_choice") != "none")
         if cont:
             head = self.render(messages[:-1], add_generation_prompt=True, tools=tools, **kwargs)
             return head + messages[-1]["content"]
         return self.render(messages, add_generation_prompt=add_gen, tools=tools, **kwargs)
 
+    def _tool_messages(self, messages: list[dict], tools: Optional[list], use_tools: bool) -> list[dict]:
+        """Messages shaped for what this template understands, as llama.cpp adapts them:
+        arguments as objects where the template expects objects; where it cannot show calls or
+        tool results, they become JSON text in the content (a result as a user message); and for
+        the generic format, a system message that lists the tools and the reply format."""
+        if self._format is not None or not (tools or any(m.get("tool_calls") or m["role"] == "tool"
+                                                         for m in messages)):
+            return messages
+        caps = self.caps
+        out: list[dict] = []
+        for i, m in enumerate(messages):
+            calls = m.get("tool_calls")
+            if calls:
+                m = dict(m)
+                if caps["tool_calls"]:
+                    if caps["object_arguments"]:
+                        m["tool_calls"] = [_object_args(f"messages[{i}].tool_calls[{j}]", c)
+                                           for j, c in enumerate(calls)]
+                else:
+                    listed = [{"name": c["function"]["name"],
+                               "arguments": _object_args(f"messages[{i}].tool_calls[{j}]", c)["function"]["arguments"],
+                               **({"id": c["id"]} if c.get("id") else {})} for j, c in enumerate(calls)]
+                    text = json.dumps({"tool_calls": listed}, ensure_ascii=False, indent=2)
+                    m["content"] = (m["content"] + "\n" + text) if m["content"] else text
+                    del m["tool_calls"]
+            elif m["role"] == "tool" and not caps["tool_responses"]:
+                response = {"tool": m.get("name", ""), "content": m["content"]}
+                if m.get("tool_call_id"):
+                    response["tool_call_id"] = m["tool_call_id"]
+                m = {"role": "user", "content": json.dumps({"tool_response": response}, ensure_ascii=False, indent=2)}
+            out.append(m)
+        if tools and use_tools and not caps["tools"] and self.family == "generic":
+            listing = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False, indent=2)
+            note = ("You can call these tools:\n" + listing + "\n\nReply with one JSON object: "
+                    '{"tool_calls": [{"name": <tool name>, "arguments": {...}}]} to call tools, or '
+                    '{"response": <your answer>} to answer directly.')
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + note}
+            else:
+                out.insert(0, {"role": "system", "content": note})
+        return out
+
     def __repr__(self) -> str:
         kind = "ChatML fallback" if self.is_fallback else f"{len(self._source)} chars"
         return f"ChatTemplate({self.name or 'unnamed'}, {kind})"
+
+
+def _object_args(where: str, call: dict) -> dict:
+    """A copy of a tool call whose arguments are an object (parsed from OpenAI's JSON string)."""
+    fn = call["function"]
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ChatTemplateError(f"{where}.function: 'arguments' is not valid JSON") from None
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def _describe(e: BaseException) -> str:

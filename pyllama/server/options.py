@@ -10,14 +10,17 @@ import logging
 import os
 import sys
 from types import SimpleNamespace
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from .. import __version__
 from ..cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from ..cli import Parser, Toggle, parse_bool
 from ..devices import add_device_args
 from ..errors import PyllamaError
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, parse_samplers
+
+if TYPE_CHECKING:
+    from .constraint import ConstraintSpec
 
 log = logging.getLogger("pyllama.server")
 
@@ -33,9 +36,8 @@ _LORA = "LoRA adapters are not supported"
 _DRAFT = "speculative decoding (draft models) is not supported"
 _MM = "multimodal projectors are not supported (text models only)"
 _DL = "pyllama does not download models; pass a local GGUF file with -m"
-_SAMPLER = "this sampler is not supported (the chain is penalties, top-k, top-p, min-p, temperature)"
+_SAMPLER = "this sampler is not supported (adaptive-p is not in pyllama's sampler set)"
 _ROPE = "RoPE scaling overrides are not supported (the model's own RoPE parameters are used)"
-_GRAMMAR = "grammar-constrained sampling is not supported yet"
 UNSUPPORTED: dict[str, str] = {
     **{f: _LORA for f in ("--lora", "--lora-scaled", "--lora-init-without-apply")},
     **{f: "control vectors are not supported" for f in ("--control-vector", "--control-vector-scaled",
@@ -53,13 +55,8 @@ UNSUPPORTED: dict[str, str] = {
                         "--image-max-tokens", "--media-path")},
     **{f: _DL for f in ("-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-hft", "--hf-token", "-mu",
                         "--model-url", "-dr", "--docker-repo", "--offline")},
-    **{f: _GRAMMAR for f in ("--grammar", "--grammar-file", "--json-schema", "-j", "-jf", "--json-schema-file")},
-    **{f: _SAMPLER for f in ("--samplers", "--sampler-seq", "--sampling-seq", "--mirostat", "--mirostat-lr",
-                             "--mirostat-ent", "--dry-multiplier", "--dry-base", "--dry-allowed-length",
-                             "--dry-penalty-last-n", "--dry-sequence-breaker", "--xtc-probability",
-                             "--xtc-threshold", "--typical", "--typical-p", "--dynatemp-range", "--dynatemp-exp",
-                             "--top-nsigma", "--top-n-sigma", "--adaptive-target", "--adaptive-decay",
-                             "-l", "--logit-bias")},
+    **{f: _SAMPLER for f in ("--adaptive-target", "--adaptive-decay")},
+    **{f: "a command-line logit bias is not supported (a request's logit_bias is)" for f in ("-l", "--logit-bias")},
     **{f: _ROPE for f in ("--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale",
                           "--yarn-orig-ctx", "--yarn-ext-factor", "--yarn-attn-factor", "--yarn-beta-slow",
                           "--yarn-beta-fast", "-gan", "--grp-attn-n", "-gaw", "--grp-attn-w")},
@@ -119,6 +116,20 @@ def _flash_attn(text: str) -> str:
 
 def _comma_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _sampler_names(text: str) -> tuple[str, ...]:
+    try:
+        return parse_samplers(text, letters=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _sampler_letters(text: str) -> tuple[str, ...]:
+    try:
+        return parse_samplers(text, letters=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _kwargs_json(text: str) -> dict:
@@ -216,7 +227,37 @@ def build_parser() -> Parser:
     a("--presence-penalty", type=float, default=d.presence_penalty, help="presence penalty, 0.0 = off")
     a("--frequency-penalty", type=float, default=d.frequency_penalty, help="frequency penalty, 0.0 = off")
     a("-s", "--seed", type=int, default=-1, help="RNG seed, -1 = random")
+    a("--samplers", type=_sampler_names, default=None,
+      help="the sampler chain, names separated by ';' (default: " + ";".join(d.samplers) + ")")
+    a("--sampling-seq", "--sampler-seq", dest="sampling_seq", type=_sampler_letters, default=None,
+      help="the sampler chain as letters (default: edskypmxt; e penalties, d dry, s top_n_sigma, k top_k, "
+           "y typ_p, p top_p, m min_p, x xtc, t temperature)")
+    a("--typical", "--typical-p", dest="typical", type=float, default=d.typical_p,
+      help="locally typical sampling, 1.0 = off")
+    a("--min-keep", type=int, default=d.min_keep, help="candidates each sampler must leave, 0 = no minimum")
+    a("--top-nsigma", "--top-n-sigma", dest="top_nsigma", type=float, default=d.top_n_sigma,
+      help="top-n-sigma sampling, -1 = off")
+    a("--xtc-probability", type=float, default=d.xtc_probability, help="XTC probability, 0.0 = off")
+    a("--xtc-threshold", type=float, default=d.xtc_threshold, help="XTC threshold, above 0.5 = off")
+    a("--dry-multiplier", type=float, default=d.dry_multiplier, help="DRY multiplier, 0.0 = off")
+    a("--dry-base", type=float, default=d.dry_base, help="DRY base")
+    a("--dry-allowed-length", type=int, default=d.dry_allowed_length, help="DRY allowed repeat length")
+    a("--dry-penalty-last-n", type=int, default=d.dry_penalty_last_n,
+      help="tokens DRY looks back at, 0 = off, -1 = the context")
+    a("--dry-sequence-breaker", dest="dry_sequence_breaker", action="append", default=None,
+      help="a DRY sequence breaker; the first one replaces the defaults ('\\n', ':', '\"', '*'); 'none' for none")
+    a("--mirostat", type=int, default=d.mirostat, help="mirostat sampling: 0 = off, 1 = mirostat, 2 = mirostat 2.0")
+    a("--mirostat-lr", type=float, default=d.mirostat_eta, help="mirostat learning rate (eta)")
+    a("--mirostat-ent", type=float, default=d.mirostat_tau, help="mirostat target entropy (tau)")
+    a("--dynatemp-range", type=float, default=d.dynatemp_range, help="dynamic temperature range, 0.0 = off")
+    a("--dynatemp-exp", type=float, default=d.dynatemp_exponent, help="dynamic temperature exponent")
     a("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    # --- constrained output: the default for requests that give no grammar, schema or response_format
+    a("--grammar", default=None, metavar="GRAMMAR", help="GBNF grammar every output follows by default")
+    a("--grammar-file", default=None, metavar="PATH", help="read --grammar from a file")
+    a("-j", "--json-schema", default=None, metavar="SCHEMA",
+      help="JSON schema every output follows by default (e.g. '{}' for any JSON value)")
+    a("-jf", "--json-schema-file", default=None, metavar="PATH", help="read --json-schema from a file")
     # --- HTTP
     a("--host", default="127.0.0.1", llama_env="LLAMA_ARG_HOST", help="address to listen on")
     a("--port", type=int, default=8080, llama_env="LLAMA_ARG_PORT", help="port to listen on (0 = any free port)")
@@ -274,7 +315,9 @@ def build_parser() -> Parser:
       negatives=("--no-prefill-assistant",), default=True, llama_env="LLAMA_ARG_PREFILL_ASSISTANT",
       help="continue a final assistant message instead of starting a new one")
     a("--reasoning-format", choices=list(REASONING_FORMATS), default="auto", llama_env="LLAMA_ARG_THINK",
-      help="accepted and checked; pyllama returns thoughts unparsed in the content (as 'none')")
+      help="where the model's thinking (<think>...</think>) goes: 'deepseek' and 'auto' put it in "
+           "reasoning_content, 'deepseek-legacy' there and in the content too, 'none' leaves it in the content; "
+           "a request's reasoning_format overrides it")
     # --- logging and the rest
     a("--log-disable", action="store_true", help="log nothing")
     a("--log-file", default=None, metavar="PATH", llama_env="LLAMA_ARG_LOG_FILE", help="also log to this file")
@@ -347,6 +390,41 @@ def resolve(args: argparse.Namespace) -> None:
             raise PyllamaError(f"--chat-template-file {args.chat_template_file}: cannot read it ({exc})") from None
 
 
+def default_constraint(args) -> Optional["ConstraintSpec"]:
+    """The constraint of --grammar / --grammar-file / --json-schema / --json-schema-file, or None.
+    Raises PyllamaError for an unreadable file, two of them at once, or an invalid grammar or
+    schema (its syntax is checked here, before the model loads)."""
+    from .constraint import ConstraintSpec, check_spec, json_schema_spec  # noqa: PLC0415
+    from .http import HTTPError  # noqa: PLC0415
+    given = [(flag, value) for flag, value in (("--grammar", args.grammar), ("--grammar-file", args.grammar_file),
+                                               ("--json-schema", args.json_schema),
+                                               ("--json-schema-file", args.json_schema_file)) if value is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise PyllamaError(f"{given[0][0]} and {given[1][0]} cannot be used together: give one grammar or schema")
+    flag, value = given[0]
+    if flag.endswith("-file"):
+        try:
+            with open(value, encoding="utf-8") as fh:
+                value = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PyllamaError(f"{flag} {value}: cannot read it ({exc})") from None
+    try:
+        if flag.startswith("--grammar"):
+            spec = ConstraintSpec("gbnf", value, flag)
+        else:
+            try:
+                schema = json.loads(value)
+            except ValueError as exc:
+                raise PyllamaError(f"{flag}: not JSON ({exc})") from None
+            spec = json_schema_spec(schema, flag)
+        check_spec(spec)
+    except HTTPError as exc:
+        raise PyllamaError(exc.message.replace(f"'{flag}'", flag, 1)) from None
+    return spec
+
+
 def check_args(args) -> None:
     if not hasattr(args, "api_keys"):  # straight from build_parser().parse_args()
         resolve(args)
@@ -403,6 +481,7 @@ def check_args(args) -> None:
         except ChatTemplateError as exc:
             flag = "--chat-template-file" if args.chat_template_file else "--chat-template"
             raise PyllamaError(f"{flag}: {exc}") from None
+    default_constraint(args)
     if args.slot_save_path is not None and not os.path.isdir(args.slot_save_path):
         raise PyllamaError(f"--slot-save-path {args.slot_save_path}: not a folder")
     if args.path is not None and not os.path.isdir(args.path):
@@ -414,7 +493,26 @@ def sampling_defaults(args) -> SamplingParams:
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          seed=args.seed if args.seed != -1 else SamplingParams().seed)
+                          seed=args.seed if args.seed != -1 else SamplingParams().seed,
+                          typical_p=args.typical, min_keep=args.min_keep, top_n_sigma=args.top_nsigma,
+                          xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+                          dry_multiplier=args.dry_multiplier, dry_base=args.dry_base,
+                          dry_allowed_length=args.dry_allowed_length, dry_penalty_last_n=args.dry_penalty_last_n,
+                          dry_sequence_breakers=_dry_breakers(args.dry_sequence_breaker),
+                          mirostat=args.mirostat, mirostat_tau=args.mirostat_ent, mirostat_eta=args.mirostat_lr,
+                          dynatemp_range=args.dynatemp_range, dynatemp_exponent=args.dynatemp_exp,
+                          # --sampling-seq wins over --samplers when both are given (llama.cpp applies them in
+                          # command-line order; the later one wins there)
+                          samplers=args.sampling_seq or args.samplers or SamplingParams().samplers)
+
+
+def _dry_breakers(values: Optional[list[str]]) -> tuple[str, ...]:
+    """--dry-sequence-breaker: the first replaces the defaults; "none" alone means no breakers."""
+    if values is None:
+        return SamplingParams().dry_sequence_breakers
+    if values == ["none"]:
+        return ()
+    return tuple(v for v in values if v != "none")
 
 
 def settings(args) -> SimpleNamespace:
@@ -458,9 +556,6 @@ def log_accepted(args) -> None:
         log.info("--cache-reuse %d: pyllama reuses cached prompt prefixes only", args.cache_reuse)
     if args.defrag_thold is not None:
         log.warning("--defrag-thold is deprecated and no longer necessary to specify")
-    if args.reasoning_format not in ("auto", "none"):
-        log.info("--reasoning-format %s: thoughts stay in the content (pyllama does not separate them)",
-                 args.reasoning_format)
     if args.log_colors is not None or args.log_prefix is not None or args.log_timestamps is not None:
         log.debug("--log-colors/--log-prefix/--log-timestamps: pyllama's log format is fixed")
 

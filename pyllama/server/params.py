@@ -8,8 +8,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, cached_breaker_table, parse_samplers
 from ..tokenizer import Tokenizer
+from .constraint import ConstraintSpec, json_schema_spec
 from .http import HTTPError
 
 MAX_N_PROBS = 20
@@ -81,6 +82,32 @@ def get_stop(body: dict) -> list[str]:
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise HTTPError(400, f"'stop' strings must be at most {MAX_STOP_CHARS} characters long")
     return stops
+
+
+def get_breakers(body: dict, default: tuple[str, ...]) -> tuple[str, ...]:
+    """llama-server's `dry_sequence_breakers`: a non-empty list of strings."""
+    v = body.get("dry_sequence_breakers")
+    if v is None:
+        return tuple(default)
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
+        raise _bad("dry_sequence_breakers", "a non-empty list of strings")
+    if len(v) > MAX_STOP_STRINGS:
+        raise HTTPError(400, f"'dry_sequence_breakers' holds {len(v)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    return tuple(v)
+
+
+def get_samplers(body: dict, default: tuple[str, ...]) -> tuple[str, ...]:
+    """llama-server's `samplers`: a list of sampler names or a string of their letters (\"edskypmxt\").
+    An unknown or unsupported sampler is a 400 (llama-server skips it with a warning)."""
+    v = body.get("samplers")
+    if v is None:
+        return tuple(default)
+    if not isinstance(v, (str, list)):
+        raise _bad("samplers", "a list of sampler names or a string of sampler letters")
+    try:
+        return parse_samplers(v)
+    except ValueError as exc:
+        raise HTTPError(400, f"'samplers': {exc}") from None
 
 
 def parse_logit_bias(body: dict, n_vocab: Optional[int], tokenizer: Optional[Tokenizer] = None) -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -186,6 +213,7 @@ class CompletionParams:
     timings_per_token: bool = False
     return_progress: bool = False     # streamed prompt_progress chunks
     post_sampling_probs: bool = False  # n_probs as probabilities after the sampler chain
+    constraint: Optional[ConstraintSpec] = None  # grammar / JSON schema the output must follow
 
 
 def get_fields(body: dict) -> list[str]:
@@ -237,11 +265,30 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         seed=get_int(body, "seed", defaults.seed, lo=-1, hi=0xFFFFFFFF),  # type: ignore[arg-type]
         n_probs=n_probs,
         logit_bias=parse_logit_bias(body, n_vocab, tokenizer),
+        typical_p=get_float(body, "typical_p", defaults.typical_p),
+        min_keep=get_int(body, "min_keep", defaults.min_keep, lo=0),  # type: ignore[arg-type]
+        top_n_sigma=get_float(body, "top_n_sigma", defaults.top_n_sigma),
+        xtc_probability=get_float(body, "xtc_probability", defaults.xtc_probability),
+        xtc_threshold=get_float(body, "xtc_threshold", defaults.xtc_threshold),
+        dry_multiplier=get_float(body, "dry_multiplier", defaults.dry_multiplier),
+        dry_base=get_float(body, "dry_base", defaults.dry_base),
+        dry_allowed_length=get_int(body, "dry_allowed_length", defaults.dry_allowed_length, lo=0),  # type: ignore[arg-type]
+        dry_penalty_last_n=get_int(body, "dry_penalty_last_n", defaults.dry_penalty_last_n, lo=-1),  # type: ignore[arg-type]
+        dry_sequence_breakers=get_breakers(body, defaults.dry_sequence_breakers),
+        mirostat=get_int(body, "mirostat", defaults.mirostat, lo=0, hi=2),  # type: ignore[arg-type]
+        mirostat_tau=get_float(body, "mirostat_tau", defaults.mirostat_tau),
+        mirostat_eta=get_float(body, "mirostat_eta", defaults.mirostat_eta),
+        dynatemp_range=get_float(body, "dynatemp_range", defaults.dynatemp_range),
+        dynatemp_exponent=get_float(body, "dynatemp_exponent", defaults.dynatemp_exponent),
+        samplers=get_samplers(body, defaults.samplers),
     )
     try:
         sampling.validate()
     except ValueError as exc:
         raise HTTPError(400, str(exc)) from None
+    if tokenizer is not None and sampling.dry_active and "dry" in sampling.samplers and not sampling.mirostat:
+        # the breakers as token sequences: one pass over the vocabulary per breaker list, then cached
+        sampling.dry_breaker_table = cached_breaker_table(tokenizer, sampling.dry_sequence_breakers)
     n = get_int(body, "n_cmpl" if body.get("n_cmpl") is not None else "n", 1, lo=1)  # llama-server: n_cmpl
     assert n is not None
     if n > n_slots:
@@ -256,4 +303,69 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         return_tokens=get_bool(body, "return_tokens", False), response_fields=get_fields(body),
         timings_per_token=get_bool(body, "timings_per_token", False),
         return_progress=get_bool(body, "return_progress", False),
-        post_sampling_probs=get_bool(body, "post_sampling_probs", False))
+        post_sampling_probs=get_bool(body, "post_sampling_probs", False),
+        constraint=parse_constraint(body))
+
+
+# The server's default constraint (its --grammar / --json-schema), for requests that set none;
+# set once at start-up by the server (set_default_constraint).
+_DEFAULT_CONSTRAINT: Optional[ConstraintSpec] = None
+
+
+def set_default_constraint(spec: Optional[ConstraintSpec]) -> None:
+    global _DEFAULT_CONSTRAINT
+    _DEFAULT_CONSTRAINT = spec
+
+
+def parse_constraint(body: dict) -> Optional[ConstraintSpec]:
+    """The output constraint a request asks for, as llama-server reads it: `grammar` (GBNF),
+    `json_schema` (a schema object), or `response_format` (OpenAI's: text, json_object with an
+    optional `schema`, json_schema with `json_schema.schema`). At most one of them; none: the
+    server's --grammar / --json-schema default. Only the form is checked here; the grammar or
+    schema itself is compiled (and refused with a 400) by constraint.compile_constraint."""
+    specs: list[ConstraintSpec] = []
+    grammar = body.get("grammar")
+    if grammar is not None:
+        if not isinstance(grammar, str):
+            raise _bad("grammar", "a string (a GBNF grammar)")
+        if grammar.strip():  # llama-server: an empty grammar is none
+            specs.append(ConstraintSpec("gbnf", grammar, "grammar"))
+    schema = body.get("json_schema")
+    if schema is not None:
+        specs.append(json_schema_spec(schema, "json_schema"))
+    rf = body.get("response_format")
+    if rf is not None:
+        spec = _response_format(rf)
+        if spec is not None:
+            specs.append(spec)
+    if len(specs) > 1:
+        names = " and ".join(f"'{s.source}'" for s in specs)
+        raise HTTPError(400, f"{names} cannot be used together: give one grammar or schema")
+    return specs[0] if specs else _DEFAULT_CONSTRAINT
+
+
+def _response_format(rf: Any) -> Optional[ConstraintSpec]:
+    if not isinstance(rf, dict):
+        raise _bad("response_format", 'an object such as {"type": "json_object"}')
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        # llama-server's extension: a schema given with json_object constrains to it
+        if rf.get("schema") is not None:
+            return json_schema_spec(rf["schema"], "response_format.schema")
+        return ConstraintSpec("json_object", "", "response_format")
+    if kind == "json_schema":
+        wrapper = rf.get("json_schema")
+        if wrapper is not None:
+            if not isinstance(wrapper, dict):
+                raise _bad("response_format.json_schema", 'an object holding the "schema"')
+            if wrapper.get("schema") is not None:
+                return json_schema_spec(wrapper["schema"], "response_format.json_schema.schema")
+        if rf.get("schema") is not None:  # the form llama-server's README shows
+            return json_schema_spec(rf["schema"], "response_format.schema")
+        return json_schema_spec({}, "response_format.json_schema")  # no schema: any JSON value
+    if kind is None:
+        raise HTTPError(400, "'response_format.type' is required: \"text\", \"json_object\" or \"json_schema\"")
+    raise HTTPError(400, f"'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", "
+                         f"not {kind!r}")

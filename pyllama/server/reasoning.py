@@ -1,0 +1,138 @@
+"""Reasoning ("thinking") text of a chat reply: what the model writes between ``<think>`` and
+``</think>`` goes to ``reasoning_content``, the rest to ``content``, as llama-server does with
+``--reasoning-format deepseek`` (and ``auto``, its default).
+
+A reply is read as thinking when it opens with ``<think>`` (whitespace before it allowed), or when
+the prompt already opened the tag (templates such as DeepSeek R1's and Qwen3's end their generation
+prompt with ``<think>``). The thinking ends at ``</think>``; a reply that ends before it is all
+reasoning. Whitespace around the reasoning and right after ``</think>`` is dropped. Formats:
+
+- ``none``: nothing is separated; the tags stay in the content.
+- ``deepseek`` / ``auto``: reasoning in ``reasoning_content``, the tags and thoughts out of the content.
+- ``deepseek-legacy``: reasoning in ``reasoning_content`` and the reply left whole in the content.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = ["REASONING_FORMATS", "ReasoningStream", "check_format", "prompt_opens_thinking", "split_reasoning"]
+
+REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+def check_format(value: Any, default: str) -> str:
+    """A request's ``reasoning_format`` (None: the server's --reasoning-format); ValueError names it."""
+    if value is None:
+        return default
+    if not isinstance(value, str) or value not in REASONING_FORMATS:
+        raise ValueError(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}, got {value!r}")
+    return value
+
+
+def prompt_opens_thinking(prompt: str) -> bool:
+    """Whether a rendered prompt ends inside an opened think tag (the reply starts thinking)."""
+    return prompt.rstrip().endswith(THINK_START)
+
+
+def _partial_suffix(s: str, tag: str) -> int:
+    """How many characters at the end of s are the start of tag."""
+    for k in range(min(len(tag) - 1, len(s)), 0, -1):
+        if s.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ReasoningStream:
+    """Splits a reply, piece by piece, into (reasoning, content) increments.
+
+    :meth:`feed` returns the (reasoning, content) text that can be told apart so far, holding
+    back what may be the start of a tag and trailing whitespace of the reasoning; :meth:`finish`
+    returns the rest. :attr:`reasoning` and :attr:`content` accumulate what was returned."""
+
+    def __init__(self, fmt: str = "deepseek", forced_open: bool = False) -> None:
+        self.fmt = fmt
+        self.active = fmt != "none"
+        self.legacy = fmt == "deepseek-legacy"
+        self._state = "think" if forced_open and self.active else ("start" if self.active else "content")
+        self._buf = ""
+        self._after_end = False  # just past </think>: leading whitespace of the content is dropped
+        self._reasoning_started = False
+        self.reasoning = ""
+        self.content = ""
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        return self._step(piece, final=False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._step("", final=True)
+
+    def _step(self, piece: str, final: bool) -> tuple[str, str]:
+        r_out, c_out = [], []
+        if self.legacy and piece:
+            c_out.append(piece)
+        self._buf += piece
+        while True:
+            if self._state == "start":
+                lead = self._buf.lstrip()
+                if lead.startswith(THINK_START):
+                    self._buf = lead[len(THINK_START):]
+                    self._state = "think"
+                    continue
+                if not final and THINK_START.startswith(lead):
+                    break  # maybe a tag still being written
+                self._state = "content"
+                continue
+            if self._state == "think":
+                if not self._reasoning_started:
+                    self._buf = self._buf.lstrip()
+                    if not self._buf:
+                        break
+                    self._reasoning_started = True
+                end = self._buf.find(THINK_END)
+                if end >= 0:
+                    r_out.append(self._buf[:end].rstrip())
+                    self._buf = self._buf[end + len(THINK_END):]
+                    self._state = "content"
+                    self._after_end = True
+                    continue
+                if final:
+                    r_out.append(self._buf.rstrip())
+                    self._buf = ""
+                    break
+                keep = _partial_suffix(self._buf, THINK_END)
+                text = self._buf[:len(self._buf) - keep]
+                emit = text.rstrip()  # trailing whitespace waits: it may come right before the end tag
+                r_out.append(emit)
+                self._buf = self._buf[len(emit):]
+                break
+            # content
+            if self._after_end:
+                self._buf = self._buf.lstrip()
+                if not self._buf:
+                    break
+                self._after_end = False
+            if not self.legacy:
+                c_out.append(self._buf)
+            self._buf = ""
+            break
+        r, c = "".join(r_out), "".join(c_out)
+        if not self.active:
+            r = ""
+        self.reasoning += r
+        self.content += c
+        return r, c
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the reply is (still) inside its thinking."""
+        return self._state == "think"
+
+
+def split_reasoning(text: str, fmt: str = "deepseek", forced_open: bool = False) -> tuple[Optional[str], str]:
+    """(reasoning or None, content) of a whole reply."""
+    s = ReasoningStream(fmt, forced_open)
+    s.feed(text)
+    s.finish()
+    return (s.reasoning or None), s.content

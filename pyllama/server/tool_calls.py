@@ -1,0 +1,953 @@
+"""Tool calls on /v1/chat/completions: request checks, the call format of a template family, and
+the parser that turns a model's text into OpenAI ``tool_calls`` (whole or streamed).
+
+A chat template tells which format its model was trained to call tools in; it is recognised by
+the literal markers its Jinja source holds, in the order llama-server tests them:
+
+======== ================================================ =========================================
+family   recognised by (in the template source)            what the model writes
+======== ================================================ =========================================
+deepseek ``<｜tool▁calls▁begin｜>``                         ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>``
+                                                           ``function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```...``
+                                                           (R1) or ``NAME<｜tool▁sep｜>ARGS`` (V3.1)
+hermes   ``<tool_call>`` (Hermes 2/3, Qwen 2.5/3, ...)     ``<tool_call>{"name": N, "arguments": A}</tool_call>``
+mistral  ``[TOOL_CALLS]``                                  ``[TOOL_CALLS][{"name": N, "arguments": A, "id": I}]``
+                                                           or ``[TOOL_CALLS]NAME[ARGS]ARGS``
+llama3   ``<|start_header_id|>ipython<|end_header_id|>``   ``{"name": N, "parameters": A}`` at the start of
+                                                           the reply, or after ``<|python_tag|>`` (also
+                                                           ``tool.call(key="v")`` and bare code there)
+generic  anything else                                     one JSON object: ``{"tool_calls": [...]}``,
+                                                           ``{"tool_call": {...}}`` or ``{"response": text}``
+======== ================================================ =========================================
+
+Parsing is done on the whole text so far (:func:`parse`), in a partial mode while tokens still
+come: text that may be the start of a call is held back, a call is announced once its name is
+known and its arguments have begun, and the arguments then grow as the model writes them.
+:class:`ToolCallStream` turns successive snapshots into OpenAI deltas; the final snapshot is the
+non-streamed message. Output that is not a well-formed call is left in the content.
+
+The ``arguments`` of a call are the JSON text the model wrote for them (so the streamed fragments
+add up to exactly the final string); a model that writes them as a JSON string gets that string.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .constraint import JSON_WHITESPACE
+
+__all__ = ["FAMILIES", "ToolCall", "Snapshot", "ToolSpec", "ToolCallStream", "ToolChoiceError", "detect_family",
+           "call_grammar", "parse", "parse_tool_request", "new_call_id"]
+
+FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic")
+
+# DeepSeek's markers (full-width bars and "▁" as in its vocabulary).
+DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+DS_CALLS_END = "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+DS_CALL_END = "<｜tool▁call▁end｜>"
+DS_SEP = "<｜tool▁sep｜>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+class ToolChoiceError(ValueError):
+    """A bad ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` field (HTTP 400)."""
+
+
+def detect_family(source: Optional[str]) -> str:
+    """The tool-call family of a Jinja chat template's source (``generic`` when none matches)."""
+    src = source or ""
+    if DS_CALLS_BEGIN in src:
+        return "deepseek"
+    if "<tool_call>" in src:
+        return "hermes"
+    if "[TOOL_CALLS]" in src:
+        return "mistral"
+    if "<|start_header_id|>ipython<|end_header_id|>" in src:
+        return "llama3"
+    return "generic"
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_call_id(family: str) -> str:
+    """A fresh call id: 9 letters and digits for Mistral (its templates refuse any other shape),
+    ``call_`` and 24 letters and digits otherwise."""
+    if family == "mistral":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
+    return "call_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
+
+
+# ---------------------------------------------------------------------------------------------
+# Request fields
+
+
+@dataclass
+class ToolSpec:
+    """What a chat request asks about tools: ``choice`` is "auto", "none", "required" or the name
+    of the one function to call."""
+
+    tools: list[dict] = field(default_factory=list)
+    choice: str = "auto"
+    named: bool = False
+    parallel: bool = True
+
+    @property
+    def parse_calls(self) -> bool:
+        """Whether the model's output is read for calls (tools given and not tool_choice none)."""
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def required(self) -> bool:
+        return bool(self.tools) and (self.choice == "required" or self.named)
+
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+
+def parse_tool_request(body: dict) -> ToolSpec:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat body, checked as OpenAI
+    defines them. Raises :class:`ToolChoiceError` naming the field."""
+    tools = body.get("tools")
+    spec = ToolSpec()
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise ToolChoiceError("'tools' must be an array of tools")
+        for i, t in enumerate(tools):
+            at = f"tools[{i}]"
+            if not isinstance(t, dict):
+                raise ToolChoiceError(f"'{at}' must be an object")
+            if t.get("type", "function") != "function":
+                raise ToolChoiceError(f"'{at}.type' must be \"function\" (the only tool type supported)")
+            fn = t.get("function")
+            if not isinstance(fn, dict):
+                raise ToolChoiceError(f"'{at}.function' must be an object")
+            name = fn.get("name")
+            if not isinstance(name, str) or not name:
+                raise ToolChoiceError(f"'{at}.function.name' must be a non-empty string")
+            if "description" in fn and fn["description"] is not None and not isinstance(fn["description"], str):
+                raise ToolChoiceError(f"'{at}.function.description' must be a string")
+            if "parameters" in fn and fn["parameters"] is not None and not isinstance(fn["parameters"], dict):
+                raise ToolChoiceError(f"'{at}.function.parameters' must be a JSON schema object")
+        spec.tools = tools
+    choice = body.get("tool_choice")
+    if choice is None:
+        spec.choice = "auto"
+    elif isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise ToolChoiceError(f"'tool_choice' must be \"auto\", \"none\", \"required\" or "
+                                  f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}")
+        spec.choice = choice
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ToolChoiceError("'tool_choice' as an object must be {\"type\": \"function\", "
+                                  "\"function\": {\"name\": ...}}")
+        if name not in spec.names():
+            raise ToolChoiceError(f"'tool_choice' names the function {name!r}, which is not in 'tools'")
+        spec.choice, spec.named = name, True
+    else:
+        raise ToolChoiceError("'tool_choice' must be a string or an object")
+    if spec.choice == "required" and not spec.tools:
+        raise ToolChoiceError("'tool_choice' is \"required\" but no 'tools' were given")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ToolChoiceError("'parallel_tool_calls' must be true or false")
+    spec.parallel = True if parallel is None else parallel
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------
+# A JSON scanner that tells a complete value from a valid unfinished one from a wrong one.
+
+DONE, PARTIAL, BAD = 0, 1, 2
+_WS = " \t\r\n"
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_NUMBER_PREFIX = re.compile(r"-?(?:0|[1-9][0-9]*)?(?:\.[0-9]*)?(?:[eE][+-]?[0-9]*)?$")
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _skip_ws(s: str, i: int) -> int:
+    n = len(s)
+    while i < n and s[i] in _WS:
+        i += 1
+    return i
+
+
+def _scan_string(s: str, i: int) -> tuple[int, int]:
+    """(status, end) of the string literal at s[i] == '"'."""
+    n = len(s)
+    i += 1
+    while i < n:
+        c = s[i]
+        if c == '"':
+            return DONE, i + 1
+        if c == "\\":
+            if i + 1 >= n:
+                return PARTIAL, n
+            e = s[i + 1]
+            if e == "u":
+                hexs = s[i + 2:i + 6]
+                if not all(h in _HEX for h in hexs):
+                    return BAD, i
+                if len(hexs) < 4:
+                    return PARTIAL, n
+                i += 6
+                continue
+            if e not in '"\\/bfnrt':
+                return BAD, i
+            i += 2
+            continue
+        i += 1
+    return PARTIAL, n
+
+
+def scan_json(s: str, i: int) -> tuple[int, int]:
+    """(status, end) of the JSON value starting at s[i] (whitespace before it is skipped).
+
+    DONE: s[i:end] holds one complete value. PARTIAL: s[i:] is a valid start of a value (end is
+    len(s)). BAD: it cannot be the start of any value (end is where it went wrong). A number at
+    the very end of s is PARTIAL, since more digits may follow."""
+    n = len(s)
+    stack: list[str] = []
+    state = "value"  # value | key | key_or_end | colon | after | value_or_end
+    while True:
+        i = _skip_ws(s, i)
+        if i >= n:
+            return PARTIAL, n
+        c = s[i]
+        if state == "value_or_end":
+            if c == "]":
+                stack.pop()
+                i += 1
+                state = "after"
+            else:
+                state = "value"
+            if state == "after" and not stack:
+                return DONE, i
+            continue
+        if state == "value":
+            if c == "{":
+                stack.append("{")
+                i += 1
+                state = "key_or_end"
+                continue
+            if c == "[":
+                stack.append("[")
+                i += 1
+                state = "value_or_end"
+                continue
+            if c == '"':
+                st, i = _scan_string(s, i)
+                if st != DONE:
+                    return st, i
+            elif c == "-" or c.isdigit():
+                m = _NUMBER.match(s, i)
+                if m is None or m.end() == n:
+                    tail = s[i:]
+                    return (PARTIAL, n) if _NUMBER_PREFIX.match(tail) else (BAD, i)
+                i = m.end()
+            elif c in "tfn":
+                for lit in ("true", "false", "null"):
+                    if s.startswith(lit, i):
+                        i += len(lit)
+                        break
+                    if lit.startswith(s[i:]):
+                        return PARTIAL, n
+                else:
+                    return BAD, i
+            else:
+                return BAD, i
+            state = "after"
+            if not stack:
+                return DONE, i
+            continue
+        if state in ("key", "key_or_end"):
+            if c == "}" and state == "key_or_end":
+                stack.pop()
+                i += 1
+                state = "after"
+                if not stack:
+                    return DONE, i
+                continue
+            if c != '"':
+                return BAD, i
+            st, i = _scan_string(s, i)
+            if st != DONE:
+                return st, i
+            state = "colon"
+            continue
+        if state == "colon":
+            if c != ":":
+                return BAD, i
+            i += 1
+            state = "value"
+            continue
+        # after a value inside a container
+        top = stack[-1]
+        if c == ",":
+            i += 1
+            state = "key" if top == "{" else "value"
+        elif (c == "}" and top == "{") or (c == "]" and top == "["):
+            stack.pop()
+            i += 1
+            if not stack:
+                return DONE, i
+        else:
+            return BAD, i
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, strict=False)  # models write raw newlines inside strings
+
+
+@dataclass
+class _Members:
+    status: int
+    end: int
+    done: dict[str, tuple[int, int]]     # complete members: key -> (start, end) of the value
+    open_key: Optional[str] = None        # the member whose value is being written
+    open_start: int = 0
+
+
+def _scan_members(s: str, i: int) -> _Members:
+    """The members of the object at s[i] == '{', complete or not."""
+    n = len(s)
+    done: dict[str, tuple[int, int]] = {}
+    i += 1
+    first = True
+    while True:
+        i = _skip_ws(s, i)
+        if i >= n:
+            return _Members(PARTIAL, n, done)
+        if first and s[i] == "}":
+            return _Members(DONE, i + 1, done)
+        if s[i] != '"':
+            return _Members(BAD, i, done)
+        st, k_end = _scan_string(s, i)
+        if st != DONE:
+            return _Members(st, k_end, done)
+        key = _loads(s[i:k_end])
+        i = _skip_ws(s, k_end)
+        if i >= n:
+            return _Members(PARTIAL, n, done)
+        if s[i] != ":":
+            return _Members(BAD, i, done)
+        i = _skip_ws(s, i + 1)
+        if i >= n:
+            return _Members(PARTIAL, n, done, key, i)
+        st, v_end = scan_json(s, i)
+        if st == BAD:
+            return _Members(BAD, v_end, done)
+        if st == PARTIAL:
+            return _Members(PARTIAL, n, done, key, i)
+        done[key] = (i, v_end)
+        i = _skip_ws(s, v_end)
+        if i >= n:
+            return _Members(PARTIAL, n, done)
+        if s[i] == "}":
+            return _Members(DONE, i + 1, done)
+        if s[i] != ",":
+            return _Members(BAD, i, done)
+        i += 1
+        first = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Snapshots
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str        # JSON text
+    id: str = ""          # the model's own id (Mistral), else assigned by the stream
+    done: bool = True     # False: still being written (arguments may grow)
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class Snapshot:
+    """Content and calls read from the text so far (final=True: from the whole reply)."""
+
+    content: str
+    calls: list[ToolCall]
+
+
+@dataclass
+class _Part:
+    status: int
+    end: int
+    calls: list[ToolCall]
+    content: Optional[str] = None  # generic: the "response" of the object
+
+
+def _args_text(s: str, span: tuple[int, int]) -> Optional[str]:
+    """The arguments member as a string: an object's JSON text, or a string holding JSON."""
+    raw = s[span[0]:span[1]]
+    if raw.startswith("{"):
+        return raw
+    if raw.startswith('"'):
+        value = _loads(raw)
+        try:
+            return value if isinstance(_loads(value), dict) else None
+        except ValueError:
+            return None
+    return None
+
+
+def _object_call(s: str, i: int, final: bool, args_keys: tuple[str, ...] = ("arguments",),
+                 stream_args: bool = True) -> _Part:
+    """A call written as a JSON object {"name": ..., <args key>: {...}} at s[i] == '{'."""
+    m = _scan_members(s, i)
+    if m.status == BAD:
+        return _Part(BAD, m.end, [])
+    name_span = m.done.get("name")
+    name = _loads(s[name_span[0]:name_span[1]]) if name_span else None
+    if name_span is not None and not isinstance(name, str):
+        return _Part(BAD, m.end, [])
+    if m.status == PARTIAL:
+        if final:
+            return _Part(BAD, m.end, [])
+        calls = []
+        if name and stream_args:
+            key = next((k for k in args_keys if k in m.done), None)
+            if key is not None:
+                args = _args_text(s, m.done[key])
+                if args is None:
+                    return _Part(BAD, m.end, [])
+                calls.append(ToolCall(name, args, done=False))
+            elif m.open_key in args_keys and s.startswith("{", m.open_start):
+                calls.append(ToolCall(name, s[m.open_start:], done=False))
+        return _Part(PARTIAL, m.end, calls)
+    if not name:
+        return _Part(BAD, m.end, [])
+    key = next((k for k in args_keys if k in m.done), None)
+    args = "{}" if key is None else _args_text(s, m.done[key])
+    if args is None:
+        return _Part(BAD, m.end, [])
+    call_id = ""
+    if "id" in m.done:
+        v = _loads(s[m.done["id"][0]:m.done["id"][1]])
+        call_id = v if isinstance(v, str) else ""
+    return _Part(DONE, m.end, [ToolCall(name, args, call_id)])
+
+
+def _literal(s: str, i: int, lit: str) -> int:
+    """DONE if s[i:] starts with lit, PARTIAL if s[i:] is a start of it, else BAD."""
+    if s.startswith(lit, i):
+        return DONE
+    return PARTIAL if lit.startswith(s[i:]) else BAD
+
+
+# ---------------------------------------------------------------------------------------------
+# Families
+
+
+class _Family:
+    """One call format: the markers that begin a call anywhere in the reply, and whether a JSON
+    object at the very start of the reply may be a call."""
+
+    name = "generic"
+    markers: tuple[str, ...] = ()
+    json_at_start = False
+
+    def at_marker(self, s: str, i: int, marker: str, final: bool) -> _Part:
+        raise NotImplementedError
+
+    def at_start(self, s: str, i: int, final: bool) -> _Part:
+        raise NotImplementedError
+
+
+class _Hermes(_Family):
+    name = "hermes"
+    markers = ("<tool_call>",)
+
+    def at_marker(self, s: str, i: int, marker: str, final: bool) -> _Part:
+        j = _skip_ws(s, i + len(marker))
+        if j >= len(s):
+            return _Part(BAD if final else PARTIAL, len(s), [])
+        if s[j] != "{":
+            return _Part(BAD, j, [])
+        part = _object_call(s, j, final)
+        if part.status != DONE:
+            return part
+        k = _skip_ws(s, part.end)
+        st = _literal(s, k, "</tool_call>")
+        if st == DONE:
+            return _Part(DONE, k + len("</tool_call>"), part.calls)
+        if k >= len(s) and final:  # the reply ended right after the object: taken as closed
+            return _Part(DONE, k, part.calls)
+        if st == PARTIAL:
+            return _Part(PARTIAL, len(s), [_unfinished(c) for c in part.calls])
+        return _Part(BAD, k, [])
+
+
+def _unfinished(c: ToolCall) -> ToolCall:
+    return ToolCall(c.name, c.arguments, c.id, done=False)
+
+
+_BUILTIN_CALL = re.compile(r"(\w+)\.call\((.*)\)\s*$", re.S)
+_KWARG = re.compile(r'\s*(\w+)\s*=\s*("(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?|true|false|True|False|None|null)\s*(?:,|$)')
+
+
+class _Llama3(_Family):
+    name = "llama3"
+    markers = (PYTHON_TAG,)
+    json_at_start = True
+
+    def _objects(self, s: str, i: int, final: bool) -> _Part:
+        """One or more call objects separated by whitespace or ';'."""
+        calls: list[ToolCall] = []
+        while True:
+            part = _object_call(s, i, final, args_keys=("parameters", "arguments"))
+            if part.status != DONE:
+                if calls and part.status == BAD:  # what follows the calls is not one: stop there
+                    return _Part(DONE, end, calls)
+                return _Part(part.status, part.end, calls + part.calls)
+            calls += part.calls
+            end = part.end
+            k = _skip_ws(s, end)
+            if k < len(s) and s[k] == ";":
+                k = _skip_ws(s, k + 1)
+            if k >= len(s):
+                if final:
+                    return _Part(DONE, end, calls)
+                return _Part(PARTIAL, len(s), [_unfinished(c) for c in calls])
+            if s[k] != "{":
+                return _Part(DONE, end, calls)
+            i = k
+
+    def at_start(self, s: str, i: int, final: bool) -> _Part:
+        return self._objects(s, i, final)
+
+    def at_marker(self, s: str, i: int, marker: str, final: bool) -> _Part:
+        j = _skip_ws(s, i + len(marker))
+        if j < len(s) and s[j] == "{":
+            return self._objects(s, j, final)
+        if not final:  # code or a built-in tool call: read once the reply is complete
+            return _Part(PARTIAL, len(s), [])
+        rest = s[j:].strip()
+        if not rest:
+            return _Part(BAD, j, [])
+        m = _BUILTIN_CALL.match(rest)
+        if m:
+            args = _builtin_kwargs(m.group(2))
+            if args is not None:
+                return _Part(DONE, len(s), [ToolCall(m.group(1), json.dumps(args, ensure_ascii=False))])
+        return _Part(DONE, len(s), [ToolCall("python", json.dumps({"code": rest}, ensure_ascii=False))])
+
+
+def _builtin_kwargs(text: str) -> Optional[dict]:
+    """key="value", key=3 ... of a built-in tool call, or None when it is not that shape."""
+    out: dict[str, Any] = {}
+    pos, text = 0, text.strip()
+    while pos < len(text):
+        m = _KWARG.match(text, pos)
+        if m is None:
+            return None
+        raw = m.group(2)
+        out[m.group(1)] = {"True": True, "False": False, "None": None}.get(raw) if raw in ("True", "False", "None") \
+            else _loads(raw)
+        pos = m.end()
+    return out
+
+
+_MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\]")
+_MISTRAL_NAMED_START = re.compile(r"[A-Za-z0-9_.\-]*(?:\[[A-Z_]*\]?[A-Za-z0-9]*)*")
+
+
+class _Mistral(_Family):
+    name = "mistral"
+    markers = ("[TOOL_CALLS]",)
+
+    def at_marker(self, s: str, i: int, marker: str, final: bool) -> _Part:
+        j = _skip_ws(s, i + len(marker))
+        n = len(s)
+        if j >= n:
+            return _Part(BAD if final else PARTIAL, n, [])
+        if s[j] == "[":
+            return self._array(s, j, final)
+        # NAME[ARGS]{...} or NAME[CALL_ID]ID[ARGS]{...}
+        m = _MISTRAL_NAMED.match(s, j)
+        if m is None:
+            if not final and n - j < 256 and _MISTRAL_NAMED_START.fullmatch(s, j):
+                return _Part(PARTIAL, n, [])
+            return _Part(BAD, j, [])
+        k = _skip_ws(s, m.end())
+        if k >= n:
+            return _Part(BAD if final else PARTIAL, n, [])
+        if s[k] != "{":
+            return _Part(BAD, k, [])
+        st, end = scan_json(s, k)
+        if st == BAD or (st == PARTIAL and final):
+            return _Part(BAD, end, [])
+        call = ToolCall(m.group(1), s[k:end], m.group(2) or "", done=(st == DONE))
+        return _Part(st, end, [call])
+
+    def _array(self, s: str, j: int, final: bool) -> _Part:
+        calls: list[ToolCall] = []
+        i = j + 1
+        n = len(s)
+        while True:
+            i = _skip_ws(s, i)
+            if i >= n:
+                return _Part(BAD if final else PARTIAL, n, calls)
+            if s[i] == "]" and not calls:
+                return _Part(BAD, i, [])  # an empty list calls nothing
+            if s[i] != "{":
+                return _Part(BAD, i, [])
+            # ids follow the arguments in this form: a call is shown only once complete
+            part = _object_call(s, i, final, stream_args=False)
+            if part.status != DONE:
+                return _Part(part.status, part.end, calls)
+            calls += part.calls
+            i = _skip_ws(s, part.end)
+            if i >= n:
+                return _Part(BAD if final else PARTIAL, n, calls)
+            if s[i] == "]":
+                return _Part(DONE, i + 1, calls)
+            if s[i] != ",":
+                return _Part(BAD, i, [])
+            i += 1
+
+
+class _DeepSeek(_Family):
+    name = "deepseek"
+    markers = (DS_CALLS_BEGIN, DS_CALL_BEGIN)
+
+    def at_marker(self, s: str, i: int, marker: str, final: bool) -> _Part:
+        n = len(s)
+        calls: list[ToolCall] = []
+        k = i + len(marker) if marker == DS_CALLS_BEGIN else i
+        while True:
+            k = _skip_ws(s, k)
+            if k >= n:
+                if final:
+                    return _Part(DONE if calls else BAD, k, calls)
+                return _Part(PARTIAL, n, calls)
+            if s.startswith(DS_CALLS_END, k):
+                return _Part(DONE if calls else BAD, k + len(DS_CALLS_END), calls)
+            if s.startswith(DS_CALL_BEGIN, k):
+                part = self._call(s, k + len(DS_CALL_BEGIN), final)
+                if part.status == DONE:
+                    calls += part.calls
+                    k = part.end
+                    continue
+                if part.status == PARTIAL:
+                    return _Part(PARTIAL, n, calls + part.calls)
+                return _Part(BAD, part.end, [])
+            if not final and (DS_CALLS_END.startswith(s[k:]) or DS_CALL_BEGIN.startswith(s[k:])):
+                return _Part(PARTIAL, n, calls)
+            # text after the calls (the section's end marker missing) is content again
+            return _Part(DONE, k, calls) if calls else _Part(BAD, k, [])
+
+    def _call(self, s: str, k: int, final: bool) -> _Part:
+        n = len(s)
+        sep = s.find(DS_SEP, k)
+        if sep < 0:
+            if not final and n - k < 256:  # the name (or "function") is still being written
+                return _Part(PARTIAL, n, [])
+            return _Part(BAD, k, [])
+        kind = s[k:sep].strip()
+        j = sep + len(DS_SEP)
+        if kind == "function":  # R1: NAME \n ```json \n ARGS \n ```
+            nl = s.find("\n", j)
+            if nl < 0:
+                return _Part(BAD if final else PARTIAL, n, [])
+            name = s[j:nl].strip()
+            j = nl + 1
+            st = _literal(s, j, "```json")
+            if st != DONE:
+                return _Part(BAD if final or st == BAD else PARTIAL, n if st == PARTIAL else j, [])
+            j = _skip_ws(s, j + len("```json"))
+            fence = True
+        else:  # V3.1: NAME<｜tool▁sep｜>ARGS
+            name = kind
+            j = _skip_ws(s, j)
+            fence = False
+        if not name or j >= n:
+            return _Part(BAD if final or not name else PARTIAL, n, [])
+        if s[j] != "{":
+            return _Part(BAD, j, [])
+        st, end = scan_json(s, j)
+        if st == BAD or (st == PARTIAL and final):
+            return _Part(BAD, end, [])
+        call = ToolCall(name, s[j:end], done=False)
+        if st == PARTIAL:
+            return _Part(PARTIAL, n, [call])
+        k = _skip_ws(s, end)
+        if fence:
+            st = _literal(s, k, "```")
+            if st != DONE:
+                return _Part(BAD if final or st == BAD else PARTIAL, n, [call] if st == PARTIAL else [])
+            k = _skip_ws(s, k + 3)
+        st = _literal(s, k, DS_CALL_END)
+        if st == DONE:
+            return _Part(DONE, k + len(DS_CALL_END), [ToolCall(name, call.arguments)])
+        if final and k >= n:
+            return _Part(DONE, k, [ToolCall(name, call.arguments)])
+        if st == PARTIAL and not final:
+            return _Part(PARTIAL, n, [call])
+        return _Part(BAD, k, [])
+
+
+class _Generic(_Family):
+    name = "generic"
+    json_at_start = True
+
+    def at_start(self, s: str, i: int, final: bool) -> _Part:
+        st, end = scan_json(s, i)
+        if st == PARTIAL:
+            return _Part(BAD if final else PARTIAL, end, [])
+        if st == BAD or _skip_ws(s, end) < len(s):
+            return _Part(BAD, end, [])
+        value = _loads(s[i:end])
+        if not isinstance(value, dict):
+            return _Part(BAD, end, [])
+        raw = value.get("tool_calls", [value["tool_call"]] if "tool_call" in value else None)
+        if raw is not None:
+            if not isinstance(raw, list) or not raw:
+                return _Part(BAD, end, [])
+            calls = []
+            for c in raw:
+                if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not c["name"]:
+                    return _Part(BAD, end, [])
+                args = c.get("arguments", {})
+                if isinstance(args, str):
+                    text = args
+                elif isinstance(args, dict):
+                    text = json.dumps(args, ensure_ascii=False)
+                else:
+                    return _Part(BAD, end, [])
+                cid = c.get("id")
+                calls.append(ToolCall(c["name"], text, cid if isinstance(cid, str) else ""))
+            return _Part(DONE, end, calls)
+        if "response" in value:
+            r = value["response"]
+            return _Part(DONE, end, [], r if isinstance(r, str) else json.dumps(r, ensure_ascii=False))
+        return _Part(BAD, end, [])
+
+
+_FAMILIES: dict[str, _Family] = {f.name: f for f in (_Hermes(), _Llama3(), _Mistral(), _DeepSeek(), _Generic())}
+
+
+def _held_marker_prefix(s: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of s may be the start of a marker."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(s)), best, -1):
+            if s.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+def parse(family: str, text: str, final: bool = True, parallel: bool = True) -> Snapshot:
+    """Content and tool calls of a reply in a family's format.
+
+    final=False reads an unfinished reply: the content excludes what may still turn out to be a
+    call (a partial marker, trailing whitespace, a call being written), and the last call may be
+    unfinished (done False). Whitespace just before a call is not content; text after the calls
+    is. Text that starts like a call but is not a well-formed one stays in the content."""
+    fam = _FAMILIES[family]
+    pieces: list[str] = []
+    calls: list[ToolCall] = []
+    pos = 0
+    n = len(text)
+    if fam.json_at_start:
+        j = _skip_ws(text, 0)
+        if j >= n:
+            return Snapshot(text if final else "", [])
+        if text[j] == "{":
+            part = fam.at_start(text, j, final)
+            if part.status == PARTIAL:
+                return Snapshot("", _limit(part.calls, parallel))
+            if part.status == DONE:
+                if part.content is not None and not part.calls:
+                    return Snapshot(part.content, [])
+                calls += part.calls
+                pos = part.end
+    while True:
+        found = [(text.find(m, pos), m) for m in fam.markers]
+        found = [(k, m) for k, m in found if k >= 0]
+        if not found:
+            tail = text[pos:]
+            if not final:
+                held = _held_marker_prefix(tail, fam.markers)
+                tail = tail[:len(tail) - held] if held else tail
+                tail = tail.rstrip()
+            pieces.append(tail)
+            break
+        k, marker = min(found)
+        part = fam.at_marker(text, k, marker, final)
+        if part.status == BAD:
+            pieces.append(text[pos:])
+            break
+        pieces.append(text[pos:k].rstrip())
+        calls += part.calls
+        if part.status == PARTIAL:
+            break
+        pos = part.end
+    content = "".join(pieces)
+    return Snapshot(content, _limit(calls, parallel))
+
+
+def _limit(calls: list[ToolCall], parallel: bool) -> list[ToolCall]:
+    return calls if parallel else calls[:1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming
+
+
+class ToolCallStream:
+    """Text in, OpenAI delta pieces out, for one choice of a chat completion with tools.
+
+    :meth:`feed` takes the next piece of the reply and returns delta dicts (``{"content": ...}``
+    or ``{"tool_calls": [...]}``); :meth:`finish` returns the last ones, and :attr:`snapshot` is
+    then the complete message. Before the first marker the cost per piece is a few string
+    searches; once a call may have begun the reply so far is read again on each piece."""
+
+    def __init__(self, family: str, parallel: bool = True) -> None:
+        if family not in _FAMILIES:
+            raise ValueError(f"unknown tool-call family {family!r}")
+        self.family = family
+        self.parallel = parallel
+        self._fam = _FAMILIES[family]
+        self.text = ""
+        self._content = ""          # content sent so far
+        self._ids: list[str] = []   # per announced call: its id
+        self._args: list[str] = []  # per announced call: the arguments sent so far
+        self.snapshot = Snapshot("", [])
+
+    def feed(self, piece: str) -> list[dict]:
+        if not piece:
+            return []
+        self.text += piece
+        return self._update(parse(self.family, self.text, final=False, parallel=self.parallel))
+
+    def finish(self) -> list[dict]:
+        return self._update(parse(self.family, self.text, final=True, parallel=self.parallel), final=True)
+
+    def _update(self, snap: Snapshot, final: bool = False) -> list[dict]:
+        out: list[dict] = []
+        # A partial reading only ever holds text back, so what was sent is a prefix of what comes.
+        new = snap.content[len(self._content):] if snap.content.startswith(self._content) else ""
+        if new and not (final and snap.calls and not (self._content + new).strip()):
+            out.append({"content": new})
+            self._content += new
+        for idx, call in enumerate(snap.calls):
+            if idx >= len(self._ids):
+                self._ids.append(call.id or new_call_id(self.family))
+                self._args.append("")
+                out.append({"tool_calls": [{"index": idx, "id": self._ids[idx], "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})
+            call.id = self._ids[idx]
+            sent = self._args[idx]
+            if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+                out.append({"tool_calls": [{"index": idx, "function": {"arguments": call.arguments[len(sent):]}}]})
+                self._args[idx] = call.arguments
+        self.snapshot = snap
+        return out
+
+    def message(self) -> tuple[Optional[str], list[dict]]:
+        """(content, tool_calls) of the finished reply (content None when it is only calls)."""
+        snap = self.snapshot
+        calls = []
+        for idx, c in enumerate(snap.calls):
+            if idx < len(self._ids):
+                c.id = self._ids[idx]
+            elif not c.id:
+                c.id = new_call_id(self.family)
+            calls.append(c.to_openai())
+        content: Optional[str] = snap.content
+        if calls and not (content or "").strip():
+            content = None
+        return content, calls
+
+
+# ---------------------------------------------------------------------------------------------
+# A grammar for a required call (tool_choice "required" or a named function)
+
+
+def _lark_literal(text: str, special: Callable[[str], Optional[int]]) -> str:
+    """A marker in llguidance's Lark: the special token it is in the model's vocabulary (which no
+    plain text can produce), else the text itself."""
+    tid = special(text)
+    return f"<[{tid}]>" if tid is not None else json.dumps(text, ensure_ascii=False)
+
+
+def _params(tool: dict) -> dict:
+    p = tool["function"].get("parameters")
+    return p if isinstance(p, dict) and p else {"type": "object"}
+
+
+def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[int]] = lambda t: None,
+                 close_thinking: bool = False) -> str:
+    """llguidance Lark grammar whose every sentence is a valid call (or, with parallel calls,
+    several) in the family's format, to one of the request's tools (the named one only, for a
+    named tool_choice); the arguments follow each tool's JSON schema (``%json``).
+    close_thinking: the prompt opened a think tag, which the reply closes first."""
+    tools = [t for t in spec.tools if not spec.named or t["function"]["name"] == spec.choice]
+    names = [t["function"]["name"] for t in tools]
+    rules: list[str] = []
+    lit = lambda text: _lark_literal(text, special)  # noqa: E731
+
+    def json_rule(rule: str, schema: dict) -> None:
+        # the same bounded whitespace as the server's JSON schemas (constraint.JSON_WHITESPACE)
+        schema = {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}, **schema}
+        rules.append(f"{rule}: %json {json.dumps(schema, ensure_ascii=False)}")
+
+    def object_calls(args_key: str, with_id: bool = False) -> list[dict]:
+        out = []
+        for t, name in zip(tools, names):
+            props: dict[str, Any] = {"name": {"const": name}, args_key: _params(t)}
+            if with_id:
+                props["id"] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
+            out.append({"type": "object", "properties": props, "required": list(props),
+                        "additionalProperties": False})
+        return out
+
+    many = spec.parallel
+    if family == "hermes":
+        json_rule("call", {"anyOf": object_calls("arguments")})
+        block = f'{lit("<tool_call>")} "\\n" call "\\n" {lit("</tool_call>")}'
+        rules.insert(0, f'start: block ("\\n" block)*' if many else "start: block")
+        rules.insert(1, f"block: {block}")
+    elif family == "llama3":
+        json_rule("call", {"anyOf": object_calls("parameters")})
+        rules.insert(0, "start: call")
+    elif family == "mistral":
+        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": object_calls("arguments", with_id=True)},
+                                  "minItems": 1}
+        if not many:
+            schema["maxItems"] = 1
+        json_rule("calls", schema)
+        rules.insert(0, f'start: {lit("[TOOL_CALLS]")} calls')
+    elif family == "deepseek":
+        alts = []
+        for k, (t, name) in enumerate(zip(tools, names)):
+            json_rule(f"args{k}", _params(t))
+            alts.append(f'{lit(DS_CALL_BEGIN)} "function" {lit(DS_SEP)} {json.dumps(name, ensure_ascii=False)} '
+                        f'"\\n```json\\n" args{k} "\\n```" {lit(DS_CALL_END)}')
+        rules.insert(0, f'start: {lit(DS_CALLS_BEGIN)} call{"+" if many else ""} {lit(DS_CALLS_END)}')
+        rules.insert(1, "call: " + " | ".join(alts))
+    else:
+        schema = {"type": "array", "items": {"anyOf": object_calls("arguments")}, "minItems": 1}
+        if not many:
+            schema["maxItems"] = 1
+        json_rule("start", {"type": "object", "properties": {"tool_calls": schema}, "required": ["tool_calls"],
+                            "additionalProperties": False})
+    if close_thinking:
+        rules[0] = rules[0].replace("start:", "tool_calls:", 1)
+        rules.insert(0, f'start: {lit("</think>")} "\\n\\n" tool_calls')
+    return "\n".join(rules) + "\n"

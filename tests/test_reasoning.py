@@ -1,0 +1,127 @@
+"""Reasoning on /v1/chat/completions (pyllama.server.reasoning): thinking split from the content
+for --reasoning-format / reasoning_format deepseek, auto, deepseek-legacy and none, whole and
+streamed; prompts that open the think tag; chat_template_kwargs (enable_thinking) reaching the
+template; and a real server whose output a grammar fixes."""
+from __future__ import annotations
+
+import pytest
+
+from pyllama.server.chat import ChatTemplate
+from pyllama.server.reasoning import ReasoningStream, check_format, prompt_opens_thinking, split_reasoning
+from server_util import ServerProcess
+from test_tool_calls import scripted_reply
+from tool_templates import DEEPSEEK, HERMES
+
+# (reply, prompt opened <think>, format) -> (reasoning, content)
+CASES = [
+    ("<think>\nStep 1.\nStep 2.\n</think>\n\nParis.", False, "deepseek", ("Step 1.\nStep 2.", "Paris.")),
+    ("<think>\nStep 1.\n</think>\n\nParis.", False, "auto", ("Step 1.", "Paris.")),
+    ("<think>\nStep 1.\n</think>\n\nParis.", False, "none", (None, "<think>\nStep 1.\n</think>\n\nParis.")),
+    ("<think>\nStep 1.\n</think>\n\nParis.", False, "deepseek-legacy",
+     ("Step 1.", "<think>\nStep 1.\n</think>\n\nParis.")),
+    ("Step 1.\n</think>\n\nParis.", True, "deepseek", ("Step 1.", "Paris.")),
+    ("Step 1.\n</think>\n\nParis.", True, "none", (None, "Step 1.\n</think>\n\nParis.")),
+    ("  <think>unfinished thought", False, "deepseek", ("unfinished thought", "")),
+    ("Paris. <think>not at the start</think>", False, "deepseek", (None, "Paris. <think>not at the start</think>")),
+    ("<thin", False, "deepseek", (None, "<thin")),
+    ("<think></think>Paris.", False, "deepseek", (None, "Paris.")),
+]
+
+
+@pytest.mark.parametrize("text, opened, fmt, expected", CASES)
+def test_split_whole_and_streamed(text, opened, fmt, expected):
+    assert split_reasoning(text, fmt, opened) == expected
+    s = ReasoningStream(fmt, opened)
+    r = c = ""
+    for ch in text:
+        a, b = s.feed(ch)
+        r, c = r + a, c + b
+    a, b = s.finish()
+    assert ((r + a) or None, c + b) == expected
+
+
+def test_format_checks_and_open_prompts():
+    assert check_format(None, "none") == "none" and check_format("deepseek", "none") == "deepseek"
+    with pytest.raises(ValueError, match="'reasoning_format'"):
+        check_format("r1", "auto")
+    assert prompt_opens_thinking("<｜Assistant｜><think>\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fmt", ["deepseek", "auto", "none"])
+def test_response_path(stream, fmt):
+    text = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
+    out = scripted_reply(HERMES, {}, [text[i:i + 4] for i in range(0, len(text), 4)], stream, reasoning_format=fmt)
+    msg = out.choices[0].message
+    reasoning = (msg.model_extra or {}).get("reasoning_content")
+    if fmt == "none":
+        assert msg.content == text and reasoning is None
+    else:
+        assert msg.content == "It is sunny." and reasoning == "The user asks about Paris."
+    # the request field overrides the server's format
+    out = scripted_reply(HERMES, {"reasoning_format": "none"}, [text], stream, reasoning_format=fmt)
+    assert out.choices[0].message.content == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_opened_by_the_prompt_with_a_tool_call(stream):
+    text = "Need the weather.</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    tool = {"type": "function", "function": {"name": "now"}}
+    out = scripted_reply(DEEPSEEK, {"tools": [tool]}, list(text), stream)
+    msg = out.choices[0].message
+    assert msg.model_extra.get("reasoning_content") == "Need the weather."
+    assert msg.tool_calls[0].function.name == "now" and not msg.content
+
+
+def test_enable_thinking_reaches_the_template():
+    t = ChatTemplate(HERMES)
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert t.render_request(body).endswith("<|im_start|>assistant\n")
+    off = t.render_request({**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and not prompt_opens_thinking(off)
+    server_off = ChatTemplate(HERMES, kwargs={"enable_thinking": False})  # --chat-template-kwargs
+    assert server_off.render_request(body) == off
+    assert server_off.render_request({**body, "chat_template_kwargs": {"enable_thinking": True}}).endswith(
+        "assistant\n")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tpl") / "hermes.jinja"
+    path.write_text(HERMES)
+    s = ServerProcess(tiny_model, "-c", "1024", "--reasoning-format", "none", "--chat-template-file", str(path),
+                      "--chat-template-kwargs", '{"enable_thinking": false}')
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+GRAMMAR = 'root ::= "<think>Plan: say hi.</think>" "\\n\\nHello there"'
+
+
+def test_server_reasoning_formats(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "grammar": GRAMMAR, "max_tokens": 64}
+    status, doc = server.post("/v1/chat/completions", body)
+    assert status == 200, doc
+    msg = doc["choices"][0]["message"]
+    assert msg["content"] == "<think>Plan: say hi.</think>\n\nHello there" and "reasoning_content" not in msg
+    status, doc = server.post("/v1/chat/completions", {**body, "reasoning_format": "deepseek"})
+    msg = doc["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("Plan: say hi.", "Hello there")
+    events = server.stream("/v1/chat/completions", {**body, "reasoning_format": "deepseek", "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e.get("choices")]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Plan: say hi."
+    assert "".join(d.get("content") or "" for d in deltas) == "Hello there"
+    status, doc = server.post("/v1/chat/completions", {**body, "reasoning_format": "maybe"})
+    assert status == 400 and "'reasoning_format'" in doc["error"]["message"]
+
+
+def test_server_chat_template_kwargs(server):
+    msgs = {"messages": [{"role": "user", "content": "hi"}]}
+    status, doc = server.post("/apply-template", msgs)  # --chat-template-kwargs
+    assert status == 200 and doc["prompt"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    status, doc = server.post("/apply-template", {**msgs, "chat_template_kwargs": {"enable_thinking": True}})
+    assert status == 200 and doc["prompt"].endswith("<|im_start|>assistant\n")

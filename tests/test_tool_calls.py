@@ -1,0 +1,403 @@
+"""Tool calls on /v1/chat/completions: the parsers of each template family (whole and streamed),
+the request fields, the response path (non-streamed and streamed, read back with the official
+openai client's own models and stream accumulator), rendering of calls and tool results, and a
+real server whose required calls are constrained to each family's format."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import types
+
+import llguidance as llg
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from pyllama.sampling import SamplingParams
+from pyllama.server.api import Api, ServerState
+from pyllama.server.chat import ChatTemplate, ChatTemplateError, template_from_option
+from pyllama.server.http import HTTPError, Request, StreamResponse
+from pyllama.server.reasoning import prompt_opens_thinking
+from pyllama.server.task import CompletionTask, FinalEvent, TokenEvent
+from pyllama.server.tool_calls import (ToolCallStream, ToolChoiceError, call_grammar, detect_family, parse,
+                                       parse_tool_request)
+from tool_templates import FAMILY_TEMPLATES
+
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+def ds_r1(name: str, args: str) -> str:
+    return f"{DS_CALL}function{DS_SEP}{name}\n```json\n{args}\n```{DS_CALL_END}"
+
+
+# (family, model text, expected content, expected [(name, arguments as data)])
+CASES = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     None, [("get_weather", {"city": "Paris"})]),
+    ("hermes", 'Let me look.\n<tool_call>{"name": "a", "arguments": {"x": [1, {"y": "}"}]}}</tool_call>\n'
+               '<tool_call>{"name": "b", "arguments": {}}</tool_call>',
+     "Let me look.", [("a", {"x": [1, {"y": "}"}]}), ("b", {})]),
+    ("hermes", 'no call here, just <tool text', "no call here, just <tool text", []),
+    ("hermes", 'x <tool_call>{"name": f, "arguments": {}}</tool_call>',
+     'x <tool_call>{"name": f, "arguments": {}}</tool_call>', []),
+    ("hermes", 'x <tool_call>[1, 2]</tool_call>', 'x <tool_call>[1, 2]</tool_call>', []),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
+     [("get_weather", {"city": "Paris"})]),
+    ("llama3", '{"type": "function", "name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', None,
+     [("f", {"a": 1}), ("g", {})]),
+    ("llama3", '<|python_tag|>brave_search.call(query="weather in Paris")', None,
+     [("brave_search", {"query": "weather in Paris"})]),
+    ("llama3", '<|python_tag|>print(6 * 7)', None, [("python", {"code": "print(6 * 7)"})]),
+    ("llama3", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3", 'Hello {"name": "f", "parameters": {}}', 'Hello {"name": "f", "parameters": {}}', []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}, '
+                '{"name": "now", "arguments": {}}]', None, [("get_weather", {"city": "Paris"}), ("now", {})]),
+    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "Sure.", [("get_weather", {"city": "Paris"})]),
+    ("mistral", '[TOOL_CALLS] not json', '[TOOL_CALLS] not json', []),
+    ("deepseek", "I will check." + DS_BEGIN + ds_r1("get_weather", '{"city": "Paris"}') + "\n"
+                 + ds_r1("now", "{}") + DS_END, "I will check.", [("get_weather", {"city": "Paris"}), ("now", {})]),
+    ("deepseek", DS_BEGIN + f'{DS_CALL}get_weather{DS_SEP}{{"city": "Paris"}}{DS_CALL_END}' + DS_END, None,
+     [("get_weather", {"city": "Paris"})]),
+    ("deepseek", DS_BEGIN + "garbage", DS_BEGIN + "garbage", []),
+    ("generic", '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}', None,
+     [("get_weather", {"city": "Paris"})]),
+    ("generic", '{"tool_call": {"name": "now", "arguments": {}}}', None, [("now", {})]),
+    ("generic", '{"response": "It is sunny."}', "It is sunny.", []),
+    ("generic", 'plain words', "plain words", []),
+]
+
+
+def _calls(message_calls: list[dict]) -> list[tuple[str, object]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message_calls]
+
+
+def _stream(family: str, pieces: list[str], parallel: bool = True) -> tuple[list[dict], ToolCallStream]:
+    s = ToolCallStream(family, parallel)
+    deltas: list[dict] = []
+    for p in pieces:
+        deltas += s.feed(p)
+    deltas += s.finish()
+    return deltas, s
+
+
+def _merge(deltas: list[dict]) -> tuple[str, list[dict]]:
+    """Deltas added up as an OpenAI client adds them (content concatenated, calls by index)."""
+    content, calls = "", {}
+    for d in deltas:
+        content += d.get("content", "")
+        for tc in d.get("tool_calls", []):
+            c = calls.setdefault(tc["index"], {"id": None, "name": "", "arguments": ""})
+            if "id" in tc:
+                assert c["id"] is None, "a call is announced once"
+                c["id"], c["name"] = tc["id"], tc["function"]["name"]
+            c["arguments"] += tc["function"].get("arguments", "")
+    return content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("family, text, content, calls", CASES)
+def test_parse_whole_and_streamed(family, text, content, calls):
+    snap = parse(family, text)
+    assert [(c.name, json.loads(c.arguments)) for c in snap.calls] == calls
+    _, s = _stream(family, [text])
+    got_content, got_calls = s.message()
+    assert got_content == content
+    assert _calls(got_calls) == calls
+    # character by character, and in random pieces: the same message, and deltas that add up to it
+    rng = random.Random(len(text))
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 7)))
+    for pieces in ([c for c in text], [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]):
+        deltas, s = _stream(family, pieces)
+        m_content, m_calls = s.message()
+        assert m_content == content and _calls(m_calls) == calls
+        d_content, d_calls = _merge(deltas)
+        assert d_content == (content or "")
+        assert [(c["name"], json.loads(c["arguments"])) for c in d_calls] == calls
+        assert [c["id"] for c in d_calls] == [c["id"] for c in m_calls]
+
+
+def test_arguments_stream_in_fragments_before_the_call_ends():
+    text = '<tool_call>{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}</tool_call>'
+    deltas, _ = _stream("hermes", list(text))
+    fragments = [tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", []) if "id" not in tc]
+    assert len(fragments) > 10  # the arguments grew while the model wrote them
+    head = next(d for d in deltas if "tool_calls" in d)["tool_calls"][0]
+    assert head["id"].startswith("call_") and head["function"] == {"name": "write", "arguments": ""}
+
+
+def test_arguments_that_go_wrong_after_they_began():
+    """A call is announced once its name is known and its arguments have begun; arguments that
+    turn out malformed later leave the whole reply as content in the final message (the
+    non-streamed one); a stream has already sent the call's start (as llama-server's stream does)
+    and then sends the text as content, so that nothing the model wrote is lost."""
+    text = 'x <tool_call>{"name": "f", "arguments": {oops}}</tool_call>'
+    deltas, s = _stream("hermes", list(text))
+    assert s.message() == (text, [])
+    content, calls = _merge(deltas)
+    assert [c["name"] for c in calls] == ["f"] and calls[0]["arguments"] == "{"
+    assert content == text
+
+
+def test_no_parallel_calls_keeps_the_first():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    _, s = _stream("hermes", list(text), parallel=False)
+    assert _calls(s.message()[1]) == [("a", {})]
+
+
+def test_mistral_ids_are_nine_characters_and_kept_from_the_model():
+    _, s = _stream("mistral", ['[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}, '
+                               '"id": "Zz9Zz9Zz9"}]'])
+    ids = [c["id"] for c in s.message()[1]]
+    assert len(ids[0]) == 9 and ids[0].isalnum() and ids[1] == "Zz9Zz9Zz9"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TEMPLATES))
+def test_detect_family_from_template(family):
+    assert detect_family(FAMILY_TEMPLATES[family]) == family
+    assert ChatTemplate(FAMILY_TEMPLATES[family]).family == family
+
+
+def test_fallback_and_builtin_families():
+    assert ChatTemplate(None).family == "generic"  # the ChatML fallback
+    assert template_from_option("llama3", None).family is None
+    with pytest.raises(ChatTemplateError, match="requires --jinja"):
+        template_from_option("chatml", None).render_request({"messages": [{"role": "user", "content": "x"}],
+                                                            "tools": [TOOL]})
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris"]}},
+                                                        "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"tools": {}}, "'tools' must be an array"),
+    ({"tools": [1]}, r"'tools\[0\]' must be an object"),
+    ({"tools": [{"type": "code"}]}, r"'tools\[0\].type' must be \"function\""),
+    ({"tools": [{"type": "function"}]}, r"'tools\[0\].function' must be an object"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, r"function.name' must be a non-empty"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "JSON schema object"),
+    ({"tools": [TOOL], "tool_choice": "sometimes"}, "'tool_choice' must be"),
+    ({"tools": [TOOL], "tool_choice": 3}, "'tool_choice' must be a string or an object"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in 'tools'"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "'tool_choice' as an object"),
+    ({"tool_choice": "required"}, "no 'tools'"),
+    ({"tools": [TOOL], "parallel_tool_calls": "yes"}, "'parallel_tool_calls' must be true or false"),
+])
+def test_tool_request_errors(body, match):
+    with pytest.raises(ToolChoiceError, match=match):
+        parse_tool_request(body)
+
+
+def test_tool_request_forms():
+    spec = parse_tool_request({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                               "parallel_tool_calls": False})
+    assert spec.named and spec.required and spec.choice == "get_weather" and not spec.parallel
+    assert not parse_tool_request({"tools": [TOOL], "tool_choice": "none"}).parse_calls
+    assert parse_tool_request({"tools": [TOOL]}).parse_calls and not parse_tool_request({}).parse_calls
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TEMPLATES))
+@pytest.mark.parametrize("close_thinking", [False, True])
+def test_call_grammar_is_valid_lark(family, close_thinking):
+    spec = parse_tool_request({"tools": [TOOL, {"type": "function", "function": {"name": "now"}}],
+                               "tool_choice": "required"})
+    grammar = call_grammar(family, spec, close_thinking=close_thinking)
+    err, msgs = llg.LLMatcher.validate_grammar_with_warnings(llg.LLMatcher.grammar_from_lark(grammar))
+    assert not err, msgs
+    assert ("</think>" in grammar) == close_thinking
+
+
+# --- the response path: known model text through Api._oai / _oai_stream ------------------------
+
+class _ScriptedApi(Api):
+    """The real response path, fed with known model text instead of a model's tokens."""
+
+    def __init__(self, state: ServerState, pieces: list[str], stop_type: str = "eos") -> None:
+        super().__init__(state)
+        self.pieces, self.stop_type = pieces, stop_type
+
+    async def _events(self, task_lists):
+        for ts in task_lists:
+            for t in ts:
+                for k, piece in enumerate(self.pieces):
+                    yield t.index, TokenEvent(text=piece, token=k)
+                yield t.index, FinalEvent(self.stop_type, "", 3, 3, len(self.pieces), 1.0, 1.0, 0)
+
+
+def scripted_reply(template: str, body: dict, pieces: list[str], stream: bool, reasoning_format: str = "auto",
+                   stop_type: str = "eos") -> ChatCompletion:
+    """What an OpenAI client gets for `body` when the model writes `pieces`: the chat completion
+    as parsed by the openai package's own models (streamed: its own stream accumulator)."""
+    from pyllama.server.params import parse_completion
+    state = ServerState(args=types.SimpleNamespace(reasoning_format=reasoning_format),
+                        chat=ChatTemplate(template, bos_token="<s>", eos_token="</s>"), model_alias="m")
+    api = _ScriptedApi(state, pieces, stop_type)
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], **body, "stream": stream}
+    p = parse_completion(body, -1, 1, oai=True)
+    spec = api._chat_output_spec(body)
+    spec.forced_open = prompt_opens_thinking(api._render_chat(body))
+    task = CompletionTask(prompt=[1, 2, 3], params=SamplingParams())
+
+    async def run():
+        resp = await api._oai([[task]], p, 3, chat=True, chat_spec=spec)
+        if not stream:
+            return ChatCompletion.model_validate(json.loads(resp.body))
+        assert isinstance(resp, StreamResponse)
+        state_ = ChatCompletionStreamState()
+        async for raw in resp.chunks:
+            data = raw.decode()[len("data: "):].strip()
+            if data != "[DONE]":
+                state_.handle_chunk(ChatCompletionChunk.model_validate(json.loads(data)))
+        return state_.get_final_completion()
+    return asyncio.run(run())
+
+
+FAMILY_OUTPUT = {
+    "hermes": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1b2c3d4e"}]',
+    "deepseek": 'Warm?\n</think>\n\nChecking.' + DS_BEGIN + ds_r1("get_weather", '{"city": "Paris"}') + DS_END,
+    "generic": '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}',
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("family", sorted(FAMILY_TEMPLATES))
+def test_openai_client_reads_tool_calls(family, stream):
+    text = FAMILY_OUTPUT[family]
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    out = scripted_reply(FAMILY_TEMPLATES[family], {"tools": [TOOL]}, pieces, stream)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert calls[0].type == "function" and calls[0].id
+    expected_content = {"hermes": "Checking.", "deepseek": "Checking."}.get(family)
+    assert (choice.message.content or None) == expected_content
+    if family == "deepseek":  # its prompt opened the thinking
+        assert choice.message.model_extra.get("reasoning_content") == "Warm?" or \
+            getattr(choice.message, "reasoning_content", None) == "Warm?"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_none_and_no_tools_leave_text_alone(stream):
+    text = FAMILY_OUTPUT["hermes"]
+    for body in ({"tools": [TOOL], "tool_choice": "none"}, {}):
+        out = scripted_reply(FAMILY_TEMPLATES["hermes"], body, [text], stream)
+        assert out.choices[0].message.content == text and not out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "stop"
+
+
+def test_cut_short_is_length_and_malformed_is_content():
+    text = FAMILY_OUTPUT["hermes"]
+    out = scripted_reply(FAMILY_TEMPLATES["hermes"], {"tools": [TOOL]}, [text[:-20]], False, stop_type="limit")
+    assert out.choices[0].finish_reason == "length"
+    assert out.choices[0].message.content == text[:-20] and not out.choices[0].message.tool_calls
+
+
+def test_request_field_errors_are_400():
+    state = ServerState(args=types.SimpleNamespace(reasoning_format="auto"), chat=ChatTemplate(FAMILY_TEMPLATES["hermes"]))
+    api = Api(state)
+    for body, field in (({"tools": 5}, "'tools'"), ({"tool_choice": "required"}, "'tool_choice'"),
+                        ({"reasoning_format": "loud"}, "'reasoning_format'")):
+        with pytest.raises(HTTPError) as e:
+            api._chat_output_spec(body)
+        assert e.value.status == 400 and field in str(e.value)
+
+
+# --- rendering: a round trip with a tool result, through each family's template ----------------
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TEMPLATES))
+def test_round_trip_renders_call_and_result(family):
+    t = ChatTemplate(FAMILY_TEMPLATES[family], bos_token="<s>", eos_token="</s>")
+    first = scripted_reply(FAMILY_TEMPLATES[family], {"tools": [TOOL]}, [FAMILY_OUTPUT[family]], False)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    prompt = t.render_request({"messages": messages, "tools": [TOOL]})
+    assert "18 C and sunny" in prompt and "get_weather" in prompt
+    assert prompt.count("Paris") >= 2  # the question and the call's arguments
+    marker = {"hermes": "<tool_call>", "llama3": '"parameters": {"city": "Paris"}', "mistral": "[TOOL_CALLS]",
+              "deepseek": DS_BEGIN, "generic": '"tool_calls"'}[family]
+    assert marker in prompt
+    if family == "mistral":
+        assert f'"id": "{call.id}"' in prompt and f'"call_id": "{call.id}"' in prompt
+    if family == "generic":  # the template knows no tools: they are described in a system turn
+        assert prompt.startswith("<start_of_turn>system\nYou can call these tools")
+
+
+def test_bad_arguments_in_history_is_400_text():
+    t = ChatTemplate(FAMILY_TEMPLATES["hermes"])
+    messages = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]},
+                {"role": "tool", "tool_call_id": "1", "content": "r"}]
+    with pytest.raises(ChatTemplateError, match=r"messages\[1\]\.tool_calls\[0\]\.function: 'arguments' is not valid JSON"):
+        t.render_request({"messages": messages})
+
+
+# --- a real server: required calls constrained to each family's format, read by the openai client
+
+from server_util import ServerProcess  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_TEMPLATES))
+def family_server(request, tiny_model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tpl") / f"{request.param}.jinja"
+    path.write_text(FAMILY_TEMPLATES[request.param])
+    server = ServerProcess(tiny_model, "--chat-template-file", str(path), "-c", "2048", "-np", "2")
+    try:
+        server.wait_ready()
+        yield request.param, server
+    finally:
+        server.stop()
+
+
+def test_server_required_call_openai_client(family_server):
+    import openai
+    family, server = family_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    common = dict(model="m", messages=messages, tools=[TOOL], tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=300, temperature=0.8, seed=3)
+    out = client.chat.completions.create(**common)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    # streamed: deltas with index, id and name, then argument fragments, as the client assembles them
+    state_ = ChatCompletionStreamState()
+    n_chunks = 0
+    for chunk in client.chat.completions.create(**common, stream=True):
+        state_.handle_chunk(chunk)
+        n_chunks += 1
+    streamed = state_.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    s_call = streamed.message.tool_calls[0]
+    assert (s_call.function.name, json.loads(s_call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    # a named function is required the same way
+    named = client.chat.completions.create(**{**common, "tool_choice": {"type": "function",
+                                                                         "function": {"name": "get_weather"}}})
+    assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
+    # round trip: the call and its result go back through the template
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    again = client.chat.completions.create(model="m", messages=follow, tools=[TOOL], tool_choice="none",
+                                           max_tokens=4)
+    assert again.choices[0].finish_reason in ("stop", "length")
+    status, doc = server.post("/apply-template", {"messages": follow, "tools": [TOOL]})
+    assert status == 200 and "18 C and sunny" in doc["prompt"]
+
+
+def test_server_tool_errors_are_400(family_server):
+    _, server = family_server
+    base = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for body, field in (({"tools": [TOOL], "tool_choice": "maybe"}, "'tool_choice'"),
+                        ({"tools": [{"type": "function", "function": {}}]}, "'tools[0].function.name'"),
+                        ({"tools": [TOOL], "tool_choice": "required", "grammar": "root ::= \"a\""}, "'grammar'")):
+        status, doc = server.post("/v1/chat/completions", {**base, **body})
+        assert status == 400 and field in doc["error"]["message"], doc

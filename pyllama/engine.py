@@ -27,13 +27,15 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model_path: str, n_threads: int = 0, backends: Optional[Sequence[Backend]] = None,
-                 tensor_split: Optional[Sequence[float]] = None, load: bool = True, map_weights: bool = True):
+                 tensor_split: Optional[Sequence[float]] = None, load: bool = True, map_weights: bool = True,
+                 kv_overrides: Optional[dict] = None):
         """Opens the model and places its layers; with load=False the weights are not uploaded yet
         (check_memory first, then load()). map_weights=False (--no-mmap) copies the weights a CPU
-        would use in place in the file's memory map."""
+        would use in place in the file's memory map. kv_overrides (--override-kv) replace metadata
+        values before anything reads them."""
         self.map_weights = map_weights
         self.n_threads = set_compute_threads(n_threads)
-        self.model = Model(model_path)
+        self.model = Model(model_path, kv_overrides=kv_overrides)
         self.tokenizer: Tokenizer = load_tokenizer(self.model.file.metadata, source=model_path)
         hp = self.model.hparams
         if self.tokenizer.n_vocab != hp.n_vocab:

@@ -19,6 +19,7 @@ from .context import Batch, Context, check_prompt_fits
 from .devices import add_device_args, open_devices
 from .engine import Engine
 from .errors import PyllamaError
+from .models.gguf_file import kv_override_arg
 from .sampling import BatchSampler, SamplingParams, SequenceSampler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -52,6 +53,9 @@ def build_parser() -> Parser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text tokens")
     p.add_argument("--mmap", "--no-mmap", dest="mmap", action=Toggle, negatives=("--no-mmap",), default=True,
                    help="use CPU weights in place in the file's memory map; --no-mmap copies them into memory")
+    p.add_argument("--override-kv", dest="override_kv", action="extend", type=kv_override_arg, default=[],
+                   metavar="KEY=TYPE:VALUE,...",
+                   help="override model metadata (types int, float, bool, str; comma-separated or repeated)")
     p.add_argument("--tokens", action="store_true", help="print the generated token ids, one line, instead of text")
     p.add_argument("--trace", metavar="PATH", help="write a trace of every decode step (JSON lines; also $PYLLAMA_TRACE)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and timings to stderr")
@@ -126,7 +130,7 @@ def _run(args, params: SamplingParams, prompt_text: str, model_path: str) -> int
     t0 = time.perf_counter()
     backends, proportions = open_devices(args, model_path)
     engine = Engine(model_path, n_threads=args.threads, backends=backends, tensor_split=proportions,
-                    map_weights=args.mmap)
+                    map_weights=args.mmap, kv_overrides=dict(args.override_kv))
     hp = engine.model.hparams
     n_ctx = args.ctx_size or min(hp.n_ctx_train, 4096)
     ctx = engine.new_context(n_ctx, 1, args.batch_size, args.ubatch_size,

@@ -311,11 +311,10 @@ def test_synthetic_bpe_pre_tokenizers():
     assert digits("qwen2") == ["1", "2", "3", "4"]  # one digit per word
 
 
-def test_synthetic_bpe_unknown_pre_warns_and_uses_gpt2(caplog):
-    with caplog.at_level(logging.WARNING):
-        tok = load_tokenizer(gpt2_metadata("no-such-pre"))
-    assert sum("no-such-pre" in r.getMessage() for r in caplog.records) == 1
-    assert tok.encode("hello world", add_special=False) == load_tokenizer(gpt2_metadata()).encode("hello world", add_special=False)
+def test_synthetic_bpe_unknown_pre_is_an_error():
+    # llama.cpp refuses a pre-tokenizer it does not know (tests/test_tokenizer_pre.py has more)
+    with pytest.raises(ModelFileError, match="'no-such-pre'"):
+        load_tokenizer(gpt2_metadata("no-such-pre"))
 
 
 def test_synthetic_bpe_llama3_ignore_merges_and_bos():

@@ -7,11 +7,13 @@ becomes one `ModelFileError` naming the file and, where there is one, the key or
 """
 from __future__ import annotations
 
+import argparse
+import csv
 import mmap
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -92,7 +94,8 @@ class _Cursor:
 class GGUFFile:
     """A memory-mapped GGUF file: `metadata` (dict of plain values) and `tensors` (by name)."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], kv_overrides: Mapping[str, Any] | None = None):
+        """kv_overrides (--override-kv) replace or add metadata values once the header is read."""
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
             raise ModelFileError(f"{self.path}: no such file")
@@ -124,6 +127,8 @@ class GGUFFile:
             key = cur.string()
             cur.what = f"metadata key '{key}'"
             self.metadata[key] = cur.value(cur.scalar("<I"))
+        if kv_overrides:
+            apply_kv_overrides(self.metadata, kv_overrides, self.path)
         infos = []
         for i in range(n_tensors):
             cur.what = f"tensor info {i}"
@@ -186,6 +191,71 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
 
-def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_metadata(path: str | os.PathLike[str], kv_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Metadata of a GGUF file as plain Python values (lists for arrays)."""
-    return GGUFFile(path).metadata
+    return GGUFFile(path, kv_overrides).metadata
+
+
+# ---- --override-kv KEY=TYPE:VALUE (llama.cpp's syntax and limits) ---------------------------------
+
+_KV_TYPES = ("int", "float", "bool", "str")
+
+
+def parse_kv_override(text: str) -> tuple[str, Any]:
+    """One KEY=TYPE:VALUE item as (key, value); ValueError says what is wrong with it."""
+    key, eq, rest = text.partition("=")
+    key = key.strip()
+    if not eq or not key:
+        raise ValueError(f"'{text}' is not KEY=TYPE:VALUE")
+    if len(key) >= 128:
+        raise ValueError(f"'{key[:40]}...': the key is longer than 127 characters")
+    kind, colon, value = rest.partition(":")
+    if not colon or kind not in _KV_TYPES:
+        raise ValueError(f"'{text}': the type must be one of {', '.join(_KV_TYPES)} (KEY=TYPE:VALUE)")
+    try:
+        if kind == "int":
+            return key, int(value, 10)
+        if kind == "float":
+            return key, float(value)
+    except ValueError:
+        raise ValueError(f"'{text}': '{value}' is not a{'n' if kind == 'int' else ''} {kind}") from None
+    if kind == "bool":
+        if value not in ("true", "false"):
+            raise ValueError(f"'{text}': a bool is 'true' or 'false', not '{value}'")
+        return key, value == "true"
+    if len(value) > 127:
+        raise ValueError(f"'{key}': a str value is at most 127 characters")
+    return key, value
+
+
+def kv_override_arg(text: str) -> list[tuple[str, Any]]:
+    """argparse type of --override-kv: comma-separated KEY=TYPE:VALUE items (quotes as in CSV)."""
+    try:
+        items = next(csv.reader([text], skipinitialspace=True), [])
+        if not items or not any(i.strip() for i in items):
+            raise ValueError("expected KEY=TYPE:VALUE[,...]")
+        return [parse_kv_override(item) for item in items if item.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int"
+    if isinstance(v, float):
+        return "float"
+    if isinstance(v, str):
+        return "str"
+    return "array"
+
+
+def apply_kv_overrides(metadata: dict[str, Any], overrides: Mapping[str, Any], source: str) -> None:
+    """Sets each overridden key; a key the file has must keep its kind (int, float, bool, str),
+    as llama.cpp refuses an override of another type than the value it replaces."""
+    for key, value in overrides.items():
+        if key in metadata and _kind(metadata[key]) != _kind(value):
+            raise ModelFileError(f"{source}: --override-kv {key}: the file's value is a {_kind(metadata[key])}, "
+                                 f"not a {_kind(value)}")
+        metadata[key] = value

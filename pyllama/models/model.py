@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any, Mapping
 
 from gguf import GGMLQuantizationType as QT
 
@@ -50,9 +51,9 @@ def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
 class Model:
     """A GGUF model file, validated: hyper-parameters, tokenizer and the tensors the graph needs."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], kv_overrides: Mapping[str, Any] | None = None):
         self.path = os.fspath(path)
-        self.file = GGUFFile(self.path)
+        self.file = GGUFFile(self.path, kv_overrides)
         self.hparams = read_hparams(self.file)
         self._check_tensors()
 

@@ -49,7 +49,7 @@ def load(state: ServerState) -> None:
         path = default_model_path()
     backends, proportions = open_devices(args, path)
     engine = Engine(path, n_threads=args.threads, backends=backends, tensor_split=proportions, load=False,
-                    map_weights=args.mmap)
+                    map_weights=args.mmap, kv_overrides=dict(getattr(args, "override_kv", None) or []))
     hp = engine.model.hparams
     n_groups = args.pipeline_groups
     n_ctx = args.ctx_size or hp.n_ctx_train

@@ -17,6 +17,7 @@ from ..cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from ..cli import Parser, Toggle, parse_bool
 from ..devices import add_device_args
 from ..errors import PyllamaError
+from ..models.gguf_file import kv_override_arg
 from ..sampling import SamplingParams, parse_samplers
 
 if TYPE_CHECKING:
@@ -62,7 +63,6 @@ UNSUPPORTED: dict[str, str] = {
                           "--yarn-beta-fast", "-gan", "--grp-attn-n", "-gaw", "--grp-attn-w")},
     **{f: "tensor placement overrides are not supported (layers go to devices with -ngl, -dev, -ts)"
        for f in ("-ot", "--override-tensor", "-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe")},
-    **{f: "model metadata overrides are not supported" for f in ("--override-kv",)},
     **{f: "TLS is not supported; put a reverse proxy in front for HTTPS" for f in ("--ssl-key-file",
                                                                                     "--ssl-cert-file")},
     **{f: "the router mode (several models) is not supported" for f in ("--models-dir", "--models-preset",
@@ -204,6 +204,10 @@ def build_parser() -> Parser:
     a("--mmap", "--no-mmap", dest="mmap", action=Toggle, negatives=("--no-mmap",), default=True,
       llama_env="LLAMA_ARG_MMAP",
       help="use CPU weights in place in the file's memory map; --no-mmap copies them into memory")
+    a("--override-kv", dest="override_kv", action="extend", type=kv_override_arg, default=[],
+      metavar="KEY=TYPE:VALUE,...",
+      help="override model metadata (types int, float, bool, str; comma-separated or repeated), "
+           "e.g. tokenizer.ggml.pre=str:qwen2")
     a("-dt", "--defrag-thold", type=float, default=None, llama_env="LLAMA_ARG_DEFRAG_THOLD",
       help="deprecated in llama-server and ignored, as there")
     a("--backend-sampling", "--no-backend-sampling", "-bs", action=Toggle, negatives=("--no-backend-sampling",),

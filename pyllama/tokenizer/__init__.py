@@ -19,7 +19,14 @@ def load_tokenizer(metadata: dict[str, Any], source: str = "model") -> Tokenizer
     if kind == "llama":
         from .spm import SPMTokenizer
         return SPMTokenizer(metadata, source)
-    if kind == "gpt2":
+    if kind in ("gpt2", "gemma4", "whitespace"):
         from .bpe import BPETokenizer
-        return BPETokenizer(metadata, source)
-    raise ModelFileError(f"{source}: metadata key '{KEY_MODEL}' is {kind!r}; supported: 'llama' (SPM), 'gpt2' (BPE)")
+        return BPETokenizer(metadata, source, kind)
+    if kind == "bert":
+        from .wpm import WPMTokenizer
+        return WPMTokenizer(metadata, source)
+    if kind == "t5":
+        from .ugm import UGMTokenizer
+        return UGMTokenizer(metadata, source)
+    raise ModelFileError(f"{source}: metadata key '{KEY_MODEL}' is {kind!r}; supported: 'llama' (SPM), "
+                         "'gpt2', 'gemma4' and 'whitespace' (BPE), 'bert' (WPM), 't5' (UGM)")

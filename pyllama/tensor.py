@@ -116,10 +116,18 @@ class Op(IntEnum):
     SWIGLU = 5
     # Self-attention of one layer with its KV-cache write, RoPE and optional q/k norm fused:
     # srcs (qkv [n, (H + 2 Hkv) hd], k_cache [cells, Hkv hd], v_cache [cells, Hkv hd], pos i32 [n],
-    #       kv_idx i32 [n], attn_cells i32 [c], attn_ranges i32 [n, 2] [, q_norm [hd], k_norm [hd]])
-    # params (n_head, n_head_kv, head_dim, n_rot, rope_mode, freq_base, freq_scale, norm_eps, scale)
+    #       kv_idx i32 [n], attn_cells i32 [c], attn_ranges i32 [n, 2] [, q_norm [hd], k_norm [hd]]
+    #       [, rope_freqs [n_rot / 2]])
+    # params (n_head, n_head_kv, head_dim, n_rot, rope_mode, freq_base, freq_scale, norm_eps, scale
+    #         [, softcap, n_swa, rope_mscale])
     # -> out [n, H hd]. Token t writes its k, v to cell kv_idx[t], then attends to the cells
-    # attn_cells[r0 : r0 + r1] where (r0, r1) = attn_ranges[t].
+    # attn_cells[r0 : r0 + r1] where (r0, r1) = attn_ranges[t] (the host lists a sequence's cells
+    # in position order, ending at the token's own). Pair i of the first n_rot dims rotates by
+    # pos * freq_scale * freq_base^(-2i / n_rot) / rope_freqs[i] (ggml's freq factors), its cos and
+    # sin times rope_mscale (YaRN's magnitude). softcap > 0: scores become softcap *
+    # tanh(score / softcap) (gemma2). n_swa > 0: only the last n_swa cells of the token's list
+    # (a sliding window: positions p - n_swa < q <= p). The three trailing parameters are 0 in
+    # graphs that use none of them (9-parameter graphs stay valid); rope_mscale 0 reads as 1.
     ATTENTION = 6
     # The sampler chain of every output row, run where the logits are (backend sampling):
     # srcs (logits [r, n_vocab], sampling i32 [r, 12 + L]); params (n_probs N, window L)
@@ -134,6 +142,21 @@ class Op(IntEnum):
     # -> out [n, m_1 + ... + m_p], part i written into its columns. Same result as MUL_MAT
     # against the rows concatenated, in one node (Python pays per node).
     MUL_MAT_CAT = 8
+    # A Mixture-of-Experts FFN, router to weighted sum (graph/moe.py):
+    # srcs (x [n, e], router [E, e], gate_exps [E, f, e], up_exps [E, f, e], down_exps [E, e, f]
+    #       [, shexp [n, e] [, shexp_gate [e]]]); params (n_expert_used K, norm, scale)
+    # -> out [n, e]. Per token: p = softmax(x @ router.T), the K largest (ties: the lower expert
+    # id), their weights p_k (divided by their sum when norm is 1) times scale; out = sum_k w_k *
+    # down_k(silu(gate_k x) * up_k x). Only the chosen experts' rows are read. shexp, a shared
+    # expert's output computed by ordinary nodes, is added, times sigmoid(x . shexp_gate) if given.
+    MOE_FFN = 9
+    # srcs (gu [n, 2f]) -> out [n, f] = gelu(gu[:, :f]) * gu[:, f:], gelu in its tanh form (GeGLU,
+    # gemma's FFN)
+    GEGLU = 11
+    # srcs (x); params (s,) -> out = x * s (gemma's embedding scale, sqrt(n_embd))
+    SCALE = 12
+    # srcs (x); params (c,) -> out = c * tanh(x / c) (gemma2's final logit soft-capping)
+    SOFTCAP = 13
 
 
 MAX_SRCS = 10  # sources a node may have (the wire's fixed node layout)
@@ -170,11 +193,17 @@ OP_TABLE: dict[Op, OpSpec] = {
     Op.SWIGLU: OpSpec((_s("gu", F32),), (1,), F32, 0),
     Op.ATTENTION: OpSpec((_s("qkv", F32), Src("k_cache", KV_CACHE_TYPES), Src("v_cache", KV_CACHE_TYPES),
                           _s("pos", I32), _s("kv_idx", I32), _s("attn_cells", I32), _s("attn_ranges", I32),
-                          _s("q_norm", F32), _s("k_norm", F32)), (7, 9), F32, 9),
+                          _s("q_norm", F32), _s("k_norm", F32), _s("rope_freqs", F32)), (7, 8, 9, 10), F32, 12),
     Op.SAMPLE: OpSpec((_s("logits", F32), _s("sampling", I32)), (2,), I32, 2),
     # sources are laid out by src_roles (x, p weights, optional bias)
     Op.MUL_MAT_CAT: OpSpec((_s("x", F32), _s("w", F32, weight=True), _s("bias", F32)),
                            tuple(range(3, MAX_SRCS + 1)), F32, 1),
+    Op.MOE_FFN: OpSpec((_s("x", F32), _s("router", F32, weight=True), _s("gate_exps", F32, weight=True),
+                        _s("up_exps", F32, weight=True), _s("down_exps", F32, weight=True), _s("shexp", F32),
+                        _s("shexp_gate", F32)), (5, 6, 7), F32, 3),
+    Op.GEGLU: OpSpec((_s("gu", F32),), (1,), F32, 0),
+    Op.SCALE: OpSpec((_s("x", F32),), (1,), F32, 1),
+    Op.SOFTCAP: OpSpec((_s("x", F32),), (1,), F32, 1),
 }
 assert set(OP_TABLE) == set(Op), "every op needs its row in OP_TABLE"
 
@@ -192,6 +221,9 @@ def src_roles(op: Op, n_srcs: int, params: Sequence[float] = ()) -> Optional[lis
             return None
         x, w, bias = spec.srcs
         return [x] + [w] * int(p) + [bias] * (n_srcs - 1 - int(p))
+    if op == Op.ATTENTION:  # 7 fixed, then q_norm and k_norm as a pair, then rope_freqs
+        base, pair, freqs = list(spec.srcs[:7]), list(spec.srcs[7:9]), [spec.srcs[9]]
+        return base + (pair if n_srcs >= 9 else []) + (freqs if n_srcs % 2 == 0 else [])
     return list(spec.srcs[:n_srcs])
 
 

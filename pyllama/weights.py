@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
 from .backend.base import Backend, Buffer, DType, Tensor, dequantize_f32, nbytes_of
-from .errors import ModelFileError
+from .errors import ModelFileError, PyllamaError
 from .tensor import Op
+from .models.hparams import GEMMA_ARCHS
 from .models.model import Model
 from .models.gguf_file import TensorInfo
 
@@ -132,7 +134,8 @@ def _parts(infos: list[TensorInfo], backend: Backend, can_map: bool) -> list[_Pa
         p.shape = (rows,) + first.shape[1:]
         # in place when the file's bytes serve as they are (GGUF aligns tensor data to 32 bytes by
         # default; a file with a smaller alignment gets its tensors copied, to aligned rows)
-        p.mapped = can_map and len(p.infos) == 1 and p.dtype == first.qtype and first.offset % _MAP_ALIGN == 0
+        p.mapped = (can_map and len(p.infos) == 1 and p.dtype == first.qtype and first.offset >= 0
+                    and first.offset % _MAP_ALIGN == 0)
     return parts
 
 
@@ -147,6 +150,8 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
     map_weights=False (--no-mmap) uses nothing in place: every weight is copied.
     """
     hp = model.hparams
+    _check_ops(model, placement)
+    _check_family_ops(model, placement)
     n_backends = len(placement.backends)
     plan: list[tuple[str, int, list[_Part]]] = []
     aliases: dict[str, str] = {}  # a tied output matrix on its embedding's device is stored once
@@ -155,8 +160,12 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
                                            for b in placement.backends]
     sizes = [0] * n_backends
     mapped_sizes = [0] * n_backends
-    for lname, (fnames, layer) in model.logical_weights().items():
-        infos = [model.file.tensors[f] for f in fnames]
+    computed = computed_weights(model)
+    logical = model.logical_weights()
+    logical.update({lname: ([info.name], layer) for lname, (info, layer) in computed.items()})
+    by_name = {info.name: info for info, _ in computed.values()}
+    for lname, (fnames, layer) in logical.items():
+        infos = [by_name[f] if f in by_name else model.file.tensors[f] for f in fnames]
         bi = placement.backend_of_layer(layer)
         key = (tuple(fnames), bi)
         if key in first_of:
@@ -203,13 +212,96 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
     if upload:
         in_place = {id(p.infos[0]) for _, bi, parts in plan for p in parts if p.mapped}
         for info in copied:  # their bytes now live in a device buffer: the file's pages can go
-            if id(info) not in in_place:
+            if id(info) not in in_place and info.offset >= 0:  # (computed tensors have no file bytes)
                 model.file.release_pages(info)
         log.info("loaded %s: %s, %d layers, weights %s%s", model.name, hp.arch, hp.n_layer,
                  ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in weights.bytes_per_backend.items()),
                  "".join(f" ({placement.backends[bi].name}: {m / 2**20:.1f} MiB read in place from the file)"
                          for bi, m in enumerate(mapped_sizes) if m and upload))
     return weights
+
+
+def _check_ops(model: Model, placement: Placement) -> None:
+    """Refuses, naming the device, a placement that gives MoE layers to a device that cannot run
+    the MOE_FFN op (the CUDA backend; an rpc server that does not advertise it)."""
+    hp = model.hparams
+    if not hp.is_moe:
+        return
+    for bi, backend in enumerate(placement.backends):
+        layers = [i for i, x in enumerate(placement.layer_backend) if x == bi]
+        if layers and not backend.supports(Op.MOE_FFN):
+            where = getattr(getattr(backend, "conn", None), "endpoint", None)
+            raise PyllamaError(
+                f"{model.name}: {hp.arch} has Mixture-of-Experts layers, which {backend.name}"
+                f"{f' (the RPC server at {where})' if where else ''} cannot run (no MOE_FFN op"
+                f"{'; update that server' if where else ''}); keep layers {layers[0]}-{layers[-1]} on a device "
+                "that can (the CPU)")
+
+
+_FAMILY_OPS = (Op.GEGLU, Op.SCALE, Op.SOFTCAP)
+
+
+def _check_family_ops(model: Model, placement: Placement) -> None:
+    """Refuses, naming the device, a placement that gives a layer needing the gemma ops or
+    ATTENTION's extensions (soft-capping, a sliding window, scaled RoPE) to a device without
+    them (the CUDA backend, which has none of GEGLU, SCALE, SOFTCAP nor those extensions)."""
+    hp = model.hparams
+    needs = (hp.arch in GEMMA_ARCHS or hp.rope_scaling != "none" or hp.n_swa > 0
+             or "rope_freqs.weight" in model.file.tensors)
+    if not needs:
+        return
+    for bi, backend in enumerate(placement.backends):
+        layers = [i for i, x in enumerate(placement.layer_backend) if x == bi]
+        if bi == placement.output_backend:
+            layers.append(hp.n_layer)
+        missing = [op.name for op in _FAMILY_OPS if not backend.supports(op)]
+        if layers and missing:
+            raise PyllamaError(
+                f"{model.name}: {hp.arch} (with its soft-capping, sliding window, RoPE scaling or GeGLU) "
+                f"cannot run on {backend.name}, which lacks {', '.join(missing)} and those attention "
+                f"features; keep its layers on the CPU or on rpc servers")
+
+
+def rope_factors(model: Model, base: float) -> Optional[np.ndarray]:
+    """ATTENTION's rope_freqs for the layers that scale RoPE (float32 [n_rot / 2]), or None where
+    plain (freq_base, freq_scale) say it all. As llama.cpp: the file's rope_freqs.weight (llama3's
+    per-pair divisors), and for YaRN each pair's angle made a mix of the interpolated (times
+    freq_scale) and the extrapolated one, ramping between yarn's correction dimensions; the graph
+    then passes freq_scale 1 (it is folded in here)."""
+    hp = model.hparams
+    half = hp.n_rot // 2
+    info = model.file.tensors.get("rope_freqs.weight")
+    factors = np.ones(half, dtype=np.float64)
+    if info is not None:
+        if info.qtype != DType.F32 or info.shape != (half,):
+            raise ModelFileError(f"{model.path}: tensor 'rope_freqs.weight' must be F32 of shape [{half}], is "
+                                 f"{info.qtype.name} {list(info.shape)}")
+        factors = info.raw.view(np.float32).astype(np.float64)
+        if not np.all(factors > 0):
+            raise ModelFileError(f"{model.path}: tensor 'rope_freqs.weight' holds a value that is not positive")
+    elif hp.rope_scaling != "yarn":
+        return None
+    if hp.rope_scaling == "yarn":
+        def corr_dim(n_rotations: float) -> float:  # the pair whose wavelength fits n_rotations times
+            return hp.n_rot * math.log(hp.n_ctx_orig / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
+        low = max(0.0, math.floor(corr_dim(hp.yarn_beta_fast)))
+        high = min(hp.n_rot - 1.0, math.ceil(corr_dim(hp.yarn_beta_slow)))
+        i = np.arange(half, dtype=np.float64)
+        ramp = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)  # 1: extrapolate, 0: interpolate
+        factors = factors / (hp.rope_scale * (1.0 - ramp) + ramp)
+    return factors.astype(np.float32)
+
+
+def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
+    """Weights computed at load rather than read from the file: each scaling layer's rope_freqs
+    (one tensor, stored once per device), by logical name -> (its TensorInfo, its layer)."""
+    hp = model.hparams
+    factors = rope_factors(model, hp.rope_base)
+    if factors is None:
+        return {}
+    info = TensorInfo("rope_freqs (computed)", DType.F32, factors.shape, factors.size, factors.view(np.uint8), -1)
+    return {f"blk.{il}.rope_freqs": (info, il) for il in range(hp.n_layer)
+            if not (hp.is_swa[il] and hp.rope_base_swa > 0)}  # gemma3's local layers never scale
 
 
 def _upload(backend: Backend, model: Model, t: Tensor, infos: list[TensorInfo]) -> None:

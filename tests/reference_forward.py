@@ -1,4 +1,5 @@
-"""An independent float64 reference forward pass of the llama family (llama, qwen2, qwen3).
+"""An independent float64 reference forward pass of the llama family (llama, qwen2, qwen3, and the
+Mixture-of-Experts qwen2moe, qwen3moe and Mixtral-style llama).
 
 Test helper, not a test: `reference_logits(model_path, tokens)` reads the GGUF file with
 `gguf.GGUFReader` and `gguf.quants.dequantize` (not pyllama's loader) and runs one sequence at
@@ -16,7 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, quants
 
-NEOX_ARCHS = ("qwen2", "qwen3")  # rotate (x[i], x[i + n_rot/2]); llama rotates (x[2i], x[2i+1])
+NEOX_ARCHS = ("qwen2", "qwen3", "qwen2moe", "qwen3moe")  # rotate (x[i], x[i + n_rot/2]); llama rotates (x[2i], x[2i+1])
 
 
 # the type ggml quantizes activation rows to for the dot product against each weight type
@@ -96,7 +97,7 @@ def load_model(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape))  # t.shape is ggml's ne order
         values = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(shape)
-        weights[t.name] = _weight(values, QT(t.tensor_type)) if len(shape) == 2 else values
+        weights[t.name] = _weight(values, QT(t.tensor_type)) if len(shape) >= 2 else values
     return meta, weights
 
 
@@ -104,11 +105,16 @@ def rmsnorm(x: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def rope(x: np.ndarray, base: float, n_rot: int, neox: bool) -> np.ndarray:
-    """x: [n_tokens, n_heads, head_dim] at positions 0..n_tokens-1; the first n_rot dims rotate."""
+def rope(x: np.ndarray, base: float, n_rot: int, neox: bool, inv_freq: np.ndarray | None = None,
+         mscale: float = 1.0) -> np.ndarray:
+    """x: [n_tokens, n_heads, head_dim] at positions 0..n_tokens-1; the first n_rot dims rotate.
+    inv_freq: each pair's angle per position (default base^(-2i / n_rot)); mscale scales cos and
+    sin (YaRN's attention factor)."""
     pos = np.arange(x.shape[0], dtype=np.float64)[:, None, None]
-    theta = pos * base ** (-2.0 * np.arange(n_rot // 2) / n_rot)  # [n_tokens, 1, n_rot/2]
-    cos, sin = np.cos(theta), np.sin(theta)
+    if inv_freq is None:
+        inv_freq = base ** (-2.0 * np.arange(n_rot // 2) / n_rot)
+    theta = pos * inv_freq  # [n_tokens, 1, n_rot/2]
+    cos, sin = np.cos(theta) * mscale, np.sin(theta) * mscale
     out = x.copy()
     if neox:
         a, b = x[..., : n_rot // 2], x[..., n_rot // 2: n_rot]
@@ -125,8 +131,183 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+# Whether the chosen experts' routing weights are renormalized to sum 1 when the file does not say
+# (`{arch}.expert_weights_norm`): Qwen2MoE's norm_topk_prob is false by default, the Qwen3-MoE
+# models set it, and Mixtral always renormalizes.
+MOE_NORM_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "llama": True}
+
+
+def _expert(x: np.ndarray, w: np.ndarray, e: int) -> np.ndarray:
+    """Expert e of a 3-D expert tensor [n_expert, rows, cols], as a weight of the tensor's type."""
+    return _weight(np.asarray(w)[e], w.qtype)
+
+
+def moe_ffn(h: np.ndarray, W: dict, p: str, meta: dict, arch: str) -> np.ndarray:
+    """The sparse MoE block of the published models (transformers' Qwen2MoeSparseMoeBlock,
+    Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock): router logits, softmax over all experts, the
+    top-k probabilities (renormalized when the model says so), the weighted sum of those experts'
+    SwiGLU FFNs, plus (Qwen2-MoE) the shared expert times sigmoid(its gate). Each token is taken on
+    its own, expert by expert: nothing here groups tokens."""
+    k = meta[f"{arch}.expert_used_count"]
+    norm = meta.get(f"{arch}.expert_weights_norm", MOE_NORM_DEFAULT[arch])
+    scale = float(meta.get(f"{arch}.expert_weights_scale", 1.0))
+    probs = matmul(h, W[p + "ffn_gate_inp.weight"])
+    probs = np.exp(probs - probs.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        chosen = sorted(range(probs.shape[1]), key=lambda e: (-probs[t, e], e))[:k]
+        weights = probs[t, chosen]
+        if norm:
+            weights = weights / weights.sum()
+        for e, wt in zip(chosen, weights * scale):
+            g = matmul(h[t:t + 1], _expert(h, W[p + "ffn_gate_exps.weight"], e))
+            u = matmul(h[t:t + 1], _expert(h, W[p + "ffn_up_exps.weight"], e))
+            out[t] += wt * matmul(silu(g) * u, _expert(h, W[p + "ffn_down_exps.weight"], e))[0]
+    if p + "ffn_gate_inp_shexp.weight" in W:
+        shared = matmul(silu(matmul(h, W[p + "ffn_gate_shexp.weight"])) * matmul(h, W[p + "ffn_up_shexp.weight"]),
+                        W[p + "ffn_down_shexp.weight"])
+        gate = 1.0 / (1.0 + np.exp(-(h @ W[p + "ffn_gate_inp_shexp.weight"])))
+        out += gate[:, None] * shared
+    return out
+
+
+def rope_frequencies(meta: dict, W: dict, arch: str, n_rot: int, base: float) -> tuple[np.ndarray, float]:
+    """(inv_freq [n_rot / 2], cos/sin scale) of the file's RoPE scaling, after transformers'
+    modeling_rope_utils as llama.cpp reads it from GGUF:
+
+    - linear (the default type when a factor is given): positions divided by the factor;
+    - llama3: the converter stores the per-pair divisors as rope_freqs.weight;
+    - yarn: pairs below the low correction dimension keep their frequency (extrapolation), those
+      above the high one are divided by the factor (interpolation), linearly mixed between;
+      cos and sin get the attention factor 0.1 ln(factor) + 1 (times rope.scaling.attn_factor)."""
+    inv_freq = 1.0 / base ** (np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    if "rope_freqs.weight" in W:
+        inv_freq = inv_freq / np.asarray(W["rope_freqs.weight"], dtype=np.float64)
+    kind = meta.get(f"{arch}.rope.scaling.type", "linear")
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 0.0)) or 1.0
+    if kind == "none" or factor == 1.0:
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    assert kind == "yarn", kind
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length", meta.get(f"{arch}.context_length"))
+    beta_fast = float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0))
+    beta_slow = float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0))
+
+    def correction_dim(n_rotations: float) -> float:  # transformers' find_correction_dim
+        return (n_rot * np.log(orig / (n_rotations * 2 * np.pi))) / (2 * np.log(base))
+
+    low = max(np.floor(correction_dim(beta_fast)), 0)
+    high = min(np.ceil(correction_dim(beta_slow)), n_rot - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(n_rot // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1.0 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    attn = float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0))
+    return inv_freq, attn * (0.1 * np.log(factor) + 1.0)
+
+
+DENSE_FAMILIES = ("gemma2", "gemma3", "phi3")
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def gemma_rmsnorm(x: np.ndarray, w_gguf: np.ndarray, eps: float) -> np.ndarray:
+    """transformers' GemmaRMSNorm, x / rms(x) * (1 + w): llama.cpp's converter stores 1 + w."""
+    w = np.asarray(w_gguf) - 1.0
+    return rmsnorm(x, eps) * (1.0 + w)
+
+
+def _dense_family_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict, dict]:
+    """Gemma2 / Gemma3 / Phi3 as transformers' modeling_gemma2, modeling_gemma3 (text model) and
+    modeling_phi3 define them, with the hyper-parameters llama.cpp derives from GGUF metadata."""
+    meta, W = load_model(model_path)
+    arch = meta["general.architecture"]
+    n_layer = meta[f"{arch}.block_count"]
+    n_head = meta[f"{arch}.attention.head_count"]
+    n_kv = meta[f"{arch}.attention.head_count_kv"]
+    eps = float(meta[f"{arch}.attention.layer_norm_rms_epsilon"])
+    base = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    e = meta[f"{arch}.embedding_length"]
+    hd = meta.get(f"{arch}.attention.key_length", e // n_head)
+    n_rot = meta.get(f"{arch}.rope.dimension_count", hd)
+    gemma = arch != "phi3"
+    n = len(tokens)
+    norm = (lambda x, w: gemma_rmsnorm(x, w, eps)) if gemma else (lambda x, w: rmsnorm(x, eps) * w)
+
+    # query_pre_attn_scalar: n_embd / n_head for the 27B models, else head_dim (gemma_pytorch)
+    big = n_layer == {"gemma2": 46, "gemma3": 62}.get(arch)
+    scaling = (e // n_head if big else hd) ** -0.5
+    window = meta.get(f"{arch}.attention.sliding_window", 0) if gemma else 0
+    if arch == "gemma2":
+        sliding = [i % 2 == 0 for i in range(n_layer)]
+        attn_cap = float(meta.get("gemma2.attn_logit_softcapping", 50.0))
+    elif arch == "gemma3":
+        sliding = [(i + 1) % 6 != 0 and window > 0 for i in range(n_layer)]
+        attn_cap = 0.0
+    else:
+        sliding, attn_cap = [False] * n_layer, 0.0
+
+    x = np.asarray(W["token_embd.weight"])[np.asarray(tokens)]
+    if gemma:
+        x = x * np.sqrt(e)  # the embedding normalizer
+    qpos, kpos = np.arange(n)[:, None], np.arange(n)[None, :]
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        masked = kpos > qpos
+        if sliding[i]:
+            masked = masked | (qpos - kpos >= window)
+        h = norm(x, W[p + "attn_norm.weight"])
+        if arch == "phi3":
+            qkv = matmul(h, W[p + "attn_qkv.weight"])
+            q, k, v = np.split(qkv, [n_head * hd, (n_head + n_kv) * hd], axis=1)
+        else:
+            q, k, v = (matmul(h, W[p + f"attn_{c}.weight"]) for c in "qkv")
+        q, k, v = q.reshape(n, n_head, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
+        if arch == "gemma3":
+            q, k = norm(q, W[p + "attn_q_norm.weight"]), norm(k, W[p + "attn_k_norm.weight"])
+        if arch == "gemma3" and sliding[i]:  # local layers: rope_local_base_freq, no scaling
+            inv_freq, mscale = 1.0 / 10000.0 ** (np.arange(0, n_rot, 2) / n_rot), 1.0
+        else:
+            inv_freq, mscale = rope_frequencies(meta, W, arch, n_rot, base)
+        q, k = rope(q, base, n_rot, True, inv_freq, mscale), rope(k, base, n_rot, True, inv_freq, mscale)
+        att = np.empty((n, n_head, hd))
+        for hq in range(n_head):
+            hk = hq // (n_head // n_kv)
+            scores = q[:, hq] @ k[:, hk].T * scaling
+            if attn_cap:
+                scores = np.tanh(scores / attn_cap) * attn_cap
+            scores[masked] = -np.inf
+            probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+            probs /= probs.sum(axis=1, keepdims=True)
+            att[:, hq] = probs @ v[:, hk]
+        o = matmul(att.reshape(n, n_head * hd), W[p + "attn_output.weight"])
+        if gemma:
+            o = norm(o, W[p + "post_attention_norm.weight"])
+        x = x + o
+        h = norm(x, W[p + "ffn_norm.weight"])
+        if arch == "phi3":
+            gate, up = np.split(matmul(h, W[p + "ffn_up.weight"]), 2, axis=1)
+            f = matmul(up * silu(gate), W[p + "ffn_down.weight"])
+        else:
+            f = matmul(gelu_tanh(matmul(h, W[p + "ffn_gate.weight"])) * matmul(h, W[p + "ffn_up.weight"]),
+                       W[p + "ffn_down.weight"])
+            f = norm(f, W[p + "post_ffw_norm.weight"])
+        x = x + f
+    return norm(x, W["output_norm.weight"]), W, meta
+
+
 def reference_logits(model_path: str, tokens: list[int]) -> np.ndarray:
     """Logits [len(tokens), n_vocab] (float64) of one sequence at positions 0..n-1."""
+    if GGUFReader(model_path).fields["general.architecture"].contents() in DENSE_FAMILIES:
+        h, W, meta = _dense_family_hidden(model_path, tokens)
+        logits = matmul(h, W.get("output.weight", W["token_embd.weight"]))
+        cap = float(meta.get(f"{meta['general.architecture']}.final_logit_softcapping", 0.0))
+        return np.tanh(logits / cap) * cap if cap else logits
     h, W = _final_hidden(model_path, tokens)
     return matmul(h, W.get("output.weight", W["token_embd.weight"]))
 
@@ -165,7 +346,8 @@ def _final_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict[
         if p + "attn_q_norm.weight" in W:
             q = rmsnorm(q, eps) * W[p + "attn_q_norm.weight"]
             k = rmsnorm(k, eps) * W[p + "attn_k_norm.weight"]
-        q, k = rope(q, base, n_rot, neox), rope(k, base, n_rot, neox)
+        inv_freq, mscale = rope_frequencies(meta, W, arch, n_rot, base)
+        q, k = rope(q, base, n_rot, neox, inv_freq, mscale), rope(k, base, n_rot, neox, inv_freq, mscale)
         att = np.empty((n, n_head, hd))
         for hq in range(n_head):
             hk = hq // (n_head // n_kv)
@@ -176,6 +358,9 @@ def _final_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict[
             att[:, hq] = probs @ v[:, hk]
         x = x + matmul(att.reshape(n, n_head * hd), W[p + "attn_output.weight"])
         h = rmsnorm(x, eps) * W[p + "ffn_norm.weight"]
-        x = x + matmul(silu(matmul(h, W[p + "ffn_gate.weight"])) * matmul(h, W[p + "ffn_up.weight"]),
-                   W[p + "ffn_down.weight"])
+        if p + "ffn_gate_inp.weight" in W:
+            x = x + moe_ffn(h, W, p, meta, arch)
+        else:
+            x = x + matmul(silu(matmul(h, W[p + "ffn_gate.weight"])) * matmul(h, W[p + "ffn_up.weight"]),
+                       W[p + "ffn_down.weight"])
     return rmsnorm(x, eps) * W["output_norm.weight"], W

@@ -7,7 +7,7 @@ then runs without it, split into items on the products' worker pool (qmatmul.pxd
 helper threads serves every kernel of a step, and a helper the OS is late to schedule holds
 nobody up (no barrier). Which thread computes an item never changes its result.
 """
-from libc.math cimport exp, pow, cos, sin, sqrt, INFINITY
+from libc.math cimport exp, pow, cos, sin, sqrt, tanh, INFINITY
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 
@@ -153,10 +153,12 @@ cdef struct AttnArgs:
     const int* ranges
     const float* q_norm
     const float* k_norm
+    const float* freq_factors  # NULL, or n_rot / 2 divisors of the rotation angles (ggml's freq factors)
     float* out
     int H, Hkv, hd, n_rot, rope_mode
-    double freq_base, freq_scale
-    float eps, scale
+    double freq_base, freq_scale, mscale
+    float eps, scale, softcap  # softcap 0: none
+    Py_ssize_t n_swa           # 0: every listed cell; else only the last n_swa
     Py_ssize_t max_len  # the longest list of cells a token attends to (scores per head: max_len + 1)
     Py_ssize_t store_floats, attend_floats  # scratch per item
     int failed          # an item could not allocate its scratch
@@ -174,8 +176,10 @@ cdef void _store_token(AttnArgs* a, Py_ssize_t t, float* scratch) noexcept nogil
     cdef float* k = scratch + a.n_rot + 2
     for i in range(half):
         theta = a.pos[t] * a.freq_scale * pow(a.freq_base, -2.0 * i / a.n_rot)
-        cs[2 * i] = <float>cos(theta)
-        cs[2 * i + 1] = <float>sin(theta)
+        if a.freq_factors != NULL:
+            theta = theta / a.freq_factors[i]
+        cs[2 * i] = <float>(cos(theta) * a.mscale)
+        cs[2 * i + 1] = <float>(sin(theta) * a.mscale)
     for d in range(H * hd):
         q[d] = src[d]
     for d in range(Hkv * hd):
@@ -201,6 +205,9 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
     cdef Py_ssize_t t = i // a.Hkv, j
     cdef int kvh = <int>(i % a.Hkv)
     cdef Py_ssize_t r0 = a.ranges[2 * t], r1 = a.ranges[2 * t + 1], L = a.max_len + 1  # scores per head
+    if a.n_swa > 0 and r1 > a.n_swa:  # a sliding window: the list's last n_swa cells
+        r0 = r0 + r1 - a.n_swa
+        r1 = a.n_swa
     cdef Py_ssize_t head = <Py_ssize_t>kvh * hd
     cdef float* q = scratch
     cdef float* acc = scratch + G * hd
@@ -230,7 +237,10 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
             sc = 0.0
             for d in range(hd):
                 sc = sc + qg[d] * kr[d]
-            scores[g * L + j] = sc * a.scale
+            if a.softcap > 0:
+                scores[g * L + j] = a.softcap * <float>tanh(sc * a.scale / a.softcap)
+            else:
+                scores[g * L + j] = sc * a.scale
     for g in range(G):
         m = -INFINITY
         for j in range(r1):
@@ -324,10 +334,12 @@ def attention(const float[:, ::1] qkv, k_cache, v_cache,
               const float[::1] q_norm, const float[::1] k_norm, float[:, ::1] out,
               int n_head, int n_head_kv, int head_dim, int n_rot, int rope_mode,
               double freq_base, double freq_scale, float norm_eps, float scale, int n_threads=1,
-              int k_type=0, int v_type=0):
+              int k_type=0, int v_type=0, float softcap=0.0, Py_ssize_t n_swa=0, double rope_mscale=1.0,
+              rope_freqs=None):
     """One layer's self-attention for a micro-batch (see Op.ATTENTION). k_cache and v_cache are
     [n_cells, row] arrays holding rows of k_type and v_type (ggml type ids: F32 0, F16 1, Q8_0 8,
-    BF16 30), as uint8 bytes or, for F32, as float32."""
+    BF16 30), as uint8 bytes or, for F32, as float32. softcap, n_swa, rope_mscale and rope_freqs
+    (float32 [n_rot / 2] or None) are Op.ATTENTION's optional parameters and source."""
     cdef unsigned char[:, ::1] kc = _cache_bytes(k_cache)
     cdef unsigned char[:, ::1] vc = _cache_bytes(v_cache)
     cdef Py_ssize_t n = qkv.shape[0], n_cells = kc.shape[0], n_listed = cells.shape[0]
@@ -356,6 +368,16 @@ def attention(const float[:, ::1] qkv, k_cache, v_cache,
         raise ValueError("attention: per-token inputs must have one row per token")
     if use_norm and (q_norm.shape[0] != hd or k_norm.shape[0] != hd):
         raise ValueError("attention: q/k norm weights must have head_dim elements")
+    if not (softcap >= 0 and n_swa >= 0 and rope_mscale > 0):
+        raise ValueError(f"attention: softcap {softcap}, n_swa {n_swa} or rope_mscale {rope_mscale} out of range")
+    cdef const float[::1] ff
+    if rope_freqs is not None:
+        ff = rope_freqs
+        if ff.shape[0] != n_rot // 2:
+            raise ValueError(f"attention: rope_freqs has {ff.shape[0]} elements, expected n_rot / 2 = {n_rot // 2}")
+        for i in range(n_rot // 2):
+            if not ff[i] > 0:
+                raise ValueError(f"attention: rope_freqs[{i}] is {ff[i]}, not a positive number")
     for t in range(n):
         if kv_idx[t] < 0 or kv_idx[t] >= n_cells:
             raise ValueError(f"attention: cell {kv_idx[t]} outside the cache of {n_cells}")
@@ -393,6 +415,10 @@ def attention(const float[:, ::1] qkv, k_cache, v_cache,
     a.ranges = &ranges[0, 0]
     a.q_norm = &q_norm[0] if use_norm else NULL
     a.k_norm = &k_norm[0] if use_norm else NULL
+    a.freq_factors = &ff[0] if rope_freqs is not None and n_rot > 0 else NULL
+    a.mscale = rope_mscale
+    a.softcap = softcap
+    a.n_swa = n_swa
     a.out = &out[0, 0]
     a.H = H
     a.Hkv = Hkv

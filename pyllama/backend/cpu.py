@@ -23,8 +23,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .. import trace
-from .._fast import gemm, qmatmul
+from .._fast import gemm, moe, qmatmul
 from .._fast import ops as k
+from .._fast import ops_extra as kx
 from .._fast import sampling as k_sampling
 from ..tensor import KV_CACHE_TYPES, Graph, Op, check_node, sample_in_cols, sample_out_cols
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
@@ -222,14 +223,27 @@ class CPUBackend(Backend):
             elif op == Op.SWIGLU:
                 steps.append(_bind(k.swiglu, s[0], out, nt))
             elif op == Op.ATTENTION:
-                qn, kn = (s[7], s[8]) if len(s) == 9 else (empty, empty)
-                p = nd.params
+                qn, kn = (s[7], s[8]) if len(s) >= 9 else (empty, empty)
+                freqs = s[-1] if len(s) % 2 == 0 else None  # 8 or 10 sources: rope_freqs last
+                p = tuple(nd.params) + (0.0,) * (12 - len(nd.params))  # 9-parameter graphs: no extras
+                n_swa = p[10]
+                if n_swa != int(n_swa):
+                    raise ValueError(f"ATTENTION {nd.out.name}: n_swa {n_swa} is not an integer")
                 kc, vc = nd.srcs[1], nd.srcs[2]  # the caches as rows of bytes in their cache types
                 steps.append(_bind(k.attention, s[0], _rows(kc), _rows(vc), s[3], s[4], s[5], s[6], qn, kn, out,
                                    int(p[0]), int(p[1]), int(p[2]), int(p[3]), int(p[4]), float(p[5]),
-                                   float(p[6]), float(p[7]), float(p[8]), nt, int(kc.dtype), int(vc.dtype)))
+                                   float(p[6]), float(p[7]), float(p[8]), nt, int(kc.dtype), int(vc.dtype),
+                                   float(p[9]), int(n_swa), float(p[11]) or 1.0, freqs))
+            elif op == Op.GEGLU:
+                steps.append(_bind(kx.geglu, s[0], out, nt))
+            elif op == Op.SCALE:
+                steps.append(_bind(kx.scale, s[0], out, float(nd.params[0])))
+            elif op == Op.SOFTCAP:
+                steps.append(_bind(kx.softcap, s[0], out, float(nd.params[0])))
             elif op == Op.SAMPLE:
                 steps.append(_bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
+            elif op == Op.MOE_FFN:
+                steps.append(_bind_moe_ffn(nd.srcs, s, out, nd.params, nt))
             else:
                 raise ValueError(f"unknown op {op!r}")
         return steps
@@ -296,6 +310,36 @@ def _bind_mul_mat_cat(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequen
     def run() -> None:
         for step in steps:
             step()
+    return run
+
+
+def _bind_moe_ffn(srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndarray, params: Sequence[float],
+                  nt: int) -> Callable[[], None]:
+    """MOE_FFN: the router product (as any MUL_MAT, into a scratch of logits), then the MoE kernel
+    (_fast/moe.pyx), which computes only the experts the tokens chose."""
+    x, router = s[0], s[1]
+    gate, up, down = srcs[2], srcs[3], srcs[4]
+    n_used, norm, scale = params[0], params[1], params[2]
+    if n_used != int(n_used) or norm not in (0, 1):
+        raise ValueError(f"MOE_FFN: n_expert_used {n_used} and norm {norm} must be integers (norm 0 or 1)")
+    for t in (gate, up, down):
+        if len(t.shape) != 3 or t.shape[0] != router.shape[0]:
+            raise ValueError(f"MOE_FFN: expert tensor {t.name} {list(t.shape)} is not [{router.shape[0]}, rows, cols]")
+    if gate.shape != up.shape or gate.shape[2] != x.shape[1] or down.shape[1:] != (x.shape[1], gate.shape[1]):
+        raise ValueError(f"MOE_FFN: expert shapes {list(gate.shape)}, {list(up.shape)}, {list(down.shape)} do not "
+                         f"fit x {list(x.shape)}")
+    logits = np.zeros((x.shape[0], router.shape[0]), dtype=np.float32)
+    route = _bind_mul_mat(x, router, srcs[1].dtype, logits, None, nt)
+    # each expert tensor as one row of bytes per expert, whatever its type
+    g, u, d = (CPUBackend.bytes_of(t).reshape(t.shape[0], -1) for t in (gate, up, down))
+    shexp = s[5] if len(s) > 5 else None
+    shexp_gate = s[6] if len(s) > 6 else None
+    args = (x, logits, g, int(gate.dtype), u, int(up.dtype), d, int(down.dtype), out, int(n_used), bool(norm),
+            float(scale), shexp, shexp_gate, nt)
+
+    def run() -> None:
+        route()
+        moe.moe_ffn(*args)
     return run
 
 

@@ -682,8 +682,11 @@ class CUDABackend(Backend):
 
     def _bind_attention(self, nd: Any, err: int) -> list[Callable[[Any], None]]:
         s, out, p, P = nd.srcs, nd.out, nd.params, self._ptr
-        if len(s) not in (7, 9) or len(p) != 9:
-            raise ValueError("ATTENTION: expected 7 or 9 sources and 9 parameters")
+        # the extensions (rope_freqs source; softcap, n_swa, rope_mscale) have no CUDA kernel: a
+        # model needing them is refused at load; unused (0) they may still arrive from the wire
+        if len(s) not in (7, 9) or len(p) not in (9, 12) or any(p[9:]):
+            raise ValueError("ATTENTION: expected 7 or 9 sources and 9 parameters (soft-capping, a sliding "
+                             "window and scaled RoPE do not run on CUDA)")
         qkv, kc, vc, pos, kv_idx, cells, ranges = s[:7]
         H, Hkv, hd, n_rot, mode = (int(v) for v in p[:5])
         freq_base, freq_scale, eps, scale = float(p[5]), float(p[6]), float(p[7]), float(p[8])

@@ -319,6 +319,8 @@ class RPCBackend(Backend):
     def supports(self, op: int) -> bool:
         if op == Op.MUL_MAT_CAT:  # servers that negotiate weight types run it, on a CPU device
             return self.conn.has(Cap.DEVICE_TYPES) and self.device_kind() == KIND["cpu"]
+        if op == Op.MOE_FFN:  # servers that advertise it run it, on a CPU device
+            return self.conn.has(Cap.MOE_FFN) and self.device_kind() == KIND["cpu"]
         return op != Op.SAMPLE or self.conn.has(Cap.BACKEND_SAMPLING)
 
     def device_kind(self) -> int:

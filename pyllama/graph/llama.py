@@ -1,4 +1,5 @@
-"""The llama-family forward graph (llama, qwen2, qwen3) for one micro-batch.
+"""The llama-family forward graph (llama, qwen2, qwen3, and their MoE forms: graph/moe.py; the dense
+gemma2, gemma3 and phi3, and RoPE scaling: docs/engine.md) for one micro-batch.
 
 The graph is built device-agnostic: nodes carry their layer, and the scheduler decides which
 backend runs them and where the hidden state crosses devices.
@@ -13,6 +14,7 @@ from ..tensor import DType, Tensor
 from ..models.hparams import HParams
 from ..weights import Weights
 from .ops import Graph, Node, Op, input_tensor, node, sample_in_cols, sample_out_cols
+from .moe import build_moe_ffn
 
 F32, I32 = DType.F32, DType.I32
 
@@ -70,17 +72,19 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
         return add(Op.MUL_MAT, shape, name, x, wt, bias, layer=layer)
 
     x = add(Op.GET_ROWS, (n, e), "inp_embd", w["token_embd"], inputs["inp_tokens"], layer=-1)
-    attn_params = (hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_rot, hp.rope_mode, hp.rope_base, hp.rope_scale,
-                   hp.rms_eps, 1.0 / math.sqrt(hp.head_dim))
+    if hp.embd_scale:  # gemma scales its input embeddings by sqrt(n_embd)
+        x = add(Op.SCALE, (n, e), "inp_scaled", x, params=(hp.embd_scale,), layer=-1)
     for il in range(hp.n_layer):
         b = f"blk.{il}."
+        attn_params = _attention_params(hp, il, w.get(b + "rope_freqs") is not None)
         h = add(Op.RMS_NORM, (n, e), f"attn_norm-{il}", x, w[b + "attn_norm"], params=(hp.rms_eps,), layer=il)
         qkv = mul_mat((n, hp.n_embd_q + 2 * hp.n_embd_kv), f"qkv-{il}", h, w[b + "attn_qkv"],
                       w.get(b + "attn_qkv_bias"), layer=il)
         k_cache, v_cache = kv[il]
         a = add(Op.ATTENTION, (n, hp.n_embd_q), f"kqv_out-{il}", qkv, k_cache, v_cache, inputs["inp_pos"],
                 inputs["inp_kv_idx"], inputs["inp_attn_cells"], inputs["inp_attn_ranges"],
-                w.get(b + "attn_q_norm"), w.get(b + "attn_k_norm"), params=attn_params, layer=il)
+                w.get(b + "attn_q_norm"), w.get(b + "attn_k_norm"), w.get(b + "rope_freqs"), params=attn_params,
+                layer=il)
         if il == hp.n_layer - 1:
             if n_outputs == 0:
                 break  # the KV cache is written; nothing downstream is read
@@ -89,11 +93,20 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
                 x = add(Op.GET_ROWS, (n_outputs, e), f"inp_sel-{il}", x, inputs["inp_out_ids"], layer=il)
         rows = a.shape[0]
         o = mul_mat((rows, e), f"attn_out-{il}", a, w[b + "attn_output"], layer=il)
+        if hp.post_norms:
+            o = add(Op.RMS_NORM, (rows, e), f"attn_post_norm-{il}", o, w[b + "attn_post_norm"],
+                    params=(hp.rms_eps,), layer=il)
         x1 = add(Op.ADD, (rows, e), f"ffn_inp-{il}", o, x, layer=il)
         h2 = add(Op.RMS_NORM, (rows, e), f"ffn_norm-{il}", x1, w[b + "ffn_norm"], params=(hp.rms_eps,), layer=il)
-        gu = mul_mat((rows, 2 * hp.n_ff), f"ffn_gate_up-{il}", h2, w[b + "ffn_gate_up"], layer=il)
-        s = add(Op.SWIGLU, (rows, hp.n_ff), f"ffn_swiglu-{il}", gu, layer=il)
-        d = mul_mat((rows, e), f"ffn_out-{il}", s, w[b + "ffn_down"], layer=il)
+        if hp.is_moe:
+            d = build_moe_ffn(add, mul_mat, hp, w, il, h2)
+        else:
+            gu = mul_mat((rows, 2 * hp.n_ff), f"ffn_gate_up-{il}", h2, w[b + "ffn_gate_up"], layer=il)
+            s = add(Op.GEGLU if hp.ffn_gelu else Op.SWIGLU, (rows, hp.n_ff), f"ffn_act-{il}", gu, layer=il)
+            d = mul_mat((rows, e), f"ffn_out-{il}", s, w[b + "ffn_down"], layer=il)
+        if hp.post_norms:
+            d = add(Op.RMS_NORM, (rows, e), f"ffn_post_norm-{il}", d, w[b + "ffn_post_norm"],
+                    params=(hp.rms_eps,), layer=il)
         x = add(Op.ADD, (rows, e), f"l_out-{il}", d, x1, layer=il)
     output = None
     if n_outputs > 0:
@@ -101,7 +114,12 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
                  layer=hp.n_layer)
         if embd:
             return ForwardGraph(nodes, inputs, hn, n_tokens, n_outputs)
-        output = mul_mat((n_outputs, hp.n_vocab), OUTPUT_NAME, hn, w["output"], layer=hp.n_layer)
+        if hp.final_softcap:  # gemma2: logits = c * tanh(logits / c)
+            raw = mul_mat((n_outputs, hp.n_vocab), "result_output_raw", hn, w["output"], layer=hp.n_layer)
+            output = add(Op.SOFTCAP, (n_outputs, hp.n_vocab), OUTPUT_NAME, raw, params=(hp.final_softcap,),
+                         layer=hp.n_layer)
+        else:
+            output = mul_mat((n_outputs, hp.n_vocab), OUTPUT_NAME, hn, w["output"], layer=hp.n_layer)
         if sample is not None:
             n_probs, window = sample
             inputs[SAMPLING_INPUT] = input_tensor(SAMPLING_INPUT, I32, (n_outputs, sample_in_cols(window)))
@@ -109,6 +127,26 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
             nodes.append(node(Op.SAMPLE, output, nodes[-1].out, inputs[SAMPLING_INPUT],
                               params=(n_probs, window), layer=hp.n_layer))
     return ForwardGraph(nodes, inputs, output, n_tokens, n_outputs)
+
+
+def _attention_params(hp: HParams, il: int, scaled_freqs: bool) -> tuple:
+    """Layer il's ATTENTION parameters: the 9 base ones, and the 3 extensions only where used
+    (so that plain models build the 9-parameter graphs every device runs).
+
+    A sliding-window layer of gemma3 rotates with its own base, unscaled; with rope_freqs (the
+    file's factors, or YaRN's folded in) freq_scale is part of them and passes as 1."""
+    swa = hp.is_swa[il]
+    base, freq_scale, mscale = hp.rope_base, hp.rope_scale, hp.rope_mscale
+    if swa and hp.rope_base_swa > 0:
+        base, freq_scale, mscale = hp.rope_base_swa, 1.0, 1.0
+    elif scaled_freqs and hp.rope_scaling == "yarn":
+        freq_scale = 1.0
+    scale = hp.attn_scale or 1.0 / math.sqrt(hp.head_dim)
+    params = (hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_rot, hp.rope_mode, base, freq_scale, hp.rms_eps, scale)
+    n_swa = hp.n_swa if swa else 0
+    if hp.attn_softcap or n_swa or mscale != 1.0:
+        params += (hp.attn_softcap, n_swa, mscale)
+    return params
 
 
 __all__ = ["ForwardGraph", "build_forward", "INPUT_NAMES", "OUTPUT_NAME", "SAMPLED_NAME", "SAMPLING_INPUT", "Graph"]

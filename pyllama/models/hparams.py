@@ -1,6 +1,7 @@
 """Hyper-parameters of the llama-family architectures, read from GGUF metadata."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import ModelFileError
@@ -14,7 +15,22 @@ ARCHITECTURES = {
     "llama": (ROPE_NORMAL, False, False),
     "qwen2": (ROPE_NEOX, True, False),
     "qwen3": (ROPE_NEOX, False, True),
+    "qwen2moe": (ROPE_NEOX, True, False),
+    "qwen3moe": (ROPE_NEOX, False, True),
+    "gemma2": (ROPE_NEOX, False, False),
+    "gemma3": (ROPE_NEOX, False, True),
+    "phi3": (ROPE_NEOX, False, False),
 }
+GEMMA_ARCHS = ("gemma2", "gemma3")
+# the RoPE scaling types of `{arch}.rope.scaling.type` (llama.cpp's names); llama3's per-dimension
+# factors come as the tensor rope_freqs.weight instead, with any of them
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+# Mixture-of-Experts architectures (every layer's FFN is routed) -> whether the chosen experts'
+# weights are divided by their sum when the file has no `{arch}.expert_weights_norm` key (what
+# llama.cpp builds for each: Qwen2MoE's norm_topk_prob defaults to false, Qwen3MoE's models and
+# Mixtral normalize). `llama` is MoE (Mixtral-style) when its file has `llama.expert_count`.
+MOE_NORM_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "llama": True}
+EXPERT_GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,46 @@ class HParams:
     rope_mode: int
     qkv_bias: bool
     qk_norm: bool
+    # Mixture of Experts (n_expert 0: a dense FFN)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0            # rows of each expert's gate and up matrices
+    n_ff_shexp: int = 0          # the shared expert's (0: none)
+    expert_weights_norm: bool = False
+    expert_weights_scale: float = 1.0
+    # RoPE scaling (llama.cpp's semantics): rope_scale above is its freq_scale (1 / factor, also
+    # for yarn); yarn mixes interpolated and extrapolated frequencies over the pairs between its
+    # correction dimensions and scales cos/sin by rope_mscale
+    rope_scaling: str = "none"
+    n_ctx_orig: int = 0           # yarn's original context length (0: n_ctx_train)
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    rope_attn_factor: float = 1.0
+    # the gemma and phi3 families
+    swa_layers: tuple = ()        # per layer: True where it attends through the sliding window
+    n_swa: int = 0                # the window (positions p - n_swa < q <= p), 0: none
+    rope_base_swa: float = 0.0    # sliding-window layers' RoPE base (0: rope_base); they never scale
+    attn_scale: float = 0.0       # the query scale (0: 1 / sqrt(head_dim))
+    attn_softcap: float = 0.0     # gemma2's attention logit soft-cap (0: none)
+    final_softcap: float = 0.0    # gemma2's final logit soft-cap (0: none)
+    embd_scale: float = 0.0       # the input embeddings' factor (gemma: sqrt(n_embd); 0: none)
+    post_norms: bool = False      # gemma2/3: RMS norms after attention and after the FFN
+    ffn_gelu: bool = False        # gemma: GeGLU (gelu tanh) instead of SwiGLU
+
+    @property
+    def is_swa(self) -> tuple:
+        return self.swa_layers or (False,) * self.n_layer
+
+    @property
+    def rope_mscale(self) -> float:
+        """cos/sin scale: YaRN's 1 + 0.1 ln(factor) times the file's attn_factor, as llama.cpp."""
+        if self.rope_scaling != "yarn":
+            return 1.0
+        return self.rope_attn_factor * (1.0 + 0.1 * math.log(1.0 / self.rope_scale))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
 
     @property
     def n_embd_q(self) -> int:
@@ -87,12 +143,12 @@ def read_hparams(gf: GGUFFile) -> HParams:
     n_vocab = gf.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
     if not n_vocab:
         raise ModelFileError(f"{gf.path}: no vocabulary size ('{arch}.vocab_size' or 'tokenizer.ggml.tokens')")
-    scale_type = gf.get(f"{arch}.rope.scaling.type", "none")
-    rope_scale = 1.0
-    if scale_type == "linear":
-        rope_scale = 1.0 / _float(gf, f"{arch}.rope.scaling.factor", 1.0)
-    elif scale_type not in ("none", None):
-        raise ModelFileError(f"{gf.path}: rope scaling type '{scale_type}' is not supported")
+    n_ff_default = gf.get(f"{arch}.expert_feed_forward_length") if arch in ("qwen2moe", "qwen3moe") else None
+    n_ff = _int(gf, f"{arch}.feed_forward_length", n_ff_default)
+    rope = _rope_scaling(gf, arch)
+    rope_scale = rope.pop("rope_scale")
+    moe = _moe_hparams(gf, arch, n_ff)
+    dense = _dense_family_hparams(gf, arch, _int(gf, f"{arch}.block_count"), n_embd, n_head, head_dim)
     return HParams(
         arch=arch,
         n_vocab=int(n_vocab),
@@ -101,7 +157,7 @@ def read_hparams(gf: GGUFFile) -> HParams:
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
-        n_ff=_int(gf, f"{arch}.feed_forward_length"),
+        n_ff=n_ff,
         n_ctx_train=_int(gf, f"{arch}.context_length", 2048),
         rms_eps=_float(gf, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
         rope_base=_float(gf, f"{arch}.rope.freq_base", 10000.0),
@@ -110,4 +166,82 @@ def read_hparams(gf: GGUFFile) -> HParams:
         rope_mode=rope_mode,
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
+        **moe,
+        **rope,
+        **dense,
     )
+
+
+def _rope_scaling(gf: GGUFFile, arch: str) -> dict:
+    """rope_scale and the scaling fields of HParams, read as llama.cpp reads them: the type
+    defaults to linear, the factor to 1 (no scaling); type none never scales."""
+    kind = gf.get(f"{arch}.rope.scaling.type", "linear")
+    if kind not in ROPE_SCALING_TYPES:
+        raise ModelFileError(f"{gf.path}: rope scaling type '{kind}' is not supported "
+                             f"(supported: {', '.join(ROPE_SCALING_TYPES)})")
+    factor = gf.get(f"{arch}.rope.scaling.factor", gf.get(f"{arch}.rope.scale_linear", 0.0))
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor < 0 or factor != factor:
+        raise ModelFileError(f"{gf.path}: metadata key '{arch}.rope.scaling.factor' must be a non-negative number, "
+                             f"got {factor!r}")
+    out: dict = {"rope_scale": 1.0 if kind == "none" or factor == 0 else 1.0 / float(factor)}
+    if kind == "yarn":
+        out.update(rope_scaling="yarn",
+                   n_ctx_orig=_int(gf, f"{arch}.rope.scaling.original_context_length",
+                                   _int(gf, f"{arch}.context_length", 2048)),
+                   yarn_beta_fast=_float(gf, f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
+                   yarn_beta_slow=_float(gf, f"{arch}.rope.scaling.yarn_beta_slow", 1.0),
+                   rope_attn_factor=_float(gf, f"{arch}.rope.scaling.attn_factor", 1.0))
+    elif out["rope_scale"] != 1.0:
+        out["rope_scaling"] = "linear"
+    return out
+
+
+def _dense_family_hparams(gf: GGUFFile, arch: str, n_layer: int, n_embd: int, n_head: int, head_dim: int) -> dict:
+    """The gemma2 / gemma3 fields of HParams, as llama.cpp sets them (phi3: none, as llama.cpp,
+    which ignores phi3's sliding_window key); empty for the other architectures."""
+    if arch not in GEMMA_ARCHS:
+        return {}
+    # the query scale of gemma_pytorch's config: 1 / sqrt(n_embd / n_head) for the 27B models
+    # (llama.cpp recognises them by their layer count), else 1 / sqrt(head_dim)
+    big = n_layer == (46 if arch == "gemma2" else 62)
+    out: dict = dict(embd_scale=math.sqrt(n_embd), post_norms=True, ffn_gelu=True,
+                     attn_scale=1.0 / math.sqrt(n_embd // n_head if big else head_dim))
+    if arch == "gemma2":
+        # every other layer slides, the first among them; window and caps default to gemma2's
+        out.update(n_swa=_int(gf, "gemma2.attention.sliding_window", 4096),
+                   swa_layers=tuple(il % 2 == 0 for il in range(n_layer)),
+                   attn_softcap=_float(gf, "gemma2.attn_logit_softcapping", 50.0),
+                   final_softcap=_float(gf, "gemma2.final_logit_softcapping", 30.0))
+    else:
+        n_swa = gf.get("gemma3.attention.sliding_window", 0)
+        if n_swa:  # five sliding layers, then a global one; local layers on base 10000, unscaled
+            out.update(n_swa=_int(gf, "gemma3.attention.sliding_window"),
+                       swa_layers=tuple(il % 6 < 5 for il in range(n_layer)),
+                       rope_base_swa=_float(gf, "gemma3.rope.freq_base_swa", 10000.0))
+        if gf.get("gemma3.final_logit_softcapping") is not None:
+            out["final_softcap"] = _float(gf, "gemma3.final_logit_softcapping", 0.0)
+    return out
+
+
+def _moe_hparams(gf: GGUFFile, arch: str, n_ff: int) -> dict:
+    """The MoE fields of HParams (llama.cpp's keys), empty for a dense model."""
+    if arch not in MOE_NORM_DEFAULT or (arch == "llama" and gf.get("llama.expert_count") in (None, 0)):
+        return {}
+    n_expert = _int(gf, f"{arch}.expert_count")
+    n_used = _int(gf, f"{arch}.expert_used_count")
+    if n_used > n_expert:
+        raise ModelFileError(f"{gf.path}: expert_used_count {n_used} is above expert_count {n_expert}")
+    if n_used > 64:
+        raise ModelFileError(f"{gf.path}: expert_used_count {n_used} above 64 is not supported")
+    gating = gf.get(f"{arch}.expert_gating_func", EXPERT_GATING_SOFTMAX)
+    if gating != EXPERT_GATING_SOFTMAX:
+        raise ModelFileError(f"{gf.path}: expert_gating_func {gating!r} is not supported (only 1, softmax)")
+    norm = gf.get(f"{arch}.expert_weights_norm", MOE_NORM_DEFAULT[arch])
+    if not isinstance(norm, bool):
+        raise ModelFileError(f"{gf.path}: metadata key '{arch}.expert_weights_norm' must be a bool, got {norm!r}")
+    # Mixtral's experts are feed_forward_length wide; the Qwen MoE files give their own width
+    n_ff_exp = n_ff if arch == "llama" else _int(gf, f"{arch}.expert_feed_forward_length")
+    n_ff_shexp = _int(gf, f"{arch}.expert_shared_feed_forward_length", n_ff) if arch == "qwen2moe" else 0
+    return dict(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp,
+                expert_weights_norm=norm,
+                expert_weights_scale=_float(gf, f"{arch}.expert_weights_scale", 1.0))

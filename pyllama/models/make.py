@@ -2,7 +2,9 @@
 
     python -m pyllama.models.make --preset tiny|small|medium --out PATH [--vocab VOCAB.gguf]
         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m|q5_k_m]
-        [--seed N] [--arch llama|qwen2|qwen3] [--tied|--untied]
+        [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3] [--tied|--untied]
+        [--rope-scaling none|linear|yarn --rope-factor F] [--rope-freqs] [--n-rot N]
+        [--sliding-window N] [--attn-softcap C] [--final-softcap C]   (FamilyOptions)
 
 The same arguments give a byte-identical file: weights come from numpy's default_rng(seed) in
 float32, tensor by tensor in a fixed order, and the file has no timestamps. Tensor names and
@@ -11,7 +13,10 @@ realistic at every size (final logits have a standard deviation of about 2.5):
 embeddings N(0,1) (N(0, 2.5/sqrt(n_embd)) when tied, as they are then also the output matrix);
 q/k/v/gate/up N(0, 1/sqrt(fan_in)); attn_output/ffn_down N(0, 0.5/sqrt(fan_in));
 output.weight N(0, 2.5/sqrt(n_embd)); norm weights 1 + N(0, 0.1); biases N(0, 0.1).
-1-D tensors are always F32; 2-D weights are stored in --type, as llama.cpp's quantizer
+Mixture-of-Experts archs (MOE_PRESETS): the router ffn_gate_inp N(0, 1/sqrt(n_embd)), the 3-D
+expert tensors [n_expert, rows, cols] scaled as their dense counterparts, qwen2moe's shared
+expert gate ffn_gate_inp_shexp N(0, 1/sqrt(n_embd)); `mixtral` writes a `llama` file with experts.
+1-D tensors and the router are always F32; other weights are stored in --type, as llama.cpp's quantizer
 (llama-quantize, no importance matrix) would store them from the F32 model:
 
 - f32 ... q5_1, q2_k ... q6_k: every 2-D weight in that type (llama-quantize --pure). general.file_type
@@ -77,7 +82,20 @@ PRESETS: dict[str, Preset] = {
     "small": Preset(288, 6, 6, 6, 768, 32000, 2048, True),
     "medium": Preset(768, 12, 12, 4, 2048, 32000, 4096, True),
 }
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3")
+# Mixture-of-Experts shapes per preset: (experts, experts used per token, expert FFN width, shared
+# expert FFN width (qwen2moe only)). The small qwen3moe model's active FFN (3 x 256) is the small
+# dense preset's (768), which is what bench/bench_moe.py compares. Mixtral-style models (`mixtral`:
+# general.architecture `llama` with llama.expert_count) have experts as wide as the preset's n_ff.
+# No preset has 8 experts: llama.cpp's quantizer gives 8-expert models extra bits in some tensors,
+# which the mixes here do not reproduce.
+MOE_PRESETS: dict[str, tuple[int, int, int, int]] = {
+    "tiny": (6, 2, 64, 128),
+    "small": (32, 3, 256, 512),
+    "medium": (64, 8, 256, 1024),
+}
+MOE_ARCHS = ("qwen2moe", "qwen3moe", "mixtral")
+GGUF_ARCH = {"mixtral": "llama"}  # --arch -> general.architecture where they differ
 # --type -> (ggml type of the 2-D weights, general.file_type)
 WTYPES: dict[str, tuple[Q, LlamaFileType]] = {
     "f32": (Q.F32, LlamaFileType.ALL_F32),
@@ -98,7 +116,34 @@ WTYPES: dict[str, tuple[Q, LlamaFileType]] = {
 }
 MIXES = frozenset({"q4_k_m", "q5_k_m"})
 K_QUANT_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
-ROPE_FREQ_BASE = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
+ROPE_FREQ_BASE = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen2moe": 1000000.0,
+                  "qwen3moe": 1000000.0, "mixtral": 1000000.0, "gemma2": 10000.0, "gemma3": 1000000.0,
+                  "phi3": 10000.0}
+QKV_BIAS_ARCHS = ("qwen2", "qwen2moe")
+QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3")
+GEMMA_ARCHS = ("gemma2", "gemma3")  # post-norms, always tied (llama.cpp reads no output.weight for them)
+SWA_DEFAULT = {"gemma2": 4096, "gemma3": 1024}  # their sliding windows
+
+
+@dataclass(frozen=True)
+class FamilyOptions:
+    """What the dense families and RoPE scaling add to a model (defaults: none of it).
+
+    rope_scaling "linear" / "yarn" with rope_factor writes `{arch}.rope.scaling.*` (yarn with
+    original_context_length = the preset's n_ctx / rope_factor); rope_freqs adds rope_freqs.weight,
+    llama3-style per-pair divisors (random in [1, 8], so that they matter at a tiny model's
+    positions), generated after every other tensor so that the other weights do not change.
+    sliding_window: gemma's window (0: the architecture's default); attn_softcap / final_softcap:
+    gemma2's caps (0: its defaults, 50 and 30); n_rot: rope.dimension_count (0: the head size).
+    """
+
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_freqs: bool = False
+    sliding_window: int = 0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    n_rot: int = 0
 RMS_EPS = 1e-5
 QUANTIZATION_VERSION = 2
 
@@ -116,9 +161,13 @@ class TensorSpec:
 
 
 def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = None,
-                n_vocab: int | None = None) -> list[TensorSpec]:
+                n_vocab: int | None = None, opts: FamilyOptions = FamilyOptions()) -> list[TensorSpec]:
     """Every tensor of a model, in file (and random generation) order. tied=None: the preset's default."""
     p = PRESETS[preset] if isinstance(preset, str) else preset
+    if arch in GEMMA_ARCHS:
+        if tied is False:
+            raise ValueError(f"{arch} ties its output layer to token_embd (no --untied)")
+        tied = True
     tied = p.tied if tied is None else tied
     n_vocab = p.n_vocab if n_vocab is None else n_vocab
     e, hd, ff = p.n_embd, p.head_dim, p.n_ff
@@ -127,31 +176,68 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
     def w(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
         return TensorSpec(name, (rows, cols), "normal", gain / math.sqrt(cols))
 
+    def experts(name: str, n: int, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
+        return TensorSpec(name, (n, rows, cols), "normal", gain / math.sqrt(cols))
+
     plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 2.5 / math.sqrt(e) if tied else 1.0)]
     for i in range(p.n_layer):
         b = f"blk.{i}."
         plan.append(TensorSpec(b + "attn_norm.weight", (e,), "norm"))
+        if arch == "phi3":  # q|k|v fused in the file, and gate|up in ffn_up
+            plan.append(w(b + "attn_qkv.weight", nq + 2 * nkv, e))
+            plan.append(w(b + "attn_output.weight", e, nq, 0.5))
+            plan.append(TensorSpec(b + "ffn_norm.weight", (e,), "norm"))
+            plan.append(w(b + "ffn_up.weight", 2 * ff, e))
+            plan.append(w(b + "ffn_down.weight", e, ff, 0.5))
+            continue
         plan.append(w(b + "attn_q.weight", nq, e))
-        if arch == "qwen2":
+        if arch in QKV_BIAS_ARCHS:
             plan.append(TensorSpec(b + "attn_q.bias", (nq,), "bias"))
         plan.append(w(b + "attn_k.weight", nkv, e))
-        if arch == "qwen2":
+        if arch in QKV_BIAS_ARCHS:
             plan.append(TensorSpec(b + "attn_k.bias", (nkv,), "bias"))
         plan.append(w(b + "attn_v.weight", nkv, e))
-        if arch == "qwen2":
+        if arch in QKV_BIAS_ARCHS:
             plan.append(TensorSpec(b + "attn_v.bias", (nkv,), "bias"))
-        if arch == "qwen3":
+        if arch in QK_NORM_ARCHS:
             plan.append(TensorSpec(b + "attn_q_norm.weight", (hd,), "norm"))
             plan.append(TensorSpec(b + "attn_k_norm.weight", (hd,), "norm"))
         plan.append(w(b + "attn_output.weight", e, nq, 0.5))
+        if arch in GEMMA_ARCHS:
+            plan.append(TensorSpec(b + "post_attention_norm.weight", (e,), "norm"))
         plan.append(TensorSpec(b + "ffn_norm.weight", (e,), "norm"))
-        plan.append(w(b + "ffn_gate.weight", ff, e))
-        plan.append(w(b + "ffn_up.weight", ff, e))
-        plan.append(w(b + "ffn_down.weight", e, ff, 0.5))
+        if arch in MOE_ARCHS:
+            n_exp, _, ff_exp, ff_sh = moe_shape(p, arch)
+            plan.append(w(b + "ffn_gate_inp.weight", n_exp, e))  # the router
+            plan.append(experts(b + "ffn_gate_exps.weight", n_exp, ff_exp, e))
+            plan.append(experts(b + "ffn_up_exps.weight", n_exp, ff_exp, e))
+            plan.append(experts(b + "ffn_down_exps.weight", n_exp, e, ff_exp, 0.5))
+            if ff_sh:
+                plan.append(TensorSpec(b + "ffn_gate_inp_shexp.weight", (e,), "normal", 1.0 / math.sqrt(e)))
+                plan.append(w(b + "ffn_gate_shexp.weight", ff_sh, e))
+                plan.append(w(b + "ffn_up_shexp.weight", ff_sh, e))
+                plan.append(w(b + "ffn_down_shexp.weight", e, ff_sh, 0.5))
+        else:
+            plan.append(w(b + "ffn_gate.weight", ff, e))
+            plan.append(w(b + "ffn_up.weight", ff, e))
+            plan.append(w(b + "ffn_down.weight", e, ff, 0.5))
+            if arch in GEMMA_ARCHS:
+                plan.append(TensorSpec(b + "post_ffw_norm.weight", (e,), "norm"))
     plan.append(TensorSpec("output_norm.weight", (e,), "norm"))
     if not tied:
         plan.append(TensorSpec("output.weight", (n_vocab, e), "normal", 2.5 / math.sqrt(e)))
+    if opts.rope_freqs:
+        plan.append(TensorSpec("rope_freqs.weight", ((opts.n_rot or hd) // 2,), "rope_freqs"))
     return plan
+
+
+def moe_shape(p: Preset, arch: str) -> tuple[int, int, int, int]:
+    """(experts, used per token, expert FFN width, shared expert FFN width) of a MoE arch at a preset."""
+    name = next(k for k, v in PRESETS.items() if v == p)
+    n_exp, n_used, ff_exp, ff_sh = MOE_PRESETS[name]
+    if arch == "mixtral":
+        return n_exp, n_used, p.n_ff, 0
+    return n_exp, n_used, ff_exp, ff_sh if arch == "qwen2moe" else 0
 
 
 def count_parameters(preset: str, arch: str = "llama", tied: bool | None = None, n_vocab: int | None = None) -> int:
@@ -248,10 +334,11 @@ def tensor_types(plan: list[TensorSpec], wtype: str) -> dict[str, Q]:
     i_attn_v = i_ffn_down = 0
     types: dict[str, Q] = {}
     for spec in plan:
-        if len(spec.shape) != 2:
+        # 1-D tensors, and the MoE router (llama.cpp's quantizer never quantizes ffn_gate_inp), stay F32
+        if len(spec.shape) == 1 or spec.name.endswith("ffn_gate_inp.weight"):
             types[spec.name] = Q.F32
             continue
-        qtype, row = base, spec.shape[1]
+        qtype, row = base, spec.shape[-1]
         if wtype in MIXES:
             if spec.name == "output.weight" or (tied and spec.name == "token_embd.weight"):
                 qtype = Q.Q8_0 if row % QK_K else Q.Q6_K
@@ -261,14 +348,17 @@ def tensor_types(plan: list[TensorSpec], wtype: str) -> dict[str, Q]:
             elif spec.name.endswith("ffn_down.weight"):
                 qtype = Q.Q6_K if use_more_bits(i_ffn_down, n_layer) else base
                 i_ffn_down += 1
+            elif spec.name.endswith(("ffn_down_exps.weight", "ffn_down_shexp.weight")):
+                # a MoE model's down tensors: by their block index, as llama.cpp does with experts
+                qtype = Q.Q6_K if use_more_bits(int(spec.name.split(".")[1]), n_layer) else base
         try:
             types[spec.name] = _with_fallback(qtype, row)
         except ValueError as exc:
             raise ValueError(f"{spec.name}: {exc} (--type {wtype})") from None
     if base in K_QUANT_FALLBACK and not any(t in K_QUANT_FALLBACK for t in types.values()):
-        widest = max((s for s in plan if len(s.shape) == 2), key=lambda s: s.shape[1])
+        widest = max((s for s in plan if len(s.shape) >= 2), key=lambda s: s.shape[-1])
         raise ValueError(f"--type {wtype}: no tensor has rows that are a multiple of {QK_K} "
-                         f"({widest.name} has {widest.shape[1]}), so every tensor would fall back "
+                         f"({widest.name} has {widest.shape[-1]}), so every tensor would fall back "
                          f"to another type; use --preset medium (all rows K-quant) or small")
     return types
 
@@ -277,6 +367,8 @@ def tensor_types(plan: list[TensorSpec], wtype: str) -> dict[str, Q]:
 
 def _generate(rng: np.random.Generator, spec: TensorSpec) -> np.ndarray:
     x = rng.standard_normal(spec.shape, dtype=np.float32)
+    if spec.kind == "rope_freqs":  # per-pair divisors in [1, 8], log-uniform
+        return np.exp(rng.uniform(0.0, math.log(8.0), spec.shape)).astype(np.float32)
     if spec.kind == "norm":
         x *= np.float32(0.1)
         x += np.float32(1.0)
@@ -304,13 +396,14 @@ def _check_args(preset: str, wtype: str, seed: int, arch: str) -> None:
 
 
 def make_model(preset: str, out: str, vocab: str | None = None, wtype: str = "f32", seed: int = 0,
-               arch: str = "llama", tied: bool | None = None) -> str:
+               arch: str = "llama", tied: bool | None = None, opts: FamilyOptions = FamilyOptions()) -> str:
     """Writes a deterministic random-weight model to `out` and returns `out`.
 
     Raises ValueError for bad arguments, ModelFileError for an unusable --vocab file and
     OSError when `out` cannot be written. The file appears complete or not at all.
     """
     _check_args(preset, wtype, seed, arch)
+    _check_family(PRESETS[preset], arch, opts)
     out = os.fspath(out)
     p = PRESETS[preset]
     ftype = WTYPES[wtype][1]
@@ -319,13 +412,14 @@ def make_model(preset: str, out: str, vocab: str | None = None, wtype: str = "f3
     else:
         n_vocab = p.n_vocab
         vocab_entries = _default_vocab_entries(n_vocab)
-    plan = tensor_plan(p, arch, tied, n_vocab)
+    plan = tensor_plan(p, arch, tied, n_vocab, opts)
     types = tensor_types(plan, wtype)
 
     tmp = f"{out}.{os.getpid()}.{threading.get_ident()}.tmp"
-    writer = GGUFWriter(tmp, arch)  # general.architecture
+    writer = GGUFWriter(tmp, GGUF_ARCH.get(arch, arch))  # general.architecture
     try:
         _add_metadata(writer, preset, p, arch, ftype, n_vocab, vocab_entries)
+        _add_family_metadata(writer, p, arch, opts)
         for spec in plan:
             t = types[spec.name]
             # element shape; the dtype argument is unused when raw_dtype is given
@@ -348,8 +442,9 @@ def make_model(preset: str, out: str, vocab: str | None = None, wtype: str = "f3
     return out
 
 
-def _add_metadata(w: GGUFWriter, preset: str, p: Preset, arch: str, ftype: LlamaFileType, n_vocab: int,
+def _add_metadata(w: GGUFWriter, preset: str, p: Preset, arch_name: str, ftype: LlamaFileType, n_vocab: int,
                   vocab_entries: list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]) -> None:
+    arch = GGUF_ARCH.get(arch_name, arch_name)
     w.add_string("general.name", f"pyllama-{preset}")
     w.add_uint32("general.file_type", int(ftype))
     w.add_uint32("general.quantization_version", QUANTIZATION_VERSION)
@@ -360,14 +455,51 @@ def _add_metadata(w: GGUFWriter, preset: str, p: Preset, arch: str, ftype: Llama
     w.add_uint32(f"{arch}.attention.head_count", p.n_head)
     w.add_uint32(f"{arch}.attention.head_count_kv", p.n_head_kv)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", RMS_EPS)
-    if arch == "qwen3":
+    if arch in QK_NORM_ARCHS:
         w.add_uint32(f"{arch}.attention.key_length", p.head_dim)
         w.add_uint32(f"{arch}.attention.value_length", p.head_dim)
-    w.add_float32(f"{arch}.rope.freq_base", ROPE_FREQ_BASE[arch])
-    w.add_uint32(f"{arch}.rope.dimension_count", p.head_dim)
+    if arch_name in MOE_ARCHS:
+        n_exp, n_used, ff_exp, ff_sh = moe_shape(p, arch_name)
+        w.add_uint32(f"{arch}.expert_count", n_exp)
+        w.add_uint32(f"{arch}.expert_used_count", n_used)
+        if arch_name != "mixtral":
+            w.add_uint32(f"{arch}.expert_feed_forward_length", ff_exp)
+        if ff_sh:
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length", ff_sh)
+    w.add_float32(f"{arch}.rope.freq_base", ROPE_FREQ_BASE[arch_name])
     w.add_uint32(f"{arch}.vocab_size", n_vocab)
     for key, value, vtype, sub in vocab_entries:
         w.add_key_value(key, value, vtype, sub)
+
+
+def _check_family(p: Preset, arch: str, opts: FamilyOptions) -> None:
+    if opts.rope_scaling not in ("none", "linear", "yarn"):
+        raise ValueError(f"unknown rope scaling {opts.rope_scaling!r} (choose from none, linear, yarn)")
+    if not opts.rope_factor >= 1.0:
+        raise ValueError(f"rope factor must be at least 1, got {opts.rope_factor}")
+    if opts.n_rot and (opts.n_rot % 2 or not 0 < opts.n_rot <= p.head_dim):
+        raise ValueError(f"n_rot must be even and at most the head size {p.head_dim}, got {opts.n_rot}")
+    if opts.sliding_window < 0 or opts.attn_softcap < 0 or opts.final_softcap < 0:
+        raise ValueError("sliding window and soft-caps must not be negative")
+    if (opts.sliding_window and arch not in GEMMA_ARCHS) or \
+            ((opts.attn_softcap or opts.final_softcap) and arch != "gemma2"):
+        raise ValueError(f"{arch} takes no sliding window or soft-cap here (gemma2, gemma3 do)")
+
+
+def _add_family_metadata(w: GGUFWriter, p: Preset, arch_name: str, opts: FamilyOptions) -> None:
+    """RoPE dimensions and scaling, and the gemma keys, as llama.cpp's converters write them."""
+    arch = GGUF_ARCH.get(arch_name, arch_name)
+    w.add_uint32(f"{arch}.rope.dimension_count", opts.n_rot or p.head_dim)
+    if opts.rope_scaling != "none":
+        w.add_string(f"{arch}.rope.scaling.type", opts.rope_scaling)
+        w.add_float32(f"{arch}.rope.scaling.factor", opts.rope_factor)
+        if opts.rope_scaling == "yarn":
+            w.add_uint32(f"{arch}.rope.scaling.original_context_length", max(1, int(p.n_ctx / opts.rope_factor)))
+    if arch in GEMMA_ARCHS:
+        w.add_uint32(f"{arch}.attention.sliding_window", opts.sliding_window or SWA_DEFAULT[arch])
+    if arch == "gemma2":
+        w.add_float32("gemma2.attn_logit_softcapping", opts.attn_softcap or 50.0)
+        w.add_float32("gemma2.final_logit_softcapping", opts.final_softcap or 30.0)
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -402,17 +534,29 @@ def main(argv: list[str] | None = None) -> int:
     tie.add_argument("--tied", dest="tied", action="store_true", default=None,
                      help="no output.weight: the output layer reuses token_embd (default for small and medium)")
     tie.add_argument("--untied", dest="tied", action="store_false", help="a separate output.weight (default for tiny)")
+    ap.add_argument("--rope-scaling", default="none", choices=["none", "linear", "yarn"],
+                    help="rope.scaling.type written (default none)")
+    ap.add_argument("--rope-factor", type=float, default=1.0, help="rope.scaling.factor (default 1)")
+    ap.add_argument("--rope-freqs", action="store_true",
+                    help="add rope_freqs.weight, llama3-style per-pair divisors (random in [1, 8])")
+    ap.add_argument("--n-rot", type=int, default=0, help="rope.dimension_count (default: the head size)")
+    ap.add_argument("--sliding-window", type=int, default=0,
+                    help="gemma2/gemma3: attention.sliding_window (default 4096 / 1024)")
+    ap.add_argument("--attn-softcap", type=float, default=0.0, help="gemma2: attn_logit_softcapping (default 50)")
+    ap.add_argument("--final-softcap", type=float, default=0.0, help="gemma2: final_logit_softcapping (default 30)")
     args = ap.parse_args(argv)
+    opts = FamilyOptions(args.rope_scaling, args.rope_factor, args.rope_freqs, args.sliding_window,
+                         args.attn_softcap, args.final_softcap, args.n_rot)
     try:
         path = make_model(args.preset, args.out, vocab=args.vocab, wtype=args.wtype, seed=args.seed,
-                          arch=args.arch, tied=args.tied)
+                          arch=args.arch, tied=args.tied, opts=opts)
     except (PyllamaError, ValueError) as exc:
         print(f"{ap.prog}: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"{ap.prog}: error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    n_vocab = None if args.vocab is None else GGUFFile(path).get(f"{args.arch}.vocab_size")
+    n_vocab = None if args.vocab is None else GGUFFile(path).get(f"{GGUF_ARCH.get(args.arch, args.arch)}.vocab_size")
     n_params = count_parameters(args.preset, args.arch, args.tied, n_vocab)
     print(f"wrote {path}: {args.arch} {args.preset}, {n_params / 1e6:.2f}M parameters, {args.wtype}, "
           f"{os.path.getsize(path) / 2**20:.1f} MiB")

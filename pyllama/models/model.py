@@ -37,15 +37,59 @@ def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
             b + "attn_v.weight": (kv, e),
             b + "attn_output.weight": (e, q),
             b + "ffn_norm.weight": (e,),
-            b + "ffn_gate.weight": (hp.n_ff, e),
-            b + "ffn_up.weight": (hp.n_ff, e),
-            b + "ffn_down.weight": (e, hp.n_ff),
         })
+        shapes.update(_ffn_tensors(hp, b))
         if hp.qkv_bias:
             shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
         if hp.qk_norm:
             shapes.update({b + "attn_q_norm.weight": (hp.head_dim,), b + "attn_k_norm.weight": (hp.head_dim,)})
+    return _dense_family_tensors(hp, shapes)
+
+
+def _dense_family_tensors(hp: HParams, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """phi3's fused tensors (q|k|v in attn_qkv, gate|up in ffn_up) and gemma's post-norms."""
+    e, ff = hp.n_embd, hp.n_ff
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        if hp.arch == "phi3":
+            for name in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"):
+                shapes.pop(b + name + ".weight")
+            shapes[b + "attn_qkv.weight"] = (hp.n_embd_q + 2 * hp.n_embd_kv, e)
+            shapes[b + "ffn_up.weight"] = (2 * ff, e)
+        if hp.post_norms:
+            shapes[b + "post_attention_norm.weight"] = (e,)
+            shapes[b + "post_ffw_norm.weight"] = (e,)
     return shapes
+
+
+def _dense_family_weights(hp: HParams, out: dict[str, tuple[list[str], int]]) -> dict[str, tuple[list[str], int]]:
+    """logical_weights' entries for phi3's fused file tensors and gemma's post-norms."""
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        if hp.arch == "phi3":  # already fused in the file, in the graph's row order
+            out[b + "attn_qkv"] = ([b + "attn_qkv.weight"], i)
+            out[b + "ffn_gate_up"] = ([b + "ffn_up.weight"], i)
+        if hp.post_norms:
+            out[b + "attn_post_norm"] = ([b + "post_attention_norm.weight"], i)
+            out[b + "ffn_post_norm"] = ([b + "post_ffw_norm.weight"], i)
+    return out
+
+
+def _ffn_tensors(hp: HParams, b: str) -> dict[str, tuple[int, ...]]:
+    """A layer's FFN tensors: dense, or (MoE) the router, the 3-D expert tensors [n_expert, rows,
+    cols] and the shared expert with its gate where the architecture has one."""
+    e = hp.n_embd
+    if not hp.is_moe:
+        return {b + "ffn_gate.weight": (hp.n_ff, e), b + "ffn_up.weight": (hp.n_ff, e),
+                b + "ffn_down.weight": (e, hp.n_ff)}
+    x, f = hp.n_expert, hp.n_ff_exp
+    out = {b + "ffn_gate_inp.weight": (x, e), b + "ffn_gate_exps.weight": (x, f, e),
+           b + "ffn_up_exps.weight": (x, f, e), b + "ffn_down_exps.weight": (x, e, f)}
+    if hp.n_ff_shexp:
+        fs = hp.n_ff_shexp
+        out.update({b + "ffn_gate_inp_shexp.weight": (e,), b + "ffn_gate_shexp.weight": (fs, e),
+                    b + "ffn_up_shexp.weight": (fs, e), b + "ffn_down_shexp.weight": (e, fs)})
+    return out
 
 
 class Model:
@@ -112,6 +156,14 @@ class Model:
                 out[b + "attn_k_norm"] = ([b + "attn_k_norm.weight"], i)
             out[b + "attn_output"] = ([b + "attn_output.weight"], i)
             out[b + "ffn_norm"] = ([b + "ffn_norm.weight"], i)
-            out[b + "ffn_gate_up"] = ([b + "ffn_gate.weight", b + "ffn_up.weight"], i)
-            out[b + "ffn_down"] = ([b + "ffn_down.weight"], i)
-        return out
+            if hp.is_moe:  # expert tensors stay whole (3-D), each one file tensor, used in place
+                for name in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+                    out[b + name] = ([b + name + ".weight"], i)
+                if hp.n_ff_shexp:
+                    out[b + "ffn_gate_inp_shexp"] = ([b + "ffn_gate_inp_shexp.weight"], i)
+                    out[b + "ffn_gate_up_shexp"] = ([b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight"], i)
+                    out[b + "ffn_down_shexp"] = ([b + "ffn_down_shexp.weight"], i)
+            else:
+                out[b + "ffn_gate_up"] = ([b + "ffn_gate.weight", b + "ffn_up.weight"], i)
+                out[b + "ffn_down"] = ([b + "ffn_down.weight"], i)
+        return _dense_family_weights(hp, out)

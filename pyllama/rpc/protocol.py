@@ -44,6 +44,7 @@ class Cap(enum.IntFlag):
     BACKEND_SAMPLING = 1 << 3  # graphs may hold the SAMPLE op
     AUTH = 1 << 4              # the server requires AUTH before any other command
     DEVICE_TYPES = 1 << 5      # GET_DEVICE_TYPES: the weight and KV cache types a device holds
+    MOE_FFN = 1 << 6           # graphs may hold the MOE_FFN op (Mixture-of-Experts layers, CPU devices)
 
 
 STATUS_OK = 0

@@ -466,6 +466,8 @@ class Session:
             ins = tuple(tensors[s] for s in srcs[j][:n])
             if op == Op.SAMPLE and not self.server.capabilities & Cap.BACKEND_SAMPLING:
                 raise CommandError(f"graph node {j}: SAMPLE needs the BACKEND_SAMPLING capability, not advertised here")
+            if op == Op.MOE_FFN and not self.server.capabilities & Cap.MOE_FFN:
+                raise CommandError(f"graph node {j}: MOE_FFN needs the MOE_FFN capability, not advertised here")
             # the op table (pyllama.tensor) states each op's sources and types, for every backend
             why = check_node(op, out.dtype, [t.dtype for t in ins], params[j], dev.weight_types)
             if why is not None:

@@ -1,0 +1,424 @@
+"""The Mixture-of-Experts FFN kernel (the MOE_FFN op): routing, then only the chosen experts.
+
+`moe_ffn` takes the router's logits (the router product is an ordinary matrix product, run by
+the backend before it), picks each token's experts, and groups the (token, expert) pairs by
+expert across the batch: each used expert then multiplies its gathered rows with the same dot
+kernels and arithmetic as `qmatmul.mul_mat_q` (ggml_quants.h: activations quantized to the
+weight type's dot-product type, integer block sums, ggml's scales), so an expert's weight rows
+are read once per step however many tokens chose it, and an expert nobody chose is never read.
+
+The work runs on the products' pool (qmatmul.pool_run): items are (expert, tile of weight rows),
+so threads split the experts' rows as they split a dense product's. Each output element is
+computed by one kernel call whatever the thread, and the weighted sum over a token's experts
+runs in the token's top-k order, so results do not depend on the thread count. Everything is
+validated (ValueError naming the argument) before the GIL is released.
+"""
+from libc.math cimport expf
+from libc.stdint cimport int32_t, int64_t, uint8_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
+
+import numpy as np
+
+from pyllama._fast.qmatmul cimport pool_run
+from pyllama._fast import qmatmul
+
+cdef extern from "ggml_quants.h" nogil:
+    ctypedef struct pq_traits:
+        int block
+        int bytes
+        int vec_type
+        int ints
+    int pq_get_traits(int t, pq_traits *tr)
+    void pq_quantize_row(int t, const float *x, uint8_t *y, int64_t k)
+    void pq_dot_rows(int t, int nr, int64_t k, const uint8_t *w, const uint8_t *x, size_t xs, float *out,
+                     int portable)
+    int PQ_MAX_NR
+
+# weight bytes per work item (as mul_mat_q's tiles: they stay in L1/L2 while every row group of
+# the expert passes over them)
+DEF TILE_BYTES = 16384
+# below this much single-thread work (weight bytes x row groups) one thread does it all: handing
+# items to helpers costs about a microsecond each
+DEF PARALLEL_MIN = 65536
+DEF NORM_MIN = 6.103515625e-5  # llama.cpp clamps the sum of the chosen weights to this before dividing
+
+
+ctypedef struct Item:
+    int32_t expert
+    int32_t j0, j1
+
+
+ctypedef struct MoeJob:
+    int t_gate, t_up, t_down          # weight types
+    int64_t e, f                      # model width, expert FFN width
+    const uint8_t *gate
+    const uint8_t *up
+    const uint8_t *down
+    int64_t gate_es, up_es, down_es   # bytes per expert
+    int64_t gate_rb, up_rb, down_rb   # bytes per weight row
+    const int32_t *first              # [E + 1]: grouped rows of expert x are first[x] .. first[x + 1]
+    const uint8_t *xg_gate            # gathered activations quantized for gate (rows at xs_gate)
+    const uint8_t *xg_up              # ... for up (may be xg_gate)
+    int64_t xs_gate, xs_up
+    float *hg                         # [R, f]: silu(gate x) * up x
+    const uint8_t *aq                 # [R, aq_stride]: hg quantized for down
+    int64_t aq_stride
+    float *y                          # [R, e]: down(...)
+    const Item *items
+    const float *hsrc                 # rows to quantize (quantize phase)
+    uint8_t *qdst
+    int64_t q_k, q_stride
+    int q_type
+
+
+cdef void _gate_up_item(void *ctx, int64_t it) noexcept nogil:
+    cdef MoeJob *jb = <MoeJob *>ctx
+    cdef Item item = jb.items[it]
+    cdef int64_t r0 = jb.first[item.expert], r1 = jb.first[item.expert + 1], r, j
+    cdef int nr, i
+    cdef float g[8]
+    cdef float u[8]
+    cdef const uint8_t *wg = jb.gate + item.expert * jb.gate_es
+    cdef const uint8_t *wu = jb.up + item.expert * jb.up_es
+    cdef float gv
+    r = r0
+    while r < r1:
+        nr = <int>(r1 - r if r1 - r < PQ_MAX_NR else PQ_MAX_NR)
+        for j in range(item.j0, item.j1):
+            pq_dot_rows(jb.t_gate, nr, jb.e, wg + j * jb.gate_rb, jb.xg_gate + r * jb.xs_gate, <size_t>jb.xs_gate,
+                        g, 0)
+            pq_dot_rows(jb.t_up, nr, jb.e, wu + j * jb.up_rb, jb.xg_up + r * jb.xs_up, <size_t>jb.xs_up, u, 0)
+            for i in range(nr):
+                gv = g[i]
+                jb.hg[(r + i) * jb.f + j] = gv / (1.0 + expf(-gv)) * u[i]
+        r += nr
+
+
+cdef void _down_item(void *ctx, int64_t it) noexcept nogil:
+    cdef MoeJob *jb = <MoeJob *>ctx
+    cdef Item item = jb.items[it]
+    cdef int64_t r0 = jb.first[item.expert], r1 = jb.first[item.expert + 1], r, j
+    cdef int nr, i
+    cdef float s[8]
+    cdef const uint8_t *wd = jb.down + item.expert * jb.down_es
+    r = r0
+    while r < r1:
+        nr = <int>(r1 - r if r1 - r < PQ_MAX_NR else PQ_MAX_NR)
+        for j in range(item.j0, item.j1):
+            pq_dot_rows(jb.t_down, nr, jb.f, wd + j * jb.down_rb, jb.aq + r * jb.aq_stride, <size_t>jb.aq_stride,
+                        s, 0)
+            for i in range(nr):
+                jb.y[(r + i) * jb.e + j] = s[i]
+        r += nr
+
+
+cdef void _quantize_item(void *ctx, int64_t r) noexcept nogil:
+    cdef MoeJob *jb = <MoeJob *>ctx
+    pq_quantize_row(jb.q_type, jb.hsrc + r * jb.q_k, jb.qdst + r * jb.q_stride, jb.q_k)
+
+
+cdef pq_traits _traits(int qtype, str what) except *:
+    cdef pq_traits tr
+    if qtype not in qmatmul.supported_types() or not pq_get_traits(qtype, &tr):
+        raise ValueError(f"moe_ffn: {what} has an unsupported type id {qtype}")
+    return tr
+
+
+cdef int64_t _rb(pq_traits tr, int64_t k, str what) except -1:
+    if k % tr.block:
+        raise ValueError(f"moe_ffn: {what}: a row of {k} elements is not a whole number of blocks of {tr.block}")
+    return k // tr.block * tr.bytes
+
+
+cdef void _route(const float *logits, int64_t n, int64_t n_exp, int k, bint norm, float scale,
+                 int32_t *ids, float *wts, float *p) noexcept nogil:
+    """Softmax over each token's logits, its k largest (ties: the lower id), their weights."""
+    cdef int64_t t, x
+    cdef int j, jj
+    cdef float mx, s, best, sw
+    cdef int32_t bi
+    for t in range(n):
+        mx = logits[t * n_exp]
+        for x in range(1, n_exp):
+            if logits[t * n_exp + x] > mx:
+                mx = logits[t * n_exp + x]
+        s = 0.0
+        for x in range(n_exp):
+            p[x] = expf(logits[t * n_exp + x] - mx)
+            s = s + p[x]
+        for x in range(n_exp):
+            p[x] = p[x] / s
+        sw = 0.0
+        for j in range(k):
+            bi = -1
+            best = -1.0
+            for x in range(n_exp):
+                if p[x] > best:
+                    # skip experts already chosen for this token
+                    jj = 0
+                    while jj < j and ids[t * k + jj] != x:
+                        jj += 1
+                    if jj == j:
+                        best = p[x]
+                        bi = <int32_t>x
+            if bi < 0:  # NaN logits: no comparison holds; take the lowest id not yet chosen
+                bi = 0
+                jj = 0
+                while jj < j:
+                    if ids[t * k + jj] == bi:
+                        bi += 1
+                        jj = 0
+                    else:
+                        jj += 1
+                best = p[bi]
+            ids[t * k + j] = bi
+            wts[t * k + j] = best
+            sw = sw + best
+        if norm:
+            if sw < NORM_MIN:
+                sw = NORM_MIN
+            for j in range(k):
+                wts[t * k + j] = wts[t * k + j] / sw
+        for j in range(k):
+            wts[t * k + j] = wts[t * k + j] * scale
+
+
+def route(const float[:, ::1] logits, int n_used, bint norm=True, float scale=1.0):
+    """(ids int32 [n, n_used], weights float32 [n, n_used]) that moe_ffn uses for these router
+    logits: the softmax's n_used largest in descending order, normalized and scaled as asked."""
+    cdef int64_t n = logits.shape[0], n_exp = logits.shape[1]
+    if not 1 <= n_used <= n_exp:
+        raise ValueError(f"route: n_used {n_used} outside 1..{n_exp}")
+    ids = np.zeros((n, n_used), dtype=np.int32)
+    wts = np.zeros((n, n_used), dtype=np.float32)
+    if n == 0:
+        return ids, wts
+    cdef int32_t[:, ::1] iv = ids
+    cdef float[:, ::1] wv = wts
+    cdef float *p = <float *>malloc(n_exp * sizeof(float))
+    if p == NULL:
+        raise MemoryError("route: scratch")
+    with nogil:
+        _route(&logits[0, 0], n, n_exp, n_used, norm, scale, &iv[0, 0], &wv[0, 0], p)
+    free(p)
+    return ids, wts
+
+
+cdef Item *_items(const int32_t *first, int64_t n_exp, int64_t rows, int64_t row_bytes, int64_t *n_items) noexcept nogil:
+    """Work items (expert, tile of its weight rows) for every expert with grouped rows."""
+    cdef int64_t tile = TILE_BYTES // (row_bytes if row_bytes > 0 else 1)
+    if tile < 1:
+        tile = 1
+    cdef int64_t per = (rows + tile - 1) // tile, x, j, c = 0
+    cdef int64_t used = 0
+    for x in range(n_exp):
+        if first[x + 1] > first[x]:
+            used += 1
+    cdef Item *items = <Item *>malloc((used * per + 1) * sizeof(Item))
+    if items == NULL:
+        n_items[0] = -1
+        return NULL
+    for x in range(n_exp):
+        if first[x + 1] == first[x]:
+            continue
+        j = 0
+        while j < rows:
+            items[c].expert = <int32_t>x
+            items[c].j0 = <int32_t>j
+            items[c].j1 = <int32_t>(j + tile if j + tile < rows else rows)
+            c += 1
+            j += tile
+    n_items[0] = c
+    return items
+
+
+cdef int _threads(int n_threads, int64_t work) noexcept nogil:
+    return n_threads if work >= PARALLEL_MIN else 1
+
+
+def moe_ffn(const float[:, ::1] x, const float[:, ::1] logits,
+            const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
+            const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm=True,
+            float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1):
+    """out[n, e] = the MoE FFN of x[n, e] (module docstring), given the router logits [n, E].
+
+    gate, up: uint8 [E, f * row_bytes(t_gate / t_up, e)] (each expert's f rows of e elements);
+    down: uint8 [E, e * row_bytes(t_down, f)]. shexp: float32 [n, e] added to the result, times
+    sigmoid(x . shexp_gate) when shexp_gate (float32 [e]) is given. Returns the number of
+    experts that were computed (chosen by at least one token)."""
+    cdef int64_t n = x.shape[0], e = x.shape[1], n_exp = logits.shape[1]
+    cdef pq_traits tg = _traits(t_gate, "gate_exps"), tu = _traits(t_up, "up_exps"), td = _traits(t_down, "down_exps")
+    cdef pq_traits tvg = tg, tvu = tu, tvd = td
+    pq_get_traits(tg.vec_type, &tvg)
+    pq_get_traits(tu.vec_type, &tvu)
+    pq_get_traits(td.vec_type, &tvd)
+    if logits.shape[0] != n:
+        raise ValueError(f"moe_ffn: {logits.shape[0]} rows of router logits for {n} tokens")
+    if n_exp < 1 or not 1 <= n_used <= n_exp:
+        raise ValueError(f"moe_ffn: n_expert_used {n_used} outside 1..{n_exp}")
+    if n_used > 64:
+        raise ValueError(f"moe_ffn: n_expert_used {n_used} above 64")
+    if gate.shape[0] != n_exp or up.shape[0] != n_exp or down.shape[0] != n_exp:
+        raise ValueError(f"moe_ffn: expert tensors have {gate.shape[0]}, {up.shape[0]}, {down.shape[0]} experts, "
+                         f"the router {n_exp}")
+    cdef int64_t gate_rb = _rb(tg, e, "gate_exps"), up_rb = _rb(tu, e, "up_exps")
+    if gate_rb == 0 or gate.shape[1] % gate_rb:
+        raise ValueError(f"moe_ffn: gate_exps rows of {gate.shape[1]} B are not whole rows of {e} elements")
+    cdef int64_t f = gate.shape[1] // gate_rb
+    if up.shape[1] != f * up_rb:
+        raise ValueError(f"moe_ffn: up_exps has {up.shape[1]} B per expert, expected {f} rows of {up_rb} B")
+    cdef int64_t down_rb = _rb(td, f, "down_exps")
+    if down.shape[1] != e * down_rb:
+        raise ValueError(f"moe_ffn: down_exps has {down.shape[1]} B per expert, expected {e} rows of {down_rb} B")
+    if out.shape[0] != n or out.shape[1] != e:
+        raise ValueError(f"moe_ffn: out is {out.shape[0]}x{out.shape[1]}, expected {n}x{e}")
+    cdef const float[:, ::1] sv
+    cdef const float[::1] sgv
+    cdef const float *sp = NULL
+    cdef const float *sgp = NULL
+    if shexp is not None:
+        sv = shexp
+        if sv.shape[0] != n or sv.shape[1] != e:
+            raise ValueError(f"moe_ffn: shexp is {sv.shape[0]}x{sv.shape[1]}, expected {n}x{e}")
+        if n:
+            sp = &sv[0, 0]
+        if shexp_gate is not None:
+            sgv = shexp_gate
+            if sgv.shape[0] != e:
+                raise ValueError(f"moe_ffn: shexp_gate has {sgv.shape[0]} elements, expected {e}")
+            if e:
+                sgp = &sgv[0]
+    elif shexp_gate is not None:
+        raise ValueError("moe_ffn: shexp_gate without shexp")
+    if n_threads < 1:
+        raise ValueError(f"moe_ffn: n_threads must be >= 1, got {n_threads}")
+    if n == 0 or e == 0:
+        return 0
+    if f == 0:
+        raise ValueError("moe_ffn: experts with no rows")
+    cdef int64_t R = n * n_used, xs_g = _rb(tvg, e, "x"), xs_u = _rb(tvu, e, "x"), aq_stride = _rb(tvd, f, "hidden")
+    cdef bint same_x = tg.vec_type == tu.vec_type
+    # scratch: routing, grouping, gathered activations, hidden rows, expert outputs
+    cdef size_t need = (R * (2 * sizeof(int32_t) + sizeof(float) + (xs_g + (0 if same_x else xs_u))
+                             + f * sizeof(float) + aq_stride + e * sizeof(float))
+                        + (2 * n_exp + 1) * sizeof(int32_t) + n_exp * sizeof(float) + n * (xs_g + xs_u) + 64 * 8)
+    cdef uint8_t *mem = <uint8_t *>malloc(need)
+    if mem == NULL:
+        raise MemoryError("moe_ffn: scratch")
+    cdef uint8_t *cur = mem
+    cdef int32_t *ids = <int32_t *>cur
+    cur += R * sizeof(int32_t)
+    cdef int32_t *slot_row = <int32_t *>cur
+    cur += R * sizeof(int32_t)
+    cdef float *wts = <float *>cur
+    cur += R * sizeof(float)
+    cdef int32_t *first = <int32_t *>cur
+    cur += (n_exp + 1) * sizeof(int32_t)
+    cdef int32_t *fill = <int32_t *>cur
+    cur += n_exp * sizeof(int32_t)
+    cdef float *p = <float *>cur
+    cur += n_exp * sizeof(float)
+    cur += (-<size_t>cur) % 64
+    cdef uint8_t *xq_g = cur
+    cur += n * xs_g
+    cdef uint8_t *xq_u = cur
+    cur += n * xs_u
+    cur += (-<size_t>cur) % 64
+    cdef uint8_t *xg_g = cur
+    cur += R * xs_g
+    cdef uint8_t *xg_u = xg_g
+    if not same_x:
+        cur += (-<size_t>cur) % 64
+        xg_u = cur
+        cur += R * xs_u
+    cur += (-<size_t>cur) % 64
+    cdef float *hg = <float *>cur
+    cur += R * f * sizeof(float)
+    cur += (-<size_t>cur) % 64
+    cdef uint8_t *aq = cur
+    cur += R * aq_stride
+    cur += (-<size_t>cur) % 64
+    cdef float *y = <float *>cur
+
+    cdef MoeJob jb
+    cdef Item *items_a = NULL
+    cdef Item *items_b = NULL
+    cdef int64_t na = 0, nb = 0, t, xx, r, c, used = 0
+    cdef int j
+    cdef float wv, gsum, sg
+    cdef const float *xp = &x[0, 0]
+    cdef const float *lp = &logits[0, 0]
+    cdef float *op = &out[0, 0]
+    with nogil:
+        _route(lp, n, n_exp, n_used, norm, scale, ids, wts, p)
+        # group the (token, slot) pairs by expert, tokens in order within an expert
+        for xx in range(n_exp + 1):
+            first[xx] = 0
+        for r in range(R):
+            first[ids[r] + 1] += 1
+        for xx in range(n_exp):
+            if first[xx + 1]:
+                used += 1
+            first[xx + 1] += first[xx]
+        for xx in range(n_exp):
+            fill[xx] = 0
+        for t in range(n):
+            for j in range(n_used):
+                xx = ids[t * n_used + j]
+                r = first[xx] + fill[xx]
+                fill[xx] += 1
+                slot_row[t * n_used + j] = <int32_t>r
+        # each token's activations quantized once per dot-product type, then gathered
+        for t in range(n):
+            pq_quantize_row(tg.vec_type, xp + t * e, xq_g + t * xs_g, e)
+            if not same_x:
+                pq_quantize_row(tu.vec_type, xp + t * e, xq_u + t * xs_u, e)
+        for t in range(n):
+            for j in range(n_used):
+                r = slot_row[t * n_used + j]
+                memcpy(xg_g + r * xs_g, xq_g + t * xs_g, xs_g)
+                if not same_x:
+                    memcpy(xg_u + r * xs_u, xq_u + t * xs_u, xs_u)
+        jb.t_gate, jb.t_up, jb.t_down = t_gate, t_up, t_down
+        jb.e, jb.f = e, f
+        jb.gate, jb.up, jb.down = &gate[0, 0], &up[0, 0], &down[0, 0]
+        jb.gate_es, jb.up_es, jb.down_es = gate.strides[0], up.strides[0], down.strides[0]
+        jb.gate_rb, jb.up_rb, jb.down_rb = gate_rb, up_rb, down_rb
+        jb.first = first
+        jb.xg_gate, jb.xg_up, jb.xs_gate, jb.xs_up = xg_g, xg_u, xs_g, xs_u
+        jb.hg, jb.aq, jb.aq_stride, jb.y = hg, aq, aq_stride, y
+        items_a = _items(first, n_exp, f, gate_rb + up_rb, &na)
+        items_b = _items(first, n_exp, e, down_rb, &nb)
+        if items_a != NULL and items_b != NULL:
+            jb.items = items_a
+            pool_run(_threads(n_threads, used * f * (gate_rb + up_rb) * ((R // used + 3) // 4)), na,
+                     _gate_up_item, &jb)
+            jb.hsrc, jb.qdst, jb.q_k, jb.q_stride, jb.q_type = hg, aq, f, aq_stride, td.vec_type
+            pool_run(_threads(n_threads, R * f * 8), R, _quantize_item, &jb)
+            jb.items = items_b
+            pool_run(_threads(n_threads, used * e * down_rb * ((R // used + 3) // 4)), nb, _down_item, &jb)
+            # the weighted sum in each token's top-k order, then the shared expert
+            for t in range(n):
+                for c in range(e):
+                    op[t * e + c] = 0.0
+                for j in range(n_used):
+                    wv = wts[t * n_used + j]
+                    r = slot_row[t * n_used + j]
+                    for c in range(e):
+                        op[t * e + c] += wv * y[r * e + c]
+                if sp != NULL:
+                    sg = 1.0
+                    if sgp != NULL:
+                        gsum = 0.0
+                        for c in range(e):
+                            gsum += xp[t * e + c] * sgp[c]
+                        sg = 1.0 / (1.0 + expf(-gsum))
+                    for c in range(e):
+                        op[t * e + c] += sg * sp[t * e + c]
+    free(items_a)
+    free(items_b)
+    free(mem)
+    if na < 0 or nb < 0 or items_a == NULL or items_b == NULL:
+        raise MemoryError("moe_ffn: work items")
+    return used

@@ -1,0 +1,314 @@
+"""Mixture-of-Experts models (qwen2moe, qwen3moe, Mixtral-style llama): greedy tokens against the
+float64 reference written from the published model definitions, identical tokens over every split
+and over pipeline groups, the MOE_FFN kernel (only the chosen experts are read, tokens grouped by
+expert give what each token alone gives), and refusals at load by devices that cannot run it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from pyllama._fast import moe
+from pyllama.backend.cpu import CPUBackend
+from pyllama.context import Batch
+from pyllama.engine import Engine
+from pyllama.errors import PyllamaError
+from pyllama.models.gguf_file import GGUFFile
+from pyllama.models.quantize import quantize
+from pyllama.rpc.protocol import Cap
+from pyllama.tensor import DType, Graph, Op, Tensor, check_node, node
+from reference_forward import reference_logits
+from server_util import RPCServerProcess, ServerProcess
+
+PROMPT = "The little cat sat on the"
+# (preset, --arch, --type): every MoE layout in F32, then quantized experts: Q8_0 and Q4_0 (tiny),
+# and the small Q4_K_M mix (gate/up experts Q5_0 on their 288-wide rows, down experts Q4_K or Q6_K)
+MODELS = [("tiny", "qwen3moe", "f32"), ("tiny", "qwen2moe", "f32"), ("tiny", "mixtral", "f32"),
+          ("tiny", "qwen2moe", "q8_0"), ("tiny", "mixtral", "q4_0"), ("small", "qwen3moe", "q4_k_m")]
+
+
+def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    ctx = engine.new_context(256, 1, type_k=DType.F32, type_v=DType.F32)
+    out = ctx.decode(Batch.for_sequence(prompt, 0, 0))
+    tokens = []
+    for i in range(n):
+        tokens.append(int(out.logits[0].argmax()))
+        out = ctx.decode(Batch.for_sequence([tokens[-1]], len(prompt) + i, 0))
+    return tokens
+
+
+@pytest.mark.parametrize("preset,arch,wtype", MODELS)
+def test_greedy_tokens_match_the_reference(model_factory, preset, arch, wtype):
+    path = model_factory(preset, arch=arch, wtype=wtype)
+    engine = Engine(path, n_threads=2)
+    try:
+        hp = engine.model.hparams
+        assert hp.is_moe and hp.n_expert_used < hp.n_expert
+        assert hp.arch == ("llama" if arch == "mixtral" else arch)
+        assert hp.expert_weights_norm == (arch != "qwen2moe")  # llama.cpp's default per architecture
+        assert (hp.n_ff_shexp > 0) == (arch == "qwen2moe")
+        # the expert tensors stay 3-D in their file type, read in place from the file's memory map
+        files = engine.model.file.tensors
+        for kind in ("gate", "up", "down"):
+            t = engine.weights[f"blk.0.ffn_{kind}_exps"]
+            info = files[f"blk.0.ffn_{kind}_exps.weight"]
+            assert (t.dtype, t.shape) == (info.qtype, info.shape) and len(t.shape) == 3
+            assert t.buffer.mapped
+        if wtype != "f32":
+            assert files["blk.0.ffn_gate_exps.weight"].qtype != QT.F32
+        prompt = engine.tokenizer.encode(PROMPT)
+        tokens = greedy(engine, prompt, 12)
+    finally:
+        engine.close()
+    ref = reference_logits(path, prompt + tokens)[len(prompt) - 1:-1]
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 1e-2 * np.abs(ref).max()
+    assert clear.sum() >= len(tokens) // 2, "too few steps with a clear margin to compare"
+    for i in np.flatnonzero(clear):
+        assert tokens[i] == int(ref[i].argmax()), f"step {i}: {tokens[i]} vs the reference's {int(ref[i].argmax())}"
+
+
+# --- the kernel ------------------------------------------------------------------------------------
+def _experts(rng, qtype: QT, n_exp: int, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(file bytes [n_exp, bytes per expert], dequantized float64 [n_exp, rows, cols])."""
+    w = (rng.standard_normal((n_exp * rows, cols)) / np.sqrt(cols)).astype(np.float32)
+    raw = w.view(np.uint8) if qtype == QT.F32 else quantize(w, qtype)
+    deq = w if qtype == QT.F32 else quants.dequantize(raw, qtype)
+    return np.ascontiguousarray(raw).reshape(n_exp, -1), np.asarray(deq, np.float64).reshape(n_exp, rows, cols)
+
+
+def _poison(raw: np.ndarray, qtype: QT, experts) -> np.ndarray:
+    """A copy with every byte of the given experts set so that any product reading them is NaN
+    (F32: NaN elements; block types: every block's scale bytes read as an F16 NaN)."""
+    out = raw.copy()
+    for x in experts:
+        if qtype == QT.F32:
+            out[x].view(np.float32)[:] = np.nan
+        else:
+            out[x].view(np.uint16)[:] = 0x7E00  # F16 NaN in every 2-byte slot: scales included
+    return out
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_K])
+def test_only_the_chosen_experts_are_read(qtype):
+    rng = np.random.default_rng(7)
+    n, e, f, n_exp, k = 6, 256, 256, 16, 2
+    x = rng.standard_normal((n, e)).astype(np.float32)
+    logits = (3 * rng.standard_normal((n, n_exp))).astype(np.float32)
+    g, gd = _experts(rng, qtype, n_exp, f, e)
+    u, ud = _experts(rng, qtype, n_exp, f, e)
+    d, dd = _experts(rng, qtype, n_exp, e, f)
+    ids, wts = moe.route(logits, k, True, 1.0)
+    chosen = set(ids.ravel().tolist())
+    assert len(chosen) < n_exp
+    out = np.zeros((n, e), np.float32)
+    used = moe.moe_ffn(x, logits, g, int(qtype), u, int(qtype), d, int(qtype), out, k, True, 1.0, None, None, 2)
+    assert used == len(chosen)
+    unchosen = [i for i in range(n_exp) if i not in chosen]
+    poisoned = np.zeros((n, e), np.float32)
+    moe.moe_ffn(x, logits, _poison(g, qtype, unchosen), int(qtype), _poison(u, qtype, unchosen), int(qtype),
+                _poison(d, qtype, unchosen), int(qtype), poisoned, k, True, 1.0, None, None, 2)
+    np.testing.assert_array_equal(poisoned, out)  # bit-identical: the NaN rows were never read
+    # the same poison in one chosen expert does change token 0's output (the poisoning is seen)
+    bad = np.zeros((n, e), np.float32)
+    moe.moe_ffn(x, logits, _poison(g, qtype, [int(ids[0, 0])]), int(qtype), u, int(qtype), d, int(qtype), bad, k,
+                True, 1.0, None, None, 1)
+    assert not np.array_equal(bad[0], out[0], equal_nan=True)
+    # against float64 products of the dequantized experts (the activations are quantized for the
+    # block types, hence the tolerance)
+    ref = np.zeros((n, e))
+    for t in range(n):
+        for x_id, wt in zip(ids[t], wts[t]):
+            h = gd[x_id] @ x[t]
+            ref[t] += wt * (dd[x_id] @ (h / (1 + np.exp(-h)) * (ud[x_id] @ x[t])))
+    tol = 1e-5 if qtype == QT.F32 else 5e-2
+    assert np.abs(out - ref).max() <= tol * np.abs(ref).max()
+
+
+def test_grouping_by_expert_gives_each_token_its_own_result():
+    """Tokens batched (grouped by expert, several rows per product) give exactly what each token
+    gives alone, at every thread count."""
+    rng = np.random.default_rng(3)
+    n, e, f, n_exp, k = 9, 256, 256, 8, 3
+    for qtype in (QT.F32, QT.Q4_0, QT.Q6_K):
+        x = rng.standard_normal((n, e)).astype(np.float32)
+        logits = rng.standard_normal((n, n_exp)).astype(np.float32)
+        g, _ = _experts(rng, qtype, n_exp, f, e)
+        u, _ = _experts(rng, qtype, n_exp, f, e)
+        d, _ = _experts(rng, qtype, n_exp, e, f)
+        batched = np.zeros((n, e), np.float32)
+        moe.moe_ffn(x, logits, g, int(qtype), u, int(qtype), d, int(qtype), batched, k, True, 1.0, None, None, 2)
+        for t in range(n):
+            alone = np.zeros((1, e), np.float32)
+            moe.moe_ffn(x[t:t + 1], logits[t:t + 1], g, int(qtype), u, int(qtype), d, int(qtype), alone, k, True, 1.0,
+                        None, None, 1)
+            np.testing.assert_array_equal(alone[0], batched[t])
+
+
+def test_routing_and_the_shared_expert():
+    rng = np.random.default_rng(5)
+    n, e, n_exp, k = 4, 64, 6, 2
+    logits = rng.standard_normal((n, n_exp)).astype(np.float32)
+    p = np.exp(logits.astype(np.float64) - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    for norm, scale in ((True, 1.0), (False, 1.0), (True, 2.5)):
+        ids, wts = moe.route(logits, k, norm, scale)
+        want = np.argsort(-p, axis=1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(ids, want)
+        w = np.take_along_axis(p, want, 1)
+        if norm:
+            w = w / w.sum(1, keepdims=True)
+        np.testing.assert_allclose(wts, w * scale, rtol=1e-5)
+    ids, _ = moe.route(np.zeros((1, n_exp), np.float32), 3)  # ties: the lower ids first
+    assert ids.tolist() == [[0, 1, 2]]
+    ids, _ = moe.route(np.full((1, n_exp), np.nan, np.float32), 3)  # NaN logits still give valid ids
+    assert ids.tolist() == [[0, 1, 2]]
+    # the shared expert's output is added, times sigmoid(x . gate)
+    x = rng.standard_normal((n, e)).astype(np.float32)
+    g, _ = _experts(rng, QT.F32, n_exp, 32, e)
+    u, _ = _experts(rng, QT.F32, n_exp, 32, e)
+    d, _ = _experts(rng, QT.F32, n_exp, e, 32)
+    shexp = rng.standard_normal((n, e)).astype(np.float32)
+    sgate = rng.standard_normal(e).astype(np.float32) / 8
+    outs = []
+    for extra in ((None, None), (shexp, None), (shexp, sgate)):
+        o = np.zeros((n, e), np.float32)
+        moe.moe_ffn(x, logits, g, 0, u, 0, d, 0, o, k, True, 1.0, extra[0], extra[1], 1)
+        outs.append(o)
+    np.testing.assert_allclose(outs[1], outs[0] + shexp, rtol=1e-5, atol=1e-6)
+    sig = 1 / (1 + np.exp(-(x.astype(np.float64) @ sgate)))
+    np.testing.assert_allclose(outs[2], outs[0] + sig[:, None] * shexp, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_arguments_are_refused():
+    x = np.zeros((2, 64), np.float32)
+    logits = np.zeros((2, 4), np.float32)
+    w = np.zeros((4, 32 * 64 * 4), np.uint8)
+    dn = np.zeros((4, 64 * 32 * 4), np.uint8)
+    out = np.zeros((2, 64), np.float32)
+    with pytest.raises(ValueError, match="n_expert_used"):
+        moe.moe_ffn(x, logits, w, 0, w, 0, dn, 0, out, 5)
+    with pytest.raises(ValueError, match="experts"):
+        moe.moe_ffn(x, logits, w[:3], 0, w, 0, dn, 0, out, 2)
+    with pytest.raises(ValueError, match="down_exps"):
+        moe.moe_ffn(x, logits, w, 0, w, 0, np.ascontiguousarray(dn[:, :-4]), 0, out, 2)
+    with pytest.raises(ValueError, match="unsupported type"):
+        moe.moe_ffn(x, logits, w, 99, w, 0, dn, 0, out, 2)
+    # the op table: what the rpc server checks every node against
+    F32 = DType.F32
+    assert check_node(Op.MOE_FFN, F32, [F32] * 5, (2, 1, 1.0), {F32}) is None
+    assert check_node(Op.MOE_FFN, F32, [F32, F32, DType.Q4_K, DType.Q4_K, DType.Q6_K], (2, 1, 1.0),
+                      {F32, DType.Q4_K, DType.Q6_K}) is None
+    assert "sources" in check_node(Op.MOE_FFN, F32, [F32] * 4, (2, 1, 1.0), {F32})
+    assert "Q4_K" in check_node(Op.MOE_FFN, F32, [F32, F32, DType.Q4_K, F32, F32], (2, 1, 1.0), {F32})
+
+
+def test_the_cpu_backend_runs_the_node():
+    """MOE_FFN as a graph node: the router product, then the kernel, on 3-D expert tensors."""
+    rng = np.random.default_rng(11)
+    b = CPUBackend(1)
+    n, e, f, n_exp, k = 3, 64, 32, 4, 2
+
+    def place(dtype, shape, data=None):
+        t = Tensor(dtype, shape, "t")
+        t.buffer = b.alloc_buffer(t.nbytes)
+        if data is not None:
+            b.set_tensor(t, data)
+        return t
+
+    x = rng.standard_normal((n, e)).astype(np.float32)
+    router = rng.standard_normal((n_exp, e)).astype(np.float32)
+    g, u = (rng.standard_normal((n_exp, f, e)).astype(np.float32) for _ in range(2))
+    d = rng.standard_normal((n_exp, e, f)).astype(np.float32)
+    out = place(DType.F32, (n, e))
+    srcs = [place(DType.F32, a.shape, a) for a in (x, router, g, u, d)]
+    b.graph_compute(Graph([node(Op.MOE_FFN, out, *srcs, params=(k, 1, 1.0))]))
+    want = np.zeros((n, e), np.float32)
+    moe.moe_ffn(x, x @ router.T, g.reshape(n_exp, -1).view(np.uint8), 0, u.reshape(n_exp, -1).view(np.uint8), 0,
+                d.reshape(n_exp, -1).view(np.uint8), 0, want, k)
+    np.testing.assert_allclose(b.get_tensor(out), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="MOE_FFN"):  # a non-integer expert count
+        b.graph_compute(Graph([node(Op.MOE_FFN, out, *srcs, params=(1.5, 1, 1.0))]))
+
+
+# --- splits and refusals -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def peer():
+    p = RPCServerProcess()
+    yield p
+    assert p.stop() == 0
+
+
+def generate(model: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", PROMPT, "-n", "12",
+                           "--temp", "0", "--ignore-eos", "--tokens", "-t", "1", *args],
+                          capture_output=True, text=True, timeout=180)
+
+
+def tokens_of(proc: subprocess.CompletedProcess) -> list[int]:
+    assert proc.returncode == 0, proc.stderr
+    return [int(x) for x in proc.stdout.split()]
+
+
+@pytest.mark.parametrize("arch,wtype", [("qwen3moe", "f32"), ("qwen2moe", "q8_0"), ("mixtral", "f32")])
+def test_tokens_identical_over_splits_and_groups(model_factory, peer, arch, wtype):
+    model = model_factory("tiny", arch=arch, wtype=wtype)
+    local = tokens_of(generate(model))
+    assert tokens_of(generate(model, "--rpc", peer.endpoint, "--device", "RPC0,CPU")) == local
+    srv = ServerProcess(model, "-np", "2", "-c", "512", "--pipeline-groups", "2").wait_ready()
+    try:
+        for _ in range(2):  # one request per group
+            status, res = srv.post("/completion", {"prompt": PROMPT, "n_predict": 12, "temperature": 0,
+                                                   "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
+            assert status == 200, res
+            assert res["tokens"] == local
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_server_without_the_op_is_refused_at_load(model_factory):
+    """An rpc server that does not advertise MOE_FFN (an older build) gets no MoE layer: the load
+    stops with one line naming the server; a dense model still runs on it."""
+    model = model_factory("tiny", arch="qwen3moe")
+    old = RPCServerProcess(env={"PYLLAMA_RPC_SERVER_CAPS": str(0xFFFF & ~int(Cap.MOE_FFN))})
+    try:
+        proc = generate(model, "--rpc", old.endpoint, "--device", "RPC0,CPU")
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+        assert "Mixture-of-Experts" in lines[0] and old.endpoint in lines[0], lines[0]
+        dense = model_factory("tiny", arch="qwen3")
+        assert tokens_of(generate(dense, "--rpc", old.endpoint, "--device", "RPC0,CPU"))
+    finally:
+        assert old.stop() == 0
+
+
+def test_a_device_without_the_op_is_refused_at_load(model_factory):
+    """A device that cannot run MOE_FFN (the CUDA backend: no kernel for it) is refused when the
+    weights are placed, naming the device and its layers, before anything is allocated."""
+    from pyllama.backend import cuda
+    assert Op.MOE_FFN not in cuda.OP_KERNELS
+
+    class NoMoE(CPUBackend):
+        def supports(self, op: int) -> bool:
+            return op != Op.MOE_FFN
+
+    model = model_factory("tiny", arch="mixtral")
+    with pytest.raises(PyllamaError, match=r"Mixture-of-Experts.*GPU0.*layers 0-1"):
+        Engine(model, n_threads=1, backends=[NoMoE(1, name="GPU0")], tensor_split=[1])
+
+
+def test_make_writes_llama_cpp_keys(model_factory):
+    gf = GGUFFile(model_factory("tiny", arch="mixtral"))
+    assert gf.get("general.architecture") == "llama"
+    assert (gf.get("llama.expert_count"), gf.get("llama.expert_used_count")) == (6, 2)
+    assert gf.tensors["blk.0.ffn_gate_exps.weight"].shape == (6, gf.get("llama.feed_forward_length"), 64)
+    gf = GGUFFile(model_factory("tiny", arch="qwen2moe", wtype="q8_0"))
+    assert gf.get("qwen2moe.expert_shared_feed_forward_length") == 128
+    assert gf.tensors["blk.0.ffn_gate_inp.weight"].qtype == QT.F32  # the router is never quantized
+    assert gf.tensors["blk.0.ffn_down_exps.weight"].qtype == QT.Q8_0
+    assert os.path.getsize(model_factory("tiny", arch="qwen3moe")) > 0

@@ -151,7 +151,6 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
     """
     hp = model.hparams
     _check_ops(model, placement)
-    _check_family_ops(model, placement)
     n_backends = len(placement.backends)
     plan: list[tuple[str, int, list[_Part]]] = []
     aliases: dict[str, str] = {}  # a tied output matrix on its embedding's device is stored once
@@ -221,45 +220,36 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
     return weights
 
 
+def _needed_ops(model: Model) -> list[tuple[tuple[Op, ...], bool, str]]:
+    """The ops beyond the llama layer's that the model's graph holds: (ops, whether the output
+    layer needs them too, what needs them)."""
+    hp = model.hparams
+    needs = []
+    if hp.is_moe:
+        needs.append(((Op.MOE_FFN,), False, f"{hp.arch}'s Mixture-of-Experts layers"))
+    if (hp.arch in GEMMA_ARCHS or hp.rope_scaling != "none" or hp.n_swa > 0
+            or "rope_freqs.weight" in model.file.tensors):
+        needs.append(((Op.GEGLU, Op.SCALE, Op.SOFTCAP), True,
+                      f"{hp.arch} (with its soft-capping, sliding window, RoPE scaling or GeGLU)"))
+    return needs
+
+
 def _check_ops(model: Model, placement: Placement) -> None:
-    """Refuses, naming the device, a placement that gives MoE layers to a device that cannot run
-    the MOE_FFN op (the CUDA backend; an rpc server that does not advertise it)."""
-    hp = model.hparams
-    if not hp.is_moe:
-        return
-    for bi, backend in enumerate(placement.backends):
-        layers = [i for i, x in enumerate(placement.layer_backend) if x == bi]
-        if layers and not backend.supports(Op.MOE_FFN):
-            where = getattr(getattr(backend, "conn", None), "endpoint", None)
-            raise PyllamaError(
-                f"{model.name}: {hp.arch} has Mixture-of-Experts layers, which {backend.name}"
-                f"{f' (the RPC server at {where})' if where else ''} cannot run (no MOE_FFN op"
-                f"{'; update that server' if where else ''}); keep layers {layers[0]}-{layers[-1]} on a device "
-                "that can (the CPU)")
-
-
-_FAMILY_OPS = (Op.GEGLU, Op.SCALE, Op.SOFTCAP)
-
-
-def _check_family_ops(model: Model, placement: Placement) -> None:
-    """Refuses, naming the device, a placement that gives a layer needing the gemma ops or
-    ATTENTION's extensions (soft-capping, a sliding window, scaled RoPE) to a device without
-    them (the CUDA backend, which has none of GEGLU, SCALE, SOFTCAP nor those extensions)."""
-    hp = model.hparams
-    needs = (hp.arch in GEMMA_ARCHS or hp.rope_scaling != "none" or hp.n_swa > 0
-             or "rope_freqs.weight" in model.file.tensors)
-    if not needs:
-        return
-    for bi, backend in enumerate(placement.backends):
-        layers = [i for i, x in enumerate(placement.layer_backend) if x == bi]
-        if bi == placement.output_backend:
-            layers.append(hp.n_layer)
-        missing = [op.name for op in _FAMILY_OPS if not backend.supports(op)]
-        if layers and missing:
-            raise PyllamaError(
-                f"{model.name}: {hp.arch} (with its soft-capping, sliding window, RoPE scaling or GeGLU) "
-                f"cannot run on {backend.name}, which lacks {', '.join(missing)} and those attention "
-                f"features; keep its layers on the CPU or on rpc servers")
+    """Refuses at load, naming the device (and the rpc server's address), a placement that gives
+    layers to a device without the ops they need: the CUDA backend has none of MOE_FFN, GEGLU,
+    SCALE, SOFTCAP or ATTENTION's extensions; an rpc server runs them only when it says so."""
+    for ops, with_output, what in _needed_ops(model):
+        for bi, backend in enumerate(placement.backends):
+            layers = [i for i, x in enumerate(placement.layer_backend) if x == bi]
+            if with_output and bi == placement.output_backend:
+                layers.append(model.hparams.n_layer)
+            missing = [op.name for op in ops if not backend.supports(op)]
+            if layers and missing:
+                where = getattr(getattr(backend, "conn", None), "endpoint", None)
+                raise PyllamaError(
+                    f"{model.name}: {what} cannot run on {backend.name}"
+                    f"{f' (the RPC server at {where}; update that server)' if where else ''}, which lacks "
+                    f"{', '.join(missing)}; keep layers {layers[0]}-{layers[-1]} on a device that has them (the CPU)")
 
 
 def rope_factors(model: Model, base: float) -> Optional[np.ndarray]:

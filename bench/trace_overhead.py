@@ -1,11 +1,12 @@
 """Tracer cost and the step time lines of a split, measured side by side in one run.
 
     python bench/trace_overhead.py [--preset medium] [--users 32] [--npp 64] [--ntg 128] [-t 1]
-        [--ts 7,5] [--legs 2] [--timelines] [--out bench/out/trace]
+        [--ts 7,5] [--legs 2] [--bracket split|unsplit|both] [--timelines] [--out bench/out/trace]
 
-Overhead: one rpc server and one server (`--device RPC0,CPU --pipeline-groups 2`), restarted per
-leg, legs bracketed off/on/off/on/...: generated tokens/s of bench_users per leg, and for the
-traced legs the events per second and MB per minute each process wrote.
+Overhead, two brackets (`--bracket split|unsplit|both`): a split, one rpc server and one server
+(`--device RPC0,CPU --pipeline-groups 2`), and an unsplit server (`--device CPU`, no RPC at all),
+restarted per leg, legs bracketed off/on/off/on/...: generated tokens/s of bench_users per leg, and
+for the traced legs the events per second and MB per minute each process wrote.
 
 --timelines: three traced runs, each analysed with trace_tools.merge and trace_tools.device_idle:
 one group with the output layer on the peer (`CPU,RPC0`), one group with it local (`RPC0,CPU`),
@@ -33,21 +34,24 @@ from server_util import RPCServerProcess, ServerProcess  # noqa: E402
 
 
 def run_leg(model: str, a, order: str, groups: int, trace_base: str | None, vocab) -> dict:
-    """One rpc server and one server, bench_users once; returns tok/s and the trace files."""
+    """One rpc server (unless `order` names no RPC device) and one server, bench_users once;
+    returns tok/s and the trace files."""
     extra = ["--trace", trace_base] if trace_base else []
     env = {"PYLLAMA_TRACE": "", "PYLLAMA_ARG_PIPELINE_GROUPS": str(groups)}
-    rpc = RPCServerProcess(*extra, "-t", str(a.threads), env=env)
+    rpc = RPCServerProcess(*extra, "-t", str(a.threads), env=env) if "RPC" in order else None
     srv = None
     try:
         n_slots = -(-a.users // groups) * groups
-        args = ["--rpc", rpc.endpoint, "--device", order, "-np", str(n_slots), "-c",
-                str(n_slots * (a.npp + a.ntg + 16)), "-t", str(a.threads), "-ts", a.ts, *extra]
+        split = ["--rpc", rpc.endpoint, "-ts", a.ts] if rpc is not None else []
+        args = [*split, "--device", order, "-np", str(n_slots), "-c",
+                str(n_slots * (a.npp + a.ntg + 16)), "-t", str(a.threads), *extra]
         srv = ServerProcess(model, *args, env=env).wait_ready(600)
         rep = run_bench(srv.url, a.users, 1, a.npp, a.ntg, warmup=1, vocab=vocab)
     finally:
         if srv is not None:
             srv.stop()
-        rpc.stop()
+        if rpc is not None:
+            rpc.stop()
     files = sorted(glob.glob(trace_base[:-6] + "*.jsonl")) if trace_base else []
     return {"tok_s": rep["gen_tok_s"], "errors": rep["errors"], "wall_s": rep["wall_s"], "files": files}
 
@@ -73,15 +77,20 @@ def trace_rates(files: list[str]) -> list[str]:
     return out
 
 
-def overhead(model: str, a, vocab) -> None:
-    print(f"# overhead: RPC0,CPU, 2 groups, {a.users} users, npp {a.npp}, ntg {a.ntg}, -t {a.threads}, -ts {a.ts}")
+BRACKETS = {"split": ("RPC0,CPU", 2), "unsplit": ("CPU", 1)}
+
+
+def overhead(model: str, a, vocab, bracket: str = "split") -> None:
+    order, groups = BRACKETS[bracket]
+    print(f"# overhead, {bracket}: --device {order}, {groups} group(s), {a.users} users, npp {a.npp}, ntg {a.ntg}, "
+          f"-t {a.threads}" + (f", -ts {a.ts}" if "RPC" in order else ""))
     res: dict[str, list[float]] = {"off": [], "on": []}
     for leg in range(a.legs):
         for mode in ("off", "on"):
-            base = os.path.join(a.out, f"overhead-{leg}.jsonl") if mode == "on" else None
-            for f in glob.glob(os.path.join(a.out, f"overhead-{leg}*.jsonl")) if base else []:
+            base = os.path.join(a.out, f"overhead-{bracket}-{leg}.jsonl") if mode == "on" else None
+            for f in glob.glob(os.path.join(a.out, f"overhead-{bracket}-{leg}*.jsonl")) if base else []:
                 os.unlink(f)
-            r = run_leg(model, a, "RPC0,CPU", 2, base, vocab)
+            r = run_leg(model, a, order, groups, base, vocab)
             res[mode].append(r["tok_s"])
             print(f"  leg {leg + 1} trace {mode:3s}: {r['tok_s']:7.1f} tok/s, errors {r['errors']}", flush=True)
             if base:
@@ -144,6 +153,8 @@ def main() -> int:
     ap.add_argument("--ts", default="7,5", help="-ts of the server (device order RPC0,CPU or CPU,RPC0)")
     ap.add_argument("--legs", type=int, default=2, help="off/on pairs")
     ap.add_argument("--timelines", action="store_true", help="only the three analysed time lines")
+    ap.add_argument("--bracket", choices=["split", "unsplit", "both"], default="both",
+                    help="overhead legs of a split (RPC0,CPU, 2 groups), of a local run (CPU, no RPC), or both")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "trace"))
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -152,7 +163,8 @@ def main() -> int:
     if a.timelines:
         timelines(model, a, vocab)
     else:
-        overhead(model, a, vocab)
+        for bracket in (["split", "unsplit"] if a.bracket == "both" else [a.bracket]):
+            overhead(model, a, vocab, bracket)
     return 0
 
 

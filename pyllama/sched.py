@@ -29,6 +29,7 @@ class Copy:
     src: Tensor
     dst: Tensor
     staging: Optional[np.ndarray] = None  # host bytes, when the devices cannot copy directly
+    source: bool = False  # the producer copies it (cpy_tensor_from_async), gated by its own event
 
 
 @dataclass
@@ -184,6 +185,9 @@ class Scheduler:
             for later in splits[i + 1:]:
                 for c in later.copies:
                     if produced[id(c.src)] == split.backend_index and not later.backend.can_copy_from(split.backend):
+                        if split.backend.can_copy_to(later.backend):
+                            c.source = True  # no read with the graph: the producer sends it when done
+                            continue
                         c.staging = np.empty(c.src.nbytes, dtype=np.uint8)
                         split.outgoing.append(c)
         self.peaks = [max(a, b) for a, b in zip(self.peaks, peaks)]
@@ -230,7 +234,9 @@ class Scheduler:
                 t_split = trace.now() if traced else 0
                 dst_backend = split.backend
                 for c in split.copies:
-                    if c.staging is None:
+                    if c.source:
+                        self._source_copy(c, dst_backend, traced)
+                    elif c.staging is None:
                         dst_backend.cpy_tensor_async(c.src, c.dst)
                     else:
                         self._staged_copy(c, dst_backend, regions.pop(id(c), None), traced)
@@ -238,7 +244,12 @@ class Scheduler:
                 for c in split.outgoing:
                     # the producer's own staging arena when it has one (shared by every group on
                     # that connection), else the host bytes this plan set aside
+                    t_alloc = trace.now() if traced else 0
                     region = c.src.backend.stage_read(c.src)
+                    if traced:
+                        trace.event("sched", "copy_alloc", t_alloc, trace.now(), backend=c.src.backend.name,
+                                    subj=c.src.name, nbytes=c.src.nbytes, arena=region is not None,
+                                    grp=trace.group())
                     if region is not None:
                         regions[id(c)] = region
                     reads.append((c.src, region.view if region is not None else c.staging))
@@ -251,6 +262,18 @@ class Scheduler:
         finally:
             for region in regions.values():  # a failed step must not keep arena space
                 region.release()  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _source_copy(c: Copy, dst_backend: Backend, traced: bool) -> None:
+        """A copy the producer makes itself: it waits for an event recorded after the bytes left
+        its device, never for the producing stream, then writes them to the consumer."""
+        t0 = trace.now() if traced else 0
+        if not c.src.backend.cpy_tensor_from_async(c.src, c.dst):
+            raise RuntimeError(f"{c.src.backend.name} declined the copy of {c.src.name} to {dst_backend.name} it "
+                               "said it could make")
+        if traced:
+            trace.event("sched", "copy_event", t0, trace.now(), backend=dst_backend.name, subj=c.dst.name,
+                        nbytes=c.dst.nbytes, grp=trace.group())
 
     @staticmethod
     def _staged_copy(c: Copy, dst_backend: Backend, region, traced: bool) -> None:

@@ -32,7 +32,8 @@ def read_trace(path: str) -> tuple[dict, list[dict]]:
 def split_decode(model: str, endpoint: str, steps: int = 3) -> list[int]:
     conn = Connection(endpoint)
     try:
-        engine = Engine(model, n_threads=1, backends=[RPCBackend(conn), CPUBackend(1)])
+        # a fixed split: without -ts the engine would time both devices first (more decodes traced)
+        engine = Engine(model, n_threads=1, backends=[RPCBackend(conn), CPUBackend(1)], tensor_split=[1, 1])
         ctx = engine.new_context(256, 1)
         out = ctx.decode(Batch.for_sequence([1, 5, 9, 13], 0, 0))
         tokens = []
@@ -86,7 +87,8 @@ def test_in_process_trace_of_a_split(tiny_model, tmp_path):
     assert abs(clocks[0]["offset_us"]) < 1000, clocks[0]
     kinds = {(e["c"], e["n"]) for e in events}
     for want in [("rpc.client", "GRAPH_COMPUTE"), ("rpc.client", "GET_TENSORS"), ("rpc.client", "SET_TENSOR"),
-                 ("sched", "split"), ("sched", "copy_stage"), ("ctx", "decode"), ("dev", "compute CPU")]:
+                 ("sched", "split"), ("sched", "copy_stage"), ("sched", "copy_alloc"), ("ctx", "decode"),
+                 ("dev", "compute CPU")]:
         assert want in kinds, want
     for e in events:
         assert e["t0"] <= e["t1"], e
@@ -101,6 +103,16 @@ def test_in_process_trace_of_a_split(tiny_model, tmp_path):
     for e in peer_events:
         if e["c"] == "rpc.server":
             assert e["t_recv0"] <= e["t_recv1"] <= e["t_exec0"] <= e["t_exec1"], e
+            if e["bytes_out"]:  # a reply: its write is a span of its own, and ends the event
+                assert e["t_exec1"] <= e["t_send0"] <= e["t_send1"] == e["t1"], e
+            else:
+                assert e["t_send0"] is None and e["t_send1"] is None and e["t1"] == e["t_exec1"], e
+    big = [e for e in peer_events if e["c"] == "rpc.server" and e["n"] == "GET_TENSORS"]
+    assert any(e["t_send1"] > e["t_send0"] for e in big)  # not one instant
+    allocs = [e for e in events if e["n"] == "copy_alloc"]
+    # the peer's hidden state is read into its connection's staging arena, one region per step
+    assert len(allocs) == 4 and all(e["arena"] and e["backend"] == "RPC0" and e["subj"].startswith("l_out-")
+                                    for e in allocs)
     assert sum(1 for e in peer_events if e["c"] == "dev") == 8  # one compute per decode, traced or not
 
     # merged: the peer's file is bound by its uid, and each traced peer compute falls between the

@@ -152,7 +152,7 @@ def test_device_idle_phase_split(tmp_path: Path) -> None:
              write_trace(tmp_path / "peer.jsonl", "rpc-server", PEER_UID, peer)]
     table = device_idle.device_idle(merge.load(files)).set_index(["device", "phase"])
     cols = ["span_us", "busy_us", "idle_other_us", "idle_neither_us", "idle_median_us"]
-    cpu, gpu = f"server:{BASE_UID[:8]}:compute CPU", f"rpc-server:{PEER_UID[:8]}:compute CUDA0"
+    cpu, gpu = "CPU", f"{PEER_UID[:8]}/CUDA0"  # a peer with no RPC name in the trace: its uid
     expected = {
         (cpu, "prefill"): [130, 60, 50, 20, 20.0], (cpu, "decode"): [300, 120, 40, 140, 50.0],
         (cpu, "other"): [20, 10, 0, 10, 10.0], (cpu, "all"): [450, 190, 90, 170, 60.0],
@@ -161,6 +161,27 @@ def test_device_idle_phase_split(tmp_path: Path) -> None:
     }
     for key, want in expected.items():
         assert table.loc[key, cols].tolist() == want, key
+        assert table.loc[key, "busy_pct"] == pytest.approx(100 * want[1] / want[0])
+        assert table.loc[key, "idle_neither_pct"] == pytest.approx(100 * want[3] / want[0])
+    # group 0 decodes in [100,300), group 1 in [350,450): each covers its share of the 300 µs
+    groups = device_idle.group_stats(merge.load(files)).set_index("grp")
+    assert groups.loc[0, ["iterations", "prefill", "decode"]].tolist() == [4, 2, 2]
+    assert groups.loc[0, "decode_median_us"] == 100 and groups.loc[0, "prefill_median_us"] == 90
+    assert groups.loc[0, "decode_cover_pct"] == pytest.approx(200 / 3)
+    assert groups.loc[1, "decode_cover_pct"] == pytest.approx(100 / 3)
+
+
+def test_device_idle_charges_neither_busy_time_to_host_phases(two_peer_files: list[str]) -> None:
+    """Nothing computes in [600,1000): 100 µs under sampling, 300 under post_decode."""
+    tr = merge.load(two_peer_files)
+    owners = device_idle.neither_owners(tr)
+    decode = owners[owners["phase"] == "decode"].set_index("owner")
+    assert decode["us"].to_dict() == {"server:post_decode": 300, "server:sampling": 100}
+    assert decode["pct"].to_dict() == {"server:post_decode": 75.0, "server:sampling": 25.0}
+    report = device_idle.format_report(tr)
+    assert all(len(line) <= 80 for line in report.splitlines()), report
+    assert "RPC1/CUDA0" in report and "30.0%" in report  # RPC1 busy 300 of 1000 µs
+    assert "server:post_decode 0.3 (75%)" in report
 
 
 # --- (c) binding by uid ---------------------------------------------------------------------
@@ -278,17 +299,100 @@ def test_chrome_trace(step_files: list[str], tmp_path: Path) -> None:
 
 
 # --- (g) CLI --------------------------------------------------------------------------------
-def test_cli_summary_chrome_csv(step_files: list[str], tmp_path: Path) -> None:
-    chrome, csv = tmp_path / "c.json", tmp_path / "s.csv"
-    res = _cli("merge", *step_files, "--summary", "--chrome", str(chrome), "--csv", str(csv))
+def test_cli_summary_chrome_out(step_files: list[str], tmp_path: Path) -> None:
+    chrome, csv, legacy = tmp_path / "c.json", tmp_path / "s.csv", tmp_path / "legacy.csv"
+    res = _cli("merge", *step_files, "--summary", "--chrome", str(chrome), "--out", str(csv), "--csv", str(legacy))
     assert res.returncode == 0, res.stderr
-    assert "merged 2 files, 15 events, 1 steps" in res.stdout and "idle_unattributed_us" in res.stdout
-    assert "median" in res.stdout
+    assert "merged 2 files, 15 events, 1 steps" in res.stdout
+    assert all(len(line) <= 80 for line in res.stdout.splitlines()), res.stdout
+    assert "idle_unattributed_us" not in res.stdout  # the wide table only with --steps
+    assert "no device busy 0.7 ms (70.0%); longest stretch 0.4 ms at +0.1 ms" in res.stdout
     assert json.loads(chrome.read_text())["traceEvents"]
-    assert csv.read_text().startswith("grp,t0,step_us")
+    assert csv.read_text().startswith("grp,t0,step_us") and legacy.read_text() == csv.read_text()
+    res = _cli("merge", *step_files, "--steps")
+    assert res.returncode == 0 and "idle_unattributed_us" in res.stdout and "median" in res.stdout
     res = _cli("device_idle", *step_files)
     assert res.returncode == 0, res.stderr
-    assert "compute CUDA0" in res.stdout and "idle_neither_us" in res.stdout
+    assert f"{PEER_UID[:8]}/CUDA0" in res.stdout and "none busy, by host phase" in res.stdout
+    assert all(len(line) <= 80 for line in res.stdout.splitlines()), res.stdout
+    res = _cli("device_idle", *step_files, "--table")
+    assert res.returncode == 0 and "idle_neither_us" in res.stdout and "idle_neither_pct" in res.stdout
+
+
+def test_cli_parquet_without_pyarrow_is_one_line(step_files: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "s.parquet"
+    res = _cli("merge", *step_files, "--out", str(out))
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1 and "pyarrow" in res.stderr
+    else:
+        import pandas as pd
+        assert res.returncode == 0 and len(pd.read_parquet(out)) == 1
+
+
+# --- (i) per device -------------------------------------------------------------------------
+UID_A, UID_B = "00000000000000a1", "00000000000000a2"
+
+
+def wire(n: str, t0: int, t1: int, endpoint: str, send: tuple[int, int], recv: tuple[int, int] | None) -> dict:
+    """An RPC command with explicit send / receive phases (recv None: a one-way command)."""
+    return ev("rpc.client", n, t0, t1, tid="srv0", endpoint=endpoint, grp=0, subj="x", t_enq=t0, t_send0=send[0],
+              t_send1=send[1], t_turn=send[1], t_recv0=recv[0] if recv else None,
+              t_recv1=recv[1] if recv else None, ok=True)
+
+
+@pytest.fixture
+def two_peer_files(tmp_path: Path) -> list[str]:
+    """One step [0, 1000). Local CPU computes [0,100), RPC0 (a:1) [100,400), RPC1 (b:1)
+    [300,600); nothing [600,1000), under sampling [600,700) and post_decode [700,1000)."""
+    base = [
+        iteration(0, 1000, 0, n_prompt=0, n_decode=1),
+        ev("dev", "compute CPU", 0, 100, tid="srv0"),
+        ev("sched", "split", 80, 110, tid="srv0", backend="RPC0", n_inputs=1, n_nodes=5),
+        wire("GRAPH_COMPUTE", 90, 100, "a:1", (90, 100), None),
+        wire("GET_TENSORS", 395, 420, "a:1", (395, 397), (400, 420)),
+        ev("sched", "split", 270, 310, tid="srv0", backend="RPC1", n_inputs=1, n_nodes=5),
+        wire("GRAPH_COMPUTE", 280, 300, "b:1", (280, 300), None),
+        wire("GET_TENSORS", 560, 600, "b:1", (560, 562), (580, 600)),
+        ev("sched", "copy_send", 590, 600, tid="srv0", backend="CPU", subj="l_out-3", nbytes=64, grp=0),
+        ev("server", "sampling", 600, 700, tid="srv0", grp=0, n_slots=1),
+        ev("server", "post_decode", 700, 1000, tid="srv0", grp=0, n_slots=1),
+        clock(UID_A, 0, endpoint="a:1"), clock(UID_B, 0, endpoint="b:1"),
+    ]
+    return [write_trace(tmp_path / "t.jsonl", "server", BASE_UID, base),
+            write_trace(tmp_path / "b.jsonl", "rpc-server", UID_B, [ev("dev", "compute CUDA0", 300, 600)],
+                        endpoint="127.0.0.1:2"),
+            write_trace(tmp_path / "a.jsonl", "rpc-server", UID_A, [ev("dev", "compute CUDA0", 100, 400)],
+                        endpoint="127.0.0.1:1")]
+
+
+def test_device_summary_per_peer_exact(two_peer_files: list[str]) -> None:
+    tr = merge.load(two_peer_files)
+    got = merge.device_summary(tr).set_index("device")
+    assert list(got.index) == ["CPU", "RPC0/CUDA0", "RPC1/CUDA0"]  # local first, peers by RPC name
+    want = {"CPU": (100, 500, 400, 10), "RPC0/CUDA0": (300, 300, 400, 32), "RPC1/CUDA0": (300, 300, 400, 42)}
+    for dev, (busy, other, neither, transfer) in want.items():
+        r = got.loc[dev]
+        assert (r.window_us, r.busy_us, r.idle_other_us, r.idle_neither_us, r.transfer_us) == \
+            (1000, busy, other, neither, transfer), dev
+        assert r.idle_pct == pytest.approx(100 * (1000 - busy) / 1000)
+    assert got.loc["RPC0/CUDA0", "endpoint"] == "a:1" and pd_isna(got.loc["CPU", "endpoint"])
+    row = merge.step_summary(tr).iloc[0]
+    assert (row["busy:CPU_us"], row["busy:RPC0/CUDA0_us"], row["busy:RPC1/CUDA0_us"]) == (100, 300, 300)
+    assert row["local_busy_us"] == 100 and row["peer_busy_us"] == 500
+    assert row["transfer_us"] == 74  # 32 + 42, the CPU's copy lies inside RPC1's receive
+    assert row["longest_idle_us"] == 400 and row["idle_both_us"] == 400
+    text = merge.format_summary(tr)
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "no device busy 0.4 ms (40.0%); longest stretch 0.4 ms at +0.6 ms" in text
+    assert "longest is in: g0 server:post_decode 75%, g0 server:sampling 25%" in text
+    assert "RPC0 = a:1" in text and "RPC1 = b:1" in text
+
+
+def pd_isna(v: object) -> bool:
+    import pandas as pd
+    return bool(pd.isna(v))
 
 
 # --- (h) notebook ---------------------------------------------------------------------------

@@ -9,7 +9,11 @@ its client measured (the `clock` events). This module does that shift, then offe
   chrome://tracing, with the RPC phases (send / wait / recv, recv / exec / send) as nested slices;
 * `step_summary`: one row per decode step (`server`/`iteration`) with its host phases, how busy
   the devices were, and where the time that no device worked went;
-* the CLI: ``python trace_tools/merge.py TRACE... [--chrome OUT.json] [--summary] [--csv OUT.csv]``.
+* `device_summary` / `format_summary`: per device (each local one, each peer's) busy, idle while
+  another device was busy, idle while none was, idle share and transfer time, the longest stretch
+  in which no device worked and the host phase that owns it;
+* the CLI: ``python trace_tools/merge.py TRACE... [--chrome OUT.json] [--summary] [--steps]
+  [--out STEPS.csv|STEPS.parquet]``.
 
 The events table (`Trace.events`) has one row per event and flattened columns: `file` (the
 position of its file in the list given to `load`), `uid`, `role`, `host` (from that file's
@@ -364,8 +368,11 @@ def counts(df: pd.DataFrame, col: str) -> np.ndarray:
 
 
 def step_summary(trace: Trace) -> pd.DataFrame:
-    """One row per decode step of the base file: its host phases, device busy time, the time no
-    device worked (`idle_both_us`) and to which host phase that time belongs. Times in µs."""
+    """One row per decode step of the base file: its host phases, device busy time (all local
+    devices together, all peers together, and each device on its own as `busy:<device>_us`), the
+    time data spent on the wire or in staged copies for the step's group (`transfer_us`), the time
+    no device worked (`idle_both_us`), its longest stretch (`longest_idle_us`) and to which host
+    phase that time belongs. Times in µs."""
     ev = trace.events
     mine = ev[ev["file"] == trace.base]
     it = iterations(trace)
@@ -379,7 +386,14 @@ def step_summary(trace: Trace) -> pd.DataFrame:
     busy = union(dev["t0"], dev["t1"])
     out["local_busy_us"] = overlap(*union(dev["t0"][local], dev["t1"][local]), w0, w1)
     out["peer_busy_us"] = overlap(*union(dev["t0"][~local], dev["t1"][~local]), w0, w1)
+    for d in devices(trace):
+        out[f"busy:{d.label}_us"] = overlap(*d.busy, w0, w1)
+    wire = _wire_spans(trace)
+    wire = wire.assign(grp=_inherit_group(wire, mine))
+    out["transfer_us"] = _covered_by_group(wire, it)
     out["idle_both_us"] = (w1 - w0) - overlap(*busy, w0, w1)
+    out["longest_idle_us"] = _longest_inside(_gaps(busy, int(w0.min()) if len(w0) else 0,
+                                                   int(w1.max()) if len(w1) else 0), w0, w1)
     logits = _names(column(mine, "subj"), LOGITS_TENSOR)
     reads = mine[(mine["c"] == "rpc.client") & mine["n"].isin(LOGITS_READS) & logits]
     out["logits_read_us"] = _by_group(reads, it)
@@ -389,14 +403,274 @@ def step_summary(trace: Trace) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
-def format_summary(steps: pd.DataFrame) -> str:
-    """The per-step table and, per column, its median and mean over the steps."""
+def _covered_by_group(spans: pd.DataFrame, it: pd.DataFrame) -> np.ndarray:
+    """Per iteration: the time its window is covered by at least one span of its group (spans of
+    one group overlap, e.g. a send to one peer during a receive from another: counted once)."""
+    out = np.zeros(len(it), np.int64)
+    for g in it["grp"].unique():
+        m = _same_group(it["grp"], g)
+        mine = spans[_same_group(spans["grp"], g)]
+        out[m] = overlap(*union(mine["t0"], mine["t1"]), it["t0"].to_numpy()[m], it["t1"].to_numpy()[m])
+    return out
+
+
+def _gaps(busy: Intervals, w0: int, w1: int) -> Intervals:
+    """The parts of [w0, w1) outside `busy`."""
+    win = (np.array([w0], np.int64), np.array([w1], np.int64))
+    return combine([win, busy], lambda w, b: w & ~b)
+
+
+def _longest_inside(gaps: Intervals, w0: np.ndarray, w1: np.ndarray) -> np.ndarray:
+    """Per window, the longest piece of `gaps` inside it (gaps clipped to the window)."""
+    s, e = gaps
+    out = np.zeros(len(w0), np.int64)
+    lo, hi = np.searchsorted(e, w0, "right"), np.searchsorted(s, w1, "left")
+    for k in range(len(w0)):
+        if hi[k] > lo[k]:
+            out[k] = int((np.minimum(e[lo[k]:hi[k]], w1[k]) - np.maximum(s[lo[k]:hi[k]], w0[k])).max())
+    return out
+
+
+# --- per device -----------------------------------------------------------------------------
+@dataclass
+class Device:
+    """One device that computed: `label` is its local name (`CPU`, `CUDA0`) for the base file's
+    own devices, `<RPCi>/<name>` for a peer's (`RPC1/CUDA0`), with the RPC name the server gave the
+    peer's connection; `endpoint` is that connection as the client dialled it (None locally)."""
+    label: str
+    file: int
+    name: str
+    endpoint: Optional[str]
+    busy: Intervals
+
+
+def _rpc_names(trace: Trace) -> dict[str, str]:
+    """Client endpoint -> the RPC device name (RPC0, RPC1, ...) the scheduler ran it as: the
+    scheduler's split span names its backend, and the graph it sends inside names the endpoint."""
+    ev = trace.events
+    mine = ev[ev["file"] == trace.base]
+    splits = mine[(mine["c"] == "sched") & (mine["n"] == "split")]
+    sends = mine[(mine["c"] == "rpc.client") & mine["n"].isin(["GRAPH_COMPUTE", "GRAPH_RECOMPUTE"])]
+    names: dict[str, str] = {}
+    if splits.empty or sends.empty or "endpoint" not in sends or "backend" not in splits:
+        return names
+    for endpoint, first in sends.sort_values("t0").groupby("endpoint", sort=False):
+        g = first.iloc[0]
+        inside = splits[(splits["tid"] == g["tid"]) & (splits["t0"] <= g["t0"]) & (splits["t1"] >= g["t1"])]
+        if len(inside):
+            names[str(endpoint)] = str(inside["backend"].iloc[-1])
+    return names
+
+
+def devices(trace: Trace) -> list[Device]:
+    """Every device with `dev` spans: the base file's own first, then the peers, by RPC name.
+    A peer whose RPC name cannot be found (no clock event, no graph sent) is labelled by the
+    first 8 digits of its uid."""
+    ev = trace.events
+    dev = ev[ev["c"] == "dev"]
+    clocks = ev[(ev["file"] == trace.base) & (ev["c"] == "clock")]
+    uid_endpoint = {str(u).lower(): str(e) for u, e in zip(column(clocks, "peer_uid"), column(clocks, "endpoint"))
+                    if _present(u) and _present(e)}
+    rpc = _rpc_names(trace)
+    out = []
+    for (file, name), spans in dev.groupby(["file", "n"], sort=True):
+        h = trace.headers[int(file)]
+        short = str(name).removeprefix("compute ")
+        if file == trace.base:
+            label, endpoint = short, None
+        else:
+            endpoint = uid_endpoint.get(h["uid"].lower())
+            label = f"{rpc.get(endpoint or '', h['uid'][:8])}/{short}"
+        out.append(Device(label, int(file), str(name), endpoint, union(spans["t0"], spans["t1"])))
+    return sorted(out, key=lambda d: (d.endpoint is not None, d.label))
+
+
+def analysis_window(trace: Trace) -> Optional[tuple[int, int]]:
+    """First iteration start to last iteration end; without iterations the span of all dev
+    events; None when there is neither."""
+    it = iterations(trace)
+    if len(it):
+        return int(it["t0"].min()), int(it["t1"].max())
+    dev = trace.events[trace.events["c"] == "dev"]
+    if len(dev):
+        return int(dev["t0"].min()), int(dev["t1"].max())
+    return None
+
+
+def _wire_spans(trace: Trace, endpoint: Optional[str] = None) -> pd.DataFrame:
+    """Time data moved, as spans of the base file: each RPC command's send and receive phases
+    (to `endpoint` only, when given; the wait for the reply is not transfer), and, for all
+    endpoints, the scheduler's staged copy writes (copy_send) and event-gated copies (copy_event)."""
+    ev = trace.events
+    mine = ev[ev["file"] == trace.base]
+    rpc = mine[mine["c"] == "rpc.client"]
+    if endpoint is not None:
+        rpc = rpc[column(rpc, "endpoint").astype("string").eq(endpoint).fillna(False).to_numpy(bool)]
+    parts = []
+    for a, b in (("t_send0", "t_send1"), ("t_recv0", "t_recv1")):
+        if a in rpc and b in rpc:
+            ok = rpc[a].notna() & rpc[b].notna()
+            parts.append(pd.DataFrame({"t0": rpc[a][ok].astype("int64"), "t1": rpc[b][ok].astype("int64"),
+                                       "tid": rpc["tid"][ok], "grp": rpc["grp"][ok]}))
+    if endpoint is None:
+        cp = mine[(mine["c"] == "sched") & mine["n"].isin(["copy_send", "copy_event"])]
+        parts.append(cp[["t0", "t1", "tid", "grp"]])
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return pd.DataFrame({"t0": pd.Series(dtype="int64"), "t1": pd.Series(dtype="int64"),
+                             "tid": pd.Series(dtype="object"), "grp": pd.Series(dtype="Int64")})
+    return pd.concat(parts, ignore_index=True)
+
+
+def host_owner(trace: Trace, gaps: Intervals, by_group: bool = False) -> pd.Series:
+    """The time of `gaps` charged to host phases: each instant to the innermost base-file host span
+    covering it (any group; labelled `g<grp> c:n` with by_group), the rest to `unattributed`.
+    Returns µs per label, largest first."""
+    mine = trace.events[trace.events["file"] == trace.base]
+    host = _host_spans(mine)
+    total = length(gaps)
+    if host.empty or total == 0:
+        return pd.Series({"unattributed": total} if total else {}, dtype="int64")
+    labels = host["label"].to_numpy()
+    if by_group:
+        grp = host["grp"].astype("string").fillna("-").to_numpy()
+        labels = np.array([f"g{g} {lab}" for g, lab in zip(grp, labels)], dtype=object)
+    s, e, owner = innermost(host["t0"], host["t1"])
+    edges = np.unique(np.r_[s, e, gaps[0], gaps[1]])
+    lo, hi = edges[:-1], edges[1:]
+    piece, inside = locate((s, e), lo), locate(gaps, lo) >= 0
+    got = pd.Series((hi - lo)[inside & (piece >= 0)], dtype="int64").groupby(
+        labels[owner[piece[inside & (piece >= 0)]]]).sum()
+    rest = total - int(got.sum())
+    if rest:
+        got["unattributed"] = rest
+    return got.sort_values(ascending=False).astype("int64")
+
+
+def device_summary(trace: Trace, window: Optional[tuple[int, int]] = None) -> pd.DataFrame:
+    """One row per device over the window (default: `analysis_window`): busy, idle while another
+    device was busy, idle while none was, idle share, transfer (its peer's RPC send and receive
+    phases; for a local device the staged copies written to it), all in µs. For every device
+    busy_us + idle_other_us + idle_neither_us == window_us."""
+    cols = ["device", "endpoint", "window_us", "busy_us", "idle_other_us", "idle_neither_us", "idle_pct",
+            "transfer_us"]
+    window = window or analysis_window(trace)
+    devs = devices(trace)
+    if window is None or not devs:
+        return pd.DataFrame(columns=cols)
+    win = (np.array([window[0]], np.int64), np.array([window[1]], np.int64))
+    span = window[1] - window[0]
+    anyone = union(np.concatenate([d.busy[0] for d in devs]), np.concatenate([d.busy[1] for d in devs]))
+    rows = []
+    mine = trace.events[trace.events["file"] == trace.base]
+    for d in devs:
+        others = [o for o in devs if o is not d]
+        other = union(np.concatenate([o.busy[0] for o in others] + [np.empty(0, np.int64)]),
+                      np.concatenate([o.busy[1] for o in others] + [np.empty(0, np.int64)]))
+        busy = length(combine([win, d.busy], lambda w, b: w & b))
+        idle_other = length(combine([win, d.busy, other], lambda w, b, o: w & ~b & o))
+        idle_neither = length(combine([win, anyone], lambda w, a: w & ~a))
+        if d.endpoint is not None:
+            wire = _wire_spans(trace, d.endpoint)
+        else:
+            cp = mine[(mine["c"] == "sched") & (mine["n"] == "copy_send")]
+            wire = cp[column(cp, "backend").astype("string").eq(d.name.removeprefix("compute ")).fillna(False)
+                      .to_numpy(bool)]
+        transfer = length(combine([win, union(wire["t0"], wire["t1"])], lambda w, x: w & x))
+        rows.append({"device": d.label, "endpoint": d.endpoint, "window_us": span, "busy_us": busy,
+                     "idle_other_us": idle_other, "idle_neither_us": idle_neither,
+                     "idle_pct": 100.0 * (span - busy) / span if span else float("nan"), "transfer_us": transfer})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def neither_busy(trace: Trace, window: Optional[tuple[int, int]] = None) -> Intervals:
+    """The stretches of the window in which no device (of any file) was busy."""
+    window = window or analysis_window(trace)
+    if window is None:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    dev = trace.events[trace.events["c"] == "dev"]
+    return _gaps(union(dev["t0"], dev["t1"]), *window)
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1e3:.1f}"
+
+
+def format_summary(trace: Trace, steps: Optional[pd.DataFrame] = None, width: int = 80) -> str:
+    """The compact report: one line per device (busy, idle split and share, transfer), the time no
+    device worked with its longest stretch and the host phases that hold it, then per group the
+    median step and host phases. Every line fits `width` columns."""
+    steps = step_summary(trace) if steps is None else steps
+    window = analysis_window(trace)
+    if window is None:
+        return "no steps and no device spans: nothing to summarise"
+    span = window[1] - window[0]
+    devs = device_summary(trace, window)
+    n_groups = steps["grp"].nunique(dropna=False) if len(steps) else 0
+    lines = [f"window {_ms(span)} ms: {len(steps)} steps, {n_groups} group(s), {len(devs)} device(s); "
+             "times in ms"]
+    if len(devs):
+        lines.append(f"{'device':<16}{'busy':>9}{'idle':>9}{'other busy':>11}{'none busy':>10}{'idle%':>7}"
+                     f"{'transfer':>10}")
+        for r in devs.itertuples():
+            lines.append(f"{r.device[:16]:<16}{_ms(r.busy_us):>9}{_ms(r.window_us - r.busy_us):>9}"
+                         f"{_ms(r.idle_other_us):>11}{_ms(r.idle_neither_us):>10}{r.idle_pct:>6.1f}%"
+                         f"{_ms(r.transfer_us):>10}")
+        peers = devs[devs["endpoint"].notna()]
+        for r in peers.itertuples():
+            lines.append(f"  {r.device.split('/')[0]} = {r.endpoint}"[:width])
+    gaps = neither_busy(trace, window)
+    total = length(gaps)
+    if total:
+        k = int(np.argmax(gaps[1] - gaps[0]))
+        longest = (gaps[0][k:k + 1], gaps[1][k:k + 1])
+        owner = host_owner(trace, longest, by_group=True)
+        lines.append(f"no device busy {_ms(total)} ms ({100 * total / span:.1f}%); longest stretch "
+                     f"{_ms(length(longest))} ms at +{_ms(gaps[0][k] - window[0])} ms")
+        lines.append(f"  longest is in: {_shares(owner, length(longest), width - 17)}")
+        lines.append(f"  by host phase: {_shares(host_owner(trace, gaps), total, width - 17)}")
+    if len(steps):
+        cols = ["step_us"] + [f"{p}_us" for p in STEP_PHASES] + ["transfer_us"]
+        heads = ["step", "build", "submit", "sync", "post", "sample", "send", "xfer"]
+        lines.append("median per step, per group (ms)")
+        lines.append(f"{'grp':>4}{'steps':>6}" + "".join(f"{h:>8}" for h in heads))
+        for g, part in steps.groupby(steps["grp"].astype("string").fillna("-"), sort=True):
+            med = part[cols].median()
+            lines.append(f"{g:>4}{len(part):>6}" + "".join(f"{med[c] / 1e3:>8.2f}" for c in cols))
+    return "\n".join(line[:width] for line in lines)
+
+
+def _shares(owner: pd.Series, total: int, width: int) -> str:
+    """`label pct%, ...` of the largest shares, as many as fit."""
+    out = ""
+    for lab, us in owner.items():
+        part = f"{lab} {100 * us / total:.0f}%" if total else str(lab)
+        if out and len(out) + 2 + len(part) > width:
+            break
+        out = f"{out}, {part}" if out else part
+    return out or "-"
+
+
+def format_steps(steps: pd.DataFrame) -> str:
+    """The per-step table (wide: one column per host phase, device and idle owner) and, per
+    column, its median and mean over the steps."""
     if steps.empty:
         return "no steps: the base trace has no server/iteration events"
     with pd.option_context("display.width", 250, "display.max_columns", None, "display.max_rows", None):
         table = steps.to_string(index=False)
         totals = steps.drop(columns=["grp", "t0"]).astype(float).agg(["median", "mean"]).T.round(1)
         return f"{table}\n\ntotals over {len(steps)} steps\n{totals.to_string()}"
+
+
+def write_steps(steps: pd.DataFrame, path: str | Path) -> None:
+    """The per-step table as CSV, or as Parquet when the name ends in .parquet (needs pyarrow)."""
+    if str(path).endswith(".parquet"):
+        try:
+            steps.to_parquet(path, index=False)
+        except ImportError:  # pandas' own message is several lines about two engines
+            raise TraceError(f"{path}: writing Parquet needs pyarrow (pip install pyarrow)") from None
+    else:
+        steps.to_csv(path, index=False)
 
 
 # --- Chrome trace ---------------------------------------------------------------------------
@@ -480,8 +754,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="Merge pyllama trace files onto one time line.")
     ap.add_argument("traces", nargs="+", help="trace files (JSON lines), the server's first")
     ap.add_argument("--chrome", metavar="OUT.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
-    ap.add_argument("--summary", action="store_true", help="print the per-step table and its medians/means")
-    ap.add_argument("--csv", metavar="OUT.csv", help="write the per-step table as CSV")
+    ap.add_argument("--summary", action="store_true",
+                    help="print per device busy / idle / transfer, the time no device worked, and per group "
+                         "the median step (fits 80 columns)")
+    ap.add_argument("--steps", action="store_true", help="print the wide per-step table and its medians/means")
+    ap.add_argument("--out", metavar="OUT.csv|OUT.parquet", help="write the per-step table (Parquet needs pyarrow)")
+    ap.add_argument("--csv", metavar="OUT.csv", help=argparse.SUPPRESS)  # the older spelling of --out
     args = ap.parse_args(argv)
     trace = load_for_cli(args.traces, "merge")
     if trace is None:
@@ -489,10 +767,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     steps = step_summary(trace)
     if args.chrome:
         write_chrome(trace, args.chrome)
-    if args.csv:
-        steps.to_csv(args.csv, index=False)
+    for out in (args.out, args.csv):
+        if out:
+            try:
+                write_steps(steps, out)
+            except (TraceError, OSError) as exc:
+                print(f"merge: {exc}", file=sys.stderr)
+                return 1
     if args.summary:
-        print(format_summary(steps))
+        print(format_summary(trace, steps))
+    if args.steps:
+        print(format_steps(steps))
     print(f"merged {len(trace.headers)} files, {len(trace.events)} events, {len(steps)} steps")
     return 0
 

@@ -89,6 +89,11 @@ class Backend(ABC):
         """Source-side copy, for backends built for that role; others decline."""
         return False
 
+    def can_copy_to(self, dst: "Backend") -> bool:
+        """Whether cpy_tensor_from_async takes this device's tensors to `dst` (planned ahead, so
+        the scheduler does not stage those copies through the host)."""
+        return False
+
     # --- compute -----------------------------------------------------------------------------
     @abstractmethod
     def graph_compute(self, graph: "Graph", reads: Sequence[tuple[Tensor, np.ndarray]] = ()) -> None:

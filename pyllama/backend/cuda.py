@@ -16,7 +16,9 @@ What runs where (docs/cuda.md):
   set_tensor / get_tensor complete before returning (a write into a compute buffer only needs
   its bytes taken: the driver stages pageable memory before the call returns).
 - reads queued with a graph (`reads`) or get_tensor_async go to pinned staging on the stream and
-  land in the caller's arrays at synchronize().
+  land in the caller's arrays at synchronize(). A hidden state bound for a peer (cpy_tensor_from_async)
+  goes to pinned staging too, and is sent once an event recorded after it completes: the producing
+  stream is never synchronized for it.
 - events: real CUDA events; event_wait makes this thread's stream wait on the GPU, not the host.
 - tracing (docs/tracing.md, `dev` spans): CUDA events recorded around each graph compute; their times are put
   on the host's monotonic microsecond scale through an anchor event recorded when the stream
@@ -220,6 +222,7 @@ class _Lane:
         self.anchor: Optional[tuple[Any, int]] = None
         self.spans: list[tuple[Any, Any, tuple[Any, int], int]] = []
         self.last_t1 = 0
+        self.copy_done: Any = None  # the event a source-side copy waits for (reused: waited each time)
         self.stream.synchronize()
 
     def pinned(self, n: int) -> np.ndarray:
@@ -235,6 +238,15 @@ class _Lane:
             arr = self._drv.pagelocked_empty(size, np.uint8)
         self.pinned_used.append(arr)
         return arr
+
+    def release_pinned(self, arr: np.ndarray) -> None:
+        """Gives back staging whose bytes have been consumed before the next synchronize."""
+        for i, used in enumerate(self.pinned_used):
+            if used is arr:
+                del self.pinned_used[i]
+                self.pinned_free.append(arr)
+                self.pinned_free.sort(key=lambda a: a.size)
+                return
 
     def recycle_pinned(self) -> None:
         self.pinned_free.extend(self.pinned_used)
@@ -485,6 +497,52 @@ class CUDABackend(Backend):
             return False
         # a host-memory producer has finished when its graph_compute returned
         self.set_tensor_async(dst, host)
+        return True
+
+    def can_copy_to(self, dst: Backend) -> bool:
+        # a remote device's writes take the bytes before returning, so pinned staging can be reused
+        # at once; another local device would read them later, from its own stream
+        return dst.remote
+
+    def cpy_tensor_from_async(self, src: Tensor, dst: Tensor) -> bool:
+        """Source side of a copy to a remote device (a peer, which cannot read this memory): the
+        bytes go to pinned staging on the producing stream, the host waits for an event recorded
+        right after them, and the peer is sent them. The stream is never synchronized: work queued
+        on it later keeps running, and other reads of the lane complete at its synchronize. Errors
+        the kernels flagged so far are raised as synchronize raises them."""
+        dst_backend = dst.backend
+        if src.backend is not self or dst_backend is None or not self.can_copy_to(dst_backend):
+            return False
+        if src.nbytes != dst.nbytes:
+            raise ValueError(f"copy {src.name} -> {dst.name}: {src.nbytes} B into {dst.nbytes} B")
+        with self._active():
+            lane = self._lane()
+            self._begin(lane)
+            self._order(lane, (self._buf(src),))
+            pinned = lane.pinned(max(src.nbytes, 1))
+            if src.nbytes:
+                self._drv.memcpy_dtoh_async(pinned[:src.nbytes], self._ptr(src), lane.stream)
+            self._drv.memcpy_dtoh_async(lane.err_host, lane.err_dev, lane.stream)
+            if lane.copy_done is None:
+                lane.copy_done = self._drv.Event(self._drv.event_flags.DISABLE_TIMING)
+            lane.copy_done.record(lane.stream)
+            lane.copy_done.synchronize()  # this copy, not the stream
+            # only this thread queues on its lane, and nothing came after the event: the stream is
+            # idle now, so the next work gets a fresh trace anchor (reads still land at synchronize)
+            lane.idle = True
+            lane.anchor = None
+            if lane.spans:
+                self._poll(lane)  # the graphs before it are complete: their spans are ready
+            err = int(lane.err_host[0])
+            if err:
+                lane.release_pinned(pinned)
+                self._drv.memset_d32_async(lane.err_dev, 0, 1, lane.stream)
+                what = "; ".join(msg for bit, msg in _ERR_BITS.items() if err & bit) or f"error bits {err:#x}"
+                raise ValueError(f"{self.name}: a graph computed here met {what}")
+        try:
+            dst_backend.set_tensor_async(dst, pinned[:src.nbytes])
+        finally:
+            lane.release_pinned(pinned)
         return True
 
     def set_weight(self, tensor: Tensor, offset: int, file_dtype: DType, raw: np.ndarray) -> None:

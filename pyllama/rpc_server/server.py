@@ -343,10 +343,9 @@ class _Connection(asyncio.BufferedProtocol):
             t_exec0 = trace.now() if rx else 0
             reply = session.execute(cmd, payload, t_recv)
             t_exec1 = trace.now() if rx else 0
-            if reply is not None:
-                self._write(reply)
+            tx = self._reply(reply, rx is not None)
             if rx:
-                self._trace(cmd, rx, (t_exec0, t_exec1, None), len(payload), reply)
+                self._trace(cmd, rx, (t_exec0, t_exec1, None), len(payload), reply, tx)
             return
         nbytes = len(payload)
         self.inflight += 1
@@ -373,10 +372,9 @@ class _Connection(asyncio.BufferedProtocol):
         reply, nbytes, cmd, rx, ex = result
         self.inflight -= 1
         self.queued_bytes -= nbytes
-        if reply is not None:
-            self._write(reply)
+        tx = self._reply(reply, rx is not None)
         if rx is not None and ex is not None:
-            self._trace(cmd, rx, ex, nbytes, reply)
+            self._trace(cmd, rx, ex, nbytes, reply, tx)
         if (self._eof or self.closing) and self.inflight == 0:
             self._close()
             return
@@ -429,11 +427,20 @@ class _Connection(asyncio.BufferedProtocol):
         self._write(frame(P.STATUS_OK, P.HELLO_REP.pack(*P.VERSION, 0, self.server.capabilities,
                                                          self.server.server_id)))
 
-    def _trace(self, cmd: Cmd, rx: tuple, ex: tuple, nbytes: int, reply) -> None:
-        """One rpc.server event; the reply (if any) was just handed to the transport."""
-        t_send = trace.now() if reply is not None else None
-        trace.event("rpc.server", cmd.name, rx[0], t_send or ex[1], t_recv0=rx[0], t_recv1=rx[1],
-                    t_exec0=ex[0], t_exec1=ex[1], t_send0=t_send, t_send1=t_send,
+    def _reply(self, reply, traced: bool) -> Optional[tuple[int, int]]:
+        """Writes the reply, if any; traced, returns when the transport got it and when the write
+        returned (the socket took what it could, the transport buffers the rest)."""
+        if reply is None:
+            return None
+        t0 = trace.now() if traced else 0
+        self._write(reply)
+        return (t0, trace.now()) if traced else None
+
+    def _trace(self, cmd: Cmd, rx: tuple, ex: tuple, nbytes: int, reply, tx: Optional[tuple[int, int]]) -> None:
+        """One rpc.server event: receive, execution, and the reply's write (tx) when there is one."""
+        t_send0, t_send1 = tx if tx is not None else (None, None)
+        trace.event("rpc.server", cmd.name, rx[0], t_send1 or ex[1], t_recv0=rx[0], t_recv1=rx[1],
+                    t_exec0=ex[0], t_exec1=ex[1], t_send0=t_send0, t_send1=t_send1,
                     bytes_in=nbytes + P.HEADER.size, bytes_out=len(reply) if reply is not None else 0,
                     n_nodes=ex[2], dev=self.server.devices[0].name, peer=self.peer)
 

@@ -214,10 +214,16 @@ def one_request(conn: http.client.HTTPConnection, target: _Target, prompt: list[
     r: dict = {"t_send": time.perf_counter(), "t_first": None, "t_last": None, "t_end": None,
                "status": None, "stop": False, "tokens_predicted": None, "tokens_evaluated": None,
                "content_events": 0, "stream_tokens": 0, "stop_type": None, "error": None}
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     try:
-        conn.request("POST", target.path("/completion"), body=body,
-                     headers={"Content-Type": "application/json",
-                              "Accept": "text/event-stream"})
+        try:
+            conn.request("POST", target.path("/completion"), body=body, headers=headers)
+        except (BrokenPipeError, ConnectionResetError):
+            # the server closed this keep-alive connection after the previous response (llama-server
+            # does after an error event): nothing was received, so send it again on a new one
+            conn.close()
+            r["t_send"] = time.perf_counter()
+            conn.request("POST", target.path("/completion"), body=body, headers=headers)
         resp = conn.getresponse()
         r["status"] = resp.status
         if resp.status != 200:

@@ -3,6 +3,7 @@
     python bench/pipeline_cells.py [--preset medium | --model PATH] [--orders 'CPU,RPC0;RPC0,CPU']
         [--groups 1,2,3,4] [--users 32,64,128] [--legs 3] [--npp 64] [--ntg 64] [-r 1] [-t 1]
         [--warmup 1] [--tensor-split even|auto|a,b] [--server-args '--kv-unified']
+        [--types f32,q4_k_m] [--unsplit-threads 1,2] [--peers DIR [--llama-ngl N]] [--trace DIR]
         [--netns [--rate 10gbit]] [--json OUT]
 
 One rpc server (`python -m pyllama.rpc_server -t T`) lives for the whole run. A cell is
@@ -23,13 +24,29 @@ was reached at. --json OUT writes the configuration, every leg (with bench_users
 and every cell.
 
 --tensor-split: `even` (default) passes equal proportions per device so the layer boundary is the
-same in every cell (the default split follows free memory, which moves between runs); `auto`
-passes nothing; anything else is passed to -ts as is.
+same in every cell; `auto` passes nothing (the server then times each device at load and
+balances the stages, docs/pipeline-groups.md); anything else is passed to -ts as is.
 
 --netns: the rpc server runs in its own network namespace (pyllama-peer-<pid>) behind a veth pair
 (pl<pid>a here, 10.231.X.1/30; pl<pid>b there, 10.231.X.2/30) shaped by a tbf qdisc at --rate
 on both ends, so the split crosses a link of known bandwidth rather than loopback. Needs root
 (ip, tc). The namespace and the veth pair are always removed at exit.
+
+More arms in the same legs (interleaved with the split cells):
+- `--unsplit-threads 1,2`: pyllama.server in one process, no rpc, `-t` each value (the -t 2 / -t 1
+  scaling, and the unsplit -t 2 that a 2-device split with 1 thread each is compared with);
+- `--peers DIR` (or $PYLLAMA_PEERS; DIR/bin holds llama.cpp's programs): llama.cpp's split, one
+  `ggml-rpc-server -t T` for the whole run and per cell `llama-server --rpc HOST:PORT -ngl N -t T`
+  with the same blocks per process as pyllama's split (`--llama-ngl` to set N), and llama-server
+  unsplit at each --unsplit-threads value. llama-server answers HTTP 500 on a share of requests
+  against random-weight models: those cells count completed requests only (errors are reported,
+  not failures).
+- `--types f32,q4_k_m`: every arm on each weight type (--preset models made by pyllama.models.make).
+- `--trace DIR`: the split cells' server and the rpc server write traces; each split leg gets the
+  devices' busy shares from `trace_tools/merge.py --summary`.
+With any of these, a second table lists every cell (mean [min..max] over legs, completed/sent,
+busy %), then the ratios the issue targets name: -t2/-t1, 2 groups / 1 group, 2 groups / unsplit,
+pyllama split / llama.cpp split (ratio of the means, [min..max] of the per-leg ratios).
 
 Exit status 1 when any cell had errors (a failed request, a short response, a server that did
 not start, a token counter mismatch); 0 otherwise.
@@ -243,6 +260,250 @@ def format_best(best: dict[str, Optional[dict]], groups: int = 2) -> str:
     return "\n".join(lines)
 
 
+# --- the other cells: pyllama unsplit, llama.cpp unsplit and split --------------------------------
+
+SPLIT, UNSPLIT, LLAMA_SPLIT, LLAMA_UNSPLIT = "split", "unsplit", "llama-split", "llama-unsplit"
+KIND_LABEL = {SPLIT: "pyllama split", UNSPLIT: "pyllama", LLAMA_SPLIT: "llama.cpp split", LLAMA_UNSPLIT: "llama.cpp"}
+LLAMA_NOTE = ("llama.cpp cells count completed requests only: llama-server answers HTTP 500 on a share of "
+              "requests against random-weight models")
+
+
+def parse_types(text: str) -> list[str]:
+    """'f32,q4_k_m' -> ['f32', 'q4_k_m']: weight types pyllama.models.make writes."""
+    from pyllama.models.make import WTYPES  # noqa: PLC0415
+
+    types = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if not types:
+        raise ValueError(f"--types '{text}' is empty")
+    for t in types:
+        if t not in WTYPES:
+            raise ValueError(f"--types: unknown weight type '{t}' (choose from {', '.join(WTYPES)})")
+    if len(set(types)) != len(types):
+        raise ValueError(f"--types '{text}': a type is listed twice")
+    return types
+
+
+def parse_thread_list(text: str, name: str) -> list[int]:
+    """'1,2' -> [1, 2]; 'none' or '' -> []."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    return parse_int_list(text, name)
+
+
+def make_arms(orders: list[str], groups: list[int], unsplit_threads: list[int], llama: bool) -> list[dict]:
+    """Every arm of a leg: the pyllama split cells (order x groups), pyllama unsplit at each thread
+    count, and with llama.cpp's programs its split (ggml-rpc-server + llama-server) and its unsplit
+    server at each thread count."""
+    arms: list[dict] = [{"kind": SPLIT, "order": o, "groups": g} for o in orders for g in groups]
+    arms += [{"kind": UNSPLIT, "threads": t} for t in unsplit_threads]
+    if llama:
+        arms.append({"kind": LLAMA_SPLIT})
+        arms += [{"kind": LLAMA_UNSPLIT, "threads": t} for t in unsplit_threads]
+    return arms
+
+
+def full_schedule(types: list[str], arms: list[dict], users: Iterable[int], legs: int) -> list[dict]:
+    """Every run in execution order: per weight type, per user count, leg 1 of every arm, then
+    leg 2 of every arm, ... (so machine drift spreads over all arms alike)."""
+    users = list(users)
+    return [{**arm, "type": t, "users": u, "leg": leg}
+            for t in types for u in users for leg in range(1, legs + 1) for arm in arms]
+
+
+def unsplit_args(users: int, npp: int, ntg: int, threads: int, extra: Iterable[str] = ()) -> list[str]:
+    """pyllama.server in one process on the CPU: no rpc, -t threads, one group."""
+    return ["-np", str(users), "-c", str(ctx_for(users, npp, ntg)), "-t", str(threads)] + list(extra)
+
+
+def llama_args(users: int, npp: int, ntg: int, threads: int, endpoint: Optional[str] = None,
+               ngl: Optional[int] = None) -> list[str]:
+    """llama-server's arguments (after -m, --host, --port): unsplit, or with --rpc ENDPOINT -ngl N
+    (the output layer and the last N-1 blocks on the rpc server, see `llama_ngl`)."""
+    args = ["-np", str(users), "-c", str(ctx_for(users, npp, ntg)), "-t", str(threads), "-tb", str(threads)]
+    if endpoint is not None:
+        args += ["--rpc", endpoint, "-ngl", str(ngl if ngl is not None else 0)]
+    return args
+
+
+def split_blocks(n_layer: int, tensor_split: str, order: str) -> Optional[int]:
+    """Blocks the last device (the one with the output layer) holds in a pyllama split cell of
+    `order` under --tensor-split; None for auto (the server chose: `blocks_from_log` reads it)."""
+    from pyllama.weights import split_layers  # noqa: PLC0415
+
+    ts = split_arg(tensor_split, order)
+    devs = order.split(",")
+    if ts is None or len(devs) < 2:
+        return None
+    props = [float(x) for x in ts.split(",")]
+    return split_layers(n_layer, props).count(len(devs) - 1)
+
+
+_LAYERS = re.compile(r"layers: (.+?)\s*$", re.M)
+
+
+def blocks_from_log(text: str) -> Optional[int]:
+    """Blocks of the device with the output layer, from a pyllama server's load line
+    ('layers: RPC0 0-6, CPU 7-11 + output' -> 5); None without such a line."""
+    m = _LAYERS.findall(text)
+    if not m:
+        return None
+    for part in m[-1].split(","):
+        words = part.split()
+        if len(words) >= 2 and "output" in words[2:]:
+            if words[1] == "none":
+                return 0
+            lo, _, hi = words[1].partition("-")
+            if lo.isdigit() and hi.isdigit():
+                return int(hi) - int(lo) + 1
+    return None
+
+
+def llama_ngl(last_blocks: int) -> int:
+    """llama-server's -ngl for a split with the same work per process as pyllama's: llama.cpp
+    offloads the output layer first, then blocks from the last one down, so the rpc side takes
+    the output layer and `last_blocks` blocks (the part pyllama's last device has) and the local
+    CPU the first blocks (pyllama's first device's part). For the order CPU,RPC0 the placement is
+    the same; for RPC0,CPU the same blocks run on the other process."""
+    return last_blocks + 1
+
+
+def parse_busy(summary: str) -> dict[str, float]:
+    """Busy % per device from `trace_tools/merge.py --summary` (its device table: name, busy, idle,
+    other busy, none busy, idle%, transfer); {} when the text has no such table."""
+    out: dict[str, float] = {}
+    lines = summary.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.split()[:2] == ["device", "busy"]), None)
+    if start is None:
+        return out
+    for ln in lines[start + 1:]:
+        w = ln.split()
+        if len(w) < 7 or not w[5].endswith("%"):
+            break
+        try:
+            out[w[0]] = round(100.0 - float(w[5].rstrip("%")), 1)
+        except ValueError:
+            break
+    return out
+
+
+def arm_key(r: dict) -> tuple:
+    """What identifies an arm within a (type, users) block."""
+    k = r["kind"]
+    if k == SPLIT:
+        return (k, r["order"], r["groups"])
+    if k in (UNSPLIT, LLAMA_UNSPLIT):
+        return (k, r["threads"])
+    return (k,)
+
+
+def arm_label(key: tuple) -> str:
+    k = key[0]
+    if k == SPLIT:
+        return f"{KIND_LABEL[k]} {key[1]} {key[2]} group{'s' if key[2] > 1 else ''}"
+    if k in (UNSPLIT, LLAMA_UNSPLIT):
+        return f"{KIND_LABEL[k]} -t {key[1]}"
+    return KIND_LABEL[k]
+
+
+def all_cells(records: list[dict]) -> list[dict]:
+    """One cell per (type, users, arm), in first-run order, each aggregate()d over its legs, with
+    the mean busy % per device of the legs that were traced."""
+    keys: list[tuple] = []
+    for r in records:
+        k = (r["type"], r["users"], arm_key(r))
+        if k not in keys:
+            keys.append(k)
+    cells = []
+    for t, u, ak in keys:
+        legs = [r for r in records if r["type"] == t and r["users"] == u and arm_key(r) == ak]
+        cell = {"type": t, "users": u, "arm": arm_label(ak), "key": list(ak), **aggregate(legs)}
+        cell["completed"] = sum(int((r.get("bench") or {}).get("requests_done") or 0) for r in legs)
+        cell["requests"] = sum(int((r.get("bench") or {}).get("requests") or 0) for r in legs)
+        busy: dict[str, list[float]] = {}
+        for r in legs:
+            for dev, pct in (r.get("busy_pct") or {}).items():
+                busy.setdefault(dev, []).append(pct)
+        cell["busy_pct"] = {d: round(statistics.fmean(v), 1) for d, v in busy.items()}
+        cells.append(cell)
+    return cells
+
+
+def paired_ratio(records: list[dict], t: str, users: int, num: tuple, den: tuple) -> Optional[dict]:
+    """tok/s of arm `num` over arm `den` (same type and users): the ratio of the means, and the
+    min..max of the per-leg ratios (legs are interleaved, so leg i of both ran side by side)."""
+    def by_leg(key: tuple) -> dict[int, float]:
+        return {r["leg"]: r["gen_tok_s"] for r in records
+                if r["type"] == t and r["users"] == users and arm_key(r) == key and r.get("gen_tok_s")}
+    a, b = by_leg(num), by_leg(den)
+    if not a or not b:
+        return None
+    legs = sorted(set(a) & set(b))
+    per_leg = [a[i] / b[i] for i in legs]
+    return {"ratio": statistics.fmean(a.values()) / statistics.fmean(b.values()),
+            "min": min(per_leg) if per_leg else None, "max": max(per_leg) if per_leg else None,
+            "legs": len(per_leg)}
+
+
+def issue_ratios(records: list[dict], types: list[str], users: list[int], orders: list[str],
+                 groups: list[int], threads: list[int], split_threads: int) -> list[dict]:
+    """The ratios the targets name, per weight type and user count, where both arms ran:
+    pyllama -t2/-t1 (and llama.cpp's, the ceiling two threads give here), 2 groups / 1 group,
+    2 groups / pyllama unsplit at the split's total threads, pyllama 2 groups / llama.cpp split."""
+    rows = []
+    hi_t = max(threads) if threads else None
+    lo_t = min(threads) if threads else None
+    g2 = 2 if 2 in groups else (max(groups) if groups else None)
+    for t in types:
+        for u in users:
+            pairs: list[tuple[str, tuple, tuple]] = []
+            if hi_t is not None and lo_t is not None and hi_t != lo_t:
+                pairs.append((f"pyllama -t {hi_t} / -t {lo_t}", (UNSPLIT, hi_t), (UNSPLIT, lo_t)))
+                pairs.append((f"llama.cpp -t {hi_t} / -t {lo_t}", (LLAMA_UNSPLIT, hi_t), (LLAMA_UNSPLIT, lo_t)))
+            for o in orders:
+                if g2 is not None and g2 != 1 and 1 in groups:
+                    pairs.append((f"{o}: {g2} groups / 1 group", (SPLIT, o, g2), (SPLIT, o, 1)))
+                if g2 is not None:
+                    n_dev = len(o.split(","))
+                    pairs.append((f"{o}: {g2} group(s) / pyllama unsplit -t {n_dev * split_threads}",
+                                  (SPLIT, o, g2), (UNSPLIT, n_dev * split_threads)))
+                    pairs.append((f"{o}: pyllama split {g2} group(s) / llama.cpp split",
+                                  (SPLIT, o, g2), (LLAMA_SPLIT,)))
+            for name, num, den in pairs:
+                r = paired_ratio(records, t, u, num, den)
+                if r is not None:
+                    rows.append({"type": t, "users": u, "name": name, **r})
+    return rows
+
+
+def format_cells(cells: list[dict]) -> str:
+    head = ["type", "users", "arm", "tok/s mean [min..max]", "legs", "done/sent", "TPOT ms", "TTFT med ms",
+            "busy %"]
+    rows = []
+    for c in cells:
+        tok = "-" if c["tok_s_mean"] is None else \
+            f"{c['tok_s_mean']:.1f} [{c['tok_s_min']:.1f}..{c['tok_s_max']:.1f}]"
+        busy = ", ".join(f"{d} {p:.0f}" for d, p in c.get("busy_pct", {}).items()) or "-"
+        rows.append([c["type"], str(c["users"]), c["arm"], tok, str(c["legs"]), f"{c['completed']}/{c['requests']}",
+                     _num(c["tpot_ms"], ".1f"), _num(c["ttft_ms_median"], ".1f"), busy])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    right = {1, 3, 4, 5, 6, 7}
+
+    def line(r: list[str]) -> str:
+        return " | ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
+
+    return "\n".join([line(head), "-+-".join("-" * w for w in widths)] + [line(r) for r in rows])
+
+
+def format_ratios(rows: list[dict]) -> str:
+    if not rows:
+        return "ratios: none (an arm of each pair is missing)"
+    out = ["ratios (of the cell means; [min..max] of the per-leg ratios):"]
+    for r in rows:
+        spread = "" if r["min"] is None else f" [{r['min']:.2f}..{r['max']:.2f}]"
+        out.append(f"  {r['type']} {r['users']} users: {r['name']}: {r['ratio']:.2f}x{spread}")
+    return "\n".join(out)
+
+
 def pick_subnet(pid: int, used: Iterable[int]) -> int:
     """X of 10.231.X.0/30: from the pid, skipping third octets already in use on this machine."""
     used = set(used)
@@ -416,6 +677,101 @@ class NetnsPeer:
             _run_quiet(["ip", "link", "del", self.host_if])
 
 
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float, tail) -> None:
+    """Until GET /health answers 200 (llama-server answers 503 while it loads)."""
+    import http.client  # noqa: PLC0415
+    import urllib.parse  # noqa: PLC0415
+
+    u = urllib.parse.urlsplit(url)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited {proc.returncode}: {tail()}")
+        try:
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=5)
+            conn.request("GET", "/health")
+            status = conn.getresponse().status
+            conn.close()
+            if status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"not ready after {timeout:.0f} s: {tail()}")
+
+
+def _stop_proc(proc: Optional[subprocess.Popen], timeout: float = 30) -> Optional[int]:
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+class LlamaServer:
+    """llama.cpp's llama-server from the peers folder, on a free loopback port."""
+
+    live: "set[LlamaServer]" = set()
+
+    def __init__(self, peers, model: str, args: list[str], ready_timeout: float) -> None:
+        from server_util import free_port  # noqa: PLC0415
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = peers.popen("llama-server", "-m", model, "--host", "127.0.0.1", "--port", str(self.port), *args,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.drain = _Drain(self.proc.stdout, keep=400)
+        LlamaServer.live.add(self)
+        try:
+            _wait_http(self.url, self.proc, ready_timeout, lambda: self.drain.tail(10))
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_tail(self, n: int = 20) -> str:
+        return self.drain.tail(n)
+
+    def stop(self) -> Optional[int]:
+        code = _stop_proc(self.proc)
+        LlamaServer.live.discard(self)
+        return code
+
+
+class GgmlRpcPeer:
+    """llama.cpp's ggml-rpc-server (-t threads) on a free loopback port, for the whole run."""
+
+    def __init__(self, peers, threads: int, timeout: float = 60) -> None:
+        import socket  # noqa: PLC0415
+
+        from server_util import free_port  # noqa: PLC0415
+
+        self.port = free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc = peers.popen("ggml-rpc-server", "-H", "127.0.0.1", "-p", str(self.port), "-t", str(threads),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.drain = _Drain(self.proc.stdout)
+        deadline = time.monotonic() + timeout
+        while True:  # it prints nothing we can rely on: ready once the port takes a connection
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ggml-rpc-server exited {self.proc.returncode}: {self.drain.tail(10)}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("ggml-rpc-server did not start listening") from None
+                time.sleep(0.1)
+
+    def stop(self) -> Optional[int]:
+        return _stop_proc(self.proc)
+
+
 def _on_signal(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
@@ -452,21 +808,29 @@ def restore_signals() -> None:
 # ---------------------------------------------------------------------------------------------
 # The run
 
-def model_path(preset: str) -> str:
+def model_path(preset: str, wtype: str = "f32") -> str:
+    """bench/out/models/PRESET-WTYPE.gguf, made once with pyllama.models.make."""
     from pyllama.models.make import make_model  # noqa: PLC0415
 
     out = os.path.join(HERE, "out", "models")
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"{preset}-f32.gguf")
+    path = os.path.join(out, f"{preset}-{wtype}.gguf")
     if not os.path.exists(path):
-        tmp = os.path.join(out, f".{preset}-f32.{os.getpid()}.tmp.gguf")
+        tmp = os.path.join(out, f".{preset}-{wtype}.{os.getpid()}.tmp.gguf")
         try:
-            make_model(preset, tmp)
+            make_model(preset, tmp, wtype=wtype)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return path
+
+
+def model_layers(model: str) -> int:
+    from pyllama.models.gguf_file import read_metadata  # noqa: PLC0415
+
+    md = read_metadata(model)
+    return int(md.get(f"{md.get('general.architecture', 'llama')}.block_count") or 0)
 
 
 def prompt_vocab(model: str) -> tuple[int, int]:
@@ -485,18 +849,56 @@ def prompt_vocab(model: str) -> tuple[int, int]:
     return lo, hi
 
 
-def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], log) -> dict:
-    """Start the cell's server, bench it, stop it. Never raises for a server that fails."""
-    args = server_args(run["order"], endpoint, run["groups"], run["users"], a.npp, a.ntg, a.threads,
-                       a.tensor_split, shlex.split(a.server_args))
-    rec = {**run, "np": slots_for(run["users"], run["groups"]),
-           "ctx": ctx_for(slots_for(run["users"], run["groups"]), a.npp, a.ntg),
+def _trace_name(run: dict) -> str:
+    order = run.get("order", "").replace(",", "-")
+    return f"{run['type']}-{run['kind']}-{order}-g{run.get('groups', 0)}-u{run['users']}-leg{run['leg']}.jsonl"
+
+
+def busy_shares(server_trace: str, peer_trace: str, timeout: float = 600) -> tuple[dict[str, float], str]:
+    """Busy % per device of one traced cell, from trace_tools/merge.py --summary (and its text)."""
+    cmd = [sys.executable, os.path.join(ROOT, "trace_tools", "merge.py"), server_trace, peer_trace, "--summary"]
+    try:
+        r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {}, "merge.py --summary timed out"
+    text = r.stdout if r.returncode == 0 else (r.stdout + r.stderr)[-2000:]
+    return parse_busy(text), text
+
+
+def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], log, ctx: Optional[dict] = None) -> dict:
+    """Start the cell's server (pyllama or llama-server), bench it, stop it. Never raises for a
+    server that fails. `ctx` carries the run's shared state: peers, the llama.cpp rpc endpoint,
+    the trace folder and the peer's trace, the blocks pyllama gave RPC0 (for llama.cpp's -ngl)."""
+    ctx = ctx or {}
+    kind = run.get("kind", SPLIT)
+    extra = shlex.split(a.server_args)
+    trace_path = None
+    if kind == SPLIT:
+        args = server_args(run["order"], endpoint, run["groups"], run["users"], a.npp, a.ntg, a.threads,
+                           a.tensor_split, extra)
+        if ctx.get("trace_dir"):
+            trace_path = os.path.join(ctx["trace_dir"], _trace_name(run))
+            args += ["--trace", trace_path]
+        n_slots = slots_for(run["users"], run["groups"])
+    elif kind == UNSPLIT:
+        args = unsplit_args(run["users"], a.npp, a.ntg, run["threads"], extra)
+        n_slots = run["users"]
+    elif kind == LLAMA_UNSPLIT:
+        args = llama_args(run["users"], a.npp, a.ntg, run["threads"])
+        n_slots = run["users"]
+    else:
+        ngl = ctx.get("llama_ngl")
+        args = llama_args(run["users"], a.npp, a.ntg, a.threads, ctx.get("llama_endpoint"), ngl)
+        n_slots = run["users"]
+    llama = kind in (LLAMA_SPLIT, LLAMA_UNSPLIT)
+    rec = {**run, "np": n_slots, "ctx": ctx_for(n_slots, a.npp, a.ntg),
            "server_args": ["-m", model, *args], "start_error": None, "server_exit": None,
            "gen_tok_s": None, "tpot_ms": None, "ttft_ms_median": None, "ttft_ms_p99": None,
            "errors": 0, "short": 0, "exit_status": 0, "failures": [], "bench": None}
     t0 = time.monotonic()
     try:
-        server = CellServer(model, args, a.ready_timeout)
+        server = LlamaServer(ctx["peers"], model, args, a.ready_timeout) if llama else \
+            CellServer(model, args, a.ready_timeout)
     except Exception as e:  # noqa: BLE001 - a server that does not start is a failed cell
         msg = str(e).strip().splitlines()
         rec["start_error"] = " ".join(msg[-3:]) if msg else type(e).__name__
@@ -515,7 +917,16 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
     for k in ("gen_tok_s", "tpot_ms", "ttft_ms_median", "ttft_ms_p99", "errors", "short", "exit_status",
               "failures"):
         rec[k] = rep[k]
+    if llama and rep["requests_done"] > 0 and rep["exit_status"] != 0:
+        # HTTP 500s against random-weight models: the tokens/s count completed requests only
+        rec["exit_status"], rec["failures"] = 0, []
     rec["server_log_tail"] = server.log_tail()
+    if kind == SPLIT:
+        blocks = blocks_from_log(getattr(server.sp, "stderr_text", ""))
+        if blocks is not None:
+            rec["last_blocks"] = blocks
+    if trace_path and ctx.get("peer_trace"):
+        rec["busy_pct"], rec["trace_summary"] = busy_shares(trace_path, ctx["peer_trace"])
     return rec
 
 
@@ -536,12 +947,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt token ids")
     ap.add_argument("--timeout", type=float, default=600, help="HTTP socket timeout per operation, seconds")
     ap.add_argument("--ready-timeout", type=float, default=600, help="seconds a server may take to load")
-    ap.add_argument("--tensor-split", default="even", help="even: -ts 1,1 (a fixed layer boundary); auto: no -ts (by free memory); "
-                         "or proportions a,b passed as they are")
+    ap.add_argument("--tensor-split", default="even",
+                    help="even: -ts 1,1 (a fixed layer boundary); auto: no -ts (the server's split by measured "
+                         "speed); or proportions a,b passed as they are")
     ap.add_argument("--server-args", default="", metavar="'ARGS'",
                     help="more pyllama.server arguments for every cell, e.g. '--kv-unified'")
     ap.add_argument("--netns", action="store_true", help="rpc server in its own network namespace (root)")
     ap.add_argument("--rate", default="10gbit", help="tbf rate of the veth pair with --netns")
+    ap.add_argument("--types", default="f32", help="weight types of the --preset models, e.g. f32,q4_k_m "
+                    "(each made once under bench/out/models; ignored with --model)")
+    ap.add_argument("--unsplit-threads", default="none", metavar="T,T",
+                    help="thread counts of the unsplit cells (one process, no rpc), e.g. 1,2; none: no such cell")
+    ap.add_argument("--peers", metavar="DIR",
+                    help="llama.cpp's programs (DIR/bin: ggml-rpc-server, llama-server; default $PYLLAMA_PEERS): "
+                         "adds llama.cpp's split (ggml-rpc-server -t T + llama-server --rpc -ngl N -t T, the same "
+                         "blocks per process as pyllama's split) and its unsplit server at --unsplit-threads")
+    ap.add_argument("--llama-ngl", type=int, metavar="N",
+                    help="llama.cpp split: -ngl N (default: 1 + the blocks the last device holds in the pyllama "
+                         "split cells of RPC0,CPU: the rpc side then runs those blocks and the output layer)")
+    ap.add_argument("--trace", metavar="DIR",
+                    help="trace the pyllama split cells (server and rpc server) into DIR and report each "
+                         "device's busy share from trace_tools/merge.py --summary")
     ap.add_argument("--json", metavar="OUT", help="write everything, every leg included, as JSON")
     return ap
 
@@ -552,8 +978,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         orders = parse_orders(a.orders)
         groups = parse_int_list(a.groups, "groups")
         users = parse_int_list(a.users, "users")
+        unsplit_threads = parse_thread_list(a.unsplit_threads, "unsplit-threads")
+        types = parse_types(a.types) if not a.model else ["model"]
         if a.legs < 1 or a.npp < 1 or a.ntg < 1 or a.requests < 1 or a.threads < 0 or a.warmup < 0:
             raise ValueError("--legs, --npp, --ntg and -r must be at least 1; -t and --warmup at least 0")
+        if a.llama_ngl is not None and a.llama_ngl < 0:
+            raise ValueError("--llama-ngl must be at least 0")
         shlex.split(a.server_args)
         if a.netns:
             tbf_burst(a.rate)
@@ -570,93 +1000,156 @@ def main(argv: Optional[list[str]] = None) -> int:
         if missing:
             print(f"{PROG}: --netns needs {' and '.join(missing)} (iproute2)", file=sys.stderr)
             return 1
+    peers = None
+    if a.peers or os.environ.get("PYLLAMA_PEERS"):
+        from peers import Peers  # noqa: PLC0415
+
+        folder = a.peers or os.environ["PYLLAMA_PEERS"]
+        missing = [p for p in ("llama-server", "ggml-rpc-server") if not os.path.isfile(os.path.join(folder, "bin", p))]
+        if missing:
+            print(f"{PROG}: --peers {folder}: no {' or '.join('bin/' + m for m in missing)}", file=sys.stderr)
+            return 1
+        peers = Peers(folder)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    model = a.model
-    if model:
-        if not os.path.isfile(model):
-            print(f"{PROG}: --model {model}: no such file", file=sys.stderr)
+    models: dict[str, str] = {}
+    if a.model:
+        if not os.path.isfile(a.model):
+            print(f"{PROG}: --model {a.model}: no such file", file=sys.stderr)
             return 1
+        models["model"] = a.model
     else:
         try:
-            model = model_path(a.preset)
+            for t in types:
+                models[t] = model_path(a.preset, t)
         except ValueError as e:
             print(f"{PROG}: {e}", file=sys.stderr)
             return 1
-    vocab = prompt_vocab(model)
-    runs = schedule(orders, groups, users, a.legs)
+    vocabs = {t: prompt_vocab(m) for t, m in models.items()}
+    arms = make_arms(orders, groups, unsplit_threads, peers is not None)
+    runs = full_schedule(types, arms, users, a.legs)
     if os.environ.pop(GROUPS_ENV, None) is not None:
         log(f"ignoring {GROUPS_ENV} from the environment: every cell sets its own group count")
+    trace_dir = None
+    if a.trace:
+        trace_dir = os.path.abspath(a.trace)
+        os.makedirs(trace_dir, exist_ok=True)
 
     install_signal_handlers()
     peer: Optional[NetnsPeer] = None
     rpc: Optional[RPCServerProcess] = None
+    llama_rpc: Optional[GgmlRpcPeer] = None
     records: list[dict] = []
     t_start = time.time()
+    endpoint = ""
 
     def cleanup() -> None:
         ignore_signals()
         for server in list(CellServer.live):
             server.stop()
+        for server in list(LlamaServer.live):
+            server.stop()
         if rpc is not None:
             rpc.stop()
+        if llama_rpc is not None:
+            llama_rpc.stop()
         if peer is not None:
             peer.teardown()
+        if peers is not None:
+            peers.close()
         restore_signals()
 
+    shared: dict = {"peers": peers, "trace_dir": trace_dir, "peer_trace": None}
     try:
-        if a.netns:
-            peer = NetnsPeer(a.rate, a.threads)
-            atexit.register(peer.teardown)
-            try:
-                peer.setup()
-                endpoint = peer.start_rpc()
-            except RuntimeError as e:
-                print(f"{PROG}: --netns: {e}", file=sys.stderr)
-                return 1
-            log(f"rpc server in namespace {peer.ns} at {endpoint}, veth {peer.host_if}/{peer.peer_if} "
-                f"tbf {a.rate}")
-        else:
-            rpc = RPCServerProcess("-t", str(a.threads))
-            atexit.register(rpc.stop)
-            endpoint = rpc.endpoint
-            log(f"rpc server at {endpoint}")
-        log(f"model {model}; {len(runs)} runs: orders {orders}, groups {groups}, users {users}, "
-            f"{a.legs} legs, npp {a.npp}, ntg {a.ntg}, -r {a.requests}, -t {a.threads}")
+        if any(r["kind"] == SPLIT for r in runs):
+            peer_args = ["-t", str(a.threads)]
+            if trace_dir:
+                shared["peer_trace"] = os.path.join(trace_dir, "rpc-server.jsonl")
+                peer_args += ["--trace", shared["peer_trace"]]
+            if a.netns:
+                peer = NetnsPeer(a.rate, a.threads)
+                atexit.register(peer.teardown)
+                try:
+                    peer.setup()
+                    endpoint = peer.start_rpc()
+                except RuntimeError as e:
+                    print(f"{PROG}: --netns: {e}", file=sys.stderr)
+                    return 1
+                log(f"rpc server in namespace {peer.ns} at {endpoint}, veth {peer.host_if}/{peer.peer_if} "
+                    f"tbf {a.rate}")
+            else:
+                rpc = RPCServerProcess(*peer_args)
+                atexit.register(rpc.stop)
+                endpoint = rpc.endpoint
+                log(f"rpc server at {endpoint}")
+        if any(r["kind"] == LLAMA_SPLIT for r in runs):
+            llama_rpc = GgmlRpcPeer(peers, a.threads)
+            shared["llama_endpoint"] = llama_rpc.endpoint
+            log(f"ggml-rpc-server at {llama_rpc.endpoint}")
+        log(f"models {models}; {len(runs)} runs: {len(arms)} arms ({', '.join(arm_label(arm_key(r)) for r in arms)}), "
+            f"users {users}, {a.legs} legs, npp {a.npp}, ntg {a.ntg}, -r {a.requests}, -t {a.threads}")
         for i, run in enumerate(runs, 1):
-            log(f"[{i}/{len(runs)}] {run['order']} groups {run['groups']} users {run['users']} leg {run['leg']}")
-            rec = run_cell(model, endpoint, run, a, vocab, log)
+            log(f"[{i}/{len(runs)}] {run['type']} {arm_label(arm_key(run))} users {run['users']} leg {run['leg']}")
+            if run["kind"] == LLAMA_SPLIT:
+                ngl = a.llama_ngl
+                if ngl is None:  # the part of the last device in this type's pyllama split cells
+                    ref = "RPC0,CPU" if "RPC0,CPU" in orders else orders[0]
+                    seen = [r["last_blocks"] for r in records if r["type"] == run["type"] and r["kind"] == SPLIT
+                            and r["order"] == ref and r.get("last_blocks") is not None]
+                    n_layer = model_layers(models[run["type"]])
+                    last = seen[-1] if seen else split_blocks(n_layer, a.tensor_split, ref)
+                    ngl = llama_ngl(n_layer // 2 if last is None else last)
+                shared["llama_ngl"] = ngl
+            rec = run_cell(models[run["type"]], endpoint, run, a, vocabs[run["type"]], log, shared)
             records.append(rec)
             if rec["start_error"] is None:
+                done = (rec.get("bench") or {}).get("requests_done")
                 log(f"  {_num(rec['gen_tok_s'], '.1f')} tok/s, TPOT {_num(rec['tpot_ms'], '.1f')} ms, "
-                    f"TTFT median {_num(rec['ttft_ms_median'], '.1f')} ms, errors {rec['errors']}"
+                    f"TTFT median {_num(rec['ttft_ms_median'], '.1f')} ms, errors {rec['errors']}, "
+                    f"completed {done}" + (f", busy {rec['busy_pct']}" if rec.get("busy_pct") else "")
                     + ("" if rec["exit_status"] == 0 else "  FAIL: " + "; ".join(rec["failures"])))
     finally:
         cleanup()
 
-    cells = summarize(records, orders, users, groups)
-    best = best_ratios(cells, orders, 2)
-    print(f"pipeline cells: {os.path.basename(model)}, npp {a.npp}, ntg {a.ntg}, -r {a.requests}, "
-          f"-t {a.threads}, {a.legs} legs per arm, rpc "
+    split_records = [r for r in records if r["kind"] == SPLIT]
+    cells = []
+    for t in types:
+        cells += [{"type": t, **c} for c in summarize([r for r in split_records if r["type"] == t], orders, users, groups)]
+    best = best_ratios(cells, orders, 2) if len(types) == 1 else {}
+    every = all_cells(records)
+    ratios = issue_ratios(records, types, users, orders, groups, unsplit_threads, a.threads)
+    print(f"pipeline cells: {', '.join(os.path.basename(m) for m in models.values())}, npp {a.npp}, ntg {a.ntg}, "
+          f"-r {a.requests}, -t {a.threads}, {a.legs} legs per arm, rpc "
           + (f"in netns behind tbf {a.rate}" if a.netns else "on loopback"))
-    print(format_table(cells))
-    print()
-    print(format_best(best, 2))
-    failed = [r for r in records if r["exit_status"] != 0 or r["errors"]]
+    if split_records:
+        print(format_table(cells))
+        print()
+        if len(types) == 1:
+            print(format_best(best, 2))
+    if len(every) > len(cells) or len(types) > 1 or trace_dir:
+        print()
+        print(format_cells(every))
+        print()
+        print(format_ratios(ratios))
+        if peers is not None:
+            print(LLAMA_NOTE)
+    failed = [r for r in records if r["exit_status"] != 0 or (r["errors"] and r["kind"] not in (LLAMA_SPLIT, LLAMA_UNSPLIT))]
     for r in failed[:10]:
-        print(f"FAIL {r['order']} groups {r['groups']} users {r['users']} leg {r['leg']}: "
-              + "; ".join(r["failures"] or [f"{r['errors']} errors"]))
+        where = (f"{r['order']} groups {r['groups']}" if r["kind"] == SPLIT else arm_label(arm_key(r)))
+        print(f"FAIL {where} users {r['users']} leg {r['leg']}: " + "; ".join(r["failures"] or [f"{r['errors']} errors"]))
     status = 1 if failed else 0
     if a.json:
         doc = {
-            "config": {k: getattr(a, k) for k in vars(a)}, "model": model, "prompt_vocab": list(vocab),
-            "orders": orders, "groups": groups, "users": users, "rpc_endpoint": endpoint,
+            "config": {k: getattr(a, k) for k in vars(a)}, "models": models, "model": next(iter(models.values())),
+            "prompt_vocab": {t: list(v) for t, v in vocabs.items()},
+            "orders": orders, "groups": groups, "users": users, "types": types, "unsplit_threads": unsplit_threads,
+            "arms": arms, "rpc_endpoint": endpoint,
             "netns": peer.describe() if peer is not None else None,
             "started": t_start, "wall_s": round(time.time() - t_start, 3),
-            "schedule": runs, "legs": records, "cells": cells,
-            "best_2_over_1": best, "exit_status": status,
+            "schedule": runs, "legs": records, "cells": cells, "all_cells": every, "ratios": ratios,
+            "best_2_over_1": best, "exit_status": status, "llama_note": LLAMA_NOTE if peers is not None else None,
         }
         with open(a.json, "w") as fh:
             json.dump(doc, fh, indent=1, default=str)

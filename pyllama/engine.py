@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from .backend.base import Backend, DType, lost_devices
 from .backend.cpu import CPUBackend, set_compute_threads
+from .balance import MeasuredSplit, measured_split
 from .context import Context
 from .devices import default_split
 from .errors import ModelFileError, PyllamaError
@@ -42,7 +43,16 @@ class Engine:
             raise ModelFileError(f"{model_path}: the vocabulary has {self.tokenizer.n_vocab} tokens "
                                  f"but the model has {hp.n_vocab} embedding rows")
         self.backends = list(backends) if backends else [CPUBackend(self.n_threads)]
-        proportions = tensor_split or (default_split(self.backends) if len(self.backends) > 1 else [1.0])
+        # without -ts: llama.cpp's by-free-memory split, or with PYLLAMA_SPLIT_PROBE=1 the devices'
+        # timed step costs balanced (balance.py; the output layer counted on the last device)
+        self.measured_split: Optional[MeasuredSplit] = None
+        proportions = tensor_split
+        if not proportions:
+            proportions = default_split(self.backends) if len(self.backends) > 1 else [1.0]
+            if len(self.backends) > 1 and hp.n_layer > 0:
+                self.measured_split = measured_split(self.model, self.backends, proportions, map_weights)
+                if self.measured_split is not None:
+                    proportions = [float(n) for n in self.measured_split.counts]
         if len(proportions) != len(self.backends):
             raise ValueError(f"--tensor-split has {len(proportions)} values for {len(self.backends)} devices")
         self.placement = Placement(self.backends, split_layers(hp.n_layer, proportions))

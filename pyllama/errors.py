@@ -11,3 +11,7 @@ class ModelFileError(PyllamaError):
 
 class ContextLimitError(PyllamaError):
     """A request that does not fit the context it was given."""
+
+
+class UnsupportedOpError(PyllamaError):
+    """A placement that gives layers to a device without the ops they need."""

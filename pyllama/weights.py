@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from .backend.base import Backend, Buffer, DType, Tensor, dequantize_f32, nbytes_of
-from .errors import ModelFileError, PyllamaError
+from .errors import ModelFileError, PyllamaError, UnsupportedOpError
 from .tensor import Op
 from .models.hparams import GEMMA_ARCHS
 from .models.model import Model
@@ -246,7 +246,7 @@ def _check_ops(model: Model, placement: Placement) -> None:
             missing = [op.name for op in ops if not backend.supports(op)]
             if layers and missing:
                 where = getattr(getattr(backend, "conn", None), "endpoint", None)
-                raise PyllamaError(
+                raise UnsupportedOpError(
                     f"{model.name}: {what} cannot run on {backend.name}"
                     f"{f' (the RPC server at {where}; update that server)' if where else ''}, which lacks "
                     f"{', '.join(missing)}; keep layers {layers[0]}-{layers[-1]} on a device that has them (the CPU)")

@@ -1,0 +1,126 @@
+"""bench/pipeline_cells.py's other arms: pyllama unsplit, llama.cpp's split and unsplit servers,
+weight types, traced busy shares; the pure parts, and a tiny end-to-end run (llama.cpp's cells
+only where $PYLLAMA_PEERS names a folder with its programs)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "pipeline_cells.py")
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import pipeline_cells as pc  # noqa: E402
+
+
+def test_arms_and_schedule_interleave_every_arm_per_leg():
+    arms = pc.make_arms(["RPC0,CPU"], [1, 2], [1, 2], llama=True)
+    assert [pc.arm_label(pc.arm_key(a)) for a in arms] == [
+        "pyllama split RPC0,CPU 1 group", "pyllama split RPC0,CPU 2 groups", "pyllama -t 1", "pyllama -t 2",
+        "llama.cpp split", "llama.cpp -t 1", "llama.cpp -t 2"]
+    runs = pc.full_schedule(["f32", "q4_k_m"], arms, [32], legs=3)
+    assert len(runs) == 2 * 3 * len(arms)
+    assert [r["leg"] for r in runs[:2 * len(arms)]] == [1] * len(arms) + [2] * len(arms)
+    assert {r["type"] for r in runs[:3 * len(arms)]} == {"f32"}
+    assert pc.make_arms(["RPC0,CPU"], [1], [], llama=False) == [{"kind": "split", "order": "RPC0,CPU", "groups": 1}]
+
+
+def test_parse_types_and_threads():
+    assert pc.parse_types("f32, Q4_K_M") == ["f32", "q4_k_m"]
+    for bad in ("", "f32,f32", "q3_x"):
+        with pytest.raises(ValueError):
+            pc.parse_types(bad)
+    assert pc.parse_thread_list("none", "unsplit-threads") == []
+    assert pc.parse_thread_list("1,2", "unsplit-threads") == [1, 2]
+
+
+def test_unsplit_and_llama_arguments():
+    assert pc.unsplit_args(32, 64, 64, 2) == ["-np", "32", "-c", str(32 * 144), "-t", "2"]
+    assert pc.llama_args(32, 64, 64, 1) == ["-np", "32", "-c", str(32 * 144), "-t", "1", "-tb", "1"]
+    assert pc.llama_args(4, 8, 4, 1, "127.0.0.1:5", 7)[-4:] == ["--rpc", "127.0.0.1:5", "-ngl", "7"]
+
+
+def test_llama_split_has_the_blocks_of_pyllamas_split_per_process():
+    # medium: 12 blocks; -ts 1,1 -> the last device holds 6 blocks and the output layer
+    assert pc.split_blocks(12, "even", "RPC0,CPU") == 6
+    assert pc.split_blocks(12, "7,5", "RPC0,CPU") == 5
+    assert pc.split_blocks(12, "auto", "RPC0,CPU") is None
+    # llama.cpp's -ngl counts the output layer first: 5 blocks + output -> -ngl 6
+    assert pc.llama_ngl(5) == 6
+    log = "... model m loaded: 32 slots ...; layers: RPC0 0-6, CPU 7-11 + output\n"
+    assert pc.blocks_from_log(log) == 5
+    assert pc.blocks_from_log("layers: CPU 0-3, RPC0 4-11 + output") == 8
+    assert pc.blocks_from_log("no such line") is None
+
+
+SUMMARY = """window 5123.4 ms: 812 steps, 2 group(s), 2 device(s); times in ms
+device              busy     idle other busy none busy  idle%  transfer
+CPU               4611.0    512.4      400.1     112.3  10.0%     120.0
+RPC0/CPU          3739.5   1383.9     1300.0      83.9  27.0%     310.2
+  RPC0 = 127.0.0.1:50052
+no device busy 80.0 ms (1.6%); longest stretch 3.1 ms at +200.0 ms
+"""
+
+
+def test_parse_busy_reads_merge_summary():
+    assert pc.parse_busy(SUMMARY) == {"CPU": 90.0, "RPC0/CPU": 73.0}
+    assert pc.parse_busy("no steps and no device spans: nothing to summarise") == {}
+
+
+def _rec(t, kind, leg, tok, **kw):
+    return {"type": t, "kind": kind, "users": 32, "leg": leg, "gen_tok_s": tok, "tpot_ms": 1.0,
+            "ttft_ms_median": 1.0, "ttft_ms_p99": 1.0, "errors": 0, "short": 0, "exit_status": 0,
+            "bench": {"requests_done": 32, "requests": 32}, **kw}
+
+
+def test_ratios_pair_the_legs():
+    recs = []
+    for leg, (t1, t2, g1, g2, ll) in enumerate([(250, 380, 260, 370, 200), (252, 390, 258, 372, 210),
+                                                 (248, 370, 262, 368, 190)], 1):
+        recs += [_rec("f32", "unsplit", leg, t1, threads=1), _rec("f32", "unsplit", leg, t2, threads=2),
+                 _rec("f32", "split", leg, g1, order="RPC0,CPU", groups=1, busy_pct={"CPU": 50.0}),
+                 _rec("f32", "split", leg, g2, order="RPC0,CPU", groups=2, busy_pct={"CPU": 90.0 + leg}),
+                 _rec("f32", "llama-split", leg, ll)]
+    rows = {r["name"]: r for r in pc.issue_ratios(recs, ["f32"], [32], ["RPC0,CPU"], [1, 2], [1, 2], 1)}
+    r = rows["pyllama -t 2 / -t 1"]
+    assert r["ratio"] == pytest.approx((380 + 390 + 370) / (250 + 252 + 248))
+    assert (r["min"], r["max"]) == (pytest.approx(370 / 248), pytest.approx(390 / 252)) and r["legs"] == 3
+    assert rows["RPC0,CPU: 2 groups / 1 group"]["ratio"] == pytest.approx(1110 / 780)
+    assert rows["RPC0,CPU: 2 group(s) / pyllama unsplit -t 2"]["ratio"] == pytest.approx(1110 / 1140)
+    assert rows["RPC0,CPU: pyllama split 2 group(s) / llama.cpp split"]["ratio"] == pytest.approx(1110 / 600)
+    assert "llama.cpp -t 2 / -t 1" not in rows  # not measured: no ratio
+    cells = {c["arm"]: c for c in pc.all_cells(recs)}
+    assert cells["pyllama split RPC0,CPU 2 groups"]["busy_pct"] == {"CPU": 92.0}
+    assert cells["llama.cpp split"]["tok_s_mean"] == pytest.approx(200) and cells["llama.cpp split"]["legs"] == 3
+    text = pc.format_ratios(pc.issue_ratios(recs, ["f32"], [32], ["RPC0,CPU"], [1, 2], [1, 2], 1))
+    assert "f32 32 users: pyllama -t 2 / -t 1: 1.52x [1.49..1.55]" in text
+
+
+def test_tiny_end_to_end_with_the_new_arms(tiny_model, tmp_path):
+    out = tmp_path / "cells.json"
+    args = ["--model", tiny_model, "--groups", "1", "--users", "2", "--legs", "1", "--orders", "RPC0,CPU",
+            "--npp", "8", "--ntg", "4", "--unsplit-threads", "1,2", "--trace", str(tmp_path / "traces"),
+            "--json", str(out)]
+    peers = os.environ.get("PYLLAMA_PEERS")
+    llama = bool(peers) and os.path.isfile(os.path.join(peers, "bin", "llama-server"))
+    env = dict(os.environ)
+    if not llama:
+        env.pop("PYLLAMA_PEERS", None)
+    r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       stdin=subprocess.DEVNULL, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    kinds = [lg["kind"] for lg in doc["legs"]]
+    assert kinds == ["split", "unsplit", "unsplit"] + (["llama-split", "llama-unsplit", "llama-unsplit"] if llama else [])
+    split, t1, t2 = doc["legs"][:3]
+    assert "--rpc" not in t1["server_args"] and t1["server_args"][-2:] == ["-t", "1"] and t2["gen_tok_s"] > 0
+    assert split["last_blocks"] == 1  # the tiny model: 2 blocks, -ts 1,1
+    assert set(split["busy_pct"]) == {"CPU", "RPC0/CPU"} and all(0 < v <= 100 for v in split["busy_pct"].values())
+    assert "pyllama -t 2 / -t 1:" in r.stdout and "RPC0,CPU: 1 group(s) / pyllama unsplit -t 2" in r.stdout
+    if llama:
+        assert doc["legs"][3]["server_args"][-2:] == ["-ngl", "2"]
+        assert "llama.cpp cells count completed requests only" in r.stdout

@@ -126,7 +126,8 @@ def test_hello_fields_and_capabilities(healthy, tmp_path, monkeypatch):
     with Client(healthy.port) as a, Client(healthy.port) as b:
         major, minor, patch, reserved, caps, sid = a.hello_reply
         assert (major, minor, patch, reserved) == (*P.VERSION, 0)
-        assert caps == Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.DEVICE_TYPES | Cap.MOE_FFN
+        assert caps == (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.DEVICE_TYPES | Cap.MOE_FFN
+                        | Cap.DEVICE_BUSY)
         assert sid != 0 and b.hello_reply[5] == sid  # one id per server
     # another minor is compatible; a second HELLO is refused but the connection stays
     with Client(healthy.port, hello=False) as c:
@@ -135,7 +136,7 @@ def test_hello_fields_and_capabilities(healthy, tmp_path, monkeypatch):
         assert c.ok(Cmd.DEVICE_COUNT) == P.U32.pack(1)
     with start_server(cache_dir=str(tmp_path)) as st, Client(st.port) as c:
         assert c.hello_reply[4] == (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.DEVICE_TYPES
-                                        | Cap.SET_TENSOR_HASH | Cap.MOE_FFN)
+                                        | Cap.SET_TENSOR_HASH | Cap.MOE_FFN | Cap.DEVICE_BUSY)
         assert c.hello_reply[5] != sid
     monkeypatch.setenv("PYLLAMA_RPC_SERVER_CAPS", "0")
     with start_server(cache_dir=str(tmp_path)) as st, Client(st.port) as c:

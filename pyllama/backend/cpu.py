@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .. import trace
+from ..busy import BusyClock
 from .._fast import gemm, moe, qmatmul
 from .._fast import ops as k
 from .._fast import ops_extra as kx
@@ -90,6 +91,7 @@ class CPUBackend(Backend):
 
     def __init__(self, n_threads: int = 0, name: str = "CPU"):
         self.name = name
+        self.busy = BusyClock()  # when it computed: the live pipeline view, the rpc server's DEVICE_BUSY
         self.n_threads = n_threads if n_threads > 0 else (os.cpu_count() or 1)
         self._plans: "OrderedDict[int, list[Callable[[], None]]]" = OrderedDict()
         self._plans_lock = threading.Lock()
@@ -180,8 +182,12 @@ class CPUBackend(Backend):
             else:
                 self._plans.move_to_end(graph.uid)
         t0 = trace.now() if trace.enabled else 0
-        for step in steps:
-            step()
+        self.busy.begin()
+        try:
+            for step in steps:
+                step()
+        finally:
+            self.busy.end()
         if t0:
             trace.event("dev", f"compute {self.name}", t0, trace.now(), n_nodes=len(graph.nodes))
         for t, out in reads:

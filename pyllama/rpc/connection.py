@@ -154,6 +154,9 @@ class Connection:
         self._traced: dict[int, tuple] = {}  # ticket -> the send half of its trace event
         self._arena: Optional[StagingArena] = None
         self._arena_lock = threading.Lock()
+        # what crossed the link, always counted (a few additions per command): the live pipeline view
+        self.n_sent = self.bytes_out = 0      # commands sent and their bytes (under the send lock)
+        self.n_replies = self.bytes_in = 0    # replies read and their bytes (by the thread whose turn it is)
         rep = self.call(Cmd.HELLO, HELLO_REQ.pack(*VERSION, 0))
         if len(rep) != HELLO_REP.size:
             raise RPCError(f"{endpoint}: malformed HELLO reply")
@@ -263,6 +266,8 @@ class Connection:
             except OSError as exc:
                 self._fail(f"send failed: {exc}")
                 raise RPCError(self.broken) from None
+            self.n_sent += 1
+            self.bytes_out += size + HEADER.size
             if t_enq:
                 sent = (t_enq, t_send0, trace.now(), size + HEADER.size, subj, trace.group())
                 if ticket is None:
@@ -311,6 +316,8 @@ class Connection:
             else:
                 self._recv_into(into)
                 payload = b""
+            self.n_replies += 1
+            self.bytes_in += size + HEADER.size
         except (OSError, RPCError) as exc:
             if sent is not None:
                 self._trace(cmd, sent, (t_turn, t_recv0 or trace.now(), trace.now(), 0), False)

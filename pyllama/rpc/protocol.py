@@ -32,6 +32,7 @@ class Cmd(enum.IntEnum):
     TRACE_SYNC = 14
     AUTH = 15
     GET_DEVICE_TYPES = 16
+    DEVICE_BUSY = 17
 
 
 ONE_WAY = frozenset({Cmd.SET_TENSOR, Cmd.GRAPH_COMPUTE, Cmd.GRAPH_RECOMPUTE})
@@ -45,6 +46,7 @@ class Cap(enum.IntFlag):
     AUTH = 1 << 4              # the server requires AUTH before any other command
     DEVICE_TYPES = 1 << 5      # GET_DEVICE_TYPES: the weight and KV cache types a device holds
     MOE_FFN = 1 << 6           # graphs may hold the MOE_FFN op (Mixture-of-Experts layers, CPU devices)
+    DEVICE_BUSY = 1 << 7       # DEVICE_BUSY: when a device computed (the live pipeline view)
 
 
 STATUS_OK = 0
@@ -65,6 +67,10 @@ RECOMPUTE = struct.Struct("<IIQ")       # device, reserved, uid
 TRACE_REP = struct.Struct("<QQ")
 DEVICE_TYPES_HEAD = struct.Struct("<II")  # n_weight_types, n_kv_types (then that many u32 type ids)
 MAX_DEVICE_TYPES = 64                     # type ids are below 64; a reply listing more is refused
+BUSY_REQ = struct.Struct("<IIQ")          # device, reserved, since_us (server clock)
+BUSY_HEAD = struct.Struct("<QQQII")       # t_recv_us, t_reply_us, busy_total_us, n_spans, reserved
+BUSY_SPAN = struct.Struct("<QQ")          # start_us, end_us (server clock)
+MAX_BUSY_SPANS = 4096                     # spans in one DEVICE_BUSY reply at most (the newest)
 
 MAX_DIMS = 4
 NAME_LEN = 48

@@ -152,6 +152,7 @@ class Session:
             Cmd.TRACE_SYNC: self._trace_sync,
             Cmd.AUTH: self._auth_again,
             Cmd.GET_DEVICE_TYPES: self._device_types,
+            Cmd.DEVICE_BUSY: self._device_busy,
         }
 
     # --- dispatch ------------------------------------------------------------------------------
@@ -264,6 +265,18 @@ class Session:
         dev = self._device(P.U32.unpack(payload)[0])
         weights, kv = sorted(int(t) for t in dev.weight_types), sorted(int(t) for t in dev.kv_types)
         return P.DEVICE_TYPES_HEAD.pack(len(weights), len(kv)) + struct.pack(f"<{len(weights) + len(kv)}I", *weights, *kv)
+
+    def _device_busy(self, payload, t_recv: int) -> bytes:
+        self._need(Cap.DEVICE_BUSY, Cmd.DEVICE_BUSY)
+        _expect(payload, P.BUSY_REQ.size, "DEVICE_BUSY")
+        device, _, since = P.BUSY_REQ.unpack(payload)
+        clock = getattr(self._device(device).backend, "busy", None)
+        if clock is None:
+            raise CommandError(f"device {device} does not record its busy time")
+        at = now_us()
+        spans = clock.spans(since, at, P.MAX_BUSY_SPANS)
+        head = P.BUSY_HEAD.pack(t_recv, at, clock.total_us(at), len(spans), 0)
+        return head + b"".join(P.BUSY_SPAN.pack(a, b) for a, b in spans)
 
     def _trace_sync(self, payload, t_recv: int) -> bytes:
         self._need(Cap.TRACE_SYNC, Cmd.TRACE_SYNC)

@@ -134,7 +134,7 @@ async def serve(args) -> int:
     server = HTTPServer(api.routes(), max_body=args.max_body, max_header_bytes=args.max_header_bytes,
                         keepalive_timeout=args.timeout, header_timeout=args.header_timeout,
                         body_timeout=args.body_timeout, max_connections=args.max_connections,
-                        max_pipelined=args.max_pipelined, access=state)
+                        max_pipelined=args.max_pipelined, access=state, public_paths=api.public_paths())
     try:
         port = await server.start(args.host, args.port)
     except OSError as exc:

@@ -24,9 +24,11 @@ from ..sampling import SamplingParams
 from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
 from .chat import ChatTemplate, ChatTemplateError
 from .constraint import ConstraintSpec, compile_constraint
-from .http import (SSE_DONE, HTTPError, Request, Response, StreamResponse, error_response, json_response,
-                   sse_event)
-from .metrics import Metrics
+from .http import (PUBLIC_PATHS, SSE_DONE, HTTPError, Request, Response, StreamResponse, error_response,
+                   json_response, sse_event)
+from .metrics import Metrics, pipeline_families, render_families
+from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
+from .static import WebUI
 from .params import CompletionParams, parse_completion, split_prompts, tokenize_prompt
 from .reasoning import ReasoningStream, check_format, prompt_opens_thinking
 from .tool_calls import ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request
@@ -299,6 +301,9 @@ def chat_finish_reason(final: FinalEvent, reply: ChatReply) -> str:
 class Api:
     def __init__(self, state: ServerState):
         self.state = state
+        # the built-in pages (--no-webui: none, and `/` answers 404 as before)
+        self.webui: Optional[WebUI] = WebUI() if getattr(state.args, "webui", True) else None
+        self._pipeline: Optional[PipelineStats] = None
 
     def routes(self) -> dict:
         r = {
@@ -315,12 +320,20 @@ class Api:
             ("POST", "/infill"): self.infill,
             ("POST", "/embedding"): self.embeddings, ("POST", "/embeddings"): self.embeddings,
             ("POST", "/v1/embeddings"): self.oai_embeddings,
+            ("GET", "/pipeline/stats"): self.pipeline_stats,
         }
+        if self.webui is not None:
+            for path in self.webui.paths():
+                r[("GET", path)] = self.page
         if getattr(self.state.args, "embedding", False):  # as llama-server: an embedding server generates nothing
             for key in (("POST", "/completion"), ("POST", "/completions"), ("POST", "/v1/completions"),
                         ("POST", "/v1/chat/completions"), ("POST", "/chat/completions"), ("POST", "/infill")):
                 r[key] = self.completions_off
         return r
+
+    def public_paths(self) -> frozenset[str]:
+        """Paths answered without an API key: the probes and the pages with their files."""
+        return PUBLIC_PATHS | (self.webui.paths() if self.webui is not None else frozenset())
 
     async def completions_off(self, req: Request) -> Response:
         raise HTTPError(501, "This server does not support completions. Start it without `--embeddings`",
@@ -469,7 +482,41 @@ class Api:
             requests_processing=st.router.n_processing, requests_deferred=st.router.n_deferred,
             kv_cache_usage_ratio=kv_used / kv_total if kv_total else 0.0,
             kv_cache_tokens=sum(g.ctx.kv.n_tokens_cached() for g in st.groups))
+        snap = await asyncio.get_running_loop().run_in_executor(None, self.pipeline().snapshot, DEFAULT_WINDOW_S)
+        text += render_families(pipeline_families(snap))
         return Response(200, text, content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # --- the pages and the pipeline view ---------------------------------------------------------
+    async def page(self, req: Request) -> Response:
+        assert self.webui is not None
+        resp = self.webui.response(req.path)
+        if resp is None:
+            raise HTTPError(404, "File Not Found", "not_found_error")
+        return resp
+
+    def pipeline(self) -> PipelineStats:
+        """The pipeline view's recorder, made on first use (after the model has loaded)."""
+        st = self.state
+        if self._pipeline is None:
+            self._pipeline = PipelineStats(st.engine.backends, st.groups, st.router)
+        return self._pipeline
+
+    async def pipeline_stats(self, req: Request) -> Response:
+        """GET /pipeline/stats[?window=SECONDS]: the live figures of the split (pipeline_stats)."""
+        st = self.state
+        _require_ready(st)
+        raw = req.query.get("window")
+        window = DEFAULT_WINDOW_S
+        if raw is not None:
+            try:
+                window = float(raw)
+            except ValueError:
+                window = math.nan
+            if not 0.1 <= window <= MAX_WINDOW_S:  # (NaN fails too)
+                raise HTTPError(400, f"'window' must be a number of seconds from 0.1 to {MAX_WINDOW_S:g}")
+        # polling the rpc peers waits for their replies: never on the event loop
+        snap = await asyncio.get_running_loop().run_in_executor(None, self.pipeline().snapshot, window)
+        return json_response(snap)
 
     # --- embeddings ---------------------------------------------------------------------------
     async def embeddings(self, req: Request) -> Response:

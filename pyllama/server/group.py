@@ -37,6 +37,8 @@ from .._fast import gemm
 from . import pipe_prof
 from .constraint import Constraint, MaskWorker, apply_masks
 from .metrics import Metrics
+from .pipeline_stats import StepLog
+from ..busy import now_us
 from .embedding import rows_wanted
 from .slot import Slot, SlotState, common_prefix, presampling_probs, token_probs
 from .task import CompletionTask, EmbeddingEvent, ErrorEvent, EventSink, FinalEvent, ProgressEvent
@@ -84,6 +86,8 @@ class PipelineGroup:
         self._masks: Optional[MaskWorker] = None  # made for the first constrained request
         self._tr_iter = 0   # trace time the current iteration began (0: not traced)
         self._n_rows = self._n_prompt = self._n_decode = 0
+        self.step_log = StepLog()  # every step's time and size: the live pipeline view
+        self._step = (0, 0, 0)     # (start_us, tokens, sampled rows) of the step being run, start 0: none
         self.thread = threading.Thread(target=self._run, name=f"decode-{index}", daemon=True)
 
     def start(self) -> None:
@@ -138,6 +142,9 @@ class PipelineGroup:
             t_send = time.perf_counter()
             tr_send = trace.now() if trace.enabled else 0
             self.sink.flush()
+            if self._step[0]:
+                self.step_log.add(self._step[0], now_us(), self._step[1], self._step[2])
+                self._step = (0, 0, 0)
             if tr_send:
                 t_end = trace.now()
                 trace.event("server", "result_send", tr_send, t_end, grp=self.index, n_slots=self._n_rows)
@@ -155,6 +162,7 @@ class PipelineGroup:
 
     def _iteration(self) -> None:
         self._t_iter = time.perf_counter()
+        t_iter_us = now_us()
         self._tr_iter = trace.now() if trace.enabled else 0
         self._n_rows = self._n_prompt = self._n_decode = 0
         while True:
@@ -170,6 +178,7 @@ class PipelineGroup:
         if batch is None:
             self._tr_iter = 0  # nothing was submitted: not a step
             return
+        self._step = (t_iter_us, len(batch), len(rows))
         t_pre = time.perf_counter()
         traced = self._tr_iter != 0
         if traced:

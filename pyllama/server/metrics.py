@@ -10,7 +10,7 @@ import math
 import re
 import threading
 
-__all__ = ["Metrics", "PREFIX"]
+__all__ = ["Metrics", "PREFIX", "render_families", "pipeline_families"]
 
 PREFIX = "llamacpp:"
 
@@ -158,3 +158,68 @@ class Metrics:
                 seen.add(name)
                 add(name, "gauge", f"pyllama: {key}", value)
         return "\n".join(lines) + "\n"
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def render_families(families: list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]) -> str:
+    """Metric families with labels, in the same exposition format: (name, type, help, samples),
+    each sample (labels, value). A family without samples is left out (nothing was measured)."""
+    lines: list[str] = []
+    for name, mtype, help_text, samples in families:
+        if not samples:
+            continue
+        full = PREFIX + _BAD_NAME_CHARS.sub("_", name)
+        lines.append(f"# HELP {full} {_escape_help(help_text)}")
+        lines.append(f"# TYPE {full} {mtype}")
+        for labels, value in samples:
+            lab = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels.items())
+            lines.append(f"{full}{{{lab}}} {_fmt(value)}" if lab else f"{full} {_fmt(value)}")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def pipeline_families(snap: dict) -> list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
+    """The /metrics families of a pipeline snapshot (pyllama.server.pipeline_stats): per device
+    the busy / waiting / idle shares of the window and its busy seconds since start, per group
+    its step figures, per rpc connection its traffic. Values not measured are left out."""
+    devs = [d for d in snap["devices"] if d["measured"]]
+
+    def per_dev(key: str) -> list:
+        return [({"device": d["name"]}, d[key]) for d in devs if d[key] is not None]
+
+    def per_group(key: str, scale: float = 1.0) -> list:
+        return [({"group": str(g["group"])}, g[key] * scale) for g in snap["groups"] if g[key] is not None]
+
+    def per_link(key: str) -> list:
+        return [({"endpoint": r["endpoint"]}, r[key]) for r in snap["rpc"] if r[key] is not None]
+
+    w = f"{snap['window_s']:g} s"
+    return [
+        ("device_busy_ratio", "gauge", f"Share of the last {w} the device computed", per_dev("busy")),
+        ("device_waiting_ratio", "gauge", f"Share of the last {w} the device waited while another device computed",
+         per_dev("waiting")),
+        ("device_idle_ratio", "gauge", f"Share of the last {w} no device of the split computed", per_dev("idle")),
+        ("device_busy_seconds_total", "counter", "Seconds the device computed since it started",
+         per_dev("busy_total_s")),
+        ("group_step_seconds", "gauge", f"Mean decode step time of the pipeline group over the last {w}",
+         per_group("step_ms", 1e-3)),
+        ("group_batch_size", "gauge", f"Mean tokens per decode step of the pipeline group over the last {w}",
+         per_group("batch_size")),
+        ("group_tokens_per_second", "gauge", f"Tokens sampled per second by the pipeline group over the last {w}",
+         per_group("tokens_per_s")),
+        ("group_steps_total", "counter", "Decode steps of the pipeline group since start", per_group("steps_total")),
+        ("rpc_round_trips_total", "counter", "Replies read from the rpc server on this connection",
+         per_link("round_trips_total")),
+        ("rpc_bytes_out_total", "counter", "Bytes sent to the rpc server on this connection",
+         per_link("bytes_out_total")),
+        ("rpc_bytes_in_total", "counter", "Bytes read from the rpc server on this connection",
+         per_link("bytes_in_total")),
+        ("rpc_round_trips_per_step", "gauge", "Round trips to the rpc server per decode step (all groups)",
+         per_link("round_trips_per_step")),
+        ("rpc_bytes_out_per_step", "gauge", "Bytes sent to the rpc server per decode step (all groups)",
+         per_link("bytes_out_per_step")),
+        ("rpc_bytes_in_per_step", "gauge", "Bytes read from the rpc server per decode step (all groups)",
+         per_link("bytes_in_per_step")),
+    ]

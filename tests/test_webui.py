@@ -1,0 +1,339 @@
+"""The built-in pages in a real headless browser (Debian's chromium and chromium-driver, through
+Selenium): the chat page at / against a real server, and the pipeline view of a real RPC0,CPU split
+checked against what trace_tools/merge.py computes from a trace of the same run.
+
+With PYLLAMA_SCREENSHOTS=DIR the tests save the screenshots shown in docs/server.md there
+(`PYLLAMA_SCREENSHOTS=docs python -m pytest tests/test_webui.py`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from server_util import RPCServerProcess, ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+try:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    HAVE_SELENIUM = True
+except ImportError:  # pragma: no cover - depends on the machine
+    HAVE_SELENIUM = False
+
+pytestmark = pytest.mark.skipif(
+    not (HAVE_SELENIUM and CHROMIUM and DRIVER),
+    reason="needs selenium (pip install selenium) and Debian's chromium and chromium-driver "
+           "(apt-get install chromium chromium-driver)")
+
+SHOTS = os.environ.get("PYLLAMA_SCREENSHOTS")
+KEY = "webui-test-key-0123456789"
+# a template whose generation prompt opens a think tag: everything the model writes is reasoning
+THINK_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    opts = Options()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1280,860", "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-default-apps", "--disable-sync"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    driver.set_page_load_timeout(20)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def chat_server(tiny_model):
+    # --ignore-eos: a reply runs to its max_tokens (the stop test needs a long one)
+    srv = ServerProcess(tiny_model, "-np", "2", "-c", "8192", "--ignore-eos").wait_ready()
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def key_server(tiny_model):
+    srv = ServerProcess(tiny_model, "-np", "1", "-c", "1024", "--api-key", KEY,
+                        "--chat-template", THINK_TEMPLATE).wait_ready()
+    yield srv
+    assert srv.stop() == 0
+
+
+# --- helpers ------------------------------------------------------------------------------------
+def wait(driver, cond, timeout: float = 15):
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: cond(d))
+
+
+def fresh(driver, url: str) -> None:
+    """Opens url with this origin's storage emptied and the logs drained."""
+    driver.get(url)
+    driver.execute_script("localStorage.clear()")
+    driver.get(url)
+    driver.get_log("browser")
+    driver.get_log("performance")
+
+
+def console_errors(driver, allow: tuple[str, ...] = ()) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser")
+            if e["level"] == "SEVERE" and not any(a in e["message"] for a in allow)]
+
+
+def requests_seen(driver) -> list[str]:
+    """Every URL the pages asked for since the last call (the DevTools network log)."""
+    urls = []
+    for entry in driver.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        if msg["method"] == "Network.requestWillBeSent":
+            urls.append(msg["params"]["request"]["url"])
+    return urls
+
+
+def assert_local_only(urls: list[str], srv: ServerProcess) -> None:
+    here = urlsplit(srv.url)
+    for u in urls:
+        p = urlsplit(u)
+        assert p.scheme == "data" or (p.scheme, p.netloc) == (here.scheme, here.netloc), f"request left the host: {u}"
+
+
+def set_field(driver, field_id: str, value: str) -> None:
+    el = driver.find_element(By.ID, field_id)
+    el.clear()
+    el.send_keys(value)
+
+
+def send_message(driver, text: str) -> None:
+    driver.find_element(By.ID, "input").send_keys(text)
+    driver.find_element(By.ID, "send").click()
+
+
+def last_reply(driver):
+    return driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
+
+
+def stored_reply(driver) -> dict:
+    convs = json.loads(driver.execute_script("return localStorage.getItem('pyllama.conversations')"))
+    return convs[-1]["messages"][-1]
+
+
+def shot(driver, name: str, height: int = 860) -> None:
+    if SHOTS:
+        Path(SHOTS).mkdir(parents=True, exist_ok=True)
+        driver.set_window_size(1280, height)
+        driver.save_screenshot(str(Path(SHOTS) / name))
+        driver.set_window_size(1280, 860)
+
+
+# --- the chat page ------------------------------------------------------------------------------
+def test_chat_streams_the_reply_of_the_api(browser, chat_server):
+    srv = chat_server
+    fresh(browser, srv.url + "/")
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+    for field, value in (("temperature", "0"), ("max_tokens", "24"), ("seed", "7"), ("system", "Be brief.")):
+        set_field(browser, field, value)
+    send_message(browser, "Hello there")
+    wait(browser, lambda d: last_reply(d).get_attribute("data-state") == "done")
+    reply = last_reply(browser)
+    assert int(reply.get_attribute("data-chunks")) > 1  # it came in pieces, as they were generated
+    status, want = srv.post("/v1/chat/completions", {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+        "temperature": 0, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "max_tokens": 24, "seed": 7})
+    assert status == 200, want
+    assert want["usage"]["completion_tokens"] == 24
+    got = stored_reply(browser)
+    assert got["content"] == want["choices"][0]["message"]["content"]
+    assert got["content"] and got["state"] == "done"
+    # the conversation survives a reload (localStorage) and is drawn again
+    browser.refresh()
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".msg")) == 2
+    assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0"
+    assert console_errors(browser) == []
+    assert_local_only(requests_seen(browser), srv)
+
+
+def test_chat_markdown_rendering_is_safe(browser, chat_server):
+    srv = chat_server
+    fresh(browser, srv.url + "/")
+    text = ("## Result\n\nSome **bold**, *italic* and `code`, a [link](https://example.org/x).\n\n"
+            "```python\nprint('<b>1</b>')\n```\n\n- one\n- two\n\n<img src=x onerror=alert(1)><script>bad()</script>")
+    conv = [{"id": "c1", "title": "md", "created": 0,
+             "messages": [{"role": "user", "content": "show markdown"},
+                          {"role": "assistant", "content": text, "reasoning": "first I thought", "state": "done"}]}]
+    browser.execute_script("localStorage.setItem('pyllama.conversations', arguments[0]);"
+                           "localStorage.setItem('pyllama.current', 'c1')", json.dumps(conv))
+    browser.refresh()
+    reply = wait(browser, lambda d: last_reply(d))
+    content = reply.find_element(By.CLASS_NAME, "content")
+    assert content.find_element(By.TAG_NAME, "h4").text == "Result"
+    assert content.find_element(By.TAG_NAME, "strong").text == "bold"
+    assert content.find_element(By.TAG_NAME, "em").text == "italic"
+    code = content.find_element(By.CSS_SELECTOR, "pre code.language-python")
+    assert code.get_attribute("textContent") == "print('<b>1</b>')"
+    link = content.find_element(By.TAG_NAME, "a")
+    assert link.get_attribute("href") == "https://example.org/x" and "noopener" in link.get_attribute("rel")
+    assert [li.text for li in content.find_elements(By.TAG_NAME, "li")] == ["one", "two"]
+    # markup in the text stays text
+    assert content.find_elements(By.TAG_NAME, "img") == [] and content.find_elements(By.TAG_NAME, "script") == []
+    assert "<script>bad()</script>" in content.text
+    details = reply.find_element(By.CSS_SELECTOR, "details.reasoning")
+    assert details.get_attribute("open") is None
+    assert not reply.find_element(By.CLASS_NAME, "reasoning-text").is_displayed()
+    details.find_element(By.TAG_NAME, "summary").click()
+    assert reply.find_element(By.CLASS_NAME, "reasoning-text").text == "first I thought"
+    shot(browser, "webui-chat.png")
+    assert console_errors(browser) == []
+    assert_local_only(requests_seen(browser), srv)
+
+
+def test_chat_stop_ends_the_generation(browser, chat_server):
+    srv = chat_server
+    fresh(browser, srv.url + "/")
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max_tokens", "8000")
+    send_message(browser, "Tell me everything")
+    wait(browser, lambda d: int(last_reply(d).get_attribute("data-chunks") or 0) >= 3)
+    browser.find_element(By.ID, "stop").click()
+    wait(browser, lambda d: last_reply(d).get_attribute("data-state") == "stopped")
+    # the server cancels the request: its slot is free again, far short of 8000 tokens
+    deadline = time.monotonic() + 10
+    while True:
+        _, slots = srv.request("GET", "/slots")
+        if not any(s["is_processing"] for s in slots):
+            break
+        assert time.monotonic() < deadline, slots
+        time.sleep(0.05)
+    assert int(last_reply(browser).get_attribute("data-chunks")) < 4000  # far from the end of the slot's context
+    n = len(stored_reply(browser)["content"])
+    time.sleep(0.3)
+    assert len(stored_reply(browser)["content"]) == n
+    assert browser.find_element(By.ID, "send").is_enabled()
+    assert not browser.find_element(By.ID, "stop").is_enabled()
+    assert console_errors(browser) == []
+
+
+def test_api_key_prompt_and_reasoning(browser, key_server):
+    srv = key_server
+    fresh(browser, srv.url + "/")
+    dialog = browser.find_element(By.ID, "key-dialog")
+    wait(browser, lambda d: dialog.is_displayed())
+    browser.find_element(By.ID, "api-key").send_keys("wrong-key")
+    browser.find_element(By.ID, "key-save").click()
+    # refused: asked again, saying why
+    wait(browser, lambda d: "Invalid API Key" in d.find_element(By.ID, "key-error").text)
+    assert dialog.is_displayed()
+    browser.find_element(By.ID, "api-key").send_keys(KEY)
+    browser.find_element(By.ID, "key-save").click()
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+    assert not dialog.is_displayed()
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max_tokens", "16")
+    send_message(browser, "Think first")
+    wait(browser, lambda d: last_reply(d).get_attribute("data-state") == "done")
+    status, want = srv.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Think first"}], "temperature": 0, "top_k": 40, "top_p": 0.95,
+        "min_p": 0.05, "max_tokens": 16, "seed": -1}, headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 200, want
+    msg = want["choices"][0]["message"]
+    assert msg.get("reasoning_content")  # the template opened <think>: the reply is all reasoning
+    got = stored_reply(browser)
+    assert got["reasoning"] == msg["reasoning_content"] and got["content"] == (msg["content"] or "")
+    reply = last_reply(browser)
+    assert reply.find_element(By.CSS_SELECTOR, "details.reasoning").get_attribute("open") is None
+    assert not reply.find_element(By.CLASS_NAME, "reasoning-text").is_displayed()
+    # the refused key and the first unauthenticated call are the only errors
+    assert console_errors(browser, allow=("401",)) == []
+    assert_local_only(requests_seen(browser), srv)
+
+
+def test_no_webui_flag(tiny_model):
+    srv = ServerProcess(tiny_model, "--no-webui").wait_ready()
+    try:
+        assert srv.request("GET", "/")[0] == 404
+        assert srv.request("GET", "/pipeline")[0] == 404
+        assert srv.request("GET", "/webui/chat.js")[0] == 404
+        assert srv.request("GET", "/pipeline/stats")[0] == 200  # the data stays
+    finally:
+        assert srv.stop() == 0
+
+
+# --- the pipeline view ------------------------------------------------------------------------------
+def test_pipeline_view_matches_the_trace(browser, tiny_model, tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from trace_tools import merge
+    srv_trace, peer_trace = tmp_path / "server.jsonl", tmp_path / "peer.jsonl"
+    peer = RPCServerProcess("--trace", str(peer_trace))
+    srv = None
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    try:
+        srv = ServerProcess(tiny_model, "--rpc", peer.endpoint, "--device", "RPC0,CPU", "-ts", "1,1", "-np", "4",
+                            "-c", "2048", "--pipeline-groups", "2", "--trace", str(srv_trace)).wait_ready()
+
+        def load() -> None:
+            while not stop.is_set():
+                srv.post("/completion", {"prompt": "The little cat", "n_predict": 48, "ignore_eos": True,
+                                         "cache_prompt": False})
+
+        threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+        for t in threads:
+            t.start()
+        fresh(browser, srv.url + "/pipeline")
+        # a few polls under load: the window spans seconds of steps of both groups
+        body = browser.find_element(By.TAG_NAME, "body")
+        wait(browser, lambda d: body.get_attribute("data-updated"))
+        time.sleep(3.5)
+        t_seen = body.get_attribute("data-updated")
+        wait(browser, lambda d: body.get_attribute("data-updated") != t_seen)
+        shot(browser, "webui-pipeline.png", height=1100)
+        page = {}
+        for row in browser.find_elements(By.CSS_SELECTOR, ".device"):
+            assert row.get_attribute("data-measured") == "1", row.text
+            page[row.get_attribute("data-device")] = {k: float(row.get_attribute(f"data-{k}"))
+                                                      for k in ("busy", "waiting", "idle")}
+        w0, w1 = int(body.get_attribute("data-w0")), int(body.get_attribute("data-w1"))
+        groups = browser.find_elements(By.CSS_SELECTOR, "#groups tbody tr")
+        links = browser.find_elements(By.CSS_SELECTOR, "#links tbody tr")
+        assert console_errors(browser) == []
+        assert_local_only(requests_seen(browser), srv)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        if srv is not None:
+            assert srv.stop() == 0  # flushes the trace
+        assert peer.stop() == 0
+    assert sorted(page) == ["CPU", "RPC0"]
+    assert [g.get_attribute("data-group") for g in groups] == ["0", "1"]
+    assert [r.get_attribute("data-endpoint") for r in links] == [peer.endpoint]
+    for shares in page.values():
+        assert abs(sum(shares.values()) - 1) < 1e-6
+    assert w1 - w0 > 2e6
+    # the same window of the same run, from the trace files: per group, the devices' busy time
+    # during that group's steps over the steps' time (merge.py --summary's columns)
+    steps = merge.step_summary(merge.load([str(srv_trace), str(peer_trace)]))
+    inside = steps[(steps["t0"] >= w0) & (steps["t0"] + steps["step_us"] <= w1)]
+    for g in (0, 1):
+        mine = inside[inside["grp"] == g]
+        assert len(mine) > 50, len(mine)
+        local = mine["local_busy_us"].sum() / mine["step_us"].sum()
+        remote = mine["peer_busy_us"].sum() / mine["step_us"].sum()
+        assert abs(page["CPU"]["busy"] - local) <= 0.10, (g, page, local, remote)
+        assert abs(page["RPC0"]["busy"] - remote) <= 0.10, (g, page, local, remote)

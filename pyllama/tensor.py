@@ -173,6 +173,11 @@ class Src:
     weight: bool = False
 
 
+# The ops of the dense families beyond llama (gemma, phi3, scaled RoPE): a device runs all of them
+# and ATTENTION's extensions (soft-cap, window, rope_freqs / rope_mscale), or none.
+FAMILY_OPS = (Op.GEGLU, Op.SCALE, Op.SOFTCAP)
+
+
 @dataclass(frozen=True)
 class OpSpec:
     srcs: tuple[Src, ...]    # every position, optional ones last

@@ -10,7 +10,7 @@ import numpy as np
 
 from .backend.base import Backend, Buffer, DType, Tensor, dequantize_f32, nbytes_of
 from .errors import ModelFileError, PyllamaError, UnsupportedOpError
-from .tensor import Op
+from .tensor import FAMILY_OPS, Op
 from .models.hparams import GEMMA_ARCHS
 from .models.model import Model
 from .models.gguf_file import TensorInfo
@@ -229,7 +229,7 @@ def _needed_ops(model: Model) -> list[tuple[tuple[Op, ...], bool, str]]:
         needs.append(((Op.MOE_FFN,), False, f"{hp.arch}'s Mixture-of-Experts layers"))
     if (hp.arch in GEMMA_ARCHS or hp.rope_scaling != "none" or hp.n_swa > 0
             or "rope_freqs.weight" in model.file.tensors):
-        needs.append(((Op.GEGLU, Op.SCALE, Op.SOFTCAP), True,
+        needs.append((FAMILY_OPS, True,
                       f"{hp.arch} (with its soft-capping, sliding window, RoPE scaling or GeGLU)"))
     return needs
 

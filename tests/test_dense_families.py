@@ -198,3 +198,21 @@ def test_tokens_identical_local_rpc_and_pipeline_groups(make, peer, name):
             assert res["tokens"] == local
     finally:
         assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("name", ["gemma2", "llama-yarn"])
+def test_a_server_without_family_ops_is_refused_at_load(make, name):
+    """An rpc server that does not advertise FAMILY_OPS (an older build) gets none of these
+    layers: the load stops with one line naming the server; a plain model still runs on it."""
+    from pyllama.rpc.protocol import Cap
+    old = RPCServerProcess(env={"PYLLAMA_RPC_SERVER_CAPS": str(0xFFFF & ~int(Cap.FAMILY_OPS))})
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", make(name), "-p", PROMPT, "-n", "2",
+                               "--temp", "0", "-t", "1", "--rpc", old.endpoint, "--device", "RPC0,CPU"],
+                              capture_output=True, text=True, timeout=180)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+        assert old.endpoint in lines[0] and "GEGLU" in lines[0], lines[0]
+        assert generate(make("phi3"), "--rpc", old.endpoint, "--device", "RPC0,CPU")
+    finally:
+        assert old.stop() == 0

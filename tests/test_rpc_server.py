@@ -127,7 +127,7 @@ def test_hello_fields_and_capabilities(healthy, tmp_path, monkeypatch):
         major, minor, patch, reserved, caps, sid = a.hello_reply
         assert (major, minor, patch, reserved) == (*P.VERSION, 0)
         assert caps == (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.DEVICE_TYPES | Cap.MOE_FFN
-                        | Cap.DEVICE_BUSY)
+                        | Cap.DEVICE_BUSY | Cap.FAMILY_OPS)
         assert sid != 0 and b.hello_reply[5] == sid  # one id per server
     # another minor is compatible; a second HELLO is refused but the connection stays
     with Client(healthy.port, hello=False) as c:
@@ -136,7 +136,7 @@ def test_hello_fields_and_capabilities(healthy, tmp_path, monkeypatch):
         assert c.ok(Cmd.DEVICE_COUNT) == P.U32.pack(1)
     with start_server(cache_dir=str(tmp_path)) as st, Client(st.port) as c:
         assert c.hello_reply[4] == (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.DEVICE_TYPES
-                                        | Cap.SET_TENSOR_HASH | Cap.MOE_FFN | Cap.DEVICE_BUSY)
+                                        | Cap.SET_TENSOR_HASH | Cap.MOE_FFN | Cap.DEVICE_BUSY | Cap.FAMILY_OPS)
         assert c.hello_reply[5] != sid
     monkeypatch.setenv("PYLLAMA_RPC_SERVER_CAPS", "0")
     with start_server(cache_dir=str(tmp_path)) as st, Client(st.port) as c:
@@ -716,3 +716,22 @@ def test_sample_op_runs_the_host_sampler_and_is_validated(healthy):
         c.send(Cmd.GRAPH_COMPUTE, _sample_graph(bid, rows, vocab, n_probs, window))
         status, msg = c.sync()
         assert status == P.STATUS_EARLIER_ERROR and "BACKEND_SAMPLING" in msg.decode(), msg
+
+
+@pytest.mark.parametrize("case", ["geglu", "attention softcap", "moe"])
+def test_ops_behind_a_capability_are_refused_when_it_is_off(captured, case):
+    """A server that does not advertise FAMILY_OPS / MOE_FFN (as an older build) refuses graphs
+    that hold them, before anything runs, naming the capability."""
+    def mutate(payload, ids, tensors, nodes):
+        if case == "geglu":  # same shape contract as SWIGLU
+            _u32(payload, _node_off(tensors, _find(nodes, Op.SWIGLU)), int(Op.GEGLU))
+        elif case == "attention softcap":
+            base = _node_off(tensors, _find(nodes, Op.ATTENTION)) + 12 + 40
+            np.frombuffer(payload, "<f8", 1, base + 8 * 9)[:] = 30.0
+        else:
+            _u32(payload, _node_off(tensors, _find(nodes, Op.SWIGLU)), int(Op.MOE_FFN))
+    expect = "MOE_FFN capability" if case == "moe" else "FAMILY_OPS capability"
+    mask = 0xFFFF & ~int(Cap.FAMILY_OPS) & ~int(Cap.MOE_FFN)
+    with start_server(caps_mask=mask) as st, Client(st.port) as c:
+        assert not c.hello_reply[4] & (Cap.FAMILY_OPS | Cap.MOE_FFN)
+        hostile_graph(c, captured, mutate, expect)

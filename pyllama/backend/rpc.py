@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import trace
 from .._fast.wire import encode_graph
-from ..tensor import KV_CACHE_TYPES, Graph, Op
+from ..tensor import FAMILY_OPS, KV_CACHE_TYPES, Graph, Op
 from ..rpc.connection import Connection, RPCError, get_connection
 from ..rpc.protocol import (ALLOC_REP, graph_tables, ALLOC_REQ, DEVICE_INFO, KIND, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32, U64, USAGE,
                             Cap, Cmd, DEVICE_TYPES_HEAD, MAX_DEVICE_TYPES)
@@ -321,6 +321,8 @@ class RPCBackend(Backend):
             return self.conn.has(Cap.DEVICE_TYPES) and self.device_kind() == KIND["cpu"]
         if op == Op.MOE_FFN:  # servers that advertise it run it, on a CPU device
             return self.conn.has(Cap.MOE_FFN) and self.device_kind() == KIND["cpu"]
+        if op in FAMILY_OPS:  # likewise (ATTENTION's extensions come with them)
+            return self.conn.has(Cap.FAMILY_OPS) and self.device_kind() == KIND["cpu"]
         return op != Op.SAMPLE or self.conn.has(Cap.BACKEND_SAMPLING)
 
     def device_kind(self) -> int:

@@ -47,6 +47,7 @@ class Cap(enum.IntFlag):
     DEVICE_TYPES = 1 << 5      # GET_DEVICE_TYPES: the weight and KV cache types a device holds
     MOE_FFN = 1 << 6           # graphs may hold the MOE_FFN op (Mixture-of-Experts layers, CPU devices)
     DEVICE_BUSY = 1 << 7       # DEVICE_BUSY: when a device computed (the live pipeline view)
+    FAMILY_OPS = 1 << 8        # graphs may hold GEGLU, SCALE, SOFTCAP and ATTENTION's extensions (CPU devices)
 
 
 STATUS_OK = 0

@@ -25,7 +25,7 @@ import numpy as np
 from .._fast import wire
 from ..backend.base import Buffer, DType, Tensor
 from ..backend.cpu import CPUBackend
-from ..tensor import OP_TABLE, Graph, Node, Op, check_node
+from ..tensor import FAMILY_OPS, OP_TABLE, Graph, Node, Op, check_node
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
 from .cache import CACHE_MIN_BYTES, as_bytes_view
@@ -481,6 +481,10 @@ class Session:
                 raise CommandError(f"graph node {j}: SAMPLE needs the BACKEND_SAMPLING capability, not advertised here")
             if op == Op.MOE_FFN and not self.server.capabilities & Cap.MOE_FFN:
                 raise CommandError(f"graph node {j}: MOE_FFN needs the MOE_FFN capability, not advertised here")
+            if not self.server.capabilities & Cap.FAMILY_OPS and (
+                    op in FAMILY_OPS or (op == Op.ATTENTION and (n % 2 == 0 or any(params[j][9:12])))):
+                raise CommandError(f"graph node {j}: {op.name} (or ATTENTION's soft-cap, window or scaled RoPE) "
+                                   "needs the FAMILY_OPS capability, not advertised here")
             # the op table (pyllama.tensor) states each op's sources and types, for every backend
             why = check_node(op, out.dtype, [t.dtype for t in ins], params[j], dev.weight_types)
             if why is not None:

@@ -38,6 +38,7 @@ MAX_WINDOW_S = 30.0
 _MAX_STEPS = 8192        # steps kept per group (at 1000 steps/s, 8 s of them)
 _KEEP_US = int((MAX_WINDOW_S + 5) * 1e6)  # peer spans older than this are dropped
 _LOCK_WAIT_S = 2.0       # a snapshot that waits longer for another one answers with that one's result
+_FIRST_WAIT_S = 120.0  # (a first snapshot has no earlier one to answer with)
 
 
 class StepLog:
@@ -180,7 +181,9 @@ class PipelineStats:
         if not self._lock.acquire(timeout=_LOCK_WAIT_S):
             if self._last is not None:
                 return self._last
-            self._lock.acquire()
+            # the first snapshot: whoever holds the lock waits on peers, each bounded by the RPC timeout
+            if not self._lock.acquire(timeout=_FIRST_WAIT_S):
+                raise TimeoutError(f"pipeline figures still not ready after {_FIRST_WAIT_S:.0f} s")
         try:
             self._last = self._snapshot(min(max(window_s, 0.1), MAX_WINDOW_S))
             return self._last

@@ -30,3 +30,12 @@ def model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(model_factory) -> str:
     return model_factory("tiny")
+
+
+@pytest.fixture(scope="module")
+def rpc_peer():
+    """One `python -m pyllama.rpc_server` for the module's tests."""
+    from server_util import RPCServerProcess  # noqa: PLC0415
+    p = RPCServerProcess()
+    yield p
+    assert p.stop() == 0

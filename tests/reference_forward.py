@@ -222,19 +222,23 @@ def gemma_rmsnorm(x: np.ndarray, w_gguf: np.ndarray, eps: float) -> np.ndarray:
     return rmsnorm(x, eps) * (1.0 + w)
 
 
+def _shape(meta: dict) -> tuple:
+    """(arch, n_layer, n_head, n_head_kv, rms eps, rope base, n_embd, head_dim, n_rot) as the GGUF
+    metadata gives them, with llama.cpp's defaults."""
+    arch = meta["general.architecture"]
+    n_head = meta[f"{arch}.attention.head_count"]
+    e = meta[f"{arch}.embedding_length"]
+    hd = meta.get(f"{arch}.attention.key_length", e // n_head)
+    return (arch, meta[f"{arch}.block_count"], n_head, meta[f"{arch}.attention.head_count_kv"],
+            float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]), float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            e, hd, meta.get(f"{arch}.rope.dimension_count", hd))
+
+
 def _dense_family_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict, dict]:
     """Gemma2 / Gemma3 / Phi3 as transformers' modeling_gemma2, modeling_gemma3 (text model) and
     modeling_phi3 define them, with the hyper-parameters llama.cpp derives from GGUF metadata."""
     meta, W = load_model(model_path)
-    arch = meta["general.architecture"]
-    n_layer = meta[f"{arch}.block_count"]
-    n_head = meta[f"{arch}.attention.head_count"]
-    n_kv = meta[f"{arch}.attention.head_count_kv"]
-    eps = float(meta[f"{arch}.attention.layer_norm_rms_epsilon"])
-    base = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
-    e = meta[f"{arch}.embedding_length"]
-    hd = meta.get(f"{arch}.attention.key_length", e // n_head)
-    n_rot = meta.get(f"{arch}.rope.dimension_count", hd)
+    arch, n_layer, n_head, n_kv, eps, base, e, hd, n_rot = _shape(meta)
     gemma = arch != "phi3"
     n = len(tokens)
     norm = (lambda x, w: gemma_rmsnorm(x, w, eps)) if gemma else (lambda x, w: rmsnorm(x, eps) * w)
@@ -320,15 +324,7 @@ def reference_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
 
 def _final_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     meta, W = load_model(model_path)
-    arch = meta["general.architecture"]
-    n_layer = meta[f"{arch}.block_count"]
-    n_head = meta[f"{arch}.attention.head_count"]
-    n_kv = meta[f"{arch}.attention.head_count_kv"]
-    eps = float(meta[f"{arch}.attention.layer_norm_rms_epsilon"])
-    base = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
-    n_embd = meta[f"{arch}.embedding_length"]
-    hd = meta.get(f"{arch}.attention.key_length", n_embd // n_head)
-    n_rot = meta.get(f"{arch}.rope.dimension_count", hd)
+    arch, n_layer, n_head, n_kv, eps, base, n_embd, hd, n_rot = _shape(meta)
     neox = arch in NEOX_ARCHS
     n = len(tokens)
 

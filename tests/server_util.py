@@ -140,3 +140,29 @@ class RPCServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def run_generate(model: str, prompt: str, n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`python -m pyllama.generate`: greedy, n tokens, EOS ignored, the ids printed, one thread."""
+    return subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", prompt, "-n", str(n),
+                           "--temp", "0", "--ignore-eos", "--tokens", "-t", "1", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def generated_tokens(model: str, prompt: str, n: int, *args: str) -> list[int]:
+    proc = run_generate(model, prompt, n, *args)
+    assert proc.returncode == 0, proc.stderr
+    return [int(x) for x in proc.stdout.split()]
+
+
+def assert_same_tokens_in_two_groups(model: str, prompt: str, n: int, expected: list[int]) -> None:
+    """A server with 2 pipeline groups gives `expected`, greedy, to one request per group."""
+    srv = ServerProcess(model, "-np", "2", "-c", "512", "--pipeline-groups", "2").wait_ready()
+    try:
+        for _ in range(2):
+            status, res = srv.post("/completion", {"prompt": prompt, "n_predict": n, "temperature": 0,
+                                                   "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
+            assert status == 200, res
+            assert res["tokens"] == expected
+    finally:
+        assert srv.stop() == 0

@@ -21,7 +21,7 @@ from pyllama.models.model import Model
 from pyllama.tensor import Op
 from pyllama.weights import Placement, load_weights
 from reference_forward import reference_logits
-from server_util import RPCServerProcess, ServerProcess
+from server_util import RPCServerProcess, assert_same_tokens_in_two_groups, generated_tokens, run_generate
 
 PROMPT = "The little cat sat on the mat and looked at the"
 WINDOW = 8  # the tiny models' sliding window: the prompt is longer, so it binds
@@ -169,35 +169,12 @@ def test_a_device_without_the_ops_is_refused_at_load(make, name):
     load_weights(plain, Placement([_NoFamilyOps(1, name="NOOPS")], [0, 0]), upload=False)
 
 
-@pytest.fixture(scope="module")
-def peer():
-    p = RPCServerProcess()
-    yield p
-    assert p.stop() == 0
-
-
-def generate(model: str, *args: str) -> list[int]:
-    proc = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", PROMPT, "-n", "12",
-                           "--temp", "0", "--ignore-eos", "--tokens", "-t", "1", *args],
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
-    return [int(x) for x in proc.stdout.split()]
-
-
 @pytest.mark.parametrize("name", ["gemma2", "gemma3-linear", "phi3-partial", "llama-yarn"])
-def test_tokens_identical_local_rpc_and_pipeline_groups(make, peer, name):
+def test_tokens_identical_local_rpc_and_pipeline_groups(make, rpc_peer, name):
     model = make(name)
-    local = generate(model)
-    assert generate(model, "--rpc", peer.endpoint, "--device", "RPC0,CPU") == local
-    srv = ServerProcess(model, "-np", "2", "-c", "512", "--pipeline-groups", "2").wait_ready()
-    try:
-        for _ in range(2):  # one request per group
-            status, res = srv.post("/completion", {"prompt": PROMPT, "n_predict": 12, "temperature": 0,
-                                                   "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
-            assert status == 200, res
-            assert res["tokens"] == local
-    finally:
-        assert srv.stop() == 0
+    local = generated_tokens(model, PROMPT, 12)
+    assert generated_tokens(model, PROMPT, 12, "--rpc", rpc_peer.endpoint, "--device", "RPC0,CPU") == local
+    assert_same_tokens_in_two_groups(model, PROMPT, 12, local)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "llama-yarn"])
@@ -207,12 +184,10 @@ def test_a_server_without_family_ops_is_refused_at_load(make, name):
     from pyllama.rpc.protocol import Cap
     old = RPCServerProcess(env={"PYLLAMA_RPC_SERVER_CAPS": str(0xFFFF & ~int(Cap.FAMILY_OPS))})
     try:
-        proc = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", make(name), "-p", PROMPT, "-n", "2",
-                               "--temp", "0", "-t", "1", "--rpc", old.endpoint, "--device", "RPC0,CPU"],
-                              capture_output=True, text=True, timeout=180)
+        proc = run_generate(make(name), PROMPT, 2, "--rpc", old.endpoint, "--device", "RPC0,CPU")
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and len(lines) == 1, proc.stderr
         assert old.endpoint in lines[0] and "GEGLU" in lines[0], lines[0]
-        assert generate(make("phi3"), "--rpc", old.endpoint, "--device", "RPC0,CPU")
+        assert generated_tokens(make("phi3"), PROMPT, 2, "--rpc", old.endpoint, "--device", "RPC0,CPU")
     finally:
         assert old.stop() == 0

@@ -5,8 +5,6 @@ expert give what each token alone gives), and refusals at load by devices that c
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -23,7 +21,7 @@ from pyllama.models.quantize import quantize
 from pyllama.rpc.protocol import Cap
 from pyllama.tensor import DType, Graph, Op, Tensor, check_node, node
 from reference_forward import reference_logits
-from server_util import RPCServerProcess, ServerProcess
+from server_util import RPCServerProcess, assert_same_tokens_in_two_groups, generated_tokens, run_generate
 
 PROMPT = "The little cat sat on the"
 # (preset, --arch, --type): every MoE layout in F32, then quantized experts: Q8_0 and Q4_0 (tiny),
@@ -237,38 +235,12 @@ def test_the_cpu_backend_runs_the_node():
 
 
 # --- splits and refusals -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def peer():
-    p = RPCServerProcess()
-    yield p
-    assert p.stop() == 0
-
-
-def generate(model: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", PROMPT, "-n", "12",
-                           "--temp", "0", "--ignore-eos", "--tokens", "-t", "1", *args],
-                          capture_output=True, text=True, timeout=180)
-
-
-def tokens_of(proc: subprocess.CompletedProcess) -> list[int]:
-    assert proc.returncode == 0, proc.stderr
-    return [int(x) for x in proc.stdout.split()]
-
-
 @pytest.mark.parametrize("arch,wtype", [("qwen3moe", "f32"), ("qwen2moe", "q8_0"), ("mixtral", "f32")])
-def test_tokens_identical_over_splits_and_groups(model_factory, peer, arch, wtype):
+def test_tokens_identical_over_splits_and_groups(model_factory, rpc_peer, arch, wtype):
     model = model_factory("tiny", arch=arch, wtype=wtype)
-    local = tokens_of(generate(model))
-    assert tokens_of(generate(model, "--rpc", peer.endpoint, "--device", "RPC0,CPU")) == local
-    srv = ServerProcess(model, "-np", "2", "-c", "512", "--pipeline-groups", "2").wait_ready()
-    try:
-        for _ in range(2):  # one request per group
-            status, res = srv.post("/completion", {"prompt": PROMPT, "n_predict": 12, "temperature": 0,
-                                                   "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
-            assert status == 200, res
-            assert res["tokens"] == local
-    finally:
-        assert srv.stop() == 0
+    local = generated_tokens(model, PROMPT, 12)
+    assert generated_tokens(model, PROMPT, 12, "--rpc", rpc_peer.endpoint, "--device", "RPC0,CPU") == local
+    assert_same_tokens_in_two_groups(model, PROMPT, 12, local)
 
 
 def test_a_server_without_the_op_is_refused_at_load(model_factory):
@@ -277,12 +249,12 @@ def test_a_server_without_the_op_is_refused_at_load(model_factory):
     model = model_factory("tiny", arch="qwen3moe")
     old = RPCServerProcess(env={"PYLLAMA_RPC_SERVER_CAPS": str(0xFFFF & ~int(Cap.MOE_FFN))})
     try:
-        proc = generate(model, "--rpc", old.endpoint, "--device", "RPC0,CPU")
+        proc = run_generate(model, PROMPT, 12, "--rpc", old.endpoint, "--device", "RPC0,CPU")
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and len(lines) == 1, proc.stderr
         assert "Mixture-of-Experts" in lines[0] and old.endpoint in lines[0], lines[0]
         dense = model_factory("tiny", arch="qwen3")
-        assert tokens_of(generate(dense, "--rpc", old.endpoint, "--device", "RPC0,CPU"))
+        assert generated_tokens(dense, PROMPT, 12, "--rpc", old.endpoint, "--device", "RPC0,CPU")
     finally:
         assert old.stop() == 0
 

@@ -5,7 +5,6 @@ at load with one line."""
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pyllama.rpc.protocol import Cap
 from pyllama.rpc_server.server import ServerThread
 from pyllama.tensor import DType, Graph, Op, Tensor, node
 from reference_forward import reference_logits
-from server_util import RPCServerProcess, ServerProcess
+from server_util import assert_same_tokens_in_two_groups, generated_tokens
 
 PROMPT = "The little cat sat on the"
 # (preset, --type): the K-quants need rows of 256; the small preset's 288-wide rows fall back to
@@ -118,36 +117,13 @@ def test_mul_mat_cat_equals_the_products_joined():
         b.graph_compute(Graph([node(Op.MUL_MAT_CAT, out, xt, *parts, bt, params=(5,))]))
 
 
-@pytest.fixture(scope="module")
-def peer():
-    p = RPCServerProcess()
-    yield p
-    assert p.stop() == 0
-
-
-def generate(model: str, *args: str) -> list[int]:
-    proc = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", PROMPT, "-n", "16",
-                           "--temp", "0", "--ignore-eos", "--tokens", "-t", "1", *args],
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
-    return [int(x) for x in proc.stdout.split()]
-
-
 @pytest.mark.parametrize("preset,wtype", [("tiny", "q8_0"), ("small", "q4_k_m"), ("small", "q5_k_m")])
-def test_tokens_identical_over_splits_and_groups(model_factory, peer, preset, wtype):
+def test_tokens_identical_over_splits_and_groups(model_factory, rpc_peer, preset, wtype):
     model = model_factory(preset, wtype=wtype)
-    local = generate(model)
-    assert generate(model, "--rpc", peer.endpoint, "--device", "RPC0,CPU") == local
-    assert generate(model, "--rpc", peer.endpoint, "--device", "CPU,RPC0") == local
-    srv = ServerProcess(model, "-np", "2", "-c", "512", "--pipeline-groups", "2").wait_ready()
-    try:
-        for _ in range(2):  # one request per group
-            status, res = srv.post("/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0,
-                                                   "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
-            assert status == 200, res
-            assert res["tokens"] == local
-    finally:
-        assert srv.stop() == 0
+    local = generated_tokens(model, PROMPT, 16)
+    assert generated_tokens(model, PROMPT, 16, "--rpc", rpc_peer.endpoint, "--device", "RPC0,CPU") == local
+    assert generated_tokens(model, PROMPT, 16, "--rpc", rpc_peer.endpoint, "--device", "CPU,RPC0") == local
+    assert_same_tokens_in_two_groups(model, PROMPT, 16, local)
 
 
 def test_a_cpu_peer_gets_the_files_bytes(model_factory):

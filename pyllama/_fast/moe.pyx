@@ -20,20 +20,9 @@ from libc.string cimport memcpy
 
 import numpy as np
 
-from pyllama._fast.qmatmul cimport pool_run
+from pyllama._fast.qmatmul cimport (PQ_MAX_NR, pool_run, pq_dot_rows, pq_get_traits, pq_quantize_row,
+                                     pq_traits)
 from pyllama._fast import qmatmul
-
-cdef extern from "ggml_quants.h" nogil:
-    ctypedef struct pq_traits:
-        int block
-        int bytes
-        int vec_type
-        int ints
-    int pq_get_traits(int t, pq_traits *tr)
-    void pq_quantize_row(int t, const float *x, uint8_t *y, int64_t k)
-    void pq_dot_rows(int t, int nr, int64_t k, const uint8_t *w, const uint8_t *x, size_t xs, float *out,
-                     int portable)
-    int PQ_MAX_NR
 
 # weight bytes per work item (as mul_mat_q's tiles: they stay in L1/L2 while every row group of
 # the expert passes over them)

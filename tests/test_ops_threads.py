@@ -26,19 +26,28 @@ def test_rms_norm_is_the_same_on_any_thread_count(n, d):
     np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-6)
 
 
+def _silu(g):
+    return g / (1 + np.exp(-g))
+
+
+def _gelu_tanh(g):
+    return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+
+
+@pytest.mark.parametrize("name,act", [("swiglu", _silu), ("geglu", _gelu_tanh)])
 @pytest.mark.parametrize("n,f", [(1, 2048), (1, 5000), (32, 2048), (3, 4097)])
-def test_swiglu_is_the_same_on_any_thread_count(n, f):
+def test_glu_is_the_same_on_any_thread_count(name, act, n, f):
     rng = np.random.default_rng(n + f)
     gu = rng.standard_normal((n, 2 * f)).astype(np.float32)
     outs = []
     for nt in THREADS:
         out = np.full((n, f), np.nan, np.float32)
-        ops.swiglu(gu, out, nt)
+        getattr(ops, name)(gu, out, nt)
         outs.append(out)
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
     g, u = gu[:, :f].astype(np.float64), gu[:, f:].astype(np.float64)
-    np.testing.assert_allclose(outs[0], g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[0], act(g) * u, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("n,L,H,Hkv,k_type", [(1, 70, 12, 4, 1), (32, 70, 12, 4, 1), (8, 300, 8, 8, 0),

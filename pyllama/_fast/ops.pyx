@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""CPU kernels for the coarse graph ops: RMS norm, SwiGLU, and attention with RoPE and the KV
+"""CPU kernels for the coarse graph ops: RMS norm, SwiGLU and GeGLU, and attention with RoPE and the KV
 write, over a cache of any KV cache type (F32, F16, BF16, Q8_0; conversions in kv_types.h).
 
 Every kernel checks its arguments while it still holds the GIL (a graph may come from the wire),
@@ -19,7 +19,7 @@ import numpy as np
 # helper costs about a microsecond, so only kernels of some tens of microseconds gain from it.
 DEF PARALLEL_MIN_ELEMENTS = 16384   # rms_norm / swiglu elements
 DEF PARALLEL_MIN_ATTENTION = 32768  # attention: query heads x listed cells x head_dim
-DEF SWIGLU_CHUNK = 2048             # swiglu elements per item
+DEF GLU_CHUNK = 2048                # swiglu / geglu elements per item
 
 
 cdef inline void _rms_row(const float* x, const float* w, float* out, Py_ssize_t d, float eps) noexcept nogil:
@@ -38,6 +38,7 @@ cdef struct RowsJob:
     float* out
     Py_ssize_t d, chunks
     float eps
+    bint gelu  # GeGLU, else SwiGLU
 
 
 cdef void _rms_item(void* ctx, int64_t i) noexcept nogil:
@@ -62,36 +63,52 @@ def rms_norm(const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float
         pool_run(n_threads if n * d >= PARALLEL_MIN_ELEMENTS else 1, n, _rms_item, &job)
 
 
-cdef inline void _swiglu_span(const float* gu, float* out, Py_ssize_t f, Py_ssize_t j0, Py_ssize_t j1) noexcept nogil:
-    cdef Py_ssize_t j
-    cdef float g
-    for j in range(j0, j1):
-        g = gu[j]
-        out[j] = g / (1.0 + exp(-g)) * gu[f + j]
+cdef inline float _gelu(float x) noexcept nogil:
+    # gelu's tanh form: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+    return 0.5 * x * (1.0 + tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
 
 
-cdef void _swiglu_item(void* ctx, int64_t item) noexcept nogil:
-    # item: (row, chunk of SWIGLU_CHUNK columns), so that one long row spreads over the threads too
+cdef void _glu_item(void* ctx, int64_t item) noexcept nogil:
+    # item: (row, chunk of GLU_CHUNK columns), so that one long row spreads over the threads too
     cdef RowsJob* j = <RowsJob*>ctx
-    cdef Py_ssize_t r = item // j.chunks, c0 = item % j.chunks * SWIGLU_CHUNK
-    cdef Py_ssize_t c1 = c0 + SWIGLU_CHUNK if c0 + SWIGLU_CHUNK < j.d else j.d
-    _swiglu_span(j.x + r * 2 * j.d, j.out + r * j.d, j.d, c0, c1)
+    cdef Py_ssize_t r = item // j.chunks, c0 = item % j.chunks * GLU_CHUNK, c
+    cdef Py_ssize_t c1 = c0 + GLU_CHUNK if c0 + GLU_CHUNK < j.d else j.d
+    cdef const float* gu = j.x + r * 2 * j.d
+    cdef float* out = j.out + r * j.d
+    cdef float g
+    if j.gelu:
+        for c in range(c0, c1):
+            out[c] = _gelu(gu[c]) * gu[j.d + c]
+    else:
+        for c in range(c0, c1):
+            g = gu[c]
+            out[c] = g / (1.0 + exp(-g)) * gu[j.d + c]
 
 
-def swiglu(const float[:, ::1] gu, float[:, ::1] out, int n_threads=1):
-    """out = silu(gu[:, :f]) * gu[:, f:]"""
-    cdef Py_ssize_t n = gu.shape[0], f = out.shape[1], i
+cdef _glu(str name, const float[:, ::1] gu, float[:, ::1] out, int n_threads, bint gelu):
+    cdef Py_ssize_t n = gu.shape[0], f = out.shape[1]
     if gu.shape[1] != 2 * f or out.shape[0] != n:
-        raise ValueError(f"swiglu: input {(n, gu.shape[1])} and output {(out.shape[0], f)} disagree")
+        raise ValueError(f"{name}: input {(n, gu.shape[1])} and output {(out.shape[0], f)} disagree")
     if n == 0 or f == 0:
         return
     cdef RowsJob job
     job.x = &gu[0, 0]
     job.out = &out[0, 0]
     job.d = f
-    job.chunks = (f + SWIGLU_CHUNK - 1) // SWIGLU_CHUNK
+    job.chunks = (f + GLU_CHUNK - 1) // GLU_CHUNK
+    job.gelu = gelu
     with nogil:
-        pool_run(n_threads if n * f >= PARALLEL_MIN_ELEMENTS else 1, n * job.chunks, _swiglu_item, &job)
+        pool_run(n_threads if n * f >= PARALLEL_MIN_ELEMENTS else 1, n * job.chunks, _glu_item, &job)
+
+
+def swiglu(const float[:, ::1] gu, float[:, ::1] out, int n_threads=1):
+    """out = silu(gu[:, :f]) * gu[:, f:]"""
+    _glu("swiglu", gu, out, n_threads, False)
+
+
+def geglu(const float[:, ::1] gu, float[:, ::1] out, int n_threads=1):
+    """out = gelu_tanh(gu[:, :f]) * gu[:, f:] (GeGLU, gemma's FFN)"""
+    _glu("geglu", gu, out, n_threads, True)
 
 
 cdef inline void _norm_head(float* v, const float* w, int hd, float eps) noexcept nogil:

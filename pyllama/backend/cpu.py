@@ -241,7 +241,7 @@ class CPUBackend(Backend):
                                    float(p[6]), float(p[7]), float(p[8]), nt, int(kc.dtype), int(vc.dtype),
                                    float(p[9]), int(n_swa), float(p[11]) or 1.0, freqs))
             elif op == Op.GEGLU:
-                steps.append(_bind(kx.geglu, s[0], out, nt))
+                steps.append(_bind(k.geglu, s[0], out, nt))
             elif op == Op.SCALE:
                 steps.append(_bind(kx.scale, s[0], out, float(nd.params[0])))
             elif op == Op.SOFTCAP:

@@ -86,7 +86,7 @@ def test_reference_agrees_with_gguf_dequantize(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n", (1, 3, 8, 33))
+@pytest.mark.parametrize("n", (1, 3, 7, 8, 14, 33))
 def test_mul_mat_q_matches_reference(qtype, n):
     rng = np.random.default_rng(1000 * int(qtype) + n)
     m = 11

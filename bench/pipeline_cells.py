@@ -24,8 +24,8 @@ was reached at. --json OUT writes the configuration, every leg (with bench_users
 and every cell.
 
 --tensor-split: `even` (default) passes equal proportions per device so the layer boundary is the
-same in every cell; `auto` passes nothing (the server then times each device at load and
-balances the stages, docs/pipeline-groups.md); anything else is passed to -ts as is.
+same in every cell; `auto` passes nothing (the server then splits by free memory, or by
+measured speed with PYLLAMA_SPLIT_PROBE=1, docs/pipeline-groups.md); anything else is passed to -ts as is.
 
 --netns: the rpc server runs in its own network namespace (pyllama-peer-<pid>) behind a veth pair
 (pl<pid>a here, 10.231.X.1/30; pl<pid>b there, 10.231.X.2/30) shaped by a tbf qdisc at --rate

@@ -946,9 +946,16 @@ typedef void (*pq_dot_fn)(int64_t n, const uint8_t *w, const uint8_t *x, size_t 
 
 #define PQ_DEF1(name, nr, body) \
     static void name##_##nr(int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) { const int NR = nr; body; }
+#if PQ_MAX_NR == 8
 #define PQ_DEF4(name, body) \
     PQ_DEF1(name, 1, body) PQ_DEF1(name, 2, body) PQ_DEF1(name, 3, body) PQ_DEF1(name, 4, body) \
     PQ_DEF1(name, 5, body) PQ_DEF1(name, 6, body) PQ_DEF1(name, 7, body) PQ_DEF1(name, 8, body)
+#define PQ_TAB(name) { name##_1, name##_2, name##_3, name##_4, name##_5, name##_6, name##_7, name##_8 }
+#else
+#define PQ_DEF4(name, body) \
+    PQ_DEF1(name, 1, body) PQ_DEF1(name, 2, body) PQ_DEF1(name, 3, body) PQ_DEF1(name, 4, body)
+#define PQ_TAB(name) { name##_1, name##_2, name##_3, name##_4 }
+#endif
 
 PQ_DEF4(pq_k_q4_0, pq_avx2_q_0(PQ_Q4_0, NR, n / 32, w, x, xs, out))
 PQ_DEF4(pq_k_q5_0, pq_avx2_q_0(PQ_Q5_0, NR, n / 32, w, x, xs, out))
@@ -964,15 +971,13 @@ PQ_DEF4(pq_k_f16, pq_avx2_float(PQ_F16, NR, n, w, x, xs, out))
 PQ_DEF4(pq_k_bf16, pq_avx2_float(PQ_BF16, NR, n, w, x, xs, out))
 PQ_DEF4(pq_k_f32, pq_avx2_float(PQ_F32, NR, n, w, x, xs, out))
 
-#define PQ_TAB(name) { name##_1, name##_2, name##_3, name##_4, name##_5, name##_6, name##_7, name##_8 }
-
 /* The AVX2 kernel for type t and nr rows, NULL when none. */
 PQ_API pq_dot_fn pq_avx2_kernel(int t, int nr) {
-    static const pq_dot_fn q4_0[8] = PQ_TAB(pq_k_q4_0), q5_0[8] = PQ_TAB(pq_k_q5_0), q8_0[8] = PQ_TAB(pq_k_q8_0);
-    static const pq_dot_fn q4_1[8] = PQ_TAB(pq_k_q4_1), q5_1[8] = PQ_TAB(pq_k_q5_1);
-    static const pq_dot_fn q2_K[8] = PQ_TAB(pq_k_q2_K), q3_K[8] = PQ_TAB(pq_k_q3_K), q4_K[8] = PQ_TAB(pq_k_q4_K);
-    static const pq_dot_fn q5_K[8] = PQ_TAB(pq_k_q5_K), q6_K[8] = PQ_TAB(pq_k_q6_K);
-    static const pq_dot_fn f16[8] = PQ_TAB(pq_k_f16), bf16[8] = PQ_TAB(pq_k_bf16), f32[8] = PQ_TAB(pq_k_f32);
+    static const pq_dot_fn q4_0[PQ_MAX_NR] = PQ_TAB(pq_k_q4_0), q5_0[PQ_MAX_NR] = PQ_TAB(pq_k_q5_0), q8_0[PQ_MAX_NR] = PQ_TAB(pq_k_q8_0);
+    static const pq_dot_fn q4_1[PQ_MAX_NR] = PQ_TAB(pq_k_q4_1), q5_1[PQ_MAX_NR] = PQ_TAB(pq_k_q5_1);
+    static const pq_dot_fn q2_K[PQ_MAX_NR] = PQ_TAB(pq_k_q2_K), q3_K[PQ_MAX_NR] = PQ_TAB(pq_k_q3_K), q4_K[PQ_MAX_NR] = PQ_TAB(pq_k_q4_K);
+    static const pq_dot_fn q5_K[PQ_MAX_NR] = PQ_TAB(pq_k_q5_K), q6_K[PQ_MAX_NR] = PQ_TAB(pq_k_q6_K);
+    static const pq_dot_fn f16[PQ_MAX_NR] = PQ_TAB(pq_k_f16), bf16[PQ_MAX_NR] = PQ_TAB(pq_k_bf16), f32[PQ_MAX_NR] = PQ_TAB(pq_k_f32);
     const pq_dot_fn *tab;
     switch (t) {
     case PQ_Q4_0: tab = q4_0; break;

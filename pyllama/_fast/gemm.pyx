@@ -8,7 +8,9 @@ rows times up to 4 rows of x, accumulated in vector registers along K. Every out
 summed in the same order whatever the number of rows, so a sequence's logits do not depend on
 what else shares its batch. Above `small_rows_max()` rows BLAS is faster and the caller uses it.
 """
-from cython.parallel cimport prange
+from libc.stdint cimport int64_t
+
+from pyllama._fast.qmatmul cimport pool_run
 
 cdef extern from * nogil:
     """
@@ -127,6 +129,24 @@ DEF SMALL_ROWS_MAX = 32
 DEF CHUNK_BLOCKS = 16
 
 
+cdef struct MmJob:
+    const float* x
+    long M, K, ldx
+    const float* w
+    long N
+    float* out
+    long ldo
+    const float* bias
+    long blocks
+
+
+cdef void _mm_item(void* ctx, int64_t c) noexcept nogil:
+    cdef MmJob* j = <MmJob*>ctx
+    cdef long b0 = c * CHUNK_BLOCKS
+    cdef long b1 = b0 + CHUNK_BLOCKS if b0 + CHUNK_BLOCKS < j.blocks else j.blocks
+    pl_mm_t_range(j.x, j.M, j.K, j.ldx, j.w, j.N, j.out, j.ldo, j.bias, b0, b1)
+
+
 def small_rows_max() -> int:
     """The most rows of x for which mul_mat_t is the faster kernel."""
     return SMALL_ROWS_MAX
@@ -158,14 +178,18 @@ def mul_mat_t(const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias=
     cdef long ldx = x.strides[0] // 4, ldo = out.strides[0] // 4
     cdef long blocks = (N + 3) // 4
     cdef long chunks = (blocks + CHUNK_BLOCKS - 1) // CHUNK_BLOCKS
-    cdef long c, b0, b1
-    if n_threads <= 1 or chunks < 2:
-        with nogil:
-            pl_mm_t_range(xp, M, K, ldx, wp, N, op, ldo, bp, 0, blocks)
-        return
-    for c in prange(chunks, nogil=True, num_threads=n_threads, schedule="static"):
-        b0 = c * CHUNK_BLOCKS
-        b1 = b0 + CHUNK_BLOCKS
-        if b1 > blocks:
-            b1 = blocks
-        pl_mm_t_range(xp, M, K, ldx, wp, N, op, ldo, bp, b0, b1)
+    cdef MmJob job
+    job.x = xp
+    job.M = M
+    job.K = K
+    job.ldx = ldx
+    job.w = wp
+    job.N = N
+    job.out = op
+    job.ldo = ldo
+    job.bias = bp
+    job.blocks = blocks
+    with nogil:
+        # chunks claimed one at a time on the products' pool: a thread the OS is late to run
+        # holds nobody up (an OpenMP static schedule waited for it at the barrier)
+        pool_run(n_threads if chunks >= 2 else 1, chunks, _mm_item, &job)

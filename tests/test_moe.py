@@ -13,13 +13,13 @@ from gguf import quants
 
 from pyllama._fast import moe
 from pyllama.backend.cpu import CPUBackend
-from pyllama.context import Batch
 from pyllama.engine import Engine
 from pyllama.errors import PyllamaError
 from pyllama.models.gguf_file import GGUFFile
 from pyllama.models.quantize import quantize
 from pyllama.rpc.protocol import Cap
 from pyllama.tensor import DType, Graph, Op, Tensor, check_node, node
+from engine_util import greedy
 from reference_forward import reference_logits
 from server_util import RPCServerProcess, assert_same_tokens_in_two_groups, generated_tokens, run_generate
 
@@ -28,16 +28,6 @@ PROMPT = "The little cat sat on the"
 # and the small Q4_K_M mix (gate/up experts Q5_0 on their 288-wide rows, down experts Q4_K or Q6_K)
 MODELS = [("tiny", "qwen3moe", "f32"), ("tiny", "qwen2moe", "f32"), ("tiny", "mixtral", "f32"),
           ("tiny", "qwen2moe", "q8_0"), ("tiny", "mixtral", "q4_0"), ("small", "qwen3moe", "q4_k_m")]
-
-
-def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    ctx = engine.new_context(256, 1, type_k=DType.F32, type_v=DType.F32)
-    out = ctx.decode(Batch.for_sequence(prompt, 0, 0))
-    tokens = []
-    for i in range(n):
-        tokens.append(int(out.logits[0].argmax()))
-        out = ctx.decode(Batch.for_sequence([tokens[-1]], len(prompt) + i, 0))
-    return tokens
 
 
 @pytest.mark.parametrize("preset,arch,wtype", MODELS)

@@ -25,6 +25,7 @@ from pyllama.rpc.protocol import Cap
 from pyllama.rpc_server.server import ServerThread
 from pyllama.tensor import DType, Graph, Op, Tensor, node
 from reference_forward import reference_logits
+from engine_util import greedy
 from server_util import assert_same_tokens_in_two_groups, generated_tokens
 
 PROMPT = "The little cat sat on the"
@@ -32,16 +33,6 @@ PROMPT = "The little cat sat on the"
 # other types as llama.cpp's quantizer does (so those files mix types, like the _M mixes)
 MODELS = [("tiny", "q8_0"), ("tiny", "q4_0"), ("small", "q4_k"), ("small", "q6_k"), ("small", "q4_k_m"),
           ("small", "q5_k_m")]
-
-
-def greedy(engine: Engine, prompt: list[int], n: int, kv: DType = DType.F32) -> list[int]:
-    ctx = engine.new_context(256, 1, type_k=kv, type_v=kv)
-    out = ctx.decode(Batch.for_sequence(prompt, 0, 0))
-    tokens = []
-    for i in range(n):
-        tokens.append(int(out.logits[0].argmax()))
-        out = ctx.decode(Batch.for_sequence([tokens[-1]], len(prompt) + i, 0))
-    return tokens
 
 
 @pytest.mark.parametrize("preset,wtype", MODELS)

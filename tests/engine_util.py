@@ -1,0 +1,18 @@
+"""Helpers for tests that drive the engine directly."""
+from __future__ import annotations
+
+from pyllama.context import Batch
+from pyllama.engine import Engine
+from pyllama.tensor import DType
+
+
+def greedy(engine: Engine, prompt: list[int], n: int, kv: DType = DType.F32) -> list[int]:
+    """n greedy tokens after `prompt`, one sequence, a KV cache of type kv (F32: no cache rounding,
+    as the float64 references)."""
+    ctx = engine.new_context(256, 1, type_k=kv, type_v=kv)
+    out = ctx.decode(Batch.for_sequence(prompt, 0, 0))
+    tokens = []
+    for i in range(n):
+        tokens.append(int(out.logits[0].argmax()))
+        out = ctx.decode(Batch.for_sequence([tokens[-1]], len(prompt) + i, 0))
+    return tokens

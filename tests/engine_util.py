@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pyllama.context import Batch
 from pyllama.engine import Engine
-from pyllama.tensor import DType
+from pyllama.tensor import DType, Tensor
 
 
 def greedy(engine: Engine, prompt: list[int], n: int, kv: DType = DType.F32) -> list[int]:
@@ -16,3 +16,12 @@ def greedy(engine: Engine, prompt: list[int], n: int, kv: DType = DType.F32) -> 
         tokens.append(int(out.logits[0].argmax()))
         out = ctx.decode(Batch.for_sequence([tokens[-1]], len(prompt) + i, 0))
     return tokens
+
+
+def placed(backend, dtype: DType, shape: tuple, data=None, name: str = "t"):
+    """A tensor in a buffer of its own on `backend`, holding `data` when given."""
+    t = Tensor(dtype, shape, name)
+    t.buffer = backend.alloc_buffer(max(t.nbytes, 1))
+    if data is not None:
+        backend.set_tensor(t, data)
+    return t

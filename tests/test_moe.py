@@ -18,8 +18,8 @@ from pyllama.errors import PyllamaError
 from pyllama.models.gguf_file import GGUFFile
 from pyllama.models.quantize import quantize
 from pyllama.rpc.protocol import Cap
-from pyllama.tensor import DType, Graph, Op, Tensor, check_node, node
-from engine_util import greedy
+from pyllama.tensor import DType, Graph, Op, check_node, node
+from engine_util import greedy, placed
 from reference_forward import reference_logits
 from server_util import RPCServerProcess, assert_same_tokens_in_two_groups, generated_tokens, run_generate
 
@@ -202,19 +202,12 @@ def test_the_cpu_backend_runs_the_node():
     b = CPUBackend(1)
     n, e, f, n_exp, k = 3, 64, 32, 4, 2
 
-    def place(dtype, shape, data=None):
-        t = Tensor(dtype, shape, "t")
-        t.buffer = b.alloc_buffer(t.nbytes)
-        if data is not None:
-            b.set_tensor(t, data)
-        return t
-
     x = rng.standard_normal((n, e)).astype(np.float32)
     router = rng.standard_normal((n_exp, e)).astype(np.float32)
     g, u = (rng.standard_normal((n_exp, f, e)).astype(np.float32) for _ in range(2))
     d = rng.standard_normal((n_exp, e, f)).astype(np.float32)
-    out = place(DType.F32, (n, e))
-    srcs = [place(DType.F32, a.shape, a) for a in (x, router, g, u, d)]
+    out = placed(b, DType.F32, (n, e))
+    srcs = [placed(b, DType.F32, a.shape, a) for a in (x, router, g, u, d)]
     b.graph_compute(Graph([node(Op.MOE_FFN, out, *srcs, params=(k, 1, 1.0))]))
     want = np.zeros((n, e), np.float32)
     moe.moe_ffn(x, x @ router.T, g.reshape(n_exp, -1).view(np.uint8), 0, u.reshape(n_exp, -1).view(np.uint8), 0,

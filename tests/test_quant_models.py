@@ -25,7 +25,7 @@ from pyllama.rpc.protocol import Cap
 from pyllama.rpc_server.server import ServerThread
 from pyllama.tensor import DType, Graph, Op, Tensor, node
 from reference_forward import reference_logits
-from engine_util import greedy
+from engine_util import greedy, placed
 from server_util import assert_same_tokens_in_two_groups, generated_tokens
 
 PROMPT = "The little cat sat on the"
@@ -85,22 +85,15 @@ def test_mul_mat_cat_equals_the_products_joined():
     raws = [quants.quantize(rng.standard_normal((m, k)).astype(np.float32), t) for m, t in zip(rows, types)]
     bias = rng.standard_normal(sum(rows)).astype(np.float32)
 
-    def place(dtype, shape, data=None):
-        t = Tensor(dtype, shape, "t")
-        t.buffer = b.alloc_buffer(t.nbytes)
-        if data is not None:
-            b.set_tensor(t, data)
-        return t
-
-    xt = place(DType.F32, x.shape, x)
-    parts = [place(t, (m, k), r) for t, m, r in zip(types, rows, raws)]
-    bt = place(DType.F32, bias.shape, bias)
-    out = place(DType.F32, (3, sum(rows)))
+    xt = placed(b, DType.F32, x.shape, x)
+    parts = [placed(b, t, (m, k), r) for t, m, r in zip(types, rows, raws)]
+    bt = placed(b, DType.F32, bias.shape, bias)
+    out = placed(b, DType.F32, (3, sum(rows)))
     b.graph_compute(Graph([node(Op.MUL_MAT_CAT, out, xt, *parts, bt, params=(3,))]))
     got = b.get_tensor(out)
     col = 0
     for p in parts:
-        one = place(DType.F32, (3, p.shape[0]))
+        one = placed(b, DType.F32, (3, p.shape[0]))
         b.graph_compute(Graph([node(Op.MUL_MAT, one, xt, p)]))
         np.testing.assert_array_equal(got[:, col:col + p.shape[0]], b.get_tensor(one) + bias[col:col + p.shape[0]])
         col += p.shape[0]

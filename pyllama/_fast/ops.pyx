@@ -287,24 +287,25 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
             o[g * hd + d] = acc[g * hd + d] / total
 
 
-cdef void _store_item(void* ctx, int64_t t) noexcept nogil:
-    cdef AttnArgs* a = <AttnArgs*>ctx
-    cdef float* scratch = <float*>malloc(sizeof(float) * a.store_floats)
+ctypedef void (*attn_part_fn)(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil
+
+
+cdef inline void _with_scratch(AttnArgs* a, Py_ssize_t floats, attn_part_fn fn, int64_t i) noexcept nogil:
+    # one item's scratch (the pool's threads share no buffer)
+    cdef float* scratch = <float*>malloc(sizeof(float) * floats)
     if scratch != NULL:
-        _store_token(a, t, scratch)
+        fn(a, i, scratch)
         free(scratch)
     else:
         a.failed = 1
+
+
+cdef void _store_item(void* ctx, int64_t t) noexcept nogil:
+    _with_scratch(<AttnArgs*>ctx, (<AttnArgs*>ctx).store_floats, _store_token, t)
 
 
 cdef void _attend_item(void* ctx, int64_t i) noexcept nogil:
-    cdef AttnArgs* a = <AttnArgs*>ctx
-    cdef float* scratch = <float*>malloc(sizeof(float) * a.attend_floats)
-    if scratch != NULL:
-        _attend(a, i, scratch)
-        free(scratch)
-    else:
-        a.failed = 1
+    _with_scratch(<AttnArgs*>ctx, (<AttnArgs*>ctx).attend_floats, _attend, i)
 
 
 cdef object _cache_bytes(object cache):

@@ -14,15 +14,12 @@ of steps); the running total is kept exactly since start.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from typing import Optional
 
+from .trace import now as now_us  # the trace's time base: spans line up with a trace of the run
+
 MAX_SPANS = 16384
-
-
-def now_us() -> int:
-    return time.monotonic_ns() // 1000
 
 
 class BusyClock:

@@ -16,7 +16,6 @@ from collections import OrderedDict
 import logging
 import math
 import struct
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
@@ -28,6 +27,7 @@ from ..backend.cpu import CPUBackend
 from ..tensor import FAMILY_OPS, OP_TABLE, Graph, Node, Op, check_node
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
+from ..trace import now as now_us
 from .cache import CACHE_MIN_BYTES, as_bytes_view
 
 if TYPE_CHECKING:
@@ -61,10 +61,6 @@ class Frame(bytearray):
 
 def frame(status: int, payload: bytes = b"") -> bytes:
     return P.HEADER.pack(status, len(payload)) + payload
-
-
-def now_us() -> int:
-    return time.monotonic_ns() // 1000
 
 
 RECENT_GRAPHS = 16  # decoded graphs kept per connection (several pipeline groups, several shapes)

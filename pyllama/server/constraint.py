@@ -28,10 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-try:
-    import llguidance as llg
-except ImportError:  # pragma: no cover - a dependency; the error says what to install
-    llg = None
+import llguidance as llg
 
 from .._fast import masks as _masks
 from ..tokenizer import Tokenizer
@@ -69,16 +66,9 @@ class ConstraintSpec:
         return self.field or _DEFAULT_FIELD.get(self.kind, "grammar")
 
 
-def _need_llguidance() -> None:
-    if llg is None:
-        raise HTTPError(500, "constrained decoding needs the llguidance package (pip install llguidance)",
-                        "server_error")
-
-
 def grammar_text(spec: ConstraintSpec) -> str:
     """llguidance's grammar for a spec (not yet checked against a vocabulary). Raises HTTPError
     400 for a spec that cannot even be translated (bad GBNF syntax, schema that is not JSON)."""
-    _need_llguidance()
     if spec.kind not in KINDS:
         raise HTTPError(400, f"'{spec.source}': unknown constraint kind {spec.kind!r} (one of {', '.join(KINDS)})")
     try:
@@ -145,7 +135,6 @@ _tokenizers_lock = threading.Lock()
 
 def ll_tokenizer(tok: Tokenizer) -> Any:
     """The llguidance tokenizer of a model's tokenizer, built once per tokenizer."""
-    _need_llguidance()
     with _tokenizers_lock:
         found = _tokenizers.get(tok)
         if found is None:
@@ -276,7 +265,6 @@ class MaskWorker:
     the step's own."""
 
     def __init__(self, name: str = "masks") -> None:
-        _need_llguidance()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
         self.t_compute = 0.0  # seconds spent computing masks (on the worker)
         self.n_masks = 0

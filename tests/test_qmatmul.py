@@ -59,6 +59,28 @@ def test_roundf_ties_away_from_zero_in_q8_0():
     assert qk.tolist() == [-127, 0, -2, 2]
 
 
+def test_q8_k_ties_and_non_finite_blocks():
+    """The vectorized Q8_K quantizer takes the first element of the largest magnitude as the
+    block's signed maximum (as ggml's loop does), and leaves a block holding a NaN or an infinity
+    to the scalar loop without disturbing its neighbours."""
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((3, 768)).astype(np.float32)
+    x[0, 40], x[0, 200] = -5.0, 5.0        # block 0: the negative comes first
+    x[0, 300], x[0, 301] = 7.0, -7.0       # block 1: the positive comes first
+    x[1, 256 + 9] = np.nan
+    x[2, 512 + 100] = np.inf
+    got = qmatmul.quantize_rows(x, int(T.Q8_K))
+    want0 = ref.quantize_activation(x[0], T.Q8_K)
+    assert np.array_equal(got[0], want0)
+    assert np.frombuffer(got[0, :4].tobytes(), np.float32)[0] > 0      # d = -max / 127 with max = -5
+    assert np.frombuffer(got[0, 292:296].tobytes(), np.float32)[0] < 0  # max = +7
+    for r, bad in ((1, 1), (2, 2)):
+        clean = [b for b in range(3) if b != bad]
+        want = ref.quantize_activation(np.where(np.isfinite(x[r]), x[r], 0).astype(np.float32), T.Q8_K)
+        for b in clean:
+            assert np.array_equal(got[r, 292 * b:292 * (b + 1)], want[292 * b:292 * (b + 1)]), (r, b)
+
+
 @pytest.mark.parametrize("qtype", INT_TYPES, ids=lambda t: t.name)
 def test_int_block_sums_match_reference(qtype):
     rng = np.random.default_rng(100 + int(qtype))

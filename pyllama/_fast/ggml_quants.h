@@ -22,8 +22,9 @@
  * structure: the AVX2 Q6_K kernel therefore reduces its integer sum, whose offset correction
  * lives in other lanes, before converting it to float.)
  *
- * Byte layouts are ggml's (gguf.quants mirrors them). AVX-512 / VNNI paths are not written: the
- * development machine has none to run them on.
+ * Byte layouts are ggml's (gguf.quants mirrors them). AVX-512VL builds take 8 activation rows per
+ * weight block (32 vector registers) instead of 4; ggml_x8.h has the Q4_K / Q6_K kernels for
+ * weights repacked in groups of 8 rows.
  */
 #ifndef PYLLAMA_GGML_QUANTS_H
 #define PYLLAMA_GGML_QUANTS_H
@@ -45,6 +46,12 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PQ_HAVE_AVX2 1
+static inline int32_t pq_hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+}
 #else
 #define PQ_HAVE_AVX2 0
 #endif
@@ -196,9 +203,59 @@ PQ_EXACT static void pq_quantize_row_q8_1(const float *x, uint8_t *y, int64_t k)
     }
 }
 
+#if PQ_HAVE_AVX2
+/* One Q8_K block with AVX2, bit for bit as the scalar loop below: the same float products
+ * iscale * x, rounded half to even (nearbyintf in the default mode), clamped at 127; the signed
+ * maximum is the first element of the largest magnitude. Returns 0 (nothing written) for a block
+ * holding a NaN or an infinity, which the scalar loop handles. */
+PQ_EXACT static int pq_quantize_block_q8_K_avx2(const float *x, uint8_t *y) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax8 = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int j = 0; j < PQ_QK_K; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+    }
+    if (_mm256_movemask_ps(bad)) return 0;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    if (amax == 0.0f) { memset(y, 0, 292); return 1; }
+    float max = 0.0f;
+    for (int j = 0; j < PQ_QK_K; j += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)),
+                                                         _mm256_set1_ps(amax), _CMP_EQ_OQ));
+        if (hit) { max = x[j + __builtin_ctz(hit)]; break; }
+    }
+    const float iscale = -127.0f / max;
+    const __m256 is = _mm256_set1_ps(iscale);
+    const __m256i cap = _mm256_set1_epi32(127), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int j = 0; j < PQ_QK_K; j += 32) {
+        __m256i v[4];
+        for (int u = 0; u < 4; u++)
+            v[u] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(is, _mm256_loadu_ps(x + j + 8 * u)),
+                                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)), cap);
+        for (int g = 0; g < 2; g++) {
+            const int32_t s = pq_hsum_i32(_mm256_add_epi32(v[2 * g], v[2 * g + 1]));
+            const int16_t s16 = (int16_t)s;
+            memcpy(y + 260 + 2 * (j / 16 + g), &s16, 2);
+        }
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(y + 4 + j), _mm256_permutevar8x32_epi32(p, order));
+    }
+    const float d = 1.0f / iscale;
+    memcpy(y, &d, 4);
+    return 1;
+}
+#endif
+
 /* Q8_K: float d, int8 qs[256], int16 bsums[16]; ggml's nearest_int rounds half to even. */
 PQ_EXACT static void pq_quantize_row_q8_K(const float *x, uint8_t *y, int64_t k) {
     for (int64_t b = 0; b < k / PQ_QK_K; b++, x += PQ_QK_K, y += 292) {
+#if PQ_HAVE_AVX2
+        if (pq_quantize_block_q8_K_avx2(x, y)) continue;
+#endif
         float max = 0.0f, amax = 0.0f;
         for (int j = 0; j < PQ_QK_K; j++) {
             const float ax = fabsf(x[j]);
@@ -611,12 +668,6 @@ PQ_INLINE float pq_hsum128(__m128 s) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-PQ_INLINE int32_t pq_hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
-    return _mm_cvtsi128_si32(s);
 }
 PQ_INLINE float pq_h2f(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 /* 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0..15), then high nibbles (16..31) */

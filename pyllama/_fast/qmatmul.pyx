@@ -205,6 +205,107 @@ def mul_mat_q(const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:
     free(xq)
 
 
+cdef extern from "ggml_x8.h" nogil:
+    int pq_x8_block_bytes(int t)
+    int pq_have_x8()
+    int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int64_t k, uint8_t *out)
+    void pq_mul_mat_x8(int t, const float *x, int64_t n, int64_t k, int64_t ldx, const uint8_t *wp, int64_t m,
+                       float *out, int64_t ldo, const float *bias, uint8_t *xq, int64_t xq_stride, int n_threads,
+                       int have_xq)
+
+
+def x8_types() -> tuple:
+    """Weight types that repack_x8 lays out in groups of 8 rows (empty without the AVX2 kernels)."""
+    return (12, 14) if pq_have_x8() else ()
+
+
+def repack_x8(const uint8_t[:, ::1] w, int qtype, Py_ssize_t k):
+    """w: m rows (m a multiple of 8) of k elements of `qtype` (Q4_K or Q6_K) -> the same weights
+    in groups of 8 rows (ggml_x8.h), a 64-byte aligned uint8 [m // 8, packed bytes per group]
+    for mul_mat_q_x8. ValueError for another type, a row count not a multiple of 8, or a build
+    without the AVX2 kernels."""
+    cdef pq_traits tr = _traits(qtype, _SUPPORTED, "repack_x8")
+    if qtype not in x8_types():
+        raise ValueError(f"repack_x8: {_name(qtype)} weights are not repacked in this build")
+    cdef int64_t rb = _row_bytes(tr, qtype, k, "repack_x8")
+    cdef int64_t m = w.shape[0]
+    if w.shape[1] != rb:
+        raise ValueError(f"repack_x8: weight rows have {w.shape[1]} bytes, a {_name(qtype)} row of {k} needs {rb}")
+    if m % 8:
+        raise ValueError(f"repack_x8: {m} rows is not a multiple of 8")
+    cdef int64_t gb = k // 256 * pq_x8_block_bytes(qtype)
+    raw = np.empty(m // 8 * gb + 64, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 64
+    out = raw[start:start + m // 8 * gb].reshape(m // 8, gb)
+    if m == 0 or k == 0:
+        return out
+    cdef uint8_t[:, ::1] ov = out
+    cdef int qt = qtype
+    cdef int64_t ws = w.strides[0]
+    with nogil:
+        pq_repack_x8(qt, &w[0, 0], m, ws, k, &ov[0, 0])
+    return out
+
+
+def mul_mat_q_x8(const float[:, ::1] x, const uint8_t[:, ::1] wp, int qtype, float[:, :] out, bias=None,
+                 int n_threads=1, xq=None, bint quantized=False):
+    """As mul_mat_q, against weights repacked by repack_x8 (wp: [m // 8, packed bytes per group]);
+    the same integer sums, results within the same rounding bound.
+
+    xq: optional uint8 [n, row_bytes(Q8_K, k)] scratch for the quantized activations; with
+    quantized=True it already holds x quantized (by an earlier call with the same x and xq), and
+    the quantization is skipped: the weights of one MUL_MAT_CAT share one quantization."""
+    if qtype not in x8_types():
+        raise ValueError(f"mul_mat_q_x8: {_name(qtype)} weights are not repacked in this build")
+    cdef int64_t n = x.shape[0], k = x.shape[1], m = out.shape[1]
+    if k % 256:
+        raise ValueError(f"mul_mat_q_x8: a row of {k} elements is not a whole number of blocks of 256")
+    if wp.shape[0] * 8 != m or (m and wp.shape[1] != k // 256 * pq_x8_block_bytes(qtype)):
+        raise ValueError(f"mul_mat_q_x8: packed weight {wp.shape[0]}x{wp.shape[1]} does not hold {m} rows of {k}")
+    if out.shape[0] != n:
+        raise ValueError(f"mul_mat_q_x8: out has {out.shape[0]} rows, x {n}")
+    if m > 1 and out.strides[1] != 4 or n > 1 and out.strides[0] % 4:
+        raise ValueError("mul_mat_q_x8: the rows of out must be contiguous floats")
+    cdef const float[::1] bv
+    cdef const float *bp = NULL
+    if bias is not None:
+        b = np.asarray(bias)
+        if b.dtype != np.float32 or b.ndim != 1 or b.shape[0] != m:
+            raise ValueError(f"mul_mat_q_x8: bias must be float32 [{m}], got {b.dtype} {b.shape}")
+        bv = b
+        bp = &bv[0]
+    if n_threads < 1:
+        raise ValueError(f"mul_mat_q_x8: n_threads must be >= 1, got {n_threads}")
+    if n == 0 or m == 0:
+        return
+    if k == 0:
+        out[:, :] = 0.0
+        if bp != NULL:
+            np.asarray(out)[:] += np.asarray(bias)
+        return
+    cdef int64_t xq_stride = k // 256 * 292
+    cdef int64_t ldo = out.strides[0] // 4 if n > 1 else m
+    cdef int64_t ldx = x.strides[0] // 4 if n > 1 else k
+    cdef uint8_t[:, ::1] xqv
+    cdef uint8_t *xqp
+    if xq is not None:
+        xqv = xq
+        if xqv.shape[0] != n or xqv.shape[1] != xq_stride:
+            raise ValueError(f"mul_mat_q_x8: xq is {xqv.shape[0]}x{xqv.shape[1]}, expected {n}x{xq_stride}")
+        xqp = &xqv[0, 0]
+    elif quantized:
+        raise ValueError("mul_mat_q_x8: quantized=True needs the xq that holds them")
+    else:
+        xqp = <uint8_t *>malloc(n * xq_stride + 64)
+        if xqp == NULL:
+            raise MemoryError("mul_mat_q_x8: cannot allocate the quantized activations")
+    cdef int qt = qtype, have = quantized
+    with nogil:
+        pq_mul_mat_x8(qt, &x[0, 0], n, k, ldx, &wp[0, 0], m, &out[0, 0], ldo, bp, xqp, xq_stride, n_threads, have)
+    if xq is None:
+        free(xqp)
+
+
 def dequantize_rows(const uint8_t[:, ::1] w, int qtype, Py_ssize_t k, Py_ssize_t j0, Py_ssize_t j1,
                     float[:, ::1] out, int n_threads=1):
     """Weight rows [j0, j1) of w (k elements each) dequantized bit-exactly into out[j1 - j0, k]."""

@@ -1,0 +1,266 @@
+/* Q4_K and Q6_K weights repacked in groups of 8 rows, for the AVX2 / AVX-512 products.
+ *
+ * In the file's layout each weight row is dotted with an activation row on its own: the kernel
+ * unpacks a block, multiplies 32 bytes at a time and reduces the 8 int32 lanes to one sum at the
+ * end, and the block scales cost as much again as the products (ggml_quants.h). Here the 8 rows
+ * of a group sit side by side: lane l of a 32-byte vector holds 4 consecutive weights of row l,
+ * the 4 matching activation bytes are broadcast to every lane, and one byte dot product (VNNI's
+ * dpbusd, or maddubs + madd) adds 4 products to each of the 8 rows' sums. The per-row scales are
+ * a lane-wise multiply, the minimum / offset correction a lane-wise madd, and the 8 lanes are the
+ * 8 outputs: no horizontal sums, and a block's unpacking is shared by up to PQ_X8_NR activation
+ * rows. (llama.cpp repacks Q4_K into 8-row groups for the same reason.)
+ *
+ * The integer sums are ggml's, exactly: per 32-element (Q4_K) or 16-element (Q6_K) group the
+ * lane holds sum(q * q8) in int32, multiplied by the group's 6- or 8-bit scale and summed over
+ * the super-block in int32, as ggml's vec_dot_q4_K / q6_K do; the float steps per super-block are
+ * the same as the row kernels' (one multiply by d * d8 per block), so the error bound of
+ * ggml_quants.h holds unchanged.
+ *
+ * Packed layouts, per group of 8 rows and per super-block of 256 elements:
+ *   Q4_K (1184 bytes): d f16[8] | dmin f16[8] | scale u8[8 sub-blocks][8 rows]
+ *                      | min u8[8][8] | qs[4 runs of 64][8 quads][8 rows][4 bytes]
+ *   Q6_K (1680 bytes, the file's size): d f16[8] | scale i8[16][8]
+ *                      | 2 halves x (ql[0..31] [8 quads][8 rows][4] | ql[32..63] likewise | qh likewise)
+ * where a quad is 4 consecutive bytes of the row's block at the same offset.
+ */
+#ifndef PYLLAMA_GGML_X8_H
+#define PYLLAMA_GGML_X8_H
+
+#include "ggml_quants.h"
+
+#define PQ_X8_Q4_K_BYTES 1184
+#define PQ_X8_Q6_K_BYTES 1680
+
+/* Packed bytes per group of 8 rows and super-block; 0 for types that are not repacked. */
+static inline int pq_x8_block_bytes(int t) {
+    return t == PQ_Q4_K ? PQ_X8_Q4_K_BYTES : t == PQ_Q6_K ? PQ_X8_Q6_K_BYTES : 0;
+}
+
+/* Copies 4-byte quads [q0, q0 + nq) of each of the 8 rows' blocks (src[l] + off) to dst, quad-major. */
+static inline void pq_x8_quads(uint8_t *dst, const uint8_t *const src[8], int off, int nq) {
+    for (int q = 0; q < nq; q++)
+        for (int l = 0; l < 8; l++) memcpy(dst + 32 * q + 4 * l, src[l] + off + 4 * q, 4);
+}
+
+/* w: m rows (m % 8 == 0) of k elements of type t at byte stride wstride -> out, laid out as above
+ * (row group g at out + g * (k / 256) * pq_x8_block_bytes(t)). Returns 0, or -1 for another type. */
+PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int64_t k, uint8_t *out) {
+    const int pb = pq_x8_block_bytes(t);
+    if (!pb || m % 8 || k % PQ_QK_K) return -1;
+    const int64_t nb = k / PQ_QK_K;
+    const int fb = t == PQ_Q4_K ? 144 : 210;
+    for (int64_t g = 0; g < m / 8; g++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *src[8];
+            for (int l = 0; l < 8; l++) src[l] = w + (8 * g + l) * wstride + b * fb;
+            uint8_t *o = out + (g * nb + b) * pb;
+            if (t == PQ_Q4_K) {
+                for (int l = 0; l < 8; l++) {
+                    memcpy(o + 2 * l, src[l], 2);
+                    memcpy(o + 16 + 2 * l, src[l] + 2, 2);
+                    for (int j = 0; j < 8; j++) pq_k4_scale_min(j, src[l] + 4, o + 32 + 8 * j + l, o + 96 + 8 * j + l);
+                }
+                pq_x8_quads(o + 160, src, 16, 32);
+            } else {
+                for (int l = 0; l < 8; l++) {
+                    memcpy(o + 2 * l, src[l] + 208, 2);
+                    for (int s = 0; s < 16; s++) o[16 + 8 * s + l] = src[l][192 + s];
+                }
+                for (int h = 0; h < 2; h++) {
+                    uint8_t *oh = o + 144 + 768 * h;
+                    pq_x8_quads(oh, src, 64 * h, 8);
+                    pq_x8_quads(oh + 256, src, 64 * h + 32, 8);
+                    pq_x8_quads(oh + 512, src, 128 + 32 * h, 8);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+#if PQ_HAVE_AVX2
+
+#if defined(__AVX512VL__)
+#define PQ_X8_NR 8
+#else
+#define PQ_X8_NR 4
+#endif
+
+/* acc + the 8 lanes' dot products of 4 unsigned bytes u with 4 signed bytes b (exact: |u| <= 63) */
+PQ_INLINE __m256i pq_x8_dp(__m256i acc, __m256i u, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, b), _mm256_set1_epi16(1)));
+#endif
+}
+PQ_INLINE __m256i pq_x8_bcast(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+
+/* The 8 unsigned weights' quad i of group s of a Q4_K (sub-block s, 32 elements) or Q6_K (16
+ * elements) packed block, one row per lane. */
+PQ_INLINE __m256i pq_x8_quad(int t, const uint8_t *blk, int s, int i) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    if (t == PQ_Q4_K) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 160 + 256 * (s / 2) + 32 * i));
+        return _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, m4);
+    }
+    /* Q6_K: element 16 s + 4 i' is quad (s % 2) * 4 + i' of value qi = (s % 8) / 2 of half s / 8 */
+    const uint8_t *hb = blk + 144 + 768 * (s / 8);
+    const int qi = (s % 8) / 2, q = 4 * (s % 2) + i;
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)(hb + 256 * (qi % 2) + 32 * q));
+    const __m256i hi = _mm256_loadu_si256((const __m256i *)(hb + 512 + 32 * q));
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    const __m256i l4 = _mm256_and_si256(qi < 2 ? lo : _mm256_srli_epi16(lo, 4), m4);
+    const __m256i h2 = qi == 0 ? _mm256_slli_epi16(hi, 4) : qi == 1 ? _mm256_slli_epi16(hi, 2)
+                     : qi == 2 ? hi : _mm256_srli_epi16(hi, 2);
+    return _mm256_or_si256(l4, _mm256_and_si256(h2, m30));
+}
+
+/* NR activation rows (Q8_K, byte stride xs) against one group of 8 rows (nb packed blocks at wg):
+ * out[r * ldo + l] = row l's product with activation row r (+ bias[l]). */
+PQ_INLINE void pq_x8_kernel(int t, int NR, int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs,
+                            float *out, int64_t ldo, const float *bias) {
+    const int pb = pq_x8_block_bytes(t);
+    const int ngroups = t == PQ_Q4_K ? 8 : 16, nquads = t == PQ_Q4_K ? 8 : 4, gsize = 4 * nquads;
+    __m256 facc[PQ_X8_NR];
+    for (int r = 0; r < NR; r++) facc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * pb;
+        const uint8_t *sc = blk + (t == PQ_Q4_K ? 32 : 16);
+        __m256i isum[PQ_X8_NR];
+        for (int r = 0; r < NR; r++) isum[r] = _mm256_setzero_si256();
+        /* unrolled: each group's unpacking is then straight-line code (its shifts are constants) */
+#pragma GCC unroll 16
+        for (int s = 0; s < ngroups; s++) {
+            __m256i acc[PQ_X8_NR];
+            for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int i = 0; i < nquads; i++) {
+                const __m256i q = pq_x8_quad(t, blk, s, i);
+                for (int r = 0; r < NR; r++)
+                    acc[r] = pq_x8_dp(acc[r], q, pq_x8_bcast(x + r * xs + 292 * b + 4 + gsize * s + 4 * i));
+            }
+            const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
+            const __m256i s32 = t == PQ_Q4_K ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
+            for (int r = 0; r < NR; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(acc[r], s32));
+        }
+        /* Q4_K: sum over sub-blocks j of min_j * (bsum[2j] + bsum[2j+1]); Q6_K: sum over the 16
+         * groups of scale * bsum (the -32 offset's weight). Pairs of int16 per lane, one madd. */
+        __m256i pairs[8];
+        for (int p = 0; p < 8; p++) {
+            const __m128i a = _mm_loadl_epi64((const __m128i *)(blk + (t == PQ_Q4_K ? 96 + 8 * p : 16 + 16 * p)));
+            const __m128i c = t == PQ_Q4_K ? a : _mm_loadl_epi64((const __m128i *)(blk + 24 + 16 * p));
+            pairs[p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, c));
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 dmin = t == PQ_Q4_K ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *y = x + r * xs + 292 * b;
+            __m256i corr = _mm256_setzero_si256();
+            for (int p = 0; p < 8; p++) corr = _mm256_add_epi32(corr, _mm256_madd_epi16(pairs[p], pq_x8_bcast(y + 260 + 4 * p)));
+            const __m256 yd = _mm256_set1_ps(pq_ld_f32(y));
+            if (t == PQ_Q4_K) {
+                facc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(isum[r]), facc[r]);
+                facc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, yd), _mm256_cvtepi32_ps(corr), facc[r]);
+            } else {
+                const __m256i tot = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(corr, 5));
+                facc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(tot), facc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        __m256 v = facc[r];
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+        _mm256_storeu_ps(out + r * ldo, v);
+    }
+}
+
+typedef void (*pq_x8_fn)(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs, float *out, int64_t ldo,
+                         const float *bias);
+#define PQ_X8_DEF1(name, t, nr) \
+    static void name##_##nr(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs, float *out, int64_t ldo, \
+                            const float *bias) { pq_x8_kernel(t, nr, nb, wg, x, xs, out, ldo, bias); }
+#if PQ_X8_NR == 8
+#define PQ_X8_DEF(name, t) PQ_X8_DEF1(name, t, 1) PQ_X8_DEF1(name, t, 2) PQ_X8_DEF1(name, t, 3) PQ_X8_DEF1(name, t, 4) \
+    PQ_X8_DEF1(name, t, 5) PQ_X8_DEF1(name, t, 6) PQ_X8_DEF1(name, t, 7) PQ_X8_DEF1(name, t, 8)
+#define PQ_X8_TAB(name) { name##_1, name##_2, name##_3, name##_4, name##_5, name##_6, name##_7, name##_8 }
+#else
+#define PQ_X8_DEF(name, t) PQ_X8_DEF1(name, t, 1) PQ_X8_DEF1(name, t, 2) PQ_X8_DEF1(name, t, 3) PQ_X8_DEF1(name, t, 4)
+#define PQ_X8_TAB(name) { name##_1, name##_2, name##_3, name##_4 }
+#endif
+PQ_X8_DEF(pq_x8_q4_K, PQ_Q4_K)
+PQ_X8_DEF(pq_x8_q6_K, PQ_Q6_K)
+
+static pq_x8_fn pq_x8_kernel_for(int t, int nr) {
+    static const pq_x8_fn q4[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q4_K), q6[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q6_K);
+    return t == PQ_Q4_K ? q4[nr - 1] : q6[nr - 1];
+}
+
+typedef struct {
+    int t, vt;
+    const float *x; int64_t n, k, ldx;
+    const uint8_t *wp; int64_t ngroups, gstride;
+    float *out; int64_t ldo; const float *bias;
+    uint8_t *xq; int64_t xq_stride, tile, ntiles;
+} pq_x8_job;
+
+static void pq_x8_quantize_item(void *ctx, int64_t r) {
+    const pq_x8_job *j = (const pq_x8_job *)ctx;
+    pq_quantize_row(j->vt, j->x + r * j->ldx, j->xq + r * j->xq_stride, j->k);
+}
+
+static void pq_x8_tile_item(void *ctx, int64_t item) {
+    const pq_x8_job *jb = (const pq_x8_job *)ctx;
+    const int64_t c0 = item / jb->ntiles * PQ_ROW_CHUNK;
+    const int64_t c1 = c0 + PQ_ROW_CHUNK < jb->n ? c0 + PQ_ROW_CHUNK : jb->n;
+    const int64_t g0 = item % jb->ntiles * jb->tile;
+    const int64_t g1 = g0 + jb->tile < jb->ngroups ? g0 + jb->tile : jb->ngroups;
+    const int64_t nb = jb->k / PQ_QK_K;
+    for (int64_t r0 = c0; r0 < c1; r0 += PQ_X8_NR) {
+        const int nr = (int)(c1 - r0 < PQ_X8_NR ? c1 - r0 : PQ_X8_NR);
+        const pq_x8_fn fn = pq_x8_kernel_for(jb->t, nr);
+        for (int64_t g = g0; g < g1; g++)
+            fn(nb, jb->wp + g * jb->gstride, jb->xq + r0 * jb->xq_stride, (size_t)jb->xq_stride,
+               jb->out + r0 * jb->ldo + 8 * g, jb->ldo, jb->bias ? jb->bias + 8 * g : NULL);
+    }
+}
+
+/* As pq_mul_mat, against weights repacked by pq_repack_x8 (m rows, m % 8 == 0). Same threading:
+ * activation rows quantized once (not at all when have_xq: xq already holds x as Q8_K, as for the
+ * second and later weights of a MUL_MAT_CAT), then (chunk of activation rows) x (tile of row
+ * groups) items. */
+PQ_API void pq_mul_mat_x8(int t, const float *x, int64_t n, int64_t k, int64_t ldx, const uint8_t *wp, int64_t m,
+                          float *out, int64_t ldo, const float *bias, uint8_t *xq, int64_t xq_stride, int n_threads,
+                          int have_xq) {
+    const int64_t ngroups = m / 8, gstride = k / PQ_QK_K * pq_x8_block_bytes(t);
+    int nt = n_threads < 1 ? 1 : n_threads;
+    if (nt > ngroups) nt = (int)(ngroups > 0 ? ngroups : 1);
+    if (ngroups * gstride * ((n + PQ_X8_NR - 1) / PQ_X8_NR) < 65536) nt = 1;
+    int64_t tile = 16384 / (gstride > 0 ? gstride : 1);
+    if (tile < 1) tile = 1;
+    pq_x8_job job = {t, PQ_Q8_K, x, n, k, ldx, wp, ngroups, gstride, out, ldo, bias, xq, xq_stride, tile,
+                     (ngroups + tile - 1) / tile};
+    if (have_xq)
+        ;
+    else if (nt == 1 || n <= 2 * PQ_X8_NR)
+        for (int64_t r = 0; r < n; r++) pq_quantize_row(PQ_Q8_K, x + r * ldx, xq + r * xq_stride, k);
+    else
+        pq_pool_run(nt, n, pq_x8_quantize_item, &job);
+    const int64_t nchunks = (n + PQ_ROW_CHUNK - 1) / PQ_ROW_CHUNK;
+    pq_pool_run(nt, nchunks * job.ntiles, pq_x8_tile_item, &job);
+}
+PQ_API int pq_have_x8(void) { return 1; }
+#else
+PQ_API int pq_have_x8(void) { return 0; }
+PQ_API void pq_mul_mat_x8(int t, const float *x, int64_t n, int64_t k, int64_t ldx, const uint8_t *wp, int64_t m,
+                          float *out, int64_t ldo, const float *bias, uint8_t *xq, int64_t xq_stride, int n_threads,
+                          int have_xq) {
+    (void)t; (void)x; (void)n; (void)k; (void)ldx; (void)wp; (void)m; (void)out; (void)ldo; (void)bias;
+    (void)xq; (void)xq_stride; (void)n_threads; (void)have_xq;
+    abort();   /* callers check pq_have_x8() */
+}
+#endif /* PQ_HAVE_AVX2 */
+
+#endif /* PYLLAMA_GGML_X8_H */

@@ -1,0 +1,132 @@
+"""Q4_K / Q6_K weights repacked in groups of 8 rows (ggml_x8.h) against the float64 reference.
+
+The repacked kernels must give ggml's products within the same bound as the file-layout kernels
+((k + 16) * 2^-24 * sum|terms|, ggml_quants.h), whatever the number of activation rows, the
+thread count, a bias or a strided output; and the CPU backend must use them on a model's weights
+and drop a repacked copy when its weight's bytes change.
+"""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import quant_reference as ref
+from test_qmatmul import activations
+
+qmatmul = pytest.importorskip("pyllama._fast.qmatmul", reason="Cython extensions not built (python setup.py build_ext --inplace)")
+pytestmark = pytest.mark.skipif(not qmatmul.x8_types(), reason="this build has no AVX2 kernels (repacking needs them)")
+
+X8 = (T.Q4_K, T.Q6_K)
+
+
+@pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,m,k", [(1, 8, 256), (3, 16, 768), (8, 24, 512), (9, 8, 768), (17, 16, 512),
+                                   (33, 8, 512)])
+def test_matches_reference(qtype, n, m, k):
+    rng = np.random.default_rng(31 * n + m + k + int(qtype))
+    w = ref.random_weights(qtype, m, k, rng)
+    x = activations(n, k, rng)
+    xq = qmatmul.quantize_rows(x, int(T.Q8_K))
+    exact, tol = np.empty((n, m)), np.empty((n, m))
+    for r in range(n):
+        for j in range(m):
+            exact[r, j], S = ref.dot(w[j], xq[r], qtype, k)
+            tol[r, j] = ref.tolerance(k, S)
+    wp = qmatmul.repack_x8(w, int(qtype), k)
+    assert wp.shape[0] == m // 8 and wp.ctypes.data % 64 == 0
+    out = np.full((n, m), np.nan, np.float32)
+    qmatmul.mul_mat_q_x8(x, wp, int(qtype), out)
+    err = np.abs(out.astype(np.float64) - exact)
+    assert (err <= tol).all(), f"worst error / bound {np.max(err / np.maximum(tol, 1e-300))}"
+    rows = np.empty((n, m), np.float32)     # the file layout's kernels agree within twice the bound
+    qmatmul.mul_mat_q(x, w, int(qtype), rows)
+    assert (np.abs(rows.astype(np.float64) - out) <= 2 * tol).all()
+
+
+@pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
+def test_packed_bytes_are_a_permutation_for_q6_k_and_hold_every_scale_for_q4_k(qtype):
+    """Q6_K keeps the file's size (its bytes rearranged); Q4_K stores its 6-bit scales and mins
+    unpacked (160 bytes of header instead of 8 x 16)."""
+    rng = np.random.default_rng(5)
+    w = ref.random_weights(qtype, 16, 512, rng)
+    wp = qmatmul.repack_x8(w, int(qtype), 512)
+    if qtype == T.Q6_K:
+        assert wp.size == w.size
+        assert np.array_equal(np.sort(wp.reshape(-1)), np.sort(w.reshape(-1)))
+    else:
+        assert wp.size == 2 * 2 * 1184
+
+
+@pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
+def test_threads_strided_out_bias_and_batch_independence(qtype):
+    rng = np.random.default_rng(11)
+    n, m, k = 21, 136, 768            # 17 groups: several tiles per thread, three row chunks of PQ_X8_NR
+    w = ref.random_weights(qtype, m, k, rng)
+    wp = qmatmul.repack_x8(w, int(qtype), k)
+    x = activations(n, k, rng)
+    bias = rng.standard_normal(m).astype(np.float32)
+    base = np.empty((n, m), np.float32)
+    qmatmul.mul_mat_q_x8(x, wp, int(qtype), base, n_threads=1)
+    for nt in (2, 3):
+        wide = np.full((n, m + 9), -7.0, np.float32)
+        qmatmul.mul_mat_q_x8(x, wp, int(qtype), wide[:, 4:4 + m], bias=bias, n_threads=nt)
+        assert np.array_equal(wide[:, 4:4 + m], base + bias)
+        assert (wide[:, :4] == -7).all() and (wide[:, 4 + m:] == -7).all()
+    one = np.empty((1, m), np.float32)   # a row alone gives what it gives within a batch
+    qmatmul.mul_mat_q_x8(x[5:6], wp, int(qtype), one)
+    assert np.array_equal(one[0], base[5])
+
+
+def test_bad_input_raises_value_error():
+    rng = np.random.default_rng(3)
+    w = ref.random_weights(T.Q4_K, 16, 256, rng)
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        qmatmul.repack_x8(w[:12], int(T.Q4_K), 256)
+    with pytest.raises(ValueError, match="not repacked"):
+        qmatmul.repack_x8(ref.random_weights(T.Q8_0, 8, 256, rng), int(T.Q8_0), 256)
+    with pytest.raises(ValueError, match="bytes"):
+        qmatmul.repack_x8(w, int(T.Q4_K), 512)
+    wp = qmatmul.repack_x8(w, int(T.Q4_K), 256)
+    x = np.zeros((2, 256), np.float32)
+    with pytest.raises(ValueError, match="does not hold"):
+        qmatmul.mul_mat_q_x8(x, wp, int(T.Q4_K), np.zeros((2, 24), np.float32))
+    with pytest.raises(ValueError, match="does not hold"):
+        qmatmul.mul_mat_q_x8(x, wp, int(T.Q6_K), np.zeros((2, 16), np.float32))
+    with pytest.raises(ValueError, match="bias"):
+        qmatmul.mul_mat_q_x8(x, wp, int(T.Q4_K), np.zeros((2, 16), np.float32), bias=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="blocks of 256"):
+        qmatmul.mul_mat_q_x8(np.zeros((2, 100), np.float32), wp, int(T.Q4_K), np.zeros((2, 16), np.float32))
+
+
+def test_cpu_backend_repacks_and_forgets_on_write():
+    """A MUL_MAT against a Q4_K weight runs on the repacked copy; writing the weight's bytes drops
+    the copy and the next compute uses the new weights."""
+    from pyllama.backend.cpu import CPUBackend
+    from pyllama.tensor import DType, Graph, Op, Tensor, node
+
+    rng = np.random.default_rng(8)
+    be = CPUBackend(n_threads=2)
+    m, k, n = 32, 512, 3
+    w1, w2 = (ref.random_weights(T.Q4_K, m, k, rng) for _ in range(2))
+    buf = be.alloc_buffer(w1.nbytes + 4 * (n * k + n * m))
+    wt = Tensor(DType.Q4_K, (m, k), "w", buf, 0)
+    xt = Tensor(DType.F32, (n, k), "x", buf, w1.nbytes)
+    ot = Tensor(DType.F32, (n, m), "out", buf, w1.nbytes + 4 * n * k)
+    x = activations(n, k, rng)
+    be.set_tensor(wt, w1)
+    be.set_tensor(xt, x)
+    g = Graph([node(Op.MUL_MAT, ot, xt, wt)])
+    results = []
+    for w in (w1, w2):
+        be.set_tensor(wt, w)
+        be.graph_compute(g)
+        assert be._packed[id(buf)], "the weight was not repacked"
+        want = np.empty((n, m), np.float32)
+        qmatmul.mul_mat_q_x8(x, qmatmul.repack_x8(w, int(T.Q4_K), k), int(T.Q4_K), want)
+        got = be.get_tensor(ot)
+        assert np.array_equal(got, want)
+        results.append(got)
+    assert not np.array_equal(results[0], results[1])
+    be.set_tensor(xt, x)              # writing another tensor of the buffer keeps the copy
+    assert be._packed[id(buf)]
+    be.free_buffer(buf)
+    assert not be._packed.get(id(buf))

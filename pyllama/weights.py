@@ -118,13 +118,14 @@ class _Part:
 
 def _parts(infos: list[TensorInfo], backend: Backend, can_map: bool) -> list[_Part]:
     """Groups a logical weight's file tensors (concatenated by rows) into runs the device stores
-    in one type: one part when the types agree (the fusion stays whole), else one per run."""
+    in one type: one part when the types agree (the fusion stays whole), else one per run; one
+    part per file tensor for types the device does not fuse (Backend.fuses)."""
     dtypes = [backend.weight_dtype(i.qtype) for i in infos]
     if len(set(dtypes)) > 1 and not backend.supports(Op.MUL_MAT_CAT):
         dtypes = [DType.F32] * len(infos)  # a device without MUL_MAT_CAT gets the fusion whole, in F32
     parts: list[_Part] = []
     for info, dtype in zip(infos, dtypes):
-        if parts and parts[-1].dtype == dtype:
+        if parts and parts[-1].dtype == dtype and backend.fuses(dtype):
             parts[-1].infos.append(info)
         else:
             parts.append(_Part([info], dtype, (), False))
@@ -209,6 +210,9 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
     for lname, target in aliases.items():
         weights.tensors[lname] = weights.tensors[target]
     if upload:
+        for bi, backend in enumerate(placement.backends):
+            backend.prepare_weights([t for lname, tb, _ in plan if tb == bi
+                                     for t in _as_tuple(weights.tensors[lname])])
         in_place = {id(p.infos[0]) for _, bi, parts in plan for p in parts if p.mapped}
         for info in copied:  # their bytes now live in a device buffer: the file's pages can go
             if id(info) not in in_place and info.offset >= 0:  # (computed tensors have no file bytes)
@@ -218,6 +222,10 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
                  "".join(f" ({placement.backends[bi].name}: {m / 2**20:.1f} MiB read in place from the file)"
                          for bi, m in enumerate(mapped_sizes) if m and upload))
     return weights
+
+
+def _as_tuple(t: "Tensor | tuple[Tensor, ...]") -> tuple[Tensor, ...]:
+    return t if isinstance(t, tuple) else (t,)
 
 
 def _needed_ops(model: Model) -> list[tuple[tuple[Op, ...], bool, str]]:

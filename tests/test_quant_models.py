@@ -32,7 +32,7 @@ PROMPT = "The little cat sat on the"
 # (preset, --type): the K-quants need rows of 256; the small preset's 288-wide rows fall back to
 # other types as llama.cpp's quantizer does (so those files mix types, like the _M mixes)
 MODELS = [("tiny", "q8_0"), ("tiny", "q4_0"), ("small", "q4_k"), ("small", "q6_k"), ("small", "q4_k_m"),
-          ("small", "q5_k_m")]
+          ("small", "q5_k_m"), ("tiny256", "q4_k_m"), ("tiny256", "q6_k")]
 
 
 @pytest.mark.parametrize("preset,wtype", MODELS)
@@ -48,6 +48,12 @@ def test_greedy_tokens_match_the_reference(model_factory, preset, wtype):
             parts = w if isinstance(w, tuple) else (w,)
             assert {t.dtype for t in parts} == {files[f].qtype for f in fnames}, name
         tokens = greedy(engine, prompt, 12)
+        if preset == "tiny256":  # every Q4_K / Q6_K matrix ran on its copy in groups of 8 rows
+            cpu = engine.backends[0]
+            x8 = [t for w in engine.weights.tensors.values() for t in (w if isinstance(w, tuple) else (w,))
+                  if t.dtype in (DType.Q4_K, DType.Q6_K)]
+            assert x8 and all(cpu._packed_weight(t) is not None for t in x8)
+            assert sum(len(v) for v in cpu._packed.values()) == len({(id(t.buffer), t.offset) for t in x8})
     finally:
         engine.close()
     ref = reference_logits(path, prompt + tokens)[len(prompt) - 1:-1]  # the logits each token came from
@@ -101,7 +107,8 @@ def test_mul_mat_cat_equals_the_products_joined():
         b.graph_compute(Graph([node(Op.MUL_MAT_CAT, out, xt, *parts, bt, params=(5,))]))
 
 
-@pytest.mark.parametrize("preset,wtype", [("tiny", "q8_0"), ("small", "q4_k_m"), ("small", "q5_k_m")])
+@pytest.mark.parametrize("preset,wtype", [("tiny", "q8_0"), ("small", "q4_k_m"), ("small", "q5_k_m"),
+                                          ("tiny256", "q4_k_m")])
 def test_tokens_identical_over_splits_and_groups(model_factory, rpc_peer, preset, wtype):
     model = model_factory(preset, wtype=wtype)
     local = generated_tokens(model, PROMPT, 16)
@@ -236,3 +243,20 @@ def test_a_truncated_quantized_tensor_is_one_line(model_factory, tmp_path):
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(data[:last.offset + last.raw.size // 2])
     _refused(str(bad), last.name, "truncated")
+
+
+def test_no_repack_keeps_the_file_layout_and_fuses(model_factory):
+    """--no-repack: no copy in groups of 8 rows, and weights one product uses (q|k|v of one type,
+    gate|up) fused again as for every other type; with repacking they stay apart, read in place."""
+    path = model_factory("tiny256", wtype="q4_k")
+    for repack in (False, True):
+        engine = Engine(path, n_threads=1, repack=repack)
+        try:
+            cpu = engine.backends[0]
+            assert bool(cpu._packed) == repack and cpu.repack == repack
+            gate_up = [w for name, w in engine.weights.tensors.items() if "ffn_gate_up" in name or "gate_up" in name]
+            assert gate_up, sorted(engine.weights.tensors)[:20]
+            assert isinstance(gate_up[0], tuple) == repack
+            assert len(greedy(engine, engine.tokenizer.encode(PROMPT), 4)) == 4
+        finally:
+            engine.close()

@@ -142,6 +142,17 @@ class Backend(ABC):
         """The type this backend stores a weight of `file_dtype` in (it may convert at load)."""
         return file_dtype
 
+    def prepare_weights(self, tensors: Sequence[Tensor]) -> None:
+        """Called once the model's weights on this device are written: a device that keeps its own
+        layout of some weights (the CPU's repacked Q4_K / Q6_K) makes it now rather than on the
+        first graph."""
+
+    def fuses(self, dtype: DType) -> bool:
+        """Whether weights of `dtype` that one product uses (q|k|v, gate|up) are worth storing as one
+        fused copy; when not, each file tensor stays a part of its own (read in place where it can
+        be) and MUL_MAT_CAT multiplies by the parts."""
+        return True
+
     def map_host(self, data: np.ndarray, usage: str = "weights") -> Optional[Buffer]:
         """A buffer over host bytes the caller keeps alive (a model file's memory map), so weights
         stored as the file stores them are used in place; None for devices that cannot (every

@@ -8,13 +8,23 @@ BLAS. PYLLAMA_CPU_BLAS_ONLY=1 sends every F32 product to BLAS (for A/B runs). Pr
 every other type run on `_fast/qmatmul.pyx` with ggml's arithmetic (activations quantized to the
 weight type's dot-product type), and embedding rows of those types are dequantized when looked up.
 
+Q4_K and Q6_K weights with a multiple of 8 rows are also repacked in groups of 8 rows
+(`_fast/ggml_x8.h`), on the first graph that multiplies by them; the products then run on that
+copy (1.3-2.7x the file layout's kernels), and the file's pages of a weight read in place leave
+the resident set (the bytes stay in the file layout for row lookups and reads, which page them in
+again). A weight in an allocated buffer (an rpc server's) is then held twice. PYLLAMA_CPU_REPACK=0
+turns repacking off (for A/B runs, or an rpc server short of memory).
+
 Every kernel releases the GIL (numpy's BLAS does, and the Cython kernels run `nogil`), so the
 decode threads of several contexts overlap for real. Work completes inside graph_compute, so
 synchronize and events are trivial here.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -32,7 +42,10 @@ from ..tensor import KV_CACHE_TYPES, Graph, Op, check_node, sample_in_cols, samp
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 
 _PLAN_CACHE = 256
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _BLAS_ONLY = os.environ.get("PYLLAMA_CPU_BLAS_ONLY", "") not in ("", "0")
+_REPACK = os.environ.get("PYLLAMA_CPU_REPACK", "1") not in ("", "0")
+_X8_TYPES = frozenset(DType(t) for t in qmatmul.x8_types())
 
 
 def set_compute_threads(n_threads: int) -> int:
@@ -96,6 +109,9 @@ class CPUBackend(Backend):
         self._plans: "OrderedDict[int, list[Callable[[], None]]]" = OrderedDict()
         self._plans_lock = threading.Lock()
         self.allocated = 0
+        # weights repacked in groups of 8 rows: id(buffer) -> {(offset, nbytes): packed array}
+        self._packed: dict[int, dict[tuple[int, int], np.ndarray]] = {}
+        self.repack = _REPACK
 
     # --- buffers -------------------------------------------------------------------------------
     def alloc_buffer(self, size: int, usage: str = "compute") -> Buffer:
@@ -111,12 +127,53 @@ class CPUBackend(Backend):
         return CPUBuffer(self, data.size, usage, data.reshape(-1).view(np.uint8))
 
     def free_buffer(self, buffer: Buffer) -> None:
+        self._forget_packed(buffer, 0, buffer.size)
         if not buffer.mapped:  # type: ignore[attr-defined]
             self.allocated -= buffer.size
         buffer.data = np.zeros(0, dtype=np.uint8)  # type: ignore[attr-defined]
 
     def clear_buffer(self, buffer: Buffer, value: int = 0) -> None:
+        self._forget_packed(buffer, 0, buffer.size)
         buffer.data.fill(value)  # type: ignore[attr-defined]
+
+    # --- weights repacked in groups of 8 rows ----------------------------------------------------
+    def prepare_weights(self, tensors: Sequence[Tensor]) -> None:
+        for t in tensors:
+            self._packed_weight(t)
+
+    def fuses(self, dtype: DType) -> bool:
+        # a repacked weight would be held twice if fused (the fused copy and its repacked copy);
+        # apart, each part is read in place from the file and MUL_MAT_CAT quantizes x once
+        return not (self.repack and dtype in _X8_TYPES)
+
+    def _packed_weight(self, t: Tensor) -> Optional[np.ndarray]:
+        """The repacked copy of weight `t` for the products (made on first use), or None when
+        its type or row count has no repacked kernel."""
+        if not self.repack or t.dtype not in _X8_TYPES or len(t.shape) != 2 or t.shape[0] % 8:
+            return None
+        per_buf = self._packed.setdefault(id(t.buffer), {})
+        key = (t.offset, t.nbytes)
+        packed = per_buf.get(key)
+        if packed is None:
+            packed = qmatmul.repack_x8(self.view(t), int(t.dtype), t.shape[1])
+            per_buf[key] = packed
+            if t.buffer.mapped:  # type: ignore[union-attr]
+                _release_pages(self.bytes_of(t))
+        return packed
+
+    def _forget_packed(self, buffer: Buffer, start: int, end: int) -> None:
+        """Bytes [start, end) of `buffer` change: repacked copies of weights there are stale, and
+        so are the plans bound to them."""
+        per_buf = self._packed.get(id(buffer))
+        if not per_buf:
+            return
+        stale = [key for key in per_buf if key[0] < end and start < key[0] + key[1]]
+        if not stale:
+            return
+        for key in stale:
+            del per_buf[key]
+        with self._plans_lock:
+            self._plans.clear()
 
     # --- data ------------------------------------------------------------------------------------
     @staticmethod
@@ -142,6 +199,8 @@ class CPUBackend(Backend):
         src = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if offset < 0 or offset + src.size > tensor.nbytes:
             raise ValueError(f"set_tensor: {src.size} bytes at {offset} overflow {tensor.name} ({tensor.nbytes} B)")
+        if self._packed:
+            self._forget_packed(tensor.buffer, tensor.offset + offset, tensor.offset + offset + src.size)
         self.bytes_of(tensor)[offset:offset + src.size] = src
 
     def get_tensor(self, tensor: Tensor, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -167,6 +226,8 @@ class CPUBackend(Backend):
     def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
         if not isinstance(src.backend, CPUBackend):
             return False
+        if self._packed:
+            self._forget_packed(dst.buffer, dst.offset, dst.offset + dst.nbytes)
         self.bytes_of(dst)[:] = self.bytes_of(src)
         return True
 
@@ -219,11 +280,14 @@ class CPUBackend(Backend):
                 steps.append(_bind(k.rms_norm, s[0], s[1], out, float(nd.params[0]), nt))
             elif op == Op.MUL_MAT:
                 bias = s[2] if len(s) == 3 else None
-                steps.append(_bind_mul_mat(s[0], s[1], nd.srcs[1].dtype, out, bias, nt))
+                steps.append(_bind_mul_mat(s[0], s[1], nd.srcs[1].dtype, out, bias, nt,
+                                           self._packed_weight(nd.srcs[1])))
             elif op == Op.MUL_MAT_CAT:  # x, the weight parts, an optional bias (checked above)
                 n_parts = int(nd.params[0])
-                steps.append(_bind_mul_mat_cat(s[0], s[1:1 + n_parts], [t.dtype for t in nd.srcs[1:1 + n_parts]],
-                                               out, s[1 + n_parts] if len(s) > 1 + n_parts else None, nt))
+                parts = nd.srcs[1:1 + n_parts]
+                steps.append(_bind_mul_mat_cat(s[0], s[1:1 + n_parts], [t.dtype for t in parts], out,
+                                               s[1 + n_parts] if len(s) > 1 + n_parts else None, nt,
+                                               [self._packed_weight(t) for t in parts]))
             elif op == Op.ADD:
                 steps.append(_bind(np.add, s[0], s[1], out=out))
             elif op == Op.SWIGLU:
@@ -264,6 +328,16 @@ class CPUBackend(Backend):
         return file_dtype if file_dtype in self.weight_types else DType.F32
 
 
+def _release_pages(data: np.ndarray) -> None:
+    """Drops the pages wholly inside `data` (part of a read-only file map) from the resident set;
+    reading them again brings them back from the file."""
+    page = mmap.PAGESIZE
+    start = -(-data.ctypes.data // page) * page
+    end = (data.ctypes.data + data.nbytes) // page * page
+    if end > start:
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+
+
 def _rows(t: Tensor) -> np.ndarray:
     """The bytes of a 2-D tensor (a KV cache of any cache type) as uint8 [rows, bytes per row]."""
     return CPUBackend.bytes_of(t).reshape(t.shape[0], -1 if t.shape[0] else 0)
@@ -284,14 +358,17 @@ def _bind_get_rows(table: np.ndarray, dtype: DType, ids: np.ndarray, out: np.nda
 
 
 def _bind_mul_mat(x: np.ndarray, w: np.ndarray, dtype: DType, out: np.ndarray, bias: Optional[np.ndarray],
-                  nt: int) -> Callable[[], None]:
+                  nt: int, packed: Optional[np.ndarray] = None) -> Callable[[], None]:
     """out = x @ w.T (+ bias). F32 weights: the streaming kernel for decode batches, BLAS above;
-    every other type: qmatmul with ggml's arithmetic (it picks its own path by batch size)."""
+    every other type: qmatmul with ggml's arithmetic, on the weight's repacked copy when it has
+    one (`packed`)."""
     if dtype != DType.F32:
         n, k = x.shape
         if w.shape[1] != qmatmul.row_bytes(int(dtype), k) or out.shape != (n, w.shape[0]):
             raise ValueError(f"MUL_MAT: x {list(x.shape)}, {dtype.name} weight of {w.shape[0]} rows of "
                              f"{w.shape[1]} B and out {list(out.shape)} disagree")
+        if packed is not None:
+            return lambda: qmatmul.mul_mat_q_x8(x, packed, int(dtype), out, bias, nt)
         return lambda: qmatmul.mul_mat_q(x, w, int(dtype), out, bias, nt)
     if x.shape[0] <= gemm.small_rows_max() and not _BLAS_ONLY:
         return _bind(gemm.mul_mat_t, x, w, out, bias, nt)
@@ -301,14 +378,19 @@ def _bind_mul_mat(x: np.ndarray, w: np.ndarray, dtype: DType, out: np.ndarray, b
 
 
 def _bind_mul_mat_cat(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequence[DType], out: np.ndarray,
-                      bias: Optional[np.ndarray], nt: int) -> Callable[[], None]:
-    """MUL_MAT_CAT: each weight part's product written into its columns of `out`, in one step."""
+                      bias: Optional[np.ndarray], nt: int,
+                      packed: Sequence[Optional[np.ndarray]] = ()) -> Callable[[], None]:
+    """MUL_MAT_CAT: each weight part's product written into its columns of `out`, in one step.
+    When every part is repacked, x is quantized once for all of them."""
+    if parts and len(packed) == len(parts) and all(p is not None for p in packed):
+        return _bind_mul_mat_cat_x8(x, parts, dtypes, out, bias, nt, packed)  # type: ignore[arg-type]
     steps, col = [], 0
-    for w, dtype in zip(parts, dtypes):
+    for i, (w, dtype) in enumerate(zip(parts, dtypes)):
         m = w.shape[0]
         if col + m > out.shape[1]:
             raise ValueError(f"MUL_MAT_CAT: the weight parts have more rows than out has columns ({out.shape[1]})")
-        steps.append(_bind_mul_mat(x, w, dtype, out[:, col:col + m], None if bias is None else bias[col:col + m], nt))
+        steps.append(_bind_mul_mat(x, w, dtype, out[:, col:col + m], None if bias is None else bias[col:col + m], nt,
+                                   packed[i] if i < len(packed) else None))
         col += m
     if col != out.shape[1]:
         raise ValueError(f"MUL_MAT_CAT: the weight parts have {col} rows, out has {out.shape[1]} columns")
@@ -316,6 +398,31 @@ def _bind_mul_mat_cat(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequen
     def run() -> None:
         for step in steps:
             step()
+    return run
+
+
+def _bind_mul_mat_cat_x8(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequence[DType], out: np.ndarray,
+                         bias: Optional[np.ndarray], nt: int, packed: Sequence[np.ndarray]) -> Callable[[], None]:
+    n, k = x.shape
+    cols, col = [], 0
+    for w, dtype in zip(parts, dtypes):
+        m = w.shape[0]
+        if w.shape[1] != qmatmul.row_bytes(int(dtype), k) or col + m > out.shape[1]:
+            raise ValueError(f"MUL_MAT_CAT: x {list(x.shape)}, {dtype.name} part of {m} rows of {w.shape[1]} B and "
+                             f"out {list(out.shape)} disagree")
+        cols.append((col, col + m))
+        col += m
+    if col != out.shape[1] or out.shape[0] != n:
+        raise ValueError(f"MUL_MAT_CAT: the weight parts have {col} rows, out is {list(out.shape)}")
+    xq = np.empty((n, qmatmul.row_bytes(qmatmul.vec_dot_type(int(dtypes[0])), k)), np.uint8)
+    calls = [(wp, int(dtype), out[:, c0:c1], None if bias is None else bias[c0:c1])
+             for wp, dtype, (c0, c1) in zip(packed, dtypes, cols)]
+
+    def run() -> None:
+        first = True
+        for wp, qt, o, b in calls:
+            qmatmul.mul_mat_q_x8(x, wp, qt, o, b, nt, xq, not first)
+            first = False
     return run
 
 

@@ -79,6 +79,8 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(64, 2, 4, 2, 192, 512, 512, False),
+    # rows of 256 and 512: every K-quant applies to every matrix (tests of the K-quant kernels)
+    "tiny256": Preset(256, 2, 4, 2, 512, 512, 512, True),
     "small": Preset(288, 6, 6, 6, 768, 32000, 2048, True),
     "medium": Preset(768, 12, 12, 4, 2048, 32000, 4096, True),
 }

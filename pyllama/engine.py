@@ -29,11 +29,12 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model_path: str, n_threads: int = 0, backends: Optional[Sequence[Backend]] = None,
                  tensor_split: Optional[Sequence[float]] = None, load: bool = True, map_weights: bool = True,
-                 kv_overrides: Optional[dict] = None):
+                 kv_overrides: Optional[dict] = None, repack: bool = True):
         """Opens the model and places its layers; with load=False the weights are not uploaded yet
         (check_memory first, then load()). map_weights=False (--no-mmap) copies the weights a CPU
         would use in place in the file's memory map. kv_overrides (--override-kv) replace metadata
-        values before anything reads them."""
+        values before anything reads them. repack=False (--no-repack) keeps the local CPU's Q4_K /
+        Q6_K weights in the file's layout only (backend/cpu.py)."""
         self.map_weights = map_weights
         self.n_threads = set_compute_threads(n_threads)
         self.model = Model(model_path, kv_overrides=kv_overrides)
@@ -43,6 +44,9 @@ class Engine:
             raise ModelFileError(f"{model_path}: the vocabulary has {self.tokenizer.n_vocab} tokens "
                                  f"but the model has {hp.n_vocab} embedding rows")
         self.backends = list(backends) if backends else [CPUBackend(self.n_threads)]
+        for b in self.backends:
+            if isinstance(b, CPUBackend):
+                b.repack = b.repack and repack
         # without -ts: llama.cpp's by-free-memory split, or with PYLLAMA_SPLIT_PROBE=1 the devices'
         # timed step costs balanced (balance.py; the output layer counted on the last device)
         self.measured_split: Optional[MeasuredSplit] = None

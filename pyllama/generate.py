@@ -53,6 +53,8 @@ def build_parser() -> Parser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text tokens")
     p.add_argument("--mmap", "--no-mmap", dest="mmap", action=Toggle, negatives=("--no-mmap",), default=True,
                    help="use CPU weights in place in the file's memory map; --no-mmap copies them into memory")
+    p.add_argument("--repack", "--no-repack", "-nr", dest="repack", action=Toggle, negatives=("--no-repack", "-nr"),
+                   default=True, help="lay the CPU's Q4_K / Q6_K weights out in groups of 8 rows (faster products)")
     p.add_argument("--override-kv", dest="override_kv", action="extend", type=kv_override_arg, default=[],
                    metavar="KEY=TYPE:VALUE,...",
                    help="override model metadata (types int, float, bool, str; comma-separated or repeated)")
@@ -130,7 +132,7 @@ def _run(args, params: SamplingParams, prompt_text: str, model_path: str) -> int
     t0 = time.perf_counter()
     backends, proportions = open_devices(args, model_path)
     engine = Engine(model_path, n_threads=args.threads, backends=backends, tensor_split=proportions,
-                    map_weights=args.mmap, kv_overrides=dict(args.override_kv))
+                    map_weights=args.mmap, kv_overrides=dict(args.override_kv), repack=args.repack)
     hp = engine.model.hparams
     n_ctx = args.ctx_size or min(hp.n_ctx_train, 4096)
     ctx = engine.new_context(n_ctx, 1, args.batch_size, args.ubatch_size,

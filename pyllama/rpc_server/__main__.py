@@ -43,6 +43,9 @@ def build_parser() -> Parser:
     p.add_argument("-p", "--port", type=int, default=50052, help="port to listen on (0 = any free port)")
     p.add_argument("-d", "--device", default="CPU", help=f"device to expose ({', '.join(DEVICES)}, e.g. CUDA0)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU compute threads, 0 = all cores")
+    p.add_argument("-nr", "--no-repack", dest="no_repack", action="store_true",
+                   help="keep Q4_K / Q6_K weights in the file's layout only: the CPU otherwise also holds them "
+                        "repacked in groups of 8 rows (faster products, twice the memory for those weights)")
     p.add_argument("-m", "--mem", type=int, default=0, metavar="MiB",
                    help="memory clients may allocate on the device, in MiB (0 = what the host has)")
     p.add_argument("--cache", metavar="DIR",
@@ -101,6 +104,8 @@ def open_device(name: str, threads: int) -> Backend:
 async def serve(args) -> int:
     token = read_token(args.auth_token_file, "--auth-token-file")
     backend = open_device(args.device, args.threads)
+    if isinstance(backend, CPUBackend):
+        backend.repack = backend.repack and not args.no_repack
     try:
         set_compute_threads(args.threads)  # BLAS threads too: idle ones spin and steal the cores
         server = RPCServer(args.host, args.port, backend_factory=lambda: backend,

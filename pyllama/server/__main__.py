@@ -49,7 +49,8 @@ def load(state: ServerState) -> None:
         path = default_model_path()
     backends, proportions = open_devices(args, path)
     engine = Engine(path, n_threads=args.threads, backends=backends, tensor_split=proportions, load=False,
-                    map_weights=args.mmap, kv_overrides=dict(getattr(args, "override_kv", None) or []))
+                    map_weights=args.mmap, kv_overrides=dict(getattr(args, "override_kv", None) or []),
+                    repack=getattr(args, "repack", True))
     hp = engine.model.hparams
     n_groups = args.pipeline_groups
     n_ctx = args.ctx_size or hp.n_ctx_train

@@ -80,7 +80,7 @@ UNSUPPORTED: dict[str, str] = {
        for f in ("--fit", "-fitt", "--fit-target", "-fitc", "--fit-ctx", "-fitp", "--fit-print")},
     **{f: "this loading or memory option is not supported" for f in (
         "--numa", "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "-nkvo",
-        "--no-kv-offload", "-kvo", "--kv-offload", "-nr", "--no-repack", "--repack", "--no-host",
+        "--no-kv-offload", "-kvo", "--kv-offload", "--no-host",
         "--check-tensors", "--no-op-offload", "--op-offload", "-cram", "--cache-ram", "-ctxcp",
         "--ctx-checkpoints", "--swa-checkpoints", "-cms", "--checkpoint-min-step", "--swa-full",
         "--cache-idle-slots", "--no-cache-idle-slots", "--sleep-idle-seconds")},
@@ -204,6 +204,10 @@ def build_parser() -> Parser:
     a("--mmap", "--no-mmap", dest="mmap", action=Toggle, negatives=("--no-mmap",), default=True,
       llama_env="LLAMA_ARG_MMAP",
       help="use CPU weights in place in the file's memory map; --no-mmap copies them into memory")
+    a("--repack", "--no-repack", "-nr", dest="repack", action=Toggle, negatives=("--no-repack", "-nr"),
+      default=True, llama_env="LLAMA_ARG_REPACK",
+      help="lay the CPU's Q4_K / Q6_K weights out in groups of 8 rows for faster products (the file's "
+           "pages of those weights then leave memory); --no-repack computes on the file's layout")
     a("--override-kv", dest="override_kv", action="extend", type=kv_override_arg, default=[],
       metavar="KEY=TYPE:VALUE,...",
       help="override model metadata (types int, float, bool, str; comma-separated or repeated), "

@@ -68,6 +68,12 @@ cdef inline float _gelu(float x) noexcept nogil:
     return 0.5 * x * (1.0 + tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
 
 
+cdef extern from "vec_math.h" nogil:
+    void pv_silu_mul(const float *g, const float *u, float *out, int64_t n)
+    float pv_dot(const float *a, const float *b, int64_t n)
+    float pv_exp_shift_sum(float *x, int64_t n, float m)
+
+
 cdef void _glu_item(void* ctx, int64_t item) noexcept nogil:
     # item: (row, chunk of GLU_CHUNK columns), so that one long row spreads over the threads too
     cdef RowsJob* j = <RowsJob*>ctx
@@ -75,14 +81,11 @@ cdef void _glu_item(void* ctx, int64_t item) noexcept nogil:
     cdef Py_ssize_t c1 = c0 + GLU_CHUNK if c0 + GLU_CHUNK < j.d else j.d
     cdef const float* gu = j.x + r * 2 * j.d
     cdef float* out = j.out + r * j.d
-    cdef float g
     if j.gelu:
         for c in range(c0, c1):
             out[c] = _gelu(gu[c]) * gu[j.d + c]
     else:
-        for c in range(c0, c1):
-            g = gu[c]
-            out[c] = g / (1.0 + exp(-g)) * gu[j.d + c]
+        pv_silu_mul(gu + c0, gu + j.d + c0, out + c0, c1 - c0)
 
 
 cdef _glu(str name, const float[:, ::1] gu, float[:, ::1] out, int n_threads, bint gelu):
@@ -234,7 +237,6 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
     cdef float* o = a.out + t * H * hd + kvh * G * hd
     cdef const float* kr
     cdef const float* vr
-    cdef const float* qg
     cdef float* ag
     cdef const unsigned char* row
     cdef bint k_f32 = a.k_type == KV_F32, v_f32 = a.v_type == KV_F32
@@ -250,10 +252,7 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
             kv_load(a.k_type, row, head, hd, kbuf)
             kr = kbuf
         for g in range(G):
-            qg = q + g * hd
-            sc = 0.0
-            for d in range(hd):
-                sc = sc + qg[d] * kr[d]
+            sc = pv_dot(q + g * hd, kr, hd)
             if a.softcap > 0:
                 scores[g * L + j] = a.softcap * <float>tanh(sc * a.scale / a.softcap)
             else:
@@ -263,12 +262,7 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
         for j in range(r1):
             if scores[g * L + j] > m:
                 m = scores[g * L + j]
-        total = 0.0
-        for j in range(r1):
-            p = <float>exp(scores[g * L + j] - m)
-            scores[g * L + j] = p
-            total = total + p
-        scores[g * L + r1] = total  # (room for it: r1 <= max_len)
+        scores[g * L + r1] = pv_exp_shift_sum(scores + g * L, r1, m)  # (room for it: r1 <= max_len)
     for j in range(r1):
         row = a.v_cache + a.cells[r0 + j] * a.v_row
         if v_f32:

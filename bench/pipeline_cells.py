@@ -3,7 +3,8 @@
     python bench/pipeline_cells.py [--preset medium | --model PATH] [--orders 'CPU,RPC0;RPC0,CPU']
         [--groups 1,2,3,4] [--users 32,64,128] [--legs 3] [--npp 64] [--ntg 64] [-r 1] [-t 1]
         [--warmup 1] [--tensor-split even|auto|a,b] [--server-args '--kv-unified']
-        [--types f32,q4_k_m] [--unsplit-threads 1,2] [--peers DIR [--llama-ngl N]] [--trace DIR]
+        [--types f32,q4_k_m] [--unsplit-threads 1,2] [--unsplit-groups 2] [--peers DIR [--llama-ngl N]]
+        [--trace DIR]
         [--netns [--rate 10gbit]] [--json OUT]
 
 One rpc server (`python -m pyllama.rpc_server -t T`) lives for the whole run. A cell is
@@ -35,6 +36,8 @@ on both ends, so the split crosses a link of known bandwidth rather than loopbac
 More arms in the same legs (interleaved with the split cells):
 - `--unsplit-threads 1,2`: pyllama.server in one process, no rpc, `-t` each value (the -t 2 / -t 1
   scaling, and the unsplit -t 2 that a 2-device split with 1 thread each is compared with);
+- `--unsplit-groups 2`: pyllama.server in one process with 2 pipeline groups of `-t` threads each on
+  the one CPU device (each group's host work overlaps the other's kernels);
 - `--peers DIR` (or $PYLLAMA_PEERS; DIR/bin holds llama.cpp's programs): llama.cpp's split, one
   `ggml-rpc-server -t T` for the whole run and per cell `llama-server --rpc HOST:PORT -ngl N -t T`
   with the same blocks per process as pyllama's split (`--llama-ngl` to set N), and llama-server
@@ -290,12 +293,16 @@ def parse_thread_list(text: str, name: str) -> list[int]:
     return parse_int_list(text, name)
 
 
-def make_arms(orders: list[str], groups: list[int], unsplit_threads: list[int], llama: bool) -> list[dict]:
+def make_arms(orders: list[str], groups: list[int], unsplit_threads: list[int], llama: bool,
+              unsplit_groups: Iterable[int] = (), split_threads: int = 1) -> list[dict]:
     """Every arm of a leg: the pyllama split cells (order x groups), pyllama unsplit at each thread
-    count, and with llama.cpp's programs its split (ggml-rpc-server + llama-server) and its unsplit
-    server at each thread count."""
+    count (and, per --unsplit-groups, unsplit with that many pipeline groups of the split's
+    threads each: one device, the groups overlapping each other's host work), and with
+    llama.cpp's programs its split (ggml-rpc-server + llama-server) and its unsplit server at each
+    thread count."""
     arms: list[dict] = [{"kind": SPLIT, "order": o, "groups": g} for o in orders for g in groups]
     arms += [{"kind": UNSPLIT, "threads": t} for t in unsplit_threads]
+    arms += [{"kind": UNSPLIT, "threads": split_threads, "groups": g} for g in unsplit_groups if g > 1]
     if llama:
         arms.append({"kind": LLAMA_SPLIT})
         arms += [{"kind": LLAMA_UNSPLIT, "threads": t} for t in unsplit_threads]
@@ -310,9 +317,13 @@ def full_schedule(types: list[str], arms: list[dict], users: Iterable[int], legs
             for t in types for u in users for leg in range(1, legs + 1) for arm in arms]
 
 
-def unsplit_args(users: int, npp: int, ntg: int, threads: int, extra: Iterable[str] = ()) -> list[str]:
-    """pyllama.server in one process on the CPU: no rpc, -t threads, one group."""
-    return ["-np", str(users), "-c", str(ctx_for(users, npp, ntg)), "-t", str(threads)] + list(extra)
+def unsplit_args(users: int, npp: int, ntg: int, threads: int, extra: Iterable[str] = (), groups: int = 1) -> list[str]:
+    """pyllama.server in one process on the CPU: no rpc, -t threads, `groups` pipeline groups."""
+    n_slots = slots_for(users, groups)
+    args = ["-np", str(n_slots), "-c", str(ctx_for(n_slots, npp, ntg)), "-t", str(threads)]
+    if groups > 1:
+        args += ["--pipeline-groups", str(groups)]
+    return args + list(extra)
 
 
 def llama_args(users: int, npp: int, ntg: int, threads: int, endpoint: Optional[str] = None,
@@ -391,6 +402,8 @@ def arm_key(r: dict) -> tuple:
     k = r["kind"]
     if k == SPLIT:
         return (k, r["order"], r["groups"])
+    if k == UNSPLIT and r.get("groups", 1) > 1:
+        return (k, r["threads"], r["groups"])
     if k in (UNSPLIT, LLAMA_UNSPLIT):
         return (k, r["threads"])
     return (k,)
@@ -400,6 +413,8 @@ def arm_label(key: tuple) -> str:
     k = key[0]
     if k == SPLIT:
         return f"{KIND_LABEL[k]} {key[1]} {key[2]} group{'s' if key[2] > 1 else ''}"
+    if k == UNSPLIT and len(key) > 2:
+        return f"{KIND_LABEL[k]} -t {key[1]} {key[2]} groups"
     if k in (UNSPLIT, LLAMA_UNSPLIT):
         return f"{KIND_LABEL[k]} -t {key[1]}"
     return KIND_LABEL[k]
@@ -445,7 +460,8 @@ def paired_ratio(records: list[dict], t: str, users: int, num: tuple, den: tuple
 
 
 def issue_ratios(records: list[dict], types: list[str], users: list[int], orders: list[str],
-                 groups: list[int], threads: list[int], split_threads: int) -> list[dict]:
+                 groups: list[int], threads: list[int], split_threads: int,
+                 unsplit_groups: Iterable[int] = ()) -> list[dict]:
     """The ratios the targets name, per weight type and user count, where both arms ran:
     pyllama -t2/-t1 (and llama.cpp's, the ceiling two threads give here), 2 groups / 1 group,
     2 groups / pyllama unsplit at the split's total threads, pyllama 2 groups / llama.cpp split."""
@@ -456,6 +472,12 @@ def issue_ratios(records: list[dict], types: list[str], users: list[int], orders
     for t in types:
         for u in users:
             pairs: list[tuple[str, tuple, tuple]] = []
+            for ug in (g for g in unsplit_groups if g > 1):
+                pairs.append((f"pyllama -t {split_threads} {ug} groups / -t {split_threads}",
+                              (UNSPLIT, split_threads, ug), (UNSPLIT, split_threads)))
+                if hi_t is not None:
+                    pairs.append((f"pyllama -t {split_threads} {ug} groups / -t {hi_t}",
+                                  (UNSPLIT, split_threads, ug), (UNSPLIT, hi_t)))
             if hi_t is not None and lo_t is not None and hi_t != lo_t:
                 pairs.append((f"pyllama -t {hi_t} / -t {lo_t}", (UNSPLIT, hi_t), (UNSPLIT, lo_t)))
                 pairs.append((f"llama.cpp -t {hi_t} / -t {lo_t}", (LLAMA_UNSPLIT, hi_t), (LLAMA_UNSPLIT, lo_t)))
@@ -468,6 +490,9 @@ def issue_ratios(records: list[dict], types: list[str], users: list[int], orders
                                   (SPLIT, o, g2), (UNSPLIT, n_dev * split_threads)))
                     pairs.append((f"{o}: pyllama split {g2} group(s) / llama.cpp split",
                                   (SPLIT, o, g2), (LLAMA_SPLIT,)))
+                    for ug in (g for g in unsplit_groups if g > 1):
+                        pairs.append((f"{o}: {g2} group(s) / pyllama unsplit -t {split_threads} {ug} groups",
+                                      (SPLIT, o, g2), (UNSPLIT, split_threads, ug)))
             for name, num, den in pairs:
                 r = paired_ratio(records, t, u, num, den)
                 if r is not None:
@@ -881,8 +906,8 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
             args += ["--trace", trace_path]
         n_slots = slots_for(run["users"], run["groups"])
     elif kind == UNSPLIT:
-        args = unsplit_args(run["users"], a.npp, a.ntg, run["threads"], extra)
-        n_slots = run["users"]
+        args = unsplit_args(run["users"], a.npp, a.ntg, run["threads"], extra, run.get("groups", 1))
+        n_slots = slots_for(run["users"], run.get("groups", 1))
     elif kind == LLAMA_UNSPLIT:
         args = llama_args(run["users"], a.npp, a.ntg, run["threads"])
         n_slots = run["users"]
@@ -958,6 +983,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(each made once under bench/out/models; ignored with --model)")
     ap.add_argument("--unsplit-threads", default="none", metavar="T,T",
                     help="thread counts of the unsplit cells (one process, no rpc), e.g. 1,2; none: no such cell")
+    ap.add_argument("--unsplit-groups", default="none", metavar="G,G",
+                    help="also run pyllama unsplit with G pipeline groups of -t threads each (one device, e.g. 2); "
+                         "none: no such cell")
     ap.add_argument("--peers", metavar="DIR",
                     help="llama.cpp's programs (DIR/bin: ggml-rpc-server, llama-server; default $PYLLAMA_PEERS): "
                          "adds llama.cpp's split (ggml-rpc-server -t T + llama-server --rpc -ngl N -t T, the same "
@@ -979,6 +1007,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         groups = parse_int_list(a.groups, "groups")
         users = parse_int_list(a.users, "users")
         unsplit_threads = parse_thread_list(a.unsplit_threads, "unsplit-threads")
+        unsplit_groups = parse_thread_list(a.unsplit_groups, "unsplit-groups")
         types = parse_types(a.types) if not a.model else ["model"]
         if a.legs < 1 or a.npp < 1 or a.ntg < 1 or a.requests < 1 or a.threads < 0 or a.warmup < 0:
             raise ValueError("--legs, --npp, --ntg and -r must be at least 1; -t and --warmup at least 0")
@@ -1028,7 +1057,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{PROG}: {e}", file=sys.stderr)
             return 1
     vocabs = {t: prompt_vocab(m) for t, m in models.items()}
-    arms = make_arms(orders, groups, unsplit_threads, peers is not None)
+    arms = make_arms(orders, groups, unsplit_threads, peers is not None, unsplit_groups, a.threads)
     runs = full_schedule(types, arms, users, a.legs)
     if os.environ.pop(GROUPS_ENV, None) is not None:
         log(f"ignoring {GROUPS_ENV} from the environment: every cell sets its own group count")
@@ -1119,7 +1148,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cells += [{"type": t, **c} for c in summarize([r for r in split_records if r["type"] == t], orders, users, groups)]
     best = best_ratios(cells, orders, 2) if len(types) == 1 else {}
     every = all_cells(records)
-    ratios = issue_ratios(records, types, users, orders, groups, unsplit_threads, a.threads)
+    ratios = issue_ratios(records, types, users, orders, groups, unsplit_threads, a.threads, unsplit_groups)
     print(f"pipeline cells: {', '.join(os.path.basename(m) for m in models.values())}, npp {a.npp}, ntg {a.ntg}, "
           f"-r {a.requests}, -t {a.threads}, {a.legs} legs per arm, rpc "
           + (f"in netns behind tbf {a.rate}" if a.netns else "on loopback"))

@@ -29,6 +29,26 @@ def test_arms_and_schedule_interleave_every_arm_per_leg():
     assert pc.make_arms(["RPC0,CPU"], [1], [], llama=False) == [{"kind": "split", "order": "RPC0,CPU", "groups": 1}]
 
 
+def test_unsplit_groups_arm_and_its_ratios():
+    arms = pc.make_arms(["RPC0,CPU"], [1, 2], [1, 2], llama=False, unsplit_groups=[1, 2], split_threads=1)
+    assert [pc.arm_label(pc.arm_key(a)) for a in arms] == [
+        "pyllama split RPC0,CPU 1 group", "pyllama split RPC0,CPU 2 groups", "pyllama -t 1", "pyllama -t 2",
+        "pyllama -t 1 2 groups"]
+    assert pc.unsplit_args(32, 64, 64, 1, groups=2) == ["-np", "32", "-c", str(32 * 144), "-t", "1",
+                                                        "--pipeline-groups", "2"]
+    assert pc.unsplit_args(31, 64, 64, 1, groups=2)[:2] == ["-np", "32"]
+    recs = []
+    for leg, (t1, t2, u2, g2) in enumerate([(400, 660, 830, 600), (410, 670, 840, 610)], 1):
+        recs += [_rec("q4_k_m", "unsplit", leg, t1, threads=1), _rec("q4_k_m", "unsplit", leg, t2, threads=2),
+                 _rec("q4_k_m", "unsplit", leg, u2, threads=1, groups=2),
+                 _rec("q4_k_m", "split", leg, g2, order="RPC0,CPU", groups=2)]
+    rows = {r["name"]: r for r in pc.issue_ratios(recs, ["q4_k_m"], [32], ["RPC0,CPU"], [2], [1, 2], 1, [2])}
+    assert rows["pyllama -t 1 2 groups / -t 1"]["ratio"] == pytest.approx(1670 / 810)
+    assert rows["pyllama -t 1 2 groups / -t 2"]["ratio"] == pytest.approx(1670 / 1330)
+    assert rows["pyllama -t 2 / -t 1"]["ratio"] == pytest.approx(1330 / 810)  # the 2-group arm stays apart
+    assert rows["RPC0,CPU: 2 group(s) / pyllama unsplit -t 1 2 groups"]["ratio"] == pytest.approx(1210 / 1670)
+
+
 def test_parse_types_and_threads():
     assert pc.parse_types("f32, Q4_K_M") == ["f32", "q4_k_m"]
     for bad in ("", "f32,f32", "q3_x"):

@@ -11,8 +11,10 @@ step, greedy sampling included), prompt tokens/s for a --prompt-token prompt, re
 loading and after the run, the weights as stored, the weight bytes a decode step reads (every
 weight but the embedding table, which is read by rows; all of it when it is also the output
 matrix), and the share of a decode step spent in Python rather than in kernels. "model RSS" is what loading
-the model added to the process (resident memory after loading minus before: the weights' pages and
-the KV cache pages touched so far), set against the file's size.
+the model added to the process (resident memory after loading minus before: the metadata, the
+tokenizer, the weights' pages and copies), "weights RSS" what loading the weights alone added
+(after minus before Engine.load(): the weights' pages read in place and their copies), each set
+against the file's size.
 
 Given a folder of llama.cpp's programs (--peers DIR or $PYLLAMA_PEERS: a folder with
 bin/llama-batched-bench, e.g. a llama.cpp build directory), `llama-batched-bench` runs on the same file with the same threads right after
@@ -109,7 +111,9 @@ def run_cell(path: str, batches: list[int], n_threads: int, steps: int, n_prompt
     clock = KernelClock()
     clock.install()
     rss0 = rss_mib()
-    engine = Engine(path, n_threads=n_threads)
+    engine = Engine(path, n_threads=n_threads, load=False)  # metadata and tokenizer, no weights yet
+    rss_meta = rss_mib()
+    engine.load()
     hp = engine.model.hparams
     bmax = max(batches)
     ctx_per_seq = max(n_prompt, 32 + steps + 8)
@@ -117,7 +121,7 @@ def run_cell(path: str, batches: list[int], n_threads: int, steps: int, n_prompt
     res: dict = {"params_M": engine.model.n_params() / 1e6,
                  "weights_MiB": sum(engine.weights.bytes_per_backend.values()) / 2**20,
                  "kv_MiB": sum(ctx.kv_bytes.values()) / 2**20,
-                 "rss_start_MiB": rss0, "rss_loaded_MiB": rss_mib()}
+                 "rss_start_MiB": rss0, "rss_meta_MiB": rss_meta, "rss_loaded_MiB": rss_mib()}
     rng = np.random.default_rng(0)
     prompt = rng.integers(300, hp.n_vocab, n_prompt).tolist()
     times = []
@@ -258,7 +262,7 @@ def main() -> int:
             errors = {r["pyllama"].get("error") or r.get("llama.cpp", {}).get("error") for r in cells} - {None}
             print(" | ".join(line) + (f"  # {'; '.join(errors)}" if errors else ""))
     print("\nmodel | weight types | file MiB | tensor MiB | read per step MiB | stored weights MiB | KV MiB | "
-          "RSS loaded MiB | RSS end MiB | model RSS MiB | model RSS / file")
+          "RSS loaded MiB | RSS end MiB | model RSS MiB | model RSS / file | weights RSS MiB | weights RSS / file")
     for name, _ in models:
         f = files[name]
         cells = [r["pyllama"] for r in records if r["model"] == name and "rss_end_MiB" in r["pyllama"]]
@@ -269,7 +273,9 @@ def main() -> int:
         print(f"{name} | {types} | {f['file_MiB']:.1f} | {f['tensor_MiB']:.1f} | {f['read_per_step_MiB']:.1f} | "
               f"{c['weights_MiB']:.1f} | {c['kv_MiB']:.1f} | {c['rss_loaded_MiB']:.0f} | {c['rss_end_MiB']:.0f} | "
               f"{c['rss_loaded_MiB'] - c['rss_start_MiB']:.0f} | "
-              f"{(c['rss_loaded_MiB'] - c['rss_start_MiB']) / f['file_MiB']:.2f}")
+              f"{(c['rss_loaded_MiB'] - c['rss_start_MiB']) / f['file_MiB']:.2f} | "
+              + (f"{c['rss_loaded_MiB'] - c['rss_meta_MiB']:.0f} | "
+                 f"{(c['rss_loaded_MiB'] - c['rss_meta_MiB']) / f['file_MiB']:.2f}" if "rss_meta_MiB" in c else "- | -"))
     base: dict[int, Optional[dict]] = {}
     for nt in threads:  # the f32 cells' means, the baseline of the "vs f32" lines
         f32 = [r["pyllama"] for r in records if r["model"].endswith("-f32") and r["threads"] == nt

@@ -76,6 +76,34 @@ def test_threads_strided_out_bias_and_batch_independence(qtype):
     assert np.array_equal(one[0], base[5])
 
 
+def test_parts_are_one_product_of_the_weights_side_by_side():
+    """A MUL_MAT_CAT's parts (q|k|v of Q4_K and Q6_K) in one call: each part's columns equal its
+    own product, bias included, on any thread count; bad part lists are refused."""
+    rng = np.random.default_rng(21)
+    n, k = 11, 512
+    specs = [(T.Q4_K, 32), (T.Q4_K, 16), (T.Q6_K, 16)]
+    ws = [ref.random_weights(t, m, k, rng) for t, m in specs]
+    wps = [qmatmul.repack_x8(w, int(t), k) for w, (t, _) in zip(ws, specs)]
+    x = activations(n, k, rng)
+    m = sum(mm for _, mm in specs)
+    bias = rng.standard_normal(m).astype(np.float32)
+    want = np.concatenate([np.empty((n, mm), np.float32) for _, mm in specs], axis=1)
+    col = 0
+    for wp, (t, mm) in zip(wps, specs):
+        qmatmul.mul_mat_q_x8(x, wp, int(t), want[:, col:col + mm], bias[col:col + mm])
+        col += mm
+    for nt in (1, 2, 3):
+        got = np.full((n, m), np.nan, np.float32)
+        qmatmul.mul_mat_q_x8_parts(x, wps, [int(t) for t, _ in specs], got, bias, nt)
+        assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="parts"):
+        qmatmul.mul_mat_q_x8_parts(x, wps, [int(T.Q4_K)], np.zeros((n, m), np.float32))
+    with pytest.raises(ValueError, match="not hold"):
+        qmatmul.mul_mat_q_x8_parts(x, wps, [int(T.Q6_K), int(T.Q4_K), int(T.Q6_K)], np.zeros((n, m), np.float32))
+    with pytest.raises(ValueError, match="parts"):
+        qmatmul.mul_mat_q_x8_parts(x, [], [], np.zeros((n, 0), np.float32))
+
+
 def test_bad_input_raises_value_error():
     rng = np.random.default_rng(3)
     w = ref.random_weights(T.Q4_K, 16, 256, rng)
@@ -87,9 +115,9 @@ def test_bad_input_raises_value_error():
         qmatmul.repack_x8(w, int(T.Q4_K), 512)
     wp = qmatmul.repack_x8(w, int(T.Q4_K), 256)
     x = np.zeros((2, 256), np.float32)
-    with pytest.raises(ValueError, match="does not hold"):
+    with pytest.raises(ValueError, match="not hold"):
         qmatmul.mul_mat_q_x8(x, wp, int(T.Q4_K), np.zeros((2, 24), np.float32))
-    with pytest.raises(ValueError, match="does not hold"):
+    with pytest.raises(ValueError, match="not hold"):
         qmatmul.mul_mat_q_x8(x, wp, int(T.Q6_K), np.zeros((2, 16), np.float32))
     with pytest.raises(ValueError, match="bias"):
         qmatmul.mul_mat_q_x8(x, wp, int(T.Q4_K), np.zeros((2, 16), np.float32), bias=np.zeros(3, np.float32))

@@ -198,67 +198,92 @@ static pq_x8_fn pq_x8_kernel_for(int t, int nr) {
     return t == PQ_Q4_K ? q4[nr - 1] : q6[nr - 1];
 }
 
+/* One product may cover up to PQ_X8_MAX_PARTS weights (a MUL_MAT_CAT's q|k|v or gate|up): they
+ * share x, quantized once, and one pool run whose items are the parts' tiles. */
+#define PQ_X8_MAX_PARTS 8
 typedef struct {
-    int t, vt;
+    int t;
+    const uint8_t *wp; int64_t ngroups, gstride, tile, first_item, col;
+    const float *bias;
+} pq_x8_part;
+
+typedef struct {
     const float *x; int64_t n, k, ldx;
-    const uint8_t *wp; int64_t ngroups, gstride;
-    float *out; int64_t ldo; const float *bias;
-    uint8_t *xq; int64_t xq_stride, tile, ntiles;
+    float *out; int64_t ldo;
+    uint8_t *xq; int64_t xq_stride;
+    int nparts; int64_t items_per_chunk;
+    pq_x8_part part[PQ_X8_MAX_PARTS];
 } pq_x8_job;
 
 static void pq_x8_quantize_item(void *ctx, int64_t r) {
     const pq_x8_job *j = (const pq_x8_job *)ctx;
-    pq_quantize_row(j->vt, j->x + r * j->ldx, j->xq + r * j->xq_stride, j->k);
+    pq_quantize_row(PQ_Q8_K, j->x + r * j->ldx, j->xq + r * j->xq_stride, j->k);
 }
 
 static void pq_x8_tile_item(void *ctx, int64_t item) {
     const pq_x8_job *jb = (const pq_x8_job *)ctx;
-    const int64_t c0 = item / jb->ntiles * PQ_ROW_CHUNK;
+    const int64_t c0 = item / jb->items_per_chunk * PQ_ROW_CHUNK;
     const int64_t c1 = c0 + PQ_ROW_CHUNK < jb->n ? c0 + PQ_ROW_CHUNK : jb->n;
-    const int64_t g0 = item % jb->ntiles * jb->tile;
-    const int64_t g1 = g0 + jb->tile < jb->ngroups ? g0 + jb->tile : jb->ngroups;
+    const int64_t it = item % jb->items_per_chunk;
+    int p = 0;
+    while (p + 1 < jb->nparts && jb->part[p + 1].first_item <= it) p++;
+    const pq_x8_part *pt = &jb->part[p];
+    const int64_t g0 = (it - pt->first_item) * pt->tile;
+    const int64_t g1 = g0 + pt->tile < pt->ngroups ? g0 + pt->tile : pt->ngroups;
     const int64_t nb = jb->k / PQ_QK_K;
     for (int64_t r0 = c0; r0 < c1; r0 += PQ_X8_NR) {
         const int nr = (int)(c1 - r0 < PQ_X8_NR ? c1 - r0 : PQ_X8_NR);
-        const pq_x8_fn fn = pq_x8_kernel_for(jb->t, nr);
+        const pq_x8_fn fn = pq_x8_kernel_for(pt->t, nr);
         for (int64_t g = g0; g < g1; g++)
-            fn(nb, jb->wp + g * jb->gstride, jb->xq + r0 * jb->xq_stride, (size_t)jb->xq_stride,
-               jb->out + r0 * jb->ldo + 8 * g, jb->ldo, jb->bias ? jb->bias + 8 * g : NULL);
+            fn(nb, pt->wp + g * pt->gstride, jb->xq + r0 * jb->xq_stride, (size_t)jb->xq_stride,
+               jb->out + r0 * jb->ldo + pt->col + 8 * g, jb->ldo, pt->bias ? pt->bias + 8 * g : NULL);
     }
 }
 
-/* As pq_mul_mat, against weights repacked by pq_repack_x8 (m rows, m % 8 == 0). Same threading:
- * activation rows quantized once (not at all when have_xq: xq already holds x as Q8_K, as for the
- * second and later weights of a MUL_MAT_CAT), then (chunk of activation rows) x (tile of row
- * groups) items. */
-PQ_API void pq_mul_mat_x8(int t, const float *x, int64_t n, int64_t k, int64_t ldx, const uint8_t *wp, int64_t m,
-                          float *out, int64_t ldo, const float *bias, uint8_t *xq, int64_t xq_stride, int n_threads,
-                          int have_xq) {
-    const int64_t ngroups = m / 8, gstride = k / PQ_QK_K * pq_x8_block_bytes(t);
+/* out[:, the parts' columns side by side] = x . (each part's weights, repacked by pq_repack_x8:
+ * ms[p] rows, a multiple of 8)^T (+ biases[p]), as pq_mul_mat does for one weight: the activation
+ * rows quantized once into xq, then (chunk of activation rows) x (tile of row groups of a part)
+ * items on the pool. Returns -1 (nothing done) for more than PQ_X8_MAX_PARTS parts. */
+PQ_API int pq_mul_mat_x8_parts(int nparts, const int *types, const uint8_t *const *wps, const int64_t *ms,
+                               const float *const *biases, const float *x, int64_t n, int64_t k, int64_t ldx,
+                               float *out, int64_t ldo, uint8_t *xq, int64_t xq_stride, int n_threads) {
+    if (nparts < 1 || nparts > PQ_X8_MAX_PARTS) return -1;
+    pq_x8_job job = {x, n, k, ldx, out, ldo, xq, xq_stride, nparts, 0, {{0}}};
+    int64_t col = 0, work = 0, ngroups_all = 0;
+    for (int p = 0; p < nparts; p++) {
+        pq_x8_part *pt = &job.part[p];
+        pt->t = types[p]; pt->wp = wps[p]; pt->ngroups = ms[p] / 8; pt->col = col; pt->bias = biases ? biases[p] : NULL;
+        pt->gstride = k / PQ_QK_K * pq_x8_block_bytes(types[p]);
+        /* row groups per tile: about 16 KiB of weights, reused by every group of activation rows */
+        pt->tile = 16384 / (pt->gstride > 0 ? pt->gstride : 1);
+        if (pt->tile < 1) pt->tile = 1;
+        pt->first_item = job.items_per_chunk;
+        job.items_per_chunk += (pt->ngroups + pt->tile - 1) / pt->tile;
+        col += ms[p];
+        work += pt->ngroups * pt->gstride;
+        ngroups_all += pt->ngroups;
+    }
     int nt = n_threads < 1 ? 1 : n_threads;
-    if (nt > ngroups) nt = (int)(ngroups > 0 ? ngroups : 1);
-    if (ngroups * gstride * ((n + PQ_X8_NR - 1) / PQ_X8_NR) < 65536) nt = 1;
-    int64_t tile = 16384 / (gstride > 0 ? gstride : 1);
-    if (tile < 1) tile = 1;
-    pq_x8_job job = {t, PQ_Q8_K, x, n, k, ldx, wp, ngroups, gstride, out, ldo, bias, xq, xq_stride, tile,
-                     (ngroups + tile - 1) / tile};
-    if (have_xq)
-        ;
-    else if (nt == 1 || n <= 2 * PQ_X8_NR)
+    if (nt > ngroups_all) nt = (int)(ngroups_all > 0 ? ngroups_all : 1);
+    /* below ~10 us of single-thread work one thread does it all (handing out items costs ~1 us) */
+    if (work * ((n + PQ_X8_NR - 1) / PQ_X8_NR) < 65536) nt = 1;
+    if (nt == 1 || n <= 2 * PQ_X8_NR)
         for (int64_t r = 0; r < n; r++) pq_quantize_row(PQ_Q8_K, x + r * ldx, xq + r * xq_stride, k);
     else
         pq_pool_run(nt, n, pq_x8_quantize_item, &job);
     const int64_t nchunks = (n + PQ_ROW_CHUNK - 1) / PQ_ROW_CHUNK;
-    pq_pool_run(nt, nchunks * job.ntiles, pq_x8_tile_item, &job);
+    pq_pool_run(nt, nchunks * job.items_per_chunk, pq_x8_tile_item, &job);
+    return 0;
 }
 PQ_API int pq_have_x8(void) { return 1; }
 #else
+#define PQ_X8_MAX_PARTS 8
 PQ_API int pq_have_x8(void) { return 0; }
-PQ_API void pq_mul_mat_x8(int t, const float *x, int64_t n, int64_t k, int64_t ldx, const uint8_t *wp, int64_t m,
-                          float *out, int64_t ldo, const float *bias, uint8_t *xq, int64_t xq_stride, int n_threads,
-                          int have_xq) {
-    (void)t; (void)x; (void)n; (void)k; (void)ldx; (void)wp; (void)m; (void)out; (void)ldo; (void)bias;
-    (void)xq; (void)xq_stride; (void)n_threads; (void)have_xq;
+PQ_API int pq_mul_mat_x8_parts(int nparts, const int *types, const uint8_t *const *wps, const int64_t *ms,
+                               const float *const *biases, const float *x, int64_t n, int64_t k, int64_t ldx,
+                               float *out, int64_t ldo, uint8_t *xq, int64_t xq_stride, int n_threads) {
+    (void)nparts; (void)types; (void)wps; (void)ms; (void)biases; (void)x; (void)n; (void)k; (void)ldx;
+    (void)out; (void)ldo; (void)xq; (void)xq_stride; (void)n_threads;
     abort();   /* callers check pq_have_x8() */
 }
 #endif /* PQ_HAVE_AVX2 */

@@ -209,9 +209,10 @@ cdef extern from "ggml_x8.h" nogil:
     int pq_x8_block_bytes(int t)
     int pq_have_x8()
     int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int64_t k, uint8_t *out)
-    void pq_mul_mat_x8(int t, const float *x, int64_t n, int64_t k, int64_t ldx, const uint8_t *wp, int64_t m,
-                       float *out, int64_t ldo, const float *bias, uint8_t *xq, int64_t xq_stride, int n_threads,
-                       int have_xq)
+    int PQ_X8_MAX_PARTS
+    int pq_mul_mat_x8_parts(int nparts, const int *types, const uint8_t *const *wps, const int64_t *ms,
+                            const float *const *biases, const float *x, int64_t n, int64_t k, int64_t ldx,
+                            float *out, int64_t ldo, uint8_t *xq, int64_t xq_stride, int n_threads)
 
 
 def x8_types() -> tuple:
@@ -248,62 +249,81 @@ def repack_x8(const uint8_t[:, ::1] w, int qtype, Py_ssize_t k):
 
 
 def mul_mat_q_x8(const float[:, ::1] x, const uint8_t[:, ::1] wp, int qtype, float[:, :] out, bias=None,
-                 int n_threads=1, xq=None, bint quantized=False):
+                 int n_threads=1):
     """As mul_mat_q, against weights repacked by repack_x8 (wp: [m // 8, packed bytes per group]);
-    the same integer sums, results within the same rounding bound.
+    the same integer sums, results within the same rounding bound."""
+    mul_mat_q_x8_parts(x, [wp], [qtype], out, bias, n_threads)
 
-    xq: optional uint8 [n, row_bytes(Q8_K, k)] scratch for the quantized activations; with
-    quantized=True it already holds x quantized (by an earlier call with the same x and xq), and
-    the quantization is skipped: the weights of one MUL_MAT_CAT share one quantization."""
-    if qtype not in x8_types():
-        raise ValueError(f"mul_mat_q_x8: {_name(qtype)} weights are not repacked in this build")
+
+def mul_mat_q_x8_parts(const float[:, ::1] x, list parts, list qtypes, float[:, :] out, bias=None,
+                       int n_threads=1):
+    """out[:, the parts' rows side by side] = x @ (each repacked weight of `parts`, of its type in
+    `qtypes`).T (+ bias), as one product: x is quantized once and one pool run covers every part's
+    tiles (a MUL_MAT_CAT of q|k|v or gate|up). Parts as repack_x8 returns them."""
+    cdef int nparts = len(parts)
+    if nparts < 1 or nparts > PQ_X8_MAX_PARTS or len(qtypes) != nparts:
+        raise ValueError(f"mul_mat_q_x8: 1..{PQ_X8_MAX_PARTS} parts with one type each, got {nparts} and {len(qtypes)}")
     cdef int64_t n = x.shape[0], k = x.shape[1], m = out.shape[1]
     if k % 256:
         raise ValueError(f"mul_mat_q_x8: a row of {k} elements is not a whole number of blocks of 256")
-    if wp.shape[0] * 8 != m or (m and wp.shape[1] != k // 256 * pq_x8_block_bytes(qtype)):
-        raise ValueError(f"mul_mat_q_x8: packed weight {wp.shape[0]}x{wp.shape[1]} does not hold {m} rows of {k}")
+    cdef int types[8]
+    cdef const uint8_t *wps[8]
+    cdef int64_t ms[8]
+    cdef const uint8_t[:, ::1] wv
+    cdef int64_t rows = 0
+    cdef int p
+    keep = []
+    for p in range(nparts):
+        qt = qtypes[p]
+        if qt not in x8_types():
+            raise ValueError(f"mul_mat_q_x8: {_name(qt)} weights are not repacked in this build")
+        wv = parts[p]
+        if wv.shape[0] == 0 or wv.shape[1] != k // 256 * pq_x8_block_bytes(qt):
+            raise ValueError(f"mul_mat_q_x8: packed weight {wv.shape[0]}x{wv.shape[1]} does not hold rows of {k} "
+                             f"{_name(qt)} elements")
+        keep.append(wv)
+        types[p] = qt
+        wps[p] = &wv[0, 0]
+        ms[p] = wv.shape[0] * 8
+        rows += ms[p]
+    if rows != m:
+        raise ValueError(f"mul_mat_q_x8: the packed weights do not hold {m} rows (they have {rows})")
     if out.shape[0] != n:
         raise ValueError(f"mul_mat_q_x8: out has {out.shape[0]} rows, x {n}")
     if m > 1 and out.strides[1] != 4 or n > 1 and out.strides[0] % 4:
         raise ValueError("mul_mat_q_x8: the rows of out must be contiguous floats")
     cdef const float[::1] bv
-    cdef const float *bp = NULL
+    cdef const float *bptr[8]
+    cdef const float **bpp = NULL
     if bias is not None:
         b = np.asarray(bias)
         if b.dtype != np.float32 or b.ndim != 1 or b.shape[0] != m:
             raise ValueError(f"mul_mat_q_x8: bias must be float32 [{m}], got {b.dtype} {b.shape}")
-        bv = b
-        bp = &bv[0]
+        bv = np.ascontiguousarray(b)
+        rows = 0
+        for p in range(nparts):
+            bptr[p] = &bv[rows]
+            rows += ms[p]
+        bpp = bptr
     if n_threads < 1:
         raise ValueError(f"mul_mat_q_x8: n_threads must be >= 1, got {n_threads}")
-    if n == 0 or m == 0:
+    if n == 0:
         return
     if k == 0:
         out[:, :] = 0.0
-        if bp != NULL:
+        if bias is not None:
             np.asarray(out)[:] += np.asarray(bias)
         return
     cdef int64_t xq_stride = k // 256 * 292
     cdef int64_t ldo = out.strides[0] // 4 if n > 1 else m
     cdef int64_t ldx = x.strides[0] // 4 if n > 1 else k
-    cdef uint8_t[:, ::1] xqv
-    cdef uint8_t *xqp
-    if xq is not None:
-        xqv = xq
-        if xqv.shape[0] != n or xqv.shape[1] != xq_stride:
-            raise ValueError(f"mul_mat_q_x8: xq is {xqv.shape[0]}x{xqv.shape[1]}, expected {n}x{xq_stride}")
-        xqp = &xqv[0, 0]
-    elif quantized:
-        raise ValueError("mul_mat_q_x8: quantized=True needs the xq that holds them")
-    else:
-        xqp = <uint8_t *>malloc(n * xq_stride + 64)
-        if xqp == NULL:
-            raise MemoryError("mul_mat_q_x8: cannot allocate the quantized activations")
-    cdef int qt = qtype, have = quantized
+    cdef uint8_t *xq = <uint8_t *>malloc(n * xq_stride + 64)
+    if xq == NULL:
+        raise MemoryError("mul_mat_q_x8: cannot allocate the quantized activations")
     with nogil:
-        pq_mul_mat_x8(qt, &x[0, 0], n, k, ldx, &wp[0, 0], m, &out[0, 0], ldo, bp, xqp, xq_stride, n_threads, have)
-    if xq is None:
-        free(xqp)
+        pq_mul_mat_x8_parts(nparts, types, wps, ms, bpp, &x[0, 0], n, k, ldx, &out[0, 0], ldo, xq, xq_stride,
+                            n_threads)
+    free(xq)
 
 
 def dequantize_rows(const uint8_t[:, ::1] w, int qtype, Py_ssize_t k, Py_ssize_t j0, Py_ssize_t j1,

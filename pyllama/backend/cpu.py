@@ -403,40 +403,18 @@ def _bind_mul_mat_cat(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequen
 
 def _bind_mul_mat_cat_x8(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequence[DType], out: np.ndarray,
                          bias: Optional[np.ndarray], nt: int, packed: Sequence[np.ndarray]) -> Callable[[], None]:
+    """Every part repacked: one product over all of them (x quantized once, one pool run)."""
     n, k = x.shape
-    cols, col = [], 0
+    rows = 0
     for w, dtype in zip(parts, dtypes):
-        m = w.shape[0]
-        if w.shape[1] != qmatmul.row_bytes(int(dtype), k) or col + m > out.shape[1]:
-            raise ValueError(f"MUL_MAT_CAT: x {list(x.shape)}, {dtype.name} part of {m} rows of {w.shape[1]} B and "
-                             f"out {list(out.shape)} disagree")
-        cols.append((col, col + m))
-        col += m
-    if col != out.shape[1] or out.shape[0] != n:
-        raise ValueError(f"MUL_MAT_CAT: the weight parts have {col} rows, out is {list(out.shape)}")
-    row_bytes = qmatmul.row_bytes(qmatmul.vec_dot_type(int(dtypes[0])), k)  # Q8_K for every repacked type
-    calls = [(wp, int(dtype), out[:, c0:c1], None if bias is None else bias[c0:c1])
-             for wp, dtype, (c0, c1) in zip(packed, dtypes, cols)]
-
-    def run() -> None:
-        xq = _scratch(n * row_bytes).reshape(n, row_bytes)
-        first = True
-        for wp, qt, o, b in calls:
-            qmatmul.mul_mat_q_x8(x, wp, qt, o, b, nt, xq, not first)
-            first = False
-    return run
-
-
-_local = threading.local()
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """A byte scratch of the calling thread, reused across plans (a plan holding its own would
-    keep one per batch shape cached; two groups' threads compute at once, hence per thread)."""
-    buf = getattr(_local, "scratch", None)
-    if buf is None or buf.size < nbytes:
-        buf = _local.scratch = np.empty(max(nbytes, 1 << 16), np.uint8)
-    return buf[:nbytes]
+        if w.shape[1] != qmatmul.row_bytes(int(dtype), k):
+            raise ValueError(f"MUL_MAT_CAT: x {list(x.shape)} and a {dtype.name} part of {w.shape[0]} rows of "
+                             f"{w.shape[1]} B disagree")
+        rows += w.shape[0]
+    if rows != out.shape[1] or out.shape[0] != n:
+        raise ValueError(f"MUL_MAT_CAT: the weight parts have {rows} rows, out is {list(out.shape)}")
+    wps, qts = list(packed), [int(d) for d in dtypes]
+    return lambda: qmatmul.mul_mat_q_x8_parts(x, wps, qts, out, bias, nt)
 
 
 def _bind_moe_ffn(srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndarray, params: Sequence[float],

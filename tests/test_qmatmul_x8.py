@@ -1,4 +1,5 @@
-"""Q4_K / Q6_K weights repacked in groups of 8 rows (ggml_x8.h) against the float64 reference.
+"""Q4_0, Q8_0, Q4_K and Q6_K weights repacked in groups of 8 rows (ggml_x8.h) against the float64
+reference.
 
 The repacked kernels must give ggml's products within the same bound as the file-layout kernels
 ((k + 16) * 2^-24 * sum|terms|, ggml_quants.h), whatever the number of activation rows, the
@@ -15,7 +16,7 @@ from test_qmatmul import activations
 qmatmul = pytest.importorskip("pyllama._fast.qmatmul", reason="Cython extensions not built (python setup.py build_ext --inplace)")
 pytestmark = pytest.mark.skipif(not qmatmul.x8_types(), reason="this build has no AVX2 kernels (repacking needs them)")
 
-X8 = (T.Q4_K, T.Q6_K)
+X8 = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K)
 
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
@@ -25,7 +26,7 @@ def test_matches_reference(qtype, n, m, k):
     rng = np.random.default_rng(31 * n + m + k + int(qtype))
     w = ref.random_weights(qtype, m, k, rng)
     x = activations(n, k, rng)
-    xq = qmatmul.quantize_rows(x, int(T.Q8_K))
+    xq = qmatmul.quantize_rows(x, qmatmul.vec_dot_type(int(qtype)))
     exact, tol = np.empty((n, m)), np.empty((n, m))
     for r in range(n):
         for j in range(m):
@@ -43,13 +44,13 @@ def test_matches_reference(qtype, n, m, k):
 
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
-def test_packed_bytes_are_a_permutation_for_q6_k_and_hold_every_scale_for_q4_k(qtype):
-    """Q6_K keeps the file's size (its bytes rearranged); Q4_K stores its 6-bit scales and mins
-    unpacked (160 bytes of header instead of 8 x 16)."""
+def test_packed_bytes_are_a_permutation_but_q4_k_holds_every_scale(qtype):
+    """Q4_0, Q8_0 and Q6_K keep the file's size (its bytes rearranged); Q4_K stores its 6-bit
+    scales and mins unpacked (160 bytes of header instead of 8 x 16)."""
     rng = np.random.default_rng(5)
     w = ref.random_weights(qtype, 16, 512, rng)
     wp = qmatmul.repack_x8(w, int(qtype), 512)
-    if qtype == T.Q6_K:
+    if qtype != T.Q4_K:
         assert wp.size == w.size
         assert np.array_equal(np.sort(wp.reshape(-1)), np.sort(w.reshape(-1)))
     else:
@@ -102,6 +103,9 @@ def test_parts_are_one_product_of_the_weights_side_by_side():
         qmatmul.mul_mat_q_x8_parts(x, wps, [int(T.Q6_K), int(T.Q4_K), int(T.Q6_K)], np.zeros((n, m), np.float32))
     with pytest.raises(ValueError, match="parts"):
         qmatmul.mul_mat_q_x8_parts(x, [], [], np.zeros((n, 0), np.float32))
+    q40 = qmatmul.repack_x8(ref.random_weights(T.Q4_0, 8, k, rng), int(T.Q4_0), k)
+    with pytest.raises(ValueError, match="quantize x differently"):
+        qmatmul.mul_mat_q_x8_parts(x, [wps[0], q40], [int(T.Q4_K), int(T.Q4_0)], np.zeros((n, 40), np.float32))
 
 
 def test_bad_input_raises_value_error():
@@ -110,7 +114,7 @@ def test_bad_input_raises_value_error():
     with pytest.raises(ValueError, match="not a multiple of 8"):
         qmatmul.repack_x8(w[:12], int(T.Q4_K), 256)
     with pytest.raises(ValueError, match="not repacked"):
-        qmatmul.repack_x8(ref.random_weights(T.Q8_0, 8, 256, rng), int(T.Q8_0), 256)
+        qmatmul.repack_x8(ref.random_weights(T.Q5_K, 8, 256, rng), int(T.Q5_K), 256)
     with pytest.raises(ValueError, match="bytes"):
         qmatmul.repack_x8(w, int(T.Q4_K), 512)
     wp = qmatmul.repack_x8(w, int(T.Q4_K), 256)

@@ -1,4 +1,4 @@
-/* Q4_K and Q6_K weights repacked in groups of 8 rows, for the AVX2 / AVX-512 products.
+/* Q4_0, Q8_0, Q4_K and Q6_K weights repacked in groups of 8 rows, for the AVX2 / AVX-512 products.
  *
  * In the file's layout each weight row is dotted with an activation row on its own: the kernel
  * unpacks a block, multiplies 32 bytes at a time and reduces the 8 int32 lanes to one sum at the
@@ -16,7 +16,13 @@
  * the same as the row kernels' (one multiply by d * d8 per block), so the error bound of
  * ggml_quants.h holds unchanged.
  *
- * Packed layouts, per group of 8 rows and per super-block of 256 elements:
+ * Q4_0 and Q8_0 (signed weights, one f16 scale per 32 elements, Q8_0 activations) take the
+ * product as |w| . (y with w's sign), exact in the byte dot product, per 32-element block.
+ *
+ * Packed layouts, per group of 8 rows and per block (32 elements for Q4_0 / Q8_0, a super-block
+ * of 256 for the K-quants), each the file's 8 blocks' size but Q4_K's:
+ *   Q4_0 (144 bytes): d f16[8] | qs[4 quads][8 rows][4 bytes] (low nibbles elements 4q.., high 16 + 4q..)
+ *   Q8_0 (272 bytes): d f16[8] | qs[8 quads][8 rows][4 bytes]
  *   Q4_K (1184 bytes): d f16[8] | dmin f16[8] | scale u8[8 sub-blocks][8 rows]
  *                      | min u8[8][8] | qs[4 runs of 64][8 quads][8 rows][4 bytes]
  *   Q6_K (1680 bytes, the file's size): d f16[8] | scale i8[16][8]
@@ -31,10 +37,18 @@
 #define PQ_X8_Q4_K_BYTES 1184
 #define PQ_X8_Q6_K_BYTES 1680
 
-/* Packed bytes per group of 8 rows and super-block; 0 for types that are not repacked. */
+/* Packed bytes per group of 8 rows and block; 0 for types that are not repacked. */
 static inline int pq_x8_block_bytes(int t) {
-    return t == PQ_Q4_K ? PQ_X8_Q4_K_BYTES : t == PQ_Q6_K ? PQ_X8_Q6_K_BYTES : 0;
+    switch (t) {
+    case PQ_Q4_0: return 144;
+    case PQ_Q8_0: return 272;
+    case PQ_Q4_K: return PQ_X8_Q4_K_BYTES;
+    case PQ_Q6_K: return PQ_X8_Q6_K_BYTES;
+    default: return 0;
+    }
 }
+/* Elements per block of a repacked type */
+static inline int pq_x8_block_elems(int t) { return t == PQ_Q4_0 || t == PQ_Q8_0 ? 32 : PQ_QK_K; }
 
 /* Copies 4-byte quads [q0, q0 + nq) of each of the 8 rows' blocks (src[l] + off) to dst, quad-major. */
 static inline void pq_x8_quads(uint8_t *dst, const uint8_t *const src[8], int off, int nq) {
@@ -43,18 +57,24 @@ static inline void pq_x8_quads(uint8_t *dst, const uint8_t *const src[8], int of
 }
 
 /* w: m rows (m % 8 == 0) of k elements of type t at byte stride wstride -> out, laid out as above
- * (row group g at out + g * (k / 256) * pq_x8_block_bytes(t)). Returns 0, or -1 for another type. */
+ * (row group g at out + g * (k / block elements) * pq_x8_block_bytes(t)). Returns 0, or -1 for
+ * another type. */
 PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int64_t k, uint8_t *out) {
     const int pb = pq_x8_block_bytes(t);
-    if (!pb || m % 8 || k % PQ_QK_K) return -1;
-    const int64_t nb = k / PQ_QK_K;
-    const int fb = t == PQ_Q4_K ? 144 : 210;
+    if (!pb || m % 8 || k % pq_x8_block_elems(t)) return -1;
+    const int64_t nb = k / pq_x8_block_elems(t);
+    pq_traits tr;
+    pq_get_traits(t, &tr);
+    const int fb = tr.bytes;
     for (int64_t g = 0; g < m / 8; g++) {
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *src[8];
             for (int l = 0; l < 8; l++) src[l] = w + (8 * g + l) * wstride + b * fb;
             uint8_t *o = out + (g * nb + b) * pb;
-            if (t == PQ_Q4_K) {
+            if (t == PQ_Q4_0 || t == PQ_Q8_0) {
+                for (int l = 0; l < 8; l++) memcpy(o + 2 * l, src[l], 2);
+                pq_x8_quads(o + 16, src, 2, t == PQ_Q4_0 ? 4 : 8);
+            } else if (t == PQ_Q4_K) {
                 for (int l = 0; l < 8; l++) {
                     memcpy(o + 2 * l, src[l], 2);
                     memcpy(o + 16 + 2 * l, src[l] + 2, 2);
@@ -177,11 +197,51 @@ PQ_INLINE void pq_x8_kernel(int t, int NR, int64_t nb, const uint8_t *wg, const 
     }
 }
 
+/* Q4_0 / Q8_0: NR activation rows (Q8_0 blocks, byte stride xs) against one group of 8 rows. */
+PQ_INLINE void pq_x8_kernel_0(int t, int NR, int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs,
+                              float *out, int64_t ldo, const float *bias) {
+    const int pb = pq_x8_block_bytes(t), nq = 8;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+    __m256 facc[PQ_X8_NR];
+    for (int r = 0; r < NR; r++) facc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * pb;
+        __m256i acc[PQ_X8_NR];
+        for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int q = 0; q < nq; q++) {
+            __m256i w;
+            if (t == PQ_Q4_0) {   /* quads 0..3: low nibbles (elements 4q..), 4..7: high (16 + 4(q - 4)..) */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (q % 4)));
+                w = _mm256_sub_epi8(_mm256_and_si256(q < 4 ? v : _mm256_srli_epi16(v, 4), m4), eight);
+            } else {
+                w = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * q));
+            }
+            const __m256i wa = _mm256_sign_epi8(w, w);
+            const int e = t == PQ_Q4_0 ? (q < 4 ? 4 * q : 16 + 4 * (q - 4)) : 4 * q;
+            for (int r = 0; r < NR; r++)
+                acc[r] = pq_x8_dp(acc[r], wa, _mm256_sign_epi8(pq_x8_bcast(x + r * xs + 34 * b + 2 + e), w));
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        for (int r = 0; r < NR; r++) {
+            const __m256 yd = _mm256_set1_ps(pq_h2f(x + r * xs + 34 * b));
+            facc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(acc[r]), facc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        __m256 v = facc[r];
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+        _mm256_storeu_ps(out + r * ldo, v);
+    }
+}
+
 typedef void (*pq_x8_fn)(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs, float *out, int64_t ldo,
                          const float *bias);
 #define PQ_X8_DEF1(name, t, nr) \
     static void name##_##nr(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs, float *out, int64_t ldo, \
-                            const float *bias) { pq_x8_kernel(t, nr, nb, wg, x, xs, out, ldo, bias); }
+                            const float *bias) { \
+        if (t == PQ_Q4_0 || t == PQ_Q8_0) pq_x8_kernel_0(t, nr, nb, wg, x, xs, out, ldo, bias); \
+        else pq_x8_kernel(t, nr, nb, wg, x, xs, out, ldo, bias); }
 #if PQ_X8_NR == 8
 #define PQ_X8_DEF(name, t) PQ_X8_DEF1(name, t, 1) PQ_X8_DEF1(name, t, 2) PQ_X8_DEF1(name, t, 3) PQ_X8_DEF1(name, t, 4) \
     PQ_X8_DEF1(name, t, 5) PQ_X8_DEF1(name, t, 6) PQ_X8_DEF1(name, t, 7) PQ_X8_DEF1(name, t, 8)
@@ -192,10 +252,18 @@ typedef void (*pq_x8_fn)(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t
 #endif
 PQ_X8_DEF(pq_x8_q4_K, PQ_Q4_K)
 PQ_X8_DEF(pq_x8_q6_K, PQ_Q6_K)
+PQ_X8_DEF(pq_x8_q4_0, PQ_Q4_0)
+PQ_X8_DEF(pq_x8_q8_0, PQ_Q8_0)
 
 static pq_x8_fn pq_x8_kernel_for(int t, int nr) {
     static const pq_x8_fn q4[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q4_K), q6[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q6_K);
-    return t == PQ_Q4_K ? q4[nr - 1] : q6[nr - 1];
+    static const pq_x8_fn q40[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q4_0), q80[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q8_0);
+    switch (t) {
+    case PQ_Q4_K: return q4[nr - 1];
+    case PQ_Q6_K: return q6[nr - 1];
+    case PQ_Q4_0: return q40[nr - 1];
+    default: return q80[nr - 1];
+    }
 }
 
 /* One product may cover up to PQ_X8_MAX_PARTS weights (a MUL_MAT_CAT's q|k|v or gate|up): they
@@ -208,6 +276,7 @@ typedef struct {
 } pq_x8_part;
 
 typedef struct {
+    int vt;   /* the parts' activation type: Q8_0 (Q4_0, Q8_0) or Q8_K (Q4_K, Q6_K) */
     const float *x; int64_t n, k, ldx;
     float *out; int64_t ldo;
     uint8_t *xq; int64_t xq_stride;
@@ -217,7 +286,7 @@ typedef struct {
 
 static void pq_x8_quantize_item(void *ctx, int64_t r) {
     const pq_x8_job *j = (const pq_x8_job *)ctx;
-    pq_quantize_row(PQ_Q8_K, j->x + r * j->ldx, j->xq + r * j->xq_stride, j->k);
+    pq_quantize_row(j->vt, j->x + r * j->ldx, j->xq + r * j->xq_stride, j->k);
 }
 
 static void pq_x8_tile_item(void *ctx, int64_t item) {
@@ -230,7 +299,7 @@ static void pq_x8_tile_item(void *ctx, int64_t item) {
     const pq_x8_part *pt = &jb->part[p];
     const int64_t g0 = (it - pt->first_item) * pt->tile;
     const int64_t g1 = g0 + pt->tile < pt->ngroups ? g0 + pt->tile : pt->ngroups;
-    const int64_t nb = jb->k / PQ_QK_K;
+    const int64_t nb = jb->k / pq_x8_block_elems(pt->t);
     for (int64_t r0 = c0; r0 < c1; r0 += PQ_X8_NR) {
         const int nr = (int)(c1 - r0 < PQ_X8_NR ? c1 - r0 : PQ_X8_NR);
         const pq_x8_fn fn = pq_x8_kernel_for(pt->t, nr);
@@ -243,17 +312,21 @@ static void pq_x8_tile_item(void *ctx, int64_t item) {
 /* out[:, the parts' columns side by side] = x . (each part's weights, repacked by pq_repack_x8:
  * ms[p] rows, a multiple of 8)^T (+ biases[p]), as pq_mul_mat does for one weight: the activation
  * rows quantized once into xq, then (chunk of activation rows) x (tile of row groups of a part)
- * items on the pool. Returns -1 (nothing done) for more than PQ_X8_MAX_PARTS parts. */
+ * items on the pool. Returns -1 (nothing done) for more than PQ_X8_MAX_PARTS parts or parts of
+ * different activation types. */
 PQ_API int pq_mul_mat_x8_parts(int nparts, const int *types, const uint8_t *const *wps, const int64_t *ms,
                                const float *const *biases, const float *x, int64_t n, int64_t k, int64_t ldx,
                                float *out, int64_t ldo, uint8_t *xq, int64_t xq_stride, int n_threads) {
     if (nparts < 1 || nparts > PQ_X8_MAX_PARTS) return -1;
-    pq_x8_job job = {x, n, k, ldx, out, ldo, xq, xq_stride, nparts, 0, {{0}}};
+    const int vt = pq_x8_block_elems(types[0]) == 32 ? PQ_Q8_0 : PQ_Q8_K;
+    for (int p = 1; p < nparts; p++)
+        if ((pq_x8_block_elems(types[p]) == 32 ? PQ_Q8_0 : PQ_Q8_K) != vt) return -1;
+    pq_x8_job job = {vt, x, n, k, ldx, out, ldo, xq, xq_stride, nparts, 0, {{0}}};
     int64_t col = 0, work = 0, ngroups_all = 0;
     for (int p = 0; p < nparts; p++) {
         pq_x8_part *pt = &job.part[p];
         pt->t = types[p]; pt->wp = wps[p]; pt->ngroups = ms[p] / 8; pt->col = col; pt->bias = biases ? biases[p] : NULL;
-        pt->gstride = k / PQ_QK_K * pq_x8_block_bytes(types[p]);
+        pt->gstride = k / pq_x8_block_elems(types[p]) * pq_x8_block_bytes(types[p]);
         /* row groups per tile: about 16 KiB of weights, reused by every group of activation rows */
         pt->tile = 16384 / (pt->gstride > 0 ? pt->gstride : 1);
         if (pt->tile < 1) pt->tile = 1;
@@ -268,7 +341,7 @@ PQ_API int pq_mul_mat_x8_parts(int nparts, const int *types, const uint8_t *cons
     /* below ~10 us of single-thread work one thread does it all (handing out items costs ~1 us) */
     if (work * ((n + PQ_X8_NR - 1) / PQ_X8_NR) < 65536) nt = 1;
     if (nt == 1 || n <= 2 * PQ_X8_NR)
-        for (int64_t r = 0; r < n; r++) pq_quantize_row(PQ_Q8_K, x + r * ldx, xq + r * xq_stride, k);
+        for (int64_t r = 0; r < n; r++) pq_quantize_row(vt, x + r * ldx, xq + r * xq_stride, k);
     else
         pq_pool_run(nt, n, pq_x8_quantize_item, &job);
     const int64_t nchunks = (n + PQ_ROW_CHUNK - 1) / PQ_ROW_CHUNK;

@@ -207,6 +207,7 @@ def mul_mat_q(const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:
 
 cdef extern from "ggml_x8.h" nogil:
     int pq_x8_block_bytes(int t)
+    int pq_x8_block_elems(int t)
     int pq_have_x8()
     int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int64_t k, uint8_t *out)
     int PQ_X8_MAX_PARTS
@@ -216,12 +217,13 @@ cdef extern from "ggml_x8.h" nogil:
 
 
 def x8_types() -> tuple:
-    """Weight types that repack_x8 lays out in groups of 8 rows (empty without the AVX2 kernels)."""
-    return (12, 14) if pq_have_x8() else ()
+    """Weight types that repack_x8 lays out in groups of 8 rows (empty without the AVX2 kernels):
+    Q4_0, Q8_0, Q4_K, Q6_K."""
+    return (2, 8, 12, 14) if pq_have_x8() else ()
 
 
 def repack_x8(const uint8_t[:, ::1] w, int qtype, Py_ssize_t k):
-    """w: m rows (m a multiple of 8) of k elements of `qtype` (Q4_K or Q6_K) -> the same weights
+    """w: m rows (m a multiple of 8) of k elements of `qtype` (one of x8_types()) -> the same weights
     in groups of 8 rows (ggml_x8.h), a 64-byte aligned uint8 [m // 8, packed bytes per group]
     for mul_mat_q_x8. ValueError for another type, a row count not a multiple of 8, or a build
     without the AVX2 kernels."""
@@ -234,7 +236,7 @@ def repack_x8(const uint8_t[:, ::1] w, int qtype, Py_ssize_t k):
         raise ValueError(f"repack_x8: weight rows have {w.shape[1]} bytes, a {_name(qtype)} row of {k} needs {rb}")
     if m % 8:
         raise ValueError(f"repack_x8: {m} rows is not a multiple of 8")
-    cdef int64_t gb = k // 256 * pq_x8_block_bytes(qtype)
+    cdef int64_t gb = k // pq_x8_block_elems(qtype) * pq_x8_block_bytes(qtype)
     raw = np.empty(m // 8 * gb + 64, dtype=np.uint8)
     start = (-raw.ctypes.data) % 64
     out = raw[start:start + m // 8 * gb].reshape(m // 8, gb)
@@ -264,8 +266,6 @@ def mul_mat_q_x8_parts(const float[:, ::1] x, list parts, list qtypes, float[:, 
     if nparts < 1 or nparts > PQ_X8_MAX_PARTS or len(qtypes) != nparts:
         raise ValueError(f"mul_mat_q_x8: 1..{PQ_X8_MAX_PARTS} parts with one type each, got {nparts} and {len(qtypes)}")
     cdef int64_t n = x.shape[0], k = x.shape[1], m = out.shape[1]
-    if k % 256:
-        raise ValueError(f"mul_mat_q_x8: a row of {k} elements is not a whole number of blocks of 256")
     cdef int types[8]
     cdef const uint8_t *wps[8]
     cdef int64_t ms[8]
@@ -277,8 +277,13 @@ def mul_mat_q_x8_parts(const float[:, ::1] x, list parts, list qtypes, float[:, 
         qt = qtypes[p]
         if qt not in x8_types():
             raise ValueError(f"mul_mat_q_x8: {_name(qt)} weights are not repacked in this build")
+        if k % pq_x8_block_elems(qt):
+            raise ValueError(f"mul_mat_q_x8: a row of {k} elements is not a whole number of {_name(qt)} blocks "
+                             f"of {pq_x8_block_elems(qt)}")
+        if vec_dot_type(qt) != vec_dot_type(qtypes[0]):
+            raise ValueError(f"mul_mat_q_x8: parts of {_name(qtypes[0])} and {_name(qt)} quantize x differently")
         wv = parts[p]
-        if wv.shape[0] == 0 or wv.shape[1] != k // 256 * pq_x8_block_bytes(qt):
+        if wv.shape[0] == 0 or wv.shape[1] != k // pq_x8_block_elems(qt) * pq_x8_block_bytes(qt):
             raise ValueError(f"mul_mat_q_x8: packed weight {wv.shape[0]}x{wv.shape[1]} does not hold rows of {k} "
                              f"{_name(qt)} elements")
         keep.append(wv)
@@ -314,7 +319,9 @@ def mul_mat_q_x8_parts(const float[:, ::1] x, list parts, list qtypes, float[:, 
         if bias is not None:
             np.asarray(out)[:] += np.asarray(bias)
         return
-    cdef int64_t xq_stride = k // 256 * 292
+    cdef pq_traits tx
+    pq_get_traits(vec_dot_type(qtypes[0]), &tx)
+    cdef int64_t xq_stride = k // tx.block * tx.bytes
     cdef int64_t ldo = out.strides[0] // 4 if n > 1 else m
     cdef int64_t ldx = x.strides[0] // 4 if n > 1 else k
     cdef uint8_t *xq = <uint8_t *>malloc(n * xq_stride + 64)

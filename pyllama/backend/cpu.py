@@ -8,12 +8,12 @@ BLAS. PYLLAMA_CPU_BLAS_ONLY=1 sends every F32 product to BLAS (for A/B runs). Pr
 every other type run on `_fast/qmatmul.pyx` with ggml's arithmetic (activations quantized to the
 weight type's dot-product type), and embedding rows of those types are dequantized when looked up.
 
-Q4_K and Q6_K weights with a multiple of 8 rows are also repacked in groups of 8 rows
-(`_fast/ggml_x8.h`), on the first graph that multiplies by them; the products then run on that
-copy (1.3-2.7x the file layout's kernels), and the file's pages of a weight read in place leave
-the resident set (the bytes stay in the file layout for row lookups and reads, which page them in
-again). A weight in an allocated buffer (an rpc server's) is then held twice. PYLLAMA_CPU_REPACK=0
-turns repacking off (for A/B runs, or an rpc server short of memory).
+Q4_0, Q8_0, Q4_K and Q6_K weights with a multiple of 8 rows are also repacked in groups of 8 rows
+(`_fast/ggml_x8.h`) once loaded (`prepare_weights`; an rpc server's on the first graph that
+multiplies by them); the products then run on that copy, and the file's pages of a weight read
+in place leave the resident set (the bytes stay in the file layout for row lookups and reads,
+which page them in again). A weight in an allocated buffer (an rpc server's) is then held twice.
+--no-repack (`repack = False`) or PYLLAMA_CPU_REPACK=0 turn repacking off.
 
 Every kernel releases the GIL (numpy's BLAS does, and the Cython kernels run `nogil`), so the
 decode threads of several contexts overlap for real. Work completes inside graph_compute, so
@@ -382,7 +382,8 @@ def _bind_mul_mat_cat(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequen
                       packed: Sequence[Optional[np.ndarray]] = ()) -> Callable[[], None]:
     """MUL_MAT_CAT: each weight part's product written into its columns of `out`, in one step.
     When every part is repacked, x is quantized once for all of them."""
-    if parts and len(packed) == len(parts) and all(p is not None for p in packed):
+    if (parts and len(packed) == len(parts) and all(p is not None for p in packed)
+            and len({qmatmul.vec_dot_type(int(d)) for d in dtypes}) == 1):
         return _bind_mul_mat_cat_x8(x, parts, dtypes, out, bias, nt, packed)  # type: ignore[arg-type]
     steps, col = [], 0
     for i, (w, dtype) in enumerate(zip(parts, dtypes)):

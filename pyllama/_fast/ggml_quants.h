@@ -960,22 +960,25 @@ PQ_INLINE void pq_avx2_q3_K(int NR, int64_t nb, const uint8_t *w, const uint8_t 
 }
 
 /* F16 / BF16 / F32 weights with activations of the same type: products exact in float32 for
- * the 16-bit types, FMA accumulation in 8 lanes. */
+ * the 16-bit types, FMA accumulation in 8 lanes. The activations may also come widened to F32
+ * (xt = PQ_F32: the same values, rounded to the weight's type once and stored as floats), which
+ * spares converting each activation row again for every weight row; the sums are identical. */
 PQ_INLINE __m256 pq_ld8(int t, const uint8_t *p) {
     if (t == PQ_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     if (t == PQ_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
     return _mm256_loadu_ps((const float *)p);
 }
-PQ_INLINE void pq_avx2_float(int t, int NR, int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
-    const int es = t == PQ_F32 ? 4 : 2;
+PQ_INLINE void pq_avx2_float(int t, int xt, int NR, int64_t n, const uint8_t *w, const uint8_t *x, size_t xs,
+                             float *out) {
+    const int es = t == PQ_F32 ? 4 : 2, xes = xt == PQ_F32 ? 4 : 2;
     __m256 acc[PQ_MAX_NR][2];
     for (int r = 0; r < NR; r++) { acc[r][0] = _mm256_setzero_ps(); acc[r][1] = _mm256_setzero_ps(); }
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         const __m256 w0 = pq_ld8(t, w + es * i), w1 = pq_ld8(t, w + es * (i + 8));
         for (int r = 0; r < NR; r++) {
-            acc[r][0] = _mm256_fmadd_ps(w0, pq_ld8(t, x + r * xs + es * i), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w1, pq_ld8(t, x + r * xs + es * (i + 8)), acc[r][1]);
+            acc[r][0] = _mm256_fmadd_ps(w0, pq_ld8(xt, x + r * xs + xes * i), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, pq_ld8(xt, x + r * xs + xes * (i + 8)), acc[r][1]);
         }
     }
     for (int r = 0; r < NR; r++) {
@@ -983,8 +986,11 @@ PQ_INLINE void pq_avx2_float(int t, int NR, int64_t n, const uint8_t *w, const u
         const uint8_t *y = x + r * xs;
         for (int64_t j = i; j < n; j++) {
             float a, b;
-            if (t == PQ_F16) { a = pq_ld_f16(w + 2 * j); b = pq_ld_f16(y + 2 * j); }
-            else if (t == PQ_BF16) { uint16_t u, v; memcpy(&u, w + 2 * j, 2); memcpy(&v, y + 2 * j, 2); a = pq_bf16_to_f32(u); b = pq_bf16_to_f32(v); }
+            if (t == PQ_F16) { a = pq_ld_f16(w + 2 * j); b = xt == PQ_F32 ? pq_ld_f32(y + 4 * j) : pq_ld_f16(y + 2 * j); }
+            else if (t == PQ_BF16) {
+                uint16_t u, v; memcpy(&u, w + 2 * j, 2); a = pq_bf16_to_f32(u);
+                if (xt == PQ_F32) b = pq_ld_f32(y + 4 * j); else { memcpy(&v, y + 2 * j, 2); b = pq_bf16_to_f32(v); }
+            }
             else { a = pq_ld_f32(w + 4 * j); b = pq_ld_f32(y + 4 * j); }
             s += a * b;
         }
@@ -1018,9 +1024,17 @@ PQ_DEF4(pq_k_q3_K, pq_avx2_q3_K(NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_q4_K, pq_avx2_q45_K(0, NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_q5_K, pq_avx2_q45_K(1, NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_q6_K, pq_avx2_q6_K(NR, n / PQ_QK_K, w, x, xs, out))
-PQ_DEF4(pq_k_f16, pq_avx2_float(PQ_F16, NR, n, w, x, xs, out))
-PQ_DEF4(pq_k_bf16, pq_avx2_float(PQ_BF16, NR, n, w, x, xs, out))
-PQ_DEF4(pq_k_f32, pq_avx2_float(PQ_F32, NR, n, w, x, xs, out))
+PQ_DEF4(pq_k_f16, pq_avx2_float(PQ_F16, PQ_F16, NR, n, w, x, xs, out))
+PQ_DEF4(pq_k_bf16, pq_avx2_float(PQ_BF16, PQ_BF16, NR, n, w, x, xs, out))
+PQ_DEF4(pq_k_f32, pq_avx2_float(PQ_F32, PQ_F32, NR, n, w, x, xs, out))
+PQ_DEF4(pq_k_f16w, pq_avx2_float(PQ_F16, PQ_F32, NR, n, w, x, xs, out))
+PQ_DEF4(pq_k_bf16w, pq_avx2_float(PQ_BF16, PQ_F32, NR, n, w, x, xs, out))
+
+/* The kernel for F16 / BF16 weights against activations widened to F32 (pq_widen_row). */
+PQ_API pq_dot_fn pq_avx2_kernel_wide(int t, int nr) {
+    static const pq_dot_fn f16[PQ_MAX_NR] = PQ_TAB(pq_k_f16w), bf16[PQ_MAX_NR] = PQ_TAB(pq_k_bf16w);
+    return t == PQ_F16 ? f16[nr - 1] : bf16[nr - 1];
+}
 
 /* The AVX2 kernel for type t and nr rows, NULL when none. */
 PQ_API pq_dot_fn pq_avx2_kernel(int t, int nr) {
@@ -1222,12 +1236,24 @@ typedef struct {
     const uint8_t *w; int64_t m, wstride;
     float *out; int64_t ldo; const float *bias;
     uint8_t *xq; int64_t xq_stride, tile, ntiles;
-    int portable;
+    int portable, wide;
 } pq_mm_job;
+
+/* An activation row rounded to F16 / BF16 (as pq_quantize_row does) and stored back as floats. */
+static inline void pq_widen_row(int t, const float *x, float *y, int64_t k) {
+    int64_t i = 0;
+#if PQ_HAVE_AVX2
+    if (t == PQ_F16)
+        for (; i + 8 <= k; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
+#endif
+    for (; i < k; i++) y[i] = t == PQ_F16 ? pq_f16_to_f32(pq_f32_to_f16(x[i])) : pq_bf16_to_f32(pq_f32_to_bf16(x[i]));
+}
 
 static void pq_mm_quantize_item(void *ctx, int64_t r) {
     const pq_mm_job *j = (const pq_mm_job *)ctx;
-    pq_quantize_row(j->vt, j->x + r * j->ldx, j->xq + r * j->xq_stride, j->k);
+    if (j->wide) pq_widen_row(j->t, j->x + r * j->ldx, (float *)(j->xq + r * j->xq_stride), j->k);
+    else pq_quantize_row(j->vt, j->x + r * j->ldx, j->xq + r * j->xq_stride, j->k);
 }
 
 static void pq_mm_tile_item(void *ctx, int64_t item) {
@@ -1241,7 +1267,7 @@ static void pq_mm_tile_item(void *ctx, int64_t item) {
         const int nr = (int)(c1 - r0 < PQ_MAX_NR ? c1 - r0 : PQ_MAX_NR);
 #if PQ_HAVE_AVX2
         /* looked up once per group of rows: a short row (k = 768) is only a few blocks */
-        const pq_dot_fn fn = jb->portable ? NULL : pq_avx2_kernel(jb->t, nr);
+        const pq_dot_fn fn = jb->portable ? NULL : jb->wide ? pq_avx2_kernel_wide(jb->t, nr) : pq_avx2_kernel(jb->t, nr);
 #endif
         for (int64_t j = jt; j < je; j++) {
             float s[PQ_MAX_NR];
@@ -1261,7 +1287,8 @@ static void pq_mm_tile_item(void *ctx, int64_t item) {
  * out[r, j] = x[r, :] . dequant(w[j, :]) (+ bias[j]) for r < n, j < m, with ggml's arithmetic.
  * x: n rows of k floats at stride ldx; w: m rows of wstride bytes; out rows at stride ldo.
  * xq: scratch of n * xq_stride bytes for the quantized activations (xq_stride = the vec type's
- * row bytes). The activation rows are quantized once; then tiles of weight rows (about 16 KiB,
+ * row bytes; for F16 / BF16 weights 4 * k, as the AVX2 path keeps their activations widened to
+ * floats). The activation rows are quantized once; then tiles of weight rows (about 16 KiB,
  * kept in L1/L2) go to the threads, and each weight row of a tile is dotted with groups of up
  * to PQ_MAX_NR activation rows while its unpacked blocks are in registers. */
 PQ_API void pq_mul_mat(int t, const float *x, int64_t n, int64_t k, int64_t ldx,
@@ -1280,10 +1307,11 @@ PQ_API void pq_mul_mat(int t, const float *x, int64_t n, int64_t k, int64_t ldx,
     int64_t tile = 16384 / (wstride > 0 ? wstride : 1);
     if (tile < 1) tile = 1;
     /* Small batches are quantized by the calling thread; larger ones are items of a first job. */
+    const int wide = PQ_HAVE_AVX2 && !portable && (t == PQ_F16 || t == PQ_BF16) && xq_stride >= 4 * k;
     pq_mm_job job = {t, vt, x, n, k, ldx, w, m, wstride, out, ldo, bias, xq, xq_stride, tile,
-                     (m + tile - 1) / tile, portable};
+                     (m + tile - 1) / tile, portable, wide};
     if (nt == 1 || n <= 2 * PQ_MAX_NR)
-        for (int64_t r = 0; r < n; r++) pq_quantize_row(vt, x + r * ldx, xq + r * xq_stride, k);
+        for (int64_t r = 0; r < n; r++) pq_mm_quantize_item(&job, r);
     else
         pq_pool_run(nt, n, pq_mm_quantize_item, &job);
     /* Work items: (chunk of activation rows) x (tile of weight rows), claimed one at a time so

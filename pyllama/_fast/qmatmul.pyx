@@ -180,6 +180,8 @@ def mul_mat_q(const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:
     cdef pq_traits tx = tr
     pq_get_traits(tr.vec_type, &tx)
     cdef int64_t xq_stride = k // tx.block * tx.bytes
+    if qtype in (1, 30):  # F16 / BF16: room for the activations widened to floats (ggml_quants.h)
+        xq_stride = 4 * k
     cdef const float[::1] bv
     cdef const float *bp = NULL
     if bias is not None:

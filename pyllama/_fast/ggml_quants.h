@@ -1303,8 +1303,12 @@ PQ_API void pq_mul_mat(int t, const float *x, int64_t n, int64_t k, int64_t ldx,
     /* Handing items to a helper costs about a microsecond (a futex wake when it sleeps): below
      * ~10 us of single-thread work one thread does it all. */
     if (m * wstride * ((n + PQ_MAX_NR - 1) / PQ_MAX_NR) < 65536) nt = 1;
-    /* weight rows per tile: about 16 KiB of weights, reused by every group of activation rows */
-    int64_t tile = 16384 / (wstride > 0 ? wstride : 1);
+    /* weight rows per tile: long runs for the prefetchers, yet several items per thread (as in
+     * ggml_x8.h; a tile is reused from L2 by every group of activation rows) */
+    int64_t tile_bytes = m * wstride / ((int64_t)nt * 4);
+    const int64_t tile_max = n <= PQ_MAX_NR ? 262144 : 131072;
+    tile_bytes = tile_bytes > tile_max ? tile_max : tile_bytes < 16384 ? 16384 : tile_bytes;
+    int64_t tile = tile_bytes / (wstride > 0 ? wstride : 1);
     if (tile < 1) tile = 1;
     /* Small batches are quantized by the calling thread; larger ones are items of a first job. */
     const int wide = PQ_HAVE_AVX2 && !portable && (t == PQ_F16 || t == PQ_BF16) && xq_stride >= 4 * k;

@@ -162,3 +162,33 @@ def test_cpu_backend_repacks_and_forgets_on_write():
     assert be._packed[id(buf)]
     be.free_buffer(buf)
     assert not be._packed.get(id(buf))
+
+
+def test_an_allocated_weight_is_not_repacked_when_memory_is_short(monkeypatch, caplog):
+    """An uploaded (allocated) weight's copy is extra memory: with too little free the backend
+    keeps the file layout, logs it once, and computes the same product."""
+    from pyllama.backend import cpu as cpu_mod
+    from pyllama.tensor import DType, Graph, Op, Tensor, node
+
+    rng = np.random.default_rng(9)
+    m, k, n = 16, 256, 2
+    w = ref.random_weights(T.Q6_K, m, k, rng)
+    x = activations(n, k, rng)
+    outs = []
+    for free in (1 << 40, 1 << 20):
+        monkeypatch.setattr(cpu_mod, "_available_memory", lambda free=free: free)
+        be = cpu_mod.CPUBackend(n_threads=1)
+        buf = be.alloc_buffer(w.nbytes + 4 * (n * k + n * m))
+        wt = Tensor(DType.Q6_K, (m, k), "w", buf, 0)
+        xt = Tensor(DType.F32, (n, k), "x", buf, w.nbytes)
+        ot = Tensor(DType.F32, (n, m), "out", buf, w.nbytes + 4 * n * k)
+        be.set_tensor(wt, w)
+        be.set_tensor(xt, x)
+        with caplog.at_level("WARNING"):
+            be.graph_compute(Graph([node(Op.MUL_MAT, ot, xt, wt)]))
+            be.graph_compute(Graph([node(Op.MUL_MAT, ot, xt, wt)]))
+        assert bool(be._packed.get(id(buf))) == (free > 1 << 30)
+        outs.append(be.get_tensor(ot))
+    assert sum("not enough free memory to repack" in r.getMessage() for r in caplog.records) == 1
+    bound = np.abs(outs[0]).max() * 1e-5
+    assert np.allclose(outs[0], outs[1], rtol=0, atol=bound)

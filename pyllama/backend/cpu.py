@@ -45,6 +45,7 @@ _PLAN_CACHE = 256
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _BLAS_ONLY = os.environ.get("PYLLAMA_CPU_BLAS_ONLY", "") not in ("", "0")
 _REPACK = os.environ.get("PYLLAMA_CPU_REPACK", "1") not in ("", "0")
+_REPACK_RESERVE = 512 << 20  # free memory an extra repacked copy must leave (or a tenth of the total)
 _X8_TYPES = frozenset(DType(t) for t in qmatmul.x8_types())
 
 
@@ -112,6 +113,7 @@ class CPUBackend(Backend):
         # weights repacked in groups of 8 rows: id(buffer) -> {(offset, nbytes): packed array}
         self._packed: dict[int, dict[tuple[int, int], np.ndarray]] = {}
         self.repack = _REPACK
+        self._repack_short = False  # a weight went unrepacked for want of memory (logged once)
 
     # --- buffers -------------------------------------------------------------------------------
     def alloc_buffer(self, size: int, usage: str = "compute") -> Buffer:
@@ -155,11 +157,27 @@ class CPUBackend(Backend):
         key = (t.offset, t.nbytes)
         packed = per_buf.get(key)
         if packed is None:
+            if not t.buffer.mapped and not self._room_for(t):  # type: ignore[union-attr]
+                return None
             packed = qmatmul.repack_x8(self.view(t), int(t.dtype), t.shape[1])
             per_buf[key] = packed
             if t.buffer.mapped:  # type: ignore[union-attr]
                 _release_pages(self.bytes_of(t))
         return packed
+
+    def _room_for(self, t: Tensor) -> bool:
+        """Whether a second copy of allocated weight `t` fits (an rpc server's upload stays where it
+        is, so its repacked copy is extra memory): not when it would leave less than a tenth of the
+        machine's memory (at least 512 MiB) free; the weight then runs on the file layout, logged
+        once. A server that holds a model too large for one machine stays within its memory."""
+        if _available_memory() - t.nbytes >= max(_REPACK_RESERVE, _total_memory() // 10):
+            return True
+        if not self._repack_short:
+            self._repack_short = True
+            logging.getLogger(__name__).warning(
+                "%s: not enough free memory to repack %s and later weights into groups of 8 rows (%.0f MiB "
+                "free); they run on the file's layout", self.name, t.name, _available_memory() / 2**20)
+        return False
 
     def _forget_packed(self, buffer: Buffer, start: int, end: int) -> None:
         """Bytes [start, end) of `buffer` change: repacked copies of weights there are stale, and

@@ -69,6 +69,9 @@ class KVCache:
             raise ValueError(f"sequence ids must lie in [0, {self.n_seq_max})")
         if pos.min() < 0:
             raise ValueError("positions must be non-negative")
+        cells = self._prepare_decode(seq_ids, pos)
+        if cells is not None:
+            return cells
         B = self.block_size
         plan: list[tuple[int, int, int]] = []  # (seq, new length, blocks to add)
         need_total = 0
@@ -100,6 +103,28 @@ class KVCache:
                 self._cells[s, len(table) * B:(len(table) + 1) * B] = block * B + self._arange
                 table.append(block)
             self.lengths[s] = length
+        return self._cells[seq_ids, pos]
+
+    def _prepare_decode(self, seq_ids: np.ndarray, pos: np.ndarray) -> "np.ndarray | None":
+        """prepare() for the common decode step, vectorized: every sequence once, each token the
+        next position of its sequence. None when the batch is anything else, or would fail (the
+        general path then decides, and says why)."""
+        if len(seq_ids) < 2 or not np.array_equal(pos, self.lengths[seq_ids]):
+            return None
+        if np.bincount(seq_ids, minlength=self.n_seq_max).max() != 1 or int(pos.max()) >= self.seq_cap:
+            return None
+        B = self.block_size
+        at_edge = pos % B == 0  # only a token starting a block may need one
+        grow = [s for s, p in zip(seq_ids[at_edge].tolist(), pos[at_edge].tolist()) if p // B >= len(self._tables[s])]
+        if len(grow) > len(self._free):
+            return None
+        for s in grow:
+            table = self._tables[s]
+            block = self._free.pop()
+            self._refs[block] = 1
+            self._cells[s, len(table) * B:(len(table) + 1) * B] = block * B + self._arange
+            table.append(block)
+        self.lengths[seq_ids] = pos + 1
         return self._cells[seq_ids, pos]
 
     def attention_lists(self, seq_ids: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -90,3 +90,35 @@ def test_shared_prefix_blocks_are_counted_once_and_never_rewritten():
     assert kv.used_cells == 16  # the block still referenced by sequence 1 stays
     kv.seq_rm(1)
     assert kv.used_cells == 0
+
+
+def test_decode_steps_take_the_same_cells_as_the_general_path():
+    """A decode step (each sequence once, at its next position) has a vectorized path; it must
+    leave the cache exactly as the general path does, across block edges, shared prefixes,
+    removals and a full pool."""
+    rng = np.random.default_rng(4)
+    for unified in (False, True):
+        fast, slow = KVCache(512, 8, unified, block_size=4), KVCache(512, 8, unified, block_size=4)
+        slow._prepare_decode = lambda *a: None  # the general path only
+        for c in (fast, slow):
+            c.prepare(np.zeros(6, np.int32), np.arange(6))
+            c.seq_share(0, 1, 6)
+        for step in range(60):
+            seqs = np.sort(rng.choice(8, size=int(rng.integers(2, 8)), replace=False)).astype(np.int32)
+            if step % 17 == 5:
+                for c in (fast, slow):
+                    c.seq_rm(int(seqs[0]), int(c.lengths[seqs[0]]) // 2)
+            pos = fast.lengths[seqs].copy()
+            assert np.array_equal(fast.prepare(seqs, pos), slow.prepare(seqs, pos))
+            assert np.array_equal(fast.lengths, slow.lengths) and fast._tables == slow._tables
+            assert np.array_equal(fast._refs, slow._refs) and fast._free == slow._free
+            for s in seqs.tolist():
+                assert np.array_equal(fast.attention_lists(np.array([s]), np.array([fast.lengths[s] - 1]))[0],
+                                      slow.attention_lists(np.array([s]), np.array([slow.lengths[s] - 1]))[0])
+    small = KVCache(16, 2, True, block_size=4)
+    small.prepare(np.array([0, 0, 0, 0]), np.arange(4))
+    small.prepare(np.array([1, 1, 1, 1]), np.arange(4))
+    small.prepare(np.array([0, 1]), np.array([4, 4]))
+    small.prepare(np.array([0, 1] * 3), np.array([5, 5, 6, 6, 7, 7]))
+    with pytest.raises(ContextLimitError, match="full"):  # both need a block, none is free
+        small.prepare(np.array([0, 1]), np.array([8, 8]))

@@ -104,15 +104,19 @@ def test_stress_two_groups(tiny_model):
         for t in threads:
             t.join(120)
         assert not any(t.is_alive() for t in threads), "a request hung"
+        # a slot goes idle on its decode thread, the router's count on the task thread a moment
+        # later: both must settle, within a deadline
         deadline = time.monotonic() + 10
         while True:
             _, slots = srv.request("GET", "/slots")
-            if not any(s["is_processing"] for s in slots) or time.monotonic() > deadline:
+            _, text = srv.request("GET", "/metrics")
+            metrics = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+            settled = (not any(s["is_processing"] for s in slots)
+                       and float(metrics["llamacpp:requests_processing"]) == 0)
+            if settled or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         assert not any(s["is_processing"] for s in slots), slots  # no slot leaked
-        _, text = srv.request("GET", "/metrics")
-        metrics = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
         assert float(metrics["llamacpp:requests_processing"]) == 0
         assert float(metrics["llamacpp:requests_deferred"]) == 0
     finally:

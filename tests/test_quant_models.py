@@ -55,7 +55,7 @@ def test_greedy_tokens_match_the_reference(model_factory, preset, wtype):
               and t.shape[0] % 8 == 0]
         if preset in ("tiny", "tiny256"):
             assert x8 and all(cpu._packed_weight(t) is not None for t in x8)
-            assert sum(len(v) for v in cpu._packed.values()) == len({(id(t.buffer), t.offset) for t in x8})
+            assert cpu.packed_weights() == len({(id(t.buffer), t.offset) for t in x8})
     finally:
         engine.close()
     ref = reference_logits(path, prompt + tokens)[len(prompt) - 1:-1]  # the logits each token came from
@@ -255,7 +255,7 @@ def test_no_repack_keeps_the_file_layout_and_fuses(model_factory):
         engine = Engine(path, n_threads=1, repack=repack)
         try:
             cpu = engine.backends[0]
-            assert bool(cpu._packed) == repack and cpu.repack == repack
+            assert bool(cpu.packed_weights()) == repack and cpu.repack == repack
             gate_up = [w for name, w in engine.weights.tensors.items() if "ffn_gate_up" in name or "gate_up" in name]
             assert gate_up, sorted(engine.weights.tensors)[:20]
             assert isinstance(gate_up[0], tuple) == repack

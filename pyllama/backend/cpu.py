@@ -110,8 +110,9 @@ class CPUBackend(Backend):
         self._plans: "OrderedDict[int, list[Callable[[], None]]]" = OrderedDict()
         self._plans_lock = threading.Lock()
         self.allocated = 0
-        # weights repacked in groups of 8 rows: id(buffer) -> {(offset, nbytes): packed array}
-        self._packed: dict[int, dict[tuple[int, int], np.ndarray]] = {}
+        # weights repacked in groups of 8 rows: id(buffer) -> (the buffer, {(offset, nbytes): packed
+        # array}); the buffer is kept so that its id cannot be reused by another while listed
+        self._packed: dict[int, tuple[Buffer, dict[tuple[int, int], np.ndarray]]] = {}
         self.repack = _REPACK
         self._repack_short = False  # a weight went unrepacked for want of memory (logged once)
 
@@ -130,6 +131,7 @@ class CPUBackend(Backend):
 
     def free_buffer(self, buffer: Buffer) -> None:
         self._forget_packed(buffer, 0, buffer.size)
+        self._packed.pop(id(buffer), None)
         if not buffer.mapped:  # type: ignore[attr-defined]
             self.allocated -= buffer.size
         buffer.data = np.zeros(0, dtype=np.uint8)  # type: ignore[attr-defined]
@@ -153,7 +155,7 @@ class CPUBackend(Backend):
         its type or row count has no repacked kernel."""
         if not self.repack or t.dtype not in _X8_TYPES or len(t.shape) != 2 or t.shape[0] % 8:
             return None
-        per_buf = self._packed.setdefault(id(t.buffer), {})
+        per_buf = self._packed.setdefault(id(t.buffer), (t.buffer, {}))[1]  # type: ignore[arg-type]
         key = (t.offset, t.nbytes)
         packed = per_buf.get(key)
         if packed is None:
@@ -182,16 +184,22 @@ class CPUBackend(Backend):
     def _forget_packed(self, buffer: Buffer, start: int, end: int) -> None:
         """Bytes [start, end) of `buffer` change: repacked copies of weights there are stale, and
         so are the plans bound to them."""
-        per_buf = self._packed.get(id(buffer))
-        if not per_buf:
+        entry = self._packed.get(id(buffer))
+        if not entry or not entry[1]:
             return
-        stale = [key for key in per_buf if key[0] < end and start < key[0] + key[1]]
+        per_buf = entry[1]
+        stale = [key for key in list(per_buf) if key[0] < end and start < key[0] + key[1]]  # a snapshot: a compute may add one
         if not stale:
             return
         for key in stale:
-            del per_buf[key]
+            per_buf.pop(key, None)
         with self._plans_lock:
             self._plans.clear()
+
+    def packed_weights(self, buffer: Optional[Buffer] = None) -> int:
+        """How many weights (of `buffer`, or of every buffer) have a repacked copy."""
+        entries = [self._packed.get(id(buffer))] if buffer is not None else list(self._packed.values())
+        return sum(len(e[1]) for e in entries if e)
 
     # --- data ------------------------------------------------------------------------------------
     @staticmethod

@@ -54,7 +54,7 @@ def build_parser() -> Parser:
     p.add_argument("--mmap", "--no-mmap", dest="mmap", action=Toggle, negatives=("--no-mmap",), default=True,
                    help="use CPU weights in place in the file's memory map; --no-mmap copies them into memory")
     p.add_argument("--repack", "--no-repack", "-nr", dest="repack", action=Toggle, negatives=("--no-repack", "-nr"),
-                   default=True, help="lay the CPU's Q4_0, Q8_0, Q4_K and Q6_K weights out in groups of 8 rows (faster products)")
+                   default=True, help="lay the CPU's Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights out in groups of 8 rows (faster products)")
     p.add_argument("--override-kv", dest="override_kv", action="extend", type=kv_override_arg, default=[],
                    metavar="KEY=TYPE:VALUE,...",
                    help="override model metadata (types int, float, bool, str; comma-separated or repeated)")

@@ -1,4 +1,4 @@
-"""Q4_0, Q8_0, Q4_K and Q6_K weights repacked in groups of 8 rows (ggml_x8.h) against the float64
+"""Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights repacked in groups of 8 rows (ggml_x8.h) against the float64
 reference.
 
 The repacked kernels must give ggml's products within the same bound as the file-layout kernels
@@ -16,7 +16,7 @@ from test_qmatmul import activations
 qmatmul = pytest.importorskip("pyllama._fast.qmatmul", reason="Cython extensions not built (python setup.py build_ext --inplace)")
 pytestmark = pytest.mark.skipif(not qmatmul.x8_types(), reason="this build has no AVX2 kernels (repacking needs them)")
 
-X8 = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K)
+X8 = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
@@ -45,16 +45,16 @@ def test_matches_reference(qtype, n, m, k):
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
 def test_packed_bytes_are_a_permutation_but_q4_k_holds_every_scale(qtype):
-    """Q4_0, Q8_0 and Q6_K keep the file's size (its bytes rearranged); Q4_K stores its 6-bit
-    scales and mins unpacked (160 bytes of header instead of 8 x 16)."""
+    """Q4_0, Q8_0 and Q6_K keep the file's size (its bytes rearranged); Q4_K and Q5_K store their
+    6-bit scales and mins unpacked (160 bytes of header instead of 8 x 16)."""
     rng = np.random.default_rng(5)
     w = ref.random_weights(qtype, 16, 512, rng)
     wp = qmatmul.repack_x8(w, int(qtype), 512)
-    if qtype != T.Q4_K:
+    if qtype not in (T.Q4_K, T.Q5_K):
         assert wp.size == w.size
         assert np.array_equal(np.sort(wp.reshape(-1)), np.sort(w.reshape(-1)))
     else:
-        assert wp.size == 2 * 2 * 1184
+        assert wp.size == 2 * 2 * (1184 if qtype == T.Q4_K else 1440)
 
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
@@ -114,7 +114,7 @@ def test_bad_input_raises_value_error():
     with pytest.raises(ValueError, match="not a multiple of 8"):
         qmatmul.repack_x8(w[:12], int(T.Q4_K), 256)
     with pytest.raises(ValueError, match="not repacked"):
-        qmatmul.repack_x8(ref.random_weights(T.Q5_K, 8, 256, rng), int(T.Q5_K), 256)
+        qmatmul.repack_x8(ref.random_weights(T.Q2_K, 8, 256, rng), int(T.Q2_K), 256)
     with pytest.raises(ValueError, match="bytes"):
         qmatmul.repack_x8(w, int(T.Q4_K), 512)
     wp = qmatmul.repack_x8(w, int(T.Q4_K), 256)

@@ -32,7 +32,7 @@ PROMPT = "The little cat sat on the"
 # (preset, --type): the K-quants need rows of 256; the small preset's 288-wide rows fall back to
 # other types as llama.cpp's quantizer does (so those files mix types, like the _M mixes)
 MODELS = [("tiny", "q8_0"), ("tiny", "q4_0"), ("small", "q4_k"), ("small", "q6_k"), ("small", "q4_k_m"),
-          ("small", "q5_k_m"), ("tiny256", "q4_k_m"), ("tiny256", "q6_k")]
+          ("small", "q5_k_m"), ("tiny256", "q4_k_m"), ("tiny256", "q5_k_m"), ("tiny256", "q6_k")]
 
 
 @pytest.mark.parametrize("preset,wtype", MODELS)
@@ -51,7 +51,7 @@ def test_greedy_tokens_match_the_reference(model_factory, preset, wtype):
         # every Q4_0 / Q8_0 / Q4_K / Q6_K matrix (rows in 8s) ran on its copy in groups of 8 rows
         cpu = engine.backends[0]
         x8 = [t for w in engine.weights.tensors.values() for t in (w if isinstance(w, tuple) else (w,))
-              if t.dtype in (DType.Q4_0, DType.Q8_0, DType.Q4_K, DType.Q6_K) and len(t.shape) == 2
+              if t.dtype in (DType.Q4_0, DType.Q8_0, DType.Q4_K, DType.Q5_K, DType.Q6_K) and len(t.shape) == 2
               and t.shape[0] % 8 == 0]
         if preset in ("tiny", "tiny256"):
             assert x8 and all(cpu._packed_weight(t) is not None for t in x8)

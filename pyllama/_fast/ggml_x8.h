@@ -1,4 +1,5 @@
-/* Q4_0, Q8_0, Q4_K and Q6_K weights repacked in groups of 8 rows, for the AVX2 / AVX-512 products.
+/* Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights repacked in groups of 8 rows, for the AVX2 / AVX-512
+ * products.
  *
  * In the file's layout each weight row is dotted with an activation row on its own: the kernel
  * unpacks a block, multiplies 32 bytes at a time and reduces the 8 int32 lanes to one sum at the
@@ -25,6 +26,7 @@
  *   Q8_0 (272 bytes): d f16[8] | qs[8 quads][8 rows][4 bytes]
  *   Q4_K (1184 bytes): d f16[8] | dmin f16[8] | scale u8[8 sub-blocks][8 rows]
  *                      | min u8[8][8] | qs[4 runs of 64][8 quads][8 rows][4 bytes]
+ *   Q5_K (1440 bytes): Q4_K's layout | qh[8 quads][8 rows][4 bytes] (bit j: sub-block j's 5th bit)
  *   Q6_K (1680 bytes, the file's size): d f16[8] | scale i8[16][8]
  *                      | 2 halves x (ql[0..31] [8 quads][8 rows][4] | ql[32..63] likewise | qh likewise)
  * where a quad is 4 consecutive bytes of the row's block at the same offset.
@@ -43,6 +45,7 @@ static inline int pq_x8_block_bytes(int t) {
     case PQ_Q4_0: return 144;
     case PQ_Q8_0: return 272;
     case PQ_Q4_K: return PQ_X8_Q4_K_BYTES;
+    case PQ_Q5_K: return PQ_X8_Q4_K_BYTES + 256;
     case PQ_Q6_K: return PQ_X8_Q6_K_BYTES;
     default: return 0;
     }
@@ -74,13 +77,14 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
             if (t == PQ_Q4_0 || t == PQ_Q8_0) {
                 for (int l = 0; l < 8; l++) memcpy(o + 2 * l, src[l], 2);
                 pq_x8_quads(o + 16, src, 2, t == PQ_Q4_0 ? 4 : 8);
-            } else if (t == PQ_Q4_K) {
+            } else if (t == PQ_Q4_K || t == PQ_Q5_K) {
                 for (int l = 0; l < 8; l++) {
                     memcpy(o + 2 * l, src[l], 2);
                     memcpy(o + 16 + 2 * l, src[l] + 2, 2);
                     for (int j = 0; j < 8; j++) pq_k4_scale_min(j, src[l] + 4, o + 32 + 8 * j + l, o + 96 + 8 * j + l);
                 }
-                pq_x8_quads(o + 160, src, 16, 32);
+                pq_x8_quads(o + 160, src, t == PQ_Q5_K ? 48 : 16, 32);
+                if (t == PQ_Q5_K) pq_x8_quads(o + PQ_X8_Q4_K_BYTES, src, 16, 8);   /* qh */
             } else {
                 for (int l = 0; l < 8; l++) {
                     memcpy(o + 2 * l, src[l] + 208, 2);
@@ -122,9 +126,14 @@ PQ_INLINE __m256i pq_x8_bcast(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); r
  * elements) packed block, one row per lane. */
 PQ_INLINE __m256i pq_x8_quad(int t, const uint8_t *blk, int s, int i) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    if (t == PQ_Q4_K) {
+    if (t == PQ_Q4_K || t == PQ_Q5_K) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 160 + 256 * (s / 2) + 32 * i));
-        return _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, m4);
+        const __m256i lo = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, m4);
+        if (t == PQ_Q4_K) return lo;
+        /* Q5_K: bit s of the quad's qh bytes (the same 4 bytes for every sub-block) is bit 4 */
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + PQ_X8_Q4_K_BYTES + 32 * i));
+        const __m256i hs = s < 4 ? _mm256_slli_epi16(h, 4 - s) : s > 4 ? _mm256_srli_epi16(h, s - 4) : h;
+        return _mm256_or_si256(lo, _mm256_and_si256(hs, _mm256_set1_epi8(0x10)));
     }
     /* Q6_K: element 16 s + 4 i' is quad (s % 2) * 4 + i' of value qi = (s % 8) / 2 of half s / 8 */
     const uint8_t *hb = blk + 144 + 768 * (s / 8);
@@ -143,12 +152,13 @@ PQ_INLINE __m256i pq_x8_quad(int t, const uint8_t *blk, int s, int i) {
 PQ_INLINE void pq_x8_kernel(int t, int NR, int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs,
                             float *out, int64_t ldo, const float *bias) {
     const int pb = pq_x8_block_bytes(t);
-    const int ngroups = t == PQ_Q4_K ? 8 : 16, nquads = t == PQ_Q4_K ? 8 : 4, gsize = 4 * nquads;
+    const int k4 = t == PQ_Q4_K || t == PQ_Q5_K;   /* 6-bit scales and mins per 32 elements */
+    const int ngroups = k4 ? 8 : 16, nquads = k4 ? 8 : 4, gsize = 4 * nquads;
     __m256 facc[PQ_X8_NR];
     for (int r = 0; r < NR; r++) facc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * pb;
-        const uint8_t *sc = blk + (t == PQ_Q4_K ? 32 : 16);
+        const uint8_t *sc = blk + (k4 ? 32 : 16);
         __m256i isum[PQ_X8_NR];
         for (int r = 0; r < NR; r++) isum[r] = _mm256_setzero_si256();
         /* unrolled: each group's unpacking is then straight-line code (its shifts are constants) */
@@ -163,25 +173,25 @@ PQ_INLINE void pq_x8_kernel(int t, int NR, int64_t nb, const uint8_t *wg, const 
                     acc[r] = pq_x8_dp(acc[r], q, pq_x8_bcast(x + r * xs + 292 * b + 4 + gsize * s + 4 * i));
             }
             const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
-            const __m256i s32 = t == PQ_Q4_K ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
+            const __m256i s32 = k4 ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
             for (int r = 0; r < NR; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(acc[r], s32));
         }
         /* Q4_K: sum over sub-blocks j of min_j * (bsum[2j] + bsum[2j+1]); Q6_K: sum over the 16
          * groups of scale * bsum (the -32 offset's weight). Pairs of int16 per lane, one madd. */
         __m256i pairs[8];
         for (int p = 0; p < 8; p++) {
-            const __m128i a = _mm_loadl_epi64((const __m128i *)(blk + (t == PQ_Q4_K ? 96 + 8 * p : 16 + 16 * p)));
-            const __m128i c = t == PQ_Q4_K ? a : _mm_loadl_epi64((const __m128i *)(blk + 24 + 16 * p));
+            const __m128i a = _mm_loadl_epi64((const __m128i *)(blk + (k4 ? 96 + 8 * p : 16 + 16 * p)));
+            const __m128i c = k4 ? a : _mm_loadl_epi64((const __m128i *)(blk + 24 + 16 * p));
             pairs[p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, c));
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 dmin = t == PQ_Q4_K ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
+        const __m256 dmin = k4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
         for (int r = 0; r < NR; r++) {
             const uint8_t *y = x + r * xs + 292 * b;
             __m256i corr = _mm256_setzero_si256();
             for (int p = 0; p < 8; p++) corr = _mm256_add_epi32(corr, _mm256_madd_epi16(pairs[p], pq_x8_bcast(y + 260 + 4 * p)));
             const __m256 yd = _mm256_set1_ps(pq_ld_f32(y));
-            if (t == PQ_Q4_K) {
+            if (k4) {
                 facc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(isum[r]), facc[r]);
                 facc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, yd), _mm256_cvtepi32_ps(corr), facc[r]);
             } else {
@@ -251,6 +261,7 @@ typedef void (*pq_x8_fn)(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t
 #define PQ_X8_TAB(name) { name##_1, name##_2, name##_3, name##_4 }
 #endif
 PQ_X8_DEF(pq_x8_q4_K, PQ_Q4_K)
+PQ_X8_DEF(pq_x8_q5_K, PQ_Q5_K)
 PQ_X8_DEF(pq_x8_q6_K, PQ_Q6_K)
 PQ_X8_DEF(pq_x8_q4_0, PQ_Q4_0)
 PQ_X8_DEF(pq_x8_q8_0, PQ_Q8_0)
@@ -258,8 +269,10 @@ PQ_X8_DEF(pq_x8_q8_0, PQ_Q8_0)
 static pq_x8_fn pq_x8_kernel_for(int t, int nr) {
     static const pq_x8_fn q4[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q4_K), q6[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q6_K);
     static const pq_x8_fn q40[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q4_0), q80[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q8_0);
+    static const pq_x8_fn q5[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q5_K);
     switch (t) {
     case PQ_Q4_K: return q4[nr - 1];
+    case PQ_Q5_K: return q5[nr - 1];
     case PQ_Q6_K: return q6[nr - 1];
     case PQ_Q4_0: return q40[nr - 1];
     default: return q80[nr - 1];
@@ -289,7 +302,7 @@ typedef struct {
 } pq_x8_part;
 
 typedef struct {
-    int vt;   /* the parts' activation type: Q8_0 (Q4_0, Q8_0) or Q8_K (Q4_K, Q6_K) */
+    int vt;   /* the parts' activation type: Q8_0 (Q4_0, Q8_0) or Q8_K (the K-quants) */
     const float *x; int64_t n, k, ldx;
     float *out; int64_t ldo;
     uint8_t *xq; int64_t xq_stride;

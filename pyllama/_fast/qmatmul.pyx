@@ -220,8 +220,8 @@ cdef extern from "ggml_x8.h" nogil:
 
 def x8_types() -> tuple:
     """Weight types that repack_x8 lays out in groups of 8 rows (empty without the AVX2 kernels):
-    Q4_0, Q8_0, Q4_K, Q6_K."""
-    return (2, 8, 12, 14) if pq_have_x8() else ()
+    Q4_0, Q8_0, Q4_K, Q5_K, Q6_K."""
+    return (2, 8, 12, 13, 14) if pq_have_x8() else ()
 
 
 def repack_x8(const uint8_t[:, ::1] w, int qtype, Py_ssize_t k):

@@ -144,7 +144,7 @@ class Backend(ABC):
 
     def prepare_weights(self, tensors: Sequence[Tensor]) -> None:
         """Called once the model's weights on this device are written: a device that keeps its own
-        layout of some weights (the CPU's repacked Q4_0 / Q8_0 / Q4_K / Q6_K) makes it now rather than on the
+        layout of some weights (the CPU's repacked Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K) makes it now rather than on the
         first graph."""
 
     def fuses(self, dtype: DType) -> bool:

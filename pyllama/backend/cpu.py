@@ -8,7 +8,7 @@ BLAS. PYLLAMA_CPU_BLAS_ONLY=1 sends every F32 product to BLAS (for A/B runs). Pr
 every other type run on `_fast/qmatmul.pyx` with ggml's arithmetic (activations quantized to the
 weight type's dot-product type), and embedding rows of those types are dequantized when looked up.
 
-Q4_0, Q8_0, Q4_K and Q6_K weights with a multiple of 8 rows are also repacked in groups of 8 rows
+Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights with a multiple of 8 rows are also repacked in groups of 8 rows
 (`_fast/ggml_x8.h`) once loaded (`prepare_weights`; an rpc server's on the first graph that
 multiplies by them); the products then run on that copy, and the file's pages of a weight read
 in place leave the resident set (the bytes stay in the file layout for row lookups and reads,

@@ -44,7 +44,7 @@ def build_parser() -> Parser:
     p.add_argument("-d", "--device", default="CPU", help=f"device to expose ({', '.join(DEVICES)}, e.g. CUDA0)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU compute threads, 0 = all cores")
     p.add_argument("-nr", "--no-repack", dest="no_repack", action="store_true",
-                   help="keep Q4_0, Q8_0, Q4_K and Q6_K weights in the file's layout only: the CPU otherwise also holds them "
+                   help="keep Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights in the file's layout only: the CPU otherwise also holds them "
                         "repacked in groups of 8 rows (faster products, twice the memory for those weights)")
     p.add_argument("-m", "--mem", type=int, default=0, metavar="MiB",
                    help="memory clients may allocate on the device, in MiB (0 = what the host has)")

@@ -206,7 +206,7 @@ def build_parser() -> Parser:
       help="use CPU weights in place in the file's memory map; --no-mmap copies them into memory")
     a("--repack", "--no-repack", "-nr", dest="repack", action=Toggle, negatives=("--no-repack", "-nr"),
       default=True, llama_env="LLAMA_ARG_REPACK",
-      help="lay the CPU's Q4_0, Q8_0, Q4_K and Q6_K weights out in groups of 8 rows for faster products (the file's "
+      help="lay the CPU's Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights out in groups of 8 rows for faster products (the file's "
            "pages of those weights then leave memory); --no-repack computes on the file's layout")
     a("--override-kv", dest="override_kv", action="extend", type=kv_override_arg, default=[],
       metavar="KEY=TYPE:VALUE,...",

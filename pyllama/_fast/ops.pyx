@@ -72,6 +72,11 @@ cdef extern from "vec_math.h" nogil:
     void pv_silu_mul(const float *g, const float *u, float *out, int64_t n)
     float pv_dot(const float *a, const float *b, int64_t n)
     float pv_exp_shift_sum(float *x, int64_t n, float m)
+    bint pv_attend_ok(int G, int hd, int kt, int vt)
+    void pv_attend_qk(const float *q, int G, int hd, const unsigned char *kc, long long k_row, long long head_bytes,
+                      int kt, const int *cells, long long n, float scale, float *scores, long long L)
+    void pv_attend_pv(const float *p, const float *totals, int G, int hd, const unsigned char *vc, long long v_row,
+                      long long head_bytes, int vt, const int *cells, long long n, long long L, float *out)
 
 
 cdef void _glu_item(void* ctx, int64_t item) noexcept nogil:
@@ -244,6 +249,19 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
     for d in range(G * hd):
         q[d] = o[d]
         acc[d] = 0.0
+    if a.softcap <= 0 and pv_attend_ok(G, hd, a.k_type, a.v_type):
+        # F32 / F16 caches: every cache row read once for the G heads, straight from the cache
+        pv_attend_qk(q, G, hd, a.k_cache, a.k_row, head * (4 if k_f32 else 2), a.k_type, a.cells + r0, r1,
+                     a.scale, scores, L)
+        for g in range(G):
+            m = -INFINITY
+            for j in range(r1):
+                if scores[g * L + j] > m:
+                    m = scores[g * L + j]
+            acc[g] = pv_exp_shift_sum(scores + g * L, r1, m)  # acc holds the G totals here
+        pv_attend_pv(scores, acc, G, hd, a.v_cache, a.v_row, head * (4 if v_f32 else 2), a.v_type, a.cells + r0,
+                     r1, L, o)
+        return
     for j in range(r1):
         row = a.k_cache + a.cells[r0 + j] * a.k_row
         if k_f32:

@@ -77,6 +77,99 @@ static inline float pv_exp_shift_sum(float *x, int64_t n, float m) {
     return total;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PV_ATTEND_MAX_G 8
+/* 8 elements of a cache row of type kt (0: F32, 1: F16) as floats */
+static inline __m256 pv_row8(int kt, const unsigned char *p) {
+    return kt ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
+}
+/* One kv head's attention for G <= PV_ATTEND_MAX_G query heads over n cells, straight from F32
+ * or F16 cache rows (no converted copy): scores[g * L + j] = scale * q_g . k_j, the caller's
+ * softmax in between (attend_pv), then out_g = sum_j p[g * L + j] * v_j / total_g. Each cache
+ * row is read once for all G heads; per head and cell the sums run in 8 lanes, reduced in a
+ * fixed order. hd a multiple of 8. */
+static inline void pv_attend_qk(const float *q, int G, int hd, const unsigned char *kc, long long k_row,
+                                long long head_bytes, int kt, const int *cells, long long n, float scale,
+                                float *scores, long long L) {
+    const int es = kt ? 2 : 4;
+    long long j = 0;
+    if (G <= 4)   /* two cells at a time: twice the independent FMA chains (the loop is latency-bound) */
+        for (; j + 2 <= n; j += 2) {
+            const unsigned char *k0 = kc + (long long)cells[j] * k_row + head_bytes;
+            const unsigned char *k1 = kc + (long long)cells[j + 1] * k_row + head_bytes;
+            __m256 a0[4], a1[4];
+            for (int g = 0; g < G; g++) { a0[g] = _mm256_setzero_ps(); a1[g] = _mm256_setzero_ps(); }
+            for (int d = 0; d < hd; d += 8) {
+                const __m256 x0 = pv_row8(kt, k0 + es * d), x1 = pv_row8(kt, k1 + es * d);
+                for (int g = 0; g < G; g++) {
+                    const __m256 qg = _mm256_loadu_ps(q + g * hd + d);
+                    a0[g] = _mm256_fmadd_ps(qg, x0, a0[g]);
+                    a1[g] = _mm256_fmadd_ps(qg, x1, a1[g]);
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                scores[g * L + j] = pv_hsum8(a0[g]) * scale;
+                scores[g * L + j + 1] = pv_hsum8(a1[g]) * scale;
+            }
+        }
+    for (; j < n; j++) {
+        const unsigned char *kr = kc + (long long)cells[j] * k_row + head_bytes;
+        __m256 acc[PV_ATTEND_MAX_G];
+        for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            const __m256 k8 = pv_row8(kt, kr + es * d);
+            for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d), k8, acc[g]);
+        }
+        for (int g = 0; g < G; g++) scores[g * L + j] = pv_hsum8(acc[g]) * scale;
+    }
+}
+static inline void pv_attend_pv(const float *p, const float *totals, int G, int hd, const unsigned char *vc,
+                                long long v_row, long long head_bytes, int vt, const int *cells, long long n,
+                                long long L, float *out) {
+    const int es = vt ? 2 : 4;
+    for (int d = 0; d < hd; d += 8) {
+        __m256 acc[PV_ATTEND_MAX_G];
+        for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
+        long long j = 0;
+        if (G <= 4) {   /* even and odd cells in separate chains, added at the end */
+            __m256 odd[4];
+            for (int g = 0; g < G; g++) odd[g] = _mm256_setzero_ps();
+            for (; j + 2 <= n; j += 2) {
+                const __m256 v0 = pv_row8(vt, vc + (long long)cells[j] * v_row + head_bytes + es * d);
+                const __m256 v1 = pv_row8(vt, vc + (long long)cells[j + 1] * v_row + head_bytes + es * d);
+                for (int g = 0; g < G; g++) {
+                    acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * L + j]), v0, acc[g]);
+                    odd[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * L + j + 1]), v1, odd[g]);
+                }
+            }
+            for (int g = 0; g < G; g++) acc[g] = _mm256_add_ps(acc[g], odd[g]);
+        }
+        for (; j < n; j++) {
+            const __m256 v8 = pv_row8(vt, vc + (long long)cells[j] * v_row + head_bytes + es * d);
+            for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * L + j]), v8, acc[g]);
+        }
+        for (int g = 0; g < G; g++) _mm256_storeu_ps(out + g * hd + d, _mm256_div_ps(acc[g], _mm256_set1_ps(totals[g])));
+    }
+}
+static inline int pv_attend_ok(int G, int hd, int kt, int vt) {
+    return G <= PV_ATTEND_MAX_G && hd % 8 == 0 && (kt == 0 || kt == 1) && (vt == 0 || vt == 1);
+}
+#else
+static inline int pv_attend_ok(int G, int hd, int kt, int vt) { (void)G; (void)hd; (void)kt; (void)vt; return 0; }
+static inline void pv_attend_qk(const float *q, int G, int hd, const unsigned char *kc, long long k_row,
+                                long long head_bytes, int kt, const int *cells, long long n, float scale,
+                                float *scores, long long L) {
+    (void)q; (void)G; (void)hd; (void)kc; (void)k_row; (void)head_bytes; (void)kt; (void)cells; (void)n;
+    (void)scale; (void)scores; (void)L;
+}
+static inline void pv_attend_pv(const float *p, const float *totals, int G, int hd, const unsigned char *vc,
+                                long long v_row, long long head_bytes, int vt, const int *cells, long long n,
+                                long long L, float *out) {
+    (void)p; (void)totals; (void)G; (void)hd; (void)vc; (void)v_row; (void)head_bytes; (void)vt; (void)cells;
+    (void)n; (void)L; (void)out;
+}
+#endif
+
 static inline void pv_silu_mul(const float *g, const float *u, float *out, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)

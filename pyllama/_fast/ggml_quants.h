@@ -687,15 +687,16 @@ PQ_INLINE __m256i pq_bits_to_bytes(uint32_t bits) {
 /* unsigned bytes u . signed bytes b, 4 products per int32 lane. With VNNI one instruction; without,
  * maddubs + madd, whose int16 pair sums cannot saturate for the callers' ranges (|u| <= 128,
  * |b| <= 127), so both give the exact sums. */
-PQ_INLINE __m256i pq_dpbusd(__m256i u, __m256i b) {
+PQ_INLINE __m256i pq_dpbusd_acc(__m256i acc, __m256i u, __m256i b) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, b);
+    return _mm256_dpbusd_epi32(acc, u, b);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, b);
+    return _mm256_dpbusd_avx_epi32(acc, u, b);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, b), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, b), _mm256_set1_epi16(1)));
 #endif
 }
+PQ_INLINE __m256i pq_dpbusd(__m256i u, __m256i b) { return pq_dpbusd_acc(_mm256_setzero_si256(), u, b); }
 /* signed bytes a . signed bytes b, in 8 int32 lanes (|a|, |b| <= 128, never both -128) */
 PQ_INLINE __m256i pq_dot_i8(__m256i a_abs, __m256i a, __m256i b) {
     return pq_dpbusd(a_abs, _mm256_sign_epi8(b, a));
@@ -1230,9 +1231,43 @@ PQ_API void pq_pool_run(int n_threads, int64_t n_items, pq_item_fn fn, void *ctx
     __atomic_store_n(&pq_pool_busy, 0, __ATOMIC_RELEASE);
 }
 
+/* Weight bytes per work item: the longer a thread streams one run of weights, the better the
+ * prefetchers keep up (16 KiB items measured 25% slower than 128 KiB at 1 activation row, 14% at
+ * 32), but every thread should get several items of a product so that one the OS delays holds
+ * nobody up. With more activation rows than one kernel call takes (one_call = 0) a tile is reread
+ * per group of rows, from L2. */
+static inline int64_t pq_tile_bytes(int64_t weight_bytes, int n_threads, int one_call) {
+    int64_t b = weight_bytes / ((int64_t)(n_threads < 1 ? 1 : n_threads) * 4);
+    const int64_t hi = one_call ? 262144 : 131072;
+    return b > hi ? hi : b < 16384 ? 16384 : b;
+}
+
+/* Activation rows quantized to vt (or, wide, rounded to the F16 / BF16 weight type t and kept as
+ * floats), each by whoever claims it. */
 typedef struct {
-    int t, vt;
-    const float *x; int64_t n, k, ldx;
+    int t, vt, wide;
+    const float *x; int64_t k, ldx;
+    uint8_t *xq; int64_t xq_stride;
+} pq_rows_job;
+
+static inline void pq_widen_row(int t, const float *x, float *y, int64_t k);
+static void pq_rows_item(void *ctx, int64_t r) {
+    const pq_rows_job *j = (const pq_rows_job *)ctx;
+    if (j->wide) pq_widen_row(j->t, j->x + r * j->ldx, (float *)(j->xq + r * j->xq_stride), j->k);
+    else pq_quantize_row(j->vt, j->x + r * j->ldx, j->xq + r * j->xq_stride, j->k);
+}
+/* Small batches are quantized by the calling thread (handing out a few rows costs more than it
+ * saves); larger ones are items of a first pool run. */
+static void pq_quantize_rows_pool(pq_rows_job *job, int64_t n, int n_threads, int small) {
+    if (n_threads <= 1 || small)
+        for (int64_t r = 0; r < n; r++) pq_rows_item(job, r);
+    else
+        pq_pool_run(n_threads, n, pq_rows_item, job);
+}
+
+typedef struct {
+    int t;
+    int64_t n, k;
     const uint8_t *w; int64_t m, wstride;
     float *out; int64_t ldo; const float *bias;
     uint8_t *xq; int64_t xq_stride, tile, ntiles;
@@ -1250,11 +1285,6 @@ static inline void pq_widen_row(int t, const float *x, float *y, int64_t k) {
     for (; i < k; i++) y[i] = t == PQ_F16 ? pq_f16_to_f32(pq_f32_to_f16(x[i])) : pq_bf16_to_f32(pq_f32_to_bf16(x[i]));
 }
 
-static void pq_mm_quantize_item(void *ctx, int64_t r) {
-    const pq_mm_job *j = (const pq_mm_job *)ctx;
-    if (j->wide) pq_widen_row(j->t, j->x + r * j->ldx, (float *)(j->xq + r * j->xq_stride), j->k);
-    else pq_quantize_row(j->vt, j->x + r * j->ldx, j->xq + r * j->xq_stride, j->k);
-}
 
 static void pq_mm_tile_item(void *ctx, int64_t item) {
     const pq_mm_job *jb = (const pq_mm_job *)ctx;
@@ -1303,21 +1333,13 @@ PQ_API void pq_mul_mat(int t, const float *x, int64_t n, int64_t k, int64_t ldx,
     /* Handing items to a helper costs about a microsecond (a futex wake when it sleeps): below
      * ~10 us of single-thread work one thread does it all. */
     if (m * wstride * ((n + PQ_MAX_NR - 1) / PQ_MAX_NR) < 65536) nt = 1;
-    /* weight rows per tile: long runs for the prefetchers, yet several items per thread (as in
-     * ggml_x8.h; a tile is reused from L2 by every group of activation rows) */
-    int64_t tile_bytes = m * wstride / ((int64_t)nt * 4);
-    const int64_t tile_max = n <= PQ_MAX_NR ? 262144 : 131072;
-    tile_bytes = tile_bytes > tile_max ? tile_max : tile_bytes < 16384 ? 16384 : tile_bytes;
-    int64_t tile = tile_bytes / (wstride > 0 ? wstride : 1);
+    int64_t tile = pq_tile_bytes(m * wstride, nt, n <= PQ_MAX_NR) / (wstride > 0 ? wstride : 1);
     if (tile < 1) tile = 1;
-    /* Small batches are quantized by the calling thread; larger ones are items of a first job. */
     const int wide = PQ_HAVE_AVX2 && !portable && (t == PQ_F16 || t == PQ_BF16) && xq_stride >= 4 * k;
-    pq_mm_job job = {t, vt, x, n, k, ldx, w, m, wstride, out, ldo, bias, xq, xq_stride, tile,
-                     (m + tile - 1) / tile, portable, wide};
-    if (nt == 1 || n <= 2 * PQ_MAX_NR)
-        for (int64_t r = 0; r < n; r++) pq_mm_quantize_item(&job, r);
-    else
-        pq_pool_run(nt, n, pq_mm_quantize_item, &job);
+    pq_mm_job job = {t, n, k, w, m, wstride, out, ldo, bias, xq, xq_stride, tile, (m + tile - 1) / tile,
+                     portable, wide};
+    pq_rows_job rows = {t, vt, wide, x, k, ldx, xq, xq_stride};
+    pq_quantize_rows_pool(&rows, n, nt, n <= 2 * PQ_MAX_NR);
     /* Work items: (chunk of activation rows) x (tile of weight rows), claimed one at a time so
      * that a thread delayed by the OS does not hold the others up. Chunks of activation rows are
      * outermost: with all rows at once, a large batch's output and quantized rows outgrow L2 and

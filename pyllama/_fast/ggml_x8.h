@@ -102,6 +102,10 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
     return 0;
 }
 
+/* One product may cover up to PQ_X8_MAX_PARTS weights (a MUL_MAT_CAT's q|k|v or gate|up): they
+ * share x, quantized once, and one pool run whose items are the parts' tiles. */
+#define PQ_X8_MAX_PARTS 8
+
 #if PQ_HAVE_AVX2
 
 #if defined(__AVX512VL__)
@@ -110,16 +114,6 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
 #define PQ_X8_NR 4
 #endif
 
-/* acc + the 8 lanes' dot products of 4 unsigned bytes u with 4 signed bytes b (exact: |u| <= 63) */
-PQ_INLINE __m256i pq_x8_dp(__m256i acc, __m256i u, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, b);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, b), _mm256_set1_epi16(1)));
-#endif
-}
 PQ_INLINE __m256i pq_x8_bcast(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
 /* The 8 unsigned weights' quad i of group s of a Q4_K (sub-block s, 32 elements) or Q6_K (16
@@ -147,6 +141,12 @@ PQ_INLINE __m256i pq_x8_quad(int t, const uint8_t *blk, int s, int i) {
     return _mm256_or_si256(l4, _mm256_and_si256(h2, m30));
 }
 
+/* The 8 outputs of each of NR activation rows (+ bias) */
+PQ_INLINE void pq_x8_store(int NR, const __m256 *facc, float *out, int64_t ldo, const float *bias) {
+    for (int r = 0; r < NR; r++)
+        _mm256_storeu_ps(out + r * ldo, bias ? _mm256_add_ps(facc[r], _mm256_loadu_ps(bias)) : facc[r]);
+}
+
 /* NR activation rows (Q8_K, byte stride xs) against one group of 8 rows (nb packed blocks at wg):
  * out[r * ldo + l] = row l's product with activation row r (+ bias[l]). */
 PQ_INLINE void pq_x8_kernel(int t, int NR, int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs,
@@ -170,7 +170,7 @@ PQ_INLINE void pq_x8_kernel(int t, int NR, int64_t nb, const uint8_t *wg, const 
             for (int i = 0; i < nquads; i++) {
                 const __m256i q = pq_x8_quad(t, blk, s, i);
                 for (int r = 0; r < NR; r++)
-                    acc[r] = pq_x8_dp(acc[r], q, pq_x8_bcast(x + r * xs + 292 * b + 4 + gsize * s + 4 * i));
+                    acc[r] = pq_dpbusd_acc(acc[r], q, pq_x8_bcast(x + r * xs + 292 * b + 4 + gsize * s + 4 * i));
             }
             const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
             const __m256i s32 = k4 ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
@@ -200,11 +200,7 @@ PQ_INLINE void pq_x8_kernel(int t, int NR, int64_t nb, const uint8_t *wg, const 
             }
         }
     }
-    for (int r = 0; r < NR; r++) {
-        __m256 v = facc[r];
-        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
-        _mm256_storeu_ps(out + r * ldo, v);
-    }
+    pq_x8_store(NR, facc, out, ldo, bias);
 }
 
 /* Q4_0 / Q8_0: NR activation rows (Q8_0 blocks, byte stride xs) against one group of 8 rows. */
@@ -230,7 +226,7 @@ PQ_INLINE void pq_x8_kernel_0(int t, int NR, int64_t nb, const uint8_t *wg, cons
             const __m256i wa = _mm256_sign_epi8(w, w);
             const int e = t == PQ_Q4_0 ? (q < 4 ? 4 * q : 16 + 4 * (q - 4)) : 4 * q;
             for (int r = 0; r < NR; r++)
-                acc[r] = pq_x8_dp(acc[r], wa, _mm256_sign_epi8(pq_x8_bcast(x + r * xs + 34 * b + 2 + e), w));
+                acc[r] = pq_dpbusd_acc(acc[r], wa, _mm256_sign_epi8(pq_x8_bcast(x + r * xs + 34 * b + 2 + e), w));
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         for (int r = 0; r < NR; r++) {
@@ -238,11 +234,7 @@ PQ_INLINE void pq_x8_kernel_0(int t, int NR, int64_t nb, const uint8_t *wg, cons
             facc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(acc[r]), facc[r]);
         }
     }
-    for (int r = 0; r < NR; r++) {
-        __m256 v = facc[r];
-        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
-        _mm256_storeu_ps(out + r * ldo, v);
-    }
+    pq_x8_store(NR, facc, out, ldo, bias);
 }
 
 typedef void (*pq_x8_fn)(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs, float *out, int64_t ldo,
@@ -279,22 +271,6 @@ static pq_x8_fn pq_x8_kernel_for(int t, int nr) {
     }
 }
 
-/* One product may cover up to PQ_X8_MAX_PARTS weights (a MUL_MAT_CAT's q|k|v or gate|up): they
- * share x, quantized once, and one pool run whose items are the parts' tiles. */
-#define PQ_X8_MAX_PARTS 8
-/* Weight bytes per item: the longer a thread streams one run of row groups, the better the
- * prefetchers keep up (one core per item at a time; 16 KiB items measured 25% slower at 1 row
- * than 128 KiB, 14% at 32 rows), but every thread should get several items of a product so that
- * one the OS delays holds nobody up. With more than PQ_X8_NR activation rows a tile is reread
- * per group of rows, from L2. */
-#ifndef PQ_X8_TILE_FEW
-#define PQ_X8_TILE_FEW 262144
-#endif
-#ifndef PQ_X8_TILE_MANY
-#define PQ_X8_TILE_MANY 131072
-#endif
-#define PQ_X8_TILE_MIN 16384
-#define PQ_X8_ITEMS_PER_THREAD 4
 typedef struct {
     int t;
     const uint8_t *wp; int64_t ngroups, gstride, tile, first_item, col;
@@ -302,18 +278,12 @@ typedef struct {
 } pq_x8_part;
 
 typedef struct {
-    int vt;   /* the parts' activation type: Q8_0 (Q4_0, Q8_0) or Q8_K (the K-quants) */
-    const float *x; int64_t n, k, ldx;
+    int64_t n, k;
     float *out; int64_t ldo;
     uint8_t *xq; int64_t xq_stride;
     int nparts; int64_t items_per_chunk;
     pq_x8_part part[PQ_X8_MAX_PARTS];
 } pq_x8_job;
-
-static void pq_x8_quantize_item(void *ctx, int64_t r) {
-    const pq_x8_job *j = (const pq_x8_job *)ctx;
-    pq_quantize_row(j->vt, j->x + r * j->ldx, j->xq + r * j->xq_stride, j->k);
-}
 
 static void pq_x8_tile_item(void *ctx, int64_t item) {
     const pq_x8_job *jb = (const pq_x8_job *)ctx;
@@ -344,43 +314,41 @@ PQ_API int pq_mul_mat_x8_parts(int nparts, const int *types, const uint8_t *cons
                                const float *const *biases, const float *x, int64_t n, int64_t k, int64_t ldx,
                                float *out, int64_t ldo, uint8_t *xq, int64_t xq_stride, int n_threads) {
     if (nparts < 1 || nparts > PQ_X8_MAX_PARTS) return -1;
-    const int vt = pq_x8_block_elems(types[0]) == 32 ? PQ_Q8_0 : PQ_Q8_K;
-    for (int p = 1; p < nparts; p++)
-        if ((pq_x8_block_elems(types[p]) == 32 ? PQ_Q8_0 : PQ_Q8_K) != vt) return -1;
-    pq_x8_job job = {vt, x, n, k, ldx, out, ldo, xq, xq_stride, nparts, 0, {{0}}};
+    pq_traits tr;
+    pq_get_traits(types[0], &tr);
+    const int vt = tr.vec_type;
+    pq_x8_job job = {n, k, out, ldo, xq, xq_stride, nparts, 0, {{0}}};
     int64_t col = 0, work = 0, ngroups_all = 0;
-    int nt = n_threads < 1 ? 1 : n_threads;
-    for (int p = 0; p < nparts; p++) work += ms[p] / 8 * (k / pq_x8_block_elems(types[p]) * pq_x8_block_bytes(types[p]));
-    int64_t tile_bytes = work / ((int64_t)nt * PQ_X8_ITEMS_PER_THREAD);
-    const int64_t tile_max = n <= PQ_X8_NR ? PQ_X8_TILE_FEW : PQ_X8_TILE_MANY;
-    tile_bytes = tile_bytes > tile_max ? tile_max : tile_bytes < PQ_X8_TILE_MIN ? PQ_X8_TILE_MIN : tile_bytes;
-    work = 0;
     for (int p = 0; p < nparts; p++) {
+        pq_get_traits(types[p], &tr);
+        if (tr.vec_type != vt) return -1;
         pq_x8_part *pt = &job.part[p];
         pt->t = types[p]; pt->wp = wps[p]; pt->ngroups = ms[p] / 8; pt->col = col; pt->bias = biases ? biases[p] : NULL;
         pt->gstride = k / pq_x8_block_elems(types[p]) * pq_x8_block_bytes(types[p]);
-        pt->tile = tile_bytes / (pt->gstride > 0 ? pt->gstride : 1);
-        if (pt->tile < 1) pt->tile = 1;
-        pt->first_item = job.items_per_chunk;
-        job.items_per_chunk += (pt->ngroups + pt->tile - 1) / pt->tile;
         col += ms[p];
         work += pt->ngroups * pt->gstride;
         ngroups_all += pt->ngroups;
     }
+    int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > ngroups_all) nt = (int)(ngroups_all > 0 ? ngroups_all : 1);
     /* below ~10 us of single-thread work one thread does it all (handing out items costs ~1 us) */
     if (work * ((n + PQ_X8_NR - 1) / PQ_X8_NR) < 65536) nt = 1;
-    if (nt == 1 || n <= 2 * PQ_X8_NR)
-        for (int64_t r = 0; r < n; r++) pq_quantize_row(vt, x + r * ldx, xq + r * xq_stride, k);
-    else
-        pq_pool_run(nt, n, pq_x8_quantize_item, &job);
+    const int64_t tile_bytes = pq_tile_bytes(work, nt, n <= PQ_X8_NR);
+    for (int p = 0; p < nparts; p++) {
+        pq_x8_part *pt = &job.part[p];
+        pt->tile = tile_bytes / (pt->gstride > 0 ? pt->gstride : 1);
+        if (pt->tile < 1) pt->tile = 1;
+        pt->first_item = job.items_per_chunk;
+        job.items_per_chunk += (pt->ngroups + pt->tile - 1) / pt->tile;
+    }
+    pq_rows_job rows = {types[0], vt, 0, x, k, ldx, xq, xq_stride};
+    pq_quantize_rows_pool(&rows, n, nt, n <= 2 * PQ_X8_NR);
     const int64_t nchunks = (n + PQ_ROW_CHUNK - 1) / PQ_ROW_CHUNK;
     pq_pool_run(nt, nchunks * job.items_per_chunk, pq_x8_tile_item, &job);
     return 0;
 }
 PQ_API int pq_have_x8(void) { return 1; }
 #else
-#define PQ_X8_MAX_PARTS 8
 PQ_API int pq_have_x8(void) { return 0; }
 PQ_API int pq_mul_mat_x8_parts(int nparts, const int *types, const uint8_t *const *wps, const int64_t *ms,
                                const float *const *biases, const float *x, int64_t n, int64_t k, int64_t ldx,

@@ -7,7 +7,7 @@ then runs without it, split into items on the products' worker pool (qmatmul.pxd
 helper threads serves every kernel of a step, and a helper the OS is late to schedule holds
 nobody up (no barrier). Which thread computes an item never changes its result.
 """
-from libc.math cimport exp, pow, cos, sin, sqrt, tanh, INFINITY
+from libc.math cimport pow, cos, sin, sqrt, tanh
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 
@@ -71,7 +71,7 @@ cdef inline float _gelu(float x) noexcept nogil:
 cdef extern from "vec_math.h" nogil:
     void pv_silu_mul(const float *g, const float *u, float *out, int64_t n)
     float pv_dot(const float *a, const float *b, int64_t n)
-    float pv_exp_shift_sum(float *x, int64_t n, float m)
+    float pv_softmax_unnormed(float *x, int64_t n)
     bint pv_attend_ok(int G, int hd, int kt, int vt)
     void pv_attend_qk(const float *q, int G, int hd, const unsigned char *kc, long long k_row, long long head_bytes,
                       int kt, const int *cells, long long n, float scale, float *scores, long long L)
@@ -245,23 +245,20 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
     cdef float* ag
     cdef const unsigned char* row
     cdef bint k_f32 = a.k_type == KV_F32, v_f32 = a.v_type == KV_F32
-    cdef float sc, m, total, p
+    cdef float sc, total, p
     for d in range(G * hd):
         q[d] = o[d]
-        acc[d] = 0.0
     if a.softcap <= 0 and pv_attend_ok(G, hd, a.k_type, a.v_type):
         # F32 / F16 caches: every cache row read once for the G heads, straight from the cache
         pv_attend_qk(q, G, hd, a.k_cache, a.k_row, head * (4 if k_f32 else 2), a.k_type, a.cells + r0, r1,
                      a.scale, scores, L)
         for g in range(G):
-            m = -INFINITY
-            for j in range(r1):
-                if scores[g * L + j] > m:
-                    m = scores[g * L + j]
-            acc[g] = pv_exp_shift_sum(scores + g * L, r1, m)  # acc holds the G totals here
+            acc[g] = pv_softmax_unnormed(scores + g * L, r1)  # acc holds the G totals here
         pv_attend_pv(scores, acc, G, hd, a.v_cache, a.v_row, head * (4 if v_f32 else 2), a.v_type, a.cells + r0,
                      r1, L, o)
         return
+    for d in range(G * hd):
+        acc[d] = 0.0
     for j in range(r1):
         row = a.k_cache + a.cells[r0 + j] * a.k_row
         if k_f32:
@@ -276,11 +273,7 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
             else:
                 scores[g * L + j] = sc * a.scale
     for g in range(G):
-        m = -INFINITY
-        for j in range(r1):
-            if scores[g * L + j] > m:
-                m = scores[g * L + j]
-        scores[g * L + r1] = pv_exp_shift_sum(scores + g * L, r1, m)  # (room for it: r1 <= max_len)
+        scores[g * L + r1] = pv_softmax_unnormed(scores + g * L, r1)  # (room for it: r1 <= max_len)
     for j in range(r1):
         row = a.v_cache + a.cells[r0 + j] * a.v_row
         if v_f32:

@@ -141,11 +141,17 @@ def int_block_sums(xq, w, int qtype, Py_ssize_t k):
 
 cdef int64_t _check_matmul(str what, int qtype, pq_traits tr, const float[:, ::1] x, const uint8_t[:, ::1] w,
                            float[:, :] out, bias, int n_threads) except -1:
-    cdef int64_t n = x.shape[0], k = x.shape[1], m = w.shape[0]
+    cdef int64_t k = x.shape[1]
     cdef int64_t rb = _row_bytes(tr, qtype, k, what)
     if w.shape[1] != rb:
         raise ValueError(
             f"{what}: weight rows have {w.shape[1]} bytes, a {_name(qtype)} row of {k} elements needs {rb}")
+    _check_out(what, x.shape[0], w.shape[0], out, bias, n_threads)
+    return rb
+
+
+cdef int _check_out(str what, int64_t n, int64_t m, float[:, :] out, bias, int n_threads) except -1:
+    """out: n x m with contiguous rows; bias None or float32 [m]; n_threads >= 1."""
     if out.shape[0] != n or out.shape[1] != m:
         raise ValueError(f"{what}: out is {out.shape[0]}x{out.shape[1]}, expected {n}x{m}")
     if m > 1 and out.strides[1] != 4:
@@ -158,7 +164,7 @@ cdef int64_t _check_matmul(str what, int qtype, pq_traits tr, const float[:, ::1
             raise ValueError(f"{what}: bias must be float32 [{m}], got {b.dtype} {b.shape}")
     if n_threads < 1:
         raise ValueError(f"{what}: n_threads must be >= 1, got {n_threads}")
-    return rb
+    return 0
 
 
 def mul_mat_q(const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:, :] out, bias=None,
@@ -207,6 +213,8 @@ def mul_mat_q(const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:
     free(xq)
 
 
+DEF PQ_MAX_PARTS = 8   # ggml_x8.h's PQ_X8_MAX_PARTS, for the arrays below
+
 cdef extern from "ggml_x8.h" nogil:
     int pq_x8_block_bytes(int t)
     int pq_x8_block_elems(int t)
@@ -221,7 +229,7 @@ cdef extern from "ggml_x8.h" nogil:
 def x8_types() -> tuple:
     """Weight types that repack_x8 lays out in groups of 8 rows (empty without the AVX2 kernels):
     Q4_0, Q8_0, Q4_K, Q5_K, Q6_K."""
-    return (2, 8, 12, 13, 14) if pq_have_x8() else ()
+    return tuple(t for t in _SUPPORTED if pq_x8_block_bytes(t)) if pq_have_x8() else ()
 
 
 def repack_x8(const uint8_t[:, ::1] w, int qtype, Py_ssize_t k):
@@ -268,13 +276,13 @@ def mul_mat_q_x8_parts(const float[:, ::1] x, list parts, list qtypes, float[:, 
     if nparts < 1 or nparts > PQ_X8_MAX_PARTS or len(qtypes) != nparts:
         raise ValueError(f"mul_mat_q_x8: 1..{PQ_X8_MAX_PARTS} parts with one type each, got {nparts} and {len(qtypes)}")
     cdef int64_t n = x.shape[0], k = x.shape[1], m = out.shape[1]
-    cdef int types[8]
-    cdef const uint8_t *wps[8]
-    cdef int64_t ms[8]
+    cdef int types[PQ_MAX_PARTS]
+    cdef const uint8_t *wps[PQ_MAX_PARTS]
+    cdef int64_t ms[PQ_MAX_PARTS]
+    cdef const float *bptr[PQ_MAX_PARTS]
     cdef const uint8_t[:, ::1] wv
     cdef int64_t rows = 0
     cdef int p
-    keep = []
     for p in range(nparts):
         qt = qtypes[p]
         if qt not in x8_types():
@@ -288,32 +296,12 @@ def mul_mat_q_x8_parts(const float[:, ::1] x, list parts, list qtypes, float[:, 
         if wv.shape[0] == 0 or wv.shape[1] != k // pq_x8_block_elems(qt) * pq_x8_block_bytes(qt):
             raise ValueError(f"mul_mat_q_x8: packed weight {wv.shape[0]}x{wv.shape[1]} does not hold rows of {k} "
                              f"{_name(qt)} elements")
-        keep.append(wv)
         types[p] = qt
-        wps[p] = &wv[0, 0]
         ms[p] = wv.shape[0] * 8
         rows += ms[p]
     if rows != m:
         raise ValueError(f"mul_mat_q_x8: the packed weights do not hold {m} rows (they have {rows})")
-    if out.shape[0] != n:
-        raise ValueError(f"mul_mat_q_x8: out has {out.shape[0]} rows, x {n}")
-    if m > 1 and out.strides[1] != 4 or n > 1 and out.strides[0] % 4:
-        raise ValueError("mul_mat_q_x8: the rows of out must be contiguous floats")
-    cdef const float[::1] bv
-    cdef const float *bptr[8]
-    cdef const float **bpp = NULL
-    if bias is not None:
-        b = np.asarray(bias)
-        if b.dtype != np.float32 or b.ndim != 1 or b.shape[0] != m:
-            raise ValueError(f"mul_mat_q_x8: bias must be float32 [{m}], got {b.dtype} {b.shape}")
-        bv = np.ascontiguousarray(b)
-        rows = 0
-        for p in range(nparts):
-            bptr[p] = &bv[rows]
-            rows += ms[p]
-        bpp = bptr
-    if n_threads < 1:
-        raise ValueError(f"mul_mat_q_x8: n_threads must be >= 1, got {n_threads}")
+    _check_out("mul_mat_q_x8", n, m, out, bias, n_threads)
     if n == 0:
         return
     if k == 0:
@@ -321,6 +309,18 @@ def mul_mat_q_x8_parts(const float[:, ::1] x, list parts, list qtypes, float[:, 
         if bias is not None:
             np.asarray(out)[:] += np.asarray(bias)
         return
+    cdef const float[::1] bv
+    cdef const float **bpp = NULL
+    if bias is not None:
+        bv = np.ascontiguousarray(bias)
+        rows = 0
+        for p in range(nparts):
+            bptr[p] = &bv[rows]
+            rows += ms[p]
+        bpp = bptr
+    for p in range(nparts):  # (parts keeps the arrays alive)
+        wv = parts[p]
+        wps[p] = &wv[0, 0]
     cdef pq_traits tx
     pq_get_traits(vec_dot_type(qtypes[0]), &tx)
     cdef int64_t xq_stride = k // tx.block * tx.bytes

@@ -2,7 +2,8 @@
  *
  * pv_dot: sum of a[i] * b[i] in 16 lanes (two 8-lane FMA chains, added lane-wise, then reduced in
  * a fixed order), so the same inputs always give the same sum; the n % 8 tail is added last.
- * pv_exp_shift_sum: x[i] = exp(x[i] - m) in place, returns their sum (lane-wise, then reduced).
+ * pv_exp_shift_sum: x[i] = exp(x[i] - m) in place, returns their sum (lane-wise, then reduced);
+ * pv_softmax_unnormed: the same with m the row's maximum (a softmax but for the division).
  *
  * pv_silu_mul: out = silu(g) * u = g / (1 + exp(-g)) * u, 8 lanes at a time with AVX2. exp is the
  * usual range reduction (x = n ln2 + r, |r| <= ln2 / 2, ln2 split in two parts so r is exact to
@@ -169,6 +170,12 @@ static inline void pv_attend_pv(const float *p, const float *totals, int G, int 
     (void)n; (void)L; (void)out;
 }
 #endif
+
+static inline float pv_softmax_unnormed(float *x, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+    return pv_exp_shift_sum(x, n, m);
+}
 
 static inline void pv_silu_mul(const float *g, const float *u, float *out, int64_t n) {
     int64_t i = 0;

@@ -33,8 +33,8 @@ class Engine:
         """Opens the model and places its layers; with load=False the weights are not uploaded yet
         (check_memory first, then load()). map_weights=False (--no-mmap) copies the weights a CPU
         would use in place in the file's memory map. kv_overrides (--override-kv) replace metadata
-        values before anything reads them. repack=False (--no-repack) keeps the local CPU's Q4_K /
-        Q6_K weights in the file's layout only (backend/cpu.py)."""
+        values before anything reads them. repack=False (--no-repack) keeps the local CPU's quantized
+        weights in the file's layout only (no repacked copies, backend/cpu.py)."""
         self.map_weights = map_weights
         self.n_threads = set_compute_threads(n_threads)
         self.model = Model(model_path, kv_overrides=kv_overrides)

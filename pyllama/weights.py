@@ -192,12 +192,14 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
         weights.bytes_per_backend[backend.name] = sizes[bi] + mapped_sizes[bi]
     offsets = [0] * n_backends
     copied: list[TensorInfo] = []
+    in_file: dict[int, TensorInfo] = {}  # id of a tensor read in place -> its file tensor
     for lname, bi, parts in plan:
         stored = []
         for k, p in enumerate(parts):
             name = lname if len(parts) == 1 else f"{lname}.{k}"
             if p.mapped:
                 stored.append(Tensor(p.dtype, p.shape, name, mapped_bufs[bi], p.infos[0].offset))
+                in_file[id(stored[-1])] = p.infos[0]
                 continue
             t = Tensor(p.dtype, p.shape, name, buffers[bi], offsets[bi])
             offsets[bi] += _aligned(t.nbytes)
@@ -211,8 +213,11 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
         weights.tensors[lname] = weights.tensors[target]
     if upload:
         for bi, backend in enumerate(placement.backends):
-            backend.prepare_weights([t for lname, tb, _ in plan if tb == bi
-                                     for t in _as_tuple(weights.tensors[lname])])
+            own = backend.prepare_weights([t for lname, tb, _ in plan if tb == bi
+                                           for t in _as_tuple(weights.tensors[lname])])
+            for t in own:  # the device computes on its own copy: the file's pages can go
+                if id(t) in in_file:
+                    model.file.release_pages(in_file[id(t)])
         in_place = {id(p.infos[0]) for _, bi, parts in plan for p in parts if p.mapped}
         for info in copied:  # their bytes now live in a device buffer: the file's pages can go
             if id(info) not in in_place and info.offset >= 0:  # (computed tensors have no file bytes)

@@ -142,10 +142,12 @@ class Backend(ABC):
         """The type this backend stores a weight of `file_dtype` in (it may convert at load)."""
         return file_dtype
 
-    def prepare_weights(self, tensors: Sequence[Tensor]) -> None:
+    def prepare_weights(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """Called once the model's weights on this device are written: a device that keeps its own
-        layout of some weights (the CPU's repacked Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K) makes it now rather than on the
-        first graph."""
+        layout of some weights (the CPU's repacked quantized weights) makes it now rather than on
+        the first graph. Returns the weights whose stored bytes its products no longer read (the
+        caller may let their file pages go)."""
+        return []
 
     def fuses(self, dtype: DType) -> bool:
         """Whether weights of `dtype` that one product uses (q|k|v, gate|up) are worth storing as one

@@ -10,9 +10,9 @@ weight type's dot-product type), and embedding rows of those types are dequantiz
 
 Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights with a multiple of 8 rows are also repacked in groups of 8 rows
 (`_fast/ggml_x8.h`) once loaded (`prepare_weights`; an rpc server's on the first graph that
-multiplies by them); the products then run on that copy, and the file's pages of a weight read
-in place leave the resident set (the bytes stay in the file layout for row lookups and reads,
-which page them in again). A weight in an allocated buffer (an rpc server's) is then held twice.
+multiplies by them); the products then run on that copy, and the loader lets the file's pages of
+a weight read in place go (the bytes stay in the file layout for row lookups and reads, which
+page them in again). A weight in an allocated buffer (an rpc server's) is then held twice.
 --no-repack (`repack = False`) or PYLLAMA_CPU_REPACK=0 turn repacking off.
 
 Every kernel releases the GIL (numpy's BLAS does, and the Cython kernels run `nogil`), so the
@@ -21,10 +21,7 @@ synchronize and events are trivial here.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -42,7 +39,6 @@ from ..tensor import KV_CACHE_TYPES, Graph, Op, check_node, sample_in_cols, samp
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 
 _PLAN_CACHE = 256
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _BLAS_ONLY = os.environ.get("PYLLAMA_CPU_BLAS_ONLY", "") not in ("", "0")
 _REPACK = os.environ.get("PYLLAMA_CPU_REPACK", "1") not in ("", "0")
 _REPACK_RESERVE = 512 << 20  # free memory an extra repacked copy must leave (or a tenth of the total)
@@ -141,9 +137,8 @@ class CPUBackend(Backend):
         buffer.data.fill(value)  # type: ignore[attr-defined]
 
     # --- weights repacked in groups of 8 rows ----------------------------------------------------
-    def prepare_weights(self, tensors: Sequence[Tensor]) -> None:
-        for t in tensors:
-            self._packed_weight(t)
+    def prepare_weights(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        return [t for t in tensors if self._packed_weight(t) is not None]
 
     def fuses(self, dtype: DType) -> bool:
         # a repacked weight would be held twice if fused (the fused copy and its repacked copy);
@@ -163,8 +158,6 @@ class CPUBackend(Backend):
                 return None
             packed = qmatmul.repack_x8(self.view(t), int(t.dtype), t.shape[1])
             per_buf[key] = packed
-            if t.buffer.mapped:  # type: ignore[union-attr]
-                _release_pages(self.bytes_of(t))
         return packed
 
     def _room_for(self, t: Tensor) -> bool:
@@ -352,16 +345,6 @@ class CPUBackend(Backend):
         # every type the kernels take stays as the file stores it; anything else (no model file
         # gets here: Model refuses types outside tensor.WEIGHT_TYPES) would be computed in F32
         return file_dtype if file_dtype in self.weight_types else DType.F32
-
-
-def _release_pages(data: np.ndarray) -> None:
-    """Drops the pages wholly inside `data` (part of a read-only file map) from the resident set;
-    reading them again brings them back from the file."""
-    page = mmap.PAGESIZE
-    start = -(-data.ctypes.data // page) * page
-    end = (data.ctypes.data + data.nbytes) // page * page
-    if end > start:
-        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
 
 
 def _rows(t: Tensor) -> np.ndarray:

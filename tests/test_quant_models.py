@@ -8,6 +8,7 @@ import json
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -262,3 +263,52 @@ def test_no_repack_keeps_the_file_layout_and_fuses(model_factory):
             assert len(greedy(engine, engine.tokenizer.encode(PROMPT), 4)) == 4
         finally:
             engine.close()
+
+
+def test_rpc_server_no_repack_flag():
+    """`rpc_server -nr` declines the repacked copies (it says so at start); by default it makes them."""
+    from server_util import RPCServerProcess  # noqa: PLC0415
+    for args, want in (((), "repacked in groups of 8 rows: yes"), (("-nr",), "repacked in groups of 8 rows: no")):
+        p = RPCServerProcess(*args)
+        try:
+            deadline = time.monotonic() + 10
+            while not any(want in line for line in p.log) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert any(want in line for line in p.log), p.log
+        finally:
+            p.stop()
+
+
+
+FILE_RSS_SCRIPT = """
+import sys
+from pyllama.context import Batch
+from pyllama.engine import Engine
+e = Engine(sys.argv[1], n_threads=1, repack=sys.argv[2] == "1")
+e.new_context(64, 1).decode(Batch.for_sequence(e.tokenizer.encode("The little cat sat on the mat"), 0, 0))
+rss, cur = 0, None
+for line in open("/proc/self/smaps"):
+    f = line.split()
+    if "-" in f[0] and ":" not in f[0]:
+        cur = f[5] if len(f) > 5 else None
+    elif line.startswith("Rss:") and cur == sys.argv[1]:
+        rss += int(f[1])
+print(rss * 1024, e.backends[0].packed_weights())
+"""
+
+
+def test_repacked_weights_leave_their_file_pages(model_factory):
+    """A weight read in place from the file and repacked no longer holds its file pages: after a
+    decode (repacking read every page of those weights), most of their bytes are not resident.
+    Without repacking nothing is repacked."""
+    path = model_factory("tiny256", wtype="q4_k_m")
+    got = {}
+    for repack in ("1", "0"):
+        proc = subprocess.run([sys.executable, "-c", FILE_RSS_SCRIPT, path, repack], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        got[repack] = tuple(map(int, proc.stdout.split()))
+    assert got["1"][1] > 0 and got["0"][1] == 0
+    repacked = sum(t.raw.size for t in GGUFFile(path).tensors.values()
+                   if t.qtype in (QT.Q4_K, QT.Q6_K) and len(t.shape) == 2 and t.shape[0] % 8 == 0)
+    assert got["1"][0] < 0.5 * repacked, (got, repacked)

@@ -134,6 +134,9 @@ async def serve(args) -> int:
              server.capabilities, server.server_id)
     if traced:
         log.info("tracing to %s", traced)
+    if isinstance(backend, CPUBackend):
+        log.info("quantized weights repacked in groups of 8 rows: %s",
+                 "yes, memory allowing" if backend.repack else "no (--no-repack)")
     try:
         await stop.wait()
     finally:

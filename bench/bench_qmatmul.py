@@ -10,7 +10,9 @@ out[n, m] = x[n, k] @ W.T is timed at n activation rows. Reported per (type, n, 
 
 The F32 baseline is pyllama._fast.gemm.mul_mat_t up to its small_rows_max() rows and numpy
 (BLAS sgemm) above. For n >= 32 the quantized types are also timed through mul_mat_q_blas
-(dequantized tiles + BLAS), which decides the prompt path's crossover.
+(dequantized tiles + BLAS), which decides the prompt path's crossover. Types the CPU backend
+repacks in groups of 8 rows (qmatmul.x8_types()) are also timed on that layout ("x8" rows,
+mul_mat_q_x8), the kernel the backend uses for them.
 
     python bench/bench_qmatmul.py                          # all types, n = 1 8 32 512, 1 and 2 threads
     python bench/bench_qmatmul.py --types q4_k,q6_k --n 1,8 --threads 2 --mb 64
@@ -81,6 +83,8 @@ def bench_type(name: str, ns: list[int], threads: list[int], mb: float, m: int, 
     row_bytes = qmatmul.row_bytes(int(qtype), k)
     count = max(1, int(mb * 2**20 // (row_bytes * m)))
     mats = [random_weights(qtype, m, k, rng) for _ in range(count)]
+    # the same weights in groups of 8 rows, for the types the backend repacks (ggml_x8.h)
+    packed = [qmatmul.repack_x8(w, int(qtype), k) for w in mats] if int(qtype) in qmatmul.x8_types() else []
     total_bytes = count * m * row_bytes
     rows = []
     for n in ns:
@@ -101,6 +105,10 @@ def bench_type(name: str, ns: list[int], threads: list[int], mb: float, m: int, 
                     label = name
                 t = time_call(run, repeats, budget_s)
                 rows.append((label, n, nt, total_bytes / t / 1e9, n / t, n * m * k * count / t / 1e9))
+                if packed:
+                    run = lambda: [qmatmul.mul_mat_q_x8(x, wp, int(qtype), out, None, nt) for wp in packed]
+                    t = time_call(run, repeats, budget_s)
+                    rows.append((name + " x8", n, nt, total_bytes / t / 1e9, n / t, n * m * k * count / t / 1e9))
                 if blas and qtype != T.F32 and n >= 32:
                     run = lambda: [qmatmul.mul_mat_q_blas(x, w, int(qtype), out, None, nt) for w in mats]
                     t = time_call(run, repeats, budget_s)

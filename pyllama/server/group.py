@@ -316,8 +316,12 @@ class PipelineGroup:
                 decode.append(slot)
                 slot.n_pending = 1
         budget = self.ctx.n_batch - len(decode)
-        if decode:  # generations are running: one micro-batch of prompt per step keeps their pace
-            budget = min(budget, self.ctx.n_ubatch)
+        if decode:
+            # generations are running: one micro-batch per step keeps their pace, the prompt chunk
+            # filling what the decode rows leave of it (in a split every micro-batch is one more
+            # trip through each stage); with a micro-batch of decode rows already, one of prompt
+            ub = self.ctx.n_ubatch
+            budget = min(budget, ub - len(decode) if len(decode) < ub else ub)
         n_rows = len(decode)
         # With as many decode rows as EXACT_ROWS the step runs on BLAS anyway (and the running
         # sequences' own tokens with it): there is no exactness left to keep, only speed.

@@ -41,6 +41,7 @@ _timeout: Optional[float] = None
 TIMEOUT_ENV = "PYLLAMA_RPC_TIMEOUT"
 DEFAULT_TIMEOUT = 120.0
 _PEER_CLOSED = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+_JOIN_MAX = 64 << 10  # a message up to this size is written with one call (joined into one bytes)
 
 
 def set_token(token: Optional[bytes]) -> None:
@@ -257,9 +258,14 @@ class Connection:
                 ticket = self._next_ticket
                 self._next_ticket += 1
             try:
-                self.sock.sendall(HEADER.pack(int(cmd), size))
-                for p in parts:
-                    self.sock.sendall(p)
+                if size <= _JOIN_MAX:
+                    # one write: every syscall lets another thread take the GIL, and a frame cut
+                    # in pieces wakes the peer's loop once per piece
+                    self.sock.sendall(b"".join((HEADER.pack(int(cmd), size), *parts)))
+                else:
+                    self.sock.sendall(HEADER.pack(int(cmd), size))
+                    for p in parts:
+                        self.sock.sendall(p)
             except TimeoutError:
                 self._fail(f"a send did not complete within {self.timeout:g} s", stalled=True)
                 raise RPCError(self.broken) from None

@@ -388,19 +388,20 @@ def _bind_mul_mat(x: np.ndarray, w: np.ndarray, dtype: DType, out: np.ndarray, b
 
 def _bind_mul_mat_cat(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequence[DType], out: np.ndarray,
                       bias: Optional[np.ndarray], nt: int,
-                      packed: Sequence[Optional[np.ndarray]] = ()) -> Callable[[], None]:
+                      packed: Sequence[Optional[np.ndarray]]) -> Callable[[], None]:
     """MUL_MAT_CAT: each weight part's product written into its columns of `out`, in one step.
-    When every part is repacked, x is quantized once for all of them."""
-    if (parts and len(packed) == len(parts) and all(p is not None for p in packed)
+    `packed`: each part's repacked copy or None. When every part is repacked, x is quantized once
+    for all of them."""
+    if (parts and all(p is not None for p in packed)
             and len({qmatmul.vec_dot_type(int(d)) for d in dtypes}) == 1):
         return _bind_mul_mat_cat_x8(x, parts, dtypes, out, bias, nt, packed)  # type: ignore[arg-type]
     steps, col = [], 0
-    for i, (w, dtype) in enumerate(zip(parts, dtypes)):
+    for w, dtype, wp in zip(parts, dtypes, packed):
         m = w.shape[0]
         if col + m > out.shape[1]:
             raise ValueError(f"MUL_MAT_CAT: the weight parts have more rows than out has columns ({out.shape[1]})")
         steps.append(_bind_mul_mat(x, w, dtype, out[:, col:col + m], None if bias is None else bias[col:col + m], nt,
-                                   packed[i] if i < len(packed) else None))
+                                   wp))
         col += m
     if col != out.shape[1]:
         raise ValueError(f"MUL_MAT_CAT: the weight parts have {col} rows, out has {out.shape[1]} columns")

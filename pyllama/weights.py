@@ -36,6 +36,11 @@ class Placement:
     def output_backend(self) -> int:
         return len(self.backends) - 1
 
+    @property
+    def n_stages(self) -> int:
+        """Devices a step goes through: those holding blocks, and the output layer's."""
+        return len(set(self.layer_backend) | {self.output_backend})
+
     def describe(self) -> str:
         """e.g. 'RPC0 0-5, CPU 6-11 + output'."""
         parts = []

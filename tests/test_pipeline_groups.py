@@ -135,6 +135,7 @@ def refusal(model: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("args,needle", [
     (["-np", "3", "--pipeline-groups", "2"], "does not divide --parallel 3"),
     (["-np", "4", "--pipeline-groups", "4", "-c", "1026"], "not divisible by --pipeline-groups 4"),
+    (["--pipeline-chunk", "-1"], "--pipeline-chunk -1"),
 ])
 def test_refused_configurations(tiny_model, args, needle):
     proc = refusal(tiny_model, *args)

@@ -136,6 +136,16 @@ class Model:
             out[t.qtype.name] = out.get(t.qtype.name, 0) + 1
         return out
 
+    def blocks_quantized(self) -> bool:
+        """Whether most of the blocks' weights (by elements) are of a block-quantized type."""
+        quant = total = 0
+        for name, t in self.file.tensors.items():
+            if name.startswith("blk.") and len(t.shape) >= 2:
+                total += t.n_elements
+                if t.qtype not in (QT.F32, QT.F16, QT.BF16):
+                    quant += t.n_elements
+        return 2 * quant > total
+
     # ------------------------------------------------------------------------------------------
     def logical_weights(self) -> dict[str, tuple[list[str], int]]:
         """Logical weight name -> (file tensors concatenated by rows, layer)."""

@@ -60,6 +60,11 @@ class PipelineGroup:
                  on_free: Callable[[Slot], None], n_threads: int = 1, backend_sampling: bool = False,
                  context_shift: bool = False, pooling: str = "none"):
         self.index = index
+        # Groups whose steps go through the same stages as this one's (set by the server for a
+        # split). While one of them generates, this group's steps feed at most
+        # `shared_prompt_chunk` prompt tokens (0: no limit), see `_schedule`.
+        self.neighbours: list[PipelineGroup] = []
+        self.shared_prompt_chunk = 0
         self.pooling = pooling  # of embedding tasks: which hidden rows their prompts return
         self.context_shift = context_shift
         for slot in slots:
@@ -115,6 +120,11 @@ class PipelineGroup:
 
     def n_busy(self) -> int:
         return sum(1 for s in self.slots if s.busy)
+
+    def generating(self) -> bool:
+        """Whether a slot of this group is generating (read by the other groups' threads: a
+        state that changes under the reader only moves one step's prompt limit)."""
+        return any(s.state is SlotState.GENERATING for s in self.slots)
 
     # ------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -322,6 +332,13 @@ class PipelineGroup:
             # trip through each stage); with a micro-batch of decode rows already, one of prompt
             ub = self.ctx.n_ubatch
             budget = min(budget, ub - len(decode) if len(decode) < ub else ub)
+        if self.shared_prompt_chunk and any(g.generating() for g in self.neighbours):
+            # The other groups' steps queue behind this one at every stage of the split: a prompt
+            # micro-batch of 512 tokens holds a stage as long as some twenty decode steps, and
+            # their generation waits. Short chunks interleave with their steps instead, which the
+            # kernels do at the same cost per token (the trips through the stages are what grows,
+            # and the other groups' steps fill the stages meanwhile).
+            budget = min(budget, self.shared_prompt_chunk)
         n_rows = len(decode)
         # With as many decode rows as EXACT_ROWS the step runs on BLAS anyway (and the running
         # sequences' own tokens with it): there is no exactness left to keep, only speed.
@@ -646,3 +663,14 @@ def _wants_raw_probs(slot: Slot) -> bool:
     the raw logits), which only the host logits give."""
     task = slot.task
     return task is not None and task.n_probs > 0 and not task.post_sampling_probs
+
+
+def share_stages(groups: list[PipelineGroup], chunk: int) -> None:
+    """Tells groups whose steps go through the same stages of a split about each other: while one
+    generates, the others' steps feed at most `chunk` prompt tokens (0: no limit)."""
+    if len(groups) < 2 or chunk <= 0:
+        return
+    log.info("pipeline groups: while another group generates, a step feeds at most %d prompt tokens", chunk)
+    for group in groups:
+        group.neighbours = [g for g in groups if g is not group]
+        group.shared_prompt_chunk = chunk

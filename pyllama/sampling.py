@@ -18,7 +18,8 @@ layer, so both paths must agree on the layout:
 
 - fparams  float32 [n, 8]: temperature, top_p, min_p, repeat_penalty, frequency_penalty,
   presence_penalty, draw (uniform in [0, 1)), unused (0)
-- iparams  int32   [n, 4]: top_k, n_probs, n_penalty_tokens, unused (0)
+- iparams  int32   [n, 4]: top_k, n_probs, n_penalty_tokens, flags (1: the chosen token's
+  probability is not wanted when n_probs is 0, so a greedy row skips the softmax; host only, 0 on the device)
 - penalty_tokens int32 [n, L]: the row's recent tokens, the first n_penalty_tokens valid (order
   does not matter: penalties only count occurrences)
 
@@ -495,13 +496,13 @@ class SampleResult:
     """Views of a BatchSampler's output arrays for the rows of one call; overwritten by the next."""
 
     ids: np.ndarray  # int32 [n]
-    probs: np.ndarray  # float32 [n]: probability of the chosen token
+    probs: np.ndarray  # float32 [n]: probability of the chosen token (NaN for a greedy row without n_probs)
     top_ids: np.ndarray  # int32 [n, max_probs]: each row's n_probs most probable, then -1
     top_probs: np.ndarray  # float32 [n, max_probs], descending, then 0
 
 
 def pack_rows(samplers: Sequence[SequenceSampler], fparams: np.ndarray, iparams: np.ndarray,
-              penalty_tokens: np.ndarray) -> int:
+              penalty_tokens: np.ndarray, flags: int = 0) -> int:
     """Packs rows [0, len(samplers)) of the sampler inputs; takes one draw per row.
 
     The arrays are the preallocated float32 [>= n, 8], int32 [>= n, 4] and int32 [>= n, L]
@@ -522,7 +523,7 @@ def pack_rows(samplers: Sequence[SequenceSampler], fparams: np.ndarray, iparams:
         # depend on its parameters or on the other rows.
         fbytes.append(s._fpacked)
         fbytes.append(_F2.pack(s.next_draw(), 0.0))
-        ibytes.append(_I4.pack(s._top_k, s._n_probs, n_pen, 0))
+        ibytes.append(_I4.pack(s._top_k, s._n_probs, n_pen, flags))
     fparams[:n] = np.frombuffer(b"".join(fbytes), dtype=np.float32).reshape(n, N_FPARAMS)
     iparams[:n] = np.frombuffer(b"".join(ibytes), dtype=np.int32).reshape(n, N_IPARAMS)
     return n
@@ -568,7 +569,9 @@ class BatchSampler:
     """
 
     def __init__(self, n_vocab: int, max_rows: int, max_probs: int = 20,
-                 window: int = DEFAULT_WINDOW, n_threads: int = 0) -> None:
+                 window: int = DEFAULT_WINDOW, n_threads: int = 0, chosen_prob: bool = True) -> None:
+        """chosen_prob=False: the caller reads `probs` only for rows with n_probs > 0 (the others
+        may be NaN), which spares greedy rows the softmax over the vocabulary."""
         if n_vocab < 1:
             raise ValueError(f"n_vocab must be >= 1, got {n_vocab}")
         if max_rows < 1:
@@ -584,6 +587,7 @@ class BatchSampler:
         self.max_probs = max_probs
         self.window = window
         self.n_threads = n_threads
+        self._flags = 0 if chosen_prob else 1
         self.fparams = np.zeros((max_rows, N_FPARAMS), dtype=np.float32)
         self.iparams = np.zeros((max_rows, N_IPARAMS), dtype=np.int32)
         self.penalty_tokens = np.zeros((max_rows, window), dtype=np.int32)
@@ -617,7 +621,7 @@ class BatchSampler:
                 if ids[-1] >= self.n_vocab:
                     raise ValueError(f"logit_bias names token {int(ids[-1])} beyond n_vocab {self.n_vocab}")
                 logits[i, ids] += bias
-        pack_rows(samplers, self.fparams, self.iparams, self.penalty_tokens)
+        pack_rows(samplers, self.fparams, self.iparams, self.penalty_tokens, self._flags)
         general, hist, brk = pack_general_rows(samplers, self.xparams, self.xiparams)
         if general:
             _sample_rows(logits, self.fparams[:n], self.iparams[:n], self.penalty_tokens[:n],

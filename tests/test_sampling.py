@@ -665,3 +665,24 @@ def test_logit_bias_beyond_the_vocabulary_is_refused():
                                                                   np.array([1.0], np.float32))))
     with pytest.raises(ValueError, match="n_vocab"):
         BatchSampler(50, 1).sample(np.zeros((1, 50), np.float32), [s])
+
+
+def test_batch_sampler_without_chosen_prob_skips_only_unwanted_softmax():
+    """chosen_prob=False (the server's sampler): a greedy row without n_probs gets its argmax and a
+    NaN probability (nobody reads it); rows with n_probs, and sampled rows, are unchanged."""
+    rng = np.random.default_rng(12)
+    n_vocab = 4000
+    logits = make_logits(rng, 4, n_vocab, "peaked")
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, n_probs=3),
+              SamplingParams(temperature=0.0, repeat_penalty=1.3), SamplingParams(seed=5, top_k=20)]
+    ctx = [list(rng.integers(0, n_vocab, 10)) for _ in params]
+    full = BatchSampler(n_vocab, max_rows=4, max_probs=3).sample(
+        logits.copy(), [SequenceSampler(p, c) for p, c in zip(params, ctx)])
+    lean = BatchSampler(n_vocab, max_rows=4, max_probs=3, chosen_prob=False).sample(
+        logits.copy(), [SequenceSampler(p, c) for p, c in zip(params, ctx)])
+    assert lean.ids.tolist() == full.ids.tolist()
+    assert np.isnan(lean.probs[0]) and np.isnan(lean.probs[2])  # greedy, no n_probs (with penalties too)
+    assert lean.probs[1] == full.probs[1] and lean.probs[3] == full.probs[3]
+    assert lean.top_ids[1].tolist() == full.top_ids[1].tolist()
+    assert np.array_equal(lean.top_probs[1], full.top_probs[1])
+    assert not np.isnan(full.probs).any()

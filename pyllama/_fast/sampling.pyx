@@ -528,11 +528,16 @@ cdef extern from * nogil:
     }
 
     // Greedy: the argmax is known; out_prob and the top n_probs come from the softmax of the
-    // whole row.
+    // whole row. A caller that reads out_prob only with n_probs (flags & 1) is spared the
+    // normalizer, an exp per token and two thirds of a greedy row's cost: out_prob is then NaN.
     static void greedy_finish(Scratch& s, const float* row, int n_vocab, float M, int best,
-                              int n_probs, int* out_id, float* out_prob, int* top_ids,
+                              int n_probs, int flags, int* out_id, float* out_prob, int* top_ids,
                               float* top_probs) {
         *out_id = best;
+        if (n_probs <= 0 && (flags & 1)) {
+            *out_prob = NAN;
+            return;
+        }
         const double Z = exp_sum(row, n_vocab, M);
         *out_prob = (float)(1.0 / Z);
         if (n_probs <= 0) return;
@@ -1060,7 +1065,7 @@ cdef extern from * nogil:
         if (!(temp > 0.0f) && !pen_on) {
             scan_max<false>(logits, nullptr, n_vocab, &M, &best, &lo);
             if (M > -INFINITY && M < INFINITY) {
-                greedy_finish(s, logits, n_vocab, M, best, n_probs, out_id, out_prob, top_ids,
+                greedy_finish(s, logits, n_vocab, M, best, n_probs, ip[3], out_id, out_prob, top_ids,
                               top_probs);
                 return;
             }
@@ -1111,7 +1116,7 @@ cdef extern from * nogil:
 
         // 2. Greedy: argmax (lowest id on ties); probabilities from the full softmax.
         if (!(temp > 0.0f)) {
-            greedy_finish(s, buf, n_vocab, M, best, n_probs, out_id, out_prob, top_ids,
+            greedy_finish(s, buf, n_vocab, M, best, n_probs, ip[3], out_id, out_prob, top_ids,
                           top_probs);
             return;
         }

@@ -81,7 +81,9 @@ class PipelineGroup:
         self._wake = threading.Condition(threading.Lock())
         self._inbox: deque[list[tuple[Slot, CompletionTask]]] = deque()
         self._running = True
-        self.sampler = BatchSampler(ctx.hparams.n_vocab, max(len(slots), 1), MAX_PROBS, n_threads=n_threads)
+        # a chosen token's probability is read only for requests with n_probs (token_probs)
+        self.sampler = BatchSampler(ctx.hparams.n_vocab, max(len(slots), 1), MAX_PROBS, n_threads=n_threads,
+                                    chosen_prob=False)
         # sampling where the logits are: only ids come back (the caller checked the device can)
         self.backend_sampling = backend_sampling
         self.sink = EventSink()

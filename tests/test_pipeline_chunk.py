@@ -85,6 +85,25 @@ def test_blocks_quantized(model_factory, wtype, quantized):
     assert Model(model_factory("tiny", wtype=wtype)).blocks_quantized() is quantized
 
 
+@pytest.mark.parametrize("wtype,stages,option,expect", [
+    ("q4_0", [True, True], None, 64),     # quantized, every stage a CPU
+    ("q4_0", [True, False], None, 0),     # a stage (a GPU) that wants large batches
+    ("f32", [True, True], None, 0),       # F32 products want large batches
+    ("f32", [True, False], 16, 16),       # the option always wins
+    ("q4_0", [True, True], 0, 0),
+])
+def test_default_chunk(model_factory, wtype, stages, option, expect):
+    from types import SimpleNamespace
+
+    from pyllama.backend.cpu import CPUBackend
+    from pyllama.models.model import Model
+    from pyllama.server.group import pipeline_chunk
+
+    assert CPUBackend.small_batches_cheap
+    backends = [SimpleNamespace(small_batches_cheap=c) for c in stages]
+    assert pipeline_chunk(option, Model(model_factory("tiny", wtype=wtype)), backends) == expect
+
+
 @pytest.fixture(scope="module")
 def peer():
     p = RPCServerProcess()

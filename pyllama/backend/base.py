@@ -71,6 +71,9 @@ class Backend(ABC):
         return None
 
     host_memory = False  # whether tensors live in this host's memory (host_array gives views)
+    # whether quantized products cost about as much per token in batches of 16-64 rows as in 512
+    # (a CPU's kernels; a GPU's need large batches to fill the device)
+    small_batches_cheap = False
 
     def host_array(self, tensor: Tensor) -> Optional[np.ndarray]:
         """A numpy view of the tensor when its bytes live in this host's memory (a CPU device),

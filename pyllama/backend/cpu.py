@@ -235,6 +235,7 @@ class CPUBackend(Backend):
         return out
 
     host_memory = True
+    small_batches_cheap = True  # the repacked kernels: 762 / 868 tok/s at 16 / 512 rows (q4_k_m)
 
     def host_array(self, tensor: Tensor) -> Optional[np.ndarray]:
         return self.bytes_of(tensor)

@@ -325,6 +325,10 @@ class RPCBackend(Backend):
             return self.conn.has(Cap.FAMILY_OPS) and self.device_kind() == KIND["cpu"]
         return op != Op.SAMPLE or self.conn.has(Cap.BACKEND_SAMPLING)
 
+    @property
+    def small_batches_cheap(self) -> bool:  # type: ignore[override]
+        return self.device_kind() == KIND["cpu"]
+
     def device_kind(self) -> int:
         """The peer device's kind (protocol KIND), asked once."""
         if self._kind is None:

@@ -26,11 +26,10 @@ from ..errors import PyllamaError
 from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
 from .embedding import model_pooling
-from .group import PipelineGroup, share_stages
+from .group import PipelineGroup, pipeline_chunk, share_stages
 from .http import HTTPServer, install_uvloop
-from .options import (QUANT_PIPELINE_CHUNK, apply_settings, build_parser, check_args,  # noqa: F401
-                      default_constraint, lock_memory, log_accepted, log_level, parse_args, resolve,
-                      sampling_defaults)
+from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401
+                      log_accepted, log_level, parse_args, resolve, sampling_defaults)
 from .params import set_default_constraint, set_generation_defaults
 from .reconnect import PeerReconnector
 from .router import Router
@@ -87,11 +86,8 @@ def load(state: ServerState) -> None:
                                           n_threads=1, backend_sampling=backend_sampling,
                                           context_shift=args.context_shift, pooling=state.pooling))
 
-    chunk = args.pipeline_chunk
-    if chunk is None:
-        chunk = QUANT_PIPELINE_CHUNK if engine.model.blocks_quantized() else 0
     if ctx.placement.n_stages > 1:  # the groups take turns at each stage of the split
-        share_stages(state.groups, chunk)
+        share_stages(state.groups, pipeline_chunk(args.pipeline_chunk, engine.model, ctx.placement.backends))
     state.slots_per_group = seq_group
     state.n_ctx_slot = ctx.seq_cap
     tok = engine.tokenizer

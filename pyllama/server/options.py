@@ -19,6 +19,7 @@ from ..devices import add_device_args
 from ..errors import PyllamaError
 from ..models.gguf_file import kv_override_arg
 from ..sampling import SamplingParams, parse_samplers
+from .group import QUANT_PIPELINE_CHUNK
 
 if TYPE_CHECKING:
     from .constraint import ConstraintSpec
@@ -28,10 +29,6 @@ log = logging.getLogger("pyllama.server")
 PROG = "python -m pyllama.server"
 # llama-server's -np -1: 4 slots sharing one unified KV cache
 AUTO_PARALLEL = 4
-# --pipeline-chunk's default for quantized weights: their products cost about as much per token at
-# 16 rows as at 512 (q4_k_m medium, one CPU thread: 762 vs 868 tok/s), where F32 products cost 2.4x
-# as much at 16 rows (276 vs 673 tok/s), so only quantized prompts are cut small by default.
-QUANT_PIPELINE_CHUNK = 64
 REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
 POOLING_TYPES = ("none", "mean", "cls", "last")
 
@@ -187,7 +184,7 @@ def build_parser() -> Parser:
       help="with --pipeline-groups over a split: while another group generates, a group's step feeds at most N "
            "prompt tokens, so its prompts do not hold the stages that the other groups' steps wait for "
            f"(0 = no limit: prompts go in micro-batches of -ub; default {QUANT_PIPELINE_CHUNK} for a quantized "
-           "model, whose products cost as much per token in small batches, 0 for F32/F16/BF16 weights)")
+           "model on CPU devices (local or rpc), whose products cost as much per token in small batches, else 0)")
     a("-ctk", "--cache-type-k", default=DEFAULT_CACHE_TYPE, choices=list(CACHE_TYPES),
       llama_env="LLAMA_ARG_CACHE_TYPE_K", help="KV cache type for K: f32, f16, bf16 or q8_0")
     a("-ctv", "--cache-type-v", default=DEFAULT_CACHE_TYPE, choices=list(CACHE_TYPES),

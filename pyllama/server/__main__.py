@@ -23,6 +23,7 @@ from ..cli import install_stop_signals, run_main, setup_logging
 from ..devices import open_devices
 from ..engine import Engine
 from ..errors import PyllamaError
+from ..priority import apply_priority
 from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
 from .embedding import model_pooling
@@ -211,6 +212,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log_accepted(args)
     if args.mlock:
         lock_memory()
+    # before any thread starts: the event loop, task, decode and kernel helper threads inherit it
+    apply_priority(args.prio)
     install_uvloop()
     return asyncio.run(serve(args))
 

@@ -12,7 +12,7 @@ import sys
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from .. import __version__
+from .. import __version__, priority
 from ..cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from ..cli import Parser, Toggle, parse_bool
 from ..devices import add_device_args
@@ -91,8 +91,8 @@ UNSUPPORTED: dict[str, str] = {
                                     "--cors-credentials", "--no-cors-credentials", "--sse-ping-interval",
                                     "--skip-chat-parsing", "--no-skip-chat-parsing", "--log-prompts-dir",
                                     "--attention", "-Cr", "--cpu-range", "-C", "--cpu-mask", "--cpu-strict",
-                                    "--prio", "--poll", "-Crb", "--cpu-range-batch", "-Cb", "--cpu-mask-batch",
-                                    "--cpu-strict-batch", "--prio-batch", "--poll-batch", "--list-devices",
+                                    "--poll", "-Crb", "--cpu-range-batch", "-Cb", "--cpu-mask-batch",
+                                    "--cpu-strict-batch", "--poll-batch", "--list-devices",
                                     "--server-base")},
 }
 UNSUPPORTED_PREFIXES = {"--spec-": _DRAFT}
@@ -177,6 +177,11 @@ def build_parser() -> Parser:
     a("-t", "--threads", type=int, default=0, llama_env="LLAMA_ARG_THREADS", help="compute threads, 0 = all cores")
     a("-tb", "--threads-batch", type=int, default=None, llama_env=None,
       help="accepted; pyllama computes prompts and generation with the same --threads")
+    a("--prio", type=int, default=0, llama_env=None,
+      help="priority of the server's threads: -1 low (SCHED_BATCH), 0 normal, 1 medium, 2 high, 3 realtime "
+           "(SCHED_FIFO 40 / 80 / 90: compute runs until it blocks, not time-sliced; needs root or CAP_SYS_NICE)")
+    a("--prio-batch", type=int, default=None, llama_env=None,
+      help="accepted; pyllama's threads serve prompts and generation alike and take --prio")
     a("--pipeline-groups", type=int, default=1,
       help="N contexts of the model, each with its own batch and decode thread, so N batches are in "
            "flight over a layer split; must divide --parallel")
@@ -444,6 +449,10 @@ def check_args(args) -> None:
         resolve(args)
     if args.parallel < 1:
         raise PyllamaError(f"--parallel {args.parallel}: must be -1 (auto) or at least 1")
+    for flag, level in (("--prio", args.prio), ("--prio-batch", args.prio_batch)):
+        why = None if level is None else priority.check_level(level, flag)
+        if why is not None:
+            raise PyllamaError(why)
     if args.pipeline_chunk is not None and args.pipeline_chunk < 0:
         raise PyllamaError(f"--pipeline-chunk {args.pipeline_chunk}: must be 0 (no limit) or more")
     if args.pipeline_groups < 1:
@@ -566,6 +575,9 @@ def log_accepted(args) -> None:
     if args.threads_batch is not None and args.threads_batch != args.threads:
         log.info("-tb %d: pyllama uses --threads (%d) for prompts and generation alike", args.threads_batch,
                  args.threads)
+    if args.prio_batch is not None and args.prio_batch != args.prio:
+        log.info("--prio-batch %d: pyllama's threads serve prompts and generation alike and take --prio (%d)",
+                 args.prio_batch, args.prio)
     if args.threads_http != -1:
         log.info("--threads-http %d: pyllama answers HTTP on one event loop", args.threads_http)
     if args.cache_reuse:

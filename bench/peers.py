@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Optional
+from typing import Optional, Sequence
 
 
 
@@ -56,8 +56,9 @@ class Peers:
             raise RuntimeError(f"{program} exited {proc.returncode}: {proc.stderr[-2000:]}")
         return proc.stdout
 
-    def popen(self, program: str, *args: str, **kwargs) -> subprocess.Popen:
-        return subprocess.Popen([self.path(program), *args], env=self.env, **kwargs)
+    def popen(self, program: str, *args: str, wrap: Sequence[str] = (), **kwargs) -> subprocess.Popen:
+        """Starts a program; `wrap` goes before it (e.g. `chrt -f 40`)."""
+        return subprocess.Popen([*wrap, self.path(program), *args], env=self.env, **kwargs)
 
     def close(self) -> None:
         shutil.rmtree(self._libdir, ignore_errors=True)

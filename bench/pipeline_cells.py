@@ -4,7 +4,7 @@
         [--groups 1,2,3,4] [--users 32,64,128] [--legs 3] [--npp 64] [--ntg 64] [-r 1] [-t 1]
         [--warmup 1] [--tensor-split even|auto|a,b] [--server-args '--kv-unified']
         [--types f32,q4_k_m] [--unsplit-threads 1,2] [--unsplit-groups 2] [--peers DIR [--llama-ngl N]]
-        [--trace DIR]
+        [--trace DIR] [--prio N]
         [--netns [--rate 10gbit]] [--json OUT]
 
 One rpc server (`python -m pyllama.rpc_server -t T`) lives for the whole run. A cell is
@@ -47,6 +47,8 @@ More arms in the same legs (interleaved with the split cells):
 - `--types f32,q4_k_m`: every arm on each weight type (--preset models made by pyllama.models.make).
 - `--trace DIR`: the split cells' server and the rpc server write traces; each split leg gets the
   devices' busy shares from `trace_tools/merge.py --summary`.
+- `--prio N`: every pyllama server and rpc server with `--prio N` (thread priority, docs/server.md),
+  llama.cpp's programs started under `chrt` at the same level, so every cell runs at it.
 With any of these, a second table lists every cell (mean [min..max] over legs, completed/sent,
 busy %), then the ratios the issue targets name: -t2/-t1, 2 groups / 1 group, 2 groups / unsplit,
 pyllama split / llama.cpp split (ratio of the means, [min..max] of the per-leg ratios).
@@ -68,7 +70,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -334,6 +336,16 @@ def llama_args(users: int, npp: int, ntg: int, threads: int, endpoint: Optional[
     if endpoint is not None:
         args += ["--rpc", endpoint, "-ngl", str(ngl if ngl is not None else 0)]
     return args
+
+
+def chrt_prefix(prio: int) -> list[str]:
+    """The `chrt` command that starts llama.cpp's programs at pyllama's --prio level (ggml-rpc-server
+    has no such flag): every thread of every process of every cell then runs at the same level."""
+    if prio == 0:
+        return []
+    if prio == -1:
+        return ["chrt", "-b", "0"]
+    return ["chrt", "-f", str({1: 40, 2: 80, 3: 90}[prio])]
 
 
 def split_blocks(n_layer: int, tensor_split: str, order: str) -> Optional[int]:
@@ -613,8 +625,9 @@ class NetnsPeer:
 
     LISTEN = re.compile(r"^listening on (\S+):(\d+)\s*$")
 
-    def __init__(self, rate: str, threads: int) -> None:
+    def __init__(self, rate: str, threads: int, extra: Sequence[str] = ()) -> None:
         pid = os.getpid()
+        self.extra = list(extra)
         self.rate = rate
         self.burst = tbf_burst(rate)
         self.latency = TBF_LATENCY
@@ -661,7 +674,7 @@ class NetnsPeer:
         env = dict(os.environ)
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = ["ip", "netns", "exec", self.ns, sys.executable, "-m", "pyllama.rpc_server",
-               "--host", self.peer_ip, "--port", "0", "-t", str(self.threads)]
+               "--host", self.peer_ip, "--port", "0", "-t", str(self.threads), *self.extra]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         log: list[str] = []
@@ -743,13 +756,13 @@ class LlamaServer:
 
     live: "set[LlamaServer]" = set()
 
-    def __init__(self, peers, model: str, args: list[str], ready_timeout: float) -> None:
+    def __init__(self, peers, model: str, args: list[str], ready_timeout: float, wrap: Sequence[str] = ()) -> None:
         from server_util import free_port  # noqa: PLC0415
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = peers.popen("llama-server", "-m", model, "--host", "127.0.0.1", "--port", str(self.port), *args,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                wrap=wrap, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.drain = _Drain(self.proc.stdout, keep=400)
         LlamaServer.live.add(self)
         try:
@@ -770,7 +783,7 @@ class LlamaServer:
 class GgmlRpcPeer:
     """llama.cpp's ggml-rpc-server (-t threads) on a free loopback port, for the whole run."""
 
-    def __init__(self, peers, threads: int, timeout: float = 60) -> None:
+    def __init__(self, peers, threads: int, timeout: float = 60, wrap: Sequence[str] = ()) -> None:
         import socket  # noqa: PLC0415
 
         from server_util import free_port  # noqa: PLC0415
@@ -778,7 +791,7 @@ class GgmlRpcPeer:
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.proc = peers.popen("ggml-rpc-server", "-H", "127.0.0.1", "-p", str(self.port), "-t", str(threads),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                wrap=wrap, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.drain = _Drain(self.proc.stdout)
         deadline = time.monotonic() + timeout
         while True:  # it prints nothing we can rely on: ready once the port takes a connection
@@ -896,7 +909,7 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
     the trace folder and the peer's trace, the blocks pyllama gave RPC0 (for llama.cpp's -ngl)."""
     ctx = ctx or {}
     kind = run.get("kind", SPLIT)
-    extra = shlex.split(a.server_args)
+    extra = shlex.split(a.server_args) + (["--prio", str(a.prio)] if a.prio else [])
     trace_path = None
     if kind == SPLIT:
         args = server_args(run["order"], endpoint, run["groups"], run["users"], a.npp, a.ntg, a.threads,
@@ -922,7 +935,7 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
            "errors": 0, "short": 0, "exit_status": 0, "failures": [], "bench": None}
     t0 = time.monotonic()
     try:
-        server = LlamaServer(ctx["peers"], model, args, a.ready_timeout) if llama else \
+        server = LlamaServer(ctx["peers"], model, args, a.ready_timeout, chrt_prefix(a.prio)) if llama else \
             CellServer(model, args, a.ready_timeout)
     except Exception as e:  # noqa: BLE001 - a server that does not start is a failed cell
         msg = str(e).strip().splitlines()
@@ -977,6 +990,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "speed); or proportions a,b passed as they are")
     ap.add_argument("--server-args", default="", metavar="'ARGS'",
                     help="more pyllama.server arguments for every cell, e.g. '--kv-unified'")
+    ap.add_argument("--prio", type=int, default=0, choices=(-1, 0, 1, 2, 3),
+                    help="--prio of every pyllama server and rpc server (docs/server.md); llama.cpp's programs "
+                         "are started under chrt at the same level (SCHED_FIFO 40/80/90, -1 SCHED_BATCH)")
     ap.add_argument("--netns", action="store_true", help="rpc server in its own network namespace (root)")
     ap.add_argument("--rate", default="10gbit", help="tbf rate of the veth pair with --netns")
     ap.add_argument("--types", default="f32", help="weight types of the --preset models, e.g. f32,q4_k_m "
@@ -1093,12 +1109,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     shared: dict = {"peers": peers, "trace_dir": trace_dir, "peer_trace": None}
     try:
         if any(r["kind"] == SPLIT for r in runs):
-            peer_args = ["-t", str(a.threads)]
+            peer_args = ["-t", str(a.threads)] + (["--prio", str(a.prio)] if a.prio else [])
             if trace_dir:
                 shared["peer_trace"] = os.path.join(trace_dir, "rpc-server.jsonl")
                 peer_args += ["--trace", shared["peer_trace"]]
             if a.netns:
-                peer = NetnsPeer(a.rate, a.threads)
+                peer = NetnsPeer(a.rate, a.threads, ["--prio", str(a.prio)] if a.prio else [])
                 atexit.register(peer.teardown)
                 try:
                     peer.setup()
@@ -1114,11 +1130,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 endpoint = rpc.endpoint
                 log(f"rpc server at {endpoint}")
         if any(r["kind"] == LLAMA_SPLIT for r in runs):
-            llama_rpc = GgmlRpcPeer(peers, a.threads)
+            llama_rpc = GgmlRpcPeer(peers, a.threads, wrap=chrt_prefix(a.prio))
             shared["llama_endpoint"] = llama_rpc.endpoint
             log(f"ggml-rpc-server at {llama_rpc.endpoint}")
         log(f"models {models}; {len(runs)} runs: {len(arms)} arms ({', '.join(arm_label(arm_key(r)) for r in arms)}), "
-            f"users {users}, {a.legs} legs, npp {a.npp}, ntg {a.ntg}, -r {a.requests}, -t {a.threads}")
+            f"users {users}, {a.legs} legs, npp {a.npp}, ntg {a.ntg}, -r {a.requests}, -t {a.threads}, --prio {a.prio}")
         for i, run in enumerate(runs, 1):
             log(f"[{i}/{len(runs)}] {run['type']} {arm_label(arm_key(run))} users {run['users']} leg {run['leg']}")
             if run["kind"] == LLAMA_SPLIT:

@@ -208,9 +208,27 @@ def test_tiny_end_to_end(tiny_model, tmp_path):
     assert (cell["tok_s_min"], cell["tok_s_max"]) == (min(toks), max(toks))
 
 
+def test_chrt_prefix_matches_prio_levels():
+    assert pc.chrt_prefix(0) == []
+    assert pc.chrt_prefix(-1) == ["chrt", "-b", "0"]
+    assert [pc.chrt_prefix(n) for n in (1, 2, 3)] == [["chrt", "-f", "40"], ["chrt", "-f", "80"], ["chrt", "-f", "90"]]
+
+
+def test_prio_reaches_every_pyllama_process(tiny_model, tmp_path):
+    # -1 (SCHED_BATCH) needs no privilege, so this runs anywhere
+    out = tmp_path / "cells.json"
+    r = _run(["--model", tiny_model, *TINY_ARGS, "--legs", "1", "--prio", "-1", "--json", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "--prio -1" in r.stderr + r.stdout
+    (leg,) = json.loads(out.read_text())["legs"]
+    assert leg["server_args"][-2:] == ["--prio", "-1"] and leg["errors"] == 0
+
+
 def test_bad_flag_value_exits_1():
     r = _run(["--groups", "0"], timeout=60)
     assert r.returncode == 1 and "--groups" in r.stderr
+    r = _run(["--prio", "5"], timeout=60)
+    assert r.returncode != 0 and "--prio" in r.stderr
 
 
 def test_failed_cell_exits_1(tiny_model, tmp_path):

@@ -10,9 +10,12 @@
 
 Under SCHED_FIFO a thread runs until it blocks: compute is not time-sliced against the event loop,
 the other pipeline group's host work or other programs, so a split's stages are not stretched by
-sharing a core three ways (docs/pipeline-groups.md has the measurement). Every thread the process
-already has is set, and threads started later inherit the class of the thread that starts them,
-so calling this before the server starts its threads covers all of them. The kernel keeps 5% of
+sharing a core three ways (docs/pipeline-groups.md has the measurement). The calling thread is set,
+and threads started later inherit the class of the thread that starts them, so calling this before
+the server starts its threads covers all of them. Threads that already exist keep theirs: those
+are the BLAS library's workers (started when numpy loads), which spin while they wait for work,
+and a spinning SCHED_FIFO thread holds its core against the compute threads (f32 `-t 2` lost 7-11%
+that way; at their normal priority they are preempted instead). The kernel keeps 5% of
 each second for ordinary threads (sched_rt_runtime_us), so a busy server does not lock the machine
 out, but it does crowd out everything else on its cores: it is opt-in, as in llama.cpp.
 
@@ -48,15 +51,9 @@ def policy_for(level: int) -> Optional[tuple[int, int]]:
     return None
 
 
-def _thread_ids() -> list[int]:
-    try:
-        return sorted(int(t) for t in os.listdir("/proc/self/task"))
-    except OSError:  # no /proc: the calling thread only (pid 0 means the caller)
-        return [0]
-
-
 def apply_priority(level: int, flag: str = "--prio") -> bool:
-    """Sets every thread of this process to `level`; False (with a warning) where the system refuses."""
+    """Sets the calling thread, and so every thread it or its descendants start from now on, to
+    `level`; False (with a warning) where the system refuses."""
     why = check_level(level, flag)
     if why is not None:
         raise ValueError(why)
@@ -69,12 +66,7 @@ def apply_priority(level: int, flag: str = "--prio") -> bool:
         log.warning("%s %d (%s): thread priorities cannot be set on this system; left as they are", flag, level, name)
         return False
     try:
-        param = os.sched_param(prio)
-        for tid in _thread_ids():
-            try:
-                os.sched_setscheduler(tid, policy, param)
-            except ProcessLookupError:  # a thread that ended meanwhile
-                continue
+        os.sched_setscheduler(0, policy, os.sched_param(prio))  # 0: the calling thread (Linux)
     except PermissionError:
         log.warning("%s %d (%s): not permitted (SCHED_FIFO needs root, CAP_SYS_NICE or ulimit -r %d); threads "
                     "keep their priority", flag, level, name, prio)
@@ -82,6 +74,6 @@ def apply_priority(level: int, flag: str = "--prio") -> bool:
     except OSError as exc:
         log.warning("%s %d (%s): %s; threads keep their priority", flag, level, name, exc.strerror or exc)
         return False
-    log.info("%s %d (%s): every thread %s", flag, level, name,
+    log.info("%s %d (%s): %s for this thread and every thread started after it", flag, level, name,
              "SCHED_BATCH" if policy == os.SCHED_BATCH else f"SCHED_FIFO {prio}")
     return True

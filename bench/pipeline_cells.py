@@ -48,7 +48,8 @@ More arms in the same legs (interleaved with the split cells):
 - `--trace DIR`: the split cells' server and the rpc server write traces; each split leg gets the
   devices' busy shares from `trace_tools/merge.py --summary`.
 - `--prio N`: every pyllama server and rpc server with `--prio N` (thread priority, docs/server.md),
-  llama.cpp's programs started under `chrt` at the same level, so every cell runs at it.
+  llama-server with its own `--prio N`, ggml-rpc-server (which has no such flag) under `chrt` at
+  the same level.
 With any of these, a second table lists every cell (mean [min..max] over legs, completed/sent,
 busy %), then the ratios the issue targets name: -t2/-t1, 2 groups / 1 group, 2 groups / unsplit,
 pyllama split / llama.cpp split (ratio of the means, [min..max] of the per-leg ratios).
@@ -339,8 +340,8 @@ def llama_args(users: int, npp: int, ntg: int, threads: int, endpoint: Optional[
 
 
 def chrt_prefix(prio: int) -> list[str]:
-    """The `chrt` command that starts llama.cpp's programs at pyllama's --prio level (ggml-rpc-server
-    has no such flag): every thread of every process of every cell then runs at the same level."""
+    """The `chrt` command that starts ggml-rpc-server at pyllama's --prio level (it has no such
+    flag; llama-server takes its own --prio)."""
     if prio == 0:
         return []
     if prio == -1:
@@ -756,13 +757,13 @@ class LlamaServer:
 
     live: "set[LlamaServer]" = set()
 
-    def __init__(self, peers, model: str, args: list[str], ready_timeout: float, wrap: Sequence[str] = ()) -> None:
+    def __init__(self, peers, model: str, args: list[str], ready_timeout: float) -> None:
         from server_util import free_port  # noqa: PLC0415
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = peers.popen("llama-server", "-m", model, "--host", "127.0.0.1", "--port", str(self.port), *args,
-                                wrap=wrap, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.drain = _Drain(self.proc.stdout, keep=400)
         LlamaServer.live.add(self)
         try:
@@ -935,7 +936,8 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
            "errors": 0, "short": 0, "exit_status": 0, "failures": [], "bench": None}
     t0 = time.monotonic()
     try:
-        server = LlamaServer(ctx["peers"], model, args, a.ready_timeout, chrt_prefix(a.prio)) if llama else \
+        server = LlamaServer(ctx["peers"], model, args + (["--prio", str(a.prio)] if a.prio else []),
+                             a.ready_timeout) if llama else \
             CellServer(model, args, a.ready_timeout)
     except Exception as e:  # noqa: BLE001 - a server that does not start is a failed cell
         msg = str(e).strip().splitlines()
@@ -991,8 +993,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--server-args", default="", metavar="'ARGS'",
                     help="more pyllama.server arguments for every cell, e.g. '--kv-unified'")
     ap.add_argument("--prio", type=int, default=0, choices=(-1, 0, 1, 2, 3),
-                    help="--prio of every pyllama server and rpc server (docs/server.md); llama.cpp's programs "
-                         "are started under chrt at the same level (SCHED_FIFO 40/80/90, -1 SCHED_BATCH)")
+                    help="--prio of every pyllama server and rpc server (docs/server.md) and of llama-server; "
+                         "ggml-rpc-server is started under chrt at the same level (SCHED_FIFO 40/80/90, -1 SCHED_BATCH)")
     ap.add_argument("--netns", action="store_true", help="rpc server in its own network namespace (root)")
     ap.add_argument("--rate", default="10gbit", help="tbf rate of the veth pair with --netns")
     ap.add_argument("--types", default="f32", help="weight types of the --preset models, e.g. f32,q4_k_m "

@@ -1,4 +1,4 @@
-"""--prio: the scheduling priority of every thread of a process, at llama.cpp's levels.
+"""--prio: the scheduling priority of a process's threads, at llama.cpp's levels.
 
 | level | name | Linux scheduling |
 |---|---|---|

@@ -82,6 +82,8 @@ for _p in (HERE, os.path.join(ROOT, "tests"), ROOT):
 from bench_users import run_bench  # noqa: E402
 from server_util import RPCServerProcess, ServerProcess  # noqa: E402
 
+from pyllama.priority import LEVELS, policy_for  # noqa: E402
+
 CTX_SLACK = 16            # KV positions per slot beyond npp + ntg
 DEFAULT_VOCAB = (300, 1000)
 TBF_LATENCY = "50ms"
@@ -339,14 +341,19 @@ def llama_args(users: int, npp: int, ntg: int, threads: int, endpoint: Optional[
     return args
 
 
+def prio_args(prio: int) -> list[str]:
+    """`--prio N` for pyllama's programs and llama-server; nothing at the default level."""
+    return ["--prio", str(prio)] if prio else []
+
+
 def chrt_prefix(prio: int) -> list[str]:
     """The `chrt` command that starts ggml-rpc-server at pyllama's --prio level (it has no such
     flag; llama-server takes its own --prio)."""
-    if prio == 0:
+    target = policy_for(prio)
+    if target is None:
         return []
-    if prio == -1:
-        return ["chrt", "-b", "0"]
-    return ["chrt", "-f", str({1: 40, 2: 80, 3: 90}[prio])]
+    policy, static = target
+    return ["chrt", "-b" if policy == os.SCHED_BATCH else "-f", str(static)]
 
 
 def split_blocks(n_layer: int, tensor_split: str, order: str) -> Optional[int]:
@@ -910,7 +917,7 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
     the trace folder and the peer's trace, the blocks pyllama gave RPC0 (for llama.cpp's -ngl)."""
     ctx = ctx or {}
     kind = run.get("kind", SPLIT)
-    extra = shlex.split(a.server_args) + (["--prio", str(a.prio)] if a.prio else [])
+    extra = shlex.split(a.server_args) + prio_args(a.prio)
     trace_path = None
     if kind == SPLIT:
         args = server_args(run["order"], endpoint, run["groups"], run["users"], a.npp, a.ntg, a.threads,
@@ -936,8 +943,7 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
            "errors": 0, "short": 0, "exit_status": 0, "failures": [], "bench": None}
     t0 = time.monotonic()
     try:
-        server = LlamaServer(ctx["peers"], model, args + (["--prio", str(a.prio)] if a.prio else []),
-                             a.ready_timeout) if llama else \
+        server = LlamaServer(ctx["peers"], model, args + prio_args(a.prio), a.ready_timeout) if llama else \
             CellServer(model, args, a.ready_timeout)
     except Exception as e:  # noqa: BLE001 - a server that does not start is a failed cell
         msg = str(e).strip().splitlines()
@@ -992,7 +998,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "speed); or proportions a,b passed as they are")
     ap.add_argument("--server-args", default="", metavar="'ARGS'",
                     help="more pyllama.server arguments for every cell, e.g. '--kv-unified'")
-    ap.add_argument("--prio", type=int, default=0, choices=(-1, 0, 1, 2, 3),
+    ap.add_argument("--prio", type=int, default=0, choices=sorted(LEVELS),
                     help="--prio of every pyllama server and rpc server (docs/server.md) and of llama-server; "
                          "ggml-rpc-server is started under chrt at the same level (SCHED_FIFO 40/80/90, -1 SCHED_BATCH)")
     ap.add_argument("--netns", action="store_true", help="rpc server in its own network namespace (root)")
@@ -1111,12 +1117,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     shared: dict = {"peers": peers, "trace_dir": trace_dir, "peer_trace": None}
     try:
         if any(r["kind"] == SPLIT for r in runs):
-            peer_args = ["-t", str(a.threads)] + (["--prio", str(a.prio)] if a.prio else [])
+            peer_args = ["-t", str(a.threads)] + prio_args(a.prio)
             if trace_dir:
                 shared["peer_trace"] = os.path.join(trace_dir, "rpc-server.jsonl")
                 peer_args += ["--trace", shared["peer_trace"]]
             if a.netns:
-                peer = NetnsPeer(a.rate, a.threads, ["--prio", str(a.prio)] if a.prio else [])
+                peer = NetnsPeer(a.rate, a.threads, prio_args(a.prio))
                 atexit.register(peer.teardown)
                 try:
                     peer.setup()

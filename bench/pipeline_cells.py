@@ -82,7 +82,7 @@ for _p in (HERE, os.path.join(ROOT, "tests"), ROOT):
 from bench_users import run_bench  # noqa: E402
 from server_util import RPCServerProcess, ServerProcess  # noqa: E402
 
-from pyllama.priority import LEVELS, policy_for  # noqa: E402
+from pyllama.priority import LEVELS, LEVELS_HELP, policy_for  # noqa: E402
 
 CTX_SLACK = 16            # KV positions per slot beyond npp + ntg
 DEFAULT_VOCAB = (300, 1000)
@@ -1000,7 +1000,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="more pyllama.server arguments for every cell, e.g. '--kv-unified'")
     ap.add_argument("--prio", type=int, default=0, choices=sorted(LEVELS),
                     help="--prio of every pyllama server and rpc server (docs/server.md) and of llama-server; "
-                         "ggml-rpc-server is started under chrt at the same level (SCHED_FIFO 40/80/90, -1 SCHED_BATCH)")
+                         f"ggml-rpc-server is started under chrt at the same level ({LEVELS_HELP})")
     ap.add_argument("--netns", action="store_true", help="rpc server in its own network namespace (root)")
     ap.add_argument("--rate", default="10gbit", help="tbf rate of the veth pair with --netns")
     ap.add_argument("--types", default="f32", help="weight types of the --preset models, e.g. f32,q4_k_m "

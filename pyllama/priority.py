@@ -32,6 +32,9 @@ log = logging.getLogger("pyllama.priority")
 
 LEVELS = {-1: "low", 0: "normal", 1: "medium", 2: "high", 3: "realtime"}
 _FIFO_PRIORITY = {1: 40, 2: 80, 3: 90}
+# the levels as every --prio help lists them, from the two tables above
+LEVELS_HELP = (f"-1 {LEVELS[-1]} (SCHED_BATCH), " + ", ".join(f"{k} {LEVELS[k]}" for k in (0, 1, 2, 3))
+               + f" (SCHED_FIFO {' / '.join(str(v) for v in _FIFO_PRIORITY.values())}; needs root or CAP_SYS_NICE)")
 
 
 def check_level(level: int, flag: str = "--prio") -> Optional[str]:

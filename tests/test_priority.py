@@ -118,7 +118,7 @@ def _threads_at_import(module: str) -> int:
     return int(run.stdout)
 
 
-def test_server_and_rpc_server_threads_take_the_level(tiny_model, caplog):
+def test_server_and_rpc_server_threads_take_the_level(tiny_model):
     level, expect = (1, (os.SCHED_FIFO, 40)) if _CAN_FIFO else (-1, (os.SCHED_BATCH, 0))
     rpc = RPCServerProcess("--prio", str(level))
     srv = None

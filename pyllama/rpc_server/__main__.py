@@ -21,7 +21,7 @@ from ..backend.base import Backend
 from ..backend.cpu import CPUBackend, set_compute_threads
 from ..cli import Parser, install_stop_signals, run_main, setup_logging
 from ..errors import PyllamaError
-from ..priority import apply_priority, check_level
+from ..priority import LEVELS_HELP, apply_priority, check_level
 from ..rpc.auth import read_token
 from ..rpc.protocol import DEFAULT_MAX_FRAME
 from ..server.http import install_uvloop
@@ -45,8 +45,7 @@ def build_parser() -> Parser:
     p.add_argument("-d", "--device", default="CPU", help=f"device to expose ({', '.join(DEVICES)}, e.g. CUDA0)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU compute threads, 0 = all cores")
     p.add_argument("--prio", type=int, default=0,
-                   help="priority of this server's threads: -1 low (SCHED_BATCH), 0 normal, 1 medium, 2 high, "
-                        "3 realtime (SCHED_FIFO 40 / 80 / 90; needs root or CAP_SYS_NICE), as the server's --prio")
+                   help=f"priority of this server's threads, as the server's --prio: {LEVELS_HELP}")
     p.add_argument("-nr", "--no-repack", dest="no_repack", action="store_true",
                    help="keep Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights in the file's layout only: the CPU otherwise also holds them "
                         "repacked in groups of 8 rows (faster products, twice the memory for those weights)")

@@ -178,9 +178,8 @@ def build_parser() -> Parser:
     a("-tb", "--threads-batch", type=int, default=None, llama_env=None,
       help="accepted; pyllama computes prompts and generation with the same --threads")
     a("--prio", type=int, default=0, llama_env=None,
-      help="priority of the server's threads (not the BLAS library's workers): -1 low (SCHED_BATCH), 0 normal, "
-           "1 medium, 2 high, 3 realtime (SCHED_FIFO 40 / 80 / 90: compute runs until it blocks, not time-sliced; "
-           "needs root or CAP_SYS_NICE)")
+      help="priority of the server's threads (not the BLAS library's workers): " + priority.LEVELS_HELP
+           + "; under SCHED_FIFO compute runs until it blocks, not time-sliced")
     a("--prio-batch", type=int, default=None, llama_env=None,
       help="accepted; pyllama's threads serve prompts and generation alike and take --prio")
     a("--pipeline-groups", type=int, default=1,

@@ -71,7 +71,7 @@ cdef extern from * nogil:
     /* MB rows of x against NB rows of w; every element sums its lane partials in a fixed order. */
     template <int MB, int NB>
     static inline void pl_block(const float* x, long ldx, const float* w, long ldw, float* out,
-                                long ldo, const float* bias, long K, const float* pf) {
+                                long ldo, const float* bias, long K, const float* pf, int npf) {
         pl_v16 acc[MB][NB];
         for (int i = 0; i < MB; ++i)
             for (int j = 0; j < NB; ++j) acc[i][j] = (pl_v16){0};
@@ -79,8 +79,7 @@ cdef extern from * nogil:
         for (; k + PL_LANES <= K; k += PL_LANES) {
             pl_v16 wv[NB];
             for (int j = 0; j < NB; ++j) wv[j] = pl_load(w + j * ldw + k);
-            if (pf)
-                for (int j = 0; j < 4; ++j) __builtin_prefetch(pf + j * ldw + k, 0, 3);
+            for (int j = 0; j < npf; ++j) __builtin_prefetch(pf + j * ldw + k, 0, 1);
             for (int i = 0; i < MB; ++i) {
                 pl_v16 xv = pl_load(x + i * ldx + k);
                 for (int j = 0; j < NB; ++j) acc[i][j] = pl_fma(xv, wv[j], acc[i][j]);
@@ -97,15 +96,23 @@ cdef extern from * nogil:
     template <int NB>
     static inline void pl_rows(const float* x, long M, long ldx, const float* w, long ldw,
                                float* out, long ldo, const float* bias, long K, const float* pf) {
-        /* the first pass over w also pulls the next 4 weight rows into cache, so memory streams
-           while the remaining rows of x compute */
+        /* The passes over x share out pulling a later block's 4 weight rows into L2, a row or
+           more each, so one core's memory stream runs evenly beside the arithmetic: all four in
+           the first pass (into L1) left 16-row products waiting on memory a fifth longer. */
+        const long passes = (M + PL_MB - 1) / PL_MB;
+        const int per = (int)((4 + passes - 1) / passes);
+        int left = pf ? 4 : 0;
         long m = 0;
-        for (; m + PL_MB <= M; m += PL_MB, pf = 0)
-            pl_block<PL_MB, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf);
+        for (; m + PL_MB <= M; m += PL_MB) {
+            const int n = left < per ? left : per;
+            pl_block<PL_MB, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf, n);
+            pf += n * ldw;
+            left -= n;
+        }
         switch (M - m) {
-            case 3: pl_block<3, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf); break;
-            case 2: pl_block<2, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf); break;
-            case 1: pl_block<1, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf); break;
+            case 3: pl_block<3, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf, left); break;
+            case 2: pl_block<2, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf, left); break;
+            case 1: pl_block<1, NB>(x + m * ldx, ldx, w, ldw, out + m * ldo, ldo, bias, K, pf, left); break;
             default: break;
         }
     }

@@ -443,6 +443,48 @@ def test_freeing_a_buffer_forgets_the_graph(healthy, captured):
                 c.free(rid)
 
 
+def test_graphs_of_many_shapes_are_kept_within_a_byte_bound(healthy, captured, monkeypatch):
+    """Two pipeline groups alternate some fifty step shapes each: every graph a client re-sends
+    runs without being decoded again, until the count or byte bound forgets the oldest."""
+    from pyllama.rpc_server import session
+
+    builds = []
+    build = session.Session._build_graph
+
+    def counting(self, dev, payload):
+        builds.append(P.GRAPH_HEAD.unpack_from(payload)[2])
+        return build(self, dev, payload)
+    monkeypatch.setattr(session.Session, "_build_graph", counting)
+    cap = captured
+    with Client(healthy.port) as c:
+        ids = upload(c, cap)
+        tensors, nodes = graph_to_wire(cap["graph"], lambda b: ids[b.id])
+        payloads = {uid: wire.encode_graph(0, uid, tensors, nodes) for uid in range(1, 101)}
+
+        def run(cmd, payload):  # each run on the inputs as they were (a run overwrites them)
+            restore(c, cap, ids)
+            c.send(cmd, payload)
+        for uid in payloads:
+            run(Cmd.GRAPH_COMPUTE, payloads[uid])
+        for uid in (1, 50, 100):  # all still decoded: no build
+            run(Cmd.GRAPH_COMPUTE, payloads[uid])
+        run(Cmd.GRAPH_RECOMPUTE, P.RECOMPUTE.pack(0, 0, 100))
+        assert c.sync() == (0, b"")
+        assert builds == list(range(1, 101))
+
+        # a bound of two and a half graphs' bytes keeps the two most recently run ones
+        monkeypatch.setattr(session, "RECENT_GRAPH_BYTES", len(payloads[1]) * 5 // 2)
+        builds.clear()
+        for uid in (201, 202, 203):
+            run(Cmd.GRAPH_COMPUTE, wire.encode_graph(0, uid, tensors, nodes))
+        run(Cmd.GRAPH_COMPUTE, wire.encode_graph(0, 202, tensors, nodes))  # kept
+        run(Cmd.GRAPH_COMPUTE, wire.encode_graph(0, 201, tensors, nodes))  # forgotten: built again
+        assert c.sync() == (0, b"")
+        assert builds == [201, 202, 203, 201]
+        for rid in ids.values():
+            c.free(rid)
+
+
 # --- the weight cache ------------------------------------------------------------------------------------------
 
 def test_set_tensor_hash_cache_survives_a_restart(tmp_path):

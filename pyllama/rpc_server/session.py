@@ -63,7 +63,14 @@ def frame(status: int, payload: bytes = b"") -> bytes:
     return P.HEADER.pack(status, len(payload)) + payload
 
 
-RECENT_GRAPHS = 16  # decoded graphs kept per connection (several pipeline groups, several shapes)
+# Decoded graphs kept per connection, as many as a context keeps plans. Each pipeline group's steps
+# take dozens of shapes while prompts and generations mix (a prompt chunk plus 0..n decode rows),
+# and the groups' graphs alternate on the wire: keeping 16, the peer of a 2-group medium split
+# decoded 24 of its 88 graphs of a 32-user run a second time (2-3 ms each, against a ~12 ms stage).
+# The byte bound caps what a client can make the server hold whatever its graphs' sizes (a decoded
+# graph takes some ten times its payload; the newest graph always stays).
+RECENT_GRAPHS = 128
+RECENT_GRAPH_BYTES = 32 << 20
 
 
 @dataclass
@@ -417,10 +424,10 @@ class Session:
             self._forget((device, uid))
             graph, bufs = self._build_graph(dev, data)
             stored = StoredGraph(uid, data, graph, bufs)
-        self.recent[(device, uid)] = stored
-        self.recent.move_to_end((device, uid))
-        while len(self.recent) > RECENT_GRAPHS:
-            self._forget(next(iter(self.recent)))
+            self.recent[(device, uid)] = stored
+            self._trim_recent()
+        else:
+            self.recent.move_to_end((device, uid))
         self.graphs[device] = stored
         self.last_nodes = len(stored.graph.nodes)
         dev.backend.graph_compute(stored.graph)
@@ -434,8 +441,17 @@ class Session:
             last = "none" if stored is None else stored.uid
             raise CommandError(f"graph {uid} is not the last graph of device {device} on this connection "
                                f"(that is {last})")
+        self.recent.move_to_end((device, uid))  # a re-run graph is recently used too
         self.last_nodes = len(stored.graph.nodes)
         dev.backend.graph_compute(stored.graph)
+
+    def _trim_recent(self) -> None:
+        """Forgets the least recently run graphs beyond RECENT_GRAPHS or RECENT_GRAPH_BYTES."""
+        size = sum(len(g.payload) for g in self.recent.values())
+        while len(self.recent) > 1 and (len(self.recent) > RECENT_GRAPHS or size > RECENT_GRAPH_BYTES):
+            key = next(iter(self.recent))
+            size -= len(self.recent[key].payload)
+            self._forget(key)
 
     def _forget(self, key: tuple[int, int]) -> None:
         stored = self.recent.pop(key, None)

@@ -217,8 +217,11 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
     for lname, target in aliases.items():
         weights.tensors[lname] = weights.tensors[target]
     if upload:
+        # the token embedding is only looked up, by rows in the file's layout, unless the output
+        # layer multiplies by it too (tied): a copy for products would go unused
+        lookup_only = {"token_embd"} - set(aliases.values())
         for bi, backend in enumerate(placement.backends):
-            own = backend.prepare_weights([t for lname, tb, _ in plan if tb == bi
+            own = backend.prepare_weights([t for lname, tb, _ in plan if tb == bi and lname not in lookup_only
                                            for t in _as_tuple(weights.tensors[lname])])
             for t in own:  # the device computes on its own copy: the file's pages can go
                 if id(t) in in_file:

@@ -312,3 +312,23 @@ def test_repacked_weights_leave_their_file_pages(model_factory):
     repacked = sum(t.raw.size for t in GGUFFile(path).tensors.values()
                    if t.qtype in (QT.Q4_K, QT.Q6_K) and len(t.shape) == 2 and t.shape[0] % 8 == 0)
     assert got["1"][0] < 0.5 * repacked, (got, repacked)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_token_embedding_is_repacked_only_when_the_output_multiplies_by_it(model_factory, tied):
+    """Rows of the token embedding are looked up in the file's layout: a repacked copy made at
+    load would go unused (and the pages it let go would come back) unless the output layer is
+    tied to it."""
+    path = model_factory("tiny256", wtype="q4_k_m", tied=tied)
+    engine = Engine(path, n_threads=1)
+    try:
+        cpu = engine.backends[0]
+        embd = engine.weights.tensors["token_embd"]
+        assert embd.dtype in (DType.Q4_K, DType.Q6_K) and embd.buffer.mapped
+        entry = cpu._packed.get(id(embd.buffer), (None, {}))[1]
+        assert ((embd.offset, embd.nbytes) in entry) == tied
+        assert (engine.weights.tensors["output"] is embd) == tied
+        assert cpu.packed_weights() > 0  # the blocks' matrices are repacked either way
+        assert greedy(engine, engine.tokenizer.encode(PROMPT), 4)
+    finally:
+        engine.close()

@@ -108,6 +108,27 @@ def test_store_and_load_match_the_reference_bit_for_bit(dtype):
     np.testing.assert_array_equal(back.astype(np.float64), ref_load(dtype, rows, w))
 
 
+def test_f16_store_matches_the_reference_on_every_tie_and_random_bit_patterns():
+    """Rows are converted 8 values at a time where the CPU has F16C: every rounding tie between
+    two halves (normal and subnormal), float32 subnormals, and random bit patterns with NaNs
+    among them (a group holding a NaN takes the scalar path) store what the reference stores."""
+    from pyllama._fast import ops
+    halves = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    ties = ((halves[:-1] + halves[1:]) / 2).astype(np.float32)  # exact in float32
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 2 ** 32, 1 << 18, dtype=np.uint64).astype(np.uint32)
+    bits[::97] = 0x7FC00000 | bits[::97] & 0x803FFFFF  # NaNs, quiet and with payloads, in some groups
+    x = np.concatenate([ties, -ties, np.nextafter(ties, np.float32(0)), np.nextafter(ties, np.float32(1e9)),
+                        bits.view(np.float32), np.float32(1e-40) * np.arange(64, dtype=np.float32)])
+    x = x[: len(x) // 64 * 64].reshape(-1, 64)
+    rows = np.zeros((x.shape[0], 128), np.uint8)
+    ops.kv_store(int(F16), x, rows)
+    got = rows.view(np.uint16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[~nan], ref_store(F16, np.where(nan, 0, x)).view(np.uint16)[~nan])
+    np.testing.assert_array_equal(got[nan], (x.view(np.uint32)[nan] >> 16 & 0x8000 | 0x7E00).astype(np.uint16))
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=lambda t: t.name)
 def test_nan_stays_a_quiet_nan(dtype):
     from pyllama._fast import ops

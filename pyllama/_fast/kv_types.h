@@ -88,7 +88,23 @@ static inline void kv_store_row(int type, const float* x, unsigned char* row, in
     if (type == KV_F32) {
         memcpy(row, x, 4 * n);
     } else if (type == KV_F16) {
-        for (i = 0; i < n; i++) {
+        i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+        /* the instruction rounds to nearest even like kv_f32_to_f16 (round-to-nearest immediate,
+         * not MXCSR); only a NaN converts differently, so 8 values holding one take the scalar path */
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
+                for (j = i; j < i + 8; j++) {
+                    const uint16_t h = kv_f32_to_f16(x[j]);
+                    memcpy(row + 2 * j, &h, 2);
+                }
+                continue;
+            }
+            _mm_storeu_si128((__m128i *)(row + 2 * i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+#endif
+        for (; i < n; i++) {
             const uint16_t h = kv_f32_to_f16(x[i]);
             memcpy(row + 2 * i, &h, 2);
         }

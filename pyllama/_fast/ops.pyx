@@ -7,7 +7,7 @@ then runs without it, split into items on the products' worker pool (qmatmul.pxd
 helper threads serves every kernel of a step, and a helper the OS is late to schedule holds
 nobody up (no barrier). Which thread computes an item never changes its result.
 """
-from libc.math cimport pow, cos, sin, sqrt, tanh
+from libc.math cimport pow, sqrt, tanh
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 
@@ -74,7 +74,8 @@ cdef extern from "vec_math.h" nogil:
     float pv_softmax_unnormed(float *x, int64_t n)
     bint pv_attend_ok(int G, int hd, int kt, int vt)
     void pv_attend_qk(const float *q, int G, int hd, const unsigned char *kc, long long k_row, long long head_bytes,
-                      int kt, const int *cells, long long n, float scale, float *scores, long long L)
+                      int kt, const int *cells, long long n, float scale, float *scores, long long L,
+                      const unsigned char *vc, long long v_row, long long v_head_bytes, int vt)
     void pv_attend_pv(const float *p, const float *totals, int G, int hd, const unsigned char *vc, long long v_row,
                       long long head_bytes, int vt, const int *cells, long long n, long long L, float *out)
 
@@ -165,6 +166,10 @@ cdef extern from "kv_types.h" nogil:
 KV_TYPE_NAMES = {0: "F32", 1: "F16", 8: "Q8_0", 30: "BF16"}
 
 
+cdef extern from "math.h" nogil:
+    void sincos(double x, double* s, double* c)
+
+
 cdef struct AttnArgs:
     const float* qkv
     Py_ssize_t qkv_stride
@@ -182,6 +187,7 @@ cdef struct AttnArgs:
     float* out
     int H, Hkv, hd, n_rot, rope_mode
     double freq_base, freq_scale, mscale
+    const double* rope_pow  # freq_base ** (-2 i / n_rot) for i < n_rot / 2: the same for every token
     float eps, scale, softcap  # softcap 0: none
     Py_ssize_t n_swa           # 0: every listed cell; else only the last n_swa
     Py_ssize_t max_len  # the longest list of cells a token attends to (scores per head: max_len + 1)
@@ -199,12 +205,14 @@ cdef void _store_token(AttnArgs* a, Py_ssize_t t, float* scratch) noexcept nogil
     cdef Py_ssize_t cell = a.kv_idx[t]
     cdef float* cs = scratch
     cdef float* k = scratch + a.n_rot + 2
+    cdef double c, sn
     for i in range(half):
-        theta = a.pos[t] * a.freq_scale * pow(a.freq_base, -2.0 * i / a.n_rot)
+        theta = a.pos[t] * a.freq_scale * a.rope_pow[i]
         if a.freq_factors != NULL:
             theta = theta / a.freq_factors[i]
-        cs[2 * i] = <float>(cos(theta) * a.mscale)
-        cs[2 * i + 1] = <float>(sin(theta) * a.mscale)
+        sincos(theta, &sn, &c)
+        cs[2 * i] = <float>(c * a.mscale)
+        cs[2 * i + 1] = <float>(sn * a.mscale)
     for d in range(H * hd):
         q[d] = src[d]
     for d in range(Hkv * hd):
@@ -251,7 +259,7 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
     if a.softcap <= 0 and pv_attend_ok(G, hd, a.k_type, a.v_type):
         # F32 / F16 caches: every cache row read once for the G heads, straight from the cache
         pv_attend_qk(q, G, hd, a.k_cache, a.k_row, head * (4 if k_f32 else 2), a.k_type, a.cells + r0, r1,
-                     a.scale, scores, L)
+                     a.scale, scores, L, a.v_cache, a.v_row, head * (4 if v_f32 else 2), a.v_type)
         for g in range(G):
             acc[g] = pv_softmax_unnormed(scores + g * L, r1)  # acc holds the G totals here
         pv_attend_pv(scores, acc, G, hd, a.v_cache, a.v_row, head * (4 if v_f32 else 2), a.v_type, a.cells + r0,
@@ -449,6 +457,10 @@ def attention(const float[:, ::1] qkv, k_cache, v_cache,
     a.n_rot = n_rot
     a.rope_mode = rope_mode
     a.freq_base = freq_base
+    cdef double[::1] rope_pow = np.empty(max(n_rot // 2, 1), np.float64)
+    for i in range(n_rot // 2):
+        rope_pow[i] = pow(freq_base, -2.0 * i / n_rot)
+    a.rope_pow = &rope_pow[0]
     a.freq_scale = freq_scale
     a.eps = norm_eps
     a.scale = scale

@@ -89,15 +89,29 @@ static inline __m256 pv_row8(int kt, const unsigned char *p) {
  * softmax in between (attend_pv), then out_g = sum_j p[g * L + j] * v_j / total_g. Each cache
  * row is read once for all G heads; per head and cell the sums run in 8 lanes, reduced in a
  * fixed order. hd a multiple of 8. */
+/* The cache lines of one head's slice of a cache row (bytes long), requested ahead of use: a
+ * token's cells are rows apart in the cache, too short a run for the hardware prefetcher. */
+static inline void pv_prefetch_slice(const unsigned char *p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+}
+#define PV_PREFETCH_CELLS 8
 static inline void pv_attend_qk(const float *q, int G, int hd, const unsigned char *kc, long long k_row,
                                 long long head_bytes, int kt, const int *cells, long long n, float scale,
-                                float *scores, long long L) {
-    const int es = kt ? 2 : 4;
+                                float *scores, long long L, const unsigned char *vc, long long v_row,
+                                long long v_head_bytes, int vt) {
+    const int es = kt ? 2 : 4, k_bytes = hd * es, v_bytes = hd * (vt ? 2 : 4);
+    /* K rows a few cells ahead; each V row as its K row is read, for attend_pv right after */
+    for (long long i = 0; i < n && i < PV_PREFETCH_CELLS; i++)
+        pv_prefetch_slice(kc + (long long)cells[i] * k_row + head_bytes, k_bytes);
     long long j = 0;
     if (G <= 4)   /* two cells at a time: twice the independent FMA chains (the loop is latency-bound) */
         for (; j + 2 <= n; j += 2) {
             const unsigned char *k0 = kc + (long long)cells[j] * k_row + head_bytes;
             const unsigned char *k1 = kc + (long long)cells[j + 1] * k_row + head_bytes;
+            for (long long i = j + PV_PREFETCH_CELLS; i < j + PV_PREFETCH_CELLS + 2 && i < n; i++)
+                pv_prefetch_slice(kc + (long long)cells[i] * k_row + head_bytes, k_bytes);
+            pv_prefetch_slice(vc + (long long)cells[j] * v_row + v_head_bytes, v_bytes);
+            pv_prefetch_slice(vc + (long long)cells[j + 1] * v_row + v_head_bytes, v_bytes);
             __m256 a0[4], a1[4];
             for (int g = 0; g < G; g++) { a0[g] = _mm256_setzero_ps(); a1[g] = _mm256_setzero_ps(); }
             for (int d = 0; d < hd; d += 8) {
@@ -115,6 +129,9 @@ static inline void pv_attend_qk(const float *q, int G, int hd, const unsigned ch
         }
     for (; j < n; j++) {
         const unsigned char *kr = kc + (long long)cells[j] * k_row + head_bytes;
+        if (j + PV_PREFETCH_CELLS < n)
+            pv_prefetch_slice(kc + (long long)cells[j + PV_PREFETCH_CELLS] * k_row + head_bytes, k_bytes);
+        pv_prefetch_slice(vc + (long long)cells[j] * v_row + v_head_bytes, v_bytes);
         __m256 acc[PV_ATTEND_MAX_G];
         for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
         for (int d = 0; d < hd; d += 8) {
@@ -159,9 +176,10 @@ static inline int pv_attend_ok(int G, int hd, int kt, int vt) {
 static inline int pv_attend_ok(int G, int hd, int kt, int vt) { (void)G; (void)hd; (void)kt; (void)vt; return 0; }
 static inline void pv_attend_qk(const float *q, int G, int hd, const unsigned char *kc, long long k_row,
                                 long long head_bytes, int kt, const int *cells, long long n, float scale,
-                                float *scores, long long L) {
+                                float *scores, long long L, const unsigned char *vc, long long v_row,
+                                long long v_head_bytes, int vt) {
     (void)q; (void)G; (void)hd; (void)kc; (void)k_row; (void)head_bytes; (void)kt; (void)cells; (void)n;
-    (void)scale; (void)scores; (void)L;
+    (void)scale; (void)scores; (void)L; (void)vc; (void)v_row; (void)v_head_bytes; (void)vt;
 }
 static inline void pv_attend_pv(const float *p, const float *totals, int G, int hd, const unsigned char *vc,
                                 long long v_row, long long head_bytes, int vt, const int *cells, long long n,

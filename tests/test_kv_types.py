@@ -213,9 +213,11 @@ def norm64(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 @pytest.mark.parametrize("k_type,v_type", [(t, t) for t in TYPES] + [(Q8_0, F16), (F32, BF16)],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("hd,mode,qk_norm", [(16, 0, False), (64, 2, True)])
-def test_attention_matches_float64_reference(k_type, v_type, hd, mode, qk_norm):
-    rng = np.random.default_rng(hd + int(k_type))
-    H, Hkv, eps, base = 4, 2, 1e-6, 10000.0
+# query heads per kv head: the kernel takes cells 4 at a time for up to 4 heads at once
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (4, 4), (6, 2), (12, 2)], ids=lambda v: str(v))
+def test_attention_matches_float64_reference(k_type, v_type, hd, mode, qk_norm, H, Hkv):
+    rng = np.random.default_rng(hd + int(k_type) + 10 * H + Hkv)
+    eps, base = 1e-6, 10000.0
     n_rot = hd if mode == 2 else hd // 2
     params = (H, Hkv, hd, n_rot, mode, base, 1.0, eps, 1.0 / np.sqrt(hd))
     inputs = attention_inputs(rng, k_type, v_type, H, Hkv, hd, qk_norm)

@@ -84,61 +84,83 @@ static inline float pv_exp_shift_sum(float *x, int64_t n, float m) {
 static inline __m256 pv_row8(int kt, const unsigned char *p) {
     return kt ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
 }
-/* One kv head's attention for G <= PV_ATTEND_MAX_G query heads over n cells, straight from F32
- * or F16 cache rows (no converted copy): scores[g * L + j] = scale * q_g . k_j, the caller's
- * softmax in between (attend_pv), then out_g = sum_j p[g * L + j] * v_j / total_g. Each cache
- * row is read once for all G heads; per head and cell the sums run in 8 lanes, reduced in a
- * fixed order. hd a multiple of 8. */
 /* The cache lines of one head's slice of a cache row (bytes long), requested ahead of use: a
  * token's cells are rows apart in the cache, too short a run for the hardware prefetcher. */
 static inline void pv_prefetch_slice(const unsigned char *p, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
 }
 #define PV_PREFETCH_CELLS 8
+
+/* [sum(a0), sum(a1), sum(a2), sum(a3)]: each vector's 8 lanes added pairwise, then the halves */
+static inline __m128 pv_hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* scores[g * L + c] = scale * q_g . k_c for GN query heads and 4 cells, of which the first nc
+ * are stored (the others repeat a real row and are dropped). Every cell's sum runs the same
+ * way whatever its place in the block, so a score does not depend on how many cells follow. */
+static inline __attribute__((always_inline)) void pv_qk_block(const float *q, const int GN, int hd,
+        const unsigned char *const *k, int kt, float scale, float *scores, long long L, int nc) {
+    const int es = kt ? 2 : 4;
+    __m256 acc[4][4];
+    for (int g = 0; g < GN; g++)
+        for (int c = 0; c < 4; c++) acc[c][g] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 8) {
+        const __m256 x0 = pv_row8(kt, k[0] + es * d), x1 = pv_row8(kt, k[1] + es * d);
+        const __m256 x2 = pv_row8(kt, k[2] + es * d), x3 = pv_row8(kt, k[3] + es * d);
+        for (int g = 0; g < GN; g++) {
+            const __m256 qg = _mm256_loadu_ps(q + g * hd + d);
+            acc[0][g] = _mm256_fmadd_ps(qg, x0, acc[0][g]);
+            acc[1][g] = _mm256_fmadd_ps(qg, x1, acc[1][g]);
+            acc[2][g] = _mm256_fmadd_ps(qg, x2, acc[2][g]);
+            acc[3][g] = _mm256_fmadd_ps(qg, x3, acc[3][g]);
+        }
+    }
+    for (int g = 0; g < GN; g++) {
+        const __m128 r = _mm_mul_ps(pv_hsum8x4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]), _mm_set1_ps(scale));
+        if (nc == 4) {
+            _mm_storeu_ps(scores + g * L, r);
+        } else {
+            float t[4];
+            _mm_storeu_ps(t, r);
+            for (int c = 0; c < nc; c++) scores[g * L + c] = t[c];
+        }
+    }
+}
+
+/* One kv head's attention for G <= PV_ATTEND_MAX_G query heads over n cells, straight from F32
+ * or F16 cache rows (no converted copy): scores[g * L + j] = scale * q_g . k_j, the caller's
+ * softmax in between (attend_pv), then out_g = sum_j p[g * L + j] * v_j / total_g. Cells go 4 at
+ * a time for up to 4 heads (the 16 sums reduced together, pv_hsum8x4); per head and cell the
+ * sums run in 8 lanes, reduced in a fixed order. hd a multiple of 8. */
 static inline void pv_attend_qk(const float *q, int G, int hd, const unsigned char *kc, long long k_row,
                                 long long head_bytes, int kt, const int *cells, long long n, float scale,
                                 float *scores, long long L, const unsigned char *vc, long long v_row,
                                 long long v_head_bytes, int vt) {
-    const int es = kt ? 2 : 4, k_bytes = hd * es, v_bytes = hd * (vt ? 2 : 4);
+    const int k_bytes = hd * (kt ? 2 : 4), v_bytes = hd * (vt ? 2 : 4);
     /* K rows a few cells ahead; each V row as its K row is read, for attend_pv right after */
     for (long long i = 0; i < n && i < PV_PREFETCH_CELLS; i++)
         pv_prefetch_slice(kc + (long long)cells[i] * k_row + head_bytes, k_bytes);
-    long long j = 0;
-    if (G <= 4)   /* two cells at a time: twice the independent FMA chains (the loop is latency-bound) */
-        for (; j + 2 <= n; j += 2) {
-            const unsigned char *k0 = kc + (long long)cells[j] * k_row + head_bytes;
-            const unsigned char *k1 = kc + (long long)cells[j + 1] * k_row + head_bytes;
-            for (long long i = j + PV_PREFETCH_CELLS; i < j + PV_PREFETCH_CELLS + 2 && i < n; i++)
-                pv_prefetch_slice(kc + (long long)cells[i] * k_row + head_bytes, k_bytes);
-            pv_prefetch_slice(vc + (long long)cells[j] * v_row + v_head_bytes, v_bytes);
-            pv_prefetch_slice(vc + (long long)cells[j + 1] * v_row + v_head_bytes, v_bytes);
-            __m256 a0[4], a1[4];
-            for (int g = 0; g < G; g++) { a0[g] = _mm256_setzero_ps(); a1[g] = _mm256_setzero_ps(); }
-            for (int d = 0; d < hd; d += 8) {
-                const __m256 x0 = pv_row8(kt, k0 + es * d), x1 = pv_row8(kt, k1 + es * d);
-                for (int g = 0; g < G; g++) {
-                    const __m256 qg = _mm256_loadu_ps(q + g * hd + d);
-                    a0[g] = _mm256_fmadd_ps(qg, x0, a0[g]);
-                    a1[g] = _mm256_fmadd_ps(qg, x1, a1[g]);
-                }
-            }
-            for (int g = 0; g < G; g++) {
-                scores[g * L + j] = pv_hsum8(a0[g]) * scale;
-                scores[g * L + j + 1] = pv_hsum8(a1[g]) * scale;
+    for (long long j = 0; j < n; j += 4) {
+        const int nc = n - j < 4 ? (int)(n - j) : 4;
+        const unsigned char *k[4];
+        for (int c = 0; c < 4; c++) {
+            k[c] = kc + (long long)cells[j + (c < nc ? c : 0)] * k_row + head_bytes;
+            if (j + PV_PREFETCH_CELLS + c < n)
+                pv_prefetch_slice(kc + (long long)cells[j + PV_PREFETCH_CELLS + c] * k_row + head_bytes, k_bytes);
+            if (c < nc) pv_prefetch_slice(vc + (long long)cells[j + c] * v_row + v_head_bytes, v_bytes);
+        }
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            float *sc = scores + g0 * L + j;
+            const float *qg = q + g0 * hd;
+            switch (G - g0 < 4 ? G - g0 : 4) {
+                case 1: pv_qk_block(qg, 1, hd, k, kt, scale, sc, L, nc); break;
+                case 2: pv_qk_block(qg, 2, hd, k, kt, scale, sc, L, nc); break;
+                case 3: pv_qk_block(qg, 3, hd, k, kt, scale, sc, L, nc); break;
+                default: pv_qk_block(qg, 4, hd, k, kt, scale, sc, L, nc); break;
             }
         }
-    for (; j < n; j++) {
-        const unsigned char *kr = kc + (long long)cells[j] * k_row + head_bytes;
-        if (j + PV_PREFETCH_CELLS < n)
-            pv_prefetch_slice(kc + (long long)cells[j + PV_PREFETCH_CELLS] * k_row + head_bytes, k_bytes);
-        pv_prefetch_slice(vc + (long long)cells[j] * v_row + v_head_bytes, v_bytes);
-        __m256 acc[PV_ATTEND_MAX_G];
-        for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
-        for (int d = 0; d < hd; d += 8) {
-            const __m256 k8 = pv_row8(kt, kr + es * d);
-            for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d), k8, acc[g]);
-        }
-        for (int g = 0; g < G; g++) scores[g * L + j] = pv_hsum8(acc[g]) * scale;
     }
 }
 static inline void pv_attend_pv(const float *p, const float *totals, int G, int hd, const unsigned char *vc,

@@ -163,34 +163,56 @@ static inline void pv_attend_qk(const float *q, int G, int hd, const unsigned ch
         }
     }
 }
+/* out_g[d, d + 8 NV) = sum_j p[g * L + j] v_j[d, d + 8 NV) / totals[g] for GN heads: each cell's
+ * row read once for them all, one chain per (head, 8 lanes) over the cells in list order. */
+static inline __attribute__((always_inline)) void pv_pv_block(const float *p, const float *totals, const int GN,
+        const int NV, int hd, int d, const unsigned char *vc, long long v_row, long long head_bytes, int vt,
+        const int *cells, long long n, long long L, float *out) {
+    const int es = vt ? 2 : 4;
+    __m256 acc[4][4];
+    for (int g = 0; g < GN; g++)
+        for (int v = 0; v < NV; v++) acc[g][v] = _mm256_setzero_ps();
+    for (long long j = 0; j < n; j++) {
+        const unsigned char *row = vc + (long long)cells[j] * v_row + head_bytes + es * d;
+        __m256 x[4];
+        for (int v = 0; v < NV; v++) x[v] = pv_row8(vt, row + es * 8 * v);
+        for (int g = 0; g < GN; g++) {
+            const __m256 pg = _mm256_set1_ps(p[g * L + j]);
+            for (int v = 0; v < NV; v++) acc[g][v] = _mm256_fmadd_ps(pg, x[v], acc[g][v]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int v = 0; v < NV; v++)
+            _mm256_storeu_ps(out + g * hd + d + 8 * v, _mm256_div_ps(acc[g][v], _mm256_set1_ps(totals[g])));
+}
+#define PV_PV_CASE(GN, NV) pv_pv_block(p + g0 * L, totals + g0, GN, NV, hd, d, vc, v_row, head_bytes, vt, cells, n, L, \
+                                       out + g0 * hd)
+/* softmax(...) v for G heads: 32 lanes of the head for up to 4 heads at a time (the tail of a head
+ * size not a multiple of 32 by 8 lanes), so a row's conversion and a weight's broadcast serve
+ * four vectors of sums. */
 static inline void pv_attend_pv(const float *p, const float *totals, int G, int hd, const unsigned char *vc,
                                 long long v_row, long long head_bytes, int vt, const int *cells, long long n,
                                 long long L, float *out) {
-    const int es = vt ? 2 : 4;
-    for (int d = 0; d < hd; d += 8) {
-        __m256 acc[PV_ATTEND_MAX_G];
-        for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
-        long long j = 0;
-        if (G <= 4) {   /* even and odd cells in separate chains, added at the end */
-            __m256 odd[4];
-            for (int g = 0; g < G; g++) odd[g] = _mm256_setzero_ps();
-            for (; j + 2 <= n; j += 2) {
-                const __m256 v0 = pv_row8(vt, vc + (long long)cells[j] * v_row + head_bytes + es * d);
-                const __m256 v1 = pv_row8(vt, vc + (long long)cells[j + 1] * v_row + head_bytes + es * d);
-                for (int g = 0; g < G; g++) {
-                    acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * L + j]), v0, acc[g]);
-                    odd[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * L + j + 1]), v1, odd[g]);
-                }
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gn = G - g0 < 4 ? G - g0 : 4;
+        int d = 0;
+        for (; d + 32 <= hd; d += 32)
+            switch (gn) {
+                case 1: PV_PV_CASE(1, 4); break;
+                case 2: PV_PV_CASE(2, 4); break;
+                case 3: PV_PV_CASE(3, 4); break;
+                default: PV_PV_CASE(4, 4); break;
             }
-            for (int g = 0; g < G; g++) acc[g] = _mm256_add_ps(acc[g], odd[g]);
-        }
-        for (; j < n; j++) {
-            const __m256 v8 = pv_row8(vt, vc + (long long)cells[j] * v_row + head_bytes + es * d);
-            for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * L + j]), v8, acc[g]);
-        }
-        for (int g = 0; g < G; g++) _mm256_storeu_ps(out + g * hd + d, _mm256_div_ps(acc[g], _mm256_set1_ps(totals[g])));
+        for (; d < hd; d += 8)
+            switch (gn) {
+                case 1: PV_PV_CASE(1, 1); break;
+                case 2: PV_PV_CASE(2, 1); break;
+                case 3: PV_PV_CASE(3, 1); break;
+                default: PV_PV_CASE(4, 1); break;
+            }
     }
 }
+#undef PV_PV_CASE
 static inline int pv_attend_ok(int G, int hd, int kt, int vt) {
     return G <= PV_ATTEND_MAX_G && hd % 8 == 0 && (kt == 0 || kt == 1) && (vt == 0 || vt == 1);
 }

@@ -100,6 +100,27 @@ def test_micro_batches_equal_one_batch(tiny_model):
     assert (small.argmax(1) == whole.argmax(1)).all()
 
 
+@pytest.mark.parametrize("n_backends", [1, 2])
+def test_one_micro_batch_leaves_its_logits_in_place(tiny_model, n_backends):
+    """A decode of one micro-batch on host-memory devices returns the output layer's own rows (no
+    copy of n_outputs x n_vocab floats), the values the copying path gives, until the next decode."""
+    tokens = PROMPTS[2] + PROMPTS[0]
+    ctx = make_context(tiny_model, n_backends=n_backends, n_ubatch=64)
+    out = ctx.decode(Batch.for_sequence(tokens, 0, 0, all_logits=True))
+    last = ctx.sched.buffers[-1].data
+    assert np.shares_memory(out.logits, last) and out.logits.flags.c_contiguous
+    assert out.logits.shape == (len(tokens), ctx.hparams.n_vocab)
+    copied = make_context(tiny_model, n_backends=n_backends, n_ubatch=8).decode(
+        Batch.for_sequence(tokens, 0, 0, all_logits=True)).logits
+    assert not np.shares_memory(copied, last)
+    np.testing.assert_allclose(out.logits, copied, rtol=0, atol=1e-5)
+    kept = out.logits.copy()
+    again = ctx.decode(Batch([7, 8], [len(tokens), len(tokens) + 1], [0, 0], np.array([False, True])))
+    assert again.logits.shape == (1, ctx.hparams.n_vocab) and again.rows.tolist() == [1]
+    assert np.shares_memory(again.logits, ctx.sched.buffers[-1].data)
+    assert not np.array_equal(again.logits[0], kept[-1])
+
+
 def test_only_requested_rows_produce_logits(tiny_model):
     ctx = make_context(tiny_model)
     want = np.array([False, True, False, False, True, False, False, True])

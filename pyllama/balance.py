@@ -261,6 +261,56 @@ def describe(costs: Sequence[StageCost], counts: Sequence[int]) -> str:
     return ", ".join(parts)
 
 
+def output_blocks(model) -> float:
+    """The output layer's weight bytes in blocks' worth (the mean block's bytes in the file): what
+    the output product is taken to cost beside a block when nothing timed it (0 without blocks)."""
+    tensors = model.file.tensors
+    n = model.hparams.n_layer
+    out = tensors.get("token_embd.weight" if model.tied_output else "output.weight")
+    blocks = sum(t.raw.nbytes for name, t in tensors.items() if name.startswith("blk."))
+    return out.raw.nbytes / (blocks / n) if out is not None and n and blocks else 0.0
+
+
+@dataclass(frozen=True)
+class SplitAdvice:
+    """What the devices' measured load says of a split: `counts` the blocks per device that would
+    even out their stages (the current counts when no move gains enough), `busiest_now` and
+    `busiest_then` the modelled busy share of the slowest stage with the current counts and with
+    `counts`."""
+    counts: list[int]
+    busiest_now: float
+    busiest_then: float
+
+
+ADVICE_GAIN = 0.95  # a different split is advised only when its slowest stage is modelled 5% lighter
+
+
+def advise_split(names: Sequence[str], busy: Sequence[float], counts: Sequence[int], out_blocks: float,
+                 gain: float = ADVICE_GAIN) -> Optional[SplitAdvice]:
+    """The split a loaded interval's busy shares ask for (device order; the last device holds the
+    output layer, worth `out_blocks` blocks of its own). Each device's share is spread evenly over
+    what it computes, which gives its cost per block; the blocks are then balanced as the probe's
+    costs are (`balance_layers`, every device keeping one). None when a share cannot be spread (a
+    device with nothing on it) or the figures are not finite."""
+    k = len(counts)
+    if k < 2 or len(busy) != k or len(names) != k or not all(math.isfinite(b) and b >= 0 for b in busy):
+        return None
+    units = [n + (out_blocks if i == k - 1 else 0.0) for i, n in enumerate(counts)]
+    if any(u <= 0 for u in units):
+        return None
+    per_block = [b / u for b, u in zip(busy, units)]
+    costs = [StageCost(name, 0.0, c, out_blocks * c if i == k - 1 else 0.0)
+             for i, (name, c) in enumerate(zip(names, per_block))]
+    now = max(stage_ms(costs, counts))
+    best = balance_layers(costs, sum(counts), min_blocks=1)
+    if best is None:
+        return None
+    then = max(stage_ms(costs, best))
+    if then >= gain * now:
+        return SplitAdvice(list(counts), now, now)
+    return SplitAdvice(best, now, then)
+
+
 def counts_of(layer_backend: Sequence[int], n_devices: int) -> list[int]:
     return [sum(1 for x in layer_backend if x == i) for i in range(n_devices)]
 

@@ -23,6 +23,7 @@ from ..cli import install_stop_signals, run_main, setup_logging
 from ..devices import open_devices
 from ..engine import Engine
 from ..errors import PyllamaError
+from ..balance import counts_of, output_blocks
 from ..priority import apply_priority
 from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
@@ -35,6 +36,7 @@ from .params import set_default_constraint, set_generation_defaults
 from .reconnect import PeerReconnector
 from .router import Router
 from .slot import Slot
+from .split_check import SplitCheck, check_interval
 
 log = logging.getLogger("pyllama.server")
 
@@ -128,7 +130,24 @@ def _mib(per_device: dict[str, int]) -> str:
     return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in per_device.items())
 
 
+def start_split_check(state: ServerState, api: Api, interval_s: float) -> Optional[SplitCheck]:
+    """With pipeline groups over a split, the check of the split against the load (split_check)."""
+    engine = state.engine
+    placement = engine.placement
+    if interval_s <= 0 or len(state.groups) < 2 or placement.n_stages < 2:
+        return None
+    names = [b.name for b in placement.backends]
+    check = SplitCheck(lambda: api.pipeline().snapshot(1.0), [g.step_log for g in state.groups], names,
+                       counts_of(placement.layer_backend, len(names)), output_blocks(engine.model), interval_s)
+    check.start()
+    return check
+
+
 async def serve(args) -> int:
+    try:
+        check_s = check_interval()
+    except ValueError as exc:
+        raise PyllamaError(str(exc)) from None
     state = ServerState(args)
     apply_settings(state, args)
     set_generation_defaults(sampling_defaults(args), args.ignore_eos)
@@ -157,6 +176,7 @@ async def serve(args) -> int:
     install_stop_signals(loop, stop.set)
     loader = loop.run_in_executor(None, load, state)
     code = 0
+    check: Optional[SplitCheck] = None
     try:
         stopper = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -172,11 +192,14 @@ async def serve(args) -> int:
                 code = 1
             else:
                 log.info("listening on http://%s:%d", args.host, port)  # loaded and checked: serving
+                check = start_split_check(state, api, check_s)
                 await stopper
         else:
             await asyncio.wait({loader})  # loading cannot be interrupted half-way; let it finish
     finally:
         log.info("shutting down")
+        if check is not None:
+            check.stop()
         await server.shutdown(grace=5.0)
         if state.router is not None:
             state.router.stop()

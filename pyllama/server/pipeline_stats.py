@@ -45,17 +45,19 @@ class StepLog:
     """The decode steps of one pipeline group: (start_us, end_us, n_tokens, n_sampled) each, the
     newest last. Appended by the group's thread only (a deque append is atomic), read by anyone."""
 
-    __slots__ = ("steps", "n_total", "tokens_total")
+    __slots__ = ("steps", "n_total", "tokens_total", "rows_total")
 
     def __init__(self) -> None:
         self.steps: deque[tuple[int, int, int, int]] = deque(maxlen=_MAX_STEPS)
         self.n_total = 0         # steps since start
         self.tokens_total = 0    # tokens sampled since start
+        self.rows_total = 0      # tokens computed since start (prompt tokens and decode rows)
 
     def add(self, t0_us: int, t1_us: int, n_tokens: int, n_sampled: int) -> None:
         self.steps.append((t0_us, t1_us, n_tokens, n_sampled))
         self.n_total += 1
         self.tokens_total += n_sampled
+        self.rows_total += n_tokens
 
     def since(self, t_us: int) -> list[tuple[int, int, int, int]]:
         """The steps that ended after t_us, oldest first."""

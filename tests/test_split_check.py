@@ -177,7 +177,7 @@ def test_a_bad_interval_is_one_clear_error(monkeypatch, raw, tiny_model):
         srv = ServerProcess(tiny_model, env={CHECK_ENV: raw})
         assert srv.proc.wait(60) == 1
         srv._collect()
-        assert f"error: {CHECK_ENV}='soon'" in srv.stderr_text
+        assert f"error: {CHECK_ENV}='soon': expected a number of seconds" in srv.stderr_text
 
 
 # --- a served split ------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ broken: a later `get_connection` opens a new one to the same endpoint.
 from __future__ import annotations
 
 import logging
-import os
 import select
 import socket
 import threading
@@ -24,6 +23,7 @@ import time
 from typing import Optional, Sequence
 
 from .. import trace
+from ..env import env_number
 from ..errors import PyllamaError
 from . import auth, stats
 from .keepalive import enable_keepalive
@@ -65,16 +65,8 @@ def set_timeout(seconds: Optional[float]) -> None:
 def configured_timeout() -> float:
     if _timeout is not None:
         return _timeout
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not (value > 0 and value != float("inf")):
-        raise PyllamaError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
-    return value
+    return env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT, float, lambda v: 0 < v < float("inf"),
+                      "a positive number of seconds", PyllamaError)
 
 
 class RPCError(PyllamaError):

@@ -13,12 +13,13 @@ waiter; their reservations fail.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Optional
 
 import numpy as np
+
+from ..env import env_number
 
 DEFAULT_BYTES = 64 << 20
 SIZE_ENV = "PYLLAMA_RPC_STAGING_BYTES"
@@ -27,16 +28,8 @@ ALIGN = 64
 
 def arena_size() -> int:
     """Bytes of a connection's arena: $PYLLAMA_RPC_STAGING_BYTES, else 64 MiB."""
-    raw = os.environ.get(SIZE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_BYTES
-    try:
-        size = int(raw, 0)
-    except ValueError:
-        raise ValueError(f"{SIZE_ENV}={raw!r} is not an integer") from None
-    if size < ALIGN:
-        raise ValueError(f"{SIZE_ENV}={raw!r}: at least {ALIGN} bytes")
-    return size
+    return env_number(SIZE_ENV, DEFAULT_BYTES, lambda raw: int(raw, 0), lambda size: size >= ALIGN,
+                      f"an integer number of bytes, at least {ALIGN}")
 
 
 class Region:

@@ -22,11 +22,11 @@ without DEVICE_BUSY) turns the check off, said once at INFO.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Callable, Optional, Sequence
 
 from ..balance import SplitAdvice, advise_split
+from ..env import env_number
 from .pipeline_stats import StepLog
 
 log = logging.getLogger("pyllama.server")
@@ -38,16 +38,8 @@ LOADED = 0.5
 
 def check_interval() -> float:
     """Seconds between checks from CHECK_ENV (0: off); a value that is not a number is an error."""
-    raw = os.environ.get(CHECK_ENV, "").strip()
-    if not raw:
-        return DEFAULT_CHECK_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{CHECK_ENV}={raw!r}: expected a number of seconds (0 turns the check off)") from None
-    if not value >= 0:
-        raise ValueError(f"{CHECK_ENV}={raw!r}: expected a number of seconds (0 turns the check off)")
-    return value
+    return env_number(CHECK_ENV, DEFAULT_CHECK_S, float, lambda v: 0 <= v < float("inf"),
+                      "a number of seconds (0 turns the check off)")
 
 
 def describe_advice(names: Sequence[str], counts: Sequence[int], busy: Sequence[float], interval_s: float,

@@ -18,12 +18,12 @@ import time
 from typing import Optional, Sequence
 
 from .. import trace
+from ..balance import counts_of, output_blocks
 from ..cache_types import CACHE_TYPES, cache_type_name
 from ..cli import install_stop_signals, run_main, setup_logging
 from ..devices import open_devices
 from ..engine import Engine
 from ..errors import PyllamaError
-from ..balance import counts_of, output_blocks
 from ..priority import apply_priority
 from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
@@ -137,7 +137,8 @@ def start_split_check(state: ServerState, api: Api, interval_s: float) -> Option
     if interval_s <= 0 or len(state.groups) < 2 or placement.n_stages < 2:
         return None
     names = [b.name for b in placement.backends]
-    check = SplitCheck(lambda: api.pipeline().snapshot(1.0), [g.step_log for g in state.groups], names,
+    stats = api.pipeline()  # made here, on the event loop as the API makes it, never twice
+    check = SplitCheck(lambda: stats.snapshot(1.0), [g.step_log for g in state.groups], names,
                        counts_of(placement.layer_backend, len(names)), output_blocks(engine.model), interval_s)
     check.start()
     return check

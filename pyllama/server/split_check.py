@@ -95,7 +95,7 @@ class SplitCheck:
         totals = [devices[n]["busy_total_s"] if n in devices else None for n in self.names]
         if any(t is None for t in totals):
             missing = [n for n, t in zip(self.names, totals) if t is None]
-            log.info("split check off: %s do(es) not report busy time", ", ".join(missing))
+            log.info("split check off: no busy time from %s", ", ".join(missing))
             return False
         t_us = int(snap["t_us"])
         rows, sampled = sum(lg.rows_total for lg in self.logs), sum(lg.tokens_total for lg in self.logs)

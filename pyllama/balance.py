@@ -286,12 +286,12 @@ ADVICE_GAIN = 0.95  # a different split is advised only when its slowest stage i
 
 
 def advise_split(names: Sequence[str], busy: Sequence[float], counts: Sequence[int], out_blocks: float,
-                 gain: float = ADVICE_GAIN) -> Optional[SplitAdvice]:
+                 gain: float = ADVICE_GAIN, caps: Optional[Sequence[Optional[int]]] = None) -> Optional[SplitAdvice]:
     """The split a loaded interval's busy shares ask for (device order; the last device holds the
     output layer, worth `out_blocks` blocks of its own). Each device's share is spread evenly over
     what it computes, which gives its cost per block; the blocks are then balanced as the probe's
-    costs are (`balance_layers`, every device keeping one). None when a share cannot be spread (a
-    device with nothing on it) or the figures are not finite."""
+    costs are (`balance_layers`, every device keeping one and at most caps[i] blocks). None when a
+    share cannot be spread (a device with nothing on it) or the figures are not finite."""
     k = len(counts)
     if k < 2 or len(busy) != k or len(names) != k or not all(math.isfinite(b) and b >= 0 for b in busy):
         return None
@@ -302,7 +302,7 @@ def advise_split(names: Sequence[str], busy: Sequence[float], counts: Sequence[i
     costs = [StageCost(name, 0.0, c, out_blocks * c if i == k - 1 else 0.0)
              for i, (name, c) in enumerate(zip(names, per_block))]
     now = max(stage_ms(costs, counts))
-    best = balance_layers(costs, sum(counts), min_blocks=1)
+    best = balance_layers(costs, sum(counts), caps, min_blocks=1)
     if best is None:
         return None
     then = max(stage_ms(costs, best))

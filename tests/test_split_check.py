@@ -36,6 +36,13 @@ def test_an_overloaded_last_stage_gives_blocks_to_the_first():
     assert a.counts == [8, 4]
 
 
+def test_the_advice_stays_within_what_each_device_can_hold():
+    # the first stage wants 2 more blocks (9,3 -> 7,5) but the last device has room for one more
+    a = advise_split(["RPC0", "CPU"], [0.95, 0.60], [9, 3], 4.5, caps=[None, 4])
+    assert a.counts == [8, 4]
+    assert advise_split(["RPC0", "CPU"], [0.95, 0.60], [9, 3], 4.5, caps=[None, 3]).counts == [9, 3]
+
+
 def test_a_small_gain_is_not_advised():
     # moving a block (0.084 from B, 0.076 onto A) makes the slowest stage 0.5% lighter: noise
     busy = [0.76, 0.84]

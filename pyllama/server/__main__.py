@@ -18,7 +18,7 @@ import time
 from typing import Optional, Sequence
 
 from .. import trace
-from ..balance import counts_of, output_blocks
+from ..balance import counts_of, memory_caps, output_blocks
 from ..cache_types import CACHE_TYPES, cache_type_name
 from ..cli import install_stop_signals, run_main, setup_logging
 from ..devices import open_devices
@@ -137,9 +137,13 @@ def start_split_check(state: ServerState, api: Api, interval_s: float) -> Option
     if interval_s <= 0 or len(state.groups) < 2 or placement.n_stages < 2:
         return None
     names = [b.name for b in placement.backends]
+    counts = counts_of(placement.layer_backend, len(names))
+    # what each device holds now plus what its free memory would take: no advice beyond that
+    room = memory_caps(engine.model, placement.backends)
+    caps = [None if more is None else n + more for n, more in zip(counts, room)]
     stats = api.pipeline()  # made here, on the event loop as the API makes it, never twice
-    check = SplitCheck(lambda: stats.snapshot(1.0), [g.step_log for g in state.groups], names,
-                       counts_of(placement.layer_backend, len(names)), output_blocks(engine.model), interval_s)
+    check = SplitCheck(lambda: stats.snapshot(1.0), [g.step_log for g in state.groups], names, counts,
+                       output_blocks(engine.model), interval_s, caps)
     check.start()
     return check
 

@@ -62,9 +62,11 @@ class SplitCheck:
     layer's cost per sampled row in blocks' worth per row (`balance.output_blocks`)."""
 
     def __init__(self, snapshot: Callable[[], dict], logs: Sequence[StepLog], names: Sequence[str],
-                 counts: Sequence[int], out_blocks: float, interval_s: float) -> None:
+                 counts: Sequence[int], out_blocks: float, interval_s: float,
+                 caps: Optional[Sequence[Optional[int]]] = None) -> None:
         self.snapshot, self.logs = snapshot, list(logs)
         self.names, self.counts, self.out_blocks = list(names), list(counts), out_blocks
+        self.caps = None if caps is None else list(caps)  # the most blocks each device could hold
         self.interval_s = interval_s
         # (t_us, busy totals, rows computed, rows sampled) at the last check
         self._last: Optional[tuple[int, list[float], int, int]] = None
@@ -109,7 +111,7 @@ class SplitCheck:
         # the output layer computes only the rows that are sampled, the blocks every row: its
         # weight in the last device's work is its cost per row times the share of rows it sees
         share = min(1.0, (sampled - last[3]) / (rows - last[2]))
-        advice = advise_split(self.names, busy, self.counts, self.out_blocks * share)
+        advice = advise_split(self.names, busy, self.counts, self.out_blocks * share, caps=self.caps)
         if advice is None or advice.counts == self._advised:
             return True
         self._advised = list(advice.counts)

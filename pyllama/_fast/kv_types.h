@@ -82,6 +82,14 @@ static inline int64_t kv_row_bytes(int type, int64_t n) {
     }
 }
 
+/* x[i0, i1) as F16 values at row + 2 * i0, one at a time */
+static inline void kv_store_f16_scalar(const float* x, unsigned char* row, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+        const uint16_t h = kv_f32_to_f16(x[i]);
+        memcpy(row + 2 * i, &h, 2);
+    }
+}
+
 /* Stores the n floats of x as one cache row (Q8_0: ggml's quantize_row_q8_0_ref, roundf). */
 static inline void kv_store_row(int type, const float* x, unsigned char* row, int64_t n) {
     int64_t i, j;
@@ -94,20 +102,13 @@ static inline void kv_store_row(int type, const float* x, unsigned char* row, in
          * not MXCSR); only a NaN converts differently, so 8 values holding one take the scalar path */
         for (; i + 8 <= n; i += 8) {
             const __m256 v = _mm256_loadu_ps(x + i);
-            if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
-                for (j = i; j < i + 8; j++) {
-                    const uint16_t h = kv_f32_to_f16(x[j]);
-                    memcpy(row + 2 * j, &h, 2);
-                }
-                continue;
-            }
-            _mm_storeu_si128((__m128i *)(row + 2 * i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)))
+                kv_store_f16_scalar(x, row, i, i + 8);
+            else
+                _mm_storeu_si128((__m128i *)(row + 2 * i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
 #endif
-        for (; i < n; i++) {
-            const uint16_t h = kv_f32_to_f16(x[i]);
-            memcpy(row + 2 * i, &h, 2);
-        }
+        kv_store_f16_scalar(x, row, i, n);
     } else if (type == KV_BF16) {
         for (i = 0; i < n; i++) {
             const uint16_t h = kv_f32_to_bf16(x[i]);

@@ -186,7 +186,7 @@ cdef struct AttnArgs:
     const float* freq_factors  # NULL, or n_rot / 2 divisors of the rotation angles (ggml's freq factors)
     float* out
     int H, Hkv, hd, n_rot, rope_mode
-    double freq_base, freq_scale, mscale
+    double freq_scale, mscale
     const double* rope_pow  # freq_base ** (-2 i / n_rot) for i < n_rot / 2: the same for every token
     float eps, scale, softcap  # softcap 0: none
     Py_ssize_t n_swa           # 0: every listed cell; else only the last n_swa
@@ -456,7 +456,6 @@ def attention(const float[:, ::1] qkv, k_cache, v_cache,
     a.hd = hd
     a.n_rot = n_rot
     a.rope_mode = rope_mode
-    a.freq_base = freq_base
     cdef double[::1] rope_pow = np.empty(max(n_rot // 2, 1), np.float64)
     for i in range(n_rot // 2):
         rope_pow[i] = pow(freq_base, -2.0 * i / n_rot)

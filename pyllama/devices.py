@@ -45,7 +45,8 @@ def add_device_args(p) -> None:
                         "row and tensor are not supported")
     p.add_argument("-ts", "--tensor-split", llama_env="LLAMA_ARG_TENSOR_SPLIT",
                    help="comma-separated proportions of layers per device (with -ngl: per non-CPU device) "
-                        "(default: by free memory)")
+                        "(default: by free memory; with pipeline groups the server logs after a minute of load "
+                        "whether another split would even out the stages, $PYLLAMA_SPLIT_CHECK_S)")
     p.add_argument("-mg", "--main-gpu", type=int, default=0, metavar="INDEX", llama_env="LLAMA_ARG_MAIN_GPU",
                    help="with -sm none: the non-CPU device (0 = the first) that holds the whole model")
     p.add_argument("--rpc-token-file", metavar="PATH",

@@ -1,8 +1,10 @@
 """The split checked against the load it serves (pyllama.server.split_check, balance.advise_split)."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
+import os
 import threading
 import time
 
@@ -85,6 +87,21 @@ def test_the_log_line_says_what_to_pass():
     assert "-ts 7,5 would even the stages out" in line and "next start" in line
     kept = advise_split(names, [0.77, 0.74], [7, 5], 4.5)
     assert describe_advice(names, [7, 5], [0.77, 0.74], 60.0, kept).endswith(": balanced")
+
+
+def test_the_bench_reads_the_last_check_line_back():
+    spec = importlib.util.spec_from_file_location(
+        "split_advice", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                                     "split_advice.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    names = ["RPC0", "CPU"]
+    moved = describe_advice(names, [9, 3], [0.95, 0.60], 60.0, advise_split(names, [0.95, 0.60], [9, 3], 4.5))
+    kept = describe_advice(names, [7, 5], [0.77, 0.74], 60.0, advise_split(names, [0.77, 0.74], [7, 5], 4.5))
+    log = f"x INFO pyllama.server: {moved}\ny INFO pyllama.server: {kept}\n"
+    assert bench.parse_check(log) == {"line": kept, "busy": {"RPC0": 77, "CPU": 74}, "advice": "balanced"}
+    assert bench.parse_check(f"INFO: {moved}\n")["advice"] == "7,5"
+    assert bench.parse_check("nothing logged\n") is None
 
 
 # --- the check over time ------------------------------------------------------------------------

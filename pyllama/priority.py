@@ -13,9 +13,9 @@ the other pipeline group's host work or other programs, so a split's stages are 
 sharing a core three ways (docs/pipeline-groups.md has the measurement). The calling thread is set,
 and threads started later inherit the class of the thread that starts them, so calling this before
 the server starts its threads covers all of them. Threads that already exist keep theirs: those
-are the BLAS library's workers (started when numpy loads), which spin while they wait for work,
-and a spinning SCHED_FIFO thread holds its core against the compute threads (f32 `-t 2` lost 7-11%
-that way; at their normal priority they are preempted instead). The kernel keeps 5% of
+are the BLAS library's workers (started when numpy loads): while they spun waiting for work, a
+SCHED_FIFO worker held its core against the compute threads (f32 `-t 2` lost 7-11% that way; at
+their normal priority they are preempted instead). The package now makes them sleep when idle. The kernel keeps 5% of
 each second for ordinary threads (sched_rt_runtime_us), so a busy server does not lock the machine
 out, but it does crowd out everything else on its cores: it is opt-in, as in llama.cpp.
 

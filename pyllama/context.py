@@ -69,6 +69,16 @@ class Batch:
 
 
 @dataclass
+class _Job:
+    """One micro-batch of a decode: its plan's key and plan, its input values, where its output goes."""
+
+    key: tuple
+    plan: Plan
+    values: dict[str, np.ndarray]
+    output: Optional[np.ndarray]
+
+
+@dataclass
 class DecodeOutput:
     logits: np.ndarray  # [n_outputs, n_vocab], a view valid until the next decode (empty when sampled)
     rows: np.ndarray    # batch index of each logits row, in batch order
@@ -232,12 +242,16 @@ class Context:
         readers = set()
         self._logits_in_place = None
         try:
+            jobs = []
             for u0 in range(0, n, self.n_ubatch):
                 u1 = min(n, u0 + self.n_ubatch)
-                k, backend = self._decode_ubatch(batch, u0, u1, done, sampling, sample, embeddings)
+                job, k, backend = self._ubatch_job(batch, u0, u1, done, sampling, sample, embeddings)
+                jobs.append(job)
                 done += k
                 if backend is not None:
                     readers.add(backend)
+            self._replan_stale(jobs)
+            self.sched.compute_ubatches([(job.plan, job.values, job.output) for job in jobs])
         except BaseException:
             self._collect_pending()
             raise
@@ -272,17 +286,18 @@ class Context:
             except Exception as exc:  # noqa: BLE001 - the step's own error is what the caller gets
                 log.debug("after a failed step, %s: %s", backend.name, exc)
 
-    def _decode_ubatch(self, batch: Batch, u0: int, u1: int, out_row: int,
-                       sampling: Optional[np.ndarray] = None, sample: Optional[tuple[int, int]] = None,
-                       embeddings: bool = False):
-        """Runs one micro-batch; returns (rows of logits queued for reading, the backend they come from)."""
+    def _ubatch_job(self, batch: Batch, u0: int, u1: int, out_row: int, sampling: Optional[np.ndarray] = None,
+                    sample: Optional[tuple[int, int]] = None, embeddings: bool = False):
+        """One micro-batch's (plan, inputs, output) for the scheduler, its cells taken in the KV
+        cache; returns (job, rows of output it reads, the backend they are read from or None)."""
         seq, pos = batch.seq_id[u0:u1], batch.pos[u0:u1]
         want = batch.logits[u0:u1]
         n_out = int(want.sum())
         kv_idx = self.kv.prepare(seq, pos)
         cells, ranges = self.kv.attention_lists(seq, pos)
         sampled = sampling is not None and n_out > 0
-        plan = self._plan(u1 - u0, n_out, sample if sampled else None, embeddings and n_out > 0)
+        key = (u1 - u0, n_out, sample if sampled else None, embeddings and n_out > 0)
+        plan = self._plan(*key)
         self._n_splits = len(plan.splits)
         values = {
             "inp_tokens": batch.tokens[u0:u1],
@@ -294,24 +309,28 @@ class Context:
         if "inp_out_ids" in plan.inputs:
             values["inp_out_ids"] = np.flatnonzero(want).astype(np.int32)
         if not n_out:
-            self.sched.compute(plan, values)
-            return 0, None
+            return _Job(key, plan, values, None), 0, None
         if sampled:
             values[SAMPLING_INPUT] = sampling[out_row:out_row + n_out]
-            self.sched.compute(plan, values, output=self._sampled[out_row:out_row + n_out])
-            return n_out, plan.output.backend
+            return _Job(key, plan, values, self._sampled[out_row:out_row + n_out]), n_out, plan.output.backend
         out = plan.output
         if not embeddings and u1 - u0 == len(batch) and out is not None and out.backend.host_memory \
                 and out.dtype is DType.F32 and tuple(out.shape) == (n_out, self.hparams.n_vocab):
             # One micro-batch whose logits lie in this host's memory: the caller reads them where
             # the output layer wrote them (until the next decode, as it would the copy), which
             # saves copying n_outputs x n_vocab floats (4 MB at 32 rows of a 32k vocabulary).
-            self.sched.compute(plan, values)
             self._logits_in_place = out.backend.host_array(out).view(np.float32).reshape(out.shape)
-            return n_out, None
+            return _Job(key, plan, values, None), n_out, None
         dest = self._embd if embeddings else self._logits
-        self.sched.compute(plan, values, output=dest[out_row:out_row + n_out])
-        return n_out, plan.output.backend
+        return _Job(key, plan, values, dest[out_row:out_row + n_out]), n_out, plan.output.backend
+
+    def _replan_stale(self, jobs: list["_Job"]) -> None:
+        """Placing a later micro-batch's plan can grow a compute buffer, which makes the plans
+        placed before it stale: those are placed again (the buffers only grow, so this settles)."""
+        while any(job.plan.generation != self.sched.generation for job in jobs):
+            for job in jobs:
+                if job.plan.generation != self.sched.generation:
+                    job.plan = self._plan(*job.key)
 
     # ------------------------------------------------------------------------------------------
     def seq_rm(self, seq: int, p0: int = 0) -> int:

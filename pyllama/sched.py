@@ -50,6 +50,9 @@ class Plan:
     output: Optional[Tensor]
     generation: int
     peaks: list[int]
+    # per split, the input copies written just before it: those on its backend, at that
+    # backend's first split
+    split_inputs: list[list[tuple[str, Tensor]]] = field(default_factory=list)
 
 
 class _FirstFit:
@@ -113,9 +116,13 @@ class Scheduler:
         splits: list[Split] = []
         local: dict[tuple[int, int], Tensor] = {}  # (id(tensor), backend) -> tensor to read there
         inputs: dict[str, list[Tensor]] = {}
+        split_inputs: list[list[tuple[str, Tensor]]] = []
+        first_split: dict[int, int] = {}  # backend index -> its first split
         for nd, bi in zip(fg.nodes, node_backend):
             if not splits or splits[-1].backend_index != bi:
                 splits.append(Split(bi, self.backends[bi], Graph([])))
+                split_inputs.append([])
+                first_split.setdefault(bi, len(splits) - 1)
             split = splits[-1]
             new_srcs = []
             for src in nd.srcs:
@@ -125,6 +132,7 @@ class Scheduler:
                 elif id(src) in input_names:
                     copy = Tensor(src.dtype, src.shape, src.name)
                     inputs.setdefault(input_names[id(src)], []).append(copy)
+                    split_inputs[first_split[bi]].append((input_names[id(src)], copy))
                     local[key] = copy
                     new_srcs.append(copy)
                 elif id(src) in produced and produced[id(src)] != bi:
@@ -192,12 +200,12 @@ class Scheduler:
                         split.outgoing.append(c)
         self.peaks = [max(a, b) for a, b in zip(self.peaks, peaks)]
         if self.dry:
-            return Plan(splits, inputs, fg.output, self.generation, peaks)
+            return Plan(splits, inputs, fg.output, self.generation, peaks, split_inputs)
         self._ensure_buffers(peaks)
         for tid, (bi, t) in tensors.items():
             t.buffer = self.buffers[bi]
             t.offset = offsets[tid]
-        return Plan(splits, inputs, fg.output, self.generation, peaks)
+        return Plan(splits, inputs, fg.output, self.generation, peaks, split_inputs)
 
     def _ensure_buffers(self, peaks: list[int]) -> None:
         for bi, peak in enumerate(peaks):
@@ -223,45 +231,100 @@ class Scheduler:
         between the graph and the read on a shared connection) and written to the consumer before
         its graph. With `output`, the logits are read into it the same way: complete it with the
         output backend's synchronize()."""
-        for name, copies in plan.inputs.items():
-            data = values[name]
-            for t in copies:
-                t.backend.set_tensor(t, data)
+        self.compute_ubatches([(plan, values, output)])
+
+    def compute_ubatches(self, jobs: list[tuple[Plan, dict[str, np.ndarray], Optional[np.ndarray]]]) -> None:
+        """Runs a step's micro-batches, each a (plan, inputs, output) as compute() takes.
+
+        Over a split whose devices all run their commands in order (`Backend.in_order`), the
+        micro-batches go through the stages as a wavefront: while micro-batch u runs on stage s,
+        u + 1 runs on stage s - 1, so a long prompt keeps every device of the split busy instead
+        of one at a time (llama.cpp's pipeline parallelism). Round t holds the pairs (u, s) with
+        u + s = t; their hand-overs are made first, the latest stage first (each waits only for
+        its producer's read), then the stages that compute asynchronously (a peer) are issued,
+        then the ones that compute on this thread. A device's next micro-batch is written only
+        after its previous one was issued, and in-order devices run it after that one: every
+        plan's buffers are used by one micro-batch at a time on each device."""
+        if len(jobs) > 1 and self._wavefront_ok(jobs):
+            n_stages = len(jobs[0][0].splits)
+            order: list[list[tuple[int, int]]] = []
+            for t in range(len(jobs) + n_stages - 1):
+                order.append([(t - s, s) for s in reversed(range(n_stages)) if 0 <= t - s < len(jobs)])
+        else:
+            order = [[(u, s)] for u, job in enumerate(jobs) for s in range(len(job[0].splits))]
         traced = trace.enabled
-        regions: dict[int, object] = {}  # id(copy) -> its region of the source's staging arena
+        regions: dict[tuple[int, int], object] = {}  # (micro-batch, id(copy)) -> its staging region
+        started: dict[tuple[int, int], int] = {}  # traced: (micro-batch, split) -> when its inputs began
         try:
-            for i, split in enumerate(plan.splits):
-                t_split = trace.now() if traced else 0
-                dst_backend = split.backend
-                for c in split.copies:
-                    if c.source:
-                        self._source_copy(c, dst_backend, traced)
-                    elif c.staging is None:
-                        dst_backend.cpy_tensor_async(c.src, c.dst)
-                    else:
-                        self._staged_copy(c, dst_backend, regions.pop(id(c), None), traced)
-                reads = []
-                for c in split.outgoing:
-                    # the producer's own staging arena when it has one (shared by every group on
-                    # that connection), else the host bytes this plan set aside
-                    t_alloc = trace.now() if traced else 0
-                    region = c.src.backend.stage_read(c.src)
+            for items in order:
+                for u, s in items:
                     if traced:
-                        trace.event("sched", "copy_alloc", t_alloc, trace.now(), backend=c.src.backend.name,
-                                    subj=c.src.name, nbytes=c.src.nbytes, arena=region is not None,
-                                    grp=trace.group())
-                    if region is not None:
-                        regions[id(c)] = region
-                    reads.append((c.src, region.view if region is not None else c.staging))
-                if output is not None and i == len(plan.splits) - 1 and plan.output is not None:
-                    reads.append((plan.output, output))
-                split.backend.graph_compute(split.graph, reads)
-                if traced:
-                    trace.event("sched", "split", t_split, trace.now(), backend=split.backend.name,
-                                n_inputs=len(split.copies), n_nodes=len(split.graph.nodes), grp=trace.group())
+                        started[(u, s)] = trace.now()
+                    plan, values, _ = jobs[u]
+                    for name, t in plan.split_inputs[s]:
+                        t.backend.set_tensor(t, values[name])
+                    self._hand_over(plan.splits[s], u, regions, traced)
+                for u, s in sorted(items, key=lambda it: not jobs[it[0]][0].splits[it[1]].backend.compute_async):
+                    self._run_split(jobs[u], s, u, regions, started.pop((u, s), 0))
         finally:
             for region in regions.values():  # a failed step must not keep arena space
                 region.release()  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _wavefront_ok(jobs: list[tuple[Plan, dict[str, np.ndarray], Optional[np.ndarray]]]) -> bool:
+        """Whether micro-batches may overlap: the same devices in the same order in every plan,
+        each device once, all in order, no copy a producer makes on its own (an event-gated
+        device copy, not ordered with its stream's next write)."""
+        first = [split.backend for split in jobs[0][0].splits]
+        if len(first) < 2 or len({id(b) for b in first}) != len(first) or not all(b.in_order for b in first):
+            return False
+        for plan, _, _ in jobs:
+            if [split.backend for split in plan.splits] != first:
+                return False
+            if any(c.source for split in plan.splits for c in split.copies):
+                return False
+        return True
+
+    def _hand_over(self, split: Split, u: int, regions: dict, traced: bool) -> None:
+        """The split's inputs from other devices: direct copies, or the bytes read with the
+        producer's graph (waited for here) written to this device."""
+        dst_backend = split.backend
+        for c in split.copies:
+            if c.source:
+                self._source_copy(c, dst_backend, traced)
+            elif c.staging is None:
+                dst_backend.cpy_tensor_async(c.src, c.dst)
+            else:
+                self._staged_copy(c, dst_backend, regions.pop((u, id(c)), None), traced)
+
+    @staticmethod
+    def _run_split(job: tuple[Plan, dict[str, np.ndarray], Optional[np.ndarray]], i: int, u: int, regions: dict,
+                   t_split: int) -> None:
+        """Computes split i of a micro-batch, with the reads of what leaves its device (and, on
+        the last split, the output) sent along with its graph. t_split: when its inputs began
+        (traced; 0 untraced)."""
+        plan, _, output = job
+        split = plan.splits[i]
+        traced = t_split != 0
+        reads = []
+        for c in split.outgoing:
+            # the producer's own staging arena when it has one (shared by every group on
+            # that connection), else the host bytes this plan set aside
+            t_alloc = trace.now() if traced else 0
+            region = c.src.backend.stage_read(c.src)
+            if traced:
+                trace.event("sched", "copy_alloc", t_alloc, trace.now(), backend=c.src.backend.name,
+                            subj=c.src.name, nbytes=c.src.nbytes, arena=region is not None,
+                            grp=trace.group())
+            if region is not None:
+                regions[(u, id(c))] = region
+            reads.append((c.src, region.view if region is not None else c.staging))
+        if output is not None and i == len(plan.splits) - 1 and plan.output is not None:
+            reads.append((plan.output, output))
+        split.backend.graph_compute(split.graph, reads)
+        if traced:
+            trace.event("sched", "split", t_split, trace.now(), backend=split.backend.name,
+                        n_inputs=len(split.copies), n_nodes=len(split.graph.nodes), grp=trace.group())
 
     @staticmethod
     def _source_copy(c: Copy, dst_backend: Backend, traced: bool) -> None:

@@ -71,6 +71,14 @@ class Backend(ABC):
         return None
 
     host_memory = False  # whether tensors live in this host's memory (host_array gives views)
+    # Whether every command reaches the device in the order it is issued and runs after the ones
+    # before it (a write after the graphs issued earlier, whatever reads them): then a step's next
+    # micro-batch may be issued to this device while its previous one runs on the later stages
+    # of a split (Scheduler.compute_ubatches).
+    in_order = False
+    # whether graph_compute returns before the graph has run (its work queued on the device or a
+    # peer); False: it returns when the graph is done, as on a host device
+    compute_async = False
     # whether quantized products cost about as much per token in batches of 16-64 rows as in 512
     # (a CPU's kernels; a GPU's need large batches to fill the device)
     small_batches_cheap = False

@@ -54,6 +54,9 @@ def tensor_bytes(t: Tensor) -> bytes:
 
 class RPCBackend(Backend):
     remote = True
+    # the peer runs every command for a device on that device's one executor, in arrival order
+    in_order = True
+    compute_async = True
 
     def __init__(self, conn: Connection, device: int = 0, name: str = "RPC0"):
         self.device = device

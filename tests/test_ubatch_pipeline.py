@@ -135,3 +135,21 @@ def test_a_long_prompt_over_a_real_split(tiny_model, peer, order):
         want_toks.append(int(ctx1.decode(Batch.for_sequence([want_toks[-1]], len(PROMPT) + i, 0)).logits[-1].argmax()))
     alone.close()
     assert toks == want_toks
+
+
+def test_the_bench_turns_the_wavefront_off_only_inside_its_one_by_one_arm(tiny_model):
+    import importlib.util
+    import os
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "split_prompt.py")
+    spec = importlib.util.spec_from_file_location("split_prompt", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    log: list[str] = []
+    ctx = _context(tiny_model, [_Logged("A", log, compute_async=True), _Logged("B", log)])
+    with bench.one_by_one():
+        _prompt_logits(ctx)
+    assert log == ["A", "B"] * 3
+    log.clear()
+    ctx.seq_rm(0, 0)
+    _prompt_logits(ctx)
+    assert log == ["A", "A", "B", "A", "B", "B"]

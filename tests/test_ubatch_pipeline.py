@@ -153,3 +153,30 @@ def test_the_bench_turns_the_wavefront_off_only_inside_its_one_by_one_arm(tiny_m
     ctx.seq_rm(0, 0)
     _prompt_logits(ctx)
     assert log == ["A", "A", "B", "A", "B", "B"]
+
+
+def test_a_peer_lost_in_the_middle_of_the_wave_is_one_error_and_keeps_no_staging(tiny_model, peer):
+    """The connection breaks when the second micro-batch is issued to the peer (the first one's
+    hand-over is then in the arena): the decode raises the connection's error, and no staging
+    region stays reserved."""
+    from pyllama.rpc.connection import RPCError
+    conn = Connection(peer.endpoint)
+    try:
+        rpc = RPCBackend(conn)
+        real = rpc.graph_compute
+        calls = []
+
+        def breaking(graph, reads=()):
+            calls.append(1)
+            if len(calls) == 2:
+                conn.close()
+            real(graph, reads)
+        rpc.graph_compute = breaking  # type: ignore[method-assign]
+        engine = Engine(tiny_model, n_threads=1, backends=[rpc, CPUBackend(1)], tensor_split=[1, 1])
+        ctx = engine.new_context(64, 1, n_batch=64, n_ubatch=4)
+        with pytest.raises(RPCError):
+            ctx.decode(Batch.for_sequence(PROMPT, 0, 0, all_logits=True))
+        assert len(calls) == 2
+        assert conn._arena is None or conn.arena.outstanding == 0
+    finally:
+        conn.close()

@@ -15,7 +15,7 @@ from pyllama.context import Batch
 from pyllama.engine import Engine
 from pyllama.rpc.connection import Connection
 from pyllama.rpc.staging import ALIGN, StagingArena, arena_size
-from server_util import RPCServerProcess, ServerProcess
+from server_util import ServerProcess
 
 
 # --- the arena ----------------------------------------------------------------------------------
@@ -124,20 +124,13 @@ def greedy(ctx, prompt: list[int], n: int, seq: int = 0) -> list[int]:
     return toks
 
 
-@pytest.fixture(scope="module")
-def peer():
-    p = RPCServerProcess()
-    yield p
-    assert p.stop() == 0
-
-
 @pytest.mark.parametrize("order", ["RPC0,CPU", "CPU,RPC0"])
-def test_two_contexts_share_a_tiny_arena(tiny_model, peer, order, monkeypatch):
+def test_two_contexts_share_a_tiny_arena(tiny_model, rpc_peer, order, monkeypatch):
     """Two decode threads (two groups) on one connection whose arena holds about two hidden
     states: it wraps constantly, and every sequence still equals its single-threaded run."""
     hidden = 64 * 4 * 8  # tiny model: n_embd 64, f32, the longest prompt below
     monkeypatch.setenv("PYLLAMA_RPC_STAGING_BYTES", str(2 * hidden + ALIGN))
-    conn = Connection(peer.endpoint)
+    conn = Connection(rpc_peer.endpoint)
     try:
         rpc = RPCBackend(conn)
         backends = [rpc, CPUBackend(1)] if order == "RPC0,CPU" else [CPUBackend(1), rpc]
@@ -185,8 +178,8 @@ def completions(srv: ServerProcess) -> list[str]:
 
 @pytest.mark.parametrize("order", ["RPC0,CPU", "CPU,RPC0"])
 @pytest.mark.parametrize("groups", [1, 2])
-def test_server_output_identical_with_async_copy_off(tiny_model, peer, order, groups):
-    args = ["--rpc", peer.endpoint, "--device", order, "-np", "2", "-c", "512", "--pipeline-groups", str(groups)]
+def test_server_output_identical_with_async_copy_off(tiny_model, rpc_peer, order, groups):
+    args = ["--rpc", rpc_peer.endpoint, "--device", order, "-np", "2", "-c", "512", "--pipeline-groups", str(groups)]
     runs = []
     for env in ({"PYLLAMA_RPC_NO_ASYNC_COPY": "1"}, {"PYLLAMA_RPC_NO_ASYNC_COPY": "0"}):
         srv = ServerProcess(tiny_model, *args, env=env).wait_ready()

@@ -56,15 +56,8 @@ def test_local_device_sampling_equals_host_sampling(tiny_model):
     assert run_steps(engine.new_context(512, 3), True) == dev  # seeded: reproducible with itself
 
 
-@pytest.fixture(scope="module")
-def peer():
-    p = RPCServerProcess()
-    yield p
-    assert p.stop() == 0
-
-
-def test_remote_output_layer_samples_on_the_peer(tiny_model, peer):
-    conn = Connection(peer.endpoint)
+def test_remote_output_layer_samples_on_the_peer(tiny_model, rpc_peer):
+    conn = Connection(rpc_peer.endpoint)
     try:
         engine = Engine(tiny_model, n_threads=1, backends=[CPUBackend(1), RPCBackend(conn)], tensor_split=[1, 1])
         ctx = engine.new_context(512, 3)
@@ -108,8 +101,8 @@ def completions(srv: ServerProcess, seeded: bool = False) -> list:
 
 @pytest.mark.parametrize("order", ["CPU,RPC0", "RPC0,CPU"])
 @pytest.mark.parametrize("groups", [1, 2])
-def test_server_output_identical_with_backend_sampling(tiny_model, peer, order, groups, tmp_path):
-    common = ["--rpc", peer.endpoint, "--device", order, "-np", "2", "-c", "512", "--pipeline-groups", str(groups)]
+def test_server_output_identical_with_backend_sampling(tiny_model, rpc_peer, order, groups, tmp_path):
+    common = ["--rpc", rpc_peer.endpoint, "--device", order, "-np", "2", "-c", "512", "--pipeline-groups", str(groups)]
     results, reads = {}, {}
     arms = {False: ["--no-backend-sampling"], True: ["--backend-sampling"]}
     if order == "CPU,RPC0":
@@ -135,9 +128,9 @@ def test_server_output_identical_with_backend_sampling(tiny_model, peer, order, 
     assert dev[1] == host[1], "seeded sampling differs between the host and the device"
 
 
-def test_logit_bias_with_the_output_layer_on_the_peer(tiny_model, peer):
+def test_logit_bias_with_the_output_layer_on_the_peer(tiny_model, rpc_peer):
     """A step holding a biased row takes the logits back and samples here; results equal host sampling."""
-    common = ["--rpc", peer.endpoint, "--device", "CPU,RPC0", "-np", "2", "-c", "512"]
+    common = ["--rpc", rpc_peer.endpoint, "--device", "CPU,RPC0", "-np", "2", "-c", "512"]
     body = {"prompt": "Once upon a time", "n_predict": 8, "ignore_eos": True, "cache_prompt": False,
             "temperature": 0, "return_tokens": True}
     got = {}

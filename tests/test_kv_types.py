@@ -21,7 +21,7 @@ from pyllama.context import Batch
 from pyllama.engine import Engine
 from pyllama.errors import PyllamaError
 from pyllama.tensor import DType, Graph, Op, Tensor, node
-from server_util import RPCServerProcess, ServerProcess
+from server_util import ServerProcess
 
 F32, F16, BF16, Q8_0, I32 = DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.I32
 TYPES = [F32, F16, BF16, Q8_0]
@@ -365,18 +365,11 @@ def tokens_of(proc: subprocess.CompletedProcess) -> list[int]:
     return [int(x) for x in proc.stdout.split()]
 
 
-@pytest.fixture(scope="module")
-def peer():
-    p = RPCServerProcess()
-    yield p
-    assert p.stop() == 0
-
-
 @pytest.mark.parametrize("name", list(CACHE_TYPES))
-def test_greedy_identical_local_split_and_traced(tiny_model, peer, tmp_path, name):
+def test_greedy_identical_local_split_and_traced(tiny_model, rpc_peer, tmp_path, name):
     local = tokens_of(generate(tiny_model, "-ctk", name, "-ctv", name))
     assert len(local) == 16
-    split = generate(tiny_model, "-ctk", name, "-ctv", name, "--rpc", peer.endpoint, "--device", "RPC0,CPU",
+    split = generate(tiny_model, "-ctk", name, "-ctv", name, "--rpc", rpc_peer.endpoint, "--device", "RPC0,CPU",
                      "--trace", str(tmp_path / "trace.jsonl"))
     assert tokens_of(split) == local
     # the same through the environment variables

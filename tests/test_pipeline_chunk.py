@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from server_util import RPCServerProcess, ServerProcess
+from server_util import ServerProcess
 
 PROMPT = "The little cat sat on the mat and looked at the"
 
@@ -104,22 +104,15 @@ def test_default_chunk(model_factory, wtype, stages, option, expect):
     assert pipeline_chunk(option, Model(model_factory("tiny", wtype=wtype)), backends) == expect
 
 
-@pytest.fixture(scope="module")
-def peer():
-    p = RPCServerProcess()
-    yield p
-    assert p.stop() == 0
-
-
 @pytest.mark.parametrize("wtype,args,expect", [
     ("q4_0", [], 64),                           # quantized: cut by default
     ("f32", [], None),                          # F32 products want large batches: not cut by default
     ("f32", ["--pipeline-chunk", "8"], 8),
     ("q4_0", ["--pipeline-chunk", "0"], None),
 ])
-def test_server_default_and_option(model_factory, peer, wtype, args, expect):
+def test_server_default_and_option(model_factory, rpc_peer, wtype, args, expect):
     srv = ServerProcess(model_factory("tiny", wtype=wtype), "-np", "2", "-c", "1024", "--pipeline-groups", "2",
-                        "--rpc", peer.endpoint, "--device", "RPC0,CPU", *args).wait_ready()
+                        "--rpc", rpc_peer.endpoint, "--device", "RPC0,CPU", *args).wait_ready()
     try:  # both groups busy at once: the answers still come whole
         out: list = []
         threads = [threading.Thread(target=lambda: out.append(srv.post(

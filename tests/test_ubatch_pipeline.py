@@ -14,7 +14,6 @@ from pyllama.models.model import Model
 from pyllama.rpc.connection import Connection
 from pyllama.sched import Scheduler
 from pyllama.weights import Placement, load_weights, split_layers
-from server_util import RPCServerProcess
 
 PROMPT = [256, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # 3 micro-batches of 4, 4 and 3 tokens
 
@@ -89,19 +88,12 @@ def test_no_wavefront_where_it_does_not_apply(tiny_model, why):
         assert log == ["A"] * 3
 
 
-@pytest.fixture(scope="module")
-def peer():
-    p = RPCServerProcess()
-    yield p
-    assert p.stop() == 0
-
-
 @pytest.mark.parametrize("order", ["RPC0,CPU", "CPU,RPC0"])
-def test_a_long_prompt_over_a_real_split(tiny_model, peer, order):
+def test_a_long_prompt_over_a_real_split(tiny_model, rpc_peer, order):
     """Over an rpc peer the micro-batches overlap (the peer's graphs are sent ahead of the local
     stage) and the prompt's logits and the tokens generated after it equal one device's."""
     log: list[str] = []
-    conn = Connection(peer.endpoint)
+    conn = Connection(rpc_peer.endpoint)
     try:
         rpc = RPCBackend(conn)
         real = rpc.graph_compute
@@ -155,12 +147,12 @@ def test_the_bench_turns_the_wavefront_off_only_inside_its_one_by_one_arm(tiny_m
     assert log == ["A", "A", "B", "A", "B", "B"]
 
 
-def test_a_peer_lost_in_the_middle_of_the_wave_is_one_error_and_keeps_no_staging(tiny_model, peer):
+def test_a_peer_lost_in_the_middle_of_the_wave_is_one_error_and_keeps_no_staging(tiny_model, rpc_peer):
     """The connection breaks when the second micro-batch is issued to the peer (the first one's
     hand-over is then in the arena): the decode raises the connection's error, and no staging
     region stays reserved."""
     from pyllama.rpc.connection import RPCError
-    conn = Connection(peer.endpoint)
+    conn = Connection(rpc_peer.endpoint)
     try:
         rpc = RPCBackend(conn)
         real = rpc.graph_compute

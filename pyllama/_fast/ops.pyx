@@ -20,6 +20,7 @@ import numpy as np
 DEF PARALLEL_MIN_ELEMENTS = 16384   # rms_norm / swiglu elements
 DEF PARALLEL_MIN_ATTENTION = 32768  # attention: query heads x listed cells x head_dim
 DEF GLU_CHUNK = 2048                # swiglu / geglu elements per item
+DEF RMS_ITEM_ELEMENTS = 8192        # rms_norm: whole rows per item, about this many elements
 
 
 cdef inline void _rms_row(const float* x, const float* w, float* out, Py_ssize_t d, float eps) noexcept nogil:
@@ -36,14 +37,19 @@ cdef struct RowsJob:
     const float* x
     const float* w
     float* out
-    Py_ssize_t d, chunks
+    Py_ssize_t n, d, chunks  # rms_norm: chunks = rows per item; GLU: column chunks per row
     float eps
     bint gelu  # GeGLU, else SwiGLU
 
 
 cdef void _rms_item(void* ctx, int64_t i) noexcept nogil:
+    # several rows per item: a row of a few thousand elements is well under a microsecond, about
+    # what claiming an item costs when two threads take them from one counter
     cdef RowsJob* j = <RowsJob*>ctx
-    _rms_row(j.x + i * j.d, j.w, j.out + i * j.d, j.d, j.eps)
+    cdef Py_ssize_t r = i * j.chunks, r1 = r + j.chunks if r + j.chunks < j.n else j.n
+    while r < r1:
+        _rms_row(j.x + r * j.d, j.w, j.out + r * j.d, j.d, j.eps)
+        r += 1
 
 
 def rms_norm(const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float eps, int n_threads=1):
@@ -57,10 +63,13 @@ def rms_norm(const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float
     job.x = &x[0, 0]
     job.w = &w[0]
     job.out = &out[0, 0]
+    job.n = n
     job.d = d
+    job.chunks = max(1, RMS_ITEM_ELEMENTS // d)
     job.eps = eps
     with nogil:
-        pool_run(n_threads if n * d >= PARALLEL_MIN_ELEMENTS else 1, n, _rms_item, &job)
+        pool_run(n_threads if n * d >= PARALLEL_MIN_ELEMENTS else 1, (n + job.chunks - 1) // job.chunks,
+                 _rms_item, &job)
 
 
 cdef inline float _gelu(float x) noexcept nogil:

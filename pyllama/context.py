@@ -24,7 +24,7 @@ from .kv_cache import KVCache
 from .models.model import Model
 from .rpc import stats as rpc_stats
 from .weights import Placement, Weights
-from .sched import Plan, Scheduler
+from .sched import Job, Plan, Scheduler
 
 # Plans kept per context, least recently used dropped first. Under a mixed load nearly every step
 # has another (tokens, outputs) shape, and each plan holds its graph, host staging and the
@@ -66,16 +66,6 @@ class Batch:
     @classmethod
     def concat(cls, batches: Sequence["Batch"]) -> "Batch":
         return cls(*(np.concatenate([getattr(b, f) for b in batches]) for f in ("tokens", "pos", "seq_id", "logits")))
-
-
-@dataclass
-class _Job:
-    """One micro-batch of a decode: its plan's key and plan, its input values, where its output goes."""
-
-    key: tuple
-    plan: Plan
-    values: dict[str, np.ndarray]
-    output: Optional[np.ndarray]
 
 
 @dataclass
@@ -242,16 +232,17 @@ class Context:
         readers = set()
         self._logits_in_place = None
         try:
-            jobs = []
+            keys, jobs = [], []
             for u0 in range(0, n, self.n_ubatch):
                 u1 = min(n, u0 + self.n_ubatch)
-                job, k, backend = self._ubatch_job(batch, u0, u1, done, sampling, sample, embeddings)
+                key, job, k, backend = self._ubatch_job(batch, u0, u1, done, sampling, sample, embeddings)
+                keys.append(key)
                 jobs.append(job)
                 done += k
                 if backend is not None:
                     readers.add(backend)
-            self._replan_stale(jobs)
-            self.sched.compute_ubatches([(job.plan, job.values, job.output) for job in jobs])
+            self._replan_stale(keys, jobs)
+            self.sched.compute_ubatches(jobs)
         except BaseException:
             self._collect_pending()
             raise
@@ -288,8 +279,8 @@ class Context:
 
     def _ubatch_job(self, batch: Batch, u0: int, u1: int, out_row: int, sampling: Optional[np.ndarray] = None,
                     sample: Optional[tuple[int, int]] = None, embeddings: bool = False):
-        """One micro-batch's (plan, inputs, output) for the scheduler, its cells taken in the KV
-        cache; returns (job, rows of output it reads, the backend they are read from or None)."""
+        """One micro-batch's job for the scheduler, its cells taken in the KV cache; returns (its
+        plan's key, the job, rows of output it reads, the backend they are read from or None)."""
         seq, pos = batch.seq_id[u0:u1], batch.pos[u0:u1]
         want = batch.logits[u0:u1]
         n_out = int(want.sum())
@@ -306,13 +297,13 @@ class Context:
             "inp_attn_cells": cells,
             "inp_attn_ranges": ranges,
         }
-        if "inp_out_ids" in plan.inputs:
+        if "inp_out_ids" in plan.input_names:
             values["inp_out_ids"] = np.flatnonzero(want).astype(np.int32)
         if not n_out:
-            return _Job(key, plan, values, None), 0, None
+            return key, Job(plan, values), 0, None
         if sampled:
             values[SAMPLING_INPUT] = sampling[out_row:out_row + n_out]
-            return _Job(key, plan, values, self._sampled[out_row:out_row + n_out]), n_out, plan.output.backend
+            return key, Job(plan, values, self._sampled[out_row:out_row + n_out]), n_out, plan.output.backend
         out = plan.output
         if not embeddings and u1 - u0 == len(batch) and out is not None and out.backend.host_memory \
                 and out.dtype is DType.F32 and tuple(out.shape) == (n_out, self.hparams.n_vocab):
@@ -320,17 +311,17 @@ class Context:
             # the output layer wrote them (until the next decode, as it would the copy), which
             # saves copying n_outputs x n_vocab floats (4 MB at 32 rows of a 32k vocabulary).
             self._logits_in_place = out.backend.host_array(out).view(np.float32).reshape(out.shape)
-            return _Job(key, plan, values, None), n_out, None
+            return key, Job(plan, values), n_out, None
         dest = self._embd if embeddings else self._logits
-        return _Job(key, plan, values, dest[out_row:out_row + n_out]), n_out, plan.output.backend
+        return key, Job(plan, values, dest[out_row:out_row + n_out]), n_out, plan.output.backend
 
-    def _replan_stale(self, jobs: list["_Job"]) -> None:
+    def _replan_stale(self, keys: list[tuple], jobs: list[Job]) -> None:
         """Placing a later micro-batch's plan can grow a compute buffer, which makes the plans
         placed before it stale: those are placed again (the buffers only grow, so this settles)."""
         while any(job.plan.generation != self.sched.generation for job in jobs):
-            for job in jobs:
+            for key, job in zip(keys, jobs):
                 if job.plan.generation != self.sched.generation:
-                    job.plan = self._plan(*job.key)
+                    job.plan = self._plan(*key)
 
     # ------------------------------------------------------------------------------------------
     def seq_rm(self, seq: int, p0: int = 0) -> int:

@@ -39,6 +39,9 @@ class Split:
     graph: Graph
     copies: list[Copy] = field(default_factory=list)  # inputs from other backends, before compute
     outgoing: list[Copy] = field(default_factory=list)  # later copies read back with this split's graph
+    # the graph inputs written just before this split: (name, its copy on this backend), at the
+    # backend's first split
+    inputs: list[tuple[str, Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -46,13 +49,20 @@ class Plan:
     """A forward graph placed on devices, ready to run any number of times."""
 
     splits: list[Split]
-    inputs: dict[str, list[Tensor]]  # input name -> its copy on every backend that reads it
+    input_names: frozenset[str]  # the graph inputs some split reads
     output: Optional[Tensor]
     generation: int
     peaks: list[int]
-    # per split, the input copies written just before it: those on its backend, at that
-    # backend's first split
-    split_inputs: list[list[tuple[str, Tensor]]] = field(default_factory=list)
+
+
+@dataclass
+class Job:
+    """One micro-batch to run: its plan, its input values by name, and where its output is read
+    (None: not read; on a host device it stays in the compute buffer)."""
+
+    plan: Plan
+    values: dict[str, np.ndarray]
+    output: Optional[np.ndarray] = None
 
 
 class _FirstFit:
@@ -115,14 +125,11 @@ class Scheduler:
         # 1. split into runs of one backend; redirect cross-backend reads to local copies
         splits: list[Split] = []
         local: dict[tuple[int, int], Tensor] = {}  # (id(tensor), backend) -> tensor to read there
-        inputs: dict[str, list[Tensor]] = {}
-        split_inputs: list[list[tuple[str, Tensor]]] = []
-        first_split: dict[int, int] = {}  # backend index -> its first split
+        first_split: dict[int, Split] = {}  # backend index -> its first split
         for nd, bi in zip(fg.nodes, node_backend):
             if not splits or splits[-1].backend_index != bi:
                 splits.append(Split(bi, self.backends[bi], Graph([])))
-                split_inputs.append([])
-                first_split.setdefault(bi, len(splits) - 1)
+                first_split.setdefault(bi, splits[-1])
             split = splits[-1]
             new_srcs = []
             for src in nd.srcs:
@@ -131,8 +138,7 @@ class Scheduler:
                     new_srcs.append(local[key])
                 elif id(src) in input_names:
                     copy = Tensor(src.dtype, src.shape, src.name)
-                    inputs.setdefault(input_names[id(src)], []).append(copy)
-                    split_inputs[first_split[bi]].append((input_names[id(src)], copy))
+                    first_split[bi].inputs.append((input_names[id(src)], copy))
                     local[key] = copy
                     new_srcs.append(copy)
                 elif id(src) in produced and produced[id(src)] != bi:
@@ -199,13 +205,14 @@ class Scheduler:
                         c.staging = np.empty(c.src.nbytes, dtype=np.uint8)
                         split.outgoing.append(c)
         self.peaks = [max(a, b) for a, b in zip(self.peaks, peaks)]
+        names = frozenset(name for split in splits for name, _ in split.inputs)
         if self.dry:
-            return Plan(splits, inputs, fg.output, self.generation, peaks, split_inputs)
+            return Plan(splits, names, fg.output, self.generation, peaks)
         self._ensure_buffers(peaks)
         for tid, (bi, t) in tensors.items():
             t.buffer = self.buffers[bi]
             t.offset = offsets[tid]
-        return Plan(splits, inputs, fg.output, self.generation, peaks, split_inputs)
+        return Plan(splits, names, fg.output, self.generation, peaks)
 
     def _ensure_buffers(self, peaks: list[int]) -> None:
         for bi, peak in enumerate(peaks):
@@ -225,16 +232,12 @@ class Scheduler:
         return {b.name: (buf.size if buf else 0) for b, buf in zip(self.backends, self.buffers)}
 
     # ------------------------------------------------------------------------------------------
-    def compute(self, plan: Plan, values: dict[str, np.ndarray], output: Optional[np.ndarray] = None) -> None:
-        """Sets the inputs and runs every split in order with its copies. A tensor that leaves a
-        device is read back as part of its producing graph (so no other user's command can come
-        between the graph and the read on a shared connection) and written to the consumer before
-        its graph. With `output`, the logits are read into it the same way: complete it with the
-        output backend's synchronize()."""
-        self.compute_ubatches([(plan, values, output)])
-
-    def compute_ubatches(self, jobs: list[tuple[Plan, dict[str, np.ndarray], Optional[np.ndarray]]]) -> None:
-        """Runs a step's micro-batches, each a (plan, inputs, output) as compute() takes.
+    def compute_ubatches(self, jobs: list[Job]) -> None:
+        """Runs a step's micro-batches: each split sets its inputs and runs with its copies. A
+        tensor that leaves a device is read back as part of its producing graph (so no other
+        user's command can come between the graph and the read on a shared connection) and written
+        to the consumer before its graph. A job's `output` is read the same way with the last
+        split: complete it with the output backend's synchronize().
 
         Over a split whose devices all run their commands in order (`Backend.in_order`), the
         micro-batches go through the stages as a wavefront: while micro-batch u runs on stage s,
@@ -244,14 +247,15 @@ class Scheduler:
         its producer's read), then the stages that compute asynchronously (a peer) are issued,
         then the ones that compute on this thread. A device's next micro-batch is written only
         after its previous one was issued, and in-order devices run it after that one: every
-        plan's buffers are used by one micro-batch at a time on each device."""
+        plan's buffers are used by one micro-batch at a time on each device. Otherwise each
+        micro-batch goes through every stage before the next one starts."""
         if len(jobs) > 1 and self._wavefront_ok(jobs):
-            n_stages = len(jobs[0][0].splits)
+            n_stages = len(jobs[0].plan.splits)
             order: list[list[tuple[int, int]]] = []
             for t in range(len(jobs) + n_stages - 1):
                 order.append([(t - s, s) for s in reversed(range(n_stages)) if 0 <= t - s < len(jobs)])
         else:
-            order = [[(u, s)] for u, job in enumerate(jobs) for s in range(len(job[0].splits))]
+            order = [[(u, s)] for u, job in enumerate(jobs) for s in range(len(job.plan.splits))]
         traced = trace.enabled
         regions: dict[tuple[int, int], object] = {}  # (micro-batch, id(copy)) -> its staging region
         started: dict[tuple[int, int], int] = {}  # traced: (micro-batch, split) -> when its inputs began
@@ -260,28 +264,28 @@ class Scheduler:
                 for u, s in items:
                     if traced:
                         started[(u, s)] = trace.now()
-                    plan, values, _ = jobs[u]
-                    for name, t in plan.split_inputs[s]:
+                    split, values = jobs[u].plan.splits[s], jobs[u].values
+                    for name, t in split.inputs:
                         t.backend.set_tensor(t, values[name])
-                    self._hand_over(plan.splits[s], u, regions, traced)
-                for u, s in sorted(items, key=lambda it: not jobs[it[0]][0].splits[it[1]].backend.compute_async):
+                    self._hand_over(split, u, regions, traced)
+                for u, s in sorted(items, key=lambda it: not jobs[it[0]].plan.splits[it[1]].backend.compute_async):
                     self._run_split(jobs[u], s, u, regions, started.pop((u, s), 0))
         finally:
             for region in regions.values():  # a failed step must not keep arena space
                 region.release()  # type: ignore[attr-defined]
 
     @staticmethod
-    def _wavefront_ok(jobs: list[tuple[Plan, dict[str, np.ndarray], Optional[np.ndarray]]]) -> bool:
+    def _wavefront_ok(jobs: list[Job]) -> bool:
         """Whether micro-batches may overlap: the same devices in the same order in every plan,
         each device once, all in order, no copy a producer makes on its own (an event-gated
         device copy, not ordered with its stream's next write)."""
-        first = [split.backend for split in jobs[0][0].splits]
+        first = [split.backend for split in jobs[0].plan.splits]
         if len(first) < 2 or len({id(b) for b in first}) != len(first) or not all(b.in_order for b in first):
             return False
-        for plan, _, _ in jobs:
-            if [split.backend for split in plan.splits] != first:
+        for job in jobs:
+            if [split.backend for split in job.plan.splits] != first:
                 return False
-            if any(c.source for split in plan.splits for c in split.copies):
+            if any(c.source for split in job.plan.splits for c in split.copies):
                 return False
         return True
 
@@ -298,12 +302,11 @@ class Scheduler:
                 self._staged_copy(c, dst_backend, regions.pop((u, id(c)), None), traced)
 
     @staticmethod
-    def _run_split(job: tuple[Plan, dict[str, np.ndarray], Optional[np.ndarray]], i: int, u: int, regions: dict,
-                   t_split: int) -> None:
-        """Computes split i of a micro-batch, with the reads of what leaves its device (and, on
+    def _run_split(job: Job, i: int, u: int, regions: dict, t_split: int) -> None:
+        """Computes split i of micro-batch u, with the reads of what leaves its device (and, on
         the last split, the output) sent along with its graph. t_split: when its inputs began
         (traced; 0 untraced)."""
-        plan, _, output = job
+        plan, output = job.plan, job.output
         split = plan.splits[i]
         traced = t_split != 0
         reads = []

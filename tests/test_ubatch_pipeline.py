@@ -172,3 +172,37 @@ def test_a_peer_lost_in_the_middle_of_the_wave_is_one_error_and_keeps_no_staging
         assert conn._arena is None or conn.arena.outstanding == 0
     finally:
         conn.close()
+
+
+def _drop_compute_buffers(ctx: Context) -> None:
+    sched = ctx.sched
+    for i, buf in enumerate(sched.buffers):
+        if buf is not None:
+            sched.backends[i].free_buffer(buf)
+        sched.buffers[i] = None
+    sched.generation += 1  # every plan placed in them is stale
+
+
+def test_a_later_micro_batch_that_grows_a_buffer_replaces_the_earlier_plans(tiny_model, rpc_peer):
+    """All micro-batches are placed before the first runs. When placing a later one grows a
+    compute buffer, the buffer the earlier ones were placed in is freed (on the peer here), so
+    they are placed again: the output layer on the peer, the compute buffers dropped, and the
+    last micro-batch (the row that wants logits) needing more there than those before it."""
+    conn = Connection(rpc_peer.endpoint)
+    try:
+        engine = Engine(tiny_model, n_threads=1, backends=[CPUBackend(1), RPCBackend(conn)], tensor_split=[1, 1])
+        ctx = engine.new_context(64, 1, n_batch=64, n_ubatch=4)
+        sched = ctx.sched
+        prompt = PROMPT + [15]  # micro-batches (4 tokens, 0 outputs) twice, then (4, 1)
+        assert ctx._plan(4, 0).peaks[1] < ctx._plan(4, 1).peaks[1]
+        _drop_compute_buffers(ctx)  # as if nothing had sized them for the worst case
+        before = sched.generation
+        got = ctx.decode(Batch.for_sequence(prompt, 0, 0)).logits[-1].copy()
+        assert sched.generation > before + 1  # the (4, 1) plan grew the peer's buffer after (4, 0)'s
+        engine.close()
+    finally:
+        conn.close()
+    alone = Engine(tiny_model, n_threads=1)
+    want = alone.new_context(64, 1, n_batch=64, n_ubatch=64).decode(Batch.for_sequence(prompt, 0, 0)).logits[-1]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    alone.close()

@@ -149,7 +149,7 @@ def test_without_embedding_flag_embeddings_answer_501(tiny_model):
             assert status == 501
             assert res["error"] == {"code": 501, "type": "not_supported_error",
                                     "message": "This server does not support embeddings. Start it with `--embeddings`"}
-        status, res = srv.post("/completion", {"prompt": "hello", "n_predict": 2})
+        status, res = srv.post("/completion", {"prompt": "hello", "n_predict": 2, "ignore_eos": True})
         assert status == 200 and res["tokens_predicted"] == 2
     finally:
         assert srv.stop() == 0

@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 from typing import Any, Optional
+from .threads import Thread
 
 ENV = "PYLLAMA_TRACE"
 VERSION = 1
@@ -145,7 +146,7 @@ class _Writer:
         self.file.flush()
         self.wake = threading.Event()
         self._stop = False
-        self.thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
+        self.thread = Thread(target=self._run, name="trace-writer", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:

@@ -40,6 +40,7 @@
 #include <pthread.h>
 #include <time.h>
 #include <unistd.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <linux/futex.h>
 
@@ -1145,6 +1146,7 @@ static inline void pq_pool_run_claimed(int64_t item) {
 
 static void *pq_pool_helper(void *arg) {
     (void)arg;
+    prctl(PR_SET_NAME, "kernel-pool", 0, 0, 0);  /* what top -H, ps -L and /proc show for it */
     for (;;) {
         int64_t item;
         int64_t idle_since = pq_now_ns();

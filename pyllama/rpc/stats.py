@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from ..threads import Thread
 
 enabled = os.environ.get("PYLLAMA_RPC_STATS", "") not in ("", "0")
 _lock = threading.Lock()
@@ -71,7 +72,7 @@ def _ensure_printer() -> None:
                 if enabled:
                     print(format_stats(*snapshot()), file=sys.stderr, flush=True)
 
-        _printer = threading.Thread(target=run, name="rpc-stats", daemon=True)
+        _printer = Thread(target=run, name="rpc-stats", daemon=True)
         _printer.start()
         atexit.register(_print_final)
 

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from typing import Optional
+from ..threads import Thread
 
 log = logging.getLogger("pyllama.rpc_server")
 
@@ -82,7 +83,7 @@ class TensorCache:
             if self._closed:
                 return
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="rpc-cache-writer", daemon=True)
+                self._thread = Thread(target=self._run, name="rpc-cache-writer", daemon=True)
                 self._thread.start()
             deadline = time.monotonic() + WRITER_WAIT_S
             while self._pending_bytes > _MAX_PENDING and self._pending:

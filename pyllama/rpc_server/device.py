@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 import time
 from typing import Any, Callable, Optional
 
 from ..backend.base import Backend, Buffer
 from ..backend.cpu import CPUBackend
 from ..rpc.protocol import KIND
+from ..threads import Thread
 
 log = logging.getLogger("pyllama.rpc_server")
 
@@ -35,7 +35,7 @@ class Executor:
 
     def __init__(self, name: str):
         self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = Thread(target=self._run, name=name, daemon=True)
         self._started = False
 
     def start(self) -> None:

@@ -33,6 +33,7 @@ from ..rpc.protocol import Cap, Cmd
 from .cache import TensorCache
 from .device import Device
 from .session import Session, frame, now_us
+from ..threads import Thread
 
 log = logging.getLogger("pyllama.rpc_server")
 
@@ -512,7 +513,7 @@ class ServerThread:
 
     def start(self, timeout: float = 10.0) -> int:
         self._loop = new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rpc-server-loop", daemon=True)
+        self._thread = Thread(target=self._loop.run_forever, name="rpc-server-loop", daemon=True)
         self._thread.start()
         self.port = asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout)
         return self.port

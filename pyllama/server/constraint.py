@@ -31,6 +31,7 @@ import numpy as np
 import llguidance as llg
 
 from .._fast import masks as _masks
+from ..threads import name_current_thread
 from ..tokenizer import Tokenizer
 from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
 from .http import HTTPError
@@ -265,7 +266,7 @@ class MaskWorker:
     the step's own."""
 
     def __init__(self, name: str = "masks") -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=name_current_thread)
         self.t_compute = 0.0  # seconds spent computing masks (on the worker)
         self.n_masks = 0
 

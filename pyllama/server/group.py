@@ -42,6 +42,7 @@ from ..busy import now_us
 from .embedding import rows_wanted
 from .slot import Slot, SlotState, common_prefix, presampling_probs, token_probs
 from .task import CompletionTask, EmbeddingEvent, ErrorEvent, EventSink, FinalEvent, ProgressEvent
+from ..threads import Thread
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class PipelineGroup:
         self._n_rows = self._n_prompt = self._n_decode = 0
         self.step_log = StepLog()  # every step's time and size: the live pipeline view
         self._step = (0, 0, 0)     # (start_us, tokens, sampled rows) of the step being run, start 0: none
-        self.thread = threading.Thread(target=self._run, name=f"decode-{index}", daemon=True)
+        self.thread = Thread(target=self._run, name=f"decode-{index}", daemon=True)
 
     def start(self) -> None:
         self.thread.start()

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from ..threads import Thread
 
 enabled = os.environ.get("PYLLAMA_PIPE_PROF", "") not in ("", "0")
 PERIOD_S = max(int(os.environ.get("PYLLAMA_PIPE_PROF_MS", "5000") or 5000), 50) / 1000
@@ -60,7 +61,7 @@ def profile_for(group: int) -> GroupProfile:
         _profiles.append(prof)
         if not _started:
             _started = True
-            threading.Thread(target=_print_loop, name="pipe-prof", daemon=True).start()
+            Thread(target=_print_loop, name="pipe-prof", daemon=True).start()
     return prof
 
 

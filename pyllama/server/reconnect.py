@@ -25,6 +25,7 @@ from typing import Optional
 from ..engine import Engine
 from ..rpc.connection import RPCError, configured_timeout
 from .group import PipelineGroup
+from ..threads import Thread
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class PeerReconnector:
         self.last_error: Optional[str] = None
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="reconnect", daemon=True)
+        self.thread = Thread(target=self._run, name="reconnect", daemon=True)
         for g in groups:
             g.on_fault = self.notify
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections import deque
 from typing import Optional
 
 from .group import PipelineGroup
 from .slot import Slot, common_prefix
 from .task import CompletionTask
+from ..threads import Thread
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class Router:
         self._deferred: deque[list[CompletionTask]] = deque()
         self.n_deferred = 0
         self.n_processing = 0
-        self.thread = threading.Thread(target=self._run, name="tasks", daemon=True)
+        self.thread = Thread(target=self._run, name="tasks", daemon=True)
         for g in groups:
             g.on_free = self.on_free
 

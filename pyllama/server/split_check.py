@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence
 from ..balance import SplitAdvice, advise_split
 from ..env import env_number
 from .pipeline_stats import StepLog
+from ..threads import Thread
 
 log = logging.getLogger("pyllama.server")
 
@@ -72,7 +73,7 @@ class SplitCheck:
         self._last: Optional[tuple[int, list[float], int, int]] = None
         self._advised: Optional[list[int]] = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="split-check", daemon=True)
+        self._thread = Thread(target=self._run, name="split-check", daemon=True)
 
     def start(self) -> None:
         self._thread.start()

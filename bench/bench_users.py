@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from typing import Callable, Optional
 
 METRIC_PREDICTED = "llamacpp:tokens_predicted_total"
 METRIC_PROMPT = "llamacpp:prompt_tokens_total"
@@ -326,8 +327,11 @@ def _settled_metrics(target: _Target, base: dict[str, float] | None,
 
 def run_bench(url: str, users: int, requests: int, npp: int, ntg: int, warmup: int = 1,
               timeout: float = 600, seed: int = 0,
-              vocab: tuple[int, int] = (300, 1000)) -> dict:
-    """Run the closed-loop benchmark and return the report (the --json document)."""
+              vocab: tuple[int, int] = (300, 1000),
+              on_window_start: Optional[Callable[[], None]] = None) -> dict:
+    """Run the closed-loop benchmark and return the report (the --json document).
+    `on_window_start` is called once, after the warm-up and just before the measured window
+    opens (e.g. to read counters of the server's process over exactly that window)."""
     if users < 1 or requests < 1 or npp < 1 or ntg < 1 or warmup < 0:
         raise ValueError("users, requests, npp and ntg must be >= 1 and warmup >= 0")
     lo, hi = int(vocab[0]), int(vocab[1])
@@ -339,6 +343,7 @@ def run_bench(url: str, users: int, requests: int, npp: int, ntg: int, warmup: i
     warm_results: list[list[dict]] = [[] for _ in range(users)]
     results: list[list[dict]] = [[] for _ in range(users)]
     shared: dict = {"t0": None, "m_before": None, "m_before_why": m_why}
+    crashes: list[str] = []
 
     def at_barrier() -> None:
         # runs once, in the last user to arrive, before anyone is released
@@ -352,11 +357,14 @@ def run_bench(url: str, users: int, requests: int, npp: int, ntg: int, warmup: i
                 shared["m_before"], shared["m_before_why"] = m, why
         except Exception as e:  # never break the barrier: the users must still run
             shared["m_before_why"] = f"reading /metrics failed: {type(e).__name__}: {e}"
+        if on_window_start is not None:
+            try:
+                on_window_start()
+            except Exception as e:  # noqa: BLE001 - the caller's reading; the users must still run
+                crashes.append(f"on_window_start: {type(e).__name__}: {e}")
         shared["t0"] = time.perf_counter()
 
     barrier = threading.Barrier(users, action=at_barrier)
-
-    crashes: list[str] = []
 
     def user(u: int) -> None:
         conn = target.connect()

@@ -51,7 +51,9 @@ More arms in the same legs (interleaved with the split cells):
   llama-server with its own `--prio N`, ggml-rpc-server (which has no such flag) under `chrt` at
   the same level.
 With any of these, a second table lists every cell (mean [min..max] over legs, completed/sent,
-busy %), then the ratios the issue targets name: -t2/-t1, 2 groups / 1 group, 2 groups / unsplit,
+how often per second the compute threads of pyllama's processes were preempted in the measured
+window (Linux; `bench/thread_stats.py`, the time-slicing `--prio` removes), busy %), then the
+ratios the scaling targets name (`docs/pipeline-groups.md`): -t2/-t1, 2 groups / 1 group, 2 groups / unsplit,
 pyllama split / llama.cpp split (ratio of the means, [min..max] of the per-leg ratios).
 
 Exit status 1 when any cell had errors (a failed request, a short response, a server that did
@@ -80,6 +82,7 @@ for _p in (HERE, os.path.join(ROOT, "tests"), ROOT):
         sys.path.insert(0, _p)
 
 from bench_users import run_bench  # noqa: E402
+import thread_stats  # noqa: E402
 from server_util import RPCServerProcess, ServerProcess  # noqa: E402
 
 from pyllama.priority import LEVELS, LEVELS_HELP, policy_for  # noqa: E402
@@ -459,6 +462,8 @@ def all_cells(records: list[dict]) -> list[dict]:
             for dev, pct in (r.get("busy_pct") or {}).items():
                 busy.setdefault(dev, []).append(pct)
         cell["busy_pct"] = {d: round(statistics.fmean(v), 1) for d, v in busy.items()}
+        rates = [x for x in (preempt_rate(r.get("thread_stats")) for r in legs) if x is not None]
+        cell["preempted_per_s"] = round(statistics.fmean(rates), 1) if rates else None
         cells.append(cell)
     return cells
 
@@ -522,16 +527,17 @@ def issue_ratios(records: list[dict], types: list[str], users: list[int], orders
 
 def format_cells(cells: list[dict]) -> str:
     head = ["type", "users", "arm", "tok/s mean [min..max]", "legs", "done/sent", "TPOT ms", "TTFT med ms",
-            "busy %"]
+            "preempted/s", "busy %"]
     rows = []
     for c in cells:
         tok = "-" if c["tok_s_mean"] is None else \
             f"{c['tok_s_mean']:.1f} [{c['tok_s_min']:.1f}..{c['tok_s_max']:.1f}]"
         busy = ", ".join(f"{d} {p:.0f}" for d, p in c.get("busy_pct", {}).items()) or "-"
         rows.append([c["type"], str(c["users"]), c["arm"], tok, str(c["legs"]), f"{c['completed']}/{c['requests']}",
-                     _num(c["tpot_ms"], ".1f"), _num(c["ttft_ms_median"], ".1f"), busy])
+                     _num(c["tpot_ms"], ".1f"), _num(c["ttft_ms_median"], ".1f"),
+                     _num(c.get("preempted_per_s"), ".0f"), busy])
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    right = {1, 3, 4, 5, 6, 7}
+    right = {1, 3, 4, 5, 6, 7, 8}
 
     def line(r: list[str]) -> str:
         return " | ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
@@ -911,6 +917,35 @@ def busy_shares(server_trace: str, peer_trace: str, timeout: float = 600) -> tup
     return parse_busy(text), text
 
 
+COMPUTE_THREADS = ("decode-", "kernel-pool", "rpc-exec-")  # the OS names of the compute threads
+
+
+def thread_summary(before: dict, after: dict, labels: dict[int, str], window_s: float) -> dict:
+    """Per process (by label) of a cell's measured window, from two thread_stats snapshots: CPU
+    and run-queue wait seconds of all its threads, and of its compute threads (decode-N,
+    kernel-pool, rpc-exec-*) the wait share and how often they were preempted (the time-slicing
+    that stretches a split's stages, docs/pipeline-groups.md "Thread priority")."""
+    rows = thread_stats.difference(before, after, min_cpu_ms=0.0)
+    out: dict = {"window_s": round(window_s, 3)}
+    for pid, label in labels.items():
+        mine = [r for r in rows if r.pid == pid]
+        comp = [r for r in mine if r.name.startswith(COMPUTE_THREADS)]
+        c_cpu, c_wait = sum(r.cpu_ms for r in comp), sum(r.wait_ms for r in comp)
+        out[label] = {"cpu_s": round(sum(r.cpu_ms for r in mine) / 1e3, 3),
+                      "wait_s": round(sum(r.wait_ms for r in mine) / 1e3, 3),
+                      "compute_wait_pct": round(100.0 * c_wait / (c_cpu + c_wait), 1) if c_cpu + c_wait else 0.0,
+                      "compute_preempted": sum(r.involuntary for r in comp)}
+    return out
+
+
+def preempt_rate(stats: Optional[dict]) -> Optional[float]:
+    """Preemptions of the compute threads per second of the window, every process of the cell
+    (a thread_summary)."""
+    if not stats or not stats.get("window_s"):
+        return None
+    return sum(v["compute_preempted"] for v in stats.values() if isinstance(v, dict)) / stats["window_s"]
+
+
 def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], log, ctx: Optional[dict] = None) -> dict:
     """Start the cell's server (pyllama or llama-server), bench it, stop it. Never raises for a
     server that fails. `ctx` carries the run's shared state: peers, the llama.cpp rpc endpoint,
@@ -954,9 +989,30 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
         log(f"  server did not start: {rec['start_error']}")
         return rec
     rec["ready_s"] = round(time.monotonic() - t0, 3)
+    # pyllama's processes: their threads' counters over the measured window (Linux)
+    labels = {} if llama or not sys.platform.startswith("linux") else {server.sp.proc.pid: "server"}
+    if labels and kind == SPLIT and ctx.get("peer_pid"):
+        labels[ctx["peer_pid"]] = "rpc"
+    before: dict = {}
+    t_window = [0.0]
+
+    def window_start() -> None:
+        try:
+            before.update(thread_stats.snapshot(list(labels)))
+        except thread_stats.ProcessGone:
+            return  # the bench reports the server that went away
+        t_window[0] = time.monotonic()
+
     try:
         rep = run_bench(server.url, run["users"], a.requests, a.npp, a.ntg, warmup=a.warmup,
-                        timeout=a.timeout, seed=a.seed, vocab=vocab)
+                        timeout=a.timeout, seed=a.seed, vocab=vocab,
+                        on_window_start=window_start if labels else None)
+        if before:
+            try:
+                rec["thread_stats"] = thread_summary(before, thread_stats.snapshot(list(labels)), labels,
+                                                time.monotonic() - t_window[0])
+            except thread_stats.ProcessGone:
+                pass
     finally:
         rec["server_exit"] = server.stop()
     rec["bench"] = rep
@@ -1127,6 +1183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 try:
                     peer.setup()
                     endpoint = peer.start_rpc()
+                    shared["peer_pid"] = peer.proc.pid  # `ip netns exec` runs the server in its own process
                 except RuntimeError as e:
                     print(f"{PROG}: --netns: {e}", file=sys.stderr)
                     return 1
@@ -1134,6 +1191,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"tbf {a.rate}")
             else:
                 rpc = RPCServerProcess(*peer_args)
+                shared["peer_pid"] = rpc.proc.pid
                 atexit.register(rpc.stop)
                 endpoint = rpc.endpoint
                 log(f"rpc server at {endpoint}")
@@ -1162,6 +1220,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 log(f"  {_num(rec['gen_tok_s'], '.1f')} tok/s, TPOT {_num(rec['tpot_ms'], '.1f')} ms, "
                     f"TTFT median {_num(rec['ttft_ms_median'], '.1f')} ms, errors {rec['errors']}, "
                     f"completed {done}" + (f", busy {rec['busy_pct']}" if rec.get("busy_pct") else "")
+                    + (f", compute threads preempted {preempt_rate(rec['thread_stats']):.0f}/s"
+                       if rec.get("thread_stats") else "")
                     + ("" if rec["exit_status"] == 0 else "  FAIL: " + "; ".join(rec["failures"])))
     finally:
         cleanup()

@@ -72,6 +72,10 @@ def read_thread(pid: int, tid: int) -> Optional[ThreadCounters]:
                           switches.get("nonvoluntary_ctxt_switches", 0))
 
 
+class ProcessGone(RuntimeError):
+    """A watched process is not there (any more)."""
+
+
 def snapshot(pids: Sequence[int]) -> dict[tuple[int, int], ThreadCounters]:
     """Every thread's counters of the given processes, keyed by (pid, tid)."""
     out = {}
@@ -79,7 +83,7 @@ def snapshot(pids: Sequence[int]) -> dict[tuple[int, int], ThreadCounters]:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError as exc:
-            raise SystemExit(f"thread_stats: no process {pid}: {exc}") from None
+            raise ProcessGone(f"no process {pid}: {exc.strerror}") from None
         for tid in tids:
             c = read_thread(pid, int(tid))
             if c is not None:
@@ -147,15 +151,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not sys.platform.startswith("linux"):
         ap.error("reads Linux's /proc")
     labels = dict(zip(a.pid, a.label))
-    before = snapshot(a.pid)
-    t0 = time.monotonic()
-    rc = 0
-    if command:
-        rc = subprocess.run(command).returncode
-    else:
-        time.sleep(a.seconds)
-    wall = time.monotonic() - t0
-    rows = difference(before, snapshot(a.pid), a.min_cpu_ms)
+    try:
+        before = snapshot(a.pid)
+        t0 = time.monotonic()
+        rc = 0
+        if command:
+            rc = subprocess.run(command).returncode
+        else:
+            time.sleep(a.seconds)
+        wall = time.monotonic() - t0
+        rows = difference(before, snapshot(a.pid), a.min_cpu_ms)
+    except ProcessGone as exc:
+        print(f"thread_stats: {exc}", file=sys.stderr)
+        return 1
     print(format_rows(rows, wall, labels))
     if a.json:
         with open(a.json, "w") as f:

@@ -120,6 +120,29 @@ def test_ratios_pair_the_legs():
     assert "f32 32 users: pyllama -t 2 / -t 1: 1.52x [1.49..1.55]" in text
 
 
+def test_thread_summary_and_the_preemption_column():
+    C = pc.thread_stats.ThreadCounters
+    before = {(1, 10): C(1, 10, "decode-0", 0, 0, 0, 0), (1, 11): C(1, 11, "python", 0, 0, 0, 0),
+              (2, 20): C(2, 20, "rpc-exec-CPU", 0, 0, 0, 0)}
+    after = {(1, 10): C(1, 10, "decode-0", 900_000_000, 100_000_000, 50, 40),
+             (1, 11): C(1, 11, "python", 50_000_000, 50_000_000, 99, 400),     # not a compute thread
+             (1, 12): C(1, 12, "kernel-pool", 100_000_000, 0, 5, 10),          # started in the window
+             (2, 20): C(2, 20, "rpc-exec-CPU", 800_000_000, 200_000_000, 20, 30)}
+    th = pc.thread_summary(before, after, {1: "server", 2: "rpc"}, 2.0)
+    assert th["window_s"] == 2.0
+    assert th["server"] == {"cpu_s": 1.05, "wait_s": 0.15, "compute_wait_pct": 9.1, "compute_preempted": 50}
+    assert th["rpc"] == {"cpu_s": 0.8, "wait_s": 0.2, "compute_wait_pct": 20.0, "compute_preempted": 30}
+    assert pc.preempt_rate(th) == 40.0 and pc.preempt_rate(None) is None
+    recs = [_rec("f32", "split", leg, 300, order="RPC0,CPU", groups=2,
+                 thread_stats={**th, "window_s": 2.0 * leg}) for leg in (1, 2)]
+    recs.append(_rec("f32", "unsplit", 1, 400, threads=1))  # no counters: a dash
+    cells = pc.all_cells(recs)
+    assert cells[0]["preempted_per_s"] == 30.0 and cells[1]["preempted_per_s"] is None
+    lines = pc.format_cells(cells).splitlines()
+    assert "preempted/s" in lines[0]
+    assert lines[2].split("|")[8].strip() == "30" and lines[3].split("|")[8].strip() == "-"
+
+
 def test_tiny_end_to_end_with_the_new_arms(tiny_model, tmp_path):
     out = tmp_path / "cells.json"
     args = ["--model", tiny_model, "--groups", "1", "--users", "2", "--legs", "1", "--orders", "RPC0,CPU",
@@ -140,6 +163,12 @@ def test_tiny_end_to_end_with_the_new_arms(tiny_model, tmp_path):
     assert "--rpc" not in t1["server_args"] and t1["server_args"][-2:] == ["-t", "1"] and t2["gen_tok_s"] > 0
     assert split["last_blocks"] == 1  # the tiny model: 2 blocks, -ts 1,1
     assert set(split["busy_pct"]) == {"CPU", "RPC0/CPU"} and all(0 < v <= 100 for v in split["busy_pct"].values())
+    # the threads of pyllama's processes over the measured window: both ends of the split computed
+    st = split["thread_stats"]
+    assert set(st) == {"window_s", "server", "rpc"} and set(t1["thread_stats"]) == {"window_s", "server"}
+    assert st["window_s"] > 0 and st["server"]["cpu_s"] > 0 and st["rpc"]["cpu_s"] > 0
+    assert all(isinstance(v["compute_preempted"], int) for k, v in st.items() if k != "window_s")
+    assert "preempted/s" in r.stdout
     assert "pyllama -t 2 / -t 1:" in r.stdout and "RPC0,CPU: 1 group(s) / pyllama unsplit -t 2" in r.stdout
     if llama:
         assert doc["legs"][3]["server_args"][-2:] == ["-ngl", "2"]

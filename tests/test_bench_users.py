@@ -193,6 +193,26 @@ def test_run_bench_counts_and_matches_counters():
     assert len(srv.connections) == 4
 
 
+def test_window_start_callback_runs_once_after_the_warm_up():
+    seen = []
+    with FakeLlamaServer() as srv:
+        rep = bench_users.run_bench(srv.url, users=3, requests=2, npp=4, ntg=2, warmup=1, timeout=30,
+                                    on_window_start=lambda: seen.append(len(srv.requests)))
+    assert seen == [3]  # every user's warm-up request answered, no measured one sent yet
+    assert rep["exit_status"] == 0 and len(srv.requests) == 9
+
+
+def test_a_failing_window_start_callback_fails_the_run_but_not_the_users():
+    def boom() -> None:
+        raise OSError("no such process")
+
+    with FakeLlamaServer() as srv:
+        rep = bench_users.run_bench(srv.url, users=2, requests=1, npp=4, ntg=2, warmup=0, timeout=30,
+                                    on_window_start=boom)
+    assert rep["requests_done"] == 2 and rep["exit_status"] == 1
+    assert any("on_window_start: OSError: no such process" in f for f in rep["failures"])
+
+
 def test_prompts_are_seeded():
     a = bench_users.make_prompt(3, 1, "run", 2, 50, (300, 1000))
     assert a == bench_users.make_prompt(3, 1, "run", 2, 50, (300, 1000))

@@ -484,7 +484,7 @@ def paired_ratio(records: list[dict], t: str, users: int, num: tuple, den: tuple
             "legs": len(per_leg)}
 
 
-def issue_ratios(records: list[dict], types: list[str], users: list[int], orders: list[str],
+def target_ratios(records: list[dict], types: list[str], users: list[int], orders: list[str],
                  groups: list[int], threads: list[int], split_threads: int,
                  unsplit_groups: Iterable[int] = ()) -> list[dict]:
     """The ratios the targets name, per weight type and user count, where both arms ran:
@@ -1232,7 +1232,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cells += [{"type": t, **c} for c in summarize([r for r in split_records if r["type"] == t], orders, users, groups)]
     best = best_ratios(cells, orders, 2) if len(types) == 1 else {}
     every = all_cells(records)
-    ratios = issue_ratios(records, types, users, orders, groups, unsplit_threads, a.threads, unsplit_groups)
+    ratios = target_ratios(records, types, users, orders, groups, unsplit_threads, a.threads, unsplit_groups)
     print(f"pipeline cells: {', '.join(os.path.basename(m) for m in models.values())}, npp {a.npp}, ntg {a.ntg}, "
           f"-r {a.requests}, -t {a.threads}, {a.legs} legs per arm, rpc "
           + (f"in netns behind tbf {a.rate}" if a.netns else "on loopback"))

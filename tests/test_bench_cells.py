@@ -42,7 +42,7 @@ def test_unsplit_groups_arm_and_its_ratios():
         recs += [_rec("q4_k_m", "unsplit", leg, t1, threads=1), _rec("q4_k_m", "unsplit", leg, t2, threads=2),
                  _rec("q4_k_m", "unsplit", leg, u2, threads=1, groups=2),
                  _rec("q4_k_m", "split", leg, g2, order="RPC0,CPU", groups=2)]
-    rows = {r["name"]: r for r in pc.issue_ratios(recs, ["q4_k_m"], [32], ["RPC0,CPU"], [2], [1, 2], 1, [2])}
+    rows = {r["name"]: r for r in pc.target_ratios(recs, ["q4_k_m"], [32], ["RPC0,CPU"], [2], [1, 2], 1, [2])}
     assert rows["pyllama -t 1 2 groups / -t 1"]["ratio"] == pytest.approx(1670 / 810)
     assert rows["pyllama -t 1 2 groups / -t 2"]["ratio"] == pytest.approx(1670 / 1330)
     assert rows["pyllama -t 2 / -t 1"]["ratio"] == pytest.approx(1330 / 810)  # the 2-group arm stays apart
@@ -105,7 +105,7 @@ def test_ratios_pair_the_legs():
                  _rec("f32", "split", leg, g1, order="RPC0,CPU", groups=1, busy_pct={"CPU": 50.0}),
                  _rec("f32", "split", leg, g2, order="RPC0,CPU", groups=2, busy_pct={"CPU": 90.0 + leg}),
                  _rec("f32", "llama-split", leg, ll)]
-    rows = {r["name"]: r for r in pc.issue_ratios(recs, ["f32"], [32], ["RPC0,CPU"], [1, 2], [1, 2], 1)}
+    rows = {r["name"]: r for r in pc.target_ratios(recs, ["f32"], [32], ["RPC0,CPU"], [1, 2], [1, 2], 1)}
     r = rows["pyllama -t 2 / -t 1"]
     assert r["ratio"] == pytest.approx((380 + 390 + 370) / (250 + 252 + 248))
     assert (r["min"], r["max"]) == (pytest.approx(370 / 248), pytest.approx(390 / 252)) and r["legs"] == 3
@@ -116,7 +116,7 @@ def test_ratios_pair_the_legs():
     cells = {c["arm"]: c for c in pc.all_cells(recs)}
     assert cells["pyllama split RPC0,CPU 2 groups"]["busy_pct"] == {"CPU": 92.0}
     assert cells["llama.cpp split"]["tok_s_mean"] == pytest.approx(200) and cells["llama.cpp split"]["legs"] == 3
-    text = pc.format_ratios(pc.issue_ratios(recs, ["f32"], [32], ["RPC0,CPU"], [1, 2], [1, 2], 1))
+    text = pc.format_ratios(pc.target_ratios(recs, ["f32"], [32], ["RPC0,CPU"], [1, 2], [1, 2], 1))
     assert "f32 32 users: pyllama -t 2 / -t 1: 1.52x [1.49..1.55]" in text
 
 

@@ -60,7 +60,7 @@ def closing_bias(srv: ServerProcess) -> dict:
 
 
 def check_grammar_and_schema(srv: ServerProcess) -> None:
-    """The issue's three checks over N_SEEDS seeds, each seed a concurrent request."""
+    """Three checks of a constrained completion over N_SEEDS seeds, each seed a concurrent request."""
     seeds = range(N_SEEDS)
     for grammar in (A5, 'root ::= "a" "a" "a" "a" "a"'):
         docs = post_all(srv, "/completion", [{"prompt": "Once upon a time", "grammar": grammar, "seed": s,
@@ -93,7 +93,7 @@ def srv(tiny_model):
     assert s.stop() == 0
 
 
-# --- the issue's checks, on one group, two pipeline groups, and with backend sampling over rpc ----
+# --- those checks, on one group, two pipeline groups, and with backend sampling over rpc ----
 def test_grammar_json_mode_and_schema_for_100_seeds(srv):
     check_grammar_and_schema(srv)
 

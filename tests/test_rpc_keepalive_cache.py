@@ -106,7 +106,7 @@ def test_a_failed_write_removes_its_own_temporary(tmp_path, monkeypatch):
 
 
 def test_a_server_killed_during_a_cache_write_leaves_nothing_after_a_restart(tmp_path):
-    """The issue's case: a peer killed right after an upload leaves a `.tmp-*` file; the next
+    """The case: a peer killed right after an upload leaves a `.tmp-*` file; the next
     start removes it. The kill is made certain by a writer that never finishes (a cache
     directory whose writes block is not portable), so the file is planted as the killed
     process's own."""

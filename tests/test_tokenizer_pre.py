@@ -153,7 +153,7 @@ def words_of(pre: str, text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("pre, text, expected", [
-    # the example: DeepSeek keeps the space apart from a digit like '½', GPT-2 does not
+    # the telling example: DeepSeek keeps the space apart from a digit like '½', GPT-2 does not
     ("deepseek-llm", "4 ½ months", ["4", " ", "½", " months"]),
     ("deepseek-coder", "4 ½ months", ["4", " ", "½", " months"]),
     ("gpt-2", "4 ½ months", ["4", " ½", " months"]),

@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 from typing import Any, Optional
+
 from .threads import Thread
 
 ENV = "PYLLAMA_TRACE"

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+
 from ..threads import Thread
 
 enabled = os.environ.get("PYLLAMA_RPC_STATS", "") not in ("", "0")

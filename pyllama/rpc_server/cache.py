@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from typing import Optional
+
 from ..threads import Thread
 
 log = logging.getLogger("pyllama.rpc_server")

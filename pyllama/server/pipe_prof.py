@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+
 from ..threads import Thread
 
 enabled = os.environ.get("PYLLAMA_PIPE_PROF", "") not in ("", "0")

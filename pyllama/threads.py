@@ -13,7 +13,6 @@ import ctypes
 import ctypes.util
 import sys
 import threading
-from typing import Optional
 
 OS_NAME_MAX = 15  # bytes Linux keeps of a thread's name (TASK_COMM_LEN less the terminating NUL)
 _PR_SET_NAME = 15
@@ -50,13 +49,3 @@ class Thread(threading.Thread):
     def run(self) -> None:
         set_os_name(self.name)
         super().run()
-
-
-def read_os_name(native_id: int, pid: Optional[int] = None) -> Optional[str]:
-    """A thread's OS name from /proc (None where there is no /proc entry for it)."""
-    path = f"/proc/{pid if pid is not None else 'self'}/task/{native_id}/comm"
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read().rstrip("\n")
-    except OSError:
-        return None

@@ -5,14 +5,24 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from typing import Optional
 
 import pytest
 
 from pyllama.server.constraint import MaskWorker
-from pyllama.threads import OS_NAME_MAX, Thread, os_name, read_os_name
+from pyllama.threads import OS_NAME_MAX, Thread, os_name
 from server_util import RPCServerProcess, ServerProcess
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names read from Linux's /proc")
+
+
+def read_os_name(native_id: int, pid: Optional[int] = None) -> Optional[str]:
+    """A thread's OS name from /proc (None once the thread is gone)."""
+    try:
+        with open(f"/proc/{pid if pid is not None else 'self'}/task/{native_id}/comm", encoding="utf-8") as f:
+            return f.read().rstrip("\n")
+    except OSError:
+        return None
 
 
 def _os_name_seen_by(make_thread) -> str:

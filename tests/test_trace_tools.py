@@ -390,6 +390,89 @@ def test_device_summary_per_peer_exact(two_peer_files: list[str]) -> None:
     assert "RPC0 = a:1" in text and "RPC1 = b:1" in text
 
 
+
+# --- (i) a step's own path through the split ------------------------------------------------
+def _sent(n: str, grp: int, send: tuple[int, int], recv: tuple[int, int] | None = None) -> dict:
+    return ev("rpc.client", n, send[0], recv[1] if recv else send[1], tid=f"srv{grp}", endpoint="p:1", grp=grp,
+              subj="x", t_enq=send[0], t_send0=send[0], t_send1=send[1], t_turn=send[1],
+              t_recv0=recv[0] if recv else None, t_recv1=recv[1] if recv else None, ok=True)
+
+
+def _served(n: str, recv1: int, exec0: int, exec1: int, send0: int | None = None) -> dict:
+    return ev("rpc.server", n, recv1 - 2, send0 + 3 if send0 else exec1, tid="MainThread", t_recv0=recv1 - 2,
+              t_recv1=recv1, t_exec0=exec0, t_exec1=exec1, t_send0=send0, t_send1=send0 + 3 if send0 else None,
+              bytes_in=100, bytes_out=16 if send0 else 0, n_nodes=9, dev="CPU", peer="127.0.0.1:9")
+
+
+@pytest.fixture
+def chain_files(tmp_path: Path) -> list[str]:
+    """Two groups share one connection to a peer (offset 500 µs). Group 0's step [0, 1000): graph
+    sent [100, 110), read sent at 120, reply [600, 620), local compute [620, 900). Group 1's step
+    [300, 1300): graph sent [350, 360), its graph waits at the peer behind group 0's, reply [950,
+    970), local compute [970, 1250). A third step [1400, 1500) of group 0 computes only locally."""
+    o = 500
+    base = [
+        iteration(0, 1000, 0, n_prompt=0, n_decode=16), iteration(300, 1300, 1, n_prompt=0, n_decode=16),
+        iteration(1400, 1500, 0, n_prompt=0, n_decode=16),
+        _sent("SET_TENSOR", 0, (60, 70)), _sent("GRAPH_COMPUTE", 0, (100, 110)),
+        _sent("GET_TENSORS", 0, (120, 125), (600, 620)),
+        _sent("GRAPH_COMPUTE", 1, (350, 360)), _sent("GET_TENSORS", 1, (365, 370), (950, 970)),
+        ev("dev", "compute CPU", 620, 900, tid="srv0"), ev("dev", "compute CPU", 970, 1250, tid="srv1"),
+        ev("dev", "compute CPU", 1420, 1480, tid="srv0"),
+        clock(PEER_UID, o, endpoint="p:1"),
+    ]
+    peer = [
+        _served("SET_TENSOR", 65 + o, 66 + o, 68 + o),
+        _served("GRAPH_COMPUTE", 115 + o, 130 + o, 580 + o), _served("GET_TENSORS", 127 + o, 580 + o, 590 + o, 595 + o),
+        _served("GRAPH_COMPUTE", 362 + o, 590 + o, 930 + o), _served("GET_TENSORS", 372 + o, 930 + o, 935 + o, 945 + o),
+        ev("dev", "compute CPU", 140 + o, 580 + o, tid="rpc-exec-CPU"),
+        ev("dev", "compute CPU", 600 + o, 930 + o, tid="rpc-exec-CPU"),
+    ]
+    return [write_trace(tmp_path / "s.jsonl", "server", BASE_UID, base),
+            write_trace(tmp_path / "p.jsonl", "rpc-server", PEER_UID, peer, endpoint="127.0.0.1:1")]
+
+
+def test_step_chain_follows_each_step_to_its_peer_commands(chain_files: list[str]) -> None:
+    steps = merge.step_summary(merge.load(chain_files))
+    got = steps[["grp", "t0", *merge.CHAIN_COLUMNS]]
+    # local: own thread only (group 1's compute inside group 0's window is not counted); to peer:
+    # step start to the graph's send end; queue: arrival to start (group 1 waits behind group 0);
+    # reply: execution end of the read to its reply's send
+    assert got.iloc[0].tolist() == [0, 0, 280, 110, 15, 450, 5]
+    assert got.iloc[1].tolist() == [1, 300, 280, 60, 228, 340, 10]
+    last = got.iloc[2]
+    assert last["local_compute_us"] == 60
+    assert all(pd_isna(last[c]) for c in merge.CHAIN_COLUMNS[1:])  # nothing went to a peer
+    text = merge.format_summary(merge.load(chain_files))
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    lines = text.splitlines()
+    k = lines.index("median path through the split, per group (ms; steps with a peer stage)")
+    assert lines[k + 1].split() == ["grp", "steps", "step", "local", "to", "peer", "queue", "peer", "reply"]
+    assert lines[k + 2].split() == ["0", "1", "1.00", "0.28", "0.11", "0.01", "0.45", "0.01"]
+    assert lines[k + 3].split() == ["1", "1", "1.00", "0.28", "0.06", "0.23", "0.34", "0.01"]
+
+
+def test_step_chain_leaves_an_unmatched_graph_unknown(chain_files: list[str], tmp_path: Path) -> None:
+    """The peer's trace lacks group 1's graph (it was not written); the only later arrival comes
+    after group 1's step had ended, so it cannot be that graph's: NaN, not a wrong match."""
+    lines = Path(chain_files[1]).read_text().splitlines()
+    kept = [ln for ln in lines if '"t_recv1": 862' not in ln]  # group 1's GRAPH_COMPUTE (362 + 500)
+    assert len(kept) == len(lines) - 1
+    late = _served("GRAPH_COMPUTE", 1350 + 500, 1360 + 500, 1390 + 500)
+    Path(chain_files[1]).write_text("\n".join([*kept, json.dumps(late)]) + "\n")
+    got = merge.step_summary(merge.load(chain_files))
+    assert got.iloc[0][["peer_queue_us", "peer_exec_us"]].tolist() == [15, 450]
+    assert pd_isna(got.iloc[1]["peer_queue_us"]) and pd_isna(got.iloc[1]["peer_exec_us"])
+    assert got.iloc[1]["peer_reply_us"] == 10  # its read is still there
+
+def test_step_chain_without_the_peers_trace(chain_files: list[str]) -> None:
+    steps = merge.step_summary(merge.load(chain_files[:1]))
+    assert steps["local_compute_us"].tolist() == [280, 280, 60]
+    assert steps["to_peer_us"].tolist()[:2] == [110, 60]  # known from this side alone
+    for c in ("peer_queue_us", "peer_exec_us", "peer_reply_us"):
+        assert steps[c].isna().all(), c
+    assert "median path through the split" not in merge.format_summary(merge.load(chain_files[:1]))
+
 def pd_isna(v: object) -> bool:
     import pandas as pd
     return bool(pd.isna(v))

@@ -8,7 +8,9 @@ its client measured (the `clock` events). This module does that shift, then offe
 * `chrome_trace`: every span in the Chrome trace event format, to look at in Perfetto or
   chrome://tracing, with the RPC phases (send / wait / recv, recv / exec / send) as nested slices;
 * `step_summary`: one row per decode step (`server`/`iteration`) with its host phases, how busy
-  the devices were, and where the time that no device worked went;
+  the devices were, where the time that no device worked went, and the step's own path through
+  the split (`step_chain`: its local compute, and per peer stage the wait in the peer's queue, the
+  peer's execution and the wait of the reply);
 * `device_summary` / `format_summary`: per device (each local one, each peer's) busy, idle while
   another device was busy, idle while none was, idle share and transfer time, the longest stretch
   in which no device worked and the host phase that owns it;
@@ -372,7 +374,8 @@ def step_summary(trace: Trace) -> pd.DataFrame:
     devices together, all peers together, and each device on its own as `busy:<device>_us`), the
     time data spent on the wire or in staged copies for the step's group (`transfer_us`), the time
     no device worked (`idle_both_us`), its longest stretch (`longest_idle_us`) and to which host
-    phase that time belongs. Times in µs."""
+    phase that time belongs, then the step's own path through the split (`step_chain`'s columns).
+    Times in µs."""
     ev = trace.events
     mine = ev[ev["file"] == trace.base]
     it = iterations(trace)
@@ -400,7 +403,7 @@ def step_summary(trace: Trace) -> pd.DataFrame:
     attributed = _attribute_idle(mine, it, busy)
     out = pd.concat([out, attributed], axis=1)
     out["idle_unattributed_us"] = out["idle_both_us"] - attributed.sum(axis=1).astype("int64")
-    return out.reset_index(drop=True)
+    return pd.concat([out, step_chain(trace)], axis=1).reset_index(drop=True)
 
 
 def _covered_by_group(spans: pd.DataFrame, it: pd.DataFrame) -> np.ndarray:
@@ -429,6 +432,133 @@ def _longest_inside(gaps: Intervals, w0: np.ndarray, w1: np.ndarray) -> np.ndarr
         if hi[k] > lo[k]:
             out[k] = int((np.minimum(e[lo[k]:hi[k]], w1[k]) - np.maximum(s[lo[k]:hi[k]], w0[k])).max())
     return out
+
+
+GRAPH_COMMANDS = ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE")
+CHAIN_COLUMNS = ("local_compute_us", "to_peer_us", "peer_queue_us", "peer_exec_us", "peer_reply_us")
+
+
+def _peer_files(trace: Trace) -> dict[str, int]:
+    """Client endpoint -> the rpc-server file it reached, through the clocks' peer uids."""
+    ev = trace.events
+    clocks = ev[(ev["file"] == trace.base) & (ev["c"] == "clock")]
+    by_uid = {str(h.get("uid", "")).lower(): i for i, h in enumerate(trace.headers) if h.get("role") == "rpc-server"}
+    out: dict[str, int] = {}
+    for u, e in zip(column(clocks, "peer_uid"), column(clocks, "endpoint")):
+        if _present(u) and _present(e) and str(u).lower() in by_uid:
+            out[str(e)] = by_uid[str(u).lower()]
+    return out
+
+
+def _served(trace: Trace, file: int, names: Sequence[str]) -> pd.DataFrame:
+    """A peer file's rpc.server events of the given commands with all their phase times, in order
+    of arrival."""
+    ev = trace.events
+    need = ["t_recv1", "t_exec0", "t_exec1", "t_send0"]
+    srv = ev[(ev["file"] == file) & (ev["c"] == "rpc.server") & ev["n"].isin(names)]
+    if srv.empty or any(c not in srv for c in need):
+        return pd.DataFrame({c: pd.Series(dtype="int64") for c in ["n", *need]})
+    srv = srv[srv["t_recv1"].notna() & srv["t_exec0"].notna() & srv["t_exec1"].notna()]
+    return srv[["n", *need]].sort_values("t_recv1", kind="stable")
+
+
+def _match_served(sent: pd.DataFrame, served: pd.DataFrame, ends: np.ndarray) -> np.ndarray:
+    """For each command `sent` (client side, same command name), the position in `served` of the
+    peer's event for it, or -1: the first arrival at or after the command's send began, and before
+    `ends` (the end of the step that sent it). A connection delivers commands in the order they
+    were sent, so that is the command itself as long as the clocks agree to better than the time
+    between two sends of the same command."""
+    arrivals = served["t_recv1"].to_numpy(np.int64)
+    k = np.searchsorted(arrivals, sent["t_send0"].to_numpy(np.int64), "left")
+    ok = k < len(arrivals)
+    ok[ok] &= arrivals[k[ok]] <= ends[ok]
+    return np.where(ok, k, -1)
+
+
+def step_chain(trace: Trace) -> pd.DataFrame:
+    """Per decode step (rows as `iterations`), the step's own path through the devices, in µs:
+
+    - `local_compute_us`: this process's device spans on the step's own thread (another group's
+      compute on the same device is not counted, unlike `local_busy_us`);
+    - `to_peer_us`: from the step's start until its first graph for a peer had been sent (batch
+      building, the inputs' writes: host work before any peer can start);
+    - per graph sent to a peer (summed over peers): `peer_queue_us` from its arrival until the
+      peer began it (commands of other groups and connections ahead of it), `peer_exec_us` its
+      execution there;
+    - `peer_reply_us`, per read of the step from a peer: from the end of its execution until the
+      peer began sending the reply (the hand-over from the executor to the peer's network loop).
+
+    Peer columns need the rpc-server's trace and its clock binding; without them, and for steps
+    that sent nothing to a peer, they are NaN (`to_peer_us` too when no graph went to a peer)."""
+    ev = trace.events
+    mine = ev[ev["file"] == trace.base]
+    it = iterations(trace)
+    w0, w1 = it["t0"].to_numpy(np.int64), it["t1"].to_numpy(np.int64)
+    tids = it["tid"].to_numpy()
+    out = pd.DataFrame(index=it.index)
+    dev = mine[mine["c"] == "dev"]
+    local = np.zeros(len(it), np.int64)
+    for tid in np.unique(tids.astype(str)):
+        m = tids.astype(str) == tid
+        d = dev[dev["tid"].astype(str) == tid]
+        local[m] = overlap(*union(d["t0"], d["t1"]), w0[m], w1[m])
+    out["local_compute_us"] = local
+    nan = np.full(len(it), np.nan)
+    to_peer, queue, execu, reply = nan.copy(), nan.copy(), nan.copy(), nan.copy()
+    rpc = mine[(mine["c"] == "rpc.client") & mine["t_send0"].notna()] if "t_send0" in mine else mine.iloc[:0]
+    rpc = rpc.assign(grp=_inherit_group(rpc, mine)) if len(rpc) else rpc
+    peers = _peer_files(trace)
+    # which step sent each command: same group, sent inside the step's window
+    step_of = np.full(len(rpc), -1)
+    if len(rpc):
+        r_t = rpc["t_send0"].to_numpy(np.int64)
+        for g in it["grp"].unique():
+            mi = np.flatnonzero(_same_group(it["grp"], g))
+            mr = np.flatnonzero(_same_group(rpc["grp"], g))
+            if not len(mi) or not len(mr):
+                continue
+            order = mi[np.argsort(w0[mi], kind="stable")]
+            k = np.searchsorted(w0[order], r_t[mr], "right") - 1
+            inside = (k >= 0) & (r_t[mr] <= w1[order[np.clip(k, 0, None)]])
+            step_of[mr[inside]] = order[k[inside]]
+    names = rpc["n"].to_numpy() if len(rpc) else np.array([])
+    graphs = np.isin(names, GRAPH_COMMANDS) & (step_of >= 0)
+    if graphs.any():
+        first = pd.Series(rpc["t_send1"].to_numpy(np.int64)[graphs]).groupby(step_of[graphs]).min()
+        to_peer[first.index.to_numpy()] = first.to_numpy() - w0[first.index.to_numpy()]
+    endpoints = column(rpc, "endpoint").astype("string").fillna("").to_numpy() if len(rpc) else np.array([])
+    for endpoint, file in peers.items():
+        for cmds, reads in ((GRAPH_COMMANDS, False), (LOGITS_READS, True)):  # every read, not only logits
+            sel = np.isin(names, cmds) & (endpoints == endpoint) & (step_of >= 0)
+            if reads:
+                sel &= rpc["t_recv1"].notna().to_numpy(bool) if "t_recv1" in rpc else False
+            for name in cmds:
+                pick = sel & (names == name)
+                served = _served(trace, file, [name])
+                if not pick.any() or served.empty:
+                    continue
+                steps = step_of[pick]
+                k = _match_served(rpc[pick], served, w1[steps])
+                hit = k >= 0
+                s, at = steps[hit], served.iloc[k[hit]]
+
+                def phase(a: str, b: str) -> np.ndarray:
+                    return at[b].to_numpy(float) - at[a].to_numpy(float)
+                if reads:
+                    _accumulate(reply, s, phase("t_exec1", "t_send0"))
+                else:
+                    _accumulate(queue, s, phase("t_recv1", "t_exec0"))
+                    _accumulate(execu, s, phase("t_exec0", "t_exec1"))
+    out["to_peer_us"], out["peer_queue_us"], out["peer_exec_us"], out["peer_reply_us"] = to_peer, queue, execu, reply
+    return out
+
+
+def _accumulate(acc: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+    """acc[rows] += values, a NaN row starting from 0; repeated rows add up."""
+    ok = ~np.isnan(values)
+    rows, values = rows[ok], values[ok]
+    acc[rows] = np.nan_to_num(acc[rows])
+    np.add.at(acc, rows, values)
 
 
 # --- per device -----------------------------------------------------------------------------
@@ -637,6 +767,15 @@ def format_summary(trace: Trace, steps: Optional[pd.DataFrame] = None, width: in
         for g, part in steps.groupby(steps["grp"].astype("string").fillna("-"), sort=True):
             med = part[cols].median()
             lines.append(f"{g:>4}{len(part):>6}" + "".join(f"{med[c] / 1e3:>8.2f}" for c in cols))
+        sent = steps[steps["peer_exec_us"].notna()] if "peer_exec_us" in steps else steps.iloc[:0]
+        if len(sent):
+            heads = ["step", "local", "to peer", "queue", "peer", "reply"]
+            cols = ["step_us", *CHAIN_COLUMNS]
+            lines.append("median path through the split, per group (ms; steps with a peer stage)")
+            lines.append(f"{'grp':>4}{'steps':>6}" + "".join(f"{h:>8}" for h in heads))
+            for g, part in sent.groupby(sent["grp"].astype("string").fillna("-"), sort=True):
+                med = part[cols].median()
+                lines.append(f"{g:>4}{len(part):>6}" + "".join(f"{med[c] / 1e3:>8.2f}" for c in cols))
     return "\n".join(line[:width] for line in lines)
 
 

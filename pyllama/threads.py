@@ -4,7 +4,7 @@ Python before 3.14 keeps a thread's name to itself: `top -H`, `ps -L`, `/proc/PI
 perf and the scheduler tools (`chrt -p`, `taskset -p`) see every thread of a server as `python`.
 `Thread` sets the OS name to the Python name as the thread starts (Linux keeps 15 bytes of it), so
 the decode threads, the rpc server's executors and the helpers can be told apart, measured
-(`trace_tools/thread_stats.py`) and given a scheduling policy or cores one by one. The main thread
+(`bench/thread_stats.py`) and given a scheduling policy or cores one by one. The main thread
 keeps its name: on Linux it is the process's name, which `ps`, `pgrep` and `pkill` match.
 """
 from __future__ import annotations

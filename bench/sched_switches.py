@@ -34,6 +34,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from thread_stats import split_command  # noqa: E402
+
 DEFAULT_COMPUTE = r"^(decode-\d+|rpc-exec-.*|kernel-pool)$"
 _SWITCH = re.compile(r"\[(\d+)\]\s+([\d.]+): sched:sched_switch: prev_comm=(.*?) prev_pid=(\d+) prev_prio=-?\d+ "
                      r"prev_state=(\S+) ==> next_comm=(.*?) next_pid=(\d+)")
@@ -165,11 +168,7 @@ def record(out: str, seconds: Optional[float], command: Sequence[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1:]
+    argv, command = split_command(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Everything after -- is the command to record across.")

@@ -127,12 +127,17 @@ def format_rows(rows: Sequence[ThreadRow], wall_s: float, labels: Optional[dict[
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def split_command(argv: Optional[Sequence[str]]) -> tuple[list[str], list[str]]:
+    """(this tool's arguments, the command after `--`) of argv (default: sys.argv[1:])."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1:]
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv, command = split_command(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Everything after -- is the command to measure across (e.g. a load generator).")

@@ -136,4 +136,4 @@ def test_records_named_threads_across_a_command() -> None:
     assert p.returncode == 0, p.stderr
     shares = {ln.split()[0]: float(ln.split()[1]) for ln in p.stdout.splitlines()
               if ln.startswith("  ") and ln.split()[0].startswith("decode-") and ln.split()[2] == "s"}
-    assert set(shares) == {"decode-0", "decode-1"} and all(v > 0.02 for v in shares.values()), p.stdout
+    assert set(shares) == {"decode-0", "decode-1"} and sum(shares.values()) > 0.05, p.stdout

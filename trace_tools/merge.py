@@ -316,14 +316,26 @@ def _inherit_group(spans: pd.DataFrame, mine: pd.DataFrame) -> pd.Series:
     for c, n in (("ctx", "decode"), ("server", "iteration")):
         todo = spans[grp.isna()]
         parents = mine[(mine["c"] == c) & (mine["n"] == n) & mine["grp"].notna()]
-        if todo.empty or parents.empty:
-            continue
-        left = todo[["tid", "t0", "t1"]].rename_axis("row").reset_index().sort_values("t0")
-        right = parents[["tid", "t0", "t1", "grp"]].rename(columns={"t0": "p0", "t1": "p1"}).sort_values("p0")
-        hit = pd.merge_asof(left, right, left_on="t0", right_on="p0", by="tid", direction="backward")
-        hit = hit[hit["p1"].astype("float") >= hit["t1"]]
-        grp.loc[hit["row"].to_numpy()] = hit["grp"].to_numpy()
+        at = _enclosing(todo, parents)
+        hit = at >= 0
+        grp.loc[todo.index[hit]] = parents["grp"].to_numpy()[at[hit]]
     return grp
+
+
+def _enclosing(spans: pd.DataFrame, parents: pd.DataFrame) -> np.ndarray:
+    """Per span, the position in `parents` of the one on the same thread that encloses it (the
+    latest to start before it, if it ends after it), or -1."""
+    out = np.full(len(spans), -1)
+    if spans.empty or parents.empty:
+        return out
+    left = pd.DataFrame({"tid": spans["tid"].to_numpy(), "t0": spans["t0"].to_numpy(np.int64),
+                         "t1": spans["t1"].to_numpy(np.int64), "row": np.arange(len(spans))}).sort_values("t0")
+    right = pd.DataFrame({"tid": parents["tid"].to_numpy(), "p0": parents["t0"].to_numpy(np.int64),
+                          "p1": parents["t1"].to_numpy(np.int64), "at": np.arange(len(parents))}).sort_values("p0")
+    hit = pd.merge_asof(left, right, left_on="t0", right_on="p0", by="tid", direction="backward")
+    hit = hit[hit["p1"].astype("float") >= hit["t1"]]
+    out[hit["row"].to_numpy()] = hit["at"].to_numpy(np.int64)
+    return out
 
 
 def _host_spans(mine: pd.DataFrame) -> pd.DataFrame:
@@ -438,24 +450,27 @@ GRAPH_COMMANDS = ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE")
 CHAIN_COLUMNS = ("local_compute_us", "to_peer_us", "peer_queue_us", "peer_exec_us", "peer_reply_us")
 
 
-def _peer_files(trace: Trace) -> dict[str, int]:
-    """Client endpoint -> the rpc-server file it reached, through the clocks' peer uids."""
+def _peer_endpoints(trace: Trace) -> dict[str, str]:
+    """A peer's uid (lower case) -> the endpoint the base file's client dialled, from its clocks."""
     ev = trace.events
     clocks = ev[(ev["file"] == trace.base) & (ev["c"] == "clock")]
-    by_uid = {str(h.get("uid", "")).lower(): i for i, h in enumerate(trace.headers) if h.get("role") == "rpc-server"}
-    out: dict[str, int] = {}
-    for u, e in zip(column(clocks, "peer_uid"), column(clocks, "endpoint")):
-        if _present(u) and _present(e) and str(u).lower() in by_uid:
-            out[str(e)] = by_uid[str(u).lower()]
-    return out
+    return {str(u).lower(): str(e) for u, e in zip(column(clocks, "peer_uid"), column(clocks, "endpoint"))
+            if _present(u) and _present(e)}
 
 
-def _served(trace: Trace, file: int, names: Sequence[str]) -> pd.DataFrame:
-    """A peer file's rpc.server events of the given commands with all their phase times, in order
-    of arrival."""
+def _peer_files(trace: Trace) -> dict[str, int]:
+    """Client endpoint -> the rpc-server file it reached."""
+    endpoints = _peer_endpoints(trace)
+    return {endpoints[uid]: i for i, h in enumerate(trace.headers)
+            if h.get("role") == "rpc-server" and (uid := str(h.get("uid", "")).lower()) in endpoints}
+
+
+def _served(trace: Trace, file: int, name: str) -> pd.DataFrame:
+    """A peer file's rpc.server events of one command with all their phase times, in order of
+    arrival."""
     ev = trace.events
     need = ["t_recv1", "t_exec0", "t_exec1", "t_send0"]
-    srv = ev[(ev["file"] == file) & (ev["c"] == "rpc.server") & ev["n"].isin(names)]
+    srv = ev[(ev["file"] == file) & (ev["c"] == "rpc.server") & (ev["n"] == name)]
     if srv.empty or any(c not in srv for c in need):
         return pd.DataFrame({c: pd.Series(dtype="int64") for c in ["n", *need]})
     srv = srv[srv["t_recv1"].notna() & srv["t_exec0"].notna() & srv["t_exec1"].notna()]
@@ -494,63 +509,48 @@ def step_chain(trace: Trace) -> pd.DataFrame:
     mine = ev[ev["file"] == trace.base]
     it = iterations(trace)
     w0, w1 = it["t0"].to_numpy(np.int64), it["t1"].to_numpy(np.int64)
-    tids = it["tid"].to_numpy()
+    tids = it["tid"].astype(str).to_numpy()
     out = pd.DataFrame(index=it.index)
     dev = mine[mine["c"] == "dev"]
+    dev_tids = dev["tid"].astype(str).to_numpy()
     local = np.zeros(len(it), np.int64)
-    for tid in np.unique(tids.astype(str)):
-        m = tids.astype(str) == tid
-        d = dev[dev["tid"].astype(str) == tid]
+    for tid in np.unique(tids):
+        m = tids == tid
+        d = dev[dev_tids == tid]
         local[m] = overlap(*union(d["t0"], d["t1"]), w0[m], w1[m])
     out["local_compute_us"] = local
     nan = np.full(len(it), np.nan)
     to_peer, queue, execu, reply = nan.copy(), nan.copy(), nan.copy(), nan.copy()
     rpc = mine[(mine["c"] == "rpc.client") & mine["t_send0"].notna()] if "t_send0" in mine else mine.iloc[:0]
-    rpc = rpc.assign(grp=_inherit_group(rpc, mine)) if len(rpc) else rpc
-    peers = _peer_files(trace)
-    # which step sent each command: same group, sent inside the step's window
-    step_of = np.full(len(rpc), -1)
-    if len(rpc):
-        r_t = rpc["t_send0"].to_numpy(np.int64)
-        for g in it["grp"].unique():
-            mi = np.flatnonzero(_same_group(it["grp"], g))
-            mr = np.flatnonzero(_same_group(rpc["grp"], g))
-            if not len(mi) or not len(mr):
-                continue
-            order = mi[np.argsort(w0[mi], kind="stable")]
-            k = np.searchsorted(w0[order], r_t[mr], "right") - 1
-            inside = (k >= 0) & (r_t[mr] <= w1[order[np.clip(k, 0, None)]])
-            step_of[mr[inside]] = order[k[inside]]
-    names = rpc["n"].to_numpy() if len(rpc) else np.array([])
+    step_of = _enclosing(rpc, it)  # commands go out on the thread that runs the step
+    names = rpc["n"].to_numpy()
     graphs = np.isin(names, GRAPH_COMMANDS) & (step_of >= 0)
     if graphs.any():
         first = pd.Series(rpc["t_send1"].to_numpy(np.int64)[graphs]).groupby(step_of[graphs]).min()
         to_peer[first.index.to_numpy()] = first.to_numpy() - w0[first.index.to_numpy()]
-    endpoints = column(rpc, "endpoint").astype("string").fillna("").to_numpy() if len(rpc) else np.array([])
-    for endpoint, file in peers.items():
-        for cmds, reads in ((GRAPH_COMMANDS, False), (LOGITS_READS, True)):  # every read, not only logits
-            sel = np.isin(names, cmds) & (endpoints == endpoint) & (step_of >= 0)
-            if reads:
-                sel &= rpc["t_recv1"].notna().to_numpy(bool) if "t_recv1" in rpc else False
-            for name in cmds:
-                pick = sel & (names == name)
-                served = _served(trace, file, [name])
-                if not pick.any() or served.empty:
-                    continue
-                steps = step_of[pick]
-                k = _match_served(rpc[pick], served, w1[steps])
-                hit = k >= 0
-                s, at = steps[hit], served.iloc[k[hit]]
-
-                def phase(a: str, b: str) -> np.ndarray:
-                    return at[b].to_numpy(float) - at[a].to_numpy(float)
-                if reads:
-                    _accumulate(reply, s, phase("t_exec1", "t_send0"))
-                else:
-                    _accumulate(queue, s, phase("t_recv1", "t_exec0"))
-                    _accumulate(execu, s, phase("t_exec0", "t_exec1"))
+    endpoints = column(rpc, "endpoint").astype("string").fillna("").to_numpy()
+    replied = column(rpc, "t_recv1").notna().to_numpy(bool)
+    for endpoint, file in _peer_files(trace).items():
+        for name in (*GRAPH_COMMANDS, *LOGITS_READS):  # every read, not only the logits'
+            is_read = name in LOGITS_READS
+            pick = (names == name) & (endpoints == endpoint) & (step_of >= 0) & (replied | (not is_read))
+            served = _served(trace, file, name) if pick.any() else None
+            if served is None or served.empty:
+                continue
+            k = _match_served(rpc[pick], served, w1[step_of[pick]])
+            steps, at = step_of[pick][k >= 0], served.iloc[k[k >= 0]]
+            if is_read:
+                _accumulate(reply, steps, _between(at, "t_exec1", "t_send0"))
+            else:
+                _accumulate(queue, steps, _between(at, "t_recv1", "t_exec0"))
+                _accumulate(execu, steps, _between(at, "t_exec0", "t_exec1"))
     out["to_peer_us"], out["peer_queue_us"], out["peer_exec_us"], out["peer_reply_us"] = to_peer, queue, execu, reply
     return out
+
+
+def _between(ev: pd.DataFrame, a: str, b: str) -> np.ndarray:
+    """Per event, the time from its field a to its field b (NaN where either is missing)."""
+    return ev[b].to_numpy(float) - ev[a].to_numpy(float)
 
 
 def _accumulate(acc: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
@@ -598,9 +598,7 @@ def devices(trace: Trace) -> list[Device]:
     first 8 digits of its uid."""
     ev = trace.events
     dev = ev[ev["c"] == "dev"]
-    clocks = ev[(ev["file"] == trace.base) & (ev["c"] == "clock")]
-    uid_endpoint = {str(u).lower(): str(e) for u, e in zip(column(clocks, "peer_uid"), column(clocks, "endpoint"))
-                    if _present(u) and _present(e)}
+    uid_endpoint = _peer_endpoints(trace)
     rpc = _rpc_names(trace)
     out = []
     for (file, name), spans in dev.groupby(["file", "n"], sort=True):
@@ -760,23 +758,24 @@ def format_summary(trace: Trace, steps: Optional[pd.DataFrame] = None, width: in
         lines.append(f"  longest is in: {_shares(owner, length(longest), width - 17)}")
         lines.append(f"  by host phase: {_shares(host_owner(trace, gaps), total, width - 17)}")
     if len(steps):
-        cols = ["step_us"] + [f"{p}_us" for p in STEP_PHASES] + ["transfer_us"]
-        heads = ["step", "build", "submit", "sync", "post", "sample", "send", "xfer"]
         lines.append("median per step, per group (ms)")
-        lines.append(f"{'grp':>4}{'steps':>6}" + "".join(f"{h:>8}" for h in heads))
-        for g, part in steps.groupby(steps["grp"].astype("string").fillna("-"), sort=True):
-            med = part[cols].median()
-            lines.append(f"{g:>4}{len(part):>6}" + "".join(f"{med[c] / 1e3:>8.2f}" for c in cols))
+        lines += _median_table(steps, ["step_us"] + [f"{p}_us" for p in STEP_PHASES] + ["transfer_us"],
+                               ["step", "build", "submit", "sync", "post", "sample", "send", "xfer"])
         sent = steps[steps["peer_exec_us"].notna()] if "peer_exec_us" in steps else steps.iloc[:0]
         if len(sent):
-            heads = ["step", "local", "to peer", "queue", "peer", "reply"]
-            cols = ["step_us", *CHAIN_COLUMNS]
             lines.append("median path through the split, per group (ms; steps with a peer stage)")
-            lines.append(f"{'grp':>4}{'steps':>6}" + "".join(f"{h:>8}" for h in heads))
-            for g, part in sent.groupby(sent["grp"].astype("string").fillna("-"), sort=True):
-                med = part[cols].median()
-                lines.append(f"{g:>4}{len(part):>6}" + "".join(f"{med[c] / 1e3:>8.2f}" for c in cols))
+            lines += _median_table(sent, ["step_us", *CHAIN_COLUMNS],
+                                   ["step", "local", "to peer", "queue", "peer", "reply"])
     return "\n".join(line[:width] for line in lines)
+
+
+def _median_table(steps: pd.DataFrame, cols: list[str], heads: list[str]) -> list[str]:
+    """A header line, then per group its step count and the medians of `cols` in ms."""
+    lines = [f"{'grp':>4}{'steps':>6}" + "".join(f"{h:>8}" for h in heads)]
+    for g, part in steps.groupby(steps["grp"].astype("string").fillna("-"), sort=True):
+        med = part[cols].median()
+        lines.append(f"{g:>4}{len(part):>6}" + "".join(f"{med[c] / 1e3:>8.2f}" for c in cols))
+    return lines
 
 
 def _shares(owner: pd.Series, total: int, width: int) -> str:

@@ -135,25 +135,42 @@ def format_report(r: Report, top: int = 12) -> str:
     return "\n".join(lines)
 
 
-def thread_labels(pids: Sequence[int], names: Sequence[str]) -> dict[int, str]:
-    """Thread id -> the label of its process, for the threads each pid has now."""
+def thread_labels(pids: Sequence[int], names: Sequence[str], gone_ok: bool = False) -> dict[int, str]:
+    """Thread id -> the label of its process, for the threads each pid has now (a process that is
+    not running is an error, or skipped with gone_ok)."""
     out: dict[int, str] = {}
     for i, pid in enumerate(pids):
         lab = names[i] if i < len(names) else str(pid)
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
+            if gone_ok:
+                continue
             raise PerfError(f"process {pid} is not running") from None
         for tid in tids:
             out[int(tid)] = lab
     return out
 
 
-def record(out: str, seconds: Optional[float], command: Sequence[str]) -> int:
-    """Runs perf record over `seconds` or `command`; returns the command's exit status."""
+def _perf() -> str:
     perf = shutil.which("perf")
     if perf is None:
         raise PerfError("perf is not installed (Debian: apt-get install linux-perf)")
+    return perf
+
+
+def perf_script(data: str) -> list[str]:
+    """The events of a perf.data file as `perf script` prints them."""
+    p = subprocess.run([_perf(), "script", "-i", data], capture_output=True, text=True)
+    if p.returncode != 0:
+        why = p.stderr.strip().splitlines()
+        raise PerfError(f"perf script failed{': ' + why[-1] if why else ''}")
+    return p.stdout.splitlines()
+
+
+def record(out: str, seconds: Optional[float], command: Sequence[str]) -> int:
+    """Runs perf record over `seconds` or `command`; returns the command's exit status."""
+    perf = _perf()
     if not os.path.isdir("/sys/kernel/tracing/events") and os.geteuid() == 0:
         # the tracepoints live in tracefs, which a fresh machine may not have mounted
         subprocess.run(["mount", "-t", "tracefs", "nodev", "/sys/kernel/tracing"], capture_output=True)
@@ -199,9 +216,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with tempfile.TemporaryDirectory() as d:
                 data = os.path.join(d, "perf.data")
                 rc = record(data, a.seconds, command)
-                labels.update(thread_labels(a.pid, a.label))  # threads started while recording
-                p = subprocess.run(["perf", "script", "-i", data], capture_output=True, text=True)
-                report = parse(p.stdout.splitlines(), a.compute, labels)
+                # threads started while recording (a process that ended meanwhile keeps its labels)
+                labels.update(thread_labels(a.pid, a.label, gone_ok=True))
+                report = parse(perf_script(data), a.compute, labels)
     except (PerfError, OSError) as exc:
         print(f"sched_switches: {exc}", file=sys.stderr)
         return 1

@@ -137,3 +137,18 @@ def test_records_named_threads_across_a_command() -> None:
     shares = {ln.split()[0]: float(ln.split()[1]) for ln in p.stdout.splitlines()
               if ln.startswith("  ") and ln.split()[0].startswith("decode-") and ln.split()[2] == "s"}
     assert set(shares) == {"decode-0", "decode-1"} and sum(shares.values()) > 0.05, p.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's perf")
+def test_a_watched_process_that_ends_while_recording_keeps_the_report() -> None:
+    if not _perf_records():
+        pytest.skip("perf cannot record scheduler events here (needs perf and root or perf_event_paranoid)")
+    # an orphan (its parent exits at once), so that init reaps it and its /proc entry goes
+    pid = int(subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], capture_output=True,
+                             text=True, check=True).stdout)
+    try:
+        p = _cli("--pid", str(pid), "--label", "sleeper", "--", "sh", "-c", f"kill {pid}; sleep 0.3")
+    finally:
+        subprocess.run(["kill", str(pid)], capture_output=True)
+    assert p.returncode == 0, p.stderr
+    assert "share of all the cores' time" in p.stdout

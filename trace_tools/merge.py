@@ -894,7 +894,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--chrome", metavar="OUT.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
     ap.add_argument("--summary", action="store_true",
                     help="print per device busy / idle / transfer, the time no device worked, and per group "
-                         "the median step (fits 80 columns)")
+                         "the median step and, over a split, its path through the peers (fits 80 columns)")
     ap.add_argument("--steps", action="store_true", help="print the wide per-step table and its medians/means")
     ap.add_argument("--out", metavar="OUT.csv|OUT.parquet", help="write the per-step table (Parquet needs pyarrow)")
     ap.add_argument("--csv", metavar="OUT.csv", help=argparse.SUPPRESS)  # the older spelling of --out

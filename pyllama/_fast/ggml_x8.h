@@ -29,7 +29,9 @@
  *   Q5_K (1440 bytes): Q4_K's layout | qh[8 quads][8 rows][4 bytes] (bit j: sub-block j's 5th bit)
  *   Q6_K (1680 bytes, the file's size): d f16[8] | scale i8[16][8]
  *                      | 2 halves x (ql[0..31] [8 quads][8 rows][4] | ql[32..63] likewise | qh likewise)
- * where a quad is 4 consecutive bytes of the row's block at the same offset.
+ * where a quad is 4 consecutive bytes of the row's block at the same offset. With AVX-512 VNNI the
+ * K-quants' qs / ql / qh runs hold octs instead (8 consecutive bytes of each row, see PQ_X8_OCT):
+ * the same runs at the same offsets, [units][8 rows][8 bytes].
  */
 #ifndef PYLLAMA_GGML_X8_H
 #define PYLLAMA_GGML_X8_H
@@ -53,10 +55,32 @@ static inline int pq_x8_block_bytes(int t) {
 /* Elements per block of a repacked type */
 static inline int pq_x8_block_elems(int t) { return t == PQ_Q4_0 || t == PQ_Q8_0 ? 32 : PQ_QK_K; }
 
-/* Copies 4-byte quads [q0, q0 + nq) of each of the 8 rows' blocks (src[l] + off) to dst, quad-major. */
+/* With AVX-512 VNNI the K-quants' runs are laid out in units of 8 bytes instead of 4 ("octs": a
+ * 64-byte vector holds 8 consecutive bytes of each of the 8 rows), so that one 512-bit byte dot
+ * product covers two quads of every row; the activation's matching 8 bytes are broadcast as one
+ * 64-bit value, and each row's two int32 lanes are added once per block. Without it the 256-bit
+ * kernels read quads. The bytes and the block sizes are the same either way. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define PQ_X8_OCT 1
+#define PQ_X8_KUNIT 8
+#else
+#define PQ_X8_OCT 0
+#define PQ_X8_KUNIT 4
+#endif
+
+/* Copies bytes [off, off + 4 * nq) of each of the 8 rows' blocks (src[l]) to dst in units of
+ * `unit` (4 or 8) bytes, unit-major: unit u of row l at dst + 8 * unit * u + unit * l. */
+static inline void pq_x8_units(uint8_t *dst, const uint8_t *const src[8], int off, int nq, int unit) {
+    for (int u = 0; u < 4 * nq / unit; u++)
+        for (int l = 0; l < 8; l++) memcpy(dst + 8 * unit * u + unit * l, src[l] + off + unit * u, unit);
+}
+/* 4-byte quads [0, nq) of each row at src[l] + off, quad-major */
 static inline void pq_x8_quads(uint8_t *dst, const uint8_t *const src[8], int off, int nq) {
-    for (int q = 0; q < nq; q++)
-        for (int l = 0; l < 8; l++) memcpy(dst + 32 * q + 4 * l, src[l] + off + 4 * q, 4);
+    pq_x8_units(dst, src, off, nq, 4);
+}
+/* a K-quant's runs: in quads or octs (PQ_X8_OCT) */
+static inline void pq_x8_kruns(uint8_t *dst, const uint8_t *const src[8], int off, int nq) {
+    pq_x8_units(dst, src, off, nq, PQ_X8_KUNIT);
 }
 
 /* w: m rows (m % 8 == 0) of k elements of type t at byte stride wstride -> out, laid out as above
@@ -83,8 +107,8 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
                     memcpy(o + 16 + 2 * l, src[l] + 2, 2);
                     for (int j = 0; j < 8; j++) pq_k4_scale_min(j, src[l] + 4, o + 32 + 8 * j + l, o + 96 + 8 * j + l);
                 }
-                pq_x8_quads(o + 160, src, t == PQ_Q5_K ? 48 : 16, 32);
-                if (t == PQ_Q5_K) pq_x8_quads(o + PQ_X8_Q4_K_BYTES, src, 16, 8);   /* qh */
+                pq_x8_kruns(o + 160, src, t == PQ_Q5_K ? 48 : 16, 32);
+                if (t == PQ_Q5_K) pq_x8_kruns(o + PQ_X8_Q4_K_BYTES, src, 16, 8);   /* qh */
             } else {
                 for (int l = 0; l < 8; l++) {
                     memcpy(o + 2 * l, src[l] + 208, 2);
@@ -92,9 +116,9 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
                 }
                 for (int h = 0; h < 2; h++) {
                     uint8_t *oh = o + 144 + 768 * h;
-                    pq_x8_quads(oh, src, 64 * h, 8);
-                    pq_x8_quads(oh + 256, src, 64 * h + 32, 8);
-                    pq_x8_quads(oh + 512, src, 128 + 32 * h, 8);
+                    pq_x8_kruns(oh, src, 64 * h, 8);
+                    pq_x8_kruns(oh + 256, src, 64 * h + 32, 8);
+                    pq_x8_kruns(oh + 512, src, 128 + 32 * h, 8);
                 }
             }
         }
@@ -141,6 +165,91 @@ PQ_INLINE __m256i pq_x8_quad(int t, const uint8_t *blk, int s, int i) {
     return _mm256_or_si256(l4, _mm256_and_si256(h2, m30));
 }
 
+#if PQ_X8_OCT
+/* Oct j of group s of a K-quant packed block (Q4_K / Q5_K: sub-block s of 32 elements, octs 0..3;
+ * Q6_K: 16 elements, octs 0..1): 8 unsigned weights of each row, row l in 64-bit lane l. The same
+ * unpacking as pq_x8_quad, on twice the bytes. */
+PQ_INLINE __m512i pq_x8_oct(int t, const uint8_t *blk, int s, int j) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (t == PQ_Q4_K || t == PQ_Q5_K) {
+        const __m512i v = _mm512_loadu_si512((const void *)(blk + 160 + 256 * (s / 2) + 64 * j));
+        const __m512i lo = _mm512_and_si512(s % 2 ? _mm512_srli_epi16(v, 4) : v, m4);
+        if (t == PQ_Q4_K) return lo;
+        const __m512i h = _mm512_loadu_si512((const void *)(blk + PQ_X8_Q4_K_BYTES + 64 * j));
+        const __m512i hs = s < 4 ? _mm512_slli_epi16(h, 4 - s) : s > 4 ? _mm512_srli_epi16(h, s - 4) : h;
+        return _mm512_or_si512(lo, _mm512_and_si512(hs, _mm512_set1_epi8(0x10)));
+    }
+    const uint8_t *hb = blk + 144 + 768 * (s / 8);
+    const int qi = (s % 8) / 2, o = 2 * (s % 2) + j;
+    const __m512i lo = _mm512_loadu_si512((const void *)(hb + 256 * (qi % 2) + 64 * o));
+    const __m512i hi = _mm512_loadu_si512((const void *)(hb + 512 + 64 * o));
+    const __m512i l4 = _mm512_and_si512(qi < 2 ? lo : _mm512_srli_epi16(lo, 4), m4);
+    const __m512i h2 = qi == 0 ? _mm512_slli_epi16(hi, 4) : qi == 1 ? _mm512_slli_epi16(hi, 2)
+                     : qi == 2 ? hi : _mm512_srli_epi16(hi, 2);
+    return _mm512_or_si512(l4, _mm512_and_si512(h2, _mm512_set1_epi8(0x30)));
+}
+
+/* The sums of each row's two int32 lanes (2l, 2l + 1) as 8 lanes in row order */
+PQ_INLINE __m256i pq_x8_pair_sums(__m512i v) {
+    const __m256i h = _mm256_hadd_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    return _mm256_permute4x64_epi64(h, _MM_SHUFFLE(3, 1, 2, 0));   /* [r0 r1 r4 r5 | r2 r3 r6 r7] -> rows */
+}
+#endif
+
+/* The integer part of a K-quant block against NR activation rows: per row, the 8 rows' sum over
+ * groups of scale * sum(q * q8) (isum) */
+PQ_INLINE void pq_x8_kblock(int t, int NR, const uint8_t *blk, const uint8_t *x, size_t xs, __m256i *isum) {
+    const int k4 = t == PQ_Q4_K || t == PQ_Q5_K;   /* 6-bit scales and mins per 32 elements */
+    const int ngroups = k4 ? 8 : 16, nquads = k4 ? 8 : 4, gsize = 4 * nquads;
+    const uint8_t *sc = blk + (k4 ? 32 : 16);
+#if PQ_X8_OCT
+    __m512i zsum[PQ_X8_NR];
+    for (int r = 0; r < NR; r++) zsum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int s = 0; s < ngroups; s++) {
+        __m512i acc[PQ_X8_NR];
+        for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < nquads / 2; j++) {
+            const __m512i q = pq_x8_oct(t, blk, s, j);
+            for (int r = 0; r < NR; r++) {
+                int64_t y8;
+                memcpy(&y8, x + r * xs + 4 + gsize * s + 8 * j, 8);
+                acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi64(y8));
+            }
+        }
+        /* each row's scale in both of its lanes */
+        const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
+        const __m128i s88 = _mm_unpacklo_epi8(s8, s8);
+        const __m512i s32 = k4 ? _mm512_cvtepu8_epi32(s88) : _mm512_cvtepi8_epi32(s88);
+        for (int r = 0; r < NR; r++) {
+            zsum[r] = _mm512_add_epi32(zsum[r], _mm512_mullo_epi32(acc[r], s32));
+            /* one group at a time: otherwise the compiler starts the next groups' sums early and
+             * spills the accumulators */
+            __asm__("" : "+v"(zsum[r]));
+        }
+    }
+    for (int r = 0; r < NR; r++) isum[r] = pq_x8_pair_sums(zsum[r]);
+#else
+    for (int r = 0; r < NR; r++) isum[r] = _mm256_setzero_si256();
+    /* unrolled: each group's unpacking is then straight-line code (its shifts are constants) */
+#pragma GCC unroll 16
+    for (int s = 0; s < ngroups; s++) {
+        __m256i acc[PQ_X8_NR];
+        for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int i = 0; i < nquads; i++) {
+            const __m256i q = pq_x8_quad(t, blk, s, i);
+            for (int r = 0; r < NR; r++)
+                acc[r] = pq_dpbusd_acc(acc[r], q, pq_x8_bcast(x + r * xs + 4 + gsize * s + 4 * i));
+        }
+        const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
+        const __m256i s32 = k4 ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
+        for (int r = 0; r < NR; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(acc[r], s32));
+    }
+#endif
+}
+
 /* The 8 outputs of each of NR activation rows (+ bias) */
 PQ_INLINE void pq_x8_store(int NR, const __m256 *facc, float *out, int64_t ldo, const float *bias) {
     for (int r = 0; r < NR; r++)
@@ -152,30 +261,13 @@ PQ_INLINE void pq_x8_store(int NR, const __m256 *facc, float *out, int64_t ldo, 
 PQ_INLINE void pq_x8_kernel(int t, int NR, int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs,
                             float *out, int64_t ldo, const float *bias) {
     const int pb = pq_x8_block_bytes(t);
-    const int k4 = t == PQ_Q4_K || t == PQ_Q5_K;   /* 6-bit scales and mins per 32 elements */
-    const int ngroups = k4 ? 8 : 16, nquads = k4 ? 8 : 4, gsize = 4 * nquads;
+    const int k4 = t == PQ_Q4_K || t == PQ_Q5_K;
     __m256 facc[PQ_X8_NR];
     for (int r = 0; r < NR; r++) facc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * pb;
-        const uint8_t *sc = blk + (k4 ? 32 : 16);
         __m256i isum[PQ_X8_NR];
-        for (int r = 0; r < NR; r++) isum[r] = _mm256_setzero_si256();
-        /* unrolled: each group's unpacking is then straight-line code (its shifts are constants) */
-#pragma GCC unroll 16
-        for (int s = 0; s < ngroups; s++) {
-            __m256i acc[PQ_X8_NR];
-            for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-            for (int i = 0; i < nquads; i++) {
-                const __m256i q = pq_x8_quad(t, blk, s, i);
-                for (int r = 0; r < NR; r++)
-                    acc[r] = pq_dpbusd_acc(acc[r], q, pq_x8_bcast(x + r * xs + 292 * b + 4 + gsize * s + 4 * i));
-            }
-            const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
-            const __m256i s32 = k4 ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
-            for (int r = 0; r < NR; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(acc[r], s32));
-        }
+        pq_x8_kblock(t, NR, blk, x + 292 * b, xs, isum);
         /* Q4_K: sum over sub-blocks j of min_j * (bsum[2j] + bsum[2j+1]); Q6_K: sum over the 16
          * groups of scale * bsum (the -32 offset's weight). Pairs of int16 per lane, one madd. */
         __m256i pairs[8];

@@ -18,7 +18,8 @@
  * ggml_quants.h holds unchanged.
  *
  * Q4_0 and Q8_0 (signed weights, one f16 scale per 32 elements, Q8_0 activations) take the
- * product as |w| . (y with w's sign), exact in the byte dot product, per 32-element block.
+ * product as |w| . (y with w's sign), exact in the byte dot product, per 32-element block (the
+ * 512-bit kernel offsets y instead, see pq_x8_kernel_0_oct).
  *
  * Packed layouts, per group of 8 rows and per block (32 elements for Q4_0 / Q8_0, a super-block
  * of 256 for the K-quants), each the file's 8 blocks' size but Q4_K's:
@@ -30,7 +31,7 @@
  *   Q6_K (1680 bytes, the file's size): d f16[8] | scale i8[16][8]
  *                      | 2 halves x (ql[0..31] [8 quads][8 rows][4] | ql[32..63] likewise | qh likewise)
  * where a quad is 4 consecutive bytes of the row's block at the same offset. With AVX-512 VNNI the
- * K-quants' qs / ql / qh runs hold octs instead (8 consecutive bytes of each row, see PQ_X8_OCT):
+ * qs / ql / qh runs hold octs instead (8 consecutive bytes of each row, see PQ_X8_OCT):
  * the same runs at the same offsets, [units][8 rows][8 bytes].
  */
 #ifndef PYLLAMA_GGML_X8_H
@@ -55,11 +56,12 @@ static inline int pq_x8_block_bytes(int t) {
 /* Elements per block of a repacked type */
 static inline int pq_x8_block_elems(int t) { return t == PQ_Q4_0 || t == PQ_Q8_0 ? 32 : PQ_QK_K; }
 
-/* With AVX-512 VNNI the K-quants' runs are laid out in units of 8 bytes instead of 4 ("octs": a
- * 64-byte vector holds 8 consecutive bytes of each of the 8 rows), so that one 512-bit byte dot
- * product covers two quads of every row; the activation's matching 8 bytes are broadcast as one
- * 64-bit value, and each row's two int32 lanes are added once per block. Without it the 256-bit
- * kernels read quads. The bytes and the block sizes are the same either way. */
+/* With AVX-512 VNNI every repacked type's runs are laid out in units of 8 bytes instead of 4
+ * ("octs": a 64-byte vector holds 8 consecutive bytes of each of the 8 rows), so that one 512-bit
+ * byte dot product covers two quads of every row; the activation's matching 8 bytes are broadcast
+ * as one 64-bit value, and each row's two int32 lanes are added once per block (K-quants) or at the
+ * end (Q4_0 / Q8_0). Without it the 256-bit kernels read quads. The bytes and the block sizes are
+ * the same either way. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define PQ_X8_OCT 1
 #define PQ_X8_KUNIT 8
@@ -100,7 +102,7 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
             uint8_t *o = out + (g * nb + b) * pb;
             if (t == PQ_Q4_0 || t == PQ_Q8_0) {
                 for (int l = 0; l < 8; l++) memcpy(o + 2 * l, src[l], 2);
-                pq_x8_quads(o + 16, src, 2, t == PQ_Q4_0 ? 4 : 8);
+                pq_x8_units(o + 16, src, 2, t == PQ_Q4_0 ? 4 : 8, PQ_X8_KUNIT);
             } else if (t == PQ_Q4_K || t == PQ_Q5_K) {
                 for (int l = 0; l < 8; l++) {
                     memcpy(o + 2 * l, src[l], 2);
@@ -329,12 +331,76 @@ PQ_INLINE void pq_x8_kernel_0(int t, int NR, int64_t nb, const uint8_t *wg, cons
     pq_x8_store(NR, facc, out, ldo, bias);
 }
 
+#if PQ_X8_OCT
+/* Q4_0 / Q8_0 in octs, with the activations' bytes offset by 128 (pq_x8_offset_x: unsigned, as
+ * dpbusd's first operand wants) and the weights signed: sum((y + 128) w) - 128 sum(w) = sum(y w),
+ * exactly; sum(w) per lane is one dpbusd per oct for all NR rows. Each of a row's two lanes (16
+ * of the block's 32 products) is scaled and summed in float on its own and the two are added at
+ * the end: one more rounding per block than the 256-bit kernel, within the same bound. */
+PQ_INLINE void pq_x8_kernel_0_oct(int t, int NR, int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs,
+                                  float *out, int64_t ldo, const float *bias) {
+    const int pb = pq_x8_block_bytes(t);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8), ones = _mm512_set1_epi8(1);
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m512 facc[PQ_X8_NR];
+    for (int r = 0; r < NR; r++) facc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * pb;
+        __m512i w[4];
+        __m512i wsum = _mm512_setzero_si512();
+        for (int u = 0; u < 4; u++) {
+            if (t == PQ_Q4_0) {   /* octs 0, 1: low nibbles (elements 8u..), 2, 3: high (16 + 8(u - 2)..) */
+                const __m512i v = _mm512_loadu_si512((const void *)(blk + 16 + 64 * (u % 2)));
+                w[u] = _mm512_sub_epi8(_mm512_and_si512(u < 2 ? v : _mm512_srli_epi16(v, 4), m4), eight);
+            } else {
+                w[u] = _mm512_loadu_si512((const void *)(blk + 16 + 64 * u));
+            }
+            wsum = _mm512_dpbusd_epi32(wsum, ones, w[u]);
+        }
+        const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wsum, 7));
+        const __m512 d = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *y = x + r * xs + 34 * b;
+            __m512i acc = start;
+            for (int u = 0; u < 4; u++) {
+                const int e = t == PQ_Q4_0 ? (u < 2 ? 8 * u : 16 + 8 * (u - 2)) : 8 * u;
+                int64_t y8;
+                memcpy(&y8, y + 2 + e, 8);
+                acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi64(y8), w[u]);
+            }
+            facc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(pq_h2f(y))), _mm512_cvtepi32_ps(acc), facc[r]);
+        }
+    }
+    __m256 fsum[PQ_X8_NR];
+    for (int r = 0; r < NR; r++) {
+        const __m256 h = _mm256_hadd_ps(_mm512_castps512_ps256(facc[r]), _mm512_extractf32x8_ps(facc[r], 1));
+        fsum[r] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), _MM_SHUFFLE(3, 1, 2, 0)));
+    }
+    pq_x8_store(NR, fsum, out, ldo, bias);
+}
+
+/* Q8_0 activation rows as pq_x8_kernel_0_oct reads them: each value + 128, as an unsigned byte */
+static void pq_x8_offset_x(uint8_t *xq, int64_t n, int64_t k, int64_t xq_stride) {
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < k / 32; b++) {
+            __m256i *v = (__m256i *)(xq + r * xq_stride + 34 * b + 2);
+            _mm256_storeu_si256(v, _mm256_xor_si256(_mm256_loadu_si256(v), bias));
+        }
+}
+#endif
+
+#if PQ_X8_OCT
+#define PQ_X8_KERNEL_0 pq_x8_kernel_0_oct
+#else
+#define PQ_X8_KERNEL_0 pq_x8_kernel_0
+#endif
 typedef void (*pq_x8_fn)(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs, float *out, int64_t ldo,
                          const float *bias);
 #define PQ_X8_DEF1(name, t, nr) \
     static void name##_##nr(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs, float *out, int64_t ldo, \
                             const float *bias) { \
-        if (t == PQ_Q4_0 || t == PQ_Q8_0) pq_x8_kernel_0(t, nr, nb, wg, x, xs, out, ldo, bias); \
+        if (t == PQ_Q4_0 || t == PQ_Q8_0) PQ_X8_KERNEL_0(t, nr, nb, wg, x, xs, out, ldo, bias); \
         else pq_x8_kernel(t, nr, nb, wg, x, xs, out, ldo, bias); }
 #if PQ_X8_NR == 8
 #define PQ_X8_DEF(name, t) PQ_X8_DEF1(name, t, 1) PQ_X8_DEF1(name, t, 2) PQ_X8_DEF1(name, t, 3) PQ_X8_DEF1(name, t, 4) \
@@ -435,6 +501,9 @@ PQ_API int pq_mul_mat_x8_parts(int nparts, const int *types, const uint8_t *cons
     }
     pq_rows_job rows = {types[0], vt, 0, x, k, ldx, xq, xq_stride};
     pq_quantize_rows_pool(&rows, n, nt, n <= 2 * PQ_X8_NR);
+#if PQ_X8_OCT
+    if (vt == PQ_Q8_0) pq_x8_offset_x(xq, n, k, xq_stride);
+#endif
     const int64_t nchunks = (n + PQ_ROW_CHUNK - 1) / PQ_ROW_CHUNK;
     pq_pool_run(nt, nchunks * job.items_per_chunk, pq_x8_tile_item, &job);
     return 0;

@@ -31,8 +31,9 @@
  *   Q6_K (1680 bytes, the file's size): d f16[8] | scale i8[16][8]
  *                      | 2 halves x (ql[0..31] [8 quads][8 rows][4] | ql[32..63] likewise | qh likewise)
  * where a quad is 4 consecutive bytes of the row's block at the same offset. With AVX-512 VNNI the
- * qs / ql / qh runs hold octs instead (8 consecutive bytes of each row, see PQ_X8_OCT):
- * the same runs at the same offsets, [units][8 rows][8 bytes].
+ * qs / ql / qh runs hold octs instead, [units][8 rows][8 bytes], the same runs at the same offsets
+ * (see PQ_X8_OCT): Q4_0 / Q8_0 8 consecutive bytes of each row, the K-quants a 32-byte run's
+ * quads o and o + 4.
  */
 #ifndef PYLLAMA_GGML_X8_H
 #define PYLLAMA_GGML_X8_H
@@ -57,17 +58,20 @@ static inline int pq_x8_block_bytes(int t) {
 static inline int pq_x8_block_elems(int t) { return t == PQ_Q4_0 || t == PQ_Q8_0 ? 32 : PQ_QK_K; }
 
 /* With AVX-512 VNNI every repacked type's runs are laid out in units of 8 bytes instead of 4
- * ("octs": a 64-byte vector holds 8 consecutive bytes of each of the 8 rows), so that one 512-bit
- * byte dot product covers two quads of every row; the activation's matching 8 bytes are broadcast
- * as one 64-bit value, and each row's two int32 lanes are added once per block (K-quants) or at the
- * end (Q4_0 / Q8_0). Without it the 256-bit kernels read quads. The bytes and the block sizes are
- * the same either way. */
+ * ("octs": a 64-byte vector holds two quads of each of the 8 rows), so that one 512-bit byte dot
+ * product covers two quads of every row and the activation's matching 8 bytes are broadcast as one
+ * 64-bit value. Q4_0 / Q8_0 octs are 8 consecutive bytes. A K-quant's oct o of a 32-byte run holds
+ * its quads o and o + 4, and the Q8_K activation rows get the same order within each 32 values
+ * (pq_x8_pair_x): Q6_K's 16-element groups 2p and 2p + 1 then share every oct of their run (row
+ * l's lanes 2l and 2l + 1) and one multiply applies both groups' scales. Each row's two int32 lanes
+ * are added once per block (K-quants) or at the end (Q4_0 / Q8_0). Without AVX-512 VNNI the 256-bit
+ * kernels read quads. The bytes and the block sizes are the same either way. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define PQ_X8_OCT 1
-#define PQ_X8_KUNIT 8
+#define PQ_X8_UNIT 8
 #else
 #define PQ_X8_OCT 0
-#define PQ_X8_KUNIT 4
+#define PQ_X8_UNIT 4
 #endif
 
 /* Copies bytes [off, off + 4 * nq) of each of the 8 rows' blocks (src[l]) to dst in units of
@@ -80,9 +84,19 @@ static inline void pq_x8_units(uint8_t *dst, const uint8_t *const src[8], int of
 static inline void pq_x8_quads(uint8_t *dst, const uint8_t *const src[8], int off, int nq) {
     pq_x8_units(dst, src, off, nq, 4);
 }
-/* a K-quant's runs: in quads or octs (PQ_X8_OCT) */
+/* a K-quant's runs of 32 bytes per row: in quads, or (PQ_X8_OCT) in octs that pair quads o, o + 4 */
 static inline void pq_x8_kruns(uint8_t *dst, const uint8_t *const src[8], int off, int nq) {
-    pq_x8_units(dst, src, off, nq, PQ_X8_KUNIT);
+    if (!PQ_X8_OCT) {
+        pq_x8_quads(dst, src, off, nq);
+        return;
+    }
+    for (int r = 0; r < nq / 8; r++)
+        for (int o = 0; o < 4; o++)
+            for (int l = 0; l < 8; l++) {
+                uint8_t *d = dst + 256 * r + 64 * o + 8 * l;
+                memcpy(d, src[l] + off + 32 * r + 4 * o, 4);
+                memcpy(d + 4, src[l] + off + 32 * r + 16 + 4 * o, 4);
+            }
 }
 
 /* w: m rows (m % 8 == 0) of k elements of type t at byte stride wstride -> out, laid out as above
@@ -102,7 +116,7 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
             uint8_t *o = out + (g * nb + b) * pb;
             if (t == PQ_Q4_0 || t == PQ_Q8_0) {
                 for (int l = 0; l < 8; l++) memcpy(o + 2 * l, src[l], 2);
-                pq_x8_units(o + 16, src, 2, t == PQ_Q4_0 ? 4 : 8, PQ_X8_KUNIT);
+                pq_x8_units(o + 16, src, 2, t == PQ_Q4_0 ? 4 : 8, PQ_X8_UNIT);
             } else if (t == PQ_Q4_K || t == PQ_Q5_K) {
                 for (int l = 0; l < 8; l++) {
                     memcpy(o + 2 * l, src[l], 2);
@@ -181,10 +195,11 @@ PQ_INLINE __m512i pq_x8_oct(int t, const uint8_t *blk, int s, int j) {
         const __m512i hs = s < 4 ? _mm512_slli_epi16(h, 4 - s) : s > 4 ? _mm512_srli_epi16(h, s - 4) : h;
         return _mm512_or_si512(lo, _mm512_and_si512(hs, _mm512_set1_epi8(0x10)));
     }
-    const uint8_t *hb = blk + 144 + 768 * (s / 8);
-    const int qi = (s % 8) / 2, o = 2 * (s % 2) + j;
-    const __m512i lo = _mm512_loadu_si512((const void *)(hb + 256 * (qi % 2) + 64 * o));
-    const __m512i hi = _mm512_loadu_si512((const void *)(hb + 512 + 64 * o));
+    /* Q6_K: s is the pair of groups 2s, 2s + 1 (one 32-byte run of the half s / 4, value s % 4) */
+    const uint8_t *hb = blk + 144 + 768 * (s / 4);
+    const int qi = s % 4;
+    const __m512i lo = _mm512_loadu_si512((const void *)(hb + 256 * (qi % 2) + 64 * j));
+    const __m512i hi = _mm512_loadu_si512((const void *)(hb + 512 + 64 * j));
     const __m512i l4 = _mm512_and_si512(qi < 2 ? lo : _mm512_srli_epi16(lo, 4), m4);
     const __m512i h2 = qi == 0 ? _mm512_slli_epi16(hi, 4) : qi == 1 ? _mm512_slli_epi16(hi, 2)
                      : qi == 2 ? hi : _mm512_srli_epi16(hi, 2);
@@ -202,27 +217,33 @@ PQ_INLINE __m256i pq_x8_pair_sums(__m512i v) {
  * groups of scale * sum(q * q8) (isum) */
 PQ_INLINE void pq_x8_kblock(int t, int NR, const uint8_t *blk, const uint8_t *x, size_t xs, __m256i *isum) {
     const int k4 = t == PQ_Q4_K || t == PQ_Q5_K;   /* 6-bit scales and mins per 32 elements */
-    const int ngroups = k4 ? 8 : 16, nquads = k4 ? 8 : 4, gsize = 4 * nquads;
     const uint8_t *sc = blk + (k4 ? 32 : 16);
 #if PQ_X8_OCT
     __m512i zsum[PQ_X8_NR];
     for (int r = 0; r < NR; r++) zsum[r] = _mm512_setzero_si512();
-#pragma GCC unroll 16
-    for (int s = 0; s < ngroups; s++) {
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {   /* 32 elements: a Q4_K / Q5_K sub-block, two Q6_K groups */
         __m512i acc[PQ_X8_NR];
         for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-        for (int j = 0; j < nquads / 2; j++) {
+        for (int j = 0; j < 4; j++) {
             const __m512i q = pq_x8_oct(t, blk, s, j);
             for (int r = 0; r < NR; r++) {
                 int64_t y8;
-                memcpy(&y8, x + r * xs + 4 + gsize * s + 8 * j, 8);
+                memcpy(&y8, x + r * xs + 4 + 32 * s + 8 * j, 8);
                 acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi64(y8));
             }
         }
-        /* each row's scale in both of its lanes */
-        const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
-        const __m128i s88 = _mm_unpacklo_epi8(s8, s8);
+        /* row l's lanes 2l, 2l + 1: its sub-block's scale twice (Q4_K / Q5_K), or its groups 2s
+         * and 2s + 1's (Q6_K) */
+        __m128i s88;
+        if (k4) {
+            const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
+            s88 = _mm_unpacklo_epi8(s8, s8);
+        } else {
+            const __m128i s16 = _mm_loadu_si128((const __m128i *)(sc + 16 * s));
+            s88 = _mm_unpacklo_epi8(s16, _mm_srli_si128(s16, 8));
+        }
         const __m512i s32 = k4 ? _mm512_cvtepu8_epi32(s88) : _mm512_cvtepi8_epi32(s88);
         for (int r = 0; r < NR; r++) {
             zsum[r] = _mm512_add_epi32(zsum[r], _mm512_mullo_epi32(acc[r], s32));
@@ -233,6 +254,7 @@ PQ_INLINE void pq_x8_kblock(int t, int NR, const uint8_t *blk, const uint8_t *x,
     }
     for (int r = 0; r < NR; r++) isum[r] = pq_x8_pair_sums(zsum[r]);
 #else
+    const int ngroups = k4 ? 8 : 16, nquads = k4 ? 8 : 4, gsize = 4 * nquads;
     for (int r = 0; r < NR; r++) isum[r] = _mm256_setzero_si256();
     /* unrolled: each group's unpacking is then straight-line code (its shifts are constants) */
 #pragma GCC unroll 16
@@ -463,6 +485,21 @@ static void pq_x8_tile_item(void *ctx, int64_t item) {
     }
 }
 
+#if PQ_X8_OCT
+/* Q8_K activation rows in the K-quant octs' order: within each 32 values, quads [0 4 1 5 2 6 3 7] */
+static void pq_x8_pair_x(uint8_t *xq, int64_t n, int64_t k, int64_t xq_stride) {
+    const __m256i idx = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < k / PQ_QK_K; b++) {
+            uint8_t *qs = xq + r * xq_stride + 292 * b + 4;
+            for (int c = 0; c < 8; c++) {
+                __m256i *v = (__m256i *)(qs + 32 * c);
+                _mm256_storeu_si256(v, _mm256_permutevar8x32_epi32(_mm256_loadu_si256(v), idx));
+            }
+        }
+}
+#endif
+
 /* out[:, the parts' columns side by side] = x . (each part's weights, repacked by pq_repack_x8:
  * ms[p] rows, a multiple of 8)^T (+ biases[p]), as pq_mul_mat does for one weight: the activation
  * rows quantized once into xq, then (chunk of activation rows) x (tile of row groups of a part)
@@ -503,6 +540,7 @@ PQ_API int pq_mul_mat_x8_parts(int nparts, const int *types, const uint8_t *cons
     pq_quantize_rows_pool(&rows, n, nt, n <= 2 * PQ_X8_NR);
 #if PQ_X8_OCT
     if (vt == PQ_Q8_0) pq_x8_offset_x(xq, n, k, xq_stride);
+    if (vt == PQ_Q8_K) pq_x8_pair_x(xq, n, k, xq_stride);
 #endif
     const int64_t nchunks = (n + PQ_ROW_CHUNK - 1) / PQ_ROW_CHUNK;
     pq_pool_run(nt, nchunks * job.items_per_chunk, pq_x8_tile_item, &job);

@@ -182,8 +182,8 @@ PQ_INLINE __m256i pq_x8_quad(int t, const uint8_t *blk, int s, int i) {
 }
 
 #if PQ_X8_OCT
-/* Oct j of group s of a K-quant packed block (Q4_K / Q5_K: sub-block s of 32 elements, octs 0..3;
- * Q6_K: 16 elements, octs 0..1): 8 unsigned weights of each row, row l in 64-bit lane l. The same
+/* Oct j (0..3) of the 32 elements s of a K-quant packed block (Q4_K / Q5_K: sub-block s; Q6_K:
+ * groups 2s and 2s + 1): 8 unsigned weights of each row, row l in 64-bit lane l. The same
  * unpacking as pq_x8_quad, on twice the bytes. */
 PQ_INLINE __m512i pq_x8_oct(int t, const uint8_t *blk, int s, int j) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);

@@ -564,17 +564,27 @@ def test_prompt_that_cannot_fit_is_refused_before_tokenizing(server, path, body)
     serving(server)
 
 
+def assert_does_not_stall(srv: ServerProcess, path: str, body: dict, tries: int = 3) -> None:
+    """The large request answers 200 and a /health meanwhile waits at most a quarter of it (or 0.1
+    s). A loop that did the work itself would hold every /health for about the whole request, in
+    every try; one stall of the machine (a busy neighbour) spoils one try, so another is taken."""
+    seen = []
+    for _ in range(tries):
+        status, dt, worst = stall_during(srv, path, body)
+        assert status == 200
+        if worst < max(0.1, dt / 4):
+            return
+        seen.append((round(dt, 3), round(worst, 3)))
+    pytest.fail(f"{path}: other clients waited too long in every try, (seconds, worst wait): {seen}")
+
+
 def test_large_detokenize_does_not_stall_other_clients(server):
-    status, dt, worst = stall_during(server, "/detokenize", {"tokens": list(range(1, 500)) * 1600})
-    assert status == 200
-    assert worst < max(0.1, dt / 4), (dt, worst)
+    assert_does_not_stall(server, "/detokenize", {"tokens": list(range(1, 500)) * 1600})
     serving(server)
 
 
 def test_large_tokenize_does_not_stall_other_clients(server):
-    status, dt, worst = stall_during(server, "/tokenize", {"content": "hello world " * 170000})
-    assert status == 200
-    assert worst < max(0.1, dt / 4), (dt, worst)
+    assert_does_not_stall(server, "/tokenize", {"content": "hello world " * 170000})
 
 
 # ---------------------------------------------------------------------------------------------

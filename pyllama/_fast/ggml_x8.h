@@ -62,7 +62,7 @@ static inline int pq_x8_block_elems(int t) { return t == PQ_Q4_0 || t == PQ_Q8_0
  * product covers two quads of every row and the activation's matching 8 bytes are broadcast as one
  * 64-bit value. Q4_0 / Q8_0 octs are 8 consecutive bytes. A K-quant's oct o of a 32-byte run holds
  * its quads o and o + 4, and the Q8_K activation rows get the same order within each 32 values
- * (pq_x8_pair_x): Q6_K's 16-element groups 2p and 2p + 1 then share every oct of their run (row
+ * (pq_x8_arrange_x): Q6_K's 16-element groups 2p and 2p + 1 then share every oct of their run (row
  * l's lanes 2l and 2l + 1) and one multiply applies both groups' scales. Each row's two int32 lanes
  * are added once per block (K-quants) or at the end (Q4_0 / Q8_0). Without AVX-512 VNNI the 256-bit
  * kernels read quads. The bytes and the block sizes are the same either way. */
@@ -80,14 +80,10 @@ static inline void pq_x8_units(uint8_t *dst, const uint8_t *const src[8], int of
     for (int u = 0; u < 4 * nq / unit; u++)
         for (int l = 0; l < 8; l++) memcpy(dst + 8 * unit * u + unit * l, src[l] + off + unit * u, unit);
 }
-/* 4-byte quads [0, nq) of each row at src[l] + off, quad-major */
-static inline void pq_x8_quads(uint8_t *dst, const uint8_t *const src[8], int off, int nq) {
-    pq_x8_units(dst, src, off, nq, 4);
-}
 /* a K-quant's runs of 32 bytes per row: in quads, or (PQ_X8_OCT) in octs that pair quads o, o + 4 */
 static inline void pq_x8_kruns(uint8_t *dst, const uint8_t *const src[8], int off, int nq) {
     if (!PQ_X8_OCT) {
-        pq_x8_quads(dst, src, off, nq);
+        pq_x8_units(dst, src, off, nq, 4);
         return;
     }
     for (int r = 0; r < nq / 8; r++)
@@ -206,10 +202,14 @@ PQ_INLINE __m512i pq_x8_oct(int t, const uint8_t *blk, int s, int j) {
     return _mm512_or_si512(l4, _mm512_and_si512(h2, _mm512_set1_epi8(0x30)));
 }
 
-/* The sums of each row's two int32 lanes (2l, 2l + 1) as 8 lanes in row order */
+/* The sums of each row's two lanes (2l, 2l + 1) as 8 lanes in row order, int32 and float */
 PQ_INLINE __m256i pq_x8_pair_sums(__m512i v) {
     const __m256i h = _mm256_hadd_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
     return _mm256_permute4x64_epi64(h, _MM_SHUFFLE(3, 1, 2, 0));   /* [r0 r1 r4 r5 | r2 r3 r6 r7] -> rows */
+}
+PQ_INLINE __m256 pq_x8_pair_sums_ps(__m512 v) {
+    const __m256 h = _mm256_hadd_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), _MM_SHUFFLE(3, 1, 2, 0)));
 }
 #endif
 
@@ -354,7 +354,7 @@ PQ_INLINE void pq_x8_kernel_0(int t, int NR, int64_t nb, const uint8_t *wg, cons
 }
 
 #if PQ_X8_OCT
-/* Q4_0 / Q8_0 in octs, with the activations' bytes offset by 128 (pq_x8_offset_x: unsigned, as
+/* Q4_0 / Q8_0 in octs, with the activations' bytes offset by 128 (pq_x8_arrange_x: unsigned, as
  * dpbusd's first operand wants) and the weights signed: sum((y + 128) w) - 128 sum(w) = sum(y w),
  * exactly; sum(w) per lane is one dpbusd per oct for all NR rows. Each of a row's two lanes (16
  * of the block's 32 products) is scaled and summed in float on its own and the two are added at
@@ -394,21 +394,8 @@ PQ_INLINE void pq_x8_kernel_0_oct(int t, int NR, int64_t nb, const uint8_t *wg, 
         }
     }
     __m256 fsum[PQ_X8_NR];
-    for (int r = 0; r < NR; r++) {
-        const __m256 h = _mm256_hadd_ps(_mm512_castps512_ps256(facc[r]), _mm512_extractf32x8_ps(facc[r], 1));
-        fsum[r] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), _MM_SHUFFLE(3, 1, 2, 0)));
-    }
+    for (int r = 0; r < NR; r++) fsum[r] = pq_x8_pair_sums_ps(facc[r]);
     pq_x8_store(NR, fsum, out, ldo, bias);
-}
-
-/* Q8_0 activation rows as pq_x8_kernel_0_oct reads them: each value + 128, as an unsigned byte */
-static void pq_x8_offset_x(uint8_t *xq, int64_t n, int64_t k, int64_t xq_stride) {
-    const __m256i bias = _mm256_set1_epi8((char)0x80);
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t b = 0; b < k / 32; b++) {
-            __m256i *v = (__m256i *)(xq + r * xq_stride + 34 * b + 2);
-            _mm256_storeu_si256(v, _mm256_xor_si256(_mm256_loadu_si256(v), bias));
-        }
 }
 #endif
 
@@ -486,17 +473,22 @@ static void pq_x8_tile_item(void *ctx, int64_t item) {
 }
 
 #if PQ_X8_OCT
-/* Q8_K activation rows in the K-quant octs' order: within each 32 values, quads [0 4 1 5 2 6 3 7] */
-static void pq_x8_pair_x(uint8_t *xq, int64_t n, int64_t k, int64_t xq_stride) {
-    const __m256i idx = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+/* The quantized activation rows as the oct kernels read them, each run of 32 values in place:
+ * Q8_0 (pq_x8_kernel_0_oct) each value + 128 as an unsigned byte; Q8_K (the K-quants) its quads in
+ * the octs' order [0 4 1 5 2 6 3 7]. */
+static void pq_x8_arrange_x(int vt, uint8_t *xq, int64_t n, int64_t k, int64_t xq_stride) {
+    if (vt != PQ_Q8_0 && vt != PQ_Q8_K) return;
+    const int q8k = vt == PQ_Q8_K;
+    const int64_t nb = q8k ? k / PQ_QK_K : k / 32, bbytes = q8k ? 292 : 34, qoff = q8k ? 4 : 2;
+    const int runs = q8k ? 8 : 1;
+    const __m256i idx = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), offset = _mm256_set1_epi8((char)0x80);
     for (int64_t r = 0; r < n; r++)
-        for (int64_t b = 0; b < k / PQ_QK_K; b++) {
-            uint8_t *qs = xq + r * xq_stride + 292 * b + 4;
-            for (int c = 0; c < 8; c++) {
-                __m256i *v = (__m256i *)(qs + 32 * c);
-                _mm256_storeu_si256(v, _mm256_permutevar8x32_epi32(_mm256_loadu_si256(v), idx));
+        for (int64_t b = 0; b < nb; b++)
+            for (int c = 0; c < runs; c++) {
+                __m256i *p = (__m256i *)(xq + r * xq_stride + bbytes * b + qoff + 32 * c);
+                const __m256i v = _mm256_loadu_si256(p);
+                _mm256_storeu_si256(p, q8k ? _mm256_permutevar8x32_epi32(v, idx) : _mm256_xor_si256(v, offset));
             }
-        }
 }
 #endif
 
@@ -539,8 +531,7 @@ PQ_API int pq_mul_mat_x8_parts(int nparts, const int *types, const uint8_t *cons
     pq_rows_job rows = {types[0], vt, 0, x, k, ldx, xq, xq_stride};
     pq_quantize_rows_pool(&rows, n, nt, n <= 2 * PQ_X8_NR);
 #if PQ_X8_OCT
-    if (vt == PQ_Q8_0) pq_x8_offset_x(xq, n, k, xq_stride);
-    if (vt == PQ_Q8_K) pq_x8_pair_x(xq, n, k, xq_stride);
+    pq_x8_arrange_x(vt, xq, n, k, xq_stride);
 #endif
     const int64_t nchunks = (n + PQ_ROW_CHUNK - 1) / PQ_ROW_CHUNK;
     pq_pool_run(nt, nchunks * job.items_per_chunk, pq_x8_tile_item, &job);

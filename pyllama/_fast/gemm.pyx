@@ -7,9 +7,12 @@ This kernel streams each weight row once from memory and keeps x in cache: block
 rows times up to 4 rows of x, accumulated in vector registers along K. Every output element is
 summed in the same order whatever the number of rows, so a sequence's logits do not depend on
 what else shares its batch. Above `small_rows_max()` rows BLAS is faster and the caller uses it.
+`bind_mul_mat_t` returns the product as a NativeStep (plan.pyx) for a bound graph.
 """
 from libc.stdint cimport int64_t
+from libc.stdlib cimport malloc, free
 
+from pyllama._fast.plan cimport NativeStep, native_step
 from pyllama._fast.qmatmul cimport pool_run
 
 cdef extern from * nogil:
@@ -154,6 +157,7 @@ cdef struct MmJob:
     long ldo
     const float* bias
     long blocks
+    int nt
 
 
 cdef void _mm_item(void* ctx, int64_t c) noexcept nogil:
@@ -168,10 +172,9 @@ def small_rows_max() -> int:
     return SMALL_ROWS_MAX
 
 
-def mul_mat_t(const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias=None,
-              int n_threads=1):
-    """out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]). Rows of x and out may be strided; their
-    elements must be contiguous."""
+cdef int _mm_setup(MmJob* job, const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias, int n_threads,
+                   list keep) except -1:
+    """Checks the shapes and fills job; 0 when there is nothing to compute."""
     cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = w.shape[0]
     if w.shape[1] != K:
         raise ValueError(f"mul_mat_t: x has {K} columns, w has {w.shape[1]}")
@@ -180,32 +183,59 @@ def mul_mat_t(const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias=
     if (K > 1 and x.strides[1] != 4) or (N > 1 and out.strides[1] != 4):
         raise ValueError("mul_mat_t: rows of x and out must be contiguous")
     cdef const float[::1] b
-    cdef const float* bp = NULL
+    job.bias = NULL
     if bias is not None:
         b = bias
         if b.shape[0] != N:
             raise ValueError(f"mul_mat_t: bias has {b.shape[0]} elements, expected {N}")
-        bp = &b[0]
+        job.bias = &b[0]
+        keep.append(b)
     if M == 0 or N == 0:
-        return
-    cdef const float* xp = &x[0, 0]
-    cdef const float* wp = &w[0, 0]
-    cdef float* op = &out[0, 0]
-    cdef long ldx = x.strides[0] // 4, ldo = out.strides[0] // 4
-    cdef long blocks = (N + 3) // 4
-    cdef long chunks = (blocks + CHUNK_BLOCKS - 1) // CHUNK_BLOCKS
-    cdef MmJob job
-    job.x = xp
+        return 0
+    job.x = &x[0, 0]
     job.M = M
     job.K = K
-    job.ldx = ldx
-    job.w = wp
+    job.ldx = x.strides[0] // 4
+    job.w = &w[0, 0]
     job.N = N
-    job.out = op
-    job.ldo = ldo
-    job.bias = bp
-    job.blocks = blocks
-    with nogil:
-        # chunks claimed one at a time on the products' pool: a thread the OS is late to run
-        # holds nobody up (an OpenMP static schedule waited for it at the barrier)
-        pool_run(n_threads if chunks >= 2 else 1, chunks, _mm_item, &job)
+    job.out = &out[0, 0]
+    job.ldo = out.strides[0] // 4
+    job.blocks = (N + 3) // 4
+    # chunks claimed one at a time on the products' pool: a thread the OS is late to run holds
+    # nobody up (an OpenMP static schedule waited for it at the barrier)
+    job.nt = n_threads if (job.blocks + CHUNK_BLOCKS - 1) // CHUNK_BLOCKS >= 2 else 1
+    keep.extend((x, w, out))
+    return 1
+
+
+cdef int _mm_run(void* ctx, unsigned char* scratch) noexcept nogil:
+    cdef MmJob* job = <MmJob*>ctx
+    pool_run(job.nt, (job.blocks + CHUNK_BLOCKS - 1) // CHUNK_BLOCKS, _mm_item, job)
+    return 0
+
+
+def mul_mat_t(const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias=None,
+              int n_threads=1):
+    """out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]). Rows of x and out may be strided; their
+    elements must be contiguous."""
+    cdef MmJob job
+    if _mm_setup(&job, x, w, out, bias, n_threads, []):
+        with nogil:
+            _mm_run(&job, NULL)
+
+
+def bind_mul_mat_t(checked, const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias=None,
+                   int n_threads=1):
+    """mul_mat_t bound to these arrays as a NativeStep (plan.pyx), or None for an empty product."""
+    cdef MmJob* job = <MmJob*>malloc(sizeof(MmJob))
+    cdef list keep = []
+    if job == NULL:
+        raise MemoryError("bind_mul_mat_t: cannot allocate its arguments")
+    try:
+        if not _mm_setup(job, x, w, out, bias, n_threads, keep):
+            free(job)
+            return None
+    except BaseException:
+        free(job)
+        raise
+    return native_step(_mm_run, job, keep, checked)

@@ -6,11 +6,16 @@ Every kernel checks its arguments while it still holds the GIL (a graph may come
 then runs without it, split into items on the products' worker pool (qmatmul.pxd): one set of
 helper threads serves every kernel of a step, and a helper the OS is late to schedule holds
 nobody up (no barrier). Which thread computes an item never changes its result.
+
+`bind_rms_norm`, `bind_glu` and `bind_attention` check the same arguments once and return the
+kernel as a NativeStep (plan.pyx) for a bound graph; attention's per-step data (the cells, the
+lists, the ids) is still checked at every run.
 """
 from libc.math cimport pow, sqrt, tanh
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 
+from pyllama._fast.plan cimport NativeStep, native_step
 from pyllama._fast.qmatmul cimport pool_run
 
 import numpy as np
@@ -40,6 +45,14 @@ cdef struct RowsJob:
     Py_ssize_t n, d, chunks  # rms_norm: chunks = rows per item; GLU: column chunks per row
     float eps
     bint gelu  # GeGLU, else SwiGLU
+    int nt     # threads for this amount of work
+
+
+cdef void* _alloc(size_t size) except NULL:
+    cdef void* p = malloc(size)
+    if p == NULL:
+        raise MemoryError("cannot allocate a kernel's arguments")
+    return p
 
 
 cdef void _rms_item(void* ctx, int64_t i) noexcept nogil:
@@ -52,14 +65,14 @@ cdef void _rms_item(void* ctx, int64_t i) noexcept nogil:
         r += 1
 
 
-def rms_norm(const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float eps, int n_threads=1):
-    """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w"""
-    cdef Py_ssize_t n = x.shape[0], d = x.shape[1], i
+cdef int _rms_setup(RowsJob* job, const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float eps,
+                    int n_threads) except -1:
+    """Checks the shapes and fills job; 0 when there is nothing to compute."""
+    cdef Py_ssize_t n = x.shape[0], d = x.shape[1]
     if w.shape[0] != d or out.shape[0] != n or out.shape[1] != d:
         raise ValueError(f"rms_norm: shapes x {(n, d)}, w {w.shape[0]}, out {(out.shape[0], out.shape[1])} disagree")
-    if n == 0:
-        return
-    cdef RowsJob job
+    if n == 0 or d == 0:
+        return 0
     job.x = &x[0, 0]
     job.w = &w[0]
     job.out = &out[0, 0]
@@ -67,9 +80,37 @@ def rms_norm(const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float
     job.d = d
     job.chunks = max(1, RMS_ITEM_ELEMENTS // d)
     job.eps = eps
-    with nogil:
-        pool_run(n_threads if n * d >= PARALLEL_MIN_ELEMENTS else 1, (n + job.chunks - 1) // job.chunks,
-                 _rms_item, &job)
+    job.nt = n_threads if n * d >= PARALLEL_MIN_ELEMENTS else 1
+    return 1
+
+
+cdef int _rms_run(void* ctx, unsigned char* scratch) noexcept nogil:
+    cdef RowsJob* job = <RowsJob*>ctx
+    pool_run(job.nt, (job.n + job.chunks - 1) // job.chunks, _rms_item, job)
+    return 0
+
+
+def rms_norm(const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float eps, int n_threads=1):
+    """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w"""
+    cdef RowsJob job
+    if _rms_setup(&job, x, w, out, eps, n_threads):
+        with nogil:
+            _rms_run(&job, NULL)
+
+
+def bind_rms_norm(checked, const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float eps,
+                  int n_threads=1):
+    """rms_norm bound to these arrays as a NativeStep (plan.pyx), or None when there is nothing to
+    compute. checked: the same op as a Python callable."""
+    cdef RowsJob* job = <RowsJob*>_alloc(sizeof(RowsJob))
+    try:
+        if not _rms_setup(job, x, w, out, eps, n_threads):
+            free(job)
+            return None
+    except BaseException:
+        free(job)
+        raise
+    return native_step(_rms_run, job, (x, w, out), checked)
 
 
 cdef inline float _gelu(float x) noexcept nogil:
@@ -103,20 +144,34 @@ cdef void _glu_item(void* ctx, int64_t item) noexcept nogil:
         pv_silu_mul(gu + c0, gu + j.d + c0, out + c0, c1 - c0)
 
 
-cdef _glu(str name, const float[:, ::1] gu, float[:, ::1] out, int n_threads, bint gelu):
+cdef int _glu_setup(RowsJob* job, str name, const float[:, ::1] gu, float[:, ::1] out, int n_threads,
+                    bint gelu) except -1:
     cdef Py_ssize_t n = gu.shape[0], f = out.shape[1]
     if gu.shape[1] != 2 * f or out.shape[0] != n:
         raise ValueError(f"{name}: input {(n, gu.shape[1])} and output {(out.shape[0], f)} disagree")
     if n == 0 or f == 0:
-        return
-    cdef RowsJob job
+        return 0
     job.x = &gu[0, 0]
     job.out = &out[0, 0]
+    job.n = n
     job.d = f
     job.chunks = (f + GLU_CHUNK - 1) // GLU_CHUNK
     job.gelu = gelu
-    with nogil:
-        pool_run(n_threads if n * f >= PARALLEL_MIN_ELEMENTS else 1, n * job.chunks, _glu_item, &job)
+    job.nt = n_threads if n * f >= PARALLEL_MIN_ELEMENTS else 1
+    return 1
+
+
+cdef int _glu_run(void* ctx, unsigned char* scratch) noexcept nogil:
+    cdef RowsJob* job = <RowsJob*>ctx
+    pool_run(job.nt, job.n * job.chunks, _glu_item, job)
+    return 0
+
+
+cdef _glu(str name, const float[:, ::1] gu, float[:, ::1] out, int n_threads, bint gelu):
+    cdef RowsJob job
+    if _glu_setup(&job, name, gu, out, n_threads, gelu):
+        with nogil:
+            _glu_run(&job, NULL)
 
 
 def swiglu(const float[:, ::1] gu, float[:, ::1] out, int n_threads=1):
@@ -127,6 +182,19 @@ def swiglu(const float[:, ::1] gu, float[:, ::1] out, int n_threads=1):
 def geglu(const float[:, ::1] gu, float[:, ::1] out, int n_threads=1):
     """out = gelu_tanh(gu[:, :f]) * gu[:, f:] (GeGLU, gemma's FFN)"""
     _glu("geglu", gu, out, n_threads, True)
+
+
+def bind_glu(checked, const float[:, ::1] gu, float[:, ::1] out, int n_threads=1, bint gelu=False):
+    """swiglu (or geglu with gelu) bound as a NativeStep, or None when there is nothing to compute."""
+    cdef RowsJob* job = <RowsJob*>_alloc(sizeof(RowsJob))
+    try:
+        if not _glu_setup(job, "geglu" if gelu else "swiglu", gu, out, n_threads, gelu):
+            free(job)
+            return None
+    except BaseException:
+        free(job)
+        raise
+    return native_step(_glu_run, job, (gu, out), checked)
 
 
 cdef inline void _norm_head(float* v, const float* w, int hd, float eps) noexcept nogil:
@@ -202,6 +270,9 @@ cdef struct AttnArgs:
     Py_ssize_t max_len  # the longest list of cells a token attends to (scores per head: max_len + 1)
     Py_ssize_t store_floats, attend_floats  # scratch per item
     int failed          # an item could not allocate its scratch
+    Py_ssize_t n, n_cells, n_listed  # tokens, cache rows, listed cells
+    Py_ssize_t q_width
+    int n_threads, nt   # threads asked for, and used for this run's amount of work
 
 
 cdef void _store_token(AttnArgs* a, Py_ssize_t t, float* scratch) noexcept nogil:
@@ -369,23 +440,19 @@ def kv_load_rows(int cache_type, const unsigned char[:, ::1] rows, float[:, ::1]
             kv_load(cache_type, &rows[i, 0], 0, w, &out[i, 0])
 
 
-def attention(const float[:, ::1] qkv, k_cache, v_cache,
-              const int[::1] pos, const int[::1] kv_idx, const int[::1] cells, const int[:, ::1] ranges,
-              const float[::1] q_norm, const float[::1] k_norm, float[:, ::1] out,
-              int n_head, int n_head_kv, int head_dim, int n_rot, int rope_mode,
-              double freq_base, double freq_scale, float norm_eps, float scale, int n_threads=1,
-              int k_type=0, int v_type=0, float softcap=0.0, Py_ssize_t n_swa=0, double rope_mscale=1.0,
-              rope_freqs=None):
-    """One layer's self-attention for a micro-batch (see Op.ATTENTION). k_cache and v_cache are
-    [n_cells, row] arrays holding rows of k_type and v_type (ggml type ids: F32 0, F16 1, Q8_0 8,
-    BF16 30), as uint8 bytes or, for F32, as float32. softcap, n_swa, rope_mscale and rope_freqs
-    (float32 [n_rot / 2] or None) are Op.ATTENTION's optional parameters and source."""
-    cdef unsigned char[:, ::1] kc = _cache_bytes(k_cache)
-    cdef unsigned char[:, ::1] vc = _cache_bytes(v_cache)
+cdef int _attn_setup(AttnArgs* a, const float[:, ::1] qkv, unsigned char[:, ::1] kc, unsigned char[:, ::1] vc,
+                     const int[::1] pos, const int[::1] kv_idx, const int[::1] cells, const int[:, ::1] ranges,
+                     const float[::1] q_norm, const float[::1] k_norm, float[:, ::1] out,
+                     int n_head, int n_head_kv, int head_dim, int n_rot, int rope_mode,
+                     double freq_base, double freq_scale, float norm_eps, float scale, int n_threads,
+                     int k_type, int v_type, float softcap, Py_ssize_t n_swa, double rope_mscale,
+                     rope_freqs, list keep) except -1:
+    """Checks everything but the per-step data (kv_idx, ranges and cells, rope_freqs' values: see
+    _attn_scan) and fills a; the arrays a points into are appended to keep. 0: no tokens."""
     cdef Py_ssize_t n = qkv.shape[0], n_cells = kc.shape[0], n_listed = cells.shape[0]
     cdef int hd = head_dim, H = n_head, Hkv = n_head_kv
     cdef int use_norm = q_norm.shape[0] > 0
-    cdef Py_ssize_t t, i, j, c, r0, r1, max_len = 0, max_end = 0
+    cdef Py_ssize_t i
     # --- validation (the graph may come from the wire) ---
     if H <= 0 or Hkv <= 0 or hd <= 0 or H % Hkv or n_rot < 0 or n_rot > hd or n_rot % 2:
         raise ValueError("attention: bad head parameters")
@@ -415,43 +482,20 @@ def attention(const float[:, ::1] qkv, k_cache, v_cache,
         ff = rope_freqs
         if ff.shape[0] != n_rot // 2:
             raise ValueError(f"attention: rope_freqs has {ff.shape[0]} elements, expected n_rot / 2 = {n_rot // 2}")
-        for i in range(n_rot // 2):
-            if not ff[i] > 0:
-                raise ValueError(f"attention: rope_freqs[{i}] is {ff[i]}, not a positive number")
-    for t in range(n):
-        if kv_idx[t] < 0 or kv_idx[t] >= n_cells:
-            raise ValueError(f"attention: cell {kv_idx[t]} outside the cache of {n_cells}")
-        r0 = ranges[t, 0]
-        r1 = ranges[t, 1]
-        if r0 < 0 or r1 < 1 or r0 + r1 > n_listed:
-            raise ValueError(f"attention: token {t} attends to cells [{r0}, {r0 + r1}) outside the list of {n_listed}")
-        if r1 > max_len:
-            max_len = r1
-        if r0 + r1 > max_end:
-            max_end = r0 + r1
-    for i in range(max_end):  # only the referenced prefix of the list is meaningful
-        if cells[i] < 0 or cells[i] >= n_cells:
-            raise ValueError(f"attention: listed cell {cells[i]} outside the cache of {n_cells}")
+        keep.append(ff)
     if n == 0:
-        return
-
-    cdef Py_ssize_t work = 0
-    for t in range(n):
-        work += ranges[t, 1]
-    work *= H * hd
-    cdef int nt = n_threads if work >= PARALLEL_MIN_ATTENTION else 1
-    cdef AttnArgs a
+        return 0
     a.qkv = &qkv[0, 0]
     a.qkv_stride = qkv.shape[1]
-    a.k_cache = &kc[0, 0]
-    a.v_cache = &vc[0, 0]
+    a.k_cache = &kc[0, 0] if n_cells else NULL
+    a.v_cache = &vc[0, 0] if n_cells else NULL
     a.k_row = k_row
     a.v_row = v_row
     a.k_type = k_type
     a.v_type = v_type
     a.pos = &pos[0]
     a.kv_idx = &kv_idx[0]
-    a.cells = &cells[0]
+    a.cells = &cells[0] if n_listed else NULL
     a.ranges = &ranges[0, 0]
     a.q_norm = &q_norm[0] if use_norm else NULL
     a.k_norm = &k_norm[0] if use_norm else NULL
@@ -468,19 +512,148 @@ def attention(const float[:, ::1] qkv, k_cache, v_cache,
     cdef double[::1] rope_pow = np.empty(max(n_rot // 2, 1), np.float64)
     for i in range(n_rot // 2):
         rope_pow[i] = pow(freq_base, -2.0 * i / n_rot)
+    keep.append(rope_pow)
     a.rope_pow = &rope_pow[0]
     a.freq_scale = freq_scale
     a.eps = norm_eps
     a.scale = scale
-    a.max_len = max_len
-    # the store's cos/sin and k row; the attend's q and acc per head, k and v rows, scores
+    a.n = n
+    a.n_cells = n_cells
+    a.n_listed = n_listed
+    a.q_width = q_width
+    a.n_threads = n_threads
+    # the store's cos/sin and k row
     a.store_floats = n_rot + 2 + kv_width
-    a.attend_floats = 2 * q_width // Hkv + 2 * hd + (H // Hkv) * (max_len + 1)
+    keep.extend((qkv, kc, vc, pos, kv_idx, cells, ranges, q_norm, k_norm, out))
+    return 1
+
+
+cdef int _attn_scan(AttnArgs* a) noexcept nogil:
+    """The per-step data in range (nonzero when not: attention()'s checks then say where), and
+    what depends on it: the longest list, the attend's scratch, the threads for the work."""
+    cdef Py_ssize_t t, i, r0, r1, max_len = 0, max_end = 0, work = 0
+    if a.freq_factors != NULL:
+        for i in range(a.n_rot // 2):
+            if not a.freq_factors[i] > 0:
+                return 1
+    for t in range(a.n):
+        if a.kv_idx[t] < 0 or a.kv_idx[t] >= a.n_cells:
+            return 1
+        r0 = a.ranges[2 * t]
+        r1 = a.ranges[2 * t + 1]
+        if r0 < 0 or r1 < 1 or r0 + r1 > a.n_listed:
+            return 1
+        if r1 > max_len:
+            max_len = r1
+        if r0 + r1 > max_end:
+            max_end = r0 + r1
+        work += r1
+    for i in range(max_end):  # only the referenced prefix of the list is meaningful
+        if a.cells[i] < 0 or a.cells[i] >= a.n_cells:
+            return 1
+    a.max_len = max_len
+    a.nt = a.n_threads if work * a.H * a.hd >= PARALLEL_MIN_ATTENTION else 1
+    # the attend's q and acc per head, k and v rows, scores
+    a.attend_floats = 2 * a.q_width // a.Hkv + 2 * a.hd + (a.H // a.Hkv) * (max_len + 1)
+    return 0
+
+
+cdef int _attn_compute(AttnArgs* a) noexcept nogil:
+    """Nonzero when an item could not allocate its scratch."""
     a.failed = 0
+    # every token's k and v are in the cache before any token attends (a prompt's tokens attend to
+    # each other)
+    pool_run(a.nt, a.n, _store_item, a)
+    pool_run(a.nt, a.n * a.Hkv, _attend_item, a)
+    return a.failed
+
+
+cdef int _attn_step(void* ctx, unsigned char* scratch) noexcept nogil:
+    cdef AttnArgs* a = <AttnArgs*>ctx
+    if _attn_scan(a):
+        return 1
+    return _attn_compute(a)
+
+
+cdef _check_freqs(int n_rot, rope_freqs):
+    cdef const float[::1] ff
+    cdef Py_ssize_t i
+    if rope_freqs is not None:
+        ff = rope_freqs
+        for i in range(n_rot // 2):
+            if not ff[i] > 0:
+                raise ValueError(f"attention: rope_freqs[{i}] is {ff[i]}, not a positive number")
+
+
+cdef _attn_explain(const int[::1] kv_idx, const int[::1] cells, const int[:, ::1] ranges, Py_ssize_t n_cells,
+                   int n_rot, rope_freqs):
+    """Raises the reason _attn_scan refused the per-step data."""
+    cdef Py_ssize_t t, i, r0, r1, max_end = 0, n_listed = cells.shape[0]
+    _check_freqs(n_rot, rope_freqs)
+    for t in range(kv_idx.shape[0]):
+        if kv_idx[t] < 0 or kv_idx[t] >= n_cells:
+            raise ValueError(f"attention: cell {kv_idx[t]} outside the cache of {n_cells}")
+        r0 = ranges[t, 0]
+        r1 = ranges[t, 1]
+        if r0 < 0 or r1 < 1 or r0 + r1 > n_listed:
+            raise ValueError(f"attention: token {t} attends to cells [{r0}, {r0 + r1}) outside the list of {n_listed}")
+        if r0 + r1 > max_end:
+            max_end = r0 + r1
+    for i in range(max_end):
+        if cells[i] < 0 or cells[i] >= n_cells:
+            raise ValueError(f"attention: listed cell {cells[i]} outside the cache of {n_cells}")
+    raise ValueError("attention: per-step inputs out of range")
+
+
+def attention(const float[:, ::1] qkv, k_cache, v_cache,
+              const int[::1] pos, const int[::1] kv_idx, const int[::1] cells, const int[:, ::1] ranges,
+              const float[::1] q_norm, const float[::1] k_norm, float[:, ::1] out,
+              int n_head, int n_head_kv, int head_dim, int n_rot, int rope_mode,
+              double freq_base, double freq_scale, float norm_eps, float scale, int n_threads=1,
+              int k_type=0, int v_type=0, float softcap=0.0, Py_ssize_t n_swa=0, double rope_mscale=1.0,
+              rope_freqs=None):
+    """One layer's self-attention for a micro-batch (see Op.ATTENTION). k_cache and v_cache are
+    [n_cells, row] arrays holding rows of k_type and v_type (ggml type ids: F32 0, F16 1, Q8_0 8,
+    BF16 30), as uint8 bytes or, for F32, as float32. softcap, n_swa, rope_mscale and rope_freqs
+    (float32 [n_rot / 2] or None) are Op.ATTENTION's optional parameters and source."""
+    cdef unsigned char[:, ::1] kc = _cache_bytes(k_cache)
+    cdef unsigned char[:, ::1] vc = _cache_bytes(v_cache)
+    cdef AttnArgs a
+    cdef list keep = []
+    cdef int failed
+    if not _attn_setup(&a, qkv, kc, vc, pos, kv_idx, cells, ranges, q_norm, k_norm, out, n_head, n_head_kv,
+                       head_dim, n_rot, rope_mode, freq_base, freq_scale, norm_eps, scale, n_threads, k_type,
+                       v_type, softcap, n_swa, rope_mscale, rope_freqs, keep):
+        _check_freqs(n_rot, rope_freqs)  # no tokens: only the factors can be wrong
+        return
+    if _attn_scan(&a):
+        _attn_explain(kv_idx, cells, ranges, kc.shape[0], n_rot, rope_freqs)
     with nogil:
-        # every token's k and v are in the cache before any token attends (a prompt's tokens
-        # attend to each other)
-        pool_run(nt, n, _store_item, &a)
-        pool_run(nt, n * Hkv, _attend_item, &a)
-    if a.failed:
+        failed = _attn_compute(&a)
+    if failed:
         raise MemoryError("attention: cannot allocate scratch")
+
+
+def bind_attention(checked, const float[:, ::1] qkv, k_cache, v_cache,
+                   const int[::1] pos, const int[::1] kv_idx, const int[::1] cells, const int[:, ::1] ranges,
+                   const float[::1] q_norm, const float[::1] k_norm, float[:, ::1] out,
+                   int n_head, int n_head_kv, int head_dim, int n_rot, int rope_mode,
+                   double freq_base, double freq_scale, float norm_eps, float scale, int n_threads=1,
+                   int k_type=0, int v_type=0, float softcap=0.0, Py_ssize_t n_swa=0, double rope_mscale=1.0,
+                   rope_freqs=None):
+    """attention (same arguments) bound as a NativeStep, or None for no tokens. The per-step data
+    (cells, ranges, ids) is checked at every run."""
+    cdef unsigned char[:, ::1] kc = _cache_bytes(k_cache)
+    cdef unsigned char[:, ::1] vc = _cache_bytes(v_cache)
+    cdef AttnArgs* a = <AttnArgs*>_alloc(sizeof(AttnArgs))
+    cdef list keep = []
+    try:
+        if not _attn_setup(a, qkv, kc, vc, pos, kv_idx, cells, ranges, q_norm, k_norm, out, n_head, n_head_kv,
+                           head_dim, n_rot, rope_mode, freq_base, freq_scale, norm_eps, scale, n_threads, k_type,
+                           v_type, softcap, n_swa, rope_mscale, rope_freqs, keep):
+            free(a)
+            return None
+    except BaseException:
+        free(a)
+        raise
+    return native_step(_attn_step, a, keep, checked)

@@ -14,9 +14,13 @@ arithmetic with BLAS rather than its quantized-activation arithmetic. `prompt_ro
 row count from which it is faster on the measured machine (bench/bench_qmatmul.py).
 
 Every function validates its arguments (ValueError with the reason) before releasing the GIL.
+`bind_mul_mat_q`, `bind_mul_mat_q_x8_parts` and `bind_get_rows_q` validate them once and return the
+kernel as a NativeStep (plan.pyx) for a bound graph (the row ids are still checked at every run).
 """
 from libc.stdint cimport int32_t, int64_t, uint8_t
 from libc.stdlib cimport malloc, free
+
+from pyllama._fast.plan cimport NativeStep, native_step
 
 import numpy as np
 
@@ -167,6 +171,60 @@ cdef int _check_out(str what, int64_t n, int64_t m, float[:, :] out, bias, int n
     return 0
 
 
+cdef struct MqJob:
+    int t, portable, nt
+    const float *x
+    int64_t n, k, ldx, m, wstride, ldo, xq_stride
+    const uint8_t *w
+    float *out
+    const float *bias
+
+
+cdef int _mq_setup(MqJob* j, const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:, :] out, bias,
+                   int n_threads, bint portable, list keep) except -1:
+    """Checks the arguments and fills j; its scratch is xq_stride bytes per row of x. 0: nothing
+    to compute; 2: k is 0 (out is the bias), left to mul_mat_q."""
+    cdef pq_traits tr = _traits(qtype, _SUPPORTED, "mul_mat_q")
+    _check_matmul("mul_mat_q", qtype, tr, x, w, out, bias, n_threads)
+    cdef int64_t n = x.shape[0], k = x.shape[1], m = w.shape[0]
+    if n == 0 or m == 0:
+        return 0
+    if k == 0:
+        return 2
+    cdef pq_traits tx = tr
+    pq_get_traits(tr.vec_type, &tx)
+    j.xq_stride = k // tx.block * tx.bytes
+    if qtype in (1, 30):  # F16 / BF16: room for the activations widened to floats (ggml_quants.h)
+        j.xq_stride = 4 * k
+    cdef const float[::1] bv
+    j.bias = NULL
+    if bias is not None:
+        bv = bias
+        j.bias = &bv[0]
+        keep.append(bv)
+    j.t = qtype
+    j.portable = portable
+    j.nt = n_threads
+    j.x = &x[0, 0]
+    j.n = n
+    j.k = k
+    j.ldx = x.strides[0] // 4 if n > 1 else k
+    j.w = &w[0, 0]
+    j.m = m
+    j.wstride = w.strides[0] if m > 1 else w.shape[1]
+    j.out = &out[0, 0]
+    j.ldo = out.strides[0] // 4 if n > 1 else m
+    keep.extend((x, w, out))
+    return 1
+
+
+cdef int _mq_run(void* ctx, unsigned char* scratch) noexcept nogil:
+    cdef MqJob *j = <MqJob *>ctx
+    pq_mul_mat(j.t, j.x, j.n, j.k, j.ldx, j.w, j.m, j.wstride, j.out, j.ldo, j.bias, scratch, j.xq_stride, j.nt,
+               j.portable)
+    return 0
+
+
 def mul_mat_q(const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:, :] out, bias=None,
               int n_threads=1, bint portable=False):
     """out[n, m] = x[n, k] @ dequant(w[m, :]).T (+ bias[m]) with ggml's arithmetic.
@@ -178,39 +236,44 @@ def mul_mat_q(const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:
     work use one thread); results do not depend on it.
     portable: force the scalar path (tests). The GIL is released while computing.
     """
-    cdef pq_traits tr = _traits(qtype, _SUPPORTED, "mul_mat_q")
-    _check_matmul("mul_mat_q", qtype, tr, x, w, out, bias, n_threads)
-    cdef int64_t n = x.shape[0], k = x.shape[1], m = w.shape[0]
-    if n == 0 or m == 0:
+    cdef MqJob j
+    cdef int what = _mq_setup(&j, x, w, qtype, out, bias, n_threads, portable, [])
+    if what == 0:
         return
-    cdef pq_traits tx = tr
-    pq_get_traits(tr.vec_type, &tx)
-    cdef int64_t xq_stride = k // tx.block * tx.bytes
-    if qtype in (1, 30):  # F16 / BF16: room for the activations widened to floats (ggml_quants.h)
-        xq_stride = 4 * k
-    cdef const float[::1] bv
-    cdef const float *bp = NULL
-    if bias is not None:
-        bv = bias
-        bp = &bv[0]
-    if k == 0:
-        for r in range(n):
-            for j in range(m):
-                out[r, j] = bp[j] if bp != NULL else 0.0
+    if what == 2:  # no elements: out is the bias
+        out[:, :] = 0.0
+        if bias is not None:
+            np.asarray(out)[:] += np.asarray(bias)
         return
-    cdef int64_t ldo = out.strides[0] // 4 if n > 1 else m
-    cdef const float *xp = &x[0, 0]
-    cdef const uint8_t *wp = &w[0, 0]
-    cdef float *op = &out[0, 0]
-    cdef int64_t ldx = x.strides[0] // 4 if n > 1 else k
-    cdef int64_t wstride = w.strides[0] if m > 1 else w.shape[1]
-    cdef uint8_t *xq = <uint8_t *>malloc(n * xq_stride + 64)
+    cdef uint8_t *xq = <uint8_t *>malloc(j.n * j.xq_stride + 64)
     if xq == NULL:
         raise MemoryError("mul_mat_q: cannot allocate the quantized activations")
-    cdef int qt = qtype, port = portable
     with nogil:
-        pq_mul_mat(qt, xp, n, k, ldx, wp, m, wstride, op, ldo, bp, xq, xq_stride, n_threads, port)
+        _mq_run(&j, xq)
     free(xq)
+
+
+cdef void* _alloc(size_t size) except NULL:
+    cdef void* p = malloc(size)
+    if p == NULL:
+        raise MemoryError("cannot allocate a kernel's arguments")
+    return p
+
+
+def bind_mul_mat_q(checked, const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:, :] out,
+                   bias=None, int n_threads=1):
+    """mul_mat_q bound to these arrays as a NativeStep (plan.pyx), or None where mul_mat_q has
+    nothing to compute or no product to form (k = 0)."""
+    cdef MqJob *j = <MqJob *>_alloc(sizeof(MqJob))
+    cdef list keep = []
+    try:
+        if _mq_setup(j, x, w, qtype, out, bias, n_threads, False, keep) != 1:
+            free(j)
+            return None
+    except BaseException:
+        free(j)
+        raise
+    return native_step(_mq_run, j, keep, checked, j.n * j.xq_stride + 64)
 
 
 DEF PQ_MAX_PARTS = 8   # ggml_x8.h's PQ_X8_MAX_PARTS, for the arrays below
@@ -267,19 +330,26 @@ def mul_mat_q_x8(const float[:, ::1] x, const uint8_t[:, ::1] wp, int qtype, flo
     mul_mat_q_x8_parts(x, [wp], [qtype], out, bias, n_threads)
 
 
-def mul_mat_q_x8_parts(const float[:, ::1] x, list parts, list qtypes, float[:, :] out, bias=None,
-                       int n_threads=1):
-    """out[:, the parts' rows side by side] = x @ (each repacked weight of `parts`, of its type in
-    `qtypes`).T (+ bias), as one product: x is quantized once and one pool run covers every part's
-    tiles (a MUL_MAT_CAT of q|k|v or gate|up). Parts as repack_x8 returns them."""
+cdef struct X8Job:
+    int nparts, nt
+    int types[PQ_MAX_PARTS]
+    const uint8_t *wps[PQ_MAX_PARTS]
+    int64_t ms[PQ_MAX_PARTS]
+    const float *bptr[PQ_MAX_PARTS]
+    bint has_bias
+    const float *x
+    int64_t n, k, ldx, ldo, xq_stride
+    float *out
+
+
+cdef int _x8_setup(X8Job *j, const float[:, ::1] x, list parts, list qtypes, float[:, :] out, bias,
+                   int n_threads, list keep) except -1:
+    """Checks the arguments and fills j; its scratch is xq_stride bytes per row of x. 0: nothing
+    to compute; 2: k is 0 (out is the bias), left to mul_mat_q_x8_parts."""
     cdef int nparts = len(parts)
     if nparts < 1 or nparts > PQ_X8_MAX_PARTS or len(qtypes) != nparts:
         raise ValueError(f"mul_mat_q_x8: 1..{PQ_X8_MAX_PARTS} parts with one type each, got {nparts} and {len(qtypes)}")
     cdef int64_t n = x.shape[0], k = x.shape[1], m = out.shape[1]
-    cdef int types[PQ_MAX_PARTS]
-    cdef const uint8_t *wps[PQ_MAX_PARTS]
-    cdef int64_t ms[PQ_MAX_PARTS]
-    cdef const float *bptr[PQ_MAX_PARTS]
     cdef const uint8_t[:, ::1] wv
     cdef int64_t rows = 0
     cdef int p
@@ -296,43 +366,89 @@ def mul_mat_q_x8_parts(const float[:, ::1] x, list parts, list qtypes, float[:, 
         if wv.shape[0] == 0 or wv.shape[1] != k // pq_x8_block_elems(qt) * pq_x8_block_bytes(qt):
             raise ValueError(f"mul_mat_q_x8: packed weight {wv.shape[0]}x{wv.shape[1]} does not hold rows of {k} "
                              f"{_name(qt)} elements")
-        types[p] = qt
-        ms[p] = wv.shape[0] * 8
-        rows += ms[p]
+        j.types[p] = qt
+        j.ms[p] = wv.shape[0] * 8
+        j.wps[p] = &wv[0, 0]
+        keep.append(wv)
+        rows += j.ms[p]
     if rows != m:
         raise ValueError(f"mul_mat_q_x8: the packed weights do not hold {m} rows (they have {rows})")
     _check_out("mul_mat_q_x8", n, m, out, bias, n_threads)
     if n == 0:
-        return
+        return 0
     if k == 0:
+        return 2
+    cdef const float[::1] bv
+    j.has_bias = bias is not None
+    if bias is not None:
+        bv = np.ascontiguousarray(bias)
+        keep.append(bv)
+        rows = 0
+        for p in range(nparts):
+            j.bptr[p] = &bv[rows]
+            rows += j.ms[p]
+    cdef pq_traits tx
+    pq_get_traits(vec_dot_type(qtypes[0]), &tx)
+    j.nparts = nparts
+    j.nt = n_threads
+    j.x = &x[0, 0]
+    j.n = n
+    j.k = k
+    j.ldx = x.strides[0] // 4 if n > 1 else k
+    j.out = &out[0, 0]
+    j.ldo = out.strides[0] // 4 if n > 1 else m
+    j.xq_stride = k // tx.block * tx.bytes
+    keep.extend((x, out))
+    return 1
+
+
+cdef int _x8_run(void* ctx, unsigned char* scratch) noexcept nogil:
+    cdef X8Job *j = <X8Job *>ctx
+    cdef const float **bpp = NULL
+    if j.has_bias:
+        bpp = j.bptr
+    pq_mul_mat_x8_parts(j.nparts, j.types, j.wps, j.ms, bpp, j.x, j.n, j.k, j.ldx, j.out, j.ldo, scratch,
+                        j.xq_stride, j.nt)
+    return 0
+
+
+def mul_mat_q_x8_parts(const float[:, ::1] x, list parts, list qtypes, float[:, :] out, bias=None,
+                       int n_threads=1):
+    """out[:, the parts' rows side by side] = x @ (each repacked weight of `parts`, of its type in
+    `qtypes`).T (+ bias), as one product: x is quantized once and one pool run covers every part's
+    tiles (a MUL_MAT_CAT of q|k|v or gate|up). Parts as repack_x8 returns them."""
+    cdef X8Job j
+    cdef list keep = []
+    cdef int what = _x8_setup(&j, x, parts, qtypes, out, bias, n_threads, keep)
+    if what == 0:
+        return
+    if what == 2:
         out[:, :] = 0.0
         if bias is not None:
             np.asarray(out)[:] += np.asarray(bias)
         return
-    cdef const float[::1] bv
-    cdef const float **bpp = NULL
-    if bias is not None:
-        bv = np.ascontiguousarray(bias)
-        rows = 0
-        for p in range(nparts):
-            bptr[p] = &bv[rows]
-            rows += ms[p]
-        bpp = bptr
-    for p in range(nparts):  # (parts keeps the arrays alive)
-        wv = parts[p]
-        wps[p] = &wv[0, 0]
-    cdef pq_traits tx
-    pq_get_traits(vec_dot_type(qtypes[0]), &tx)
-    cdef int64_t xq_stride = k // tx.block * tx.bytes
-    cdef int64_t ldo = out.strides[0] // 4 if n > 1 else m
-    cdef int64_t ldx = x.strides[0] // 4 if n > 1 else k
-    cdef uint8_t *xq = <uint8_t *>malloc(n * xq_stride + 64)
+    cdef uint8_t *xq = <uint8_t *>malloc(j.n * j.xq_stride + 64)
     if xq == NULL:
         raise MemoryError("mul_mat_q_x8: cannot allocate the quantized activations")
     with nogil:
-        pq_mul_mat_x8_parts(nparts, types, wps, ms, bpp, &x[0, 0], n, k, ldx, &out[0, 0], ldo, xq, xq_stride,
-                            n_threads)
+        _x8_run(&j, xq)
     free(xq)
+
+
+def bind_mul_mat_q_x8_parts(checked, const float[:, ::1] x, list parts, list qtypes, float[:, :] out, bias=None,
+                            int n_threads=1):
+    """mul_mat_q_x8_parts bound to these arrays as a NativeStep, or None where it has nothing to
+    compute or no product to form (k = 0)."""
+    cdef X8Job *j = <X8Job *>_alloc(sizeof(X8Job))
+    cdef list keep = []
+    try:
+        if _x8_setup(j, x, parts, qtypes, out, bias, n_threads, keep) != 1:
+            free(j)
+            return None
+    except BaseException:
+        free(j)
+        raise
+    return native_step(_x8_run, j, keep, checked, j.n * j.xq_stride + 64)
 
 
 def dequantize_rows(const uint8_t[:, ::1] w, int qtype, Py_ssize_t k, Py_ssize_t j0, Py_ssize_t j1,
@@ -378,9 +494,17 @@ def mul_mat_q_blas(const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, ou
         out += np.asarray(bias, dtype=np.float32)
 
 
-def get_rows_q(const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, float[:, ::1] out, int n_threads=1):
-    """out[i] = dequant(w[ids[i]]) bit-exactly as gguf/ggml dequantize (the token embedding
-    lookup). w: uint8 [m, row_bytes(qtype, k)] with k = out.shape[1]; ids bounds-checked."""
+cdef struct GrJob:
+    int t, nt
+    const uint8_t *w
+    int64_t wstride, k, n, m
+    const int32_t *ids
+    float *out
+
+
+cdef int _gr_setup(GrJob *j, const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, float[:, ::1] out,
+                   int n_threads) except -1:
+    """Checks the shapes and fills j (the ids are checked by _gr_ids_ok); 0: nothing to compute."""
     cdef pq_traits tr = _traits(qtype, _SUPPORTED, "get_rows_q")
     cdef int64_t n = ids.shape[0], k = out.shape[1], m = w.shape[0]
     cdef int64_t rb = _row_bytes(tr, qtype, k, "get_rows_q")
@@ -391,13 +515,63 @@ def get_rows_q(const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, float
         raise ValueError(f"get_rows_q: out has {out.shape[0]} rows for {n} ids")
     if n_threads < 1:
         raise ValueError(f"get_rows_q: n_threads must be >= 1, got {n_threads}")
+    if n == 0 or k == 0 or m == 0:  # (m = 0 with ids: none is in range, which _gr_ids_ok says)
+        j.n = n
+        j.m = m
+        j.ids = &ids[0] if n else NULL
+        return 0
+    j.t = qtype
+    j.nt = n_threads
+    j.w = &w[0, 0]
+    j.wstride = w.strides[0] if m > 1 else rb
+    j.k = k
+    j.n = n
+    j.m = m
+    j.ids = &ids[0]
+    j.out = &out[0, 0]
+    return 1
+
+
+cdef bint _gr_ids_ok(GrJob *j) noexcept nogil:
     cdef int64_t i
-    for i in range(n):
-        if ids[i] < 0 or ids[i] >= m:
-            raise ValueError(f"get_rows_q: id {ids[i]} at position {i} is outside 0..{m - 1}")
-    if n == 0 or k == 0:
-        return
-    cdef int qt = qtype
-    cdef int64_t wstride = w.strides[0] if m > 1 else rb
-    with nogil:
-        pq_get_rows(qt, &w[0, 0], wstride, k, &ids[0], n, &out[0, 0], k, n_threads)
+    for i in range(j.n):
+        if j.ids[i] < 0 or j.ids[i] >= j.m:
+            return False
+    return True
+
+
+cdef int _gr_run(void* ctx, unsigned char* scratch) noexcept nogil:
+    cdef GrJob *j = <GrJob *>ctx
+    if not _gr_ids_ok(j):
+        return 1
+    pq_get_rows(j.t, j.w, j.wstride, j.k, j.ids, j.n, j.out, j.k, j.nt)
+    return 0
+
+
+def get_rows_q(const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, float[:, ::1] out, int n_threads=1):
+    """out[i] = dequant(w[ids[i]]) bit-exactly as gguf/ggml dequantize (the token embedding
+    lookup). w: uint8 [m, row_bytes(qtype, k)] with k = out.shape[1]; ids bounds-checked."""
+    cdef GrJob j
+    cdef int what = _gr_setup(&j, w, qtype, ids, out, n_threads)
+    cdef int64_t i
+    if not _gr_ids_ok(&j):
+        for i in range(j.n):
+            if ids[i] < 0 or ids[i] >= j.m:
+                raise ValueError(f"get_rows_q: id {ids[i]} at position {i} is outside 0..{j.m - 1}")
+    if what:
+        with nogil:
+            _gr_run(&j, NULL)
+
+
+def bind_get_rows_q(checked, const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, float[:, ::1] out,
+                    int n_threads=1):
+    """get_rows_q bound as a NativeStep (the ids checked at every run), or None for no rows."""
+    cdef GrJob *j = <GrJob *>_alloc(sizeof(GrJob))
+    try:
+        if not _gr_setup(j, w, qtype, ids, out, n_threads):
+            free(j)
+            return None
+    except BaseException:
+        free(j)
+        raise
+    return native_step(_gr_run, j, (w, ids, out), checked)

@@ -15,6 +15,15 @@ a weight read in place go (the bytes stay in the file layout for row lookups and
 page them in again). A weight in an allocated buffer (an rpc server's) is then held twice.
 --no-repack (`repack = False`) or PYLLAMA_CPU_REPACK=0 turn repacking off.
 
+A graph is bound once (`_prepare`): each node becomes its kernel with its arrays. Where the kernel
+has a C form (the products, norms, GLUs, attention, ADD, GET_ROWS: `bind_*` in `_fast`) the node
+becomes a NativeStep, and consecutive ones run as one NativeRun (`_fast/plan.pyx`), which releases
+the GIL once for all of them: the thread never waits for the GIL between two kernels, where it
+would wait for whoever holds it (the event loop streaming tokens, another group's decode thread)
+while the pool's helpers wait for it. The other nodes (SAMPLE, MOE_FFN, BLAS products) run as
+Python callables between the runs. PYLLAMA_CPU_NATIVE=0 binds every node as a Python callable
+(for A/B runs).
+
 Every kernel releases the GIL (numpy's BLAS does, and the Cython kernels run `nogil`), so the
 decode threads of several contexts overlap for real. Work completes inside graph_compute, so
 synchronize and events are trivial here.
@@ -35,11 +44,13 @@ from .._fast import gemm, moe, qmatmul
 from .._fast import ops as k
 from .._fast import ops_extra as kx
 from .._fast import sampling as k_sampling
+from .._fast.plan import NativeRun, NativeStep
 from ..tensor import KV_CACHE_TYPES, Graph, Op, check_node, sample_in_cols, sample_out_cols
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 
 _PLAN_CACHE = 256
 _BLAS_ONLY = os.environ.get("PYLLAMA_CPU_BLAS_ONLY", "") not in ("", "0")
+_NATIVE = os.environ.get("PYLLAMA_CPU_NATIVE", "1") not in ("", "0")
 _REPACK = os.environ.get("PYLLAMA_CPU_REPACK", "1") not in ("", "0")
 _REPACK_RESERVE = 512 << 20  # free memory an extra repacked copy must leave (or a tenth of the total)
 _X8_TYPES = frozenset(DType(t) for t in qmatmul.x8_types())
@@ -281,7 +292,11 @@ class CPUBackend(Backend):
             self._plans.pop(uid, None)
 
     def _prepare(self, graph: Graph) -> list[Callable[[], None]]:
-        """Binds every node to its kernel and its numpy views once per graph."""
+        """Binds every node to its kernel and its numpy views once per graph; consecutive native
+        steps run as one NativeRun (module docstring)."""
+        return _runs(self._bind_nodes(graph))
+
+    def _bind_nodes(self, graph: Graph) -> list[Callable[[], None]]:
         steps: list[Callable[[], None]] = []
         nt = self.n_threads
         empty = np.zeros(0, dtype=np.float32)
@@ -296,23 +311,25 @@ class CPUBackend(Backend):
             out = self.array(nd.out)
             s = [self.view(t) for t in nd.srcs]
             if op == Op.GET_ROWS:
-                steps.append(_bind_get_rows(s[0], nd.srcs[0].dtype, s[1], out, nt))
+                steps.append(_get_rows_step(s[0], nd.srcs[0].dtype, s[1], out, nt))
             elif op == Op.RMS_NORM:
-                steps.append(_bind(k.rms_norm, s[0], s[1], out, float(nd.params[0]), nt))
+                eps = float(nd.params[0])
+                steps.append(_native(k.bind_rms_norm, _bind(k.rms_norm, s[0], s[1], out, eps, nt),
+                                     s[0], s[1], out, eps, nt))
             elif op == Op.MUL_MAT:
                 bias = s[2] if len(s) == 3 else None
-                steps.append(_bind_mul_mat(s[0], s[1], nd.srcs[1].dtype, out, bias, nt,
+                steps.append(_mul_mat_step(s[0], s[1], nd.srcs[1].dtype, out, bias, nt,
                                            self._packed_weight(nd.srcs[1])))
             elif op == Op.MUL_MAT_CAT:  # x, the weight parts, an optional bias (checked above)
                 n_parts = int(nd.params[0])
                 parts = nd.srcs[1:1 + n_parts]
-                steps.append(_bind_mul_mat_cat(s[0], s[1:1 + n_parts], [t.dtype for t in parts], out,
-                                               s[1 + n_parts] if len(s) > 1 + n_parts else None, nt,
-                                               [self._packed_weight(t) for t in parts]))
+                steps.extend(_mul_mat_cat_steps(s[0], s[1:1 + n_parts], [t.dtype for t in parts], out,
+                                                s[1 + n_parts] if len(s) > 1 + n_parts else None, nt,
+                                                [self._packed_weight(t) for t in parts]))
             elif op == Op.ADD:
-                steps.append(_bind(np.add, s[0], s[1], out=out))
+                steps.append(_native(kx.bind_add, _bind(np.add, s[0], s[1], out=out), s[0], s[1], out))
             elif op == Op.SWIGLU:
-                steps.append(_bind(k.swiglu, s[0], out, nt))
+                steps.append(_native(k.bind_glu, _bind(k.swiglu, s[0], out, nt), s[0], out, nt, False))
             elif op == Op.ATTENTION:
                 qn, kn = (s[7], s[8]) if len(s) >= 9 else (empty, empty)
                 freqs = s[-1] if len(s) % 2 == 0 else None  # 8 or 10 sources: rope_freqs last
@@ -321,12 +338,13 @@ class CPUBackend(Backend):
                 if n_swa != int(n_swa):
                     raise ValueError(f"ATTENTION {nd.out.name}: n_swa {n_swa} is not an integer")
                 kc, vc = nd.srcs[1], nd.srcs[2]  # the caches as rows of bytes in their cache types
-                steps.append(_bind(k.attention, s[0], _rows(kc), _rows(vc), s[3], s[4], s[5], s[6], qn, kn, out,
-                                   int(p[0]), int(p[1]), int(p[2]), int(p[3]), int(p[4]), float(p[5]),
-                                   float(p[6]), float(p[7]), float(p[8]), nt, int(kc.dtype), int(vc.dtype),
-                                   float(p[9]), int(n_swa), float(p[11]) or 1.0, freqs))
+                args = (s[0], _rows(kc), _rows(vc), s[3], s[4], s[5], s[6], qn, kn, out,
+                        int(p[0]), int(p[1]), int(p[2]), int(p[3]), int(p[4]), float(p[5]),
+                        float(p[6]), float(p[7]), float(p[8]), nt, int(kc.dtype), int(vc.dtype),
+                        float(p[9]), int(n_swa), float(p[11]) or 1.0, freqs)
+                steps.append(_native(k.bind_attention, _bind(k.attention, *args), *args))
             elif op == Op.GEGLU:
-                steps.append(_bind(k.geglu, s[0], out, nt))
+                steps.append(_native(k.bind_glu, _bind(k.geglu, s[0], out, nt), s[0], out, nt, True))
             elif op == Op.SCALE:
                 steps.append(_bind(kx.scale, s[0], out, float(nd.params[0])))
             elif op == Op.SOFTCAP:
@@ -356,6 +374,52 @@ def _rows(t: Tensor) -> np.ndarray:
 
 def _bind(fn: Callable, *args, **kwargs) -> Callable[[], None]:
     return lambda: fn(*args, **kwargs)
+
+
+def _native(binder: Callable, python_step: Callable[[], None], *args) -> Callable[[], None]:
+    """The node as a NativeStep made by binder(python_step, *args), or python_step where the kernel
+    has no C form for these arguments (the binder says None) or PYLLAMA_CPU_NATIVE=0."""
+    if not _NATIVE:
+        return python_step
+    step = binder(python_step, *args)
+    return python_step if step is None else step
+
+
+def _runs(steps: Sequence[Callable[[], None]]) -> list[Callable[[], None]]:
+    """Consecutive NativeSteps gathered into NativeRuns; Python steps stay as they are."""
+    out: list[Callable[[], None]] = []
+    run: list[NativeStep] = []
+    for step in steps:
+        if isinstance(step, NativeStep):
+            run.append(step)
+            continue
+        if run:
+            out.append(NativeRun(run))
+            run = []
+        out.append(step)
+    if run:
+        out.append(NativeRun(run))
+    return out
+
+
+def _get_rows_step(table: np.ndarray, dtype: DType, ids: np.ndarray, out: np.ndarray, nt: int) -> Callable[[], None]:
+    py = _bind_get_rows(table, dtype, ids, out, nt)
+    if dtype == DType.F32:
+        return _native(kx.bind_get_rows_f32, py, table, ids, out)
+    return _native(qmatmul.bind_get_rows_q, py, table, int(dtype), ids, out, nt)
+
+
+def _mul_mat_step(x: np.ndarray, w: np.ndarray, dtype: DType, out: np.ndarray, bias: Optional[np.ndarray],
+                  nt: int, packed: Optional[np.ndarray] = None) -> Callable[[], None]:
+    """_bind_mul_mat's product as a NativeStep where its kernel has one (not BLAS)."""
+    py = _bind_mul_mat(x, w, dtype, out, bias, nt, packed)
+    if dtype != DType.F32:
+        if packed is not None:
+            return _native(qmatmul.bind_mul_mat_q_x8_parts, py, x, [packed], [int(dtype)], out, bias, nt)
+        return _native(qmatmul.bind_mul_mat_q, py, x, w, int(dtype), out, bias, nt)
+    if x.shape[0] <= gemm.small_rows_max() and not _BLAS_ONLY:
+        return _native(gemm.bind_mul_mat_t, py, x, w, out, bias, nt)
+    return py
 
 
 def _bind_get_rows(table: np.ndarray, dtype: DType, ids: np.ndarray, out: np.ndarray, nt: int) -> Callable[[], None]:
@@ -388,30 +452,28 @@ def _bind_mul_mat(x: np.ndarray, w: np.ndarray, dtype: DType, out: np.ndarray, b
     return _bind(np.matmul, x, w.T, out=out)
 
 
-def _bind_mul_mat_cat(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequence[DType], out: np.ndarray,
-                      bias: Optional[np.ndarray], nt: int,
-                      packed: Sequence[Optional[np.ndarray]]) -> Callable[[], None]:
-    """MUL_MAT_CAT: each weight part's product written into its columns of `out`, in one step.
-    `packed`: each part's repacked copy or None. When every part is repacked, x is quantized once
-    for all of them."""
+def _mul_mat_cat_steps(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequence[DType], out: np.ndarray,
+                       bias: Optional[np.ndarray], nt: int,
+                       packed: Sequence[Optional[np.ndarray]]) -> list[Callable[[], None]]:
+    """MUL_MAT_CAT: each weight part's product written into its columns of `out`. `packed`: each
+    part's repacked copy or None. When every part is repacked, one step (x quantized once for all
+    of them); else one step per part."""
     if (parts and all(p is not None for p in packed)
             and len({qmatmul.vec_dot_type(int(d)) for d in dtypes}) == 1):
-        return _bind_mul_mat_cat_x8(x, parts, dtypes, out, bias, nt, packed)  # type: ignore[arg-type]
+        py = _bind_mul_mat_cat_x8(x, parts, dtypes, out, bias, nt, packed)  # type: ignore[arg-type]
+        return [_native(qmatmul.bind_mul_mat_q_x8_parts, py, x, list(packed), [int(d) for d in dtypes], out, bias,
+                        nt)]
     steps, col = [], 0
     for w, dtype, wp in zip(parts, dtypes, packed):
         m = w.shape[0]
         if col + m > out.shape[1]:
             raise ValueError(f"MUL_MAT_CAT: the weight parts have more rows than out has columns ({out.shape[1]})")
-        steps.append(_bind_mul_mat(x, w, dtype, out[:, col:col + m], None if bias is None else bias[col:col + m], nt,
+        steps.append(_mul_mat_step(x, w, dtype, out[:, col:col + m], None if bias is None else bias[col:col + m], nt,
                                    wp))
         col += m
     if col != out.shape[1]:
         raise ValueError(f"MUL_MAT_CAT: the weight parts have {col} rows, out has {out.shape[1]} columns")
-
-    def run() -> None:
-        for step in steps:
-            step()
-    return run
+    return steps
 
 
 def _bind_mul_mat_cat_x8(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequence[DType], out: np.ndarray,

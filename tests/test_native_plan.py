@@ -18,7 +18,7 @@ from pyllama.context import Batch
 from pyllama.engine import Engine
 
 
-def _decode_logits(path: str, native: bool, monkeypatch) -> list[np.ndarray]:
+def _decode_logits(path: str, native: bool, monkeypatch, one_run: bool = False) -> list[np.ndarray]:
     """A prompt, then 3 steps of 4 sequences: every step's logits."""
     monkeypatch.setattr(cpu_backend, "_NATIVE", native)
     engine = Engine(path, n_threads=2)
@@ -35,6 +35,8 @@ def _decode_logits(path: str, native: bool, monkeypatch) -> list[np.ndarray]:
         if native:
             plans = [p for p in engine.backends[0]._plans.values()]
             assert plans and any(isinstance(step, NativeRun) for p in plans for step in p)
+            if one_run:  # every node had a C form: one run per graph
+                assert all(len(p) == 1 and isinstance(p[0], NativeRun) for p in plans)
         return outs
     finally:
         engine.close()
@@ -47,6 +49,16 @@ def test_native_runs_give_the_python_steps_results(model_factory, monkeypatch, p
     native = _decode_logits(path, True, monkeypatch)
     python = _decode_logits(path, False, monkeypatch)
     assert len(native) == len(python)
+    for a, b in zip(native, python):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("arch,wtype", [("mixtral", "f32"), ("qwen2moe", "q8_0"), ("qwen3moe", "q4_0")])
+def test_moe_graphs_run_natively_with_the_python_steps_results(model_factory, monkeypatch, arch, wtype):
+    """MOE_FFN (router product and experts) binds too: a MoE graph is one run."""
+    path = model_factory("tiny", arch=arch, wtype=wtype)
+    native = _decode_logits(path, True, monkeypatch, one_run=True)
+    python = _decode_logits(path, False, monkeypatch)
     for a, b in zip(native, python):
         np.testing.assert_array_equal(a, b)
 

@@ -20,6 +20,7 @@ from libc.string cimport memcpy
 
 import numpy as np
 
+from pyllama._fast.plan cimport NativeStep, native_step
 from pyllama._fast.qmatmul cimport (PQ_MAX_NR, pool_run, pq_dot_rows, pq_get_traits, pq_quantize_row,
                                      pq_traits)
 from pyllama._fast import qmatmul
@@ -226,16 +227,31 @@ cdef int _threads(int n_threads, int64_t work) noexcept nogil:
     return n_threads if work >= PARALLEL_MIN else 1
 
 
-def moe_ffn(const float[:, ::1] x, const float[:, ::1] logits,
-            const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
-            const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm=True,
-            float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1):
-    """out[n, e] = the MoE FFN of x[n, e] (module docstring), given the router logits [n, E].
+ctypedef struct MoeArgs:
+    int64_t n, e, f, n_exp, R
+    int n_used, n_threads
+    bint norm, same_x
+    float scale
+    int t_gate, t_up, t_down, vt_gate, vt_up, vt_down
+    const uint8_t *gate
+    const uint8_t *up
+    const uint8_t *down
+    int64_t gate_es, up_es, down_es, gate_rb, up_rb, down_rb
+    int64_t xs_g, xs_u, aq_stride
+    const float *x
+    const float *logits
+    const float *sp                   # the shared expert's output, or NULL
+    const float *sgp                  # its gate, or NULL
+    float *out
+    size_t need                       # bytes of scratch
 
-    gate, up: uint8 [E, f * row_bytes(t_gate / t_up, e)] (each expert's f rows of e elements);
-    down: uint8 [E, e * row_bytes(t_down, f)]. shexp: float32 [n, e] added to the result, times
-    sigmoid(x . shexp_gate) when shexp_gate (float32 [e]) is given. Returns the number of
-    experts that were computed (chosen by at least one token)."""
+
+cdef int _moe_setup(MoeArgs *a, const float[:, ::1] x, const float[:, ::1] logits,
+                    const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
+                    const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm,
+                    float scale, shexp, shexp_gate, int n_threads, list keep) except -1:
+    """Checks the arguments and fills a (the arrays it points into appended to keep); 0 when
+    there is nothing to compute."""
     cdef int64_t n = x.shape[0], e = x.shape[1], n_exp = logits.shape[1]
     cdef pq_traits tg = _traits(t_gate, "gate_exps"), tu = _traits(t_up, "up_exps"), td = _traits(t_down, "down_exps")
     cdef pq_traits tvg = tg, tvu = tu, tvd = td
@@ -272,12 +288,14 @@ def moe_ffn(const float[:, ::1] x, const float[:, ::1] logits,
             raise ValueError(f"moe_ffn: shexp is {sv.shape[0]}x{sv.shape[1]}, expected {n}x{e}")
         if n:
             sp = &sv[0, 0]
+        keep.append(sv)
         if shexp_gate is not None:
             sgv = shexp_gate
             if sgv.shape[0] != e:
                 raise ValueError(f"moe_ffn: shexp_gate has {sgv.shape[0]} elements, expected {e}")
             if e:
                 sgp = &sgv[0]
+            keep.append(sgv)
     elif shexp_gate is not None:
         raise ValueError("moe_ffn: shexp_gate without shexp")
     if n_threads < 1:
@@ -289,12 +307,32 @@ def moe_ffn(const float[:, ::1] x, const float[:, ::1] logits,
     cdef int64_t R = n * n_used, xs_g = _rb(tvg, e, "x"), xs_u = _rb(tvu, e, "x"), aq_stride = _rb(tvd, f, "hidden")
     cdef bint same_x = tg.vec_type == tu.vec_type
     # scratch: routing, grouping, gathered activations, hidden rows, expert outputs
-    cdef size_t need = (R * (2 * sizeof(int32_t) + sizeof(float) + (xs_g + (0 if same_x else xs_u))
-                             + f * sizeof(float) + aq_stride + e * sizeof(float))
-                        + (2 * n_exp + 1) * sizeof(int32_t) + n_exp * sizeof(float) + n * (xs_g + xs_u) + 64 * 8)
-    cdef uint8_t *mem = <uint8_t *>malloc(need)
-    if mem == NULL:
-        raise MemoryError("moe_ffn: scratch")
+    a.need = (R * (2 * sizeof(int32_t) + sizeof(float) + (xs_g + (0 if same_x else xs_u))
+                   + f * sizeof(float) + aq_stride + e * sizeof(float))
+              + (2 * n_exp + 1) * sizeof(int32_t) + n_exp * sizeof(float) + n * (xs_g + xs_u) + 64 * 8)
+    a.n, a.e, a.f, a.n_exp, a.R = n, e, f, n_exp, R
+    a.n_used, a.n_threads, a.norm, a.same_x, a.scale = n_used, n_threads, norm, same_x, scale
+    a.t_gate, a.t_up, a.t_down = t_gate, t_up, t_down
+    a.vt_gate, a.vt_up, a.vt_down = tg.vec_type, tu.vec_type, td.vec_type
+    a.gate, a.up, a.down = &gate[0, 0], &up[0, 0], &down[0, 0]
+    a.gate_es, a.up_es, a.down_es = gate.strides[0], up.strides[0], down.strides[0]
+    a.gate_rb, a.up_rb, a.down_rb = gate_rb, up_rb, down_rb
+    a.xs_g, a.xs_u, a.aq_stride = xs_g, xs_u, aq_stride
+    a.x, a.logits, a.out = &x[0, 0], &logits[0, 0], &out[0, 0]
+    a.sp, a.sgp = sp, sgp
+    keep.extend((x, logits, gate, up, down, out))
+    return 1
+
+
+cdef int64_t _moe_compute(const MoeArgs *a, uint8_t *mem) noexcept nogil:
+    """The MoE FFN with its scratch at mem (a.need bytes): the number of experts computed, or -1
+    when its work items could not be allocated."""
+    cdef int64_t n = a.n, e = a.e, f = a.f, n_exp = a.n_exp, R = a.R, n_used = a.n_used
+    cdef int64_t xs_g = a.xs_g, xs_u = a.xs_u, aq_stride = a.aq_stride
+    cdef bint same_x = a.same_x
+    cdef int n_threads = a.n_threads
+    cdef const float *sp = a.sp
+    cdef const float *sgp = a.sgp
     cdef uint8_t *cur = mem
     cdef int32_t *ids = <int32_t *>cur
     cur += R * sizeof(int32_t)
@@ -336,78 +374,127 @@ def moe_ffn(const float[:, ::1] x, const float[:, ::1] logits,
     cdef int64_t na = 0, nb = 0, t, xx, r, c, used = 0
     cdef int j
     cdef float wv, gsum, sg
-    cdef const float *xp = &x[0, 0]
-    cdef const float *lp = &logits[0, 0]
-    cdef float *op = &out[0, 0]
-    with nogil:
-        _route(lp, n, n_exp, n_used, norm, scale, ids, wts, p)
-        # group the (token, slot) pairs by expert, tokens in order within an expert
-        for xx in range(n_exp + 1):
-            first[xx] = 0
-        for r in range(R):
-            first[ids[r] + 1] += 1
-        for xx in range(n_exp):
-            if first[xx + 1]:
-                used += 1
-            first[xx + 1] += first[xx]
-        for xx in range(n_exp):
-            fill[xx] = 0
-        for t in range(n):
-            for j in range(n_used):
-                xx = ids[t * n_used + j]
-                r = first[xx] + fill[xx]
-                fill[xx] += 1
-                slot_row[t * n_used + j] = <int32_t>r
-        # each token's activations quantized once per dot-product type, then gathered
-        for t in range(n):
-            pq_quantize_row(tg.vec_type, xp + t * e, xq_g + t * xs_g, e)
+    cdef const float *xp = a.x
+    cdef const float *lp = a.logits
+    cdef float *op = a.out
+    _route(lp, n, n_exp, <int>n_used, a.norm, a.scale, ids, wts, p)
+    # group the (token, slot) pairs by expert, tokens in order within an expert
+    for xx in range(n_exp + 1):
+        first[xx] = 0
+    for r in range(R):
+        first[ids[r] + 1] += 1
+    for xx in range(n_exp):
+        if first[xx + 1]:
+            used += 1
+        first[xx + 1] += first[xx]
+    for xx in range(n_exp):
+        fill[xx] = 0
+    for t in range(n):
+        for j in range(n_used):
+            xx = ids[t * n_used + j]
+            r = first[xx] + fill[xx]
+            fill[xx] += 1
+            slot_row[t * n_used + j] = <int32_t>r
+    # each token's activations quantized once per dot-product type, then gathered
+    for t in range(n):
+        pq_quantize_row(a.vt_gate, xp + t * e, xq_g + t * xs_g, e)
+        if not same_x:
+            pq_quantize_row(a.vt_up, xp + t * e, xq_u + t * xs_u, e)
+    for t in range(n):
+        for j in range(n_used):
+            r = slot_row[t * n_used + j]
+            memcpy(xg_g + r * xs_g, xq_g + t * xs_g, xs_g)
             if not same_x:
-                pq_quantize_row(tu.vec_type, xp + t * e, xq_u + t * xs_u, e)
+                memcpy(xg_u + r * xs_u, xq_u + t * xs_u, xs_u)
+    jb.t_gate, jb.t_up, jb.t_down = a.t_gate, a.t_up, a.t_down
+    jb.e, jb.f = e, f
+    jb.gate, jb.up, jb.down = a.gate, a.up, a.down
+    jb.gate_es, jb.up_es, jb.down_es = a.gate_es, a.up_es, a.down_es
+    jb.gate_rb, jb.up_rb, jb.down_rb = a.gate_rb, a.up_rb, a.down_rb
+    jb.first = first
+    jb.xg_gate, jb.xg_up, jb.xs_gate, jb.xs_up = xg_g, xg_u, xs_g, xs_u
+    jb.hg, jb.aq, jb.aq_stride, jb.y = hg, aq, aq_stride, y
+    items_a = _items(first, n_exp, f, a.gate_rb + a.up_rb, &na)
+    items_b = _items(first, n_exp, e, a.down_rb, &nb)
+    if items_a != NULL and items_b != NULL:
+        jb.items = items_a
+        pool_run(_threads(n_threads, used * f * (a.gate_rb + a.up_rb) * ((R // used + 3) // 4)), na,
+                 _gate_up_item, &jb)
+        jb.hsrc, jb.qdst, jb.q_k, jb.q_stride, jb.q_type = hg, aq, f, aq_stride, a.vt_down
+        pool_run(_threads(n_threads, R * f * 8), R, _quantize_item, &jb)
+        jb.items = items_b
+        pool_run(_threads(n_threads, used * e * a.down_rb * ((R // used + 3) // 4)), nb, _down_item, &jb)
+        # the weighted sum in each token's top-k order, then the shared expert
         for t in range(n):
+            for c in range(e):
+                op[t * e + c] = 0.0
             for j in range(n_used):
+                wv = wts[t * n_used + j]
                 r = slot_row[t * n_used + j]
-                memcpy(xg_g + r * xs_g, xq_g + t * xs_g, xs_g)
-                if not same_x:
-                    memcpy(xg_u + r * xs_u, xq_u + t * xs_u, xs_u)
-        jb.t_gate, jb.t_up, jb.t_down = t_gate, t_up, t_down
-        jb.e, jb.f = e, f
-        jb.gate, jb.up, jb.down = &gate[0, 0], &up[0, 0], &down[0, 0]
-        jb.gate_es, jb.up_es, jb.down_es = gate.strides[0], up.strides[0], down.strides[0]
-        jb.gate_rb, jb.up_rb, jb.down_rb = gate_rb, up_rb, down_rb
-        jb.first = first
-        jb.xg_gate, jb.xg_up, jb.xs_gate, jb.xs_up = xg_g, xg_u, xs_g, xs_u
-        jb.hg, jb.aq, jb.aq_stride, jb.y = hg, aq, aq_stride, y
-        items_a = _items(first, n_exp, f, gate_rb + up_rb, &na)
-        items_b = _items(first, n_exp, e, down_rb, &nb)
-        if items_a != NULL and items_b != NULL:
-            jb.items = items_a
-            pool_run(_threads(n_threads, used * f * (gate_rb + up_rb) * ((R // used + 3) // 4)), na,
-                     _gate_up_item, &jb)
-            jb.hsrc, jb.qdst, jb.q_k, jb.q_stride, jb.q_type = hg, aq, f, aq_stride, td.vec_type
-            pool_run(_threads(n_threads, R * f * 8), R, _quantize_item, &jb)
-            jb.items = items_b
-            pool_run(_threads(n_threads, used * e * down_rb * ((R // used + 3) // 4)), nb, _down_item, &jb)
-            # the weighted sum in each token's top-k order, then the shared expert
-            for t in range(n):
                 for c in range(e):
-                    op[t * e + c] = 0.0
-                for j in range(n_used):
-                    wv = wts[t * n_used + j]
-                    r = slot_row[t * n_used + j]
+                    op[t * e + c] += wv * y[r * e + c]
+            if sp != NULL:
+                sg = 1.0
+                if sgp != NULL:
+                    gsum = 0.0
                     for c in range(e):
-                        op[t * e + c] += wv * y[r * e + c]
-                if sp != NULL:
-                    sg = 1.0
-                    if sgp != NULL:
-                        gsum = 0.0
-                        for c in range(e):
-                            gsum += xp[t * e + c] * sgp[c]
-                        sg = 1.0 / (1.0 + expf(-gsum))
-                    for c in range(e):
-                        op[t * e + c] += sg * sp[t * e + c]
+                        gsum += xp[t * e + c] * sgp[c]
+                    sg = 1.0 / (1.0 + expf(-gsum))
+                for c in range(e):
+                    op[t * e + c] += sg * sp[t * e + c]
     free(items_a)
     free(items_b)
-    free(mem)
     if na < 0 or nb < 0 or items_a == NULL or items_b == NULL:
+        return -1
+    return used
+
+
+cdef int _moe_step(void *ctx, unsigned char *scratch) noexcept nogil:
+    return 1 if _moe_compute(<MoeArgs *>ctx, scratch) < 0 else 0
+
+
+def moe_ffn(const float[:, ::1] x, const float[:, ::1] logits,
+            const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
+            const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm=True,
+            float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1):
+    """out[n, e] = the MoE FFN of x[n, e] (module docstring), given the router logits [n, E].
+
+    gate, up: uint8 [E, f * row_bytes(t_gate / t_up, e)] (each expert's f rows of e elements);
+    down: uint8 [E, e * row_bytes(t_down, f)]. shexp: float32 [n, e] added to the result, times
+    sigmoid(x . shexp_gate) when shexp_gate (float32 [e]) is given. Returns the number of
+    experts that were computed (chosen by at least one token)."""
+    cdef MoeArgs a
+    if not _moe_setup(&a, x, logits, gate, t_gate, up, t_up, down, t_down, out, n_used, norm, scale, shexp,
+                      shexp_gate, n_threads, []):
+        return 0
+    cdef uint8_t *mem = <uint8_t *>malloc(a.need)
+    if mem == NULL:
+        raise MemoryError("moe_ffn: scratch")
+    cdef int64_t used
+    with nogil:
+        used = _moe_compute(&a, mem)
+    free(mem)
+    if used < 0:
         raise MemoryError("moe_ffn: work items")
     return used
+
+
+def bind_moe_ffn(checked, const float[:, ::1] x, const float[:, ::1] logits,
+                 const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
+                 const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm=True,
+                 float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1):
+    """moe_ffn (same arguments) bound as a NativeStep (plan.pyx), its scratch the run's; None
+    when there is nothing to compute."""
+    cdef MoeArgs *a = <MoeArgs *>malloc(sizeof(MoeArgs))
+    cdef list keep = []
+    if a == NULL:
+        raise MemoryError("bind_moe_ffn: cannot allocate its arguments")
+    try:
+        if not _moe_setup(a, x, logits, gate, t_gate, up, t_up, down, t_down, out, n_used, norm, scale, shexp,
+                          shexp_gate, n_threads, keep):
+            free(a)
+            return None
+    except BaseException:
+        free(a)
+        raise
+    return native_step(_moe_step, a, keep, checked, a.need)

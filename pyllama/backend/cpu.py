@@ -16,11 +16,11 @@ page them in again). A weight in an allocated buffer (an rpc server's) is then h
 --no-repack (`repack = False`) or PYLLAMA_CPU_REPACK=0 turn repacking off.
 
 A graph is bound once (`_prepare`): each node becomes its kernel with its arrays. Where the kernel
-has a C form (the products, norms, GLUs, attention, ADD, GET_ROWS: `bind_*` in `_fast`) the node
-becomes a NativeStep, and consecutive ones run as one NativeRun (`_fast/plan.pyx`), which releases
-the GIL once for all of them: the thread never waits for the GIL between two kernels, where it
-would wait for whoever holds it (the event loop streaming tokens, another group's decode thread)
-while the pool's helpers wait for it. The other nodes (SAMPLE, MOE_FFN, BLAS products) run as
+has a C form (the products, norms, GLUs, attention, ADD, GET_ROWS, MOE_FFN: `bind_*` in `_fast`)
+the node becomes a NativeStep, and consecutive ones run as one NativeRun (`_fast/plan.pyx`), which
+releases the GIL once for all of them: the thread never waits for the GIL between two kernels,
+where it would wait for whoever holds it (the event loop streaming tokens, another group's decode
+thread) while the pool's helpers wait for it. The other nodes (SAMPLE, BLAS products) run as
 Python callables between the runs. PYLLAMA_CPU_NATIVE=0 binds every node as a Python callable
 (for A/B runs).
 
@@ -352,7 +352,7 @@ class CPUBackend(Backend):
             elif op == Op.SAMPLE:
                 steps.append(_bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             elif op == Op.MOE_FFN:
-                steps.append(_bind_moe_ffn(nd.srcs, s, out, nd.params, nt))
+                steps.extend(_moe_ffn_steps(nd.srcs, s, out, nd.params, nt))
             else:
                 raise ValueError(f"unknown op {op!r}")
         return steps
@@ -492,10 +492,10 @@ def _bind_mul_mat_cat_x8(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Seq
     return lambda: qmatmul.mul_mat_q_x8_parts(x, wps, qts, out, bias, nt)
 
 
-def _bind_moe_ffn(srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndarray, params: Sequence[float],
-                  nt: int) -> Callable[[], None]:
+def _moe_ffn_steps(srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndarray, params: Sequence[float],
+                   nt: int) -> list[Callable[[], None]]:
     """MOE_FFN: the router product (as any MUL_MAT, into a scratch of logits), then the MoE kernel
-    (_fast/moe.pyx), which computes only the experts the tokens chose."""
+    (_fast/moe.pyx), which computes only the experts the tokens chose: two steps."""
     x, router = s[0], s[1]
     gate, up, down = srcs[2], srcs[3], srcs[4]
     n_used, norm, scale = params[0], params[1], params[2]
@@ -508,7 +508,7 @@ def _bind_moe_ffn(srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndarr
         raise ValueError(f"MOE_FFN: expert shapes {list(gate.shape)}, {list(up.shape)}, {list(down.shape)} do not "
                          f"fit x {list(x.shape)}")
     logits = np.zeros((x.shape[0], router.shape[0]), dtype=np.float32)
-    route = _bind_mul_mat(x, router, srcs[1].dtype, logits, None, nt)
+    route = _mul_mat_step(x, router, srcs[1].dtype, logits, None, nt)
     # each expert tensor as one row of bytes per expert, whatever its type
     g, u, d = (CPUBackend.bytes_of(t).reshape(t.shape[0], -1) for t in (gate, up, down))
     shexp = s[5] if len(s) > 5 else None
@@ -516,10 +516,7 @@ def _bind_moe_ffn(srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndarr
     args = (x, logits, g, int(gate.dtype), u, int(up.dtype), d, int(down.dtype), out, int(n_used), bool(norm),
             float(scale), shexp, shexp_gate, nt)
 
-    def run() -> None:
-        route()
-        moe.moe_ffn(*args)
-    return run
+    return [route, _native(moe.bind_moe_ffn, _bind(moe.moe_ffn, *args), *args)]
 
 
 def _bind_sample(logits: np.ndarray, inp: np.ndarray, out: np.ndarray, n_probs: int, window: int,

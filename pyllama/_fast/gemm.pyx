@@ -10,9 +10,8 @@ what else shares its batch. Above `small_rows_max()` rows BLAS is faster and the
 `bind_mul_mat_t` returns the product as a NativeStep (plan.pyx) for a bound graph.
 """
 from libc.stdint cimport int64_t
-from libc.stdlib cimport malloc, free
 
-from pyllama._fast.plan cimport NativeStep, native_step
+from pyllama._fast.plan cimport NativeStep, bound, step_for
 from pyllama._fast.qmatmul cimport pool_run
 
 cdef extern from * nogil:
@@ -227,15 +226,8 @@ def mul_mat_t(const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias=
 def bind_mul_mat_t(checked, const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias=None,
                    int n_threads=1):
     """mul_mat_t bound to these arrays as a NativeStep (plan.pyx), or None for an empty product."""
-    cdef MmJob* job = <MmJob*>malloc(sizeof(MmJob))
+    cdef NativeStep s = step_for(sizeof(MmJob), checked)
     cdef list keep = []
-    if job == NULL:
-        raise MemoryError("bind_mul_mat_t: cannot allocate its arguments")
-    try:
-        if not _mm_setup(job, x, w, out, bias, n_threads, keep):
-            free(job)
-            return None
-    except BaseException:
-        free(job)
-        raise
-    return native_step(_mm_run, job, keep, checked)
+    if not _mm_setup(<MmJob *>s.ctx, x, w, out, bias, n_threads, keep):
+        return None
+    return bound(s, _mm_run, keep)

@@ -20,7 +20,7 @@ from libc.string cimport memcpy
 
 import numpy as np
 
-from pyllama._fast.plan cimport NativeStep, native_step
+from pyllama._fast.plan cimport NativeStep, bound, step_for
 from pyllama._fast.qmatmul cimport (PQ_MAX_NR, pool_run, pq_dot_rows, pq_get_traits, pq_quantize_row,
                                      pq_traits)
 from pyllama._fast import qmatmul
@@ -485,16 +485,9 @@ def bind_moe_ffn(checked, const float[:, ::1] x, const float[:, ::1] logits,
                  float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1):
     """moe_ffn (same arguments) bound as a NativeStep (plan.pyx), its scratch the run's; None
     when there is nothing to compute."""
-    cdef MoeArgs *a = <MoeArgs *>malloc(sizeof(MoeArgs))
+    cdef NativeStep s = step_for(sizeof(MoeArgs), checked)
     cdef list keep = []
-    if a == NULL:
-        raise MemoryError("bind_moe_ffn: cannot allocate its arguments")
-    try:
-        if not _moe_setup(a, x, logits, gate, t_gate, up, t_up, down, t_down, out, n_used, norm, scale, shexp,
-                          shexp_gate, n_threads, keep):
-            free(a)
-            return None
-    except BaseException:
-        free(a)
-        raise
-    return native_step(_moe_step, a, keep, checked, a.need)
+    if not _moe_setup(<MoeArgs *>s.ctx, x, logits, gate, t_gate, up, t_up, down, t_down, out, n_used, norm,
+                      scale, shexp, shexp_gate, n_threads, keep):
+        return None
+    return bound(s, _moe_step, keep, (<MoeArgs *>s.ctx).need)

@@ -15,7 +15,7 @@ from libc.math cimport pow, sqrt, tanh
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 
-from pyllama._fast.plan cimport NativeStep, native_step
+from pyllama._fast.plan cimport NativeStep, bound, step_for
 from pyllama._fast.qmatmul cimport pool_run
 
 import numpy as np
@@ -46,13 +46,6 @@ cdef struct RowsJob:
     float eps
     bint gelu  # GeGLU, else SwiGLU
     int nt     # threads for this amount of work
-
-
-cdef void* _alloc(size_t size) except NULL:
-    cdef void* p = malloc(size)
-    if p == NULL:
-        raise MemoryError("cannot allocate a kernel's arguments")
-    return p
 
 
 cdef void _rms_item(void* ctx, int64_t i) noexcept nogil:
@@ -102,15 +95,10 @@ def bind_rms_norm(checked, const float[:, ::1] x, const float[::1] w, float[:, :
                   int n_threads=1):
     """rms_norm bound to these arrays as a NativeStep (plan.pyx), or None when there is nothing to
     compute. checked: the same op as a Python callable."""
-    cdef RowsJob* job = <RowsJob*>_alloc(sizeof(RowsJob))
-    try:
-        if not _rms_setup(job, x, w, out, eps, n_threads):
-            free(job)
-            return None
-    except BaseException:
-        free(job)
-        raise
-    return native_step(_rms_run, job, (x, w, out), checked)
+    cdef NativeStep s = step_for(sizeof(RowsJob), checked)
+    if not _rms_setup(<RowsJob*>s.ctx, x, w, out, eps, n_threads):
+        return None
+    return bound(s, _rms_run, (x, w, out))
 
 
 cdef inline float _gelu(float x) noexcept nogil:
@@ -186,15 +174,10 @@ def geglu(const float[:, ::1] gu, float[:, ::1] out, int n_threads=1):
 
 def bind_glu(checked, const float[:, ::1] gu, float[:, ::1] out, int n_threads=1, bint gelu=False):
     """swiglu (or geglu with gelu) bound as a NativeStep, or None when there is nothing to compute."""
-    cdef RowsJob* job = <RowsJob*>_alloc(sizeof(RowsJob))
-    try:
-        if not _glu_setup(job, "geglu" if gelu else "swiglu", gu, out, n_threads, gelu):
-            free(job)
-            return None
-    except BaseException:
-        free(job)
-        raise
-    return native_step(_glu_run, job, (gu, out), checked)
+    cdef NativeStep s = step_for(sizeof(RowsJob), checked)
+    if not _glu_setup(<RowsJob*>s.ctx, "geglu" if gelu else "swiglu", gu, out, n_threads, gelu):
+        return None
+    return bound(s, _glu_run, (gu, out))
 
 
 cdef inline void _norm_head(float* v, const float* w, int hd, float eps) noexcept nogil:
@@ -645,15 +628,10 @@ def bind_attention(checked, const float[:, ::1] qkv, k_cache, v_cache,
     (cells, ranges, ids) is checked at every run."""
     cdef unsigned char[:, ::1] kc = _cache_bytes(k_cache)
     cdef unsigned char[:, ::1] vc = _cache_bytes(v_cache)
-    cdef AttnArgs* a = <AttnArgs*>_alloc(sizeof(AttnArgs))
+    cdef NativeStep s = step_for(sizeof(AttnArgs), checked)
     cdef list keep = []
-    try:
-        if not _attn_setup(a, qkv, kc, vc, pos, kv_idx, cells, ranges, q_norm, k_norm, out, n_head, n_head_kv,
-                           head_dim, n_rot, rope_mode, freq_base, freq_scale, norm_eps, scale, n_threads, k_type,
-                           v_type, softcap, n_swa, rope_mscale, rope_freqs, keep):
-            free(a)
-            return None
-    except BaseException:
-        free(a)
-        raise
-    return native_step(_attn_step, a, keep, checked)
+    if not _attn_setup(<AttnArgs *>s.ctx, qkv, kc, vc, pos, kv_idx, cells, ranges, q_norm, k_norm, out, n_head,
+                       n_head_kv, head_dim, n_rot, rope_mode, freq_base, freq_scale, norm_eps, scale, n_threads,
+                       k_type, v_type, softcap, n_swa, rope_mscale, rope_freqs, keep):
+        return None
+    return bound(s, _attn_step, keep)

@@ -11,10 +11,9 @@ table (its ids checked at every run).
 """
 from libc.math cimport tanh
 from libc.stdint cimport int32_t, int64_t
-from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 
-from pyllama._fast.plan cimport NativeStep, native_step
+from pyllama._fast.plan cimport NativeStep, bound, step_for
 
 
 def scale(const float[:, ::1] x, float[:, ::1] out, float s):
@@ -68,14 +67,13 @@ def bind_add(checked, a, b, out):
     cdef const float[::1] av = a.reshape(-1)
     cdef const float[::1] bv = b.reshape(-1)
     cdef float[::1] ov = out.reshape(-1)
-    cdef AddJob* j = <AddJob*>malloc(sizeof(AddJob))
-    if j == NULL:
-        raise MemoryError("bind_add: cannot allocate its arguments")
+    cdef NativeStep s = step_for(sizeof(AddJob), checked)
+    cdef AddJob* j = <AddJob*>s.ctx
     j.a = &av[0]
     j.b = &bv[0]
     j.out = &ov[0]
     j.n = ov.shape[0]
-    return native_step(_add_run, j, (av, bv, ov), checked)
+    return bound(s, _add_run, (av, bv, ov))
 
 
 cdef struct TakeJob:
@@ -109,13 +107,12 @@ def bind_get_rows_f32(checked, table, ids, out):
     cdef const float[:, ::1] tv = table
     cdef const int32_t[::1] iv = ids
     cdef float[:, ::1] ov = out
-    cdef TakeJob* j = <TakeJob*>malloc(sizeof(TakeJob))
-    if j == NULL:
-        raise MemoryError("bind_get_rows_f32: cannot allocate its arguments")
+    cdef NativeStep s = step_for(sizeof(TakeJob), checked)
+    cdef TakeJob* j = <TakeJob*>s.ctx
     j.table = <const char*>&tv[0, 0]
     j.rows = tv.shape[0]
     j.row_bytes = tv.shape[1] * 4
     j.ids = &iv[0]
     j.n = iv.shape[0]
     j.out = <char*>&ov[0, 0]
-    return native_step(_take_run, j, (tv, iv, ov), checked)
+    return bound(s, _take_run, (tv, iv, ov))

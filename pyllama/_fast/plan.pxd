@@ -11,4 +11,7 @@ cdef class NativeStep:
     cdef readonly object checked  # the same op through its Python function (it validates as it runs)
     cdef readonly Py_ssize_t scratch  # bytes of scratch it needs while it runs
 
-cdef NativeStep native_step(step_fn fn, void *ctx, object keep, object checked, Py_ssize_t scratch=*)
+# A kernel's bind_* function: s = step_for(sizeof(its args), checked); fills s.ctx (checking the
+# arguments: an exception or returning None drops s and its ctx); return bound(s, fn, keep, scratch)
+cdef NativeStep step_for(size_t ctx_size, object checked)
+cdef NativeStep bound(NativeStep s, step_fn fn, object keep, Py_ssize_t scratch=*)

@@ -15,7 +15,7 @@ that finds its data out of range (or cannot allocate its scratch) returns nonzer
 takes the GIL and computes that node through its Python function (`checked`), which raises the
 reason the op gives everywhere else, or computes it, and goes on with the next step.
 """
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport calloc, malloc, free
 
 
 cdef class NativeStep:
@@ -24,13 +24,20 @@ cdef class NativeStep:
         self.ctx = NULL
 
 
-cdef NativeStep native_step(step_fn fn, void *ctx, object keep, object checked, Py_ssize_t scratch=0):
-    """Takes ownership of ctx (malloc'd): freed with the step."""
+cdef NativeStep step_for(size_t ctx_size, object checked):
+    """A step owning ctx_size zeroed bytes of arguments (freed with it), not yet bound to a kernel."""
     cdef NativeStep s = NativeStep.__new__(NativeStep)
-    s.fn = fn
-    s.ctx = ctx
-    s.keep = keep
+    s.ctx = calloc(1, ctx_size)
+    if s.ctx == NULL:
+        raise MemoryError("cannot allocate a kernel's arguments")
     s.checked = checked
+    return s
+
+
+cdef NativeStep bound(NativeStep s, step_fn fn, object keep, Py_ssize_t scratch=0):
+    """s with its kernel, the arrays its arguments point into, and the scratch it needs."""
+    s.fn = fn
+    s.keep = keep
     s.scratch = scratch
     return s
 
@@ -54,6 +61,8 @@ cdef class NativeRun:
         cdef NativeStep s
         for i, step in enumerate(self.steps):
             s = <NativeStep?>step
+            if s.fn == NULL:
+                raise ValueError("NativeRun: a step that was never bound to its kernel")
             self.fns[i] = s.fn
             self.ctxs[i] = s.ctx
             self.scratch = max(self.scratch, s.scratch)

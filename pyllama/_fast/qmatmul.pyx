@@ -20,7 +20,7 @@ kernel as a NativeStep (plan.pyx) for a bound graph (the row ids are still check
 from libc.stdint cimport int32_t, int64_t, uint8_t
 from libc.stdlib cimport malloc, free
 
-from pyllama._fast.plan cimport NativeStep, native_step
+from pyllama._fast.plan cimport NativeStep, bound, step_for
 
 import numpy as np
 
@@ -253,27 +253,15 @@ def mul_mat_q(const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:
     free(xq)
 
 
-cdef void* _alloc(size_t size) except NULL:
-    cdef void* p = malloc(size)
-    if p == NULL:
-        raise MemoryError("cannot allocate a kernel's arguments")
-    return p
-
-
 def bind_mul_mat_q(checked, const float[:, ::1] x, const uint8_t[:, ::1] w, int qtype, float[:, :] out,
                    bias=None, int n_threads=1):
     """mul_mat_q bound to these arrays as a NativeStep (plan.pyx), or None where mul_mat_q has
     nothing to compute or no product to form (k = 0)."""
-    cdef MqJob *j = <MqJob *>_alloc(sizeof(MqJob))
+    cdef NativeStep s = step_for(sizeof(MqJob), checked)
     cdef list keep = []
-    try:
-        if _mq_setup(j, x, w, qtype, out, bias, n_threads, False, keep) != 1:
-            free(j)
-            return None
-    except BaseException:
-        free(j)
-        raise
-    return native_step(_mq_run, j, keep, checked, j.n * j.xq_stride + 64)
+    if _mq_setup(<MqJob *>s.ctx, x, w, qtype, out, bias, n_threads, False, keep) != 1:
+        return None
+    return bound(s, _mq_run, keep, (<MqJob *>s.ctx).n * (<MqJob *>s.ctx).xq_stride + 64)
 
 
 DEF PQ_MAX_PARTS = 8   # ggml_x8.h's PQ_X8_MAX_PARTS, for the arrays below
@@ -439,16 +427,11 @@ def bind_mul_mat_q_x8_parts(checked, const float[:, ::1] x, list parts, list qty
                             int n_threads=1):
     """mul_mat_q_x8_parts bound to these arrays as a NativeStep, or None where it has nothing to
     compute or no product to form (k = 0)."""
-    cdef X8Job *j = <X8Job *>_alloc(sizeof(X8Job))
+    cdef NativeStep s = step_for(sizeof(X8Job), checked)
     cdef list keep = []
-    try:
-        if _x8_setup(j, x, parts, qtypes, out, bias, n_threads, keep) != 1:
-            free(j)
-            return None
-    except BaseException:
-        free(j)
-        raise
-    return native_step(_x8_run, j, keep, checked, j.n * j.xq_stride + 64)
+    if _x8_setup(<X8Job *>s.ctx, x, parts, qtypes, out, bias, n_threads, keep) != 1:
+        return None
+    return bound(s, _x8_run, keep, (<X8Job *>s.ctx).n * (<X8Job *>s.ctx).xq_stride + 64)
 
 
 def dequantize_rows(const uint8_t[:, ::1] w, int qtype, Py_ssize_t k, Py_ssize_t j0, Py_ssize_t j1,
@@ -566,12 +549,7 @@ def get_rows_q(const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, float
 def bind_get_rows_q(checked, const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, float[:, ::1] out,
                     int n_threads=1):
     """get_rows_q bound as a NativeStep (the ids checked at every run), or None for no rows."""
-    cdef GrJob *j = <GrJob *>_alloc(sizeof(GrJob))
-    try:
-        if not _gr_setup(j, w, qtype, ids, out, n_threads):
-            free(j)
-            return None
-    except BaseException:
-        free(j)
-        raise
-    return native_step(_gr_run, j, (w, ids, out), checked)
+    cdef NativeStep s = step_for(sizeof(GrJob), checked)
+    if not _gr_setup(<GrJob *>s.ctx, w, qtype, ids, out, n_threads):
+        return None
+    return bound(s, _gr_run, (w, ids, out))

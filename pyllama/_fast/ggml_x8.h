@@ -461,14 +461,14 @@ typedef struct {
  * tile's first pass read from cache. With one pass the hardware's prefetcher keeps up and this
  * only cost (Q4_K at 1-8 rows), so nothing is fetched then. (The file-layout kernels, at a third
  * of this speed, do not wait on memory: prefetching there changed nothing.) Row groups u0..u1 of
- * `units` at `stride` bytes from w, gone over in `passes` passes. */
+ * `units` at `stride` bytes from w (u1 > u0), gone over in `passes` passes by nt >= 1 threads. */
 typedef struct { const uint8_t *next, *end; int64_t slice; } pq_prefetch;
 static inline pq_prefetch pq_prefetch_next_tile(const uint8_t *w, int64_t stride, int64_t u0, int64_t u1,
                                                 int64_t units, int nt, int64_t passes) {
-    const int64_t ahead = (int64_t)(nt < 1 ? 1 : nt) * (u1 - u0);
+    const int64_t ahead = (int64_t)nt * (u1 - u0);
     const int64_t n0 = u0 + ahead < units ? u0 + ahead : units, n1 = u1 + ahead < units ? u1 + ahead : units;
     pq_prefetch p = {w + n0 * stride, w + n1 * stride, 0};
-    if (passes > 1 && u1 > u0) p.slice = ((n1 - n0) * stride / (passes * (u1 - u0)) + 127) & ~(int64_t)63;
+    if (passes > 1) p.slice = ((n1 - n0) * stride / (passes * (u1 - u0)) + 127) & ~(int64_t)63;
     return p;
 }
 static inline void pq_prefetch_slice(pq_prefetch *p) {

@@ -383,7 +383,7 @@ def _find(nodes, op: Op) -> int:
 
 @pytest.mark.parametrize("case", ["unknown buffer", "freed buffer", "tensor index", "unknown op", "source count",
                                   "dtype", "outside buffer", "offset overflow", "attention params",
-                                  "unused param", "kernel shape"])
+                                  "unused param", "kernel shape", "output over ids"])
 def test_hostile_graphs_are_refused(healthy, captured, case):
     def mutate(payload, ids, tensors, nodes):
         if case == "unknown buffer":
@@ -417,11 +417,15 @@ def test_hostile_graphs_are_refused(healthy, captured, case):
             j = _find(nodes, Op.RMS_NORM)
             w = nodes[j][2][1]
             P.U64.pack_into(payload, _tensor_off(w) + 24, tensors[w][3][0] // 2)
+        elif case == "output over ids":  # the lookup's ids laid inside the rows it writes
+            j = _find(nodes, Op.GET_ROWS)
+            out, idx = nodes[j][1], nodes[j][2][1]
+            payload[_tensor_off(idx):_tensor_off(idx) + 16] = payload[_tensor_off(out):_tensor_off(out) + 16]
     expect = {"unknown buffer": "not a live buffer", "freed buffer": "not a live buffer",
               "tensor index": "outside the", "unknown op": "unknown op code 99", "source count": "1 sources",
               "dtype": "not I32", "outside buffer": "outside buffer", "offset overflow": "overflows",
               "attention params": "head parameters", "unused param": "unused parameter 11",
-              "kernel shape": "rms_norm"}[case]
+              "kernel shape": "rms_norm", "output over ids": "overlaps ids"}[case]
     with Client(healthy.port) as c:
         hostile_graph(c, captured, mutate, expect, whole=case != "kernel shape")
 

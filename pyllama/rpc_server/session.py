@@ -24,7 +24,7 @@ import numpy as np
 from .._fast import wire
 from ..backend.base import Buffer, DType, Tensor
 from ..backend.cpu import CPUBackend
-from ..tensor import FAMILY_OPS, OP_TABLE, Graph, Node, Op, check_node
+from ..tensor import FAMILY_OPS, OP_TABLE, Graph, Node, Op, check_node, src_roles
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
 from ..trace import now as now_us
@@ -507,24 +507,25 @@ class Session:
             n_params = OP_TABLE[op].n_params
             p = params[j]
             self._check_params(j, op, p, n_params)
-            if op == Op.ATTENTION:
-                self._check_attention_aliasing(j, out, ins)
+            self._check_index_aliasing(j, op, out, ins, p)
             out_nodes.append(Node(op, out, ins, tuple(p[:n_params])))
         return Graph(out_nodes), frozenset(bufs)
 
     @staticmethod
-    def _check_attention_aliasing(j: int, out: Tensor, ins: tuple) -> None:
-        """The attention kernel checks its indices (kv_idx, attn_cells, attn_ranges) once, then
-        addresses the KV cache and its scratch with them while it writes the output and the cache:
-        a graph laying a written tensor over an index tensor would move those addresses after the
-        check (out-of-bounds reads and writes). No real graph does (a node's output never reuses
-        the memory of its own sources, and the cache has buffers of its own)."""
-        written = (("output", out), ("k_cache", ins[1]), ("v_cache", ins[2]))
+    def _check_index_aliasing(j: int, op: Op, out: Tensor, ins: tuple, params: list[float]) -> None:
+        """Kernels check their index sources (GET_ROWS' ids, ATTENTION's positions and cache
+        indices, SAMPLE's settings) once, then address memory with them while they write: a graph
+        laying a written tensor (the output; ATTENTION's caches too) over an index source would
+        move those addresses after the check (out-of-bounds reads and writes). No real graph does
+        (a node's output never reuses the memory of its own sources, and the caches have buffers of
+        their own)."""
+        roles = src_roles(op, len(ins), params)
+        written = [("output", out)] + ([("k_cache", ins[1]), ("v_cache", ins[2])] if op == Op.ATTENTION else [])
         for name, t in written:
-            for k, what in ((4, "kv_idx"), (5, "attn_cells"), (6, "attn_ranges")):
-                if _overlap(t, ins[k]):
-                    raise CommandError(f"graph node {j} (ATTENTION): {name} {t.name!r} overlaps {what} "
-                                       f"{ins[k].name!r}, which the kernel reads while it writes")
+            for role, src in zip(roles, ins):
+                if role.dtypes == {DType.I32} and _overlap(t, src):
+                    raise CommandError(f"graph node {j} ({op.name}): {name} {t.name!r} overlaps {role.name} "
+                                       f"{src.name!r}, which the kernel reads while it writes")
 
     @staticmethod
     def _check_params(j: int, op: Op, p: list[float], n_used: int) -> None:

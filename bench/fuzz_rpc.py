@@ -51,6 +51,7 @@ import math
 import os
 import random
 import re
+import shutil
 import socket
 import struct
 import subprocess
@@ -951,6 +952,13 @@ class Target:
     def restart(self) -> None: ...
     def stop(self) -> None: ...
 
+    def _remove_files(self) -> None:
+        """The weight cache and token file were made for this target alone."""
+        if getattr(self, "cache_dir", None):
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
+        if getattr(self, "token_file", None) and os.path.exists(self.token_file):
+            os.unlink(self.token_file)
+
 
 def make_cache_dir() -> str:
     d = tempfile.mkdtemp(prefix="fuzz-rpc-cache-")
@@ -1016,6 +1024,7 @@ class ThreadTarget(Target):
     def stop(self) -> None:
         logging.getLogger(LOGGER).removeHandler(self.tap)
         self.st.stop()
+        self._remove_files()
 
 
 class ProcessTarget(Target):
@@ -1121,6 +1130,7 @@ class ProcessTarget(Target):
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._remove_files()
 
 
 # --- a small blocking client ----------------------------------------------------------------------------------

@@ -139,3 +139,13 @@ def test_frame_model_agrees_with_the_spec_on_handshakes():
     assert [e.must_fail for e in exps] == [False, False, False, True] and m.closed is None
     m = F.FrameModel(token=False, max_frame=F.MAX_FRAME)
     assert m.run(hello + F.P.HEADER.pack(F.Cmd.SET_TENSOR, F.MAX_FRAME + 1)) and m.closed == "frame limit"
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_stopped_target_leaves_no_files(kind):
+    """A target's weight cache and token file are its own: stopping it removes them."""
+    t = (F.ThreadTarget if kind == "thread" else F.ProcessTarget)(F.TOKEN)
+    paths = [p for p in (t.cache_dir, getattr(t, "token_file", None)) if p]
+    assert paths and all(os.path.exists(p) for p in paths)
+    t.stop()
+    assert [p for p in paths if os.path.exists(p)] == []

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,6 +48,9 @@ THINK_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% en
 
 @pytest.fixture(scope="module")
 def browser():
+    # chromium leaves a directory for its singleton socket in TMPDIR when it quits: give it one
+    # of its own and remove that
+    tmp = tempfile.mkdtemp(prefix="pyllama-chromium-")
     opts = Options()
     opts.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -54,10 +58,11 @@ def browser():
                 "--disable-component-update", "--disable-default-apps", "--disable-sync"):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    driver = webdriver.Chrome(service=Service(DRIVER, env={**os.environ, "TMPDIR": tmp}), options=opts)
     driver.set_page_load_timeout(20)
     yield driver
     driver.quit()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +215,14 @@ def test_chat_stop_ends_the_generation(browser, chat_server):
     set_field(browser, "max_tokens", "8000")
     send_message(browser, "Tell me everything")
     wait(browser, lambda d: int(last_reply(d).get_attribute("data-chunks") or 0) >= 3)
+    # a reply longer than the window scrolls inside the messages pane: the page itself keeps its
+    # height, so the composer (and Stop) stays where it is while the text grows
+    wait(browser, lambda d: d.execute_script(
+        "const m = document.getElementById('messages'); return m.scrollHeight > 2 * m.clientHeight"))
+    assert browser.execute_script(
+        "return document.documentElement.scrollHeight <= window.innerHeight") is True
+    box = browser.execute_script("return document.getElementById('stop').getBoundingClientRect().bottom")
+    assert box <= browser.execute_script("return window.innerHeight")
     browser.find_element(By.ID, "stop").click()
     wait(browser, lambda d: last_reply(d).get_attribute("data-state") == "stopped")
     # the server cancels the request: its slot is free again, far short of 8000 tokens

@@ -743,7 +743,73 @@ class GraphBuilder:
         out = self.tensor(I32, [rows, 2 + 2 * n_probs])
         self.node(Op.SAMPLE, out, [logits, sampling], [float(n_probs), float(window)])
 
-    OPS = ("get_rows", "rms_norm", "mul_mat", "add", "swiglu", "attention", "sample")
+    def weight(self, m: int, k_blocks: int) -> tuple[int, int]:
+        """A weight of m rows in F32 or a quantized type the CPU kernels take (raw seeded blocks:
+        any scale, NaN and infinity included), k_blocks of that type's blocks per row (a row of F32
+        is k_blocks values); returns (the tensor, its row length). Its rows count is sometimes not a
+        multiple of 8, which the repacked kernels need."""
+        d = self.draw
+        dtype = d(st.sampled_from([F32, F32, 2, 8, 12, 13, 14]))
+        block, size = QS.get(dtype, (1, 4))
+        k = block * k_blocks
+        fill = self.values(m * k) if dtype == F32 else seeded_bytes(d(st.integers(0, 2**16)), m * k_blocks * size)
+        return self.tensor(dtype, [m, k], fill), k
+
+    def mul_mat_q(self) -> None:
+        d = self.draw
+        n, m = d(st.sampled_from([0, 1, 3, 8, 9])), d(st.sampled_from([1, 7, 8, 16]))
+        w, k = self.weight(m, d(st.integers(1, 2)))
+        x = self.tensor(F32, [n, k], self.values(n * k))
+        srcs = [x, w] + ([self.tensor(F32, [m], self.values(m))] if d(st.booleans()) else [])
+        self.node(Op.MUL_MAT, self.tensor(F32, [n, m]), srcs, [])
+
+    def mul_mat_cat(self) -> None:
+        d = self.draw
+        n, p, kb = d(st.sampled_from([0, 1, 2, 9])), d(st.integers(2, 3)), d(st.integers(1, 2))
+        parts, total, k = [], 0, 0
+        for _ in range(p):
+            m = d(st.sampled_from([1, 8, 16]))
+            w, k = self.weight(m, kb)
+            parts.append(w)
+            total += m
+        x = self.tensor(F32, [n, k], self.values(n * k))  # the last part's row length: others may differ
+        srcs = [x] + parts + ([self.tensor(F32, [total], self.values(total))] if d(st.booleans()) else [])
+        self.node(Op.MUL_MAT_CAT, self.tensor(F32, [n, total]), srcs, [float(p)])
+
+    def moe_ffn(self) -> None:
+        d = self.draw
+        n, e, f = d(st.integers(0, 3)), d(st.sampled_from([4, 8])), d(st.sampled_from([4, 8]))
+        n_exp = d(st.integers(1, 4))
+        n_used = d(st.sampled_from([1, 2, n_exp, n_exp + 1, 0]))
+        x = self.tensor(F32, [n, e], self.values(n * e))
+        router = self.tensor(F32, [n_exp, e], self.values(n_exp * e))
+        gate = self.tensor(F32, [n_exp, f, e], self.values(n_exp * f * e))
+        up = self.tensor(F32, [n_exp, f, e], self.values(n_exp * f * e))
+        down = self.tensor(F32, [n_exp, e, f], self.values(n_exp * e * f))
+        srcs = [x, router, gate, up, down]
+        if d(st.booleans()):
+            srcs.append(self.tensor(F32, [n, e], self.values(n * e)))
+            if d(st.booleans()):
+                srcs.append(self.tensor(F32, [e], self.values(e)))
+        params = [float(n_used), float(d(st.sampled_from([0, 1, 1, 2]))),
+                  d(st.sampled_from([1.0, 0.5, 2.5, 0.0, -1.0]))]
+        self.node(Op.MOE_FFN, self.tensor(F32, [n, e]), srcs, params)
+
+    def geglu(self) -> None:
+        d = self.draw
+        n, f = d(st.integers(0, 3)), d(st.integers(1, 8))
+        gu = self.tensor(F32, [n, 2 * f], self.values(2 * n * f))
+        self.node(Op.GEGLU, self.tensor(F32, [n, f]), [gu], [])
+
+    def scale_or_softcap(self) -> None:
+        d = self.draw
+        shape = [d(st.integers(0, 3)), d(st.integers(1, 8))]
+        x = self.tensor(F32, shape, self.values(math.prod(shape)))
+        op = d(st.sampled_from([Op.SCALE, Op.SOFTCAP]))
+        self.node(op, self.tensor(F32, shape), [x], [d(st.sampled_from([1.0, 0.125, 30.0, 0.0, -2.0, 1e30]))])
+
+    OPS = ("get_rows", "rms_norm", "mul_mat", "add", "swiglu", "attention", "sample", "mul_mat_q", "mul_mat_cat",
+           "moe_ffn", "geglu", "scale_or_softcap")
 
     def mutate(self) -> None:
         """Structural mutations of the tables: what `wire.decode_graph` and the session must refuse."""

@@ -685,11 +685,11 @@ class GraphBuilder:
         a, b = self.tensor(F32, shape, self.values(n)), self.tensor(F32, shape, self.values(n))
         self.node(Op.ADD, self.tensor(F32, shape), [a, b], [])
 
-    def swiglu(self) -> None:
+    def glu(self) -> None:
         d = self.draw
         n, f = d(st.integers(0, 3)), d(st.integers(1, 8))
         gu = self.tensor(F32, [n, 2 * f], self.values(2 * n * f))
-        self.node(Op.SWIGLU, self.tensor(F32, [n, f]), [gu], [])
+        self.node(d(st.sampled_from([Op.SWIGLU, Op.SWIGLU, Op.GEGLU])), self.tensor(F32, [n, f]), [gu], [])
 
     def attention(self) -> None:
         d = self.draw
@@ -795,12 +795,6 @@ class GraphBuilder:
                   d(st.sampled_from([1.0, 0.5, 2.5, 0.0, -1.0]))]
         self.node(Op.MOE_FFN, self.tensor(F32, [n, e]), srcs, params)
 
-    def geglu(self) -> None:
-        d = self.draw
-        n, f = d(st.integers(0, 3)), d(st.integers(1, 8))
-        gu = self.tensor(F32, [n, 2 * f], self.values(2 * n * f))
-        self.node(Op.GEGLU, self.tensor(F32, [n, f]), [gu], [])
-
     def scale_or_softcap(self) -> None:
         d = self.draw
         shape = [d(st.integers(0, 3)), d(st.integers(1, 8))]
@@ -808,8 +802,8 @@ class GraphBuilder:
         op = d(st.sampled_from([Op.SCALE, Op.SOFTCAP]))
         self.node(op, self.tensor(F32, shape), [x], [d(st.sampled_from([1.0, 0.125, 30.0, 0.0, -2.0, 1e30]))])
 
-    OPS = ("get_rows", "rms_norm", "mul_mat", "add", "swiglu", "attention", "sample", "mul_mat_q", "mul_mat_cat",
-           "moe_ffn", "geglu", "scale_or_softcap")
+    OPS = ("get_rows", "rms_norm", "mul_mat", "add", "glu", "attention", "sample", "mul_mat_q", "mul_mat_cat",
+           "moe_ffn", "scale_or_softcap")
 
     def mutate(self) -> None:
         """Structural mutations of the tables: what `wire.decode_graph` and the session must refuse."""

@@ -27,7 +27,7 @@ _spec.loader.exec_module(F)
 
 # examples per fuzzer: a fixed number (derandomized), so that every machine runs the same cases
 # (a wall-clock cap let a slower run skip the input that crashed a faster one); together about
-# half a minute here
+# half a minute on two cores
 EXAMPLES = {"raw": 250, "token-raw": 150, "split": 250, "token-split": 100, "session": 400, "token-session": 150,
             "graph": 350}
 REGRESSIONS = sorted(glob.glob(os.path.join(DATA, "*.bin")))

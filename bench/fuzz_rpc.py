@@ -1002,6 +1002,8 @@ class Target:
     port: int
     max_frame = MAX_FRAME
     harness_conns = 0  # connections the runners keep open (guard buffers), not the fuzzed ones
+    cache_dir: Optional[str] = None   # the server's weight cache, made for this target alone
+    token_file: Optional[str] = None  # the token a child server reads, likewise
 
     def alive(self, wait: float = 0.0) -> Optional[str]: ...
     def allocated(self) -> int: ...
@@ -1013,10 +1015,9 @@ class Target:
     def stop(self) -> None: ...
 
     def _remove_files(self) -> None:
-        """The weight cache and token file were made for this target alone."""
-        if getattr(self, "cache_dir", None):
+        if self.cache_dir:
             shutil.rmtree(self.cache_dir, ignore_errors=True)
-        if getattr(self, "token_file", None) and os.path.exists(self.token_file):
+        if self.token_file and os.path.exists(self.token_file):
             os.unlink(self.token_file)
 
 
@@ -1094,7 +1095,6 @@ class ProcessTarget(Target):
     def __init__(self, token: Optional[bytes] = None, cache: bool = True):
         self.token = token
         self.cache_dir = make_cache_dir() if cache else None
-        self.token_file = None
         if token:
             fd, self.token_file = tempfile.mkstemp(prefix="fuzz-rpc-token-")
             os.write(fd, token + b"\n")

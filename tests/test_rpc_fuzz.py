@@ -144,7 +144,7 @@ def test_frame_model_agrees_with_the_spec_on_handshakes():
 def test_stopped_target_leaves_no_files(kind):
     """A target's weight cache and token file are its own: stopping it removes them."""
     t = (F.ThreadTarget if kind == "thread" else F.ProcessTarget)(F.TOKEN)
-    paths = [p for p in (t.cache_dir, getattr(t, "token_file", None)) if p]
+    paths = [p for p in (t.cache_dir, t.token_file) if p]
     assert paths and all(os.path.exists(p) for p in paths)
     t.stop()
     assert [p for p in paths if os.path.exists(p)] == []

@@ -43,10 +43,33 @@ def test_regions_in_order_and_a_wrap_waits_for_every_region():
     assert not got, "a wrap went ahead while a region was still reserved"
     b.release()
     t.join(5)
-    assert got == [0] and arena.wraps == 1 and arena.outstanding == 0
+    # the ring went back to its start twice: for the waiter, and after the waiter's release
+    assert got == [0] and arena.wraps == 2 and arena.outstanding == 0
     assert arena.reserve(5 * ALIGN) is None  # can never fit
     b.release()  # releasing twice is harmless
     assert arena.outstanding == 0
+
+
+def test_the_ring_starts_over_when_no_region_is_reserved():
+    """One group's step reserves a region and releases it before the next step: every region then
+    starts at the arena's start, so a server touches only the first pages of its arena instead of
+    walking all of it (memory touched for the first time costs a page fault on the decode path)."""
+    arena = StagingArena(64 * ALIGN)
+    starts = []
+    for _ in range(10):
+        r = arena.reserve(3 * ALIGN)
+        starts.append(r.start)
+        r.release()
+    assert starts == [0] * 10
+    # while a region is reserved the next one comes after it, and the ring goes on from there
+    a = arena.reserve(ALIGN)
+    b = arena.reserve(ALIGN)
+    a.release()
+    c = arena.reserve(ALIGN)
+    assert (a.start, b.start, c.start) == (0, ALIGN, 2 * ALIGN)
+    b.release()
+    c.release()
+    assert arena.reserve(ALIGN).start == 0
 
 
 def test_close_wakes_waiters():

@@ -4,7 +4,9 @@ A tensor read from a peer on its way to another device lands in a region of this
 travels with the producing graph) and leaves it when the consuming device has taken the bytes;
 only then is the region released. Regions are handed out in order from a ring. A region that does
 not fit before the end wraps to the start, and a wrap waits until every outstanding region, of
-whichever group, has been released, so no two live regions ever overlap. A caller that already
+whichever group, has been released, so no two live regions ever overlap. When the last outstanding
+region is released the ring starts over at the beginning, so a server uses the first pages of its
+arena over and over rather than walking all of it. A caller that already
 holds a region is never made to wait for a wrap (it would wait for itself): it gets None and
 takes the synchronous path for that copy, and so does a caller whose wrap found no room within
 `wait_s` (the RPC timeout: the regions it waits for are released within it, unless their owner
@@ -100,6 +102,12 @@ class StagingArena:
         with self._cond:
             self._outstanding -= 1
             if self._outstanding == 0:
+                # Nothing is reserved: start over at the beginning. Walking the whole arena would
+                # touch every page of it (a fault each, the first time), and the pages in use would
+                # be cold by the time the ring came back to them.
+                if self._head:
+                    self._head = 0
+                    self.wraps += 1
                 self._cond.notify_all()
         self._held.n = max(getattr(self._held, "n", 1) - 1, 0)
 

@@ -52,7 +52,9 @@ More arms in the same legs (interleaved with the split cells):
   the same level.
 With any of these, a second table lists every cell (mean [min..max] over legs, completed/sent,
 how often per second the compute threads of pyllama's processes were preempted in the measured
-window (Linux; `bench/thread_stats.py`, the time-slicing `--prio` removes), busy %), then the
+window (Linux; `bench/thread_stats.py`, the time-slicing `--prio` removes), the machine's cores
+idle and stolen by the hypervisor over that window (/proc/stat: idle is the time no process wanted
+a core, what a split's chain leaves unused), busy %), then the
 ratios the scaling targets name (`docs/pipeline-groups.md`): -t2/-t1, 2 groups / 1 group, 2 groups / unsplit,
 pyllama split / llama.cpp split (ratio of the means, [min..max] of the per-leg ratios).
 
@@ -464,6 +466,9 @@ def all_cells(records: list[dict]) -> list[dict]:
         cell["busy_pct"] = {d: round(statistics.fmean(v), 1) for d, v in busy.items()}
         rates = [x for x in (preempt_rate(r.get("thread_stats")) for r in legs) if x is not None]
         cell["preempted_per_s"] = round(statistics.fmean(rates), 1) if rates else None
+        for share in ("idle", "stolen"):
+            got = [r["machine_pct"][share] for r in legs if r.get("machine_pct")]
+            cell[f"{share}_pct"] = round(statistics.fmean(got), 1) if got else None
         cells.append(cell)
     return cells
 
@@ -527,7 +532,7 @@ def target_ratios(records: list[dict], types: list[str], users: list[int], order
 
 def format_cells(cells: list[dict]) -> str:
     head = ["type", "users", "arm", "tok/s mean [min..max]", "legs", "done/sent", "TPOT ms", "TTFT med ms",
-            "preempted/s", "busy %"]
+            "preempted/s", "idle %", "stolen %", "busy %"]
     rows = []
     for c in cells:
         tok = "-" if c["tok_s_mean"] is None else \
@@ -535,9 +540,10 @@ def format_cells(cells: list[dict]) -> str:
         busy = ", ".join(f"{d} {p:.0f}" for d, p in c.get("busy_pct", {}).items()) or "-"
         rows.append([c["type"], str(c["users"]), c["arm"], tok, str(c["legs"]), f"{c['completed']}/{c['requests']}",
                      _num(c["tpot_ms"], ".1f"), _num(c["ttft_ms_median"], ".1f"),
-                     _num(c.get("preempted_per_s"), ".0f"), busy])
+                     _num(c.get("preempted_per_s"), ".0f"), _num(c.get("idle_pct"), ".1f"),
+                     _num(c.get("stolen_pct"), ".1f"), busy])
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    right = {1, 3, 4, 5, 6, 7, 8}
+    right = {1, 3, 4, 5, 6, 7, 8, 9, 10}
 
     def line(r: list[str]) -> str:
         return " | ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
@@ -995,8 +1001,11 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
         labels[ctx["peer_pid"]] = "rpc"
     before: dict = {}
     t_window = [0.0]
+    cpu_window: list[list[int]] = []
 
     def window_start() -> None:
+        if sys.platform.startswith("linux"):
+            cpu_window.append(thread_stats.read_cpu_times())
         try:
             before.update(thread_stats.snapshot(list(labels)))
         except thread_stats.ProcessGone:
@@ -1005,8 +1014,10 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
 
     try:
         rep = run_bench(server.url, run["users"], a.requests, a.npp, a.ntg, warmup=a.warmup,
-                        timeout=a.timeout, seed=a.seed, vocab=vocab,
-                        on_window_start=window_start if labels else None)
+                        timeout=a.timeout, seed=a.seed, vocab=vocab, on_window_start=window_start)
+        if cpu_window:  # every process's share of the two cores, the idle time a split's chain leaves
+            rec["machine_pct"] = {k: round(v, 1) for k, v in
+                                  thread_stats.machine_shares(cpu_window[0], thread_stats.read_cpu_times()).items()}
         if before:
             try:
                 rec["thread_stats"] = thread_summary(before, thread_stats.snapshot(list(labels)), labels,
@@ -1222,6 +1233,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"completed {done}" + (f", busy {rec['busy_pct']}" if rec.get("busy_pct") else "")
                     + (f", compute threads preempted {preempt_rate(rec['thread_stats']):.0f}/s"
                        if rec.get("thread_stats") else "")
+                    + (f", cores idle {rec['machine_pct']['idle']:.1f}% (stolen {rec['machine_pct']['stolen']:.1f}%)"
+                       if rec.get("machine_pct") else "")
                     + ("" if rec["exit_status"] == 0 else "  FAIL: " + "; ".join(rec["failures"])))
     finally:
         cleanup()

@@ -11,7 +11,11 @@ name (pyllama names its threads: decode-0, tasks, rpc-exec-CPU, kernel-pool, ...
 run-queue wait, wait as a share of the time it wanted a CPU, and how often it was preempted
 (involuntary switches) or blocked (voluntary). Where two processes of a split share cores, a
 compute thread's run-queue wait and preemptions are the time-slicing that stretches its stage
-(docs/pipeline-groups.md, "Thread priority"). Talks to the programs through /proc only.
+(docs/pipeline-groups.md, "Thread priority"). A last line gives the whole machine's shares over
+the same interval from /proc/stat: busy, idle (no thread of any process wanted a core: with two
+processes of a split on these cores, the time their chain left them waiting) and stolen by the
+hypervisor (time this machine's virtual CPUs did not get; compare runs only when it is low). Talks
+to the programs through /proc only.
 """
 from __future__ import annotations
 
@@ -91,6 +95,35 @@ def snapshot(pids: Sequence[int]) -> dict[tuple[int, int], ThreadCounters]:
     return out
 
 
+def read_cpu_times(text: Optional[str] = None) -> list[int]:
+    """The machine's CPU times from /proc/stat's `cpu` line (all CPUs, in clock ticks): user,
+    nice, system, idle, iowait, irq, softirq, steal."""
+    if text is None:
+        text = _read("/proc/stat") or ""
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] == "cpu":
+            return [int(v) for v in parts[1:9]] + [0] * (9 - len(parts))
+    raise ProcessGone("no cpu line in /proc/stat")
+
+
+def machine_shares(before: Sequence[int], after: Sequence[int]) -> dict[str, float]:
+    """Percent of all CPUs' time between two read_cpu_times: busy (user, nice, system, irq,
+    softirq), idle (idle and iowait) and stolen (steal)."""
+    d = [b - a for a, b in zip(before, after)]
+    user, nice, system, idle, iowait, irq, softirq, steal = d[:8]
+    total = sum(d[:8])
+    if total <= 0:
+        return {"busy": 0.0, "idle": 0.0, "stolen": 0.0}
+    return {"busy": 100.0 * (user + nice + system + irq + softirq) / total,
+            "idle": 100.0 * (idle + iowait) / total, "stolen": 100.0 * steal / total}
+
+
+def format_machine(shares: dict[str, float]) -> str:
+    return (f"machine (/proc/stat, all CPUs): busy {shares['busy']:.1f}%, idle {shares['idle']:.1f}%, "
+            f"stolen {shares['stolen']:.1f}%")
+
+
 def difference(before: dict, after: dict, min_cpu_ms: float = 1.0) -> list[ThreadRow]:
     """Per-thread change between two snapshots (threads started in between count from zero),
     threads with less than `min_cpu_ms` of CPU time left out; processes in the snapshot's order,
@@ -158,6 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     labels = dict(zip(a.pid, a.label))
     try:
         before = snapshot(a.pid)
+        cpu0 = read_cpu_times()
         t0 = time.monotonic()
         rc = 0
         if command:
@@ -166,14 +200,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             time.sleep(a.seconds)
         wall = time.monotonic() - t0
         rows = difference(before, snapshot(a.pid), a.min_cpu_ms)
+        shares = machine_shares(cpu0, read_cpu_times())
     except ProcessGone as exc:
         print(f"thread_stats: {exc}", file=sys.stderr)
         return 1
     print(format_rows(rows, wall, labels))
+    print(format_machine(shares))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"wall_s": wall, "labels": {str(k): v for k, v in labels.items()},
-                       "threads": [asdict(r) for r in rows], "command_rc": rc}, f, indent=1)
+                       "threads": [asdict(r) for r in rows], "machine": shares, "command_rc": rc}, f, indent=1)
     return rc
 
 

@@ -134,13 +134,17 @@ def test_thread_summary_and_the_preemption_column():
     assert th["rpc"] == {"cpu_s": 0.8, "wait_s": 0.2, "compute_wait_pct": 20.0, "compute_preempted": 30}
     assert pc.preempt_rate(th) == 40.0 and pc.preempt_rate(None) is None
     recs = [_rec("f32", "split", leg, 300, order="RPC0,CPU", groups=2,
-                 thread_stats={**th, "window_s": 2.0 * leg}) for leg in (1, 2)]
+                 thread_stats={**th, "window_s": 2.0 * leg},
+                 machine_pct={"busy": 80.0 - leg, "idle": 19.0 + leg, "stolen": 1.0}) for leg in (1, 2)]
     recs.append(_rec("f32", "unsplit", 1, 400, threads=1))  # no counters: a dash
     cells = pc.all_cells(recs)
     assert cells[0]["preempted_per_s"] == 30.0 and cells[1]["preempted_per_s"] is None
+    assert (cells[0]["idle_pct"], cells[0]["stolen_pct"]) == (20.5, 1.0) and cells[1]["idle_pct"] is None
     lines = pc.format_cells(cells).splitlines()
-    assert "preempted/s" in lines[0]
+    assert "preempted/s" in lines[0] and "idle %" in lines[0]
     assert lines[2].split("|")[8].strip() == "30" and lines[3].split("|")[8].strip() == "-"
+    assert [v.strip() for v in lines[2].split("|")[9:11]] == ["20.5", "1.0"]
+    assert [v.strip() for v in lines[3].split("|")[9:11]] == ["-", "-"]
 
 
 def test_tiny_end_to_end_with_the_new_arms(tiny_model, tmp_path):
@@ -169,6 +173,11 @@ def test_tiny_end_to_end_with_the_new_arms(tiny_model, tmp_path):
     assert st["window_s"] > 0 and st["server"]["cpu_s"] > 0 and st["rpc"]["cpu_s"] > 0
     assert all(isinstance(v["compute_preempted"], int) for k, v in st.items() if k != "window_s")
     assert "preempted/s" in r.stdout
+    # every leg, llama.cpp's too, gets the machine's shares over its window
+    for lg in doc["legs"]:
+        m = lg["machine_pct"]
+        assert set(m) == {"busy", "idle", "stolen"} and sum(m.values()) == pytest.approx(100, abs=0.5)
+    assert "cores idle" in r.stderr + r.stdout
     assert "pyllama -t 2 / -t 1:" in r.stdout and "RPC0,CPU: 1 group(s) / pyllama unsplit -t 2" in r.stdout
     if llama:
         assert doc["legs"][3]["server_args"][-2:] == ["-ngl", "2"]

@@ -64,6 +64,22 @@ def test_a_busy_named_thread_of_this_process_is_counted():
     assert spinner[0].cpu_ms > 20
 
 
+def test_machine_shares_from_proc_stat():
+    before = thread_stats.read_cpu_times("cpu  100 0 50 800 0 0 10 40 0 0\ncpu0 50 0 25 400 0 0 5 20 0 0\n")
+    after = thread_stats.read_cpu_times("cpu  400 20 130 1100 100 10 40 140 0 0\n")
+    shares = thread_stats.machine_shares(before, after)
+    # 300 user + 20 nice + 80 system + 10 irq + 30 softirq busy, 300 + 100 idle, 100 stolen, of 940
+    assert shares["busy"] == pytest.approx(100 * 440 / 940)
+    assert shares["idle"] == pytest.approx(100 * 400 / 940)
+    assert shares["stolen"] == pytest.approx(100 * 100 / 940)
+    assert thread_stats.format_machine(shares) == "machine (/proc/stat, all CPUs): busy 46.8%, idle 42.6%, stolen 10.6%"
+    # a kernel without the steal column: nothing stolen
+    old = thread_stats.read_cpu_times("cpu  1 2 3 4 5 6 7\n")
+    assert old == [1, 2, 3, 4, 5, 6, 7, 0]
+    with pytest.raises(thread_stats.ProcessGone, match="no cpu line"):
+        thread_stats.read_cpu_times("intr 1 2 3\n")
+
+
 def test_command_line_measures_across_a_command(tmp_path):
     out = tmp_path / "ts.json"
     busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
@@ -79,6 +95,9 @@ def test_command_line_measures_across_a_command(tmp_path):
     data = json.loads(out.read_text())
     assert data["wall_s"] >= 0.3 and data["command_rc"] == 0
     assert data["threads"][0]["pid"] == busy.pid and data["threads"][0]["cpu_ms"] > 100
+    assert "machine (/proc/stat, all CPUs): busy " in run.stdout
+    # the spinner kept a core busy throughout
+    assert sum(data["machine"].values()) == pytest.approx(100, abs=0.5) and data["machine"]["busy"] > 100 / os.cpu_count() / 2
 
 
 def test_command_rc_passes_through_and_bad_arguments_are_one_error():

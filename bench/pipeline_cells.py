@@ -1015,9 +1015,12 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
     try:
         rep = run_bench(server.url, run["users"], a.requests, a.npp, a.ntg, warmup=a.warmup,
                         timeout=a.timeout, seed=a.seed, vocab=vocab, on_window_start=window_start)
-        if cpu_window:  # every process's share of the two cores, the idle time a split's chain leaves
-            rec["machine_pct"] = {k: round(v, 1) for k, v in
-                                  thread_stats.machine_shares(cpu_window[0], thread_stats.read_cpu_times()).items()}
+        if cpu_window:  # the machine's idle share: what a split's chain leaves unused
+            try:
+                rec["machine_pct"] = {k: round(v, 1) for k, v in
+                                      thread_stats.machine_shares(cpu_window[0], thread_stats.read_cpu_times()).items()}
+            except thread_stats.ProcessGone:
+                pass
         if before:
             try:
                 rec["thread_stats"] = thread_summary(before, thread_stats.snapshot(list(labels)), labels,

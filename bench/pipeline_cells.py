@@ -1017,10 +1017,11 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
                         timeout=a.timeout, seed=a.seed, vocab=vocab, on_window_start=window_start)
         if cpu_window:  # the machine's idle share: what a split's chain leaves unused
             try:
-                rec["machine_pct"] = {k: round(v, 1) for k, v in
-                                      thread_stats.machine_shares(cpu_window[0], thread_stats.read_cpu_times()).items()}
+                shares = thread_stats.machine_shares(cpu_window[0], thread_stats.read_cpu_times())
             except thread_stats.ProcessGone:
-                pass
+                shares = None
+            if shares is not None:  # None: a window shorter than a clock tick
+                rec["machine_pct"] = {k: round(v, 1) for k, v in shares.items()}
         if before:
             try:
                 rec["thread_stats"] = thread_summary(before, thread_stats.snapshot(list(labels)), labels,

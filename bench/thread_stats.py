@@ -107,19 +107,22 @@ def read_cpu_times(text: Optional[str] = None) -> list[int]:
     raise ProcessGone("no cpu line in /proc/stat")
 
 
-def machine_shares(before: Sequence[int], after: Sequence[int]) -> dict[str, float]:
+def machine_shares(before: Sequence[int], after: Sequence[int]) -> Optional[dict[str, float]]:
     """Percent of all CPUs' time between two read_cpu_times: busy (user, nice, system, irq,
-    softirq), idle (idle and iowait) and stolen (steal)."""
+    softirq), idle (idle and iowait) and stolen (steal); None when no clock tick (10 ms on most
+    kernels) passed in between."""
     d = [b - a for a, b in zip(before, after)]
     user, nice, system, idle, iowait, irq, softirq, steal = d[:8]
     total = sum(d[:8])
     if total <= 0:
-        return {"busy": 0.0, "idle": 0.0, "stolen": 0.0}
+        return None
     return {"busy": 100.0 * (user + nice + system + irq + softirq) / total,
             "idle": 100.0 * (idle + iowait) / total, "stolen": 100.0 * steal / total}
 
 
-def format_machine(shares: dict[str, float]) -> str:
+def format_machine(shares: Optional[dict[str, float]]) -> str:
+    if shares is None:
+        return "machine (/proc/stat, all CPUs): too short an interval to count"
     return (f"machine (/proc/stat, all CPUs): busy {shares['busy']:.1f}%, idle {shares['idle']:.1f}%, "
             f"stolen {shares['stolen']:.1f}%")
 

@@ -173,11 +173,12 @@ def test_tiny_end_to_end_with_the_new_arms(tiny_model, tmp_path):
     assert st["window_s"] > 0 and st["server"]["cpu_s"] > 0 and st["rpc"]["cpu_s"] > 0
     assert all(isinstance(v["compute_preempted"], int) for k, v in st.items() if k != "window_s")
     assert "preempted/s" in r.stdout
-    # every leg, llama.cpp's too, gets the machine's shares over its window
-    for lg in doc["legs"]:
-        m = lg["machine_pct"]
+    # every leg, llama.cpp's too, gets the machine's shares over its window, unless the window
+    # was shorter than a clock tick (these tiny legs can be)
+    shares = [lg["machine_pct"] for lg in doc["legs"] if lg.get("machine_pct") is not None]
+    for m in shares:
         assert set(m) == {"busy", "idle", "stolen"} and sum(m.values()) == pytest.approx(100, abs=0.5)
-    assert "cores idle" in r.stderr + r.stdout
+    assert ("cores idle" in r.stderr) == bool(shares)
     assert "pyllama -t 2 / -t 1:" in r.stdout and "RPC0,CPU: 1 group(s) / pyllama unsplit -t 2" in r.stdout
     if llama:
         assert doc["legs"][3]["server_args"][-2:] == ["-ngl", "2"]

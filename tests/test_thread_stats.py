@@ -73,6 +73,9 @@ def test_machine_shares_from_proc_stat():
     assert shares["idle"] == pytest.approx(100 * 400 / 940)
     assert shares["stolen"] == pytest.approx(100 * 100 / 940)
     assert thread_stats.format_machine(shares) == "machine (/proc/stat, all CPUs): busy 46.8%, idle 42.6%, stolen 10.6%"
+    # no clock tick in between (a window shorter than 10 ms): nothing to say, not zeros
+    assert thread_stats.machine_shares(before, before) is None
+    assert thread_stats.format_machine(None).endswith("too short an interval to count")
     # a kernel without the steal column: nothing stolen
     old = thread_stats.read_cpu_times("cpu  1 2 3 4 5 6 7\n")
     assert old == [1, 2, 3, 4, 5, 6, 7, 0]

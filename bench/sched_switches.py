@@ -90,7 +90,9 @@ def parse(lines: Iterable[str], compute: str = DEFAULT_COMPUTE,
             t_last = t
             prev, nxt = label(pcomm, ppid), label(ncomm, npid)
             if cpu in on_cpu:
-                cpu_s[on_cpu[cpu][0]] += t - on_cpu[cpu][1]
+                # the thread leaving the core, by its name now: a thread names itself after it
+                # first ran, and a switch-in may be missing from the record
+                cpu_s[prev] += t - on_cpu[cpu][1]
             on_cpu[cpu] = (nxt, t)
             if state.startswith("R") and comp.match(pcomm) and ppid:
                 preempted[prev][nxt] += 1

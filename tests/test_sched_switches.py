@@ -63,6 +63,22 @@ def test_parse_counts_who_took_the_core_and_the_waits() -> None:
     assert "preempted n=2 0.600 1.000 1.2" in text  # median, p90, total in ms
 
 
+def test_time_goes_to_the_thread_that_leaves_the_core() -> None:
+    """A new thread first runs under its parent's name and names itself once running (pyllama's
+    threads do): the interval belongs to the thread that the switch-out names. Taken from the
+    switch-in, two threads that each ran to their end under their own names were counted as
+    `python` (the two-thread recording test failed on that)."""
+    lines = [
+        switch(0, 2.000, IDLE, "R", ("python", 12)),          # switched in before it named itself
+        switch(0, 2.200, ("decode-1", 12), "X", IDLE),        # ran 0.2 s, named decode-1 by now
+        switch(1, 2.000, ("swapper/1", 0), "R", ("python", 13)),
+        switch(1, 2.250, ("decode-0", 13), "X", ("swapper/1", 0)),
+    ]
+    r = ss.parse(lines)
+    assert r.cpu_s["decode-1"] == pytest.approx(0.2) and r.cpu_s["decode-0"] == pytest.approx(0.25)
+    assert "python" not in r.cpu_s
+
+
 def test_without_labels_threads_keep_their_names() -> None:
     r = ss.parse(LINES)
     assert r.preempted == {"decode-0": {"python": 2}}

@@ -73,7 +73,7 @@ def parse(lines: Iterable[str], compute: str = DEFAULT_COMPUTE,
             return comm
         return f"{proc}:{comm}" if not comp.match(comm) else comm
 
-    on_cpu: dict[str, tuple[str, float]] = {}    # cpu -> (label, since)
+    switched_in: dict[str, float] = {}           # cpu -> when its current thread was switched in
     pending: dict[int, tuple[float, str]] = {}   # compute tid -> (runnable since, why)
     cpu_s: Counter = Counter()
     preempted: dict = defaultdict(Counter)
@@ -89,11 +89,11 @@ def parse(lines: Iterable[str], compute: str = DEFAULT_COMPUTE,
             t_first = t if t_first is None else t_first
             t_last = t
             prev, nxt = label(pcomm, ppid), label(ncomm, npid)
-            if cpu in on_cpu:
+            if cpu in switched_in:
                 # the thread leaving the core, by its name now: a thread names itself after it
                 # first ran, and a switch-in may be missing from the record
-                cpu_s[prev] += t - on_cpu[cpu][1]
-            on_cpu[cpu] = (nxt, t)
+                cpu_s[prev] += t - switched_in[cpu]
+            switched_in[cpu] = t
             if state.startswith("R") and comp.match(pcomm) and ppid:
                 preempted[prev][nxt] += 1
                 pending[ppid] = (t, "preempted")

@@ -103,7 +103,8 @@ def read_cpu_times(text: Optional[str] = None) -> list[int]:
     for line in text.splitlines():
         parts = line.split()
         if parts and parts[0] == "cpu":
-            return [int(v) for v in parts[1:9]] + [0] * (9 - len(parts))
+            times = [int(v) for v in parts[1:9]]
+            return times + [0] * (8 - len(times))  # older kernels have no steal column
     raise ProcessGone("no cpu line in /proc/stat")
 
 

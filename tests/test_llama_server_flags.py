@@ -9,17 +9,23 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pyllama.devices import ALL_LAYERS, device_names, plan_devices
 from pyllama.errors import PyllamaError
 from pyllama.sampling import SamplingParams
 from pyllama.server import params
-from pyllama.server.options import UNSUPPORTED, build_parser, log_level, parse_args, settings
+from pyllama.server.options import (UNSUPPORTED, build_parser, default_stop, log_level, parse_args, process_escapes,
+                                    sampling_defaults, settings)
 from server_util import ServerProcess
 
 LLAMA_VARS = ("LLAMA_ARG_", "PYLLAMA_ARG_", "LLAMA_API_KEY", "LLAMA_LOG_")
+# every flag of llama-server's --help, one per line
+LLAMA_SERVER_FLAGS = [ln.strip() for ln in (Path(__file__).parent / "data" / "llama_server_flags.txt")
+                      .read_text(encoding="utf-8").splitlines() if ln.startswith("-")]
 
 
 @pytest.fixture(autouse=True)
@@ -170,6 +176,23 @@ def test_every_listed_unsupported_flag_is_refused():
         assert msg.startswith(f"{flag}:") and "not supported" in msg
 
 
+def test_every_llama_server_flag_is_read_or_refused_by_name():
+    known = {opt for action in build_parser()._actions for opt in action.option_strings}
+    unknown = []
+    for flag in LLAMA_SERVER_FLAGS:
+        if flag in known:
+            continue
+        try:
+            parse_args(["-m", "M", flag, "x"])
+        except PyllamaError as exc:
+            if str(exc).startswith(f"{flag}:") and "not supported" in str(exc) and "\n" not in str(exc):
+                continue
+        except SystemExit:  # argparse's "unrecognized arguments": the flag is not known at all
+            pass
+        unknown.append(flag)
+    assert len(LLAMA_SERVER_FLAGS) > 300 and not unknown, unknown
+
+
 def test_unsupported_flag_with_equals_value():
     assert refused(["-m", "M", "--lora=a.gguf"]).startswith("--lora:")
 
@@ -289,6 +312,9 @@ def test_unsupported_flag_from_the_program_is_one_line_exit_1():
     ("LLAMA_ARG_EMBEDDINGS", "1", "embedding", True),
     ("LLAMA_ARG_UI", "0", "webui", False),
     ("LLAMA_ARG_NO_UI", "1", "webui", False),
+    ("LLAMA_ARG_CACHE_PROMPT", "0", "cache_prompt", False),
+    ("LLAMA_ARG_PERF", "1", "perf", True),
+    ("LLAMA_ARG_FIT", "off", "fit", "off"),
 ])
 def test_llama_arg_variables(monkeypatch, var, raw, dest, value):
     monkeypatch.setenv(var, raw)
@@ -383,6 +409,77 @@ def test_sampling_flags_become_the_request_defaults():
     assert params.parse_completion({}, -1, 1).sampling == SamplingParams()
 
 
+@pytest.mark.parametrize("text, expected", [
+    (r"a\nb", "a\nb"), (r"\r\t\'\"\\", "\r\t'\"\\"), (r"\x41\x", "A\\x"), (r"\q", "\\q"), ("end\\", "end\\"),
+    (r"\xc3\xa9", "\u00e9"), (r"\xff", "\ufffd"), ("plain", "plain"),
+])
+def test_process_escapes(text, expected):
+    assert process_escapes(text) == expected
+
+
+def test_escapes_in_reverse_prompts_and_dry_breakers():
+    a = parse_args(["-r", r"\n\nUser:", "--reverse-prompt", "END", "--dry-sequence-breaker", r"\n"])
+    assert default_stop(a) == ("\n\nUser:", "END")
+    assert sampling_defaults(a).dry_sequence_breakers == ("\n",)
+    b = parse_args(["--no-escape", "-r", r"\n", "--dry-sequence-breaker", r"\t"])
+    assert default_stop(b) == (r"\n",) and sampling_defaults(b).dry_sequence_breakers == (r"\t",)
+    assert default_stop(parse_args([])) == ()
+
+
+def test_reverse_prompt_and_cache_prompt_become_request_defaults():
+    a = parse_args(["-r", "END", "--no-cache-prompt"])
+    try:
+        params.set_generation_defaults(sampling_defaults(a), a.ignore_eos, a.cache_prompt, default_stop(a))
+        p = params.parse_completion({}, -1, 1)
+        assert p.stop == ["END"] and p.cache_prompt is False
+        q = params.parse_completion({"stop": ["x"], "cache_prompt": True}, -1, 1)
+        assert q.stop == ["x"] and q.cache_prompt is True
+        # no stop string given (an empty list included): the command line's, as llama-server
+        assert params.parse_completion({"stop": []}, -1, 1).stop == ["END"]
+    finally:
+        params.set_generation_defaults()
+    p = params.parse_completion({}, -1, 1)
+    assert p.stop == [] and p.cache_prompt is True
+
+
+def test_fit_off_is_accepted_and_on_refused():
+    assert parse_args(["-fit", "off"]).fit == "off" and parse_args(["--fit", "off"]).fit == "off"
+    msg = refused(["--fit", "on"])
+    assert msg.startswith("--fit on:") and "not supported" in msg
+
+
+def test_embd_normalize_is_the_embeddings_default():
+    assert settings(parse_args(["--embd-normalize", "-1"])).embd_normalize == -1
+    assert settings(parse_args([])).embd_normalize == 2
+    assert "--embd-normalize -2" in refused(["--embd-normalize", "-2"])
+
+
+def test_flags_accepted_without_effect():
+    a = parse_args(["--perf", "--no-warmup", "-sp", "-e"])
+    assert (a.perf, a.warmup, a.special, a.escape) == (True, False, True, True)
+    b = parse_args(["--no-perf", "--warmup", "--no-escape"])
+    assert (b.perf, b.warmup, b.special, b.escape) == (False, True, False, False)
+
+
+def test_usage_exits_zero(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--usage"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("usage:")
+
+
+def test_special_renders_control_tokens_in_probabilities():
+    from pyllama.models.gguf_file import read_metadata
+    from pyllama.server.slot import token_probs
+    from pyllama.tokenizer import load_tokenizer
+    vocab = Path(__file__).parent / "data" / "vocab" / "ggml-vocab-gpt-2.gguf"
+    tok = load_tokenizer(read_metadata(vocab), str(vocab))
+    top = np.array([50256, 15496]), np.array([0.6, 0.4])
+    hidden = token_probs(tok, 50256, 0.6, *top, 2)
+    shown = token_probs(tok, 50256, 0.6, *top, 2, special=True)
+    assert hidden["token"] == "" and shown["token"] == "<|endoftext|>"
+    assert [e["token"] for e in shown["top_logprobs"]] == ["<|endoftext|>", "Hello"]
+
+
 def test_chat_template_file(tmp_path):
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
@@ -411,6 +508,21 @@ def test_start_with_llama_server_flags(tiny_model, tmp_path):
         assert srv.stop() == 0
     assert "-fa on: attention is always one fused kernel" in srv.stderr_text
     assert "listening on" in log_file.read_text()
+
+
+def test_warm_up_runs_before_serving_and_leaves_no_trace(tiny_model):
+    outputs = []
+    for flags in ((), ("--no-warmup",)):
+        srv = ServerProcess(tiny_model, "-c", "256", "-np", "2", *flags).wait_ready()
+        try:
+            status, doc = srv.request("POST", "/completion", {"prompt": "Once upon a time", "n_predict": 8,
+                                                              "temperature": 0, "id_slot": 0})
+            assert status == 200, doc
+            outputs.append((doc["content"], doc["tokens_evaluated"], doc["tokens_cached"]))
+        finally:
+            assert srv.stop() == 0
+        assert ("warm-up: one decode step in each of 1 pipeline group(s)" in srv.stderr_text) == (not flags)
+    assert outputs[0] == outputs[1]
 
 
 def test_no_mmap_copies_the_weights(tiny_model):

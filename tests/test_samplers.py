@@ -600,7 +600,8 @@ def test_samplers_order_changes_the_probabilities(server):
 def test_general_rows_sample_on_the_host_under_backend_sampling(tiny_model, tmp_path):
     peer = RPCServerProcess()
     try:
-        common = ["--rpc", peer.endpoint, "--device", "CPU,RPC0", "-np", "2", "-c", "512"]
+        # --no-warmup: every read in the trace is then the request's own (the warm-up samples on the peer)
+        common = ["--rpc", peer.endpoint, "--device", "CPU,RPC0", "-np", "2", "-c", "512", "--no-warmup"]
         body = {**BASE, "n_predict": 8, "temperature": 0.9, "typical_p": 0.7, "return_tokens": True, "n_probs": 3,
                 "post_sampling_probs": True}
         got, reads = {}, {}

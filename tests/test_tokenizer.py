@@ -151,6 +151,13 @@ def test_bpe_special_tokens():
     assert 50256 not in plain and tok.decode(plain) == "a<|endoftext|>b"
     assert tok.is_eog(50256) and tok.eot_id == 50256  # found by its text, as llama.cpp does
     assert tok.token_bytes(50256) == b""  # control tokens print nothing
+    assert tok.token_bytes(50256, special=True) == b"<|endoftext|>"  # llama-server's --special
+    assert tok.token_bytes(15496, special=True) == tok.token_bytes(15496) == b"Hello"
+    ids = [15496, 50256, 995]
+    plain = IncrementalDetokenizer(tok)
+    shown = IncrementalDetokenizer(tok, special=True)
+    assert "".join(plain.feed(i) for i in ids) == "Hello world"
+    assert "".join(shown.feed(i) for i in ids) == "Hello<|endoftext|> world"
 
 
 def test_add_bos_follows_metadata():

@@ -31,7 +31,7 @@ from .embedding import model_pooling
 from .group import PipelineGroup, pipeline_chunk, share_stages
 from .http import HTTPServer, install_uvloop
 from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401
-                      log_accepted, log_level, parse_args, resolve, sampling_defaults)
+                      default_stop, log_accepted, log_level, parse_args, resolve, sampling_defaults)
 from .params import set_default_constraint, set_generation_defaults
 from .reconnect import PeerReconnector
 from .router import Router
@@ -84,11 +84,14 @@ def load(state: ServerState) -> None:
         if args.backend_sampling and not backend_sampling and g == 0:
             log.warning("--backend-sampling: the device of the output layer does not run the sampler (an rpc server "
                         "without the capability); sampling on this host")
-        slots = [Slot(g * seq_group + i, g, i, ctx.seq_cap, engine.tokenizer) for i in range(seq_group)]
+        slots = [Slot(g * seq_group + i, g, i, ctx.seq_cap, engine.tokenizer, special=args.special)
+                 for i in range(seq_group)]
         state.groups.append(PipelineGroup(g, ctx, slots, engine.tokenizer, state.metrics, on_free=lambda s: None,
                                           n_threads=1, backend_sampling=backend_sampling,
                                           context_shift=args.context_shift, pooling=state.pooling))
 
+    if args.warmup:
+        warm_up(state.groups, engine.tokenizer)
     if ctx.placement.n_stages > 1:  # the groups take turns at each stage of the split
         share_stages(state.groups, pipeline_chunk(args.pipeline_chunk, engine.model, ctx.placement.backends))
     state.slots_per_group = seq_group
@@ -126,6 +129,17 @@ def load(state: ServerState) -> None:
     state.engine = engine
 
 
+def warm_up(groups: list[PipelineGroup], tokenizer) -> None:
+    """One decode step per group (--warmup), before any request: a decode thread that meets a
+    fresh page of the weights or of a compute buffer mid-request waits for the page fault."""
+    t0 = time.perf_counter()
+    token = tokenizer.bos_id if tokenizer.bos_id is not None else 0
+    for group in groups:
+        group.warm_up(token)
+    log.info("warm-up: one decode step in each of %d pipeline group(s) took %.0f ms (--no-warmup skips it)",
+             len(groups), (time.perf_counter() - t0) * 1e3)
+
+
 def _mib(per_device: dict[str, int]) -> str:
     return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in per_device.items())
 
@@ -155,7 +169,7 @@ async def serve(args) -> int:
         raise PyllamaError(str(exc)) from None
     state = ServerState(args)
     apply_settings(state, args)
-    set_generation_defaults(sampling_defaults(args), args.ignore_eos)
+    set_generation_defaults(sampling_defaults(args), args.ignore_eos, args.cache_prompt, default_stop(args))
     set_default_constraint(default_constraint(args))
     state.metrics_enabled = bool(getattr(args, "metrics", False))
     api = Api(state)

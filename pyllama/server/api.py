@@ -54,7 +54,7 @@ class ServerState:
     load_error: Optional[str] = None
     created: int = field(default_factory=lambda: int(time.time()))
     # Set from the command line (--api-key, --cors-origins, --slots, --props, --slot-save-path,
-    # --metrics, -v, --alias); the handlers and the HTTP layer read them.
+    # --metrics, -v, --alias, --embd-normalize); the handlers and the HTTP layer read them.
     api_keys: list[str] = field(default_factory=list)
     cors_origins: list[str] = field(default_factory=list)  # empty: only localhost origins
     slots_enabled: bool = True
@@ -63,6 +63,7 @@ class ServerState:
     metrics_enabled: bool = False
     verbose: bool = False
     aliases: list[str] = field(default_factory=list)
+    embd_normalize: int = 2  # of embeddings whose request gives none
     pooling: str = "none"  # of embeddings: --pooling, else the model's (set when it loads)
     _max_token_chars: int = 0
 
@@ -572,7 +573,7 @@ class Api:
             if fmt not in ("float", "base64"):
                 raise HTTPError(400, "The format to return the embeddings in. Can be either float or base64")
             use_base64 = fmt == "base64"
-        norm = body.get("embd_normalize", 2)
+        norm = body.get("embd_normalize", st.embd_normalize)
         if not isinstance(norm, int) or isinstance(norm, bool) or norm < -1:
             raise HTTPError(400, "'embd_normalize' must be an integer: -1 none, 0 max-abs, 2 Euclidean, p > 0 p-norm")
         prompts = []

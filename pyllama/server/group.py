@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..context import Batch, Context, DecodeOutput
-from ..sampling import BatchSampler
+from ..sampling import BatchSampler, SamplingParams, SequenceSampler
 from ..tokenizer import Tokenizer
 from .. import trace
 from .._fast import gemm
@@ -99,6 +99,22 @@ class PipelineGroup:
         self.step_log = StepLog()  # every step's time and size: the live pipeline view
         self._step = (0, 0, 0)     # (start_us, tokens, sampled rows) of the step being run, start 0: none
         self.thread = Thread(target=self._run, name=f"decode-{index}", daemon=True)
+
+    def warm_up(self, token: int) -> None:
+        """Before the thread starts: one step of `token` alone on the first slot's sequence, decoded
+        as the group's steps are (sampled on the device when the group samples there), then
+        forgotten. The weights' pages, the compute buffers and each device's first use are paid for
+        before the first request is (llama-server's warm-up run)."""
+        seq = self.slots[0].seq
+        batch = Batch.for_sequence([token], 0, seq)
+        try:
+            if self.backend_sampling:
+                greedy = SequenceSampler(SamplingParams(temperature=0.0))
+                self.ctx.decode(batch, self.sampler.pack([greedy]), self.sampler.device_spec())
+            else:
+                self.ctx.decode(batch)
+        finally:
+            self.ctx.seq_rm(seq, 0)
 
     def start(self) -> None:
         self.thread.start()
@@ -561,10 +577,10 @@ class PipelineGroup:
                     continue
             p = None
             if task.n_probs > 0 and raw is not None and i in raw:
-                p = presampling_probs(self.tokenizer, raw[i], ids[i], task.n_probs)
+                p = presampling_probs(self.tokenizer, raw[i], ids[i], task.n_probs, slot.special)
             elif task.n_probs > 0:
                 p = token_probs(self.tokenizer, ids[i], float(probs[i]), top_ids[i], top_probs[i], task.n_probs,
-                                post_sampling=True)
+                                post_sampling=True, special=slot.special)
             if slot.constraint is not None and not slot.constraint.consume(ids[i]):
                 # only a token the mask allowed can be sampled: this is the grammar engine failing
                 why = slot.constraint.error or f"token {ids[i]} refused"

@@ -39,6 +39,7 @@ _DRAFT = "speculative decoding (draft models) is not supported"
 _MM = "multimodal projectors are not supported (text models only)"
 _DL = "pyllama does not download models; pass a local GGUF file with -m"
 _SAMPLER = "this sampler is not supported (adaptive-p is not in pyllama's sampler set)"
+_FIT = "fitting to device memory is not supported (pyllama checks memory and refuses what does not fit)"
 _ROPE = "RoPE scaling overrides are not supported (the model's own RoPE parameters are used)"
 UNSUPPORTED: dict[str, str] = {
     **{f: _LORA for f in ("--lora", "--lora-scaled", "--lora-init-without-apply")},
@@ -51,12 +52,15 @@ UNSUPPORTED: dict[str, str] = {
                            "--threads-batch-draft", "-hfd", "-hfrd", "--hf-repo-draft", "-otd",
                            "--override-tensor-draft", "-cmoed", "--cpu-moe-draft", "-ncmoed", "--n-cpu-moe-draft",
                            "--mtp", "--dflash", "--eagle3", "--lookup-cache-static", "-lcs",
-                           "--lookup-cache-dynamic", "-lcd")},
+                           "--lookup-cache-dynamic", "-lcd", "-Cd", "--cpu-mask-draft", "-Crd", "--cpu-range-draft",
+                           "--cpu-strict-draft", "--prio-draft", "--poll-draft", "-Cbd", "--cpu-mask-batch-draft",
+                           "--cpu-strict-batch-draft", "--prio-batch-draft", "--poll-batch-draft",
+                           "--no-spec-draft-backend-sampling")},
     **{f: _MM for f in ("-mm", "--mmproj", "-mmu", "--mmproj-url", "--no-mmproj", "--mmproj-auto",
                         "--no-mmproj-auto", "--mmproj-offload", "--no-mmproj-offload", "--image-min-tokens",
-                        "--image-max-tokens", "--media-path")},
+                        "--image-max-tokens", "--media-path", "--mtmd-batch-max-tokens")},
     **{f: _DL for f in ("-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-hft", "--hf-token", "-mu",
-                        "--model-url", "-dr", "--docker-repo", "--offline")},
+                        "--model-url", "-dr", "--docker-repo", "--offline", "-cl", "--cache-list")},
     **{f: _SAMPLER for f in ("--adaptive-target", "--adaptive-decay")},
     **{f: "a command-line logit bias is not supported (a request's logit_bias is)" for f in ("-l", "--logit-bias")},
     **{f: _ROPE for f in ("--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale",
@@ -71,14 +75,13 @@ UNSUPPORTED: dict[str, str] = {
                                                                          "--no-models-autoload")},
     **{f: "reranking is not supported" for f in ("--rerank", "--reranking")},
     **{f: "agent tools and MCP are not supported" for f in ("--tools", "--mcp-servers-config", "--mcp-servers-json",
-                                                            "--agent", "-no-ag", "--no-agent", "--ui-mcp-proxy",
+                                                            "-ag", "--agent", "-no-ag", "--no-agent", "--ui-mcp-proxy",
                                                             "--webui-mcp-proxy", "--no-ui-mcp-proxy",
                                                             "--no-webui-mcp-proxy")},
     **{f: "reasoning control is not supported (the template's default is used)"
        for f in ("-rea", "--reasoning", "--reasoning-budget", "--reasoning-budget-message",
                  "--reasoning-preserve", "--no-reasoning-preserve")},
-    **{f: "fitting to device memory is not supported (pyllama checks memory and refuses what does not fit)"
-       for f in ("--fit", "-fitt", "--fit-target", "-fitc", "--fit-ctx", "-fitp", "--fit-print")},
+    **{f: _FIT for f in ("-fitt", "--fit-target", "-fitc", "--fit-ctx", "-fitp", "--fit-print")},
     **{f: "this loading or memory option is not supported" for f in (
         "--numa", "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "-nkvo",
         "--no-kv-offload", "-kvo", "--kv-offload", "--no-host",
@@ -93,9 +96,11 @@ UNSUPPORTED: dict[str, str] = {
                                     "--attention", "-Cr", "--cpu-range", "-C", "--cpu-mask", "--cpu-strict",
                                     "--poll", "-Crb", "--cpu-range-batch", "-Cb", "--cpu-mask-batch",
                                     "--cpu-strict-batch", "--poll-batch", "--list-devices",
-                                    "--server-base")},
+                                    "--server-base", "--completion-bash")},
 }
-UNSUPPORTED_PREFIXES = {"--spec-": _DRAFT}
+# llama-server's presets (--fim-qwen-7b-default, --gpt-oss-20b-default, ...) fetch a model by name
+UNSUPPORTED_PREFIXES = {"--spec-": _DRAFT, "--fim-qwen-": _DL, "--gpt-oss-": _DL, "--vision-gemma-": _DL,
+                        "--embd-gemma-": _DL}
 # llama-server variables of unsupported flags: set in a container, they must not pass unnoticed
 UNSUPPORTED_ENV = {"LLAMA_ARG_HF_REPO": "--hf-repo", "LLAMA_ARG_HF_FILE": "--hf-file",
                    "LLAMA_ARG_MODEL_URL": "--model-url", "LLAMA_ARG_DOCKER_REPO": "--docker-repo",
@@ -152,13 +157,22 @@ class _Version(argparse.Action):
         parser.exit(0)
 
 
+class _Usage(argparse.Action):
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show usage and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.print_usage()
+        parser.exit(0)
+
+
 def build_parser() -> Parser:
     unsupported = sorted({f for f in UNSUPPORTED if f.startswith("--")})
     p = Parser(prog=PROG,
                description="Serve a GGUF model over HTTP with llama-server's API and the OpenAI-compatible API. "
                            "Flags follow llama-server's names, short forms, defaults and LLAMA_ARG_* variables.",
                epilog="llama-server flags that are refused as not supported: " + ", ".join(unsupported) +
-                      ", --spec-*.")
+                      ", " + ", ".join(f"{pre}*" for pre in UNSUPPORTED_PREFIXES) + ".")
     a = p.add_argument
     # --- model and slots
     a("-m", "--model", llama_env="LLAMA_ARG_MODEL", help="GGUF model file (default: the built-in test model)")
@@ -210,6 +224,13 @@ def build_parser() -> Parser:
     a("-fa", "--flash-attn", type=_flash_attn, nargs="?", const="on", default="auto", metavar="on|off|auto",
       llama_env="LLAMA_ARG_FLASH_ATTN",
       help="accepted and logged: pyllama's attention is always one fused kernel")
+    a("--warmup", "--no-warmup", dest="warmup", action=Toggle, negatives=("--no-warmup",), default=True,
+      llama_env=None,
+      help="decode one token per pipeline group before serving (then forget it), so that the first request "
+           "does not pay for loading the weights' pages and the compute buffers")
+    a("-fit", "--fit", dest="fit", choices=["on", "off"], default=None, llama_env="LLAMA_ARG_FIT",
+      help="llama-server's fitting of unset options to device memory: 'off' is what pyllama does (it checks "
+           "memory and refuses what does not fit); 'on' is refused")
     a("--mlock", action="store_true", llama_env="LLAMA_ARG_MLOCK",
       help="keep the process's memory (the model included) in RAM: mlockall; a failure is logged")
     a("--mmap", "--no-mmap", dest="mmap", action=Toggle, negatives=("--no-mmap",), default=True,
@@ -234,6 +255,9 @@ def build_parser() -> Parser:
       help="serve the embedding endpoints")
     a("--pooling", choices=list(POOLING_TYPES), default=None, llama_env="LLAMA_ARG_POOLING",
       help="pooling of embeddings: none, mean, cls or last (default: the model's, else none)")
+    a("--embd-normalize", type=int, default=2, llama_env=None,
+      help="normalisation of embeddings when a request gives no embd_normalize: -1 none, 0 max absolute "
+           "scaled to int16, 1 taxicab, 2 Euclidean, > 2 p-norm")
     # --- sampling defaults (a request's own fields override them)
     d = SamplingParams()
     a("--temp", "--temperature", dest="temp", type=float, default=d.temperature, help="temperature, <= 0 = greedy")
@@ -271,6 +295,14 @@ def build_parser() -> Parser:
     a("--dynatemp-range", type=float, default=d.dynatemp_range, help="dynamic temperature range, 0.0 = off")
     a("--dynatemp-exp", type=float, default=d.dynatemp_exponent, help="dynamic temperature exponent")
     a("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    a("-r", "--reverse-prompt", dest="reverse_prompt", action="append", default=None, metavar="PROMPT", llama_env=None,
+      help="stop generating at PROMPT when a request gives no stop strings (repeatable)")
+    a("-sp", "--special", action="store_true", llama_env=None,
+      help="render special (control) tokens in generated text and token probabilities")
+    a("-e", "--escape", "--no-escape", dest="escape", action=Toggle, negatives=("--no-escape",), default=True,
+      llama_env=None,
+      help="process escape sequences (\\n, \\r, \\t, \\', \\\", \\\\, \\xHH) in --reverse-prompt and "
+           "--dry-sequence-breaker")
     # --- constrained output: the default for requests that give no grammar, schema or response_format
     a("--grammar", default=None, metavar="GRAMMAR", help="GBNF grammar every output follows by default")
     a("--grammar-file", default=None, metavar="PATH", help="read --grammar from a file")
@@ -302,6 +334,9 @@ def build_parser() -> Parser:
     a("--slot-save-path", default=None, metavar="PATH", help="folder for /slots/{id}?action=save|restore files")
     a("-sps", "--slot-prompt-similarity", type=float, default=0.1,
       help="reuse a slot whose cached prompt covers more than this share of the new prompt, 0.0 = off")
+    a("--cache-prompt", "--no-cache-prompt", dest="cache_prompt", action=Toggle, negatives=("--no-cache-prompt",),
+      default=True, llama_env="LLAMA_ARG_CACHE_PROMPT",
+      help="reuse a slot's cached prompt prefix when a request does not set cache_prompt")
     a("--cache-reuse", type=int, default=0, llama_env="LLAMA_ARG_CACHE_REUSE",
       help="accepted; pyllama reuses the cached prefix of a prompt, not chunks found by shifting the cache")
     a("--max-body", type=int, default=16 << 20, help="largest accepted request body in bytes")
@@ -348,11 +383,14 @@ def build_parser() -> Parser:
       default=None, help="accepted; pyllama's log lines always carry a prefix")
     a("--log-timestamps", "--no-log-timestamps", dest="log_timestamps", action=Toggle,
       negatives=("--no-log-timestamps",), default=None, help="accepted; pyllama's log lines always carry a time")
+    a("--perf", "--no-perf", dest="perf", action=Toggle, negatives=("--no-perf",), default=None,
+      llama_env="LLAMA_ARG_PERF", help="accepted; pyllama always reports timings with each response")
     a("--trace", metavar="PATH",
       help="write a trace of every decode step, RPC command and device span (JSON lines; also $PYLLAMA_TRACE)")
     a("-v", "--verbose", "--log-verbose", dest="verbose", action="store_true",
       help="log everything, and add __verbose to completion responses")
     a("--version", action=_Version)
+    a("--usage", action=_Usage)
     add_device_args(p)
     return p.finish()
 
@@ -453,6 +491,11 @@ def check_args(args) -> None:
         why = None if level is None else priority.check_level(level, flag)
         if why is not None:
             raise PyllamaError(why)
+    if args.fit == "on":
+        raise PyllamaError(f"--fit on: llama-server flag not supported by pyllama: {_FIT}")
+    if args.embd_normalize < -1:
+        raise PyllamaError(f"--embd-normalize {args.embd_normalize}: must be -1 (none), 0 (max absolute), "
+                           "1 (taxicab), 2 (Euclidean) or more (p-norm)")
     if args.pipeline_chunk is not None and args.pipeline_chunk < 0:
         raise PyllamaError(f"--pipeline-chunk {args.pipeline_chunk}: must be 0 (no limit) or more")
     if args.pipeline_groups < 1:
@@ -523,7 +566,7 @@ def sampling_defaults(args) -> SamplingParams:
                           xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
                           dry_multiplier=args.dry_multiplier, dry_base=args.dry_base,
                           dry_allowed_length=args.dry_allowed_length, dry_penalty_last_n=args.dry_penalty_last_n,
-                          dry_sequence_breakers=_dry_breakers(args.dry_sequence_breaker),
+                          dry_sequence_breakers=_dry_breakers(args.dry_sequence_breaker, args.escape),
                           mirostat=args.mirostat, mirostat_tau=args.mirostat_ent, mirostat_eta=args.mirostat_lr,
                           dynatemp_range=args.dynatemp_range, dynatemp_exponent=args.dynatemp_exp,
                           # --sampling-seq wins over --samplers when both are given (llama.cpp applies them in
@@ -531,13 +574,44 @@ def sampling_defaults(args) -> SamplingParams:
                           samplers=args.sampling_seq or args.samplers or SamplingParams().samplers)
 
 
-def _dry_breakers(values: Optional[list[str]]) -> tuple[str, ...]:
+def _dry_breakers(values: Optional[list[str]], escape: bool = True) -> tuple[str, ...]:
     """--dry-sequence-breaker: the first replaces the defaults; "none" alone means no breakers."""
     if values is None:
         return SamplingParams().dry_sequence_breakers
     if values == ["none"]:
         return ()
-    return tuple(v for v in values if v != "none")
+    return tuple(process_escapes(v) if escape else v for v in values if v != "none")
+
+
+def default_stop(args) -> tuple[str, ...]:
+    """The stop strings of a request that gives none: --reverse-prompt's, escapes processed (-e)."""
+    return tuple(process_escapes(v) if args.escape else v for v in args.reverse_prompt or () if v)
+
+
+_ESCAPES = {"n": b"\n", "r": b"\r", "t": b"\t", "'": b"'", '"': b'"', "\\": b"\\"}
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def process_escapes(text: str) -> str:
+    """llama.cpp's escape processing of command-line strings: \\n \\r \\t \\' \\" \\\\ and \\xHH (a
+    byte; bytes that do not form UTF-8 become U+FFFD); any other backslash stays as written."""
+    out = bytearray()
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\" and i + 1 < n:
+            e = text[i + 1]
+            if e in _ESCAPES:
+                out += _ESCAPES[e]
+                i += 2
+                continue
+            if e == "x" and i + 3 < n and text[i + 2] in _HEX and text[i + 3] in _HEX:
+                out.append(int(text[i + 2:i + 4], 16))
+                i += 4
+                continue
+        out += c.encode("utf-8")
+        i += 1
+    return out.decode("utf-8", errors="replace")
 
 
 def settings(args) -> SimpleNamespace:
@@ -545,7 +619,8 @@ def settings(args) -> SimpleNamespace:
     return SimpleNamespace(api_keys=list(args.api_keys), cors_origins=list(args.cors_origins or []),
                           slots_enabled=bool(args.slots), props_writable=bool(args.props),
                           slot_save_path=args.slot_save_path, metrics_enabled=bool(args.metrics),
-                          verbose=bool(args.verbose), aliases=list(args.alias or []))
+                          verbose=bool(args.verbose), aliases=list(args.alias or []),
+                          embd_normalize=int(args.embd_normalize))
 
 
 def apply_settings(state: Any, args) -> None:
@@ -584,6 +659,8 @@ def log_accepted(args) -> None:
         log.info("--cache-reuse %d: pyllama reuses cached prompt prefixes only", args.cache_reuse)
     if args.defrag_thold is not None:
         log.warning("--defrag-thold is deprecated and no longer necessary to specify")
+    if args.perf is not None:
+        log.debug("--perf/--no-perf: pyllama always reports timings with each response")
     if args.log_colors is not None or args.log_prefix is not None or args.log_timestamps is not None:
         log.debug("--log-colors/--log-prefix/--log-timestamps: pyllama's log format is fixed")
 

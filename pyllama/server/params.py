@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -225,15 +225,27 @@ def get_fields(body: dict) -> list[str]:
     return v
 
 
-# The server's default sampler settings and ignore_eos (its --temp, --top-k, ..., --ignore-eos),
-# for the fields a request leaves out; set once at start-up by the server (set_generation_defaults).
-_GENERATION_DEFAULTS: tuple[SamplingParams, bool] = (SamplingParams(), False)
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a request gets for the fields it leaves out: the server's --temp, --top-k, ...,
+    --ignore-eos, --cache-prompt, and --reverse-prompt's stop strings (used when a request gives no
+    stop string, as llama-server's)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+    stop: tuple[str, ...] = ()
 
 
-def set_generation_defaults(sampling: Optional[SamplingParams] = None, ignore_eos: bool = False) -> None:
+# set once at start-up by the server (set_generation_defaults)
+_GENERATION_DEFAULTS = GenerationDefaults()
+
+
+def set_generation_defaults(sampling: Optional[SamplingParams] = None, ignore_eos: bool = False,
+                            cache_prompt: bool = True, stop: Sequence[str] = ()) -> None:
     """The defaults parse_completion uses for the fields a request omits (None: llama-server's)."""
     global _GENERATION_DEFAULTS
-    _GENERATION_DEFAULTS = (sampling or SamplingParams(), bool(ignore_eos))
+    _GENERATION_DEFAULTS = GenerationDefaults(sampling or SamplingParams(), bool(ignore_eos), bool(cache_prompt),
+                                              tuple(stop))
 
 
 def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool = False,
@@ -252,7 +264,8 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
             n_probs = get_int(body, "top_logprobs", 1 if lp else 0, lo=0, hi=MAX_N_PROBS) if lp else 0  # type: ignore[assignment]
         elif lp is not None:
             n_probs = get_int(body, "logprobs", 0, lo=0, hi=MAX_N_PROBS)  # type: ignore[assignment]
-    defaults, default_ignore_eos = _GENERATION_DEFAULTS
+    given = _GENERATION_DEFAULTS
+    defaults = given.sampling
     sampling = SamplingParams(
         temperature=get_float(body, "temperature", defaults.temperature),
         top_k=get_int(body, "top_k", defaults.top_k),  # type: ignore[arg-type]
@@ -296,9 +309,10 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
     opts = body.get("stream_options")
     include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
     return CompletionParams(
-        sampling=sampling, n_predict=n_predict, stream=get_bool(body, "stream", False), stop=get_stop(body),
-        ignore_eos=get_bool(body, "ignore_eos", default_ignore_eos), n_probs=n_probs,
-        cache_prompt=get_bool(body, "cache_prompt", True), id_slot=get_int(body, "id_slot", -1, lo=-1),  # type: ignore[arg-type]
+        sampling=sampling, n_predict=n_predict, stream=get_bool(body, "stream", False),
+        stop=get_stop(body) or list(given.stop),
+        ignore_eos=get_bool(body, "ignore_eos", given.ignore_eos), n_probs=n_probs,
+        cache_prompt=get_bool(body, "cache_prompt", given.cache_prompt), id_slot=get_int(body, "id_slot", -1, lo=-1),  # type: ignore[arg-type]
         n=n, include_usage=include_usage, n_keep=get_int(body, "n_keep", default_n_keep, lo=-1),  # type: ignore[arg-type]
         return_tokens=get_bool(body, "return_tokens", False), response_fields=get_fields(body),
         timings_per_token=get_bool(body, "timings_per_token", False),

@@ -62,8 +62,10 @@ class StopMatcher:
 
 
 class Slot:
-    def __init__(self, slot_id: int, group: int, seq: int, n_ctx: int, tokenizer: Tokenizer):
+    def __init__(self, slot_id: int, group: int, seq: int, n_ctx: int, tokenizer: Tokenizer,
+                 special: bool = False):
         self.id = slot_id
+        self.special = special          # control tokens appear in the text and probabilities (--special)
         self.group = group
         self.seq = seq                  # sequence id inside the group's context
         self.n_ctx = n_ctx              # positions this slot may hold
@@ -119,7 +121,7 @@ class Slot:
         self.i_prompt = self.n_cached = n_keep
         self.cache_tokens = task.prompt[:n_keep]
         self.sampler = SequenceSampler(task.params, task.prompt)
-        self.detok = IncrementalDetokenizer(self.tokenizer)
+        self.detok = IncrementalDetokenizer(self.tokenizer, special=self.special)
         self.stopper = StopMatcher(task.stop)
         if task.matcher is not None:
             self.constraint = Constraint(task.matcher, self.tokenizer.n_vocab)
@@ -243,11 +245,11 @@ class Slot:
 
 
 def token_probs(tokenizer: Tokenizer, token: int, prob: float, top_ids: np.ndarray, top_probs: np.ndarray,
-                n_probs: int, post_sampling: bool = False) -> dict:
+                n_probs: int, post_sampling: bool = False, special: bool = False) -> dict:
     """llama-server's completion_probabilities entry for one generated token, from probabilities:
     `prob` / `top_probs` when post_sampling (the sampler chain's), else `logprob` / `top_logprobs`."""
     def entry(t: int, p: float) -> dict:
-        piece = tokenizer.token_bytes(t)
+        piece = tokenizer.token_bytes(t, special)
         out = {"id": t, "token": piece.decode("utf-8", errors="replace"), "bytes": list(piece)}
         if post_sampling:
             out["prob"] = p
@@ -260,7 +262,8 @@ def token_probs(tokenizer: Tokenizer, token: int, prob: float, top_ids: np.ndarr
     return out
 
 
-def presampling_probs(tokenizer: Tokenizer, logits: np.ndarray, token: int, n_probs: int) -> dict:
+def presampling_probs(tokenizer: Tokenizer, logits: np.ndarray, token: int, n_probs: int,
+                      special: bool = False) -> dict:
     """llama-server's default completion_probabilities entry: log-probabilities of the model's own
     softmax over the raw logits (before penalties, bias, top-k/p, temperature), the n_probs most
     probable first (lower id first on ties)."""
@@ -272,7 +275,7 @@ def presampling_probs(tokenizer: Tokenizer, logits: np.ndarray, token: int, n_pr
     top = top[np.lexsort((top, -row[top]))]
 
     def entry(t: int) -> dict:
-        piece = tokenizer.token_bytes(t)
+        piece = tokenizer.token_bytes(t, special)
         return {"id": t, "token": piece.decode("utf-8", errors="replace"), "bytes": list(piece),
                 "logprob": float(row[t]) - lse}
     out = entry(token)

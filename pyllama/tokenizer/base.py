@@ -6,7 +6,7 @@ Behaviour follows llama.cpp's `llama_vocab` (src/llama-vocab.cpp) so that ids ma
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from ..errors import ModelFileError
 
@@ -114,6 +114,7 @@ class Tokenizer:
         # user-defined tokens are split out even when parse_special is off (llama.cpp / HF added tokens)
         self._special_user = [(s, i) for s, i in self._special_all if self._types[i] == TT_USER_DEFINED]
         self._pieces = self._build_pieces()
+        self._pieces_special: Optional[list[bytes]] = None  # built on first use (token_bytes)
 
     # ---- metadata helpers -------------------------------------------------------------------
 
@@ -205,10 +206,16 @@ class Tokenizer:
             out.append(self.eos_id)  # type: ignore[arg-type]
         return out
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes this token stands for in generated text (b'' for control/unknown/unused tokens)."""
+    def token_bytes(self, token_id: int, special: bool = False) -> bytes:
+        """The bytes this token stands for in generated text (b'' for control/unknown/unused tokens;
+        with `special`, a control token's own text, as llama.cpp renders it with special=true)."""
         if not 0 <= token_id < self.n_vocab:
             raise ValueError(f"token id {token_id} out of range (vocabulary of {self.n_vocab})")
+        if special:
+            if self._pieces_special is None:
+                self._pieces_special = [t.encode("utf-8") if tt == TT_CONTROL else p
+                                        for t, tt, p in zip(self._texts, self._types, self._pieces)]
+            return self._pieces_special[token_id]
         return self._pieces[token_id]
 
     def decode(self, ids: list[int]) -> str:

@@ -40,15 +40,16 @@ class IncrementalDetokenizer:
     off for generated text, which continues a prompt and keeps its spaces (as llama-server does).
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, strip_leading_space: bool = False):
+    def __init__(self, tokenizer: Tokenizer, *, strip_leading_space: bool = False, special: bool = False):
         self.tokenizer = tokenizer
+        self._special = special  # control tokens render as their text (llama-server's --special)
         self._pending = b""
         self._strip = strip_leading_space and tokenizer.add_space_prefix
         self._first = True
 
     def feed(self, token_id: int) -> str:
         """Text completed by this token (possibly '')."""
-        piece = self.tokenizer.token_bytes(token_id)
+        piece = self.tokenizer.token_bytes(token_id, self._special)
         if self._first:
             self._first = False
             if self._strip and piece[:1] == b" ":

@@ -19,6 +19,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON (a client's parser refuses it)")
+
+
+def strict_json(text):
+    """json.loads that refuses what strict parsers (browsers, Go, serde) refuse: NaN, Infinity."""
+    return json.loads(text, parse_constant=_not_json)
+
+
 class ServerProcess:
     def __init__(self, model: str, *args: str, env: Optional[dict] = None):
         self.port = free_port()
@@ -68,7 +77,7 @@ class ServerProcess:
             resp = conn.getresponse()
             payload = resp.read()
             ctype = resp.getheader("Content-Type", "")
-            return resp.status, json.loads(payload) if "json" in ctype and payload else payload.decode()
+            return resp.status, strict_json(payload) if "json" in ctype and payload else payload.decode()
         finally:
             conn.close()
 
@@ -87,7 +96,7 @@ class ServerProcess:
             for line in resp.read().decode().split("\n"):
                 if line.startswith("data: "):
                     data = line[6:]
-                    events.append(data if data == "[DONE]" else json.loads(data))
+                    events.append(data if data == "[DONE]" else strict_json(data))
             return events
         finally:
             conn.close()

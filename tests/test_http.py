@@ -907,3 +907,11 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_event(serve):
             break
     last = json.loads(chunks[-2].decode().removeprefix("data: "))
     assert last["error"]["code"] == 503 and "shutting down" in last["error"]["message"]
+
+
+def test_json_never_holds_what_strict_parsers_refuse():
+    from pyllama.server.http import json_bytes, sse_event
+    obj = {"a": float("-inf"), "b": [1.5, float("nan"), {"c": float("inf")}], "d": (2, "x")}
+    assert json_bytes(obj) == b'{"a":null,"b":[1.5,null,{"c":null}],"d":[2,"x"]}'
+    assert sse_event({"p": float("nan")}) == b'data: {"p":null}\n\n'
+    assert json_bytes({"t": "\u00e9/"}) == '{"t":"\u00e9/"}'.encode()  # UTF-8, slashes unescaped

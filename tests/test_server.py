@@ -405,6 +405,11 @@ def test_logit_bias_is_applied(server):
     # banning the first greedy token changes the first token, and nothing else in the request changes
     banned = _biased_tokens(server, [[plain[0], False]])
     assert banned[0] != plain[0] and plain[0] not in banned
+    # echoed as llama-server does, the ban's -inf as null (strict JSON: the client refuses -Infinity)
+    status, doc = server.post("/completion", {"prompt": PROMPT, "n_predict": 1, "logit_bias": [[plain[0], False], [7, 2.5]]})
+    assert status == 200
+    echoed = sorted(doc["generation_settings"]["logit_bias"], key=lambda e: e["token"])
+    assert echoed == sorted([{"bias": None, "token": plain[0]}, {"bias": 2.5, "token": 7}], key=lambda e: e["token"])
     assert _biased_tokens(server, {str(plain[0]): False}) == banned  # OpenAI's form
     forced = _biased_tokens(server, [[7, 1000]])
     assert forced == [7] * 6

@@ -187,7 +187,8 @@ def _settings(state: ServerState, p: CompletionParams) -> dict:
     """llama-server's generation settings (the `params` of /props and /slots, a result's
     generation_settings)."""
     s = p.sampling
-    bias = [] if s.logit_bias is None else [[int(t), float(b)] for t, b in zip(*s.logit_bias)]
+    # llama-server's form; a banned token's -inf is written as null, as its encoder writes it
+    bias = [] if s.logit_bias is None else [{"bias": float(b), "token": int(t)} for t, b in zip(*s.logit_bias)]
     return {"n_ctx": state.n_ctx_slot, "n_predict": p.n_predict, "max_tokens": p.n_predict, "seed": s.seed,
             "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
             "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n,

@@ -20,6 +20,7 @@ import collections
 import hmac
 import http
 import logging
+import math
 import re
 from email.utils import formatdate
 from types import SimpleNamespace
@@ -149,8 +150,29 @@ class StreamResponse:
 Handler = Callable[[Request], Awaitable[Union[Response, StreamResponse]]]
 
 
+def json_bytes(obj: Any) -> bytes:
+    """obj as UTF-8 JSON. A float JSON cannot hold (an infinity, NaN) is written as null, as
+    llama-server's encoder writes it: "-Infinity" would make strict parsers (browsers, Go, serde)
+    reject the whole response."""
+    try:
+        text = ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False, allow_nan=False)
+    except OverflowError:  # rare: walk the object only then
+        text = ujson.dumps(_finite(obj), ensure_ascii=False, escape_forward_slashes=False, allow_nan=False)
+    return text.encode("utf-8")
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(status, ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False).encode("utf-8"))
+    return Response(status, json_bytes(obj))
 
 
 def error_response(status: int, message: str, type: str = "invalid_request_error",
@@ -159,7 +181,7 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
 
 
 def sse_event(obj: Any) -> bytes:
-    return b"data: " + ujson.dumps(obj, ensure_ascii=False, escape_forward_slashes=False).encode("utf-8") + b"\n\n"
+    return b"data: " + json_bytes(obj) + b"\n\n"
 
 
 def install_uvloop() -> None:

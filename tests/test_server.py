@@ -133,6 +133,31 @@ def test_n_choices_share_the_prompt(server):
     assert res["usage"]["completion_tokens"] == 24
 
 
+def test_text_completion_logprobs_in_both_forms(server):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    status, res = server.post("/v1/completions", body)
+    assert status == 200
+    lp = res["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["content"]) == 6
+    # OpenAI's legacy form: each token's first character in the generated text
+    starts = [sum(len(t) for t in lp["tokens"][:i]) for i in range(6)]
+    assert lp["text_offset"] == starts
+    # llama-server's form, as chat's
+    assert [c["token"] for c in lp["content"]] == lp["tokens"]
+    assert [c["logprob"] for c in lp["content"]] == lp["token_logprobs"]
+    assert all(len(c["top_logprobs"]) == 2 for c in lp["content"])
+    events = [e for e in server.stream("/v1/completions", body) if e != "[DONE]"]
+    streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert [x["tokens"][0] for x in streamed] == lp["tokens"]
+    assert [x["text_offset"][0] for x in streamed] == starts
+    # the finishing chunk carries the usage and the timings, as llama-server's
+    last = events[-1]
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert last["usage"] == {"prompt_tokens": res["usage"]["prompt_tokens"], "completion_tokens": 6,
+                             "total_tokens": res["usage"]["prompt_tokens"] + 6}
+    assert last["timings"]["predicted_n"] == 6
+
+
 def test_openai_client_chat(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")

@@ -962,9 +962,11 @@ class Api:
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_gen = 0
         replies = {t.index: ChatReply(chat_spec or ChatOutputSpec()) for ts in task_lists for t in ts} if chat else {}
+        offsets: dict[int, int] = {}  # per choice: characters of token text so far (text_offset)
+        single = sum(len(ts) for ts in task_lists) == 1
 
         def chunk(index: int, text: Optional[str], finish: Optional[str], first: bool = False, probs=None,
-                  delta: Optional[dict] = None) -> bytes:
+                  delta: Optional[dict] = None, final: Optional[FinalEvent] = None) -> bytes:
             if chat:
                 if first:
                     delta = {"role": "assistant", "content": None}
@@ -974,10 +976,19 @@ class Api:
                 if probs is not None:
                     choice["logprobs"] = {"content": [_oai_logprob(probs)]}
             else:
-                choice = {"index": index, "text": text or "", "logprobs": _oai_text_logprobs([probs]) if probs else None,
-                          "finish_reason": finish}
-            return sse_event({"id": rid, "object": obj, "created": created, "model": model,
-                              "system_fingerprint": f"pyllama-{__version__}", "choices": [choice]})
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                if probs:
+                    at = offsets.get(index, 0)
+                    choice["logprobs"] = _oai_text_logprobs([probs], at)
+                    offsets[index] = at + len(probs["token"])
+            out = {"id": rid, "object": obj, "created": created, "model": model,
+                   "system_fingerprint": f"pyllama-{__version__}", "choices": [choice]}
+            if final is not None:  # as llama-server, the finishing chunk carries the timings (and usage)
+                out["timings"] = _timings(final)
+                if single:
+                    out["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
+                                    "total_tokens": n_prompt + n_gen}
+            return sse_event(out)
 
         if chat:
             for ts in task_lists:
@@ -1001,11 +1012,11 @@ class Api:
                     reply = replies[index]
                     for d in reply.feed(ev.text_tail) + reply.finish():
                         yield chunk(index, None, None, delta=d)
-                    yield chunk(index, None, chat_finish_reason(ev, reply))
+                    yield chunk(index, None, chat_finish_reason(ev, reply), final=ev)
                     continue
                 if ev.text_tail:
                     yield chunk(index, ev.text_tail, None)
-                yield chunk(index, None, _finish_reason(ev))
+                yield chunk(index, None, _finish_reason(ev), final=ev)
             elif isinstance(ev, ErrorEvent):
                 yield sse_event({"error": {"code": ev.status, "message": ev.message, "type": ev.type}})
         if p.include_usage:
@@ -1112,8 +1123,15 @@ def _oai_logprob(entry: dict) -> dict:
             "top_logprobs": [{"token": t["token"], "logprob": _logprob(t), "bytes": t["bytes"]} for t in top]}
 
 
-def _oai_text_logprobs(entries: list[dict]) -> dict:
+def _oai_text_logprobs(entries: list[dict], offset: int = 0) -> dict:
+    """A text completion's logprobs in OpenAI's legacy form (`tokens`, `token_logprobs`,
+    `top_logprobs`, `text_offset`: each token's first character in the generated text, from
+    `offset`) and in llama-server's (`content`, as chat's), so clients of either read them."""
+    starts = []
+    for e in entries:
+        starts.append(offset)
+        offset += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [_logprob(e) for e in entries],
             "top_logprobs": [{t["token"]: _logprob(t) for t in e.get("top_logprobs", e.get("top_probs", []))}
                              for e in entries],
-            "text_offset": []}
+            "text_offset": starts, "content": [_oai_logprob(e) for e in entries]}

@@ -2,6 +2,7 @@
 metrics, continuous batching under concurrency, cancellation, and bad input."""
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import subprocess
@@ -68,6 +69,21 @@ def test_completion_streaming_matches_non_streaming(server):
     assert "".join(e["content"] for e in events) == whole["content"]
     assert [e["tokens"][0] for e in events[:-1]] == whole["tokens"]
     assert events[-1]["tokens_predicted"] == 10
+
+
+def test_streams_ask_proxies_not_to_buffer(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("POST", "/completion", body=json.dumps({"prompt": PROMPT, "n_predict": 2, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200 and resp.getheader("Content-Type", "").startswith("text/event-stream")
+        assert resp.getheader("X-Accel-Buffering") == "no"  # nginx passes each event on at once
+    finally:
+        conn.close()
+    status, _ = server.post("/completion", {"prompt": PROMPT, "n_predict": 1})
+    assert status == 200
 
 
 def test_greedy_completion_equals_generate(server, tiny_model):

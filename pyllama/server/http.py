@@ -255,6 +255,8 @@ def origin_allowed(origin: str, allowed: Sequence[str]) -> bool:
 
 _CONN_CLOSE = b"Connection: close\r\n"
 _CONN_KEEP = b"Connection: keep-alive\r\n"
+# events reach the client as they are written, not when a proxy (nginx) has filled its buffer
+_NO_PROXY_BUFFERING = b"X-Accel-Buffering: no\r\n"
 _NO_BODY_STATUS = frozenset((204, 304))
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -741,6 +743,8 @@ class _Connection(asyncio.Protocol):
                      b"Content-Type: %b\r\n" % resp.content_type.encode("latin-1")]
             if chunked:
                 parts.append(b"Transfer-Encoding: chunked\r\n")
+            if resp.content_type.startswith("text/event-stream"):
+                parts.append(_NO_PROXY_BUFFERING)
             if not keep_alive:
                 parts.append(_CONN_CLOSE)
             if resp.headers:

@@ -808,7 +808,7 @@ def test_handler_cancelled_on_disconnect(serve):
     s.sendall(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
     assert event("hang_started").wait(2.0)
     s.close()
-    assert event("hang_finally").wait(1.0)
+    assert event("hang_finally").wait(10.0)
 
 
 def test_stream_backpressure(serve):
@@ -829,7 +829,7 @@ def test_stream_backpressure(serve):
         got += len(s.recv(1 << 20))
     assert STATE["produced"] > n2
     s.close()
-    assert event("flood_finally").wait(1.0)
+    assert event("flood_finally").wait(10.0)  # the loop may be slow to run on a loaded machine
 
 
 # ---------------------------------------------------------------------------------------------

@@ -427,6 +427,13 @@ def test_apply_template_and_prefill(srv):
     assert status == 400 and "add_generation_prompt" in err["error"]["message"]
     status, err = srv.post("/apply-template", {"messages": "nope"})
     assert status == 400
-    status, out = srv.post("/v1/chat/completions", {"messages": msgs + [{"role": "assistant", "content": "Hi th"}],
-                                                    "max_tokens": 2, "temperature": 0})
-    assert status == 200 and out["usage"]["prompt_tokens"] > 0
+    body = {"messages": msgs + [{"role": "assistant", "content": "Hi th"}], "max_tokens": 2, "temperature": 0}
+    status, out = srv.post("/v1/chat/completions", body)
+    assert status == 200 and out["usage"]["prompt_tokens"] > 0 and out["usage"]["completion_tokens"] == 2
+    # as llama-server, the reply starts with the continued message's text, streamed or not
+    content = out["choices"][0]["message"]["content"]
+    assert content.startswith("Hi th") and len(content) > len("Hi th")
+    events = [e for e in srv.stream("/v1/chat/completions", body) if e != "[DONE]"]
+    deltas = [e["choices"][0]["delta"].get("content") for e in events]
+    assert deltas[0] is None and "".join(d for d in deltas if d) == content
+    assert deltas[1].startswith("Hi th")

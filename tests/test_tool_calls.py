@@ -238,7 +238,8 @@ def scripted_reply(template: str, body: dict, pieces: list[str], stream: bool, r
     body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], **body, "stream": stream}
     p = parse_completion(body, -1, 1, oai=True)
     spec = api._chat_output_spec(body)
-    spec.forced_open = prompt_opens_thinking(api._render_chat(body))
+    text, spec.prefill = api._render_chat(body)
+    spec.forced_open = prompt_opens_thinking(text)
     task = CompletionTask(prompt=[1, 2, 3], params=SamplingParams())
 
     async def run():

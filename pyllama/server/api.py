@@ -246,6 +246,7 @@ class ChatOutputSpec:
     tools: ToolSpec = field(default_factory=ToolSpec)
     reasoning_format: str = "auto"
     forced_open: bool = False
+    prefill: str = ""  # the continued assistant message's content: the reply starts with it (llama-server)
 
 
 class ChatReply:
@@ -854,10 +855,10 @@ class Api:
         p, prompt, spec = await _prepare(req, lambda: self._chat_input(req))
         return await self._oai(self._tasks([prompt], p), p, len(prompt), chat=True, chat_spec=spec)
 
-    def _render_chat(self, body: dict) -> str:
-        """The prompt text of a chat body: template, prefill, chat_template_kwargs (chat.py)."""
+    def _render_chat(self, body: dict) -> tuple[str, str]:
+        """(prompt text, prefill) of a chat body: template, prefill, chat_template_kwargs (chat.py)."""
         try:
-            return self.state.chat.render_request(body)
+            return self.state.chat.render_with_prefill(body)
         except ChatTemplateError as exc:
             raise HTTPError(400, str(exc)) from None
 
@@ -869,7 +870,7 @@ class Api:
             body = req.json()
             if not isinstance(body, dict):
                 raise HTTPError(400, "the request body must be a JSON object")
-            return json_response({"prompt": self._render_chat(body)})
+            return json_response({"prompt": self._render_chat(body)[0]})
         return await _prepare(req, work)
 
     def _chat_input(self, req: Request) -> tuple[CompletionParams, list[int], ChatOutputSpec]:
@@ -882,8 +883,10 @@ class Api:
         p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=True, n_vocab=st.tokenizer.n_vocab,
                              tokenizer=st.tokenizer, default_n_keep=_keep(st.args))
         spec = self._chat_output_spec(body)
-        text = self._render_chat(body)
-        spec.forced_open = prompt_opens_thinking(text)
+        text, spec.prefill = self._render_chat(body)
+        opens = prompt_opens_thinking(text)  # what the generation continues from
+        # the reply is read from the generation prompt on, the prefill included, as llama-server reads it
+        spec.forced_open = prompt_opens_thinking(text[:len(text) - len(spec.prefill)]) if spec.prefill else opens
         if spec.tools.required and spec.family is not None:
             # a call is required: generation follows a grammar of the family's call format (after
             # closing the thinking the prompt opened, so that the call is not read as thoughts)
@@ -892,7 +895,7 @@ class Api:
                 raise HTTPError(400, "'tool_choice' requires a tool call, which cannot be combined with 'grammar', "
                                      "'json_schema' or 'response_format'")
             grammar = call_grammar(spec.family, spec.tools, self._special_token,
-                                   close_thinking=spec.forced_open and spec.reasoning_format != "none")
+                                   close_thinking=opens and spec.reasoning_format != "none")
             p.constraint = ConstraintSpec("lark", grammar, "tools")
         st.check_prompt_fits(len(text), 0)
         _check_constraint(st, p)
@@ -935,7 +938,7 @@ class Api:
             entry: dict = {"index": c.index, "finish_reason": _finish_reason(c.final)}
             if chat:
                 reply = ChatReply(chat_spec or ChatOutputSpec())
-                reply.feed(c.content)
+                reply.feed((chat_spec.prefill if chat_spec else "") + c.content)
                 reply.finish()
                 entry["finish_reason"] = chat_finish_reason(c.final, reply)
                 entry["message"] = reply.message()
@@ -962,6 +965,8 @@ class Api:
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_gen = 0
         replies = {t.index: ChatReply(chat_spec or ChatOutputSpec()) for ts in task_lists for t in ts} if chat else {}
+        # each choice's reply starts with the continued message's content, sent with its first token
+        prefills = {index: chat_spec.prefill for index in replies} if chat and chat_spec and chat_spec.prefill else {}
         offsets: dict[int, int] = {}  # per choice: characters of token text so far (text_offset)
         single = sum(len(ts) for ts in task_lists) == 1
 
@@ -1000,7 +1005,7 @@ class Api:
                 if chat:
                     # the reply's reader decides what the text is (content, reasoning, a call) and
                     # may hold it back; the token's logprobs go with the first delta it yields
-                    deltas = replies[index].feed(ev.text)
+                    deltas = replies[index].feed(prefills.pop(index, "") + ev.text)
                     if not deltas and ev.probs is not None:
                         deltas = [{}]
                     for k, d in enumerate(deltas):
@@ -1010,7 +1015,7 @@ class Api:
             elif isinstance(ev, FinalEvent):
                 if chat:
                     reply = replies[index]
-                    for d in reply.feed(ev.text_tail) + reply.finish():
+                    for d in reply.feed(prefills.pop(index, "") + ev.text_tail) + reply.finish():
                         yield chunk(index, None, None, delta=d)
                     yield chunk(index, None, chat_finish_reason(ev, reply), final=ev)
                     continue

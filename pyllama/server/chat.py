@@ -338,7 +338,11 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template error: {_describe(e)}") from e
 
     def render_request(self, body: dict, add_generation_prompt: Any = None) -> str:
-        """A chat request's prompt text, as llama-server builds it from the body's ``messages``,
+        """A chat request's prompt text (see :meth:`render_with_prefill`)."""
+        return self.render_with_prefill(body, add_generation_prompt)[0]
+
+    def render_with_prefill(self, body: dict, add_generation_prompt: Any = None) -> tuple[str, str]:
+        """(prompt text, prefill): a chat request's prompt, as llama-server builds it from the body's ``messages``,
         ``tools``, ``add_generation_prompt`` (default true), ``continue_final_message`` and
         ``chat_template_kwargs`` (over the server's own).
 
@@ -347,7 +351,8 @@ class ChatTemplate:
         prompt, then its content follows as is, so the model goes on from its last character.
         Refused as llama-server refuses them: two assistant messages at the end, an explicit
         ``continue_final_message`` together with ``add_generation_prompt`` true, continuing a
-        message that holds tool calls."""
+        message that holds tool calls. The prefill is the continued message's content (the end of
+        the prompt; "" when nothing is continued): llama-server's reply starts with it."""
         if not isinstance(body, dict):
             raise ChatTemplateError("the request body must be a JSON object")
         messages = validate_messages(body.get("messages"))
@@ -382,8 +387,8 @@ class ChatTemplate:
         messages = self._tool_messages(messages, tools or None, body.get("tool_choice") != "none")
         if cont:
             head = self.render(messages[:-1], add_generation_prompt=True, tools=tools, **kwargs)
-            return head + messages[-1]["content"]
-        return self.render(messages, add_generation_prompt=add_gen, tools=tools, **kwargs)
+            return head + messages[-1]["content"], messages[-1]["content"]
+        return self.render(messages, add_generation_prompt=add_gen, tools=tools, **kwargs), ""
 
     def _tool_messages(self, messages: list[dict], tools: Optional[list], use_tools: bool) -> list[dict]:
         """Messages shaped for what this template understands, as llama.cpp adapts them:

@@ -485,3 +485,32 @@ def test_chat_template_kwargs_reach_the_template():
     assert _req(t, msgs, chat_template_kwargs={"messages": []}) == "server|1|x"
     with pytest.raises(ChatTemplateError, match="chat_template_kwargs"):
         _req(t, msgs, chat_template_kwargs=["x"])
+
+
+# llama-server's /props chat_template_caps, learnt by rendering probes
+_CAPS_TEMPLATE = (
+    "{% if tools %}[tools:{% for t in tools %}{{ t.function.name }} {% endfor %}]{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}"
+    "{% if m.reasoning_content %}(thought {{ m.reasoning_content }}){% endif %}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_template_caps_in_llama_servers_names():
+    rich = ChatTemplate(_CAPS_TEMPLATE)
+    assert rich.llama_caps() == {
+        "supports_object_arguments": True, "supports_parallel_tool_calls": True, "supports_preserve_reasoning": True,
+        "supports_string_content": True, "supports_system_role": True, "supports_tool_calls": True,
+        "supports_tools": True, "supports_typed_content": True}
+    plain = template_from_option("chatml", None)
+    assert plain.llama_caps() == {
+        "supports_object_arguments": False, "supports_parallel_tool_calls": False,
+        "supports_preserve_reasoning": False, "supports_string_content": True, "supports_system_role": True,
+        "supports_tool_calls": False, "supports_tools": False, "supports_typed_content": False}
+    # a template that drops system messages and shows only the first call of a message
+    narrow = ChatTemplate(_CAPS_TEMPLATE.replace("{% for m in messages %}", "{% for m in messages if m.role != 'system' %}")
+                          .replace("m.tool_calls or []", "(m.tool_calls or [])[:1]"))
+    caps = narrow.llama_caps()
+    assert caps["supports_system_role"] is False and caps["supports_parallel_tool_calls"] is False
+    assert caps["supports_tool_calls"] is True

@@ -201,6 +201,8 @@ def test_props_values(srv, tiny_model):
     assert props["build_info"].startswith("pyllama ")
     assert props["modalities"] == {"vision": False, "audio": False}
     assert props["chat_template"] == srv.state.chat.source
+    assert props["chat_template_caps"] == srv.state.chat.llama_caps()
+    assert props["chat_template_caps"]["supports_string_content"] is True
     assert (props["endpoint_slots"], props["endpoint_props"], props["endpoint_metrics"]) == (True, False, False)
 
 

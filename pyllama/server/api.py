@@ -438,6 +438,7 @@ class Api:
             "total_slots": sum(len(g.slots) for g in st.groups),
             "model_alias": st.model_alias, "model_path": st.model_path,
             "chat_template": st.chat.source if st.chat else "",
+            "chat_template_caps": st.chat.llama_caps() if st.chat else {},
             "bos_token": _token_text(tok, tok.bos_id), "eos_token": _token_text(tok, tok.eos_id),
             "modalities": {"vision": False, "audio": False},
             "build_info": f"pyllama {__version__}",

@@ -280,7 +280,10 @@ class ChatTemplate:
         """What the template does with tools, learnt once by rendering probe conversations (as
         llama.cpp's template capabilities): ``tools`` (lists the request's tools),
         ``tool_calls`` (shows an assistant's calls), ``tool_responses`` (shows tool results),
-        ``object_arguments`` (expects a call's arguments as an object, e.g. ``| tojson``)."""
+        ``object_arguments`` (expects a call's arguments as an object, e.g. ``| tojson``),
+        ``parallel_tool_calls`` (shows two calls of one message), ``system_role`` (shows a system
+        message), ``string_content`` / ``typed_content`` (shows content given as a string / as a
+        list of text parts), ``preserve_reasoning`` (shows an earlier reply's reasoning_content)."""
         if self._caps is None:
             self._caps = self._probe()
         return self._caps
@@ -303,10 +306,31 @@ class ChatTemplate:
                      "content": "probe_tool_result"}, user]
         as_object = out(call_convo({"probe_arg": 1}), tools=[tool])
         as_string = out(call_convo('{"probe_arg": 1}'), tools=[tool])
+        two = call_convo({"probe_arg": 1})
+        two[1]["tool_calls"] = two[1]["tool_calls"] + [{"id": "probe0002", "type": "function", "function": {
+            "name": "probe_second_name", "arguments": {"probe_arg": 2}}}]
+        parallel = out(two, tools=[tool])
+        thought = [user, {"role": "assistant", "content": "probe_reply", "reasoning_content": "probe_thought"}, user]
+        typed = self._format is None and "probe_typed_text" in out(
+            [{"role": "user", "content": [{"type": "text", "text": "probe_typed_text"}]}])
         return {"tools": "probe_tool_name" in out([user], tools=[tool]),
                 "tool_calls": "probe_call_name" in as_object + as_string,
                 "tool_responses": "probe_tool_result" in as_object + as_string,
-                "object_arguments": '"probe_arg": 1' in as_object}
+                "object_arguments": '"probe_arg": 1' in as_object,
+                "parallel_tool_calls": "probe_call_name" in parallel and "probe_second_name" in parallel,
+                "system_role": "probe_system_text" in out([{"role": "system", "content": "probe_system_text"}, user]),
+                "string_content": "probe_string_text" in out([{"role": "user", "content": "probe_string_text"}]),
+                "typed_content": typed,
+                "preserve_reasoning": "probe_thought" in out(thought)}
+
+    def llama_caps(self) -> dict[str, bool]:
+        """llama-server's /props `chat_template_caps`, from :attr:`caps`."""
+        c = self.caps
+        return {"supports_object_arguments": c["object_arguments"],
+                "supports_parallel_tool_calls": c["parallel_tool_calls"],
+                "supports_preserve_reasoning": c["preserve_reasoning"], "supports_string_content": c["string_content"],
+                "supports_system_role": c["system_role"], "supports_tool_calls": c["tool_calls"],
+                "supports_tools": c["tools"], "supports_typed_content": c["typed_content"]}
 
     @property
     def source(self) -> str:

@@ -19,6 +19,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Server flags for tests whose slots hold more positions than the tiny test models' training
+# context (512), which a slot's context is otherwise capped at, as llama-server caps it.
+LONG_CONTEXT = ("--override-kv", "llama.context_length=int:131072")
+
+
 def _not_json(name: str):
     raise ValueError(f"{name} is not JSON (a client's parser refuses it)")
 

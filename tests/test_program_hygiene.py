@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pyllama.cli import Parser
-from server_util import RPCServerProcess, ServerProcess, free_port
+from server_util import LONG_CONTEXT, RPCServerProcess, ServerProcess, free_port
 
 LEVEL = re.compile(r"^\S+ \S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
 
@@ -120,7 +120,7 @@ def _stream_in_flight(srv: ServerProcess) -> threading.Thread:
 
 @pytest.fixture()
 def long_server(tiny_model):
-    srv = ServerProcess(tiny_model, "-np", "1", "-c", "100000").wait_ready()
+    srv = ServerProcess(tiny_model, "-np", "1", "-c", "100000", *LONG_CONTEXT).wait_ready()
     yield srv
     if srv.proc.poll() is None:
         srv.proc.kill()

@@ -19,7 +19,7 @@ from pyllama.engine import Engine
 from pyllama.rpc import stats
 from pyllama.rpc.connection import Connection
 from pyllama.rpc.protocol import Cap
-from server_util import RPCServerProcess, ServerProcess
+from server_util import LONG_CONTEXT, RPCServerProcess, ServerProcess
 
 PROMPT = "The little cat sat on the"
 
@@ -113,7 +113,8 @@ def test_one_read_round_trip_per_decode_step(tiny_model, peers, order):
 
 def test_peer_killed_mid_generation(tiny_model):
     peer = RPCServerProcess()
-    srv = ServerProcess(tiny_model, "--rpc", peer.endpoint, "--device", "RPC0,CPU", "-np", "2", "-c", "4096").wait_ready()
+    srv = ServerProcess(tiny_model, "--rpc", peer.endpoint, "--device", "RPC0,CPU", "-np", "2", "-c", "4096",
+                        *LONG_CONTEXT).wait_ready()
     try:
         events: list = []
         t = threading.Thread(target=lambda: events.extend(

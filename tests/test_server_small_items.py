@@ -99,3 +99,19 @@ def test_local_fault_clears_on_the_next_good_step(tiny_model, monkeypatch):
         assert health() == (200, {"status": "ok"})
     finally:
         group.stop()
+
+
+def test_slot_context_is_capped_at_the_training_context(tiny_model):
+    """As llama-server: a slot never holds more positions than the model was trained on (the tiny
+    model's 512), whatever -c / -np give it."""
+    s = ServerProcess(tiny_model, "-c", "2048", "-np", "2").wait_ready()
+    try:
+        status, props = s.request("GET", "/props")
+        assert status == 200 and props["default_generation_settings"]["n_ctx"] == 512
+        status, res = s.post("/completion", {"prompt": [1] * 600, "n_predict": 1})
+        assert status == 400 and "context" in res["error"]["message"]
+        status, res = s.post("/completion", {"prompt": [1] * 400, "n_predict": 1})
+        assert status == 200, res
+    finally:
+        assert s.stop() == 0
+    assert "the slot context (1024) exceeds the training context of the model (512)" in s.stderr_text

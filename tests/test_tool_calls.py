@@ -343,14 +343,14 @@ def test_bad_arguments_in_history_is_400_text():
 
 # --- a real server: required calls constrained to each family's format, read by the openai client
 
-from server_util import ServerProcess  # noqa: E402
+from server_util import LONG_CONTEXT, ServerProcess  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILY_TEMPLATES))
 def family_server(request, tiny_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("tpl") / f"{request.param}.jinja"
     path.write_text(FAMILY_TEMPLATES[request.param])
-    server = ServerProcess(tiny_model, "--chat-template-file", str(path), "-c", "2048", "-np", "2")
+    server = ServerProcess(tiny_model, "--chat-template-file", str(path), "-c", "2048", "-np", "2", *LONG_CONTEXT)
     try:
         server.wait_ready()
         yield request.param, server

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from server_util import RPCServerProcess, ServerProcess
+from server_util import LONG_CONTEXT, RPCServerProcess, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -68,7 +68,7 @@ def browser():
 @pytest.fixture(scope="module")
 def chat_server(tiny_model):
     # --ignore-eos: a reply runs to its max_tokens (the stop test needs a long one)
-    srv = ServerProcess(tiny_model, "-np", "2", "-c", "8192", "--ignore-eos").wait_ready()
+    srv = ServerProcess(tiny_model, "-np", "2", "-c", "8192", "--ignore-eos", *LONG_CONTEXT).wait_ready()
     yield srv
     assert srv.stop() == 0
 

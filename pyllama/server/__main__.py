@@ -84,7 +84,8 @@ def load(state: ServerState) -> None:
         if args.backend_sampling and not backend_sampling and g == 0:
             log.warning("--backend-sampling: the device of the output layer does not run the sampler (an rpc server "
                         "without the capability); sampling on this host")
-        slots = [Slot(g * seq_group + i, g, i, ctx.seq_cap, engine.tokenizer, special=args.special)
+        n_ctx_slot = slot_context(ctx.seq_cap, hp.n_ctx_train, warn=g == 0)
+        slots = [Slot(g * seq_group + i, g, i, n_ctx_slot, engine.tokenizer, special=args.special)
                  for i in range(seq_group)]
         state.groups.append(PipelineGroup(g, ctx, slots, engine.tokenizer, state.metrics, on_free=lambda s: None,
                                           n_threads=1, backend_sampling=backend_sampling,
@@ -95,7 +96,7 @@ def load(state: ServerState) -> None:
     if ctx.placement.n_stages > 1:  # the groups take turns at each stage of the split
         share_stages(state.groups, pipeline_chunk(args.pipeline_chunk, engine.model, ctx.placement.backends))
     state.slots_per_group = seq_group
-    state.n_ctx_slot = ctx.seq_cap
+    state.n_ctx_slot = n_ctx_slot
     tok = engine.tokenizer
     try:
         state.chat = template_from_option(
@@ -123,10 +124,22 @@ def load(state: ServerState) -> None:
                for name, (tk, tv) in ctx.kv_types.items()}
     log.info("model %s loaded: %d slots in %d pipeline group(s); at most %d positions per request (%s KV); "
              "KV cache %s; weights %s; needed in all %s; layers: %s",
-             state.model_alias, args.parallel, n_groups, ctx.seq_cap, "unified" if args.kv_unified else "split",
+             state.model_alias, args.parallel, n_groups, state.n_ctx_slot, "unified" if args.kv_unified else "split",
              _mib(kv_desc), _mib(engine.weights.bytes_per_backend), _mib(need), engine.placement.describe())
     state.router = router
     state.engine = engine
+
+
+def slot_context(seq_cap: int, n_ctx_train: int, warn: bool = False) -> int:
+    """The positions a slot may hold: its share of the KV cache, but never more than the model
+    was trained on (llama-server caps it the same way: past that, RoPE positions the model never
+    saw make its output degrade)."""
+    if 0 < n_ctx_train < seq_cap:
+        if warn:
+            log.warning("the slot context (%d) exceeds the training context of the model (%d): capping it",
+                        seq_cap, n_ctx_train)
+        return n_ctx_train
+    return seq_cap
 
 
 def warm_up(groups: list[PipelineGroup], tokenizer) -> None:

@@ -408,6 +408,17 @@ def test_infill_prompt_layout():
         infill_prompt(Tok(), {"input_prefix": 3})
 
 
+def test_lora_adapters_none_loaded(srv):
+    status, doc = srv.get("/lora-adapters")
+    assert status == 200 and doc == []
+    status, doc = srv.post("/lora-adapters", [])
+    assert status == 200 and doc == {"success": True}
+    status, doc = srv.post("/lora-adapters", [{"id": 0, "scale": 0.5}])
+    assert status == 400 and "invalid adapter id" in doc["error"]["message"]
+    status, doc = srv.post("/lora-adapters", {"id": 0})
+    assert status == 400
+
+
 def test_embeddings_need_the_embedding_flag(srv):
     for path in ("/embedding", "/embeddings", "/v1/embeddings"):
         status, doc = srv.post(path, {"input": "x"})

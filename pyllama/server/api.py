@@ -320,6 +320,7 @@ class Api:
             ("GET", "/props"): self.props, ("POST", "/props"): self.props_change,
             ("GET", "/slots"): self.slots, ("POST", "/slots/*"): self.slot_action,
             ("GET", "/metrics"): self.metrics,
+            ("GET", "/lora-adapters"): self.lora_adapters, ("POST", "/lora-adapters"): self.lora_adapters,
             ("POST", "/infill"): self.infill,
             ("POST", "/embedding"): self.embeddings, ("POST", "/embeddings"): self.embeddings,
             ("POST", "/v1/embeddings"): self.oai_embeddings,
@@ -455,6 +456,18 @@ class Api:
         body = req.json()
         if not isinstance(body, dict):
             raise HTTPError(400, "the request body must be a JSON object")
+        return json_response({"success": True})
+
+    async def lora_adapters(self, req: Request) -> Response:
+        """llama-server's /lora-adapters with none loaded (--lora is refused): GET lists none, POST
+        takes the empty list and refuses any adapter id, as llama-server does for an unknown id."""
+        if req.method == "GET":
+            return json_response([])
+        body = req.json()
+        if not isinstance(body, list):
+            raise HTTPError(400, "the request body must be an array of {\"id\", \"scale\"} objects")
+        if body:
+            raise HTTPError(400, "invalid adapter id: no LoRA adapters are loaded (pyllama does not support them)")
         return json_response({"success": True})
 
     async def slots(self, req: Request) -> Response:

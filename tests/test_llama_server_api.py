@@ -199,7 +199,8 @@ def test_props_values(srv, tiny_model):
     assert props["model_path"] == tiny_model and props["model_alias"] == os.path.basename(tiny_model)
     assert props["bos_token"] == "<s>" and props["eos_token"] == srv.state.tokenizer.token_text(srv.state.tokenizer.eos_id)
     assert props["build_info"].startswith("pyllama ")
-    assert props["modalities"] == {"vision": False, "audio": False}
+    assert props["modalities"] == {"vision": False, "video": False, "audio": False}
+    assert props["model_ftype"] == "all F32" and props["is_sleeping"] is False  # llama.cpp's name of the type
     assert props["chat_template"] == srv.state.chat.source
     assert props["chat_template_caps"] == srv.state.chat.llama_caps()
     assert props["chat_template_caps"]["supports_string_content"] is True
@@ -280,6 +281,7 @@ def test_models(srv, tiny_model):
     (m,) = doc["data"]
     assert (m["id"], m["object"], m["aliases"], m["tags"]) == (name, "model", [name], [])
     assert m["meta"]["n_vocab"] == 512 and m["meta"]["n_ctx_train"] == srv.state.engine.model.hparams.n_ctx_train
+    assert m["meta"]["n_ctx"] == srv.state.n_ctx_slot and m["meta"]["ftype"] == "all F32"
     (o,) = doc["models"]
     assert (o["name"], o["model"], o["details"]["format"]) == (name, name, "gguf")
     with srv.settings(aliases=[name, "short"]):

@@ -500,3 +500,14 @@ def test_api_errors(tmp_path):
         with pytest.raises(ValueError):
             make_model(args.pop("preset"), out, **args)
     assert not os.path.exists(out)
+
+
+def test_file_type_names_are_llama_cpps():
+    from gguf import LlamaFileType as F
+
+    from pyllama.models.gguf_file import file_type_name
+    assert file_type_name(int(F.ALL_F32)) == "all F32" and file_type_name(int(F.MOSTLY_F16)) == "F16"
+    assert file_type_name(int(F.MOSTLY_Q4_K_M)) == "Q4_K - Medium" and file_type_name(int(F.MOSTLY_Q6_K)) == "Q6_K"
+    assert file_type_name(int(F.MOSTLY_Q2_K_S)) == "Q2_K - Small" and file_type_name(int(F.MOSTLY_BF16)) == "BF16"
+    for missing in (None, 999, "15", True):
+        assert file_type_name(missing) == "unknown, may not work"

@@ -259,3 +259,17 @@ def apply_kv_overrides(metadata: dict[str, Any], overrides: Mapping[str, Any], s
             raise ModelFileError(f"{source}: --override-kv {key}: the file's value is a {_kind(metadata[key])}, "
                                  f"not a {_kind(value)}")
         metadata[key] = value
+
+
+# general.file_type -> llama.cpp's name for it (llama_model_ftype_name), for the types pyllama reads
+_FTYPE_NAMES = {0: "all F32", 1: "F16", 32: "BF16", 2: "Q4_0", 3: "Q4_1", 8: "Q5_0", 9: "Q5_1", 7: "Q8_0",
+                10: "Q2_K - Medium", 21: "Q2_K - Small", 11: "Q3_K - Small", 12: "Q3_K - Medium",
+                13: "Q3_K - Large", 14: "Q4_K - Small", 15: "Q4_K - Medium", 16: "Q5_K - Small",
+                17: "Q5_K - Medium", 18: "Q6_K"}
+
+
+def file_type_name(file_type: Any) -> str:
+    """llama.cpp's name of a GGUF's general.file_type ("Q4_K - Medium"), as llama-server reports it."""
+    if isinstance(file_type, int) and not isinstance(file_type, bool) and file_type in _FTYPE_NAMES:
+        return _FTYPE_NAMES[file_type]
+    return "unknown, may not work"

@@ -20,6 +20,7 @@ import numpy as np
 import ujson
 
 from .. import __version__
+from ..models.gguf_file import file_type_name
 from ..sampling import SamplingParams
 from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
 from .chat import ChatTemplate, ChatTemplateError
@@ -370,8 +371,9 @@ class Api:
         st = self.state
         hp = st.engine.model.hparams
         meta = {"vocab_type": 2 if st.tokenizer.__class__.__name__.lower().startswith("bpe") else 1,
-                "n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train, "n_embd": hp.n_embd,
-                "n_params": st.engine.model.n_params(), "size": st.engine.model.file.data.nbytes}
+                "n_vocab": hp.n_vocab, "n_ctx": st.n_ctx_slot, "n_ctx_train": hp.n_ctx_train, "n_embd": hp.n_embd,
+                "n_params": st.engine.model.n_params(), "size": st.engine.model.file.data.nbytes,
+                "ftype": self._ftype()}
         aliases = list(st.aliases) or [st.model_alias]
         name = st.model_alias or aliases[0]
         tags = _tags(st.args)
@@ -383,6 +385,9 @@ class Api:
             "object": "list",
             "data": [{"id": name, "aliases": aliases, "tags": tags, "object": "model", "created": st.created,
                       "owned_by": "pyllama", "meta": meta}]})
+
+    def _ftype(self) -> str:
+        return file_type_name(self.state.engine.model.file.get("general.file_type"))
 
     async def tokenize(self, req: Request) -> Response:
         _require_ready(self.state)
@@ -441,7 +446,8 @@ class Api:
             "chat_template": st.chat.source if st.chat else "",
             "chat_template_caps": st.chat.llama_caps() if st.chat else {},
             "bos_token": _token_text(tok, tok.bos_id), "eos_token": _token_text(tok, tok.eos_id),
-            "modalities": {"vision": False, "audio": False},
+            "model_ftype": self._ftype(), "is_sleeping": False,
+            "modalities": {"vision": False, "video": False, "audio": False},
             "build_info": f"pyllama {__version__}",
             "endpoint_slots": st.slots_enabled, "endpoint_props": st.props_writable,
             "endpoint_metrics": st.metrics_enabled,

@@ -155,14 +155,22 @@ def test_without_embedding_flag_embeddings_answer_501(tiny_model):
         assert srv.stop() == 0
 
 
-def test_with_embedding_flag_completions_answer_501(pooled):
+def test_with_embedding_flag_completions_are_served_too(pooled, tiny_model):
+    """As llama-server (build 9749): --embeddings adds the embedding endpoints and the completion
+    ones keep working, with the same tokens as a server without the flag."""
     _, srv = pooled
-    for path, body in (("/completion", {"prompt": "hi"}), ("/v1/completions", {"prompt": "hi"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-                       ("/infill", {"input_prefix": "a", "input_suffix": "b"})):
-        status, res = srv.post(path, body)
-        assert status == 501, path
-        assert res["error"]["message"] == "This server does not support completions. Start it without `--embeddings`"
+    body = {"prompt": "Once upon a time", "n_predict": 6, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+    status, res = srv.post("/completion", body)
+    assert status == 200 and res["tokens_predicted"] == 6
+    plain = start(tiny_model)
+    try:
+        assert plain.post("/completion", body)[1]["tokens"] == res["tokens"]
+    finally:
+        assert plain.stop() == 0
+    status, res = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert status == 200 and res["usage"]["completion_tokens"] == 2
+    status, res = srv.post("/embedding", {"content": "hello"})  # and embeddings after them
+    assert status == 200 and len(res[0]["embedding"][0]) == 64
 
 
 def test_same_over_an_rpc_split(tiny_model):

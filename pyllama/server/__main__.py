@@ -71,8 +71,7 @@ def load(state: ServerState) -> None:
     engine.load()
     state.pooling = model_pooling(engine.model.file, args.pooling)
     if args.embedding:
-        log.info("embeddings: pooling %s; completion endpoints are off (as llama-server with --embeddings)",
-                 state.pooling)
+        log.info("embeddings: pooling %s", state.pooling)
     state.groups = []
     for g in range(n_groups):
         ctx = engine.new_context(ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified,

@@ -330,19 +330,12 @@ class Api:
         if self.webui is not None:
             for path in self.webui.paths():
                 r[("GET", path)] = self.page
-        if getattr(self.state.args, "embedding", False):  # as llama-server: an embedding server generates nothing
-            for key in (("POST", "/completion"), ("POST", "/completions"), ("POST", "/v1/completions"),
-                        ("POST", "/v1/chat/completions"), ("POST", "/chat/completions"), ("POST", "/infill")):
-                r[key] = self.completions_off
         return r
 
     def public_paths(self) -> frozenset[str]:
         """Paths answered without an API key: the probes and the pages with their files."""
         return PUBLIC_PATHS | (self.webui.paths() if self.webui is not None else frozenset())
 
-    async def completions_off(self, req: Request) -> Response:
-        raise HTTPError(501, "This server does not support completions. Start it without `--embeddings`",
-                        NOT_SUPPORTED)
 
     # --- simple endpoints ------------------------------------------------------------------------
     async def health(self, req: Request) -> Response:

@@ -162,6 +162,8 @@ def test_text_completion_logprobs_in_both_forms(server):
     assert [c["token"] for c in lp["content"]] == lp["tokens"]
     assert [c["logprob"] for c in lp["content"]] == lp["token_logprobs"]
     assert all(len(c["top_logprobs"]) == 2 for c in lp["content"])
+    assert all(isinstance(c["id"], int) and all(isinstance(t["id"], int) for t in c["top_logprobs"])
+               for c in lp["content"])  # llama-server's entries carry the ids
     events = [e for e in server.stream("/v1/completions", body) if e != "[DONE]"]
     streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
     assert [x["tokens"][0] for x in streamed] == lp["tokens"]

@@ -1137,8 +1137,10 @@ def _logprob(entry: dict) -> float:
 
 def _oai_logprob(entry: dict) -> dict:
     top = entry.get("top_logprobs", entry.get("top_probs", []))
-    return {"token": entry["token"], "logprob": _logprob(entry), "bytes": entry["bytes"],
-            "top_logprobs": [{"token": t["token"], "logprob": _logprob(t), "bytes": t["bytes"]} for t in top]}
+    # llama-server's entries carry the token id beside OpenAI's fields
+    return {"id": entry["id"], "token": entry["token"], "logprob": _logprob(entry), "bytes": entry["bytes"],
+            "top_logprobs": [{"id": t["id"], "token": t["token"], "logprob": _logprob(t), "bytes": t["bytes"]}
+                             for t in top]}
 
 
 def _oai_text_logprobs(entries: list[dict], offset: int = 0) -> dict:

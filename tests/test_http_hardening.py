@@ -520,7 +520,9 @@ def test_parse_completion_answers_400_or_valid_params(body, oai):
         assert exc.status == 400 and exc.message
         return
     p.sampling.validate()
-    assert -1 <= p.n_predict < 2**31 and 1 <= p.n <= 4 and 0 <= p.n_probs <= 20
+    assert -1 <= p.n_predict < 2**31 and 1 <= p.n <= 4 and 0 <= p.n_probs <= 1024
+    assert p.n_probs <= 20 or not p.post_sampling_probs  # the sampling kernel keeps at most 20
+    assert p.sampling.n_probs == min(p.n_probs, 20)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -367,6 +367,18 @@ def test_probabilities_pre_and_post_sampling(srv):
                                     "ignore_eos": True})
     for e in g["completion_probabilities"]:
         assert e["top_logprobs"][0]["id"] == e["id"] and e["top_logprobs"][0]["logprob"] == e["logprob"]
+    # as llama-server, more candidates than the sampling kernel keeps (20): they come from the logits row
+    _, many = srv.post("/completion", {**body, "n_probs": 50})
+    assert many["tokens"] == pre["tokens"]
+    for e, few in zip(many["completion_probabilities"], pre["completion_probabilities"]):
+        assert len(e["top_logprobs"]) == 50 and e["top_logprobs"][:5] == few["top_logprobs"]
+    status, doc = srv.post("/completion", {**body, "n_probs": 50, "post_sampling_probs": True})
+    assert status == 400 and "'n_probs' must be between 0 and 20" in doc["error"]["message"]
+    status, doc = srv.post("/completion", {**body, "n_probs": 5000})
+    assert status == 400 and "'n_probs' must be between 0 and 1024" in doc["error"]["message"]
+    status, doc = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                    "logprobs": True, "top_logprobs": 30})
+    assert status == 200 and len(doc["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 30
 
 
 def test_verbose(srv):

@@ -40,6 +40,7 @@ from .metrics import Metrics
 from .pipeline_stats import StepLog
 from ..busy import now_us
 from .embedding import rows_wanted
+from .params import MAX_POST_SAMPLING_PROBS
 from .slot import Slot, SlotState, common_prefix, presampling_probs, token_probs
 from .task import CompletionTask, EmbeddingEvent, ErrorEvent, EventSink, FinalEvent, ProgressEvent
 from ..threads import Thread
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 
 _FEEDING = (SlotState.PROMPT, SlotState.RECOMPUTE)
 
-MAX_PROBS = 20
 # Rows up to which a step computes each row exactly as a one-row decode would (the CPU backend's
 # streaming kernel sums in a fixed order whatever the row count; BLAS, above, does not). Tokens
 # that were generated are recomputed in steps at most this large, so that their K/V, and so the
@@ -85,8 +85,8 @@ class PipelineGroup:
         self._inbox: deque[list[tuple[Slot, CompletionTask]]] = deque()
         self._running = True
         # a chosen token's probability is read only for requests with n_probs (token_probs)
-        self.sampler = BatchSampler(ctx.hparams.n_vocab, max(len(slots), 1), MAX_PROBS, n_threads=n_threads,
-                                    chosen_prob=False)
+        self.sampler = BatchSampler(ctx.hparams.n_vocab, max(len(slots), 1), MAX_POST_SAMPLING_PROBS,
+                                    n_threads=n_threads, chosen_prob=False)
         # sampling where the logits are: only ids come back (the caller checked the device can)
         self.backend_sampling = backend_sampling
         self.sink = EventSink()

@@ -13,7 +13,12 @@ from ..tokenizer import Tokenizer
 from .constraint import ConstraintSpec, json_schema_spec
 from .http import HTTPError
 
-MAX_N_PROBS = 20
+# Candidates per token: llama-server's default probabilities (the raw logits' softmax, computed on
+# the host from the logits row) take any count, bounded here so that one request cannot make every
+# token's entry a slice of the vocabulary; probabilities after the sampler chain come from the
+# sampling kernel, which keeps at most MAX_POST_SAMPLING_PROBS per row.
+MAX_N_PROBS = 1024
+MAX_POST_SAMPLING_PROBS = 20
 # Integer fields are int32 in llama-server; JSON integers are unbounded here, and a value past
 # int32 is never meaningful (n_predict 1e18 would only run until the slot is full).
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
@@ -257,13 +262,15 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
     for name in ("n_predict", "max_tokens", "max_completion_tokens"):
         if body.get(name) is not None:
             n_predict = get_int(body, name, default_n_predict, lo=-1)  # type: ignore[assignment]
-    n_probs = get_int(body, "n_probs", 0, lo=0, hi=MAX_N_PROBS) or 0
+    post_sampling = get_bool(body, "post_sampling_probs", False)
+    hi = MAX_POST_SAMPLING_PROBS if post_sampling else MAX_N_PROBS
+    n_probs = get_int(body, "n_probs", 0, lo=0, hi=hi) or 0
     if oai:  # OpenAI's forms: completions take an int, chat takes a bool plus top_logprobs
         lp = body.get("logprobs")
         if isinstance(lp, bool):
-            n_probs = get_int(body, "top_logprobs", 1 if lp else 0, lo=0, hi=MAX_N_PROBS) if lp else 0  # type: ignore[assignment]
+            n_probs = get_int(body, "top_logprobs", 1 if lp else 0, lo=0, hi=hi) if lp else 0  # type: ignore[assignment]
         elif lp is not None:
-            n_probs = get_int(body, "logprobs", 0, lo=0, hi=MAX_N_PROBS)  # type: ignore[assignment]
+            n_probs = get_int(body, "logprobs", 0, lo=0, hi=hi)  # type: ignore[assignment]
     given = _GENERATION_DEFAULTS
     defaults = given.sampling
     sampling = SamplingParams(
@@ -276,7 +283,8 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         frequency_penalty=get_float(body, "frequency_penalty", defaults.frequency_penalty),
         presence_penalty=get_float(body, "presence_penalty", defaults.presence_penalty),
         seed=get_int(body, "seed", defaults.seed, lo=-1, hi=0xFFFFFFFF),  # type: ignore[arg-type]
-        n_probs=n_probs,
+        # the kernel's share: the default probabilities are computed from the logits row instead
+        n_probs=min(n_probs, MAX_POST_SAMPLING_PROBS),
         logit_bias=parse_logit_bias(body, n_vocab, tokenizer),
         typical_p=get_float(body, "typical_p", defaults.typical_p),
         min_keep=get_int(body, "min_keep", defaults.min_keep, lo=0),  # type: ignore[arg-type]
@@ -317,7 +325,7 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         return_tokens=get_bool(body, "return_tokens", False), response_fields=get_fields(body),
         timings_per_token=get_bool(body, "timings_per_token", False),
         return_progress=get_bool(body, "return_progress", False),
-        post_sampling_probs=get_bool(body, "post_sampling_probs", False),
+        post_sampling_probs=post_sampling,
         constraint=parse_constraint(body))
 
 

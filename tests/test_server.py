@@ -215,6 +215,32 @@ def test_slots_and_metrics(server):
         assert name in after
 
 
+def test_slots_show_a_running_requests_settings(server):
+    done = threading.Event()
+
+    def run():
+        try:
+            server.post("/completion", {"prompt": PROMPT, "n_predict": 300, "temperature": 0, "ignore_eos": True,
+                                        "top_k": 7, "stop": ["zzz"], "cache_prompt": False})
+        finally:
+            done.set()
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        busy = []
+        deadline = time.monotonic() + 30
+        while not busy and not done.is_set() and time.monotonic() < deadline:
+            busy = [s for s in server.request("GET", "/slots")[1] if s["is_processing"] and s["n_decoded"] > 0]
+        assert busy, "the request was not seen running"
+        slot = busy[0]
+        # as llama-server's: the request's settings and where its generation stands
+        assert slot["params"]["top_k"] == 7 and slot["params"]["stop"] == ["zzz"] and slot["params"]["n_predict"] == 300
+        nt = slot["next_token"][0]
+        assert nt["has_next_token"] is True and 0 < nt["n_decoded"] <= 300 and nt["n_remain"] == 300 - nt["n_decoded"]
+    finally:
+        t.join(60)
+
+
 def test_32_concurrent_streams_get_exact_counts(server):
     results: dict[int, int] = {}
     errors: list[str] = []

@@ -705,6 +705,7 @@ class Api:
         if p.id_slot >= sum(len(g.slots) for g in st.groups):
             raise HTTPError(400, f"'id_slot' {p.id_slot} does not exist")
         out = []
+        settings = _settings(st, p)
         for k, prompt in enumerate(prompts):
             if not prompt:
                 raise HTTPError(400, "the prompt is empty")
@@ -722,7 +723,8 @@ class Api:
                     prompt=prompt, params=sampling, n_predict=p.n_predict, n_keep=p.n_keep, ignore_eos=p.ignore_eos,
                     stop=p.stop, n_probs=p.n_probs, post_sampling_probs=p.post_sampling_probs,
                     timings_per_token=p.timings_per_token, return_progress=p.return_progress and p.stream,
-                    cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=k * p.n + i, matcher=matcher))
+                    cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=k * p.n + i, matcher=matcher,
+                    settings=settings))
             out.append(tasks)
         return out
 

@@ -239,8 +239,12 @@ class Slot:
             "n_decoded": self.n_decoded if task else 0,
             "n_preempted": self.n_preempted if task else 0,
             "n_context_shifts": self.n_shifted if task else 0,
-            "params": {"n_predict": task.n_predict, "temperature": task.params.temperature,
+            # as llama-server's: the request's settings (the seed drawn for it) and where generation stands
+            "params": {**task.settings, "n_predict": task.n_predict, "temperature": task.params.temperature,
                        "seed": self.sampler.seed if self.sampler else task.params.seed} if task else {},
+            "next_token": [{"has_next_token": self.busy, "has_new_line": "\n" in self.text,
+                            "n_remain": task.n_predict - self.n_decoded if task and task.n_predict >= 0 else -1,
+                            "n_decoded": self.n_decoded if task else 0}],
         }
 
 

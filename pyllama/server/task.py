@@ -33,6 +33,7 @@ class CompletionTask:
     embedding: bool = False                 # the prompt's pooled hidden state is the result: no sampling
     matcher: Any = None                     # constrained output: a fresh llguidance matcher (constraint.py)
     id_slot: int = -1
+    settings: dict = field(default_factory=dict)  # the request's generation_settings, which /slots shows
     index: int = 0                          # choice index within a request with n > 1
     siblings: list["CompletionTask"] = field(default_factory=list)  # the other choices, to be placed together
     id: int = field(default_factory=lambda: next(_task_ids))

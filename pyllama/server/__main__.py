@@ -73,6 +73,7 @@ def load(state: ServerState) -> None:
     if args.embedding:
         log.info("embeddings: pooling %s", state.pooling)
     state.groups = []
+    n_ctx_slot = 0
     for g in range(n_groups):
         ctx = engine.new_context(ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified,
                                  type_k, type_v)
@@ -83,7 +84,7 @@ def load(state: ServerState) -> None:
         if args.backend_sampling and not backend_sampling and g == 0:
             log.warning("--backend-sampling: the device of the output layer does not run the sampler (an rpc server "
                         "without the capability); sampling on this host")
-        n_ctx_slot = slot_context(ctx.seq_cap, hp.n_ctx_train, warn=g == 0)
+        n_ctx_slot = n_ctx_slot or slot_context(ctx.seq_cap, hp.n_ctx_train)  # the same in every group
         slots = [Slot(g * seq_group + i, g, i, n_ctx_slot, engine.tokenizer, special=args.special)
                  for i in range(seq_group)]
         state.groups.append(PipelineGroup(g, ctx, slots, engine.tokenizer, state.metrics, on_free=lambda s: None,
@@ -129,14 +130,13 @@ def load(state: ServerState) -> None:
     state.engine = engine
 
 
-def slot_context(seq_cap: int, n_ctx_train: int, warn: bool = False) -> int:
+def slot_context(seq_cap: int, n_ctx_train: int) -> int:
     """The positions a slot may hold: its share of the KV cache, but never more than the model
     was trained on (llama-server caps it the same way: past that, RoPE positions the model never
     saw make its output degrade)."""
     if 0 < n_ctx_train < seq_cap:
-        if warn:
-            log.warning("the slot context (%d) exceeds the training context of the model (%d): capping it",
-                        seq_cap, n_ctx_train)
+        log.warning("the slot context (%d) exceeds the training context of the model (%d): capping it",
+                    seq_cap, n_ctx_train)
         return n_ctx_train
     return seq_cap
 

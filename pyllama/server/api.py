@@ -180,6 +180,10 @@ def _timings(final: FinalEvent) -> dict:
                          final.n_prompt - final.n_evaluated)
 
 
+def _usage(n_prompt: int, n_gen: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+
+
 def _finish_reason(final: FinalEvent) -> str:
     return "length" if final.stop_type == "limit" else "stop"
 
@@ -263,12 +267,15 @@ class ChatReply:
         self.thoughts = ReasoningStream(spec.reasoning_format, spec.forced_open)
         self.calls = ToolCallStream(spec.family, spec.tools.parallel) \
             if spec.family is not None and spec.tools.parse_calls else None
+        self._prefill = spec.prefill  # read before the first generated text, and sent with it
 
     def feed(self, text: str) -> list[dict]:
+        if self._prefill:
+            text, self._prefill = self._prefill + text, ""
         return self._deltas(*self.thoughts.feed(text)) if text else []
 
     def finish(self) -> list[dict]:
-        out = self._deltas(*self.thoughts.finish())
+        out = self.feed("") + self._deltas(*self.thoughts.finish())
         if self.calls is not None:
             out += self.calls.finish()
         return out
@@ -335,7 +342,6 @@ class Api:
     def public_paths(self) -> frozenset[str]:
         """Paths answered without an API key: the probes and the pages with their files."""
         return PUBLIC_PATHS | (self.webui.paths() if self.webui is not None else frozenset())
-
 
     # --- simple endpoints ------------------------------------------------------------------------
     async def health(self, req: Request) -> Response:
@@ -705,7 +711,7 @@ class Api:
         if p.id_slot >= sum(len(g.slots) for g in st.groups):
             raise HTTPError(400, f"'id_slot' {p.id_slot} does not exist")
         out = []
-        settings = _settings(st, p)
+        settings = _settings(st, p)  # once per request: its results and /slots show them
         for k, prompt in enumerate(prompts):
             if not prompt:
                 raise HTTPError(400, "the prompt is empty")
@@ -790,17 +796,19 @@ class Api:
         if p.stream:
             return StreamResponse(self._completion_stream(task_lists, p, prompts, texts))
         choices = await self._gather(task_lists)
-        out = [self._completion_json(c, p, prompts[c.index // p.n], texts[c.index // p.n]) for c in choices]
+        settings = task_lists[0][0].settings
+        out = [self._completion_json(c, p, prompts[c.index // p.n], texts[c.index // p.n], settings) for c in choices]
         return json_response(out[0] if len(out) == 1 else out)
 
     def _completion_json(self, c: Choice, p: CompletionParams, prompt: list[int], text_prompt: str,
-                         stream: bool = False) -> dict:
+                         settings: dict, stream: bool = False) -> dict:
+        """One choice's final result; `settings`: the request's generation_settings (its tasks')."""
         f = c.final
         assert f is not None
         out = {"index": c.index, "content": c.content, "tokens": c.tokens if p.return_tokens and not stream else [],
                "id_slot": f.id_slot, "stop": True,
                "model": self.state.model_alias, "tokens_predicted": f.n_predicted, "tokens_evaluated": f.n_prompt,
-               "generation_settings": _settings(self.state, p), "prompt": text_prompt,
+               "generation_settings": settings, "prompt": text_prompt,
                "has_new_line": "\n" in c.content, "truncated": f.truncated, "stop_type": f.stop_type,
                "stopping_word": f.stopping_word, "tokens_cached": f.n_cache,
                "timings": _timings(f)}
@@ -837,7 +845,8 @@ class Api:
             elif isinstance(ev, FinalEvent):
                 c.final = ev
                 c.text = [ev.text_tail]
-                yield sse_event(self._completion_json(c, p, prompt, texts[index // p.n], stream=True))
+                yield sse_event(self._completion_json(c, p, prompt, texts[index // p.n], task_lists[0][0].settings,
+                                                      stream=True))
             elif isinstance(ev, ErrorEvent):
                 yield sse_event({"error": {"code": ev.status, "message": ev.message, "type": ev.type}})
 
@@ -953,7 +962,7 @@ class Api:
             entry: dict = {"index": c.index, "finish_reason": _finish_reason(c.final)}
             if chat:
                 reply = ChatReply(chat_spec or ChatOutputSpec())
-                reply.feed((chat_spec.prefill if chat_spec else "") + c.content)
+                reply.feed(c.content)
                 reply.finish()
                 entry["finish_reason"] = chat_finish_reason(c.final, reply)
                 entry["message"] = reply.message()
@@ -966,13 +975,13 @@ class Api:
         out = {
             "id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": f"pyllama-{__version__}",
             "choices": out_choices,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen},
+            "usage": _usage(n_prompt, n_gen),
             "timings": _timings(choices[0].final) if choices[0].final else {},
         }
         if self.state.verbose:
             first = choices[0]
-            out["__verbose"] = self._completion_json(first, replace(p, response_fields=[]),
-                                                     task_lists[0][0].prompt, "") if first.final else {}
+            out["__verbose"] = self._completion_json(first, replace(p, response_fields=[]), task_lists[0][0].prompt,
+                                                     "", task_lists[0][0].settings) if first.final else {}
         return json_response(out)
 
     async def _oai_stream(self, task_lists, p, n_prompt, chat, rid, created, model,
@@ -980,8 +989,6 @@ class Api:
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_gen = 0
         replies = {t.index: ChatReply(chat_spec or ChatOutputSpec()) for ts in task_lists for t in ts} if chat else {}
-        # each choice's reply starts with the continued message's content, sent with its first token
-        prefills = {index: chat_spec.prefill for index in replies} if chat and chat_spec and chat_spec.prefill else {}
         offsets: dict[int, int] = {}  # per choice: characters of token text so far (text_offset)
         single = sum(len(ts) for ts in task_lists) == 1
 
@@ -1006,8 +1013,7 @@ class Api:
             if final is not None:  # as llama-server, the finishing chunk carries the timings (and usage)
                 out["timings"] = _timings(final)
                 if single:
-                    out["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
-                                    "total_tokens": n_prompt + n_gen}
+                    out["usage"] = _usage(n_prompt, n_gen)
             return sse_event(out)
 
         if chat:
@@ -1020,7 +1026,7 @@ class Api:
                 if chat:
                     # the reply's reader decides what the text is (content, reasoning, a call) and
                     # may hold it back; the token's logprobs go with the first delta it yields
-                    deltas = replies[index].feed(prefills.pop(index, "") + ev.text)
+                    deltas = replies[index].feed(ev.text)
                     if not deltas and ev.probs is not None:
                         deltas = [{}]
                     for k, d in enumerate(deltas):
@@ -1030,7 +1036,7 @@ class Api:
             elif isinstance(ev, FinalEvent):
                 if chat:
                     reply = replies[index]
-                    for d in reply.feed(prefills.pop(index, "") + ev.text_tail) + reply.finish():
+                    for d in reply.feed(ev.text_tail) + reply.finish():
                         yield chunk(index, None, None, delta=d)
                     yield chunk(index, None, chat_finish_reason(ev, reply), final=ev)
                     continue
@@ -1041,8 +1047,7 @@ class Api:
                 yield sse_event({"error": {"code": ev.status, "message": ev.message, "type": ev.type}})
         if p.include_usage:
             yield sse_event({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
-                                       "total_tokens": n_prompt + n_gen}})
+                             "usage": _usage(n_prompt, n_gen)})
         yield SSE_DONE
 
 

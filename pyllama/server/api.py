@@ -33,6 +33,7 @@ from .static import WebUI
 from .params import CompletionParams, parse_completion, split_prompts, tokenize_prompt
 from .reasoning import ReasoningStream, check_format, prompt_opens_thinking
 from .tool_calls import ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request
+from . import anthropic
 from . import embedding as embd
 from .task import CompletionTask, EmbeddingEvent, ErrorEvent, FinalEvent, ProgressEvent, TokenEvent
 
@@ -322,6 +323,7 @@ class Api:
             ("POST", "/completion"): self.completion, ("POST", "/completions"): self.completion,
             ("POST", "/v1/completions"): self.oai_completion,
             ("POST", "/v1/chat/completions"): self.oai_chat, ("POST", "/chat/completions"): self.oai_chat,
+            ("POST", "/v1/messages"): self.messages, ("POST", "/v1/messages/count_tokens"): self.count_tokens,
             ("GET", "/v1/models"): self.models, ("GET", "/models"): self.models,
             ("POST", "/apply-template"): self.apply_template,
             ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
@@ -876,8 +878,54 @@ class Api:
     # OpenAI /v1/chat/completions
     async def oai_chat(self, req: Request) -> Response | StreamResponse:
         _require_ready(self.state)
-        p, prompt, spec = await _prepare(req, lambda: self._chat_input(req))
+        p, prompt, spec = await _prepare(req, lambda: self._chat_input(req.json()))
         return await self._oai(self._tasks([prompt], p), p, len(prompt), chat=True, chat_spec=spec)
+
+    # Anthropic /v1/messages
+    async def messages(self, req: Request) -> Response | StreamResponse:
+        _require_ready(self.state)
+        p, prompt, spec = await _prepare(req, lambda: self._chat_input(anthropic.chat_body(req.json())))
+        return await self._message_response(self._tasks([prompt], p), spec, p.stream)
+
+    async def _message_response(self, tasks: list[list[CompletionTask]], spec: ChatOutputSpec,
+                                stream: bool) -> Response | StreamResponse:
+        rid = "chatcmpl-" + uuid.uuid4().hex[:24]  # llama-server's ids
+        if stream:
+            return StreamResponse(self._messages_stream(tasks, rid, spec))
+        c = (await self._gather(tasks))[0]
+        assert c.final is not None
+        reply = ChatReply(spec)
+        reply.feed(c.content)
+        reply.finish()
+        return json_response(anthropic.message(rid, self.state.model_alias, anthropic.content_blocks(reply.message()),
+                                               anthropic.final_usage(c.final),
+                                               anthropic.ending(chat_finish_reason(c.final, reply), c.final)))
+
+    async def _messages_stream(self, task_lists, rid: str, spec: ChatOutputSpec) -> AsyncIterator[bytes]:
+        n_prompt = len(task_lists[0][0].prompt)  # how much of it the cache holds is known at the end
+        start = anthropic.message(rid, self.state.model_alias, [], anthropic.usage(n_prompt, n_prompt, 0))
+        yield anthropic.event("message_start", {"type": "message_start", "message": start})
+        reply, blocks = ChatReply(spec), anthropic.BlockStream()
+        async for _, ev in self._events(task_lists):
+            if isinstance(ev, TokenEvent):
+                for chunk in blocks.feed(reply.feed(ev.text)):
+                    yield chunk
+            elif isinstance(ev, FinalEvent):
+                for chunk in blocks.feed(reply.feed(ev.text_tail) + reply.finish()) + blocks.close():
+                    yield chunk
+                yield anthropic.event("message_delta", {
+                    "type": "message_delta", "delta": anthropic.ending(chat_finish_reason(ev, reply), ev),
+                    "usage": anthropic.final_usage(ev)})
+                yield anthropic.event("message_stop", {"type": "message_stop"})
+            elif isinstance(ev, ErrorEvent):
+                yield anthropic.event("error", {"type": "error", "error": {"type": ev.type, "message": ev.message}})
+
+    async def count_tokens(self, req: Request) -> Response:
+        """Anthropic /v1/messages/count_tokens: the rendered conversation's length in tokens."""
+        _require_ready(self.state)
+        _, prompt, _ = await _prepare(req, lambda: self._chat_input(anthropic.chat_body(req.json(),
+                                                                                         count_tokens=True)))
+        return json_response({"input_tokens": len(prompt)})
 
     def _render_chat(self, body: dict) -> tuple[str, str]:
         """(prompt text, prefill) of a chat body: template, prefill, chat_template_kwargs (chat.py)."""
@@ -897,11 +945,10 @@ class Api:
             return json_response({"prompt": self._render_chat(body)[0]})
         return await _prepare(req, work)
 
-    def _chat_input(self, req: Request) -> tuple[CompletionParams, list[int], ChatOutputSpec]:
-        """The parameters, the rendered, tokenized conversation and how to read the reply (off
-        the loop for large bodies)."""
+    def _chat_input(self, body: Any) -> tuple[CompletionParams, list[int], ChatOutputSpec]:
+        """A chat body's parameters, its rendered, tokenized conversation and how to read the
+        reply (off the loop for large bodies)."""
         st = self.state
-        body = req.json()
         if not isinstance(body, dict):
             raise HTTPError(400, "the request body must be a JSON object")
         p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=True, n_vocab=st.tokenizer.n_vocab,

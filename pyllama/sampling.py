@@ -209,7 +209,7 @@ class SamplingParams:
     dry_multiplier: float = 0.0  # 0: off
     dry_base: float = 1.75
     dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1  # -1: the context (capped at DRY_WINDOW), 0: off
+    dry_penalty_last_n: int = 64  # as llama-server; -1: the context (capped at DRY_WINDOW), 0: off
     dry_sequence_breakers: tuple[str, ...] = DEFAULT_DRY_BREAKERS
     # The breakers as token sequences (dry_breaker_table), made with the model's tokenizer; None
     # while DRY has no tokenizer to work with, in which case no token breaks a repeat.

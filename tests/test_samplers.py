@@ -538,6 +538,8 @@ def test_command_line_sets_the_chain():
     assert sampling_defaults(parse_args("-m M --sampling-seq kt".split())).samplers == ("top_k", "temperature")
     assert sampling_defaults(parse_args("-m M --dry-sequence-breaker none".split())).dry_sequence_breakers == ()
     assert sampling_defaults(parse_args("-m M".split())) == SamplingParams()
+    # llama-server's defaults (its --help): DRY, when turned on, looks back 64 tokens
+    assert SamplingParams().dry_penalty_last_n == 64
 
 
 # --- HTTP -----------------------------------------------------------------------------------------------

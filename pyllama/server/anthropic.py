@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from .http import HTTPError, json_bytes
+from .http import HTTPError, sse_named_event
 from .task import FinalEvent
 
 # Anthropic requires max_tokens; llama-server lets it out and generates at most this many.
@@ -235,8 +235,7 @@ def content_blocks(message: dict) -> list[dict]:
 
 
 def event(name: str, data: dict) -> bytes:
-    """One server-sent event with its name, as Anthropic streams them."""
-    return b"event: " + name.encode() + b"\ndata: " + json_bytes(data) + b"\n\n"
+    return sse_named_event(name, data)
 
 
 class BlockStream:

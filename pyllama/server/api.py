@@ -26,7 +26,7 @@ from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
 from .chat import ChatTemplate, ChatTemplateError
 from .constraint import ConstraintSpec, compile_constraint
 from .http import (PUBLIC_PATHS, SSE_DONE, HTTPError, Request, Response, StreamResponse, error_response,
-                   json_response, sse_event)
+                   json_response, sse_event, sse_named_event)
 from .metrics import Metrics, pipeline_families, render_families
 from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
@@ -34,6 +34,7 @@ from .params import CompletionParams, parse_completion, split_prompts, tokenize_
 from .reasoning import ReasoningStream, check_format, prompt_opens_thinking
 from .tool_calls import ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request
 from . import anthropic
+from . import responses as resp
 from . import embedding as embd
 from .task import CompletionTask, EmbeddingEvent, ErrorEvent, FinalEvent, ProgressEvent, TokenEvent
 
@@ -324,6 +325,7 @@ class Api:
             ("POST", "/v1/completions"): self.oai_completion,
             ("POST", "/v1/chat/completions"): self.oai_chat, ("POST", "/chat/completions"): self.oai_chat,
             ("POST", "/v1/messages"): self.messages, ("POST", "/v1/messages/count_tokens"): self.count_tokens,
+            ("POST", "/v1/responses"): self.responses,
             ("GET", "/v1/models"): self.models, ("GET", "/models"): self.models,
             ("POST", "/apply-template"): self.apply_template,
             ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
@@ -919,6 +921,56 @@ class Api:
                 yield anthropic.event("message_stop", {"type": "message_stop"})
             elif isinstance(ev, ErrorEvent):
                 yield anthropic.event("error", {"type": "error", "error": {"type": ev.type, "message": ev.message}})
+
+    # OpenAI /v1/responses
+    async def responses(self, req: Request) -> Response | StreamResponse:
+        _require_ready(self.state)
+
+        def work() -> tuple[dict, CompletionParams, list[int], ChatOutputSpec]:
+            body = req.json()
+            return (body, *self._chat_input(resp.chat_body(body)))
+        body, p, prompt, spec = await _prepare(req, work)
+        return await self._response_response(body, self._tasks([prompt], p), spec, p.stream)
+
+    async def _response_response(self, body: dict, tasks: list[list[CompletionTask]], spec: ChatOutputSpec,
+                                 stream: bool) -> Response | StreamResponse:
+        rid, created = resp.new_id("resp"), int(time.time())
+        if stream:
+            return StreamResponse(self._response_stream(body, tasks, spec, rid, created))
+        c = (await self._gather(tasks))[0]
+        assert c.final is not None
+        reply = ChatReply(spec)
+        reply.feed(c.content)
+        reply.finish()
+        return json_response(resp.response(rid, created, self.state.model_alias, body,
+                                           resp.output_items(reply.message()), c.final,
+                                           chat_finish_reason(c.final, reply)))
+
+    async def _response_stream(self, body: dict, task_lists, spec: ChatOutputSpec, rid: str,
+                               created: int) -> AsyncIterator[bytes]:
+        seq = 0
+
+        def send(name: str, data: dict) -> bytes:
+            nonlocal seq
+            seq += 1
+            return sse_named_event(name, {"type": name, **data, "sequence_number": seq - 1})
+
+        model = self.state.model_alias
+        yield send("response.created", {"response": resp.response(rid, created, model, body, [])})
+        yield send("response.in_progress", {"response": resp.response(rid, created, model, body, [])})
+        reply, items = ChatReply(spec), resp.ItemStream()
+        async for _, ev in self._events(task_lists):
+            if isinstance(ev, TokenEvent):
+                for name, data in items.feed(reply.feed(ev.text)):
+                    yield send(name, data)
+            elif isinstance(ev, FinalEvent):
+                for name, data in items.feed(reply.feed(ev.text_tail) + reply.finish()) + items.close():
+                    yield send(name, data)
+                done = resp.response(rid, created, model, body, items.items, ev, chat_finish_reason(ev, reply))
+                yield send("response.completed" if done["status"] == "completed" else "response.incomplete",
+                           {"response": done})
+            elif isinstance(ev, ErrorEvent):
+                yield send("error", {"code": ev.type, "message": ev.message, "param": None})
 
     async def count_tokens(self, req: Request) -> Response:
         """Anthropic /v1/messages/count_tokens: the rendered conversation's length in tokens."""

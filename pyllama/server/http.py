@@ -184,6 +184,11 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + json_bytes(obj) + b"\n\n"
 
 
+def sse_named_event(name: str, obj: Any) -> bytes:
+    """An event with its name (`event:` line), as Anthropic's and OpenAI's Responses streams send them."""
+    return b"event: " + name.encode() + b"\ndata: " + json_bytes(obj) + b"\n\n"
+
+
 def install_uvloop() -> None:
     """Make uvloop the event loop of asyncio.run and new_event_loop; asyncio's own if it is missing."""
     try:

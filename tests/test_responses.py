@@ -1,0 +1,244 @@
+"""OpenAI's Responses API (/v1/responses): the request's conversion to a chat body, the reply's
+output items as the `openai` package reads them (whole, and streamed through its own event
+models and accumulator), and a real server driven by its client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+
+import openai
+import pytest
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from pyllama.sampling import SamplingParams
+from pyllama.server import responses as rs
+from pyllama.server.api import Api, ServerState
+from pyllama.server.chat import ChatTemplate
+from pyllama.server.http import HTTPError, StreamResponse
+from pyllama.server.reasoning import prompt_opens_thinking
+from pyllama.server.task import CompletionTask, FinalEvent, TokenEvent
+from tool_templates import FAMILY_TEMPLATES
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],
+                          "additionalProperties": False}}
+
+
+# --- the request -----------------------------------------------------------------------------
+
+def test_conversation_becomes_the_chat_body():
+    body = {"model": "m", "instructions": "Be brief.", "max_output_tokens": 20, "temperature": 0.2, "top_p": 0.9,
+            "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False, "store": False,
+            "reasoning": {"effort": "low"}, "metadata": {"k": "v"},
+            "input": [
+                {"role": "developer", "content": "Use tools."},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": "A tool knows."}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+                {"role": "user", "content": "And tomorrow?"}]}
+    chat = rs.chat_body(body)
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}], "reasoning_content": "A tool knows.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        {"role": "user", "content": "And tomorrow?"}]
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "description": "weather of a city", "parameters": WEATHER["parameters"]}}]
+    assert (chat["tool_choice"], chat["parallel_tool_calls"], chat["max_tokens"]) == ("required", False, 20)
+    assert (chat["temperature"], chat["top_p"]) == (0.2, 0.9)
+    assert not {"reasoning", "metadata", "store", "instructions", "input"} & set(chat)
+
+
+def test_request_forms():
+    assert rs.chat_body({"input": "hi"})["messages"] == [{"role": "user", "content": "hi"}]
+    named = rs.chat_body({"input": "hi", "tool_choice": {"type": "function", "name": "get_weather"}})
+    assert named["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = rs.chat_body({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}})
+    assert fmt["response_format"] == {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    assert rs.chat_body({"input": "hi", "text": {"format": {"type": "json_object"}}})["response_format"] == \
+        {"type": "json_object"}
+    assert "response_format" not in rs.chat_body({"input": "hi", "text": {"format": {"type": "text"}}})
+    # two calls of one turn go to one assistant message, each output after it
+    two = rs.chat_body({"input": [
+        {"role": "user", "content": "x"},
+        {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "b", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "a", "output": [{"type": "input_text", "text": "1"}]},
+        {"type": "function_call_output", "call_id": "b", "output": "2"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]})["messages"]
+    assert [m["role"] for m in two] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert [c["id"] for c in two[1]["tool_calls"]] == ["a", "b"]
+    assert two[2]["content"] == [{"type": "text", "text": "1"}]
+
+
+@pytest.mark.parametrize("body, match", [
+    ([1], "must be a JSON object"),
+    ({}, "'input' is required"),
+    ({"input": []}, "'input' is required"),
+    ({"input": 3}, "'input' is required"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "not stored"),
+    ({"input": "x", "instructions": 1}, "'instructions' must be a string"),
+    ({"input": [{"role": "tool", "content": "x"}]}, r"input\[0\]\.role"),
+    ({"input": [{"role": "user"}]}, r"input\[0\] needs 'content'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "unsupported content part"),
+    ({"input": [{"type": "web_search_call"}]}, "unsupported item type 'web_search_call'"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "needs 'name', 'call_id'"),
+    ({"input": [{"type": "function_call_output", "call_id": "a"}]}, "needs 'call_id' and 'output'"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"input": "x", "tools": [{"type": "function"}]}, r"tools\[0\] needs a 'name'"),
+    ({"input": "x", "tool_choice": "sometimes"}, "'tool_choice' must be"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "'text.format' must be"),
+])
+def test_request_errors_are_400(body, match):
+    with pytest.raises(HTTPError, match=match) as info:
+        rs.chat_body(body)
+    assert info.value.status == 400
+
+
+# --- the reply: known model text through the real response path ---------------------------------
+
+class _ScriptedApi(Api):
+    def __init__(self, state: ServerState, pieces: list[str], stop_type: str) -> None:
+        super().__init__(state)
+        self.pieces, self.stop_type = pieces, stop_type
+
+    async def _events(self, task_lists):
+        t = task_lists[0][0]
+        for k, piece in enumerate(self.pieces):
+            yield t.index, TokenEvent(text=piece, token=k)
+        yield t.index, FinalEvent(self.stop_type, "", 10, 4, len(self.pieces), 1.0, 1.0, 0)
+
+
+_EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+def scripted_response(template: str, body: dict, pieces: list[str], stream: bool, stop_type: str = "eos") -> Response:
+    """What the openai package reads for `body` when the model writes `pieces` (streamed: every
+    event validated by its own models, numbered in order, and accumulated by its stream state)."""
+    from pyllama.server.params import parse_completion
+    state = ServerState(args=types.SimpleNamespace(reasoning_format="auto"),
+                        chat=ChatTemplate(template, bos_token="<s>", eos_token="</s>"), model_alias="m")
+    api = _ScriptedApi(state, pieces, stop_type)
+    body = {"input": "Weather in Paris?", "max_output_tokens": 64, **body, "stream": stream}
+    chat = rs.chat_body(body)
+    p = parse_completion(chat, -1, 1, oai=True)
+    spec = api._chat_output_spec(chat)
+    text, spec.prefill = api._render_chat(chat)
+    spec.forced_open = prompt_opens_thinking(text)
+    task = CompletionTask(prompt=list(range(10)), params=SamplingParams())
+
+    async def run():
+        resp = await api._response_response(body, [[task]], spec, stream)
+        if not stream:
+            return Response.model_validate(json.loads(resp.body))
+        assert isinstance(resp, StreamResponse)
+        acc = ResponseStreamState(input_tools=body.get("tools", []), text_format=openai.omit)
+        final, seq = None, 0
+        async for raw in resp.chunks:
+            name_line, data_line = raw.decode().strip().split("\n")
+            ev = _EVENTS.validate_python(json.loads(data_line[len("data: "):]))
+            assert name_line == f"event: {ev.type}" and ev.sequence_number == seq
+            seq += 1
+            acc.handle_event(ev)  # finds each delta's item and part by its indices, as a client does
+            if ev.type in ("response.completed", "response.incomplete"):
+                final = ev.response
+        assert final is not None
+        return final
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_function_call_items(stream):
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    out = scripted_response(FAMILY_TEMPLATES["hermes"], {"tools": [WEATHER]},
+                            [text[i:i + 4] for i in range(0, len(text), 4)], stream)
+    assert out.status == "completed" and out.incomplete_details is None
+    assert [o.type for o in out.output] == ["message", "function_call"]
+    assert out.output_text == "Checking."
+    call = out.output[1]
+    assert (call.name, json.loads(call.arguments), call.status) == ("get_weather", {"city": "Paris"}, "completed")
+    assert call.call_id and call.id and call.id != call.call_id
+    assert (out.usage.input_tokens, out.usage.input_tokens_details.cached_tokens, out.usage.output_tokens) == \
+        (10, 6, len(range(0, len(text), 4)))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_then_text(stream):
+    out = scripted_response(FAMILY_TEMPLATES["deepseek"], {}, ["Warm", "?\n</think>", "\n\nSunny", "."], stream)
+    assert [o.type for o in out.output] == ["reasoning", "message"]
+    assert out.output[0].content[0].text == "Warm?" and out.output_text == "Sunny."
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cut_short_is_incomplete(stream):
+    out = scripted_response(FAMILY_TEMPLATES["hermes"], {}, ["a", "b"], stream, stop_type="limit")
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert out.output_text == "ab"
+    empty = scripted_response(FAMILY_TEMPLATES["hermes"], {}, [], stream)
+    assert empty.status == "completed" and empty.output == []
+
+
+# --- a real server, driven by the openai client -----------------------------------------------
+
+from server_util import LONG_CONTEXT, ServerProcess  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tiny_model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tpl") / "hermes.jinja"
+    path.write_text(FAMILY_TEMPLATES["hermes"])
+    # seeded (the Responses API has no seed): the tiny model's constrained call then ends within max_output_tokens
+    server = ServerProcess(tiny_model, "--chat-template-file", str(path), "-c", "2048", "-np", "2", "-s", "3",
+                           *LONG_CONTEXT)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_server_with_the_openai_client(hermes_server):
+    client = openai.OpenAI(base_url=hermes_server.url + "/v1", api_key="none", max_retries=0)
+    common = dict(model="m", input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                  parallel_tool_calls=False, max_output_tokens=300, temperature=0.8)
+    out = client.responses.create(**common)
+    calls = [o for o in out.output if o.type == "function_call"]
+    assert out.status == "completed" and calls, out
+    assert (calls[0].name, json.loads(calls[0].arguments)) == ("get_weather", {"city": "Paris"})
+    with client.responses.stream(**common) as stream:
+        streamed = stream.get_final_response()
+    s_calls = [o for o in streamed.output if o.type == "function_call"]
+    assert (s_calls[0].name, json.loads(s_calls[0].arguments)) == ("get_weather", {"city": "Paris"})
+    # round trip: the call and its output go back as input items
+    follow = [{"role": "user", "content": "Weather in Paris?"}, calls[0].model_dump(exclude_none=True),
+              {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C and sunny"}]
+    again = client.responses.create(model="m", input=follow, tools=[WEATHER], max_output_tokens=3)
+    assert again.status in ("completed", "incomplete") and again.usage.output_tokens <= 3
+    status, doc = hermes_server.post("/apply-template", rs.chat_body({"input": follow, "tools": [WEATHER]}))
+    assert status == 200 and "18 C and sunny" in doc["prompt"]
+
+
+def test_server_structured_output_and_errors(hermes_server):
+    client = openai.OpenAI(base_url=hermes_server.url + "/v1", api_key="none", max_retries=0)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"],
+              "additionalProperties": False}
+    out = client.responses.create(model="m", input="A number?", max_output_tokens=60,
+                                  text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
+    assert out.status == "completed", out
+    value = json.loads(out.output_text)
+    assert set(value) == {"n"} and isinstance(value["n"], int) and value["n"] <= 99
+    with pytest.raises(openai.BadRequestError, match="not stored"):
+        client.responses.create(model="m", input="x", previous_response_id="resp_1")
+    with pytest.raises(openai.BadRequestError, match="only function tools"):
+        client.responses.create(model="m", input="x", tools=[{"type": "web_search"}])

@@ -72,6 +72,7 @@ def test_request_forms():
     on = am.chat_body({"messages": one, "thinking": {"type": "enabled", "budget_tokens": 1024},
                        "chat_template_kwargs": {"enable_thinking": False, "x": 1}})
     assert on["chat_template_kwargs"] == {"enable_thinking": False, "x": 1}  # given explicitly: kept
+    assert on["thinking_budget_tokens"] == 1024
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     for key, value in (("output_config", {"format": {"type": "json_schema", "schema": schema}}),
                        ("output_format", {"type": "json_schema", "schema": schema})):

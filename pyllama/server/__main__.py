@@ -31,7 +31,8 @@ from .embedding import model_pooling
 from .group import PipelineGroup, pipeline_chunk, share_stages
 from .http import HTTPServer, install_uvloop
 from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401
-                      default_stop, log_accepted, log_level, parse_args, resolve, sampling_defaults)
+                      default_stop, log_accepted, log_level, parse_args, resolve, sampling_defaults,
+                      template_kwargs)
 from .params import set_default_constraint, set_generation_defaults
 from .reconnect import PeerReconnector
 from .router import Router
@@ -103,7 +104,7 @@ def load(state: ServerState) -> None:
             args.chat_template, engine.model.file.get("tokenizer.chat_template"), jinja=args.jinja,
             bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
             eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
-            kwargs=args.chat_template_kwargs, prefill_assistant=args.prefill_assistant)
+            kwargs=template_kwargs(args), prefill_assistant=args.prefill_assistant)
     except ChatTemplateError as exc:
         raise PyllamaError(f"--chat-template: {exc}") from None
     state.model_path = path

@@ -173,7 +173,7 @@ def chat_body(body: Any, count_tokens: bool = False) -> dict:
         chat["response_format"] = fmt
     thinking = body.get("thinking")
     if thinking is not None:
-        # no thinking budget here: "enabled" / "disabled" switch the template's thinking on or off
+        # "enabled" / "disabled" switch the template's thinking on or off; budget_tokens holds it to a budget
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         if kind not in ("enabled", "disabled", "adaptive"):
             raise HTTPError(400, "'thinking' must be {\"type\": \"enabled\", ...} or {\"type\": \"disabled\"}")
@@ -181,6 +181,8 @@ def chat_body(body: Any, count_tokens: bool = False) -> dict:
         kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
         kwargs.setdefault("enable_thinking", kind != "disabled")
         chat["chat_template_kwargs"] = kwargs
+        if kind == "enabled" and thinking.get("budget_tokens") is not None:
+            chat["thinking_budget_tokens"] = thinking["budget_tokens"]
     return chat
 
 

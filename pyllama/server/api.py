@@ -30,8 +30,8 @@ from .http import (PUBLIC_PATHS, SSE_DONE, HTTPError, Request, Response, StreamR
 from .metrics import Metrics, pipeline_families, render_families
 from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
-from .params import CompletionParams, parse_completion, split_prompts, tokenize_prompt
-from .reasoning import ReasoningStream, check_format, prompt_opens_thinking
+from .params import CompletionParams, get_int, parse_completion, split_prompts, tokenize_prompt
+from .reasoning import ReasoningStream, budget_end_text, check_format, prompt_opens_thinking
 from .tool_calls import ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request
 from . import anthropic
 from . import responses as resp
@@ -734,6 +734,7 @@ class Api:
                     stop=p.stop, n_probs=p.n_probs, post_sampling_probs=p.post_sampling_probs,
                     timings_per_token=p.timings_per_token, return_progress=p.return_progress and p.stream,
                     cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=k * p.n + i, matcher=matcher,
+                    thinking_budget=p.thinking_budget, thinking_end=p.thinking_end, thinking_open=p.thinking_open,
                     settings=settings))
             out.append(tasks)
         return out
@@ -1022,9 +1023,20 @@ class Api:
             p.constraint = ConstraintSpec("lark", grammar, "tools")
         st.check_prompt_fits(len(text), 0)
         _check_constraint(st, p)
+        self._thinking_budget(body, p, spec.forced_open)
         tok = st.tokenizer
         bos = _token_text(tok, tok.bos_id)
         return p, tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True), spec
+
+    def _thinking_budget(self, body: dict, p: CompletionParams, opened: bool) -> None:
+        """The request's thinking_budget_tokens (else --reasoning-budget) and what ends a spent budget."""
+        args = self.state.args
+        budget = get_int(body, "thinking_budget_tokens", getattr(args, "reasoning_budget", -1), lo=-1)
+        if budget is None or budget < 0:
+            return
+        end = budget_end_text(getattr(args, "reasoning_budget_message", ""))
+        p.thinking_budget, p.thinking_open = budget, opened
+        p.thinking_end = self.state.tokenizer.encode(end, add_special=False, parse_special=True)
 
     def _special_token(self, text: str) -> Optional[int]:
         """The id of the special (control) token whose text is `text`, if the vocabulary has one."""

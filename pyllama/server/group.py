@@ -575,8 +575,13 @@ class PipelineGroup:
                 if task.n_predict == 0:  # the prompt is cached; no token is wanted
                     self._finish(slot, slot.end_without_tokens())
                     continue
+            sampled = ids[i]
+            if slot.thinking is not None:  # a spent thinking budget puts its end in place of the sample
+                ids[i] = slot.thinking.replace(sampled)
             p = None
-            if task.n_probs > 0 and raw is not None and i in raw:
+            if ids[i] != sampled:
+                pass  # a token put in was not sampled: it has no probabilities
+            elif task.n_probs > 0 and raw is not None and i in raw:
                 p = presampling_probs(self.tokenizer, raw[i], ids[i], task.n_probs, slot.special)
             elif task.n_probs > 0:
                 p = token_probs(self.tokenizer, ids[i], float(probs[i]), top_ids[i], top_probs[i], task.n_probs,

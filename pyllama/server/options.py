@@ -78,9 +78,8 @@ UNSUPPORTED: dict[str, str] = {
                                                             "-ag", "--agent", "-no-ag", "--no-agent", "--ui-mcp-proxy",
                                                             "--webui-mcp-proxy", "--no-ui-mcp-proxy",
                                                             "--no-webui-mcp-proxy")},
-    **{f: "reasoning control is not supported (the template's default is used)"
-       for f in ("-rea", "--reasoning", "--reasoning-budget", "--reasoning-budget-message",
-                 "--reasoning-preserve", "--no-reasoning-preserve")},
+    **{f: "keeping earlier turns' reasoning in the prompt is not supported (the template's default is used)"
+       for f in ("--reasoning-preserve", "--no-reasoning-preserve")},
     **{f: _FIT for f in ("-fitt", "--fit-target", "-fitc", "--fit-ctx", "-fitp", "--fit-print")},
     **{f: "this loading or memory option is not supported" for f in (
         "--numa", "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "-nkvo",
@@ -372,6 +371,14 @@ def build_parser() -> Parser:
       help="where the model's thinking (<think>...</think>) goes: 'deepseek' and 'auto' put it in "
            "reasoning_content, 'deepseek-legacy' there and in the content too, 'none' leaves it in the content; "
            "a request's reasoning_format overrides it")
+    a("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto", llama_env="LLAMA_ARG_REASONING",
+      help="thinking in chat replies: 'on' / 'off' render the template with enable_thinking true / false "
+           "(a request's chat_template_kwargs override it), 'auto' leaves the template's default")
+    a("--reasoning-budget", type=int, default=-1, metavar="N", llama_env="LLAMA_ARG_THINK_BUDGET",
+      help="tokens a chat reply may spend thinking, after which its end tag is put in: -1 unrestricted, "
+           "0 ends it at once; a request's thinking_budget_tokens overrides it")
+    a("--reasoning-budget-message", default="", metavar="MESSAGE", llama_env="LLAMA_ARG_THINK_BUDGET_MESSAGE",
+      help="text put in before the end tag when the reasoning budget is spent")
     # --- logging and the rest
     a("--log-disable", action="store_true", help="log nothing")
     a("--log-file", default=None, metavar="PATH", llama_env="LLAMA_ARG_LOG_FILE", help="also log to this file")
@@ -447,6 +454,15 @@ def resolve(args: argparse.Namespace) -> None:
             raise PyllamaError(f"--chat-template-file {args.chat_template_file}: cannot read it ({exc})") from None
 
 
+def template_kwargs(args) -> Optional[dict]:
+    """The chat template's extra variables: --chat-template-kwargs, with enable_thinking set by
+    --reasoning on / off where those do not set it."""
+    kwargs = dict(args.chat_template_kwargs or {})
+    if args.reasoning != "auto":
+        kwargs.setdefault("enable_thinking", args.reasoning == "on")
+    return kwargs or None
+
+
 def default_constraint(args) -> Optional["ConstraintSpec"]:
     """The constraint of --grammar / --grammar-file / --json-schema / --json-schema-file, or None.
     Raises PyllamaError for an unreadable file, two of them at once, or an invalid grammar or
@@ -511,6 +527,8 @@ def check_args(args) -> None:
         raise PyllamaError(f"--keep {args.keep}: must be -1 (the whole prompt) or at least 0")
     if args.n_predict < -1:
         raise PyllamaError(f"--n-predict {args.n_predict}: must be -1 (unlimited) or at least 0")
+    if args.reasoning_budget < -1:
+        raise PyllamaError(f"--reasoning-budget {args.reasoning_budget}: must be -1 (unrestricted) or at least 0")
     if args.batch_size < 1 or args.ubatch_size < 1:
         raise PyllamaError("--batch-size and --ubatch-size must be at least 1")
     if not 0.0 <= args.slot_prompt_similarity <= 1.0:

@@ -219,6 +219,9 @@ class CompletionParams:
     return_progress: bool = False     # streamed prompt_progress chunks
     post_sampling_probs: bool = False  # n_probs as probabilities after the sampler chain
     constraint: Optional[ConstraintSpec] = None  # grammar / JSON schema the output must follow
+    thinking_budget: int = -1  # chat: >= 0, tokens the reply may spend thinking (reasoning.ThinkingBudget)
+    thinking_end: list[int] = field(default_factory=list)
+    thinking_open: bool = False
 
 
 def get_fields(body: dict) -> list[str]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["REASONING_FORMATS", "ReasoningStream", "check_format", "prompt_opens_thinking", "split_reasoning"]
+__all__ = ["REASONING_FORMATS", "ReasoningStream", "ThinkingBudget", "budget_end_text", "check_format",
+           "prompt_opens_thinking", "split_reasoning"]
 
 REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
 THINK_START = "<think>"
@@ -136,3 +137,42 @@ def split_reasoning(text: str, fmt: str = "deepseek", forced_open: bool = False)
     s.feed(text)
     s.finish()
     return (s.reasoning or None), s.content
+
+
+def budget_end_text(message: str = "") -> str:
+    """What ends a thinking whose budget is spent: the budget message, if any, then the end tag."""
+    return f"\n{message}\n{THINK_END}\n\n" if message else f"\n{THINK_END}\n\n"
+
+
+class ThinkingBudget:
+    """A reply's thinking held to `budget` tokens (llama-server's --reasoning-budget).
+
+    The slot offers each sampled token to :meth:`replace` and then the text it became to
+    :meth:`observe`. Once the reply has spent `budget` tokens inside its thinking (opened by the
+    prompt, or by the reply's own ``<think>``), the tokens of `end` (budget_end_text, tokenized)
+    take the place of the sampled ones, one per step, and the reply goes on after them."""
+
+    def __init__(self, budget: int, end: list[int], forced_open: bool) -> None:
+        self.budget = budget
+        self.spent = 0
+        self._end = list(end)
+        self._queue: list[int] = []
+        self._forced = False
+        self._reader = ReasoningStream("deepseek", forced_open)
+
+    def replace(self, sampled: int) -> int:
+        if not self._forced and self._reader.thinking and self.spent >= self.budget and self._end:
+            self._forced = True
+            self._queue = list(self._end)
+        return self._queue.pop(0) if self._queue else sampled
+
+    def observe(self, piece: str) -> None:
+        thinking = self._reader.thinking
+        self._reader.feed(piece)
+        if thinking:
+            self.spent += 1
+
+    @property
+    def forcing(self) -> bool:
+        """Whether the end's tokens are still being put in."""
+        return bool(self._queue)

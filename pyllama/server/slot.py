@@ -17,6 +17,7 @@ import numpy as np
 from ..sampling import SequenceSampler
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .constraint import Constraint
+from .reasoning import ThinkingBudget
 from .task import CompletionTask, FinalEvent, TokenEvent
 
 
@@ -91,6 +92,7 @@ class Slot:
         # the grammar or schema the output follows: the group feeds it each sampled token exactly
         # once, as the token is accepted, never the tokens a recomputation puts back in the cache
         self.constraint: Optional[Constraint] = None
+        self.thinking: Optional[ThinkingBudget] = None  # the reply's thinking held to a budget of tokens
         self.text = ""
         self.n_sent = 0                 # characters of self.text already sent
         self.t_start = self.t_prompt_done = self.t_last = 0.0
@@ -125,6 +127,8 @@ class Slot:
         self.stopper = StopMatcher(task.stop)
         if task.matcher is not None:
             self.constraint = Constraint(task.matcher, self.tokenizer.n_vocab)
+        elif task.thinking_budget >= 0:  # (a grammar decides a constrained reply's every token)
+            self.thinking = ThinkingBudget(task.thinking_budget, task.thinking_end, task.thinking_open)
         self.parent = parent
         self.state = SlotState.WAIT_PARENT if parent is not None else SlotState.PROMPT
         self.t_start = time.perf_counter()
@@ -162,7 +166,10 @@ class Slot:
         self.n_decoded += 1
         self.next_token = token
         t0 = time.perf_counter()
-        self.text += self.detok.feed(token)
+        piece = self.detok.feed(token)
+        self.text += piece
+        if self.thinking is not None:
+            self.thinking.observe(piece)
         t1 = time.perf_counter()
         stop_type, word = "", ""
         if self.stopper.stops:

@@ -32,6 +32,9 @@ class CompletionTask:
     cache_prompt: bool = True
     embedding: bool = False                 # the prompt's pooled hidden state is the result: no sampling
     matcher: Any = None                     # constrained output: a fresh llguidance matcher (constraint.py)
+    thinking_budget: int = -1               # >= 0: the reply's thinking ends after this many tokens
+    thinking_end: list[int] = field(default_factory=list)  # the tokens that end it (reasoning.budget_end_text)
+    thinking_open: bool = False             # the prompt opened the thinking
     id_slot: int = -1
     settings: dict = field(default_factory=dict)  # the request's generation_settings, which /slots shows
     index: int = 0                          # choice index within a request with n > 1

@@ -340,6 +340,9 @@ def test_timings_per_token_and_progress(srv):
     n_prompt = len(srv.post("/tokenize", {"content": PROMPT, "add_special": True})[1]["tokens"])
     assert progress and progress[-1]["prompt_progress"]["processed"] == n_prompt
     assert all(p["prompt_progress"]["total"] == n_prompt and p["prompt_progress"]["cache"] == 0 for p in progress)
+    # as llama-server: a first event before any of the prompt is computed, and whole milliseconds
+    assert progress[0]["prompt_progress"]["processed"] == 0 and progress[0]["prompt_progress"]["time_ms"] == 0
+    assert len(progress) >= 2 and all(isinstance(p["prompt_progress"]["time_ms"], int) for p in progress)
     assert [e["timings"]["predicted_n"] for e in tokens[:-1]] == list(range(1, len(tokens)))
     assert all(e["timings"]["prompt_n"] == n_prompt for e in tokens[:-1])
     plain = srv.stream("/completion", {"prompt": PROMPT, **GREEDY})

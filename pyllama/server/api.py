@@ -846,7 +846,7 @@ class Api:
                 yield sse_event({"index": index, "content": "", "tokens": [], "stop": False, "id_slot": -1,
                                  "tokens_predicted": 0, "tokens_evaluated": len(prompt),
                                  "prompt_progress": {"total": ev.total, "cache": ev.cache, "processed": ev.processed,
-                                                     "time_ms": ev.time_ms}})
+                                                     "time_ms": round(ev.time_ms)}})  # whole ms, as llama-server
             elif isinstance(ev, FinalEvent):
                 c.final = ev
                 c.text = [ev.text_tail]

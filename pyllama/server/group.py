@@ -265,6 +265,8 @@ class PipelineGroup:
                 n_keep = self.ctx.seq_rm(slot.seq, n_keep)
                 slot.start(task, n_keep, priority=self._arrivals)
                 parent = slot
+                if task.return_progress:  # as llama-server: one event before any of the prompt is computed
+                    self.sink.put(task, ProgressEvent(len(task.prompt), n_keep, n_keep, 0.0))
             else:
                 self.ctx.seq_rm(slot.seq, 0)
                 slot.start(task, 0, parent=parent, priority=self._arrivals)

@@ -12,7 +12,8 @@ from pyllama.server.metrics import Metrics
 COUNTERS = {
     "llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total",
     "llamacpp:tokens_predicted_total", "llamacpp:tokens_predicted_seconds_total",
-    "llamacpp:n_decode_total", "llamacpp:n_preemptions_total", "llamacpp:n_context_shifts_total",
+    "llamacpp:n_decode_total", "llamacpp:n_tokens_max", "llamacpp:n_preemptions_total",
+    "llamacpp:n_context_shifts_total",
 }
 GAUGES = {
     "llamacpp:n_busy_slots_per_decode", "llamacpp:prompt_tokens_seconds",

@@ -213,6 +213,9 @@ def test_slots_and_metrics(server):
     for name in ("llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:n_busy_slots_per_decode",
                  "llamacpp:kv_cache_usage_ratio"):
         assert name in after
+    # as llama-server's: the most tokens a slot's context held (the last sampled token is not stored)
+    n_prompt = len(server.post("/tokenize", {"content": PROMPT, "add_special": True})[1]["tokens"])
+    assert after["llamacpp:n_tokens_max"] >= n_prompt + 7 - 1
 
 
 def test_slots_show_a_running_requests_settings(server):

@@ -241,6 +241,7 @@ class PipelineGroup:
             self.fault = None  # a step went through: the device is fine again
         self.metrics.on_decode(sum(1 for s in self.slots if s.busy))
         self._after_decode(out, rows)
+        self.metrics.on_tokens(max(slot.n_past for slot in self.slots))
         if traced:
             trace.event("server", "post_decode", t_post, trace.now(), grp=self.index, n_slots=self._n_rows)
         if self.prof is not None:

@@ -21,6 +21,7 @@ _COUNTERS = (
     ("tokens_predicted_total", "Number of generation tokens processed."),
     ("tokens_predicted_seconds_total", "Predict process time"),
     ("n_decode_total", "Total number of llama_decode() calls"),
+    ("n_tokens_max", "Largest observed n_tokens."),
     # pyllama's own: the scheduler under a full KV pool (docs/server.md)
     ("n_preemptions_total", "Requests preempted: their KV cells freed for an older request and recomputed later"),
     ("n_context_shifts_total", "Context shifts (--context-shift)"),
@@ -69,6 +70,7 @@ class Metrics:
         self._predicted_seconds = 0.0
         self._n_decode = 0
         self._n_busy_slots = 0
+        self._n_tokens_max = 0
         self._n_preemptions = 0
         self._n_context_shifts = 0
 
@@ -92,6 +94,12 @@ class Metrics:
             self._n_decode += 1
             self._n_busy_slots += n_busy_slots
 
+    def on_tokens(self, n_tokens: int) -> None:
+        """A slot's context holds ``n_tokens`` after a step (llama-server's n_tokens_max is the largest)."""
+        if n_tokens > self._n_tokens_max:  # read without the lock: a stale value only delays the update
+            with self._lock:
+                self._n_tokens_max = max(self._n_tokens_max, n_tokens)
+
     def on_preempt(self) -> None:
         """A request's KV cells were freed for an older request; it will be recomputed."""
         with self._lock:
@@ -108,7 +116,7 @@ class Metrics:
         with self._lock:
             pt, ps = self._prompt_tokens, self._prompt_seconds
             gt, gs = self._predicted_tokens, self._predicted_seconds
-            nd, nb = self._n_decode, self._n_busy_slots
+            nd, nb, nt = self._n_decode, self._n_busy_slots, self._n_tokens_max
             npre, nshift = self._n_preemptions, self._n_context_shifts
         return {
             "n_preemptions_total": npre,
@@ -118,6 +126,7 @@ class Metrics:
             "tokens_predicted_total": gt,
             "tokens_predicted_seconds_total": gs,
             "n_decode_total": nd,
+            "n_tokens_max": nt,
             "n_busy_slots_total": nb,
             "n_busy_slots_per_decode": _ratio(nb, nd),
             "prompt_tokens_seconds": _ratio(pt, ps),

@@ -50,8 +50,8 @@ def test_conversation_becomes_the_chat_body():
         {"role": "assistant", "content": [{"type": "text", "text": "Checking."}], "reasoning_content": "A tool knows.",
          "tool_calls": [{"id": "toolu_1", "type": "function",
                          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]},
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "18 C"}]
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "18 C"},
+        {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]}]
     assert chat["tools"] == [{"type": "function", "function": {
         "name": "get_weather", "description": "weather of a city", "parameters": WEATHER["input_schema"]}}]
     assert (chat["tool_choice"], chat["parallel_tool_calls"]) == ("required", False)

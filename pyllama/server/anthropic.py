@@ -87,7 +87,9 @@ def _message(msg: Any, i: int) -> list[dict]:
             results.append(_tool_result(block, at))
         else:
             raise HTTPError(400, f"{at}: unsupported content block type {kind!r}")
-    out: list[dict] = []
+    # A user turn's tool results answer the calls just before it, so they come first and the
+    # turn's own text after them (llama-server puts the text first, between a call and its result).
+    out: list[dict] = results
     if parts or calls or reasoning:
         m: dict = {"role": role, "content": parts if parts else ""}
         if calls:
@@ -95,7 +97,7 @@ def _message(msg: Any, i: int) -> list[dict]:
         if reasoning:
             m["reasoning_content"] = reasoning
         out.append(m)
-    return out + results
+    return out
 
 
 def _tool(tool: Any, i: int) -> dict:

@@ -467,3 +467,22 @@ def test_apply_template_and_prefill(srv):
     deltas = [e["choices"][0]["delta"].get("content") for e in events]
     assert deltas[0] is None and "".join(d for d in deltas if d) == content
     assert deltas[1].startswith("Hi th")
+
+
+def test_openai_usage_counts_cached_prompt_tokens(srv):
+    """As llama-server's: usage.prompt_tokens_details.cached_tokens, the prompt tokens the prompt
+    cache held, in whole replies, streams' finishing chunks and include_usage chunks."""
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2}
+    _, first = srv.post("/v1/chat/completions", chat)
+    _, again = srv.post("/v1/chat/completions", chat)
+    n_prompt = again["usage"]["prompt_tokens"]
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < n_prompt and again["timings"]["cache_n"] == cached
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] <= cached
+    events = srv.stream("/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})
+    usages = [e["usage"] for e in events if e.get("usage")]
+    assert len(usages) == 2 and all(u["prompt_tokens_details"]["cached_tokens"] == cached for u in usages)
+    _, text = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "n": 2})
+    _, text = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "n": 2})
+    details = text["usage"]["prompt_tokens_details"]
+    assert 0 < details["cached_tokens"] < text["usage"]["prompt_tokens"]

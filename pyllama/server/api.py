@@ -182,8 +182,14 @@ def _timings(final: FinalEvent) -> dict:
                          final.n_prompt - final.n_evaluated)
 
 
-def _usage(n_prompt: int, n_gen: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+def _usage(n_prompt: int, n_gen: int, n_cached: int) -> dict:
+    """OpenAI's usage; cached_tokens: the prompt tokens taken from the prompt cache, as llama-server's."""
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
+            "prompt_tokens_details": {"cached_tokens": n_cached}}
+
+
+def _cached(final: FinalEvent) -> int:
+    return final.n_prompt - final.n_evaluated
 
 
 def _finish_reason(final: FinalEvent) -> str:
@@ -1083,10 +1089,12 @@ class Api:
                 entry["logprobs"] = _oai_text_logprobs(c.probs) if p.n_probs else None
             out_choices.append(entry)
         n_gen = sum(c.final.n_predicted for c in choices if c.final)
+        # a prompt's choices share it: its first choice says what the cache held
+        n_cached = sum(_cached(c.final) for c in choices if c.final and c.index % p.n == 0)
         out = {
             "id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": f"pyllama-{__version__}",
             "choices": out_choices,
-            "usage": _usage(n_prompt, n_gen),
+            "usage": _usage(n_prompt, n_gen, n_cached),
             "timings": _timings(choices[0].final) if choices[0].final else {},
         }
         if self.state.verbose:
@@ -1098,7 +1106,7 @@ class Api:
     async def _oai_stream(self, task_lists, p, n_prompt, chat, rid, created, model,
                           chat_spec: Optional[ChatOutputSpec] = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
-        n_gen = 0
+        n_gen = n_cached = 0
         replies = {t.index: ChatReply(chat_spec or ChatOutputSpec()) for ts in task_lists for t in ts} if chat else {}
         offsets: dict[int, int] = {}  # per choice: characters of token text so far (text_offset)
         single = sum(len(ts) for ts in task_lists) == 1
@@ -1124,7 +1132,7 @@ class Api:
             if final is not None:  # as llama-server, the finishing chunk carries the timings (and usage)
                 out["timings"] = _timings(final)
                 if single:
-                    out["usage"] = _usage(n_prompt, n_gen)
+                    out["usage"] = _usage(n_prompt, n_gen, _cached(final))
             return sse_event(out)
 
         if chat:
@@ -1145,6 +1153,8 @@ class Api:
                 elif ev.text or ev.probs is not None:
                     yield chunk(index, ev.text, None, probs=ev.probs)
             elif isinstance(ev, FinalEvent):
+                if index % p.n == 0:
+                    n_cached += _cached(ev)
                 if chat:
                     reply = replies[index]
                     for d in reply.feed(ev.text_tail) + reply.finish():
@@ -1158,7 +1168,7 @@ class Api:
                 yield sse_event({"error": {"code": ev.status, "message": ev.message, "type": ev.type}})
         if p.include_usage:
             yield sse_event({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                             "usage": _usage(n_prompt, n_gen)})
+                             "usage": _usage(n_prompt, n_gen, n_cached)})
         yield SSE_DONE
 
 

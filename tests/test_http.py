@@ -915,3 +915,28 @@ def test_json_never_holds_what_strict_parsers_refuse():
     assert json_bytes(obj) == b'{"a":null,"b":[1.5,null,{"c":null}],"d":[2,"x"]}'
     assert sse_event({"p": float("nan")}) == b'data: {"p":null}\n\n'
     assert json_bytes({"t": "\u00e9/"}) == '{"t":"\u00e9/"}'.encode()  # UTF-8, slashes unescaped
+
+
+def test_event_stream_pings_while_idle(serve):
+    """As llama-server's --sse-ping-interval: an event stream that has sent nothing for the
+    interval gets an SSE comment (":"), which clients skip and proxies see as traffic."""
+    st = serve(sse_ping_interval=0.1)
+    s = st.connect()
+    s.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    f = s.makefile("rb")
+    while f.readline() != b"\r\n":
+        pass
+    chunks = [c for _, c in iter_chunks(f)]
+    pings = [c for c in chunks if c == b":\n\n"]
+    assert [c for c in chunks if c != b":\n\n"] == [sse_event({"i": i}) for i in range(3)] + [SSE_DONE]
+    assert 2 <= len(pings) <= 8  # the 0.25 s gaps between events, at 0.1 s
+    s.close()
+    # -1 (or 0): none
+    quiet = serve(sse_ping_interval=-1)
+    s = quiet.connect()
+    s.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    f = s.makefile("rb")
+    while f.readline() != b"\r\n":
+        pass
+    assert b":\n\n" not in [c for _, c in iter_chunks(f)]
+    s.close()

@@ -189,7 +189,8 @@ async def serve(args) -> int:
     server = HTTPServer(api.routes(), max_body=args.max_body, max_header_bytes=args.max_header_bytes,
                         keepalive_timeout=args.timeout, header_timeout=args.header_timeout,
                         body_timeout=args.body_timeout, max_connections=args.max_connections,
-                        max_pipelined=args.max_pipelined, access=state, public_paths=api.public_paths())
+                        max_pipelined=args.max_pipelined, access=state, public_paths=api.public_paths(),
+                        sse_ping_interval=args.sse_ping_interval)
     try:
         port = await server.start(args.host, args.port)
     except OSError as exc:

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 MAX_JSON_DEPTH = 64
 SSE_DONE = b"data: [DONE]\n\n"
+_SSE_PING = b":\n\n"  # an SSE comment: clients skip it
 
 # Input is parsed this many bytes at a time so that a burst of pipelined requests stops being
 # parsed once enough of them wait (httptools cannot pause in the middle of a buffer).
@@ -327,7 +328,8 @@ class _Connection(asyncio.Protocol):
         "_srv", "_loop", "_parser", "_transport", "_peer", "_queue", "_task", "_closed", "_discard",
         "_url", "_headers", "_body", "_body_size", "_hdr_bytes", "_hdr_raw", "_body_raw", "_in_headers",
         "_in_body", "_deadline", "_write_paused", "_drain_waiter", "_read_paused", "_reject",
-        "_counted", "_n_requests", "_queued_bytes", "_held", "_feeding", "_n_chunks",
+        "_counted", "_n_requests", "_queued_bytes", "_held", "_feeding", "_n_chunks", "_ping_handle",
+        "_last_chunk",
     )
 
     def __init__(self, srv: "HTTPServer") -> None:
@@ -357,6 +359,8 @@ class _Connection(asyncio.Protocol):
         self._deadline = 0.0
         self._write_paused = False
         self._drain_waiter: Optional[asyncio.Future] = None
+        self._ping_handle: Optional[asyncio.TimerHandle] = None  # an event stream's idle ping (_ping)
+        self._last_chunk = 0.0
         self._read_paused = False
         self._reject: Optional[_Reject] = None
         self._counted = False
@@ -758,6 +762,9 @@ class _Connection(asyncio.Protocol):
             t.write(b"".join(parts))
             if head_only:
                 return keep_alive
+            if self._srv._sse_ping > 0 and resp.content_type.startswith("text/event-stream"):
+                self._last_chunk = self._loop.time()
+                self._ping_handle = self._loop.call_later(self._srv._sse_ping, self._ping, chunked)
             try:
                 async for chunk in chunks:
                     if not chunk:
@@ -767,6 +774,7 @@ class _Connection(asyncio.Protocol):
                     if self._closed:
                         return False
                     t.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+                    self._last_chunk = self._loop.time()
                     if self._write_paused:
                         await self._drain()
             except asyncio.CancelledError:
@@ -788,7 +796,23 @@ class _Connection(asyncio.Protocol):
                 t.write(b"0\r\n\r\n")
             return keep_alive
         finally:
+            if self._ping_handle is not None:
+                self._ping_handle.cancel()
+                self._ping_handle = None
             await _aclose(chunks)
+
+    def _ping(self, chunked: bool) -> None:
+        """An SSE comment when the stream has been idle for the interval (a long prompt, a slow
+        first token), as llama-server sends them, so that proxies and clients do not time it out.
+        Runs between the stream's writes, which are whole chunks, on the event loop."""
+        self._ping_handle = None
+        if self._closed:
+            return
+        now, interval = self._loop.time(), self._srv._sse_ping
+        if now - self._last_chunk >= interval * 0.999 and not self._write_paused:
+            self._transport.write(b"3\r\n:\n\n\r\n" if chunked else _SSE_PING)
+            self._last_chunk = now
+        self._ping_handle = self._loop.call_later(max(0.0, self._last_chunk + interval - now), self._ping, chunked)
 
     async def _drain(self) -> None:
         if self._closed:
@@ -869,11 +893,12 @@ class HTTPServer:
                  header_timeout: float = 10.0, body_timeout: float = 60.0, max_connections: int = 1024,
                  max_pipelined: int = 8, cors_origins: Optional[Sequence[str]] = ("*",),
                  api_keys: Sequence[str] = (), public_paths: Collection[str] = PUBLIC_PATHS,
-                 access: Any = None) -> None:
+                 access: Any = None, sse_ping_interval: float = 30.0) -> None:
         """`cors_origins`: browser origins answered with Access-Control-Allow-Origin (local pages
         always; '*' any), None for no CORS headers at all. `api_keys`: when any, every path but
         `public_paths` (and CORS preflights) needs one. `access`: an object whose `api_keys` and
-        `cors_origins` attributes are read at each request instead (the server's settings)."""
+        `cors_origins` attributes are read at each request instead (the server's settings).
+        `sse_ping_interval`: an event stream idle this many seconds gets an SSE comment (<= 0: never)."""
         self._paths: dict[str, dict[str, Handler]] = {}
         for (method, path), handler in routes.items():
             self._paths.setdefault(path, {})[method.upper()] = handler
@@ -888,6 +913,7 @@ class HTTPServer:
         self._max_chunks = max(_MIN_MAX_CHUNKS, max_body // _MIN_AVG_CHUNK)
         self._max_header_bytes = max_header_bytes
         self._keepalive_timeout = keepalive_timeout
+        self._sse_ping = sse_ping_interval
         self._header_timeout = header_timeout
         self._body_timeout = body_timeout
         self._max_connections = max_connections

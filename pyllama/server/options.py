@@ -90,7 +90,7 @@ UNSUPPORTED: dict[str, str] = {
     **{f: "not supported" for f in ("--api-prefix", "--ui-config", "--webui-config", "--ui-config-file",
                                     "--webui-config-file", "-sys", "--system-prompt", "--system-prompt-file",
                                     "-sysf", "--spm-infill", "--reuse-port", "--cors-methods", "--cors-headers",
-                                    "--cors-credentials", "--no-cors-credentials", "--sse-ping-interval",
+                                    "--cors-credentials", "--no-cors-credentials",
                                     "--skip-chat-parsing", "--no-skip-chat-parsing", "--log-prompts-dir",
                                     "--attention", "-Cr", "--cpu-range", "-C", "--cpu-mask", "--cpu-strict",
                                     "--poll", "-Crb", "--cpu-range-batch", "-Cb", "--cpu-mask-batch",
@@ -322,6 +322,9 @@ def build_parser() -> Parser:
       help="origins allowed cross-origin, comma-separated, * for any (default: localhost origins only)")
     a("-to", "--timeout", type=float, default=600.0, llama_env="LLAMA_ARG_TIMEOUT",
       help="server read/write timeout in seconds: how long a connection may wait on the client between requests")
+    a("--sse-ping-interval", type=float, default=30.0, metavar="N", llama_env="LLAMA_ARG_SSE_PING_INTERVAL",
+      help="seconds an event stream may send nothing before it gets an SSE comment as a ping "
+           "(a long prompt, a slow first token); -1 disables")
     a("--threads-http", type=int, default=-1, llama_env="LLAMA_ARG_THREADS_HTTP",
       help="accepted; pyllama answers HTTP on one event loop (large bodies are parsed on worker threads)")
     a("--metrics", action="store_true", llama_env="LLAMA_ARG_ENDPOINT_METRICS",

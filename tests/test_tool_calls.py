@@ -228,11 +228,12 @@ class _ScriptedApi(Api):
 
 
 def scripted_reply(template: str, body: dict, pieces: list[str], stream: bool, reasoning_format: str = "auto",
-                   stop_type: str = "eos") -> ChatCompletion:
+                   stop_type: str = "eos", skip_chat_parsing: bool = False) -> ChatCompletion:
     """What an OpenAI client gets for `body` when the model writes `pieces`: the chat completion
     as parsed by the openai package's own models (streamed: its own stream accumulator)."""
     from pyllama.server.params import parse_completion
-    state = ServerState(args=types.SimpleNamespace(reasoning_format=reasoning_format),
+    state = ServerState(args=types.SimpleNamespace(reasoning_format=reasoning_format,
+                                                   skip_chat_parsing=skip_chat_parsing),
                         chat=ChatTemplate(template, bos_token="<s>", eos_token="</s>"), model_alias="m")
     api = _ScriptedApi(state, pieces, stop_type)
     body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], **body, "stream": stream}
@@ -290,6 +291,18 @@ def test_tool_choice_none_and_no_tools_leave_text_alone(stream):
         out = scripted_reply(FAMILY_TEMPLATES["hermes"], body, [text], stream)
         assert out.choices[0].message.content == text and not out.choices[0].message.tool_calls
         assert out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_skip_chat_parsing_leaves_everything_in_the_content(stream):
+    """--skip-chat-parsing (llama-server's): no tool calls and no reasoning are read out of the reply."""
+    for family in ("hermes", "deepseek"):
+        text = FAMILY_OUTPUT[family]
+        out = scripted_reply(FAMILY_TEMPLATES[family], {"tools": [TOOL], "reasoning_format": "deepseek"}, [text],
+                             stream, skip_chat_parsing=True)
+        msg = out.choices[0].message
+        assert msg.content == text and not msg.tool_calls and out.choices[0].finish_reason == "stop"
+        assert not (msg.model_extra or {}).get("reasoning_content")
 
 
 def test_cut_short_is_length_and_malformed_is_content():

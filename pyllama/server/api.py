@@ -1059,6 +1059,8 @@ class Api:
             fmt = check_format(body.get("reasoning_format"), getattr(self.state.args, "reasoning_format", "auto"))
         except (ToolChoiceError, ValueError) as exc:
             raise HTTPError(400, str(exc)) from None
+        if getattr(self.state.args, "skip_chat_parsing", False):  # the reply is all content
+            return ChatOutputSpec(family=None, tools=tools, reasoning_format="none")
         chat = self.state.chat
         return ChatOutputSpec(family=chat.family if chat is not None else None, tools=tools, reasoning_format=fmt)
 

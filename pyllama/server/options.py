@@ -91,7 +91,7 @@ UNSUPPORTED: dict[str, str] = {
                                     "--webui-config-file", "-sys", "--system-prompt", "--system-prompt-file",
                                     "-sysf", "--spm-infill", "--reuse-port", "--cors-methods", "--cors-headers",
                                     "--cors-credentials", "--no-cors-credentials",
-                                    "--skip-chat-parsing", "--no-skip-chat-parsing", "--log-prompts-dir",
+                                    "--log-prompts-dir",
                                     "--attention", "-Cr", "--cpu-range", "-C", "--cpu-mask", "--cpu-strict",
                                     "--poll", "-Crb", "--cpu-range-batch", "-Cb", "--cpu-mask-batch",
                                     "--cpu-strict-batch", "--poll-batch", "--list-devices",
@@ -374,6 +374,9 @@ def build_parser() -> Parser:
       help="where the model's thinking (<think>...</think>) goes: 'deepseek' and 'auto' put it in "
            "reasoning_content, 'deepseek-legacy' there and in the content too, 'none' leaves it in the content; "
            "a request's reasoning_format overrides it")
+    a("--skip-chat-parsing", "--no-skip-chat-parsing", dest="skip_chat_parsing", action=Toggle,
+      negatives=("--no-skip-chat-parsing",), default=False, llama_env="LLAMA_ARG_SKIP_CHAT_PARSING",
+      help="read no tool calls and no reasoning out of chat replies: everything stays in the content")
     a("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto", llama_env="LLAMA_ARG_REASONING",
       help="thinking in chat replies: 'on' / 'off' render the template with enable_thinking true / false "
            "(a request's chat_template_kwargs override it), 'auto' leaves the template's default")

@@ -171,8 +171,10 @@ def test_text_completion_logprobs_in_both_forms(server):
     # the finishing chunk carries the usage and the timings, as llama-server's
     last = events[-1]
     assert last["choices"][0]["finish_reason"] == "length"
-    assert last["usage"] == {"prompt_tokens": res["usage"]["prompt_tokens"], "completion_tokens": 6,
-                             "total_tokens": res["usage"]["prompt_tokens"] + 6}
+    assert {k: v for k, v in last["usage"].items() if k != "prompt_tokens_details"} == \
+        {"prompt_tokens": res["usage"]["prompt_tokens"], "completion_tokens": 6,
+         "total_tokens": res["usage"]["prompt_tokens"] + 6}
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == last["timings"]["cache_n"]
     assert last["timings"]["predicted_n"] == 6
 
 

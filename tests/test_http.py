@@ -940,3 +940,22 @@ def test_event_stream_pings_while_idle(serve):
         pass
     assert b":\n\n" not in [c for _, c in iter_chunks(f)]
     s.close()
+
+
+def test_api_prefix(serve):
+    """As llama-server's --api-prefix: every path is served under the prefix, and only there; the
+    prefix alone redirects to its '/' (pages resolve their files against it)."""
+    st = serve(api_prefix="/llama", api_keys=["k"], public_paths={"/hello"})
+    s = st.connect()
+    f = s.makefile("rb")
+    for path, status in (("/llama/hello", 200), ("/hello", 404), ("/llamahello", 404)):
+        s.sendall(b"GET %b HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
+        got, _, _ = read_response(f)
+        assert got == status, path
+    s.sendall(b"GET /llama HTTP/1.1\r\nHost: x\r\n\r\n")
+    got, headers, _ = read_response(f)
+    assert got == 308 and headers["location"] == "/llama/"
+    s.sendall(b"GET /llama/query?a=1 HTTP/1.1\r\nHost: x\r\n\r\n")  # not public: the key is still asked for
+    got, _, _ = read_response(f)
+    assert got == 401
+    s.close()

@@ -276,6 +276,39 @@ def test_api_key_prompt_and_reasoning(browser, key_server):
     assert_local_only(requests_seen(browser), srv)
 
 
+def test_pages_under_an_api_prefix(browser, tiny_model):
+    """--api-prefix: the pages, their files and the calls they make all live under the prefix."""
+    srv = ServerProcess(tiny_model, "-np", "1", "-c", "1024", "--ignore-eos", "--api-prefix", "/llama")
+    try:
+        ok = False
+        for _ in range(100):  # /health lives under the prefix too
+            try:
+                ok = srv.request("GET", "/llama/health")[0] == 200
+            except OSError:
+                pass
+            if ok:
+                break
+            time.sleep(0.1)
+        assert ok and srv.request("GET", "/health")[0] == 404
+        fresh(browser, srv.url + "/llama")  # redirected to /llama/
+        wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+        set_field(browser, "max_tokens", "4")
+        send_message(browser, "Hello")
+        wait(browser, lambda d: last_reply(d).get_attribute("data-state") == "done")
+        assert stored_reply(browser)["content"]
+        seen = [urlsplit(u).path for u in requests_seen(browser)]
+        browser.find_element(By.CSS_SELECTOR, "nav a").click()
+        wait(browser, lambda d: urlsplit(d.current_url).path == "/llama/pipeline")
+        wait(browser, lambda d: seen.extend(urlsplit(u).path for u in requests_seen(d)) or
+             "/llama/pipeline/stats" in seen)
+        assert console_errors(browser) == []
+        assert {"/llama/v1/chat/completions", "/llama/pipeline", "/llama/webui/common.js",
+                "/llama/webui/pipeline.js"} <= set(seen), seen  # (the chat page's own files: drained by fresh)
+        assert all(p.startswith("/llama") for p in seen if p), seen
+    finally:
+        assert srv.stop() == 0
+
+
 def test_no_webui_flag(tiny_model):
     srv = ServerProcess(tiny_model, "--no-webui").wait_ready()
     try:

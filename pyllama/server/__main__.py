@@ -190,7 +190,7 @@ async def serve(args) -> int:
                         keepalive_timeout=args.timeout, header_timeout=args.header_timeout,
                         body_timeout=args.body_timeout, max_connections=args.max_connections,
                         max_pipelined=args.max_pipelined, access=state, public_paths=api.public_paths(),
-                        sse_ping_interval=args.sse_ping_interval)
+                        sse_ping_interval=args.sse_ping_interval, api_prefix=args.api_prefix)
     try:
         port = await server.start(args.host, args.port)
     except OSError as exc:
@@ -224,7 +224,7 @@ async def serve(args) -> int:
                     print(f"error: loading failed: {exc}", file=sys.stderr)
                 code = 1
             else:
-                log.info("listening on http://%s:%d", args.host, port)  # loaded and checked: serving
+                log.info("listening on http://%s:%d%s", args.host, port, args.api_prefix)  # loaded and checked: serving
                 check = start_split_check(state, api, check_s)
                 await stopper
         else:

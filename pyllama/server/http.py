@@ -893,12 +893,13 @@ class HTTPServer:
                  header_timeout: float = 10.0, body_timeout: float = 60.0, max_connections: int = 1024,
                  max_pipelined: int = 8, cors_origins: Optional[Sequence[str]] = ("*",),
                  api_keys: Sequence[str] = (), public_paths: Collection[str] = PUBLIC_PATHS,
-                 access: Any = None, sse_ping_interval: float = 30.0) -> None:
+                 access: Any = None, sse_ping_interval: float = 30.0, api_prefix: str = "") -> None:
         """`cors_origins`: browser origins answered with Access-Control-Allow-Origin (local pages
         always; '*' any), None for no CORS headers at all. `api_keys`: when any, every path but
         `public_paths` (and CORS preflights) needs one. `access`: an object whose `api_keys` and
         `cors_origins` attributes are read at each request instead (the server's settings).
-        `sse_ping_interval`: an event stream idle this many seconds gets an SSE comment (<= 0: never)."""
+        `sse_ping_interval`: an event stream idle this many seconds gets an SSE comment (<= 0: never).
+        `api_prefix` ("/a/b" or ""): every route is served under it, and only there."""
         self._paths: dict[str, dict[str, Handler]] = {}
         for (method, path), handler in routes.items():
             self._paths.setdefault(path, {})[method.upper()] = handler
@@ -914,6 +915,7 @@ class HTTPServer:
         self._max_header_bytes = max_header_bytes
         self._keepalive_timeout = keepalive_timeout
         self._sse_ping = sse_ping_interval
+        self._api_prefix = api_prefix
         self._header_timeout = header_timeout
         self._body_timeout = body_timeout
         self._max_connections = max_connections
@@ -1050,6 +1052,14 @@ class HTTPServer:
 
     def _resolve(self, req: Request) -> tuple[Optional[Handler], bool, Optional[Response]]:
         """(handler, head_only, None), or (None, head_only, response) when no handler is needed."""
+        prefix = self._api_prefix
+        if prefix:  # the routes answer under the prefix, which is taken off the path they see
+            if req.path == prefix and req.method in ("GET", "HEAD"):
+                # the pages' files are relative to the page: the prefix's page is its '/'
+                return None, req.method == "HEAD", Response(308, b"", headers=[("Location", prefix + "/")])
+            if not req.path.startswith(prefix + "/"):
+                return None, req.method == "HEAD", error_response(404, "File Not Found", "not_found_error")
+            req.path = req.path[len(prefix):]
         keys = self._access.api_keys
         if keys and req.method != "OPTIONS" and req.path not in self._public and not api_key_valid(req, keys):
             # (a browser's preflight carries no credentials: it is answered, the request itself is not)

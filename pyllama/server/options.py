@@ -87,7 +87,7 @@ UNSUPPORTED: dict[str, str] = {
         "--check-tensors", "--no-op-offload", "--op-offload", "-cram", "--cache-ram", "-ctxcp",
         "--ctx-checkpoints", "--swa-checkpoints", "-cms", "--checkpoint-min-step", "--swa-full",
         "--cache-idle-slots", "--no-cache-idle-slots", "--sleep-idle-seconds")},
-    **{f: "not supported" for f in ("--api-prefix", "--ui-config", "--webui-config", "--ui-config-file",
+    **{f: "not supported" for f in ("--ui-config", "--webui-config", "--ui-config-file",
                                     "--webui-config-file", "-sys", "--system-prompt", "--system-prompt-file",
                                     "-sysf", "--spm-infill", "--reuse-port", "--cors-methods", "--cors-headers",
                                     "--cors-credentials", "--no-cors-credentials",
@@ -322,6 +322,8 @@ def build_parser() -> Parser:
       help="origins allowed cross-origin, comma-separated, * for any (default: localhost origins only)")
     a("-to", "--timeout", type=float, default=600.0, llama_env="LLAMA_ARG_TIMEOUT",
       help="server read/write timeout in seconds: how long a connection may wait on the client between requests")
+    a("--api-prefix", default="", metavar="PREFIX", llama_env="LLAMA_ARG_API_PREFIX",
+      help="serve every endpoint and page under this path (e.g. /llama), without the trailing slash")
     a("--sse-ping-interval", type=float, default=30.0, metavar="N", llama_env="LLAMA_ARG_SSE_PING_INTERVAL",
       help="seconds an event stream may send nothing before it gets an SSE comment as a ping "
            "(a long prompt, a slow first token); -1 disables")
@@ -533,6 +535,10 @@ def check_args(args) -> None:
         raise PyllamaError(f"--keep {args.keep}: must be -1 (the whole prompt) or at least 0")
     if args.n_predict < -1:
         raise PyllamaError(f"--n-predict {args.n_predict}: must be -1 (unlimited) or at least 0")
+    if args.api_prefix and (not args.api_prefix.startswith("/") or args.api_prefix.endswith("/")
+                            or any(c in args.api_prefix for c in "?#% ")):
+        raise PyllamaError(f"--api-prefix {args.api_prefix}: must start with '/' and not end with one "
+                           "(e.g. /llama), without '?', '#', '%' or spaces")
     if args.reasoning_budget < -1:
         raise PyllamaError(f"--reasoning-budget {args.reasoning_budget}: must be -1 (unrestricted) or at least 0")
     if args.batch_size < 1 or args.ubatch_size < 1:

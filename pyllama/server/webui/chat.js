@@ -176,7 +176,7 @@
       requestAnimationFrame(() => { pending = false; fill(node, reply); node.dataset.chunks = String(chunks); $("messages").scrollTop = $("messages").scrollHeight; });
     };
     try {
-      const resp = await Pyllama.apiFetch("/v1/chat/completions", {
+      const resp = await Pyllama.apiFetch("v1/chat/completions", {
         method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
         signal: controller.signal }, askKey);
       if (!resp.ok) {
@@ -254,7 +254,7 @@
     setBusy(false);
     renderAll();
     // the model's name; on a server with --api-key this is where the key is first asked for
-    Pyllama.apiFetch("/v1/models", {}, askKey).then(async (resp) => {
+    Pyllama.apiFetch("v1/models", {}, askKey).then(async (resp) => {
       if (!resp.ok) return;
       const data = await resp.json();
       if (data.data && data.data[0]) $("model").textContent = data.data[0].id;

@@ -125,7 +125,7 @@
 
   async function poll() {
     try {
-      const resp = await Pyllama.apiFetch("/pipeline/stats", {}, askKey);
+      const resp = await Pyllama.apiFetch("pipeline/stats", {}, askKey);
       if (resp.ok) {
         show(await resp.json());
         $("error").textContent = "";

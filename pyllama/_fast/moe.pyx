@@ -22,12 +22,9 @@ import numpy as np
 
 from pyllama._fast.plan cimport NativeStep, bound, step_for
 from pyllama._fast.qmatmul cimport (PQ_MAX_NR, pool_run, pq_dot_rows, pq_get_traits, pq_quantize_row,
-                                     pq_traits)
+                                     pq_tile_bytes, pq_traits)
 from pyllama._fast import qmatmul
 
-# weight bytes per work item (as mul_mat_q's tiles: they stay in L1/L2 while every row group of
-# the expert passes over them)
-DEF TILE_BYTES = 16384
 # below this much single-thread work (weight bytes x row groups) one thread does it all: handing
 # items to helpers costs about a microsecond each
 DEF PARALLEL_MIN = 65536
@@ -195,16 +192,22 @@ def route(const float[:, ::1] logits, int n_used, bint norm=True, float scale=1.
     return ids, wts
 
 
-cdef Item *_items(const int32_t *first, int64_t n_exp, int64_t rows, int64_t row_bytes, int64_t *n_items) noexcept nogil:
-    """Work items (expert, tile of its weight rows) for every expert with grouped rows."""
-    cdef int64_t tile = TILE_BYTES // (row_bytes if row_bytes > 0 else 1)
-    if tile < 1:
-        tile = 1
-    cdef int64_t per = (rows + tile - 1) // tile, x, j, c = 0
-    cdef int64_t used = 0
+cdef Item *_items(const int32_t *first, int64_t n_exp, int64_t rows, int64_t row_bytes, int n_threads,
+                  int64_t *n_items) noexcept nogil:
+    """Work items (expert, tile of its weight rows) for every expert with grouped rows, tiles
+    sized as the dense products' (pq_tile_bytes: long runs of weights for the prefetchers, several
+    items per thread; 16 KiB items made the per-item hand-off the bound of a batch-1 step)."""
+    cdef int64_t x, j, c = 0, used = 0, most = 0
     for x in range(n_exp):
         if first[x + 1] > first[x]:
             used += 1
+            if first[x + 1] - first[x] > most:
+                most = first[x + 1] - first[x]
+    cdef int64_t rb = row_bytes if row_bytes > 0 else 1
+    cdef int64_t tile = pq_tile_bytes(used * rows * rb, n_threads, most <= PQ_MAX_NR) // rb
+    if tile < 1:
+        tile = 1
+    cdef int64_t per = (rows + tile - 1) // tile
     cdef Item *items = <Item *>malloc((used * per + 1) * sizeof(Item))
     if items == NULL:
         n_items[0] = -1
@@ -414,8 +417,8 @@ cdef int64_t _moe_compute(const MoeArgs *a, uint8_t *mem) noexcept nogil:
     jb.first = first
     jb.xg_gate, jb.xg_up, jb.xs_gate, jb.xs_up = xg_g, xg_u, xs_g, xs_u
     jb.hg, jb.aq, jb.aq_stride, jb.y = hg, aq, aq_stride, y
-    items_a = _items(first, n_exp, f, a.gate_rb + a.up_rb, &na)
-    items_b = _items(first, n_exp, e, a.down_rb, &nb)
+    items_a = _items(first, n_exp, f, a.gate_rb + a.up_rb, n_threads, &na)
+    items_b = _items(first, n_exp, e, a.down_rb, n_threads, &nb)
     if items_a != NULL and items_b != NULL:
         jb.items = items_a
         pool_run(_threads(n_threads, used * f * (a.gate_rb + a.up_rb) * ((R // used + 3) // 4)), na,

@@ -26,6 +26,7 @@ cdef extern from "ggml_quants.h" nogil:
                          float *out, int n_threads)
     ctypedef void (*pq_item_fn)(void *ctx, int64_t item) noexcept nogil
     void pq_pool_run(int n_threads, int64_t n_items, pq_item_fn fn, void *ctx)
+    int64_t pq_tile_bytes(int64_t weight_bytes, int n_threads, int one_call)
 
 ctypedef void (*pool_item_fn)(void *ctx, int64_t item) noexcept nogil
 

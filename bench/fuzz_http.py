@@ -56,6 +56,22 @@ SEEDS: list[tuple[str, str, Optional[dict]]] = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                       "stream": True, "stream_options": {"include_usage": True}}),
+    ("POST", "/v1/messages", {"max_tokens": 3, "system": "Be brief.", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}], "thinking": {"type": "enabled",
+                                                                               "budget_tokens": 2}}),
+    ("POST", "/v1/messages", {"max_tokens": 2, "stream": True, "stop_sequences": ["x"],
+                              "messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/responses", {"input": [{"role": "user", "content": "hi"},
+                                         {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                                         {"type": "function_call_output", "call_id": "c", "output": "1"}],
+                               "max_output_tokens": 3, "instructions": "Be brief.",
+                               "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}),
+    ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": True,
+                               "text": {"format": {"type": "json_object"}}}),
     ("POST", "/tokenize", {"content": PROMPT, "with_pieces": True}),
     ("POST", "/detokenize", {"tokens": [1, 2, 3]}),
 ]
@@ -70,7 +86,7 @@ NASTY_NUMBERS: list = [10**400, -10**400, 10**30, -10**30, 2**64, 2**63, -2**63 
                        1e308, -1e308, 1e18, -1, -2, 0, 0.5, -0.0, 1e-320]
 NUMERIC_FIELDS = ["n_predict", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n_probs", "n",
                   "repeat_last_n", "repeat_penalty", "presence_penalty", "frequency_penalty", "id_slot",
-                  "logprobs", "top_logprobs"]
+                  "logprobs", "top_logprobs", "max_output_tokens", "thinking_budget_tokens"]
 RAW_NUMBERS = [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e999", b"1" * 5000, b"1" * 400,
                b"0x10", b"01", b"1.", b".5", b"-", b"1e", b"9" * 30]
 FIELDS = ["prompt", "n_predict", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n_probs",

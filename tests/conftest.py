@@ -39,3 +39,20 @@ def rpc_peer():
     p = RPCServerProcess()
     yield p
     assert p.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def seeded_hermes_server(tiny_model, tmp_path_factory):
+    """A server on the tiny model with a Hermes tool template, its sampling seeded (-s 3) for
+    clients whose API has no seed: a constrained call then ends within a few hundred tokens."""
+    from server_util import LONG_CONTEXT, ServerProcess  # noqa: PLC0415
+    from tool_templates import FAMILY_TEMPLATES  # noqa: PLC0415
+    path = tmp_path_factory.mktemp("tpl") / "hermes.jinja"
+    path.write_text(FAMILY_TEMPLATES["hermes"])
+    server = ServerProcess(tiny_model, "--chat-template-file", str(path), "-c", "2048", "-np", "2", "-s", "3",
+                           *LONG_CONTEXT)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

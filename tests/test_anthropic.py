@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import types
 
 import anthropic
 import pytest
@@ -13,13 +12,9 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from pyllama.sampling import SamplingParams
 from pyllama.server import anthropic as am
-from pyllama.server.api import Api, ServerState
-from pyllama.server.chat import ChatTemplate
 from pyllama.server.http import HTTPError, StreamResponse
-from pyllama.server.reasoning import prompt_opens_thinking
-from pyllama.server.task import CompletionTask, FinalEvent, TokenEvent
+from scripted_api import HERMES_CALL_PIECES, scripted
 from tool_templates import FAMILY_TEMPLATES
 
 WEATHER = {"name": "get_weather", "description": "weather of a city",
@@ -114,18 +109,6 @@ def test_request_errors_are_400(body, match):
 
 # --- the reply: known model text through the real response path ---------------------------------
 
-class _ScriptedApi(Api):
-    def __init__(self, state: ServerState, pieces: list[str], stop_type: str, stopping_word: str = "") -> None:
-        super().__init__(state)
-        self.pieces, self.stop_type, self.stopping_word = pieces, stop_type, stopping_word
-
-    async def _events(self, task_lists):
-        t = task_lists[0][0]
-        for k, piece in enumerate(self.pieces):
-            yield t.index, TokenEvent(text=piece, token=k)
-        yield t.index, FinalEvent(self.stop_type, self.stopping_word, 10, 4, len(self.pieces), 1.0, 1.0, 0)
-
-
 _EVENTS = TypeAdapter(RawMessageStreamEvent)
 
 
@@ -133,17 +116,9 @@ def scripted_message(template: str, body: dict, pieces: list[str], stream: bool,
                      stopping_word: str = "") -> Message:
     """What the anthropic package reads for `body` when the model writes `pieces` (streamed: its
     own accumulator over the events, each event's name checked against its type)."""
-    from pyllama.server.params import parse_completion
-    state = ServerState(args=types.SimpleNamespace(reasoning_format="auto"),
-                        chat=ChatTemplate(template, bos_token="<s>", eos_token="</s>"), model_alias="m")
-    api = _ScriptedApi(state, pieces, stop_type, stopping_word)
     chat = am.chat_body({"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 64,
                          **body, "stream": stream})
-    p = parse_completion(chat, -1, 1, oai=True)
-    spec = api._chat_output_spec(chat)
-    text, spec.prefill = api._render_chat(chat)
-    spec.forced_open = prompt_opens_thinking(text)
-    task = CompletionTask(prompt=list(range(10)), params=SamplingParams())
+    api, p, spec, task = scripted(template, chat, pieces, stop_type, stopping_word)
 
     async def run():
         resp = await api._message_response([[task]], spec, p.stream)
@@ -162,16 +137,14 @@ def scripted_message(template: str, body: dict, pieces: list[str], stream: bool,
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_use_blocks(stream):
-    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    msg = scripted_message(FAMILY_TEMPLATES["hermes"], {"tools": [WEATHER]},
-                           [text[i:i + 4] for i in range(0, len(text), 4)], stream)
+    msg = scripted_message(FAMILY_TEMPLATES["hermes"], {"tools": [WEATHER]}, HERMES_CALL_PIECES, stream)
     assert msg.stop_reason == "tool_use" and msg.stop_sequence is None
     assert [b.type for b in msg.content] == ["text", "tool_use"]
     assert msg.content[0].text == "Checking."
     use = msg.content[1]
     assert (use.name, use.input) == ("get_weather", {"city": "Paris"}) and use.id
     assert (msg.usage.input_tokens, msg.usage.cache_read_input_tokens, msg.usage.output_tokens) == \
-        (4, 6, len(range(0, len(text), 4)))
+        (4, 6, len(HERMES_CALL_PIECES))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -203,25 +176,8 @@ def test_malformed_call_arguments_are_kept_as_text():
 
 # --- a real server, driven by the anthropic client --------------------------------------------
 
-from server_util import LONG_CONTEXT, ServerProcess  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def hermes_server(tiny_model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tpl") / "hermes.jinja"
-    path.write_text(FAMILY_TEMPLATES["hermes"])
-    # seeded (the Messages API has no seed): the tiny model's constrained call then ends within max_tokens
-    server = ServerProcess(tiny_model, "--chat-template-file", str(path), "-c", "2048", "-np", "2", "-s", "3",
-                           *LONG_CONTEXT)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-
-
-def test_server_with_the_anthropic_client(hermes_server):
-    client = anthropic.Anthropic(base_url=hermes_server.url, api_key="none", max_retries=0)
+def test_server_with_the_anthropic_client(seeded_hermes_server):
+    client = anthropic.Anthropic(base_url=seeded_hermes_server.url, api_key="none", max_retries=0)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     common = dict(model="m", max_tokens=300, messages=messages, tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True})
     out = client.messages.create(**common)
@@ -241,14 +197,15 @@ def test_server_with_the_anthropic_client(hermes_server):
     again = client.messages.create(model="m", max_tokens=3, messages=follow, tools=[WEATHER])
     assert again.stop_reason in ("end_turn", "max_tokens") and again.usage.output_tokens <= 3
     # the same as the chat body the conversation converts to
-    status, doc = hermes_server.post("/apply-template", am.chat_body({"messages": follow, "tools": [WEATHER]}))
+    status, doc = seeded_hermes_server.post("/apply-template",
+                                            am.chat_body({"messages": follow, "tools": [WEATHER]}))
     assert status == 200 and "18 C and sunny" in doc["prompt"]
 
 
-def test_server_structured_output(hermes_server):
+def test_server_structured_output(seeded_hermes_server):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"],
               "additionalProperties": False}
-    client = anthropic.Anthropic(base_url=hermes_server.url, api_key="none", max_retries=0)
+    client = anthropic.Anthropic(base_url=seeded_hermes_server.url, api_key="none", max_retries=0)
     out = client.messages.create(model="m", max_tokens=60, messages=[{"role": "user", "content": "A number?"}],
                                  extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
     assert out.stop_reason == "end_turn", out
@@ -256,12 +213,12 @@ def test_server_structured_output(hermes_server):
     assert isinstance(value, dict) and set(value) == {"n"} and isinstance(value["n"], int) and value["n"] <= 99
 
 
-def test_server_errors(hermes_server):
-    client = anthropic.Anthropic(base_url=hermes_server.url, api_key="none", max_retries=0)
+def test_server_errors(seeded_hermes_server):
+    client = anthropic.Anthropic(base_url=seeded_hermes_server.url, api_key="none", max_retries=0)
     with pytest.raises(anthropic.BadRequestError, match="unsupported content block type 'video'"):
         client.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [{"type": "video"}]}])
     with pytest.raises(anthropic.BadRequestError, match="does not support images"):
         client.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
-    status, doc = hermes_server.post("/v1/messages/count_tokens", {"messages": "hi"})
+    status, doc = seeded_hermes_server.post("/v1/messages/count_tokens", {"messages": "hi"})
     assert status == 400 and "'messages' is required" in doc["error"]["message"]

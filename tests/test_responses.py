@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import types
 
 import openai
 import pytest
@@ -13,13 +12,9 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from pyllama.sampling import SamplingParams
 from pyllama.server import responses as rs
-from pyllama.server.api import Api, ServerState
-from pyllama.server.chat import ChatTemplate
 from pyllama.server.http import HTTPError, StreamResponse
-from pyllama.server.reasoning import prompt_opens_thinking
-from pyllama.server.task import CompletionTask, FinalEvent, TokenEvent
+from scripted_api import HERMES_CALL_PIECES, scripted
 from tool_templates import FAMILY_TEMPLATES
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "weather of a city",
@@ -108,35 +103,14 @@ def test_request_errors_are_400(body, match):
 
 # --- the reply: known model text through the real response path ---------------------------------
 
-class _ScriptedApi(Api):
-    def __init__(self, state: ServerState, pieces: list[str], stop_type: str) -> None:
-        super().__init__(state)
-        self.pieces, self.stop_type = pieces, stop_type
-
-    async def _events(self, task_lists):
-        t = task_lists[0][0]
-        for k, piece in enumerate(self.pieces):
-            yield t.index, TokenEvent(text=piece, token=k)
-        yield t.index, FinalEvent(self.stop_type, "", 10, 4, len(self.pieces), 1.0, 1.0, 0)
-
-
 _EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
 def scripted_response(template: str, body: dict, pieces: list[str], stream: bool, stop_type: str = "eos") -> Response:
     """What the openai package reads for `body` when the model writes `pieces` (streamed: every
     event validated by its own models, numbered in order, and accumulated by its stream state)."""
-    from pyllama.server.params import parse_completion
-    state = ServerState(args=types.SimpleNamespace(reasoning_format="auto"),
-                        chat=ChatTemplate(template, bos_token="<s>", eos_token="</s>"), model_alias="m")
-    api = _ScriptedApi(state, pieces, stop_type)
     body = {"input": "Weather in Paris?", "max_output_tokens": 64, **body, "stream": stream}
-    chat = rs.chat_body(body)
-    p = parse_completion(chat, -1, 1, oai=True)
-    spec = api._chat_output_spec(chat)
-    text, spec.prefill = api._render_chat(chat)
-    spec.forced_open = prompt_opens_thinking(text)
-    task = CompletionTask(prompt=list(range(10)), params=SamplingParams())
+    api, p, spec, task = scripted(template, rs.chat_body(body), pieces, stop_type)
 
     async def run():
         resp = await api._response_response(body, [[task]], spec, stream)
@@ -160,9 +134,7 @@ def scripted_response(template: str, body: dict, pieces: list[str], stream: bool
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_function_call_items(stream):
-    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    out = scripted_response(FAMILY_TEMPLATES["hermes"], {"tools": [WEATHER]},
-                            [text[i:i + 4] for i in range(0, len(text), 4)], stream)
+    out = scripted_response(FAMILY_TEMPLATES["hermes"], {"tools": [WEATHER]}, HERMES_CALL_PIECES, stream)
     assert out.status == "completed" and out.incomplete_details is None
     assert [o.type for o in out.output] == ["message", "function_call"]
     assert out.output_text == "Checking."
@@ -170,7 +142,7 @@ def test_function_call_items(stream):
     assert (call.name, json.loads(call.arguments), call.status) == ("get_weather", {"city": "Paris"}, "completed")
     assert call.call_id and call.id and call.id != call.call_id
     assert (out.usage.input_tokens, out.usage.input_tokens_details.cached_tokens, out.usage.output_tokens) == \
-        (10, 6, len(range(0, len(text), 4)))
+        (10, 6, len(HERMES_CALL_PIECES))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -191,25 +163,8 @@ def test_cut_short_is_incomplete(stream):
 
 # --- a real server, driven by the openai client -----------------------------------------------
 
-from server_util import LONG_CONTEXT, ServerProcess  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def hermes_server(tiny_model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tpl") / "hermes.jinja"
-    path.write_text(FAMILY_TEMPLATES["hermes"])
-    # seeded (the Responses API has no seed): the tiny model's constrained call then ends within max_output_tokens
-    server = ServerProcess(tiny_model, "--chat-template-file", str(path), "-c", "2048", "-np", "2", "-s", "3",
-                           *LONG_CONTEXT)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-
-
-def test_server_with_the_openai_client(hermes_server):
-    client = openai.OpenAI(base_url=hermes_server.url + "/v1", api_key="none", max_retries=0)
+def test_server_with_the_openai_client(seeded_hermes_server):
+    client = openai.OpenAI(base_url=seeded_hermes_server.url + "/v1", api_key="none", max_retries=0)
     common = dict(model="m", input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
                   parallel_tool_calls=False, max_output_tokens=300, temperature=0.8)
     out = client.responses.create(**common)
@@ -225,12 +180,13 @@ def test_server_with_the_openai_client(hermes_server):
               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C and sunny"}]
     again = client.responses.create(model="m", input=follow, tools=[WEATHER], max_output_tokens=3)
     assert again.status in ("completed", "incomplete") and again.usage.output_tokens <= 3
-    status, doc = hermes_server.post("/apply-template", rs.chat_body({"input": follow, "tools": [WEATHER]}))
+    status, doc = seeded_hermes_server.post("/apply-template",
+                                            rs.chat_body({"input": follow, "tools": [WEATHER]}))
     assert status == 200 and "18 C and sunny" in doc["prompt"]
 
 
-def test_server_structured_output_and_errors(hermes_server):
-    client = openai.OpenAI(base_url=hermes_server.url + "/v1", api_key="none", max_retries=0)
+def test_server_structured_output_and_errors(seeded_hermes_server):
+    client = openai.OpenAI(base_url=seeded_hermes_server.url + "/v1", api_key="none", max_retries=0)
     schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"],
               "additionalProperties": False}
     out = client.responses.create(model="m", input="A number?", max_output_tokens=60,

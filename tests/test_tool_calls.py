@@ -14,14 +14,12 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from pyllama.sampling import SamplingParams
 from pyllama.server.api import Api, ServerState
 from pyllama.server.chat import ChatTemplate, ChatTemplateError, template_from_option
 from pyllama.server.http import HTTPError, Request, StreamResponse
-from pyllama.server.reasoning import prompt_opens_thinking
-from pyllama.server.task import CompletionTask, FinalEvent, TokenEvent
 from pyllama.server.tool_calls import (ToolCallStream, ToolChoiceError, call_grammar, detect_family, parse,
                                        parse_tool_request)
+from scripted_api import scripted
 from tool_templates import FAMILY_TEMPLATES
 
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -212,39 +210,16 @@ def test_call_grammar_is_valid_lark(family, close_thinking):
 
 # --- the response path: known model text through Api._oai / _oai_stream ------------------------
 
-class _ScriptedApi(Api):
-    """The real response path, fed with known model text instead of a model's tokens."""
-
-    def __init__(self, state: ServerState, pieces: list[str], stop_type: str = "eos") -> None:
-        super().__init__(state)
-        self.pieces, self.stop_type = pieces, stop_type
-
-    async def _events(self, task_lists):
-        for ts in task_lists:
-            for t in ts:
-                for k, piece in enumerate(self.pieces):
-                    yield t.index, TokenEvent(text=piece, token=k)
-                yield t.index, FinalEvent(self.stop_type, "", 3, 3, len(self.pieces), 1.0, 1.0, 0)
-
-
 def scripted_reply(template: str, body: dict, pieces: list[str], stream: bool, reasoning_format: str = "auto",
                    stop_type: str = "eos", skip_chat_parsing: bool = False) -> ChatCompletion:
     """What an OpenAI client gets for `body` when the model writes `pieces`: the chat completion
     as parsed by the openai package's own models (streamed: its own stream accumulator)."""
-    from pyllama.server.params import parse_completion
-    state = ServerState(args=types.SimpleNamespace(reasoning_format=reasoning_format,
-                                                   skip_chat_parsing=skip_chat_parsing),
-                        chat=ChatTemplate(template, bos_token="<s>", eos_token="</s>"), model_alias="m")
-    api = _ScriptedApi(state, pieces, stop_type)
     body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], **body, "stream": stream}
-    p = parse_completion(body, -1, 1, oai=True)
-    spec = api._chat_output_spec(body)
-    text, spec.prefill = api._render_chat(body)
-    spec.forced_open = prompt_opens_thinking(text)
-    task = CompletionTask(prompt=[1, 2, 3], params=SamplingParams())
+    api, p, spec, task = scripted(template, body, pieces, stop_type, reasoning_format=reasoning_format,
+                                  skip_chat_parsing=skip_chat_parsing)
 
     async def run():
-        resp = await api._oai([[task]], p, 3, chat=True, chat_spec=spec)
+        resp = await api._oai([[task]], p, len(task.prompt), chat=True, chat_spec=spec)
         if not stream:
             return ChatCompletion.model_validate(json.loads(resp.body))
         assert isinstance(resp, StreamResponse)

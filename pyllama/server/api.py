@@ -311,6 +311,14 @@ class ChatReply:
         return msg
 
 
+def whole_reply(c: Choice, spec: ChatOutputSpec) -> ChatReply:
+    """A finished choice's text read as a chat reply."""
+    reply = ChatReply(spec)
+    reply.feed(c.content)
+    reply.finish()
+    return reply
+
+
 def chat_finish_reason(final: FinalEvent, reply: ChatReply) -> str:
     """"tool_calls" when the reply called tools (and was not cut short), else as for text."""
     reason = _finish_reason(final)
@@ -903,9 +911,7 @@ class Api:
             return StreamResponse(self._messages_stream(tasks, rid, spec))
         c = (await self._gather(tasks))[0]
         assert c.final is not None
-        reply = ChatReply(spec)
-        reply.feed(c.content)
-        reply.finish()
+        reply = whole_reply(c, spec)
         return json_response(anthropic.message(rid, self.state.model_alias, anthropic.content_blocks(reply.message()),
                                                anthropic.final_usage(c.final),
                                                anthropic.ending(chat_finish_reason(c.final, reply), c.final)))
@@ -946,9 +952,7 @@ class Api:
             return StreamResponse(self._response_stream(body, tasks, spec, rid, created))
         c = (await self._gather(tasks))[0]
         assert c.final is not None
-        reply = ChatReply(spec)
-        reply.feed(c.content)
-        reply.finish()
+        reply = whole_reply(c, spec)
         return json_response(resp.response(rid, created, self.state.model_alias, body,
                                            resp.output_items(reply.message()), c.final,
                                            chat_finish_reason(c.final, reply)))
@@ -1080,9 +1084,7 @@ class Api:
             assert c.final is not None
             entry: dict = {"index": c.index, "finish_reason": _finish_reason(c.final)}
             if chat:
-                reply = ChatReply(chat_spec or ChatOutputSpec())
-                reply.feed(c.content)
-                reply.finish()
+                reply = whole_reply(c, chat_spec or ChatOutputSpec())
                 entry["finish_reason"] = chat_finish_reason(c.final, reply)
                 entry["message"] = reply.message()
                 entry["logprobs"] = {"content": [_oai_logprob(x) for x in c.probs]} if p.n_probs else None

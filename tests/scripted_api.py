@@ -10,7 +10,7 @@ from pyllama.server.api import Api, ChatOutputSpec, ServerState
 from pyllama.server.chat import ChatTemplate
 from pyllama.server.params import CompletionParams, parse_completion
 from pyllama.server.reasoning import prompt_opens_thinking
-from pyllama.server.task import CompletionTask, FinalEvent, TokenEvent
+from pyllama.server.task import CompletionTask, FinalEvent, ProgressEvent, TokenEvent
 
 N_PROMPT, N_EVALUATED = 10, 4  # every scripted prompt: 10 tokens, 6 of them from the prompt cache
 # a Hermes-template reply with text and one call, cut into the 4-character tokens a model would send
@@ -28,6 +28,8 @@ class ScriptedApi(Api):
     async def _events(self, task_lists):
         for ts in task_lists:
             for t in ts:
+                if t.return_progress:  # placed: the prompt cache held N_PROMPT - N_EVALUATED of it
+                    yield t.index, ProgressEvent(N_PROMPT, N_PROMPT - N_EVALUATED, N_PROMPT - N_EVALUATED, 0.0)
                 for k, piece in enumerate(self.pieces):
                     yield t.index, TokenEvent(text=piece, token=k)
                 yield t.index, FinalEvent(self.stop_type, self.stopping_word, N_PROMPT, N_EVALUATED,

@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 
 from pyllama.server import anthropic as am
 from pyllama.server.http import HTTPError, StreamResponse
-from scripted_api import HERMES_CALL_PIECES, scripted
+from scripted_api import HERMES_CALL_PIECES, N_EVALUATED, N_PROMPT, scripted
 from tool_templates import FAMILY_TEMPLATES
 
 WEATHER = {"name": "get_weather", "description": "weather of a city",
@@ -120,6 +120,8 @@ def scripted_message(template: str, body: dict, pieces: list[str], stream: bool,
                          **body, "stream": stream})
     api, p, spec, task = scripted(template, chat, pieces, stop_type, stopping_word)
 
+    task.return_progress = stream  # as the handler sets it for a stream
+
     async def run():
         resp = await api._message_response([[task]], spec, p.stream)
         if not stream:
@@ -130,6 +132,10 @@ def scripted_message(template: str, body: dict, pieces: list[str], stream: bool,
             name_line, data_line = raw.decode().strip().split("\n")
             ev = _EVENTS.validate_python(json.loads(data_line[len("data: "):]))
             assert name_line == f"event: {ev.type}"
+            if snapshot is None:  # message_start, sent once placed: the cache's share of the prompt is known
+                assert ev.type == "message_start"
+                assert (ev.message.usage.input_tokens, ev.message.usage.cache_read_input_tokens) == \
+                    (N_EVALUATED, N_PROMPT - N_EVALUATED)
             snapshot = accumulate_event(event=ev, current_snapshot=snapshot, json_bufs=bufs)
         return snapshot
     return asyncio.run(run())
@@ -222,3 +228,16 @@ def test_server_errors(seeded_hermes_server):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
     status, doc = seeded_hermes_server.post("/v1/messages/count_tokens", {"messages": "hi"})
     assert status == 400 and "'messages' is required" in doc["error"]["message"]
+
+
+def test_server_stream_starts_with_the_cache_share(seeded_hermes_server):
+    body = {"max_tokens": 2, "messages": [{"role": "user", "content": "The same question, twice."}]}
+    seeded_hermes_server.post("/v1/messages", body)
+    events = seeded_hermes_server.stream("/v1/messages", body)
+    start = events[0]
+    assert start["type"] == "message_start"
+    usage = start["message"]["usage"]
+    assert usage["cache_read_input_tokens"] > 0 and usage["input_tokens"] >= 1
+    done = [e for e in events if e["type"] == "message_delta"][0]["usage"]
+    assert (done["cache_read_input_tokens"], done["input_tokens"]) == \
+        (usage["cache_read_input_tokens"], usage["input_tokens"])

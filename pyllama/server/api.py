@@ -902,7 +902,10 @@ class Api:
     async def messages(self, req: Request) -> Response | StreamResponse:
         _require_ready(self.state)
         p, prompt, spec = await _prepare(req, lambda: self._chat_input(anthropic.chat_body(req.json())))
-        return await self._message_response(self._tasks([prompt], p), spec, p.stream)
+        tasks = self._tasks([prompt], p)
+        for t in tasks[0]:  # a stream's message_start waits for the cache's share of the prompt (its first progress event)
+            t.return_progress = p.stream
+        return await self._message_response(tasks, spec, p.stream)
 
     async def _message_response(self, tasks: list[list[CompletionTask]], spec: ChatOutputSpec,
                                 stream: bool) -> Response | StreamResponse:
@@ -917,11 +920,18 @@ class Api:
                                                anthropic.ending(chat_finish_reason(c.final, reply), c.final)))
 
     async def _messages_stream(self, task_lists, rid: str, spec: ChatOutputSpec) -> AsyncIterator[bytes]:
-        n_prompt = len(task_lists[0][0].prompt)  # how much of it the cache holds is known at the end
-        start = anthropic.message(rid, self.state.model_alias, [], anthropic.usage(n_prompt, n_prompt, 0))
-        yield anthropic.event("message_start", {"type": "message_start", "message": start})
+        n_prompt = len(task_lists[0][0].prompt)
+        started = False
         reply, blocks = ChatReply(spec), anthropic.BlockStream()
         async for _, ev in self._events(task_lists):
+            if not started:
+                # as llama-server: sent once the request has a slot, when the cache's share of the
+                # prompt is known (a progress event carries it; without one, all of it counts as input)
+                started = True
+                n_cached = ev.cache if isinstance(ev, ProgressEvent) else 0
+                start = anthropic.message(rid, self.state.model_alias, [],
+                                          anthropic.usage(n_prompt, n_prompt - n_cached, 0))
+                yield anthropic.event("message_start", {"type": "message_start", "message": start})
             if isinstance(ev, TokenEvent):
                 for chunk in blocks.feed(reply.feed(ev.text)):
                     yield chunk

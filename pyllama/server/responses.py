@@ -90,13 +90,17 @@ def _item(item: Any, i: int, messages: list[dict]) -> None:
 
 
 def _tools(tools: Any) -> list[dict]:
+    """The function tools; the hosted ones (web_search, file_search, custom, ...) are left out, as
+    llama-server leaves them: the model could not call them here, and clients send them as a matter
+    of course."""
     if not isinstance(tools, list):
         raise HTTPError(400, "'tools' must be a list")
     out = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise HTTPError(400, f"tools[{i}]: only function tools are supported, got {kind!r}")
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            raise HTTPError(400, f"tools[{i}] must be an object with a 'type'")
+        if tool["type"] != "function":
+            continue
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise HTTPError(400, f"tools[{i}] needs a 'name'")
         fn = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
@@ -152,7 +156,9 @@ def chat_body(body: Any) -> dict:
         raise HTTPError(400, "'input' is required (a string or a non-empty list of items)")
     chat: dict = {"messages": messages}
     if body.get("tools"):
-        chat["tools"] = _tools(body["tools"])
+        tools = _tools(body["tools"])
+        if tools:
+            chat["tools"] = tools
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if body.get("max_output_tokens") is not None:

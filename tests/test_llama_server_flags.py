@@ -123,6 +123,7 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M --sse-ping-interval 5", lambda a: a.sse_ping_interval == 5),
     ("-m M --skip-chat-parsing", lambda a: a.skip_chat_parsing is True),
     ("-m M --api-prefix /llama/v1x", lambda a: a.api_prefix == "/llama/v1x"),
+    ("-m M --swa-full", lambda a: a.swa_full is True),
     ("-m M", lambda a: a.sse_ping_interval == 30 and a.reasoning_budget == -1 and a.reasoning == "auto"),
     ("-m M --temp 0.7 --top-k 20 --top-p 0.8 --min-p 0.01", lambda a: (a.temp, a.top_k, a.top_p, a.min_p) ==
      (0.7, 20, 0.8, 0.01)),

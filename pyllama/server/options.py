@@ -85,7 +85,7 @@ UNSUPPORTED: dict[str, str] = {
         "--numa", "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "-nkvo",
         "--no-kv-offload", "-kvo", "--kv-offload", "--no-host",
         "--check-tensors", "--no-op-offload", "--op-offload", "-cram", "--cache-ram", "-ctxcp",
-        "--ctx-checkpoints", "--swa-checkpoints", "-cms", "--checkpoint-min-step", "--swa-full",
+        "--ctx-checkpoints", "--swa-checkpoints", "-cms", "--checkpoint-min-step",
         "--cache-idle-slots", "--no-cache-idle-slots", "--sleep-idle-seconds")},
     **{f: "not supported" for f in ("--ui-config", "--webui-config", "--ui-config-file",
                                     "--webui-config-file", "-sys", "--system-prompt", "--system-prompt-file",
@@ -230,6 +230,8 @@ def build_parser() -> Parser:
     a("-fit", "--fit", dest="fit", choices=["on", "off"], default=None, llama_env="LLAMA_ARG_FIT",
       help="llama-server's fitting of unset options to device memory: 'off' is what pyllama does (it checks "
            "memory and refuses what does not fit); 'on' is refused")
+    a("--swa-full", action="store_true", llama_env="LLAMA_ARG_SWA_FULL",
+      help="accepted; the KV cache always keeps every position of sliding-window layers (a full-size cache)")
     a("--mlock", action="store_true", llama_env="LLAMA_ARG_MLOCK",
       help="keep the process's memory (the model included) in RAM: mlockall; a failure is logged")
     a("--mmap", "--no-mmap", dest="mmap", action=Toggle, negatives=("--no-mmap",), default=True,

@@ -238,8 +238,9 @@ def content_blocks(message: dict) -> list[dict]:
     return blocks
 
 
-def event(name: str, data: dict) -> bytes:
-    return sse_named_event(name, data)
+def event(name: str, **fields: Any) -> bytes:
+    """One stream event: its name is also its data's "type", as Anthropic sends them."""
+    return sse_named_event(name, {"type": name, **fields})
 
 
 class BlockStream:
@@ -254,11 +255,10 @@ class BlockStream:
         out = self.close()
         self.index += 1
         self._open = kind
-        return out + [event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                    "content_block": block})]
+        return out + [event("content_block_start", index=self.index, content_block=block)]
 
     def _delta(self, delta: dict) -> bytes:
-        return event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+        return event("content_block_delta", index=self.index, delta=delta)
 
     def feed(self, deltas: list[dict]) -> list[bytes]:
         out: list[bytes] = []
@@ -284,4 +284,4 @@ class BlockStream:
         if self._open is None:
             return []
         self._open = None
-        return [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [event("content_block_stop", index=self.index)]

@@ -931,19 +931,18 @@ class Api:
                 n_cached = ev.cache if isinstance(ev, ProgressEvent) else 0
                 start = anthropic.message(rid, self.state.model_alias, [],
                                           anthropic.usage(n_prompt, n_prompt - n_cached, 0))
-                yield anthropic.event("message_start", {"type": "message_start", "message": start})
+                yield anthropic.event("message_start", message=start)
             if isinstance(ev, TokenEvent):
                 for chunk in blocks.feed(reply.feed(ev.text)):
                     yield chunk
             elif isinstance(ev, FinalEvent):
                 for chunk in blocks.feed(reply.feed(ev.text_tail) + reply.finish()) + blocks.close():
                     yield chunk
-                yield anthropic.event("message_delta", {
-                    "type": "message_delta", "delta": anthropic.ending(chat_finish_reason(ev, reply), ev),
-                    "usage": anthropic.final_usage(ev)})
-                yield anthropic.event("message_stop", {"type": "message_stop"})
+                yield anthropic.event("message_delta", delta=anthropic.ending(chat_finish_reason(ev, reply), ev),
+                                      usage=anthropic.final_usage(ev))
+                yield anthropic.event("message_stop")
             elif isinstance(ev, ErrorEvent):
-                yield anthropic.event("error", {"type": "error", "error": {"type": ev.type, "message": ev.message}})
+                yield anthropic.event("error", error={"type": ev.type, "message": ev.message})
 
     # OpenAI /v1/responses
     async def responses(self, req: Request) -> Response | StreamResponse:
@@ -977,8 +976,9 @@ class Api:
             return sse_named_event(name, {"type": name, **data, "sequence_number": seq - 1})
 
         model = self.state.model_alias
-        yield send("response.created", {"response": resp.response(rid, created, model, body, [])})
-        yield send("response.in_progress", {"response": resp.response(rid, created, model, body, [])})
+        started = resp.response(rid, created, model, body, [])
+        yield send("response.created", {"response": started})
+        yield send("response.in_progress", {"response": started})
         reply, items = ChatReply(spec), resp.ItemStream()
         async for _, ev in self._events(task_lists):
             if isinstance(ev, TokenEvent):

@@ -582,12 +582,10 @@ class PipelineGroup:
             if slot.thinking is not None:  # a spent thinking budget puts its end in place of the sample
                 ids[i] = slot.thinking.replace(sampled)
             p = None
-            if ids[i] != sampled:
-                pass  # a token put in was not sampled: it has no probabilities
-            elif task.n_probs > 0 and raw is not None and i in raw:
-                p = presampling_probs(self.tokenizer, raw[i], ids[i], task.n_probs, slot.special)
-            elif task.n_probs > 0:
-                p = token_probs(self.tokenizer, ids[i], float(probs[i]), top_ids[i], top_probs[i], task.n_probs,
+            if task.n_probs > 0 and ids[i] == sampled:  # a token put in was not sampled: it has no probabilities
+                p = presampling_probs(self.tokenizer, raw[i], ids[i], task.n_probs, slot.special) \
+                    if raw is not None and i in raw else \
+                    token_probs(self.tokenizer, ids[i], float(probs[i]), top_ids[i], top_probs[i], task.n_probs,
                                 post_sampling=True, special=slot.special)
             if slot.constraint is not None and not slot.constraint.consume(ids[i]):
                 # only a token the mask allowed can be sampled: this is the grammar engine failing

@@ -17,7 +17,7 @@ import numpy as np
 from . import trace
 from .backend.base import Backend, Buffer, DType, Tensor, lost_devices, nbytes_of
 from .cache_types import cache_type, cache_type_name, check_cache_row
-from .errors import ContextLimitError
+from .errors import ContextLimitError, PyllamaError
 from .graph.llama import SAMPLING_INPUT, build_forward
 from .graph.ops import Op, sample_in_cols, sample_out_cols
 from .kv_cache import KVCache
@@ -99,6 +99,7 @@ class Context:
         self.kv = KVCache(n_ctx, n_seq_max, kv_unified)
         self.n_seq_max = n_seq_max
         self._kv_buffers = []
+        self.freed = False
         self.kv_tensors: list[tuple[Tensor, Tensor]] = []
         self.kv_bytes: dict[str, int] = {}
         self.type_k, self.type_v = cache_type(type_k), cache_type(type_v)
@@ -332,10 +333,67 @@ class Context:
         """dst starts with src's first positions (whole blocks, shared); returns how many."""
         return self.kv.seq_share(src, dst, n_pos)
 
+    # --- layers moving to another device (Engine.move_layers) --------------------------------------
+    def stage_kv(self, layers: Sequence[int], backends: Sequence[Backend]) -> list[tuple[int, Buffer, Tensor, Tensor]]:
+        """The KV cache of each of `layers` copied into a new buffer on `backends[i]` (its new device),
+        the cache in use left as it is; `commit_kv` then swaps them in. Raises (with nothing left
+        allocated) when a device cannot hold this cache's types or the copy fails."""
+        staged: list[tuple[int, Buffer, Tensor, Tensor]] = []
+        if self.freed:
+            return staged
+        try:
+            for il, backend in zip(layers, backends):
+                k, v = self.kv_tensors[il]
+                if self._device_kv_types(backend) != (k.dtype, v.dtype):
+                    raise PyllamaError(f"{backend.name} cannot hold layer {il}'s KV cache as it is "
+                                       f"(K {cache_type_name(k.dtype)}, V {cache_type_name(v.dtype)})")
+                old = k.buffer
+                assert old is not None
+                buf = backend.alloc_buffer(old.size, usage="kv")
+                staged.append((il, buf, Tensor(k.dtype, k.shape, k.name, buf, k.offset),
+                               Tensor(v.dtype, v.shape, v.name, buf, v.offset)))
+                for src, dst in ((k, staged[-1][2]), (v, staged[-1][3])):
+                    backend.set_tensor(dst, old.backend.get_tensor(src).reshape(-1).view(np.uint8))
+            for _, buf, _, _ in staged:
+                buf.backend.synchronize()  # writes to a peer are one-way: their errors come back here
+        except BaseException:
+            for _, buf, _, _ in staged:
+                try:
+                    buf.backend.free_buffer(buf)
+                except Exception:  # noqa: BLE001 - a lost peer freed it with the connection
+                    pass
+            raise
+        return staged
+
+    def commit_kv(self, staged: list[tuple[int, Buffer, Tensor, Tensor]]) -> None:
+        """Swaps in the KV cache `stage_kv` copied (the layers' new devices are already in the
+        placement), frees the old one, and drops every plan: the graphs' stages changed."""
+        if self.freed:
+            return
+        for il, buf, k, v in staged:
+            old = self.kv_tensors[il][0].buffer
+            assert old is not None
+            self.kv_tensors[il] = (k, v)
+            self._kv_buffers = [b for b in self._kv_buffers if b is not old] + [buf]
+            self.kv_bytes[old.backend.name] -= old.size
+            if not self.kv_bytes[old.backend.name]:
+                del self.kv_bytes[old.backend.name]
+            self.kv_bytes[buf.backend.name] = self.kv_bytes.get(buf.backend.name, 0) + buf.size
+            self.kv_types[buf.backend.name] = (k.dtype, v.dtype)
+            try:
+                old.backend.free_buffer(old)
+            except Exception as exc:  # noqa: BLE001 - the cache moved; a peer that lost it frees it anyway
+                log.warning("freeing layer %d's old KV cache on %s: %s", il, old.backend.name, exc)
+        while self._plans:
+            self._forget(self._plans.popitem()[1])
+        self.sched.generation += 1
+        self._plan(self.n_ubatch, self.n_ubatch)  # compute buffers for the worst case on the new stages
+
     def clear(self) -> None:
         self.kv.clear()
 
     def free(self) -> None:
+        self.freed = True
         self.sched.free()
         for buf in self._kv_buffers:
             buf.backend.free_buffer(buf)

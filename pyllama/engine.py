@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from .backend.base import Backend, DType, lost_devices
 from .backend.cpu import CPUBackend, set_compute_threads
-from .balance import MeasuredSplit, measured_split
+from .balance import MeasuredSplit, counts_of, measured_split
 from .context import Context
 from .devices import default_split
 from .errors import ModelFileError, PyllamaError
@@ -100,6 +100,55 @@ class Engine:
         self._contexts.add(ctx)
         return ctx
 
+    # --- moving layers -----------------------------------------------------------------------
+    def counts(self) -> list[int]:
+        """Blocks per device, in device order."""
+        return counts_of(self.placement.layer_backend, len(self.backends))
+
+    def move_layers(self, counts: Sequence[int]) -> list[int]:
+        """Re-splits the blocks as `counts` (blocks per device, contiguous in device order, as -ts
+        gives them), moving each block whose device changes with its weights and every context's
+        KV cache, contents included: sequences go on where they were. Everything is first made on
+        the new devices (weights loaded there, KV caches copied); only then do the contexts switch
+        and the old copies go, so a failure (too little memory, a lost peer) raises and leaves the
+        split as it was. The embedding and the output layer stay where they are, so every device
+        keeps at least one block. No context may be in use. Returns the blocks that moved."""
+        hp = self.model.hparams
+        if len(counts) != len(self.backends) or sum(counts) != hp.n_layer or min(counts) < 1:
+            raise ValueError(f"a split of {hp.n_layer} blocks over {len(self.backends)} devices, at least one "
+                             f"each, was asked; got {list(counts)}")
+        assert self.weights is not None, "load() the weights first"
+        layout = split_layers(hp.n_layer, counts)
+        moved = [il for il, (a, b) in enumerate(zip(self.placement.layer_backend, layout)) if a != b]
+        if not moved:
+            return []
+        target = Placement(self.backends, layout)
+        contexts = list(self._contexts)
+        fresh = load_weights(self.model, target, map_weights=self.map_weights, layers=set(moved))
+        staged = []
+        try:
+            for ctx in contexts:
+                staged.append(ctx.stage_kv(moved, [self.backends[layout[il]] for il in moved]))
+            for b in {id(b): b for b in (self.backends[layout[il]] for il in moved)}.values():
+                b.synchronize()  # the weights' uploads are one-way too
+        except BaseException:
+            for ctx_staged in staged:
+                for _, buf, _, _ in ctx_staged:
+                    buf.backend.free_buffer(buf)
+            fresh.free()
+            raise
+        # from here on nothing waits for a device: the contexts switch to the new copies
+        was = self.counts()
+        self.placement.layer_backend[:] = layout
+        old = self.weights.replace_layers(fresh)
+        for b in self.backends:
+            b.drop_weights([t for t in old if t.buffer is not None and t.buffer.backend is b])
+        for ctx, ctx_staged in zip(contexts, staged):
+            ctx.commit_kv(ctx_staged)
+        log.info("blocks %s moved: %s -> %s (%s)", _span(moved), _split_text(was), _split_text(counts),
+                 self.placement.describe())
+        return moved
+
     # --- lost peers ----------------------------------------------------------------------------
     def lost_devices(self) -> dict[str, str]:
         """The devices that cannot be used any more, by name, with the reason (naming the peer)."""
@@ -149,3 +198,11 @@ class Engine:
             self.weights.free()
         for b in self.backends:
             b.close()
+
+
+def _span(layers: Sequence[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+
+
+def _split_text(counts: Sequence[int]) -> str:
+    return ",".join(str(n) for n in counts)

@@ -90,6 +90,9 @@ class Weights:
     # what was written: each stored tensor with the file tensors and type it was made from
     # (weights used in place in a memory-mapped file are not here: nothing was written)
     sources: list[tuple[Tensor, list[TensorInfo], DType]] = field(default_factory=list)
+    # by layer (-1 the embedding, n_layer the output layer): its logical names and own buffers
+    layer_names: dict[int, list[str]] = field(default_factory=dict)
+    layer_buffers: dict[int, list[Buffer]] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> WeightRef:
         return self.tensors[name]
@@ -109,6 +112,37 @@ class Weights:
         self.buffers.clear()
         self.tensors.clear()
         self.sources.clear()
+        self.layer_names.clear()
+        self.layer_buffers.clear()
+
+    def replace_layers(self, moved: "Weights") -> list[Tensor]:
+        """Takes the weights of `moved`'s layers (loaded on their new devices) in place of this
+        one's: frees the buffers those layers had, and returns the tensors they had (for the
+        devices to drop what they keep for them, e.g. the CPU's repacked copies)."""
+        old: list[Tensor] = []
+        for layer, names in moved.layer_names.items():
+            gone = self.layer_buffers.pop(layer, [])
+            gone_ids = {id(b) for b in gone}
+            for lname in self.layer_names.get(layer, []):
+                for t in _as_tuple(self.tensors[lname]):
+                    old.append(t)
+                    if t.buffer is not None and id(t.buffer) not in gone_ids:  # read in place from the file
+                        self.bytes_per_backend[t.buffer.backend.name] -= t.nbytes
+            self.buffers = [b for b in self.buffers if id(b) not in gone_ids]
+            self.sources = [s for s in self.sources if id(s[0].buffer) not in gone_ids]
+            for buf in gone:
+                self.bytes_per_backend[buf.backend.name] -= buf.size
+                buf.backend.free_buffer(buf)
+            self.layer_names[layer] = list(names)
+            self.layer_buffers[layer] = list(moved.layer_buffers.get(layer, []))
+            for lname in names:
+                self.tensors[lname] = moved.tensors[lname]
+        known = {id(b) for b in self.buffers}
+        self.buffers.extend(b for b in moved.buffers if id(b) not in known)
+        self.sources.extend(moved.sources)
+        for name, n in moved.bytes_per_backend.items():
+            self.bytes_per_backend[name] = self.bytes_per_backend.get(name, 0) + n
+        return old
 
 
 @dataclass
@@ -145,31 +179,36 @@ def _parts(infos: list[TensorInfo], backend: Backend, can_map: bool) -> list[_Pa
     return parts
 
 
-def load_weights(model: Model, placement: Placement, upload: bool = True, map_weights: bool = True) -> Weights:
+def load_weights(model: Model, placement: Placement, upload: bool = True, map_weights: bool = True,
+                 layers: Optional[set[int]] = None) -> Weights:
     """Places every logical weight on the backend of its layer, and uploads it.
 
     A device that can use host memory in place (the CPU) reads every weight that is one file
     tensor of a type it computes on straight from the file's memory map; the others (fused
-    tensors, converted types, every weight of a device elsewhere) get one buffer per backend.
-    With upload=False nothing is allocated on any device: the tensors sit in placeholder buffers
-    of the right sizes, which is enough to plan graphs and to check memory before loading.
-    map_weights=False (--no-mmap) uses nothing in place: every weight is copied.
+    tensors, converted types, every weight of a device elsewhere) get one buffer per layer and
+    device, so that a layer's weights can later move to another device and free their room here
+    (`Engine.move_layers`). With upload=False nothing is allocated on any device: the tensors sit
+    in placeholder buffers of the right sizes, which is enough to plan graphs and to check memory
+    before loading. map_weights=False (--no-mmap) uses nothing in place: every weight is copied.
+    layers: only the weights of these layers (-1 the embedding, n_layer the output layer).
     """
     hp = model.hparams
     _check_ops(model, placement)
     n_backends = len(placement.backends)
-    plan: list[tuple[str, int, list[_Part]]] = []
+    plan: list[tuple[str, int, int, list[_Part]]] = []
     aliases: dict[str, str] = {}  # a tied output matrix on its embedding's device is stored once
     first_of: dict[tuple[tuple[str, ...], int], str] = {}
     mapped_bufs: list[Optional[Buffer]] = [b.map_host(model.file.data) if map_weights else None
                                            for b in placement.backends]
-    sizes = [0] * n_backends
+    sizes: dict[tuple[int, int], int] = {}  # (backend, layer) -> bytes of its buffer
     mapped_sizes = [0] * n_backends
     computed = computed_weights(model)
     logical = model.logical_weights()
     logical.update({lname: ([info.name], layer) for lname, (info, layer) in computed.items()})
     by_name = {info.name: info for info, _ in computed.values()}
     for lname, (fnames, layer) in logical.items():
+        if layers is not None and layer not in layers:
+            continue
         infos = [by_name[f] if f in by_name else model.file.tensors[f] for f in fnames]
         bi = placement.backend_of_layer(layer)
         key = (tuple(fnames), bi)
@@ -182,58 +221,69 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
             if p.mapped:
                 mapped_sizes[bi] += nbytes_of(p.dtype, p.shape)
             else:
-                sizes[bi] += _aligned(nbytes_of(p.dtype, p.shape))
-        plan.append((lname, bi, parts))
+                sizes[(bi, layer)] = sizes.get((bi, layer), 0) + _aligned(nbytes_of(p.dtype, p.shape))
+        plan.append((lname, bi, layer, parts))
     weights = Weights()
-    buffers = []
-    for bi, backend in enumerate(placement.backends):
-        size = max(sizes[bi], 1)
-        buf = backend.alloc_buffer(size, usage="weights") if upload else Buffer(backend, size, "weights")
-        buffers.append(buf)
-        if upload:
-            weights.buffers.append(buf)
-            if mapped_sizes[bi]:
-                weights.buffers.append(mapped_bufs[bi])  # type: ignore[arg-type]
-        weights.bytes_per_backend[backend.name] = sizes[bi] + mapped_sizes[bi]
-    offsets = [0] * n_backends
+    buffers: dict[tuple[int, int], Buffer] = {}
+    offsets: dict[tuple[int, int], int] = {}
     copied: list[TensorInfo] = []
     in_file: dict[int, TensorInfo] = {}  # id of a tensor read in place -> its file tensor
-    for lname, bi, parts in plan:
-        stored = []
-        for k, p in enumerate(parts):
-            name = lname if len(parts) == 1 else f"{lname}.{k}"
-            if p.mapped:
-                stored.append(Tensor(p.dtype, p.shape, name, mapped_bufs[bi], p.infos[0].offset))
-                in_file[id(stored[-1])] = p.infos[0]
-                continue
-            t = Tensor(p.dtype, p.shape, name, buffers[bi], offsets[bi])
-            offsets[bi] += _aligned(t.nbytes)
+    try:
+        for (bi, layer), size in sizes.items():
+            backend = placement.backends[bi]
+            buf = backend.alloc_buffer(size, usage="weights") if upload else Buffer(backend, size, "weights")
+            buffers[(bi, layer)] = buf
             if upload:
-                _upload(placement.backends[bi], model, t, p.infos)
-                weights.sources.append((t, p.infos, p.dtype))
-                copied.extend(p.infos)
-            stored.append(t)
-        weights.tensors[lname] = stored[0] if len(stored) == 1 else tuple(stored)
+                weights.buffers.append(buf)
+                weights.layer_buffers.setdefault(layer, []).append(buf)
+        for bi, backend in enumerate(placement.backends):
+            if upload and mapped_sizes[bi]:
+                weights.buffers.append(mapped_bufs[bi])  # type: ignore[arg-type]
+            own = sum(size for (b, _), size in sizes.items() if b == bi)
+            weights.bytes_per_backend[backend.name] = own + mapped_sizes[bi]
+        for lname, bi, layer, parts in plan:
+            stored = []
+            weights.layer_names.setdefault(layer, []).append(lname)
+            for k, p in enumerate(parts):
+                name = lname if len(parts) == 1 else f"{lname}.{k}"
+                if p.mapped:
+                    stored.append(Tensor(p.dtype, p.shape, name, mapped_bufs[bi], p.infos[0].offset))
+                    in_file[id(stored[-1])] = p.infos[0]
+                    continue
+                off = offsets.get((bi, layer), 0)
+                t = Tensor(p.dtype, p.shape, name, buffers[(bi, layer)], off)
+                offsets[(bi, layer)] = off + _aligned(t.nbytes)
+                if upload:
+                    _upload(placement.backends[bi], model, t, p.infos)
+                    weights.sources.append((t, p.infos, p.dtype))
+                    copied.extend(p.infos)
+                stored.append(t)
+            weights.tensors[lname] = stored[0] if len(stored) == 1 else tuple(stored)
+    except BaseException:
+        weights.free()  # what was allocated before the failure (a peer out of memory or lost)
+        raise
     for lname, target in aliases.items():
         weights.tensors[lname] = weights.tensors[target]
+        weights.layer_names.setdefault(logical[lname][1], []).append(lname)
     if upload:
         # the token embedding is only looked up, by rows in the file's layout, unless the output
         # layer multiplies by it too (tied): a copy for products would go unused
         lookup_only = {"token_embd"} - set(aliases.values())
         for bi, backend in enumerate(placement.backends):
-            own = backend.prepare_weights([t for lname, tb, _ in plan if tb == bi and lname not in lookup_only
+            own = backend.prepare_weights([t for lname, tb, _, _ in plan if tb == bi and lname not in lookup_only
                                            for t in _as_tuple(weights.tensors[lname])])
             for t in own:  # the device computes on its own copy: the file's pages can go
                 if id(t) in in_file:
                     model.file.release_pages(in_file[id(t)])
-        in_place = {id(p.infos[0]) for _, bi, parts in plan for p in parts if p.mapped}
+        in_place = {id(p.infos[0]) for _, bi, _, parts in plan for p in parts if p.mapped}
         for info in copied:  # their bytes now live in a device buffer: the file's pages can go
             if id(info) not in in_place and info.offset >= 0:  # (computed tensors have no file bytes)
                 model.file.release_pages(info)
-        log.info("loaded %s: %s, %d layers, weights %s%s", model.name, hp.arch, hp.n_layer,
-                 ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in weights.bytes_per_backend.items()),
-                 "".join(f" ({placement.backends[bi].name}: {m / 2**20:.1f} MiB read in place from the file)"
-                         for bi, m in enumerate(mapped_sizes) if m and upload))
+        if layers is None:
+            log.info("loaded %s: %s, %d layers, weights %s%s", model.name, hp.arch, hp.n_layer,
+                     ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in weights.bytes_per_backend.items()),
+                     "".join(f" ({placement.backends[bi].name}: {m / 2**20:.1f} MiB read in place from the file)"
+                             for bi, m in enumerate(mapped_sizes) if m and upload))
     return weights
 
 

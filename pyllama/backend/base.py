@@ -160,6 +160,10 @@ class Backend(ABC):
         caller may let their file pages go)."""
         return []
 
+    def drop_weights(self, tensors: Sequence[Tensor]) -> None:
+        """These weights are no longer used here (their layer moved to another device): a device
+        that keeps its own copies of them (the CPU's repacked weights) lets those go."""
+
     def fuses(self, dtype: DType) -> bool:
         """Whether weights of `dtype` that one product uses (q|k|v, gate|up) are worth storing as one
         fused copy; when not, each file tensor stays a part of its own (read in place where it can

@@ -151,6 +151,11 @@ class CPUBackend(Backend):
     def prepare_weights(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         return [t for t in tensors if self._packed_weight(t) is not None]
 
+    def drop_weights(self, tensors: Sequence[Tensor]) -> None:
+        for t in tensors:
+            if t.buffer is not None:
+                self._forget_packed(t.buffer, t.offset, t.offset + t.nbytes)
+
     def fuses(self, dtype: DType) -> bool:
         # a repacked weight would be held twice if fused (the fused copy and its repacked copy);
         # apart, each part is read in place from the file and MUL_MAT_CAT quantizes x once

@@ -29,8 +29,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
 class InProcessServer:
-    def __init__(self, model: str):
-        args = build_parser().parse_args(["-m", model, "-np", str(N_SLOTS), "-c", str(N_CTX), "-t", "1"])
+    def __init__(self, model: str, *extra: str):
+        args = build_parser().parse_args(["-m", model, "-np", str(N_SLOTS), "-c", str(N_CTX), "-t", "1", *extra])
         self.state = ServerState(args)
         load(self.state)
         self.api = Api(self.state)

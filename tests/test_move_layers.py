@@ -134,3 +134,57 @@ def test_a_split_that_is_not_one_is_refused(tiny_model, peer):
     assert engine.move_layers([1, 1]) == []
     engine.close()
 
+
+def test_a_server_moves_its_blocks_under_load_and_the_requests_go_on(model_factory, peer):
+    """The server's own split (no -ts) moved twice while four requests generate in two groups:
+    each reply is the one the same request gets with no move."""
+    from test_llama_server_api import InProcessServer  # noqa: PLC0415
+    from pyllama.server.__main__ import move_blocks  # noqa: PLC0415
+
+    model = model_factory("small", wtype="q8_0")
+    srv = InProcessServer(model, "--rpc", peer.endpoint, "--device", "RPC0,CPU", "-np", "4", "-c", "2048",
+                          "--pipeline-groups", "2")
+    try:
+        state = srv.state
+        assert state.split_chosen
+        start = state.engine.counts()
+        prompts = ["Once upon a time", "The capital of France", "1, 2, 3, 4,", "def main():"]
+
+        def run_all(during=None) -> list[str]:
+            out: list = [None] * len(prompts)
+
+            def one(i: int) -> None:
+                status, doc = srv.post("/completion", {"prompt": prompts[i], "n_predict": 160, "temperature": 0,
+                                                       "ignore_eos": True, "cache_prompt": False})
+                assert status == 200, doc
+                out[i] = doc["content"]
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            if during:
+                during()
+            for t in threads:
+                t.join(120)
+            return out
+
+        expected = run_all()
+
+        def move_while_generating() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                status, slots = srv.get("/slots")
+                if sum(1 for s in slots if s.get("is_processing") and s["next_token"][0]["n_decoded"] > 8) == 4:
+                    break
+                time.sleep(0.01)
+            else:
+                pytest.fail("the requests did not start generating")
+            move_blocks(state, [5, 1])
+            assert state.engine.counts() == [5, 1]
+            move_blocks(state, [2, 4])
+            status, slots = srv.get("/slots")
+            assert sum(1 for s in slots if s.get("is_processing")) == 4  # moved in the middle of them
+
+        assert run_all(move_while_generating) == expected
+        assert start != [5, 1] and state.engine.counts() == [2, 4]
+    finally:
+        srv.close()

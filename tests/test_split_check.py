@@ -138,6 +138,60 @@ def test_check_logs_after_a_loaded_interval_and_when_the_advice_changes(caplog):
     assert len(lines[4]) == 1 and "RPC0 9 blocks busy 95%" in lines[4][0] and "-ts 7,5" in lines[4][0]
 
 
+def test_the_servers_own_split_is_moved_once_and_never_back(caplog):
+    """With a move (the split was the server's choice) the advice is applied: the counts follow,
+    the next interval starts afresh, and advice back to a split already served is only logged."""
+    gen = (100, 100)
+    stats = FakeStats([(10, [0, 0], gen),
+                       (20, [9.5, 6.0], gen),      # 9,3: the first stage at 95%, the last at 60%: move
+                       (30, [9.5, 6.0], gen),      # the first interval of the new split: a baseline only
+                       (40, [17.2, 13.4], gen),    # even at 7,5: balanced
+                       (50, [23.2, 23.0], gen)])   # the last stage now the busier: 9,3 again, served before
+    moves = []
+    check = SplitCheck(stats, [stats.log], ["RPC0", "CPU"], [9, 3], 4.5, 10.0, caps=lambda c: [None, None],
+                       move=moves.append)
+    with caplog.at_level(logging.INFO, logger="pyllama.server"):
+        lines = []
+        for _ in range(5):
+            assert check.check()
+            lines.append([r.getMessage() for r in caplog.records])
+            caplog.clear()
+    assert moves == [[7, 5]] and check.counts == [7, 5]
+    assert len(lines[1]) == 1 and "RPC0 9 blocks busy 95%" in lines[1][0]
+    assert "moved to -ts 7,5 (slowest stage modelled 95% -> " in lines[1][0] and lines[1][0].endswith(" ms")
+    assert lines[2] == [] and len(lines[3]) == 1 and lines[3][0].endswith("balanced")
+    assert len(lines[4]) == 1 and "-ts 9,3 would even the stages out" in lines[4][0]
+    assert lines[4][0].endswith("it was served before, so the split stays")
+    assert moves == [[7, 5]] and check.counts == [7, 5]
+
+
+def test_a_move_that_fails_leaves_the_split_and_is_not_tried_again(caplog):
+    gen = (100, 100)
+    stats = FakeStats([(10, [0, 0], gen), (20, [9.5, 6.0], gen), (30, [19.0, 12.0], gen), (40, [19.1, 12.1], gen),
+                       (50, [28.6, 18.0], gen)])
+
+    def refuse(counts):
+        raise MemoryError("allocating 9437184 B on RPC0 exceeds the server's memory cap")
+
+    check = SplitCheck(stats, [stats.log], ["RPC0", "CPU"], [9, 3], 4.5, 10.0, move=refuse)
+    with caplog.at_level(logging.INFO, logger="pyllama.server"):
+        assert check.check() and check.check()
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "moving to -ts 7,5 failed, the split stays: allocating" in warned[0].getMessage()
+        assert check.counts == [9, 3]
+        caplog.clear()
+        check.check(), check.check(), check.check()  # idle, then the same advice: not tried again
+    assert "failed" not in caplog.text and check.counts == [9, 3]
+
+
+def test_a_given_split_is_advised_not_moved(caplog):
+    stats = FakeStats([(10, [0, 0], (100, 100)), (20, [9.5, 6.0], (100, 100))])
+    check = SplitCheck(stats, [stats.log], ["RPC0", "CPU"], [9, 3], 4.5, 10.0)
+    with caplog.at_level(logging.INFO, logger="pyllama.server"):
+        check.check(), check.check()
+    assert "-ts 7,5 would even the stages out" in caplog.text and "it applies at the next start" in caplog.text
+
+
 def test_prompt_rows_lighten_the_output_layer(caplog):
     """The same busy shares with half the computed rows sampled (prompts as long as the replies):
     the output layer weighs half as much, so the last device's blocks are dearer and it keeps

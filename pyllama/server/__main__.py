@@ -18,17 +18,18 @@ import time
 from typing import Optional, Sequence
 
 from .. import trace
-from ..balance import counts_of, memory_caps, output_blocks
+from ..balance import memory_caps, output_blocks
 from ..cache_types import CACHE_TYPES, cache_type_name
 from ..cli import install_stop_signals, run_main, setup_logging
 from ..devices import open_devices
 from ..engine import Engine
+from ..rpc.connection import configured_timeout
 from ..errors import PyllamaError
 from ..priority import apply_priority
 from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
 from .embedding import model_pooling
-from .group import PipelineGroup, pipeline_chunk, share_stages
+from .group import PipelineGroup, groups_stopped, pipeline_chunk, share_stages
 from .http import HTTPServer, install_uvloop
 from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401
                       default_stop, log_accepted, log_level, parse_args, resolve, sampling_defaults,
@@ -52,6 +53,7 @@ def load(state: ServerState) -> None:
         from ..models.default import default_model_path  # noqa: PLC0415
         path = default_model_path()
     backends, proportions = open_devices(args, path)
+    state.split_chosen = proportions is None
     engine = Engine(path, n_threads=args.threads, backends=backends, tensor_split=proportions, load=False,
                     map_weights=args.mmap, kv_overrides=dict(getattr(args, "override_kv", None) or []),
                     repack=getattr(args, "repack", True))
@@ -157,20 +159,34 @@ def _mib(per_device: dict[str, int]) -> str:
     return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in per_device.items())
 
 
+def move_blocks(state: ServerState, counts: list[int]) -> None:
+    """Re-splits the blocks as `counts` with every group stopped between steps (Engine.move_layers:
+    the requests under way go on where they were once the groups resume)."""
+    with groups_stopped(state.groups, configured_timeout()):
+        lost = state.engine.lost_devices()
+        if lost:
+            raise PyllamaError("; ".join(lost.values()))
+        state.engine.move_layers(counts)
+
+
 def start_split_check(state: ServerState, api: Api, interval_s: float) -> Optional[SplitCheck]:
-    """With pipeline groups over a split, the check of the split against the load (split_check)."""
+    """With pipeline groups over a split, the check of the split against the load (split_check);
+    it moves the blocks by its advice when the split was the server's own choice (no -ts, -ngl)."""
     engine = state.engine
     placement = engine.placement
     if interval_s <= 0 or len(state.groups) < 2 or placement.n_stages < 2:
         return None
     names = [b.name for b in placement.backends]
-    counts = counts_of(placement.layer_backend, len(names))
-    # what each device holds now plus what its free memory would take: no advice beyond that
-    room = memory_caps(engine.model, placement.backends)
-    caps = [None if more is None else n + more for n, more in zip(counts, room)]
+
+    def caps(counts) -> list[Optional[int]]:
+        # what each device holds plus what its free memory would take: no advice beyond that
+        room = memory_caps(engine.model, placement.backends)
+        return [None if more is None else n + more for n, more in zip(counts, room)]
+
     stats = api.pipeline()  # made here, on the event loop as the API makes it, never twice
-    check = SplitCheck(lambda: stats.snapshot(1.0), [g.step_log for g in state.groups], names, counts,
-                       output_blocks(engine.model), interval_s, caps)
+    check = SplitCheck(lambda: stats.snapshot(1.0), [g.step_log for g in state.groups], names, engine.counts(),
+                       output_blocks(engine.model), interval_s, caps,
+                       (lambda counts: move_blocks(state, counts)) if state.split_chosen else None)
     check.start()
     return check
 

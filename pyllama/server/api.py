@@ -68,6 +68,7 @@ class ServerState:
     aliases: list[str] = field(default_factory=list)
     embd_normalize: int = 2  # of embeddings whose request gives none
     pooling: str = "none"  # of embeddings: --pooling, else the model's (set when it loads)
+    split_chosen: bool = False  # the layer split is the server's own choice (no -ts, -ngl): it may move
     _max_token_chars: int = 0
 
     @property

@@ -25,7 +25,8 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -690,6 +691,22 @@ def _wants_raw_probs(slot: Slot) -> bool:
     the raw logits), which only the host logits give."""
     task = slot.task
     return task is not None and task.n_probs > 0 and not task.post_sampling_probs
+
+
+@contextmanager
+def groups_stopped(groups: list[PipelineGroup], timeout: float) -> Iterator[None]:
+    """Every group stopped between steps for the duration: their locks, taken in order, each waited
+    for at most `timeout` seconds (TimeoutError naming the group that did not finish its step)."""
+    locks = []
+    try:
+        for g in groups:
+            if not g.lock.acquire(timeout=timeout):
+                raise TimeoutError(f"pipeline group {g.index} did not finish its step within {timeout:g} s")
+            locks.append(g.lock)
+        yield
+    finally:
+        for lock in reversed(locks):
+            lock.release()
 
 
 def share_stages(groups: list[PipelineGroup], chunk: int) -> None:

@@ -23,8 +23,8 @@ import threading
 from typing import Optional
 
 from ..engine import Engine
-from ..rpc.connection import RPCError, configured_timeout
-from .group import PipelineGroup
+from ..rpc.connection import configured_timeout
+from .group import PipelineGroup, groups_stopped
 from ..threads import Thread
 
 log = logging.getLogger(__name__)
@@ -90,18 +90,11 @@ class PeerReconnector:
         if self._stop.is_set():
             return
         reason = "; ".join(lost.values())
-        locks = []
-        try:
-            for g in self.groups:  # a step ends within the RPC timeout; one that does not fails this attempt
-                if not g.lock.acquire(timeout=configured_timeout()):
-                    raise RPCError(f"pipeline group {g.index} did not finish its step within {configured_timeout():g} s")
-                locks.append(g.lock)
+        # a step ends within the RPC timeout; one that does not fails this attempt
+        with groups_stopped(self.groups, configured_timeout()):
             for g in self.groups:
                 g.abandon(reason)
             restored = self.engine.restore_lost_devices()
             for g in self.groups:
                 g.fault = None
-        finally:
-            for lock in reversed(locks):
-                lock.release()
         log.info("reconnected %s; serving again", ", ".join(restored))

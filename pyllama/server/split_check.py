@@ -12,17 +12,27 @@ and one INFO line says whether the split is balanced or which `-ts` would even t
 
     split check over the last 60 s: RPC0 7 blocks busy 77%, CPU 5 blocks + output busy 74%: balanced
 
-A line is logged after the first loaded interval and then whenever the advice changes. The split
-itself stays: moving blocks would mean moving their weights and every context's KV cache to the
-other device, which the server does not do while it serves; `-ts` applies the advice at the next
-start. An interval counts as loaded when the devices computed for at least LOADED of it in all
-(idle stretches would only add noise). A device that does not report its busy time (an rpc server
-without DEVICE_BUSY) turns the check off, said once at INFO.
+A line is logged after the first loaded interval and then whenever the advice changes. When the
+server chose the split itself (no `-ts`, no `-ngl`), it applies the advice: every group stops
+between steps, the blocks that change device move there with their weights and every group's KV
+cache (`Engine.move_layers`; the sequences under way go on where they were), and the groups go
+on. The line then says so, with the time the move took:
+
+    split check over the last 60 s: RPC0 6 blocks busy 62%, CPU 6 blocks + output busy 91%: moved to -ts 7,5 (slowest stage modelled 91% -> 78%) in 140 ms
+
+A split already served is not moved back to (two splits within the noise of each other would
+otherwise take turns), nor is one whose move failed (a device without the room: the split stays,
+said at WARNING). A split given with `-ts` is the user's and stays; the line then says which `-ts`
+would even the stages out at the next start. An interval counts as loaded when the devices
+computed for at least LOADED of it in all (idle stretches would only add noise). A device that
+does not report its busy time (an rpc server without DEVICE_BUSY) turns the check off, said once
+at INFO.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Optional, Sequence
 
 from ..balance import SplitAdvice, advise_split
@@ -44,30 +54,42 @@ def check_interval() -> float:
 
 
 def describe_advice(names: Sequence[str], counts: Sequence[int], busy: Sequence[float], interval_s: float,
-                    advice: SplitAdvice) -> str:
-    """The log line for one check (see the module docstring)."""
+                    advice: SplitAdvice, moved_s: Optional[float] = None, served_before: bool = False) -> str:
+    """The log line for one check (see the module docstring): the advice, or with `moved_s` the
+    move made (in that many seconds)."""
     last = len(names) - 1
     parts = [f"{name} {n} blocks{' + output' if i == last else ''} busy {b:.0%}"
              for i, (name, n, b) in enumerate(zip(names, counts, busy))]
     head = f"split check over the last {interval_s:.0f} s: {', '.join(parts)}: "
     if list(advice.counts) == list(counts):
         return head + "balanced"
-    return (head + f"-ts {','.join(str(n) for n in advice.counts)} would even the stages out (slowest stage "
-            f"modelled {advice.busiest_now:.0%} -> {advice.busiest_then:.0%}); it applies at the next start")
+    ts = ",".join(str(n) for n in advice.counts)
+    modelled = f"slowest stage modelled {advice.busiest_now:.0%} -> {advice.busiest_then:.0%}"
+    if moved_s is not None:
+        return head + f"moved to -ts {ts} ({modelled}) in {moved_s * 1e3:.0f} ms"
+    if served_before:
+        return head + f"-ts {ts} would even the stages out ({modelled}); it was served before, so the split stays"
+    return head + f"-ts {ts} would even the stages out ({modelled}); it applies at the next start"
 
 
 class SplitCheck:
     """Every `interval_s`, the devices' busy totals from `snapshot()` (a PipelineStats snapshot:
     `t_us` and per device `busy_total_s`, None when not measured) and the groups' rows computed
     and sampled (their step logs) compared with the last check's. `out_blocks`: the output
-    layer's cost per sampled row in blocks' worth per row (`balance.output_blocks`)."""
+    layer's cost per sampled row in blocks' worth per row (`balance.output_blocks`). `caps(counts)`:
+    the most blocks each device could hold with `counts` in place (None: no limit). `move(counts)`,
+    when the split may change: moves the blocks there (raises, leaving the split, when it cannot)."""
 
     def __init__(self, snapshot: Callable[[], dict], logs: Sequence[StepLog], names: Sequence[str],
                  counts: Sequence[int], out_blocks: float, interval_s: float,
-                 caps: Optional[Sequence[Optional[int]]] = None) -> None:
+                 caps: Optional[Callable[[Sequence[int]], Sequence[Optional[int]]]] = None,
+                 move: Optional[Callable[[list[int]], None]] = None) -> None:
         self.snapshot, self.logs = snapshot, list(logs)
         self.names, self.counts, self.out_blocks = list(names), list(counts), out_blocks
-        self.caps = None if caps is None else list(caps)  # the most blocks each device could hold
+        self._caps = caps
+        self.caps = None if caps is None else list(caps(self.counts))
+        self.move = move
+        self.served: set[tuple[int, ...]] = {tuple(self.counts)}  # splits served (or failed to move to)
         self.interval_s = interval_s
         # (t_us, busy totals, rows computed, rows sampled) at the last check
         self._last: Optional[tuple[int, list[float], int, int]] = None
@@ -116,5 +138,22 @@ class SplitCheck:
         if advice is None or advice.counts == self._advised:
             return True
         self._advised = list(advice.counts)
-        log.info("%s", describe_advice(self.names, self.counts, busy, span_s, advice))
+        target = list(advice.counts)
+        if self.move is None or target == self.counts or tuple(target) in self.served:
+            log.info("%s", describe_advice(self.names, self.counts, busy, span_s, advice,
+                                           served_before=self.move is not None and tuple(target) in self.served))
+            return True
+        self.served.add(tuple(target))
+        t0 = time.perf_counter()
+        try:
+            self.move(target)
+        except Exception as exc:  # noqa: BLE001 - the split stays as it was
+            log.warning("split check: moving to -ts %s failed, the split stays: %s",
+                        ",".join(str(n) for n in target), exc)
+            return True
+        log.info("%s", describe_advice(self.names, self.counts, busy, span_s, advice, time.perf_counter() - t0))
+        self.counts = target
+        self.caps = None if self._caps is None else list(self._caps(target))
+        self._last = None  # the next interval starts with the new split, and its outcome is logged
+        self._advised = None
         return True

@@ -1,12 +1,14 @@
 """What the server's split check (pyllama/server/split_check.py) advises, started from several splits.
 
-For each `-ts` value: an rpc server and a server (`RPC0,CPU`, pipeline groups) on loopback, the
-check every `--check-s` seconds, and bench_users' closed-loop load (`--users` x `--requests` of
-npp / ntg) for long enough that the check sees whole rounds of prompts and generation. Prints per
-split the tokens/s, each device's busy share and the advice from the last `split check` line the
-server logged during the load.
+For each `-ts` value (`auto`: none, so the server chooses the split and its check moves it): an
+rpc server and a server (`RPC0,CPU`, pipeline groups) on loopback, the check every `--check-s`
+seconds, and two runs of bench_users' closed-loop load (`--users` x `--requests` of npp / ntg),
+each long enough that the check sees whole rounds of prompts and generation. Prints per split the
+tokens/s of both runs (with `auto` the first holds the move, the second is served by the moved
+split), each device's busy share from the last `split check` line the server logged and what each
+of its lines concluded, in order.
 
-    python bench/split_advice.py --types q4_k_m,f32 --splits 9,3:8,4:7,5:6,6
+    python bench/split_advice.py --types q4_k_m,f32 --splits auto:6,6:7,5
     python bench/split_advice.py --model PATH --splits 4,2:3,3 --users 8 --requests 4 --check-s 5
 """
 from __future__ import annotations
@@ -30,15 +32,25 @@ CHECK_LINE = re.compile(r"split check over the last .*")
 BUSY = re.compile(r"(\S+) \d+ blocks(?: \+ output)? busy (\d+)%")
 
 
+def _outcome(line: str) -> str:
+    if line.endswith(": balanced"):
+        return "balanced"
+    moved = re.search(r"moved to -ts (\S+) .* in (\d+) ms$", line)
+    if moved:
+        return f"moved to {moved[1]} in {moved[2]} ms"
+    return (re.search(r"-ts (\S+) would even", line) or [None, "?"])[1]
+
+
 def parse_check(text: str) -> Optional[dict]:
-    """The last `split check` line in a server's log: {'line', 'busy': {device: %}, 'advice'}."""
+    """The `split check` lines in a server's log: {'line' (the last), 'busy': {device: %} (of the
+    last), 'advice' (the last's outcome: balanced, a -ts value, or 'moved to X in N ms'),
+    'outcomes' (every line's, in order)}."""
     lines = CHECK_LINE.findall(text)
     if not lines:
         return None
     line = lines[-1]
-    advice = "balanced" if line.endswith(": balanced") else \
-        (re.search(r"-ts (\S+) would even", line) or [None, "?"])[1]
-    return {"line": line, "busy": {m[0]: int(m[1]) for m in BUSY.findall(line)}, "advice": advice}
+    return {"line": line, "busy": {m[0]: int(m[1]) for m in BUSY.findall(line)}, "advice": _outcome(line),
+            "outcomes": [_outcome(x) for x in lines]}
 
 
 def run_split(model: str, endpoint: str, ts: str, a, vocab: tuple[int, int]) -> dict:
@@ -46,10 +58,11 @@ def run_split(model: str, endpoint: str, ts: str, a, vocab: tuple[int, int]) -> 
                           pc.prio_args(a.prio))
     srv = ServerProcess(model, *args, env={CHECK_ENV: str(a.check_s)}).wait_ready(a.ready_timeout)
     try:
-        rep = run_bench(srv.url, a.users, a.requests, a.npp, a.ntg, warmup=1, timeout=a.timeout, vocab=vocab)
+        runs = [run_bench(srv.url, a.users, a.requests, a.npp, a.ntg, warmup=1 - k, timeout=a.timeout, vocab=vocab)
+                for k in range(2)]
     finally:
         srv.stop()
-    return {"ts": ts, "tok_s": rep["gen_tok_s"], "check": parse_check(srv.stderr_text)}
+    return {"ts": ts, "tok_s": [r["gen_tok_s"] for r in runs], "check": parse_check(srv.stderr_text)}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -80,13 +93,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 r = run_split(model, peer.endpoint, ts, a, vocab)
                 c = r["check"]
                 busy = " / ".join(f"{k} {v}%" for k, v in c["busy"].items()) if c else "-"
-                rows.append(f"{name:10s} -ts {ts:8s} {r['tok_s']:8.1f} tok/s  busy {busy:22s} "
-                            f"advice {c['advice'] if c else 'none logged (raise --requests)'}")
+                first, second = r["tok_s"]
+                rows.append(f"{name:10s} -ts {ts:8s} {first:8.1f} then {second:8.1f} tok/s  busy {busy:22s} "
+                            f"checks: {' -> '.join(c['outcomes']) if c else 'none logged (raise --requests)'}")
                 print(rows[-1], flush=True)
     finally:
         peer.stop()
-    print(f"\nsplit check every {a.check_s:g} s, {a.groups} groups over RPC0,CPU, {a.users} users x {a.requests} "
-          f"requests of npp {a.npp} / ntg {a.ntg}, -t {a.threads}, --prio {a.prio}")
+    print(f"\nsplit check every {a.check_s:g} s, {a.groups} groups over RPC0,CPU, two runs of {a.users} users x "
+          f"{a.requests} requests of npp {a.npp} / ntg {a.ntg} per server, -t {a.threads}, --prio {a.prio}")
     return 0
 
 

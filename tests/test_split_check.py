@@ -99,8 +99,12 @@ def test_the_bench_reads_the_last_check_line_back():
     moved = describe_advice(names, [9, 3], [0.95, 0.60], 60.0, advise_split(names, [0.95, 0.60], [9, 3], 4.5))
     kept = describe_advice(names, [7, 5], [0.77, 0.74], 60.0, advise_split(names, [0.77, 0.74], [7, 5], 4.5))
     log = f"x INFO pyllama.server: {moved}\ny INFO pyllama.server: {kept}\n"
-    assert bench.parse_check(log) == {"line": kept, "busy": {"RPC0": 77, "CPU": 74}, "advice": "balanced"}
+    assert bench.parse_check(log) == {"line": kept, "busy": {"RPC0": 77, "CPU": 74}, "advice": "balanced",
+                                      "outcomes": ["7,5", "balanced"]}
     assert bench.parse_check(f"INFO: {moved}\n")["advice"] == "7,5"
+    applied = describe_advice(names, [9, 3], [0.95, 0.60], 60.0, advise_split(names, [0.95, 0.60], [9, 3], 4.5),
+                              moved_s=0.1234)
+    assert bench.parse_check(f"INFO: {applied}\nINFO: {kept}\n")["outcomes"] == ["moved to 7,5 in 123 ms", "balanced"]
     assert bench.parse_check("nothing logged\n") is None
 
 
@@ -119,6 +123,17 @@ class FakeStats:
         return {"t_us": int(t * 1e6), "devices": [{"name": n, "busy_total_s": b} for n, b in zip(self.names, totals)]}
 
 
+def run_checks(check: SplitCheck, n: int, caplog) -> list[list[str]]:
+    """The messages each of n checks logged."""
+    lines = []
+    with caplog.at_level(logging.INFO, logger="pyllama.server"):
+        for _ in range(n):
+            assert check.check()
+            lines.append([r.getMessage() for r in caplog.records])
+            caplog.clear()
+    return lines
+
+
 def test_check_logs_after_a_loaded_interval_and_when_the_advice_changes(caplog):
     gen = (100, 100)  # every computed row sampled: the output layer weighs its whole 4.5 blocks
     stats = FakeStats([(10, [0, 0], gen),
@@ -127,12 +142,7 @@ def test_check_logs_after_a_loaded_interval_and_when_the_advice_changes(caplog):
                        (40, [15.5, 14.9], gen),    # idle: not a measurement
                        (50, [25.0, 20.9], gen)])   # the first stage at 95%, the last at 60%: advice
     check = SplitCheck(stats, [stats.log], ["RPC0", "CPU"], [9, 3], 4.5, 10.0)
-    with caplog.at_level(logging.INFO, logger="pyllama.server"):
-        lines = []
-        for _ in range(5):
-            assert check.check()
-            lines.append([r.getMessage() for r in caplog.records])
-            caplog.clear()
+    lines = run_checks(check, 5, caplog)
     assert lines[0] == [] and lines[2] == [] and lines[3] == []
     assert len(lines[1]) == 1 and lines[1][0].endswith("CPU 3 blocks + output busy 74%: balanced")
     assert len(lines[4]) == 1 and "RPC0 9 blocks busy 95%" in lines[4][0] and "-ts 7,5" in lines[4][0]
@@ -150,19 +160,13 @@ def test_the_servers_own_split_is_moved_once_and_never_back(caplog):
     moves = []
     check = SplitCheck(stats, [stats.log], ["RPC0", "CPU"], [9, 3], 4.5, 10.0, caps=lambda c: [None, None],
                        move=moves.append)
-    with caplog.at_level(logging.INFO, logger="pyllama.server"):
-        lines = []
-        for _ in range(5):
-            assert check.check()
-            lines.append([r.getMessage() for r in caplog.records])
-            caplog.clear()
+    lines = run_checks(check, 5, caplog)
     assert moves == [[7, 5]] and check.counts == [7, 5]
     assert len(lines[1]) == 1 and "RPC0 9 blocks busy 95%" in lines[1][0]
     assert "moved to -ts 7,5 (slowest stage modelled 95% -> " in lines[1][0] and lines[1][0].endswith(" ms")
     assert lines[2] == [] and len(lines[3]) == 1 and lines[3][0].endswith("balanced")
     assert len(lines[4]) == 1 and "-ts 9,3 would even the stages out" in lines[4][0]
     assert lines[4][0].endswith("it was served before, so the split stays")
-    assert moves == [[7, 5]] and check.counts == [7, 5]
 
 
 def test_a_move_that_fails_leaves_the_split_and_is_not_tried_again(caplog):

@@ -45,6 +45,8 @@ class InProcessServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         self.state.router.stop()
+        if self.state.reconnector is not None:
+            self.state.reconnector.stop()
         for g in self.state.groups:
             g.stop()
         self.state.engine.close()

@@ -70,9 +70,12 @@ def test_generation_goes_on_unchanged_after_a_move(model_factory, peer, start, t
             tensors = engine.weights[lname] if isinstance(engine.weights[lname], tuple) else (engine.weights[lname],)
             assert all(t.buffer.backend is engine.backends[engine.placement.layer_backend[layer]] for t in tensors)
     fresh = _engine(model, peer, to)
-    a = engine.new_context(128, 1).decode(Batch.for_sequence(PROMPTS[2], 0, 0)).logits
-    b = fresh.new_context(128, 1).decode(Batch.for_sequence(PROMPTS[2], 0, 0)).logits
+    ca, cb = engine.new_context(128, 1), fresh.new_context(128, 1)
+    a = ca.decode(Batch.for_sequence(PROMPTS[2], 0, 0)).logits
+    b = cb.decode(Batch.for_sequence(PROMPTS[2], 0, 0)).logits
     np.testing.assert_array_equal(a, b)
+    ca.free()
+    cb.free()
     assert engine.weights.bytes_per_backend == fresh.weights.bytes_per_backend
     engine.close()
     fresh.close()
@@ -102,9 +105,9 @@ def test_a_move_that_does_not_fit_changes_nothing(model_factory, peer):
     model = model_factory("small", wtype="f32")
     expected = _greedy(Engine(model, n_threads=1), 4, ctxs=1)
     engine = _engine(model, peer, [1, 5])
-    info = engine.backends[0].device_info()
     ctx = engine.new_context(128, len(PROMPTS))
-    room = info.total - info.free + ctx.device_bytes()["RPC0"] + 3 * layer_bytes(engine.model, engine.backends[0]) // 2
+    room = (engine.weights.bytes_per_backend["RPC0"] + ctx.device_bytes()["RPC0"]
+            + 3 * layer_bytes(engine.model, engine.backends[0]) // 2)
     ctx.free()
     engine.close()
     tight = RPCServerProcess("--mem", str(-(-room // 2**20)))

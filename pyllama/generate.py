@@ -20,6 +20,7 @@ from .devices import add_device_args, open_devices
 from .engine import Engine
 from .errors import PyllamaError
 from .models.gguf_file import kv_override_arg
+from .models.hparams import add_rope_args, model_overrides
 from .sampling import BatchSampler, SamplingParams, SequenceSampler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -58,6 +59,7 @@ def build_parser() -> Parser:
     p.add_argument("--override-kv", dest="override_kv", action="extend", type=kv_override_arg, default=[],
                    metavar="KEY=TYPE:VALUE,...",
                    help="override model metadata (types int, float, bool, str; comma-separated or repeated)")
+    add_rope_args(p)
     p.add_argument("--tokens", action="store_true", help="print the generated token ids, one line, instead of text")
     p.add_argument("--trace", metavar="PATH", help="write a trace of every decode step (JSON lines; also $PYLLAMA_TRACE)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and timings to stderr")
@@ -132,7 +134,7 @@ def _run(args, params: SamplingParams, prompt_text: str, model_path: str) -> int
     t0 = time.perf_counter()
     backends, proportions = open_devices(args, model_path)
     engine = Engine(model_path, n_threads=args.threads, backends=backends, tensor_split=proportions,
-                    map_weights=args.mmap, kv_overrides=dict(args.override_kv), repack=args.repack)
+                    map_weights=args.mmap, kv_overrides=model_overrides(args), repack=args.repack)
     hp = engine.model.hparams
     n_ctx = args.ctx_size or min(hp.n_ctx_train, 4096)
     ctx = engine.new_context(n_ctx, 1, args.batch_size, args.ubatch_size,

@@ -349,6 +349,7 @@ def rope_factors(model: Model, base: float) -> Optional[np.ndarray]:
         high = min(hp.n_rot - 1.0, math.ceil(corr_dim(hp.yarn_beta_slow)))
         i = np.arange(half, dtype=np.float64)
         ramp = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)  # 1: extrapolate, 0: interpolate
+        ramp *= hp.yarn_ext_factor
         factors = factors / (hp.rope_scale * (1.0 - ramp) + ramp)
     return factors.astype(np.float32)
 

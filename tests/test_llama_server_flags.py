@@ -16,6 +16,7 @@ import pytest
 
 from pyllama.devices import ALL_LAYERS, device_names, plan_devices
 from pyllama.errors import PyllamaError
+from pyllama.models.hparams import model_overrides
 from pyllama.sampling import SamplingParams
 from pyllama.server import params
 from pyllama.server.options import (UNSUPPORTED, build_parser, default_stop, log_level, parse_args, process_escapes,
@@ -98,6 +99,9 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M -nr", lambda a: a.repack is False),
     ("-m M --no-repack", lambda a: a.repack is False),
     ("-m M --no-repack --repack", lambda a: a.repack is True),
+    ("-m M --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 32768",
+     lambda a: model_overrides(a) == {"{arch}.rope.scaling.type": "yarn", "{arch}.rope.scaling.factor": 4.0,
+                                      "{arch}.rope.scaling.original_context_length": 32768}),
     ("-m M --context-shift --keep 16", lambda a: a.context_shift is True and a.keep == 16),
     ("-m M --no-context-shift", lambda a: a.context_shift is False),
     ("-m M --timeout 30", lambda a: a.timeout == 30),
@@ -166,7 +170,7 @@ def test_llama_server_command_lines(line, check):
     ("-m M --override-tensor exps=CPU", "--override-tensor"),
     ("-m M --draft-max 16", "--draft-max"),
     ("-m M --spec-draft-n-max 16", "--spec-draft-n-max"),
-    ("-m M --rope-scaling yarn", "--rope-scaling"),
+    ("-m M -gan 4", "-gan"),
     ("-m M --ssl-key-file k.pem", "--ssl-key-file"),
     ("-m M --adaptive-target 0.5", "--adaptive-target"),
     ("-m M -sm row", "--split-mode row"),
@@ -288,6 +292,8 @@ def test_unsupported_flag_from_the_program_is_one_line_exit_1():
 
 @pytest.mark.parametrize("var, raw, dest, value", [
     ("LLAMA_ARG_CTX_SIZE", "4096", "ctx_size", 4096),
+    ("LLAMA_ARG_ROPE_FREQ_BASE", "1000000", "rope_freq_base", 1e6),
+    ("LLAMA_ARG_ROPE_SCALING_TYPE", "yarn", "rope_scaling", "yarn"),
     ("LLAMA_ARG_N_GPU_LAYERS", "99", "n_gpu_layers", 99),
     ("LLAMA_ARG_N_PARALLEL", "3", "parallel", 3),
     ("LLAMA_ARG_THREADS", "2", "threads", 2),

@@ -253,8 +253,12 @@ def _kind(v: Any) -> str:
 
 def apply_kv_overrides(metadata: dict[str, Any], overrides: Mapping[str, Any], source: str) -> None:
     """Sets each overridden key; a key the file has must keep its kind (int, float, bool, str),
-    as llama.cpp refuses an override of another type than the value it replaces."""
+    as llama.cpp refuses an override of another type than the value it replaces. A key that begins
+    with `{arch}.` names the file's architecture's key (the RoPE options give theirs so)."""
+    arch = metadata.get("general.architecture")
     for key, value in overrides.items():
+        if key.startswith("{arch}.") and isinstance(arch, str):
+            key = arch + key[len("{arch}"):]
         if key in metadata and _kind(metadata[key]) != _kind(value):
             raise ModelFileError(f"{source}: --override-kv {key}: the file's value is a {_kind(metadata[key])}, "
                                  f"not a {_kind(value)}")

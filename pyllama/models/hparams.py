@@ -1,8 +1,10 @@
 """Hyper-parameters of the llama-family architectures, read from GGUF metadata."""
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ModelFileError
 from .gguf_file import GGUFFile
@@ -65,6 +67,7 @@ class HParams:
     n_ctx_orig: int = 0           # yarn's original context length (0: n_ctx_train)
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    yarn_ext_factor: float = 1.0  # how much of the ramp extrapolates (0: yarn interpolates alone)
     rope_attn_factor: float = 1.0
     # the gemma and phi3 families
     swa_layers: tuple = ()        # per layer: True where it attends through the sliding window
@@ -83,9 +86,12 @@ class HParams:
 
     @property
     def rope_mscale(self) -> float:
-        """cos/sin scale: YaRN's 1 + 0.1 ln(factor) times the file's attn_factor, as llama.cpp."""
+        """cos/sin scale: YaRN's 1 + 0.1 ln(factor) (when it extrapolates) times its attn_factor,
+        as llama.cpp."""
         if self.rope_scaling != "yarn":
             return 1.0
+        if self.yarn_ext_factor == 0:
+            return self.rope_attn_factor
         return self.rope_attn_factor * (1.0 + 0.1 * math.log(1.0 / self.rope_scale))
 
     @property
@@ -114,11 +120,79 @@ def _int(gf: GGUFFile, key: str, default: int | None = None) -> int:
     return value
 
 
-def _float(gf: GGUFFile, key: str, default: float) -> float:
+def _float(gf: GGUFFile, key: str, default: float, zero: bool = False) -> float:
     value = gf.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ModelFileError(f"{gf.path}: metadata key '{key}' must be a positive number, got {value!r}")
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0
+            or value == float("inf") or (value == 0 and not zero)):
+        raise ModelFileError(f"{gf.path}: metadata key '{key}' must be a {'non-negative' if zero else 'positive'} "
+                             f"number, got {value!r}")
     return float(value)
+
+
+# llama.cpp's RoPE options -> the metadata keys they stand in for ({arch}: the model's architecture)
+ROPE_KEYS = {"rope_scaling": "{arch}.rope.scaling.type", "rope_freq_base": "{arch}.rope.freq_base",
+             "rope_freq_scale": "{arch}.rope.scaling.factor",
+             "yarn_orig_ctx": "{arch}.rope.scaling.original_context_length",
+             "yarn_ext_factor": "{arch}.rope.scaling.yarn_ext_factor",
+             "yarn_attn_factor": "{arch}.rope.scaling.attn_factor",
+             "yarn_beta_fast": "{arch}.rope.scaling.yarn_beta_fast",
+             "yarn_beta_slow": "{arch}.rope.scaling.yarn_beta_slow"}
+
+
+def model_overrides(args: Any) -> dict[str, Any]:
+    """The metadata overrides of a command line: --override-kv's, and the RoPE options' over them."""
+    return {**dict(getattr(args, "override_kv", None) or []), **rope_overrides(args)}
+
+
+def add_rope_args(p: Any) -> None:
+    """llama.cpp's RoPE options on an argument parser (the server's and generate's)."""
+    p.add_argument("--rope-scaling", choices=list(ROPE_SCALING_TYPES), default=None,
+                   llama_env="LLAMA_ARG_ROPE_SCALING_TYPE",
+                   help="RoPE frequency scaling: none, linear or yarn (default: the model's)")
+    p.add_argument("--rope-scale", dest="rope_freq_scale", type=_inverse_factor, default=None,
+                   metavar="N", llama_env="LLAMA_ARG_ROPE_SCALE",
+                   help="RoPE context scaling factor: the context grows by N (default: the model's)")
+    p.add_argument("--rope-freq-base", type=float, default=None, metavar="N", llama_env="LLAMA_ARG_ROPE_FREQ_BASE",
+                   help="RoPE base frequency (default, or 0: the model's)")
+    p.add_argument("--rope-freq-scale", type=float, default=None, metavar="N", llama_env="LLAMA_ARG_ROPE_FREQ_SCALE",
+                   help="RoPE frequency scale: the context grows by 1/N (default, or 0: the model's)")
+    p.add_argument("--yarn-orig-ctx", type=int, default=None, metavar="N", llama_env="LLAMA_ARG_YARN_ORIG_CTX",
+                   help="YaRN: the model's original context (default, or 0: the model's, else its training context)")
+    p.add_argument("--yarn-ext-factor", type=float, default=None, metavar="N", llama_env="LLAMA_ARG_YARN_EXT_FACTOR",
+                   help="YaRN: extrapolation mix, 0 = interpolation alone (default, or -1: 1.0)")
+    p.add_argument("--yarn-attn-factor", type=float, default=None, metavar="N",
+                   llama_env="LLAMA_ARG_YARN_ATTN_FACTOR", help="YaRN: magnitude factor (default, or -1: the model's)")
+    p.add_argument("--yarn-beta-slow", type=float, default=None, metavar="N", llama_env="LLAMA_ARG_YARN_BETA_SLOW",
+                   help="YaRN: high correction dimension (default, or -1: the model's, else 1)")
+    p.add_argument("--yarn-beta-fast", type=float, default=None, metavar="N", llama_env="LLAMA_ARG_YARN_BETA_FAST",
+                   help="YaRN: low correction dimension (default, or -1: the model's, else 32)")
+
+
+def _inverse_factor(text: str) -> float:
+    """--rope-scale N as the frequency scale 1 / N (llama.cpp's reading)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got '{text}'")
+    return 1.0 / value
+
+
+def rope_overrides(args: Any) -> dict[str, Any]:
+    """Metadata overrides for llama.cpp's RoPE options (--rope-scaling, --rope-scale,
+    --rope-freq-base, --rope-freq-scale, --yarn-*) in `args`, with llama.cpp's "the model's own"
+    values (unset, 0 or a negative number) left out. --rope-freq-scale N is a factor of 1 / N."""
+    out: dict[str, Any] = {}
+    for field, key in ROPE_KEYS.items():
+        value = getattr(args, field, None)
+        if value is None or (not isinstance(value, str) and value <= 0 and field != "yarn_ext_factor") \
+                or (field == "yarn_ext_factor" and value < 0):
+            continue
+        if field == "rope_freq_scale":
+            value = 1.0 / value
+        out[key] = value if isinstance(value, str) else (int(value) if field == "yarn_orig_ctx" else float(value))
+    return out
 
 
 def read_hparams(gf: GGUFFile) -> HParams:
@@ -190,6 +264,7 @@ def _rope_scaling(gf: GGUFFile, arch: str) -> dict:
                                    _int(gf, f"{arch}.context_length", 2048)),
                    yarn_beta_fast=_float(gf, f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
                    yarn_beta_slow=_float(gf, f"{arch}.rope.scaling.yarn_beta_slow", 1.0),
+                   yarn_ext_factor=_float(gf, f"{arch}.rope.scaling.yarn_ext_factor", 1.0, zero=True),
                    rope_attn_factor=_float(gf, f"{arch}.rope.scaling.attn_factor", 1.0))
     elif out["rope_scale"] != 1.0:
         out["rope_scaling"] = "linear"

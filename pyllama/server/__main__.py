@@ -25,6 +25,7 @@ from ..devices import open_devices
 from ..engine import Engine
 from ..rpc.connection import configured_timeout
 from ..errors import PyllamaError
+from ..models.hparams import model_overrides
 from ..priority import apply_priority
 from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
@@ -55,7 +56,7 @@ def load(state: ServerState) -> None:
     backends, proportions = open_devices(args, path)
     state.split_chosen = proportions is None
     engine = Engine(path, n_threads=args.threads, backends=backends, tensor_split=proportions, load=False,
-                    map_weights=args.mmap, kv_overrides=dict(getattr(args, "override_kv", None) or []),
+                    map_weights=args.mmap, kv_overrides=model_overrides(args),
                     repack=getattr(args, "repack", True))
     hp = engine.model.hparams
     n_groups = args.pipeline_groups

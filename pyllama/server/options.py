@@ -18,6 +18,7 @@ from ..cli import Parser, Toggle, parse_bool
 from ..devices import add_device_args
 from ..errors import PyllamaError
 from ..models.gguf_file import kv_override_arg
+from ..models.hparams import add_rope_args
 from ..sampling import SamplingParams, parse_samplers
 from .group import QUANT_PIPELINE_CHUNK
 
@@ -40,7 +41,6 @@ _MM = "multimodal projectors are not supported (text models only)"
 _DL = "pyllama does not download models; pass a local GGUF file with -m"
 _SAMPLER = "this sampler is not supported (adaptive-p is not in pyllama's sampler set)"
 _FIT = "fitting to device memory is not supported (pyllama checks memory and refuses what does not fit)"
-_ROPE = "RoPE scaling overrides are not supported (the model's own RoPE parameters are used)"
 UNSUPPORTED: dict[str, str] = {
     **{f: _LORA for f in ("--lora", "--lora-scaled", "--lora-init-without-apply")},
     **{f: "control vectors are not supported" for f in ("--control-vector", "--control-vector-scaled",
@@ -63,9 +63,8 @@ UNSUPPORTED: dict[str, str] = {
                         "--model-url", "-dr", "--docker-repo", "--offline", "-cl", "--cache-list")},
     **{f: _SAMPLER for f in ("--adaptive-target", "--adaptive-decay")},
     **{f: "a command-line logit bias is not supported (a request's logit_bias is)" for f in ("-l", "--logit-bias")},
-    **{f: _ROPE for f in ("--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale",
-                          "--yarn-orig-ctx", "--yarn-ext-factor", "--yarn-attn-factor", "--yarn-beta-slow",
-                          "--yarn-beta-fast", "-gan", "--grp-attn-n", "-gaw", "--grp-attn-w")},
+    **{f: "self-extend (group attention) is not supported" for f in ("-gan", "--grp-attn-n", "-gaw",
+                                                                      "--grp-attn-w")},
     **{f: "tensor placement overrides are not supported (layers go to devices with -ngl, -dev, -ts)"
        for f in ("-ot", "--override-tensor", "-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe")},
     **{f: "TLS is not supported; put a reverse proxy in front for HTTPS" for f in ("--ssl-key-file",
@@ -245,6 +244,7 @@ def build_parser() -> Parser:
       metavar="KEY=TYPE:VALUE,...",
       help="override model metadata (types int, float, bool, str; comma-separated or repeated), "
            "e.g. tokenizer.ggml.pre=str:qwen2")
+    add_rope_args(p)
     a("-dt", "--defrag-thold", type=float, default=None, llama_env="LLAMA_ARG_DEFRAG_THOLD",
       help="deprecated in llama-server and ignored, as there")
     a("--backend-sampling", "--no-backend-sampling", "-bs", action=Toggle, negatives=("--no-backend-sampling",),

@@ -21,7 +21,7 @@ from pyllama.sampling import SamplingParams
 from pyllama.server import params
 from pyllama.server.options import (UNSUPPORTED, build_parser, default_stop, log_level, parse_args, process_escapes,
                                     sampling_defaults, settings)
-from server_util import ServerProcess
+from server_util import ServerProcess, generated_tokens
 
 LLAMA_VARS = ("LLAMA_ARG_", "PYLLAMA_ARG_", "LLAMA_API_KEY", "LLAMA_LOG_")
 # every flag of llama-server's --help, one per line
@@ -443,6 +443,31 @@ def test_escapes_in_reverse_prompts_and_dry_breakers():
     assert default_stop(parse_args([])) == ()
 
 
+def test_logit_bias_flag_is_the_default_a_request_replaces():
+    """llama-server's: --logit-bias biases every request that gives no logit_bias (repeated tokens add
+    up, -inf bans); a request's own logit_bias (even an empty one) replaces it."""
+    from pyllama.server.options import sampling_defaults
+    a = parse_args("-m M -l 15043+1 --logit-bias 7-inf -l 15043+0.5 -l 9-0.25".split())
+    try:
+        params.set_generation_defaults(sampling_defaults(a))
+        ids, bias = params.parse_completion({}, -1, 1).sampling.logit_bias
+        assert ids.tolist() == [7, 9, 15043] and bias.tolist() == [-np.inf, -0.25, 1.5]
+        ids, bias = params.parse_completion({"logit_bias": [[3, 2.0]]}, -1, 1).sampling.logit_bias
+        assert ids.tolist() == [3] and bias.tolist() == [2.0]
+        assert params.parse_completion({"logit_bias": []}, -1, 1).sampling.logit_bias is None
+        with pytest.raises(PyllamaError, match="--logit-bias: token 15043 is outside the vocabulary of 512"):
+            params.check_generation_defaults(512)
+        params.check_generation_defaults(32000)
+    finally:
+        params.set_generation_defaults()
+    assert params.parse_completion({}, -1, 1).sampling.logit_bias is None
+
+
+@pytest.mark.parametrize("value", ["15043", "abc+1", "5+inf", "5*2", "+1", "5+", "-3+1"])
+def test_bad_logit_bias_flag_is_one_line(value, capsys):
+    assert "--logit-bias" in exits(["-m", "M", "-l", value], capsys)
+
+
 def test_reverse_prompt_and_cache_prompt_become_request_defaults():
     a = parse_args(["-r", "END", "--no-cache-prompt"])
     try:
@@ -525,6 +550,27 @@ def test_start_with_llama_server_flags(tiny_model, tmp_path):
         assert srv.stop() == 0
     assert "-fa on: attention is always one fused kernel" in srv.stderr_text
     assert "listening on" in log_file.read_text()
+
+
+def test_logit_bias_flag_in_a_server(tiny_model):
+    prompt = "The little cat sat on the mat"
+    first = generated_tokens(tiny_model, prompt, 1)[0]
+    body = {"prompt": prompt, "n_predict": 1, "temperature": 0, "return_tokens": True}
+    srv = ServerProcess(tiny_model, "-c", "256", "-np", "1", "-l", f"{first}-inf").wait_ready()
+    try:
+        status, doc = srv.post("/completion", body)
+        assert status == 200 and doc["tokens"] != [first]
+        assert doc["generation_settings"]["logit_bias"] == [{"bias": None, "token": first}]
+        status, doc = srv.post("/completion", {**body, "logit_bias": []})
+        assert status == 200 and doc["tokens"] == [first]
+    finally:
+        assert srv.stop() == 0
+    proc = subprocess.run([sys.executable, "-m", "pyllama.server", "-m", tiny_model, "--port", "0", "-c", "128",
+                           "-l", "999999+1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --logit-bias: token 999999 is outside the vocabulary of 512 tokens"], proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_warm_up_runs_before_serving_and_leaves_no_trace(tiny_model):

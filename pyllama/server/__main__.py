@@ -35,7 +35,7 @@ from .http import HTTPServer, install_uvloop
 from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401
                       default_stop, log_accepted, log_level, parse_args, resolve, sampling_defaults,
                       template_kwargs)
-from .params import set_default_constraint, set_generation_defaults
+from .params import check_generation_defaults, set_default_constraint, set_generation_defaults
 from .reconnect import PeerReconnector
 from .router import Router
 from .slot import Slot
@@ -59,6 +59,7 @@ def load(state: ServerState) -> None:
                     map_weights=args.mmap, kv_overrides=model_overrides(args),
                     repack=getattr(args, "repack", True))
     hp = engine.model.hparams
+    check_generation_defaults(hp.n_vocab)
     n_groups = args.pipeline_groups
     n_ctx = args.ctx_size or hp.n_ctx_train
     if not args.kv_unified and n_ctx % n_groups:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from types import SimpleNamespace
@@ -21,8 +22,11 @@ from ..models.gguf_file import kv_override_arg
 from ..models.hparams import add_rope_args
 from ..sampling import SamplingParams, parse_samplers
 from .group import QUANT_PIPELINE_CHUNK
+from .params import parse_logit_bias
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .constraint import ConstraintSpec
 
 log = logging.getLogger("pyllama.server")
@@ -62,7 +66,6 @@ UNSUPPORTED: dict[str, str] = {
     **{f: _DL for f in ("-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-hft", "--hf-token", "-mu",
                         "--model-url", "-dr", "--docker-repo", "--offline", "-cl", "--cache-list")},
     **{f: _SAMPLER for f in ("--adaptive-target", "--adaptive-decay")},
-    **{f: "a command-line logit bias is not supported (a request's logit_bias is)" for f in ("-l", "--logit-bias")},
     **{f: "self-extend (group attention) is not supported" for f in ("-gan", "--grp-attn-n", "-gaw",
                                                                       "--grp-attn-w")},
     **{f: "tensor placement overrides are not supported (layers go to devices with -ngl, -dev, -ts)"
@@ -296,6 +299,10 @@ def build_parser() -> Parser:
     a("--dynatemp-range", type=float, default=d.dynatemp_range, help="dynamic temperature range, 0.0 = off")
     a("--dynatemp-exp", type=float, default=d.dynatemp_exponent, help="dynamic temperature exponent")
     a("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    a("-l", "--logit-bias", dest="logit_bias", action="append", type=_logit_bias_arg, default=None,
+      metavar="TOKEN_ID(+/-)BIAS", llama_env=None,
+      help="the logit bias of a request that gives none (repeatable; biases of one token add up), "
+           "e.g. 15043+1 or 15043-inf (never that token)")
     a("-r", "--reverse-prompt", dest="reverse_prompt", action="append", default=None, metavar="PROMPT", llama_env=None,
       help="stop generating at PROMPT when a request gives no stop strings (repeatable)")
     a("-sp", "--special", action="store_true", llama_env=None,
@@ -603,7 +610,29 @@ def sampling_defaults(args) -> SamplingParams:
                           dynatemp_range=args.dynatemp_range, dynatemp_exponent=args.dynatemp_exp,
                           # --sampling-seq wins over --samplers when both are given (llama.cpp applies them in
                           # command-line order; the later one wins there)
-                          samplers=args.sampling_seq or args.samplers or SamplingParams().samplers)
+                          samplers=args.sampling_seq or args.samplers or SamplingParams().samplers,
+                          logit_bias=default_logit_bias(args))
+
+
+def _logit_bias_arg(text: str) -> tuple[int, float]:
+    """--logit-bias TOKEN_ID(+|-)BIAS, as llama.cpp reads it: 15043+1, 15043-0.5, 15043-inf."""
+    head = text.strip()
+    digits = len(head) - len(head.lstrip("0123456789"))
+    sign, value = head[digits:digits + 1], head[digits + 1:].strip()
+    try:
+        bias = float(value) * (-1.0 if sign == "-" else 1.0)
+    except ValueError:
+        bias = math.nan
+    if not digits or sign not in "+-" or not sign or math.isnan(bias) or bias == math.inf:
+        raise argparse.ArgumentTypeError(f"'{text}': expected TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 15043-inf "
+                                         "(a bias is a number, or -inf to never produce the token)")
+    return int(head[:digits]), bias
+
+
+def default_logit_bias(args) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """--logit-bias's (ids, biases) sorted by id, biases of one token added up; None without it."""
+    pairs = [[tok, False if bias == -math.inf else bias] for tok, bias in (getattr(args, "logit_bias", None) or ())]
+    return parse_logit_bias({"logit_bias": pairs}, None) if pairs else None
 
 
 def _dry_breakers(values: Optional[list[str]], escape: bool = True) -> tuple[str, ...]:

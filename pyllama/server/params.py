@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ..errors import PyllamaError
 from ..sampling import SamplingParams, cached_breaker_table, parse_samplers
 from ..tokenizer import Tokenizer
 from .constraint import ConstraintSpec, json_schema_spec
@@ -256,6 +257,14 @@ def set_generation_defaults(sampling: Optional[SamplingParams] = None, ignore_eo
                                               tuple(stop))
 
 
+def check_generation_defaults(n_vocab: int) -> None:
+    """Refuses (PyllamaError) defaults the loaded model cannot take: a --logit-bias token beyond
+    its vocabulary would fail every request that gives no logit_bias of its own."""
+    bias = _GENERATION_DEFAULTS.sampling.logit_bias
+    if bias is not None and len(bias[0]) and int(bias[0][-1]) >= n_vocab:
+        raise PyllamaError(f"--logit-bias: token {int(bias[0][-1])} is outside the vocabulary of {n_vocab} tokens")
+
+
 def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool = False,
                      n_vocab: Optional[int] = None, tokenizer: Optional[Tokenizer] = None,
                      default_n_keep: int = 0) -> CompletionParams:
@@ -288,7 +297,8 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         seed=get_int(body, "seed", defaults.seed, lo=-1, hi=0xFFFFFFFF),  # type: ignore[arg-type]
         # the kernel's share: the default probabilities are computed from the logits row instead
         n_probs=min(n_probs, MAX_POST_SAMPLING_PROBS),
-        logit_bias=parse_logit_bias(body, n_vocab, tokenizer),
+        # a request's logit_bias replaces --logit-bias's (llama-server's)
+        logit_bias=parse_logit_bias(body, n_vocab, tokenizer) if "logit_bias" in body else defaults.logit_bias,
         typical_p=get_float(body, "typical_p", defaults.typical_p),
         min_keep=get_int(body, "min_keep", defaults.min_keep, lo=0),  # type: ignore[arg-type]
         top_n_sigma=get_float(body, "top_n_sigma", defaults.top_n_sigma),

@@ -45,10 +45,13 @@ def add_device_args(p) -> None:
                         "row and tensor are not supported")
     p.add_argument("-ts", "--tensor-split", llama_env="LLAMA_ARG_TENSOR_SPLIT",
                    help="comma-separated proportions of layers per device (with -ngl: per non-CPU device) "
-                        "(default: by free memory; with pipeline groups the server logs after a minute of load "
-                        "whether another split would even out the stages, $PYLLAMA_SPLIT_CHECK_S)")
+                        "(default: by free memory; with pipeline groups the server then checks its split against "
+                        "the load every minute, $PYLLAMA_SPLIT_CHECK_S, and moves blocks to even out the stages)")
     p.add_argument("-mg", "--main-gpu", type=int, default=0, metavar="INDEX", llama_env="LLAMA_ARG_MAIN_GPU",
                    help="with -sm none: the non-CPU device (0 = the first) that holds the whole model")
+    p.add_argument("--list-devices", action="store_true", llama_env=None,
+                   help="print the devices layers can go to besides the CPU (each --rpc server's, CUDA GPUs) "
+                        "with their memory, and exit")
     p.add_argument("--rpc-token-file", metavar="PATH",
                    help="token the rpc servers require (first line of the file; also $PYLLAMA_RPC_TOKEN)")
     p.add_argument("--rpc-timeout", type=float, metavar="SECONDS",
@@ -166,6 +169,23 @@ def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_
     if split_mode == "none":
         backends = backends[:1]
     return backends
+
+
+def list_devices(args) -> str:
+    """--list-devices, as llama.cpp prints it: the devices besides the CPU (each --rpc server's,
+    then the CUDA GPUs PyCUDA sees; none without PyCUDA or a driver), with total and free memory."""
+    names = [n for n in device_names(None, args.rpc) if n != "CPU"]
+    try:
+        from .backend.cuda import CUDAUnavailable, device_count  # noqa: PLC0415
+        names += [f"CUDA{i}" for i in range(device_count())]
+    except CUDAUnavailable:
+        pass
+    lines = ["Available devices:"]
+    for b in make_backends(None, args.rpc, "layer", 1, args.rpc_token_file, args.rpc_timeout, names=names):
+        info = b.device_info()
+        lines.append(f"  {info.name}: {info.description} ({info.total // 2**20} MiB, {info.free // 2**20} MiB free)")
+        b.close()
+    return "\n".join(lines if len(lines) > 1 else lines + ["  (none)"])
 
 
 def default_split(backends: Sequence[Backend]) -> list[float]:

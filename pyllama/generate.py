@@ -16,7 +16,7 @@ from . import trace
 from .cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from .cli import Parser, Toggle, run_main, setup_logging
 from .context import Batch, Context, check_prompt_fits
-from .devices import add_device_args, open_devices
+from .devices import add_device_args, list_devices, open_devices
 from .engine import Engine
 from .errors import PyllamaError
 from .models.gguf_file import kv_override_arg
@@ -95,6 +95,9 @@ def generate_tokens(ctx: Context, tokenizer: Tokenizer, prompt: Sequence[int], n
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
+    if args.list_devices:
+        print(list_devices(args))
+        return 0
     if args.n_predict < -1:
         raise PyllamaError(f"-n {args.n_predict}: must be -1 (unlimited) or at least 0")
     if args.ctx_size < 0:

@@ -21,7 +21,7 @@ from pyllama.sampling import SamplingParams
 from pyllama.server import params
 from pyllama.server.options import (UNSUPPORTED, build_parser, default_stop, log_level, parse_args, process_escapes,
                                     sampling_defaults, settings)
-from server_util import ServerProcess, generated_tokens
+from server_util import RPCServerProcess, ServerProcess, generated_tokens
 
 LLAMA_VARS = ("LLAMA_ARG_", "PYLLAMA_ARG_", "LLAMA_API_KEY", "LLAMA_LOG_")
 # every flag of llama-server's --help, one per line
@@ -571,6 +571,30 @@ def test_logit_bias_flag_in_a_server(tiny_model):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: --logit-bias: token 999999 is outside the vocabulary of 512 tokens"], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("program", ["pyllama.server", "pyllama.generate"])
+def test_list_devices(program):
+    """llama.cpp's form: the devices besides the CPU, with their memory; '(none)' on a CPU-only
+    machine without --rpc."""
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", program, "--list-devices", *extra], capture_output=True,
+                              text=True, timeout=60)
+    alone = run()
+    assert alone.returncode == 0
+    cuda = "CUDA0:" in alone.stdout
+    if not cuda:
+        assert alone.stdout == "Available devices:\n  (none)\n"
+    peer = RPCServerProcess("--mem", "512")
+    try:
+        listed = run("--rpc", peer.endpoint)
+    finally:
+        assert peer.stop() == 0
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert lines[0] == "Available devices:"
+    assert lines[1] == f"  RPC0: CPU (cpu) at {peer.endpoint} (512 MiB, 512 MiB free)"
+    assert len(lines) == 2 or cuda
 
 
 def test_warm_up_runs_before_serving_and_leaves_no_trace(tiny_model):

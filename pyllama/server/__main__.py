@@ -21,7 +21,7 @@ from .. import trace
 from ..balance import memory_caps, output_blocks
 from ..cache_types import CACHE_TYPES, cache_type_name
 from ..cli import install_stop_signals, run_main, setup_logging
-from ..devices import open_devices
+from ..devices import list_devices, open_devices
 from ..engine import Engine
 from ..rpc.connection import configured_timeout
 from ..errors import PyllamaError
@@ -276,6 +276,9 @@ async def serve(args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     setup_logging(args.verbose, log_level(args))
+    if args.list_devices:
+        print(list_devices(args))
+        return 0
     if args.log_file:
         try:
             handler = logging.FileHandler(args.log_file)

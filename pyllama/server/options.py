@@ -96,7 +96,7 @@ UNSUPPORTED: dict[str, str] = {
                                     "--log-prompts-dir",
                                     "--attention", "-Cr", "--cpu-range", "-C", "--cpu-mask", "--cpu-strict",
                                     "--poll", "-Crb", "--cpu-range-batch", "-Cb", "--cpu-mask-batch",
-                                    "--cpu-strict-batch", "--poll-batch", "--list-devices",
+                                    "--cpu-strict-batch", "--poll-batch",
                                     "--server-base", "--completion-bash")},
 }
 # llama-server's presets (--fim-qwen-7b-default, --gpt-oss-20b-default, ...) fetch a model by name

@@ -959,3 +959,35 @@ def test_api_prefix(serve):
     got, _, _ = read_response(f)
     assert got == 401
     s.close()
+
+
+def test_reuse_port_lets_servers_share_a_port():
+    """--reuse-port: a second server that sets SO_REUSEPORT too listens on the same port and both
+    answer; without it the second is refused the port."""
+    async def hello(req: Request) -> Response:
+        return json_response({"ok": True})
+
+    loop = uvloop.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(10)
+
+    servers = [HTTPServer({("GET", "/hello"): hello}) for _ in range(3)]
+    try:
+        port = call(servers[0].start("127.0.0.1", 0, reuse_port=True))
+        assert call(servers[1].start("127.0.0.1", port, reuse_port=True)) == port
+        with pytest.raises(OSError):
+            call(servers[2].start("127.0.0.1", port))
+        for _ in range(4):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/hello")
+            assert conn.getresponse().status == 200
+            conn.close()
+    finally:
+        for s in servers[:2]:
+            call(s.shutdown(1.0))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()

@@ -99,6 +99,7 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M -nr", lambda a: a.repack is False),
     ("-m M --no-repack", lambda a: a.repack is False),
     ("-m M --no-repack --repack", lambda a: a.repack is True),
+    ("-m M --reuse-port --offline", lambda a: a.reuse_port is True and a.offline is True),
     ("-m M --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 32768",
      lambda a: model_overrides(a) == {"{arch}.rope.scaling.type": "yarn", "{arch}.rope.scaling.factor": 4.0,
                                       "{arch}.rope.scaling.original_context_length": 32768}),

@@ -210,7 +210,7 @@ async def serve(args) -> int:
                         max_pipelined=args.max_pipelined, access=state, public_paths=api.public_paths(),
                         sse_ping_interval=args.sse_ping_interval, api_prefix=args.api_prefix)
     try:
-        port = await server.start(args.host, args.port)
+        port = await server.start(args.host, args.port, reuse_port=args.reuse_port)
     except OSError as exc:
         raise PyllamaError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_keys:

@@ -940,11 +940,13 @@ class HTTPServer:
     def n_connections(self) -> int:
         return len(self._conns)
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0 = any free port); returns the port bound."""
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listen on host:port (0 = any free port); returns the port bound. reuse_port: SO_REUSEPORT,
+        so that other servers that set it too may listen on the same port (the kernel spreads the
+        connections over them)."""
         self._loop = asyncio.get_running_loop()
         self._server = await self._loop.create_server(
-            lambda: _Connection(self), host, port, reuse_address=True,
+            lambda: _Connection(self), host, port, reuse_address=True, reuse_port=reuse_port or None,
             backlog=max(128, min(self._max_connections, 4096)))
         bound = self._server.sockets[0].getsockname()[1]
         interval = min(self._header_timeout, self._body_timeout, self._keepalive_timeout) / 4.0

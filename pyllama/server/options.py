@@ -64,7 +64,7 @@ UNSUPPORTED: dict[str, str] = {
                         "--no-mmproj-auto", "--mmproj-offload", "--no-mmproj-offload", "--image-min-tokens",
                         "--image-max-tokens", "--media-path", "--mtmd-batch-max-tokens")},
     **{f: _DL for f in ("-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-hft", "--hf-token", "-mu",
-                        "--model-url", "-dr", "--docker-repo", "--offline", "-cl", "--cache-list")},
+                        "--model-url", "-dr", "--docker-repo", "-cl", "--cache-list")},
     **{f: _SAMPLER for f in ("--adaptive-target", "--adaptive-decay")},
     **{f: "self-extend (group attention) is not supported" for f in ("-gan", "--grp-attn-n", "-gaw",
                                                                       "--grp-attn-w")},
@@ -91,7 +91,7 @@ UNSUPPORTED: dict[str, str] = {
         "--cache-idle-slots", "--no-cache-idle-slots", "--sleep-idle-seconds")},
     **{f: "not supported" for f in ("--ui-config", "--webui-config", "--ui-config-file",
                                     "--webui-config-file", "-sys", "--system-prompt", "--system-prompt-file",
-                                    "-sysf", "--spm-infill", "--reuse-port", "--cors-methods", "--cors-headers",
+                                    "-sysf", "--spm-infill", "--cors-methods", "--cors-headers",
                                     "--cors-credentials", "--no-cors-credentials",
                                     "--log-prompts-dir",
                                     "--attention", "-Cr", "--cpu-range", "-C", "--cpu-mask", "--cpu-strict",
@@ -320,6 +320,11 @@ def build_parser() -> Parser:
     # --- HTTP
     a("--host", default="127.0.0.1", llama_env="LLAMA_ARG_HOST", help="address to listen on")
     a("--port", type=int, default=8080, llama_env="LLAMA_ARG_PORT", help="port to listen on (0 = any free port)")
+    a("--reuse-port", action="store_true", llama_env=None,
+      help="listen with SO_REUSEPORT: several servers started with it share the port, the kernel spreading "
+           "the connections over them")
+    a("--offline", action="store_true", llama_env="LLAMA_OFFLINE",
+      help="accepted: pyllama never downloads anything (models are local files)")
     a("--path", default=None, llama_env="LLAMA_ARG_STATIC_PATH", help="serve static files from this folder")
     a("--webui", "--ui", "--no-webui", "--no-ui", dest="webui", action=Toggle, negatives=("--no-webui", "--no-ui"),
       default=True, llama_env="LLAMA_ARG_UI", help="serve the page at /")

@@ -135,6 +135,23 @@ def test_mul_mat_q_matches_reference(qtype, n):
     assert np.allclose(one[0], results[PATHS[0]][0], rtol=0, atol=2 * tol[0].max())
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_row_gives_the_same_bits_whatever_rows_share_its_call(qtype):
+    """A row's products do not depend on how many other rows one kernel call takes with it
+    (1 .. the kernels' most), so a sequence's logits do not depend on its batch mates."""
+    rng = np.random.default_rng(int(qtype))
+    w = ref.random_weights(qtype, 16, K, rng)
+    x = activations(9, K, rng)
+    for portable in PATHS:
+        alone = np.empty((9, 16), np.float32)
+        for r in range(9):
+            qmatmul.mul_mat_q(x[r:r + 1], w, int(qtype), alone[r:r + 1], portable=portable)
+        for n in range(2, 10):
+            out = np.empty((n, 16), np.float32)
+            qmatmul.mul_mat_q(x[:n], w, int(qtype), out, portable=portable)
+            np.testing.assert_array_equal(out, alone[:n], err_msg=f"{n} rows, portable={portable}")
+
+
 @pytest.mark.parametrize("qtype", (T.Q4_K, T.Q6_K, T.Q8_0, T.F16), ids=lambda t: t.name)
 def test_threads_strided_out_and_bias(qtype):
     rng = np.random.default_rng(7)

@@ -878,7 +878,9 @@ PQ_INLINE void pq_avx2_q6_K(int NR, int64_t nb, const uint8_t *w, const uint8_t 
             const uint8_t *y = x + r * xs + 292 * i;
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(y + 260));
             const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5);
-            acc[r] += (dx * pq_ld_f32(y)) * (float)pq_hsum_i32(_mm256_sub_epi32(sumi[r], corr));
+            /* one explicit fused multiply-add: left to the compiler, the contraction differed
+             * between the NR instantiations, so a row's result depended on its call's row count */
+            acc[r] = fmaf(dx * pq_ld_f32(y), (float)pq_hsum_i32(_mm256_sub_epi32(sumi[r], corr)), acc[r]);
         }
     }
     for (int r = 0; r < NR; r++) out[r] = acc[r];

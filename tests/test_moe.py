@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-from pyllama._fast import moe
+from pyllama._fast import moe, qmatmul
 from pyllama.backend.cpu import CPUBackend
 from pyllama.engine import Engine
 from pyllama.errors import PyllamaError
@@ -138,6 +138,63 @@ def test_grouping_by_expert_gives_each_token_its_own_result():
             np.testing.assert_array_equal(alone[0], batched[t])
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K])
+def test_repacked_experts_compute_what_the_file_layout_does(qtype):
+    """Experts repacked in groups of 8 rows (the CPU's layout for the products, qmatmul.repack_x8 of
+    every expert's rows): within float rounding of the file layout's result, gate/up and down each
+    either way; a token alone gives bit for bit what it gives in the batch, at any thread count;
+    the unchosen experts' bytes are never read."""
+    if int(qtype) not in qmatmul.x8_types():
+        pytest.skip("this build has no repacked kernels")
+    rng = np.random.default_rng(11)
+    n, e, f, n_exp, k = 11, 256, 512, 16, 2
+    x = rng.standard_normal((n, e)).astype(np.float32)
+    logits = (3 * rng.standard_normal((n, n_exp))).astype(np.float32)
+    logits[:, 0] += 10  # every token picks expert 0: more rows than one kernel call takes
+    g, _ = _experts(rng, qtype, n_exp, f, e)
+    u, _ = _experts(rng, qtype, n_exp, f, e)
+    d, _ = _experts(rng, qtype, n_exp, e, f)
+
+    def pack(raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
+        return qmatmul.repack_x8(raw.reshape(n_exp * rows, -1), int(qtype), cols).reshape(n_exp, -1)
+
+    pg, pu, pd = pack(g, f, e), pack(u, f, e), pack(d, e, f)
+
+    def run(xs, ls, x8_gu: bool, x8_d: bool, nt: int, gate=None, up=None, down=None) -> np.ndarray:
+        out = np.zeros((xs.shape[0], e), np.float32)
+        moe.moe_ffn(xs, ls, gate if gate is not None else (pg if x8_gu else g), int(qtype),
+                    up if up is not None else (pu if x8_gu else u), int(qtype),
+                    down if down is not None else (pd if x8_d else d), int(qtype), out, k, True, 1.0, None, None, nt,
+                    x8_gate_up=x8_gu, x8_down=x8_d)
+        return out
+
+    ref = run(x, logits, False, False, 1)
+    ids, _ = moe.route(logits, k, True, 1.0)
+    unchosen = [i for i in range(n_exp) if i not in set(ids.ravel().tolist())]
+    assert unchosen
+    for x8_gu, x8_d in ((True, False), (False, True), (True, True)):
+        out = run(x, logits, x8_gu, x8_d, 2)
+        # the products' float sums go in another order; after gate / up that may move a hidden value
+        # across a rounding edge of its 8-bit quantization for down, one step of its block's scale
+        tol = 1e-2 if x8_gu else 1e-5
+        assert np.abs(out - ref).max() <= tol * np.abs(ref).max()
+        np.testing.assert_array_equal(run(x, logits, x8_gu, x8_d, 1), out)
+        for t in range(n):
+            np.testing.assert_array_equal(run(x[t:t + 1], logits[t:t + 1], x8_gu, x8_d, 1)[0], out[t])
+    poisoned = run(x, logits, True, True, 2, gate=_poison_rows(pg, unchosen), up=_poison_rows(pu, unchosen),
+                   down=_poison_rows(pd, unchosen))
+    np.testing.assert_array_equal(poisoned, run(x, logits, True, True, 2))
+    assert np.isnan(run(x, logits, True, True, 2, down=_poison_rows(pd, [int(ids[0, 0])]))[0]).any()
+
+
+def _poison_rows(packed: np.ndarray, experts) -> np.ndarray:
+    """A copy whose given experts' repacked bytes all read as F16 NaNs (scales included)."""
+    out = packed.copy()
+    for x in experts:
+        out[x].view(np.uint16)[:] = 0x7E00
+    return out
+
+
 def test_routing_and_the_shared_expert():
     rng = np.random.default_rng(5)
     n, e, n_exp, k = 4, 64, 6, 2
@@ -215,6 +272,39 @@ def test_the_cpu_backend_runs_the_node():
     np.testing.assert_allclose(b.get_tensor(out), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="MOE_FFN"):  # a non-integer expert count
         b.graph_compute(Graph([node(Op.MOE_FFN, out, *srcs, params=(1.5, 1, 1.0))]))
+
+
+def test_the_cpu_backend_multiplies_repackable_experts_in_groups_of_8():
+    """Q8_0 experts through the node: the backend repacks them (one copy each) and its result is
+    the kernel's on the repacked experts, bit for bit; with repacking off, the file layout's."""
+    if int(QT.Q8_0) not in qmatmul.x8_types():
+        pytest.skip("this build has no repacked kernels")
+    rng = np.random.default_rng(12)
+    n, e, f, n_exp, k = 5, 64, 32, 4, 2
+    # quarters and 0/1 weights: the router's logits are exact whatever the order of the sums
+    x = (rng.integers(-8, 9, (n, e)) / 4).astype(np.float32)
+    router = rng.integers(0, 2, (n_exp, e)).astype(np.float32)
+    g, _ = _experts(rng, QT.Q8_0, n_exp, f, e)
+    u, _ = _experts(rng, QT.Q8_0, n_exp, f, e)
+    d, _ = _experts(rng, QT.Q8_0, n_exp, e, f)
+    logits = x @ router.T
+    got = {}
+    for repack in (True, False):
+        b = CPUBackend(1)
+        b.repack = repack
+        out = placed(b, DType.F32, (n, e))
+        srcs = [placed(b, DType.F32, x.shape, x), placed(b, DType.F32, router.shape, router)]
+        srcs += [placed(b, DType.Q8_0, (n_exp, rows, cols), raw) for raw, rows, cols in ((g, f, e), (u, f, e), (d, e, f))]
+        b.graph_compute(Graph([node(Op.MOE_FFN, out, *srcs, params=(k, 1, 1.0))]))
+        got[repack] = b.get_tensor(out).copy()
+        assert b.packed_weights() == (3 if repack else 0)
+    pack = [qmatmul.repack_x8(raw.reshape(n_exp * rows, -1), int(QT.Q8_0), cols).reshape(n_exp, -1)
+            for raw, rows, cols in ((g, f, e), (u, f, e), (d, e, f))]
+    for repacked, (gg, uu, dd) in ((True, pack), (False, (g, u, d))):
+        want = np.zeros((n, e), np.float32)
+        moe.moe_ffn(x, logits, gg, int(QT.Q8_0), uu, int(QT.Q8_0), dd, int(QT.Q8_0), want, k, True, 1.0, None, None,
+                    1, x8_gate_up=repacked, x8_down=repacked)
+        np.testing.assert_array_equal(got[repacked], want)
 
 
 # --- splits and refusals -----------------------------------------------------------------------------

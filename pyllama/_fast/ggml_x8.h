@@ -566,8 +566,34 @@ PQ_API int pq_mul_mat_x8_parts(int nparts, const int *types, const uint8_t *cons
     pq_pool_run(nt, nchunks * job.items_per_chunk, pq_x8_tile_item, &job);
     return 0;
 }
+
+/* For kernels that call the repacked products themselves (the MoE FFN's experts): activation rows
+ * quantized to vt put in the order the kernels read (nothing to do without the oct kernels), and
+ * one kernel call of nr <= PQ_X8_NR activation rows (stride xs) against one group of 8 weight rows
+ * of k elements: out[r * ldo + l] = row l's product with activation row r. */
+PQ_API void pq_x8_prepare_x(int vt, uint8_t *xq, int64_t n, int64_t k, int64_t stride) {
+#if PQ_X8_OCT
+    pq_x8_arrange_x(vt, xq, n, k, stride);
+#else
+    (void)vt; (void)xq; (void)n; (void)k; (void)stride;
+#endif
+}
+PQ_API void pq_x8_dot8(int t, int nr, int64_t k, const uint8_t *wg, const uint8_t *x, size_t xs, float *out,
+                       int64_t ldo) {
+    pq_x8_kernel_for(t, nr)(k / pq_x8_block_elems(t), wg, x, xs, out, ldo, NULL);
+}
+PQ_API int pq_x8_max_rows(void) { return PQ_X8_NR; }
 PQ_API int pq_have_x8(void) { return 1; }
 #else
+PQ_API void pq_x8_prepare_x(int vt, uint8_t *xq, int64_t n, int64_t k, int64_t stride) {
+    (void)vt; (void)xq; (void)n; (void)k; (void)stride;
+}
+PQ_API void pq_x8_dot8(int t, int nr, int64_t k, const uint8_t *wg, const uint8_t *x, size_t xs, float *out,
+                       int64_t ldo) {
+    (void)t; (void)nr; (void)k; (void)wg; (void)x; (void)xs; (void)out; (void)ldo;
+    abort();   /* callers check pq_have_x8() */
+}
+PQ_API int pq_x8_max_rows(void) { return 1; }
 PQ_API int pq_have_x8(void) { return 0; }
 PQ_API int pq_mul_mat_x8_parts(int nparts, const int *types, const uint8_t *const *wps, const int64_t *ms,
                                const float *const *biases, const float *x, int64_t n, int64_t k, int64_t ldx,

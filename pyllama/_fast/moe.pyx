@@ -7,6 +7,10 @@ kernels and arithmetic as `qmatmul.mul_mat_q` (ggml_quants.h: activations quanti
 weight type's dot-product type, integer block sums, ggml's scales), so an expert's weight rows
 are read once per step however many tokens chose it, and an expert nobody chose is never read.
 
+Experts may come repacked in groups of 8 rows (the CPU backend's layout for its products,
+ggml_x8.h): their products then run the repacked kernels, 8 weight rows against up to PQ_X8_NR
+gathered rows per call, as a dense product against a repacked weight does.
+
 The work runs on the products' pool (qmatmul.pool_run): items are (expert, tile of weight rows),
 so threads split the experts' rows as they split a dense product's. Each output element is
 computed by one kernel call whatever the thread, and the weighted sum over a token's experts
@@ -24,6 +28,15 @@ from pyllama._fast.plan cimport NativeStep, bound, step_for
 from pyllama._fast.qmatmul cimport (PQ_MAX_NR, pool_run, pq_dot_rows, pq_get_traits, pq_quantize_row,
                                      pq_tile_bytes, pq_traits)
 from pyllama._fast import qmatmul
+
+cdef extern from "ggml_x8.h" nogil:
+    int pq_have_x8()
+    int pq_x8_block_bytes(int t)
+    int pq_x8_block_elems(int t)
+    int pq_x8_max_rows()
+    void pq_x8_prepare_x(int vt, uint8_t *xq, int64_t n, int64_t k, int64_t stride)
+    void pq_x8_dot8(int t, int nr, int64_t k, const uint8_t *wg, const uint8_t *x, size_t xs, float *out,
+                    int64_t ldo)
 
 # below this much single-thread work (weight bytes x row groups) one thread does it all: handing
 # items to helpers costs about a microsecond each
@@ -57,6 +70,8 @@ ctypedef struct MoeJob:
     uint8_t *qdst
     int64_t q_k, q_stride
     int q_type
+    int nr_x8                         # activation rows per repacked kernel call
+    int64_t gs_gate, gs_up, gs_down   # bytes per group of 8 rows of repacked experts
 
 
 cdef void _gate_up_item(void *ctx, int64_t it) noexcept nogil:
@@ -97,6 +112,49 @@ cdef void _down_item(void *ctx, int64_t it) noexcept nogil:
                         s, 0)
             for i in range(nr):
                 jb.y[(r + i) * jb.e + j] = s[i]
+        r += nr
+
+
+cdef void _gate_up_item_x8(void *ctx, int64_t it) noexcept nogil:
+    """_gate_up_item against experts repacked in groups of 8 rows (ggml_x8.h): each group of the
+    tile against up to nr_x8 gathered rows per kernel call."""
+    cdef MoeJob *jb = <MoeJob *>ctx
+    cdef Item item = jb.items[it]
+    cdef int64_t r0 = jb.first[item.expert], r1 = jb.first[item.expert + 1], r, grp
+    cdef int nr, i, l
+    cdef float g[64]
+    cdef float u[64]
+    cdef const uint8_t *wg = jb.gate + item.expert * jb.gate_es
+    cdef const uint8_t *wu = jb.up + item.expert * jb.up_es
+    cdef float gv
+    cdef float *h
+    r = r0
+    while r < r1:
+        nr = <int>(r1 - r if r1 - r < jb.nr_x8 else jb.nr_x8)
+        for grp in range(item.j0 // 8, item.j1 // 8):
+            pq_x8_dot8(jb.t_gate, nr, jb.e, wg + grp * jb.gs_gate, jb.xg_gate + r * jb.xs_gate, <size_t>jb.xs_gate,
+                       g, 8)
+            pq_x8_dot8(jb.t_up, nr, jb.e, wu + grp * jb.gs_up, jb.xg_up + r * jb.xs_up, <size_t>jb.xs_up, u, 8)
+            for i in range(nr):
+                h = jb.hg + (r + i) * jb.f + grp * 8
+                for l in range(8):
+                    gv = g[i * 8 + l]
+                    h[l] = gv / (1.0 + expf(-gv)) * u[i * 8 + l]
+        r += nr
+
+
+cdef void _down_item_x8(void *ctx, int64_t it) noexcept nogil:
+    cdef MoeJob *jb = <MoeJob *>ctx
+    cdef Item item = jb.items[it]
+    cdef int64_t r0 = jb.first[item.expert], r1 = jb.first[item.expert + 1], r, grp
+    cdef int nr
+    cdef const uint8_t *wd = jb.down + item.expert * jb.down_es
+    r = r0
+    while r < r1:
+        nr = <int>(r1 - r if r1 - r < jb.nr_x8 else jb.nr_x8)
+        for grp in range(item.j0 // 8, item.j1 // 8):
+            pq_x8_dot8(jb.t_down, nr, jb.f, wd + grp * jb.gs_down, jb.aq + r * jb.aq_stride, <size_t>jb.aq_stride,
+                       jb.y + r * jb.e + grp * 8, jb.e)
         r += nr
 
 
@@ -193,10 +251,11 @@ def route(const float[:, ::1] logits, int n_used, bint norm=True, float scale=1.
 
 
 cdef Item *_items(const int32_t *first, int64_t n_exp, int64_t rows, int64_t row_bytes, int n_threads,
-                  int64_t *n_items) noexcept nogil:
+                  int64_t align, int64_t *n_items) noexcept nogil:
     """Work items (expert, tile of its weight rows) for every expert with grouped rows, tiles
     sized as the dense products' (pq_tile_bytes: long runs of weights for the prefetchers, several
-    items per thread; 16 KiB items made the per-item hand-off the bound of a batch-1 step)."""
+    items per thread; 16 KiB items made the per-item hand-off the bound of a batch-1 step), a
+    multiple of `align` rows (8 for repacked experts)."""
     cdef int64_t x, j, c = 0, used = 0, most = 0
     for x in range(n_exp):
         if first[x + 1] > first[x]:
@@ -205,8 +264,9 @@ cdef Item *_items(const int32_t *first, int64_t n_exp, int64_t rows, int64_t row
                 most = first[x + 1] - first[x]
     cdef int64_t rb = row_bytes if row_bytes > 0 else 1
     cdef int64_t tile = pq_tile_bytes(used * rows * rb, n_threads, most <= PQ_MAX_NR) // rb
-    if tile < 1:
-        tile = 1
+    tile = (tile + align - 1) // align * align
+    if tile < align:
+        tile = align
     cdef int64_t per = (rows + tile - 1) // tile
     cdef Item *items = <Item *>malloc((used * per + 1) * sizeof(Item))
     if items == NULL:
@@ -241,6 +301,8 @@ ctypedef struct MoeArgs:
     const uint8_t *down
     int64_t gate_es, up_es, down_es, gate_rb, up_rb, down_rb
     int64_t xs_g, xs_u, aq_stride
+    bint x8_gu, x8_down               # gate and up / down repacked in groups of 8 rows (ggml_x8.h)
+    int64_t gs_gate, gs_up, gs_down   # their bytes per group of 8 rows
     const float *x
     const float *logits
     const float *sp                   # the shared expert's output, or NULL
@@ -249,12 +311,23 @@ ctypedef struct MoeArgs:
     size_t need                       # bytes of scratch
 
 
+cdef int64_t _x8_group_bytes(int qtype, int64_t k, str what) except -1:
+    """Bytes per group of 8 repacked rows of k elements (ValueError when `qtype` is not repacked)."""
+    if not pq_have_x8() or pq_x8_block_bytes(qtype) == 0:
+        raise ValueError(f"moe_ffn: {what} cannot be repacked (type id {qtype}, or a build without the kernels)")
+    if k % pq_x8_block_elems(qtype):
+        raise ValueError(f"moe_ffn: {what}: a row of {k} elements is not a whole number of blocks")
+    return k // pq_x8_block_elems(qtype) * pq_x8_block_bytes(qtype)
+
+
 cdef int _moe_setup(MoeArgs *a, const float[:, ::1] x, const float[:, ::1] logits,
                     const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
                     const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm,
-                    float scale, shexp, shexp_gate, int n_threads, list keep) except -1:
+                    float scale, shexp, shexp_gate, int n_threads, list keep, bint x8_gate_up,
+                    bint x8_down) except -1:
     """Checks the arguments and fills a (the arrays it points into appended to keep); 0 when
-    there is nothing to compute."""
+    there is nothing to compute. x8_gate_up / x8_down: those experts come repacked in groups of
+    8 rows (qmatmul.repack_x8 of each expert's rows, experts one after the other)."""
     cdef int64_t n = x.shape[0], e = x.shape[1], n_exp = logits.shape[1]
     cdef pq_traits tg = _traits(t_gate, "gate_exps"), tu = _traits(t_up, "up_exps"), td = _traits(t_down, "down_exps")
     cdef pq_traits tvg = tg, tvu = tu, tvd = td
@@ -271,12 +344,23 @@ cdef int _moe_setup(MoeArgs *a, const float[:, ::1] x, const float[:, ::1] logit
         raise ValueError(f"moe_ffn: expert tensors have {gate.shape[0]}, {up.shape[0]}, {down.shape[0]} experts, "
                          f"the router {n_exp}")
     cdef int64_t gate_rb = _rb(tg, e, "gate_exps"), up_rb = _rb(tu, e, "up_exps")
+    cdef int64_t gs_gate = 0, gs_up = 0, gs_down = 0
+    if x8_gate_up:
+        gs_gate, gs_up = _x8_group_bytes(t_gate, e, "gate_exps"), _x8_group_bytes(t_up, e, "up_exps")
+        gate_rb, up_rb = gs_gate // 8, gs_up // 8  # (only the work estimates use them)
+        if gs_gate == 0 or gate.shape[1] % gs_gate:
+            raise ValueError(f"moe_ffn: repacked gate_exps of {gate.shape[1]} B are not whole groups of 8 rows")
     if gate_rb == 0 or gate.shape[1] % gate_rb:
         raise ValueError(f"moe_ffn: gate_exps rows of {gate.shape[1]} B are not whole rows of {e} elements")
-    cdef int64_t f = gate.shape[1] // gate_rb
-    if up.shape[1] != f * up_rb:
+    cdef int64_t f = gate.shape[1] // gs_gate * 8 if x8_gate_up else gate.shape[1] // gate_rb
+    if up.shape[1] != (f // 8 * gs_up if x8_gate_up else f * up_rb):
         raise ValueError(f"moe_ffn: up_exps has {up.shape[1]} B per expert, expected {f} rows of {up_rb} B")
     cdef int64_t down_rb = _rb(td, f, "down_exps")
+    if x8_down:
+        if e % 8:
+            raise ValueError(f"moe_ffn: repacked down_exps need a multiple of 8 rows, not {e}")
+        gs_down = _x8_group_bytes(t_down, f, "down_exps")
+        down_rb = gs_down // 8
     if down.shape[1] != e * down_rb:
         raise ValueError(f"moe_ffn: down_exps has {down.shape[1]} B per expert, expected {e} rows of {down_rb} B")
     if out.shape[0] != n or out.shape[1] != e:
@@ -321,6 +405,7 @@ cdef int _moe_setup(MoeArgs *a, const float[:, ::1] x, const float[:, ::1] logit
     a.gate_es, a.up_es, a.down_es = gate.strides[0], up.strides[0], down.strides[0]
     a.gate_rb, a.up_rb, a.down_rb = gate_rb, up_rb, down_rb
     a.xs_g, a.xs_u, a.aq_stride = xs_g, xs_u, aq_stride
+    a.x8_gu, a.x8_down, a.gs_gate, a.gs_up, a.gs_down = x8_gate_up, x8_down, gs_gate, gs_up, gs_down
     a.x, a.logits, a.out = &x[0, 0], &logits[0, 0], &out[0, 0]
     a.sp, a.sgp = sp, sgp
     keep.extend((x, logits, gate, up, down, out))
@@ -403,6 +488,10 @@ cdef int64_t _moe_compute(const MoeArgs *a, uint8_t *mem) noexcept nogil:
         pq_quantize_row(a.vt_gate, xp + t * e, xq_g + t * xs_g, e)
         if not same_x:
             pq_quantize_row(a.vt_up, xp + t * e, xq_u + t * xs_u, e)
+    if a.x8_gu:  # in the order the repacked kernels read
+        pq_x8_prepare_x(a.vt_gate, xq_g, n, e, xs_g)
+        if not same_x:
+            pq_x8_prepare_x(a.vt_up, xq_u, n, e, xs_u)
     for t in range(n):
         for j in range(n_used):
             r = slot_row[t * n_used + j]
@@ -417,16 +506,20 @@ cdef int64_t _moe_compute(const MoeArgs *a, uint8_t *mem) noexcept nogil:
     jb.first = first
     jb.xg_gate, jb.xg_up, jb.xs_gate, jb.xs_up = xg_g, xg_u, xs_g, xs_u
     jb.hg, jb.aq, jb.aq_stride, jb.y = hg, aq, aq_stride, y
-    items_a = _items(first, n_exp, f, a.gate_rb + a.up_rb, n_threads, &na)
-    items_b = _items(first, n_exp, e, a.down_rb, n_threads, &nb)
+    jb.nr_x8, jb.gs_gate, jb.gs_up, jb.gs_down = pq_x8_max_rows(), a.gs_gate, a.gs_up, a.gs_down
+    items_a = _items(first, n_exp, f, a.gate_rb + a.up_rb, n_threads, 8 if a.x8_gu else 1, &na)
+    items_b = _items(first, n_exp, e, a.down_rb, n_threads, 8 if a.x8_down else 1, &nb)
     if items_a != NULL and items_b != NULL:
         jb.items = items_a
         pool_run(_threads(n_threads, used * f * (a.gate_rb + a.up_rb) * ((R // used + 3) // 4)), na,
-                 _gate_up_item, &jb)
+                 _gate_up_item_x8 if a.x8_gu else _gate_up_item, &jb)
         jb.hsrc, jb.qdst, jb.q_k, jb.q_stride, jb.q_type = hg, aq, f, aq_stride, a.vt_down
         pool_run(_threads(n_threads, R * f * 8), R, _quantize_item, &jb)
+        if a.x8_down:
+            pq_x8_prepare_x(a.vt_down, aq, R, f, aq_stride)
         jb.items = items_b
-        pool_run(_threads(n_threads, used * e * a.down_rb * ((R // used + 3) // 4)), nb, _down_item, &jb)
+        pool_run(_threads(n_threads, used * e * a.down_rb * ((R // used + 3) // 4)), nb,
+                 _down_item_x8 if a.x8_down else _down_item, &jb)
         # the weighted sum in each token's top-k order, then the shared expert
         for t in range(n):
             for c in range(e):
@@ -459,16 +552,19 @@ cdef int _moe_step(void *ctx, unsigned char *scratch) noexcept nogil:
 def moe_ffn(const float[:, ::1] x, const float[:, ::1] logits,
             const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
             const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm=True,
-            float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1):
+            float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1, bint x8_gate_up=False,
+            bint x8_down=False):
     """out[n, e] = the MoE FFN of x[n, e] (module docstring), given the router logits [n, E].
 
     gate, up: uint8 [E, f * row_bytes(t_gate / t_up, e)] (each expert's f rows of e elements);
     down: uint8 [E, e * row_bytes(t_down, f)]. shexp: float32 [n, e] added to the result, times
-    sigmoid(x . shexp_gate) when shexp_gate (float32 [e]) is given. Returns the number of
-    experts that were computed (chosen by at least one token)."""
+    sigmoid(x . shexp_gate) when shexp_gate (float32 [e]) is given. x8_gate_up / x8_down: gate and
+    up / down come repacked in groups of 8 rows instead (qmatmul.repack_x8 of all the experts'
+    rows, [E, rows / 8 * bytes per group]). Returns the number of experts that were computed
+    (chosen by at least one token)."""
     cdef MoeArgs a
     if not _moe_setup(&a, x, logits, gate, t_gate, up, t_up, down, t_down, out, n_used, norm, scale, shexp,
-                      shexp_gate, n_threads, []):
+                      shexp_gate, n_threads, [], x8_gate_up, x8_down):
         return 0
     cdef uint8_t *mem = <uint8_t *>malloc(a.need)
     if mem == NULL:
@@ -485,12 +581,13 @@ def moe_ffn(const float[:, ::1] x, const float[:, ::1] logits,
 def bind_moe_ffn(checked, const float[:, ::1] x, const float[:, ::1] logits,
                  const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
                  const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm=True,
-                 float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1):
+                 float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1, bint x8_gate_up=False,
+                 bint x8_down=False):
     """moe_ffn (same arguments) bound as a NativeStep (plan.pyx), its scratch the run's; None
     when there is nothing to compute."""
     cdef NativeStep s = step_for(sizeof(MoeArgs), checked)
     cdef list keep = []
     if not _moe_setup(<MoeArgs *>s.ctx, x, logits, gate, t_gate, up, t_up, down, t_down, out, n_used, norm,
-                      scale, shexp, shexp_gate, n_threads, keep):
+                      scale, shexp, shexp_gate, n_threads, keep, x8_gate_up, x8_down):
         return None
     return bound(s, _moe_step, keep, (<MoeArgs *>s.ctx).need)

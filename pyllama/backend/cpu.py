@@ -163,8 +163,9 @@ class CPUBackend(Backend):
 
     def _packed_weight(self, t: Tensor) -> Optional[np.ndarray]:
         """The repacked copy of weight `t` for the products (made on first use), or None when
-        its type or row count has no repacked kernel."""
-        if not self.repack or t.dtype not in _X8_TYPES or len(t.shape) != 2 or t.shape[0] % 8:
+        its type or row count has no repacked kernel. A Mixture-of-Experts tensor [experts, rows,
+        cols] is repacked as its experts' rows one after the other ([experts, rows / 8 groups])."""
+        if not self.repack or t.dtype not in _X8_TYPES or len(t.shape) not in (2, 3) or t.shape[-2] % 8:
             return None
         per_buf = self._packed.setdefault(id(t.buffer), (t.buffer, {}))[1]  # type: ignore[arg-type]
         key = (t.offset, t.nbytes)
@@ -172,7 +173,10 @@ class CPUBackend(Backend):
         if packed is None:
             if not t.buffer.mapped and not self._room_for(t):  # type: ignore[union-attr]
                 return None
-            packed = qmatmul.repack_x8(self.view(t), int(t.dtype), t.shape[1])
+            rows = int(np.prod(t.shape[:-1]))  # an expert's groups of 8 never reach into the next
+            packed = qmatmul.repack_x8(self.bytes_of(t).reshape(rows, -1), int(t.dtype), t.shape[-1])
+            if len(t.shape) == 3:
+                packed = packed.reshape(t.shape[0], -1)
             per_buf[key] = packed
         return packed
 
@@ -357,7 +361,7 @@ class CPUBackend(Backend):
             elif op == Op.SAMPLE:
                 steps.append(_bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             elif op == Op.MOE_FFN:
-                steps.extend(_moe_ffn_steps(nd.srcs, s, out, nd.params, nt))
+                steps.extend(_moe_ffn_steps(nd.srcs, s, out, nd.params, nt, self._packed_weight))
             else:
                 raise ValueError(f"unknown op {op!r}")
         return steps
@@ -498,9 +502,11 @@ def _bind_mul_mat_cat_x8(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Seq
 
 
 def _moe_ffn_steps(srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndarray, params: Sequence[float],
-                   nt: int) -> list[Callable[[], None]]:
+                   nt: int, packed: Callable[[Tensor], Optional[np.ndarray]]) -> list[Callable[[], None]]:
     """MOE_FFN: the router product (as any MUL_MAT, into a scratch of logits), then the MoE kernel
-    (_fast/moe.pyx), which computes only the experts the tokens chose: two steps."""
+    (_fast/moe.pyx), which computes only the experts the tokens chose: two steps. Experts whose
+    type has repacked kernels (`packed`) are multiplied in groups of 8 rows; gate and up go
+    together (they share the gathered activations)."""
     x, router = s[0], s[1]
     gate, up, down = srcs[2], srcs[3], srcs[4]
     n_used, norm, scale = params[0], params[1], params[2]
@@ -514,12 +520,18 @@ def _moe_ffn_steps(srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndar
                          f"fit x {list(x.shape)}")
     logits = np.zeros((x.shape[0], router.shape[0]), dtype=np.float32)
     route = _mul_mat_step(x, router, srcs[1].dtype, logits, None, nt)
-    # each expert tensor as one row of bytes per expert, whatever its type
+    # each expert tensor as one row of bytes per expert, whatever its type (repacked or as in the file)
     g, u, d = (CPUBackend.bytes_of(t).reshape(t.shape[0], -1) for t in (gate, up, down))
+    pg, pu, pd = packed(gate), packed(up), packed(down)
+    x8_gate_up = pg is not None and pu is not None
+    if x8_gate_up:
+        g, u = pg, pu
+    if pd is not None:
+        d = pd
     shexp = s[5] if len(s) > 5 else None
     shexp_gate = s[6] if len(s) > 6 else None
     args = (x, logits, g, int(gate.dtype), u, int(up.dtype), d, int(down.dtype), out, int(n_used), bool(norm),
-            float(scale), shexp, shexp_gate, nt)
+            float(scale), shexp, shexp_gate, nt, x8_gate_up, pd is not None)
 
     return [route, _native(moe.bind_moe_ffn, _bind(moe.moe_ffn, *args), *args)]
 

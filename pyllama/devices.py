@@ -188,6 +188,21 @@ def list_devices(args) -> str:
     return "\n".join(lines if len(lines) > 1 else lines + ["  (none)"])
 
 
+def check_cpu_moe(names: Sequence[str], layer_backend: Sequence[int], is_moe: bool, n: int) -> None:
+    """--cpu-moe (n: every layer) / --n-cpu-moe n: llama.cpp keeps those layers' experts on the CPU
+    while the rest of the layer may go elsewhere. pyllama places whole layers, so this holds when
+    the first n layers of a MoE model are on the CPU; a split that puts one elsewhere is refused,
+    naming the layers and the device (a dense model has no experts: nothing to keep)."""
+    if not is_moe or n <= 0:
+        return
+    away = [(il, names[b]) for il, b in enumerate(layer_backend[:n]) if names[b] != "CPU"]
+    if away:
+        devices = sorted({d for _, d in away})
+        raise PyllamaError(f"--cpu-moe/--n-cpu-moe: layers {away[0][0]}-{away[-1][0]} are on {', '.join(devices)}; "
+                           "pyllama keeps a layer's experts with the layer, so give those layers to the CPU "
+                           "(-ts, -ngl) or leave the flag out")
+
+
 def default_split(backends: Sequence[Backend]) -> list[float]:
     """Layer proportions by each device's free memory, as llama.cpp does without --tensor-split."""
     free = [max(b.device_info().free, 1) for b in backends]

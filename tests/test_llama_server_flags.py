@@ -100,6 +100,8 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M --no-repack", lambda a: a.repack is False),
     ("-m M --no-repack --repack", lambda a: a.repack is True),
     ("-m M --reuse-port --offline", lambda a: a.reuse_port is True and a.offline is True),
+    ("-m M --numa distribute -cmoe -ncmoe 4",
+     lambda a: (a.numa, a.cpu_moe, a.n_cpu_moe) == ("distribute", True, 4)),
     ("-m M --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 32768",
      lambda a: model_overrides(a) == {"{arch}.rope.scaling.type": "yarn", "{arch}.rope.scaling.factor": 4.0,
                                       "{arch}.rope.scaling.original_context_length": 32768}),
@@ -596,6 +598,31 @@ def test_list_devices(program):
     assert lines[0] == "Available devices:"
     assert lines[1] == f"  RPC0: CPU (cpu) at {peer.endpoint} (512 MiB, 512 MiB free)"
     assert len(lines) == 2 or cuda
+
+
+def test_cpu_moe_holds_or_is_refused():
+    from pyllama.devices import check_cpu_moe
+    check_cpu_moe(["CPU"], [0, 0, 0, 0], True, 4)          # every layer on the CPU: it holds
+    check_cpu_moe(["RPC0", "CPU"], [0, 0, 1, 1], False, 4)  # a dense model has no experts
+    check_cpu_moe(["RPC0", "CPU"], [1, 1, 0, 0], True, 2)   # the first 2 layers are local
+    with pytest.raises(PyllamaError, match="layers 0-1 are on RPC0"):
+        check_cpu_moe(["RPC0", "CPU"], [0, 0, 1, 1], True, 4)
+
+
+def test_cpu_moe_in_a_server(model_factory, rpc_peer):
+    moe_model = model_factory("tiny", arch="qwen3moe")
+    refused = subprocess.run([sys.executable, "-m", "pyllama.server", "-m", moe_model, "--port", "0", "-c", "128",
+                              "--rpc", rpc_peer.endpoint, "--device", "RPC0,CPU", "-cmoe"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "error: --cpu-moe/--n-cpu-moe: layers 0-0 are on RPC0" in refused.stderr
+    srv = ServerProcess(moe_model, "-c", "128", "-np", "1", "-cmoe", "--numa", "distribute").wait_ready()
+    try:
+        status, _ = srv.post("/completion", {"prompt": "hi", "n_predict": 2})
+        assert status == 200
+    finally:
+        assert srv.stop() == 0
+    assert "--numa distribute: pyllama places no memory or threads by NUMA node" in srv.stderr_text
 
 
 def test_warm_up_runs_before_serving_and_leaves_no_trace(tiny_model):

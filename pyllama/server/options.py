@@ -69,7 +69,7 @@ UNSUPPORTED: dict[str, str] = {
     **{f: "self-extend (group attention) is not supported" for f in ("-gan", "--grp-attn-n", "-gaw",
                                                                       "--grp-attn-w")},
     **{f: "tensor placement overrides are not supported (layers go to devices with -ngl, -dev, -ts)"
-       for f in ("-ot", "--override-tensor", "-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe")},
+       for f in ("-ot", "--override-tensor")},
     **{f: "TLS is not supported; put a reverse proxy in front for HTTPS" for f in ("--ssl-key-file",
                                                                                     "--ssl-cert-file")},
     **{f: "the router mode (several models) is not supported" for f in ("--models-dir", "--models-preset",
@@ -84,7 +84,7 @@ UNSUPPORTED: dict[str, str] = {
        for f in ("--reasoning-preserve", "--no-reasoning-preserve")},
     **{f: _FIT for f in ("-fitt", "--fit-target", "-fitc", "--fit-ctx", "-fitp", "--fit-print")},
     **{f: "this loading or memory option is not supported" for f in (
-        "--numa", "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "-nkvo",
+        "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "-nkvo",
         "--no-kv-offload", "-kvo", "--kv-offload", "--no-host",
         "--check-tensors", "--no-op-offload", "--op-offload", "-cram", "--cache-ram", "-ctxcp",
         "--ctx-checkpoints", "--swa-checkpoints", "-cms", "--checkpoint-min-step",
@@ -192,6 +192,14 @@ def build_parser() -> Parser:
     a("-t", "--threads", type=int, default=0, llama_env="LLAMA_ARG_THREADS", help="compute threads, 0 = all cores")
     a("-tb", "--threads-batch", type=int, default=None, llama_env=None,
       help="accepted; pyllama computes prompts and generation with the same --threads")
+    a("--numa", choices=["distribute", "isolate", "numactl"], default=None, llama_env="LLAMA_ARG_NUMA",
+      help="accepted; pyllama places no memory or threads by NUMA node (a warning on a machine that has "
+           "more than one)")
+    a("-cmoe", "--cpu-moe", action="store_true", llama_env="LLAMA_ARG_CPU_MOE",
+      help="keep every Mixture-of-Experts layer's experts on the CPU: pyllama places whole layers, so this "
+           "holds when those layers are on the CPU, and a split that gives them to another device is refused")
+    a("-ncmoe", "--n-cpu-moe", type=int, default=0, metavar="N", llama_env="LLAMA_ARG_N_CPU_MOE",
+      help="the same for the first N layers")
     a("--prio", type=int, default=0, llama_env=None,
       help="priority of the server's threads (not the BLAS library's workers): " + priority.LEVELS_HELP
            + "; under SCHED_FIFO compute runs until it blocks, not time-sliced")
@@ -719,6 +727,12 @@ def log_accepted(args) -> None:
     if args.prio_batch is not None and args.prio_batch != args.prio:
         log.info("--prio-batch %d: pyllama's threads serve prompts and generation alike and take --prio (%d)",
                  args.prio_batch, args.prio)
+    if args.numa is not None:
+        nodes = [n for n in os.listdir("/sys/devices/system/node") if n.startswith("node")] \
+            if os.path.isdir("/sys/devices/system/node") else []
+        (log.warning if len(nodes) > 1 else log.info)(
+            "--numa %s: pyllama places no memory or threads by NUMA node (this machine has %d)", args.numa,
+            max(len(nodes), 1))
     if args.threads_http != -1:
         log.info("--threads-http %d: pyllama answers HTTP on one event loop", args.threads_http)
     if args.cache_reuse:

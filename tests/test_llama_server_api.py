@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import re
 import math
 import os
 import threading
@@ -203,6 +204,11 @@ def test_props_values(srv, tiny_model):
     assert props["build_info"].startswith("pyllama ")
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
     assert props["model_ftype"] == "all F32" and props["is_sleeping"] is False  # llama.cpp's name of the type
+    # what llama-server's own page reads (build 9749): the page on, no settings of its own, no CORS
+    # proxy, and the marker a multimodal prompt would carry (a text model never expands it)
+    assert props["ui"] is True and props["ui_settings"] == {} and props["cors_proxy_enabled"] is False
+    assert re.fullmatch(r"<__media_[A-Za-z0-9]{32}__>", props["media_marker"])
+    assert srv.get("/props")[1]["media_marker"] == props["media_marker"]  # one per server
     assert props["chat_template"] == srv.state.chat.source
     assert props["chat_template_caps"] == srv.state.chat.llama_caps()
     assert props["chat_template_caps"]["supports_string_content"] is True

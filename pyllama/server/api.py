@@ -11,6 +11,8 @@ import asyncio
 import math
 import os
 import re
+import secrets
+import string
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -69,6 +71,9 @@ class ServerState:
     embd_normalize: int = 2  # of embeddings whose request gives none
     pooling: str = "none"  # of embeddings: --pooling, else the model's (set when it loads)
     split_chosen: bool = False  # the layer split is the server's own choice (no -ts, -ngl): it may move
+    # llama-server's marker of media in a multimodal prompt, random per server; a text model never expands it
+    media_marker: str = field(default_factory=lambda: "<__media_" + "".join(
+        secrets.choice(string.ascii_letters + string.digits) for _ in range(32)) + "__>")
     _max_token_chars: int = 0
 
     @property
@@ -469,6 +474,8 @@ class Api:
             "build_info": f"pyllama {__version__}",
             "endpoint_slots": st.slots_enabled, "endpoint_props": st.props_writable,
             "endpoint_metrics": st.metrics_enabled,
+            "ui": bool(getattr(st.args, "webui", True)), "ui_settings": {}, "cors_proxy_enabled": False,
+            "media_marker": st.media_marker,
             "context_shift": bool(getattr(st.args, "context_shift", False)),
             "n_preemptions": snap["n_preemptions_total"], "n_context_shifts": snap["n_context_shifts_total"],
         })

@@ -177,6 +177,22 @@ def test_cors_preflight(srv):
     assert resp.getheader("Access-Control-Allow-Headers") == "authorization, content-type"
 
 
+def test_cors_methods_headers_and_credentials(srv):
+    """--cors-methods, --cors-headers, --no-cors-credentials (llama-server's flags)."""
+    ask = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    with srv.settings(cors_methods=["GET", "POST"], cors_headers=["*"]):
+        _, _, resp = srv.request("OPTIONS", "/v1/chat/completions", headers=ask)
+        assert resp.getheader("Access-Control-Allow-Methods") == "GET, POST"
+        assert resp.getheader("Access-Control-Allow-Headers") == "*"
+    _, _, resp = srv.request("GET", "/health", headers={"Origin": "http://localhost:3000"})
+    assert resp.getheader("Access-Control-Allow-Credentials") == "true"
+    with srv.settings(cors_credentials=False):
+        _, _, resp = srv.request("GET", "/health", headers={"Origin": "http://localhost:3000"})
+        assert resp.getheader("Access-Control-Allow-Origin") == "http://localhost:3000"
+        assert resp.getheader("Access-Control-Allow-Credentials") is None
+
+
 def test_origin_allowed():
     assert origin_allowed("http://localhost:1", [])
     assert not origin_allowed("http://localhost:1/path", [])

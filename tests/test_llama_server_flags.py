@@ -100,6 +100,9 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M --no-repack", lambda a: a.repack is False),
     ("-m M --no-repack --repack", lambda a: a.repack is True),
     ("-m M --reuse-port --offline", lambda a: a.reuse_port is True and a.offline is True),
+    ("-m M --cors-methods GET,POST --cors-headers X-Api-Key,Content-Type --no-cors-credentials",
+     lambda a: (settings(a).cors_methods, settings(a).cors_headers, settings(a).cors_credentials)
+     == (["GET", "POST"], ["X-Api-Key", "Content-Type"], False)),
     ("-m M --numa distribute -cmoe -ncmoe 4",
      lambda a: (a.numa, a.cpu_moe, a.n_cpu_moe) == ("distribute", True, 4)),
     ("-m M --rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 32768",

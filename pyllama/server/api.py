@@ -62,6 +62,9 @@ class ServerState:
     # --metrics, -v, --alias, --embd-normalize); the handlers and the HTTP layer read them.
     api_keys: list[str] = field(default_factory=list)
     cors_origins: list[str] = field(default_factory=list)  # empty: only localhost origins
+    cors_methods: list[str] = field(default_factory=list)  # a preflight's allowed methods (empty: the path's)
+    cors_headers: list[str] = field(default_factory=list)  # ... and request headers (empty: those asked for)
+    cors_credentials: bool = True
     slots_enabled: bool = True
     props_writable: bool = False
     slot_save_path: Optional[str] = None

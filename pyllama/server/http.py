@@ -1020,8 +1020,10 @@ class HTTPServer:
             return b""
         origin = req.headers.get("origin", "")
         if origin and origin_allowed(origin, allowed) and "\r" not in origin and "\n" not in origin:
-            return (b"Access-Control-Allow-Origin: " + origin.encode("latin-1", "replace")
-                    + b"\r\nAccess-Control-Allow-Credentials: true\r\nVary: Origin\r\n")
+            credentials = b"Access-Control-Allow-Credentials: true\r\n" \
+                if getattr(self._access, "cors_credentials", True) else b""
+            return (b"Access-Control-Allow-Origin: " + origin.encode("latin-1", "replace") + b"\r\n"
+                    + credentials + b"Vary: Origin\r\n")
         if "*" in allowed:
             return b"Access-Control-Allow-Origin: *\r\nVary: Origin\r\n"
         return b"Vary: Origin\r\n" if origin else b""
@@ -1083,10 +1085,11 @@ class HTTPServer:
         if req.method == "OPTIONS":  # a CORS preflight, answered 200 as llama-server does
             headers = [("Allow", allow)]
             if self._access.cors_origins is not None:
-                headers.append(("Access-Control-Allow-Methods", allow))
-                # reflected: a '*' does not cover Authorization, which API key clients send
-                headers.append(("Access-Control-Allow-Headers",
-                                req.headers.get("access-control-request-headers") or "*"))
+                methods, allowed_headers = (getattr(self._access, f, None) for f in ("cors_methods", "cors_headers"))
+                headers.append(("Access-Control-Allow-Methods", ", ".join(methods) if methods else allow))
+                # reflected by default: a '*' does not cover Authorization, which API key clients send
+                headers.append(("Access-Control-Allow-Headers", ", ".join(allowed_headers) if allowed_headers
+                                else req.headers.get("access-control-request-headers") or "*"))
                 headers.append(("Access-Control-Max-Age", "86400"))
             return None, False, Response(200, headers=headers, content_type="text/plain; charset=utf-8")
         resp = error_response(405, f"Method {req.method} is not allowed on {req.path}", "invalid_request_error")

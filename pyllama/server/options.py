@@ -91,8 +91,7 @@ UNSUPPORTED: dict[str, str] = {
         "--cache-idle-slots", "--no-cache-idle-slots", "--sleep-idle-seconds")},
     **{f: "not supported" for f in ("--ui-config", "--webui-config", "--ui-config-file",
                                     "--webui-config-file", "-sys", "--system-prompt", "--system-prompt-file",
-                                    "-sysf", "--spm-infill", "--cors-methods", "--cors-headers",
-                                    "--cors-credentials", "--no-cors-credentials",
+                                    "-sysf", "--spm-infill",
                                     "--log-prompts-dir",
                                     "--attention", "-Cr", "--cpu-range", "-C", "--cpu-mask", "--cpu-strict",
                                     "--poll", "-Crb", "--cpu-range-batch", "-Cb", "--cpu-mask-batch",
@@ -342,6 +341,13 @@ def build_parser() -> Parser:
       help="a file of API keys, one per line; lines starting with # are comments")
     a("--cors-origins", type=_comma_list, default=None, llama_env="LLAMA_ARG_CORS_ORIGINS",
       help="origins allowed cross-origin, comma-separated, * for any (default: localhost origins only)")
+    a("--cors-methods", type=_comma_list, default=None, llama_env="LLAMA_ARG_CORS_METHODS",
+      help="the methods a CORS preflight allows, comma-separated (default: those of the path it asks about)")
+    a("--cors-headers", type=_comma_list, default=None, llama_env="LLAMA_ARG_CORS_HEADERS",
+      help="the request headers a CORS preflight allows, comma-separated, * for any (default: those it asks for)")
+    a("--cors-credentials", "--no-cors-credentials", dest="cors_credentials", action=Toggle,
+      negatives=("--no-cors-credentials",), default=True, llama_env="LLAMA_ARG_CORS_CREDENTIALS",
+      help="allow credentials (cookies, Authorization) on the allowed origins' requests")
     a("-to", "--timeout", type=float, default=600.0, llama_env="LLAMA_ARG_TIMEOUT",
       help="server read/write timeout in seconds: how long a connection may wait on the client between requests")
     a("--api-prefix", default="", metavar="PREFIX", llama_env="LLAMA_ARG_API_PREFIX",
@@ -691,6 +697,8 @@ def process_escapes(text: str) -> str:
 def settings(args) -> SimpleNamespace:
     """The fields of ServerState (server/api.py) that the command line sets, by name."""
     return SimpleNamespace(api_keys=list(args.api_keys), cors_origins=list(args.cors_origins or []),
+                          cors_methods=list(args.cors_methods or []), cors_headers=list(args.cors_headers or []),
+                          cors_credentials=bool(args.cors_credentials),
                           slots_enabled=bool(args.slots), props_writable=bool(args.props),
                           slot_save_path=args.slot_save_path, metrics_enabled=bool(args.metrics),
                           verbose=bool(args.verbose), aliases=list(args.alias or []),

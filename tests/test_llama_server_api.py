@@ -445,6 +445,8 @@ def test_infill_prompt_layout():
     got = infill_prompt(Tok(), {"input_prefix": "ab", "input_suffix": "c", "prompt": "d",
                                 "input_extra": [{"filename": "f", "text": "x"}]})
     assert got == [1, 503, ord("f"), ord("\n"), ord("x"), 500, ord("a"), ord("b"), 501, ord("c"), 502, ord("d")]
+    spm = infill_prompt(Tok(), {"input_prefix": "ab", "input_suffix": "c", "prompt": "d"}, spm=True)
+    assert spm == [1, 501, ord("c"), 500, ord("a"), ord("b"), 502, ord("d")]  # --spm-infill: suffix first
     with pytest.raises(HTTPError):
         infill_prompt(Tok(), {"input_prefix": 3})
 

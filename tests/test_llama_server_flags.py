@@ -100,6 +100,7 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M --no-repack", lambda a: a.repack is False),
     ("-m M --no-repack --repack", lambda a: a.repack is True),
     ("-m M --reuse-port --offline", lambda a: a.reuse_port is True and a.offline is True),
+    ("-m M --spm-infill", lambda a: a.spm_infill is True),
     ("-m M --cors-methods GET,POST --cors-headers X-Api-Key,Content-Type --no-cors-credentials",
      lambda a: (settings(a).cors_methods, settings(a).cors_headers, settings(a).cors_credentials)
      == (["GET", "POST"], ["X-Api-Key", "Content-Type"], False)),

@@ -893,7 +893,7 @@ class Api:
                 if len(body.get(name) or "") >= 2 * st.n_ctx_slot * st.max_token_chars():
                     raise _exceeds_context(len(body[name]) // st.max_token_chars(), st.n_ctx_slot, at_least=True)
             _check_constraint(st, p)
-            return p, infill_prompt(st.tokenizer, body)
+            return p, infill_prompt(st.tokenizer, body, spm=bool(getattr(st.args, "spm_infill", False)))
         p, prompt = await _prepare(req, work)
         return await self._completion_response(p, [""], [prompt])
 
@@ -1197,10 +1197,11 @@ class Api:
         yield SSE_DONE
 
 
-def infill_prompt(tok, body: Any) -> list[int]:
+def infill_prompt(tok, body: Any, spm: bool = False) -> list[int]:
     """llama-server's fill-in-the-middle prompt (prefix-suffix-middle order): [BOS] FIM_PRE prefix
     FIM_SUF suffix FIM_MID prompt, the input_extra chunks first (each after FIM_SEP and its file
-    name when the model has that token). A 400 when the model has no FIM tokens."""
+    name when the model has that token); spm (--spm-infill): the suffix part before the prefix
+    part. A 400 when the model has no FIM tokens."""
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object")
     pre, suf, mid = (getattr(tok, a, None) for a in ("fim_pre_id", "fim_suf_id", "fim_mid_id"))
@@ -1228,7 +1229,8 @@ def infill_prompt(tok, body: Any) -> list[int]:
         if sep is not None:
             out += [sep] + enc(e.get("filename", "") + "\n")
         out += enc(e.get("text", ""))
-    out += [pre] + enc(texts["input_prefix"]) + [suf] + enc(texts["input_suffix"]) + [mid] + enc(texts["prompt"])
+    prefix, suffix = [pre] + enc(texts["input_prefix"]), [suf] + enc(texts["input_suffix"])
+    out += (suffix + prefix if spm else prefix + suffix) + [mid] + enc(texts["prompt"])
     return out
 
 

@@ -91,7 +91,7 @@ UNSUPPORTED: dict[str, str] = {
         "--cache-idle-slots", "--no-cache-idle-slots", "--sleep-idle-seconds")},
     **{f: "not supported" for f in ("--ui-config", "--webui-config", "--ui-config-file",
                                     "--webui-config-file", "-sys", "--system-prompt", "--system-prompt-file",
-                                    "-sysf", "--spm-infill",
+                                    "-sysf",
                                     "--log-prompts-dir",
                                     "--attention", "-Cr", "--cpu-range", "-C", "--cpu-mask", "--cpu-strict",
                                     "--poll", "-Crb", "--cpu-range-batch", "-Cb", "--cpu-mask-batch",
@@ -385,6 +385,8 @@ def build_parser() -> Parser:
       help="requests read ahead on one connection while an earlier one is answered; at the limit the "
            "server stops reading from that connection until it catches up")
     # --- chat templates
+    a("--spm-infill", action="store_true", llama_env=None,
+      help="/infill prompts in suffix-prefix-middle order instead of prefix-suffix-middle (some models want it)")
     a("--jinja", "--no-jinja", dest="jinja", action=Toggle, negatives=("--no-jinja",), default=True,
       llama_env="LLAMA_ARG_JINJA",
       help="render the model's Jinja chat template; --no-jinja uses the built-in format it resembles")

@@ -18,7 +18,7 @@ from pyllama.errors import PyllamaError
 from pyllama.models.gguf_file import GGUFFile
 from pyllama.models.quantize import quantize
 from pyllama.rpc.protocol import Cap
-from pyllama.tensor import DType, Graph, Op, check_node, node
+from pyllama.tensor import DType, Graph, Op, Tensor, check_node, node
 from engine_util import greedy, placed
 from reference_forward import reference_logits
 from server_util import RPCServerProcess, assert_same_tokens_in_two_groups, generated_tokens, run_generate
@@ -305,6 +305,35 @@ def test_the_cpu_backend_multiplies_repackable_experts_in_groups_of_8():
         moe.moe_ffn(x, logits, gg, int(QT.Q8_0), uu, int(QT.Q8_0), dd, int(QT.Q8_0), want, k, True, 1.0, None, None,
                     1, x8_gate_up=repacked, x8_down=repacked)
         np.testing.assert_array_equal(got[repacked], want)
+
+
+def test_experts_read_in_place_stay_so_when_memory_is_short(monkeypatch, caplog):
+    """Experts read in place from a model file are not all in memory until repacked (a token never
+    pages in the experts it does not choose): with too little free memory the backend keeps their
+    file layout, says so once, and computes what the file layout gives."""
+    from pyllama.backend import cpu as cpu_mod
+    if int(QT.Q8_0) not in qmatmul.x8_types():
+        pytest.skip("this build has no repacked kernels")
+    monkeypatch.setattr(cpu_mod, "_available_memory", lambda: 1 << 20)
+    rng = np.random.default_rng(13)
+    n, e, f, n_exp, k = 4, 64, 32, 4, 2
+    x = (rng.integers(-8, 9, (n, e)) / 4).astype(np.float32)
+    router = rng.integers(0, 2, (n_exp, e)).astype(np.float32)
+    experts = [_experts(rng, QT.Q8_0, n_exp, rows, cols)[0] for rows, cols in ((f, e), (f, e), (e, f))]
+    b = CPUBackend(1)
+    file = b.map_host(np.concatenate([raw.reshape(-1) for raw in experts]))  # as a model file's map
+    srcs, off = [placed(b, DType.F32, x.shape, x), placed(b, DType.F32, router.shape, router)], 0
+    for raw, (rows, cols) in zip(experts, ((f, e), (f, e), (e, f))):
+        srcs.append(Tensor(DType.Q8_0, (n_exp, rows, cols), "exps", file, off))
+        off += raw.nbytes
+    out = placed(b, DType.F32, (n, e))
+    with caplog.at_level("WARNING"):
+        b.graph_compute(Graph([node(Op.MOE_FFN, out, *srcs, params=(k, 1, 1.0))]))
+    assert b.packed_weights() == 0
+    assert sum("not enough free memory to repack" in r.getMessage() for r in caplog.records) == 1
+    want = np.zeros((n, e), np.float32)
+    moe.moe_ffn(x, x @ router.T, *[a for raw in experts for a in (raw, int(QT.Q8_0))], want, k, True, 1.0, None, None, 1)
+    np.testing.assert_array_equal(b.get_tensor(out), want)
 
 
 # --- splits and refusals -----------------------------------------------------------------------------

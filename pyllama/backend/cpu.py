@@ -171,7 +171,9 @@ class CPUBackend(Backend):
         key = (t.offset, t.nbytes)
         packed = per_buf.get(key)
         if packed is None:
-            if not t.buffer.mapped and not self._room_for(t):  # type: ignore[union-attr]
+            # an rpc server's upload stays where it is; a model's experts, unlike a dense weight, are
+            # not all in memory until repacked (the unchosen ones are never paged in): both need room
+            if (not t.buffer.mapped or len(t.shape) == 3) and not self._room_for(t):  # type: ignore[union-attr]
                 return None
             rows = int(np.prod(t.shape[:-1]))  # an expert's groups of 8 never reach into the next
             packed = qmatmul.repack_x8(self.bytes_of(t).reshape(rows, -1), int(t.dtype), t.shape[-1])
@@ -181,10 +183,11 @@ class CPUBackend(Backend):
         return packed
 
     def _room_for(self, t: Tensor) -> bool:
-        """Whether a second copy of allocated weight `t` fits (an rpc server's upload stays where it
-        is, so its repacked copy is extra memory): not when it would leave less than a tenth of the
-        machine's memory (at least 512 MiB) free; the weight then runs on the file layout, logged
-        once. A server that holds a model too large for one machine stays within its memory."""
+        """Whether a repacked copy of weight `t` fits (an rpc server's upload stays where it is, and
+        a model's experts are not all in memory until repacked, so the copy is extra memory): not
+        when it would leave less than a tenth of the machine's memory (at least 512 MiB) free; the
+        weight then runs on the file layout, logged once. A server that holds a model too large for
+        one machine stays within its memory."""
         if _available_memory() - t.nbytes >= max(_REPACK_RESERVE, _total_memory() // 10):
             return True
         if not self._repack_short:

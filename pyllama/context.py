@@ -387,7 +387,10 @@ class Context:
         while self._plans:
             self._forget(self._plans.popitem()[1])
         self.sched.generation += 1
-        self._plan(self.n_ubatch, self.n_ubatch)  # compute buffers for the worst case on the new stages
+        try:
+            self._plan(self.n_ubatch, self.n_ubatch)  # compute buffers for the worst case on the new stages
+        except Exception as exc:  # noqa: BLE001 - the move is made; the next step plans (and says) again
+            log.warning("sizing the compute buffers after the move: %s", exc)
 
     def clear(self) -> None:
         self.kv.clear()

@@ -137,7 +137,8 @@ class Engine:
                     buf.backend.free_buffer(buf)
             fresh.free()
             raise
-        # from here on nothing waits for a device: the contexts switch to the new copies
+        # from here on the contexts switch to the new copies; what fails now (freeing an old copy,
+        # sizing compute buffers on a peer that went away) is logged, the move stands
         was = self.counts()
         self.placement.layer_backend[:] = layout
         old = self.weights.replace_layers(fresh)

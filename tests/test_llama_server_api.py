@@ -224,6 +224,8 @@ def test_props_values(srv, tiny_model):
     # proxy, and the marker a multimodal prompt would carry (a text model never expands it)
     assert props["ui"] is True and props["ui_settings"] == {} and props["cors_proxy_enabled"] is False
     assert re.fullmatch(r"<__media_[A-Za-z0-9]{32}__>", props["media_marker"])
+    with srv.settings(ui_settings={"theme": "dark"}):  # --ui-config
+        assert srv.get("/props")[1]["ui_settings"] == {"theme": "dark"}
     assert srv.get("/props")[1]["media_marker"] == props["media_marker"]  # one per server
     assert props["chat_template"] == srv.state.chat.source
     assert props["chat_template_caps"] == srv.state.chat.llama_caps()

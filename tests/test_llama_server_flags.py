@@ -101,6 +101,7 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M --no-repack --repack", lambda a: a.repack is True),
     ("-m M --reuse-port --offline", lambda a: a.reuse_port is True and a.offline is True),
     ("-m M --spm-infill", lambda a: a.spm_infill is True),
+    ("-m M --ui-config {\"theme\":\"dark\"}", lambda a: settings(a).ui_settings == {"theme": "dark"}),
     ("-m M --cors-methods GET,POST --cors-headers X-Api-Key,Content-Type --no-cors-credentials",
      lambda a: (settings(a).cors_methods, settings(a).cors_headers, settings(a).cors_credentials)
      == (["GET", "POST"], ["X-Api-Key", "Content-Type"], False)),
@@ -527,6 +528,16 @@ def test_special_renders_control_tokens_in_probabilities():
     shown = token_probs(tok, 50256, 0.6, *top, 2, special=True)
     assert hidden["token"] == "" and shown["token"] == "<|endoftext|>"
     assert [e["token"] for e in shown["top_logprobs"]] == ["<|endoftext|>", "Hello"]
+
+
+def test_ui_config_file_and_bad_values(tmp_path, capsys):
+    f = tmp_path / "ui.json"
+    f.write_text('{"showTokensPerSecond": true}')
+    assert settings(parse_args(["-m", "M", "--ui-config-file", str(f)])).ui_settings == {"showTokensPerSecond": True}
+    f.write_text("[1, 2]")
+    assert "--ui-config-file" in refused(["-m", "M", "--ui-config-file", str(f)])
+    assert "--ui-config-file" in refused(["-m", "M", "--ui-config-file", str(tmp_path / "missing.json")])
+    assert "--ui-config" in exits(["-m", "M", "--ui-config", "{not json"], capsys)
 
 
 def test_chat_template_file(tmp_path):

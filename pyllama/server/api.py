@@ -65,6 +65,7 @@ class ServerState:
     cors_methods: list[str] = field(default_factory=list)  # a preflight's allowed methods (empty: the path's)
     cors_headers: list[str] = field(default_factory=list)  # ... and request headers (empty: those asked for)
     cors_credentials: bool = True
+    ui_settings: dict = field(default_factory=dict)  # --ui-config: a page's default settings, given by /props
     slots_enabled: bool = True
     props_writable: bool = False
     slot_save_path: Optional[str] = None
@@ -477,7 +478,7 @@ class Api:
             "build_info": f"pyllama {__version__}",
             "endpoint_slots": st.slots_enabled, "endpoint_props": st.props_writable,
             "endpoint_metrics": st.metrics_enabled,
-            "ui": bool(getattr(st.args, "webui", True)), "ui_settings": {}, "cors_proxy_enabled": False,
+            "ui": bool(getattr(st.args, "webui", True)), "ui_settings": st.ui_settings, "cors_proxy_enabled": False,
             "media_marker": st.media_marker,
             "context_shift": bool(getattr(st.args, "context_shift", False)),
             "n_preemptions": snap["n_preemptions_total"], "n_context_shifts": snap["n_context_shifts_total"],

@@ -89,8 +89,7 @@ UNSUPPORTED: dict[str, str] = {
         "--check-tensors", "--no-op-offload", "--op-offload", "-cram", "--cache-ram", "-ctxcp",
         "--ctx-checkpoints", "--swa-checkpoints", "-cms", "--checkpoint-min-step",
         "--cache-idle-slots", "--no-cache-idle-slots", "--sleep-idle-seconds")},
-    **{f: "not supported" for f in ("--ui-config", "--webui-config", "--ui-config-file",
-                                    "--webui-config-file", "-sys", "--system-prompt", "--system-prompt-file",
+    **{f: "not supported" for f in ("-sys", "--system-prompt", "--system-prompt-file",
                                     "-sysf",
                                     "--log-prompts-dir",
                                     "--attention", "-Cr", "--cpu-range", "-C", "--cpu-mask", "--cpu-strict",
@@ -145,6 +144,16 @@ def _kwargs_json(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
+def _ui_json(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of settings")
     return value
 
 
@@ -339,6 +348,12 @@ def build_parser() -> Parser:
       help="API keys, comma-separated: every endpoint but /health wants one (Authorization: Bearer or X-Api-Key)")
     a("--api-key-file", default=None, llama_env="LLAMA_ARG_API_KEY_FILE", metavar="PATH",
       help="a file of API keys, one per line; lines starting with # are comments")
+    a("--ui-config", "--webui-config", dest="ui_config", type=_ui_json, default=None, metavar="JSON",
+      llama_env="LLAMA_ARG_UI_CONFIG",
+      help="default settings for a web page, as a JSON object: /props gives them as ui_settings (llama-server's "
+           "page reads them; pyllama's own page does not)")
+    a("--ui-config-file", "--webui-config-file", dest="ui_config_file", default=None, metavar="PATH",
+      llama_env="LLAMA_ARG_UI_CONFIG_FILE", help="the same, from a JSON file")
     a("--cors-origins", type=_comma_list, default=None, llama_env="LLAMA_ARG_CORS_ORIGINS",
       help="origins allowed cross-origin, comma-separated, * for any (default: localhost origins only)")
     a("--cors-methods", type=_comma_list, default=None, llama_env="LLAMA_ARG_CORS_METHODS",
@@ -490,6 +505,13 @@ def resolve(args: argparse.Namespace) -> None:
                 args.chat_template = fh.read()
         except (OSError, UnicodeDecodeError) as exc:
             raise PyllamaError(f"--chat-template-file {args.chat_template_file}: cannot read it ({exc})") from None
+    if args.ui_config_file:
+        try:
+            with open(args.ui_config_file, encoding="utf-8") as fh:
+                args.ui_config = _ui_json(fh.read())
+        except (OSError, UnicodeDecodeError, argparse.ArgumentTypeError) as exc:
+            raise PyllamaError(f"--ui-config-file {args.ui_config_file}: {getattr(exc, 'strerror', None) or exc}") \
+                from None
 
 
 def template_kwargs(args) -> Optional[dict]:
@@ -700,7 +722,7 @@ def settings(args) -> SimpleNamespace:
     """The fields of ServerState (server/api.py) that the command line sets, by name."""
     return SimpleNamespace(api_keys=list(args.api_keys), cors_origins=list(args.cors_origins or []),
                           cors_methods=list(args.cors_methods or []), cors_headers=list(args.cors_headers or []),
-                          cors_credentials=bool(args.cors_credentials),
+                          cors_credentials=bool(args.cors_credentials), ui_settings=dict(args.ui_config or {}),
                           slots_enabled=bool(args.slots), props_writable=bool(args.props),
                           slot_save_path=args.slot_save_path, metrics_enabled=bool(args.metrics),
                           verbose=bool(args.verbose), aliases=list(args.alias or []),

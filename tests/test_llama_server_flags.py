@@ -101,6 +101,8 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M --no-repack --repack", lambda a: a.repack is True),
     ("-m M --reuse-port --offline", lambda a: a.reuse_port is True and a.offline is True),
     ("-m M --spm-infill", lambda a: a.spm_infill is True),
+    ("-m M -C 0x3 -Cr 4-5 --poll 50 -Cb 1 --poll-batch 0 --cpu-strict 0", lambda a: a.cpus == {0, 1, 4, 5}),
+    ("-m M", lambda a: a.cpus is None),
     ("-m M --ui-config {\"theme\":\"dark\"}", lambda a: settings(a).ui_settings == {"theme": "dark"}),
     ("-m M --cors-methods GET,POST --cors-headers X-Api-Key,Content-Type --no-cors-credentials",
      lambda a: (settings(a).cors_methods, settings(a).cors_headers, settings(a).cors_credentials)
@@ -228,6 +230,10 @@ def test_bad_values_are_one_line(capsys):
 
 
 def test_checks_of_values():
+    assert "--cpu-strict 1" in refused(["--cpu-strict", "1"])
+    assert "--poll" in refused(["--poll", "101"])
+    assert "--cpu-range" in refused(["-Cr", "3-1"])
+    assert "--cpu-mask" in refused(["-Cb", "zz"])
     assert "--parallel" in refused(["-np", "0"])
     assert "--seed" in refused(["--seed", "-5"])
     assert "--repeat-last-n" in refused(["--repeat-last-n", "-2"])

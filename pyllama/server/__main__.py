@@ -26,6 +26,7 @@ from ..engine import Engine
 from ..rpc.connection import configured_timeout
 from ..errors import PyllamaError
 from ..models.hparams import model_overrides
+from ..affinity import apply_affinity
 from ..priority import apply_priority
 from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
@@ -291,7 +292,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log_accepted(args)
     if args.mlock:
         lock_memory()
-    # before any thread starts: the event loop, task, decode and kernel helper threads inherit it
+    # before any thread starts: the event loop, task, decode and kernel helper threads inherit them
+    apply_affinity(args.cpus)
     apply_priority(args.prio)
     install_uvloop()
     return asyncio.run(serve(args))

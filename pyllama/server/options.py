@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from .. import __version__, priority
 from ..cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
+from ..affinity import cpu_set
 from ..cli import Parser, Toggle, parse_bool
 from ..devices import add_device_args
 from ..errors import PyllamaError
@@ -92,9 +93,7 @@ UNSUPPORTED: dict[str, str] = {
     **{f: "not supported" for f in ("-sys", "--system-prompt", "--system-prompt-file",
                                     "-sysf",
                                     "--log-prompts-dir",
-                                    "--attention", "-Cr", "--cpu-range", "-C", "--cpu-mask", "--cpu-strict",
-                                    "--poll", "-Crb", "--cpu-range-batch", "-Cb", "--cpu-mask-batch",
-                                    "--cpu-strict-batch", "--poll-batch",
+                                    "--attention",
                                     "--server-base", "--completion-bash")},
 }
 # llama-server's presets (--fim-qwen-7b-default, --gpt-oss-20b-default, ...) fetch a model by name
@@ -200,6 +199,18 @@ def build_parser() -> Parser:
     a("-t", "--threads", type=int, default=0, llama_env="LLAMA_ARG_THREADS", help="compute threads, 0 = all cores")
     a("-tb", "--threads-batch", type=int, default=None, llama_env=None,
       help="accepted; pyllama computes prompts and generation with the same --threads")
+    a("-C", "--cpu-mask", default=None, metavar="M", llama_env=None,
+      help="CPU affinity mask, hexadecimal: the process runs on those CPUs (with --cpu-range: on either's)")
+    a("-Cr", "--cpu-range", default=None, metavar="LO-HI", llama_env=None, help="CPU affinity as ranges, e.g. 0-3")
+    a("--cpu-strict", type=int, choices=[0, 1], default=0, llama_env=None,
+      help="0 (accepted); 1, one CPU per compute thread, is not supported")
+    a("--poll", type=int, default=None, metavar="0..100", llama_env=None,
+      help="accepted; pyllama's kernel helpers spin 0.2 ms for work before they sleep")
+    a("-Cb", "--cpu-mask-batch", default=None, metavar="M", llama_env=None,
+      help="accepted; prompts run on the threads (and CPUs) of generation")
+    a("-Crb", "--cpu-range-batch", default=None, metavar="LO-HI", llama_env=None, help="as --cpu-mask-batch")
+    a("--cpu-strict-batch", type=int, choices=[0, 1], default=None, llama_env=None, help="as --cpu-mask-batch")
+    a("--poll-batch", type=int, default=None, metavar="0..100", llama_env=None, help="as --cpu-mask-batch")
     a("--numa", choices=["distribute", "isolate", "numactl"], default=None, llama_env="LLAMA_ARG_NUMA",
       help="accepted; pyllama places no memory or threads by NUMA node (a warning on a machine that has "
            "more than one)")
@@ -563,6 +574,13 @@ def check_args(args) -> None:
         resolve(args)
     if args.parallel < 1:
         raise PyllamaError(f"--parallel {args.parallel}: must be -1 (auto) or at least 1")
+    if args.cpu_strict or args.cpu_strict_batch:
+        raise PyllamaError("--cpu-strict 1: one CPU per compute thread is not supported (-C/-Cr restrict the process)")
+    for flag, value in (("--poll", args.poll), ("--poll-batch", args.poll_batch)):
+        if value is not None and not 0 <= value <= 100:
+            raise PyllamaError(f"{flag} {value}: must be 0..100")
+    args.cpus = cpu_set(args.cpu_mask, args.cpu_range)
+    cpu_set(args.cpu_mask_batch, args.cpu_range_batch, "-Cb/-Crb")  # checked, then only logged
     for flag, level in (("--prio", args.prio), ("--prio-batch", args.prio_batch)):
         why = None if level is None else priority.check_level(level, flag)
         if why is not None:
@@ -759,6 +777,10 @@ def log_accepted(args) -> None:
     if args.prio_batch is not None and args.prio_batch != args.prio:
         log.info("--prio-batch %d: pyllama's threads serve prompts and generation alike and take --prio (%d)",
                  args.prio_batch, args.prio)
+    if args.poll is not None or args.poll_batch is not None:
+        log.info("--poll: pyllama's kernel helpers spin 0.2 ms for work before they sleep, whatever the level")
+    if args.cpu_mask_batch or args.cpu_range_batch:
+        log.info("-Cb/-Crb: prompts run on the threads of generation, on the CPUs of -C/-Cr")
     if args.numa is not None:
         nodes = [n for n in os.listdir("/sys/devices/system/node") if n.startswith("node")] \
             if os.path.isdir("/sys/devices/system/node") else []

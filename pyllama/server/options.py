@@ -87,9 +87,7 @@ UNSUPPORTED: dict[str, str] = {
     **{f: "this loading or memory option is not supported" for f in (
         "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "-nkvo",
         "--no-kv-offload", "-kvo", "--kv-offload", "--no-host",
-        "--check-tensors", "--no-op-offload", "--op-offload", "-cram", "--cache-ram", "-ctxcp",
-        "--ctx-checkpoints", "--swa-checkpoints", "-cms", "--checkpoint-min-step",
-        "--cache-idle-slots", "--no-cache-idle-slots", "--sleep-idle-seconds")},
+        "--check-tensors", "--no-op-offload", "--op-offload", "--sleep-idle-seconds")},
     **{f: "not supported" for f in ("-sys", "--system-prompt", "--system-prompt-file",
                                     "-sysf",
                                     "--log-prompts-dir",
@@ -259,6 +257,18 @@ def build_parser() -> Parser:
     a("-fit", "--fit", dest="fit", choices=["on", "off"], default=None, llama_env="LLAMA_ARG_FIT",
       help="llama-server's fitting of unset options to device memory: 'off' is what pyllama does (it checks "
            "memory and refuses what does not fit); 'on' is refused")
+    a("-cram", "--cache-ram", type=int, default=None, metavar="MiB", llama_env="LLAMA_ARG_CACHE_RAM",
+      help="llama-server's prompt cache in host memory: 0 (off) is what pyllama does and is accepted; a size is "
+           "refused (pyllama reuses the prompts its slots hold)")
+    a("--cache-idle-slots", "--no-cache-idle-slots", dest="cache_idle_slots", action=Toggle,
+      negatives=("--no-cache-idle-slots",), default=None, llama_env="LLAMA_ARG_CACHE_IDLE_SLOTS",
+      help="saving idle slots to that cache: --no-cache-idle-slots is accepted, --cache-idle-slots refused")
+    a("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints", dest="ctx_checkpoints", type=int, default=None,
+      metavar="N", llama_env="LLAMA_ARG_CTX_CHECKPOINTS",
+      help="accepted: pyllama keeps sliding-window layers' whole KV cache, so any cached prefix is reused without "
+           "checkpoints")
+    a("-cms", "--checkpoint-min-step", type=int, default=None, metavar="N",
+      llama_env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", help="accepted, as --ctx-checkpoints")
     a("--swa-full", action="store_true", llama_env="LLAMA_ARG_SWA_FULL",
       help="accepted; the KV cache always keeps every position of sliding-window layers (a full-size cache)")
     a("--mlock", action="store_true", llama_env="LLAMA_ARG_MLOCK",
@@ -585,6 +595,12 @@ def check_args(args) -> None:
         why = None if level is None else priority.check_level(level, flag)
         if why is not None:
             raise PyllamaError(why)
+    if args.cache_ram not in (None, 0):
+        raise PyllamaError(f"--cache-ram {args.cache_ram}: a prompt cache in host memory is not supported "
+                           "(pyllama reuses the prompts its slots hold); --cache-ram 0 is accepted")
+    if args.cache_idle_slots:
+        raise PyllamaError("--cache-idle-slots: a prompt cache in host memory is not supported "
+                           "(--no-cache-idle-slots is accepted)")
     if args.fit == "on":
         raise PyllamaError(f"--fit on: llama-server flag not supported by pyllama: {_FIT}")
     if args.embd_normalize < -1:

@@ -19,6 +19,7 @@ from .balance import MeasuredSplit, counts_of, measured_split
 from .context import Context
 from .devices import default_split
 from .errors import ModelFileError, PyllamaError
+from .models.check_tensors import check_tensors as check_model_tensors
 from .models.model import Model
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import Placement, Weights, load_weights, split_layers
@@ -29,15 +30,19 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model_path: str, n_threads: int = 0, backends: Optional[Sequence[Backend]] = None,
                  tensor_split: Optional[Sequence[float]] = None, load: bool = True, map_weights: bool = True,
-                 kv_overrides: Optional[dict] = None, repack: bool = True):
+                 kv_overrides: Optional[dict] = None, repack: bool = True, check_tensors: bool = False):
         """Opens the model and places its layers; with load=False the weights are not uploaded yet
         (check_memory first, then load()). map_weights=False (--no-mmap) copies the weights a CPU
         would use in place in the file's memory map. kv_overrides (--override-kv) replace metadata
         values before anything reads them. repack=False (--no-repack) keeps the local CPU's quantized
-        weights in the file's layout only (no repacked copies, backend/cpu.py)."""
+        weights in the file's layout only (no repacked copies, backend/cpu.py). check_tensors
+        (--check-tensors) reads every tensor for values that are not finite before anything else."""
         self.map_weights = map_weights
         self.n_threads = set_compute_threads(n_threads)
         self.model = Model(model_path, kv_overrides=kv_overrides)
+        if check_tensors:
+            n = check_model_tensors(model_path, self.model.file.tensors.values())
+            log.info("--check-tensors: %d tensors, every value finite", n)
         self.tokenizer: Tokenizer = load_tokenizer(self.model.file.metadata, source=model_path)
         hp = self.model.hparams
         if self.tokenizer.n_vocab != hp.n_vocab:

@@ -60,6 +60,8 @@ def build_parser() -> Parser:
                    metavar="KEY=TYPE:VALUE,...",
                    help="override model metadata (types int, float, bool, str; comma-separated or repeated)")
     add_rope_args(p)
+    p.add_argument("--check-tensors", action="store_true",
+                   help="check every tensor's data for values that are not finite before loading (reads the file)")
     p.add_argument("--tokens", action="store_true", help="print the generated token ids, one line, instead of text")
     p.add_argument("--trace", metavar="PATH", help="write a trace of every decode step (JSON lines; also $PYLLAMA_TRACE)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and timings to stderr")
@@ -137,7 +139,8 @@ def _run(args, params: SamplingParams, prompt_text: str, model_path: str) -> int
     t0 = time.perf_counter()
     backends, proportions = open_devices(args, model_path)
     engine = Engine(model_path, n_threads=args.threads, backends=backends, tensor_split=proportions,
-                    map_weights=args.mmap, kv_overrides=model_overrides(args), repack=args.repack)
+                    map_weights=args.mmap, kv_overrides=model_overrides(args), repack=args.repack,
+                    check_tensors=args.check_tensors)
     hp = engine.model.hparams
     n_ctx = args.ctx_size or min(hp.n_ctx_train, 4096)
     ctx = engine.new_context(n_ctx, 1, args.batch_size, args.ubatch_size,

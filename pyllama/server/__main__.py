@@ -58,7 +58,7 @@ def load(state: ServerState) -> None:
     state.split_chosen = proportions is None
     engine = Engine(path, n_threads=args.threads, backends=backends, tensor_split=proportions, load=False,
                     map_weights=args.mmap, kv_overrides=model_overrides(args),
-                    repack=getattr(args, "repack", True))
+                    repack=getattr(args, "repack", True), check_tensors=getattr(args, "check_tensors", False))
     hp = engine.model.hparams
     check_generation_defaults(hp.n_vocab)
     check_cpu_moe([b.name for b in engine.backends], engine.placement.layer_backend, hp.is_moe,

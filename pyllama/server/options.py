@@ -87,7 +87,7 @@ UNSUPPORTED: dict[str, str] = {
     **{f: "this loading or memory option is not supported" for f in (
         "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "-nkvo",
         "--no-kv-offload", "-kvo", "--kv-offload", "--no-host",
-        "--check-tensors", "--no-op-offload", "--op-offload", "--sleep-idle-seconds")},
+        "--no-op-offload", "--op-offload", "--sleep-idle-seconds")},
     **{f: "not supported" for f in ("-sys", "--system-prompt", "--system-prompt-file",
                                     "-sysf",
                                     "--log-prompts-dir",
@@ -271,6 +271,9 @@ def build_parser() -> Parser:
       llama_env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", help="accepted, as --ctx-checkpoints")
     a("--swa-full", action="store_true", llama_env="LLAMA_ARG_SWA_FULL",
       help="accepted; the KV cache always keeps every position of sliding-window layers (a full-size cache)")
+    a("--check-tensors", action="store_true", llama_env=None,
+      help="check every tensor's data for values that are not finite (NaN, infinity) before loading; it reads "
+           "the whole file")
     a("--mlock", action="store_true", llama_env="LLAMA_ARG_MLOCK",
       help="keep the process's memory (the model included) in RAM: mlockall; a failure is logged")
     a("--mmap", "--no-mmap", dest="mmap", action=Toggle, negatives=("--no-mmap",), default=True,

@@ -11,7 +11,7 @@ import math
 import os
 import sys
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .. import __version__, priority
 from ..cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
@@ -134,24 +134,21 @@ def _sampler_letters(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _kwargs_json(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
-    return value
+def _json_object(expected: str) -> Callable[[str], dict]:
+    """An argparse type: a JSON object, else one error saying what was expected."""
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"must be {expected}")
+        return value
+    return parse
 
 
-def _ui_json(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object of settings")
-    return value
+_kwargs_json = _json_object("a JSON object, e.g. '{\"enable_thinking\": false}'")
+_ui_json = _json_object("a JSON object of settings")
 
 
 class _Version(argparse.Action):

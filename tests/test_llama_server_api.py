@@ -214,6 +214,10 @@ def test_props_values(srv, tiny_model):
     assert params["n_probs"] == 0 and params["stop"] == [] and params["ignore_eos"] is False
     assert params["samplers"] == ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
                                   "temperature"]
+    # llama-server's fields for what neither the model nor the server here has, at their "off" values
+    assert (params["adaptive_target"], params["lora"], params["speculative.types"], params["n_discard"]) == \
+        (-1.0, [], "none", 0)
+    assert params["backend_sampling"] is False  # the output layer is local: sampled on this host
     assert props["total_slots"] == N_SLOTS
     assert props["model_path"] == tiny_model and props["model_alias"] == os.path.basename(tiny_model)
     assert props["bos_token"] == "<s>" and props["eos_token"] == srv.state.tokenizer.token_text(srv.state.tokenizer.eos_id)

@@ -226,7 +226,11 @@ def _settings(state: ServerState, p: CompletionParams) -> dict:
             "dynatemp_range": s.dynatemp_range, "dynatemp_exponent": s.dynatemp_exponent,
             "logit_bias": bias, "samplers": list(s.samplers), "timings_per_token": p.timings_per_token,
             "return_tokens": p.return_tokens, "return_progress": p.return_progress, "id_slot": p.id_slot,
-            "n_cmpl": p.n, "grammar": p.constraint.text if p.constraint is not None else ""}
+            "n_cmpl": p.n, "grammar": p.constraint.text if p.constraint is not None else "",
+            # llama-server's fields for what pyllama does not have (adaptive-p sampler, LoRA, speculative
+            # decoding) at their "off" values, and the context shift's discard (0: half, as here)
+            "adaptive_target": -1.0, "adaptive_decay": 0.9, "lora": [], "speculative.types": "none", "n_discard": 0,
+            "backend_sampling": any(getattr(g, "backend_sampling", False) for g in state.groups)}
 
 
 def nested_fields(paths: list[str], obj: dict) -> dict:

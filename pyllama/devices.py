@@ -203,6 +203,18 @@ def check_cpu_moe(names: Sequence[str], layer_backend: Sequence[int], is_moe: bo
                            "(-ts, -ngl) or leave the flag out")
 
 
+def check_kv_offload(names: Sequence[str], layer_backend: Sequence[int], kv_offload: bool) -> None:
+    """--no-kv-offload: llama.cpp keeps every layer's KV cache in host memory. pyllama keeps a
+    layer's cache on the layer's device, so this holds when every layer is local (the CPU) and a
+    split that gives layers to another device is refused, naming it."""
+    if kv_offload:
+        return
+    away = sorted({names[b] for b in layer_backend if names[b] != "CPU"})
+    if away:
+        raise PyllamaError(f"--no-kv-offload: layers are on {', '.join(away)}, and pyllama keeps a layer's KV cache "
+                           "on its device; leave the flag out or keep the layers on the CPU")
+
+
 def default_split(backends: Sequence[Backend]) -> list[float]:
     """Layer proportions by each device's free memory, as llama.cpp does without --tensor-split."""
     free = [max(b.device_info().free, 1) for b in backends]

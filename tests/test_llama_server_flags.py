@@ -101,6 +101,8 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M --no-repack --repack", lambda a: a.repack is True),
     ("-m M --reuse-port --offline", lambda a: a.reuse_port is True and a.offline is True),
     ("-m M --spm-infill", lambda a: a.spm_infill is True),
+    ("-m M -nkvo --no-op-offload", lambda a: a.kv_offload is False and a.op_offload is False),
+    ("-m M --kv-offload --op-offload", lambda a: a.kv_offload is True and a.op_offload is True),
     ("-m M -cram 0 --no-cache-idle-slots -ctxcp 8 --swa-checkpoints 4 -cms 0",
      lambda a: (a.cache_ram, a.cache_idle_slots, a.ctx_checkpoints, a.checkpoint_min_step) == (0, False, 4, 0)),
     ("-m M -C 0x3 -Cr 4-5 --poll 50 -Cb 1 --poll-batch 0 --cpu-strict 0", lambda a: a.cpus == {0, 1, 4, 5}),
@@ -625,6 +627,14 @@ def test_list_devices(program):
     assert len(lines) == 2 or cuda
 
 
+def test_no_kv_offload_holds_or_is_refused():
+    from pyllama.devices import check_kv_offload
+    check_kv_offload(["CPU"], [0, 0], False)             # every layer local: the cache is in host memory
+    check_kv_offload(["RPC0", "CPU"], [0, 1], True)      # the default: each cache on its layer's device
+    with pytest.raises(PyllamaError, match="--no-kv-offload: layers are on RPC0"):
+        check_kv_offload(["RPC0", "CPU"], [0, 1], False)
+
+
 def test_cpu_moe_holds_or_is_refused():
     from pyllama.devices import check_cpu_moe
     check_cpu_moe(["CPU"], [0, 0, 0, 0], True, 4)          # every layer on the CPU: it holds
@@ -641,6 +651,10 @@ def test_cpu_moe_in_a_server(model_factory, rpc_peer):
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert "error: --cpu-moe/--n-cpu-moe: layers 0-0 are on RPC0" in refused.stderr
+    refused = subprocess.run([sys.executable, "-m", "pyllama.server", "-m", moe_model, "--port", "0", "-c", "128",
+                              "--rpc", rpc_peer.endpoint, "--device", "RPC0,CPU", "-nkvo"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "error: --no-kv-offload: layers are on RPC0" in refused.stderr
     srv = ServerProcess(moe_model, "-c", "128", "-np", "1", "-cmoe", "--numa", "distribute").wait_ready()
     try:
         status, _ = srv.post("/completion", {"prompt": "hi", "n_predict": 2})

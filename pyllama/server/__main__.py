@@ -21,7 +21,7 @@ from .. import trace
 from ..balance import memory_caps, output_blocks
 from ..cache_types import CACHE_TYPES, cache_type_name
 from ..cli import install_stop_signals, run_main, setup_logging
-from ..devices import check_cpu_moe, list_devices, open_devices
+from ..devices import check_cpu_moe, check_kv_offload, list_devices, open_devices
 from ..engine import Engine
 from ..rpc.connection import configured_timeout
 from ..errors import PyllamaError
@@ -61,8 +61,9 @@ def load(state: ServerState) -> None:
                     repack=getattr(args, "repack", True), check_tensors=getattr(args, "check_tensors", False))
     hp = engine.model.hparams
     check_generation_defaults(hp.n_vocab)
-    check_cpu_moe([b.name for b in engine.backends], engine.placement.layer_backend, hp.is_moe,
-                  hp.n_layer if args.cpu_moe else args.n_cpu_moe)
+    names = [b.name for b in engine.backends]
+    check_cpu_moe(names, engine.placement.layer_backend, hp.is_moe, hp.n_layer if args.cpu_moe else args.n_cpu_moe)
+    check_kv_offload(names, engine.placement.layer_backend, getattr(args, "kv_offload", True))
     n_groups = args.pipeline_groups
     n_ctx = args.ctx_size or hp.n_ctx_train
     if not args.kv_unified and n_ctx % n_groups:

@@ -85,9 +85,8 @@ UNSUPPORTED: dict[str, str] = {
        for f in ("--reasoning-preserve", "--no-reasoning-preserve")},
     **{f: _FIT for f in ("-fitt", "--fit-target", "-fitc", "--fit-ctx", "-fitp", "--fit-print")},
     **{f: "this loading or memory option is not supported" for f in (
-        "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "-nkvo",
-        "--no-kv-offload", "-kvo", "--kv-offload", "--no-host",
-        "--no-op-offload", "--op-offload", "--sleep-idle-seconds")},
+        "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "--no-host",
+        "--sleep-idle-seconds")},
     **{f: "not supported" for f in ("-sys", "--system-prompt", "--system-prompt-file",
                                     "-sysf",
                                     "--log-prompts-dir",
@@ -206,6 +205,13 @@ def build_parser() -> Parser:
     a("-Crb", "--cpu-range-batch", default=None, metavar="LO-HI", llama_env=None, help="as --cpu-mask-batch")
     a("--cpu-strict-batch", type=int, choices=[0, 1], default=None, llama_env=None, help="as --cpu-mask-batch")
     a("--poll-batch", type=int, default=None, metavar="0..100", llama_env=None, help="as --cpu-mask-batch")
+    a("-kvo", "--kv-offload", "-nkvo", "--no-kv-offload", dest="kv_offload", action=Toggle,
+      negatives=("-nkvo", "--no-kv-offload"), default=True, llama_env="LLAMA_ARG_KV_OFFLOAD",
+      help="a layer's KV cache lives on the layer's device (on); --no-kv-offload, the cache of every layer in this "
+           "host's memory, holds when every layer is local and is refused otherwise")
+    a("--op-offload", "--no-op-offload", dest="op_offload", action=Toggle, negatives=("--no-op-offload",),
+      default=None, llama_env=None,
+      help="accepted; pyllama computes each op on the device that holds its weights (no host op is offloaded)")
     a("--numa", choices=["distribute", "isolate", "numactl"], default=None, llama_env="LLAMA_ARG_NUMA",
       help="accepted; pyllama places no memory or threads by NUMA node (a warning on a machine that has "
            "more than one)")
@@ -793,6 +799,8 @@ def log_accepted(args) -> None:
     if args.prio_batch is not None and args.prio_batch != args.prio:
         log.info("--prio-batch %d: pyllama's threads serve prompts and generation alike and take --prio (%d)",
                  args.prio_batch, args.prio)
+    if args.op_offload is not None:
+        log.info("--op-offload/--no-op-offload: pyllama computes each op on the device that holds its weights")
     if args.poll is not None or args.poll_batch is not None:
         log.info("--poll: pyllama's kernel helpers spin 0.2 ms for work before they sleep, whatever the level")
     if args.cpu_mask_batch or args.cpu_range_batch:

@@ -191,3 +191,29 @@ def test_a_server_moves_its_blocks_under_load_and_the_requests_go_on(model_facto
         assert start != [5, 1] and state.engine.counts() == [2, 4]
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_the_split_check_may_move_only_the_servers_own_split(model_factory, peer, given):
+    """The server's check of its split gets a move only when no -ts chose the split, and that move
+    re-splits the engine with the groups stopped."""
+    from test_llama_server_api import InProcessServer  # noqa: PLC0415
+    from pyllama.server.__main__ import start_split_check  # noqa: PLC0415
+
+    model = model_factory("small", wtype="q8_0")
+    srv = InProcessServer(model, "--rpc", peer.endpoint, "--device", "RPC0,CPU", "-np", "4", "-c", "2048",
+                          "--pipeline-groups", "2", *(["-ts", "3,3"] if given else []))
+    check = start_split_check(srv.state, srv.api, 3600.0)
+    try:
+        assert check is not None and check.counts == srv.state.engine.counts()
+        assert all(c is None or c >= n for c, n in zip(check.caps, check.counts))
+        if given:
+            assert check.move is None
+        else:
+            check.move([5, 1])
+            assert srv.state.engine.counts() == [5, 1]
+            status, doc = srv.post("/completion", {"prompt": "hello", "n_predict": 4, "temperature": 0})
+            assert status == 200 and doc["tokens_predicted"] == 4
+    finally:
+        check.stop()
+        srv.close()

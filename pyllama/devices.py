@@ -195,10 +195,9 @@ def check_cpu_moe(names: Sequence[str], layer_backend: Sequence[int], is_moe: bo
     naming the layers and the device (a dense model has no experts: nothing to keep)."""
     if not is_moe or n <= 0:
         return
-    away = [(il, names[b]) for il, b in enumerate(layer_backend[:n]) if names[b] != "CPU"]
+    away = _off_cpu(names, layer_backend[:n])
     if away:
-        devices = sorted({d for _, d in away})
-        raise PyllamaError(f"--cpu-moe/--n-cpu-moe: layers {away[0][0]}-{away[-1][0]} are on {', '.join(devices)}; "
+        raise PyllamaError(f"--cpu-moe/--n-cpu-moe: layers {away[0][0]}-{away[-1][0]} are on {_devices(away)}; "
                            "pyllama keeps a layer's experts with the layer, so give those layers to the CPU "
                            "(-ts, -ngl) or leave the flag out")
 
@@ -209,10 +208,19 @@ def check_kv_offload(names: Sequence[str], layer_backend: Sequence[int], kv_offl
     split that gives layers to another device is refused, naming it."""
     if kv_offload:
         return
-    away = sorted({names[b] for b in layer_backend if names[b] != "CPU"})
+    away = _off_cpu(names, layer_backend)
     if away:
-        raise PyllamaError(f"--no-kv-offload: layers are on {', '.join(away)}, and pyllama keeps a layer's KV cache "
+        raise PyllamaError(f"--no-kv-offload: layers are on {_devices(away)}, and pyllama keeps a layer's KV cache "
                            "on its device; leave the flag out or keep the layers on the CPU")
+
+
+def _off_cpu(names: Sequence[str], layer_backend: Sequence[int]) -> list[tuple[int, str]]:
+    """(layer, device) of the layers that are not on the local CPU, in layer order."""
+    return [(il, names[b]) for il, b in enumerate(layer_backend) if names[b] != "CPU"]
+
+
+def _devices(layers: Sequence[tuple[int, str]]) -> str:
+    return ", ".join(sorted({d for _, d in layers}))
 
 
 def default_split(backends: Sequence[Backend]) -> list[float]:

@@ -186,9 +186,8 @@ def rope_overrides(args: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field, key in ROPE_KEYS.items():
         value = getattr(args, field, None)
-        if value is None or (not isinstance(value, str) and value <= 0 and field != "yarn_ext_factor") \
-                or (field == "yarn_ext_factor" and value < 0):
-            continue
+        if value is None or (not isinstance(value, str) and (value < 0 if field == "yarn_ext_factor" else value <= 0)):
+            continue  # llama.cpp's "the model's own" (only the extrapolation factor may be 0)
         if field == "rope_freq_scale":
             value = 1.0 / value
         out[key] = value if isinstance(value, str) else (int(value) if field == "yarn_orig_ctx" else float(value))

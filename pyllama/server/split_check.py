@@ -139,9 +139,10 @@ class SplitCheck:
             return True
         self._advised = list(advice.counts)
         target = list(advice.counts)
-        if self.move is None or target == self.counts or tuple(target) in self.served:
+        served = tuple(target) in self.served
+        if self.move is None or target == self.counts or served:
             log.info("%s", describe_advice(self.names, self.counts, busy, span_s, advice,
-                                           served_before=self.move is not None and tuple(target) in self.served))
+                                           served_before=self.move is not None and served))
             return True
         self.served.add(tuple(target))
         t0 = time.perf_counter()

@@ -333,6 +333,55 @@ class Context:
         """dst starts with src's first positions (whole blocks, shared); returns how many."""
         return self.kv.seq_share(src, dst, n_pos)
 
+    # --- a sequence's cache in host memory (the server's prompt cache) -------------------------------
+    def read_seq(self, seq: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Positions 0..n-1 of `seq`'s KV cache, per layer its K rows and V rows as host bytes
+        (one row of each per position, in the cache's own types)."""
+        runs = self.kv.cell_runs(seq, n)
+        out: list[tuple[np.ndarray, np.ndarray]] = []
+        backends = {}
+        for k, v in self.kv_tensors:
+            pair = []
+            for t in (k, v):
+                row = nbytes_of(t.dtype, (1, t.shape[1]))
+                host = np.empty((n, row), dtype=np.uint8)
+                for p0, cell, length in runs:
+                    part = Tensor(t.dtype, (length, t.shape[1]), t.name, t.buffer, t.offset + cell * row)
+                    t.backend.get_tensor_async(part, host[p0:p0 + length])
+                pair.append(host)
+                backends[id(t.backend)] = t.backend
+            out.append((pair[0], pair[1]))
+        for backend in backends.values():
+            backend.synchronize()  # queued reads (one round trip per peer) land here
+        return out
+
+    def write_seq(self, seq: int, layers: Sequence[tuple[np.ndarray, np.ndarray]], n: int) -> None:
+        """`seq` (emptied first) holds positions 0..n-1 from rows `read_seq` returned (which may
+        hold more). Raises ContextLimitError, the sequence left empty, when the pool lacks blocks."""
+        if len(layers) != len(self.kv_tensors):
+            raise ValueError(f"{len(layers)} layers of cache rows for a model of {len(self.kv_tensors)}")
+        self.kv.seq_rm(seq, 0)
+        if n <= 0:
+            return
+        self.kv.prepare(np.full(n, seq, dtype=np.int32), np.arange(n, dtype=np.int32))
+        runs = self.kv.cell_runs(seq, n)
+        backends = {}
+        try:
+            for (k, v), rows in zip(self.kv_tensors, layers):
+                for t, host in zip((k, v), rows):
+                    row = nbytes_of(t.dtype, (1, t.shape[1]))
+                    if host.shape[0] < n or host.shape[1] != row:
+                        raise ValueError(f"{t.name}: rows of {host.shape[1]} B for {n} positions, "
+                                         f"the cache has {row} B rows")
+                    for p0, cell, length in runs:
+                        t.backend.set_tensor(t, host[p0:p0 + length], offset=cell * row)
+                    backends[id(t.backend)] = t.backend
+            for backend in backends.values():
+                backend.synchronize()  # writes to a peer are one-way: their errors come back here
+        except BaseException:
+            self.kv.seq_rm(seq, 0)
+            raise
+
     # --- layers moving to another device (Engine.move_layers) --------------------------------------
     def stage_kv(self, layers: Sequence[int], backends: Sequence[Backend]) -> list[tuple[int, Buffer, Tensor, Tensor]]:
         """The KV cache of each of `layers` copied into a new buffer on `backends[i]` (its new device),

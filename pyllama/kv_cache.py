@@ -139,6 +139,22 @@ class KVCache:
         ranges[:, 1] = pos + 1
         return cells, ranges
 
+    def cell_runs(self, seq: int, n: int) -> list[tuple[int, int, int]]:
+        """Positions 0..n-1 of `seq` as runs of consecutive cells: (first position, first cell, length)."""
+        self._check_seq(seq)
+        if not 0 <= n <= self.lengths[seq]:
+            raise ValueError(f"sequence {seq} holds {int(self.lengths[seq])} positions, not {n}")
+        cells = self._cells[seq, :n]
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(cells) != 1) + 1)) if n else np.zeros(0, np.int64)
+        ends = np.append(starts[1:], n)
+        return [(int(a), int(cells[a]), int(b - a)) for a, b in zip(starts.tolist(), ends.tolist())]
+
+    def blocks_freed_by_rm(self, seq: int) -> int:
+        """Blocks seq_rm(seq, 0) would give back to the pool (those no other sequence shares)."""
+        self._check_seq(seq)
+        table = self._tables[seq]
+        return int((self._refs[np.asarray(table, dtype=np.int64)] == 1).sum()) if table else 0
+
     def seq_rm(self, seq: int, p0: int = 0) -> int:
         """Forgets positions p0.. of a sequence (p0 = 0 clears it); returns the length kept.
 

@@ -105,6 +105,8 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M --kv-offload --op-offload", lambda a: a.kv_offload is True and a.op_offload is True),
     ("-m M -cram 0 --no-cache-idle-slots -ctxcp 8 --swa-checkpoints 4 -cms 0",
      lambda a: (a.cache_ram, a.cache_idle_slots, a.ctx_checkpoints, a.checkpoint_min_step) == (0, False, 4, 0)),
+    ("-m M", lambda a: (a.cache_ram, a.cache_idle_slots) == (8192, True)),  # llama-server's defaults
+    ("-m M -cram -1 --cache-idle-slots", lambda a: (a.cache_ram, a.cache_idle_slots) == (-1, True)),
     ("-m M -C 0x3 -Cr 4-5 --poll 50 -Cb 1 --poll-batch 0 --cpu-strict 0", lambda a: a.cpus == {0, 1, 4, 5}),
     ("-m M", lambda a: a.cpus is None),
     ("-m M --ui-config {\"theme\":\"dark\"}", lambda a: settings(a).ui_settings == {"theme": "dark"}),
@@ -235,8 +237,7 @@ def test_bad_values_are_one_line(capsys):
 
 def test_checks_of_values():
     assert "--cpu-strict 1" in refused(["--cpu-strict", "1"])
-    assert "--cache-ram 4096" in refused(["--cache-ram", "4096"]) and "not supported" in refused(["-cram", "-1"])
-    assert "--cache-idle-slots" in refused(["--cache-idle-slots"])
+    assert "--cache-ram -2" in refused(["--cache-ram", "-2"])
     assert "--poll" in refused(["--poll", "101"])
     assert "--cpu-range" in refused(["-Cr", "3-1"])
     assert "--cpu-mask" in refused(["-Cb", "zz"])

@@ -37,6 +37,7 @@ from .options import (apply_settings, build_parser, check_args, default_constrai
                       default_stop, log_accepted, log_level, parse_args, resolve, sampling_defaults,
                       template_kwargs)
 from .params import check_generation_defaults, set_default_constraint, set_generation_defaults
+from .prompt_cache import PromptCache
 from .reconnect import PeerReconnector
 from .router import Router
 from .slot import Slot
@@ -102,6 +103,11 @@ def load(state: ServerState) -> None:
 
     if args.warmup:
         warm_up(state.groups, engine.tokenizer)
+    if args.cache_ram:
+        prompt_cache = PromptCache(-1 if args.cache_ram < 0 else args.cache_ram << 20)
+        for group in state.groups:
+            group.prompt_cache, group.cache_idle_slots = prompt_cache, args.cache_idle_slots
+        log.info("prompt cache in host memory: %s", "no size limit" if args.cache_ram < 0 else f"{args.cache_ram} MiB")
     if ctx.placement.n_stages > 1:  # the groups take turns at each stage of the split
         share_stages(state.groups, pipeline_chunk(args.pipeline_chunk, engine.model, ctx.placement.backends))
     state.slots_per_group = seq_group

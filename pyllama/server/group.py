@@ -42,6 +42,7 @@ from .pipeline_stats import StepLog
 from ..busy import now_us
 from .embedding import rows_wanted
 from .params import MAX_POST_SAMPLING_PROBS
+from .prompt_cache import MIN_TOKENS, PromptCache
 from .slot import Slot, SlotState, common_prefix, presampling_probs, token_probs
 from .task import CompletionTask, EmbeddingEvent, ErrorEvent, EventSink, FinalEvent, ProgressEvent
 from ..threads import Thread
@@ -69,6 +70,9 @@ class PipelineGroup:
         # `shared_prompt_chunk` prompt tokens (0: no limit), see `_schedule`.
         self.neighbours: list[PipelineGroup] = []
         self.shared_prompt_chunk = 0
+        # --cache-ram: prompts that slots give up, shared by every group (set by the server)
+        self.prompt_cache: Optional[PromptCache] = None
+        self.cache_idle_slots = False  # --cache-idle-slots: idle slots saved there when a request starts
         self.pooling = pooling  # of embedding tasks: which hidden rows their prompts return
         self.context_shift = context_shift
         for slot in slots:
@@ -264,6 +268,10 @@ class PipelineGroup:
                 n_keep = 0
                 if task.cache_prompt:
                     n_keep = min(common_prefix(slot.cache_tokens, task.prompt), len(task.prompt) - 1)
+                if self.prompt_cache is not None and not task.embedding:
+                    self._save_prompt(slot, n_keep)
+                    if task.cache_prompt:
+                        n_keep = self._load_prompt(slot, task.prompt, n_keep)
                 n_keep = self.ctx.seq_rm(slot.seq, n_keep)
                 slot.start(task, n_keep, priority=self._arrivals)
                 parent = slot
@@ -272,6 +280,10 @@ class PipelineGroup:
             else:
                 self.ctx.seq_rm(slot.seq, 0)
                 slot.start(task, 0, parent=parent, priority=self._arrivals)
+        if self.prompt_cache is not None and self.cache_idle_slots:
+            for idle in self.slots:
+                if idle.state is SlotState.IDLE:
+                    self._save_prompt(idle, 0)
         # the first token's mask is computed while the prompt is
         self._request_masks([slot for slot, _ in placements if slot.constraint is not None])
 
@@ -423,9 +435,57 @@ class PipelineGroup:
         if not idle:
             return False
         slot = min(idle, key=lambda s: s.last_used)
+        if self.prompt_cache is not None:
+            self._save_prompt(slot, 0)
         self.ctx.seq_rm(slot.seq, 0)
         slot.cache_tokens = []
         return True
+
+    def _save_prompt(self, slot: Slot, n_keep: int) -> None:
+        """The slot's cached prompt into the host cache when more than a block of it is about to
+        be dropped (all but its first n_keep tokens) and no entry holds it already."""
+        cache = self.prompt_cache
+        assert cache is not None
+        # (the last token a request sampled has no KV rows yet)
+        tokens = slot.cache_tokens[:self.ctx.kv.seq_len(slot.seq)]
+        if len(tokens) - n_keep < MIN_TOKENS or cache.covers(tokens):
+            return
+        t0 = time.perf_counter()
+        try:
+            rows = self.ctx.read_seq(slot.seq, len(tokens))
+        except Exception as exc:  # noqa: BLE001 - the prompt is only computed again later
+            log.warning("slot %d: saving its prompt to the host cache failed: %s", slot.id, exc)
+            return
+        if cache.save(tokens, rows):
+            log.info("slot %d: %d prompt tokens saved to the host cache (%.1f MiB, %.1f ms; %d entries, %.1f MiB)",
+                     slot.id, len(tokens), sum(k.nbytes + v.nbytes for k, v in rows) / 2**20,
+                     (time.perf_counter() - t0) * 1e3, len(cache), cache.nbytes / 2**20)
+
+    def _load_prompt(self, slot: Slot, prompt: list[int], n_keep: int) -> int:
+        """Starts the slot from the host cache's entry that shares the longest prefix with `prompt`
+        when it shares more (by a block at least) than the slot's own cache and the KV pool has
+        the room; returns the prompt tokens now cached."""
+        cache = self.prompt_cache
+        assert cache is not None
+        entry, n = cache.best(prompt)
+        n = min(n, len(prompt) - 1)
+        if entry is None or n - n_keep < MIN_TOKENS:
+            return n_keep
+        kv = self.ctx.kv
+        if -(-min(n, kv.seq_cap) // kv.block_size) > kv.n_free_blocks + kv.blocks_freed_by_rm(slot.seq):
+            return n_keep
+        n = min(n, kv.seq_cap)
+        t0 = time.perf_counter()
+        try:
+            self.ctx.write_seq(slot.seq, entry.rows, n)
+        except Exception as exc:  # noqa: BLE001 - the sequence is empty again: computed from the start
+            log.warning("slot %d: loading a prompt from the host cache failed: %s", slot.id, exc)
+            slot.cache_tokens = []
+            return 0
+        slot.cache_tokens = list(prompt[:n])
+        log.info("slot %d: %d prompt tokens loaded from the host cache (%.1f ms)", slot.id, n,
+                 (time.perf_counter() - t0) * 1e3)
+        return n
 
     def _evict_waiting(self, slot: Slot, order: list[Slot]) -> bool:
         """Drops the cached prompt prefix of the newest request that arrived after `slot` and has

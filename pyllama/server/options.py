@@ -260,12 +260,13 @@ def build_parser() -> Parser:
     a("-fit", "--fit", dest="fit", choices=["on", "off"], default=None, llama_env="LLAMA_ARG_FIT",
       help="llama-server's fitting of unset options to device memory: 'off' is what pyllama does (it checks "
            "memory and refuses what does not fit); 'on' is refused")
-    a("-cram", "--cache-ram", type=int, default=None, metavar="MiB", llama_env="LLAMA_ARG_CACHE_RAM",
-      help="llama-server's prompt cache in host memory: 0 (off) is what pyllama does and is accepted; a size is "
-           "refused (pyllama reuses the prompts its slots hold)")
+    a("-cram", "--cache-ram", type=int, default=8192, metavar="MiB", llama_env="LLAMA_ARG_CACHE_RAM",
+      help="prompt cache in host memory: the KV rows of prompts that slots give up, loaded again by a request "
+           "that continues one (-1: no limit, 0: off)")
     a("--cache-idle-slots", "--no-cache-idle-slots", dest="cache_idle_slots", action=Toggle,
-      negatives=("--no-cache-idle-slots",), default=None, llama_env="LLAMA_ARG_CACHE_IDLE_SLOTS",
-      help="saving idle slots to that cache: --no-cache-idle-slots is accepted, --cache-idle-slots refused")
+      negatives=("--no-cache-idle-slots",), default=True, llama_env="LLAMA_ARG_CACHE_IDLE_SLOTS",
+      help="when a request starts, save the prompts of its group's idle slots to the prompt cache too (needs "
+           "--cache-ram)")
     a("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints", dest="ctx_checkpoints", type=int, default=None,
       metavar="N", llama_env="LLAMA_ARG_CTX_CHECKPOINTS",
       help="accepted: pyllama keeps sliding-window layers' whole KV cache, so any cached prefix is reused without "
@@ -601,12 +602,8 @@ def check_args(args) -> None:
         why = None if level is None else priority.check_level(level, flag)
         if why is not None:
             raise PyllamaError(why)
-    if args.cache_ram not in (None, 0):
-        raise PyllamaError(f"--cache-ram {args.cache_ram}: a prompt cache in host memory is not supported "
-                           "(pyllama reuses the prompts its slots hold); --cache-ram 0 is accepted")
-    if args.cache_idle_slots:
-        raise PyllamaError("--cache-idle-slots: a prompt cache in host memory is not supported "
-                           "(--no-cache-idle-slots is accepted)")
+    if args.cache_ram < -1:
+        raise PyllamaError(f"--cache-ram {args.cache_ram}: a size in MiB, -1 (no limit) or 0 (off)")
     if args.fit == "on":
         raise PyllamaError(f"--fit on: llama-server flag not supported by pyllama: {_FIT}")
     if args.embd_normalize < -1:

@@ -166,6 +166,12 @@ def split_arg(tensor_split: str, order: str) -> Optional[str]:
     return tensor_split
 
 
+# Every request of the load has a prompt of its own (bench_users), so a prompt cache in host
+# memory (on by default in both servers) would only copy out prompts that never come back: off in
+# both, so that the cells measure the pipeline.
+NO_PROMPT_CACHE = ["--cache-ram", "0"]
+
+
 def server_args(order: str, endpoint: str, groups: int, users: int, npp: int, ntg: int,
                 threads: int, tensor_split: str = "even", extra: Iterable[str] = ()) -> list[str]:
     """The pyllama.server arguments of one cell (after -m MODEL). --pipeline-groups only when
@@ -173,7 +179,7 @@ def server_args(order: str, endpoint: str, groups: int, users: int, npp: int, nt
     groups=1 arm); main() removes PYLLAMA_ARG_PIPELINE_GROUPS so the default really is 1."""
     n_slots = slots_for(users, groups)
     args = ["--device", order, "-np", str(n_slots), "-c", str(ctx_for(n_slots, npp, ntg)),
-            "-t", str(threads)]
+            "-t", str(threads), *NO_PROMPT_CACHE]
     if "RPC0" in order.split(","):
         args[:0] = ["--rpc", endpoint]
     ts = split_arg(tensor_split, order)
@@ -330,7 +336,7 @@ def full_schedule(types: list[str], arms: list[dict], users: Iterable[int], legs
 def unsplit_args(users: int, npp: int, ntg: int, threads: int, extra: Iterable[str] = (), groups: int = 1) -> list[str]:
     """pyllama.server in one process on the CPU: no rpc, -t threads, `groups` pipeline groups."""
     n_slots = slots_for(users, groups)
-    args = ["-np", str(n_slots), "-c", str(ctx_for(n_slots, npp, ntg)), "-t", str(threads)]
+    args = ["-np", str(n_slots), "-c", str(ctx_for(n_slots, npp, ntg)), "-t", str(threads), *NO_PROMPT_CACHE]
     if groups > 1:
         args += ["--pipeline-groups", str(groups)]
     return args + list(extra)
@@ -340,7 +346,8 @@ def llama_args(users: int, npp: int, ntg: int, threads: int, endpoint: Optional[
                ngl: Optional[int] = None) -> list[str]:
     """llama-server's arguments (after -m, --host, --port): unsplit, or with --rpc ENDPOINT -ngl N
     (the output layer and the last N-1 blocks on the rpc server, see `llama_ngl`)."""
-    args = ["-np", str(users), "-c", str(ctx_for(users, npp, ntg)), "-t", str(threads), "-tb", str(threads)]
+    args = ["-np", str(users), "-c", str(ctx_for(users, npp, ntg)), "-t", str(threads), "-tb", str(threads),
+            *NO_PROMPT_CACHE]
     if endpoint is not None:
         args += ["--rpc", endpoint, "-ngl", str(ngl if ngl is not None else 0)]
     return args

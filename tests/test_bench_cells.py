@@ -35,7 +35,7 @@ def test_unsplit_groups_arm_and_its_ratios():
         "pyllama split RPC0,CPU 1 group", "pyllama split RPC0,CPU 2 groups", "pyllama -t 1", "pyllama -t 2",
         "pyllama -t 1 2 groups"]
     assert pc.unsplit_args(32, 64, 64, 1, groups=2) == ["-np", "32", "-c", str(32 * 144), "-t", "1",
-                                                        "--pipeline-groups", "2"]
+                                                        "--cache-ram", "0", "--pipeline-groups", "2"]
     assert pc.unsplit_args(31, 64, 64, 1, groups=2)[:2] == ["-np", "32"]
     recs = []
     for leg, (t1, t2, u2, g2) in enumerate([(400, 660, 830, 600), (410, 670, 840, 610)], 1):
@@ -59,8 +59,10 @@ def test_parse_types_and_threads():
 
 
 def test_unsplit_and_llama_arguments():
-    assert pc.unsplit_args(32, 64, 64, 2) == ["-np", "32", "-c", str(32 * 144), "-t", "2"]
-    assert pc.llama_args(32, 64, 64, 1) == ["-np", "32", "-c", str(32 * 144), "-t", "1", "-tb", "1"]
+    # every prompt of the load is its own: no prompt cache in either server
+    assert pc.unsplit_args(32, 64, 64, 2) == ["-np", "32", "-c", str(32 * 144), "-t", "2", "--cache-ram", "0"]
+    assert pc.llama_args(32, 64, 64, 1) == ["-np", "32", "-c", str(32 * 144), "-t", "1", "-tb", "1",
+                                            "--cache-ram", "0"]
     assert pc.llama_args(4, 8, 4, 1, "127.0.0.1:5", 7)[-4:] == ["--rpc", "127.0.0.1:5", "-ngl", "7"]
 
 
@@ -164,7 +166,7 @@ def test_tiny_end_to_end_with_the_new_arms(tiny_model, tmp_path):
     kinds = [lg["kind"] for lg in doc["legs"]]
     assert kinds == ["split", "unsplit", "unsplit"] + (["llama-split", "llama-unsplit", "llama-unsplit"] if llama else [])
     split, t1, t2 = doc["legs"][:3]
-    assert "--rpc" not in t1["server_args"] and t1["server_args"][-2:] == ["-t", "1"] and t2["gen_tok_s"] > 0
+    assert "--rpc" not in t1["server_args"] and t1["server_args"][-4:] == ["-t", "1", "--cache-ram", "0"] and t2["gen_tok_s"] > 0
     assert split["last_blocks"] == 1  # the tiny model: 2 blocks, -ts 1,1
     assert set(split["busy_pct"]) == {"CPU", "RPC0/CPU"} and all(0 < v <= 100 for v in split["busy_pct"].values())
     # the threads of pyllama's processes over the measured window: both ends of the split computed

@@ -54,7 +54,7 @@ def test_slots_and_context():
 def test_server_args():
     a1 = pc.server_args("RPC0,CPU", "127.0.0.1:5000", 1, 32, 64, 64, 2)
     assert a1 == ["--rpc", "127.0.0.1:5000", "--device", "RPC0,CPU", "-np", "32", "-c", str(32 * 144),
-                  "-t", "2", "-ts", "1,1"]
+                  "-t", "2", "--cache-ram", "0", "-ts", "1,1"]
     a3 = pc.server_args("CPU,RPC0", "h:1", 3, 32, 8, 4, 1, "auto", ["--kv-unified"])
     assert a3[a3.index("-np") + 1] == "33"
     assert a3[a3.index("-c") + 1] == str(33 * 28)

@@ -115,3 +115,50 @@ def test_slot_context_is_capped_at_the_training_context(tiny_model):
     finally:
         assert s.stop() == 0
     assert "the slot context (1024) exceeds the training context of the model (512)" in s.stderr_text
+
+
+def test_a_request_that_fails_to_start_is_answered_and_frees_its_slot(tiny_model, monkeypatch):
+    """An error while a group places a request (before its slot starts) ends that request with an
+    error and gives its slot back; the group goes on serving."""
+    from pyllama.engine import Engine
+    from pyllama.sampling import SamplingParams
+    from pyllama.server.group import PipelineGroup
+    from pyllama.server.metrics import Metrics
+    from pyllama.server.slot import Slot
+    from pyllama.server.task import CompletionTask, ErrorEvent
+
+    engine = Engine(tiny_model, n_threads=1)
+    ctx = engine.new_context(64, 1)
+    slots = [Slot(0, 0, 0, ctx.seq_cap, engine.tokenizer)]
+    freed = []
+    group = PipelineGroup(0, ctx, slots, engine.tokenizer, Metrics(), on_free=freed.append)
+    real = ctx.seq_rm
+    calls = {"n": 0}
+
+    def flaky(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("bookkeeping fault")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ctx, "seq_rm", flaky)
+    events = []
+    monkeypatch.setattr(group.sink, "put", lambda task, event: events.append((task, event)))
+    group.start()
+    try:
+        prompt = engine.tokenizer.encode("Hello", add_special=True)
+        first = CompletionTask(prompt=prompt, params=SamplingParams(), n_predict=2)
+        group.submit([(slots[0], first)])
+        deadline = time.monotonic() + 60
+        while not freed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert freed == [slots[0]] and not slots[0].busy
+        errors = [e for t, e in events if t is first and isinstance(e, ErrorEvent)]
+        assert len(errors) == 1 and "bookkeeping fault" in errors[0].message and errors[0].status == 500
+        second = CompletionTask(prompt=prompt, params=SamplingParams(), n_predict=2)
+        group.submit([(slots[0], second)])
+        while len(freed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(freed) == 2 and not [e for t, e in events if t is second and isinstance(e, ErrorEvent)]
+    finally:
+        group.stop()

@@ -206,7 +206,14 @@ class PipelineGroup:
                 if not self._inbox:
                     break
                 placements = self._inbox.popleft()
-            self._place(placements)
+            try:
+                self._place(placements)
+            except Exception as exc:  # noqa: BLE001 - one request's start, never the group
+                log.exception("starting a request failed in group %d", self.index)
+                for slot, task in placements:
+                    if slot.task is not task:  # not started: nothing else would answer it or free its slot
+                        self.sink.put(task, ErrorEvent(f"starting the request failed: {exc}", 500, "server_error"))
+                        self.on_free(slot)
         for slot in self.slots:
             if slot.busy and slot.task is not None and slot.task.cancelled.is_set():
                 self._finish(slot, None)

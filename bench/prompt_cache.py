@@ -33,18 +33,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from peers import Peers  # noqa: E402
-from pipeline_cells import LlamaServer  # noqa: E402
+from pipeline_cells import LlamaServer, model_path  # noqa: E402
 from server_util import ServerProcess  # noqa: E402
-from pyllama.models.make import make_model  # noqa: E402
-
-
-def model_path(preset: str, wtype: str) -> str:
-    out = os.path.join(HERE, "out", "models")
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"{preset}-{wtype}.gguf")
-    if not os.path.exists(path):
-        make_model(preset, path, wtype=wtype)
-    return path
 
 
 def conversation_turns(n_conv: int, n_turns: int, system: int, turn: int, vocab: int, seed: int) -> list[list[list[int]]]:

@@ -46,32 +46,40 @@ def test_stream_events_carry_the_slot(srv):
     assert all(e["id_slot"] == 1 for e in events), [e["id_slot"] for e in events]
 
 
-def test_local_fault_clears_on_the_next_good_step(tiny_model, monkeypatch):
-    """A step that fails on a local device sets the group's fault (/health 500); the next step that
-    succeeds clears it, without a restart."""
+def _group_failing_once(model: str, monkeypatch, method: str, message: str):
+    """A one-slot group in this process whose context's `method` raises `message` on its first call.
+    Returns (engine, slots, freed: the slots handed back, group)."""
     from pyllama.engine import Engine
-    from pyllama.sampling import SamplingParams
-    from pyllama.server.api import Api, ServerState
     from pyllama.server.group import PipelineGroup
     from pyllama.server.metrics import Metrics
     from pyllama.server.slot import Slot
-    from pyllama.server.task import CompletionTask
 
-    engine = Engine(tiny_model, n_threads=1)
+    engine = Engine(model, n_threads=1)
     ctx = engine.new_context(64, 1)
     slots = [Slot(0, 0, 0, ctx.seq_cap, engine.tokenizer)]
-    freed = []
+    freed: list = []
     group = PipelineGroup(0, ctx, slots, engine.tokenizer, Metrics(), on_free=freed.append)
-    real = ctx.decode
+    real = getattr(ctx, method)
     calls = {"n": 0}
 
     def flaky(*args, **kw):
         calls["n"] += 1
         if calls["n"] == 1:
-            raise RuntimeError("device fault")
+            raise RuntimeError(message)
         return real(*args, **kw)
 
-    monkeypatch.setattr(ctx, "decode", flaky)
+    monkeypatch.setattr(ctx, method, flaky)
+    return engine, slots, freed, group
+
+
+def test_local_fault_clears_on_the_next_good_step(tiny_model, monkeypatch):
+    """A step that fails on a local device sets the group's fault (/health 500); the next step that
+    succeeds clears it, without a restart."""
+    from pyllama.sampling import SamplingParams
+    from pyllama.server.api import Api, ServerState
+    from pyllama.server.task import CompletionTask
+
+    engine, slots, freed, group = _group_failing_once(tiny_model, monkeypatch, "decode", "device fault")
     state = ServerState(args=None)
     state.engine, state.groups, state.router = engine, [group], object()
     api = Api(state)
@@ -120,28 +128,10 @@ def test_slot_context_is_capped_at_the_training_context(tiny_model):
 def test_a_request_that_fails_to_start_is_answered_and_frees_its_slot(tiny_model, monkeypatch):
     """An error while a group places a request (before its slot starts) ends that request with an
     error and gives its slot back; the group goes on serving."""
-    from pyllama.engine import Engine
     from pyllama.sampling import SamplingParams
-    from pyllama.server.group import PipelineGroup
-    from pyllama.server.metrics import Metrics
-    from pyllama.server.slot import Slot
     from pyllama.server.task import CompletionTask, ErrorEvent
 
-    engine = Engine(tiny_model, n_threads=1)
-    ctx = engine.new_context(64, 1)
-    slots = [Slot(0, 0, 0, ctx.seq_cap, engine.tokenizer)]
-    freed = []
-    group = PipelineGroup(0, ctx, slots, engine.tokenizer, Metrics(), on_free=freed.append)
-    real = ctx.seq_rm
-    calls = {"n": 0}
-
-    def flaky(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("bookkeeping fault")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(ctx, "seq_rm", flaky)
+    engine, slots, freed, group = _group_failing_once(tiny_model, monkeypatch, "seq_rm", "bookkeeping fault")
     events = []
     monkeypatch.setattr(group.sink, "put", lambda task, event: events.append((task, event)))
     group.start()

@@ -464,9 +464,8 @@ class PipelineGroup:
             log.warning("slot %d: saving its prompt to the host cache failed: %s", slot.id, exc)
             return
         if cache.save(tokens, rows):
-            log.info("slot %d: %d prompt tokens saved to the host cache (%.1f MiB, %.1f ms; %d entries, %.1f MiB)",
-                     slot.id, len(tokens), sum(k.nbytes + v.nbytes for k, v in rows) / 2**20,
-                     (time.perf_counter() - t0) * 1e3, len(cache), cache.nbytes / 2**20)
+            log.info("slot %d: %d prompt tokens saved to the host cache (%.1f ms; %d entries, %.1f MiB)",
+                     slot.id, len(tokens), (time.perf_counter() - t0) * 1e3, len(cache), cache.nbytes / 2**20)
 
     def _load_prompt(self, slot: Slot, prompt: list[int], n_keep: int) -> int:
         """Starts the slot from the host cache's entry that shares the longest prefix with `prompt`
@@ -479,9 +478,9 @@ class PipelineGroup:
         if entry is None or n - n_keep < MIN_TOKENS:
             return n_keep
         kv = self.ctx.kv
-        if -(-min(n, kv.seq_cap) // kv.block_size) > kv.n_free_blocks + kv.blocks_freed_by_rm(slot.seq):
-            return n_keep
         n = min(n, kv.seq_cap)
+        if -(-n // kv.block_size) > kv.n_free_blocks + kv.blocks_freed_by_rm(slot.seq):
+            return n_keep
         t0 = time.perf_counter()
         try:
             self.ctx.write_seq(slot.seq, entry.rows, n)

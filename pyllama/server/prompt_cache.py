@@ -37,33 +37,27 @@ def _key(tokens: Sequence[int]) -> bytes:
     return np.asarray(tokens[:MIN_TOKENS], dtype=np.int64).tobytes()
 
 
+def _starts(longer: Sequence[int], prefix: Sequence[int]) -> bool:
+    return len(longer) >= len(prefix) and common_prefix(longer, prefix) == len(prefix)
+
+
 class PromptCache:
     def __init__(self, limit_bytes: int):
         """limit_bytes < 0: no limit."""
         self.limit = limit_bytes
         self._buckets: dict[bytes, list[Entry]] = {}
-        self._nbytes = 0
+        self.nbytes = 0
         self._clock = 0
         self._lock = threading.Lock()
-        self.n_saved = self.n_loaded = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
 
     def __len__(self) -> int:
         with self._lock:
             return sum(len(b) for b in self._buckets.values())
 
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
     def covers(self, tokens: Sequence[int]) -> bool:
         """Whether an entry already holds these tokens (as its own or a longer prompt's prefix)."""
         with self._lock:
-            return any(len(e.tokens) >= len(tokens) and common_prefix(e.tokens, tokens) == len(tokens)
-                       for e in self._buckets.get(_key(tokens), ()))
+            return any(_starts(e.tokens, tokens) for e in self._buckets.get(_key(tokens), ()))
 
     def save(self, tokens: Sequence[int], rows: Rows) -> bool:
         """Keeps `rows` (one K and one V array per layer, a row per token) for `tokens` (at least
@@ -73,25 +67,26 @@ class PromptCache:
         nbytes = sum(k.nbytes + v.nbytes for k, v in rows)
         if len(tokens) < MIN_TOKENS or 0 <= self.limit < nbytes:
             return False
+        key = _key(tokens)
         with self._lock:
-            bucket = self._buckets.setdefault(_key(tokens), [])
-            for e in [e for e in bucket if len(e.tokens) <= len(tokens)
-                      and common_prefix(e.tokens, tokens) == len(e.tokens)]:
-                self._drop(bucket, e)
-            bucket.append(Entry(tokens, rows, nbytes, self._tick()))
-            self._nbytes += nbytes
-            if self.limit >= 0 and self._nbytes > self.limit:
-                for key, e in sorted(((k, e) for k, b in self._buckets.items() for e in b), key=lambda ke: ke[1].used):
-                    if self._nbytes <= self.limit:
+            for e in [e for e in self._buckets.get(key, ()) if _starts(tokens, e.tokens)]:
+                self._drop(key, e)
+            self._clock += 1
+            self._buckets.setdefault(key, []).append(Entry(tokens, rows, nbytes, self._clock))
+            self.nbytes += nbytes
+            if 0 <= self.limit < self.nbytes:
+                for k, e in sorted(((k, e) for k, b in self._buckets.items() for e in b), key=lambda ke: ke[1].used):
+                    if self.nbytes <= self.limit:
                         break
-                    self._drop(self._buckets[key], e)
-            self._buckets = {k: b for k, b in self._buckets.items() if b}
-            self.n_saved += 1
+                    self._drop(k, e)
         return True
 
-    def _drop(self, bucket: list[Entry], entry: Entry) -> None:
+    def _drop(self, key: bytes, entry: Entry) -> None:
+        bucket = self._buckets[key]
         bucket.remove(entry)
-        self._nbytes -= entry.nbytes
+        if not bucket:
+            del self._buckets[key]
+        self.nbytes -= entry.nbytes
 
     def best(self, prompt: Sequence[int]) -> tuple[Optional[Entry], int]:
         """The entry sharing the longest prefix with `prompt`, and that length (marked as used);
@@ -104,6 +99,6 @@ class PromptCache:
                     best, n = e, m
             if best is None or n < MIN_TOKENS:
                 return None, 0
-            best.used = self._tick()
-            self.n_loaded += 1
+            self._clock += 1
+            best.used = self._clock
             return best, n

@@ -333,7 +333,16 @@ class Context:
         """dst starts with src's first positions (whole blocks, shared); returns how many."""
         return self.kv.seq_share(src, dst, n_pos)
 
-    # --- a sequence's cache in host memory (the server's prompt cache) -------------------------------
+    # --- a sequence's cache in host memory (the server's prompt cache, slot files) ------------------
+    def kv_layout(self) -> list[list]:
+        """Per layer [K type, K row bytes, V type, V row bytes]: what rows from `read_seq` need to
+        mean the same in another context."""
+        out = []
+        for k, v in self.kv_tensors:
+            out.append([cache_type_name(k.dtype), nbytes_of(k.dtype, (1, k.shape[1])),
+                         cache_type_name(v.dtype), nbytes_of(v.dtype, (1, v.shape[1]))])
+        return out
+
     def read_seq(self, seq: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Positions 0..n-1 of `seq`'s KV cache, per layer its K rows and V rows as host bytes
         (one row of each per position, in the cache's own types)."""

@@ -17,11 +17,13 @@ import os
 import threading
 from typing import Any, Optional
 
+import numpy as np
 import pytest
 import uvloop
 
 from pyllama.server.__main__ import build_parser, load
 from pyllama.server.api import Api, ServerState, infill_prompt, nested_fields, valid_slot_filename
+from pyllama.server import slot_file
 from pyllama.server.http import HTTPError, HTTPServer, Request, api_key_valid, origin_allowed
 
 N_SLOTS, N_CTX = 2, 512
@@ -277,10 +279,13 @@ def test_slot_save_erase_restore(srv, tmp_path):
         assert saved["n_written"] == os.path.getsize(tmp_path / "s0.bin") and saved["timings"]["save_ms"] >= 0
         assert srv.post("/slots/0?action=erase", {}) == (200, {"id_slot": 0, "n_erased": n_cached})
         assert srv.get("/slots")[1][0]["n_past"] == 0
+        n_decode = srv.state.metrics.snapshot()["n_decode_total"]
         status, restored = srv.post("/slots/0?action=restore", {"filename": "s0.bin"})
         assert status == 200, restored
         assert (restored["id_slot"], restored["n_restored"], restored["n_read"]) == (0, n_cached, saved["n_written"])
         assert srv.get("/slots")[1][0]["n_past"] == n_cached
+        # the file's KV rows went in as they were: nothing was computed
+        assert srv.state.metrics.snapshot()["n_decode_total"] == n_decode
         # the next request with that prefix reuses the restored cache
         status, again = srv.post("/completion", body)
         assert again["content"] == first["content"]
@@ -295,6 +300,98 @@ def test_slot_save_erase_restore(srv, tmp_path):
         assert srv.post("/slots/x?action=erase", {})[1]["error"]["message"] == "Invalid slot ID"
         assert srv.post("/slots/0?action=drop", {})[1]["error"]["message"] == "Invalid action"
     assert sorted(os.listdir(tmp_path)) == ["junk.bin", "s0.bin"]
+
+
+def _saved_slot(srv, tmp_path, slot: int = 0) -> tuple[dict, dict]:
+    """A greedy completion in `slot`, then its save to s.bin: (the completion, the save's answer)."""
+    status, first = srv.post("/completion", {"prompt": PROMPT, "id_slot": slot, "cache_prompt": True, **GREEDY})
+    assert status == 200, first
+    status, saved = srv.post(f"/slots/{slot}?action=save", {"filename": "s.bin"})
+    assert status == 200, saved
+    return first, saved
+
+
+def _reuses(srv, slot: int, first: dict) -> None:
+    """The next request with the first one's prompt, in `slot`, computes only its last token."""
+    status, again = srv.post("/completion", {"prompt": PROMPT, "id_slot": slot, "cache_prompt": True, **GREEDY})
+    assert status == 200 and again["content"] == first["content"]
+    assert again["timings"]["prompt_n"] == 1 and again["timings"]["cache_n"] == first["tokens_evaluated"] - 1
+
+
+def test_slot_restore_other_slot_and_token_files(srv, tmp_path):
+    with srv.settings(slot_save_path=str(tmp_path)):
+        first, saved = _saved_slot(srv, tmp_path)
+        n_decode = srv.state.metrics.snapshot()["n_decode_total"]
+        status, restored = srv.post("/slots/1?action=restore", {"filename": "s.bin"})
+        assert status == 200 and restored["n_restored"] == saved["n_saved"]
+        assert srv.state.metrics.snapshot()["n_decode_total"] == n_decode
+        _reuses(srv, 1, first)
+        # a file of the first format holds tokens only: their KV is computed on restore
+        ctx = srv.state.groups[0].ctx
+        tokens = slot_file.read((tmp_path / "s.bin").read_bytes(), srv.state.tokenizer.n_vocab, ctx.kv_layout(),
+                                "s.bin").tokens
+        head = json.dumps({"n_vocab": srv.state.tokenizer.n_vocab, "model": "m", "n_tokens": len(tokens)})
+        (tmp_path / "v1.bin").write_bytes(slot_file.MAGIC_V1 + head.encode() + b"\n"
+                                          + np.asarray(tokens, dtype="<i4").tobytes())
+        assert srv.post("/slots/1?action=erase", {})[0] == 200
+        n_decode = srv.state.metrics.snapshot()["n_decode_total"]
+        status, restored = srv.post("/slots/1?action=restore", {"filename": "v1.bin"})
+        assert status == 200 and restored["n_restored"] == len(tokens) == saved["n_saved"]
+        assert srv.state.metrics.snapshot()["n_decode_total"] > n_decode
+        assert srv.get("/slots")[1][1]["n_past"] == len(tokens)
+        _reuses(srv, 1, first)
+
+
+def test_slot_restore_without_room_computes(srv, tmp_path, monkeypatch):
+    """Rows for which the group cannot free the cells are computed into the slot instead."""
+    with srv.settings(slot_save_path=str(tmp_path)):
+        first, saved = _saved_slot(srv, tmp_path)
+        assert srv.post("/slots/0?action=erase", {})[0] == 200
+        group = srv.state.groups[0]
+        kv = group.ctx.kv
+        assert group.write_slot(group.slots[0], [1] * (kv.n_blocks * kv.block_size + 1), []) is False
+        # what the last step reserved is not held between steps
+        group._reserved = kv.n_blocks
+        n_decode = srv.state.metrics.snapshot()["n_decode_total"]
+        assert srv.post("/slots/0?action=restore", {"filename": "s.bin"})[0] == 200
+        assert srv.state.metrics.snapshot()["n_decode_total"] == n_decode
+        assert srv.post("/slots/0?action=erase", {})[0] == 200
+        monkeypatch.setattr(group, "write_slot", lambda *a: False)
+        n_decode = srv.state.metrics.snapshot()["n_decode_total"]
+        status, restored = srv.post("/slots/0?action=restore", {"filename": "s.bin"})
+        assert status == 200 and restored["n_restored"] == saved["n_saved"]
+        assert srv.state.metrics.snapshot()["n_decode_total"] > n_decode
+        monkeypatch.undo()
+        _reuses(srv, 0, first)
+
+
+def test_slot_restore_refuses_other_layouts(srv, tmp_path):
+    """A file whose rows would not fit this cache is refused whole: the slot keeps what it held."""
+    with srv.settings(slot_save_path=str(tmp_path)):
+        first, saved = _saved_slot(srv, tmp_path)
+        data = (tmp_path / "s.bin").read_bytes()
+        at = len(slot_file.MAGIC)
+        end = data.index(b"\n", at)
+        header = json.loads(data[at:end])
+
+        def variant(name: str, **change) -> str:
+            (tmp_path / name).write_bytes(data[:at] + json.dumps({**header, **change}).encode() + data[end:])
+            return name
+        other_type = [["q8_0", 34, v, vb] for _, _, v, vb in header["kv"]]
+        cases = {
+            variant("type.bin", kv=other_type): "holds the KV cache of another model or cache type",
+            variant("layers.bin", kv=header["kv"][:-1]): "holds the KV cache of another model or cache type",
+            variant("vocab.bin", n_vocab=header["n_vocab"] + 1): "was saved with a model of",
+            variant("count.bin", n_tokens=header["n_tokens"] - 1): "is not a slot file of this server",
+        }
+        (tmp_path / "short.bin").write_bytes(data[:-1])
+        cases["short.bin"] = "is not a slot file of this server"
+        n_past = srv.get("/slots")[1][0]["n_past"]
+        for name, message in cases.items():
+            status, doc = srv.post("/slots/0?action=restore", {"filename": name})
+            assert status == 400 and message in doc["error"]["message"], (name, doc)
+            assert srv.get("/slots")[1][0]["n_past"] == n_past, name
+        _reuses(srv, 0, first)
 
 
 def test_valid_slot_filename():

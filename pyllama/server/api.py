@@ -8,6 +8,8 @@ which frees their slots at the next decode step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import math
 import os
 import re
@@ -36,6 +38,7 @@ from .params import CompletionParams, get_int, parse_completion, split_prompts, 
 from .reasoning import ReasoningStream, budget_end_text, check_format, prompt_opens_thinking
 from .tool_calls import ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request
 from . import anthropic
+from . import slot_file
 from . import responses as resp
 from . import embedding as embd
 from .task import CompletionTask, EmbeddingEvent, ErrorEvent, FinalEvent, ProgressEvent, TokenEvent
@@ -143,6 +146,7 @@ def _exceeds_context(n_prompt: int, n_ctx: int, at_least: bool = False) -> HTTPE
                      n_prompt_tokens=n_prompt, n_ctx=n_ctx)
 
 
+log = logging.getLogger("pyllama.server")
 T = TypeVar("T")
 
 # Bodies up to this size are parsed and tokenized on the event loop (milliseconds at most). Larger
@@ -154,7 +158,6 @@ _INLINE_BODY = 16 << 10
 # Characters a slot file name must not hold: path separators, a drive colon, the characters
 # Windows reserves, and controls (llama.cpp's fs_validate_filename refuses the same).
 _BAD_FILENAME = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|]')
-SLOT_FILE_MAGIC = b"PYLLAMA-SLOT-1\n"
 
 
 def valid_slot_filename(name: Any) -> bool:
@@ -701,23 +704,34 @@ class Api:
     async def _slot_save(self, slot, path: str, filename: str) -> dict:
         st = self.state
         t0 = time.perf_counter()
-        tokens = await self._when_idle(slot, lambda: list(slot.cache_tokens))
-        header = {"n_vocab": st.tokenizer.n_vocab, "model": os.path.basename(st.model_path), "n_tokens": len(tokens)}
-        data = SLOT_FILE_MAGIC + ujson.dumps(header).encode() + b"\n" + np.asarray(tokens, dtype="<i4").tobytes()
-
-        def write() -> None:
-            tmp = f"{path}.tmp{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
+        group = st.groups[slot.group]
         try:
-            await asyncio.to_thread(write)
+            tokens, rows = await self._when_idle(slot, lambda: group.read_slot(slot))
+        except Exception as exc:  # noqa: BLE001 - a peer lost mid-read: nothing written
+            raise HTTPError(500, f"cannot read slot {slot.id}'s KV cache: {exc}", "server_error") from None
+        layout = group.ctx.kv_layout()
+
+        def write_file() -> int:
+            tmp = f"{path}.tmp{os.getpid()}"
+            try:
+                with open(tmp, "wb") as f:
+                    n = slot_file.write(f, tokens, rows, layout, st.tokenizer.n_vocab, os.path.basename(st.model_path))
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            return n
+        try:
+            n_written = await asyncio.to_thread(write_file)
         except OSError as exc:
             raise HTTPError(500, f"cannot write slot file {filename}: {exc.strerror or exc}", "server_error") from None
-        return {"id_slot": slot.id, "filename": filename, "n_saved": len(tokens), "n_written": len(data),
+        return {"id_slot": slot.id, "filename": filename, "n_saved": len(tokens), "n_written": n_written,
                 "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
 
     async def _slot_restore(self, slot, path: str, filename: str) -> dict:
+        """The file's KV rows go straight into the slot; a version 1 file (tokens only), or rows
+        for which the group cannot free the cells, are computed into it like a prompt."""
         st = self.state
         t0 = time.perf_counter()
         try:
@@ -726,14 +740,22 @@ class Api:
             raise HTTPError(400, f"slot file {filename} does not exist") from None
         except OSError as exc:
             raise HTTPError(500, f"cannot read slot file {filename}: {exc.strerror or exc}", "server_error") from None
-        tokens = _read_slot_file(data, st.tokenizer.n_vocab, filename)
+        group = st.groups[slot.group]
+        saved = slot_file.read(data, st.tokenizer.n_vocab, group.ctx.kv_layout(), filename)
+        tokens = saved.tokens
         if len(tokens) >= st.n_ctx_slot:
             raise _exceeds_context(len(tokens), st.n_ctx_slot)
-        if tokens:  # computed into the slot like a prompt that wants no token
+        written = False
+        if saved.rows is not None and tokens:
+            try:
+                written = await self._when_idle(slot, lambda: group.write_slot(slot, tokens, saved.rows))
+            except Exception as exc:  # noqa: BLE001 - the slot is left empty; its rows are computed below
+                log.warning("slot %d: writing the KV rows of %s failed (%s): computing them", slot.id, filename, exc)
+        if tokens and not written:  # computed into the slot like a prompt that wants no token
             task = CompletionTask(prompt=tokens, params=SamplingParams(), n_predict=0, cache_prompt=True,
                                   id_slot=slot.id)
             await self._gather([[task]])
-        else:
+        elif not tokens:
             await self._slot_erase(slot)
         return {"id_slot": slot.id, "filename": filename, "n_restored": len(tokens), "n_read": len(data),
                 "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
@@ -1237,27 +1259,6 @@ def infill_prompt(tok, body: Any, spm: bool = False) -> list[int]:
     prefix, suffix = [pre] + enc(texts["input_prefix"]), [suf] + enc(texts["input_suffix"])
     out += (suffix + prefix if spm else prefix + suffix) + [mid] + enc(texts["prompt"])
     return out
-
-
-def _read_slot_file(data: bytes, n_vocab: int, filename: str) -> list[int]:
-    """The tokens of a slot file written by POST /slots/{id}?action=save; a 400 for anything else."""
-    bad = HTTPError(400, f"{filename} is not a slot file of this server")
-    if not data.startswith(SLOT_FILE_MAGIC):
-        raise bad
-    head, sep, rest = data[len(SLOT_FILE_MAGIC):].partition(b"\n")
-    try:
-        header = ujson.loads(head)
-    except ValueError:
-        raise bad from None
-    if not sep or not isinstance(header, dict) or len(rest) % 4 or header.get("n_tokens") != len(rest) // 4:
-        raise bad
-    if header.get("n_vocab") != n_vocab:
-        raise HTTPError(400, f"{filename} was saved with a model of {header.get('n_vocab')} tokens, not this one's "
-                             f"{n_vocab}")
-    tokens = np.frombuffer(rest, dtype="<i4")
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= n_vocab):
-        raise bad
-    return tokens.astype(np.int64).tolist()
 
 
 def _check_constraint(st: ServerState, p: CompletionParams) -> None:

@@ -493,6 +493,29 @@ class PipelineGroup:
                  (time.perf_counter() - t0) * 1e3)
         return n
 
+    # --- slot files (POST /slots/{id}?action=save|restore; the caller holds the lock, the slot idle) ---
+    def read_slot(self, slot: Slot) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
+        """The slot's cached tokens that have KV rows, and those rows."""
+        n = self.ctx.kv.seq_len(slot.seq)
+        return list(slot.cache_tokens[:n]), self.ctx.read_seq(slot.seq, n)
+
+    def write_slot(self, slot: Slot, tokens: list[int], rows: list[tuple[np.ndarray, np.ndarray]]) -> bool:
+        """The slot's cache becomes `tokens` with their rows, other idle slots' caches dropped for
+        the room as a new prompt would drop them; False (the slot as it was) when even that leaves
+        too few cells."""
+        kv = self.ctx.kv
+        need = -(-len(tokens) // kv.block_size)
+        # (between steps nothing is reserved: _free() would count the last step's reservations)
+        while need > kv.n_free_blocks + kv.blocks_freed_by_rm(slot.seq):
+            if not self._evict_idle():
+                return False
+        if self.prompt_cache is not None and slot.cache_tokens:
+            self._save_prompt(slot, 0)
+        slot.cache_tokens = []
+        self.ctx.write_seq(slot.seq, rows, len(tokens))  # raises with the sequence empty
+        slot.cache_tokens = list(tokens)
+        return True
+
     def _evict_waiting(self, slot: Slot, order: list[Slot]) -> bool:
         """Drops the cached prompt prefix of the newest request that arrived after `slot` and has
         not started yet: waiting prompts must not hold the cells that older ones need to start."""

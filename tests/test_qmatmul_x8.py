@@ -1,4 +1,4 @@
-"""Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights repacked in groups of 8 rows (ggml_x8.h) against the float64
+"""Q4_0, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K weights repacked in groups of 8 rows (ggml_x8.h) against the float64
 reference.
 
 The repacked kernels must give ggml's products within the same bound as the file-layout kernels
@@ -16,7 +16,8 @@ from test_qmatmul import activations
 qmatmul = pytest.importorskip("pyllama._fast.qmatmul", reason="Cython extensions not built (python setup.py build_ext --inplace)")
 pytestmark = pytest.mark.skipif(not qmatmul.x8_types(), reason="this build has no AVX2 kernels (repacking needs them)")
 
-X8 = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+# Q3_K has no oct kernel: builds for AVX-512 VNNI keep it in the file's layout
+X8 = tuple(t for t in (T.Q4_0, T.Q8_0, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K) if int(t) in qmatmul.x8_types())
 
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
@@ -46,15 +47,16 @@ def test_matches_reference(qtype, n, m, k):
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
 def test_packed_bytes_are_a_permutation_but_q4_k_holds_every_scale(qtype):
     """Q4_0, Q8_0 and Q6_K keep the file's size (its bytes rearranged); Q4_K and Q5_K store their
-    6-bit scales and mins unpacked (160 bytes of header instead of 8 x 16)."""
+    6-bit scales and mins unpacked (160 bytes of header instead of 8 x 16), Q3_K its 6-bit scales
+    (16 bytes per row instead of 12)."""
     rng = np.random.default_rng(5)
     w = ref.random_weights(qtype, 16, 512, rng)
     wp = qmatmul.repack_x8(w, int(qtype), 512)
-    if qtype not in (T.Q4_K, T.Q5_K):
+    if qtype not in (T.Q3_K, T.Q4_K, T.Q5_K):
         assert wp.size == w.size
         assert np.array_equal(np.sort(wp.reshape(-1)), np.sort(w.reshape(-1)))
     else:
-        assert wp.size == 2 * 2 * (1184 if qtype == T.Q4_K else 1440)
+        assert wp.size == 2 * 2 * {T.Q3_K: 912, T.Q4_K: 1184, T.Q5_K: 1440}[qtype]
 
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)

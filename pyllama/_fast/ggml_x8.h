@@ -1,5 +1,5 @@
-/* Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights repacked in groups of 8 rows, for the AVX2 / AVX-512
- * products.
+/* Q4_0, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K weights repacked in groups of 8 rows, for the AVX2 /
+ * AVX-512 products.
  *
  * In the file's layout each weight row is dotted with an activation row on its own: the kernel
  * unpacks a block, multiplies 32 bytes at a time and reduces the 8 int32 lanes to one sum at the
@@ -11,9 +11,10 @@
  * 8 outputs: no horizontal sums, and a block's unpacking is shared by up to PQ_X8_NR activation
  * rows. (llama.cpp repacks Q4_K into 8-row groups for the same reason.)
  *
- * The integer sums are ggml's, exactly: per 32-element (Q4_K) or 16-element (Q6_K) group the
+ * The integer sums are ggml's, exactly: per 32-element (Q4_K) or 16-element (Q3_K, Q6_K) group the
  * lane holds sum(q * q8) in int32, multiplied by the group's 6- or 8-bit scale and summed over
- * the super-block in int32, as ggml's vec_dot_q4_K / q6_K do; the float steps per super-block are
+ * the super-block in int32, as ggml's vec_dot_q3_K / q4_K / q6_K do (Q3_K's and Q6_K's signed
+ * weights as unsigned q + 4 / q + 32, the offset taken back with the activation's group sums); the float steps per super-block are
  * the same as the row kernels' (one multiply by d * d8 per block), so the error bound of
  * ggml_quants.h holds unchanged.
  *
@@ -30,6 +31,8 @@
  *   Q5_K (1440 bytes): Q4_K's layout | qh[8 quads][8 rows][4 bytes] (bit j: sub-block j's 5th bit)
  *   Q6_K (1680 bytes, the file's size): d f16[8] | scale i8[16][8]
  *                      | 2 halves x (ql[0..31] [8 quads][8 rows][4] | ql[32..63] likewise | qh likewise)
+ *   Q3_K (912 bytes): d f16[8] | scale - 32 i8[16][8] | qs[0..31] [8 quads][8 rows][4]
+ *                      | qs[32..63] likewise | hmask likewise (quads only: no oct kernel, see PQ_X8_OCT)
  * where a quad is 4 consecutive bytes of the row's block at the same offset. With AVX-512 VNNI the
  * qs / ql / qh runs hold octs instead, [units][8 rows][8 bytes], the same runs at the same offsets
  * (see PQ_X8_OCT): Q4_0 / Q8_0 8 consecutive bytes of each row, the K-quants a 32-byte run's
@@ -42,20 +45,7 @@
 
 #define PQ_X8_Q4_K_BYTES 1184
 #define PQ_X8_Q6_K_BYTES 1680
-
-/* Packed bytes per group of 8 rows and block; 0 for types that are not repacked. */
-static inline int pq_x8_block_bytes(int t) {
-    switch (t) {
-    case PQ_Q4_0: return 144;
-    case PQ_Q8_0: return 272;
-    case PQ_Q4_K: return PQ_X8_Q4_K_BYTES;
-    case PQ_Q5_K: return PQ_X8_Q4_K_BYTES + 256;
-    case PQ_Q6_K: return PQ_X8_Q6_K_BYTES;
-    default: return 0;
-    }
-}
-/* Elements per block of a repacked type */
-static inline int pq_x8_block_elems(int t) { return t == PQ_Q4_0 || t == PQ_Q8_0 ? 32 : PQ_QK_K; }
+#define PQ_X8_Q3_K_BYTES 912
 
 /* With AVX-512 VNNI every repacked type's runs are laid out in units of 8 bytes instead of 4
  * ("octs": a 64-byte vector holds two quads of each of the 8 rows), so that one 512-bit byte dot
@@ -73,6 +63,21 @@ static inline int pq_x8_block_elems(int t) { return t == PQ_Q4_0 || t == PQ_Q8_0
 #define PQ_X8_OCT 0
 #define PQ_X8_UNIT 4
 #endif
+
+/* Packed bytes per group of 8 rows and block; 0 for types that are not repacked. */
+static inline int pq_x8_block_bytes(int t) {
+    switch (t) {
+    case PQ_Q4_0: return 144;
+    case PQ_Q8_0: return 272;
+    case PQ_Q4_K: return PQ_X8_Q4_K_BYTES;
+    case PQ_Q5_K: return PQ_X8_Q4_K_BYTES + 256;
+    case PQ_Q6_K: return PQ_X8_Q6_K_BYTES;
+    case PQ_Q3_K: return PQ_X8_OCT ? 0 : PQ_X8_Q3_K_BYTES;   /* no oct kernel: the file layout's */
+    default: return 0;
+    }
+}
+/* Elements per block of a repacked type */
+static inline int pq_x8_block_elems(int t) { return t == PQ_Q4_0 || t == PQ_Q8_0 ? 32 : PQ_QK_K; }
 
 /* Copies bytes [off, off + 4 * nq) of each of the 8 rows' blocks (src[l]) to dst in units of
  * `unit` (4 or 8) bytes, unit-major: unit u of row l at dst + 8 * unit * u + unit * l. */
@@ -121,6 +126,14 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
                 }
                 pq_x8_kruns(o + 160, src, t == PQ_Q5_K ? 48 : 16, 32);
                 if (t == PQ_Q5_K) pq_x8_kruns(o + PQ_X8_Q4_K_BYTES, src, 16, 8);   /* qh */
+            } else if (t == PQ_Q3_K) {
+                for (int l = 0; l < 8; l++) {
+                    memcpy(o + 2 * l, src[l] + 108, 2);
+                    for (int s = 0; s < 16; s++) o[16 + 8 * s + l] = (uint8_t)(int8_t)pq_q3_scale(src[l] + 96, s);
+                }
+                pq_x8_kruns(o + 144, src, 32, 8);         /* qs, first half's 32 bytes */
+                pq_x8_kruns(o + 144 + 256, src, 64, 8);   /* second half's */
+                pq_x8_kruns(o + 144 + 512, src, 0, 8);    /* hmask */
             } else {
                 for (int l = 0; l < 8; l++) {
                     memcpy(o + 2 * l, src[l] + 208, 2);
@@ -152,8 +165,8 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
 
 PQ_INLINE __m256i pq_x8_bcast(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
-/* The 8 unsigned weights' quad i of group s of a Q4_K (sub-block s, 32 elements) or Q6_K (16
- * elements) packed block, one row per lane. */
+/* The 8 unsigned weights' quad i of group s of a Q4_K (sub-block s, 32 elements) or Q3_K / Q6_K
+ * (16 elements) packed block, one row per lane. */
 PQ_INLINE __m256i pq_x8_quad(int t, const uint8_t *blk, int s, int i) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     if (t == PQ_Q4_K || t == PQ_Q5_K) {
@@ -164,6 +177,16 @@ PQ_INLINE __m256i pq_x8_quad(int t, const uint8_t *blk, int s, int i) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + PQ_X8_Q4_K_BYTES + 32 * i));
         const __m256i hs = s < 4 ? _mm256_slli_epi16(h, 4 - s) : s > 4 ? _mm256_srli_epi16(h, s - 4) : h;
         return _mm256_or_si256(lo, _mm256_and_si256(hs, _mm256_set1_epi8(0x10)));
+    }
+    if (t == PQ_Q3_K) {
+        /* element 16 s + 4 i' is quad q = (s % 2) * 4 + i' of half s / 8's qs run, its 2 bits
+         * (s % 8) / 2 (ggml's shift), and of the hmask run, its bit `hbit` (set: q + 4 >= 4) */
+        const int j = (s % 8) / 2, hbit = 4 * (s / 8) + j, q = 4 * (s % 2) + i;
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 144 + 256 * (s / 8) + 32 * q));
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)(blk + 144 + 512 + 32 * q));
+        const __m256i l2 = _mm256_and_si256(_mm256_srli_epi16(lo, 2 * j), _mm256_set1_epi8(3));
+        const __m256i h4 = hbit >= 2 ? _mm256_srli_epi16(hm, hbit - 2) : _mm256_slli_epi16(hm, 2 - hbit);
+        return _mm256_or_si256(l2, _mm256_and_si256(h4, _mm256_set1_epi8(4)));
     }
     /* Q6_K: element 16 s + 4 i' is quad (s % 2) * 4 + i' of value qi = (s % 8) / 2 of half s / 8 */
     const uint8_t *hb = blk + 144 + 768 * (s / 8);
@@ -292,8 +315,8 @@ PQ_INLINE void pq_x8_kernel(int t, int NR, int64_t nb, const uint8_t *wg, const 
         const uint8_t *blk = wg + b * pb;
         __m256i isum[PQ_X8_NR];
         pq_x8_kblock(t, NR, blk, x + 292 * b, xs, isum);
-        /* Q4_K: sum over sub-blocks j of min_j * (bsum[2j] + bsum[2j+1]); Q6_K: sum over the 16
-         * groups of scale * bsum (the -32 offset's weight). Pairs of int16 per lane, one madd. */
+        /* Q4_K: sum over sub-blocks j of min_j * (bsum[2j] + bsum[2j+1]); Q3_K / Q6_K: sum over the
+         * 16 groups of scale * bsum (the -4 / -32 offset's weight). Pairs of int16 per lane, one madd. */
         __m256i pairs[8];
         for (int p = 0; p < 8; p++) {
             const __m128i a = _mm_loadl_epi64((const __m128i *)(blk + (k4 ? 96 + 8 * p : 16 + 16 * p)));
@@ -311,7 +334,7 @@ PQ_INLINE void pq_x8_kernel(int t, int NR, int64_t nb, const uint8_t *wg, const 
                 facc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(isum[r]), facc[r]);
                 facc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, yd), _mm256_cvtepi32_ps(corr), facc[r]);
             } else {
-                const __m256i tot = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(corr, 5));
+                const __m256i tot = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(corr, t == PQ_Q3_K ? 2 : 5));
                 facc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(tot), facc[r]);
             }
         }
@@ -422,6 +445,9 @@ typedef void (*pq_x8_fn)(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t
 PQ_X8_DEF(pq_x8_q4_K, PQ_Q4_K)
 PQ_X8_DEF(pq_x8_q5_K, PQ_Q5_K)
 PQ_X8_DEF(pq_x8_q6_K, PQ_Q6_K)
+#if !PQ_X8_OCT
+PQ_X8_DEF(pq_x8_q3_K, PQ_Q3_K)
+#endif
 PQ_X8_DEF(pq_x8_q4_0, PQ_Q4_0)
 PQ_X8_DEF(pq_x8_q8_0, PQ_Q8_0)
 
@@ -429,6 +455,10 @@ static pq_x8_fn pq_x8_kernel_for(int t, int nr) {
     static const pq_x8_fn q4[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q4_K), q6[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q6_K);
     static const pq_x8_fn q40[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q4_0), q80[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q8_0);
     static const pq_x8_fn q5[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q5_K);
+#if !PQ_X8_OCT
+    static const pq_x8_fn q3[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q3_K);
+    if (t == PQ_Q3_K) return q3[nr - 1];
+#endif
     switch (t) {
     case PQ_Q4_K: return q4[nr - 1];
     case PQ_Q5_K: return q5[nr - 1];

@@ -873,6 +873,27 @@ def restore_signals() -> None:
 # ---------------------------------------------------------------------------------------------
 # The run
 
+def add_server_bench_options(ap, legs: int) -> None:
+    """The options of a bench that serves one GGUF file with pyllama and llama-server side by side
+    (bench/prompt_cache.py, bench/slot_restore.py); `model_and_vocab` reads them."""
+    ap.add_argument("--model")
+    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--type", default="q4_k_m")
+    ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("--legs", type=int, default=legs)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--peers", help="llama.cpp's programs (DIR/bin); default $PYLLAMA_PEERS")
+    ap.add_argument("--json")
+
+
+def model_and_vocab(args) -> tuple[str, int]:
+    """The GGUF file the options name (made for --preset/--type) and its vocabulary size."""
+    from pyllama.models.gguf_file import GGUFFile  # noqa: PLC0415
+
+    path = args.model or model_path(args.preset, args.type)
+    return path, len(GGUFFile(path).get("tokenizer.ggml.tokens"))
+
+
 def model_path(preset: str, wtype: str = "f32") -> str:
     """bench/out/models/PRESET-WTYPE.gguf, made once with pyllama.models.make."""
     from pyllama.models.make import make_model  # noqa: PLC0415

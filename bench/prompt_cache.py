@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from peers import Peers  # noqa: E402
-from pipeline_cells import LlamaServer, model_path  # noqa: E402
+from pipeline_cells import LlamaServer, add_server_bench_options, model_and_vocab  # noqa: E402
 from server_util import ServerProcess  # noqa: E402
 
 
@@ -75,24 +75,15 @@ def run_arm(url: str, system: list[int], turns: list[list[list[int]]], ntg: int)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model")
-    ap.add_argument("--preset", default="medium")
-    ap.add_argument("--type", default="q4_k_m")
+    add_server_bench_options(ap, legs=2)
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("-np", "--parallel", type=int, default=2)
     ap.add_argument("--system", type=int, default=256)
     ap.add_argument("--turn-tokens", type=int, default=64)
     ap.add_argument("--ntg", type=int, default=16)
-    ap.add_argument("-t", "--threads", type=int, default=1)
-    ap.add_argument("--legs", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--peers", help="llama.cpp's programs (DIR/bin); default $PYLLAMA_PEERS")
-    ap.add_argument("--json")
     args = ap.parse_args()
-    path = args.model or model_path(args.preset, args.type)
-    from pyllama.models.gguf_file import GGUFFile  # noqa: PLC0415
-    vocab = len(GGUFFile(path).get("tokenizer.ggml.tokens"))
+    path, vocab = model_and_vocab(args)
     rng = random.Random(args.seed)
     system = [1] + [rng.randrange(3, vocab) for _ in range(args.system - 1)]
     turns = conversation_turns(args.conversations, args.turns, args.system, args.turn_tokens, vocab, args.seed + 1)

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from peers import Peers  # noqa: E402
-from pipeline_cells import LlamaServer, model_path  # noqa: E402
+from pipeline_cells import LlamaServer, add_server_bench_options, model_and_vocab  # noqa: E402
 from server_util import ServerProcess  # noqa: E402
 
 
@@ -83,19 +83,10 @@ def one(url: str, folder: str, prompt: list[int], name: str, v1: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model")
-    ap.add_argument("--preset", default="medium")
-    ap.add_argument("--type", default="q4_k_m")
+    add_server_bench_options(ap, legs=3)
     ap.add_argument("--lengths", default="512,2048")
-    ap.add_argument("-t", "--threads", type=int, default=1)
-    ap.add_argument("--legs", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--peers", help="llama.cpp's programs (DIR/bin); default $PYLLAMA_PEERS")
-    ap.add_argument("--json")
     args = ap.parse_args()
-    path = args.model or model_path(args.preset, args.type)
-    from pyllama.models.gguf_file import GGUFFile  # noqa: PLC0415
-    vocab = len(GGUFFile(path).get("tokenizer.ggml.tokens"))
+    path, vocab = model_and_vocab(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(args.seed)
     prompts = {n: [1] + [rng.randrange(3, vocab) for _ in range(n - 1)] for n in lengths}

@@ -1,4 +1,4 @@
-"""Q4_0, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K weights repacked in groups of 8 rows (ggml_x8.h) against the float64
+"""Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights repacked in groups of 8 rows (ggml_x8.h) against the float64
 reference.
 
 The repacked kernels must give ggml's products within the same bound as the file-layout kernels
@@ -16,8 +16,8 @@ from test_qmatmul import activations
 qmatmul = pytest.importorskip("pyllama._fast.qmatmul", reason="Cython extensions not built (python setup.py build_ext --inplace)")
 pytestmark = pytest.mark.skipif(not qmatmul.x8_types(), reason="this build has no AVX2 kernels (repacking needs them)")
 
-# Q3_K has no oct kernel: builds for AVX-512 VNNI keep it in the file's layout
-X8 = tuple(t for t in (T.Q4_0, T.Q8_0, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K) if int(t) in qmatmul.x8_types())
+# Q2_K and Q3_K have no oct kernel: builds for AVX-512 VNNI keep them in the file's layout
+X8 = tuple(t for t in (T.Q4_0, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K) if int(t) in qmatmul.x8_types())
 
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
@@ -46,7 +46,7 @@ def test_matches_reference(qtype, n, m, k):
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
 def test_packed_bytes_are_a_permutation_but_q4_k_holds_every_scale(qtype):
-    """Q4_0, Q8_0 and Q6_K keep the file's size (its bytes rearranged); Q4_K and Q5_K store their
+    """Q4_0, Q8_0, Q2_K and Q6_K keep the file's size (its bytes rearranged); Q4_K and Q5_K store their
     6-bit scales and mins unpacked (160 bytes of header instead of 8 x 16), Q3_K its 6-bit scales
     (16 bytes per row instead of 12)."""
     rng = np.random.default_rng(5)
@@ -116,7 +116,7 @@ def test_bad_input_raises_value_error():
     with pytest.raises(ValueError, match="not a multiple of 8"):
         qmatmul.repack_x8(w[:12], int(T.Q4_K), 256)
     with pytest.raises(ValueError, match="not repacked"):
-        qmatmul.repack_x8(ref.random_weights(T.Q2_K, 8, 256, rng), int(T.Q2_K), 256)
+        qmatmul.repack_x8(ref.random_weights(T.Q5_0, 8, 256, rng), int(T.Q5_0), 256)
     with pytest.raises(ValueError, match="bytes"):
         qmatmul.repack_x8(w, int(T.Q4_K), 512)
     wp = qmatmul.repack_x8(w, int(T.Q4_K), 256)

@@ -1,5 +1,5 @@
-/* Q4_0, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K weights repacked in groups of 8 rows, for the AVX2 /
- * AVX-512 products.
+/* Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights repacked in groups of 8 rows, for the AVX2
+ * / AVX-512 products.
  *
  * In the file's layout each weight row is dotted with an activation row on its own: the kernel
  * unpacks a block, multiplies 32 bytes at a time and reduces the 8 int32 lanes to one sum at the
@@ -11,9 +11,9 @@
  * 8 outputs: no horizontal sums, and a block's unpacking is shared by up to PQ_X8_NR activation
  * rows. (llama.cpp repacks Q4_K into 8-row groups for the same reason.)
  *
- * The integer sums are ggml's, exactly: per 32-element (Q4_K) or 16-element (Q3_K, Q6_K) group the
+ * The integer sums are ggml's, exactly: per 32-element (Q4_K) or 16-element (Q2_K, Q3_K, Q6_K) group the
  * lane holds sum(q * q8) in int32, multiplied by the group's 6- or 8-bit scale and summed over
- * the super-block in int32, as ggml's vec_dot_q3_K / q4_K / q6_K do (Q3_K's and Q6_K's signed
+ * the super-block in int32, as ggml's vec_dot_q2_K / q3_K / q4_K / q6_K do (Q3_K's and Q6_K's signed
  * weights as unsigned q + 4 / q + 32, the offset taken back with the activation's group sums); the float steps per super-block are
  * the same as the row kernels' (one multiply by d * d8 per block), so the error bound of
  * ggml_quants.h holds unchanged.
@@ -33,6 +33,8 @@
  *                      | 2 halves x (ql[0..31] [8 quads][8 rows][4] | ql[32..63] likewise | qh likewise)
  *   Q3_K (912 bytes): d f16[8] | scale - 32 i8[16][8] | qs[0..31] [8 quads][8 rows][4]
  *                      | qs[32..63] likewise | hmask likewise (quads only: no oct kernel, see PQ_X8_OCT)
+ *   Q2_K (672 bytes, the file's size): d f16[8] | dmin f16[8] | scale | min << 4 u8[16][8]
+ *                      | qs[0..31] [8 quads][8 rows][4] | qs[32..63] likewise (quads only, as Q3_K)
  * where a quad is 4 consecutive bytes of the row's block at the same offset. With AVX-512 VNNI the
  * qs / ql / qh runs hold octs instead, [units][8 rows][8 bytes], the same runs at the same offsets
  * (see PQ_X8_OCT): Q4_0 / Q8_0 8 consecutive bytes of each row, the K-quants a 32-byte run's
@@ -46,6 +48,7 @@
 #define PQ_X8_Q4_K_BYTES 1184
 #define PQ_X8_Q6_K_BYTES 1680
 #define PQ_X8_Q3_K_BYTES 912
+#define PQ_X8_Q2_K_BYTES 672
 
 /* With AVX-512 VNNI every repacked type's runs are laid out in units of 8 bytes instead of 4
  * ("octs": a 64-byte vector holds two quads of each of the 8 rows), so that one 512-bit byte dot
@@ -73,6 +76,7 @@ static inline int pq_x8_block_bytes(int t) {
     case PQ_Q5_K: return PQ_X8_Q4_K_BYTES + 256;
     case PQ_Q6_K: return PQ_X8_Q6_K_BYTES;
     case PQ_Q3_K: return PQ_X8_OCT ? 0 : PQ_X8_Q3_K_BYTES;   /* no oct kernel: the file layout's */
+    case PQ_Q2_K: return PQ_X8_OCT ? 0 : PQ_X8_Q2_K_BYTES;
     default: return 0;
     }
 }
@@ -126,6 +130,14 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
                 }
                 pq_x8_kruns(o + 160, src, t == PQ_Q5_K ? 48 : 16, 32);
                 if (t == PQ_Q5_K) pq_x8_kruns(o + PQ_X8_Q4_K_BYTES, src, 16, 8);   /* qh */
+            } else if (t == PQ_Q2_K) {
+                for (int l = 0; l < 8; l++) {
+                    memcpy(o + 2 * l, src[l] + 80, 2);
+                    memcpy(o + 16 + 2 * l, src[l] + 82, 2);
+                    for (int s = 0; s < 16; s++) o[32 + 8 * s + l] = src[l][s];
+                }
+                pq_x8_kruns(o + 160, src, 16, 8);         /* qs, first half's 32 bytes */
+                pq_x8_kruns(o + 160 + 256, src, 48, 8);   /* second half's */
             } else if (t == PQ_Q3_K) {
                 for (int l = 0; l < 8; l++) {
                     memcpy(o + 2 * l, src[l] + 108, 2);
@@ -172,8 +184,8 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
 
 PQ_INLINE __m256i pq_x8_bcast(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
-/* The 8 unsigned weights' quad i of group s of a Q4_K (sub-block s, 32 elements) or Q3_K / Q6_K
- * (16 elements) packed block, one row per lane. */
+/* The 8 unsigned weights' quad i of group s of a Q4_K (sub-block s, 32 elements) or Q2_K / Q3_K /
+ * Q6_K (16 elements) packed block, one row per lane. */
 PQ_INLINE __m256i pq_x8_quad(int t, const uint8_t *blk, int s, int i) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     if (t == PQ_Q4_K || t == PQ_Q5_K) {
@@ -184,6 +196,10 @@ PQ_INLINE __m256i pq_x8_quad(int t, const uint8_t *blk, int s, int i) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + PQ_X8_Q4_K_BYTES + 32 * i));
         const __m256i hs = s < 4 ? _mm256_slli_epi16(h, 4 - s) : s > 4 ? _mm256_srli_epi16(h, s - 4) : h;
         return _mm256_or_si256(lo, _mm256_and_si256(hs, _mm256_set1_epi8(0x10)));
+    }
+    if (t == PQ_Q2_K) {   /* as Q3_K's two low bits */
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 160 + 256 * (s / 8) + 32 * (4 * (s % 2) + i)));
+        return _mm256_and_si256(_mm256_srli_epi16(lo, 2 * ((s % 8) / 2)), _mm256_set1_epi8(3));
     }
     if (t == PQ_Q3_K) {
         /* element 16 s + 4 i' is quad q = (s % 2) * 4 + i' of half s / 8's qs run, its 2 bits
@@ -247,7 +263,7 @@ PQ_INLINE __m256 pq_x8_pair_sums_ps(__m512 v) {
  * groups of scale * sum(q * q8) (isum) */
 PQ_INLINE void pq_x8_kblock(int t, int NR, const uint8_t *blk, const uint8_t *x, size_t xs, __m256i *isum) {
     const int k4 = t == PQ_Q4_K || t == PQ_Q5_K;   /* 6-bit scales and mins per 32 elements */
-    const uint8_t *sc = blk + (k4 ? 32 : 16);
+    const uint8_t *sc = blk + (k4 || t == PQ_Q2_K ? 32 : 16);
 #if PQ_X8_OCT
     __m512i zsum[PQ_X8_NR];
     for (int r = 0; r < NR; r++) zsum[r] = _mm512_setzero_si512();
@@ -301,11 +317,13 @@ PQ_INLINE void pq_x8_kblock(int t, int NR, const uint8_t *blk, const uint8_t *x,
             }
             /* (the scales converted after the products: converted before them, the compiler
              * scheduled Q4_K's kernel 20% slower on an AVX2 core) */
-            const __m256i s32 = k4 ? _mm256_cvtepu8_epi32(s8) : _mm256_cvtepi8_epi32(s8);
+            const __m256i s32 = k4 ? _mm256_cvtepu8_epi32(s8) : t == PQ_Q2_K
+                ? _mm256_cvtepu8_epi32(_mm_and_si128(s8, _mm_set1_epi8(0x0F))) : _mm256_cvtepi8_epi32(s8);
             for (int r = 0; r < NR; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(acc[r], s32));
         } else {
-            const __m256i s32 = _mm256_cvtepi8_epi32(s8);
-            /* Q3_K / Q6_K (16 groups of 4 quads) against 4 rows without a byte dot product: the
+            const __m256i s32 = t == PQ_Q2_K ? _mm256_cvtepu8_epi32(_mm_and_si128(s8, _mm_set1_epi8(0x0F)))
+                                             : _mm256_cvtepi8_epi32(s8);
+            /* Q2_K / Q3_K / Q6_K (16 groups of 4 quads) against 4 rows without a byte dot product: the
              * madd that adds the pairs' int16 sums (maddubs) multiplies them by the group's scale
              * instead (in both halves of each row's lane), so no per-group multiply and no
              * per-group accumulators are left (4 of them besides the sums spilled): the same
@@ -337,29 +355,38 @@ PQ_INLINE void pq_x8_store(int NR, const __m256 *facc, float *out, int64_t ldo, 
 PQ_INLINE void pq_x8_kernel(int t, int NR, int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs,
                             float *out, int64_t ldo, const float *bias) {
     const int pb = pq_x8_block_bytes(t);
-    const int k4 = t == PQ_Q4_K || t == PQ_Q5_K;
+    const int k4 = t == PQ_Q4_K || t == PQ_Q5_K, mins = k4 || t == PQ_Q2_K;
     __m256 facc[PQ_X8_NR];
     for (int r = 0; r < NR; r++) facc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * pb;
         __m256i isum[PQ_X8_NR];
         pq_x8_kblock(t, NR, blk, x + 292 * b, xs, isum);
-        /* Q4_K: sum over sub-blocks j of min_j * (bsum[2j] + bsum[2j+1]); Q3_K / Q6_K: sum over the
-         * 16 groups of scale * bsum (the -4 / -32 offset's weight). Pairs of int16 per lane, one madd. */
+        /* Q4_K: sum over sub-blocks j of min_j * (bsum[2j] + bsum[2j+1]); Q2_K: over the 16 groups
+         * of min * bsum; Q3_K / Q6_K: of scale * bsum (the -4 / -32 offset's weight). Pairs of
+         * int16 per lane, one madd. */
         __m256i pairs[8];
         for (int p = 0; p < 8; p++) {
+            if (t == PQ_Q2_K) {   /* the high nibbles of groups 2p and 2p + 1 */
+                const __m128i m4 = _mm_set1_epi8(0x0F);
+                const __m128i a = _mm_loadl_epi64((const __m128i *)(blk + 32 + 16 * p));
+                const __m128i c = _mm_loadl_epi64((const __m128i *)(blk + 40 + 16 * p));
+                pairs[p] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(_mm_srli_epi16(a, 4), m4),
+                                                                  _mm_and_si128(_mm_srli_epi16(c, 4), m4)));
+                continue;
+            }
             const __m128i a = _mm_loadl_epi64((const __m128i *)(blk + (k4 ? 96 + 8 * p : 16 + 16 * p)));
             const __m128i c = k4 ? a : _mm_loadl_epi64((const __m128i *)(blk + 24 + 16 * p));
             pairs[p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, c));
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 dmin = k4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
+        const __m256 dmin = mins ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
         for (int r = 0; r < NR; r++) {
             const uint8_t *y = x + r * xs + 292 * b;
             __m256i corr = _mm256_setzero_si256();
             for (int p = 0; p < 8; p++) corr = _mm256_add_epi32(corr, _mm256_madd_epi16(pairs[p], pq_x8_bcast(y + 260 + 4 * p)));
             const __m256 yd = _mm256_set1_ps(pq_ld_f32(y));
-            if (k4) {
+            if (mins) {
                 facc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(isum[r]), facc[r]);
                 facc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, yd), _mm256_cvtepi32_ps(corr), facc[r]);
             } else {
@@ -476,6 +503,7 @@ PQ_X8_DEF(pq_x8_q5_K, PQ_Q5_K)
 PQ_X8_DEF(pq_x8_q6_K, PQ_Q6_K)
 #if !PQ_X8_OCT
 PQ_X8_DEF(pq_x8_q3_K, PQ_Q3_K)
+PQ_X8_DEF(pq_x8_q2_K, PQ_Q2_K)
 #endif
 PQ_X8_DEF(pq_x8_q4_0, PQ_Q4_0)
 PQ_X8_DEF(pq_x8_q8_0, PQ_Q8_0)
@@ -485,8 +513,9 @@ static pq_x8_fn pq_x8_kernel_for(int t, int nr) {
     static const pq_x8_fn q40[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q4_0), q80[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q8_0);
     static const pq_x8_fn q5[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q5_K);
 #if !PQ_X8_OCT
-    static const pq_x8_fn q3[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q3_K);
+    static const pq_x8_fn q3[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q3_K), q2[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q2_K);
     if (t == PQ_Q3_K) return q3[nr - 1];
+    if (t == PQ_Q2_K) return q2[nr - 1];
 #endif
     switch (t) {
     case PQ_Q4_K: return q4[nr - 1];

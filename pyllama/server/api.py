@@ -20,9 +20,6 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
-import numpy as np
-import ujson
-
 from .. import __version__
 from ..models.gguf_file import file_type_name
 from ..sampling import SamplingParams

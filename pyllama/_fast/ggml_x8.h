@@ -11,12 +11,12 @@
  * 8 outputs: no horizontal sums, and a block's unpacking is shared by up to PQ_X8_NR activation
  * rows. (llama.cpp repacks Q4_K into 8-row groups for the same reason.)
  *
- * The integer sums are ggml's, exactly: per 32-element (Q4_K) or 16-element (Q2_K, Q3_K, Q6_K) group the
- * lane holds sum(q * q8) in int32, multiplied by the group's 6- or 8-bit scale and summed over
- * the super-block in int32, as ggml's vec_dot_q2_K / q3_K / q4_K / q6_K do (Q3_K's and Q6_K's signed
- * weights as unsigned q + 4 / q + 32, the offset taken back with the activation's group sums); the float steps per super-block are
- * the same as the row kernels' (one multiply by d * d8 per block), so the error bound of
- * ggml_quants.h holds unchanged.
+ * The integer sums are ggml's, exactly: per 32-element (Q4_K) or 16-element (Q2_K, Q3_K, Q6_K)
+ * group the lane holds sum(q * q8) in int32, multiplied by the group's 4-, 6- or 8-bit scale and
+ * summed over the super-block in int32, as ggml's vec_dot_q2_K / q3_K / q4_K / q6_K do (Q3_K's
+ * and Q6_K's signed weights as unsigned q + 4 / q + 32, the offset taken back with the
+ * activation's group sums); the float steps per super-block are the same as the row kernels'
+ * (one multiply by d * d8 per block), so the error bound of ggml_quants.h holds unchanged.
  *
  * Q4_0 and Q8_0 (signed weights, one f16 scale per 32 elements, Q8_0 activations) take the
  * product as |w| . (y with w's sign), exact in the byte dot product, per 32-element block (the

@@ -477,9 +477,8 @@ class PipelineGroup:
         n = min(n, len(prompt) - 1)
         if entry is None or n - n_keep < MIN_TOKENS:
             return n_keep
-        kv = self.ctx.kv
-        n = min(n, kv.seq_cap)
-        if -(-n // kv.block_size) > kv.n_free_blocks + kv.blocks_freed_by_rm(slot.seq):
+        n = min(n, self.ctx.kv.seq_cap)
+        if not self._fits(slot, n):
             return n_keep
         t0 = time.perf_counter()
         try:
@@ -493,6 +492,12 @@ class PipelineGroup:
                  (time.perf_counter() - t0) * 1e3)
         return n
 
+    def _fits(self, slot: Slot, n: int) -> bool:
+        """Whether `slot`'s sequence, emptied, could take n positions from the free blocks now
+        (between steps nothing is reserved: _free() would count the last step's reservations)."""
+        kv = self.ctx.kv
+        return -(-n // kv.block_size) <= kv.n_free_blocks + kv.blocks_freed_by_rm(slot.seq)
+
     # --- slot files (POST /slots/{id}?action=save|restore; the caller holds the lock, the slot idle) ---
     def read_slot(self, slot: Slot) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
         """The slot's cached tokens that have KV rows, and those rows."""
@@ -501,12 +506,9 @@ class PipelineGroup:
 
     def write_slot(self, slot: Slot, tokens: list[int], rows: list[tuple[np.ndarray, np.ndarray]]) -> bool:
         """The slot's cache becomes `tokens` with their rows, other idle slots' caches dropped for
-        the room as a new prompt would drop them; False (the slot as it was) when even that leaves
-        too few cells."""
-        kv = self.ctx.kv
-        need = -(-len(tokens) // kv.block_size)
-        # (between steps nothing is reserved: _free() would count the last step's reservations)
-        while need > kv.n_free_blocks + kv.blocks_freed_by_rm(slot.seq):
+        the room as a new prompt would drop them (its own cache among them); False when even that
+        leaves too few cells."""
+        while not self._fits(slot, len(tokens)):
             if not self._evict_idle():
                 return False
         if self.prompt_cache is not None and slot.cache_tokens:

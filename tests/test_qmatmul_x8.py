@@ -45,6 +45,30 @@ def test_matches_reference(qtype, n, m, k):
 
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_largest_quants_against_full_scale_activations(qtype, sign):
+    """Every quant byte 0xFF (each weight at the top of its type's range: Q6_K's q + 32 = 63, Q3_K's
+    q + 4 = 7, Q2_K's 3) against activations that quantize to +-127 everywhere: where the kernels'
+    int16 partial sums (maddubs pairs, added over a group's quads before they widen) are largest.
+    Exact integer sums keep the reference's bound; a saturated one would not."""
+    n, m, k = 4, 16, 512
+    w = np.full((m, k // ref.BLOCK_ELEMS[qtype], ref.BLOCK_BYTES[qtype]), 0xFF, np.uint8)
+    for off in ref.F16_FIELDS[qtype]:
+        w[:, :, off:off + 2] = np.array([0.01], np.float16).view(np.uint8)
+    w = w.reshape(m, -1)
+    x = np.full((n, k), sign, np.float32)
+    xq = qmatmul.quantize_rows(x, qmatmul.vec_dot_type(int(qtype)))
+    wp = qmatmul.repack_x8(w, int(qtype), k)
+    for nr in range(1, n + 1):   # each kernel row count
+        out = np.full((nr, m), np.nan, np.float32)
+        qmatmul.mul_mat_q_x8(x[:nr], wp, int(qtype), out)
+        for r in range(nr):
+            for j in range(m):
+                exact, S = ref.dot(w[j], xq[r], qtype, k)
+                assert abs(float(out[r, j]) - exact) <= ref.tolerance(k, S), (nr, r, j, out[r, j], exact)
+
+
+@pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
 def test_packed_bytes_are_a_permutation_but_q4_k_holds_every_scale(qtype):
     """Q4_0, Q8_0, Q2_K and Q6_K keep the file's size (its bytes rearranged); Q4_K and Q5_K store their
     6-bit scales and mins unpacked (160 bytes of header instead of 8 x 16), Q3_K its 6-bit scales

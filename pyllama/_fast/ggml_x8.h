@@ -259,6 +259,14 @@ PQ_INLINE __m256 pq_x8_pair_sums_ps(__m512 v) {
 }
 #endif
 
+/* A group's 8 scales (one per row) as int32 lanes: Q4_K / Q5_K 6-bit unsigned, Q2_K the low nibble,
+ * Q3_K / Q6_K signed bytes */
+PQ_INLINE __m256i pq_x8_scales32(int t, __m128i s8) {
+    if (t == PQ_Q4_K || t == PQ_Q5_K) return _mm256_cvtepu8_epi32(s8);
+    if (t == PQ_Q2_K) return _mm256_cvtepu8_epi32(_mm_and_si128(s8, _mm_set1_epi8(0x0F)));
+    return _mm256_cvtepi8_epi32(s8);
+}
+
 /* The integer part of a K-quant block against NR activation rows: per row, the 8 rows' sum over
  * groups of scale * sum(q * q8) (isum) */
 PQ_INLINE void pq_x8_kblock(int t, int NR, const uint8_t *blk, const uint8_t *x, size_t xs, __m256i *isum) {
@@ -306,7 +314,7 @@ PQ_INLINE void pq_x8_kblock(int t, int NR, const uint8_t *blk, const uint8_t *x,
 #pragma GCC unroll 16
     for (int s = 0; s < ngroups; s++) {
         const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
-        if (k4 || PQ_X8_VNNI256 || NR < 4) {
+        if (PQ_X8_VNNI256 || ((t == PQ_Q2_K || t == PQ_Q5_K) && NR < 3)) {
             __m256i acc[PQ_X8_NR];
             for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -317,27 +325,36 @@ PQ_INLINE void pq_x8_kblock(int t, int NR, const uint8_t *blk, const uint8_t *x,
             }
             /* (the scales converted after the products: converted before them, the compiler
              * scheduled Q4_K's kernel 20% slower on an AVX2 core) */
-            const __m256i s32 = k4 ? _mm256_cvtepu8_epi32(s8) : t == PQ_Q2_K
-                ? _mm256_cvtepu8_epi32(_mm_and_si128(s8, _mm_set1_epi8(0x0F))) : _mm256_cvtepi8_epi32(s8);
+            const __m256i s32 = pq_x8_scales32(t, s8);
             for (int r = 0; r < NR; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(acc[r], s32));
         } else {
-            const __m256i s32 = t == PQ_Q2_K ? _mm256_cvtepu8_epi32(_mm_and_si128(s8, _mm_set1_epi8(0x0F)))
-                                             : _mm256_cvtepi8_epi32(s8);
-            /* Q2_K / Q3_K / Q6_K (16 groups of 4 quads) against 4 rows without a byte dot product: the
-             * madd that adds the pairs' int16 sums (maddubs) multiplies them by the group's scale
-             * instead (in both halves of each row's lane), so no per-group multiply and no
-             * per-group accumulators are left (4 of them besides the sums spilled): the same
-             * integers (|pair| <= 63 * 128 * 2 fits int16). On an AVX2 core +40% at 4 rows a call;
-             * 3-15% slower at 1-3 rows, and Q4_K's 8 groups of 8 quads 20% slower: they keep the
-             * multiply */
+            /* Without a byte dot product: the int16 pairs of maddubs (each at most 2 * 127 * the
+             * type's largest q) of a group's quads are added as int16 as far as the sum cannot
+             * overflow (Q4_K's q <= 15: all 8 quads; Q5_K's q <= 31: 4; Q6_K's q + 32 <= 63: 2;
+             * Q3_K's q + 4 <= 7 and Q2_K's q <= 3: all 4), and the madd that widens them multiplies
+             * by the group's scale (in both halves of each row's lane): per quad a maddubs and an
+             * add instead of a maddubs, a madd and an add, and per group no multiply and no
+             * accumulators (4 of them besides the sums spilled at 4 rows). The same integers.
+             * Q4_K at 4 / 16 rows a call 1.7x as fast, Q6_K 1.2x / 1.5x, Q2_K, Q3_K and Q5_K
+             * 1.1-1.3x (figures in engine.md); Q5_K and Q2_K at 1-2 rows were as fast or faster
+             * with the multiply (Q5_K at 1 row 8.8 -> 7.6 GMAC/s on an AMD Zen 2 core): they keep
+             * it. */
+            const __m256i s32 = pq_x8_scales32(t, s8);
             const __m256i s16 = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xFFFF)),
                                                 _mm256_slli_epi32(s32, 16));
+            const int per = t == PQ_Q4_K ? 8 : t == PQ_Q6_K ? 2 : 4;
+#pragma GCC unroll 4
+            for (int i = 0; i < nquads; i += per) {
+                __m256i p[PQ_X8_NR];
 #pragma GCC unroll 8
-            for (int i = 0; i < nquads; i++) {
-                const __m256i q = pq_x8_quad(t, blk, s, i);
-                for (int r = 0; r < NR; r++)
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(q, pq_x8_bcast(x + r * xs + 4 + gsize * s + 4 * i)), s16));
+                for (int j = 0; j < per; j++) {
+                    const __m256i q = pq_x8_quad(t, blk, s, i + j);
+                    for (int r = 0; r < NR; r++) {
+                        const __m256i m = _mm256_maddubs_epi16(q, pq_x8_bcast(x + r * xs + 4 + gsize * s + 4 * (i + j)));
+                        p[r] = j ? _mm256_add_epi16(p[r], m) : m;
+                    }
+                }
+                for (int r = 0; r < NR; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p[r], s16));
             }
         }
     }

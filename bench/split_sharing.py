@@ -64,7 +64,8 @@ def run_arm(name: str, model: str, a: argparse.Namespace, vocab: tuple[int, int]
             rpcs.append(RPCServerProcess())
         for i in range(n_servers):
             args = server_args(rpcs[i % n_rpc].endpoint, users, groups, a.npp, a.ntg, a.tensor_split)
-            servers.append(ServerProcess(model, *args).wait_ready(timeout=300))
+            servers.append(ServerProcess(model, *args))  # stopped below even if it never gets ready
+            servers[-1].wait_ready(timeout=300)
         starts: list[Optional[float]] = [None] * n_servers
         cpu0: list = []
         lock = threading.Lock()
@@ -149,12 +150,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.requests < 1 or a.npp < 1 or a.ntg < 1 or a.legs < 1:
         print("--requests, --npp, --ntg and --legs must be at least 1", file=sys.stderr)
         return 2
+    if a.model and not os.path.isfile(a.model):
+        print(f"split_sharing.py: --model {a.model}: no such file", file=sys.stderr)
+        return 2
+    os.environ.pop("PYLLAMA_ARG_PIPELINE_GROUPS", None)  # one group must mean one group
     model = a.model or model_path(a.preset, a.type)
     vocab = prompt_vocab(model)
     records = []
     for leg in range(a.legs):
         for name in ARMS:
-            rec = run_arm(name, model, a, vocab)
+            try:
+                rec = run_arm(name, model, a, vocab)
+            except (RuntimeError, TimeoutError) as exc:  # a process that would not start, a failed load
+                print(f"split_sharing.py: {name}: {exc}", file=sys.stderr)
+                return 1
             rec["leg"] = leg
             records.append(rec)
             loads = " + ".join(f"{x:.1f}" for x in rec["loads_tok_s"])

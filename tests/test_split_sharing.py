@@ -35,12 +35,17 @@ def test_summary_means_each_arm_and_compares_with_two_groups():
     assert table[1].split()[-1] == "1.00x" and table[2].split()[-1] == "1.17x" and table[2].split()[-2] == "-"
 
 
-def test_bad_options_are_one_clear_error():
+def test_bad_options_are_one_clear_error(tiny_model):
     for args, what in ((["--users", "3"], "--users must be an even number"),
-                       (["--legs", "0"], "must be at least 1")):
+                       (["--legs", "0"], "must be at least 1"),
+                       (["--model", "/nonexistent.gguf"], "no such file")):
         r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=60,
                            stdin=subprocess.DEVNULL)
         assert r.returncode == 2 and what in r.stderr and "Traceback" not in r.stderr
+    # a split the server refuses: the server's own message, no traceback
+    r = subprocess.run([sys.executable, SCRIPT, "--model", tiny_model, "--tensor-split", "1,x", "--users", "2",
+                        "-r", "1", "--legs", "1"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and "2 groups: server exited" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_tiny_run_of_every_arm(tiny_model, tmp_path):

@@ -154,7 +154,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"split_sharing.py: --model {a.model}: no such file", file=sys.stderr)
         return 2
     os.environ.pop("PYLLAMA_ARG_PIPELINE_GROUPS", None)  # one group must mean one group
-    model = a.model or model_path(a.preset, a.type)
+    try:
+        model = a.model or model_path(a.preset, a.type)
+    except (ValueError, KeyError) as exc:  # a preset or weight type pyllama.models.make does not know
+        print(f"split_sharing.py: --preset {a.preset} --type {a.type}: {exc}", file=sys.stderr)
+        return 2
     vocab = prompt_vocab(model)
     records = []
     for leg in range(a.legs):

@@ -38,7 +38,9 @@ def test_summary_means_each_arm_and_compares_with_two_groups():
 def test_bad_options_are_one_clear_error(tiny_model):
     for args, what in ((["--users", "3"], "--users must be an even number"),
                        (["--legs", "0"], "must be at least 1"),
-                       (["--model", "/nonexistent.gguf"], "no such file")):
+                       (["--model", "/nonexistent.gguf"], "no such file"),
+                       (["--type", "q9_z"], "unknown weight type 'q9_z'"),
+                       (["--preset", "nosuch"], "unknown preset 'nosuch'")):
         r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=60,
                            stdin=subprocess.DEVNULL)
         assert r.returncode == 2 and what in r.stderr and "Traceback" not in r.stderr

@@ -35,7 +35,7 @@ for _p in (os.path.dirname(os.path.abspath(__file__)),
         sys.path.insert(0, _p)
 
 from bench_users import run_bench  # noqa: E402
-from pipeline_cells import NO_PROMPT_CACHE, ctx_for, model_path, prompt_vocab  # noqa: E402
+import pipeline_cells as pc  # noqa: E402
 import thread_stats  # noqa: E402
 from server_util import RPCServerProcess, ServerProcess  # noqa: E402
 
@@ -46,10 +46,10 @@ ARMS = {  # name: (servers, rpc servers, pipeline groups per server)
 }
 
 
-def server_args(endpoint: str, slots: int, groups: int, npp: int, ntg: int, tensor_split: str) -> list[str]:
-    args = ["--rpc", endpoint, "--device", "RPC0,CPU", "-ts", tensor_split, "-np", str(slots),
-            "-c", str(ctx_for(slots, npp, ntg)), "-t", "1", *NO_PROMPT_CACHE]
-    return args + (["--pipeline-groups", str(groups)] if groups > 1 else [])
+def server_args(endpoint: str, users: int, groups: int, npp: int, ntg: int, tensor_split: str) -> list[str]:
+    """A split server of `groups` groups over RPC0,CPU for `users` users, one compute thread: the
+    arguments of pipeline_cells.py's split cells."""
+    return pc.server_args("RPC0,CPU", endpoint, groups, users, npp, ntg, 1, tensor_split)
 
 
 def run_arm(name: str, model: str, a: argparse.Namespace, vocab: tuple[int, int]) -> dict:
@@ -57,7 +57,6 @@ def run_arm(name: str, model: str, a: argparse.Namespace, vocab: tuple[int, int]
     n_servers, n_rpc, groups = ARMS[name]
     users = a.users // n_servers
     rpcs: list[RPCServerProcess] = []
-    cpu1: list[int] = []
     servers: list[ServerProcess] = []
     try:
         for _ in range(n_rpc):
@@ -67,7 +66,7 @@ def run_arm(name: str, model: str, a: argparse.Namespace, vocab: tuple[int, int]
             servers.append(ServerProcess(model, *args))  # stopped below even if it never gets ready
             servers[-1].wait_ready(timeout=300)
         starts: list[Optional[float]] = [None] * n_servers
-        cpu0: list = []
+        cpu0: list[list[int]] = []  # the machine's counters when the first window opens
         lock = threading.Lock()
 
         def opened(i: int) -> None:
@@ -155,11 +154,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     os.environ.pop("PYLLAMA_ARG_PIPELINE_GROUPS", None)  # one group must mean one group
     try:
-        model = a.model or model_path(a.preset, a.type)
+        model = a.model or pc.model_path(a.preset, a.type)
     except (ValueError, KeyError) as exc:  # a preset or weight type pyllama.models.make does not know
         print(f"split_sharing.py: --preset {a.preset} --type {a.type}: {exc}", file=sys.stderr)
         return 2
-    vocab = prompt_vocab(model)
+    vocab = pc.prompt_vocab(model)
     records = []
     for leg in range(a.legs):
         for name in ARMS:

@@ -554,6 +554,31 @@ def test_infill_prompt_layout():
         infill_prompt(Tok(), {"input_prefix": 3})
 
 
+@pytest.mark.parametrize("field,value", [
+    ("input_prefix", 3), ("input_prefix", None), ("input_suffix", [{"text": "x"}]), ("input_suffix", [1.5]),
+    ("input_prefix", True), ("prompt", None), ("prompt", 7), ("prompt", [1, 2]), ("prompt", {"a": "b"})])
+def test_infill_field_types(srv, field, value):
+    """A field of the wrong type is a 400 naming it (before the model's FIM tokens are looked at)."""
+    status, doc = srv.post("/infill", {"input_prefix": "def f(", "input_suffix": "):\n", **GREEDY, field: value})
+    assert status == 400, doc
+    assert f"'{field}'" in doc["error"]["message"]
+
+
+def test_infill_prompt_token_arrays():
+    """input_prefix and input_suffix take token ids and text mixed, as llama-server's tokenize_mixed."""
+    class Tok:
+        fim_pre_id, fim_suf_id, fim_mid_id = 500, 501, 502
+        bos_id, add_bos, n_vocab = 1, False, 600
+
+        def encode(self, text, add_special=False, parse_special=False):
+            assert not add_special and not parse_special
+            return [ord(c) for c in text]
+    got = infill_prompt(Tok(), {"input_prefix": ["ab", 7], "input_suffix": [9, "c"], "prompt": "d"})
+    assert got == [500, ord("a"), ord("b"), 7, 501, 9, ord("c"), 502, ord("d")]
+    with pytest.raises(HTTPError, match="'input_suffix'"):
+        infill_prompt(Tok(), {"input_prefix": "a", "input_suffix": [600]})  # outside the vocabulary
+
+
 def test_lora_adapters_none_loaded(srv):
     status, doc = srv.get("/lora-adapters")
     assert status == 200 and doc == []

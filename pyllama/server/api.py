@@ -913,9 +913,8 @@ class Api:
             body = req.json()
             p = parse_completion(body, st.args.n_predict, st.slots_per_group, n_vocab=st.tokenizer.n_vocab,
                                  tokenizer=st.tokenizer, default_n_keep=_keep(st.args))
-            for name in ("input_prefix", "input_suffix", "prompt"):
-                if len(body.get(name) or "") >= 2 * st.n_ctx_slot * st.max_token_chars():
-                    raise _exceeds_context(len(body[name]) // st.max_token_chars(), st.n_ctx_slot, at_least=True)
+            for value in infill_fields(body).values():
+                st.check_prompt_fits(*_prompt_size(value))
             _check_constraint(st, p)
             return p, infill_prompt(st.tokenizer, body, spm=bool(getattr(st.args, "spm_infill", False)))
         p, prompt = await _prepare(req, work)
@@ -1221,24 +1220,38 @@ class Api:
         yield SSE_DONE
 
 
+def infill_fields(body: Any) -> dict[str, Any]:
+    """/infill's input_prefix and input_suffix (text, or a list mixing text and token ids, as
+    llama-server tokenizes them) and prompt (text), each "" when absent; a 400 naming the first
+    field of another type. Checked before anything else looks at them."""
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    out = {}
+    for name in ("input_prefix", "input_suffix", "prompt"):
+        v = body.get(name, "")
+        if isinstance(v, str):
+            out[name] = v
+        elif name != "prompt" and isinstance(v, list) and all(
+                isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool)) for x in v):
+            out[name] = v
+        elif name == "prompt":
+            raise HTTPError(400, "'prompt' must be a string")
+        else:
+            raise HTTPError(400, f"'{name}' must be a string or a list of strings and token ids")
+    return out
+
+
 def infill_prompt(tok, body: Any, spm: bool = False) -> list[int]:
     """llama-server's fill-in-the-middle prompt (prefix-suffix-middle order): [BOS] FIM_PRE prefix
     FIM_SUF suffix FIM_MID prompt, the input_extra chunks first (each after FIM_SEP and its file
     name when the model has that token); spm (--spm-infill): the suffix part before the prefix
-    part. A 400 when the model has no FIM tokens."""
-    if not isinstance(body, dict):
-        raise HTTPError(400, "the request body must be a JSON object")
+    part. A 400 naming a field of the wrong type, or when the model has no FIM tokens."""
+    texts = infill_fields(body)
     pre, suf, mid = (getattr(tok, a, None) for a in ("fim_pre_id", "fim_suf_id", "fim_mid_id"))
     if pre is None or suf is None or mid is None:
         raise HTTPError(400, "the model has no fill-in-the-middle tokens (FIM prefix, suffix and middle: "
                              "tokenizer.ggml.fim_pre/suf/mid_token_id or <|fim_prefix|>-like tokens), so /infill "
                              "cannot be served")
-    texts = {}
-    for name in ("input_prefix", "input_suffix", "prompt"):
-        v = body.get(name, "")
-        if not isinstance(v, str):
-            raise HTTPError(400, f"'{name}' must be a string")
-        texts[name] = v
     extra = body.get("input_extra", [])
     if not isinstance(extra, list) or not all(
             isinstance(e, dict) and isinstance(e.get("text", ""), str) and isinstance(e.get("filename", ""), str)
@@ -1247,13 +1260,27 @@ def infill_prompt(tok, body: Any, spm: bool = False) -> list[int]:
 
     def enc(text: str) -> list[int]:
         return tok.encode(text, add_special=False, parse_special=False) if text else []
+
+    def mixed(name: str) -> list[int]:
+        v = texts[name]
+        if isinstance(v, str):
+            return enc(v)
+        out: list[int] = []
+        for x in v:
+            if isinstance(x, str):
+                out += enc(x)
+            elif not 0 <= x < tok.n_vocab:
+                raise HTTPError(400, f"'{name}' holds token id {x} outside the vocabulary of {tok.n_vocab}")
+            else:
+                out.append(x)
+        return out
     out: list[int] = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
     sep = getattr(tok, "fim_sep_id", None)
     for e in extra:
         if sep is not None:
             out += [sep] + enc(e.get("filename", "") + "\n")
         out += enc(e.get("text", ""))
-    prefix, suffix = [pre] + enc(texts["input_prefix"]), [suf] + enc(texts["input_suffix"])
+    prefix, suffix = [pre] + mixed("input_prefix"), [suf] + mixed("input_suffix")
     out += (suffix + prefix if spm else prefix + suffix) + [mid] + enc(texts["prompt"])
     return out
 

@@ -394,6 +394,54 @@ def test_slot_restore_refuses_other_layouts(srv, tmp_path):
         _reuses(srv, 0, first)
 
 
+def test_slot_saves_to_one_file_concurrently(srv, tmp_path):
+    """Saves of two slots to one file at once each succeed and leave one slot's whole file, never a
+    mix, nor a temporary file behind."""
+    with srv.settings(slot_save_path=str(tmp_path)):
+        _saved_slot(srv, tmp_path, 0)
+        status, doc = srv.post("/completion", {"prompt": "Another prompt, of other words", "id_slot": 1,
+                                               "cache_prompt": True, **GREEDY})
+        assert status == 200, doc
+        expect = set()
+        for slot in (0, 1):
+            assert srv.post(f"/slots/{slot}?action=save", {"filename": f"ref{slot}.bin"})[0] == 200
+            expect.add((tmp_path / f"ref{slot}.bin").read_bytes())
+        assert len(expect) == 2
+        failed, mixed = [], 0
+        for _ in range(20):
+            def save(slot: int) -> None:
+                status, doc = srv.post(f"/slots/{slot}?action=save", {"filename": "x.bin"})
+                if status != 200:
+                    failed.append(doc)
+            threads = [threading.Thread(target=save, args=(slot,)) for slot in (0, 1, 0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            mixed += (tmp_path / "x.bin").read_bytes() not in expect
+        assert failed == [] and mixed == 0
+    assert sorted(os.listdir(tmp_path)) == ["ref0.bin", "ref1.bin", "s.bin", "x.bin"]
+
+
+def test_slot_restore_refuses_damaged_files(srv, tmp_path):
+    """A file whose bytes changed after the save fails its checksum: a 400, the slot untouched."""
+    with srv.settings(slot_save_path=str(tmp_path)):
+        first, saved = _saved_slot(srv, tmp_path)
+        data = (tmp_path / "s.bin").read_bytes()
+        n_tokens = saved["n_saved"]
+        start = data.index(b"\n", len(slot_file.MAGIC)) + 1
+        at_row = start + 4 * n_tokens + 5  # a byte of the first layer's K rows
+        at_token = start + 1  # the second byte of the first token id, still inside the vocabulary
+        for name, at in (("row.bin", at_row), ("token.bin", at_token), ("end.bin", len(data) - 1)):
+            (tmp_path / name).write_bytes(data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:])
+        n_past = srv.get("/slots")[1][0]["n_past"]
+        for name in ("row.bin", "token.bin", "end.bin"):
+            status, doc = srv.post("/slots/0?action=restore", {"filename": name})
+            assert status == 400 and "checksum" in doc["error"]["message"], (name, doc)
+            assert srv.get("/slots")[1][0]["n_past"] == n_past, name
+        _reuses(srv, 0, first)
+
+
 def test_valid_slot_filename():
     assert valid_slot_filename("slot-1.bin") and valid_slot_filename("日本.bin")
     assert not valid_slot_filename("x" * 256) and not valid_slot_filename("a\x00b") and not valid_slot_filename("x.")

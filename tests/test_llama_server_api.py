@@ -15,6 +15,7 @@ import re
 import math
 import os
 import threading
+import zlib
 from typing import Any, Optional
 
 import numpy as np
@@ -375,7 +376,8 @@ def test_slot_restore_refuses_other_layouts(srv, tmp_path):
         header = json.loads(data[at:end])
 
         def variant(name: str, **change) -> str:
-            (tmp_path / name).write_bytes(data[:at] + json.dumps({**header, **change}).encode() + data[end:])
+            changed = data[:at] + json.dumps({**header, **change}).encode() + data[end:-4]
+            (tmp_path / name).write_bytes(changed + zlib.crc32(changed).to_bytes(4, "little"))
             return name
         other_type = [["q8_0", 34, v, vb] for _, _, v, vb in header["kv"]]
         cases = {
@@ -439,6 +441,13 @@ def test_slot_restore_refuses_damaged_files(srv, tmp_path):
             status, doc = srv.post("/slots/0?action=restore", {"filename": name})
             assert status == 400 and "checksum" in doc["error"]["message"], (name, doc)
             assert srv.get("/slots")[1][0]["n_past"] == n_past, name
+        # a file of the second format (no checksum) is still restored, rows and all
+        (tmp_path / "v2.bin").write_bytes(slot_file.MAGIC_V2 + data[len(slot_file.MAGIC):-4])
+        assert srv.post("/slots/0?action=erase", {})[0] == 200
+        n_decode = srv.state.metrics.snapshot()["n_decode_total"]
+        status, restored = srv.post("/slots/0?action=restore", {"filename": "v2.bin"})
+        assert status == 200 and restored["n_restored"] == n_tokens, restored
+        assert srv.state.metrics.snapshot()["n_decode_total"] == n_decode
         _reuses(srv, 0, first)
 
 

@@ -8,7 +8,6 @@ which frees their slots at the next decode step.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -708,19 +707,9 @@ class Api:
             raise HTTPError(500, f"cannot read slot {slot.id}'s KV cache: {exc}", "server_error") from None
         layout = group.ctx.kv_layout()
 
-        def write_file() -> int:
-            tmp = f"{path}.tmp{os.getpid()}"
-            try:
-                with open(tmp, "wb") as f:
-                    n = slot_file.write(f, tokens, rows, layout, st.tokenizer.n_vocab, os.path.basename(st.model_path))
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            return n
         try:
-            n_written = await asyncio.to_thread(write_file)
+            n_written = await asyncio.to_thread(slot_file.save, path, tokens, rows, layout, st.tokenizer.n_vocab,
+                                                os.path.basename(st.model_path))
         except OSError as exc:
             raise HTTPError(500, f"cannot write slot file {filename}: {exc.strerror or exc}", "server_error") from None
         return {"id_slot": slot.id, "filename": filename, "n_saved": len(tokens), "n_written": n_written,

@@ -644,8 +644,8 @@ class Api:
     # --- slot save / restore / erase ----------------------------------------------------------
     async def slot_action(self, req: Request) -> Response:
         """POST /slots/{id}?action=save|restore|erase. A saved slot is the file of its cached
-        tokens; restoring recomputes their KV into the slot (the next request that starts with
-        them reuses it)."""
+        tokens and their KV rows (slot_file.py); restoring writes the rows back into the slot
+        without computing them (the next request that starts with those tokens reuses them)."""
         st = self.state
         if not st.slots_enabled:
             raise _not_enabled("slots endpoint", "--slots")
@@ -716,8 +716,12 @@ class Api:
                 "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
 
     async def _slot_restore(self, slot, path: str, filename: str) -> dict:
-        """The file's KV rows go straight into the slot; a version 1 file (tokens only), or rows
-        for which the group cannot free the cells, are computed into it like a prompt."""
+        """Reads and checks the whole file first (a 400 leaves the slot as it was), then writes its
+        KV rows back into the slot once the slot is idle, under its group's lock (group.write_slot:
+        other idle slots' caches are dropped for the room as a prompt would drop them); nothing is
+        computed. Rows the group cannot find cells for, a write that fails, and a version 1 file
+        (tokens only) are computed into the slot like a prompt that samples nothing; a file of no
+        tokens empties the slot."""
         st = self.state
         t0 = time.perf_counter()
         try:

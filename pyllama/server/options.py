@@ -1,7 +1,13 @@
-"""The server's command line: llama-server's flags, spellings, short forms, defaults and LLAMA_ARG_*
-variables (docs/server.md, "Flags", lists each as same, differs or not supported), plus pyllama's
-own limits. `parse_args` reads and checks a command line without loading anything;
-`configure` turns it into the values ServerState holds."""
+"""The server's command line: llama-server's flags with their spellings, short forms and defaults,
+each also read from PYLLAMA_ARG_<NAME> or LLAMA_ARG_<NAME> (pyllama's wins); pyllama's own flags
+(pipeline groups, tracing, HTTP limits); and the llama-server flags pyllama refuses, each with its
+reason (docs/server.md, "Flags", lists each as same, differs or not supported).
+
+`parse_args` reads and checks a command line without loading anything (`resolve` fills in the
+values that depend on others, `check_args` refuses what cannot run); `settings` and
+`apply_settings` give the values ServerState holds; the other functions turn flags into what the
+server starts with: the sampler defaults, the default grammar or schema, the chat template's
+variables, the log level, the accepted-but-inert flags' log lines and --mlock."""
 from __future__ import annotations
 
 import argparse

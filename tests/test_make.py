@@ -15,7 +15,8 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter, quants
 
 from pyllama.models.default_vocab import build_default_vocab, bytes_to_unicode
 from pyllama.models.gguf_file import GGUFFile
-from pyllama.models.make import MIXES, PRESETS, WTYPES, count_parameters, make_model, tensor_plan, tensor_types
+from pyllama.models.make import (ARCHS, MIXES, PRESETS, WTYPES, count_parameters, make_model, tensor_plan,
+                                 tensor_types)
 from pyllama.models.quantize import K_QUANTS, quantize
 from reference_forward import reference_logits
 
@@ -139,6 +140,57 @@ def test_loads_with_both_readers(model_factory, arch, wtype):
         assert tuple(int(d) for d in reversed(x.shape)) == t[x.name].shape
         assert x.tensor_type == t[x.name].qtype
     assert reader.fields["general.architecture"].contents() == arch
+
+
+def test_qwen2moe_is_never_tied():
+    """llama.cpp's qwen2moe loader requires output.weight (it has no fallback to token_embd), so
+    every preset writes one and --tied is refused."""
+    for preset in ("tiny", "small", "medium"):
+        assert tensor_plan(preset, "qwen2moe")[-1].name == "output.weight"
+    with pytest.raises(ValueError, match="qwen2moe"):
+        tensor_plan("tiny", "qwen2moe", tied=True)
+    assert count_parameters("small", "qwen2moe") == count_parameters("small", "qwen2moe", tied=False)
+
+
+def test_moe_arch_on_a_preset_without_experts():
+    """tiny256 has no Mixture-of-Experts shape: one clear error, not a KeyError's traceback."""
+    with pytest.raises(ValueError, match="tiny256"):
+        tensor_plan("tiny256", "qwen3moe")
+    r = subprocess.run([sys.executable, "-m", "pyllama.models.make", "--preset", "tiny256", "--arch", "mixtral",
+                        "--out", os.devnull], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "tiny256" in r.stderr, r.stderr
+
+
+PEERS = os.environ.get("PYLLAMA_PEERS")
+
+
+@pytest.mark.skipif(not PEERS or not os.path.isfile(os.path.join(PEERS, "bin", "llama-bench")),
+                    reason="PYLLAMA_PEERS names no folder with llama.cpp's bin/llama-bench")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_cpp_loads_every_arch(arch, tmp_path):
+    """Each architecture's file, tied and untied where make writes both, loads and runs in
+    llama.cpp (PYLLAMA_PEERS=/path/to/peers/llama.cpp python -m pytest tests/test_make.py -k llama_cpp)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from peers import Peers  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    peers = Peers(PEERS)
+    made = 0
+    try:
+        for tied in (True, False):
+            path = str(tmp_path / f"{arch}-{tied}.gguf")
+            try:
+                make_model("tiny", path, arch=arch, tied=tied)
+            except ValueError:
+                continue  # a tying this architecture does not have (gemma: always tied)
+            made += 1
+            r = subprocess.run([peers.path("llama-bench"), "-m", path, "-t", "1", "-p", "4", "-n", "1", "-r", "1"],
+                               env=peers.env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+            assert r.returncode == 0, f"{arch} tied={tied}: {r.stdout[-500:]}{r.stderr[-1500:]}"
+    finally:
+        peers.close()
+    assert made >= 1
 
 
 def test_tied_has_no_output_weight(model_factory):

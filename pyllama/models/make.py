@@ -16,6 +16,7 @@ output.weight N(0, 2.5/sqrt(n_embd)); norm weights 1 + N(0, 0.1); biases N(0, 0.
 Mixture-of-Experts archs (MOE_PRESETS): the router ffn_gate_inp N(0, 1/sqrt(n_embd)), the 3-D
 expert tensors [n_expert, rows, cols] scaled as their dense counterparts, qwen2moe's shared
 expert gate ffn_gate_inp_shexp N(0, 1/sqrt(n_embd)); `mixtral` writes a `llama` file with experts.
+gemma2/gemma3 are always tied and qwen2moe never (llama.cpp's loaders read them so).
 1-D tensors and the router are always F32; other weights are stored in --type, as llama.cpp's quantizer
 (llama-quantize, no importance matrix) would store them from the F32 model:
 
@@ -124,6 +125,7 @@ ROPE_FREQ_BASE = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwe
 QKV_BIAS_ARCHS = ("qwen2", "qwen2moe")
 QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3")
 GEMMA_ARCHS = ("gemma2", "gemma3")  # post-norms, always tied (llama.cpp reads no output.weight for them)
+UNTIED_ARCHS = ("qwen2moe",)  # llama.cpp's loader requires output.weight (no fallback to token_embd)
 SWA_DEFAULT = {"gemma2": 4096, "gemma3": 1024}  # their sliding windows
 
 
@@ -170,6 +172,10 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
         if tied is False:
             raise ValueError(f"{arch} ties its output layer to token_embd (no --untied)")
         tied = True
+    if arch in UNTIED_ARCHS:
+        if tied:
+            raise ValueError(f"{arch} has a separate output.weight in llama.cpp (no --tied)")
+        tied = False
     tied = p.tied if tied is None else tied
     n_vocab = p.n_vocab if n_vocab is None else n_vocab
     e, hd, ff = p.n_embd, p.head_dim, p.n_ff
@@ -236,6 +242,9 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
 def moe_shape(p: Preset, arch: str) -> tuple[int, int, int, int]:
     """(experts, used per token, expert FFN width, shared expert FFN width) of a MoE arch at a preset."""
     name = next(k for k, v in PRESETS.items() if v == p)
+    if name not in MOE_PRESETS:
+        raise ValueError(f"the {name} preset has no Mixture-of-Experts shape ({arch} is made at "
+                         f"{', '.join(MOE_PRESETS)})")
     n_exp, n_used, ff_exp, ff_sh = MOE_PRESETS[name]
     if arch == "mixtral":
         return n_exp, n_used, p.n_ff, 0
@@ -534,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="llama", choices=list(ARCHS), help="architecture (default llama)")
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None,
-                     help="no output.weight: the output layer reuses token_embd (default for small and medium)")
+                     help="no output.weight: the output layer reuses token_embd (default for small and medium; "
+                          "never qwen2moe)")
     tie.add_argument("--untied", dest="tied", action="store_false", help="a separate output.weight (default for tiny)")
     ap.add_argument("--rope-scaling", default="none", choices=["none", "linear", "yarn"],
                     help="rope.scaling.type written (default none)")

@@ -116,6 +116,91 @@ def test_parse_whole_and_streamed(family, text, content, calls):
         assert [c["id"] for c in d_calls] == [c["id"] for c in m_calls]
 
 
+def _long_args(n: int) -> str:
+    """Arguments JSON of about n characters: long strings with escapes, numbers, literals, nesting."""
+    items = []
+    for i in range(n // 60 + 1):
+        items.append(f'{{"k{i}": "line {i} \\"quoted\\" \\\\ \\u00e9 {{not}} [json] {"x" * (i % 7)}", '
+                     f'"v": [{i}, -{i}.5e-3, true, false, null]}}')
+    return '{"text": "' + "abc " * (n // 20) + '", "items": [' + ", ".join(items) + "]}"
+
+
+ARGS = _long_args(1200)
+LONG_REPLIES = [
+    ("hermes", "Let me look. " * 40 + f'<tool_call>\n{{"name": "write", "arguments": {ARGS}}}\n</tool_call>\n'
+               '<tool_call>{"name": "b", "arguments": {}}</tool_call> and then some words.'),
+    ("hermes", "x " * 30 + f'<tool_call>{{"name": "f", "arguments": {ARGS[:-1]}, oops}}}}</tool_call> tail'),
+    ("llama3", f'{{"name": "f", "parameters": {ARGS}}}; {{"name": "g", "parameters": {{}}}}'),
+    ("llama3", "Here: " * 20 + f'<|python_tag|>{{"name": "f", "parameters": {ARGS}}}'),
+    ("mistral", f'[TOOL_CALLS][{{"name": "f", "arguments": {ARGS}, "id": "abcDEF123"}}, '
+                '{"name": "now", "arguments": {}}]'),
+    ("mistral", "Sure. " * 30 + f"[TOOL_CALLS]get_weather[ARGS]{ARGS}"),
+    ("deepseek", "I will check. " * 30 + DS_BEGIN + ds_r1("f", ARGS) + "\n" + ds_r1("now", "{}") + DS_END),
+    ("deepseek", DS_BEGIN + f"{DS_CALL}f{DS_SEP}{ARGS}{DS_CALL_END}" + DS_END + " done"),
+    ("generic", f'{{"tool_calls": [{{"name": "f", "arguments": {ARGS}}}, {{"name": "g", "arguments": {{}}}}]}}'),
+    ("generic", '{"response": "' + "sunny and warm, " * 100 + '"}'),
+    ("generic", "plain words " * 150),
+]
+
+
+def _reparsed_deltas(family: str, pieces: list[str]) -> list[dict]:
+    """The deltas of a stream that parses the whole reply so far again at every piece (the
+    reference for the stream's own incremental reading): new content once it extends what was
+    sent, a call announced once, then its arguments' growth."""
+    text, sent, ids, args, out = "", "", [], [], []
+
+    def update(snap, final: bool) -> None:
+        nonlocal sent
+        new = snap.content[len(sent):] if snap.content.startswith(sent) else ""
+        if new and not (final and snap.calls and not (sent + new).strip()):
+            out.append({"content": new})
+            sent += new
+        for idx, call in enumerate(snap.calls):
+            if idx >= len(ids):
+                ids.append(call.id or f"<{idx}>")
+                args.append("")
+                out.append({"tool_calls": [{"index": idx, "id": ids[idx], "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})
+            if len(call.arguments) > len(args[idx]) and call.arguments.startswith(args[idx]):
+                out.append({"tool_calls": [{"index": idx, "function": {"arguments": call.arguments[len(args[idx]):]}}]})
+                args[idx] = call.arguments
+    for p in pieces:
+        text += p
+        update(parse(family, text, final=False), False)
+    update(parse(family, text, final=True), True)
+    return out
+
+
+def _anonymous(deltas: list[dict]) -> list[dict]:
+    """Deltas with generated call ids replaced by the call's index (the model's own ids kept)."""
+    out = json.loads(json.dumps(deltas))
+    for d in out:
+        for tc in d.get("tool_calls", []):
+            if "id" in tc and tc["id"].startswith("call_") or "id" in tc and len(tc["id"]) == 9 \
+                    and tc["id"] != "abcDEF123":
+                tc["id"] = f"<{tc['index']}>"
+    return out
+
+
+@pytest.mark.parametrize("family, text", LONG_REPLIES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(LONG_REPLIES)])
+def test_long_reply_character_by_character(family, text):
+    """A long reply streamed one character at a time gives the deltas of a whole re-read at every
+    character, and they add up to the whole reply's parse."""
+    assert len(text) > 1500
+    pieces = list(text)
+    deltas, s = _stream(family, pieces)
+    assert _anonymous(deltas) == _reparsed_deltas(family, pieces)
+    whole = parse(family, text)
+    content, calls = s.message()
+    assert (content or "") == whole.content or (content is None and not whole.content.strip())
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [(c.name, c.arguments) for c in whole.calls]
+    d_content, d_calls = _merge(deltas)
+    assert d_content == (content or "")
+    assert [(c["name"], c["arguments"]) for c in d_calls][:len(calls)] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
 def test_arguments_stream_in_fragments_before_the_call_ends():
     text = '<tool_call>{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}</tool_call>'
     deltas, _ = _stream("hermes", list(text))

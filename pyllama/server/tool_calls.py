@@ -170,6 +170,7 @@ DONE, PARTIAL, BAD = 0, 1, 2
 _WS = " \t\r\n"
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NUMBER_PREFIX = re.compile(r"-?(?:0|[1-9][0-9]*)?(?:\.[0-9]*)?(?:[eE][+-]?[0-9]*)?$")
+_NUMBER_CHARS = re.compile(r"[-+0-9.eE]*")
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 
@@ -248,10 +249,11 @@ def scan_json(s: str, i: int) -> tuple[int, int]:
                 if st != DONE:
                     return st, i
             elif c == "-" or c.isdigit():
+                if _NUMBER_CHARS.match(s, i).end() == n:  # runs to the end: more may follow ("1.5e" -> "1.5e-3")
+                    return (PARTIAL, n) if _NUMBER_PREFIX.match(s, i) else (BAD, i)
                 m = _NUMBER.match(s, i)
-                if m is None or m.end() == n:
-                    tail = s[i:]
-                    return (PARTIAL, n) if _NUMBER_PREFIX.match(tail) else (BAD, i)
+                if m is None:
+                    return BAD, i
                 i = m.end()
             elif c in "tfn":
                 for lit in ("true", "false", "null"):

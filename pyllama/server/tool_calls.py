@@ -181,47 +181,111 @@ def _skip_ws(s: str, i: int) -> int:
     return i
 
 
+_PLAIN = re.compile(r'[^"\\]*')
+
+
+def _string_from(s: str, p: int) -> tuple[int, int, int]:
+    """(status, end, resume) of a string literal's body read from p (just after its opening quote
+    or a complete escape). PARTIAL: reading may resume at `resume` once more text has come."""
+    n = len(s)
+    while True:
+        p = _PLAIN.match(s, p).end()
+        if p >= n:
+            return PARTIAL, n, n
+        if s[p] == '"':
+            return DONE, p + 1, p + 1
+        if p + 1 >= n:  # a backslash at the end
+            return PARTIAL, n, p
+        e = s[p + 1]
+        if e == "u":
+            hexs = s[p + 2:p + 6]
+            if not all(h in _HEX for h in hexs):
+                return BAD, p, p
+            if len(hexs) < 4:
+                return PARTIAL, n, p
+            p += 6
+            continue
+        if e not in '"\\/bfnrt':
+            return BAD, p, p
+        p += 2
+
+
 def _scan_string(s: str, i: int) -> tuple[int, int]:
     """(status, end) of the string literal at s[i] == '"'."""
-    n = len(s)
-    i += 1
-    while i < n:
-        c = s[i]
-        if c == '"':
-            return DONE, i + 1
-        if c == "\\":
-            if i + 1 >= n:
-                return PARTIAL, n
-            e = s[i + 1]
-            if e == "u":
-                hexs = s[i + 2:i + 6]
-                if not all(h in _HEX for h in hexs):
-                    return BAD, i
-                if len(hexs) < 4:
-                    return PARTIAL, n
-                i += 6
-                continue
-            if e not in '"\\/bfnrt':
-                return BAD, i
-            i += 2
-            continue
-        i += 1
-    return PARTIAL, n
+    st, end, _ = _string_from(s, i + 1)
+    return st, end
 
 
-def scan_json(s: str, i: int) -> tuple[int, int]:
+class _Memo:
+    """What the scanners learned of one growing text (a stream's reply so far), so that reading it
+    again after more text came resumes where they stopped instead of starting over. Every text
+    read with a memo must extend the one read before with it. Entries are keyed by where a scan
+    started: a finished result (DONE or BAD stays so whatever follows), or where to resume."""
+
+    def __init__(self) -> None:
+        self.json: dict[int, tuple] = {}
+        self.members: dict[int, Any] = {}
+        self.find: dict[tuple[str, int], tuple[int, int]] = {}
+
+
+def _find(s: str, marker: str, pos: int, memo: Optional[_Memo]) -> int:
+    """s.find(marker, pos), searching only the text that came since the last search."""
+    if memo is None:
+        return s.find(marker, pos)
+    hit = memo.find.get((marker, pos))
+    start = pos
+    if hit is not None:
+        if hit[0] >= 0:
+            return hit[0]
+        start = max(pos, hit[1] - len(marker) + 1)
+    k = s.find(marker, start)
+    memo.find[(marker, pos)] = (k, len(s))
+    return k
+
+
+def scan_json(s: str, i: int, memo: Optional[_Memo] = None) -> tuple[int, int]:
     """(status, end) of the JSON value starting at s[i] (whitespace before it is skipped).
 
     DONE: s[i:end] holds one complete value. PARTIAL: s[i:] is a valid start of a value (end is
     len(s)). BAD: it cannot be the start of any value (end is where it went wrong). A number at
-    the very end of s is PARTIAL, since more digits may follow."""
+    the very end of s is PARTIAL, since more digits may follow. With a memo, a value read
+    before resumes where that reading stopped."""
+    hit = memo.json.get(i) if memo is not None else None
+    if hit is not None and len(hit) == 2:
+        return hit
+    at = i
+    stack, state, j, str_p = ([], "value", i, None) if hit is None else (list(hit[0]), hit[1], hit[2], hit[3])
+    status, end, resume = _scan(s, j, stack, state, str_p)
+    if memo is not None:
+        memo.json[at] = (status, end) if resume is None else resume
+    return status, end
+
+
+def _scan(s: str, i: int, stack: list[str], state: str, str_p: Optional[int]) -> tuple[int, int, Optional[tuple]]:
+    """scan_json's reading from a state: (status, end, where to resume when PARTIAL, else None).
+    str_p: inside the string literal that starts at s[i], resuming at str_p."""
     n = len(s)
-    stack: list[str] = []
-    state = "value"  # value | key | key_or_end | colon | after | value_or_end
+
+    def partial(at: int, p: Optional[int] = None) -> tuple[int, int, tuple]:
+        return PARTIAL, n, (tuple(stack), state, at, p)
+
+    if str_p is not None:
+        st, end, p = _string_from(s, str_p)
+        if st == PARTIAL:
+            return partial(i, p)
+        if st == BAD:
+            return BAD, end, None
+        i = end
+        if state == "value":
+            state = "after"
+            if not stack:
+                return DONE, i, None
+        else:
+            state = "colon"
     while True:
         i = _skip_ws(s, i)
         if i >= n:
-            return PARTIAL, n
+            return partial(n)
         c = s[i]
         if state == "value_or_end":
             if c == "]":
@@ -231,7 +295,7 @@ def scan_json(s: str, i: int) -> tuple[int, int]:
             else:
                 state = "value"
             if state == "after" and not stack:
-                return DONE, i
+                return DONE, i, None
             continue
         if state == "value":
             if c == "{":
@@ -245,30 +309,33 @@ def scan_json(s: str, i: int) -> tuple[int, int]:
                 state = "value_or_end"
                 continue
             if c == '"':
-                st, i = _scan_string(s, i)
-                if st != DONE:
-                    return st, i
+                st, end, p = _string_from(s, i + 1)
+                if st == PARTIAL:
+                    return partial(i, p)
+                if st == BAD:
+                    return BAD, end, None
+                i = end
             elif c == "-" or c.isdigit():
                 if _NUMBER_CHARS.match(s, i).end() == n:  # runs to the end: more may follow ("1.5e" -> "1.5e-3")
-                    return (PARTIAL, n) if _NUMBER_PREFIX.match(s, i) else (BAD, i)
+                    return partial(i) if _NUMBER_PREFIX.match(s, i) else (BAD, i, None)
                 m = _NUMBER.match(s, i)
                 if m is None:
-                    return BAD, i
+                    return BAD, i, None
                 i = m.end()
             elif c in "tfn":
                 for lit in ("true", "false", "null"):
                     if s.startswith(lit, i):
                         i += len(lit)
                         break
-                    if lit.startswith(s[i:]):
-                        return PARTIAL, n
+                    if n - i < len(lit) and lit.startswith(s[i:]):
+                        return partial(i)
                 else:
-                    return BAD, i
+                    return BAD, i, None
             else:
-                return BAD, i
+                return BAD, i, None
             state = "after"
             if not stack:
-                return DONE, i
+                return DONE, i, None
             continue
         if state in ("key", "key_or_end"):
             if c == "}" and state == "key_or_end":
@@ -276,18 +343,21 @@ def scan_json(s: str, i: int) -> tuple[int, int]:
                 i += 1
                 state = "after"
                 if not stack:
-                    return DONE, i
+                    return DONE, i, None
                 continue
             if c != '"':
-                return BAD, i
-            st, i = _scan_string(s, i)
-            if st != DONE:
-                return st, i
+                return BAD, i, None
+            st, end, p = _string_from(s, i + 1)
+            if st == PARTIAL:
+                return partial(i, p)
+            if st == BAD:
+                return BAD, end, None
+            i = end
             state = "colon"
             continue
         if state == "colon":
             if c != ":":
-                return BAD, i
+                return BAD, i, None
             i += 1
             state = "value"
             continue
@@ -300,13 +370,16 @@ def scan_json(s: str, i: int) -> tuple[int, int]:
             stack.pop()
             i += 1
             if not stack:
-                return DONE, i
+                return DONE, i, None
         else:
-            return BAD, i
+            return BAD, i, None
+
+
+_DECODER = json.JSONDecoder(strict=False)  # models write raw newlines inside strings
 
 
 def _loads(text: str) -> Any:
-    return json.loads(text, strict=False)  # models write raw newlines inside strings
+    return _DECODER.decode(text)  # json.loads(text, strict=False), without a new decoder per call
 
 
 @dataclass
@@ -318,35 +391,45 @@ class _Members:
     open_start: int = 0
 
 
-def _scan_members(s: str, i: int) -> _Members:
-    """The members of the object at s[i] == '{', complete or not."""
+def _scan_members(s: str, i: int, memo: Optional[_Memo] = None) -> _Members:
+    """The members of the object at s[i] == '{', complete or not (with a memo: resumed at the
+    member being written when it was read last)."""
     n = len(s)
+    at = i
+    hit = memo.members.get(at) if memo is not None else None
+    if isinstance(hit, _Members):
+        return hit
     done: dict[str, tuple[int, int]] = {}
     i += 1
     first = True
+    if hit is not None:
+        i, first, prior = hit
+        done = dict(prior)
     while True:
+        if memo is not None:
+            memo.members[at] = (i, first, dict(done))  # where this member starts: resumed here
         i = _skip_ws(s, i)
         if i >= n:
             return _Members(PARTIAL, n, done)
         if first and s[i] == "}":
-            return _Members(DONE, i + 1, done)
+            return _keep(memo, at, _Members(DONE, i + 1, done))
         if s[i] != '"':
-            return _Members(BAD, i, done)
+            return _keep(memo, at, _Members(BAD, i, done))
         st, k_end = _scan_string(s, i)
         if st != DONE:
-            return _Members(st, k_end, done)
+            return _Members(st, k_end, done) if st == PARTIAL else _keep(memo, at, _Members(st, k_end, done))
         key = _loads(s[i:k_end])
         i = _skip_ws(s, k_end)
         if i >= n:
             return _Members(PARTIAL, n, done)
         if s[i] != ":":
-            return _Members(BAD, i, done)
+            return _keep(memo, at, _Members(BAD, i, done))
         i = _skip_ws(s, i + 1)
         if i >= n:
             return _Members(PARTIAL, n, done, key, i)
-        st, v_end = scan_json(s, i)
+        st, v_end = scan_json(s, i, memo)
         if st == BAD:
-            return _Members(BAD, v_end, done)
+            return _keep(memo, at, _Members(BAD, v_end, done))
         if st == PARTIAL:
             return _Members(PARTIAL, n, done, key, i)
         done[key] = (i, v_end)
@@ -354,11 +437,18 @@ def _scan_members(s: str, i: int) -> _Members:
         if i >= n:
             return _Members(PARTIAL, n, done)
         if s[i] == "}":
-            return _Members(DONE, i + 1, done)
+            return _keep(memo, at, _Members(DONE, i + 1, done))
         if s[i] != ",":
-            return _Members(BAD, i, done)
+            return _keep(memo, at, _Members(BAD, i, done))
         i += 1
         first = False
+
+
+def _keep(memo: Optional[_Memo], at: int, result: _Members) -> _Members:
+    """A finished reading of the object at `at` (it stays so whatever text follows)."""
+    if memo is not None:
+        memo.members[at] = result
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,9 +497,9 @@ def _args_text(s: str, span: tuple[int, int]) -> Optional[str]:
 
 
 def _object_call(s: str, i: int, final: bool, args_keys: tuple[str, ...] = ("arguments",),
-                 stream_args: bool = True) -> _Part:
+                 stream_args: bool = True, memo: Optional[_Memo] = None) -> _Part:
     """A call written as a JSON object {"name": ..., <args key>: {...}} at s[i] == '{'."""
-    m = _scan_members(s, i)
+    m = _scan_members(s, i, memo)
     if m.status == BAD:
         return _Part(BAD, m.end, [])
     name_span = m.done.get("name")
@@ -447,7 +537,7 @@ def _literal(s: str, i: int, lit: str) -> int:
     """DONE if s[i:] starts with lit, PARTIAL if s[i:] is a start of it, else BAD."""
     if s.startswith(lit, i):
         return DONE
-    return PARTIAL if lit.startswith(s[i:]) else BAD
+    return PARTIAL if len(s) - i < len(lit) and lit.startswith(s[i:]) else BAD
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,10 +552,10 @@ class _Family:
     markers: tuple[str, ...] = ()
     json_at_start = False
 
-    def at_marker(self, s: str, i: int, marker: str, final: bool) -> _Part:
+    def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
         raise NotImplementedError
 
-    def at_start(self, s: str, i: int, final: bool) -> _Part:
+    def at_start(self, s: str, i: int, final: bool, memo: Optional[_Memo] = None) -> _Part:
         raise NotImplementedError
 
 
@@ -473,13 +563,13 @@ class _Hermes(_Family):
     name = "hermes"
     markers = ("<tool_call>",)
 
-    def at_marker(self, s: str, i: int, marker: str, final: bool) -> _Part:
+    def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
         j = _skip_ws(s, i + len(marker))
         if j >= len(s):
             return _Part(BAD if final else PARTIAL, len(s), [])
         if s[j] != "{":
             return _Part(BAD, j, [])
-        part = _object_call(s, j, final)
+        part = _object_call(s, j, final, memo=memo)
         if part.status != DONE:
             return part
         k = _skip_ws(s, part.end)
@@ -506,11 +596,11 @@ class _Llama3(_Family):
     markers = (PYTHON_TAG,)
     json_at_start = True
 
-    def _objects(self, s: str, i: int, final: bool) -> _Part:
+    def _objects(self, s: str, i: int, final: bool, memo: Optional[_Memo]) -> _Part:
         """One or more call objects separated by whitespace or ';'."""
         calls: list[ToolCall] = []
         while True:
-            part = _object_call(s, i, final, args_keys=("parameters", "arguments"))
+            part = _object_call(s, i, final, args_keys=("parameters", "arguments"), memo=memo)
             if part.status != DONE:
                 if calls and part.status == BAD:  # what follows the calls is not one: stop there
                     return _Part(DONE, end, calls)
@@ -528,13 +618,13 @@ class _Llama3(_Family):
                 return _Part(DONE, end, calls)
             i = k
 
-    def at_start(self, s: str, i: int, final: bool) -> _Part:
-        return self._objects(s, i, final)
+    def at_start(self, s: str, i: int, final: bool, memo: Optional[_Memo] = None) -> _Part:
+        return self._objects(s, i, final, memo)
 
-    def at_marker(self, s: str, i: int, marker: str, final: bool) -> _Part:
+    def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
         j = _skip_ws(s, i + len(marker))
         if j < len(s) and s[j] == "{":
-            return self._objects(s, j, final)
+            return self._objects(s, j, final, memo)
         if not final:  # code or a built-in tool call: read once the reply is complete
             return _Part(PARTIAL, len(s), [])
         rest = s[j:].strip()
@@ -571,13 +661,13 @@ class _Mistral(_Family):
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
 
-    def at_marker(self, s: str, i: int, marker: str, final: bool) -> _Part:
+    def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
         j = _skip_ws(s, i + len(marker))
         n = len(s)
         if j >= n:
             return _Part(BAD if final else PARTIAL, n, [])
         if s[j] == "[":
-            return self._array(s, j, final)
+            return self._array(s, j, final, memo)
         # NAME[ARGS]{...} or NAME[CALL_ID]ID[ARGS]{...}
         m = _MISTRAL_NAMED.match(s, j)
         if m is None:
@@ -589,13 +679,13 @@ class _Mistral(_Family):
             return _Part(BAD if final else PARTIAL, n, [])
         if s[k] != "{":
             return _Part(BAD, k, [])
-        st, end = scan_json(s, k)
+        st, end = scan_json(s, k, memo)
         if st == BAD or (st == PARTIAL and final):
             return _Part(BAD, end, [])
         call = ToolCall(m.group(1), s[k:end], m.group(2) or "", done=(st == DONE))
         return _Part(st, end, [call])
 
-    def _array(self, s: str, j: int, final: bool) -> _Part:
+    def _array(self, s: str, j: int, final: bool, memo: Optional[_Memo]) -> _Part:
         calls: list[ToolCall] = []
         i = j + 1
         n = len(s)
@@ -608,7 +698,7 @@ class _Mistral(_Family):
             if s[i] != "{":
                 return _Part(BAD, i, [])
             # ids follow the arguments in this form: a call is shown only once complete
-            part = _object_call(s, i, final, stream_args=False)
+            part = _object_call(s, i, final, stream_args=False, memo=memo)
             if part.status != DONE:
                 return _Part(part.status, part.end, calls)
             calls += part.calls
@@ -626,7 +716,7 @@ class _DeepSeek(_Family):
     name = "deepseek"
     markers = (DS_CALLS_BEGIN, DS_CALL_BEGIN)
 
-    def at_marker(self, s: str, i: int, marker: str, final: bool) -> _Part:
+    def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
         n = len(s)
         calls: list[ToolCall] = []
         k = i + len(marker) if marker == DS_CALLS_BEGIN else i
@@ -639,7 +729,7 @@ class _DeepSeek(_Family):
             if s.startswith(DS_CALLS_END, k):
                 return _Part(DONE if calls else BAD, k + len(DS_CALLS_END), calls)
             if s.startswith(DS_CALL_BEGIN, k):
-                part = self._call(s, k + len(DS_CALL_BEGIN), final)
+                part = self._call(s, k + len(DS_CALL_BEGIN), final, memo)
                 if part.status == DONE:
                     calls += part.calls
                     k = part.end
@@ -647,12 +737,13 @@ class _DeepSeek(_Family):
                 if part.status == PARTIAL:
                     return _Part(PARTIAL, n, calls + part.calls)
                 return _Part(BAD, part.end, [])
-            if not final and (DS_CALLS_END.startswith(s[k:]) or DS_CALL_BEGIN.startswith(s[k:])):
+            if not final and n - k < max(len(DS_CALLS_END), len(DS_CALL_BEGIN)) and (
+                    DS_CALLS_END.startswith(s[k:]) or DS_CALL_BEGIN.startswith(s[k:])):
                 return _Part(PARTIAL, n, calls)
             # text after the calls (the section's end marker missing) is content again
             return _Part(DONE, k, calls) if calls else _Part(BAD, k, [])
 
-    def _call(self, s: str, k: int, final: bool) -> _Part:
+    def _call(self, s: str, k: int, final: bool, memo: Optional[_Memo]) -> _Part:
         n = len(s)
         sep = s.find(DS_SEP, k)
         if sep < 0:
@@ -680,7 +771,7 @@ class _DeepSeek(_Family):
             return _Part(BAD if final or not name else PARTIAL, n, [])
         if s[j] != "{":
             return _Part(BAD, j, [])
-        st, end = scan_json(s, j)
+        st, end = scan_json(s, j, memo)
         if st == BAD or (st == PARTIAL and final):
             return _Part(BAD, end, [])
         call = ToolCall(name, s[j:end], done=False)
@@ -706,8 +797,8 @@ class _Generic(_Family):
     name = "generic"
     json_at_start = True
 
-    def at_start(self, s: str, i: int, final: bool) -> _Part:
-        st, end = scan_json(s, i)
+    def at_start(self, s: str, i: int, final: bool, memo: Optional[_Memo] = None) -> _Part:
+        st, end = scan_json(s, i, memo)
         if st == PARTIAL:
             return _Part(BAD if final else PARTIAL, end, [])
         if st == BAD or _skip_ws(s, end) < len(s):
@@ -753,13 +844,14 @@ def _held_marker_prefix(s: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-def parse(family: str, text: str, final: bool = True, parallel: bool = True) -> Snapshot:
+def parse(family: str, text: str, final: bool = True, parallel: bool = True, memo: Optional[_Memo] = None) -> Snapshot:
     """Content and tool calls of a reply in a family's format.
 
     final=False reads an unfinished reply: the content excludes what may still turn out to be a
     call (a partial marker, trailing whitespace, a call being written), and the last call may be
     unfinished (done False). Whitespace just before a call is not content; text after the calls
-    is. Text that starts like a call but is not a well-formed one stays in the content."""
+    is. Text that starts like a call but is not a well-formed one stays in the content.
+    memo: the scanners' state from reading a shorter start of the same text (ToolCallStream's)."""
     fam = _FAMILIES[family]
     pieces: list[str] = []
     calls: list[ToolCall] = []
@@ -770,7 +862,7 @@ def parse(family: str, text: str, final: bool = True, parallel: bool = True) -> 
         if j >= n:
             return Snapshot(text if final else "", [])
         if text[j] == "{":
-            part = fam.at_start(text, j, final)
+            part = fam.at_start(text, j, final, memo)
             if part.status == PARTIAL:
                 return Snapshot("", _limit(part.calls, parallel))
             if part.status == DONE:
@@ -779,7 +871,7 @@ def parse(family: str, text: str, final: bool = True, parallel: bool = True) -> 
                 calls += part.calls
                 pos = part.end
     while True:
-        found = [(text.find(m, pos), m) for m in fam.markers]
+        found = [(_find(text, m, pos, memo), m) for m in fam.markers]
         found = [(k, m) for k, m in found if k >= 0]
         if not found:
             tail = text[pos:]
@@ -790,7 +882,7 @@ def parse(family: str, text: str, final: bool = True, parallel: bool = True) -> 
             pieces.append(tail)
             break
         k, marker = min(found)
-        part = fam.at_marker(text, k, marker, final)
+        part = fam.at_marker(text, k, marker, final, memo)
         if part.status == BAD:
             pieces.append(text[pos:])
             break
@@ -816,8 +908,10 @@ class ToolCallStream:
 
     :meth:`feed` takes the next piece of the reply and returns delta dicts (``{"content": ...}``
     or ``{"tool_calls": [...]}``); :meth:`finish` returns the last ones, and :attr:`snapshot` is
-    then the complete message. Before the first marker the cost per piece is a few string
-    searches; once a call may have begun the reply so far is read again on each piece."""
+    then the complete message. Each piece is read as :func:`parse` reads the whole reply so far,
+    with the scanners' state kept between pieces (:class:`_Memo`): marker searches and JSON values
+    being written resume where they stopped, and finished values are not read again, so the
+    Python work per piece follows the piece's length, not the reply's."""
 
     def __init__(self, family: str, parallel: bool = True) -> None:
         if family not in _FAMILIES:
@@ -830,15 +924,21 @@ class ToolCallStream:
         self._ids: list[str] = []   # per announced call: its id
         self._args: list[str] = []  # per announced call: the arguments sent so far
         self.snapshot = Snapshot("", [])
+        self._memo = _Memo()
 
     def feed(self, piece: str) -> list[dict]:
         if not piece:
             return []
-        self.text += piece
-        return self._update(parse(self.family, self.text, final=False, parallel=self.parallel))
+        # the reply's only reference is the local while it grows, so CPython appends in place
+        # instead of copying the whole reply for every piece
+        text, self.text = self.text, ""
+        text += piece
+        self.text = text
+        return self._update(parse(self.family, self.text, final=False, parallel=self.parallel, memo=self._memo))
 
     def finish(self) -> list[dict]:
-        return self._update(parse(self.family, self.text, final=True, parallel=self.parallel), final=True)
+        return self._update(parse(self.family, self.text, final=True, parallel=self.parallel, memo=self._memo),
+                            final=True)
 
     def _update(self, snap: Snapshot, final: bool = False) -> list[dict]:
         out: list[dict] = []

@@ -199,6 +199,13 @@ def test_long_reply_character_by_character(family, text):
     assert d_content == (content or "")
     assert [(c["name"], c["arguments"]) for c in d_calls][:len(calls)] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    # pieces of 1 to 24 characters, as tokens come: the same deltas as the whole re-read's
+    rng = random.Random(len(text))
+    cuts, at = [], 0
+    while at < len(text):
+        cuts.append(text[at:at + rng.randint(1, 24)])
+        at += len(cuts[-1])
+    assert _anonymous(_stream(family, cuts)[0]) == _reparsed_deltas(family, cuts)
 
 
 def test_arguments_stream_in_fragments_before_the_call_ends():

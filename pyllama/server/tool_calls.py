@@ -911,7 +911,9 @@ class ToolCallStream:
     then the complete message. Each piece is read as :func:`parse` reads the whole reply so far,
     with the scanners' state kept between pieces (:class:`_Memo`): marker searches and JSON values
     being written resume where they stopped, and finished values are not read again, so the
-    Python work per piece follows the piece's length, not the reply's."""
+    Python work per piece follows the piece's length, not the reply's. What still grows with the
+    reply is copying at memory speed: the content and an unfinished call's arguments are sliced
+    out of the reply again at each piece and compared with what was sent."""
 
     def __init__(self, family: str, parallel: bool = True) -> None:
         if family not in _FAMILIES:

@@ -79,6 +79,7 @@ class StoredGraph:
     payload: bytes
     graph: Graph
     buffers: frozenset
+    written: tuple = ()   # the tensors its nodes write (outputs, ATTENTION's caches)
 
 
 def _name(raw: bytes) -> str:
@@ -105,6 +106,15 @@ def _overlap(a: Tensor, b: Tensor) -> bool:
     """Whether two tensors share a byte (empty ones share none)."""
     return (a.buffer is b.buffer and a.nbytes > 0 and b.nbytes > 0
             and a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes)
+
+
+def _written_by(graph: Graph) -> tuple:
+    """Each tensor the nodes of `graph` write, once."""
+    seen: dict[tuple[int, int, int], Tensor] = {}
+    for nd in graph.nodes:
+        for t in (nd.out,) + ((nd.srcs[1], nd.srcs[2]) if nd.op == Op.ATTENTION else ()):
+            seen.setdefault((id(t.buffer), t.offset, t.nbytes), t)
+    return tuple(seen.values())
 
 
 def describe(exc: BaseException) -> str:
@@ -347,6 +357,9 @@ class Session:
         cache = self.server.cache
         if cache is None:
             return b"\0"
+        # written in place below, past the backend's set_tensor: a repacked copy of a weight there
+        # would otherwise stay and the next graph compute with the old bytes
+        dev.backend.drop_weights([view])
         if isinstance(dev.backend, CPUBackend):  # straight into the buffer
             found = cache.read_into(digest, memoryview(CPUBackend.bytes_of(view)))
         else:
@@ -426,14 +439,13 @@ class Session:
         if stored is None or stored.payload != data:
             self._forget((device, uid))
             graph, bufs = self._build_graph(dev, data)
-            stored = StoredGraph(uid, data, graph, bufs)
+            stored = StoredGraph(uid, data, graph, bufs, _written_by(graph))
             self.recent[(device, uid)] = stored
             self._trim_recent()
         else:
             self.recent.move_to_end((device, uid))
         self.graphs[device] = stored
-        self.last_nodes = len(stored.graph.nodes)
-        dev.backend.graph_compute(stored.graph)
+        self._compute(dev, stored)
 
     def _graph_recompute(self, payload, t_recv: int) -> None:
         _expect(payload, P.RECOMPUTE.size, "GRAPH_RECOMPUTE")
@@ -445,8 +457,15 @@ class Session:
             raise CommandError(f"graph {uid} is not the last graph of device {device} on this connection "
                                f"(that is {last})")
         self.recent.move_to_end((device, uid))  # a re-run graph is recently used too
+        self._compute(dev, stored)
+
+    def _compute(self, dev: "Device", stored: StoredGraph) -> None:
         self.last_nodes = len(stored.graph.nodes)
-        dev.backend.graph_compute(stored.graph)
+        try:
+            dev.backend.graph_compute(stored.graph)
+        finally:
+            # a graph may write where a weight lies (no real one does): its repacked copy is stale
+            dev.backend.drop_weights(stored.written)
 
     def _trim_recent(self) -> None:
         """Forgets the least recently run graphs beyond RECENT_GRAPHS or RECENT_GRAPH_BYTES."""

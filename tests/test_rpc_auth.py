@@ -175,3 +175,32 @@ def test_client_connection_proves_and_checks(guarded):
         set_token(None)
         import pyllama.rpc.connection as c
         c._token_set = False
+
+
+def test_a_client_without_the_token_gets_nothing_that_depends_on_it(monkeypatch):
+    """The client proves first: a peer guessing the token receives the server's nonce and a refusal,
+    never an HMAC of the token it could test guesses against offline. With the server's nonce fixed,
+    every byte it receives is the same whatever the server's token."""
+    monkeypatch.setattr(auth, "new_nonce", lambda: b"\x07" * auth.NONCE)
+    cn = b"\x01" * auth.NONCE
+    transcripts = []
+    for token in (TOKEN, b"another token, just as long as the first"):
+        st = ServerThread(port=0, backend_factory=lambda: CPUBackend(1), token=token, caps_mask=0)
+        st.start()
+        try:
+            c = Raw(st.port)
+            c.hello()  # its reply carries the server's random id: not part of the comparison
+            got = bytearray()
+            status, rep = c.call(Cmd.AUTH, bytes([auth.STEP_BEGIN]) + cn)
+            got += bytes([status]) + rep
+            assert status == P.STATUS_OK and len(rep) == auth.NONCE
+            guess = auth.client_proof(b"a guessed token of 32 bytes ....", cn, rep[:auth.NONCE])
+            status, msg = c.call(Cmd.AUTH, bytes([auth.STEP_PROVE]) + guess)
+            got += bytes([status]) + msg
+            assert status == P.STATUS_ERROR and b"authentication failed" in msg
+            assert c.closed_by_server()
+            c.close()
+            transcripts.append(bytes(got))
+        finally:
+            st.stop()
+    assert transcripts[0] == transcripts[1]

@@ -55,7 +55,7 @@ def test_split_with_the_token_equals_local(tiny_model, token_file, tmp_path):
         wrong = tmp_path / "wrong"
         wrong.write_bytes(b"not-the-token-but-long-enough\n")
         bad = generate(tiny_model, *split, "--rpc-token-file", str(wrong))
-        assert bad.returncode == 1 and "does not hold our token" in bad.stderr
+        assert bad.returncode == 1 and "wrong token on one side" in bad.stderr
         # the server keeps serving authenticated clients after the refusals
         assert generate(tiny_model, *split, "--rpc-token-file", token_file).stdout == local.stdout
     finally:
@@ -134,9 +134,8 @@ def test_wrong_proof_closes_and_right_proof_opens(guarded):
     c.hello()
     cn = auth.new_nonce()
     c.send(Cmd.AUTH, bytes([auth.STEP_BEGIN]) + cn)
-    status, rep = c.reply()
-    sn, proof = rep[:32], rep[32:]
-    assert status == 0 and auth.verify(auth.server_proof(TOKEN, cn, sn), proof)
+    status, sn = c.reply()
+    assert status == 0 and len(sn) == auth.NONCE  # a nonce only: the client proves first
     c.send(Cmd.AUTH, bytes([auth.STEP_PROVE]) + auth.client_proof(b"x" * 32, cn, sn))
     status, msg = c.reply()
     assert status == P.STATUS_ERROR and b"authentication failed" in msg and c.closed_by_server()
@@ -146,15 +145,25 @@ def test_wrong_proof_closes_and_right_proof_opens(guarded):
     c.hello()
     cn = auth.new_nonce()
     c.send(Cmd.AUTH, bytes([auth.STEP_BEGIN]) + cn)
-    sn = c.reply()[1][:32]
+    sn = c.reply()[1]
     c.send(Cmd.AUTH, bytes([auth.STEP_PROVE]) + auth.client_proof(TOKEN, cn, sn))
-    assert c.reply() == (0, b"")
+    status, proof = c.reply()
+    assert status == 0 and auth.verify(auth.server_proof(TOKEN, cn, sn), proof)  # then the server proves
     c.send(Cmd.DEVICE_COUNT)
     assert c.reply() == (0, P.U32.pack(1))
     c.send(Cmd.AUTH, bytes([auth.STEP_BEGIN]) + cn)  # once is enough
     status, msg = c.reply()
     assert status == P.STATUS_ERROR and b"already authenticated" in msg
     assert TOKEN not in bytes(c.sent)  # the token itself never crossed the wire
+    c.close()
+
+
+def test_a_client_of_protocol_1_0_is_told_to_upgrade(guarded):
+    """1.0 clients expected the server to prove first; that order is not served any more."""
+    c = Raw(guarded.port)
+    assert P.HELLO_REP.unpack(c.ok(Cmd.HELLO, P.HELLO_REQ.pack(1, 0, 0, 0)))[4] == Cap.AUTH
+    status, msg = c.call(Cmd.AUTH, bytes([auth.STEP_BEGIN]) + auth.new_nonce())
+    assert status == P.STATUS_ERROR and b"upgrade the client" in msg and c.closed_by_server()
     c.close()
 
 
@@ -166,7 +175,7 @@ def test_client_connection_proves_and_checks(guarded):
         assert conn.call(Cmd.DEVICE_COUNT) == P.U32.pack(1)
         conn.close()
         set_token(b"y" * 32)
-        with pytest.raises(RPCError, match="does not hold our token"):
+        with pytest.raises(RPCError, match="wrong token on one side"):
             Connection(f"127.0.0.1:{guarded.port}")
         set_token(None)
         with pytest.raises(RPCError, match="requires a token"):

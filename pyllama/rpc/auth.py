@@ -5,12 +5,16 @@ $PYLLAMA_RPC_TOKEN) advertises the AUTH capability and accepts nothing but AUTH 
 has proven it holds the same token (docs/rpc-protocol.md):
 
     client -> AUTH  u8 1 | client nonce (32 bytes)
-    server <- server nonce (32) | HMAC-SHA256(token, "pyllama-rpc server" | cn | sn)
+    server <- server nonce (32)
     client -> AUTH  u8 2 | HMAC-SHA256(token, "pyllama-rpc client" | sn | cn)
-    server <- empty (accepted), or status 1 and the connection closes
+    server <- HMAC-SHA256(token, "pyllama-rpc server" | cn | sn), or status 1 and the connection closes
 
-The client checks the server's proof first, so it never talks to a server that lacks the token;
-both comparisons are constant-time. Fresh nonces on both sides make every proof single-use.
+The client proves first, so a peer without the token never receives anything derived from it (an
+HMAC it could test guessed tokens against offline); the client then checks the server's proof, so
+it never goes on with a server that lacks the token. Both comparisons are constant-time; fresh
+nonces on both sides make every proof single-use. Servers of protocol 1.0 proved first: a client
+still authenticates to them in their order (checking their proof before it proves), while a
+server refuses a 1.0 client's AUTH with a message saying to upgrade it.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ NONCE = 32
 PROOF = 32
 MIN_TOKEN = 16  # bytes: shorter tokens are guessable from a captured handshake
 STEP_BEGIN, STEP_PROVE = 1, 2
+CLIENT_FIRST_VERSION = (1, 1, 0)  # the protocol from which the client proves first
 
 
 def _proof(token: bytes, label: bytes, first: bytes, second: bytes) -> bytes:

@@ -166,7 +166,7 @@ class Connection:
             self.trace_sync()
 
     def _authenticate(self, token: Optional[bytes]) -> None:
-        """Proves the token to a server that asks for one (and checks the server's proof first);
+        """Proves the token to a server that asks for one, then checks the server's proof;
         refuses a server that does not ask when a token is configured."""
         if not self.has(Cap.AUTH):
             if token is not None:
@@ -178,15 +178,28 @@ class Connection:
                            f"or set ${auth.ENV}")
         cn = auth.new_nonce()
         rep = self.call(Cmd.AUTH, bytes([auth.STEP_BEGIN]) + cn)
-        if len(rep) != auth.NONCE + auth.PROOF:
+        wrong = f"{self.endpoint}: the RPC server does not hold our token (wrong token on one side)"
+        if self.server_version < auth.CLIENT_FIRST_VERSION:
+            # a 1.0 server proves first: check its proof before proving ours
+            if len(rep) != auth.NONCE + auth.PROOF:
+                raise RPCError(f"{self.endpoint}: malformed AUTH reply")
+            sn, proof = rep[:auth.NONCE], rep[auth.NONCE:]
+            if not auth.verify(auth.server_proof(token, cn, sn), proof):
+                raise RPCError(wrong)
+            try:
+                self.call(Cmd.AUTH, bytes([auth.STEP_PROVE]) + auth.client_proof(token, cn, sn))
+            except RPCError as exc:
+                raise RPCError(f"{self.endpoint}: authentication refused: {exc}") from None
+            return
+        if len(rep) != auth.NONCE:
             raise RPCError(f"{self.endpoint}: malformed AUTH reply")
-        sn, proof = rep[:auth.NONCE], rep[auth.NONCE:]
-        if not auth.verify(auth.server_proof(token, cn, sn), proof):
-            raise RPCError(f"{self.endpoint}: the RPC server does not hold our token (wrong token on one side)")
+        sn = rep
         try:
-            self.call(Cmd.AUTH, bytes([auth.STEP_PROVE]) + auth.client_proof(token, cn, sn))
+            proof = self.call(Cmd.AUTH, bytes([auth.STEP_PROVE]) + auth.client_proof(token, cn, sn))
         except RPCError as exc:
-            raise RPCError(f"{self.endpoint}: authentication refused: {exc}") from None
+            raise RPCError(f"{self.endpoint}: authentication refused ({exc}): wrong token on one side") from None
+        if len(proof) != auth.PROOF or not auth.verify(auth.server_proof(token, cn, sn), proof):
+            raise RPCError(wrong)
 
     def trace_sync(self) -> None:
         """Measures the peer's clock against ours (TRACE_SYNC, four timestamps) and records the

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-VERSION = (1, 0, 0)
+VERSION = (1, 1, 0)
 
 
 class Cmd(enum.IntEnum):

@@ -183,6 +183,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._hdr_t = 0            # when the header of the frame being received was first seen (tracing)
         self.authed = server.token is None
         self._nonces: Optional[tuple[bytes, bytes]] = None  # (client, server) of a begun AUTH
+        self._client_version = (0, 0, 0)  # from its HELLO
         # a CPU device finishes its work inside the executor: with nothing of this connection queued,
         # SYNCHRONIZE has nothing to wait for and is answered at once
         self._sync_on_loop = all(d.completes_in_executor for d in server.devices)
@@ -382,22 +383,29 @@ class _Connection(asyncio.BufferedProtocol):
         self._update_reading()
 
     def _auth(self, cmd: Cmd, payload: bytes) -> None:
-        """Before authentication only AUTH is served; anything else, or a wrong proof, closes."""
+        """Before authentication only AUTH is served; anything else, or a wrong proof, closes.
+        The client proves first: a peer without the token gets a nonce and a refusal, nothing
+        derived from the token (which it could test guesses against offline)."""
         token = self.server.token
         assert token is not None
         step = payload[0] if payload else 0
         body = payload[1:]
         if cmd is Cmd.AUTH and step == auth.STEP_BEGIN and len(body) == auth.NONCE and self._nonces is None:
-            sn = auth.new_nonce()
-            self._nonces = (body, sn)
-            self._write(frame(P.STATUS_OK, sn + auth.server_proof(token, body, sn)))
-            return
-        if cmd is Cmd.AUTH and step == auth.STEP_PROVE and len(body) == auth.PROOF and self._nonces is not None:
+            if self._client_version < auth.CLIENT_FIRST_VERSION:
+                why = (f"client protocol {'.'.join(map(str, self._client_version))} expects the server to prove "
+                       f"first; this server requires the client to prove first (protocol "
+                       f"{'.'.join(map(str, auth.CLIENT_FIRST_VERSION))}): upgrade the client")
+            else:
+                sn = auth.new_nonce()
+                self._nonces = (body, sn)
+                self._write(frame(P.STATUS_OK, sn))
+                return
+        elif cmd is Cmd.AUTH and step == auth.STEP_PROVE and len(body) == auth.PROOF and self._nonces is not None:
             cn, sn = self._nonces
             if auth.verify(auth.client_proof(token, cn, sn), body):
                 self.authed = True
                 log.info("%s: authenticated", self.peer)
-                self._write(frame(P.STATUS_OK, b""))
+                self._write(frame(P.STATUS_OK, auth.server_proof(token, cn, sn)))
                 return
             why = "authentication failed"
         elif cmd is Cmd.AUTH:
@@ -424,6 +432,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._close()
             return
         self.hello_done = True
+        self._client_version = (major, minor, patch)
         log.debug("%s: HELLO from protocol %d.%d.%d", self.peer, major, minor, patch)
         self._write(frame(P.STATUS_OK, P.HELLO_REP.pack(*P.VERSION, 0, self.server.capabilities,
                                                          self.server.server_id)))

@@ -257,7 +257,8 @@ def ok_size(cmd: int, payload: bytes) -> Optional[int]:
             return None
         return sum(P.U64.unpack_from(payload, 4 + 120 * i + 112)[0] for i in range(n))
     if cmd == Cmd.AUTH:
-        return 2 * auth.NONCE if payload[:1] == bytes([auth.STEP_BEGIN]) else 0
+        # the client proves first: step 1 gets the server's nonce, step 2 the server's proof
+        return auth.NONCE if payload[:1] == bytes([auth.STEP_BEGIN]) else auth.PROOF
     return None
 
 

@@ -25,7 +25,7 @@ from ..priority import LEVELS_HELP, apply_priority, check_level
 from ..rpc.auth import read_token
 from ..rpc.protocol import DEFAULT_MAX_FRAME
 from ..server.http import install_uvloop
-from .server import RPCServer, caps_mask_from_env
+from .server import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, RPCServer, caps_mask_from_env
 
 log = logging.getLogger("pyllama.rpc_server")
 
@@ -58,6 +58,10 @@ def build_parser() -> Parser:
     p.add_argument("--auth-token-file", metavar="PATH",
                    help="require clients to prove this token (first line of the file, at least 16 bytes; also "
                         "$PYLLAMA_RPC_TOKEN) before any command; the token never crosses the wire")
+    p.add_argument("--handshake-timeout", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT, metavar="SECONDS",
+                   help="close a connection that has not sent HELLO (and, with a token, proven it) within this time")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="connections open at once, authenticated or not (one more is told so and closed)")
     p.add_argument("--trace", metavar="PATH",
                    help="write a trace of every command served here (JSON lines; also $PYLLAMA_TRACE)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every allocation and cache write too")
@@ -79,6 +83,10 @@ def check_args(args) -> None:
         raise PyllamaError(f"--mem {args.mem}: must be at least 0")
     if args.max_frame < 1024:
         raise PyllamaError(f"--max-frame {args.max_frame}: must be at least 1024")
+    if not 0 < args.handshake_timeout <= 3600:
+        raise PyllamaError(f"--handshake-timeout {args.handshake_timeout}: must be more than 0 and at most 3600 s")
+    if args.max_connections < 1:
+        raise PyllamaError(f"--max-connections {args.max_connections}: must be at least 1")
 
 
 def exposure_warning(host: str, token: Optional[bytes]) -> Optional[str]:
@@ -116,7 +124,8 @@ async def serve(args) -> int:
         set_compute_threads(args.threads)  # BLAS threads too: idle ones spin and steal the cores
         server = RPCServer(args.host, args.port, backend_factory=lambda: backend,
                            mem_limit=args.mem << 20 if args.mem else None, cache_dir=args.cache,
-                           max_frame=args.max_frame, token=token)
+                           max_frame=args.max_frame, token=token, handshake_timeout=args.handshake_timeout,
+                           max_connections=args.max_connections)
     except OSError as exc:
         raise PyllamaError(f"--cache {args.cache}: {exc.strerror or exc}") from None
     try:

@@ -39,6 +39,9 @@ log = logging.getLogger("pyllama.rpc_server")
 
 CAPS_ENV = "PYLLAMA_RPC_SERVER_CAPS"
 _RX_SIZE = 256 * 1024          # receive buffer; larger payloads get their own staging array
+HANDSHAKE_RX = 256             # the receive buffer until the handshake is done (its frames are small)
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0  # seconds a connection has to say HELLO (and prove the token)
+DEFAULT_MAX_CONNECTIONS = 64
 _QUEUED_HIGH = 64 << 20        # stop reading a connection while this much of it waits to execute
 _QUEUED_LOW = 16 << 20
 _LOOP_CMDS = frozenset({Cmd.HELLO, Cmd.DEVICE_COUNT, Cmd.GET_DEVICE_INFO, Cmd.TRACE_SYNC, Cmd.AUTH})
@@ -65,14 +68,25 @@ class RPCServer:
     mem_limit: bytes all connections may allocate on a device (None: what the host has);
     cache_dir: enables the SET_TENSOR_HASH weight cache; max_frame: the largest request payload.
     caps_mask: restricts the advertised capabilities (default: $PYLLAMA_RPC_SERVER_CAPS, else none).
+    handshake_timeout: seconds a connection has to complete HELLO (and AUTH with a token) before it
+    is closed; max_connections: connections open at once, handshaking or not (one more is told so
+    and closed).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 50052,
                  backend_factory: Callable[[], Backend] = CPUBackend, mem_limit: Optional[int] = None,
                  cache_dir: Optional[str] = None, max_frame: int = P.DEFAULT_MAX_FRAME,
-                 caps_mask: Optional[int] = None, token: Optional[bytes] = None):
+                 caps_mask: Optional[int] = None, token: Optional[bytes] = None,
+                 handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS):
         if max_frame < P.GRAPH_HEAD.size:
             raise ValueError(f"max_frame {max_frame} is too small")
+        if not handshake_timeout > 0:
+            raise ValueError("handshake_timeout must be positive")
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        self.handshake_timeout = handshake_timeout
+        self.max_connections = max_connections
         if mem_limit is not None and mem_limit < 0:
             raise ValueError("mem_limit must not be negative")
         self.host, self.port = host, port
@@ -173,8 +187,11 @@ class _Connection(asyncio.BufferedProtocol):
         self.queued_bytes = 0      # their payload bytes
         self._write_paused = False
         self._read_paused = False
-        self._rx = bytearray(_RX_SIZE)
+        # a connection holds little until it has completed the handshake (a flood of idle sockets
+        # must not cost a receive buffer each); frames before it are at most _HELLO_MAX bytes
+        self._rx = bytearray(HANDSHAKE_RX)
         self._rxv = memoryview(self._rx)
+        self._deadline: Optional[asyncio.TimerHandle] = None
         self._start = 0            # unparsed bytes are _rx[_start:_end]
         self._end = 0
         self._payload: Optional[np.ndarray] = None  # a large payload being received into place
@@ -202,14 +219,52 @@ class _Connection(asyncio.BufferedProtocol):
                 enable_keepalive(sock, DEFAULT_TIMEOUT, user_timeout=False)
             except OSError:  # pragma: no cover
                 pass
-        self.session = Session(self.server, self.peer)
         self.server._opened(self)
+        if self.server.connections > self.server.max_connections:
+            why = (f"the server has {self.server.max_connections} connections open already "
+                   "(--max-connections): try again later")
+            log.warning("%s: %s: closing", self.peer, why)
+            self._write(frame(P.STATUS_ERROR, why.encode()))
+            self._close()
+            return
+        self.session = Session(self.server, self.peer)
+        assert self.server._loop is not None
+        self._deadline = self.server._loop.call_later(self.server.handshake_timeout, self._handshake_expired)
         log.info("%s: connected", self.peer)
+
+    def _handshake_expired(self) -> None:
+        self._deadline = None
+        if self.closing or self._handshaken:
+            return
+        why = (f"handshake not completed within {self.server.handshake_timeout:g} s "
+               f"({'AUTH' if self.hello_done else 'HELLO'} missing)")
+        log.warning("%s: %s: closing", self.peer, why)
+        self._write(frame(P.STATUS_ERROR, why.encode()))
+        self._close()
+
+    @property
+    def _handshaken(self) -> bool:
+        return self.hello_done and self.authed
+
+    def _handshake_done(self) -> None:
+        """HELLO (and AUTH) done: the deadline goes, the full receive buffer comes."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        if len(self._rx) < _RX_SIZE:
+            n = self._end - self._start
+            rx = bytearray(_RX_SIZE)
+            rx[:n] = self._rx[self._start:self._end]
+            self._rx, self._rxv = rx, memoryview(rx)
+            self._start, self._end = 0, n
 
     def connection_lost(self, exc) -> None:
         self._log_partial_frame()
         log.info("%s: disconnected%s", self.peer, f" ({exc})" if exc else "")
         self.closing = True
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         self._payload = None
         session = self.session
         if session is not None:
@@ -406,6 +461,7 @@ class _Connection(asyncio.BufferedProtocol):
                 self.authed = True
                 log.info("%s: authenticated", self.peer)
                 self._write(frame(P.STATUS_OK, auth.server_proof(token, cn, sn)))
+                self._handshake_done()
                 return
             why = "authentication failed"
         elif cmd is Cmd.AUTH:
@@ -436,6 +492,8 @@ class _Connection(asyncio.BufferedProtocol):
         log.debug("%s: HELLO from protocol %d.%d.%d", self.peer, major, minor, patch)
         self._write(frame(P.STATUS_OK, P.HELLO_REP.pack(*P.VERSION, 0, self.server.capabilities,
                                                          self.server.server_id)))
+        if self.authed:  # no token
+            self._handshake_done()
 
     def _reply(self, reply, traced: bool) -> Optional[tuple[int, int]]:
         """Writes the reply, if any; traced, returns when the transport got it and when the write

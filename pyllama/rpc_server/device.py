@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -112,7 +113,12 @@ def _deliver(items: list) -> None:
 
 
 class Device:
-    """One device: its backend, what is allocated on it and the cap, and its executor."""
+    """One device: its backend, what is held on it against the cap, and its executor.
+
+    `--mem` (mem_limit) caps everything clients make the server hold here: their buffers
+    (`allocated`) and what their commands need besides (`held`): replies being built and sent,
+    the kernel scratch of a graph while it runs, repacked copies of weights. Each is reserved
+    before it is allocated, and refused (MemoryError, an error reply) past the cap."""
 
     def __init__(self, index: int, backend: Backend, mem_limit: Optional[int] = None):
         self.index = index
@@ -123,7 +129,11 @@ class Device:
         self.weight_types = frozenset(backend.weight_types)  # what graphs may give as weights here
         self.kv_types = frozenset(backend.kv_types)  # the KV cache types it holds
         self.mem_limit = mem_limit
-        self.allocated = 0  # bytes of live buffers, over all connections (executor thread only)
+        self.allocated = 0  # bytes of live buffers, over all connections
+        self.held = 0       # bytes reserved besides them (replies, scratch, repacked copies)
+        self._lock = threading.Lock()  # replies are released on the event loop, the rest on the executor
+        if isinstance(backend, CPUBackend):
+            backend.budget = self  # its graphs' scratch and its repacked copies count here too
         # work is done when the executor returns from a command (no device queue to wait for)
         self.completes_in_executor = isinstance(backend, CPUBackend)
         self.executor = Executor(f"rpc-exec-{backend.name}")
@@ -131,25 +141,40 @@ class Device:
     def memory(self) -> tuple[int, int]:
         """(free, total): the cap when one is set, else what the backend reports."""
         if self.mem_limit is not None:
-            return max(0, self.mem_limit - self.allocated), self.mem_limit
+            return max(0, self.mem_limit - self.allocated - self.held), self.mem_limit
         info = self.backend.device_info()
         return info.free, info.total
 
+    def reserve(self, size: int, what: str) -> None:
+        """Counts `size` bytes of `what` against the cap, or raises MemoryError (nothing counted)."""
+        with self._lock:
+            if self.mem_limit is not None and size > self.mem_limit - self.allocated - self.held:
+                raise MemoryError(f"{what} of {size} B on {self.name} exceeds the server's memory cap (--mem: "
+                                  f"{self.allocated + self.held} of {self.mem_limit} B in use)")
+            self.held += size
+
+    def release(self, size: int) -> None:
+        with self._lock:
+            self.held -= size
+
     def alloc(self, size: int, usage: str) -> Buffer:
-        if self.mem_limit is not None and size > self.mem_limit - self.allocated:
-            raise MemoryError(f"allocating {size} B on {self.name} exceeds the server's memory cap "
-                              f"({self.allocated} of {self.mem_limit} B in use)")
+        with self._lock:
+            if self.mem_limit is not None and size > self.mem_limit - self.allocated - self.held:
+                raise MemoryError(f"allocating {size} B on {self.name} exceeds the server's memory cap "
+                                  f"({self.allocated + self.held} of {self.mem_limit} B in use)")
         if self.mem_limit is None:
             free, _ = self.memory()
             if free and size > free:
                 raise MemoryError(f"allocating {size} B on {self.name}: only {free} B are available")
         buf = self.backend.alloc_buffer(size, usage)
-        self.allocated += size
+        with self._lock:
+            self.allocated += size
         return buf
 
     def free(self, buf: Buffer) -> None:
-        self.allocated -= buf.size
-        self.backend.free_buffer(buf)
+        self.backend.free_buffer(buf)  # first: its repacked copies are released with it
+        with self._lock:
+            self.allocated -= buf.size
 
     def forget_graph(self, uid: int) -> None:
         """Drops whatever the backend keeps per graph (the CPU backend's bound plan holds views of

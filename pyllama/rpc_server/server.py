@@ -192,6 +192,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._rx = bytearray(HANDSHAKE_RX)
         self._rxv = memoryview(self._rx)
         self._deadline: Optional[asyncio.TimerHandle] = None
+        self._unsent: list[tuple[Device, int]] = []  # reserved replies the transport still buffers
         self._start = 0            # unparsed bytes are _rx[_start:_end]
         self._end = 0
         self._payload: Optional[np.ndarray] = None  # a large payload being received into place
@@ -262,6 +263,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._log_partial_frame()
         log.info("%s: disconnected%s", self.peer, f" ({exc})" if exc else "")
         self.closing = True
+        self._release_unsent()
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
@@ -279,7 +281,13 @@ class _Connection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._release_unsent()
         self._update_reading()
+
+    def _release_unsent(self) -> None:
+        unsent, self._unsent = self._unsent, []
+        for dev, size in unsent:
+            dev.release(size)
 
     def eof_received(self) -> bool:
         """The client stopped sending: answer what is queued, then close."""
@@ -502,6 +510,12 @@ class _Connection(asyncio.BufferedProtocol):
             return None
         t0 = trace.now() if traced else 0
         self._write(reply)
+        charge = getattr(reply, "charge", None)
+        if charge is not None:
+            if self._write_paused and not self.closing:
+                self._unsent.append(charge)  # the transport holds it: released once it drains
+            else:
+                charge[0].release(charge[1])
         return (t0, trace.now()) if traced else None
 
     def _trace(self, cmd: Cmd, rx: tuple, ex: tuple, nbytes: int, reply, tx: Optional[tuple[int, int]]) -> None:

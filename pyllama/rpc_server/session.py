@@ -56,7 +56,11 @@ class CommandError(Exception):
 
 
 class Frame(bytearray):
-    """A reply that a handler built whole (header included), to copy large payloads only once."""
+    """A reply that a handler built whole (header included), to copy large payloads only once.
+    `charge`: (device, bytes) reserved against the device's cap for it, released by the connection
+    once the reply has left (or the connection closed)."""
+
+    charge: Optional[tuple["Device", int]] = None
 
 
 def frame(status: int, payload: bytes = b"") -> bytes:
@@ -374,7 +378,7 @@ class Session:
         t, dev = self._tensor(np.frombuffer(payload, P.TENSOR, 1)[0], "GET_TENSOR")
         off, size = P.REGION.unpack_from(payload, TENSOR_SIZE)
         view = self._region(t, off, size, "GET_TENSOR")
-        return self._read_frame([(view, dev)], size)
+        return self._read_frame([(view, dev)], size, "GET_TENSOR reply")
 
     def _get_tensors(self, payload, t_recv: int) -> Frame:
         self._need(Cap.GET_TENSORS, Cmd.GET_TENSORS)
@@ -398,11 +402,20 @@ class Session:
             total += size
             if total > ceiling:
                 raise CommandError(f"the regions add up to more than the {ceiling} B a reply may carry")
-        return self._read_frame(views, total)
+        return self._read_frame(views, total, f"a reply of {count} regions")
 
-    @staticmethod
-    def _read_frame(views: list[tuple[Tensor, "Device"]], total: int) -> Frame:
-        out = Frame(P.HEADER.size + total)
+    def _read_frame(self, views: list[tuple[Tensor, "Device"]], total: int, what: str) -> Frame:
+        """The reply carrying the bytes of `views`, counted against the cap (refused before it is
+        allocated) until the connection has sent it."""
+        dev = views[0][1] if views else self.server.devices[0]
+        size = P.HEADER.size + total
+        dev.reserve(size, what)
+        try:
+            out = Frame(size)
+        except BaseException:
+            dev.release(size)
+            raise
+        out.charge = (dev, size)
         P.HEADER.pack_into(out, 0, P.STATUS_OK, total)
         pos = P.HEADER.size
         for view, dev in views:

@@ -117,11 +117,17 @@ class CPUBackend(Backend):
         self._plans: "OrderedDict[int, list[Callable[[], None]]]" = OrderedDict()
         self._plans_lock = threading.Lock()
         self.allocated = 0
-        # weights repacked in groups of 8 rows: id(buffer) -> (the buffer, {(offset, nbytes): packed
-        # array}); the buffer is kept so that its id cannot be reused by another while listed
-        self._packed: dict[int, tuple[Buffer, dict[tuple[int, int], np.ndarray]]] = {}
+        # weights repacked in groups of 8 rows: id(buffer) -> (the buffer, {(offset, nbytes, type,
+        # shape): packed array}); the buffer is kept so that its id cannot be reused by another while
+        # listed. Every view of one weight shares its copy; the same bytes as another type or shape
+        # are another weight (their copy is laid out otherwise)
+        self._packed: dict[int, tuple[Buffer, dict[tuple, np.ndarray]]] = {}
         self.repack = _REPACK
         self._repack_short = False  # a weight went unrepacked for want of memory (logged once)
+        # what counts memory beyond buffers against a cap (an rpc server's --mem: its Device):
+        # reserve(bytes, what) raises MemoryError past it, release(bytes); None: no cap
+        self.budget = None
+        self._charged: dict[int, int] = {}  # id(repacked copy) -> bytes reserved for it
 
     # --- buffers -------------------------------------------------------------------------------
     def alloc_buffer(self, size: int, usage: str = "compute") -> Buffer:
@@ -168,19 +174,38 @@ class CPUBackend(Backend):
         if not self.repack or t.dtype not in _X8_TYPES or len(t.shape) not in (2, 3) or t.shape[-2] % 8:
             return None
         per_buf = self._packed.setdefault(id(t.buffer), (t.buffer, {}))[1]  # type: ignore[arg-type]
-        key = (t.offset, t.nbytes)
+        key = (t.offset, t.nbytes, int(t.dtype), tuple(t.shape))
         packed = per_buf.get(key)
         if packed is None:
             # an rpc server's upload stays where it is; a model's experts, unlike a dense weight, are
             # not all in memory until repacked (the unchosen ones are never paged in): both need room
             if (not t.buffer.mapped or len(t.shape) == 3) and not self._room_for(t):  # type: ignore[union-attr]
                 return None
-            rows = int(np.prod(t.shape[:-1]))  # an expert's groups of 8 never reach into the next
-            packed = qmatmul.repack_x8(self.bytes_of(t).reshape(rows, -1), int(t.dtype), t.shape[-1])
+            if self.budget is not None:
+                try:
+                    self.budget.reserve(t.nbytes, f"repacked copy of {t.name}")
+                except MemoryError as exc:
+                    self._short_of_memory(t, str(exc))
+                    return None
+            try:
+                rows = int(np.prod(t.shape[:-1]))  # an expert's groups of 8 never reach into the next
+                packed = qmatmul.repack_x8(self.bytes_of(t).reshape(rows, -1), int(t.dtype), t.shape[-1])
+            except BaseException:
+                if self.budget is not None:
+                    self.budget.release(t.nbytes)
+                raise
             if len(t.shape) == 3:
                 packed = packed.reshape(t.shape[0], -1)
             per_buf[key] = packed
+            if self.budget is not None:
+                self._charged[id(packed)] = t.nbytes
         return packed
+
+    def _short_of_memory(self, t: Tensor, why: str) -> None:
+        if not self._repack_short:
+            self._repack_short = True
+            logging.getLogger(__name__).warning(
+                "%s: %s; %s and later weights that do not fit run on the file's layout", self.name, why, t.name)
 
     def _room_for(self, t: Tensor) -> bool:
         """Whether a repacked copy of weight `t` fits (an rpc server's upload stays where it is, and
@@ -208,7 +233,10 @@ class CPUBackend(Backend):
         if not stale:
             return
         for key in stale:
-            per_buf.pop(key, None)
+            packed = per_buf.pop(key, None)
+            charged = self._charged.pop(id(packed), 0) if packed is not None else 0
+            if charged and self.budget is not None:
+                self.budget.release(charged)
         with self._plans_lock:
             self._plans.clear()
 

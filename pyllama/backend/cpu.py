@@ -314,6 +314,15 @@ class CPUBackend(Backend):
                     self._plans.popitem(last=False)
             else:
                 self._plans.move_to_end(graph.uid)
+        work = getattr(steps, "work", 0)
+        if work and self.budget is not None:
+            try:
+                self.budget.reserve(work, f"kernel working memory of a graph of {len(graph.nodes)} nodes "
+                                          "(scratch and intermediate arrays)")
+            except MemoryError:
+                with self._plans_lock:  # its arrays go with it
+                    self._plans.pop(graph.uid, None)
+                raise
         t0 = trace.now() if trace.enabled else 0
         self.busy.begin()
         try:
@@ -321,6 +330,8 @@ class CPUBackend(Backend):
                 step()
         finally:
             self.busy.end()
+            if work and self.budget is not None:
+                self.budget.release(work)
         if t0:
             trace.event("dev", f"compute {self.name}", t0, trace.now(), n_nodes=len(graph.nodes))
         for t, out in reads:
@@ -333,8 +344,13 @@ class CPUBackend(Backend):
 
     def _prepare(self, graph: Graph) -> list[Callable[[], None]]:
         """Binds every node to its kernel and its numpy views once per graph; consecutive native
-        steps run as one NativeRun (module docstring)."""
-        return _runs(self._bind_nodes(graph))
+        steps run as one NativeRun (module docstring). The plan's `work`: the memory its kernels use
+        while it runs beyond the graph's tensors (the largest scratch one run allocates, the
+        arrays bound with the nodes), which a cap (`budget`) must allow before it runs."""
+        steps = self._bind_nodes(graph)
+        plan = _Plan(_runs(steps))
+        plan.work = max((s.scratch for s in steps if isinstance(s, NativeStep)), default=0) + _bound_bytes(graph)
+        return plan
 
     def _bind_nodes(self, graph: Graph) -> list[Callable[[], None]]:
         steps: list[Callable[[], None]] = []
@@ -405,6 +421,25 @@ class CPUBackend(Backend):
         # every type the kernels take stays as the file stores it; anything else (no model file
         # gets here: Model refuses types outside tensor.WEIGHT_TYPES) would be computed in F32
         return file_dtype if file_dtype in self.weight_types else DType.F32
+
+
+class _Plan(list):
+    """A bound graph's steps, with the working memory they need (`work`, bytes)."""
+
+    work = 0
+
+
+def _bound_bytes(graph: Graph) -> int:
+    """Bytes of the arrays `_bind_nodes` makes for the nodes of `graph` (MOE_FFN's router logits,
+    SAMPLE's unpacked inputs and outputs)."""
+    total = 0
+    for nd in graph.nodes:
+        if nd.op == Op.MOE_FFN:
+            total += 4 * nd.srcs[0].shape[0] * nd.srcs[1].shape[0]
+        elif nd.op == Op.SAMPLE:
+            rows, n_probs, window = nd.srcs[0].shape[0], int(nd.params[0]), int(nd.params[1])
+            total += 4 * rows * (8 + 4 + window + 2 + 2 * n_probs)
+    return total
 
 
 def _rows(t: Tensor) -> np.ndarray:

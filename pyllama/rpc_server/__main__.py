@@ -50,7 +50,8 @@ def build_parser() -> Parser:
                    help="keep Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights in the file's layout only: the CPU otherwise also holds them "
                         "repacked in groups of 8 rows (faster products, twice the memory for those weights)")
     p.add_argument("-m", "--mem", type=int, default=0, metavar="MiB",
-                   help="memory clients may allocate on the device, in MiB (0 = what the host has)")
+                   help="memory clients may make the device hold, in MiB: buffers, replies being sent, a running "
+                        "graph's kernel scratch, repacked weight copies (0 = what the host has)")
     p.add_argument("--cache", metavar="DIR",
                    help="directory of the tensor cache (enables SET_TENSOR_HASH: weights are not re-sent after a restart)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES",

@@ -34,11 +34,19 @@ ids of successful ALLOC_BUFFER replies and the AUTH proof to the server's nonce,
 rest in one go. A saved stream therefore replays exactly (tests/data/rpc_fuzz/, replayed by
 tests/test_rpc_fuzz.py).
 
-    python bench/fuzz_rpc.py --minutes N [--seed S] [--target process|thread]
+Then pressure cases, each against a child server of its own, sample that server's RSS (before,
+peak, after) while a client tries to make it hold memory: a handshake flood (1000 sockets that never
+authenticate: silent, HELLO only, half a header; with the default --max-connections and with one
+above 1000), and under a small --mem a GET_TENSORS reply of 512 MiB, a MOE_FFN graph with some
+600 MiB of kernel scratch over 8.8 MiB of buffers, and ~100 overlapping views of one quantized weight
+(each a weight of its own to repack). Each must be refused (or, for the views, computed within the
+cap) and the server must serve afterwards.
+
+    python bench/fuzz_rpc.py --minutes N [--seed S] [--target process|thread] [--pressure NAME|all|none]
 
 prints cases per fuzz target, frames sent per command, the status histogram, connections the server
-closed early, and the server's RSS before and after; a failing input is saved under
-bench/out/fuzz_rpc/ (the stream as raw bytes, plus a .txt describing it).
+closed early, and the server's RSS before and after, then each pressure case's figures; a failing
+input is saved under bench/out/fuzz_rpc/ (the stream as raw bytes, plus a .txt describing it).
 """
 from __future__ import annotations
 
@@ -1032,8 +1040,10 @@ def make_cache_dir() -> str:
 class ThreadTarget(Target):
     """An in-process ServerThread; allocations, connections and bound plans are read directly."""
 
-    def __init__(self, token: Optional[bytes] = None, cache: bool = True):
+    def __init__(self, token: Optional[bytes] = None, cache: bool = True, mem_mib: int = MEM_LIMIT >> 20,
+                 extra: tuple = ()):
         self.token = token
+        self.mem_mib, self.extra = mem_mib, tuple(extra)
         self.cache_dir = make_cache_dir() if cache else None
         self.tap = _LogTap()
         logging.getLogger(LOGGER).addHandler(self.tap)
@@ -1093,8 +1103,10 @@ class ProcessTarget(Target):
     """`python -m pyllama.rpc_server` as a child: a crash is seen (and the server restarted), its RSS
     is its own, allocations are read with GET_DEVICE_INFO (free = --mem cap - allocated)."""
 
-    def __init__(self, token: Optional[bytes] = None, cache: bool = True):
+    def __init__(self, token: Optional[bytes] = None, cache: bool = True, mem_mib: int = MEM_LIMIT >> 20,
+                 extra: tuple = ()):
         self.token = token
+        self.mem_mib, self.extra = mem_mib, tuple(extra)
         self.cache_dir = make_cache_dir() if cache else None
         if token:
             fd, self.token_file = tempfile.mkstemp(prefix="fuzz-rpc-token-")
@@ -1108,7 +1120,7 @@ class ProcessTarget(Target):
 
     def _start(self) -> None:
         cmd = [sys.executable, "-m", "pyllama.rpc_server", "--host", "127.0.0.1", "--port", "0", "-t", "1",
-               "--mem", str(MEM_LIMIT >> 20), "--max-frame", str(MAX_FRAME)]
+               "--mem", str(self.mem_mib), "--max-frame", str(MAX_FRAME), *self.extra]
         if self.cache_dir:
             cmd += ["--cache", self.cache_dir]
         if self.token_file:
@@ -1734,6 +1746,228 @@ FUZZERS: dict[str, tuple[Callable[[], st.SearchStrategy], bool, str]] = {
 }
 
 
+# --- pressure cases: what a client can make the server hold -----------------------------------------------------
+# Not drawn by hypothesis: each builds one hostile load against a child server of its own (with the
+# flags the case is about), samples the server's RSS while it runs, then checks that the load was
+# refused and that the server still serves. A case returns its figures; a failure raises CaseFailure.
+
+class RssSampler:
+    """The peak RSS of a process, sampled every few milliseconds while in the `with` block."""
+
+    def __init__(self, pid: int):
+        self.proc = psutil.Process(pid)
+        self.before = self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            try:
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+            except psutil.Error:
+                return
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.after = self.proc.memory_info().rss
+
+    def figures(self) -> str:
+        return f"RSS {self.before >> 20} MiB before, {self.peak >> 20} MiB peak, {self.after >> 20} MiB after"
+
+
+BIG_FRAMES = ("--max-frame", str(1 << 30))  # what is refused is then --mem's doing, not the frame limit's
+
+
+def _serves(tgt: "ProcessTarget") -> None:
+    with Client(tgt.port, tgt.token) as c:
+        if c.ok(Cmd.DEVICE_COUNT) != P.U32.pack(1):
+            raise CaseFailure("DEVICE_COUNT: wrong reply after the load")
+
+
+def _rec(bid: int, offset: int, dtype: int, shape: tuple, name: str) -> bytes:
+    dims = list(shape) + [0] * (4 - len(shape))
+    return TENSOR_STRUCT.pack(bid, offset, dtype, len(shape), *dims, name.encode())
+
+
+def pressure_handshake_flood(n: int = 1000, timeout_s: float = 2.0, max_connections: Optional[int] = None) -> str:
+    """n sockets that never finish the handshake (silent, HELLO only, half a header): the server
+    answers those past --max-connections at once and closes the rest at --handshake-timeout; then
+    a client is served. With max_connections above n, every one is held until the deadline."""
+    extra = ("--handshake-timeout", str(timeout_s))
+    if max_connections is not None:
+        extra += ("--max-connections", str(max_connections))
+    tgt = ProcessTarget(TOKEN, cache=False, extra=extra)
+    socks: list[socket.socket] = []
+    try:
+        with RssSampler(tgt.proc.pid) as rss:
+            refused = 0
+            for i in range(n):
+                s_ = socket.create_connection(("127.0.0.1", tgt.port))
+                if i % 3 == 1:
+                    s_.sendall(hello_frame())
+                elif i % 3 == 2:
+                    s_.sendall(hello_frame()[:5])
+                socks.append(s_)
+            deadline = time.monotonic() + timeout_s + 10
+            closed = 0
+            for s_ in socks:
+                s_.settimeout(max(0.1, deadline - time.monotonic()))
+                try:
+                    data = b""
+                    while True:
+                        chunk = s_.recv(65536)
+                        if not chunk:
+                            break
+                        data += chunk
+                except (socket.timeout, ConnectionResetError):
+                    if time.monotonic() >= deadline:
+                        raise CaseFailure("an unauthenticated connection stayed open past the handshake deadline")
+                closed += 1
+                refused += b"--max-connections" in data
+        _serves(tgt)
+        return (f"{n} connections, {refused} refused at --max-connections, all closed within "
+                f"{timeout_s:g} s + slack; {rss.figures()}")
+    finally:
+        for s_ in socks:
+            s_.close()
+        tgt.stop()
+
+
+def pressure_mem_get_tensors(mem_mib: int = 1) -> str:
+    """GET_TENSORS listing one 64 KiB region 8192 times (a 512 MiB reply) on two connections."""
+    tgt = ProcessTarget(None, cache=False, mem_mib=mem_mib, extra=BIG_FRAMES)
+    try:
+        bad = None
+        with RssSampler(tgt.proc.pid) as rss:
+            msgs = []
+            for _ in range(2):
+                with Client(tgt.port) as c:
+                    bid = P.ALLOC_REP.unpack(c.ok(Cmd.ALLOC_BUFFER, P.ALLOC_REQ.pack(0, 0, 64 << 10)))[0]
+                    entry = _rec(bid, 0, 0, (16 << 10,), "kv") + P.REGION.pack(0, 64 << 10)
+                    status, msg = c.call(Cmd.GET_TENSORS, P.U32.pack(8192) + entry * 8192)
+                    if status != P.STATUS_ERROR or b"memory cap" not in msg:
+                        bad = f"GET_TENSORS of 512 MiB under --mem {mem_mib}: status {status}"
+                    msgs.append(msg[:200].decode(errors="replace"))
+        if bad:
+            raise CaseFailure(f"{bad}; {rss.figures()}")
+        _serves(tgt)
+        return f"refused ({msgs[0][:90]}...); {rss.figures()}"
+    finally:
+        tgt.stop()
+
+
+def _rpc_backend(tgt: "ProcessTarget"):
+    from pyllama.backend.rpc import RPCBackend  # noqa: PLC0415
+    from pyllama.rpc.connection import Connection  # noqa: PLC0415
+    conn = Connection(f"127.0.0.1:{tgt.port}")
+    return conn, RPCBackend(conn)
+
+
+def pressure_mem_moe_scratch(mem_mib: int = 20) -> str:
+    """A MOE_FFN graph over 8.6 MiB of buffers whose kernel scratch is some 600 MiB."""
+    from pyllama.rpc.connection import RPCError  # noqa: PLC0415
+    from pyllama.tensor import DType, Graph, Tensor, node  # noqa: PLC0415
+    n, cols, n_exp, f = 16384, 64, 64, 16
+    shapes = dict(x=(n, cols), r=(n_exp, cols), g=(n_exp, f, cols), u=(n_exp, f, cols), d=(n_exp, cols, f),
+                  o=(n, cols))
+    tgt = ProcessTarget(None, cache=False, mem_mib=mem_mib, extra=BIG_FRAMES)
+    conn, rpc = _rpc_backend(tgt)
+    try:
+        total = sum(4 * int(np.prod(v)) for v in shapes.values())
+        bad = None
+        with RssSampler(tgt.proc.pid) as rss:
+            buf = rpc.alloc_buffer(total)
+            ts, off = {}, 0
+            for name, shape in shapes.items():
+                ts[name] = Tensor(DType.F32, shape, name, buf, off)
+                off += 4 * int(np.prod(shape))
+            rng = np.random.default_rng(0)
+            for name in "xrgud":
+                rpc.set_tensor(ts[name], rng.standard_normal(shapes[name]).astype(np.float32))
+            rpc.graph_compute(Graph([node(Op.MOE_FFN, ts["o"], ts["x"], ts["r"], ts["g"], ts["u"], ts["d"],
+                                          params=(n_exp, 1, 1.0))]))
+            why = ""
+            try:
+                rpc.synchronize()
+                bad = f"a MOE_FFN graph with 600 MiB of scratch ran under --mem {mem_mib}"
+            except RPCError as exc:
+                if "memory cap" not in str(exc):
+                    raise CaseFailure(f"MOE_FFN refused for another reason: {exc}") from None
+                why = str(exc)
+            rpc.free_buffer(buf)
+        if bad:
+            raise CaseFailure(f"{bad}; {rss.figures()}")
+        conn.close()
+        _serves(tgt)
+        return f"{total / 2**20:.1f} MiB of buffers, refused ({why.split('failed: ', 1)[-1][:90]}...); {rss.figures()}"
+    finally:
+        conn.close()
+        tgt.stop()
+
+
+def pressure_mem_repack_views(mem_mib: int = 16, views: int = 100) -> str:
+    """`views` overlapping Q8_0 views of one weight in one graph: each a weight of its own, so each
+    would get a repacked copy; past the cap they run on the file's layout instead."""
+    from pyllama.tensor import DType, Graph, Tensor, node  # noqa: PLC0415
+    m, k, n = 1024, 4096, 1
+    qtype = GGMLQuantizationType.Q8_0
+    block, qsize = GGML_QUANT_SIZES[qtype]
+    row = k // block * qsize
+    rows = 256  # each view: 256 rows, 8 rows after the previous one
+    views = min(views, (m - rows) // 8 + 1)
+    tgt = ProcessTarget(None, cache=False, mem_mib=mem_mib, extra=BIG_FRAMES)
+    conn, rpc = _rpc_backend(tgt)
+    try:
+        with RssSampler(tgt.proc.pid) as rss:
+            wbuf = rpc.alloc_buffer(m * row, usage="weights")
+            abuf = rpc.alloc_buffer(4 * n * k + 4 * n * rows * views)
+            w = np.random.default_rng(1).integers(0, 256, (m, row), np.uint8)
+            w.reshape(m, -1, qsize)[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # finite scales
+            rpc.set_tensor(Tensor(DType.Q8_0, (m, k), "w", wbuf, 0), w)
+            xt = Tensor(DType.F32, (n, k), "x", abuf, 0)
+            rpc.set_tensor(xt, np.ones((n, k), np.float32))
+            nodes = [node(Op.MUL_MAT, Tensor(DType.F32, (n, rows), f"o{i}", abuf, 4 * n * k + 4 * n * rows * i), xt,
+                          Tensor(DType.Q8_0, (rows, k), f"w{i}", wbuf, 8 * i * row)) for i in range(views)]
+            rpc.graph_compute(Graph(nodes))
+            rpc.synchronize()
+            rpc.free_buffer(wbuf)
+            rpc.free_buffer(abuf)
+        conn.close()
+        _serves(tgt)
+        copy = rows * row
+        return (f"{views} views of {copy / 2**20:.1f} MiB each ({views * copy / 2**20:.0f} MiB if each were repacked), "
+                f"computed; {rss.figures()}")
+    finally:
+        conn.close()
+        tgt.stop()
+
+
+PRESSURE: dict[str, Callable[[], str]] = {
+    "handshake-flood": pressure_handshake_flood,
+    "handshake-flood-held": lambda: pressure_handshake_flood(max_connections=2000),
+    "mem-get-tensors": pressure_mem_get_tensors,
+    "mem-moe-scratch": pressure_mem_moe_scratch,
+    "mem-repack-views": pressure_mem_repack_views,
+}
+
+
+def run_pressure(names: list[str]) -> list[tuple[str, str, None]]:
+    """Runs the pressure cases; prints each one's figures; returns the failures."""
+    failures = []
+    for name in names:
+        try:
+            print(f"[{name}] {PRESSURE[name]()}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - one failure must not end the others
+            print(f"[{name}] FAILED: {exc}", flush=True)
+            failures.append((name, f"{type(exc).__name__}: {str(exc).splitlines()[0]}", None))
+    return failures
+
+
 def hypothesis_settings(max_examples: int, derandomize: bool, quiet: bool = False) -> settings:
     return settings(max_examples=max_examples, deadline=None, derandomize=derandomize, database=None,
                     suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink],
@@ -1769,7 +2003,11 @@ def main(argv: Optional[list] = None) -> int:
                          "always drive an in-process server")
     ap.add_argument("--only", action="append", choices=sorted(FUZZERS), help="run only these fuzzers")
     ap.add_argument("--out", default=OUT_DIR, help="where failing inputs go")
+    ap.add_argument("--pressure", action="append", choices=sorted(PRESSURE) + ["all", "none"],
+                    help="pressure cases to run after the fuzzers (default all; each starts its own server)")
     args = ap.parse_args(argv)
+    pressure = sorted(PRESSURE) if not args.pressure or "all" in args.pressure else \
+        [p for p in args.pressure if p != "none"]
     names = args.only or sorted(FUZZERS)
     stats = Stats()
     targets: dict[tuple[bool, str], Target] = {}
@@ -1825,6 +2063,9 @@ def main(argv: Optional[list] = None) -> int:
             r.close()
         for t in targets.values():
             t.stop()
+        if pressure:
+            print("\npressure cases (each against a server of its own):")
+            stats.failures.extend(run_pressure(pressure))
         if stats.failures:
             print(f"\n{len(stats.failures)} failing case(s):")
             for kind, msg, path in stats.failures:

@@ -198,3 +198,44 @@ def test_repacked_copies_count_against_the_cap_and_one_is_shared_per_weight():
             conn.close()
         _still_serves(st)
         assert dev.held == 0 and dev.backend.packed_weights() == 0
+
+
+@needs_x8
+def test_a_graph_writing_over_a_weight_drops_its_repacked_copy():
+    """No real graph writes where a weight lies, but one may: the next product must use the bytes
+    the weight holds then, not a repacked copy of what it held before."""
+    rng = np.random.default_rng(12)
+    m, k, n = 8, 256, 2
+    w = ref.random_weights(T.Q8_0, m, k, rng)
+    floats = w.nbytes // 4
+    x = activations(n, k, rng)
+    with _server() as st:
+        conn = Connection(f"127.0.0.1:{st.port}")
+        try:
+            rpc = RPCBackend(conn)
+            wbuf = rpc.alloc_buffer(w.nbytes, usage="weights")
+            abuf = rpc.alloc_buffer(4 * (n * k + n * m + 2 * floats))
+            wt = Tensor(DType.Q8_0, (m, k), "w", wbuf, 0)
+            xt = Tensor(DType.F32, (n, k), "x", abuf, 0)
+            ot = Tensor(DType.F32, (n, m), "out", abuf, 4 * n * k)
+            a = Tensor(DType.F32, (floats,), "a", abuf, 4 * (n * k + n * m))
+            b = Tensor(DType.F32, (floats,), "b", abuf, 4 * (n * k + n * m + floats))
+            over = Tensor(DType.F32, (floats,), "over the weight", wbuf, 0)
+            rpc.set_tensor(wt, w)
+            rpc.set_tensor(xt, x)
+            rpc.set_tensor(a, np.full(floats, 0.5, np.float32))
+            rpc.set_tensor(b, np.full(floats, 0.25, np.float32))
+            product = Graph([node(Op.MUL_MAT, ot, xt, wt)])
+            rpc.graph_compute(product)
+            before = rpc.get_tensor(ot)
+            rpc.graph_compute(Graph([node(Op.ADD, over, a, b)]))  # every weight byte changes
+            rpc.graph_compute(product)
+            after = rpc.get_tensor(ot)
+            now = rpc.get_tensor(wt).reshape(m, -1)
+            assert now.tobytes() != w.tobytes()
+            want = np.empty((n, m), np.float32)
+            qmatmul.mul_mat_q_x8(x, qmatmul.repack_x8(now, int(T.Q8_0), k), int(T.Q8_0), want)
+            assert not np.array_equal(before, want)
+            np.testing.assert_array_equal(after, want)
+        finally:
+            conn.close()

@@ -213,3 +213,68 @@ def test_a_client_without_the_token_gets_nothing_that_depends_on_it(monkeypatch)
         finally:
             st.stop()
     assert transcripts[0] == transcripts[1]
+
+
+def test_the_client_still_authenticates_to_a_server_of_protocol_1_0():
+    """A 1.0 server proves first (step 1: nonce and proof, step 2: empty): the client checks that
+    proof before it proves, then goes on; a 1.0 server without our token is refused unproven."""
+    import socket
+    import threading
+
+    def old_server(sock: socket.socket, token: bytes, got: list) -> None:
+        conn, _ = sock.accept()
+        with conn:
+            def read(n: int) -> bytes:
+                buf = b""
+                while len(buf) < n:
+                    chunk = conn.recv(n - len(buf))
+                    if not chunk:
+                        raise EOFError
+                    buf += chunk
+                return buf
+
+            def reply(payload: bytes, status: int = 0) -> None:
+                conn.sendall(P.HEADER.pack(status, len(payload)) + payload)
+            try:
+                while True:
+                    cmd, size = P.HEADER.unpack(read(P.HEADER.size))
+                    body = read(size)
+                    got.append((cmd, body))
+                    if cmd == Cmd.HELLO:
+                        reply(P.HELLO_REP.pack(1, 0, 0, 0, int(Cap.AUTH), 7))
+                    elif cmd == Cmd.AUTH and body[0] == auth.STEP_BEGIN:
+                        cn, sn = body[1:], b"\x05" * auth.NONCE
+                        reply(sn + auth.server_proof(token, cn, sn))
+                    elif cmd == Cmd.AUTH:  # 1.0: an empty reply accepts
+                        if auth.verify(auth.client_proof(token, cn, sn), body[1:]):
+                            reply(b"")
+                        else:
+                            reply(b"authentication failed", P.STATUS_ERROR)
+                    elif cmd == Cmd.DEVICE_COUNT:
+                        reply(P.U32.pack(1))
+            except (EOFError, OSError):
+                pass
+
+    for server_token, ok in ((TOKEN, True), (b"y" * 32, False)):
+        listener = socket.create_server(("127.0.0.1", 0))
+        got: list = []
+        th = threading.Thread(target=old_server, args=(listener, server_token, got), daemon=True)
+        th.start()
+        set_token(TOKEN)
+        try:
+            endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+            if ok:
+                conn = Connection(endpoint)
+                assert conn.call(Cmd.DEVICE_COUNT) == P.U32.pack(1)
+                conn.close()
+            else:
+                with pytest.raises(RPCError, match="does not hold our token"):
+                    Connection(endpoint)
+        finally:
+            set_token(None)
+            import pyllama.rpc.connection as c
+            c._token_set = False
+            th.join(5)
+            listener.close()
+        steps = [body[0] for cmd, body in got if cmd == Cmd.AUTH]
+        assert steps == ([auth.STEP_BEGIN, auth.STEP_PROVE] if ok else [auth.STEP_BEGIN])  # unproven when wrong

@@ -120,14 +120,51 @@ class _Vocab:
                 self.tokens.append(b"\xff" + tok.token_text(i).encode("utf-8", errors="replace"))
                 self.special_token_ids.append(i)
         eog = sorted(tok.eog_ids)
+        self._special = frozenset(self.special_token_ids)
+        self._by_piece: Optional[dict[bytes, int]] = None  # made on the first text that needs it
+        self._longest = 1
         self.eos_tokens = eog or [tok.eos_id if tok.eos_id is not None else 0]
         self.eos_token_id = self.eos_tokens[0]
         self.bos_token_id = tok.bos_id
 
     def __call__(self, text: Any) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return self._tok.encode(text, add_special=False)
+        """Tokens whose bytes are exactly `text`'s: llguidance tokenizes the bytes a grammar forces
+        and allows the first of those tokens, which the matcher then checks byte by byte. The
+        model's own encoding is used when it spells the text exactly; it does not when the
+        vocabulary adds a space prefix (SPM, UGM, WPM's word starts) or normalizes text (WPM
+        lowercases), and a greedy longest match over the token pieces is used instead."""
+        data = text if isinstance(text, bytes) else text.encode("utf-8", errors="surrogatepass")
+        ids = self._tok.encode(data.decode("utf-8", errors="replace"), add_special=False)
+        if self._spells(ids, data):
+            return ids
+        return self._greedy(data)
+
+    def _spells(self, ids: list[int], data: bytes) -> bool:
+        return all(i not in self._special for i in ids) and b"".join([self.tokens[i] for i in ids]) == data
+
+    def _greedy(self, data: bytes) -> list[int]:
+        """Longest pieces first, left to right, up to the first byte that no piece starts with (a
+        vocabulary without byte tokens may have none: WPM's lowercase vocabularies lack capitals):
+        a prefix of the text spelled exactly tells llguidance no more than it can check."""
+        if self._by_piece is None:
+            by_piece: dict[bytes, int] = {}
+            for i, piece in enumerate(self.tokens):
+                if piece and i not in self._special:
+                    by_piece.setdefault(piece, i)
+            self._by_piece = by_piece
+            self._longest = max(map(len, by_piece), default=1)
+        out: list[int] = []
+        pos = 0
+        while pos < len(data):
+            for end in range(min(len(data), pos + self._longest), pos, -1):
+                found = self._by_piece.get(data[pos:end])
+                if found is not None:
+                    out.append(found)
+                    pos = end
+                    break
+            else:
+                break
+        return out
 
 
 _tokenizers: "weakref.WeakKeyDictionary[Tokenizer, Any]" = weakref.WeakKeyDictionary()

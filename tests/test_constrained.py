@@ -16,6 +16,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
+import numpy as np
 import pytest
 
 from pyllama.server.constraint import ConstraintSpec, compile_constraint
@@ -356,3 +357,70 @@ def test_a_mask_that_never_comes_fails_only_its_request(monkeypatch):
     assert c.consume(7) is False and StuckMatcher.consumed == []
     release.set()
     worker.close()
+
+
+# A 40-byte grammar that compiles at once but forces a string of 4 million bytes: llguidance's
+# first token mask walks it for seconds (a quarter as long at 1000, minutes at 5000).
+PATHOLOGICAL = 'root ::= a{2000}\na ::= b{2000}\nb ::= "x"'
+
+
+def test_pathological_grammar_fails_alone_while_json_mode_is_served(srv):
+    """The grammar whose first mask would take seconds is a 400 saying so, sent at the same time
+    as a JSON-mode request, which succeeds; the server then serves the same grammar's refusal
+    again (from its memory of the failure) and an ordinary request."""
+    bias = closing_bias(srv)
+    innocent = {"messages": [{"role": "user", "content": "Give me JSON"}], "response_format": {"type": "json_object"},
+                "seed": 1, "max_tokens": MAX_TOKENS, "logit_bias": bias}
+    with ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(srv.post, "/completion", {"prompt": "x", "n_predict": 4, "grammar": PATHOLOGICAL},
+                          timeout=300)
+        good = pool.submit(srv.post, "/v1/chat/completions", innocent, timeout=300)
+        (bad_status, bad_doc), (good_status, good_doc) = bad.result(), good.result()
+    assert good_status == 200, good_doc
+    assert isinstance(json.loads(good_doc["choices"][0]["message"]["content"]), dict), good_doc
+    assert bad_status == 400, bad_doc
+    assert "'grammar'" in bad_doc["error"]["message"] and "too complex" in bad_doc["error"]["message"], bad_doc
+    status, doc = srv.post("/completion", {"prompt": "x", "n_predict": 4, "grammar": PATHOLOGICAL})
+    assert status == 400 and "too complex" in doc["error"]["message"], doc
+    status, doc = srv.post("/completion", {"prompt": "x", "n_predict": 8, "grammar": A5})
+    assert status == 200 and doc["content"] == "aaaaa", doc
+
+
+def test_a_stuck_mask_does_not_hold_up_another_requests_mask(monkeypatch, tiny_model):
+    """Each sequence's masks are computed apart from the others': while one matcher is stuck,
+    another constraint of the same group gets its mask, and only the stuck one fails."""
+    import threading
+
+    from pyllama.models.gguf_file import read_metadata
+    from pyllama.server import constraint as cmod
+    from pyllama.tokenizer import load_tokenizer
+
+    release = threading.Event()
+
+    class StuckMatcher:
+        def unsafe_compute_mask_ptr(self, ptr, nbytes):
+            release.wait(10.0)
+
+        def is_error(self):
+            return False
+
+        def is_stopped(self):
+            return False
+
+    monkeypatch.setattr(cmod, "MASK_TIMEOUT_S", 1.0)
+    tok = load_tokenizer(read_metadata(tiny_model))
+    worker = cmod.MaskWorker("masks-test")
+    stuck = cmod.Constraint(StuckMatcher(), tok.n_vocab)
+    good = cmod.Constraint(compile_constraint(ConstraintSpec("gbnf", A5), tok), tok.n_vocab)
+    try:
+        worker.request_mask([stuck])
+        worker.request_mask([good])
+        good.take_mask()
+        allowed = np.flatnonzero(np.unpackbits(good.mask.view(np.uint8), bitorder="little")[:tok.n_vocab])
+        assert good.error == "" and [tok.token_bytes(int(i)) for i in allowed] == [b"a"]
+        assert good.consume(int(allowed[0]))
+        stuck.take_mask()
+        assert "too complex" in stuck.error
+    finally:
+        release.set()
+        worker.close()

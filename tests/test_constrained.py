@@ -424,3 +424,31 @@ def test_a_stuck_mask_does_not_hold_up_another_requests_mask(monkeypatch, tiny_m
     finally:
         release.set()
         worker.close()
+
+
+def test_grammars_still_checking_refuse_new_ones_with_a_503(monkeypatch, tiny_model):
+    """While MAX_OVERDUE given-up first-mask checks still run, a grammar not yet compiled is a 503
+    (a compiled one is served); once they end, new grammars compile again."""
+    import time
+
+    from pyllama.models.gguf_file import read_metadata
+    from pyllama.server import constraint as cmod
+    from pyllama.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(read_metadata(tiny_model))
+    compile_constraint(ConstraintSpec("gbnf", 'root ::= "b"{3}'), tok)  # compiled before
+    monkeypatch.setattr(cmod, "FIRST_MASK_S", 0.01)
+    monkeypatch.setattr(cmod, "MAX_OVERDUE", 1)
+    with pytest.raises(HTTPError) as err:
+        compile_constraint(ConstraintSpec("gbnf", 'root ::= a{700}\na ::= b{700}\nb ::= "y"'), tok)
+    assert err.value.status == 400 and "too complex" in str(err.value)
+    with pytest.raises(HTTPError) as err:
+        compile_constraint(ConstraintSpec("gbnf", 'root ::= "c"{3}'), tok)
+    assert err.value.status == 503
+    compile_constraint(ConstraintSpec("gbnf", 'root ::= "b"{3}'), tok)
+    for _ in range(600):  # the given-up check runs to its end (a second or so)
+        if cmod._overdue == 0:
+            break
+        time.sleep(0.1)
+    monkeypatch.setattr(cmod, "FIRST_MASK_S", 5.0)
+    compile_constraint(ConstraintSpec("gbnf", 'root ::= "c"{3}'), tok)

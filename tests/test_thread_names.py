@@ -9,7 +9,7 @@ from typing import Optional
 
 import pytest
 
-from pyllama.server.constraint import MaskWorker
+from pyllama.server.constraint import Constraint, MaskWorker
 from pyllama.threads import OS_NAME_MAX, Thread, os_name
 from server_util import RPCServerProcess, ServerProcess
 
@@ -62,12 +62,18 @@ def test_long_names_are_cut_to_what_linux_keeps():
 
 
 def test_mask_worker_thread_is_named():
+    seen: list = []
+
+    class Matcher:
+        def unsafe_compute_mask_ptr(self, ptr, nbytes):
+            seen.append(read_os_name(threading.get_native_id()))
+
     worker = MaskWorker("masks-3")
-    try:
-        name = worker._pool.submit(lambda: read_os_name(threading.get_native_id())).result(10)
-    finally:
-        worker.close()
-    assert name == "masks-3_0"
+    c = Constraint(Matcher(), 64)
+    worker.request_mask([c])
+    c.take_mask()
+    worker.close()
+    assert seen == ["masks-3"]
 
 
 def test_server_and_rpc_server_threads_are_named(tiny_model):

@@ -145,10 +145,6 @@ def _exceeds_context(n_prompt: int, n_ctx: int, at_least: bool = False) -> HTTPE
 log = logging.getLogger("pyllama.server")
 T = TypeVar("T")
 
-# Bodies up to this size are parsed and tokenized on the event loop (milliseconds at most). Larger
-# ones go to a worker thread: tokenizing a prompt of several megabytes takes seconds, during which
-# the loop would answer no other connection at all.
-_INLINE_BODY = 16 << 10
 
 
 # Characters a slot file name must not hold: path separators, a drive colon, the characters
@@ -170,9 +166,10 @@ def valid_slot_filename(name: Any) -> bool:
 
 
 async def _prepare(req: Request, work: Callable[[], T]) -> T:
-    """work() (which reads req's body), off the event loop when the body is large."""
-    if len(req.body) <= _INLINE_BODY:
-        return work()
+    """work() (which reads req's body) on a worker thread, whatever the body's size: tokenizing a
+    prompt of megabytes takes seconds, and a short body can hold a chat template that renders for
+    long or a grammar whose compiling and first-mask check take up to a second, during which the
+    event loop would answer no other connection."""
     return await asyncio.to_thread(work)
 
 

@@ -9,29 +9,40 @@ request gets its own copy of the compiled matcher.
 During generation a slot holds a `Constraint`: its matcher and the bitmask of the tokens allowed
 next. The group's decode thread applies the mask to the row's host logits before the sampler
 (disallowed tokens become -inf), feeds the sampled token to the matcher, and asks the group's
-`MaskWorker` for the next mask right away: the worker computes it on its own thread (llguidance
-releases the GIL) while the next step is built and decoded, so the mask is usually ready when the
-logits come back. A constraint is done when the matcher allows nothing but the end of
-generation; the request then ends as if the model had produced EOS.
+`MaskWorker` for the next mask right away: the mask is computed on the sequence's own thread
+(llguidance releases the GIL) while the next step is built and decoded, so the mask is usually
+ready when the logits come back. A constraint is done when the matcher allows nothing but the end
+of generation; the request then ends as if the model had produced EOS.
+
+A mask usually takes microseconds, but a short grammar can force a string of millions of bytes
+(`root ::= a{3000}` with `a ::= "x"{3000}`), which llguidance walks for seconds to minutes for
+every mask, and no llguidance limit bounds that walk. So a grammar's first mask must come within
+FIRST_MASK_S when it is compiled (else the request is a 400, and the grammar is remembered as too
+complex), and a later mask within MASK_TIMEOUT_S (else that request ends with an error). Neither
+can stop llguidance: a computation given up on runs to its end on its own thread, which no other
+request's masks wait for, and while MAX_OVERDUE of them still run, grammars not yet compiled are
+refused (503) rather than started, so that they cannot take every core.
 """
 from __future__ import annotations
 
+import functools
 import json
+import queue
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 import llguidance as llg
 
 from .._fast import masks as _masks
-from ..threads import name_current_thread
+from ..threads import Thread
 from ..tokenizer import Tokenizer
 from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
 from .http import HTTPError
@@ -197,16 +208,70 @@ def compile_constraint(spec: ConstraintSpec, tok: Tokenizer) -> Any:
         template = _compiled.get(key)
         if template is not None:
             _compiled.move_to_end(key)
+        refused = _too_complex.get(key)
+    if refused:
+        raise HTTPError(400, refused)
     if template is None:
         grammar = grammar_text(spec)
         template = llg.LLMatcher(lt, grammar, log_level=0)  # (the GIL is released while it compiles)
         if template.is_error():
             raise HTTPError(400, f"'{spec.source}': invalid {_what(spec)}: {_short(template.get_error())}")
+        why = _first_mask_check(template, tok.n_vocab)
+        if why:
+            message = f"'{spec.source}': {_what(spec)} too complex: {why}"
+            with _compiled_lock:
+                _too_complex[key] = message
+                while len(_too_complex) > MAX_CACHED:
+                    _too_complex.popitem(last=False)
+            raise HTTPError(400, message)
         with _compiled_lock:
             _compiled[key] = template
             while len(_compiled) > MAX_CACHED:
                 _compiled.popitem(last=False)
     return template.deep_copy()
+
+
+# A first mask that takes longer than this fails its request with a 400 (they take microseconds to
+# a few milliseconds with the largest vocabularies).
+FIRST_MASK_S = 1.0
+# Checks given up on that may still run (each holds a core) before new grammars are refused.
+MAX_OVERDUE = 2
+_too_complex: "OrderedDict[tuple, str]" = OrderedDict()  # grammars whose first mask was too slow
+_overdue = 0
+
+
+def _first_mask_check(template: Any, n_vocab: int) -> str:
+    """Computes a copy's first mask on a thread of its own, waiting FIRST_MASK_S at most; returns
+    why the grammar is refused ("" when it is not). Raises HTTPError 503 while MAX_OVERDUE
+    earlier checks still run."""
+    global _overdue
+    with _compiled_lock:
+        if _overdue >= MAX_OVERDUE:
+            raise HTTPError(503, "the server is still computing the token masks of grammars too complex to use; "
+                                 "try again later", "unavailable_error")
+    matcher = template.deep_copy()
+    mask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
+    done = threading.Event()
+    state = {"overdue": False}
+
+    def run() -> None:
+        global _overdue
+        try:
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        finally:
+            with _compiled_lock:
+                done.set()
+                if state["overdue"]:
+                    _overdue -= 1
+
+    Thread(target=run, name="grammar-check", daemon=True).start()
+    if not done.wait(FIRST_MASK_S):
+        with _compiled_lock:
+            if not done.is_set():
+                state["overdue"] = True
+                _overdue += 1
+                return f"its first token mask takes more than {FIRST_MASK_S:g} s"
+    return f"its first token mask failed: {_short(matcher.get_error())}" if matcher.is_error() else ""
 
 
 def json_schema_spec(schema: Any, field: str) -> ConstraintSpec:
@@ -225,9 +290,10 @@ def json_schema_spec(schema: Any, field: str) -> ConstraintSpec:
 
 
 # --- per-sequence state and mask computation ---------------------------------------------------
-# A mask takes microseconds; llguidance bounds its own work per token, so this only guards the
-# decode thread (and every sequence of its group) against a matcher that never returns.
-MASK_TIMEOUT_S = 30.0
+# How long the decode thread (and so every sequence of its group) waits for one mask before it
+# fails the request: a mask takes microseconds to milliseconds, and the first one was checked
+# against FIRST_MASK_S when the grammar was compiled.
+MASK_TIMEOUT_S = 2.0
 
 
 class Constraint:
@@ -240,6 +306,9 @@ class Constraint:
         self.n_vocab = n_vocab
         self.mask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
         self._pending: Optional[Future] = None
+        # the thread its masks are computed on (MaskWorker); its work queue ends when the
+        # constraint is dropped, so the thread ends after its last mask
+        self._thread: Optional[_MaskThread] = None
         self._ready = False
         self.failed = ""  # why the matcher can no longer be used (its request then ends with an error)
 
@@ -268,7 +337,7 @@ class Constraint:
             try:
                 self._pending.result(timeout=MASK_TIMEOUT_S)
             except FutureTimeout:
-                self.failed = f"the token mask was not ready within {MASK_TIMEOUT_S:.0f} s"
+                self.failed = f"grammar too complex: the token mask was not ready within {MASK_TIMEOUT_S:g} s"
                 self.mask[:] = -1  # (the row is sampled with the others; its token is refused)
             self._pending = None
             return time.perf_counter() - t0
@@ -295,31 +364,63 @@ def apply_masks(logits: np.ndarray, rows: list[int], constraints: list[Constrain
     _masks.apply_bitmasks(logits, np.asarray(rows, dtype=np.int32), masks)
 
 
+class _MaskThread:
+    """A constraint's own mask thread: runs the calls queued to it, in order, and ends once the
+    constraint is gone (a daemon, so that a computation given up on cannot hold up exit)."""
+
+    def __init__(self, owner: Constraint, name: str) -> None:
+        self._queue: "queue.SimpleQueue[Optional[tuple[Future, Callable[[], None]]]]" = queue.SimpleQueue()
+        weakref.finalize(owner, self._queue.put, None)
+        Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[[], None]) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn = item
+            del item
+            try:
+                fn()
+                future.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting decode thread
+                future.set_exception(exc)
+            del future, fn
+
+
 class MaskWorker:
-    """One group's mask computations, off the decode thread: `request_mask` queues a batch of
-    constraints whose matchers just consumed a token; their masks are computed while the next
-    step runs, and `Constraint.take_mask` picks them up before sampling. One thread: a mask takes
-    microseconds and the step it overlaps milliseconds, and more threads would only compete with
-    the step's own."""
+    """One group's mask computations, off the decode thread: `request_mask` queues the next mask
+    of constraints whose matchers just consumed a token; the masks are computed while the next
+    step runs, and `Constraint.take_mask` picks them up before sampling. Each constraint has a
+    thread of its own (made with its first mask, gone with the constraint), so that a matcher
+    that takes seconds holds up no other sequence's mask."""
 
     def __init__(self, name: str = "masks") -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=name_current_thread)
-        self.t_compute = 0.0  # seconds spent computing masks (on the worker)
+        self._name = name
+        self._lock = threading.Lock()
+        self.t_compute = 0.0  # seconds spent computing masks (on the constraints' threads)
         self.n_masks = 0
 
     def request_mask(self, constraints: list[Constraint]) -> None:
-        if not constraints:
-            return
-        future = self._pool.submit(self._compute, list(constraints))
         for c in constraints:
-            c._pending = future
+            if c._thread is None:
+                c._thread = _MaskThread(c, self._name)
+            c._pending = c._thread.submit(functools.partial(self._compute, weakref.ref(c)))
 
-    def _compute(self, constraints: list[Constraint]) -> None:
+    def _compute(self, ref: "weakref.ref[Constraint]") -> None:
+        c = ref()
+        if c is None:
+            return
         t0 = time.perf_counter()
-        for c in constraints:
-            c.compute_mask()
-        self.t_compute += time.perf_counter() - t0
-        self.n_masks += len(constraints)
+        c.compute_mask()
+        with self._lock:
+            self.t_compute += time.perf_counter() - t0
+            self.n_masks += 1
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        """(Nothing to stop: each constraint's thread ends when the constraint is dropped.)"""

@@ -427,9 +427,9 @@ def test_a_stuck_mask_does_not_hold_up_another_requests_mask(monkeypatch, tiny_m
 
 
 def test_grammars_still_checking_refuse_new_ones_with_a_503(monkeypatch, tiny_model):
-    """While MAX_OVERDUE given-up first-mask checks still run, a grammar not yet compiled is a 503
-    (a compiled one is served); once they end, new grammars compile again."""
-    import time
+    """While MAX_CHECKS first-mask checks (a given-up one among them) still run, a grammar not yet
+    compiled is a 503 (a compiled one is served); once they end, new grammars compile again."""
+    import threading
 
     from pyllama.models.gguf_file import read_metadata
     from pyllama.server import constraint as cmod
@@ -438,7 +438,7 @@ def test_grammars_still_checking_refuse_new_ones_with_a_503(monkeypatch, tiny_mo
     tok = load_tokenizer(read_metadata(tiny_model))
     compile_constraint(ConstraintSpec("gbnf", 'root ::= "b"{3}'), tok)  # compiled before
     monkeypatch.setattr(cmod, "FIRST_MASK_S", 0.01)
-    monkeypatch.setattr(cmod, "MAX_OVERDUE", 1)
+    monkeypatch.setattr(cmod, "_checks", threading.BoundedSemaphore(1))
     with pytest.raises(HTTPError) as err:
         compile_constraint(ConstraintSpec("gbnf", 'root ::= a{700}\na ::= b{700}\nb ::= "y"'), tok)
     assert err.value.status == 400 and "too complex" in str(err.value)
@@ -446,9 +446,33 @@ def test_grammars_still_checking_refuse_new_ones_with_a_503(monkeypatch, tiny_mo
         compile_constraint(ConstraintSpec("gbnf", 'root ::= "c"{3}'), tok)
     assert err.value.status == 503
     compile_constraint(ConstraintSpec("gbnf", 'root ::= "b"{3}'), tok)
-    for _ in range(600):  # the given-up check runs to its end (a second or so)
-        if cmod._overdue == 0:
-            break
-        time.sleep(0.1)
-    monkeypatch.setattr(cmod, "FIRST_MASK_S", 5.0)
+    monkeypatch.setattr(cmod, "FIRST_MASK_S", 60.0)  # the given-up check runs to its end (a second or so)
     compile_constraint(ConstraintSpec("gbnf", 'root ::= "c"{3}'), tok)
+    assert cmod._checks.acquire(timeout=0)  # (and the slot it held is free again)
+    cmod._checks.release()
+
+
+def test_a_grammar_whose_later_mask_is_too_slow_is_refused_next_time(monkeypatch, tiny_model):
+    """A first mask in microseconds, then a forced string whose mask takes long: the request's
+    constraint fails, and the grammar is then refused at once like one whose first mask is slow."""
+    from pyllama.models.gguf_file import read_metadata
+    from pyllama.server import constraint as cmod
+    from pyllama.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(read_metadata(tiny_model))
+    spec = ConstraintSpec("gbnf", 'root ::= ("y" | "z") a{700}\na ::= b{700}\nb ::= "x"')
+    worker = cmod.MaskWorker("masks-test")
+    c = cmod.Constraint(compile_constraint(spec, tok), tok.n_vocab)
+    worker.request_mask([c])
+    c.take_mask()
+    assert not c.error
+    allowed = np.flatnonzero(np.unpackbits(c.mask.view(np.uint8), bitorder="little")[:tok.n_vocab])
+    assert sorted(tok.token_bytes(int(i)) for i in allowed) == [b"y", b"z"]
+    assert c.consume(int(allowed[0]))
+    monkeypatch.setattr(cmod, "MASK_TIMEOUT_S", 0.01)
+    worker.request_mask([c])
+    c.take_mask()
+    assert "too complex" in c.error and not c.consume(int(allowed[0]))
+    with pytest.raises(HTTPError) as err:
+        compile_constraint(spec, tok)
+    assert err.value.status == 400 and "'grammar': grammar too complex: a token mask" in str(err.value)

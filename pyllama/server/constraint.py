@@ -15,18 +15,20 @@ ready when the logits come back. A constraint is done when the matcher allows no
 of generation; the request then ends as if the model had produced EOS.
 
 A mask usually takes microseconds, but a short grammar can force a string of millions of bytes
-(`root ::= a{3000}` with `a ::= "x"{3000}`), which llguidance walks for seconds to minutes for
-every mask, and no llguidance limit bounds that walk. So a grammar's first mask must come within
-FIRST_MASK_S when it is compiled (else the request is a 400, and the grammar is remembered as too
-complex), and a later mask within MASK_TIMEOUT_S (else that request ends with an error). Neither
-can stop llguidance: a computation given up on runs to its end on its own thread, which no other
-request's masks wait for, and while MAX_OVERDUE of them still run, grammars not yet compiled are
-refused (503) rather than started, so that they cannot take every core.
+(`root ::= a{3000}` with `a ::= "x"{3000}`), which llguidance walks for seconds to minutes (and
+gigabytes) for every mask, and no llguidance limit bounds that walk. So a grammar's first mask must
+come within FIRST_MASK_S when it is compiled (else the request is a 400), and a later mask within
+MASK_TIMEOUT_S (else that request ends with an error); either way the grammar is remembered as too
+complex. Nothing can stop llguidance: a computation given up on runs to its end on its own thread
+at the lowest priority, which no other request's masks wait for, holding one of MAX_CHECKS places
+meanwhile; a new grammar that finds none free within FIRST_MASK_S is a 503, so that such
+computations cannot pile up.
 """
 from __future__ import annotations
 
 import functools
 import json
+import os
 import queue
 import threading
 import time
@@ -218,59 +220,78 @@ def compile_constraint(spec: ConstraintSpec, tok: Tokenizer) -> Any:
             raise HTTPError(400, f"'{spec.source}': invalid {_what(spec)}: {_short(template.get_error())}")
         why = _first_mask_check(template, tok.n_vocab)
         if why:
-            message = f"'{spec.source}': {_what(spec)} too complex: {why}"
-            with _compiled_lock:
-                _too_complex[key] = message
-                while len(_too_complex) > MAX_CACHED:
-                    _too_complex.popitem(last=False)
-            raise HTTPError(400, message)
+            raise HTTPError(400, _forget((key, f"'{spec.source}': {_what(spec)} too complex"), why))
         with _compiled_lock:
             _compiled[key] = template
             while len(_compiled) > MAX_CACHED:
                 _compiled.popitem(last=False)
-    return template.deep_copy()
+    matcher = template.deep_copy()
+    with _compiled_lock:
+        _origins[id(matcher)] = (key, f"'{spec.source}': {_what(spec)} too complex")
+        while len(_origins) > 4 * MAX_CACHED:  # (matchers of requests that ended before they ran)
+            _origins.popitem(last=False)
+    return matcher
+
+
+# The cache key and error prefix of each matcher compile_constraint handed out, until its
+# Constraint takes them (llguidance's matchers take neither attributes nor weak references).
+_origins: "OrderedDict[int, tuple[tuple, str]]" = OrderedDict()
+
+
+def _forget(origin: Optional[tuple[tuple, str]], why: str) -> str:
+    """Remembers the grammar a matcher came from as too complex (its next requests are a 400
+    with the message returned)."""
+    if origin is None:
+        return why
+    key, prefix = origin
+    message = f"{prefix}: {why}"
+    with _compiled_lock:
+        _compiled.pop(key, None)
+        _too_complex[key] = message
+        while len(_too_complex) > MAX_CACHED:
+            _too_complex.popitem(last=False)
+    return message
 
 
 # A first mask that takes longer than this fails its request with a 400 (they take microseconds to
 # a few milliseconds with the largest vocabularies).
 FIRST_MASK_S = 1.0
-# Checks given up on that may still run (each holds a core) before new grammars are refused.
-MAX_OVERDUE = 2
+# First-mask checks that may run at once, a given-up one until it ends: each holds a core (and up
+# to a few hundred MB) while it runs, so they are kept to a quarter of the cores, but two at least,
+# so that one pathological grammar cannot hold up every new grammar's check.
+MAX_CHECKS = max(2, (os.cpu_count() or 1) // 4)
+_checks = threading.BoundedSemaphore(MAX_CHECKS)
 _too_complex: "OrderedDict[tuple, str]" = OrderedDict()  # grammars whose first mask was too slow
-_overdue = 0
 
 
 def _first_mask_check(template: Any, n_vocab: int) -> str:
     """Computes a copy's first mask on a thread of its own, waiting FIRST_MASK_S at most; returns
-    why the grammar is refused ("" when it is not). Raises HTTPError 503 while MAX_OVERDUE
-    earlier checks still run."""
-    global _overdue
-    with _compiled_lock:
-        if _overdue >= MAX_OVERDUE:
-            raise HTTPError(503, "the server is still computing the token masks of grammars too complex to use; "
-                                 "try again later", "unavailable_error")
+    why the grammar is refused ("" when it is not). Raises HTTPError 503 when MAX_CHECKS checks
+    (given-up ones among them) still run after waiting FIRST_MASK_S for one to end."""
+    checks = _checks
+    if not checks.acquire(timeout=FIRST_MASK_S):
+        raise HTTPError(503, "the server is still computing the token masks of grammars too complex to use; "
+                             "try again later", "unavailable_error")
     matcher = template.deep_copy()
     mask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
     done = threading.Event()
-    state = {"overdue": False}
 
     def run() -> None:
-        global _overdue
         try:
             matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         finally:
-            with _compiled_lock:
-                done.set()
-                if state["overdue"]:
-                    _overdue -= 1
+            done.set()
+            checks.release()
 
-    Thread(target=run, name="grammar-check", daemon=True).start()
+    thread = Thread(target=run, name="grammar-check", daemon=True)
+    try:
+        thread.start()
+    except BaseException:
+        checks.release()
+        raise
     if not done.wait(FIRST_MASK_S):
-        with _compiled_lock:
-            if not done.is_set():
-                state["overdue"] = True
-                _overdue += 1
-                return f"its first token mask takes more than {FIRST_MASK_S:g} s"
+        _give_up(thread)
+        return f"its first token mask takes more than {FIRST_MASK_S:g} s"
     return f"its first token mask failed: {_short(matcher.get_error())}" if matcher.is_error() else ""
 
 
@@ -287,6 +308,16 @@ def json_schema_spec(schema: Any, field: str) -> ConstraintSpec:
     if not isinstance(schema, dict):
         raise HTTPError(400, f"'{field}' must be a JSON schema object (or its JSON text)")
     return ConstraintSpec("json_schema", json.dumps(schema), field)
+
+
+def _give_up(thread: threading.Thread) -> None:
+    """Lowers a thread whose computation no request waits for any more to the least CPU priority
+    (Linux sets it per thread), so that it takes only the time that serving leaves."""
+    try:
+        if thread.native_id is not None:
+            os.setpriority(os.PRIO_PROCESS, thread.native_id, 19)
+    except (OSError, AttributeError):  # (the thread is gone, or the platform has no per-thread nice)
+        pass
 
 
 # --- per-sequence state and mask computation ---------------------------------------------------
@@ -311,6 +342,7 @@ class Constraint:
         self._thread: Optional[_MaskThread] = None
         self._ready = False
         self.failed = ""  # why the matcher can no longer be used (its request then ends with an error)
+        self._origin = _origins.pop(id(matcher), None)  # (compile_constraint's key and field)
 
     @property
     def done(self) -> bool:
@@ -337,7 +369,15 @@ class Constraint:
             try:
                 self._pending.result(timeout=MASK_TIMEOUT_S)
             except FutureTimeout:
-                self.failed = f"grammar too complex: the token mask was not ready within {MASK_TIMEOUT_S:g} s"
+                why = f"a token mask was not ready within {MASK_TIMEOUT_S:g} s"
+                self.failed = f"grammar too complex: {why}"
+                _forget(self._origin, why)
+                if self._thread is not None:
+                    _give_up(self._thread.thread)
+                # the computation holds a check's place until it ends, so that given-up ones
+                # leave no room for new grammars rather than pile up
+                if _checks.acquire(blocking=False):
+                    self._pending.add_done_callback(lambda _, checks=_checks: checks.release())
                 self.mask[:] = -1  # (the row is sampled with the others; its token is refused)
             self._pending = None
             return time.perf_counter() - t0
@@ -371,7 +411,8 @@ class _MaskThread:
     def __init__(self, owner: Constraint, name: str) -> None:
         self._queue: "queue.SimpleQueue[Optional[tuple[Future, Callable[[], None]]]]" = queue.SimpleQueue()
         weakref.finalize(owner, self._queue.put, None)
-        Thread(target=self._run, name=name, daemon=True).start()
+        self.thread = Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
 
     def submit(self, fn: Callable[[], None]) -> Future:
         future: Future = Future()

@@ -9,7 +9,10 @@ tampered Content-Length, re-chunked bodies, random JSON and hostile field values
 batches and requests split into small packets. After every case the server must still answer
 GET /health, and no response may carry a 5xx status; every so often a normal completion must
 succeed. Failing inputs are saved under bench/out/fuzz_http/ (raw bytes plus a JSON note), and
-the server's log is checked for tracebacks at the end.
+the server's log is checked for tracebacks at the end. Then three pathological grammars (40
+bytes each, whose first token mask would take llguidance minutes) are sent at once while another
+client repeats a JSON-mode request: its latency against its unloaded latency, what the grammars
+got and the server's memory are printed (`--seconds 0` runs this case alone).
 
 Prints the number of cases, a histogram of the statuses received, and the failures; exits 1 if
 there were any.
@@ -25,6 +28,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -498,6 +502,105 @@ def fuzz(port: int, seconds: float, seed: int, out: str, proc: Optional[subproce
     return report
 
 
+# ---------------------------------------------------------------------------------------------
+# pathological grammars: short, valid, and each first token mask would take llguidance seconds to
+# minutes (a forced string of millions of bytes)
+
+def pathological_grammar(n: int) -> str:
+    return f'root ::= a{{{n}}}\na ::= b{{{n}}}\nb ::= "x"'
+
+
+def post_json(port: int, path: str, body: dict, timeout: float = 120.0) -> tuple[int, bytes, float]:
+    """(status, raw response, seconds) of one POST on its own connection."""
+    data = json.dumps(body).encode()
+    headers = [b"Host: fuzz", b"Connection: close", b"Content-Length: %d" % len(data)]
+    t0 = time.perf_counter()
+    raw, _ = exchange(port, [render(b"POST", path.encode(), headers, data)], wait=timeout)
+    statuses, _ = parse_responses(raw)
+    return (statuses[0] if statuses else 0), raw, time.perf_counter() - t0
+
+
+def rss_kib(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of a process in KiB, from /proc (0, 0 where unreadable)."""
+    try:
+        fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+        return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+def checks_running(pid: int) -> int:
+    """The server's grammar-check threads (first masks being computed, given-up ones included)."""
+    n = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                n += open(f"/proc/{pid}/task/{tid}/comm").read().strip() == "grammar-check"
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return n
+
+
+def grammar_case(port: int, proc: subprocess.Popen, n_bad: int = 3, size: int = 3000, watch_s: float = 180) -> dict:
+    """n_bad distinct pathological grammars sent at once, while another client repeats a JSON-mode
+    request: its latency during them against its unloaded latency (target: within 2x), what the
+    grammar requests got, the server's memory, and whether it still serves afterwards."""
+    innocent = {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"},
+                "max_tokens": 8, "seed": 1}
+
+    def innocent_s() -> float:
+        status, raw, took = post_json(port, "/v1/chat/completions", innocent)
+        if status != 200:
+            raise RuntimeError(f"the JSON-mode request failed during the grammar case: {raw[:300]!r}")
+        return took
+
+    innocent_s()  # (compiles JSON mode once)
+    unloaded = sorted(innocent_s() for _ in range(5))[2]
+    rss0, _ = rss_kib(proc.pid)
+    results: list[tuple[int, bytes, float]] = []
+    threads = [threading.Thread(target=lambda k=k: results.append(post_json(
+        port, "/completion", {"prompt": PROMPT, "n_predict": 4, "grammar": pathological_grammar(size + k)})))
+        for k in range(n_bad)]
+    for t in threads:
+        t.start()
+    loaded = []
+    peak = rss0
+    while any(t.is_alive() for t in threads) or len(loaded) < 5:
+        loaded.append(innocent_s())
+        peak = max(peak, rss_kib(proc.pid)[0])
+    for t in threads:
+        t.join()
+    # the given-up computations still run to their end: the other client's latency meanwhile
+    settle = []
+    t_end = time.monotonic() + watch_s
+    while (checks_running(proc.pid) or len(settle) < 5) and time.monotonic() < t_end:
+        settle.append(innocent_s())
+        peak = max(peak, rss_kib(proc.pid)[0])
+        time.sleep(0.05)
+    still = checks_running(proc.pid)
+    statuses = collections.Counter(status for status, _, _ in results)
+    messages = sorted({json.loads(raw.split(b"\r\n\r\n", 1)[1] or b"{}").get("error", {}).get("message", "")
+                       for _, raw, _ in results if b"\r\n\r\n" in raw})
+    return {"unloaded_s": unloaded, "during_median_s": sorted(loaded)[len(loaded) // 2], "during_max_s": max(loaded),
+            "after_median_s": sorted(settle)[len(settle) // 2], "after_n": len(settle), "checks_left": still,
+            "bad_statuses": dict(statuses), "rss_end_mib": rss_kib(proc.pid)[0] / 1024,
+            "bad_max_s": max(took for _, _, took in results), "messages": messages,
+            "rss_mib": rss0 / 1024, "rss_peak_mib": peak / 1024, "serves_after": completion_ok(port)}
+
+
+def print_grammar_case(r: dict) -> None:
+    ratio = r["during_median_s"] / r["unloaded_s"]
+    print(f"pathological grammars: statuses {r['bad_statuses']} within {r['bad_max_s']:.2f} s: {r['messages']}")
+    print(f"  another client's JSON-mode request: unloaded {r['unloaded_s'] * 1e3:.0f} ms, during "
+          f"{r['during_median_s'] * 1e3:.0f} ms median ({ratio:.2f}x; target 2x), {r['during_max_s'] * 1e3:.0f} ms max, "
+          f"while the given-up checks run on {r['after_median_s'] * 1e3:.0f} ms median ({r['after_n']} requests; "
+          f"{r['checks_left']} checks left at the end)")
+    print(f"  server RSS {r['rss_mib']:.0f} MiB before, {r['rss_peak_mib']:.0f} MiB at most, "
+          f"{r['rss_end_mib']:.0f} MiB after; serves afterwards: {r['serves_after']}")
+
+
 def log_problems(log_path: str) -> list[str]:
     text = open(log_path, errors="replace").read()
     return [m.group(0) for m in re.finditer(r"(Traceback|Fatal error|RecursionError)[^\n]*", text)]
@@ -528,6 +631,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.monotonic()
     try:
         report = fuzz(port, seconds, args.seed, args.out, proc)
+        grammar = grammar_case(port, proc)
     finally:
         stop_server(proc)
     for line in log_problems(log_path):
@@ -536,6 +640,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     hist = ", ".join(f"{k}: {v}" for k, v in sorted(report.statuses.items(), key=lambda kv: str(kv[0])))
     print(f"{report.cases} cases in {elapsed:.1f} s (seed {args.seed})")
     print(f"statuses: {hist}")
+    print_grammar_case(grammar)
+    if not grammar["serves_after"] or any(s >= 500 and s != 503 for s in grammar["bad_statuses"]):
+        report.failures.append({"why": f"pathological grammars: {grammar['bad_statuses']}", "file": log_path})
     print(f"failures: {len(report.failures)}")
     for f in report.failures:
         print(f"  {f.get('kind', '-')}: {f['why']} -> {f['file']}")

@@ -680,6 +680,34 @@ def test_limit_flags_are_checked(tiny_model, args, needle):
     assert needle in proc.stderr and "Traceback" not in proc.stderr
 
 
+def refused_start(tiny_model, *args: str, env: dict | None = None) -> str:
+    """The one-line error of a server that must refuse to start (exit 1, no traceback)."""
+    proc = subprocess.run([sys.executable, "-m", "pyllama.server", "-m", tiny_model, "--port", "0", *args],
+                          capture_output=True, text=True, timeout=20, env={**os.environ, **(env or {})})
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("how", ["blank list", "empty", "file of comments", "empty variable"])
+def test_an_api_key_option_without_a_key_refuses_to_start(tiny_model, tmp_path, how):
+    """`--api-key "$KEY"` with KEY unset, or a key file that lost its keys, must not start a
+    server that anyone may use."""
+    if how == "file of comments":
+        keys = tmp_path / "keys"
+        keys.write_text("# the team's keys\n\n   \n")
+        line = refused_start(tiny_model, "--api-key-file", str(keys))
+        assert "--api-key-file" in line and "no key" in line, line
+        return
+    if how == "empty variable":
+        line = refused_start(tiny_model, env={"LLAMA_API_KEY": " "})
+    else:
+        line = refused_start(tiny_model, "--api-key", " , " if how == "blank list" else "")
+    assert "--api-key" in line and "no key" in line, line
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. the fuzzer, briefly
 

@@ -525,13 +525,23 @@ def resolve(args: argparse.Namespace) -> None:
             args.kv_unified = True
     if args.kv_unified is None:
         args.kv_unified = False
+    # An option that names no key (`--api-key "$UNSET"`, a file of comments) is refused: read as
+    # "no keys" it would start a server that anyone may use, the opposite of what was asked.
     keys = list(args.api_key or [])
+    if args.api_key is not None and not keys:
+        raise PyllamaError("--api-key (or LLAMA_API_KEY) names no key: it is empty or only commas and blanks; "
+                           "give a key, or leave the option out to serve without one")
     if args.api_key_file:
         try:
             with open(args.api_key_file, encoding="utf-8") as fh:
-                keys += [ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
+                from_file = [ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
         except OSError as exc:
             raise PyllamaError(f"--api-key-file {args.api_key_file}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise PyllamaError(f"--api-key-file {args.api_key_file}: not UTF-8 text ({exc.reason})") from None
+        if not from_file:
+            raise PyllamaError(f"--api-key-file {args.api_key_file} holds no key, only comments and blank lines")
+        keys += from_file
     args.api_keys = keys
     if args.chat_template_file:
         try:

@@ -687,30 +687,92 @@ def _wait(cond, timeout: float = 2.0) -> bool:
 
 
 def test_max_connections(serve):
+    """At the limit with every connection busy (none idle to close), one more gets 503."""
     st = serve(max_connections=2)
-    conns = []
-    for _ in range(2):
-        c = st.http()
-        c.request("GET", "/hello")
-        r = c.getresponse()
-        assert r.status == 200 and r.read()
-        conns.append(c)
+    busy = []
+    for i in range(2):
+        s = st.connect()
+        s.sendall(b"GET /delay?s=1.5&id=%d HTTP/1.1\r\nHost: x\r\n\r\n" % i)
+        busy.append(s)
+    assert _wait(lambda: st.n_connections() == 2)
     s = st.connect()
     s.sendall(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
     status, headers, body = read_response(s.makefile("rb"))
     assert status == 503
     error_body(503, type_="unavailable_error", body=body)
     s.close()
-    assert st.n_connections() == 2
-    conns.pop().close()
+    for i, b in enumerate(busy):  # the busy ones were not touched: each gets its answer
+        status, _, body = read_response(b.makefile("rb"))
+        assert status == 200 and json.loads(body) == {"id": str(i)}
+    busy.pop().close()
     assert _wait(lambda: st.n_connections() == 1)
     c = st.http()
     c.request("GET", "/hello")
     r = c.getresponse()
     assert r.status == 200 and r.read()
     c.close()
-    for c in conns:
-        c.close()
+    for b in busy:
+        b.close()
+
+
+def test_idle_keepalive_connections_give_way_at_the_limit(serve):
+    """Idle keep-alive connections must not lock new clients out: at the limit the one idle the
+    longest is closed to admit the new connection."""
+    st = serve(max_connections=3)
+    idle = []
+    for _ in range(3):
+        s = st.connect()
+        s.sendall(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(s.makefile("rb"))[0] == 200
+        idle.append(s)
+        time.sleep(0.02)  # an order of idleness
+    for _ in range(2):  # each newcomer is served, and the oldest idle connection closed for it
+        s = st.connect()
+        s.sendall(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(s.makefile("rb"))[0] == 200
+        idle.append(s)
+    for s in idle[:2]:
+        s.settimeout(5)
+        assert s.recv(100) == b""  # closed, with nothing written on it
+    for s in idle[2:]:  # the others still serve
+        s.sendall(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(s.makefile("rb"))[0] == 200
+    assert st.n_connections() == 3
+    for s in idle:
+        s.close()
+
+
+def test_unauthorised_request_is_answered_from_its_headers_and_closed(serve):
+    """The key is checked before any body byte is read (no 100 Continue, no body buffered), and a
+    401 ends the connection, so that keyless clients hold neither memory nor connections."""
+    st = serve(api_keys=["sesame"])
+    s = st.connect()
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\nExpect: 100-continue\r\n\r\n"
+              + b"[" * 1000)
+    data = recv_until_closed(s, 5.0)
+    s.close()
+    assert data.startswith(b"HTTP/1.1 401 "), data[:200]
+    assert b"100 Continue" not in data
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert b"Connection: close" in head
+    error_body(401, "Invalid API Key", "authentication_error", body)
+    for auth in (b"", b"Authorization: Bearer wrong\r\n"):
+        s = st.connect()
+        s.sendall(b"GET /hello HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n")
+        data = recv_until_closed(s, 5.0)
+        s.close()
+        assert data.startswith(b"HTTP/1.1 401 ") and b"Connection: close" in data, data[:200]
+    # with the key: answered, and the connection stays open for the next request
+    s = st.connect()
+    body = b'{"a": 1}'
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Api-Key: sesame\r\nContent-Length: %d\r\n\r\n%b"
+              % (len(body), body))
+    f = s.makefile("rb")
+    status, headers, got = read_response(f)
+    assert status == 200 and json.loads(got) == {"a": 1}
+    s.sendall(b"GET /hello HTTP/1.1\r\nHost: x\r\nX-Api-Key: sesame\r\n\r\n")
+    assert read_response(f)[0] == 200
+    s.close()
 
 
 def test_handler_exception(serve):

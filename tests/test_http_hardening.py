@@ -596,11 +596,20 @@ def test_max_connections_flag(limited):
     n = LIMITED["--max-connections"]
     held = []
     try:
-        for _ in range(n):  # idle keep-alive connections, each after one request
+        # idle keep-alive connections, each after one request: at the limit the oldest gives way
+        for _ in range(n):
             s = connect(limited)
             s.sendall(request("GET", "/health"))
             assert s.recv(4096).startswith(b"HTTP/1.1 200")
             held.append(s)
+        got = responses(exchange(limited, request("GET", "/health", headers=(CLOSE.strip(),))))
+        assert [s for s, _ in got] == [200]
+        assert wait_closed(held[0], 3.0)[1] == b""
+        for s in held:
+            s.close()
+        held = []
+        # connections that have sent nothing yet are not idle keep-alive ones: one more gets 503
+        held = [connect(limited) for _ in range(n)]
         data = exchange(limited, request("GET", "/health"))
         got = responses(data)
         assert [s for s, _ in got] == [503]
@@ -620,6 +629,68 @@ def test_max_connections_flag(limited):
             s.close()
     time.sleep(0.2)
     serving(limited)
+
+
+KEY = "sesame-4f1c"
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model):
+    """An API key, a small connection limit and the default (long) keep-alive timeout."""
+    srv = ServerProcess(tiny_model, "-np", "2", "-c", "512", "--api-key", KEY, "--max-connections", "6").wait_ready()
+    yield srv
+    assert srv.stop() == 0
+    assert "Traceback" not in srv.stderr_text, srv.stderr_text[-3000:]
+
+
+def test_unauthorised_idle_connections_do_not_lock_clients_out(keyed):
+    """Sockets that sent one keyless request and then sit idle are closed after their 401, so
+    that they cannot hold --max-connections for the whole --timeout."""
+    held = [connect(keyed) for _ in range(6)]
+    try:
+        for s in held:
+            s.sendall(request("GET", "/slots"))
+        for s in held:
+            dt, data = wait_closed(s, 5.0)
+            assert data.startswith(b"HTTP/1.1 401 ") and dt < 5.0, data[:200]
+        status, _ = keyed.request("GET", "/slots", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        assert status == 200
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_keyless_body_is_refused_before_it_is_read(keyed):
+    """No 100 Continue and no body buffered for a request without a key: 401 from the headers."""
+    pid = keyed.proc.pid
+
+    def attack() -> list[bytes]:
+        socks = [connect(keyed) for _ in range(5)]
+        out = []
+        for s in socks:
+            s.sendall(b"POST /completion HTTP/1.1\r\nHost: localhost\r\nExpect: 100-continue\r\n"
+                      b"Content-Length: %d\r\n\r\n" % (MAX_BODY - 1))
+        for s in socks:
+            try:
+                s.sendall(b"x" * (1 << 20))
+            except OSError:  # refused already
+                pass
+        for s in socks:
+            out.append(wait_closed(s, 5.0)[1])
+            s.close()
+        return out
+
+    grown, answers = rss_peak(pid, attack)
+    for data in answers:
+        assert data.startswith(b"HTTP/1.1 401 "), data[:200]
+    assert grown < 3 << 20, grown  # 5 MiB of body was sent; none of it is kept
+    serving_keyed(keyed)
+
+
+def serving_keyed(srv: ServerProcess) -> None:
+    status, res = srv.request("POST", "/completion", {"prompt": PROMPT, "n_predict": 4, "ignore_eos": True},
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert status == 200 and res["tokens_predicted"] == 4, res
 
 
 def test_pipelined_requests_with_a_small_limit_are_all_answered(limited):

@@ -235,11 +235,15 @@ _LOCAL_ORIGIN = re.compile(r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})
 def api_key_valid(req: Request, keys: Sequence[str]) -> bool:
     """Whether `Authorization: Bearer <key>` or `X-Api-Key: <key>` names one of `keys`. Every key
     is compared in constant time, and all of them always, so timing tells nothing of a key."""
+    return _key_in_headers(req.headers, keys)
+
+
+def _key_in_headers(headers: dict[str, str], keys: Sequence[str]) -> bool:
     given = []
-    auth = req.headers.get("authorization", "")
+    auth = headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
         given.append(auth[7:].strip())
-    xkey = req.headers.get("x-api-key")
+    xkey = headers.get("x-api-key")
     if xkey is not None:
         given.append(xkey.strip())
     ok = False
@@ -270,11 +274,12 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 class _Reject(Exception):
     """Raised inside parser callbacks to stop parsing and answer with an error, then close."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error") -> None:
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", extra: bytes = b"") -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
+        self.extra = extra  # more header lines of the answer (CORS)
 
 
 class _WriteStalled(Exception):
@@ -558,6 +563,12 @@ class _Connection(asyncio.Protocol):
         if version not in ("1.1", "1.0"):
             # llhttp accepts 0.9 and 2.0 request lines; neither can be answered in HTTP/1.1 terms.
             self._raise(_Reject(400, f"HTTP version {version} is not supported: use HTTP/1.1 or HTTP/1.0"))
+        keys = srv._access.api_keys
+        if keys and srv._needs_key(self._parser.get_method(), self._url) and not _key_in_headers(self._headers, keys):
+            # Decided from the headers: a client without a key gets no 100 Continue, none of its
+            # body is buffered, and the connection ends, so that it holds neither memory nor one
+            # of --max-connections.
+            self._raise(_Reject(*INVALID_API_KEY, extra=srv._cors(SimpleNamespace(headers=self._headers))))
         cl = self._headers.get("content-length")
         if cl is not None:
             try:
@@ -641,6 +652,7 @@ class _Connection(asyncio.Protocol):
             handler, head_only, resp = srv._resolve(req)
             extra = srv._cors(req)
             if handler is None:
+                keep_alive = keep_alive and resp.status != 401
                 self._write_response(resp, keep_alive, item[2], head_only, extra)
                 if not keep_alive:
                     self._close()
@@ -835,7 +847,7 @@ class _Connection(asyncio.Protocol):
         if self._read_paused:  # reading must go on to drain the upload while we linger
             self._read_paused = False
             self._transport.resume_reading()
-        self._queue.append((None, self._srv._render_error(rej.status, rej.message, rej.type, False), False))
+        self._queue.append((None, self._srv._render_error(rej.status, rej.message, rej.type, False, rej.extra), False))
         if self._task is None:
             self._dispatch()
 
@@ -1047,12 +1059,28 @@ class HTTPServer:
                     c._close()
         self._sweep_handle = self._loop.call_later(self._sweep_interval, self._sweep)
 
-    def _render_error(self, status: int, message: str, type: str, keep_alive: bool) -> bytes:
+    def _render_error(self, status: int, message: str, type: str, keep_alive: bool, extra: bytes = b"") -> bytes:
         body = ujson.dumps({"error": {"code": status, "message": message, "type": type}},
                            ensure_ascii=False, escape_forward_slashes=False).encode("utf-8")
-        return b"".join((_status_line(status), self._prefix,
+        return b"".join((_status_line(status), self._prefix, extra,
                          b"Content-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n" % len(body),
                          b"" if keep_alive else _CONN_CLOSE, b"\r\n", body))
+
+    def _needs_key(self, method: bytes, url: bytes) -> bool:
+        """Whether a request for `url` must carry an API key (when keys are set), as _resolve
+        decides it, from the request line alone."""
+        if method == b"OPTIONS":
+            return False
+        try:
+            path, _ = _split_target(url)
+        except HTTPError:
+            return True  # answered 400 to those with a key, 401 to the others
+        prefix = self._api_prefix
+        if prefix:
+            if not path.startswith(prefix + "/"):
+                return False  # the prefix's redirect, or a 404
+            path = path[len(prefix):]
+        return path not in self._public
 
     def _resolve(self, req: Request) -> tuple[Optional[Handler], bool, Optional[Response]]:
         """(handler, head_only, None), or (None, head_only, response) when no handler is needed."""

@@ -385,6 +385,14 @@ class _Connection(asyncio.Protocol):
             self._peer = f"{peer[0]}:{peer[1]}"
         elif peer:
             self._peer = str(peer)
+        if not srv._closing and len(srv._conns) >= srv._max_connections and srv._idle:
+            # An idle keep-alive connection owes nothing and may be closed at any time (a client
+            # reconnects): the one idle the longest gives way, so that idle sockets cannot lock
+            # new clients out for a whole --timeout.
+            victim = next(iter(srv._idle))
+            log.debug("closing idle connection from %s to admit %s (--max-connections %d)",
+                      victim._peer, self._peer, srv._max_connections)
+            victim._close()
         if srv._closing or len(srv._conns) >= srv._max_connections:
             if len(srv._rejected) >= srv._max_connections:  # a flood: no courtesy answer
                 self._closed = self._discard = True
@@ -411,10 +419,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._closed = True
         srv = self._srv
-        if self._counted:
-            srv._conns.discard(self)
-        else:
-            srv._rejected.discard(self)
+        self._uncount()
+        srv._rejected.discard(self)
         self._queue.clear()
         self._queued_bytes = 0
         self._held = None
@@ -525,6 +531,7 @@ class _Connection(asyncio.Protocol):
     # --- httptools callbacks ----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._srv._idle.pop(self, None)
         self._in_headers = True
         self._url = b""
         self._headers = {}
@@ -671,6 +678,8 @@ class _Connection(asyncio.Protocol):
                 self._close()
             elif not queue and not self._in_headers and not self._in_body:
                 self._deadline = self._loop.time() + srv._keepalive_timeout
+                srv._idle.pop(self, None)  # (re)entered last: the order is that of idleness
+                srv._idle[self] = None
             elif queue:  # waiting for the client to read what we wrote
                 self._deadline = self._loop.time() + srv._keepalive_timeout
 
@@ -851,11 +860,22 @@ class _Connection(asyncio.Protocol):
         if self._task is None:
             self._dispatch()
 
+    def _uncount(self) -> None:
+        """A connection that serves no more requests leaves --max-connections' count and the idle
+        list (one still closing is kept among the rejected ones, which the sweep aborts)."""
+        srv = self._srv
+        srv._idle.pop(self, None)
+        if self._counted:
+            self._counted = False
+            srv._conns.discard(self)
+
     def _end_with(self, data: bytes) -> None:
         """Write a final answer, half-close, and linger reading until the client closes too."""
         t = self._transport
         self._discard = True
         self._closed = True
+        self._uncount()
+        self._srv._rejected.add(self)
         self._queue.clear()
         self._queued_bytes = 0
         t.write(data)
@@ -871,6 +891,8 @@ class _Connection(asyncio.Protocol):
         if not self._closed and self._transport is not None:
             self._discard = True
             self._closed = True
+            self._uncount()
+            self._srv._rejected.add(self)  # swept (aborted) if the close does not complete in time
             self._deadline = self._loop.time() + self._srv._keepalive_timeout
             self._transport.close()
 
@@ -938,7 +960,11 @@ class HTTPServer:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._server: Optional[asyncio.AbstractServer] = None
         self._conns: set[_Connection] = set()
+        # connections that serve no more requests but are still closing (refused, answered for
+        # the last time, lingering): not counted against max_connections; the sweep aborts them
         self._rejected: set[_Connection] = set()
+        # idle keep-alive connections, the longest idle first (a dict keeps insertion order)
+        self._idle: dict[_Connection, None] = {}
         self._closing = False
         self._stopped: Optional[asyncio.Event] = None
         self._n_refused = 0

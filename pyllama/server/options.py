@@ -429,7 +429,8 @@ def build_parser() -> Parser:
     a("--max-header-bytes", type=int, default=64 << 10,
       help="largest request line plus headers in bytes; a larger request gets 431")
     a("--max-connections", type=int, default=1024,
-      help="open client connections at most; one more gets 503 and is closed")
+      help="open client connections at most; at the limit the longest idle keep-alive connection is closed "
+           "for a new one, and with none idle the new one gets 503 and is closed")
     a("--max-pipelined", type=int, default=8,
       help="requests read ahead on one connection while an earlier one is answered; at the limit the "
            "server stops reading from that connection until it catches up")

@@ -126,7 +126,7 @@ def render(method: bytes, path: bytes, headers: list[bytes], body: bytes, versio
 def seed_request(rng: random.Random) -> tuple[bytes, bytes, list[bytes], bytes]:
     method, path, obj = rng.choice(SEEDS)
     body = b"" if obj is None else json.dumps(obj).encode()
-    headers = [b"Host: fuzz"]
+    headers = [b"Host: localhost"]
     if obj is not None:
         headers += [b"Content-Type: application/json", b"Content-Length: %d" % len(body)]
     return method.encode(), path.encode(), headers, body
@@ -388,7 +388,7 @@ def exchange(port: int, segments: list[bytes], wait: float, idle: float = 0.05) 
 
 
 def http_get(port: int, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
-    data, _ = exchange(port, [b"GET %s HTTP/1.1\r\nHost: fuzz\r\nConnection: close\r\n\r\n" % path.encode()],
+    data, _ = exchange(port, [b"GET %s HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n" % path.encode()],
                        wait=timeout)
     statuses, _ = parse_responses(data)
     return (statuses[0] if statuses else 0), data
@@ -396,7 +396,7 @@ def http_get(port: int, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
 
 def completion_ok(port: int) -> bool:
     body = json.dumps({"prompt": PROMPT, "n_predict": 4, "ignore_eos": True}).encode()
-    headers = [b"Host: fuzz", b"Connection: close", b"Content-Length: %d" % len(body)]
+    headers = [b"Host: localhost", b"Connection: close", b"Content-Length: %d" % len(body)]
     req = render(b"POST", b"/completion", headers, body)
     data, _ = exchange(port, [req], wait=30)
     statuses, _ = parse_responses(data)

@@ -180,7 +180,7 @@ def rss_peak(pid: int, action: Callable[[], object]) -> tuple[int, object]:
 
 
 def request(method: str, path: str, body: bytes = b"", headers: tuple[str, ...] = ()) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: x", *headers]
+    lines = [f"{method} {path} HTTP/1.1", "Host: localhost", *headers]
     if body or method == "POST":
         lines.append(f"Content-Length: {len(body)}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
@@ -197,13 +197,13 @@ MALFORMED = [
     ("tls client hello", b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 40, 400, "method"),
     ("version 1.2", b"GET /health HTTP/1.2\r\n\r\n", 400, "version"),
     ("version 9.9", b"GET /health HTTP/9.9\r\n\r\n", 400, "version"),
-    ("version 2.0", b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n", 400, "HTTP version 2.0"),
+    ("version 2.0", b"GET /health HTTP/2.0\r\nHost: localhost\r\n\r\n", 400, "HTTP version 2.0"),
     ("version 0.9", b"GET /health\r\n\r\n", 400, "HTTP version 0.9"),
     ("h2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400, "Malformed"),
     ("space in header name", b"GET /health HTTP/1.1\r\nBad Name: x\r\n\r\n", 400, "header"),
     ("header without colon", b"GET /health HTTP/1.1\r\nNoColon\r\n\r\n", 400, "header"),
     ("folded header", b"GET /health HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n", 400, "whitespace"),
-    ("bare LF", b"GET /health HTTP/1.1\nHost: x\n\n", 400, "Malformed"),
+    ("bare LF", b"GET /health HTTP/1.1\nHost: localhost\n\n", 400, "Malformed"),
     ("NUL in header", b"GET /health HTTP/1.1\r\nX-A: a\x00b\r\n\r\n", 400, "header value"),
     ("duplicate Content-Length", b"POST /tokenize HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
      400, "Content-Length"),
@@ -293,7 +293,7 @@ def test_connection_that_sends_nothing_is_dropped_after_the_header_timeout(limit
 
 
 def test_slowloris_headers_are_dropped_without_blocking_others(limited):
-    head = b"POST /completion HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+    head = b"POST /completion HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 100
     with NormalTraffic(limited):
         socks = [connect(limited) for _ in range(6)]
         t0 = time.monotonic()
@@ -316,7 +316,7 @@ def test_slowloris_headers_are_dropped_without_blocking_others(limited):
 def test_slow_body_gets_408(limited):
     s = connect(limited)
     with NormalTraffic(limited):
-        s.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 60000\r\n\r\n")
+        s.sendall(b"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Length: 60000\r\n\r\n")
         t0 = time.monotonic()
         for _ in range(12):  # 5000 bytes every 0.3 s: the whole body would take 3.6 s
             try:
@@ -339,7 +339,7 @@ def test_endless_chunk_extension_is_cut_off(limited):
     # request would be read and parsed until a timeout.
     s = connect(limited)
     with NormalTraffic(limited):
-        s.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1;")
+        s.sendall(b"POST /completion HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n1;")
         t0 = time.monotonic()
         sent = 0
         try:
@@ -374,7 +374,7 @@ def test_header_limit_flag(limited):
 def test_oversized_body_is_refused_without_reading_it_into_memory(server):
     def send_big() -> bytes:
         s = connect(server)
-        s.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (1 << 30))
+        s.sendall(b"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % (1 << 30))
         blob = b"a" * (1 << 20)
         try:
             for _ in range(64):
@@ -403,7 +403,7 @@ def chunked(payload: bytes, size: int) -> bytes:
     else:
         body = b"".join(b"%x\r\n%b\r\n" % (len(payload[i:i + size]), payload[i:i + size])
                         for i in range(0, len(payload), size))
-    return (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return (b"POST /tokenize HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n"
             + bytes(body) + b"0\r\n\r\n")
 
 
@@ -709,7 +709,7 @@ def test_pipelined_requests_read_ahead_are_bounded():
     try:
         s = st_.connect(timeout=10)
         n = 3000
-        s.sendall(b"GET /slow?s=0.6 HTTP/1.1\r\nHost: x\r\n\r\n" + b"GET /hello HTTP/1.1\r\n\r\n" * n)
+        s.sendall(b"GET /slow?s=0.6 HTTP/1.1\r\nHost: localhost\r\n\r\n" + b"GET /hello HTTP/1.1\r\n\r\n" * n)
         time.sleep(0.3)  # the slow request runs; the rest is read ahead as far as the server allows
 
         async def queued() -> int:
@@ -731,6 +731,42 @@ def test_pipelined_requests_read_ahead_are_bounded():
         s.close()
     finally:
         st_.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# DNS rebinding
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8080", "x", "127.0.0.1.evil.example",
+                                  "localhost.evil.example", "[::2]", "10.0.0.1", "localhost, evil.example"])
+def test_keyless_loopback_server_refuses_foreign_host_names(server, host):
+    """A page on a rebound DNS name reaches a keyless server on 127.0.0.1 with its own Host: the
+    answer is a 421 before any body is read, so that the page can read nothing of the server."""
+    got = responses(exchange(server, request("POST", "/completion", b'{"prompt": "x", "n_predict": 1}',
+                                             headers=(f"Host: {host}", CLOSE.strip())).replace(
+        b"Host: localhost\r\n", b"", 1)))
+    assert [s for s, _ in got] == [421]
+    error_body(421, "--allow-any-host", "invalid_request_error", got[0][1])
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:8080", "localhost.", "127.0.0.1", "127.1.2.3:99",
+                                  "[::1]", "[::1]:8080", None])
+def test_keyless_loopback_server_answers_loopback_host_names(server, host):
+    raw = request("GET", "/health", headers=(CLOSE.strip(),))
+    raw = raw.replace(b"Host: localhost\r\n", b"" if host is None else f"Host: {host}\r\n".encode(), 1)
+    got = responses(exchange(server, raw))
+    assert [s for s, _ in got] == [200], got
+
+
+def test_allow_any_host_flag_and_a_keyed_server_answer_any_host(tiny_model, keyed):
+    raw = request("GET", "/v1/models", headers=("Host: evil.example", CLOSE.strip())).replace(
+        b"Host: localhost\r\n", b"", 1)
+    srv = ServerProcess(tiny_model, "-np", "1", "-c", "256", "--allow-any-host").wait_ready()
+    try:
+        assert [s for s, _ in responses(exchange(srv, raw))] == [200]
+    finally:
+        assert srv.stop() == 0
+    keyed_raw = raw.replace(b"\r\n\r\n", f"\r\nX-Api-Key: {KEY}\r\n\r\n".encode(), 1)
+    assert [s for s, _ in responses(exchange(keyed, keyed_raw))] == [200]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def test_stress_two_groups(tiny_model):
                 s = socket.create_connection(("127.0.0.1", srv.port))
                 body = json.dumps({"prompt": PROMPTS[i % 4], "n_predict": 400, "stream": True,
                                    "ignore_eos": True}).encode()
-                s.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body)).encode()
+                s.sendall(b"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Length: " + str(len(body)).encode()
                           + b"\r\n\r\n" + body)
                 got = b""
                 while got.count(b"data: ") < 3:

@@ -273,7 +273,7 @@ def test_32_concurrent_streams_get_exact_counts(server):
 def test_client_disconnect_frees_the_slot(server):
     sock = socket.create_connection(("127.0.0.1", server.port))
     body = json.dumps({"prompt": PROMPT, "n_predict": -1, "ignore_eos": True, "stream": True}).encode()
-    sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+    sock.sendall(b"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: "
                  + str(len(body)).encode() + b"\r\n\r\n" + body)
     got = b""
     while b"data: " not in got:

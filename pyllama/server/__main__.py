@@ -218,7 +218,8 @@ async def serve(args) -> int:
                         keepalive_timeout=args.timeout, header_timeout=args.header_timeout,
                         body_timeout=args.body_timeout, max_connections=args.max_connections,
                         max_pipelined=args.max_pipelined, access=state, public_paths=api.public_paths(),
-                        sse_ping_interval=args.sse_ping_interval, api_prefix=args.api_prefix)
+                        sse_ping_interval=args.sse_ping_interval, api_prefix=args.api_prefix,
+                        allow_any_host=args.allow_any_host)
     try:
         port = await server.start(args.host, args.port, reuse_port=args.reuse_port)
     except OSError as exc:

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import hmac
 import http
+import ipaddress
 import logging
 import math
 import re
@@ -252,6 +253,42 @@ def _key_in_headers(headers: dict[str, str], keys: Sequence[str]) -> bool:
         for k in keys:
             ok |= hmac.compare_digest(gb, k.encode("utf-8"))
     return ok
+
+
+def is_loopback_address(host: str) -> bool:
+    """Whether a listening address (--host) is a loopback one: only this machine can connect."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_host_name(value: str, bound: str = "") -> bool:
+    """Whether a Host header names this machine by a loopback name (localhost, 127.x.x.x,
+    [::1], any port) or by the address the server is bound to. A page on a rebound DNS name
+    sends that name, which is never one of these."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        end = v.find("]")
+        if end < 0 or v[end + 1:] and not (v[end + 1] == ":" and v[end + 2:].isdigit()):
+            return False
+        name = v[:end + 1]
+    else:
+        name, sep, port = v.rpartition(":")
+        if not sep:
+            name = v
+        elif not port.isdigit():
+            return False
+    name = name.rstrip(".")
+    if name in ("localhost", "[::1]") or bound and name in (bound, f"[{bound}]"):
+        return True
+    try:
+        return ipaddress.IPv4Address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def origin_allowed(origin: str, allowed: Sequence[str]) -> bool:
@@ -576,6 +613,13 @@ class _Connection(asyncio.Protocol):
             # body is buffered, and the connection ends, so that it holds neither memory nor one
             # of --max-connections.
             self._raise(_Reject(*INVALID_API_KEY, extra=srv._cors(SimpleNamespace(headers=self._headers))))
+        host = self._headers.get("host")
+        if srv._check_host and host is not None and not keys and not loopback_host_name(host, srv._bound_host):
+            # DNS rebinding: a web page whose name was made to resolve to 127.0.0.1 would reach a
+            # keyless server on loopback as a same-origin page, and read its answers.
+            self._raise(_Reject(421, f"Host {host[:100]!r} is not a name of this server: without an API key a "
+                                     "server on a loopback address answers only the names localhost, 127.x.x.x and "
+                                     "[::1] (start it with --allow-any-host to answer any)"))
         cl = self._headers.get("content-length")
         if cl is not None:
             try:
@@ -927,13 +971,16 @@ class HTTPServer:
                  header_timeout: float = 10.0, body_timeout: float = 60.0, max_connections: int = 1024,
                  max_pipelined: int = 8, cors_origins: Optional[Sequence[str]] = ("*",),
                  api_keys: Sequence[str] = (), public_paths: Collection[str] = PUBLIC_PATHS,
-                 access: Any = None, sse_ping_interval: float = 30.0, api_prefix: str = "") -> None:
+                 access: Any = None, sse_ping_interval: float = 30.0, api_prefix: str = "",
+                 allow_any_host: bool = True) -> None:
         """`cors_origins`: browser origins answered with Access-Control-Allow-Origin (local pages
         always; '*' any), None for no CORS headers at all. `api_keys`: when any, every path but
         `public_paths` (and CORS preflights) needs one. `access`: an object whose `api_keys` and
         `cors_origins` attributes are read at each request instead (the server's settings).
         `sse_ping_interval`: an event stream idle this many seconds gets an SSE comment (<= 0: never).
-        `api_prefix` ("/a/b" or ""): every route is served under it, and only there."""
+        `api_prefix` ("/a/b" or ""): every route is served under it, and only there.
+        `allow_any_host`: False refuses (421) requests whose Host is not a loopback name while the
+        server listens on a loopback address and has no API key (DNS rebinding)."""
         self._paths: dict[str, dict[str, Handler]] = {}
         for (method, path), handler in routes.items():
             self._paths.setdefault(path, {})[method.upper()] = handler
@@ -957,6 +1004,9 @@ class HTTPServer:
         self._access = access if access is not None else SimpleNamespace(api_keys=list(api_keys),
                                                                          cors_origins=cors_origins)
         self._public = frozenset(public_paths)
+        self._allow_any_host = allow_any_host
+        self._check_host = False  # set by start(): the address must be a loopback one
+        self._bound_host = ""
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._server: Optional[asyncio.AbstractServer] = None
         self._conns: set[_Connection] = set()
@@ -983,6 +1033,8 @@ class HTTPServer:
         so that other servers that set it too may listen on the same port (the kernel spreads the
         connections over them)."""
         self._loop = asyncio.get_running_loop()
+        self._check_host = not self._allow_any_host and is_loopback_address(host)
+        self._bound_host = host.strip("[]").lower()
         self._server = await self._loop.create_server(
             lambda: _Connection(self), host, port, reuse_address=True, reuse_port=reuse_port or None,
             backlog=max(128, min(self._max_connections, 4096)))

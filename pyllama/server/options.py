@@ -382,6 +382,10 @@ def build_parser() -> Parser:
       help="API keys, comma-separated: every endpoint but /health wants one (Authorization: Bearer or X-Api-Key)")
     a("--api-key-file", default=None, llama_env="LLAMA_ARG_API_KEY_FILE", metavar="PATH",
       help="a file of API keys, one per line; lines starting with # are comments")
+    a("--allow-any-host", action="store_true", llama_env=None,
+      help="answer requests whatever their Host header; without it a server on a loopback address and "
+           "without --api-key answers only the names localhost, 127.x.x.x and [::1] (421 otherwise), so that a "
+           "web page on a rebound DNS name cannot use it")
     a("--ui-config", "--webui-config", dest="ui_config", type=_ui_json, default=None, metavar="JSON",
       llama_env="LLAMA_ARG_UI_CONFIG",
       help="default settings for a web page, as a JSON object: /props gives them as ui_settings (llama-server's "

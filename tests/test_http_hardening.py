@@ -734,6 +734,87 @@ def test_pipelined_requests_read_ahead_are_bounded():
 
 
 # ---------------------------------------------------------------------------------------------
+# fan-out: what one request may carry
+
+FANOUT_LIMIT = 64
+
+
+@pytest.fixture(scope="module")
+def fanout(tiny_model):
+    srv = ServerProcess(tiny_model, "-np", "2", "-c", "512", "--embeddings", "--pooling", "mean",
+                        "--max-prompts", str(FANOUT_LIMIT)).wait_ready()
+    yield srv
+    assert srv.stop() == 0
+    assert "Traceback" not in srv.stderr_text, srv.stderr_text[-3000:]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/completion", {"prompt": ["a"] * (FANOUT_LIMIT + 1), "n_predict": 1}),
+    ("/v1/completions", {"prompt": ["a"] * (FANOUT_LIMIT // 2 + 1), "n_cmpl": 2, "max_tokens": 1}),
+    ("/completion", {"prompt": [[1, 2]] * (FANOUT_LIMIT // 2 + 1), "n": 2, "n_predict": 1}),
+    ("/embeddings", {"content": ["a"] * (FANOUT_LIMIT + 1)}),
+    ("/v1/embeddings", {"input": [[1, 2]] * (FANOUT_LIMIT + 1)}),
+], ids=["prompts", "oai-choices", "ids-choices", "embeddings", "oai-embeddings"])
+def test_prompts_and_choices_of_one_request_are_bounded(fanout, path, body):
+    status, res = fanout.post(path, body, timeout=30)
+    assert status == 400, res
+    msg = res["error"]["message"]
+    assert "--max-prompts" in msg and str(FANOUT_LIMIT) in msg, msg
+
+
+def test_prompts_at_the_limit_are_served(fanout):
+    status, res = fanout.post("/completion", {"prompt": ["a b"] * FANOUT_LIMIT, "n_predict": 1}, timeout=60)
+    assert status == 200 and len(res) == FANOUT_LIMIT
+    status, res = fanout.post("/embeddings", {"content": ["a b"] * FANOUT_LIMIT}, timeout=60)
+    assert status == 200 and len(res) == FANOUT_LIMIT
+
+
+def test_a_huge_fan_out_is_refused_before_it_costs_memory(server):
+    """100000 one-letter prompts (500 KB of body) grew the server by 230 MB and held other
+    clients for 25 s; the default limit refuses them before any is tokenized."""
+    body = {"prompt": ["a"] * 100000, "n_predict": 1}
+    grown, (status, res) = rss_peak(server.proc.pid, lambda: server.post("/completion", body, timeout=60))
+    assert status == 400 and "--max-prompts" in res["error"]["message"], res
+    assert grown < 40 << 20, grown
+    serving(server)
+
+
+def test_one_request_with_many_prompts_does_not_hold_the_queue(fanout):
+    """Another client's request is admitted between a big request's prompts, not after all of
+    them: it finishes while most of the big request's choices are still to come."""
+    n = FANOUT_LIMIT
+    done = {"finals": 0, "at_small": None, "events": 0}
+    started = threading.Event()
+
+    def big() -> None:
+        body = json.dumps({"prompt": ["The little cat"] * n, "n_predict": 12, "ignore_eos": True,
+                           "stream": True}).encode()
+        s = connect(fanout, timeout=60)
+        s.sendall(request("POST", "/completion", body, headers=(CLOSE.strip(),)))
+        buf = b""
+        while True:
+            d = s.recv(65536)
+            if not d:
+                break
+            buf += d
+            done["events"] = buf.count(b"data: ")
+            done["finals"] = buf.count(b'"stop":true')
+            started.set()
+        s.close()
+
+    t = threading.Thread(target=big, daemon=True)
+    t.start()
+    assert started.wait(30)
+    status, res = fanout.post("/completion", {"prompt": PROMPT, "n_predict": 4, "ignore_eos": True}, timeout=60)
+    done["at_small"] = done["finals"]
+    assert status == 200 and res["tokens_predicted"] == 4
+    t.join(120)
+    assert done["finals"] == n, done
+    # first come, first served took all n of them first; a fair turn takes a few
+    assert done["at_small"] <= n // 4, done
+
+
+# ---------------------------------------------------------------------------------------------
 # DNS rebinding
 
 @pytest.mark.parametrize("host", ["evil.example", "evil.example:8080", "x", "127.0.0.1.evil.example",

@@ -121,6 +121,21 @@ def _prompt_size(prompt: Any) -> tuple[int, int]:
     return n_chars, n_ids
 
 
+# --max-prompts' default: the inputs OpenAI's embeddings endpoint takes in one request
+DEFAULT_MAX_PROMPTS = 2048
+
+
+def _check_fan_out(state: ServerState, n_prompts: int, n_choices: int = 1) -> None:
+    """A 400 for a request that carries more completions (prompts times choices) than
+    --max-prompts, before any is tokenized: each costs memory and a turn in the queue."""
+    limit = getattr(state.args, "max_prompts", DEFAULT_MAX_PROMPTS)
+    total = n_prompts * n_choices
+    if total > limit:
+        what = f"{n_prompts} prompts" if n_choices == 1 else f"{n_prompts} prompts of {n_choices} choices ({total})"
+        raise HTTPError(400, f"the request carries {what}; this server takes at most {limit} per request "
+                             "(--max-prompts)")
+
+
 def _require_ready(state: ServerState) -> None:
     if not state.ready:
         raise HTTPError(503, "Loading model", "unavailable_error")
@@ -628,7 +643,9 @@ class Api:
         if not isinstance(norm, int) or isinstance(norm, bool) or norm < -1:
             raise HTTPError(400, "'embd_normalize' must be an integer: -1 none, 0 max-abs, 2 Euclidean, p > 0 p-norm")
         prompts = []
-        for prompt in split_prompts(given):
+        given = split_prompts(given)
+        _check_fan_out(st, len(given))
+        for prompt in given:
             st.check_prompt_fits(*_prompt_size(prompt))
             tokens = tokenize_prompt(st.tokenizer, prompt, "input") if prompt != [] else []
             if not tokens:
@@ -823,6 +840,7 @@ class Api:
         if "prompt" not in body:
             raise HTTPError(400, "'prompt' is required")
         given = split_prompts(body["prompt"])
+        _check_fan_out(st, len(given), p.n)
         for prompt in given:
             st.check_prompt_fits(*_prompt_size(prompt))
         _check_constraint(st, p)

@@ -432,6 +432,9 @@ def build_parser() -> Parser:
       help="seconds a client has to send a request's body once the headers are in; a slower one gets 408")
     a("--max-header-bytes", type=int, default=64 << 10,
       help="largest request line plus headers in bytes; a larger request gets 431")
+    a("--max-prompts", type=int, default=2048, metavar="N", llama_env=None,
+      help="completions one request may ask for at most: its prompts (a list of prompts, or of embedding inputs) "
+           "times its choices (n, n_cmpl); more is a 400")
     a("--max-connections", type=int, default=1024,
       help="open client connections at most; at the limit the longest idle keep-alive connection is closed "
            "for a new one, and with none idle the new one gets 503 and is closed")
@@ -666,6 +669,8 @@ def check_args(args) -> None:
         raise PyllamaError(f"--max-body {args.max_body}: must be at least 1")
     if args.max_header_bytes < 1024:
         raise PyllamaError(f"--max-header-bytes {args.max_header_bytes}: must be at least 1024")
+    if args.max_prompts < 1:
+        raise PyllamaError(f"--max-prompts {args.max_prompts}: must be at least 1")
     if args.max_connections < 1 or args.max_pipelined < 1:
         raise PyllamaError("--max-connections and --max-pipelined must be at least 1")
     if args.rpc_timeout is not None and not 0 < args.rpc_timeout < float("inf"):

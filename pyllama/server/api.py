@@ -801,8 +801,7 @@ class Api:
         tasks = [t for ts in task_lists for t in ts]
         for t in tasks:
             t.queue, t.loop = q, loop
-        for ts in task_lists:
-            self.state.router.submit(ts)
+        self.state.router.submit_request(task_lists)  # one request: its prompts take turns with others'
         remaining = len(tasks)
         try:
             while remaining:

@@ -5,7 +5,12 @@ its new tasks through `PipelineGroup.submit`, and the router hears of freed slot
 `on_free`. Slot choice: the requested `id_slot`; else the free slot whose cached tokens share the
 longest prefix with the prompt (when that covers more than `--slot-prompt-similarity` of it); else
 the least recently used free slot. A request with n > 1 goes to one group with enough free slots
-for every choice. What cannot be placed now waits, in order, and is never dropped.
+for every choice. What cannot be placed now waits and is never dropped.
+
+Waiting is fair between requests: a request's prompts (each with its choices, placed together)
+wait in a queue of their own, and a freed slot goes to the waiting request that was served least
+recently, one prompt at a time, so that one request with many prompts cannot hold every other
+client until all of its prompts are done.
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ class Router:
         self.similarity = similarity
         self._commands: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
         self._taken: set[int] = set()
-        self._deferred: deque[list[CompletionTask]] = deque()
+        # one queue per waiting request, of its prompts' task lists; the least recently served first
+        self._deferred: deque[deque[list[CompletionTask]]] = deque()
         self.n_deferred = 0
         self.n_processing = 0
         self.thread = Thread(target=self._run, name="tasks", daemon=True)
@@ -47,13 +53,20 @@ class Router:
     def stop(self) -> None:
         self._commands.put(("stop", None))
         self.thread.join(timeout=10)
-        for tasks in self._deferred:
-            for t in tasks:
-                t.cancel()
+        for waiting in self._deferred:
+            for tasks in waiting:
+                for t in tasks:
+                    t.cancel()
 
     # --- called from other threads -------------------------------------------------------------
     def submit(self, tasks: list[CompletionTask]) -> None:
-        self._commands.put(("new", tasks))
+        """One prompt's tasks (its choices, placed together)."""
+        self.submit_request([tasks])
+
+    def submit_request(self, task_lists: list[list[CompletionTask]]) -> None:
+        """A request's prompts, each a list of tasks placed together: they take turns with the
+        prompts of other waiting requests."""
+        self._commands.put(("new", task_lists))
 
     def on_free(self, slot: Slot) -> None:
         self._commands.put(("free", slot))
@@ -65,21 +78,39 @@ class Router:
             if kind == "stop":
                 return
             if kind == "new":
-                tasks: list[CompletionTask] = arg  # type: ignore[assignment]
-                if not self._place(tasks):
-                    self._deferred.append(tasks)
+                # Free slots are ones that the waiting requests cannot use (they were offered
+                # them when they were freed): the new request takes what fits, and waits for the rest.
+                lists: deque[list[CompletionTask]] = deque(arg)  # type: ignore[arg-type]
+                while lists and self._place(lists[0]):
+                    lists.popleft()
+                if lists:
+                    self._deferred.append(lists)
             elif kind == "free":
                 self._taken.discard(arg.id)  # type: ignore[union-attr]
                 self._retry_deferred()
-            self.n_deferred = len(self._deferred)
+            self.n_deferred = sum(len(w) for w in self._deferred)
             self.n_processing = len(self._taken)
 
     def _retry_deferred(self) -> None:
-        waiting = len(self._deferred)
-        for _ in range(waiting):
-            tasks = self._deferred.popleft()
-            if not self._place(tasks):
-                self._deferred.append(tasks)
+        """Rounds over the waiting requests, each offered its next prompt in turn, until a round
+        places nothing; a request that got one moves behind those that did not."""
+        placed = True
+        while placed and self._deferred:
+            placed = False
+            unserved: deque[deque[list[CompletionTask]]] = deque()
+            served: list[deque[list[CompletionTask]]] = []
+            for waiting in self._deferred:
+                if self._place(waiting[0]):
+                    placed = True
+                    waiting.popleft()
+                    while waiting and all(t.cancelled.is_set() for t in waiting[0]):
+                        waiting.popleft()  # the client went away: its other prompts go too
+                    if waiting:
+                        served.append(waiting)
+                else:
+                    unserved.append(waiting)
+            unserved.extend(served)
+            self._deferred = unserved
 
     def _free_in(self, group: PipelineGroup) -> list[Slot]:
         return [s for s in group.slots if s.id not in self._taken]

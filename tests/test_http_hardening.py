@@ -525,6 +525,15 @@ def test_parse_completion_answers_400_or_valid_params(body, oai):
     assert p.sampling.n_probs == min(p.n_probs, 20)
 
 
+def test_a_body_of_many_small_containers_is_refused_before_parsing(server):
+    """4 MiB of [{},{},...] is 1.4 million dicts: refused from a count of its values."""
+    body = b"[" + b"{}," * ((MAX_BODY - 8) // 3) + b"{}]"
+    grown, (status, res) = rss_peak(server.proc.pid, lambda: server.request("POST", "/tokenize", raw=body, timeout=60))
+    assert status == 413 and "JSON" in res["error"]["message"], res
+    assert grown < 24 << 20, grown
+    serving(server)
+
+
 # ---------------------------------------------------------------------------------------------
 # costly request preparation
 

@@ -34,11 +34,17 @@ import ujson
 __all__ = [
     "HTTPError", "Request", "Response", "StreamResponse", "Handler", "HTTPServer",
     "json_response", "error_response", "sse_event", "SSE_DONE", "install_uvloop", "MAX_JSON_DEPTH",
+    "MAX_JSON_ITEMS",
 ]
 
 log = logging.getLogger(__name__)
 
 MAX_JSON_DEPTH = 64
+# What parsing one body may build, in values: each string, comma and colon outside strings counts
+# one and each array or object four (a dict or list costs 56 to 64 bytes, a short string about 50,
+# a number about 30), so that one body's parse stays near 100 MB at most whatever its shape.
+# 800k token ids (a /detokenize of a long text) count 800k.
+MAX_JSON_ITEMS = 1 << 21
 SSE_DONE = b"data: [DONE]\n\n"
 _SSE_PING = b":\n\n"  # an SSE comment: clients skip it
 
@@ -92,7 +98,13 @@ class Request:
             except UnicodeDecodeError as exc:
                 raise HTTPError(400, f"Invalid UTF-8 in request body at byte {exc.start}") from None
         # Counting brackets runs at C speed; only bodies with many of them pay for the real scan.
-        if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _json_too_deep(body, MAX_JSON_DEPTH):
+        n_open = body.count(b"[") + body.count(b"{")
+        # an upper bound at C speed; only a body above it pays for the count outside strings
+        if (4 * n_open + body.count(b",") + body.count(b":") + body.count(b'"') > MAX_JSON_ITEMS
+                and _json_items_over(body, MAX_JSON_ITEMS)):
+            raise HTTPError(413, f"Request body holds too many JSON values: more than {MAX_JSON_ITEMS} (each "
+                                 "string, comma and colon counts one, each array or object four)")
+        if n_open > MAX_JSON_DEPTH and _json_too_deep(body, MAX_JSON_DEPTH):
             raise HTTPError(400, f"Invalid JSON: nesting deeper than {MAX_JSON_DEPTH} levels")
         try:
             return ujson.loads(body)
@@ -119,6 +131,41 @@ def _json_too_deep(body: bytes, limit: int) -> bool:
         elif g == 2:
             depth -= 1
     return False
+
+
+# a run of anything but strings, then a string (to its end, or the body's when unterminated)
+_JSON_RUNS = re.compile(rb'[^"]*("[^"\\]*(?:\\[\s\S][^"\\]*)*"?)?')
+
+
+def _json_items_over(body: bytes, limit: int) -> bool:
+    """Whether the values of a JSON body, counted as MAX_JSON_ITEMS says, pass `limit`. One step
+    per string: the run before it is counted in place (no copy), and the scan stops at the limit,
+    so that a body of many small strings costs at most about limit / 2 steps."""
+    # every string is a value: past the limit on strings alone (an escaped quote may not end one)
+    if (body.count(b'"') - body.count(b'\\"')) // 2 > limit:
+        return True
+    n = 0
+    count = body.count
+    weight = _JSON_WEIGHT
+    for m in _JSON_RUNS.finditer(body):
+        a = m.start()
+        b = m.start(1)
+        if b < 0:
+            b = m.end()
+        else:
+            n += 1
+        if b - a == 1:  # the usual run between two strings: one separator
+            n += weight[body[a]]
+        elif b > a:
+            n += 4 * (count(b"[", a, b) + count(b"{", a, b)) + count(b",", a, b) + count(b":", a, b)
+        if n > limit:
+            return True
+    return False
+
+
+_JSON_WEIGHT = [0] * 256
+for _c, _w in ((b",", 1), (b":", 1), (b"[", 4), (b"{", 4)):
+    _JSON_WEIGHT[_c[0]] = _w
 
 
 class Response:

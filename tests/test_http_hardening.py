@@ -641,12 +641,15 @@ def test_max_connections_flag(limited):
 
 
 KEY = "sesame-4f1c"
+KEYED_MAX_BODY = 1 << 20
+KEYED_BUFFERED = 5 << 19  # two and a half bodies
 
 
 @pytest.fixture(scope="module")
 def keyed(tiny_model):
     """An API key, a small connection limit and the default (long) keep-alive timeout."""
-    srv = ServerProcess(tiny_model, "-np", "2", "-c", "512", "--api-key", KEY, "--max-connections", "6").wait_ready()
+    srv = ServerProcess(tiny_model, "-np", "2", "-c", "512", "--api-key", KEY, "--max-connections", "6",
+                        "--max-body", str(KEYED_MAX_BODY), "--max-body-buffered", str(KEYED_BUFFERED)).wait_ready()
     yield srv
     assert srv.stop() == 0
     assert "Traceback" not in srv.stderr_text, srv.stderr_text[-3000:]
@@ -693,6 +696,38 @@ def test_keyless_body_is_refused_before_it_is_read(keyed):
     for data in answers:
         assert data.startswith(b"HTTP/1.1 401 "), data[:200]
     assert grown < 3 << 20, grown  # 5 MiB of body was sent; none of it is kept
+    serving_keyed(keyed)
+
+
+def test_body_bytes_buffered_across_connections_are_bounded(keyed):
+    """Bodies that arrive slowly are held until complete: across all connections at most
+    --max-body-buffered bytes of them are; a body beyond that gets 503 at once, not a wait."""
+    socks = [connect(keyed) for _ in range(4)]
+    try:
+        for s in socks:
+            s.sendall(b"POST /completion HTTP/1.1\r\nHost: localhost\r\nX-Api-Key: " + KEY.encode()
+                      + b"\r\nContent-Length: %d\r\n\r\n" % KEYED_MAX_BODY)
+        for s in socks:
+            try:
+                s.sendall(b" " * (KEYED_MAX_BODY - 1))  # all but the last byte: the body stays incomplete
+            except OSError:
+                pass
+        answers = []
+        for s in socks:
+            s.settimeout(3.0)
+            try:
+                answers.append(s.recv(4096))
+            except (TimeoutError, socket.timeout):
+                answers.append(b"")  # still waiting for its last byte: held, within the bound
+            except ConnectionResetError:
+                answers.append(b"reset")
+        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503 ")]
+        assert len(refused) == 2 and answers.count(b"") == 2, answers
+        assert b"--max-body-buffered" in refused[0], refused[0]
+    finally:
+        for s in socks:
+            s.close()
+    time.sleep(0.2)
     serving_keyed(keyed)
 
 

@@ -760,6 +760,48 @@ def test_idle_keepalive_connections_give_way_at_the_limit(serve):
         s.close()
 
 
+def test_buffered_body_bytes_return_to_zero(serve):
+    """The server-wide count of buffered body bytes (--max-body-buffered) comes back to 0 after
+    every way a body can end: answered, pipelined, refused, cut off mid-body, handler running."""
+    st = serve(max_body=4096, max_buffered=8192)
+
+    async def buffered() -> int:
+        return st.server._buffered
+
+    body = b'{"a": "' + b"x" * 1000 + b'"}'
+    post = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+    s = st.connect()
+    s.sendall(post * 3 + b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+              + b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 9999\r\n\r\n")  # over max_body: 413
+    data = recv_until_closed(s, 5.0)
+    assert data.count(b"HTTP/1.1 200 ") == 3 and b"HTTP/1.1 404 " in data and b"HTTP/1.1 413 " in data
+    s.close()
+    s = st.connect()  # cut off half-way through a body
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3000\r\n\r\n" + b"x" * 1500)
+    assert _wait(lambda: st.call(buffered()) == 1500)
+    s.close()
+    s = st.connect()  # a body whose handler runs when its client goes
+    s.sendall(b"GET /hang HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"y" * 100)
+    assert event("hang_started").wait(5)
+    assert st.call(buffered()) == 100
+    s.close()
+    assert event("hang_finally").wait(5)
+    assert _wait(lambda: st.call(buffered()) == 0)
+    # two bodies of 4000 bytes fit 8192; a third one, declared, is a 503 from its headers
+    held = [st.connect() for _ in range(2)]
+    for h in held:
+        h.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4001\r\n\r\n" + b" " * 4000)
+    assert _wait(lambda: st.call(buffered()) == 8000)
+    s = st.connect()
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\nExpect: 100-continue\r\n\r\n")
+    data = recv_until_closed(s, 5.0)
+    assert data.startswith(b"HTTP/1.1 503 ") and b"100 Continue" not in data, data[:200]
+    s.close()
+    for h in held:
+        h.close()
+    assert _wait(lambda: st.call(buffered()) == 0)
+
+
 def test_unauthorised_request_is_answered_from_its_headers_and_closed(serve):
     """The key is checked before any body byte is read (no 100 Continue, no body buffered), and a
     401 ends the connection, so that keyless clients hold neither memory nor connections."""

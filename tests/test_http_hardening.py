@@ -905,6 +905,7 @@ def test_allow_any_host_flag_and_a_keyed_server_answer_any_host(tiny_model, keye
     (["--max-pipelined", "0"], "--max-pipelined"),
     (["--max-body", "0"], "--max-body"),
     (["--max-prompts", "0"], "--max-prompts"),
+    (["--max-body", "2048", "--max-body-buffered", "1024"], "--max-body-buffered"),
 ])
 def test_limit_flags_are_checked(tiny_model, args, needle):
     proc = subprocess.run([sys.executable, "-m", "pyllama.server", "-m", tiny_model, "--port", "0", *args],

@@ -219,7 +219,7 @@ async def serve(args) -> int:
                         body_timeout=args.body_timeout, max_connections=args.max_connections,
                         max_pipelined=args.max_pipelined, access=state, public_paths=api.public_paths(),
                         sse_ping_interval=args.sse_ping_interval, api_prefix=args.api_prefix,
-                        allow_any_host=args.allow_any_host)
+                        allow_any_host=args.allow_any_host, max_buffered=args.max_body_buffered)
     try:
         port = await server.start(args.host, args.port, reuse_port=args.reuse_port)
     except OSError as exc:

@@ -418,7 +418,7 @@ class _Connection(asyncio.Protocol):
         "_url", "_headers", "_body", "_body_size", "_hdr_bytes", "_hdr_raw", "_body_raw", "_in_headers",
         "_in_body", "_deadline", "_write_paused", "_drain_waiter", "_read_paused", "_reject",
         "_counted", "_n_requests", "_queued_bytes", "_held", "_feeding", "_n_chunks", "_ping_handle",
-        "_last_chunk",
+        "_last_chunk", "_running_bytes", "_buffered",
     )
 
     def __init__(self, srv: "HTTPServer") -> None:
@@ -455,6 +455,8 @@ class _Connection(asyncio.Protocol):
         self._counted = False
         self._n_requests = 0  # requests begun on this connection
         self._queued_bytes = 0  # body bytes of the requests in _queue
+        self._running_bytes = 0  # body bytes of the request its handler has
+        self._buffered = 0  # what this connection counts in the server's buffered body bytes (_account)
         # input not yet parsed because enough requests wait; reading is paused while it is held
         self._held: Optional[Union[bytes, memoryview]] = None
         self._feeding = False
@@ -507,6 +509,8 @@ class _Connection(asyncio.Protocol):
         srv._rejected.discard(self)
         self._queue.clear()
         self._queued_bytes = 0
+        self._in_body = False
+        self._account()  # (a running handler's body counts until it ends)
         self._held = None
         if self._task is not None:
             # The handler's finally blocks run (generation gets cancelled); a stream's iterator
@@ -675,6 +679,8 @@ class _Connection(asyncio.Protocol):
                 self._raise(_Reject(400, "Invalid Content-Length"))
             if n > srv._max_body:
                 self._raise(_Reject(413, f"Request body too large: {n} bytes, the limit is {srv._max_body}"))
+            if n > srv._max_buffered - srv._buffered:
+                self._raise(srv._buffers_full())
         if self._parser.should_upgrade() and (cl not in (None, "0") or "transfer-encoding" in self._headers):
             # llhttp hands what follows an upgrade request's headers back as the next request, so
             # its body would be parsed as a request that a proxy in front never saw.
@@ -686,9 +692,15 @@ class _Connection(asyncio.Protocol):
             self._transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
-        self._body_size += len(body)
-        if self._body_size > self._srv._max_body:
-            self._raise(_Reject(413, f"Request body too large: the limit is {self._srv._max_body} bytes"))
+        srv = self._srv
+        n = len(body)
+        self._body_size += n
+        if self._body_size > srv._max_body:
+            self._raise(_Reject(413, f"Request body too large: the limit is {srv._max_body} bytes"))
+        if srv._buffered + n > srv._max_buffered:
+            self._raise(srv._buffers_full())
+        self._buffered += n  # as _account() would count it, without the call
+        srv._buffered += n
         if not self._body:
             self._body = body
         else:
@@ -721,6 +733,7 @@ class _Connection(asyncio.Protocol):
             self._queue.append((Request(p.get_method().decode("ascii"), path, query, self._headers, body,
                                         self._peer), keep_alive, http10))
             self._queued_bytes += len(body)
+        self._account()
         self._headers = {}
         if self._task is None:
             self._dispatch()
@@ -746,6 +759,7 @@ class _Connection(asyncio.Protocol):
                 self._end_with(item[1])
                 return
             self._queued_bytes -= len(req.body)
+            self._account()
             keep_alive = item[1] and not srv._closing
             handler, head_only, resp = srv._resolve(req)
             extra = srv._cors(req)
@@ -756,6 +770,8 @@ class _Connection(asyncio.Protocol):
                     self._close()
                     return
                 continue
+            self._running_bytes = len(req.body)
+            self._account()
             self._task = self._loop.create_task(self._run(handler, req, keep_alive, item[2], head_only, extra))
             return
         if self._closed:
@@ -819,6 +835,8 @@ class _Connection(asyncio.Protocol):
             self._abort()
         finally:
             self._task = None
+            self._running_bytes = 0
+            self._account()
         if self._closed:
             return
         if not keep_alive:
@@ -943,6 +961,8 @@ class _Connection(asyncio.Protocol):
         """Stop parsing; answer `rej` after the answers already owed, then close."""
         self._discard = True
         self._in_headers = self._in_body = False
+        self._body = b""
+        self._account()
         self._held = None
         if self._read_paused:  # reading must go on to drain the upload while we linger
             self._read_paused = False
@@ -950,6 +970,14 @@ class _Connection(asyncio.Protocol):
         self._queue.append((None, self._srv._render_error(rej.status, rej.message, rej.type, False, rej.extra), False))
         if self._task is None:
             self._dispatch()
+
+    def _account(self) -> None:
+        """Bring the server's count of buffered body bytes up to date with this connection's: the
+        body being received, those of the queued requests, and the one its handler has."""
+        now = (self._body_size if self._in_body else 0) + self._queued_bytes + self._running_bytes
+        if now != self._buffered:
+            self._srv._buffered += now - self._buffered
+            self._buffered = now
 
     def _uncount(self) -> None:
         """A connection that serves no more requests leaves --max-connections' count and the idle
@@ -969,6 +997,9 @@ class _Connection(asyncio.Protocol):
         self._srv._rejected.add(self)
         self._queue.clear()
         self._queued_bytes = 0
+        self._in_body = False
+        self._body = b""
+        self._account()
         t.write(data)
         try:
             t.write_eof()
@@ -1019,13 +1050,16 @@ class HTTPServer:
                  max_pipelined: int = 8, cors_origins: Optional[Sequence[str]] = ("*",),
                  api_keys: Sequence[str] = (), public_paths: Collection[str] = PUBLIC_PATHS,
                  access: Any = None, sse_ping_interval: float = 30.0, api_prefix: str = "",
-                 allow_any_host: bool = True) -> None:
+                 allow_any_host: bool = True, max_buffered: int = 0) -> None:
         """`cors_origins`: browser origins answered with Access-Control-Allow-Origin (local pages
         always; '*' any), None for no CORS headers at all. `api_keys`: when any, every path but
         `public_paths` (and CORS preflights) needs one. `access`: an object whose `api_keys` and
         `cors_origins` attributes are read at each request instead (the server's settings).
         `sse_ping_interval`: an event stream idle this many seconds gets an SSE comment (<= 0: never).
         `api_prefix` ("/a/b" or ""): every route is served under it, and only there.
+        `max_buffered`: the request body bytes held at once across all connections, bodies being
+        received, queued and handled (0: 4 times `max_body`, at least 64 MiB); a body beyond it is
+        a 503.
         `allow_any_host`: False refuses (421) requests whose Host is not a loopback name while the
         server listens on a loopback address and has no API key (DNS rebinding)."""
         self._paths: dict[str, dict[str, Handler]] = {}
@@ -1038,6 +1072,8 @@ class HTTPServer:
                 names.add("HEAD")
             self._allow[path] = ", ".join(sorted(names))
         self._max_body = max_body
+        self._max_buffered = max_buffered or max(4 * max_body, 64 << 20)
+        self._buffered = 0
         self._max_body_wire = 2 * max_body + _FRAMING_ALLOWANCE
         self._max_chunks = max(_MIN_MAX_CHUNKS, max_body // _MIN_AVG_CHUNK)
         self._max_header_bytes = max_header_bytes
@@ -1190,6 +1226,12 @@ class HTTPServer:
         return b"".join((_status_line(status), self._prefix, extra,
                          b"Content-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n" % len(body),
                          b"" if keep_alive else _CONN_CLOSE, b"\r\n", body))
+
+    def _buffers_full(self) -> _Reject:
+        # A 503 rather than pausing the connection: the bodies that fill the buffers may come at a
+        # client's pace for a whole --body-timeout, and a paused upload would wait on them unseen.
+        return _Reject(503, f"The server holds {self._buffered} bytes of request bodies, its limit is "
+                            f"{self._max_buffered} (--max-body-buffered): try again later", "unavailable_error")
 
     def _needs_key(self, method: bytes, url: bytes) -> bool:
         """Whether a request for `url` must carry an API key (when keys are set), as _resolve

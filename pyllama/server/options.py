@@ -425,6 +425,9 @@ def build_parser() -> Parser:
     a("--cache-reuse", type=int, default=0, llama_env="LLAMA_ARG_CACHE_REUSE",
       help="accepted; pyllama reuses the cached prefix of a prompt, not chunks found by shifting the cache")
     a("--max-body", type=int, default=16 << 20, help="largest accepted request body in bytes")
+    a("--max-body-buffered", type=int, default=0, metavar="BYTES", llama_env=None,
+      help="request body bytes held at once across all connections (bodies arriving, queued and being handled); "
+           "a body beyond it gets 503 at once (default 0: 4 times --max-body, at least 64 MiB)")
     a("--header-timeout", type=float, default=10.0,
       help="seconds a client has to send a request's headers (for the first request, counted from "
            "connecting); a slower client is disconnected")
@@ -669,6 +672,9 @@ def check_args(args) -> None:
         raise PyllamaError(f"--max-body {args.max_body}: must be at least 1")
     if args.max_header_bytes < 1024:
         raise PyllamaError(f"--max-header-bytes {args.max_header_bytes}: must be at least 1024")
+    if args.max_body_buffered and args.max_body_buffered < args.max_body:
+        raise PyllamaError(f"--max-body-buffered {args.max_body_buffered}: must be 0 (the default) or at least "
+                           f"--max-body ({args.max_body})")
     if args.max_prompts < 1:
         raise PyllamaError(f"--max-prompts {args.max_prompts}: must be at least 1")
     if args.max_connections < 1 or args.max_pipelined < 1:

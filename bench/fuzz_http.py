@@ -1,6 +1,7 @@
 """Randomized HTTP fuzzer for `python -m pyllama.server`.
 
     python bench/fuzz_http.py [--minutes N | --seconds S] [--seed K] [--model PATH] [--out DIR]
+                              [--no-attacks | --attacks-only] [--attack-scale X]
 
 Starts the server on the tiny test model (made with pyllama.models.make when --model is not
 given) with small timeouts and limits, then sends it mutated versions of valid requests: byte
@@ -14,8 +15,16 @@ bytes each, whose first token mask would take llguidance minutes) are sent at on
 client repeats a JSON-mode request: its latency against its unloaded latency, what the grammars
 got and the server's memory are printed (`--seconds 0` runs this case alone).
 
-Prints the number of cases, a histogram of the statuses received, and the failures; exits 1 if
-there were any.
+Then come the attacks on fairness, one after another against a server with an API key and the
+default limits but --max-connections 20: one request of many prompts (beyond --max-prompts, and
+at it), idle keep-alive connections at the connection limit (after an unauthorised request, and
+after an authorised one), and keyless connections that each send a body of 16 MiB less one byte.
+During each, another client runs completions on new connections; the report gives the server's
+RSS growth at its peak and that client's latency against its unloaded latency (the target: within
+2x). A request of that client that fails is a failure; the latency is reported, never judged.
+
+Prints the number of cases, a histogram of the statuses received, the attacks' figures and the
+failures; exits 1 if there were any.
 """
 from __future__ import annotations
 
@@ -26,12 +35,13 @@ import os
 import random
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -419,10 +429,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, log_path: str) -> tuple[subprocess.Popen, int]:
+def start_server(model: str, log_path: str, args: Optional[list[str]] = None) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "pyllama.server", "-m", model, "--port", str(port), *SERVER_ARGS],
+    log = open(log_path, "a")
+    proc = subprocess.Popen([sys.executable, "-m", "pyllama.server", "-m", model, "--port", str(port),
+                             *(SERVER_ARGS if args is None else args)],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
     log.close()
     deadline = time.monotonic() + 60
@@ -615,6 +626,179 @@ def ensure_model(out: str) -> str:
     return path
 
 
+# ---------------------------------------------------------------------------------------------
+# attacks on fairness: what one client can do to another's latency and to the server's memory
+
+ATTACK_KEY = "fuzz-attack-key"
+ATTACK_ARGS = ["-np", "2", "-c", "512", "-t", "1", "--api-key", ATTACK_KEY, "--max-connections", "20"]
+AUTH = b"Authorization: Bearer " + ATTACK_KEY.encode()
+
+
+@dataclass
+class AttackResult:
+    name: str
+    rss_growth: int = 0                 # bytes, peak during the attack over the RSS before it
+    base_s: float = 0.0                 # the other client's median latency, unloaded
+    during_s: list[float] = field(default_factory=list)  # its latencies during the attack
+    failed: list[str] = field(default_factory=list)      # its requests that did not answer 200
+    note: str = ""                      # what the attack itself got back
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.during_s) / self.base_s if self.during_s and self.base_s else float("nan")
+
+    @property
+    def worst_ratio(self) -> float:
+        return max(self.during_s) / self.base_s if self.during_s and self.base_s else float("nan")
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def post_raw(port: int, path: bytes, body: bytes, headers: tuple[bytes, ...] = (AUTH,),
+             wait: float = 120.0) -> tuple[int, bytes]:
+    req = render(b"POST", path, [b"Host: localhost", b"Connection: close", b"Content-Length: %d" % len(body),
+                                 *headers], body)
+    data, _ = exchange(port, [req], wait=wait)
+    statuses, _ = parse_responses(data)
+    return (statuses[0] if statuses else 0), data
+
+
+def other_client(port: int) -> tuple[float, Optional[str]]:
+    """One completion of another client on a new connection: (seconds, why it failed or None)."""
+    body = json.dumps({"prompt": PROMPT, "n_predict": 4, "ignore_eos": True}).encode()
+    t0 = time.monotonic()
+    status, data = post_raw(port, b"/completion", body, wait=60)
+    dt = time.monotonic() - t0
+    return dt, None if status == 200 and b'"tokens_predicted":4' in data else f"status {status}: {data[:120]!r}"
+
+
+def a_fanout_refused(port: int, scale: float) -> str:
+    n = max(1000, int(100000 * scale))
+    status, data = post_raw(port, b"/completion", json.dumps({"prompt": ["a"] * n, "n_predict": 1}).encode())
+    return f"{n} prompts -> {status}"
+
+
+def a_fanout_at_limit(port: int, scale: float) -> str:
+    n = max(16, int(2048 * scale))  # the default --max-prompts
+    status, data = post_raw(port, b"/completion", json.dumps({"prompt": ["a"] * n, "n_predict": 1}).encode())
+    return f"{n} prompts -> {status}"
+
+
+def hold_idle(port: int, n: int, request: bytes, hold_s: float) -> str:
+    socks, answers = [], collections.Counter()
+    try:
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(request)
+            try:
+                statuses, _ = parse_responses(s.recv(65536))
+                answers[statuses[0] if statuses else "none"] += 1
+            except OSError:
+                answers["reset"] += 1
+            socks.append(s)
+        time.sleep(hold_s)
+    finally:
+        for s in socks:
+            s.close()
+    return f"{n} idle connections after " + ", ".join(f"{k}: {v}" for k, v in sorted(answers.items(), key=str))
+
+
+def a_idle_unauthorised(port: int, scale: float) -> str:
+    return hold_idle(port, 20, b"GET /slots HTTP/1.1\r\nHost: localhost\r\n\r\n", max(1.0, 4 * scale))
+
+
+def a_idle_authorised(port: int, scale: float) -> str:
+    return hold_idle(port, 20, b"GET /slots HTTP/1.1\r\nHost: localhost\r\n" + AUTH + b"\r\n\r\n",
+                     max(1.0, 4 * scale))
+
+
+def a_preauth_body(port: int, scale: float) -> str:
+    """Keyless connections that each send a 16 MiB body less one byte, so that it never completes."""
+    n, size = max(4, int(40 * scale)), 16 << 20
+    answers: collections.Counter = collections.Counter()
+    lock = threading.Lock()
+    chunk = b"x" * (1 << 20)
+
+    def one() -> None:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            s.sendall(b"POST /completion HTTP/1.1\r\nHost: localhost\r\nExpect: 100-continue\r\n"
+                      b"Content-Length: %d\r\n\r\n" % size)
+            sent = 0
+            try:
+                while sent < size - 1:
+                    sent += s.send(chunk[:min(len(chunk), size - 1 - sent)])
+            except OSError:
+                pass
+            try:
+                statuses, _ = parse_responses(s.recv(65536))
+                key = statuses[0] if statuses else "none"
+            except OSError:
+                key = "reset"
+            with lock:
+                answers[key] += 1
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return f"{n} bodies of {size - 1} bytes -> " + ", ".join(f"{k}: {v}" for k, v in sorted(answers.items(), key=str))
+
+
+ATTACKS: list[tuple[str, Callable[[int, float], str]]] = [
+    ("fan-out beyond --max-prompts", a_fanout_refused),
+    ("fan-out at --max-prompts", a_fanout_at_limit),
+    ("idle after 401 at --max-connections", a_idle_unauthorised),
+    ("idle keep-alive at --max-connections", a_idle_authorised),
+    ("keyless 16 MiB bodies", a_preauth_body),
+]
+
+
+def run_attack(port: int, pid: int, name: str, attack: Callable[[int, float], str], scale: float) -> AttackResult:
+    res = AttackResult(name)
+    base = []
+    for _ in range(5):
+        dt, why = other_client(port)
+        if why is None:
+            base.append(dt)
+    res.base_s = statistics.median(base) if base else 0.0
+    rss0 = peak = rss_bytes(pid)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("note", attack(port, scale)), daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    time.sleep(0.2)  # the attack is under way
+    while t.is_alive() or time.monotonic() - t0 < 1.0:
+        peak = max(peak, rss_bytes(pid))
+        dt, why = other_client(port)
+        res.during_s.append(dt)
+        if why is not None:
+            res.failed.append(why)
+        peak = max(peak, rss_bytes(pid))
+    t.join(180)
+    res.rss_growth = peak - rss0
+    res.note = out.get("note", "did not finish")
+    return res
+
+
+def attacks(model: str, out: str, scale: float) -> list[AttackResult]:
+    """Every attack in turn against one server (each measured from the RSS it starts at)."""
+    proc, port = start_server(model, os.path.join(out, "server-attacks.log"), ATTACK_ARGS)
+    try:
+        return [run_attack(port, proc.pid, name, attack, scale) for name, attack in ATTACKS]
+    finally:
+        stop_server(proc)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=1.0, help="how long to fuzz")
@@ -622,27 +806,58 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="random seed (the same seed replays the same cases)")
     ap.add_argument("--model", help="GGUF model to serve (default: a tiny one made under --out)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="where failing inputs and the server log go")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--no-attacks", action="store_true", help="fuzz only")
+    which.add_argument("--attacks-only", action="store_true", help="run the attacks only, no fuzzing")
+    ap.add_argument("--attack-scale", type=float, default=1.0,
+                    help="size of the attacks (prompts, bodies, hold time), 1 = the full ones")
     args = ap.parse_args(argv)
     seconds = args.seconds if args.seconds is not None else args.minutes * 60
     os.makedirs(args.out, exist_ok=True)
     model = args.model or ensure_model(args.out)
-    log_path = os.path.join(args.out, "server.log")
-    proc, port = start_server(model, log_path)
+    report = Report()
     t0 = time.monotonic()
-    try:
-        report = fuzz(port, seconds, args.seed, args.out, proc)
-        grammar = grammar_case(port, proc)
-    finally:
-        stop_server(proc)
-    for line in log_problems(log_path):
-        report.failures.append({"why": "server log: " + line, "file": log_path})
+    if not args.attacks_only:
+        log_path = os.path.join(args.out, "server.log")
+        open(log_path, "w").close()
+        proc, port = start_server(model, log_path)
+        try:
+            report = fuzz(port, seconds, args.seed, args.out, proc)
+            grammar = grammar_case(port, proc)
+        finally:
+            stop_server(proc)
+        for line in log_problems(log_path):
+            report.failures.append({"why": "server log: " + line, "file": log_path})
     elapsed = time.monotonic() - t0
-    hist = ", ".join(f"{k}: {v}" for k, v in sorted(report.statuses.items(), key=lambda kv: str(kv[0])))
-    print(f"{report.cases} cases in {elapsed:.1f} s (seed {args.seed})")
-    print(f"statuses: {hist}")
-    print_grammar_case(grammar)
-    if not grammar["serves_after"] or any(s >= 500 and s != 503 for s in grammar["bad_statuses"]):
-        report.failures.append({"why": f"pathological grammars: {grammar['bad_statuses']}", "file": log_path})
+    results: list[AttackResult] = []
+    if not args.no_attacks:
+        log_path = os.path.join(args.out, "server-attacks.log")
+        open(log_path, "w").close()
+        results = attacks(model, args.out, args.attack_scale)
+        for r in results:
+            for why in r.failed[:3]:
+                report.failures.append({"kind": r.name, "why": "another client's request failed: " + why,
+                                        "file": log_path})
+        for line in log_problems(log_path):
+            report.failures.append({"why": "server log: " + line, "file": log_path})
+    if not args.attacks_only:
+        hist = ", ".join(f"{k}: {v}" for k, v in sorted(report.statuses.items(), key=lambda kv: str(kv[0])))
+        print(f"{report.cases} cases in {elapsed:.1f} s (seed {args.seed})")
+        print(f"statuses: {hist}")
+        print_grammar_case(grammar)
+        if not grammar["serves_after"] or any(s >= 500 and s != 503 for s in grammar["bad_statuses"]):
+            report.failures.append({"why": f"pathological grammars: {grammar['bad_statuses']}",
+                                    "file": os.path.join(args.out, "server.log")})
+    if results:
+        print(f"attacks (scale {args.attack_scale:g}): server RSS growth at its peak; another client's completion "
+              "(new connection, n_predict 4): median and worst during the attack against unloaded (target 2x)")
+        for r in results:
+            target = "within 2x" if r.ratio <= 2.0 else "over 2x"
+            print(f"  {r.name}: {r.note}")
+            print(f"    RSS +{r.rss_growth / 2**20:.1f} MiB; other client {r.base_s * 1e3:.0f} ms unloaded, "
+                  f"{statistics.median(r.during_s) * 1e3:.0f} ms median ({r.ratio:.2f}x, {target}), "
+                  f"{max(r.during_s) * 1e3:.0f} ms worst ({r.worst_ratio:.2f}x) over {len(r.during_s)} requests, "
+                  f"{len(r.failed)} failed")
     print(f"failures: {len(report.failures)}")
     for f in report.failures:
         print(f"  {f.get('kind', '-')}: {f['why']} -> {f['file']}")

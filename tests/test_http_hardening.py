@@ -946,9 +946,25 @@ def test_an_api_key_option_without_a_key_refuses_to_start(tiny_model, tmp_path, 
 # 6. the fuzzer, briefly
 
 def test_fuzzer_short_run(tiny_model, tmp_path, capsys):
-    code = fuzz_http.main(["--seconds", "5", "--seed", "1", "--model", tiny_model, "--out", str(tmp_path)])
+    code = fuzz_http.main(["--seconds", "5", "--seed", "1", "--model", tiny_model, "--out", str(tmp_path),
+                           "--no-attacks"])
     out = capsys.readouterr().out
     assert code == 0, out
     cases = int(out.split(" cases")[0])
     assert cases >= 20, out
     assert "failures: 0" in out
+
+
+def test_fuzzer_attacks_small(tiny_model, tmp_path, capsys):
+    """The attacks, small: each one's figures are reported and what it got back is as bounded."""
+    code = fuzz_http.main(["--attacks-only", "--attack-scale", "0.05", "--model", tiny_model, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "failures: 0" in out
+    notes = dict(line.strip().split(": ", 1) for line in out.splitlines()
+                 if line.startswith("  ") and not line.startswith("    ") and ": " in line)
+    assert notes["fan-out beyond --max-prompts"].endswith("-> 400"), notes
+    assert notes["fan-out at --max-prompts"].endswith("-> 200"), notes
+    assert notes["idle after 401 at --max-connections"].endswith("401: 20"), notes
+    assert notes["keyless 16 MiB bodies"].endswith("401: 4"), notes
+    assert out.count("RSS +") == len(fuzz_http.ATTACKS), out

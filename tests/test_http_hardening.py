@@ -813,6 +813,34 @@ def test_prompts_at_the_limit_are_served(fanout):
     assert status == 200 and len(res) == FANOUT_LIMIT
 
 
+def test_router_gives_a_freed_slot_to_the_waiting_request_served_least_recently():
+    """In the router alone: two slots, a request of six prompts, then a request of one. The
+    newcomer takes the first slot freed, and the big request's prompts take the rest in turn."""
+    from types import SimpleNamespace
+
+    from pyllama.sampling import SamplingParams
+    from pyllama.server.router import Router
+    from pyllama.server.task import CompletionTask
+
+    placed: list[str] = []
+    slots = [SimpleNamespace(id=i, group=0, cache_tokens=[], last_used=float(i)) for i in range(2)]
+    group = SimpleNamespace(slots=slots, on_free=None,
+                            submit=lambda pl: placed.extend(t.settings["name"] for _, t in pl))
+    router = Router([group], similarity=0.1)
+
+    def task(name: str) -> list[CompletionTask]:
+        return [CompletionTask(prompt=[1, 2], params=SamplingParams(), settings={"name": name})]
+
+    router.submit_request([task(f"big{i}") for i in range(6)])
+    router.submit_request([task("small")])
+    for i in range(5):
+        router.on_free(slots[i % 2])
+    router._commands.put(("stop", None))
+    router._run()  # what the task thread does, here on this thread
+    assert placed == ["big0", "big1", "small", "big2", "big3", "big4", "big5"]
+    assert router.n_deferred == 0
+
+
 def test_a_huge_fan_out_is_refused_before_it_costs_memory(server):
     """100000 one-letter prompts (500 KB of body) grew the server by 230 MB and held other
     clients for 25 s; the default limit refuses them before any is tokenized."""

@@ -27,6 +27,12 @@ from ..threads import Thread
 log = logging.getLogger(__name__)
 
 
+class _Waiting(deque):
+    """The task lists of a waiting request's prompts, and whether it has been given a slot yet."""
+
+    served = False
+
+
 class Router:
     def __init__(self, groups: list[PipelineGroup], similarity: float):
         self.groups = groups
@@ -35,7 +41,8 @@ class Router:
         self._commands: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
         self._taken: set[int] = set()
         # one queue per waiting request, of its prompts' task lists; the least recently served first
-        self._deferred: deque[deque[list[CompletionTask]]] = deque()
+        # (those never served first, in order of arrival)
+        self._deferred: deque[_Waiting] = deque()
         self.n_deferred = 0
         self.n_processing = 0
         self.thread = Thread(target=self._run, name="tasks", daemon=True)
@@ -80,16 +87,30 @@ class Router:
             if kind == "new":
                 # Free slots are ones that the waiting requests cannot use (they were offered
                 # them when they were freed): the new request takes what fits, and waits for the rest.
-                lists: deque[list[CompletionTask]] = deque(arg)  # type: ignore[arg-type]
+                lists = _Waiting(arg)  # type: ignore[arg-type]
                 while lists and self._place(lists[0]):
                     lists.popleft()
+                    lists.served = True
                 if lists:
-                    self._deferred.append(lists)
+                    self._wait(lists)
             elif kind == "free":
                 self._taken.discard(arg.id)  # type: ignore[union-attr]
                 self._retry_deferred()
             self.n_deferred = sum(len(w) for w in self._deferred)
             self.n_processing = len(self._taken)
+
+    def _wait(self, lists: _Waiting) -> None:
+        """Queue a request: one never served goes behind the others never served, ahead of those
+        served already (its first prompt takes the next slot that no older newcomer takes)."""
+        if lists.served:
+            self._deferred.append(lists)
+            return
+        i = 0
+        for w in self._deferred:
+            if w.served:
+                break
+            i += 1
+        self._deferred.insert(i, lists)
 
     def _retry_deferred(self) -> None:
         """Rounds over the waiting requests, each offered its next prompt in turn, until a round
@@ -97,11 +118,12 @@ class Router:
         placed = True
         while placed and self._deferred:
             placed = False
-            unserved: deque[deque[list[CompletionTask]]] = deque()
-            served: list[deque[list[CompletionTask]]] = []
+            unserved: deque[_Waiting] = deque()
+            served: list[_Waiting] = []
             for waiting in self._deferred:
                 if self._place(waiting[0]):
                     placed = True
+                    waiting.served = True
                     waiting.popleft()
                     while waiting and all(t.cancelled.is_set() for t in waiting[0]):
                         waiting.popleft()  # the client went away: its other prompts go too

@@ -12,6 +12,12 @@ over all connections instead of a timer per request: a request then costs a floa
 TimerHandle. A new connection must send its first request's headers within `header_timeout`, a
 later request within `header_timeout` of its first byte, and a body within `body_timeout` of its
 headers (else 408).
+
+No client can stall another: the API key (and, on a keyless loopback server, the Host name) is
+checked from the headers before any body byte is read, and a refused connection closes; the body
+bytes held across all connections are bounded (`max_buffered`, else 503); a JSON body's values are
+counted before it is parsed; and at `max_connections` the longest idle keep-alive connection is
+closed to admit a new one.
 """
 from __future__ import annotations
 

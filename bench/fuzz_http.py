@@ -680,13 +680,13 @@ def other_client(port: int) -> tuple[float, Optional[str]]:
 
 def a_fanout_refused(port: int, scale: float) -> str:
     n = max(1000, int(100000 * scale))
-    status, data = post_raw(port, b"/completion", json.dumps({"prompt": ["a"] * n, "n_predict": 1}).encode())
+    status, _ = post_raw(port, b"/completion", json.dumps({"prompt": ["a"] * n, "n_predict": 1}).encode())
     return f"{n} prompts -> {status}"
 
 
 def a_fanout_at_limit(port: int, scale: float) -> str:
     n = max(16, int(2048 * scale))  # the default --max-prompts
-    status, data = post_raw(port, b"/completion", json.dumps({"prompt": ["a"] * n, "n_predict": 1}).encode())
+    status, _ = post_raw(port, b"/completion", json.dumps({"prompt": ["a"] * n, "n_predict": 1}).encode())
     return f"{n} prompts -> {status}"
 
 

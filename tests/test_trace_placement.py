@@ -26,8 +26,8 @@ def _hold(srv: ServerProcess, slot: int) -> socket.socket:
     body = json.dumps({"prompt": "Once upon a time", "n_predict": 4000, "stream": True, "ignore_eos": True,
                        "id_slot": slot}).encode()
     s = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
-    s.sendall(b"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
-              + body)
+    s.sendall(b"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Length: " + str(len(body)).encode()
+              + b"\r\n\r\n" + body)
     got = b""
     while got.count(b"data: ") < 2:
         chunk = s.recv(4096)

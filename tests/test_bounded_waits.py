@@ -41,6 +41,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "the idle decode thread's wait for work, in a loop: woken by submit() and by request_stop() (shutdown)",
     ("pyllama/server/router.py", "Router._run", "self._commands.get"):
         "the idle task thread's wait for a command: woken by every submit/free and by stop() (shutdown)",
+    ("pyllama/server/constraint.py", "_MaskThread._run", "self._queue.get"):
+        "a constraint's idle mask thread's wait for work: woken by every mask asked of it and ended by the "
+        "None its constraint's finalizer queues; a daemon thread, so shutdown never waits for it",
     ("pyllama/server/api.py", "Api._events", "q.get"):
         "an HTTP handler awaiting its own request's events: a queued request may wait as long as the pool is "
         "busy; the client disconnecting or the server's shutdown (grace, then cancel) ends it",

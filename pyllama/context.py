@@ -346,7 +346,11 @@ class Context:
     def read_seq(self, seq: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Positions 0..n-1 of `seq`'s KV cache, per layer its K rows and V rows as host bytes
         (one row of each per position, in the cache's own types)."""
-        runs = self.kv.cell_runs(seq, n)
+        return self.read_cells(self.kv.cell_runs(seq, n), n)
+
+    def read_cells(self, runs: Sequence[tuple[int, int, int]], n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """As read_seq, of cells given as `KVCache.cell_runs` (held with `KVCache.hold`): it touches
+        no bookkeeping, so another thread than the decode thread may call it."""
         out: list[tuple[np.ndarray, np.ndarray]] = []
         backends = {}
         for k, v in self.kv_tensors:

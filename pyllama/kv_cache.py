@@ -189,6 +189,21 @@ class KVCache:
         self.lengths[dst] = n_blocks * B
         return n_blocks * B
 
+    def hold(self, seq: int, n: int) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """Keeps the blocks of positions 0..n-1 of `seq` out of the pool, their cells unchanged,
+        until `release`: whatever becomes of the sequence, a reader elsewhere may copy the cells.
+        Returns the blocks and the positions' `cell_runs`."""
+        runs = self.cell_runs(seq, n)
+        blocks = list(self._tables[seq][:-(-n // self.block_size)])
+        for block in blocks:
+            self._refs[block] += 1  # the sequence's own blocks count as shared now: never written again
+        return blocks, runs
+
+    def release(self, blocks: list[int]) -> None:
+        """Gives back blocks that `hold` kept."""
+        for block in blocks:
+            self._release(block)
+
     def _release(self, block: int) -> None:
         self._refs[block] -= 1
         if self._refs[block] == 0:

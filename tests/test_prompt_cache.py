@@ -61,6 +61,62 @@ def test_least_recently_used_entries_go_first_past_the_limit():
     assert not cache.save([4] * 60, _rows(60)) and len(cache) == 2  # larger than the whole limit
 
 
+def test_a_prompt_that_repeats_or_continues_an_earlier_one_came_back():
+    cache = PromptCache(-1)
+    first = HEAD + [3, 4]
+    assert not cache.sight(first)  # a first appearance
+    assert not cache.sight(HEAD + [9] * 30)  # the same head (a system prompt) is not a return
+    assert cache.sight(first)  # repeated
+    assert cache.sight(first + [5, 6, 7])  # continued: a conversation's next turn
+    assert not cache.sight(HEAD + [3])  # shorter than the earlier prompt: not the whole of it
+    assert not cache.sight([2] * 10) and not cache.sight([2] * 10)  # too short to be remembered
+
+
+def test_a_prompt_sharing_a_system_prompt_with_an_earlier_one_is_part_of_a_conversation():
+    from pyllama.server.prompt_cache import SYSTEM_PREFIX
+
+    cache = PromptCache(-1)
+    system = [1] + list(range(500, 500 + SYSTEM_PREFIX - 1))
+    assert not cache.sight(system + [3, 4, 5])
+    assert cache.sight(system + [7, 8])  # another conversation after the same system prompt
+    assert not cache.sight(system[:SYSTEM_PREFIX - 1] + [9] * 10)  # one token short of it
+
+
+def test_sightings_are_bounded_oldest_first():
+    cache = PromptCache(-1, sightings=2)
+    a, b, c = ([t] * 20 for t in (1, 2, 3))
+    for p in (a, b, c):  # two later prompts push a out
+        cache.sight(p)
+    assert not cache.sight(a) and cache.sight(c)
+
+
+def test_a_reserved_entry_covers_its_prompt_and_waits_for_its_rows():
+    cache = PromptCache(-1)
+    tokens = HEAD + [3, 4]
+    entry = cache.reserve(tokens, 1)
+    assert entry is not None and cache.covers(tokens) and cache.nbytes == 0
+    found, n = cache.best(tokens + [5])
+    assert found is entry and n == len(tokens)
+    assert entry.wait(0.01) is None  # not copied yet
+    assert cache.fill(entry, _rows(18))
+    assert entry.wait() is not None and cache.nbytes == sum(k.nbytes + v.nbytes for k, v in _rows(18))
+    other = cache.reserve(HEAD + [8], 1)
+    cache.fail(other)
+    assert not cache.covers(HEAD + [8]) and other.wait() is None and len(cache) == 1
+
+
+def test_metrics_families_give_bytes_and_limit():
+    from pyllama.server.metrics import render_families
+
+    cache = PromptCache(4 << 20)
+    cache.save(HEAD + [3], _rows(17))
+    text = render_families(cache.families())
+    assert f"llamacpp:prompt_cache_bytes {cache.nbytes}\n" in text and cache.nbytes > 0
+    assert "llamacpp:prompt_cache_limit_bytes 4194304\n" in text
+    assert "# TYPE llamacpp:prompt_cache_bytes gauge" in text
+    assert "llamacpp:prompt_cache_limit_bytes +Inf" in render_families(PromptCache(-1).families())
+
+
 # --- a sequence's rows out of the context and back -----------------------------------------------
 def _continue(ctx, seq: int, token: int, pos: int) -> np.ndarray:
     return ctx.decode(Batch([token], [pos], [seq], [True])).logits[0].copy()
@@ -137,18 +193,39 @@ def _complete(server: ServerProcess, prompt: list[int], **extra) -> dict:
     return body
 
 
+def _metrics(server: ServerProcess) -> dict[str, float]:
+    status, text = server.request("GET", "/metrics")
+    assert status == 200
+    text = text if isinstance(text, str) else text.decode()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("llamacpp:prompt_cache_")}
+
+
 @pytest.mark.parametrize("cache_ram", ["8", "0"])
 def test_a_returning_prompt_starts_from_the_host_cache(tiny_model, cache_ram):
-    server = ServerProcess(tiny_model, "-np", "1", "-c", "512", "--cache-ram", cache_ram).wait_ready()
+    server = ServerProcess(tiny_model, "-np", "1", "-c", "512", "--cache-ram", cache_ram, "--metrics").wait_ready()
     try:
         first = _complete(server, A)
-        _complete(server, B)  # the only slot gives A up
+        _complete(server, B)  # the only slot gives A up: a first appearance, it is let go
+        m = _metrics(server)
+        assert m["llamacpp:prompt_cache_saves_total"] == 0 and m["llamacpp:prompt_cache_bytes"] == 0
+        _complete(server, A)  # A comes back (computed again)
+        _complete(server, B)  # gives A up: now kept
         again = _complete(server, A)
         assert again["content"] == first["content"] and again["tokens_predicted"] == first["tokens_predicted"]
         if cache_ram == "0":
             assert again["timings"]["cache_n"] == 0 and again["timings"]["prompt_n"] == len(A)
+            assert _metrics(server) == {"llamacpp:prompt_cache_bytes": 0, "llamacpp:prompt_cache_limit_bytes": 0,
+                                        "llamacpp:prompt_cache_entries": 0, "llamacpp:prompt_cache_saves_total": 0,
+                                        "llamacpp:prompt_cache_saved_bytes_total": 0,
+                                        "llamacpp:prompt_cache_not_admitted_total": 0}
         else:
             assert again["timings"]["cache_n"] == len(A) - 1 and again["timings"]["prompt_n"] == 1
+            m = _metrics(server)
+            # A and B were each let go once, then copied once each (B when A came back the last time)
+            assert m["llamacpp:prompt_cache_not_admitted_total"] == 2 and m["llamacpp:prompt_cache_saves_total"] == 2
+            assert 0 < m["llamacpp:prompt_cache_bytes"] == m["llamacpp:prompt_cache_saved_bytes_total"]
+            assert m["llamacpp:prompt_cache_limit_bytes"] == 8 << 20 and m["llamacpp:prompt_cache_entries"] == 2
         no_cache = _complete(server, B, cache_prompt=False)
         assert no_cache["timings"]["cache_n"] == 0
     finally:
@@ -159,6 +236,7 @@ def test_a_prompt_saved_by_one_group_loads_in_another(tiny_model):
     server = ServerProcess(tiny_model, "-np", "2", "-c", "512", "--pipeline-groups", "2").wait_ready()
     try:
         first = _complete(server, A, id_slot=0)
+        _complete(server, A, id_slot=0)  # A came back: it is kept when dropped
         _complete(server, B, id_slot=0)
         again = _complete(server, A, id_slot=1)  # slot 1 is group 1's
         assert again["timings"]["cache_n"] == len(A) - 1 and again["content"] == first["content"]
@@ -171,9 +249,94 @@ def test_idle_slots_are_saved_when_a_request_starts(tiny_model, flag):
     server = ServerProcess(tiny_model, "-np", "2", "-c", "512", flag).wait_ready()
     try:
         _complete(server, A, id_slot=0)
+        _complete(server, A, id_slot=0)  # A came back
         _complete(server, B, id_slot=1)  # slot 0 is idle when this starts
         saved = [line for line in server.log_tail(200).splitlines() if "saved to the host cache" in line]
         assert (len(saved) == 1 and "slot 0:" in saved[0]) if flag == "--cache-idle-slots" else not saved
     finally:
         assert server.stop() == 0
 
+
+
+def test_a_multi_turn_conversation_keeps_its_turns_while_one_off_prompts_are_not_copied(tiny_model):
+    """One slot, a conversation interleaved with one-off prompts: a one-off prompt's rows are let go
+    when the next request takes the slot (no copy), and so are the conversation's first turn's; its
+    later turns, each continuing the one before, are copied and start from the cache."""
+    server = ServerProcess(tiny_model, "-np", "1", "-c", "512", "--metrics").wait_ready()
+    try:
+        history = list(A[:30])
+        one_offs = [list(range(200 + 40 * i, 230 + 40 * i)) for i in range(4)]
+        cached = []
+        for turn, other in enumerate(one_offs):
+            reply = _complete(server, history, return_tokens=True)
+            cached.append(reply["timings"]["cache_n"])
+            history += reply["tokens"] + list(range(300 + 10 * turn, 310 + 10 * turn))
+            _complete(server, other)
+        m = _metrics(server)
+        assert cached[:2] == [0, 0] and all(c > 30 for c in cached[2:])  # turns 2 and 3 start from the cache
+        # turns 1..3, each when a one-off prompt took the slot, each replacing the turn before it
+        assert m["llamacpp:prompt_cache_saves_total"] == 3 and m["llamacpp:prompt_cache_entries"] == 1
+        assert m["llamacpp:prompt_cache_not_admitted_total"] == 4  # turn 0 and the one-off prompts (but the last)
+    finally:
+        assert server.stop() == 0
+
+
+def test_rows_are_copied_off_the_decode_thread(tiny_model, monkeypatch):
+    """The copy of a dropped prompt's rows runs on the cache's copier thread, never the group's
+    decode thread; the blocks it reads stay out of the pool until it is done, then go back."""
+    import threading
+    import time
+
+    from pyllama.sampling import SamplingParams
+    from pyllama.server.group import PipelineGroup
+    from pyllama.server.metrics import Metrics
+    from pyllama.server.slot import Slot
+    from pyllama.server.task import CompletionTask
+
+    engine = Engine(tiny_model, n_threads=1)
+    ctx = engine.new_context(512, 1)
+    slots = [Slot(0, 0, 0, ctx.seq_cap, engine.tokenizer)]
+    freed: list = []
+    group = PipelineGroup(0, ctx, slots, engine.tokenizer, Metrics(), on_free=freed.append)
+    group.prompt_cache = cache = PromptCache(-1)
+    readers: list[str] = []
+    gate = threading.Event()
+    real = ctx.read_cells
+
+    def read_cells(runs, n):
+        readers.append(threading.current_thread().name)
+        gate.wait(60)  # a slow copy: the decode thread must not wait for it
+        return real(runs, n)
+
+    monkeypatch.setattr(ctx, "read_cells", read_cells)
+
+    def run(prompt: list[int]) -> None:
+        n = len(freed)
+        group.submit([(slots[0], CompletionTask(prompt=prompt, params=SamplingParams(temperature=0.0), n_predict=2))])
+        deadline = time.monotonic() + 60
+        while len(freed) == n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(freed) == n + 1
+
+    group.start()
+    try:
+        for prompt in (A, B, A, B):  # first appearances: nothing read; then A is dropped after it came back
+            run(prompt)
+        kv = ctx.kv
+
+        def blocks(n: int) -> int:
+            return -(-n // kv.block_size)
+
+        # the copy is still blocked, yet every request has been served; A's blocks are out of the pool
+        entry, _ = cache.best(A)
+        assert readers == ["prompt-cache-copy"] and len(cache) == 1 and cache.nbytes == 0
+        assert entry is not None and entry.tokens[:len(A)] == A
+        assert kv.n_free_blocks + blocks(kv.seq_len(0)) + blocks(len(entry.tokens)) == kv.n_blocks
+        gate.set()
+        assert entry.wait() is not None and cache.nbytes > 0
+        run(B + [7] * 10)  # continues the slot's prompt (nothing dropped); its step gives A's blocks back
+        assert readers == ["prompt-cache-copy"]
+        assert kv.n_free_blocks + blocks(kv.seq_len(0)) == kv.n_blocks
+    finally:
+        gate.set()
+        group.stop()

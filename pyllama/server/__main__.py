@@ -107,7 +107,11 @@ def load(state: ServerState) -> None:
         prompt_cache = PromptCache(-1 if args.cache_ram < 0 else args.cache_ram << 20)
         for group in state.groups:
             group.prompt_cache, group.cache_idle_slots = prompt_cache, args.cache_idle_slots
-        log.info("prompt cache in host memory: %s", "no size limit" if args.cache_ram < 0 else f"{args.cache_ram} MiB")
+        log.info("prompt cache in host memory: up to %s, 0 bytes used (/metrics: llamacpp:prompt_cache_bytes); a "
+                 "slot's prompt is copied there when it is dropped if its request repeated or continued an earlier "
+                 "prompt", "no size limit" if args.cache_ram < 0 else f"{args.cache_ram} MiB ({args.cache_ram << 20} bytes)")
+    else:
+        log.info("prompt cache in host memory: off (--cache-ram 0)")
     if ctx.placement.n_stages > 1:  # the groups take turns at each stage of the split
         share_stages(state.groups, pipeline_chunk(args.pipeline_chunk, engine.model, ctx.placement.backends))
     state.slots_per_group = seq_group

@@ -28,6 +28,7 @@ from .constraint import ConstraintSpec, compile_constraint
 from .http import (PUBLIC_PATHS, SSE_DONE, HTTPError, Request, Response, StreamResponse, error_response,
                    json_response, sse_event, sse_named_event)
 from .metrics import Metrics, pipeline_families, render_families
+from .prompt_cache import cache_families
 from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
 from .params import CompletionParams, get_int, parse_completion, split_prompts, tokenize_prompt
@@ -551,6 +552,8 @@ class Api:
             kv_cache_tokens=sum(g.ctx.kv.n_tokens_cached() for g in st.groups))
         snap = await asyncio.get_running_loop().run_in_executor(None, self.pipeline().snapshot, DEFAULT_WINDOW_S)
         text += render_families(pipeline_families(snap))
+        cache = st.groups[0].prompt_cache if st.groups else None
+        text += render_families(cache.families() if cache is not None else cache_families(0, 0))
         return Response(200, text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     # --- the pages and the pipeline view ---------------------------------------------------------

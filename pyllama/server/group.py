@@ -73,6 +73,9 @@ class PipelineGroup:
         # --cache-ram: prompts that slots give up, shared by every group (set by the server)
         self.prompt_cache: Optional[PromptCache] = None
         self.cache_idle_slots = False  # --cache-idle-slots: idle slots saved there when a request starts
+        # KV blocks kept out of the pool while the cache's copier reads them: (blocks, copied)
+        self._held: deque[tuple[list[int], threading.Event]] = deque()
+        self._came_back: set[int] = set()  # slots whose request repeated or continued an earlier prompt
         self.pooling = pooling  # of embedding tasks: which hidden rows their prompts return
         self.context_shift = context_shift
         for slot in slots:
@@ -198,6 +201,8 @@ class PipelineGroup:
 
     def _iteration(self) -> None:
         self._t_iter = time.perf_counter()
+        if self._held:
+            self._release_held(wait=False)
         t_iter_us = now_us()
         self._tr_iter = trace.now() if trace.enabled else 0
         self._n_rows = self._n_prompt = self._n_decode = 0
@@ -276,7 +281,9 @@ class PipelineGroup:
                 if task.cache_prompt:
                     n_keep = min(common_prefix(slot.cache_tokens, task.prompt), len(task.prompt) - 1)
                 if self.prompt_cache is not None and not task.embedding:
+                    came_back = self.prompt_cache.sight(task.prompt)
                     self._save_prompt(slot, n_keep)
+                    (self._came_back.add if came_back else self._came_back.discard)(slot.id)
                     if task.cache_prompt:
                         n_keep = self._load_prompt(slot, task.prompt, n_keep)
                 n_keep = self.ctx.seq_rm(slot.seq, n_keep)
@@ -286,6 +293,7 @@ class PipelineGroup:
                     self.sink.put(task, ProgressEvent(len(task.prompt), n_keep, n_keep, 0.0))
             else:
                 self.ctx.seq_rm(slot.seq, 0)
+                self._came_back.discard(slot.id)
                 slot.start(task, 0, parent=parent, priority=self._arrivals)
         if self.prompt_cache is not None and self.cache_idle_slots:
             for idle in self.slots:
@@ -437,10 +445,13 @@ class PipelineGroup:
         return self.ctx.kv.n_free_blocks - self._reserved
 
     def _evict_idle(self) -> bool:
-        """Drops the cached prompt of the least recently used idle slot holding cells."""
+        """Drops the cached prompt of the least recently used idle slot holding cells; first gives
+        back blocks whose copy to the host cache has finished, last waits for one under way."""
+        if self._release_held(wait=False):
+            return True
         idle = [s for s in self.slots if s.state is SlotState.IDLE and self.ctx.kv.seq_len(s.seq)]
         if not idle:
-            return False
+            return bool(self._held) and self._release_held(wait=True)
         slot = min(idle, key=lambda s: s.last_used)
         if self.prompt_cache is not None:
             self._save_prompt(slot, 0)
@@ -450,22 +461,63 @@ class PipelineGroup:
 
     def _save_prompt(self, slot: Slot, n_keep: int) -> None:
         """The slot's cached prompt into the host cache when more than a block of it is about to
-        be dropped (all but its first n_keep tokens) and no entry holds it already."""
+        be dropped (all but its first n_keep tokens), no entry holds it already and its request
+        came back (see PromptCache.sight). Its blocks are held and copied by the cache's copier
+        thread: the decode thread goes on at once."""
         cache = self.prompt_cache
         assert cache is not None
         # (the last token a request sampled has no KV rows yet)
         tokens = slot.cache_tokens[:self.ctx.kv.seq_len(slot.seq)]
         if len(tokens) - n_keep < MIN_TOKENS or cache.covers(tokens):
             return
-        t0 = time.perf_counter()
-        try:
-            rows = self.ctx.read_seq(slot.seq, len(tokens))
-        except Exception as exc:  # noqa: BLE001 - the prompt is only computed again later
-            log.warning("slot %d: saving its prompt to the host cache failed: %s", slot.id, exc)
+        if slot.id not in self._came_back:  # a first appearance: it will most likely not come back
+            cache.not_admitted()
             return
-        if cache.save(tokens, rows):
-            log.info("slot %d: %d prompt tokens saved to the host cache (%.1f ms; %d entries, %.1f MiB)",
-                     slot.id, len(tokens), (time.perf_counter() - t0) * 1e3, len(cache), cache.nbytes / 2**20)
+        entry = cache.reserve(tokens, self._rows_nbytes(len(tokens)))
+        if entry is None:
+            return
+        blocks, runs = self.ctx.kv.hold(slot.seq, len(tokens))
+        copied = threading.Event()
+        self._held.append((blocks, copied))
+        ctx, n, slot_id = self.ctx, len(tokens), slot.id
+
+        def copy() -> None:
+            t0 = time.perf_counter()
+            try:
+                rows = ctx.read_cells(runs, n)
+            except Exception as exc:  # noqa: BLE001 - the prompt is only computed again later
+                log.warning("slot %d: saving its prompt to the host cache failed: %s", slot_id, exc)
+                cache.fail(entry)
+                return
+            finally:
+                copied.set()  # the decode thread gives the blocks back (_release_held)
+            if cache.fill(entry, rows):
+                log.info("slot %d: %d prompt tokens saved to the host cache (%.1f ms; %d entries, %.1f MiB)",
+                         slot_id, n, (time.perf_counter() - t0) * 1e3, len(cache), cache.nbytes / 2**20)
+
+        cache.copier.submit(copy)
+
+    def _rows_nbytes(self, n: int) -> int:
+        """Bytes of n positions' K and V rows over all layers (what read_seq returns)."""
+        return n * sum(layer[1] + layer[3] for layer in self.ctx.kv_layout())
+
+    def _release_held(self, wait: bool) -> bool:
+        """Gives back the blocks of finished copies (with wait, waits for the oldest copy first
+        when none has finished); whether any went back. Decode thread only (the KV bookkeeping)."""
+        held = self._held
+        if wait and held and not any(done.is_set() for _, done in held):
+            held[0][1].wait()
+        kept: deque[tuple[list[int], threading.Event]] = deque()
+        released = False
+        while held:
+            blocks, done = held.popleft()
+            if done.is_set():
+                self.ctx.kv.release(blocks)
+                released = True
+            else:
+                kept.append((blocks, done))
+        self._held = kept
+        return released
 
     def _load_prompt(self, slot: Slot, prompt: list[int], n_keep: int) -> int:
         """Starts the slot from the host cache's entry that shares the longest prefix with `prompt`
@@ -481,8 +533,11 @@ class PipelineGroup:
         if not self._fits(slot, n):
             return n_keep
         t0 = time.perf_counter()
+        rows = entry.wait()  # a copy still under way is waited for: it is this request's prefix
+        if rows is None:
+            return n_keep
         try:
-            self.ctx.write_seq(slot.seq, entry.rows, n)
+            self.ctx.write_seq(slot.seq, rows, n)
         except Exception as exc:  # noqa: BLE001 - the sequence is empty again: computed from the start
             log.warning("slot %d: loading a prompt from the host cache failed: %s", slot.id, exc)
             slot.cache_tokens = []
@@ -496,7 +551,12 @@ class PipelineGroup:
         """Whether `slot`'s sequence, emptied, could take n positions from the free blocks now
         (between steps nothing is reserved: _free() would count the last step's reservations)."""
         kv = self.ctx.kv
-        return -(-n // kv.block_size) <= kv.n_free_blocks + kv.blocks_freed_by_rm(slot.seq)
+        self._release_held(wait=False)
+        while -(-n // kv.block_size) > kv.n_free_blocks + kv.blocks_freed_by_rm(slot.seq):
+            if not self._held:
+                return False
+            self._release_held(wait=True)
+        return True
 
     # --- slot files (POST /slots/{id}?action=save|restore; the caller holds the lock, the slot idle) ---
     def read_slot(self, slot: Slot) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:

@@ -267,8 +267,9 @@ def build_parser() -> Parser:
       help="llama-server's fitting of unset options to device memory: 'off' is what pyllama does (it checks "
            "memory and refuses what does not fit); 'on' is refused")
     a("-cram", "--cache-ram", type=int, default=8192, metavar="MiB", llama_env="LLAMA_ARG_CACHE_RAM",
-      help="prompt cache in host memory: the KV rows of prompts that slots give up, loaded again by a request "
-           "that continues one (-1: no limit, 0: off)")
+      help="prompt cache in host memory: the KV rows of prompts that slots give up (those whose request repeated "
+           "or continued an earlier prompt, or shared its system prompt), loaded again by a request that continues "
+           "one (-1: no limit, 0: off)")
     a("--cache-idle-slots", "--no-cache-idle-slots", dest="cache_idle_slots", action=Toggle,
       negatives=("--no-cache-idle-slots",), default=True, llama_env="LLAMA_ARG_CACHE_IDLE_SLOTS",
       help="when a request starts, save the prompts of its group's idle slots to the prompt cache too (needs "

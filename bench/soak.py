@@ -42,6 +42,12 @@ raise its dynamic mmap threshold, and the server's heap grows by a few MiB/min a
 less over about ten minutes (MALLOC_MMAP_THRESHOLD_=65536 in the environment keeps it flat); a
 tighter claim needs a longer window and a lower --max-slope.
 
+The server's prompt cache in host memory (`--cache-ram`, 8192 MiB by default) may grow up to its
+limit: its bytes and limit are read from /metrics (`llamacpp:prompt_cache_bytes`,
+`llamacpp:prompt_cache_limit_bytes`) with every sample and reported beside the RSS. For the server
+the slope judged is that of its RSS less the cache's bytes; the cache over its limit, or the
+server's RSS growing in the window by more than the limit (plus --max-slope a minute), fails.
+
 Shutdown. At the end of the window the server gets SIGTERM while the clients are still streaming;
 the clients send nothing new. Measured: the time to the server's exit. Checked: the exit status is
 0; every request in flight at SIGTERM ended (within --shutdown-bound seconds) complete and valid,
@@ -89,7 +95,7 @@ WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "then", "it", "ran", "far
 STOPS = ("e", "s", "th", "a", "\n", "ing", "er", ".")
 
 RSS_COLUMNS = ["t_s", "phase", "server_rss_mib", "rpc_rss_mib", "server_fds", "rpc_fds", "server_threads",
-               "rpc_threads", "in_flight", "completed", "tokens"]
+               "rpc_threads", "in_flight", "completed", "tokens", "server_cache_mib", "server_rest_mib"]
 OUTCOMES = ("complete", "invalid", "failed", "truncated", "lost", "aborted")
 
 
@@ -528,6 +534,9 @@ class Run:
         self.shutdown_reqs: list[dict] = []    # requests in flight at SIGTERM, with their end
         self.client_end: dict[int, float] = {}
         self.samples: list[dict] = []
+        # the server's prompt cache (--cache-ram) from /metrics: bytes held, its limit (None: unknown)
+        self.cache_bytes: Optional[float] = None
+        self.cache_limit: Optional[float] = None
         self.completed_total = 0
         # the curve is written as it is sampled, so that a run cut short still leaves it
         self._csv_file = open(os.path.join(out_dir, "rss.csv"), "w", newline="")
@@ -692,6 +701,10 @@ class Run:
                     s[f"{name}_threads"] = p.ps.num_threads()
             except psutil.Error:
                 s[f"{name}_rss_mib"] = s[f"{name}_fds"] = s[f"{name}_threads"] = None
+        if self.cache_bytes is not None:  # the RSS the cache accounts for, and the rest
+            s["server_cache_mib"] = round(self.cache_bytes / 2**20, 2)
+            if s["server_rss_mib"] is not None:
+                s["server_rest_mib"] = round(s["server_rss_mib"] - s["server_cache_mib"], 2)
         self.samples.append(s)
         self._csv.writerow(s)
         self._csv_file.flush()
@@ -699,8 +712,23 @@ class Run:
 
     async def sampler(self) -> None:
         while True:
+            await self.read_cache()
             self.sample()
             await asyncio.sleep(self.a.rss_interval)
+
+    async def read_cache(self) -> None:
+        """The prompt cache's bytes and limit from /metrics (kept as they were when it does not answer)."""
+        try:
+            status, body = await _get(self.host, self.port, "/metrics", 10.0)
+        except (OSError, asyncio.TimeoutError, ValueError):
+            return
+        if status != 200:
+            return
+        for line in body.decode("utf-8", "replace").splitlines():
+            if line.startswith("llamacpp:prompt_cache_bytes "):
+                self.cache_bytes = float(line.split()[1])
+            elif line.startswith("llamacpp:prompt_cache_limit_bytes "):
+                self.cache_limit = float(line.split()[1])
 
     # --- the whole run --------------------------------------------------------------------------
     async def main(self) -> dict:
@@ -840,6 +868,37 @@ def memory_figures(samples: list[dict], t_load: float, t_end: float, key: str) -
             "second_half_s": round(half[-1][0] - half[0][0], 3) if half else 0.0, "samples": len(window)}
 
 
+def judge_memory(mem: dict, cache: dict, rest: dict, max_slope: float, slope_min_s: float,
+                 minutes: float) -> tuple[list[str], bool]:
+    """Failures of the memory figures (memory_figures of each process's RSS, of the server's prompt
+    cache with its `limit_mib`, and of the server's RSS less the cache), and whether a slope was
+    judged. The server's slope is its RSS less the cache's when the cache was read: the cache may
+    fill up to its limit; beyond it, or RSS growth past it, fails."""
+    failures: list[str] = []
+    slope_judged = False
+    judged = dict(mem)
+    if rest["samples"]:
+        judged["server"] = rest
+        limit = cache["limit_mib"]
+        if limit and limit != float("inf"):  # 0: the cache is off; its RSS is judged by its slope alone
+            if cache["max_mib"] is not None and cache["max_mib"] > limit:
+                failures.append(f"prompt cache {cache['max_mib']:.1f} MiB, over its limit of {limit:.0f} MiB")
+        if limit and limit != float("inf") and rest["second_half_s"] >= slope_min_s:  # as long as a slope
+            grown = (mem["server"]["max_mib"] or 0) - (mem["server"]["start_mib"] or 0)
+            allowed = limit + max_slope * minutes  # the cache filling, and the heap's settling
+            if grown > allowed:
+                failures.append(f"server RSS grew {grown:.1f} MiB in the window, beyond the prompt cache's limit "
+                                f"({limit:.0f} MiB) and {max_slope:g} MiB/min")
+    for name, m in judged.items():
+        if m["slope_mib_per_min"] is not None and m["second_half_s"] >= slope_min_s:
+            slope_judged = True
+            if m["slope_mib_per_min"] > max_slope:
+                what = "RSS less its prompt cache" if m is rest else "RSS"
+                failures.append(f"{name} {what} slope {m['slope_mib_per_min']:.2f} MiB/min over the second half "
+                                f"(limit {max_slope:g})")
+    return failures, slope_judged
+
+
 def judge_shutdown(reqs: list[dict], t_term: float, bound: float) -> dict:
     """Outcomes of the requests in flight at SIGTERM; `unclean` lists what breaks the rules."""
     out = {"in_flight": len(reqs), "complete": 0, "http_error": 0, "closed_at_event_boundary": 0,
@@ -970,6 +1029,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     t_end = run.t_load_end - run.t_start
     window = max(run.t_load_end - run.t_load, 1e-9)
     mem = {name: memory_figures(run.samples, t_load, t_end, f"{name}_rss_mib") for name in ("server", "rpc")}
+    # the server's prompt cache may grow up to its limit: the rest of its RSS is what must stay flat
+    cache = {"limit_mib": None if run.cache_limit is None else run.cache_limit / 2**20,
+             **memory_figures(run.samples, t_load, t_end, "server_cache_mib")}
+    rest = memory_figures(run.samples, t_load, t_end, "server_rest_mib")
     fds = {name: {"start": next((s[f"{name}_fds"] for s in run.samples if s["t_s"] >= t_load - 1e-6), None),
                   "end": next((s[f"{name}_fds"] for s in reversed(run.samples) if s["t_s"] <= t_end + 1e-6), None)}
            for name in ("server", "rpc")}
@@ -999,13 +1062,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         + (" (killed)" if rpc_stop["killed"] else ""))
     if rpc_stop["children_left"]:
         failures.append(f"rpc server children left: {rpc_stop['children_left']}")
-    slope_judged = False
-    for name, m in mem.items():
-        if m["slope_mib_per_min"] is not None and m["second_half_s"] >= a.slope_min_s:
-            slope_judged = True
-            if m["slope_mib_per_min"] > a.max_slope:
-                failures.append(f"{name} RSS slope {m['slope_mib_per_min']:.2f} MiB/min over the second half "
-                                f"(limit {a.max_slope:g})")
+    mem_failures, slope_judged = judge_memory(mem, cache, rest, a.max_slope, a.slope_min_s, a.minutes)
+    failures += mem_failures
 
     summary = {
         "model": model, "clients": a.clients, "slots": n_slots, "groups": a.groups, "device": a.device,
@@ -1016,7 +1074,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "completed_in_window": run.completed_in["load"],
         "requests_per_s": round(run.completed_in["load"] / window, 3),
         "kinds_completed": run.kinds, "stop_types": run.stop_types, "scheduler": shut["scheduler"],
-        "memory": mem, "fds": fds, "max_slope_mib_per_min": a.max_slope, "slope_judged": slope_judged,
+        "memory": mem, "prompt_cache": cache, "server_rss_less_cache": rest, "fds": fds, "max_slope_mib_per_min": a.max_slope, "slope_judged": slope_judged,
         "shutdown": {**shut, **sd, "rpc_server": rpc_stop},
         "failures": failures, "passed": not failures, "exit_status": 1 if failures else 0,
     }
@@ -1053,6 +1111,10 @@ def format_summary(s: dict) -> str:
         lines.append(f"  RSS {name:6s}       start {_f(m['start_mib'])} MiB, max {_f(m['max_mib'])}, end "
                      f"{_f(m['end_mib'])}; slope over the second half ({m['second_half_s']:.0f} s) "
                      f"{_f(m['slope_mib_per_min'], '.2f')} MiB/min; fds {f['start']} -> {f['end']}")
+    c, r = s["prompt_cache"], s["server_rss_less_cache"]
+    lines.append(f"  prompt cache     start {_f(c['start_mib'])} MiB, max {_f(c['max_mib'])}, end {_f(c['end_mib'])} "
+                 f"of a limit of {_f(c['limit_mib'], '.0f')} MiB (/metrics); server RSS less the cache: start "
+                 f"{_f(r['start_mib'])}, end {_f(r['end_mib'])}, slope {_f(r['slope_mib_per_min'], '.2f')} MiB/min")
     lines += [
         f"  shutdown         SIGTERM with {sd['in_flight']} in flight: server exit {sd['server_exit_status']} after "
         f"{sd['server_exit_s']:.2f} s; in flight: {sd['complete']} complete, {sd['closed_at_event_boundary']} closed "

@@ -87,6 +87,29 @@ def test_slope_and_memory_figures():
     assert abs(m["slope_mib_per_min"] - 1.0) < 1e-9 and m["second_half_s"] == 40
 
 
+def test_memory_judged_against_the_prompt_cache_limit():
+    """The server's RSS may grow while its prompt cache fills up to its limit (the rest stays flat);
+    growth past the limit, the cache over it, or the rest growing, fails."""
+    def run(cache_mib_per_s: float, rest_mib_per_s: float, limit: float = 1000.0):
+        samples = [{"t_s": t, "cache": cache_mib_per_s * t, "rest": 500.0 + rest_mib_per_s * t} for t in range(0, 181, 2)]
+        for x in samples:
+            x["rss"] = x["cache"] + x["rest"]
+        mem = {"server": soak.memory_figures(samples, 0, 180, "rss"), "rpc": soak.memory_figures(samples, 0, 180, "rest")}
+        mem["rpc"]["slope_mib_per_min"] = 0.0
+        cache = {"limit_mib": limit, **soak.memory_figures(samples, 0, 180, "cache")}
+        rest = soak.memory_figures(samples, 0, 180, "rest")
+        return soak.judge_memory(mem, cache, rest, 5.0, 60.0, 3.0)
+
+    assert run(5.0, 0.0) == ([], True)  # 900 MiB of cache in 3 minutes, under its 1000 MiB
+    failures, _ = run(10.0, 0.0)
+    assert any("over its limit" in f for f in failures) and any("beyond the prompt cache's limit" in f for f in failures)
+    failures, _ = run(0.0, 0.5)  # 30 MiB/min that the cache does not account for
+    assert failures == ["server RSS less its prompt cache slope 30.00 MiB/min over the second half (limit 5)"]
+    empty = {"samples": 0}
+    mem = {"server": {"slope_mib_per_min": 30.0, "second_half_s": 90}}
+    assert soak.judge_memory(mem, {"limit_mib": None}, empty, 5.0, 60.0, 3.0)[0]  # no cache figures: RSS judged
+
+
 def test_shutdown_judgement():
     t = 100.0
     reqs = [{"outcome": "complete", "t_end": 101},

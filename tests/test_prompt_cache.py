@@ -246,13 +246,16 @@ def test_a_prompt_saved_by_one_group_loads_in_another(tiny_model):
 
 @pytest.mark.parametrize("flag", ["--cache-idle-slots", "--no-cache-idle-slots"])
 def test_idle_slots_are_saved_when_a_request_starts(tiny_model, flag):
-    server = ServerProcess(tiny_model, "-np", "2", "-c", "512", flag).wait_ready()
+    server = ServerProcess(tiny_model, "-np", "2", "-c", "512", flag, "--metrics").wait_ready()
     try:
         _complete(server, A, id_slot=0)
         _complete(server, A, id_slot=0)  # A came back
         _complete(server, B, id_slot=1)  # slot 0 is idle when this starts
         saved = [line for line in server.log_tail(200).splitlines() if "saved to the host cache" in line]
         assert (len(saved) == 1 and "slot 0:" in saved[0]) if flag == "--cache-idle-slots" else not saved
+        # slot 1 (B, a first appearance) is idle when this starts: it is not dropped, so not counted as let go
+        _complete(server, list(range(300, 380)), id_slot=0)
+        assert _metrics(server)["llamacpp:prompt_cache_not_admitted_total"] == 0
     finally:
         assert server.stop() == 0
 

@@ -296,8 +296,8 @@ class PipelineGroup:
                 self._came_back.discard(slot.id)
                 slot.start(task, 0, parent=parent, priority=self._arrivals)
         if self.prompt_cache is not None and self.cache_idle_slots:
-            for idle in self.slots:
-                if idle.state is SlotState.IDLE:
+            for idle in self.slots:  # (an idle slot whose request did not come back is let go when dropped)
+                if idle.state is SlotState.IDLE and idle.id in self._came_back:
                     self._save_prompt(idle, 0)
         # the first token's mask is computed while the prompt is
         self._request_masks([slot for slot, _ in placements if slot.constraint is not None])

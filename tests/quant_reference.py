@@ -1,8 +1,9 @@
 """An independent float64 reference of ggml's quantized dot products, written from ggml's
 published block formats (ggml-common.h / ggml-quants.c) with numpy, not from pyllama's kernels.
 
-- Activations are quantized as ggml's reference C code does: quantize_row_q8_0_ref and
-  quantize_row_q8_1_ref (float32 arithmetic, roundf = half away from zero), quantize_row_q8_K_ref
+- Activations are quantized as ggml's x86 CPU backend does: quantize_row_q8_0 and quantize_row_q8_1
+  of ggml-cpu/arch/x86/quants.c (float32 arithmetic, id = 127 / amax, round half to even; the
+  reference C code's 1 / d and roundf differ from them at halves), quantize_row_q8_K_ref
   (nearest_int = half to even, iscale = -127/max of the first largest |x|), F16 and BF16 by
   round-to-nearest-even.
 - Weights are decoded into their integer quants, sub-block scales and minimums, from the byte
@@ -36,22 +37,16 @@ def f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float64)
 
 
-def roundf(v: np.ndarray) -> np.ndarray:
-    """C roundf: half away from zero (v float32, exact in float64)."""
-    a = np.abs(v.astype(np.float64))
-    return np.sign(v) * np.floor(a + 0.5)
-
-
 # ---- activation quantizers -------------------------------------------------------------------
 
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
-    """float32 [k] -> Q8_0 bytes [k/32, 34] as quantize_row_q8_0_ref."""
+    """float32 [k] -> Q8_0 bytes [k/32, 34] as x86 ggml's quantize_row_q8_0."""
     b = x.astype(np.float32).reshape(-1, 32)
     amax = np.abs(b).max(axis=1)
     d = (amax / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    qs = roundf((b * inv[:, None]).astype(np.float32)).astype(np.int8)
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    qs = np.rint((b * inv[:, None]).astype(np.float32)).astype(np.int8)  # half to even
     return np.concatenate([d.astype(np.float16)[:, None].view(np.uint8), qs.view(np.uint8)], axis=1)
 
 
@@ -231,7 +226,10 @@ def dot(w: np.ndarray, xq: np.ndarray, qtype: T, k: int) -> tuple[float, float]:
         return float(p.sum()), float(np.abs(p).sum())
     wd = decode_weight(w, qtype, k)
     sums = block_sums(w, xq, qtype, k).astype(np.float64)
-    absprod = np.abs(wd.q * xa.q).reshape(-1, wd.sub).sum(axis=1)
+    # ggml's Q6_K multiplies the unsigned q + 32 and takes 32 * scale * (the group's q8 sum) back in
+    # the same int32 lane before converting: its float terms are bounded by those magnitudes
+    q6 = qtype == T.Q6_K
+    absprod = np.abs((wd.q + 32 if q6 else wd.q) * xa.q).reshape(-1, wd.sub).sum(axis=1)
     if BLOCK_ELEMS[qtype] == 32:
         val = (wd.d * xa.d * sums[:, 0]).sum()
         S = (np.abs(wd.d * xa.d) * absprod).sum()
@@ -243,6 +241,9 @@ def dot(w: np.ndarray, xq: np.ndarray, qtype: T, k: int) -> tuple[float, float]:
     isum = sums[:, nsub]
     val = (wd.d * xa.d * isum).sum()
     S = (np.abs(wd.d * xa.d) * (np.abs(wd.sc.reshape(-1, nsub)) * absprod.reshape(-1, nsub)).sum(axis=1)).sum()
+    if q6:
+        absq8 = np.abs(xa.q.reshape(-1, nsub, wd.sub).sum(axis=2))
+        S += (np.abs(wd.d * xa.d) * (np.abs(wd.sc.reshape(-1, nsub)) * 32 * absq8).sum(axis=1)).sum()
     if wd.m is not None:
         summs = sums[:, nsub + 1]
         val -= (wd.dmin * xa.d * summs).sum()

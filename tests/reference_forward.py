@@ -26,16 +26,12 @@ ACT_TYPE = {QT.Q4_0: "q8_0", QT.Q5_0: "q8_0", QT.Q8_0: "q8_0", QT.Q4_1: "q8_1", 
             QT.F16: "f16", QT.BF16: "bf16", QT.F32: "f32"}
 
 
-def _round_away(v: np.ndarray) -> np.ndarray:
-    """C's roundf: halves away from zero."""
-    return np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))
-
-
 def quantize_activations(x: np.ndarray, act: str) -> np.ndarray:
     """Rows of `x` as ggml hands them to the dot product for activation type `act`, dequantized
     back to float64. Activations are float32 in ggml; the block scales are those ggml stores.
 
-    q8_0 / q8_1 (blocks of 32): d = max|x| / 127, q = roundf(x / d), d stored as F16.
+    q8_0 / q8_1 (blocks of 32): d = max|x| / 127, q = nearest-even(x * (127 / max|x|)), d stored as F16
+    (x86 ggml's quantize_row_q8_0 / q8_1).
     q8_k (blocks of 256): m = the element of largest magnitude, q = nearest-even(-127 / m * x)
     capped at 127, d = 1 / (-127 / m) kept in float32.
     f16 / bf16: the values rounded to that type (bf16: nearest even)."""
@@ -54,8 +50,8 @@ def quantize_activations(x: np.ndarray, act: str) -> np.ndarray:
         amax = np.max(np.abs(b), axis=-1, keepdims=True)
         d = amax / np.float32(127)
         with np.errstate(divide="ignore"):
-            inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-        q = _round_away(b * inv)
+            inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        q = np.rint((b * inv).astype(np.float32))
         d16 = d.astype(np.float16).astype(np.float64)
         return (q.astype(np.float64) * d16).reshape(n, k)
     if act == "q8_k":

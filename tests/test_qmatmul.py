@@ -48,15 +48,33 @@ def test_quantize_rows_match_ggml_reference(act):
         assert np.array_equal(got[r], ref.quantize_activation(x[r], act)), f"row {r}"
 
 
-def test_roundf_ties_away_from_zero_in_q8_0():
+def test_q8_0_and_q8_1_round_ties_to_even_as_x86_ggml():
+    """x86 ggml's quantize_row_q8_0 / q8_1 (what llama.cpp's CPU backend runs) round x * (127 / amax)
+    half to even; the reference C code's roundf would give 1, -3, 2 here."""
     x = np.zeros((1, 32), np.float32)
     x[0, :4] = [127, 0.5, -2.5, 1.5]
     q = qmatmul.quantize_rows(x, int(T.Q8_0))[0, 2:6].view(np.int8)
-    assert q.tolist() == [127, 1, -3, 2]
+    assert q.tolist() == [127, 0, -2, 2]
+    q1 = qmatmul.quantize_rows(x, int(T.Q8_1))[0, 4:8].view(np.int8)
+    assert q1.tolist() == [127, 0, -2, 2]
     xk = np.zeros((1, 256), np.float32)
     xk[0, :4] = [-127, 0.5, -2.5, 1.5]       # iscale = 1; Q8_K rounds half to even
     qk = qmatmul.quantize_rows(xk, int(T.Q8_K))[0, 4:8].view(np.int8)
     assert qk.tolist() == [-127, 0, -2, 2]
+
+
+def test_q8_0_scale_is_127_over_amax():
+    """id = 127 / amax in float32 (x86 ggml), not the reference's 1 / (amax / 127), which differs
+    from it by an ulp for some amax: values put next to a half of each row's scale."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    x[:, 0] = amax.ravel() * 2          # the block's largest element, so that column 7 is not
+    amax = amax * 2
+    x[:, 7] = (np.float32(1.5) / (np.float32(127) / amax)).astype(np.float32).ravel()
+    q = qmatmul.quantize_rows(x, int(T.Q8_0))[:, 2:].view(np.int8)
+    want = np.rint(x * (np.float32(127) / amax)).astype(np.int8)
+    assert (q == want).all()
 
 
 def test_q8_k_ties_and_non_finite_blocks():

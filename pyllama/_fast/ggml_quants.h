@@ -162,15 +162,11 @@ static inline float pq_ld_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); ret
 static inline int16_t pq_ld_i16(const uint8_t *p) { int16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t pq_ld_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
-/* C's roundf (half away from zero) for |v| < 2^31, written so that loops over it vectorize. */
-static inline int pq_roundf_int(float v) {
-    const int i = (int)v;                  /* truncates toward zero, exact */
-    const float r = v - (float)i;          /* exact */
-    return i + (r >= 0.5f) - (r <= -0.5f);
-}
-
 /* ---------------------------------------------------------------------------------------------
- * Activation quantizers: ggml's quantize_row_q8_0_ref / q8_1_ref / q8_K_ref, F16 and BF16
+ * Activation quantizers: ggml's x86 quantize_row_q8_0 / q8_1 (what its CPU backend runs on AVX
+ * machines: id = 127 / amax rather than the reference's 1 / d, and round half to even (nearbyintf
+ * in the default mode, as _mm256_round_ps) rather than roundf; the two differ where a product lands on or next to a half, as activations derived from
+ * quantized embeddings do), quantize_row_q8_K_ref (which x86 ggml also runs), F16 and BF16
  * conversion. Shared by both paths; reassociation and FMA contraction are off so that every
  * build computes the reference's float operations one by one. */
 
@@ -181,11 +177,11 @@ PQ_EXACT static void pq_quantize_row_q8_0(const float *x, uint8_t *y, int64_t k)
         float amax = 0.0f;
         for (int j = 0; j < 32; j++) { const float a = fabsf(x[j]); amax = amax > a ? amax : a; }
         const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
         const uint16_t dh = pq_f32_to_f16(d);
         memcpy(y, &dh, 2);
         int8_t *qs = (int8_t *)(y + 2);
-        for (int j = 0; j < 32; j++) qs[j] = (int8_t)pq_roundf_int(x[j] * id);
+        for (int j = 0; j < 32; j++) qs[j] = (int8_t)(int)nearbyintf(x[j] * id);
     }
 }
 
@@ -194,10 +190,10 @@ PQ_EXACT static void pq_quantize_row_q8_1(const float *x, uint8_t *y, int64_t k)
         float amax = 0.0f;
         for (int j = 0; j < 32; j++) { const float a = fabsf(x[j]); amax = amax > a ? amax : a; }
         const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
         int8_t *qs = (int8_t *)(y + 4);
         int sum = 0;
-        for (int j = 0; j < 32; j++) { qs[j] = (int8_t)pq_roundf_int(x[j] * id); sum += qs[j]; }
+        for (int j = 0; j < 32; j++) { qs[j] = (int8_t)(int)nearbyintf(x[j] * id); sum += qs[j]; }
         const uint16_t dh = pq_f32_to_f16(d), sh = pq_f32_to_f16((float)sum * d);
         memcpy(y, &dh, 2);
         memcpy(y + 2, &sh, 2);
@@ -659,16 +655,28 @@ PQ_API float pq_dot1_portable(int t, int64_t n, const uint8_t *w, const uint8_t 
 
 #define PQ_INLINE static inline __attribute__((always_inline))
 
-PQ_INLINE float pq_hsum256(__m256 v) {
+/* The modules are built with -fassociative-math, and GCC's vector float adds (_mm*_add_ps) are
+ * plain vector additions it may then regroup, differently in each instantiation: every sum whose
+ * order is ggml's is pinned, one step at a time, by an empty asm the compiler cannot see through. */
+#define PQ_PIN(v) __asm__("" : "+v"(v))
+PQ_INLINE float pq_hsum256(__m256 v) {   /* ggml's hsum_float_8: ((0+4) + (2+6)) + ((1+5) + (3+7)) */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    PQ_PIN(s);
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    PQ_PIN(s);
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 PQ_INLINE float pq_hsum128(__m128 s) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    PQ_PIN(s);
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+PQ_INLINE int32_t pq_hsum_i32x4(__m128i s) {
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
 }
 PQ_INLINE float pq_h2f(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 /* 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0..15), then high nibbles (16..31) */
@@ -707,9 +715,9 @@ PQ_INLINE __m256i pq_dot_u8(__m256i u, __m256i b) {
     return pq_dpbusd(u, b);
 }
 
-/* Q4_0, Q5_0, Q8_0 x Q8_0: signed weights, per-block scale dx*dy. Q4_0 and Q5_0 take two blocks
- * per iteration into two accumulators (Q5_0 +10-20%, Q4_0 even); Q8_0 one (two cost it 6% at
- * 8 and more rows, from register pressure). */
+/* Q4_0, Q5_0, Q8_0 x Q8_0: signed weights, per-block scale dx*dy, one accumulator of 8 lanes
+ * (lane l: elements 4l..4l+3 of every block) in block order, as ggml's AVX2 vec_dot and llamafile's
+ * tinyBLAS_Q0_AVX add them, so that every row count gives ggml's float result bit for bit. */
 PQ_INLINE __m256i pq_unpack_q_0(int t, const uint8_t *w) {
     if (t == PQ_Q4_0) return _mm256_sub_epi8(pq_nibbles32(w + 2), _mm256_set1_epi8(8));
     if (t == PQ_Q5_0) {
@@ -720,22 +728,10 @@ PQ_INLINE __m256i pq_unpack_q_0(int t, const uint8_t *w) {
     return _mm256_loadu_si256((const __m256i *)(w + 2));
 }
 PQ_INLINE void pq_avx2_q_0(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
-    __m256 acc[PQ_MAX_NR], acc2[PQ_MAX_NR];
-    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); acc2[r] = _mm256_setzero_ps(); }
+    __m256 acc[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     const int wb = t == PQ_Q4_0 ? 18 : t == PQ_Q5_0 ? 22 : 34;
     int64_t i = 0;
-    for (; t != PQ_Q8_0 && i + 2 <= nb; i += 2, w += 2 * wb) {
-        const __m256i q0 = pq_unpack_q_0(t, w), q1 = pq_unpack_q_0(t, w + wb);
-        const __m256i qa0 = _mm256_sign_epi8(q0, q0), qa1 = _mm256_sign_epi8(q1, q1);
-        const float dx0 = pq_h2f(w), dx1 = pq_h2f(w + wb);
-        for (int r = 0; r < NR; r++) {
-            const uint8_t *y = x + r * xs + 34 * i;
-            const __m256i p0 = pq_dot_i8(qa0, q0, _mm256_loadu_si256((const __m256i *)(y + 2)));
-            const __m256i p1 = pq_dot_i8(qa1, q1, _mm256_loadu_si256((const __m256i *)(y + 36)));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx0 * pq_h2f(y)), _mm256_cvtepi32_ps(p0), acc[r]);
-            acc2[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx1 * pq_h2f(y + 34)), _mm256_cvtepi32_ps(p1), acc2[r]);
-        }
-    }
     for (; i < nb; i++, w += wb) {
         const __m256i q = pq_unpack_q_0(t, w);
         const __m256i qa = _mm256_sign_epi8(q, q);
@@ -746,7 +742,7 @@ PQ_INLINE void pq_avx2_q_0(int t, int NR, int64_t nb, const uint8_t *w, const ui
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * pq_h2f(y)), _mm256_cvtepi32_ps(p), acc[r]);
         }
     }
-    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(_mm256_add_ps(acc[r], acc2[r]));
+    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]);
 }
 
 /* Q4_1, Q5_1 x Q8_1: unsigned weights, plus the block minimum times the activation's s */
@@ -778,7 +774,8 @@ PQ_INLINE void pq_avx2_q_1(int t, int NR, int64_t nb, const uint8_t *w, const ui
 PQ_INLINE void pq_avx2_q45_K(int five, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
     __m256 acc[PQ_MAX_NR];
     __m128 accm[PQ_MAX_NR];
-    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = _mm_setzero_ps(); }
+    float summs[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = _mm_setzero_ps(); summs[r] = 0.0f; }
     const int wb = five ? 176 : 144;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t i = 0; i < nb; i++, w += wb) {
@@ -825,17 +822,20 @@ PQ_INLINE void pq_avx2_q45_K(int five, int NR, int64_t nb, const uint8_t *w, con
             const __m128i b1 = _mm_loadu_si128((const __m128i *)(y + 276));
             const __m128i pm = _mm_madd_epi16(mins, _mm_hadd_epi16(b0, b1));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * yd), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-            accm[r] = _mm_fmadd_ps(_mm_set1_ps(dminx * yd), _mm_cvtepi32_ps(pm), accm[r]);
+            if (five)   /* ggml's Q5_K: one float term per block, the minimums' whole integer sum */
+                summs[r] = fmaf(-yd * dminx, (float)pq_hsum_i32x4(pm), summs[r]);
+            else        /* ggml's Q4_K: 4 float lanes */
+                accm[r] = _mm_fmadd_ps(_mm_set1_ps(dminx * yd), _mm_cvtepi32_ps(pm), accm[r]);
         }
     }
-    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]) - pq_hsum128(accm[r]);
+    for (int r = 0; r < NR; r++) out[r] = five ? pq_hsum256(acc[r]) + summs[r] : pq_hsum256(acc[r]) - pq_hsum128(accm[r]);
 }
 
 /* Q6_K x Q8_K: q6 stored unsigned (0..63); the -32 offset is taken out once per super-block as
  * 32 * sum(scale * bsum). */
 PQ_INLINE void pq_avx2_q6_K(int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
-    float acc[PQ_MAX_NR];
-    for (int r = 0; r < NR; r++) acc[r] = 0.0f;
+    __m256 acc[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
     for (int64_t i = 0; i < nb; i++, w += 210) {
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
@@ -873,24 +873,22 @@ PQ_INLINE void pq_avx2_q6_K(int NR, int64_t nb, const uint8_t *w, const uint8_t 
             }
         }
         for (int r = 0; r < NR; r++) {
-            /* The correction's lanes hold other elements than the products' lanes: reduce the
-             * exact integer first, so that no float term exceeds the element-level terms. */
+            /* ggml's order: the lanes' integer sums less their lanes' offset correction, to float,
+             * times d into 8 float lanes (added up once at the end) */
             const uint8_t *y = x + r * xs + 292 * i;
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(y + 260));
             const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5);
-            /* one explicit fused multiply-add: left to the compiler, the contraction differed
-             * between the NR instantiations, so a row's result depended on its call's row count */
-            acc[r] = fmaf(dx * pq_ld_f32(y), (float)pq_hsum_i32(_mm256_sub_epi32(sumi[r], corr)), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(pq_ld_f32(y) * dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], corr)),
+                                     acc[r]);
         }
     }
-    for (int r = 0; r < NR; r++) out[r] = acc[r];
+    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]);
 }
 
 /* Q2_K x Q8_K */
 PQ_INLINE void pq_avx2_q2_K(int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
     __m256 acc[PQ_MAX_NR];
-    __m256 accm[PQ_MAX_NR];
-    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = _mm256_setzero_ps(); }
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(0x0F);
     for (int64_t i = 0; i < nb; i++, w += 84) {
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)w);
@@ -921,11 +919,12 @@ PQ_INLINE void pq_avx2_q2_K(int NR, int64_t nb, const uint8_t *w, const uint8_t 
             const float yd = pq_ld_f32(y);
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(y + 260));
             const __m256i pm = _mm256_madd_epi16(bs, mins16);
+            /* ggml's order: the minimums' lanes, then the scaled sums', into one accumulator */
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-yd * dminx), _mm256_cvtepi32_ps(pm), acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dx), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dminx), _mm256_cvtepi32_ps(pm), accm[r]);
         }
     }
-    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]) - pq_hsum256(accm[r]);
+    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]);
 }
 
 /* Q3_K x Q8_K: q3 = low2 - (hbit ? 0 : 4), via maddubs(low2, q8) - maddubs(4*!hbit, q8) */

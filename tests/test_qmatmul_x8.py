@@ -105,6 +105,31 @@ def test_threads_strided_out_bias_and_batch_independence(qtype):
     assert np.array_equal(one[0], base[5])
 
 
+# Types whose repacked kernels follow ggml's float steps as the file-layout kernels do: Q4_0 and
+# Q8_0 everywhere, the K-quants in builds for AVX-512 VNNI (the oct kernels; those builds repack no
+# Q2_K), whose 256-bit kernels still add each row's lanes per block
+OCT_BUILD = T.Q2_K not in X8
+SAME_BITS = tuple(t for t in X8 if t in (T.Q4_0, T.Q8_0) or (OCT_BUILD and t in (T.Q4_K, T.Q5_K, T.Q6_K)))
+
+
+@pytest.mark.parametrize("qtype", SAME_BITS, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 2, 5, 32])
+@pytest.mark.parametrize("nt", [1, 2])
+def test_repacked_and_file_layout_give_the_same_bits(qtype, n, nt):
+    """One arithmetic per weight type: the repacked product equals the file layout's bit for bit
+    (ggml's float steps in both) at any row count and thread count."""
+    rng = np.random.default_rng(7 * n + nt + int(qtype))
+    m, k = 40, 1024
+    w = ref.random_weights(qtype, m, k, rng)
+    x = activations(n, k, rng)
+    rows = np.empty((n, m), np.float32)
+    qmatmul.mul_mat_q(x, w, int(qtype), rows, n_threads=nt)
+    packed = np.empty((n, m), np.float32)
+    qmatmul.mul_mat_q_x8(x, qmatmul.repack_x8(w, int(qtype), k), int(qtype), packed, n_threads=nt)
+    assert np.array_equal(rows.view(np.uint32), packed.view(np.uint32)), \
+        f"{int((rows != packed).sum())} of {rows.size} outputs differ"
+
+
 def test_parts_are_one_product_of_the_weights_side_by_side():
     """A MUL_MAT_CAT's parts (q|k|v of Q4_K and Q6_K) in one call: each part's columns equal its
     own product, bias included, on any thread count; bad part lists are refused."""

@@ -182,6 +182,8 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
 #define PQ_X8_NR 4
 #endif
 
+/* a + b, kept apart from the sums around it (PQ_PIN) */
+PQ_INLINE __m256 pq_x8_add(__m256 a, __m256 b) { __m256 s = _mm256_add_ps(a, b); PQ_PIN(s); return s; }
 PQ_INLINE __m256i pq_x8_bcast(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
 /* The 8 unsigned weights' quad i of group s of a Q4_K (sub-block s, 32 elements) or Q2_K / Q3_K /
@@ -415,17 +417,28 @@ PQ_INLINE void pq_x8_kernel(int t, int NR, int64_t nb, const uint8_t *wg, const 
     pq_x8_store(NR, facc, out, ldo, bias);
 }
 
-/* Q4_0 / Q8_0: NR activation rows (Q8_0 blocks, byte stride xs) against one group of 8 rows. */
+/* Q4_0 / Q8_0: NR activation rows (Q8_0 blocks, byte stride xs) against one group of 8 rows, in
+ * ggml's float steps: its vec_dot (and llamafile's tinyBLAS_Q0_AVX) keeps 8 float lanes per output,
+ * lane q the products of the block's elements 4q..4q+3, each block's exact int32 lane sum times
+ * d_w * d_x added into its lane, the 8 lanes added at the end as hsum_float_8 does:
+ * ((L0 + L4) + (L2 + L6)) + ((L1 + L5) + (L3 + L7)). Here quad q of the 8 rows is one vector, so
+ * each row's lane q is lane `row` of accumulator q. */
+PQ_INLINE __m256 pq_x8_hsum8_lanes(const __m256 *f) {
+    return pq_x8_add(pq_x8_add(pq_x8_add(f[0], f[4]), pq_x8_add(f[2], f[6])),
+                     pq_x8_add(pq_x8_add(f[1], f[5]), pq_x8_add(f[3], f[7])));
+}
 PQ_INLINE void pq_x8_kernel_0(int t, int NR, int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs,
                               float *out, int64_t ldo, const float *bias) {
     const int pb = pq_x8_block_bytes(t), nq = 8;
     const __m256i m4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
-    __m256 facc[PQ_X8_NR];
-    for (int r = 0; r < NR; r++) facc[r] = _mm256_setzero_ps();
+    __m256 facc[PQ_X8_NR][8];
+    for (int r = 0; r < NR; r++)
+        for (int q = 0; q < nq; q++) facc[r][q] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * pb;
-        __m256i acc[PQ_X8_NR];
-        for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_si256();
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256 dd[PQ_X8_NR];
+        for (int r = 0; r < NR; r++) dd[r] = _mm256_mul_ps(d, _mm256_set1_ps(pq_h2f(x + r * xs + 34 * b)));
 #pragma GCC unroll 8
         for (int q = 0; q < nq; q++) {
             __m256i w;
@@ -436,36 +449,35 @@ PQ_INLINE void pq_x8_kernel_0(int t, int NR, int64_t nb, const uint8_t *wg, cons
                 w = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * q));
             }
             const __m256i wa = _mm256_sign_epi8(w, w);
-            const int e = t == PQ_Q4_0 ? (q < 4 ? 4 * q : 16 + 4 * (q - 4)) : 4 * q;
-            for (int r = 0; r < NR; r++)
-                acc[r] = pq_dpbusd_acc(acc[r], wa, _mm256_sign_epi8(pq_x8_bcast(x + r * xs + 34 * b + 2 + e), w));
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        for (int r = 0; r < NR; r++) {
-            const __m256 yd = _mm256_set1_ps(pq_h2f(x + r * xs + 34 * b));
-            facc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(acc[r]), facc[r]);
+            for (int r = 0; r < NR; r++) {
+                const __m256i p = pq_dpbusd(wa, _mm256_sign_epi8(pq_x8_bcast(x + r * xs + 34 * b + 2 + 4 * q), w));
+                facc[r][q] = _mm256_fmadd_ps(dd[r], _mm256_cvtepi32_ps(p), facc[r][q]);
+            }
         }
     }
-    pq_x8_store(NR, facc, out, ldo, bias);
+    __m256 fsum[PQ_X8_NR];
+    for (int r = 0; r < NR; r++) fsum[r] = pq_x8_hsum8_lanes(facc[r]);
+    pq_x8_store(NR, fsum, out, ldo, bias);
 }
 
 #if PQ_X8_OCT
 /* Q4_0 / Q8_0 in octs, with the activations' bytes offset by 128 (pq_x8_arrange_x: unsigned, as
  * dpbusd's first operand wants) and the weights signed: sum((y + 128) w) - 128 sum(w) = sum(y w),
- * exactly; sum(w) per lane is one dpbusd per oct for all NR rows. Each of a row's two lanes (16
- * of the block's 32 products) is scaled and summed in float on its own and the two are added at
- * the end: one more rounding per block than the 256-bit kernel, within the same bound. */
+ * exactly, per 32-bit lane. Oct u holds quads 2u and 2u + 1 of each row (row l's lanes 2l, 2l + 1),
+ * so accumulator u holds ggml's lanes 2u and 2u + 1 (see pq_x8_kernel_0): the sums of
+ * accumulators 0 + 2 and 1 + 3 give each row's (L0 + L4, L1 + L5) and (L2 + L6, L3 + L7), their
+ * sum its two halves and the pair sum its result. */
 PQ_INLINE void pq_x8_kernel_0_oct(int t, int NR, int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs,
                                   float *out, int64_t ldo, const float *bias) {
     const int pb = pq_x8_block_bytes(t);
     const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8), ones = _mm512_set1_epi8(1);
     const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    __m512 facc[PQ_X8_NR];
-    for (int r = 0; r < NR; r++) facc[r] = _mm512_setzero_ps();
+    __m512 facc[PQ_X8_NR][4];
+    for (int r = 0; r < NR; r++)
+        for (int u = 0; u < 4; u++) facc[r][u] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * pb;
-        __m512i w[4];
-        __m512i wsum = _mm512_setzero_si512();
+        __m512i w[4], start[4];
         for (int u = 0; u < 4; u++) {
             if (t == PQ_Q4_0) {   /* octs 0, 1: low nibbles (elements 8u..), 2, 3: high (16 + 8(u - 2)..) */
                 const __m512i v = _mm512_loadu_si512((const void *)(blk + 16 + 64 * (u % 2)));
@@ -473,26 +485,138 @@ PQ_INLINE void pq_x8_kernel_0_oct(int t, int NR, int64_t nb, const uint8_t *wg, 
             } else {
                 w[u] = _mm512_loadu_si512((const void *)(blk + 16 + 64 * u));
             }
-            wsum = _mm512_dpbusd_epi32(wsum, ones, w[u]);
+            start[u] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                        _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w[u]), 7));
         }
-        const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wsum, 7));
         const __m512 d = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
         for (int r = 0; r < NR; r++) {
             const uint8_t *y = x + r * xs + 34 * b;
-            __m512i acc = start;
+            const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(pq_h2f(y)));
             for (int u = 0; u < 4; u++) {
-                const int e = t == PQ_Q4_0 ? (u < 2 ? 8 * u : 16 + 8 * (u - 2)) : 8 * u;
                 int64_t y8;
-                memcpy(&y8, y + 2 + e, 8);
-                acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi64(y8), w[u]);
+                memcpy(&y8, y + 2 + 8 * u, 8);
+                const __m512i acc = _mm512_dpbusd_epi32(start[u], _mm512_set1_epi64(y8), w[u]);
+                facc[r][u] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(acc), facc[r][u]);
             }
-            facc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(pq_h2f(y))), _mm512_cvtepi32_ps(acc), facc[r]);
         }
     }
     __m256 fsum[PQ_X8_NR];
-    for (int r = 0; r < NR; r++) fsum[r] = pq_x8_pair_sums_ps(facc[r]);
+    for (int r = 0; r < NR; r++)
+    {
+        __m512 a = _mm512_add_ps(facc[r][0], facc[r][2]), c = _mm512_add_ps(facc[r][1], facc[r][3]);
+        PQ_PIN(a);
+        PQ_PIN(c);
+        __m512 t = _mm512_add_ps(a, c);
+        PQ_PIN(t);
+        fsum[r] = pq_x8_pair_sums_ps(t);
+    }
     pq_x8_store(NR, fsum, out, ldo, bias);
 }
+#endif
+
+#if PQ_X8_OCT
+/* Q4_K, Q5_K and Q6_K in octs, in ggml's float steps (its AVX2 vec_dot_q4_K / q5_K / q6_K): each
+ * output keeps 8 int32 lanes per super-block, lane i the products of quad i (elements 4i..4i+3)
+ * of every 32 elements times their group's scale (Q6_K less its lane of the -32 offset's
+ * correction, 32 * (scale * bsum) of groups 2i and 2i + 1), converted and multiplied by d_w * d_x
+ * into 8 float lanes added at the end as hsum_float_8 does; Q4_K's minimums go into 4 float lanes
+ * (lane i: sub-blocks 2i and 2i + 1) added as ggml does, Q5_K's into one float per block. Oct j
+ * of a run holds quads j and j + 4 (row l's lanes 2l, 2l + 1), so accumulator j holds each row's
+ * lanes j and j + 4, and its pair sums give L_j + L_{j+4}. The same integers as pq_x8_kernel. */
+PQ_INLINE void pq_x8_kernel_k_oct(int t, int NR, int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs,
+                                  float *out, int64_t ldo, const float *bias) {
+    const int pb = pq_x8_block_bytes(t);
+    const int k4 = t == PQ_Q4_K || t == PQ_Q5_K;
+    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i ilv = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    __m512 facc[PQ_X8_NR][4];
+    __m256 macc[PQ_X8_NR][4];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < 4; j++) { facc[r][j] = _mm512_setzero_ps(); macc[r][j] = _mm256_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * pb;
+        const uint8_t *sc = blk + (k4 ? 32 : 16);
+        __m512i s32[8];
+        for (int s = 0; s < 8; s++) {
+            __m128i s88;
+            if (k4) {
+                const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
+                s88 = _mm_unpacklo_epi8(s8, s8);
+            } else {
+                const __m128i s16 = _mm_loadu_si128((const __m128i *)(sc + 16 * s));
+                s88 = _mm_unpacklo_epi8(s16, _mm_srli_si128(s16, 8));
+            }
+            s32[s] = k4 ? _mm512_cvtepu8_epi32(s88) : _mm512_cvtepi8_epi32(s88);
+        }
+        /* per row lane: Q4_K / Q5_K min_p * (bsum[2p] + bsum[2p + 1]), Q6_K scale * bsum of groups
+         * 2p and 2p + 1 (as pq_x8_kernel) */
+        __m256i pairs[8];
+        for (int p = 0; p < 8; p++) {
+            const __m128i a = _mm_loadl_epi64((const __m128i *)(blk + (k4 ? 96 + 8 * p : 16 + 16 * p)));
+            const __m128i c = k4 ? a : _mm_loadl_epi64((const __m128i *)(blk + 24 + 16 * p));
+            pairs[p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, c));
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 dmin = k4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
+        __m512 dd[PQ_X8_NR];
+        __m512i corr[PQ_X8_NR][4];
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *y = x + r * xs + 292 * b;
+            const float yd = pq_ld_f32(y);
+            dd[r] = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(yd), d)));
+            __m256i cv[8];
+            for (int p = 0; p < 8; p++) cv[p] = _mm256_madd_epi16(pairs[p], pq_x8_bcast(y + 260 + 4 * p));
+            if (t == PQ_Q6_K) {
+                for (int j = 0; j < 4; j++)
+                    corr[r][j] = _mm512_slli_epi32(_mm512_permutex2var_epi32(_mm512_castsi256_si512(cv[j]), ilv,
+                                                                             _mm512_castsi256_si512(cv[j + 4])), 5);
+            } else {
+                const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(-yd), dmin);
+                if (t == PQ_Q4_K) {
+                    for (int i = 0; i < 4; i++)
+                        macc[r][i] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(_mm256_add_epi32(cv[2 * i], cv[2 * i + 1])),
+                                                     macc[r][i]);
+                } else {
+                    __m256i tot = cv[0];
+                    for (int p = 1; p < 8; p++) tot = _mm256_add_epi32(tot, cv[p]);
+                    macc[r][0] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(tot), macc[r][0]);
+                }
+            }
+        }
+        for (int j = 0; j < 4; j++) {
+            __m512i zs[PQ_X8_NR];
+            for (int r = 0; r < NR; r++) zs[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int s = 0; s < 8; s++) {
+                const __m512i q = pq_x8_oct(t, blk, s, j);
+                for (int r = 0; r < NR; r++) {
+                    int64_t y8;
+                    memcpy(&y8, x + r * xs + 292 * b + 4 + 32 * s + 8 * j, 8);
+                    zs[r] = _mm512_add_epi32(zs[r], _mm512_mullo_epi32(
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_set1_epi64(y8)), s32[s]));
+                }
+            }
+            for (int r = 0; r < NR; r++) {
+                const __m512i v = t == PQ_Q6_K ? _mm512_sub_epi32(zs[r], corr[r][j]) : zs[r];
+                facc[r][j] = _mm512_fmadd_ps(dd[r], _mm512_cvtepi32_ps(v), facc[r][j]);
+            }
+        }
+    }
+    __m256 fsum[PQ_X8_NR];
+    for (int r = 0; r < NR; r++) {
+        const __m256 s0 = pq_x8_add(pq_x8_pair_sums_ps(facc[r][0]), pq_x8_pair_sums_ps(facc[r][2]));
+        const __m256 s1 = pq_x8_add(pq_x8_pair_sums_ps(facc[r][1]), pq_x8_pair_sums_ps(facc[r][3]));
+        fsum[r] = pq_x8_add(s0, s1);
+        if (t == PQ_Q4_K)
+            fsum[r] = pq_x8_add(fsum[r], pq_x8_add(pq_x8_add(macc[r][0], macc[r][2]), pq_x8_add(macc[r][1], macc[r][3])));
+        else if (t == PQ_Q5_K)
+            fsum[r] = pq_x8_add(fsum[r], macc[r][0]);
+    }
+    pq_x8_store(NR, fsum, out, ldo, bias);
+}
+#define PQ_X8_KERNEL_K pq_x8_kernel_k_oct
+#else
+#define PQ_X8_KERNEL_K pq_x8_kernel
 #endif
 
 #if PQ_X8_OCT
@@ -506,7 +630,7 @@ typedef void (*pq_x8_fn)(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t
     static void name##_##nr(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs, float *out, int64_t ldo, \
                             const float *bias) { \
         if (t == PQ_Q4_0 || t == PQ_Q8_0) PQ_X8_KERNEL_0(t, nr, nb, wg, x, xs, out, ldo, bias); \
-        else pq_x8_kernel(t, nr, nb, wg, x, xs, out, ldo, bias); }
+        else PQ_X8_KERNEL_K(t, nr, nb, wg, x, xs, out, ldo, bias); }
 #if PQ_X8_NR == 8
 #define PQ_X8_DEF(name, t) PQ_X8_DEF1(name, t, 1) PQ_X8_DEF1(name, t, 2) PQ_X8_DEF1(name, t, 3) PQ_X8_DEF1(name, t, 4) \
     PQ_X8_DEF1(name, t, 5) PQ_X8_DEF1(name, t, 6) PQ_X8_DEF1(name, t, 7) PQ_X8_DEF1(name, t, 8)

@@ -28,14 +28,12 @@ DEF GLU_CHUNK = 2048                # swiglu / geglu elements per item
 DEF RMS_ITEM_ELEMENTS = 8192        # rms_norm: whole rows per item, about this many elements
 
 
+cdef extern from "vec_math.h" nogil:
+    void pv_rms_row(const float *x, const float *w, float *out, int64_t d, float eps)
+
+
 cdef inline void _rms_row(const float* x, const float* w, float* out, Py_ssize_t d, float eps) noexcept nogil:
-    cdef double ss = 0.0
-    cdef Py_ssize_t j
-    for j in range(d):
-        ss = ss + <double>x[j] * x[j]
-    cdef float scale = <float>(1.0 / sqrt(ss / d + eps))
-    for j in range(d):
-        out[j] = x[j] * scale * w[j]
+    pv_rms_row(x, w, out, d, eps)
 
 
 cdef struct RowsJob:
@@ -181,13 +179,7 @@ def bind_glu(checked, const float[:, ::1] gu, float[:, ::1] out, int n_threads=1
 
 
 cdef inline void _norm_head(float* v, const float* w, int hd, float eps) noexcept nogil:
-    cdef double ss = 0.0
-    cdef int j
-    for j in range(hd):
-        ss = ss + <double>v[j] * v[j]
-    cdef float scale = <float>(1.0 / sqrt(ss / hd + eps))
-    for j in range(hd):
-        v[j] = v[j] * scale * w[j]
+    pv_rms_row(v, w, v, hd, eps)   # in place: each element is read before it is written
 
 
 cdef inline void _rope(float* v, const float* cs, int n_rot, int mode) noexcept nogil:

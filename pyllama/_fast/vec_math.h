@@ -5,11 +5,12 @@
  * pv_exp_shift_sum: x[i] = exp(x[i] - m) in place, returns their sum (lane-wise, then reduced);
  * pv_softmax_unnormed: the same with m the row's maximum (a softmax but for the division).
  *
- * pv_silu_mul: out = silu(g) * u = g / (1 + exp(-g)) * u, 8 lanes at a time with AVX2. exp is the
- * usual range reduction (x = n ln2 + r, |r| <= ln2 / 2, ln2 split in two parts so r is exact to
- * float precision) and a degree-6 polynomial for e^r, then 2^n put into the exponent bits: within
- * 2 ulp of expf over the clamped range [-87.3, 88], where the clamping only changes results
- * that round to 0 or g anyway. The tail (n % 8 elements) and builds without AVX2 use expf.
+ * pv_exp8 (the softmax's exp) is the usual range reduction (x = n ln2 + r, |r| <= ln2 / 2, ln2 split
+ * in two parts so r is exact to float precision) and a degree-6 polynomial for e^r, then 2^n put
+ * into the exponent bits: within 2 ulp of expf over the clamped range [-87.3, 88].
+ * pv_silu_mul: out = silu(g) * u = g / (1 + exp(-g)) * u with ggml's own vector exp (pv_ggml_exp*),
+ * so that the FFN's activations are ggml's bit for bit.
+ * pv_rms_row: a row of RMS norm in ggml's float steps.
  */
 #ifndef PYLLAMA_VEC_MATH_H
 #define PYLLAMA_VEC_MATH_H
@@ -239,17 +240,97 @@ static inline float pv_softmax_unnormed(float *x, int64_t n) {
     return pv_exp_shift_sum(x, n, m);
 }
 
+/* exp(x) as ggml's vectorized ggml_v_expf computes it (a range reduction x = n ln2 + b with
+ * n = round(x / ln2) by the 1.5 * 2^23 trick, ln2 in two parts, and a degree-5 polynomial in b
+ * evaluated as c1 b + u (c2 + c3 b + u (c4 + c5 b)), u = b^2), in its AVX-512 form (16 lanes,
+ * scalef) or its AVX2 form (8 lanes, 2^n put in the exponent bits: k + k j): silu and the softmax
+ * give ggml's bits only with ggml's exp. */
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+static inline __m512 pv_ggml_exp16(__m512 x) {
+    const __m512 shift = _mm512_set1_ps(0x1.8p23f);
+    const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), shift);
+    const __m512 n = _mm512_sub_ps(z, shift);
+    const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
+    const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
+    const __m512 u = _mm512_mul_ps(b, b);
+    const __m512 j = _mm512_fmadd_ps(
+        _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)), u,
+                        _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f))),
+        u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
+    const __m512 res = _mm512_scalef_ps(j, n);
+    if (!big) return res;
+    const __m512 alt = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_LE_OQ),
+                                            _mm512_set1_ps(INFINITY), _mm512_setzero_ps());
+    return _mm512_mask_blend_ps(big, res, alt);
+}
+#define PV_GGML_EXP_LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 pv_ggml_exp8(__m256 x) {
+    const __m256 shift = _mm256_set1_ps(0x1.8p23f);
+    const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(0x1.715476p+0f), shift);
+    const __m256 n = _mm256_sub_ps(z, shift);
+    const __m256 b = _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.7f7d1cp-20f),
+                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.62e4p-1f), x));
+    const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+    const __m256 k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_castps_si256(_mm256_set1_ps(1))));
+    const __m256 an = _mm256_andnot_ps(_mm256_set1_ps(-0.f), n);
+    const __m256i c = _mm256_castps_si256(_mm256_cmp_ps(an, _mm256_set1_ps(126), _CMP_GT_OQ));
+    const __m256 u = _mm256_mul_ps(b, b);
+    const __m256 j = _mm256_fmadd_ps(
+        _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(0x1.0e4020p-7f), b, _mm256_set1_ps(0x1.573e2ep-5f)), u,
+                        _mm256_fmadd_ps(_mm256_set1_ps(0x1.555e66p-3f), b, _mm256_set1_ps(0x1.fffdb6p-2f))),
+        u, _mm256_mul_ps(_mm256_set1_ps(0x1.ffffecp-1f), b));
+    if (!_mm256_movemask_ps(_mm256_castsi256_ps(c))) return _mm256_fmadd_ps(j, k, k);
+    /* |n| > 126: 2^n in two factors (and beyond 192 an overflow or underflow), as ggml */
+    const __m256i g = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)),
+                                       _mm256_set1_epi32((int)0x82000000u));
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f000000)));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+    const __m256 d = _mm256_cmp_ps(an, _mm256_set1_ps(192), _CMP_GT_OQ);
+    const __m256 cf = _mm256_castsi256_ps(c);
+    return _mm256_or_ps(_mm256_and_ps(d, _mm256_mul_ps(s1, s1)),
+                        _mm256_andnot_ps(d, _mm256_or_ps(_mm256_and_ps(cf, _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1)),
+                                                         _mm256_andnot_ps(cf, _mm256_fmadd_ps(k, j, k)))));
+}
+#define PV_GGML_EXP_LANES 8
+#else
+#define PV_GGML_EXP_LANES 0
+#endif
+
+/* out = silu(g) * u as ggml_vec_swiglu_f32: g / (1 + exp(-g)) with ggml's vector exp, times u; the
+ * tail (n % lanes) with expf, as ggml's scalar ggml_silu_f32. */
 static inline void pv_silu_mul(const float *g, const float *u, float *out, int64_t n) {
     int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if PV_GGML_EXP_LANES == 16
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 e = pv_ggml_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+#elif PV_GGML_EXP_LANES == 8
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; i + 8 <= n; i += 8) {
         const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 e = pv_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 e = pv_ggml_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
     }
 #endif
     for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* One row of RMS norm times w as ggml's rms_norm (+ mul): the squares rounded to float and added
+ * in double one by one, the mean rounded to float, scale = 1 / sqrtf(mean + eps) in float, then
+ * x * scale * w. No reassociation (the module is built with -fassociative-math), so the double
+ * sum is ggml's sequential one. */
+__attribute__((noinline, optimize("no-associative-math", "fp-contract=off")))
+static void pv_rms_row(const float *x, const float *w, float *out, int64_t d, float eps) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < d; j++) sum += (double)(x[j] * x[j]);
+    const float mean = (float)(sum / (double)d);
+    const float scale = 1.0f / sqrtf(mean + eps);
+    for (int64_t j = 0; j < d; j++) out[j] = x[j] * scale * w[j];
 }
 
 #endif /* PYLLAMA_VEC_MATH_H */

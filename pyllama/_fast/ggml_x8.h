@@ -546,7 +546,10 @@ PQ_INLINE void pq_x8_kernel_k_oct(int t, int NR, int64_t nb, const uint8_t *wg, 
                 const __m128i s16 = _mm_loadu_si128((const __m128i *)(sc + 16 * s));
                 s88 = _mm_unpacklo_epi8(s16, _mm_srli_si128(s16, 8));
             }
-            s32[s] = k4 ? _mm512_cvtepu8_epi32(s88) : _mm512_cvtepi8_epi32(s88);
+            /* the scale in each lane's low int16, 0 above: dpwssd then adds oct sum * scale (the oct
+             * sums fit int16: at most 4 * 63 * 127 in magnitude) in one instruction */
+            s32[s] = _mm512_and_si512(k4 ? _mm512_cvtepu8_epi32(s88) : _mm512_cvtepi8_epi32(s88),
+                                      _mm512_set1_epi32(0xFFFF));
         }
         /* per row lane: Q4_K / Q5_K min_p * (bsum[2p] + bsum[2p + 1]), Q6_K scale * bsum of groups
          * 2p and 2p + 1 (as pq_x8_kernel) */
@@ -592,8 +595,8 @@ PQ_INLINE void pq_x8_kernel_k_oct(int t, int NR, int64_t nb, const uint8_t *wg, 
                 for (int r = 0; r < NR; r++) {
                     int64_t y8;
                     memcpy(&y8, x + r * xs + 292 * b + 4 + 32 * s + 8 * j, 8);
-                    zs[r] = _mm512_add_epi32(zs[r], _mm512_mullo_epi32(
-                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_set1_epi64(y8)), s32[s]));
+                    zs[r] = _mm512_dpwssd_epi32(zs[r], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q,
+                                                                           _mm512_set1_epi64(y8)), s32[s]);
                 }
             }
             for (int r = 0; r < NR; r++) {

@@ -12,7 +12,8 @@ path (the default) and its file-layout path (--no-repack), and with `--peers` by
 `--steps` steps' top `--top` logprobs are compared by token id; a step is compared only while the
 sides chose the same tokens before it. Printed per type: the largest absolute difference of the
 compared logprobs, pyllama repacked and file layout each against llama.cpp (or against each other
-without peers), and `!` where it is over --tol (1e-3).
+without peers), and `!` where it is over --tol (1e-3); then per prompt (p0 is the BOS token alone,
+one row: the weight types' arithmetic without prompt-sized attention) repacked / file layout.
 
 Servers are started on free loopback ports and stopped by this script.
 """
@@ -36,7 +37,9 @@ from peers import Peers  # noqa: E402
 from pipeline_cells import LlamaServer, model_path  # noqa: E402
 from server_util import ServerProcess  # noqa: E402
 
-PROMPTS = ("Hello, my name is", "Q: What is 2+2?\nA:",
+# None: the BOS token alone, a first step of one row (the products, norms and FFN, attention over
+# one cell), which isolates the weight types' arithmetic from the prompt-sized attention
+PROMPTS = (None, "Hello, my name is", "Q: What is 2+2?\nA:",
            "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away, there lived")
 # llama-quantize's name of each type (a suffix: _pure = --pure, _q8out = Q8_0 output and embeddings)
 TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k",
@@ -91,8 +94,9 @@ def post(url: str, body: dict, timeout: float = 300) -> dict:
         conn.close()
 
 
-def steps_of(url: str, prompt: str, n_steps: int, top: int) -> list[tuple[int, dict[int, float]]]:
-    """[(chosen token, {token id: logprob of the top `top`})] for the first n_steps greedy steps."""
+def steps_of(url: str, prompt, n_steps: int, top: int) -> list[tuple[int, dict[int, float]]]:
+    """[(chosen token, {token id: logprob of the top `top`})] for the first n_steps greedy steps
+    (prompt: text, or a list of token ids)."""
     r = post(url, {"prompt": prompt, "n_predict": n_steps, "n_probs": top, "temperature": 0,
                    "cache_prompt": False, "seed": 0})
     steps = []
@@ -138,8 +142,10 @@ def main() -> int:
     if args.peers and peers is None:
         print(f"compare_logits: no llama.cpp programs under {args.peers}/bin", file=sys.stderr)
         return 2
-    prompts = PROMPTS[: args.prompts]
     src = model_path(args.preset, "f32")
+    from pyllama.models.gguf_file import read_metadata  # noqa: PLC0415
+    bos = int(read_metadata(src).get("tokenizer.ggml.bos_token_id", 1))
+    prompts = [[bos] if p is None else p for p in PROMPTS[: args.prompts]]
     rows, over = [], False
     try:
         for qtype in [t for t in args.types.split(",") if t]:
@@ -155,7 +161,7 @@ def main() -> int:
             for i, p in enumerate(prompts):
                 d_rep = diff(repacked[i], ref[i])
                 d_lay = diff(layout[i], ref[i]) if peers is not None else (0.0, len(layout[i]), "")
-                row["prompts"].append({"prompt": p, "repacked": d_rep[0], "repacked_steps": d_rep[1],
+                row["prompts"].append({"prompt": p if isinstance(p, str) else f"tokens {p}", "repacked": d_rep[0], "repacked_steps": d_rep[1],
                                        "repacked_note": d_rep[2], "layout": d_lay[0], "layout_steps": d_lay[1],
                                        "layout_note": d_lay[2]})
             row["repacked"] = max(q["repacked"] for q in row["prompts"])

@@ -1001,6 +1001,47 @@ PQ_INLINE void pq_avx2_float(int t, int xt, int NR, int64_t n, const uint8_t *w,
     }
 }
 
+#if defined(__AVX512F__)
+/* _mm512_reduce_add_ps's tree, pinned: (256-bit halves) -> (128-bit halves) -> (0+2, 1+3) -> sum */
+PQ_INLINE float pq_reduce512(__m512 v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    PQ_PIN(h);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    PQ_PIN(q);
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    PQ_PIN(q);
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+/* F16 weights against activations rounded to F16 (widened to floats), in ggml's float steps on an
+ * AVX-512 machine: ggml_vec_dot_f16 (4 accumulators of 16 lanes over steps of 64 elements, added
+ * 0+2, 1+3, then together, reduced, then the n % 64 tail's products added in double), at every
+ * batch size, so that a row's result does not depend on its batch (llama.cpp's prompt batches of F16
+ * weights go through llamafile's tinyBLAS instead: one accumulator over steps of 16). */
+PQ_INLINE void pq_avx512_f16(int NR, int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    __m512 acc[PQ_MAX_NR][4];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    const int64_t np = n & ~(int64_t)63;
+    for (int64_t i = 0; i < np; i += 64)
+        for (int j = 0; j < 4; j++) {   /* each weight vector once for the NR rows */
+            const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * (i + 16 * j))));
+            for (int r = 0; r < NR; r++)
+                acc[r][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps((const float *)(x + r * xs) + i + 16 * j), acc[r][j]);
+        }
+    for (int r = 0; r < NR; r++) {
+        const float *y = (const float *)(x + r * xs);
+        __m512 a02 = _mm512_add_ps(acc[r][0], acc[r][2]), a13 = _mm512_add_ps(acc[r][1], acc[r][3]);
+        PQ_PIN(a02);
+        PQ_PIN(a13);
+        __m512 t = _mm512_add_ps(a02, a13);
+        PQ_PIN(t);
+        double sum = (double)pq_reduce512(t);
+        for (int64_t j = np; j < n; j++) sum += (double)(pq_ld_f16(w + 2 * j) * y[j]);
+        out[r] = (float)sum;
+    }
+}
+#endif
+
 /* `n` is the row length in elements; nb the number of blocks. */
 typedef void (*pq_dot_fn)(int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out);
 
@@ -1030,7 +1071,11 @@ PQ_DEF4(pq_k_q6_K, pq_avx2_q6_K(NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_f16, pq_avx2_float(PQ_F16, PQ_F16, NR, n, w, x, xs, out))
 PQ_DEF4(pq_k_bf16, pq_avx2_float(PQ_BF16, PQ_BF16, NR, n, w, x, xs, out))
 PQ_DEF4(pq_k_f32, pq_avx2_float(PQ_F32, PQ_F32, NR, n, w, x, xs, out))
+#if defined(__AVX512F__)
+PQ_DEF4(pq_k_f16w, pq_avx512_f16(NR, n, w, x, xs, out))
+#else
 PQ_DEF4(pq_k_f16w, pq_avx2_float(PQ_F16, PQ_F32, NR, n, w, x, xs, out))
+#endif
 PQ_DEF4(pq_k_bf16w, pq_avx2_float(PQ_BF16, PQ_F32, NR, n, w, x, xs, out))
 
 /* The kernel for F16 / BF16 weights against activations widened to F32 (pq_widen_row). */

@@ -340,7 +340,8 @@ def test_cuda_device_keeps_f32_caches(tiny_model, monkeypatch, tmp_path):
     import fake_cuda
     from pyllama.devices import make_backends
     fake_cuda.install(monkeypatch, tmp_path / "kernels")
-    engine = Engine(tiny_model, n_threads=1, backends=make_backends("CUDA0,CPU", None, "layer", 1), tensor_split=None)
+    # an even split: by free memory, the fake device's 64 GiB can take every layer of the tiny model
+    engine = Engine(tiny_model, n_threads=1, backends=make_backends("CUDA0,CPU", None, "layer", 1), tensor_split=[1, 1])
     try:
         ctx = engine.new_context(64)
         assert ctx.kv_types == {"CUDA0": (F32, F32), "CPU": (F16, F16)}

@@ -44,6 +44,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("pyllama/server/constraint.py", "_MaskThread._run", "self._queue.get"):
         "a constraint's idle mask thread's wait for work: woken by every mask asked of it and ended by the "
         "None its constraint's finalizer queues; a daemon thread, so shutdown never waits for it",
+    ("pyllama/server/prompt_cache.py", "RowCopier._run", "self._jobs.get"):
+        "the idle prompt-cache copier's wait for a copy: woken by every submit; a daemon thread, so shutdown "
+        "never waits for it",
     ("pyllama/server/api.py", "Api._events", "q.get"):
         "an HTTP handler awaiting its own request's events: a queued request may wait as long as the pool is "
         "busy; the client disconnecting or the server's shutdown (grace, then cancel) ends it",

@@ -99,10 +99,10 @@ def test_a_reserved_entry_covers_its_prompt_and_waits_for_its_rows():
     assert found is entry and n == len(tokens)
     assert entry.wait(0.01) is None  # not copied yet
     assert cache.fill(entry, _rows(18))
-    assert entry.wait() is not None and cache.nbytes == sum(k.nbytes + v.nbytes for k, v in _rows(18))
+    assert entry.wait(10) is not None and cache.nbytes == sum(k.nbytes + v.nbytes for k, v in _rows(18))
     other = cache.reserve(HEAD + [8], 1)
     cache.fail(other)
-    assert not cache.covers(HEAD + [8]) and other.wait() is None and len(cache) == 1
+    assert not cache.covers(HEAD + [8]) and other.wait(10) is None and len(cache) == 1
 
 
 def test_metrics_families_give_bytes_and_limit():
@@ -336,7 +336,7 @@ def test_rows_are_copied_off_the_decode_thread(tiny_model, monkeypatch):
         assert entry is not None and entry.tokens[:len(A)] == A
         assert kv.n_free_blocks + blocks(kv.seq_len(0)) + blocks(len(entry.tokens)) == kv.n_blocks
         gate.set()
-        assert entry.wait() is not None and cache.nbytes > 0
+        assert entry.wait(10) is not None and cache.nbytes > 0
         run(B + [7] * 10)  # continues the slot's prompt (nothing dropped); its step gives A's blocks back
         assert readers == ["prompt-cache-copy"]
         assert kv.n_free_blocks + blocks(kv.seq_len(0)) == kv.n_blocks

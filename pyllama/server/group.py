@@ -42,7 +42,7 @@ from .pipeline_stats import StepLog
 from ..busy import now_us
 from .embedding import rows_wanted
 from .params import MAX_POST_SAMPLING_PROBS
-from .prompt_cache import MIN_TOKENS, PromptCache
+from .prompt_cache import COPY_WAIT_S, MIN_TOKENS, PromptCache
 from .slot import Slot, SlotState, common_prefix, presampling_probs, token_probs
 from .task import CompletionTask, EmbeddingEvent, ErrorEvent, EventSink, FinalEvent, ProgressEvent
 from ..threads import Thread
@@ -506,7 +506,7 @@ class PipelineGroup:
         when none has finished); whether any went back. Decode thread only (the KV bookkeeping)."""
         held = self._held
         if wait and held and not any(done.is_set() for _, done in held):
-            held[0][1].wait()
+            held[0][1].wait(COPY_WAIT_S)
         kept: deque[tuple[list[int], threading.Event]] = deque()
         released = False
         while held:
@@ -533,7 +533,7 @@ class PipelineGroup:
         if not self._fits(slot, n):
             return n_keep
         t0 = time.perf_counter()
-        rows = entry.wait()  # a copy still under way is waited for: it is this request's prefix
+        rows = entry.wait(COPY_WAIT_S)  # a copy still under way is waited for: it is this request's prefix
         if rows is None:
             return n_keep
         try:

@@ -56,7 +56,7 @@ class Entry:
     used: int = field(default=0)
     ready: threading.Event = field(default_factory=threading.Event)
 
-    def wait(self, timeout: float = 60.0) -> Optional[Rows]:
+    def wait(self, timeout: float) -> Optional[Rows]:
         """The rows once copied; None when the copy failed or takes longer than `timeout`."""
         self.ready.wait(timeout)
         return self.rows
@@ -238,6 +238,12 @@ def cache_families(used: int, limit: int, n_entries: int = 0, saved: int = 0, nb
          "Dropped prompts not copied: their request neither continued an earlier prompt nor shared its system prompt",
          [({}, skipped)]),
     ]
+
+
+# How long a decode thread waits for a copy under way (a load of its rows, or its KV blocks back):
+# a copy is a read of the rows, bounded on a peer by the RPC timeout; past this the prompt is
+# computed instead, and the blocks come back at a later step.
+COPY_WAIT_S = 60.0
 
 
 class RowCopier:

@@ -11,7 +11,7 @@ nobody up (no barrier). Which thread computes an item never changes its result.
 kernel as a NativeStep (plan.pyx) for a bound graph; attention's per-step data (the cells, the
 lists, the ids) is still checked at every run.
 """
-from libc.math cimport pow, sqrt, tanh
+from libc.math cimport fmaf, powf, sqrt, tanh
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 
@@ -109,6 +109,8 @@ cdef extern from "vec_math.h" nogil:
     float pv_dot(const float *a, const float *b, int64_t n)
     float pv_softmax_unnormed(float *x, int64_t n)
     bint pv_attend_ok(int G, int hd, int kt, int vt)
+    void pv_rope_cache(float pos, int half, float theta_scale, float freq_scale, const float *factors, float mscale,
+                       float *cs)
     void pv_attend_qk(const float *q, int G, int hd, const unsigned char *kc, long long k_row, long long head_bytes,
                       int kt, const int *cells, long long n, float scale, float *scores, long long L,
                       const unsigned char *vc, long long v_row, long long v_head_bytes, int vt)
@@ -183,7 +185,8 @@ cdef inline void _norm_head(float* v, const float* w, int hd, float eps) noexcep
 
 
 cdef inline void _rope(float* v, const float* cs, int n_rot, int mode) noexcept nogil:
-    # cs holds cos, sin interleaved per rotated pair
+    # cs holds cos, sin interleaved per rotated pair. x0 c - x1 s and x0 s + x1 c as GCC contracts
+    # ggml's rotate_pairs: the first product fused, the second rounded
     cdef int i, half = n_rot // 2
     cdef float x0, x1, c, s
     for i in range(half):
@@ -192,13 +195,13 @@ cdef inline void _rope(float* v, const float* cs, int n_rot, int mode) noexcept 
         if mode == 0:
             x0 = v[2 * i]
             x1 = v[2 * i + 1]
-            v[2 * i] = x0 * c - x1 * s
-            v[2 * i + 1] = x0 * s + x1 * c
+            v[2 * i] = fmaf(x0, c, -(x1 * s))
+            v[2 * i + 1] = fmaf(x0, s, x1 * c)
         else:
             x0 = v[i]
             x1 = v[i + half]
-            v[i] = x0 * c - x1 * s
-            v[i + half] = x0 * s + x1 * c
+            v[i] = fmaf(x0, c, -(x1 * s))
+            v[i + half] = fmaf(x0, s, x1 * c)
 
 
 cdef extern from "kv_types.h" nogil:
@@ -218,10 +221,6 @@ cdef extern from "kv_types.h" nogil:
 KV_TYPE_NAMES = {0: "F32", 1: "F16", 8: "Q8_0", 30: "BF16"}
 
 
-cdef extern from "math.h" nogil:
-    void sincos(double x, double* s, double* c)
-
-
 cdef struct AttnArgs:
     const float* qkv
     Py_ssize_t qkv_stride
@@ -238,8 +237,8 @@ cdef struct AttnArgs:
     const float* freq_factors  # NULL, or n_rot / 2 divisors of the rotation angles (ggml's freq factors)
     float* out
     int H, Hkv, hd, n_rot, rope_mode
-    double freq_scale, mscale
-    const double* rope_pow  # freq_base ** (-2 i / n_rot) for i < n_rot / 2: the same for every token
+    float freq_scale, mscale
+    float theta_scale   # powf(freq_base, -2 / n_rot): ggml's factor from one pair's angle to the next
     float eps, scale, softcap  # softcap 0: none
     Py_ssize_t n_swa           # 0: every listed cell; else only the last n_swa
     Py_ssize_t max_len  # the longest list of cells a token attends to (scores per head: max_len + 1)
@@ -253,21 +252,13 @@ cdef struct AttnArgs:
 cdef void _store_token(AttnArgs* a, Py_ssize_t t, float* scratch) noexcept nogil:
     """Rotates (and normalizes) token t's q into out; its k likewise, and its v as it is, rounded
     into their cache rows. scratch: n_rot + 2 floats of cos/sin, then Hkv * hd for k."""
-    cdef int i, h, d, hd = a.hd, H = a.H, Hkv = a.Hkv, half = a.n_rot // 2
-    cdef double theta
+    cdef int h, d, hd = a.hd, H = a.H, Hkv = a.Hkv
     cdef const float* src = a.qkv + t * a.qkv_stride
     cdef float* q = a.out + t * H * hd
     cdef Py_ssize_t cell = a.kv_idx[t]
     cdef float* cs = scratch
     cdef float* k = scratch + a.n_rot + 2
-    cdef double c, sn
-    for i in range(half):
-        theta = a.pos[t] * a.freq_scale * a.rope_pow[i]
-        if a.freq_factors != NULL:
-            theta = theta / a.freq_factors[i]
-        sincos(theta, &sn, &c)
-        cs[2 * i] = <float>(c * a.mscale)
-        cs[2 * i + 1] = <float>(sn * a.mscale)
+    pv_rope_cache(<float>a.pos[t], a.n_rot // 2, a.theta_scale, a.freq_scale, a.freq_factors, a.mscale, cs)
     for d in range(H * hd):
         q[d] = src[d]
     for d in range(Hkv * hd):
@@ -475,7 +466,7 @@ cdef int _attn_setup(AttnArgs* a, const float[:, ::1] qkv, unsigned char[:, ::1]
     a.q_norm = &q_norm[0] if use_norm else NULL
     a.k_norm = &k_norm[0] if use_norm else NULL
     a.freq_factors = &ff[0] if rope_freqs is not None and n_rot > 0 else NULL
-    a.mscale = rope_mscale
+    a.mscale = <float>rope_mscale
     a.softcap = softcap
     a.n_swa = n_swa
     a.out = &out[0, 0]
@@ -484,12 +475,8 @@ cdef int _attn_setup(AttnArgs* a, const float[:, ::1] qkv, unsigned char[:, ::1]
     a.hd = hd
     a.n_rot = n_rot
     a.rope_mode = rope_mode
-    cdef double[::1] rope_pow = np.empty(max(n_rot // 2, 1), np.float64)
-    for i in range(n_rot // 2):
-        rope_pow[i] = pow(freq_base, -2.0 * i / n_rot)
-    keep.append(rope_pow)
-    a.rope_pow = &rope_pow[0]
-    a.freq_scale = freq_scale
+    a.theta_scale = powf(<float>freq_base, (<float>-2.0) / (<float>n_rot)) if n_rot > 0 else 1.0
+    a.freq_scale = <float>freq_scale
     a.eps = norm_eps
     a.scale = scale
     a.n = n

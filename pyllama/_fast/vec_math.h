@@ -333,4 +333,23 @@ static void pv_rms_row(const float *x, const float *w, float *out, int64_t d, fl
     for (int64_t j = 0; j < d; j++) out[j] = x[j] * scale * w[j];
 }
 
+/* RoPE's cos and sin as ggml's rope cache (ggml_rope_cache_init, rope_yarn without extrapolation
+ * mixing): theta starts at the position as a float and is multiplied by theta_scale (powf(base,
+ * -2 / n_rot), a float) pair after pair, each pair's angle is freq_scale * (theta / factor) and
+ * cos, sin come from sincosf, times mscale; all in float, so the angles are ggml's bit for bit
+ * (a double chain differs by some ulp at positions above 0). cs: cos, sin interleaved. */
+__attribute__((noinline, optimize("no-associative-math", "fp-contract=off")))
+static void pv_rope_cache(float pos, int half, float theta_scale, float freq_scale, const float *factors,
+                          float mscale, float *cs) {
+    float theta = pos;
+    for (int i = 0; i < half; i++) {
+        const float th = freq_scale * (factors ? theta / factors[i] : theta);
+        float s, c;
+        sincosf(th, &s, &c);
+        cs[2 * i] = c * mscale;
+        cs[2 * i + 1] = s * mscale;
+        theta *= theta_scale;
+    }
+}
+
 #endif /* PYLLAMA_VEC_MATH_H */

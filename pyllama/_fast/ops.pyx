@@ -26,6 +26,13 @@ DEF PARALLEL_MIN_ELEMENTS = 16384   # rms_norm / swiglu elements
 DEF PARALLEL_MIN_ATTENTION = 32768  # attention: query heads x listed cells x head_dim
 DEF GLU_CHUNK = 2048                # swiglu / geglu elements per item
 DEF RMS_ITEM_ELEMENTS = 8192        # rms_norm: whole rows per item, about this many elements
+# KQV's lanes over the cells with F32 caches (vec_math.h's pv_ggml_attend). llama.cpp sums them as
+# llamafile's tinyBLAS does (16) in every step of several rows (prompts, decoding several sequences)
+# and as ggml_vec_dot_f32 does (64) in a step of one row; the two agree up to 16 cells. A row's result
+# here must not depend on the rows sharing its step, so every row takes the form of the prompts:
+# their K and V rows then match llama.cpp's for the whole prompt, and a step of one row over more
+# than 16 cells differs from it by the summation order alone.
+DEF GGML_KQV_LANES = 16
 
 
 cdef extern from "vec_math.h" nogil:
@@ -109,6 +116,10 @@ cdef extern from "vec_math.h" nogil:
     float pv_dot(const float *a, const float *b, int64_t n)
     float pv_softmax_unnormed(float *x, int64_t n)
     bint pv_attend_ok(int G, int hd, int kt, int vt)
+    bint pv_ggml_attend_ok(int hd, int kt, int vt)
+    void pv_ggml_attend(const float *q, int G, int hd, const unsigned char *kc, long long k_row, long long k_off,
+                        const unsigned char *vc, long long v_row, long long v_off, const int *cells, long long n,
+                        float scale, int lanes, float *scores, long long L, float *acc, float *out)
     void pv_rope_cache(float pos, int half, float theta_scale, float freq_scale, const float *factors, float mscale,
                        float *cs)
     void pv_attend_qk(const float *q, int G, int hd, const unsigned char *kc, long long k_row, long long head_bytes,
@@ -220,6 +231,13 @@ cdef extern from "kv_types.h" nogil:
 # difference from an F32 cache.
 KV_TYPE_NAMES = {0: "F32", 1: "F16", 8: "Q8_0", 30: "BF16"}
 
+cdef extern from "vec_math.h":
+    int PV_GGML_ATTEND
+
+# Whether this build computes attention over F32 caches in ggml's float steps (an AVX-512 build;
+# other builds keep the general kernel's own summation order).
+GGML_F32_ATTENTION = bool(PV_GGML_ATTEND)
+
 
 cdef struct AttnArgs:
     const float* qkv
@@ -242,6 +260,7 @@ cdef struct AttnArgs:
     float eps, scale, softcap  # softcap 0: none
     Py_ssize_t n_swa           # 0: every listed cell; else only the last n_swa
     Py_ssize_t max_len  # the longest list of cells a token attends to (scores per head: max_len + 1)
+    Py_ssize_t exact_len  # max_len rounded up to 64: scores per head of the ggml steps
     Py_ssize_t store_floats, attend_floats  # scratch per item
     int failed          # an item could not allocate its scratch
     Py_ssize_t n, n_cells, n_listed  # tokens, cache rows, listed cells
@@ -302,6 +321,12 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
     cdef float sc, total, p
     for d in range(G * hd):
         q[d] = o[d]
+    if a.softcap <= 0 and pv_ggml_attend_ok(hd, a.k_type, a.v_type):
+        # F32 caches: ggml's own float steps (see vec_math.h); scratch: q, then G * exact_len
+        # scores, then GGML_KQV_LANES rows of hd sums
+        pv_ggml_attend(q, G, hd, a.k_cache, a.k_row, head * 4, a.v_cache, a.v_row, head * 4, a.cells + r0, r1,
+                       a.scale, GGML_KQV_LANES, q + G * hd, a.exact_len, q + G * hd + G * a.exact_len, o)
+        return
     if a.softcap <= 0 and pv_attend_ok(G, hd, a.k_type, a.v_type):
         # F32 / F16 caches: every cache row read once for the G heads, straight from the cache
         pv_attend_qk(q, G, hd, a.k_cache, a.k_row, head * (4 if k_f32 else 2), a.k_type, a.cells + r0, r1,
@@ -517,6 +542,9 @@ cdef int _attn_scan(AttnArgs* a) noexcept nogil:
     a.nt = a.n_threads if work * a.H * a.hd >= PARALLEL_MIN_ATTENTION else 1
     # the attend's q and acc per head, k and v rows, scores
     a.attend_floats = 2 * a.q_width // a.Hkv + 2 * a.hd + (a.H // a.Hkv) * (max_len + 1)
+    a.exact_len = (max_len + 63) // 64 * 64
+    if a.attend_floats < a.q_width // a.Hkv + (a.H // a.Hkv) * a.exact_len + GGML_KQV_LANES * a.hd:
+        a.attend_floats = a.q_width // a.Hkv + (a.H // a.Hkv) * a.exact_len + GGML_KQV_LANES * a.hd
     return 0
 
 

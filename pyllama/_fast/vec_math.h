@@ -352,4 +352,150 @@ static void pv_rope_cache(float pos, int half, float theta_scale, float freq_sca
     }
 }
 
+/* ggml's F32 attention steps without flash attention (KQ = mul_mat(K, Q), soft_max_ext with the
+ * scale and the mask, KQV = mul_mat(V^T, KQ)) on an AVX-512 machine, for one kv head's G query
+ * heads over n cells, cell j of the list at the place j of ggml's KV view:
+ * - each score is ggml_vec_dot_f32(hd, k_j, q) (4 accumulators of 16 lanes over steps of 64,
+ *   added 0+2, 1+3, together, reduced as _mm512_reduce_add_ps; the hd % 64 tail fused in order),
+ *   times the scale in float;
+ * - the softmax: the row's maximum, ggml's vector exp of (s - max) 16 cells at a time, each block's
+ *   reduced sum added in double in order (the view's masked cells are exp 0), then every exp times
+ *   (float)(1 / sum);
+ * - out[d] = sum_j p_j v_j[d] as ggml_vec_dot_f32 over the cells (lanes = 64: 4 accumulators of 16
+ *   cells, the one-row step's kernel) or as llamafile's tinyBLAS (lanes = 16: one accumulator of 16
+ *   cells, the kernel of a step of several rows), each lane a chain of fused multiply-adds in cell
+ *   order, reduced as above. Cells past n (the view's padding) add nothing.
+ * scores: G * L floats (L >= n rounded up to 64); acc: 64 * hd floats. hd a multiple of 16. */
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define PV_GGML_ATTEND 1
+#define PV_PIN(v) __asm__("" : "+v"(v))
+/* _mm512_reduce_add_ps's tree, pinned: (256-bit halves) -> (128-bit halves) -> (0+2, 1+3) -> sum */
+static inline __attribute__((always_inline)) float pv_reduce16(__m512 v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    PV_PIN(h);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    PV_PIN(q);
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    PV_PIN(q);
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+/* the same tree over 16 vectors (vector l = lane l), 16 results at once */
+static inline __attribute__((always_inline)) __m512 pv_reduce16_vecs(const __m512 *a) {
+    __m512 h[8], q[4], r0, r1;
+    for (int i = 0; i < 8; i++) { h[i] = _mm512_add_ps(a[i], a[i + 8]); PV_PIN(h[i]); }
+    for (int i = 0; i < 4; i++) { q[i] = _mm512_add_ps(h[i], h[i + 4]); PV_PIN(q[i]); }
+    r0 = _mm512_add_ps(q[0], q[2]); PV_PIN(r0);
+    r1 = _mm512_add_ps(q[1], q[3]); PV_PIN(r1);
+    return _mm512_add_ps(r0, r1);
+}
+/* the same tree over 16 rows of 16 lanes each (row l = lane l), 16 results at once */
+static inline __attribute__((always_inline)) __m512 pv_reduce16_rows(const float *a, long long stride) {
+    __m512 h[8], q[4], r0, r1;
+    for (int i = 0; i < 8; i++) { h[i] = _mm512_add_ps(_mm512_loadu_ps(a + i * stride), _mm512_loadu_ps(a + (i + 8) * stride)); PV_PIN(h[i]); }
+    for (int i = 0; i < 4; i++) { q[i] = _mm512_add_ps(h[i], h[i + 4]); PV_PIN(q[i]); }
+    r0 = _mm512_add_ps(q[0], q[2]); PV_PIN(r0);
+    r1 = _mm512_add_ps(q[1], q[3]); PV_PIN(r1);
+    return _mm512_add_ps(r0, r1);
+}
+static inline __attribute__((always_inline)) float pv_ggml_dot_f32(const float *x, const float *y, int n) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    const int np = n & ~63;
+    for (int i = 0; i < np; i += 64) {
+        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i), s0);
+        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(y + i + 16), s1);
+        s2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32), _mm512_loadu_ps(y + i + 32), s2);
+        s3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48), _mm512_loadu_ps(y + i + 48), s3);
+    }
+    s0 = _mm512_add_ps(s0, s2);
+    s1 = _mm512_add_ps(s1, s3);
+    PV_PIN(s0);
+    PV_PIN(s1);
+    float sum = pv_reduce16(_mm512_add_ps(s0, s1));
+    for (int i = np; i < n; i++) sum = fmaf(x[i], y[i], sum);
+    return sum;
+}
+/* p[j] = exp(s[j] - max) / sum as ggml_vec_soft_max_f32 and the scaling after it, in place over
+ * n <= L cells; p[n, round_up(n, 16)) become 0. */
+__attribute__((noinline, optimize("no-associative-math", "fp-contract=off")))
+static void pv_ggml_softmax(float *s, long long n) {
+    float m = -INFINITY;
+    for (long long j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+    const __m512 mv = _mm512_set1_ps(m);
+    double sum = 0.0;
+    for (long long j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s + j);
+        const __m512 e = _mm512_maskz_mov_ps(live, pv_ggml_exp16(_mm512_sub_ps(x, mv)));
+        _mm512_storeu_ps(s + j, e);
+        sum += (double)pv_reduce16(e);
+    }
+    const __m512 inv = _mm512_set1_ps((float)(1.0 / sum));
+    for (long long j = 0; j < n; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+}
+__attribute__((noinline, optimize("no-associative-math", "fp-contract=off")))
+static void pv_ggml_attend(const float *q, int G, int hd, const unsigned char *kc, long long k_row,
+                           long long k_off, const unsigned char *vc, long long v_row, long long v_off,
+                           const int *cells, long long n, float scale, int lanes, float *scores, long long L,
+                           float *acc, float *out) {
+    for (long long j = 0; j < n; j++) {
+        const float *k = (const float *)(kc + (long long)cells[j] * k_row + k_off);
+        for (int g = 0; g < G; g++) scores[g * L + j] = pv_ggml_dot_f32(k, q + (long long)g * hd, hd) * scale;
+    }
+    for (int g = 0; g < G; g++) {
+        float *p = scores + g * L;
+        pv_ggml_softmax(p, n);
+        if (lanes == 16) {
+            /* 16 columns at a time, the 16 lanes' chains in registers; p is 0 past n up to a
+             * multiple of 16, and those cells' rows are not read */
+            for (int d = 0; d < hd; d += 16) {
+                __m512 acc16[16];
+                for (int l = 0; l < 16; l++) acc16[l] = _mm512_setzero_ps();
+                long long j = 0;
+                for (; j + 16 <= n; j += 16)
+                    for (int l = 0; l < 16; l++)
+                        acc16[l] = _mm512_fmadd_ps(
+                            _mm512_loadu_ps((const float *)(vc + (long long)cells[j + l] * v_row + v_off) + d),
+                            _mm512_set1_ps(p[j + l]), acc16[l]);
+                for (int l = 0; j + l < n; l++)
+                    acc16[l] = _mm512_fmadd_ps(
+                        _mm512_loadu_ps((const float *)(vc + (long long)cells[j + l] * v_row + v_off) + d),
+                        _mm512_set1_ps(p[j + l]), acc16[l]);
+                _mm512_storeu_ps(out + (long long)g * hd + d, pv_reduce16_vecs(acc16));
+            }
+            continue;
+        }
+        for (long long i = 0; i < (long long)lanes * hd; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
+        for (long long j = 0; j < n; j++) {
+            const float *v = (const float *)(vc + (long long)cells[j] * v_row + v_off);
+            float *a = acc + (j % lanes) * hd;
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            for (int d = 0; d < hd; d += 16)
+                _mm512_storeu_ps(a + d, _mm512_fmadd_ps(_mm512_loadu_ps(v + d), pj, _mm512_loadu_ps(a + d)));
+        }
+        if (lanes == 64)  /* ggml_vec_dot_f32's accumulators: (0 + 2) + (1 + 3), lane by lane */
+            for (int l = 0; l < 16; l++)
+                for (int d = 0; d < hd; d += 16) {
+                    __m512 x0 = _mm512_add_ps(_mm512_loadu_ps(acc + l * hd + d), _mm512_loadu_ps(acc + (l + 32) * hd + d));
+                    __m512 x1 = _mm512_add_ps(_mm512_loadu_ps(acc + (l + 16) * hd + d),
+                                              _mm512_loadu_ps(acc + (l + 48) * hd + d));
+                    PV_PIN(x0);
+                    PV_PIN(x1);
+                    _mm512_storeu_ps(acc + l * hd + d, _mm512_add_ps(x0, x1));
+                }
+        for (int d = 0; d < hd; d += 16) _mm512_storeu_ps(out + (long long)g * hd + d, pv_reduce16_rows(acc + d, hd));
+    }
+}
+static inline int pv_ggml_attend_ok(int hd, int kt, int vt) { return hd % 16 == 0 && kt == 0 && vt == 0; }
+#else
+#define PV_GGML_ATTEND 0
+static inline int pv_ggml_attend_ok(int hd, int kt, int vt) { (void)hd; (void)kt; (void)vt; return 0; }
+static inline void pv_ggml_attend(const float *q, int G, int hd, const unsigned char *kc, long long k_row,
+                                  long long k_off, const unsigned char *vc, long long v_row, long long v_off,
+                                  const int *cells, long long n, float scale, int lanes, float *scores, long long L,
+                                  float *acc, float *out) {
+    (void)q; (void)G; (void)hd; (void)kc; (void)k_row; (void)k_off; (void)vc; (void)v_row; (void)v_off;
+    (void)cells; (void)n; (void)scale; (void)lanes; (void)scores; (void)L; (void)acc; (void)out;
+}
+#endif
+
 #endif /* PYLLAMA_VEC_MATH_H */

@@ -437,8 +437,15 @@ static void pv_ggml_attend(const float *q, int G, int hd, const unsigned char *k
                            long long k_off, const unsigned char *vc, long long v_row, long long v_off,
                            const int *cells, long long n, float scale, int lanes, float *scores, long long L,
                            float *acc, float *out) {
+    /* K rows a few cells ahead, each V row as its K row is read (a token's cells are rows apart
+     * in the cache, too short a run for the hardware prefetcher) */
+    for (long long j = 0; j < n && j < PV_PREFETCH_CELLS; j++)
+        pv_prefetch_slice(kc + (long long)cells[j] * k_row + k_off, 4 * hd);
     for (long long j = 0; j < n; j++) {
         const float *k = (const float *)(kc + (long long)cells[j] * k_row + k_off);
+        if (j + PV_PREFETCH_CELLS < n)
+            pv_prefetch_slice(kc + (long long)cells[j + PV_PREFETCH_CELLS] * k_row + k_off, 4 * hd);
+        pv_prefetch_slice(vc + (long long)cells[j] * v_row + v_off, 4 * hd);
         for (int g = 0; g < G; g++) scores[g * L + j] = pv_ggml_dot_f32(k, q + (long long)g * hd, hd) * scale;
     }
     for (int g = 0; g < G; g++) {

@@ -1,8 +1,11 @@
 """Shared fixtures: tiny test models made once per session with pyllama.models.make."""
 from __future__ import annotations
 
+import lzma
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +28,27 @@ def model_factory(tmp_path_factory):
         return made[key]
 
     return make
+
+
+VOCAB_DIR = Path(__file__).parent / "data" / "vocab"
+
+
+@pytest.fixture(scope="session")
+def vocab_path(tmp_path_factory):
+    """A vocabulary of tests/data/vocab by name, decompressed into a temporary folder (once per
+    session) when it is stored as .xz."""
+    tmp = tmp_path_factory.mktemp("vocab")
+
+    def get(name: str) -> Path:
+        plain = VOCAB_DIR / name
+        if plain.exists():
+            return plain
+        out = tmp / name
+        if not out.exists():
+            with lzma.open(VOCAB_DIR / (name + ".xz")) as src, open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        return out
+    return get
 
 
 @pytest.fixture(scope="session")

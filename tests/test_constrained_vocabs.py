@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-import lzma
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -32,21 +30,6 @@ TOOLS = {"tools": [{"type": "function", "function": {
                                           "properties": {"city": {"enum": ["paris", "oslo"]}}}}}],
          "tool_choice": "required", "parallel_tool_calls": False}
 
-
-@pytest.fixture(scope="module")
-def vocab_file(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vocab")
-
-    def get(name: str) -> Path:
-        plain = VOCAB_DIR / name
-        if plain.exists():
-            return plain
-        out = tmp / name
-        if not out.exists():
-            with lzma.open(VOCAB_DIR / (name + ".xz")) as src, open(out, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        return out
-    return get
 
 
 def generate(spec: ConstraintSpec, tok, seed: int, max_tokens: int = 120) -> bytes:
@@ -70,8 +53,8 @@ def generate(spec: ConstraintSpec, tok, seed: int, max_tokens: int = 120) -> byt
 
 
 @pytest.mark.parametrize("name", VOCABS)
-def test_grammar_schema_and_tool_call_on_every_vocab(name, vocab_file):
-    tok = load_tokenizer(read_metadata(vocab_file(name)), name)
+def test_grammar_schema_and_tool_call_on_every_vocab(name, vocab_path):
+    tok = load_tokenizer(read_metadata(vocab_path(name)), name)
     assert generate(ConstraintSpec("gbnf", 'root ::= "a"{5}'), tok, 0) == b"aaaaa"
     # (lowercase: WPM's uncased vocabularies have no capital letters)
     assert generate(ConstraintSpec("gbnf", 'root ::= "hi there" ("!" | "?")'), tok, 1) in (b"hi there!",

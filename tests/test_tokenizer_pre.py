@@ -3,8 +3,6 @@ pre-tokenizer's regex split against the `tokenizers` library, unknown names, --o
 from __future__ import annotations
 
 import argparse
-import lzma
-import shutil
 from pathlib import Path
 
 import pytest
@@ -42,22 +40,6 @@ VECTORS = {
     "ggml-vocab-starcoder.gguf": ("ggml-vocab-starcoder.gguf", {}),
 }
 
-
-@pytest.fixture(scope="module")
-def vocab_path(tmp_path_factory):
-    """A vocabulary's path, decompressed into a temporary folder when it is stored as .xz."""
-    tmp = tmp_path_factory.mktemp("vocab")
-
-    def get(name: str) -> Path:
-        plain = VOCAB_DIR / name
-        if plain.exists():
-            return plain
-        out = tmp / name
-        if not out.exists():
-            with lzma.open(VOCAB_DIR / (name + ".xz")) as src, open(out, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        return out
-    return get
 
 
 def vectors(name: str) -> list[tuple[str, list[int]]]:

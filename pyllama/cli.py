@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -193,3 +194,14 @@ def install_stop_signals(loop: asyncio.AbstractEventLoop, on_stop: Callable[[], 
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, first, sig)
+
+
+def is_loopback_address(host: str) -> bool:
+    """Whether a listening address (--host) is a loopback one: only this machine can connect."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

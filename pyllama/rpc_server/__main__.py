@@ -11,7 +11,6 @@ and must not change how an rpc server on the same machine starts.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import sys
 from typing import Optional, Sequence
@@ -19,7 +18,7 @@ from typing import Optional, Sequence
 from .. import trace
 from ..backend.base import Backend
 from ..backend.cpu import CPUBackend, set_compute_threads
-from ..cli import Parser, install_stop_signals, run_main, setup_logging
+from ..cli import Parser, install_stop_signals, is_loopback_address, run_main, setup_logging
 from ..errors import PyllamaError
 from ..priority import LEVELS_HELP, apply_priority, check_level
 from ..rpc.auth import read_token
@@ -92,19 +91,10 @@ def check_args(args) -> None:
 
 def exposure_warning(host: str, token: Optional[bytes]) -> Optional[str]:
     """The start-up warning for a server reachable beyond this host without a token."""
-    if token is not None or _is_loopback(host):
+    if token is not None or is_loopback_address(host):
         return None
     return (f"listening on {host} without --auth-token-file: the RPC server has no authentication; anyone who "
             "reaches this port can allocate memory and run graphs on it")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def open_device(name: str, threads: int) -> Backend:

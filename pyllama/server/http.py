@@ -37,6 +37,8 @@ from urllib.parse import parse_qsl, unquote
 import httptools
 import ujson
 
+from ..cli import is_loopback_address
+
 __all__ = [
     "HTTPError", "Request", "Response", "StreamResponse", "Handler", "HTTPServer",
     "json_response", "error_response", "sse_event", "SSE_DONE", "install_uvloop", "MAX_JSON_DEPTH",
@@ -306,17 +308,6 @@ def _key_in_headers(headers: dict[str, str], keys: Sequence[str]) -> bool:
         for k in keys:
             ok |= hmac.compare_digest(gb, k.encode("utf-8"))
     return ok
-
-
-def is_loopback_address(host: str) -> bool:
-    """Whether a listening address (--host) is a loopback one: only this machine can connect."""
-    host = host.strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def loopback_host_name(value: str, bound: str = "") -> bool:

@@ -3,6 +3,8 @@ and written back (`Context.read_seq` / `write_seq`) continue exactly as the comp
 server keeps the prompts its slots give up and starts a returning prompt from them."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -244,6 +246,17 @@ def test_a_prompt_saved_by_one_group_loads_in_another(tiny_model):
         assert server.stop() == 0
 
 
+def _saved_lines(server, expected: int, wait_s: float = 10.0) -> list[str]:
+    """The log's "saved to the host cache" lines, once `expected` of them are there (or after
+    wait_s): a copy runs on the cache's own thread and may end after the request that caused it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        saved = [line for line in server.log_tail(200).splitlines() if "saved to the host cache" in line]
+        if len(saved) >= expected or time.monotonic() > deadline:
+            return saved
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("flag", ["--cache-idle-slots", "--no-cache-idle-slots"])
 def test_idle_slots_are_saved_when_a_request_starts(tiny_model, flag):
     server = ServerProcess(tiny_model, "-np", "2", "-c", "512", flag, "--metrics").wait_ready()
@@ -251,7 +264,7 @@ def test_idle_slots_are_saved_when_a_request_starts(tiny_model, flag):
         _complete(server, A, id_slot=0)
         _complete(server, A, id_slot=0)  # A came back
         _complete(server, B, id_slot=1)  # slot 0 is idle when this starts
-        saved = [line for line in server.log_tail(200).splitlines() if "saved to the host cache" in line]
+        saved = _saved_lines(server, 1 if flag == "--cache-idle-slots" else 0)
         assert (len(saved) == 1 and "slot 0:" in saved[0]) if flag == "--cache-idle-slots" else not saved
         # slot 1 (B, a first appearance) is idle when this starts: it is not dropped, so not counted as let go
         _complete(server, list(range(300, 380)), id_slot=0)

@@ -195,7 +195,18 @@ def _complete(server: ServerProcess, prompt: list[int], **extra) -> dict:
     return body
 
 
-def _metrics(server: ServerProcess) -> dict[str, float]:
+def _metrics(server: ServerProcess, saves: int = 0, wait_s: float = 10.0) -> dict[str, float]:
+    """The prompt cache's figures, once `saves` copies have ended (or after wait_s): a copy runs
+    on the cache's own thread and may end after the request whose slot it copied."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        m = _metrics_now(server)
+        if m.get("llamacpp:prompt_cache_saves_total", 0) >= saves or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def _metrics_now(server: ServerProcess) -> dict[str, float]:
     status, text = server.request("GET", "/metrics")
     assert status == 200
     text = text if isinstance(text, str) else text.decode()
@@ -223,7 +234,7 @@ def test_a_returning_prompt_starts_from_the_host_cache(tiny_model, cache_ram):
                                         "llamacpp:prompt_cache_not_admitted_total": 0}
         else:
             assert again["timings"]["cache_n"] == len(A) - 1 and again["timings"]["prompt_n"] == 1
-            m = _metrics(server)
+            m = _metrics(server, saves=2)
             # A and B were each let go once, then copied once each (B when A came back the last time)
             assert m["llamacpp:prompt_cache_not_admitted_total"] == 2 and m["llamacpp:prompt_cache_saves_total"] == 2
             assert 0 < m["llamacpp:prompt_cache_bytes"] == m["llamacpp:prompt_cache_saved_bytes_total"]
@@ -288,7 +299,7 @@ def test_a_multi_turn_conversation_keeps_its_turns_while_one_off_prompts_are_not
             cached.append(reply["timings"]["cache_n"])
             history += reply["tokens"] + list(range(300 + 10 * turn, 310 + 10 * turn))
             _complete(server, other)
-        m = _metrics(server)
+        m = _metrics(server, saves=3)
         assert cached[:2] == [0, 0] and all(c > 30 for c in cached[2:])  # turns 2 and 3 start from the cache
         # turns 1..3, each when a one-off prompt took the slot, each replacing the turn before it
         assert m["llamacpp:prompt_cache_saves_total"] == 3 and m["llamacpp:prompt_cache_entries"] == 1

@@ -269,6 +269,19 @@ PQ_INLINE __m256i pq_x8_scales32(int t, __m128i s8) {
     return _mm256_cvtepi8_epi32(s8);
 }
 
+#if PQ_X8_OCT
+/* Oct s's scales of the 8 rows as 16 bytes, row l's in bytes 2l and 2l + 1: its sub-block's scale
+ * twice (Q4_K / Q5_K), or its groups 2s and 2s + 1's (Q6_K) */
+PQ_INLINE __m128i pq_x8_oct_scales(const uint8_t *sc, int s, int k4) {
+    if (k4) {
+        const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
+        return _mm_unpacklo_epi8(s8, s8);
+    }
+    const __m128i s16 = _mm_loadu_si128((const __m128i *)(sc + 16 * s));
+    return _mm_unpacklo_epi8(s16, _mm_srli_si128(s16, 8));
+}
+#endif
+
 /* The integer part of a K-quant block against NR activation rows: per row, the 8 rows' sum over
  * groups of scale * sum(q * q8) (isum) */
 PQ_INLINE void pq_x8_kblock(int t, int NR, const uint8_t *blk, const uint8_t *x, size_t xs, __m256i *isum) {
@@ -290,16 +303,7 @@ PQ_INLINE void pq_x8_kblock(int t, int NR, const uint8_t *blk, const uint8_t *x,
                 acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi64(y8));
             }
         }
-        /* row l's lanes 2l, 2l + 1: its sub-block's scale twice (Q4_K / Q5_K), or its groups 2s
-         * and 2s + 1's (Q6_K) */
-        __m128i s88;
-        if (k4) {
-            const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
-            s88 = _mm_unpacklo_epi8(s8, s8);
-        } else {
-            const __m128i s16 = _mm_loadu_si128((const __m128i *)(sc + 16 * s));
-            s88 = _mm_unpacklo_epi8(s16, _mm_srli_si128(s16, 8));
-        }
+        const __m128i s88 = pq_x8_oct_scales(sc, s, k4);
         const __m512i s32 = k4 ? _mm512_cvtepu8_epi32(s88) : _mm512_cvtepi8_epi32(s88);
         for (int r = 0; r < NR; r++) {
             zsum[r] = _mm512_add_epi32(zsum[r], _mm512_mullo_epi32(acc[r], s32));
@@ -538,14 +542,7 @@ PQ_INLINE void pq_x8_kernel_k_oct(int t, int NR, int64_t nb, const uint8_t *wg, 
         const uint8_t *sc = blk + (k4 ? 32 : 16);
         __m512i s32[8];
         for (int s = 0; s < 8; s++) {
-            __m128i s88;
-            if (k4) {
-                const __m128i s8 = _mm_loadl_epi64((const __m128i *)(sc + 8 * s));
-                s88 = _mm_unpacklo_epi8(s8, s8);
-            } else {
-                const __m128i s16 = _mm_loadu_si128((const __m128i *)(sc + 16 * s));
-                s88 = _mm_unpacklo_epi8(s16, _mm_srli_si128(s16, 8));
-            }
+            const __m128i s88 = pq_x8_oct_scales(sc, s, k4);
             /* the scale in each lane's low int16, 0 above: dpwssd then adds oct sum * scale (the oct
              * sums fit int16: at most 4 * 63 * 127 in magnitude) in one instruction */
             s32[s] = _mm512_and_si512(k4 ? _mm512_cvtepu8_epi32(s88) : _mm512_cvtepi8_epi32(s88),

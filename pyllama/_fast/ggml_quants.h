@@ -44,6 +44,8 @@
 #include <sys/syscall.h>
 #include <linux/futex.h>
 
+#include "pinned_sum.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PQ_HAVE_AVX2 1
@@ -655,21 +657,17 @@ PQ_API float pq_dot1_portable(int t, int64_t n, const uint8_t *w, const uint8_t 
 
 #define PQ_INLINE static inline __attribute__((always_inline))
 
-/* The modules are built with -fassociative-math, and GCC's vector float adds (_mm*_add_ps) are
- * plain vector additions it may then regroup, differently in each instantiation: every sum whose
- * order is ggml's is pinned, one step at a time, by an empty asm the compiler cannot see through. */
-#define PQ_PIN(v) __asm__("" : "+v"(v))
 PQ_INLINE float pq_hsum256(__m256 v) {   /* ggml's hsum_float_8: ((0+4) + (2+6)) + ((1+5) + (3+7)) */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    PQ_PIN(s);
+    PIN_VEC(s);
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    PQ_PIN(s);
+    PIN_VEC(s);
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 PQ_INLINE float pq_hsum128(__m128 s) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    PQ_PIN(s);
+    PIN_VEC(s);
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
@@ -1002,16 +1000,6 @@ PQ_INLINE void pq_avx2_float(int t, int xt, int NR, int64_t n, const uint8_t *w,
 }
 
 #if defined(__AVX512F__)
-/* _mm512_reduce_add_ps's tree, pinned: (256-bit halves) -> (128-bit halves) -> (0+2, 1+3) -> sum */
-PQ_INLINE float pq_reduce512(__m512 v) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    PQ_PIN(h);
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    PQ_PIN(q);
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    PQ_PIN(q);
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-}
 /* F16 weights against activations rounded to F16 (widened to floats), in ggml's float steps on an
  * AVX-512 machine: ggml_vec_dot_f16 (4 accumulators of 16 lanes over steps of 64 elements, added
  * 0+2, 1+3, then together, reduced, then the n % 64 tail's products added in double), at every
@@ -1031,11 +1019,11 @@ PQ_INLINE void pq_avx512_f16(int NR, int64_t n, const uint8_t *w, const uint8_t 
     for (int r = 0; r < NR; r++) {
         const float *y = (const float *)(x + r * xs);
         __m512 a02 = _mm512_add_ps(acc[r][0], acc[r][2]), a13 = _mm512_add_ps(acc[r][1], acc[r][3]);
-        PQ_PIN(a02);
-        PQ_PIN(a13);
+        PIN_VEC(a02);
+        PIN_VEC(a13);
         __m512 t = _mm512_add_ps(a02, a13);
-        PQ_PIN(t);
-        double sum = (double)pq_reduce512(t);
+        PIN_VEC(t);
+        double sum = (double)pinned_reduce16(t);
         for (int64_t j = np; j < n; j++) sum += (double)(pq_ld_f16(w + 2 * j) * y[j]);
         out[r] = (float)sum;
     }

@@ -182,8 +182,8 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
 #define PQ_X8_NR 4
 #endif
 
-/* a + b, kept apart from the sums around it (PQ_PIN) */
-PQ_INLINE __m256 pq_x8_add(__m256 a, __m256 b) { __m256 s = _mm256_add_ps(a, b); PQ_PIN(s); return s; }
+/* a + b, kept apart from the sums around it (PIN_VEC) */
+PQ_INLINE __m256 pq_x8_add(__m256 a, __m256 b) { __m256 s = _mm256_add_ps(a, b); PIN_VEC(s); return s; }
 PQ_INLINE __m256i pq_x8_bcast(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
 /* The 8 unsigned weights' quad i of group s of a Q4_K (sub-block s, 32 elements) or Q2_K / Q3_K /
@@ -508,10 +508,10 @@ PQ_INLINE void pq_x8_kernel_0_oct(int t, int NR, int64_t nb, const uint8_t *wg, 
     for (int r = 0; r < NR; r++)
     {
         __m512 a = _mm512_add_ps(facc[r][0], facc[r][2]), c = _mm512_add_ps(facc[r][1], facc[r][3]);
-        PQ_PIN(a);
-        PQ_PIN(c);
+        PIN_VEC(a);
+        PIN_VEC(c);
         __m512 t = _mm512_add_ps(a, c);
-        PQ_PIN(t);
+        PIN_VEC(t);
         fsum[r] = pq_x8_pair_sums_ps(t);
     }
     pq_x8_store(NR, fsum, out, ldo, bias);

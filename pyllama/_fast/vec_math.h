@@ -18,6 +18,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "pinned_sum.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -368,33 +370,22 @@ static void pv_rope_cache(float pos, int half, float theta_scale, float freq_sca
  * scores: G * L floats (L >= n rounded up to 64); acc: 64 * hd floats. hd a multiple of 16. */
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define PV_GGML_ATTEND 1
-#define PV_PIN(v) __asm__("" : "+v"(v))
-/* _mm512_reduce_add_ps's tree, pinned: (256-bit halves) -> (128-bit halves) -> (0+2, 1+3) -> sum */
-static inline __attribute__((always_inline)) float pv_reduce16(__m512 v) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    PV_PIN(h);
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    PV_PIN(q);
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    PV_PIN(q);
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-}
 /* the same tree over 16 vectors (vector l = lane l), 16 results at once */
 static inline __attribute__((always_inline)) __m512 pv_reduce16_vecs(const __m512 *a) {
     __m512 h[8], q[4], r0, r1;
-    for (int i = 0; i < 8; i++) { h[i] = _mm512_add_ps(a[i], a[i + 8]); PV_PIN(h[i]); }
-    for (int i = 0; i < 4; i++) { q[i] = _mm512_add_ps(h[i], h[i + 4]); PV_PIN(q[i]); }
-    r0 = _mm512_add_ps(q[0], q[2]); PV_PIN(r0);
-    r1 = _mm512_add_ps(q[1], q[3]); PV_PIN(r1);
+    for (int i = 0; i < 8; i++) { h[i] = _mm512_add_ps(a[i], a[i + 8]); PIN_VEC(h[i]); }
+    for (int i = 0; i < 4; i++) { q[i] = _mm512_add_ps(h[i], h[i + 4]); PIN_VEC(q[i]); }
+    r0 = _mm512_add_ps(q[0], q[2]); PIN_VEC(r0);
+    r1 = _mm512_add_ps(q[1], q[3]); PIN_VEC(r1);
     return _mm512_add_ps(r0, r1);
 }
 /* the same tree over 16 rows of 16 lanes each (row l = lane l), 16 results at once */
 static inline __attribute__((always_inline)) __m512 pv_reduce16_rows(const float *a, long long stride) {
     __m512 h[8], q[4], r0, r1;
-    for (int i = 0; i < 8; i++) { h[i] = _mm512_add_ps(_mm512_loadu_ps(a + i * stride), _mm512_loadu_ps(a + (i + 8) * stride)); PV_PIN(h[i]); }
-    for (int i = 0; i < 4; i++) { q[i] = _mm512_add_ps(h[i], h[i + 4]); PV_PIN(q[i]); }
-    r0 = _mm512_add_ps(q[0], q[2]); PV_PIN(r0);
-    r1 = _mm512_add_ps(q[1], q[3]); PV_PIN(r1);
+    for (int i = 0; i < 8; i++) { h[i] = _mm512_add_ps(_mm512_loadu_ps(a + i * stride), _mm512_loadu_ps(a + (i + 8) * stride)); PIN_VEC(h[i]); }
+    for (int i = 0; i < 4; i++) { q[i] = _mm512_add_ps(h[i], h[i + 4]); PIN_VEC(q[i]); }
+    r0 = _mm512_add_ps(q[0], q[2]); PIN_VEC(r0);
+    r1 = _mm512_add_ps(q[1], q[3]); PIN_VEC(r1);
     return _mm512_add_ps(r0, r1);
 }
 static inline __attribute__((always_inline)) float pv_ggml_dot_f32(const float *x, const float *y, int n) {
@@ -408,9 +399,9 @@ static inline __attribute__((always_inline)) float pv_ggml_dot_f32(const float *
     }
     s0 = _mm512_add_ps(s0, s2);
     s1 = _mm512_add_ps(s1, s3);
-    PV_PIN(s0);
-    PV_PIN(s1);
-    float sum = pv_reduce16(_mm512_add_ps(s0, s1));
+    PIN_VEC(s0);
+    PIN_VEC(s1);
+    float sum = pinned_reduce16(_mm512_add_ps(s0, s1));
     for (int i = np; i < n; i++) sum = fmaf(x[i], y[i], sum);
     return sum;
 }
@@ -427,7 +418,7 @@ static void pv_ggml_softmax(float *s, long long n) {
         const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s + j);
         const __m512 e = _mm512_maskz_mov_ps(live, pv_ggml_exp16(_mm512_sub_ps(x, mv)));
         _mm512_storeu_ps(s + j, e);
-        sum += (double)pv_reduce16(e);
+        sum += (double)pinned_reduce16(e);
     }
     const __m512 inv = _mm512_set1_ps((float)(1.0 / sum));
     for (long long j = 0; j < n; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
@@ -485,8 +476,8 @@ static void pv_ggml_attend(const float *q, int G, int hd, const unsigned char *k
                     __m512 x0 = _mm512_add_ps(_mm512_loadu_ps(acc + l * hd + d), _mm512_loadu_ps(acc + (l + 32) * hd + d));
                     __m512 x1 = _mm512_add_ps(_mm512_loadu_ps(acc + (l + 16) * hd + d),
                                               _mm512_loadu_ps(acc + (l + 48) * hd + d));
-                    PV_PIN(x0);
-                    PV_PIN(x1);
+                    PIN_VEC(x0);
+                    PIN_VEC(x1);
                     _mm512_storeu_ps(acc + l * hd + d, _mm512_add_ps(x0, x1));
                 }
         for (int d = 0; d < hd; d += 16) _mm512_storeu_ps(out + (long long)g * hd + d, pv_reduce16_rows(acc + d, hd));

@@ -20,7 +20,6 @@ Servers are started on free loopback ports and stopped by this script.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import math
 import os
@@ -36,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from peers import Peers  # noqa: E402
 from pipeline_cells import LlamaServer, model_path  # noqa: E402
 from server_util import ServerProcess  # noqa: E402
+from slot_restore import post  # noqa: E402
 
 # None: the BOS token alone, a first step of one row (the products, norms and FFN, attention over
 # one cell), which isolates the weight types' arithmetic from the prompt-sized attention
@@ -80,25 +80,11 @@ def quantized(peers: Optional[Peers], src: str, qtype: str, preset: str) -> str:
     return path
 
 
-def post(url: str, body: dict, timeout: float = 300) -> dict:
-    host, port = url.split("//", 1)[1].split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    try:
-        conn.request("POST", "/completion", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}/completion answered {resp.status}: {data[:300]!r}")
-        return json.loads(data)
-    finally:
-        conn.close()
-
-
 def steps_of(url: str, prompt, n_steps: int, top: int) -> list[tuple[int, dict[int, float]]]:
     """[(chosen token, {token id: logprob of the top `top`})] for the first n_steps greedy steps
     (prompt: text, or a list of token ids)."""
-    r = post(url, {"prompt": prompt, "n_predict": n_steps, "n_probs": top, "temperature": 0,
-                   "cache_prompt": False, "seed": 0})
+    r = post(url, "/completion", {"prompt": prompt, "n_predict": n_steps, "n_probs": top, "temperature": 0,
+                                  "cache_prompt": False, "seed": 0}, timeout=300)
     steps = []
     for p in r.get("completion_probabilities", []):
         steps.append((p["id"], {t["id"]: t["logprob"] for t in p["top_logprobs"]}))

@@ -34,9 +34,10 @@ from pipeline_cells import LlamaServer, add_server_bench_options, model_and_voca
 from server_util import ServerProcess  # noqa: E402
 
 
-def post(url: str, path: str, body: dict) -> dict:
+def post(url: str, path: str, body: dict, timeout: float = 600) -> dict:
+    """The JSON answer of a POST to a llama-server compatible server; anything but 200 raises."""
     host, port = url.rsplit("/", 1)[-1].split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
         conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()

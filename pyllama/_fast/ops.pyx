@@ -28,11 +28,12 @@ DEF GLU_CHUNK = 2048                # swiglu / geglu elements per item
 DEF RMS_ITEM_ELEMENTS = 8192        # rms_norm: whole rows per item, about this many elements
 # KQV's lanes over the cells with F32 caches (vec_math.h's pv_ggml_attend). llama.cpp sums them as
 # llamafile's tinyBLAS does (16) in every step of several rows (prompts, decoding several sequences)
-# and as ggml_vec_dot_f32 does (64) in a step of one row; the two agree up to 16 cells. A row's result
-# here must not depend on the rows sharing its step, so every row takes the form of the prompts:
-# their K and V rows then match llama.cpp's for the whole prompt, and a step of one row over more
-# than 16 cells differs from it by the summation order alone.
-DEF GGML_KQV_LANES = 16
+# and as ggml_vec_dot_f32 does (64) in a step of one row (tinyBLAS refuses a single row); the two
+# agree up to 16 cells. The form follows the step's row count as llama.cpp's does, so a prompt
+# decoded alone gives llama.cpp's numbers at every step; a row decoded beside other sequences
+# differs from one decoded alone by the summation order only, as it does in llama.cpp.
+DEF GGML_KQV_LANES_ROWS = 16
+DEF GGML_KQV_LANES_ONE_ROW = 64
 
 
 cdef extern from "vec_math.h" nogil:
@@ -261,6 +262,7 @@ cdef struct AttnArgs:
     Py_ssize_t n_swa           # 0: every listed cell; else only the last n_swa
     Py_ssize_t max_len  # the longest list of cells a token attends to (scores per head: max_len + 1)
     Py_ssize_t exact_len  # max_len rounded up to 64: scores per head of the ggml steps
+    int kqv_lanes         # KQV's summation lanes over the cells (see GGML_KQV_LANES_ROWS)
     Py_ssize_t store_floats, attend_floats  # scratch per item
     int failed          # an item could not allocate its scratch
     Py_ssize_t n, n_cells, n_listed  # tokens, cache rows, listed cells
@@ -323,9 +325,9 @@ cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
         q[d] = o[d]
     if a.softcap <= 0 and pv_ggml_attend_ok(hd, a.k_type, a.v_type):
         # F32 caches: ggml's own float steps (see vec_math.h); scratch: q, then G * exact_len
-        # scores, then GGML_KQV_LANES rows of hd sums
+        # scores, then kqv_lanes rows of hd sums
         pv_ggml_attend(q, G, hd, a.k_cache, a.k_row, head * 4, a.v_cache, a.v_row, head * 4, a.cells + r0, r1,
-                       a.scale, GGML_KQV_LANES, q + G * hd, a.exact_len, q + G * hd + G * a.exact_len, o)
+                       a.scale, a.kqv_lanes, q + G * hd, a.exact_len, q + G * hd + G * a.exact_len, o)
         return
     if a.softcap <= 0 and pv_attend_ok(G, hd, a.k_type, a.v_type):
         # F32 / F16 caches: every cache row read once for the G heads, straight from the cache
@@ -543,8 +545,9 @@ cdef int _attn_scan(AttnArgs* a) noexcept nogil:
     # the attend's q and acc per head, k and v rows, scores
     a.attend_floats = 2 * a.q_width // a.Hkv + 2 * a.hd + (a.H // a.Hkv) * (max_len + 1)
     a.exact_len = (max_len + 63) // 64 * 64
-    if a.attend_floats < a.q_width // a.Hkv + (a.H // a.Hkv) * a.exact_len + GGML_KQV_LANES * a.hd:
-        a.attend_floats = a.q_width // a.Hkv + (a.H // a.Hkv) * a.exact_len + GGML_KQV_LANES * a.hd
+    a.kqv_lanes = GGML_KQV_LANES_ONE_ROW if a.n == 1 else GGML_KQV_LANES_ROWS
+    if a.attend_floats < a.q_width // a.Hkv + (a.H // a.Hkv) * a.exact_len + a.kqv_lanes * a.hd:
+        a.attend_floats = a.q_width // a.Hkv + (a.H // a.Hkv) * a.exact_len + a.kqv_lanes * a.hd
     return 0
 
 

@@ -7,8 +7,10 @@ zen4 / icelake / haswell / x64, or --variant) exports `ggml_get_type_traits_cpu`
 `from_float` and `vec_dot` are the activation quantizer and the dot product its matrix products
 run. For each weight type, random weights and activations are multiplied by both: ggml's
 from_float + vec_dot per (row, column), pyllama's mul_mat_q (file layout) and, where the type is
-repacked, mul_mat_q_x8. Printed per type: activation bytes that differ, and outputs that are not
-bit-identical for each layout (0 everywhere is the goal). Exits 1 when any differs.
+repacked, mul_mat_q_x8. F16 and BF16 weights are also multiplied by ggml's own mul_mat in a graph
+(what llama.cpp runs: vec_dot for one activation row, llamafile's tinyBLAS for several). Printed per
+type: activation bytes that differ, and outputs that are not bit-identical for each layout (0
+everywhere is the goal). Exits 1 when any differs.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from bench_qmatmul import random_weights  # noqa: E402
 from peers import Peers  # noqa: E402
 from pyllama._fast import qmatmul  # noqa: E402
 
-TYPES = "f16,q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k"
+TYPES = "f16,bf16,q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k"
 _FF = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 _VD = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -95,6 +97,8 @@ def main() -> int:
         print(f"ggml_kernels: no llama.cpp programs under {args.peers}/bin", file=sys.stderr)
         return 2
     ggml = Ggml(peers, args.variant or cpu_variant())
+    from ggml_attention import Graph  # noqa: E402 (it imports this module)
+    graph = Graph(peers, ggml.lib)
     rng = np.random.default_rng(args.seed)
     bad = False
     for name in [t for t in args.types.split(",") if t]:
@@ -106,6 +110,9 @@ def main() -> int:
                 x = (rng.standard_normal((n, k)) * rng.uniform(0.05, 5)).astype(np.float32)
                 x[:, ::7] = np.round(x[:, ::7] * 4) / 4   # values whose scaled products land on halves
                 ref, xq = ggml.matmul(qtype, x, w)
+                if qtype in (T.F16, T.BF16):  # the graph's product: tinyBLAS for several rows
+                    wt = graph.tensor(w.view(np.uint16).reshape(args.m, k), qtype)
+                    ref = graph.compute(graph.b.ggml_mul_mat(graph.ctx, wt, graph.tensor(x)), ref.shape, 2)
                 ours_xq = qmatmul.quantize_rows(x, qmatmul.vec_dot_type(qtype))
                 out = np.zeros_like(ref)
                 qmatmul.mul_mat_q(x, w, qtype, out)
@@ -120,6 +127,7 @@ def main() -> int:
         x8 = f" repacked {total['x8']}" if qtype in qmatmul.x8_types() else ""
         print(f"{name:6s} activation bytes differing {total['xq']}  outputs differing: file layout {total['layout']}{x8}"
               f"  (of {sum(int(n) for n in args.rows.split(',')) * args.m * len(args.k.split(','))})", flush=True)
+    graph.close()
     peers.close()
     return 1 if bad else 0
 

@@ -14,6 +14,7 @@ from gguf import quants
 import quant_reference as ref
 
 qmatmul = pytest.importorskip("pyllama._fast.qmatmul", reason="Cython extensions not built (python setup.py build_ext --inplace)")
+from pyllama._fast import ops  # noqa: E402
 
 TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 INT_TYPES = TYPES[3:]
@@ -156,14 +157,22 @@ def test_mul_mat_q_matches_reference(qtype, n):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_row_gives_the_same_bits_whatever_rows_share_its_call(qtype):
     """A row's products do not depend on how many other rows one kernel call takes with it
-    (1 .. the kernels' most), so a sequence's logits do not depend on its batch mates."""
+    (1 .. the kernels' most), so a sequence's logits do not depend on its batch mates. F16 and
+    BF16 weights on AVX-512 take llama.cpp's two forms (tests/test_float_products.py): one row
+    alone its vec_dot's, two rows or more tinyBLAS's, the same for every number of rows."""
     rng = np.random.default_rng(int(qtype))
     w = ref.random_weights(qtype, 16, K, rng)
     x = activations(9, K, rng)
     for portable in PATHS:
         alone = np.empty((9, 16), np.float32)
+        two_forms = qtype in (T.F16, T.BF16) and not portable and ops.GGML_F32_ATTENTION
         for r in range(9):
-            qmatmul.mul_mat_q(x[r:r + 1], w, int(qtype), alone[r:r + 1], portable=portable)
+            if two_forms:  # each row beside another (row 8 beside row 0)
+                pair = np.empty((2, 16), np.float32)
+                qmatmul.mul_mat_q(np.ascontiguousarray(x[[r, (r + 1) % 9]]), w, int(qtype), pair, portable=portable)
+                alone[r] = pair[0]
+            else:
+                qmatmul.mul_mat_q(x[r:r + 1], w, int(qtype), alone[r:r + 1], portable=portable)
         for n in range(2, 10):
             out = np.empty((n, 16), np.float32)
             qmatmul.mul_mat_q(x[:n], w, int(qtype), out, portable=portable)

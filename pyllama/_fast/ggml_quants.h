@@ -1002,9 +1002,8 @@ PQ_INLINE void pq_avx2_float(int t, int xt, int NR, int64_t n, const uint8_t *w,
 #if defined(__AVX512F__)
 /* F16 weights against activations rounded to F16 (widened to floats), in ggml's float steps on an
  * AVX-512 machine: ggml_vec_dot_f16 (4 accumulators of 16 lanes over steps of 64 elements, added
- * 0+2, 1+3, then together, reduced, then the n % 64 tail's products added in double), at every
- * batch size, so that a row's result does not depend on its batch (llama.cpp's prompt batches of F16
- * weights go through llamafile's tinyBLAS instead: one accumulator over steps of 16). */
+ * 0+2, 1+3, then together, reduced, then the n % 64 tail's products added in double), llama.cpp's
+ * form for a product of one activation row (pq_avx512_f16_tiny below is its form for several). */
 PQ_INLINE void pq_avx512_f16(int NR, int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
     __m512 acc[PQ_MAX_NR][4];
     for (int r = 0; r < NR; r++)
@@ -1028,6 +1027,100 @@ PQ_INLINE void pq_avx512_f16(int NR, int64_t n, const uint8_t *w, const uint8_t 
         out[r] = (float)sum;
     }
 }
+
+/* llamafile's tinyBLAS on AVX-512, llama.cpp's form for products of two activation rows or more
+ * (pq_tiny_form says when it applies): per output one accumulator of PQ_TINY_KN lanes' fused steps in
+ * order, then reduced as _mm512_reduce_add_ps. F16 steps 16 elements; BF16 steps 32 elements as
+ * dot-product pairs (vdpbf16ps) where the machine has them, else 16 widened elements. The activation
+ * rows come rounded to the weight's type and widened to floats. */
+PQ_INLINE void pq_avx512_f16_tiny(int NR, int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    __m512 acc[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * i)));
+        for (int r = 0; r < NR; r++) acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps((const float *)(x + r * xs) + i), acc[r]);
+    }
+    for (int r = 0; r < NR; r++) out[r] = pinned_reduce16(acc[r]);
+}
+
+#if defined(__AVX512BF16__)
+#define PQ_BF16_TINY_KN 32
+/* 32 widened BF16 activations back to BF16 pairs (exact: they are BF16 values) */
+PQ_INLINE __m512bh pq_bh32(const float *y) { return _mm512_cvtne2ps_pbh(_mm512_loadu_ps(y + 16), _mm512_loadu_ps(y)); }
+/* ggml_vec_dot_bf16 with vdpbf16ps: two accumulators over steps of 64 (elements 0-31 and 32-63 of
+ * each step), each reduced and added in double, then the n % 64 tail's float products in double */
+PQ_INLINE void pq_avx512_bf16(int NR, int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    __m512 c1[PQ_MAX_NR], c2[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) { c1[r] = _mm512_setzero_ps(); c2[r] = _mm512_setzero_ps(); }
+    const int64_t np = n & ~(int64_t)63;
+    for (int64_t i = 0; i < np; i += 64) {
+        const __m512bh w1 = (__m512bh)_mm512_loadu_ps((const float *)(w + 2 * i));
+        const __m512bh w2 = (__m512bh)_mm512_loadu_ps((const float *)(w + 2 * (i + 32)));
+        for (int r = 0; r < NR; r++) {
+            const float *y = (const float *)(x + r * xs) + i;
+            c1[r] = _mm512_dpbf16_ps(c1[r], w1, pq_bh32(y));
+            c2[r] = _mm512_dpbf16_ps(c2[r], w2, pq_bh32(y + 32));
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        const float *y = (const float *)(x + r * xs);
+        double sum = 0;
+        sum += (double)pinned_reduce16(c1[r]);
+        sum += (double)pinned_reduce16(c2[r]);
+        for (int64_t j = np; j < n; j++) { uint16_t u; memcpy(&u, w + 2 * j, 2); sum += (double)(pq_bf16_to_f32(u) * y[j]); }
+        out[r] = (float)sum;
+    }
+}
+PQ_INLINE void pq_avx512_bf16_tiny(int NR, int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    __m512 acc[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_ps((const float *)(w + 2 * i));
+        for (int r = 0; r < NR; r++) acc[r] = _mm512_dpbf16_ps(acc[r], wv, pq_bh32((const float *)(x + r * xs) + i));
+    }
+    for (int r = 0; r < NR; r++) out[r] = pinned_reduce16(acc[r]);
+}
+#else
+#define PQ_BF16_TINY_KN 16
+PQ_INLINE __m512 pq_bf16x16(const uint8_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+/* ggml_vec_dot_bf16 on AVX-512F: two accumulators over steps of 32, a product then an addition (not
+ * fused), each reduced and added in double, then the n % 32 tail in double */
+PQ_INLINE void pq_avx512_bf16(int NR, int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    __m512 c1[PQ_MAX_NR], c2[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) { c1[r] = _mm512_setzero_ps(); c2[r] = _mm512_setzero_ps(); }
+    const int64_t np = n & ~(int64_t)31;
+    for (int64_t i = 0; i < np; i += 32) {
+        const __m512 w1 = pq_bf16x16(w + 2 * i), w2 = pq_bf16x16(w + 2 * (i + 16));
+        for (int r = 0; r < NR; r++) {
+            const float *y = (const float *)(x + r * xs) + i;
+            __m512 p1 = _mm512_mul_ps(w1, _mm512_loadu_ps(y)), p2 = _mm512_mul_ps(w2, _mm512_loadu_ps(y + 16));
+            PIN_VEC(p1);
+            PIN_VEC(p2);
+            c1[r] = _mm512_add_ps(p1, c1[r]);
+            c2[r] = _mm512_add_ps(p2, c2[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        const float *y = (const float *)(x + r * xs);
+        double sum = 0;
+        sum += (double)pinned_reduce16(c1[r]);
+        sum += (double)pinned_reduce16(c2[r]);
+        for (int64_t j = np; j < n; j++) { uint16_t u; memcpy(&u, w + 2 * j, 2); sum += (double)(pq_bf16_to_f32(u) * y[j]); }
+        out[r] = (float)sum;
+    }
+}
+PQ_INLINE void pq_avx512_bf16_tiny(int NR, int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    __m512 acc[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 wv = pq_bf16x16(w + 2 * i);
+        for (int r = 0; r < NR; r++) acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps((const float *)(x + r * xs) + i), acc[r]);
+    }
+    for (int r = 0; r < NR; r++) out[r] = pinned_reduce16(acc[r]);
+}
+#endif
 #endif
 
 /* `n` is the row length in elements; nb the number of blocks. */
@@ -1061,14 +1154,30 @@ PQ_DEF4(pq_k_bf16, pq_avx2_float(PQ_BF16, PQ_BF16, NR, n, w, x, xs, out))
 PQ_DEF4(pq_k_f32, pq_avx2_float(PQ_F32, PQ_F32, NR, n, w, x, xs, out))
 #if defined(__AVX512F__)
 PQ_DEF4(pq_k_f16w, pq_avx512_f16(NR, n, w, x, xs, out))
+PQ_DEF4(pq_k_bf16w, pq_avx512_bf16(NR, n, w, x, xs, out))
+PQ_DEF4(pq_k_f16t, pq_avx512_f16_tiny(NR, n, w, x, xs, out))
+PQ_DEF4(pq_k_bf16t, pq_avx512_bf16_tiny(NR, n, w, x, xs, out))
+/* Whether llama.cpp computes a product of these sizes with llamafile's tinyBLAS (two activation rows
+ * or more, k a multiple of its step, the weight's rows a multiple of 4) rather than ggml's vec_dot */
+PQ_INLINE int pq_tiny_form(int t, int64_t n, int64_t k, int64_t m) {
+    const int64_t kn = t == PQ_F16 ? 16 : PQ_BF16_TINY_KN;
+    return n >= 2 && k % kn == 0 && m % 4 == 0;
+}
 #else
 PQ_DEF4(pq_k_f16w, pq_avx2_float(PQ_F16, PQ_F32, NR, n, w, x, xs, out))
-#endif
 PQ_DEF4(pq_k_bf16w, pq_avx2_float(PQ_BF16, PQ_F32, NR, n, w, x, xs, out))
+PQ_INLINE int pq_tiny_form(int t, int64_t n, int64_t k, int64_t m) { (void)t; (void)n; (void)k; (void)m; return 0; }
+#endif
 
-/* The kernel for F16 / BF16 weights against activations widened to F32 (pq_widen_row). */
-PQ_API pq_dot_fn pq_avx2_kernel_wide(int t, int nr) {
+/* The kernel for F16 / BF16 weights against activations widened to F32 (pq_widen_row); tiny: the
+ * form of a product of several rows (pq_tiny_form). */
+PQ_API pq_dot_fn pq_avx2_kernel_wide(int t, int nr, int tiny) {
     static const pq_dot_fn f16[PQ_MAX_NR] = PQ_TAB(pq_k_f16w), bf16[PQ_MAX_NR] = PQ_TAB(pq_k_bf16w);
+#if defined(__AVX512F__)
+    static const pq_dot_fn f16t[PQ_MAX_NR] = PQ_TAB(pq_k_f16t), bf16t[PQ_MAX_NR] = PQ_TAB(pq_k_bf16t);
+    if (tiny) return t == PQ_F16 ? f16t[nr - 1] : bf16t[nr - 1];
+#endif
+    (void)tiny;
     return t == PQ_F16 ? f16[nr - 1] : bf16[nr - 1];
 }
 
@@ -1307,7 +1416,7 @@ typedef struct {
     const uint8_t *w; int64_t m, wstride;
     float *out; int64_t ldo; const float *bias;
     uint8_t *xq; int64_t xq_stride, tile, ntiles;
-    int portable, wide;
+    int portable, wide, tiny;
 } pq_mm_job;
 
 /* An activation row rounded to F16 / BF16 (as pq_quantize_row does) and stored back as floats. */
@@ -1333,7 +1442,7 @@ static void pq_mm_tile_item(void *ctx, int64_t item) {
         const int nr = (int)(c1 - r0 < PQ_MAX_NR ? c1 - r0 : PQ_MAX_NR);
 #if PQ_HAVE_AVX2
         /* looked up once per group of rows: a short row (k = 768) is only a few blocks */
-        const pq_dot_fn fn = jb->portable ? NULL : jb->wide ? pq_avx2_kernel_wide(jb->t, nr) : pq_avx2_kernel(jb->t, nr);
+        const pq_dot_fn fn = jb->portable ? NULL : jb->wide ? pq_avx2_kernel_wide(jb->t, nr, jb->tiny) : pq_avx2_kernel(jb->t, nr);
 #endif
         for (int64_t j = jt; j < je; j++) {
             float s[PQ_MAX_NR];
@@ -1373,7 +1482,7 @@ PQ_API void pq_mul_mat(int t, const float *x, int64_t n, int64_t k, int64_t ldx,
     if (tile < 1) tile = 1;
     const int wide = PQ_HAVE_AVX2 && !portable && (t == PQ_F16 || t == PQ_BF16) && xq_stride >= 4 * k;
     pq_mm_job job = {t, n, k, w, m, wstride, out, ldo, bias, xq, xq_stride, tile, (m + tile - 1) / tile,
-                     portable, wide};
+                     portable, wide, wide && pq_tiny_form(t, n, k, m)};
     pq_rows_job rows = {t, vt, wide, x, k, ldx, xq, xq_stride};
     pq_quantize_rows_pool(&rows, n, nt, n <= 2 * PQ_MAX_NR);
     /* Work items: (chunk of activation rows) x (tile of weight rows), claimed one at a time so

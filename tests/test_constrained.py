@@ -10,6 +10,7 @@ token through: the mask makes it -inf first), so that outputs end well within ma
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -426,29 +427,94 @@ def test_a_stuck_mask_does_not_hold_up_another_requests_mask(monkeypatch, tiny_m
         worker.close()
 
 
-def test_grammars_still_checking_refuse_new_ones_with_a_503(monkeypatch, tiny_model):
-    """While MAX_CHECKS first-mask checks (a given-up one among them) still run, a grammar not yet
-    compiled is a 503 (a compiled one is served); once they end, new grammars compile again."""
+def _tok(tiny_model):
+    from pyllama.models.gguf_file import read_metadata
+    from pyllama.tokenizer import load_tokenizer
+    return load_tokenizer(read_metadata(tiny_model))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_first_mask_check_too_slow_is_killed_and_leaves_nothing_running(monkeypatch, tiny_model):
+    """The check process of a grammar whose first mask is too slow is killed: the grammar is a 400,
+    no computation goes on anywhere (no process, no thread), its place is free at once, and the
+    next new grammar is checked by a new process."""
     import threading
 
-    from pyllama.models.gguf_file import read_metadata
     from pyllama.server import constraint as cmod
-    from pyllama.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(read_metadata(tiny_model))
-    compile_constraint(ConstraintSpec("gbnf", 'root ::= "b"{3}'), tok)  # compiled before
-    monkeypatch.setattr(cmod, "FIRST_MASK_S", 0.01)
+    tok = _tok(tiny_model)
+    compile_constraint(ConstraintSpec("gbnf", 'root ::= "e"{3}'), tok)  # a check process is running
+    checker = cmod.first_mask_checker(tok)
+    (pid,) = checker.pids()
+    killed = checker.killed
+    monkeypatch.setattr(cmod, "FIRST_MASK_S", 0.2)
     monkeypatch.setattr(cmod, "_checks", threading.BoundedSemaphore(1))
     with pytest.raises(HTTPError) as err:
         compile_constraint(ConstraintSpec("gbnf", 'root ::= a{700}\na ::= b{700}\nb ::= "y"'), tok)
     assert err.value.status == 400 and "too complex" in str(err.value)
-    with pytest.raises(HTTPError) as err:
-        compile_constraint(ConstraintSpec("gbnf", 'root ::= "c"{3}'), tok)
-    assert err.value.status == 503
-    compile_constraint(ConstraintSpec("gbnf", 'root ::= "b"{3}'), tok)
-    monkeypatch.setattr(cmod, "FIRST_MASK_S", 60.0)  # the given-up check runs to its end (a second or so)
+    assert checker.killed == killed + 1 and not _alive(pid) and checker.pids() == []
+    assert not [t for t in threading.enumerate() if t.name == "grammar-check"]
+    assert cmod._checks.acquire(timeout=0)
+    cmod._checks.release()
+    compile_constraint(ConstraintSpec("gbnf", 'root ::= "f"{3}'), tok)
+    (new_pid,) = checker.pids()
+    assert new_pid != pid and _alive(new_pid)
+
+
+def test_grammars_refuse_new_ones_with_a_503_while_every_check_place_is_held(monkeypatch, tiny_model):
+    """While MAX_CHECKS places are held (by given-up later masks), a grammar not yet compiled is a
+    503 and a compiled one is served; once a place is free, new grammars compile again."""
+    import threading
+
+    from pyllama.server import constraint as cmod
+
+    tok = _tok(tiny_model)
+    compile_constraint(ConstraintSpec("gbnf", 'root ::= "b"{3}'), tok)  # compiled before
+    monkeypatch.setattr(cmod, "FIRST_MASK_S", 0.01)
+    monkeypatch.setattr(cmod, "_checks", threading.BoundedSemaphore(1))
+    assert cmod._checks.acquire(timeout=0)
+    try:
+        with pytest.raises(HTTPError) as err:
+            compile_constraint(ConstraintSpec("gbnf", 'root ::= "c"{3}'), tok)
+        assert err.value.status == 503
+        compile_constraint(ConstraintSpec("gbnf", 'root ::= "b"{3}'), tok)
+    finally:
+        cmod._checks.release()
+    monkeypatch.setattr(cmod, "FIRST_MASK_S", 60.0)
     compile_constraint(ConstraintSpec("gbnf", 'root ::= "c"{3}'), tok)
-    assert cmod._checks.acquire(timeout=0)  # (and the slot it held is free again)
+
+
+def test_without_check_processes_the_first_mask_is_checked_on_a_thread(monkeypatch, tiny_model):
+    """Where no check process can run, the first mask is computed on a thread of the server: a
+    slow one is a 400, and the given-up computation holds its place until it ends."""
+    import threading
+
+    from pyllama.server import constraint as cmod
+    from pyllama.server.grammar_check import CheckUnavailable
+
+    def unavailable(self, grammar, limit_s):
+        raise CheckUnavailable("no processes here")
+
+    tok = _tok(tiny_model)
+    monkeypatch.setattr(cmod.FirstMaskChecker, "check", unavailable)
+    monkeypatch.setattr(cmod, "FIRST_MASK_S", 0.01)
+    monkeypatch.setattr(cmod, "_checks", threading.BoundedSemaphore(1))
+    with pytest.raises(HTTPError) as err:
+        compile_constraint(ConstraintSpec("gbnf", 'root ::= a{700}\na ::= b{700}\nb ::= "z"'), tok)
+    assert err.value.status == 400 and "too complex" in str(err.value)
+    with pytest.raises(HTTPError) as err:
+        compile_constraint(ConstraintSpec("gbnf", 'root ::= "g"{3}'), tok)
+    assert err.value.status == 503  # the given-up thread holds the one place
+    monkeypatch.setattr(cmod, "FIRST_MASK_S", 60.0)  # it runs to its end (a second or so)
+    compile_constraint(ConstraintSpec("gbnf", 'root ::= "g"{3}'), tok)
+    assert cmod._checks.acquire(timeout=0)
     cmod._checks.release()
 
 

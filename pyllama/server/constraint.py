@@ -16,18 +16,20 @@ of generation; the request then ends as if the model had produced EOS.
 
 A mask usually takes microseconds, but a short grammar can force a string of millions of bytes
 (`root ::= a{3000}` with `a ::= "x"{3000}`), which llguidance walks for seconds to minutes (and
-gigabytes) for every mask, and no llguidance limit bounds that walk. So a grammar's first mask must
-come within FIRST_MASK_S when it is compiled (else the request is a 400), and a later mask within
-MASK_TIMEOUT_S (else that request ends with an error); either way the grammar is remembered as too
-complex. Nothing can stop llguidance: a computation given up on runs to its end on its own thread
-at the lowest priority, which no other request's masks wait for, holding one of MAX_CHECKS places
-meanwhile; a new grammar that finds none free within FIRST_MASK_S is a 503, so that such
-computations cannot pile up.
+gigabytes) for every mask, and no llguidance limit bounds that walk. So a new grammar's first mask
+must come within FIRST_MASK_S (else the request is a 400), and a later mask within MASK_TIMEOUT_S
+(else that request ends with an error); either way the grammar is remembered as too complex. The
+first mask is checked in a process of its own (grammar_check.py), killed when it is too slow, so
+that a given-up check leaves no CPU or memory behind. Nothing can stop llguidance in the server's
+own process: a later mask given up on runs to its end on its own thread at the lowest priority,
+which no other request's masks wait for, holding one of MAX_CHECKS places meanwhile; a new grammar
+that finds none free within FIRST_MASK_S is a 503, so that such computations cannot pile up.
 """
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import queue
 import threading
@@ -47,7 +49,10 @@ from .._fast import masks as _masks
 from ..threads import Thread
 from ..tokenizer import Tokenizer
 from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
+from .grammar_check import CheckUnavailable, FirstMaskChecker
 from .http import HTTPError
+
+log = logging.getLogger(__name__)
 
 KINDS = ("gbnf", "json_schema", "lark", "json_object")
 # The request field each kind comes from by default, for error messages.
@@ -119,26 +124,40 @@ def _short(exc: Any, limit: int = 500) -> str:
 class _Vocab:
     """llguidance's view of a pyllama tokenizer: every token's bytes, special tokens marked (as
     llama.cpp does, by a 0xFF byte before their text, so that no text can produce them), and an
-    encoder for the text llguidance needs tokenized."""
+    encoder for the text llguidance needs tokenized. Built from the pieces alone (`tok` None, as
+    the first-mask check process does), it encodes by the greedy match only."""
 
-    def __init__(self, tok: Tokenizer) -> None:
-        self._tok = tok
-        plain = (TT_NORMAL, TT_USER_DEFINED, TT_BYTE)
-        self.tokens: list[bytes] = []
-        self.special_token_ids: list[int] = []
-        for i in range(tok.n_vocab):
-            if tok.token_type(i) in plain:
-                self.tokens.append(tok.token_bytes(i))
-            else:
-                self.tokens.append(b"\xff" + tok.token_text(i).encode("utf-8", errors="replace"))
-                self.special_token_ids.append(i)
-        eog = sorted(tok.eog_ids)
-        self._special = frozenset(self.special_token_ids)
+    def __init__(self, tokens: list[bytes], special_token_ids: list[int], eos_tokens: list[int],
+                 bos_token_id: Optional[int], tok: Optional[Tokenizer] = None) -> None:
+        # weakly: the llguidance tokenizer holding this view is kept per Tokenizer in a weak
+        # dictionary, which a strong reference back would keep forever
+        self._tok = weakref.ref(tok) if tok is not None else None
+        self.tokens = tokens
+        self.special_token_ids = special_token_ids
+        self._special = frozenset(special_token_ids)
         self._by_piece: Optional[dict[bytes, int]] = None  # made on the first text that needs it
         self._longest = 1
-        self.eos_tokens = eog or [tok.eos_id if tok.eos_id is not None else 0]
-        self.eos_token_id = self.eos_tokens[0]
-        self.bos_token_id = tok.bos_id
+        self.eos_tokens = eos_tokens
+        self.eos_token_id = eos_tokens[0]
+        self.bos_token_id = bos_token_id
+
+    @classmethod
+    def of(cls, tok: Tokenizer) -> "_Vocab":
+        plain = (TT_NORMAL, TT_USER_DEFINED, TT_BYTE)
+        tokens: list[bytes] = []
+        special: list[int] = []
+        for i in range(tok.n_vocab):
+            if tok.token_type(i) in plain:
+                tokens.append(tok.token_bytes(i))
+            else:
+                tokens.append(b"\xff" + tok.token_text(i).encode("utf-8", errors="replace"))
+                special.append(i)
+        eog = sorted(tok.eog_ids)
+        return cls(tokens, special, eog or [tok.eos_id if tok.eos_id is not None else 0], tok.bos_id, tok)
+
+    def pieces(self) -> tuple:
+        """What a process without the tokenizer needs to rebuild this view (encoding greedily)."""
+        return self.tokens, self.special_token_ids, self.eos_tokens, self.bos_token_id
 
     def __call__(self, text: Any) -> list[int]:
         """Tokens whose bytes are exactly `text`'s: llguidance tokenizes the bytes a grammar forces
@@ -147,9 +166,11 @@ class _Vocab:
         vocabulary adds a space prefix (SPM, UGM, WPM's word starts) or normalizes text (WPM
         lowercases), and a greedy longest match over the token pieces is used instead."""
         data = text if isinstance(text, bytes) else text.encode("utf-8", errors="surrogatepass")
-        ids = self._tok.encode(data.decode("utf-8", errors="replace"), add_special=False)
-        if self._spells(ids, data):
-            return ids
+        tok = self._tok() if self._tok is not None else None
+        if tok is not None:
+            ids = tok.encode(data.decode("utf-8", errors="replace"), add_special=False)
+            if self._spells(ids, data):
+                return ids
         return self._greedy(data)
 
     def _spells(self, ids: list[int], data: bytes) -> bool:
@@ -189,10 +210,18 @@ def ll_tokenizer(tok: Tokenizer) -> Any:
     with _tokenizers_lock:
         found = _tokenizers.get(tok)
         if found is None:
-            vocab = _Vocab(tok)
-            found = llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=tok.n_vocab, eos_token=vocab.eos_tokens)
+            vocab = _Vocab.of(tok)
+            found = (llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=tok.n_vocab, eos_token=vocab.eos_tokens),
+                     FirstMaskChecker(vocab.pieces(), tok.n_vocab))
             _tokenizers[tok] = found
-        return found
+        return found[0]
+
+
+def first_mask_checker(tok: Tokenizer) -> "FirstMaskChecker":
+    """The processes that check a new grammar's first mask for `tok`'s vocabulary."""
+    ll_tokenizer(tok)
+    with _tokenizers_lock:
+        return _tokenizers[tok][1]
 
 
 # --- compiling ----------------------------------------------------------------------------------
@@ -218,7 +247,7 @@ def compile_constraint(spec: ConstraintSpec, tok: Tokenizer) -> Any:
         template = llg.LLMatcher(lt, grammar, log_level=0)  # (the GIL is released while it compiles)
         if template.is_error():
             raise HTTPError(400, f"'{spec.source}': invalid {_what(spec)}: {_short(template.get_error())}")
-        why = _first_mask_check(template, tok.n_vocab)
+        why = _first_mask_check(template, tok, grammar)
         if why:
             raise HTTPError(400, _forget((key, f"'{spec.source}': {_what(spec)} too complex"), why))
         with _compiled_lock:
@@ -256,22 +285,52 @@ def _forget(origin: Optional[tuple[tuple, str]], why: str) -> str:
 # A first mask that takes longer than this fails its request with a 400 (they take microseconds to
 # a few milliseconds with the largest vocabularies).
 FIRST_MASK_S = 1.0
-# First-mask checks that may run at once, a given-up one until it ends: each holds a core (and up
-# to a few hundred MB) while it runs, so they are kept to a quarter of the cores, but two at least,
-# so that one pathological grammar cannot hold up every new grammar's check.
+# Computations given up on that may run at once (later masks, and first masks checked on a thread
+# where no check process can run): each holds a core (and up to a few GB) until it ends, so they
+# are kept to a quarter of the cores, two at least; while all places are held, new grammars are a 503.
 MAX_CHECKS = max(2, (os.cpu_count() or 1) // 4)
 _checks = threading.BoundedSemaphore(MAX_CHECKS)
+# First-mask check processes that may run at once (a quarter of the cores, one at least): each takes
+# a core for FIRST_MASK_S at most. A new grammar waits CHECK_WAIT_S at most for one (then a 503):
+# long enough for one slow check ahead of it to be killed.
+CHECK_PROCESSES = max(1, (os.cpu_count() or 1) // 4)
+CHECK_WAIT_S = 2.0
+_checking = threading.BoundedSemaphore(CHECK_PROCESSES)
 _too_complex: "OrderedDict[tuple, str]" = OrderedDict()  # grammars whose first mask was too slow
 
 
-def _first_mask_check(template: Any, n_vocab: int) -> str:
-    """Computes a copy's first mask on a thread of its own, waiting FIRST_MASK_S at most; returns
-    why the grammar is refused ("" when it is not). Raises HTTPError 503 when MAX_CHECKS checks
-    (given-up ones among them) still run after waiting FIRST_MASK_S for one to end."""
+def _busy(why: str) -> HTTPError:
+    return HTTPError(503, f"the server is {why}; try again later", "unavailable_error")
+
+
+def _first_mask_check(template: Any, tok: Tokenizer, grammar: str) -> str:
+    """Checks a grammar's first mask in a check process (grammar_check.py), killed when it takes
+    more than FIRST_MASK_S; returns why the grammar is refused ("" when it is not). Where no check
+    process can run, a copy's first mask is computed on a thread here instead. Raises HTTPError 503
+    when MAX_CHECKS given-up computations still run after waiting FIRST_MASK_S for one to end, or
+    when no check process is free within CHECK_WAIT_S."""
     checks = _checks
     if not checks.acquire(timeout=FIRST_MASK_S):
-        raise HTTPError(503, "the server is still computing the token masks of grammars too complex to use; "
-                             "try again later", "unavailable_error")
+        raise _busy("still computing the token masks of grammars too complex to use")
+    checks.release()  # (a check process holds no such place: it is killed when too slow)
+    if not _checking.acquire(timeout=CHECK_WAIT_S):
+        raise _busy("checking other new grammars")
+    try:
+        _, why = first_mask_checker(tok).check(grammar, FIRST_MASK_S)
+        return why
+    except CheckUnavailable as exc:
+        log.warning("checking a grammar's first mask on a thread of the server: %s", exc)
+        if not checks.acquire(timeout=FIRST_MASK_S):
+            raise _busy("still computing the token masks of grammars too complex to use") from None
+        return _first_mask_check_here(template, tok.n_vocab, checks)  # (it releases the place)
+    finally:
+        _checking.release()
+
+
+def _first_mask_check_here(template: Any, n_vocab: int, checks: threading.BoundedSemaphore) -> str:
+    """Computes a copy's first mask on a thread of its own, waiting FIRST_MASK_S at most; a
+    computation given up on runs on (see _give_up), holding its place in `checks` (acquired by the
+    caller) until it ends."""
     matcher = template.deep_copy()
     mask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
     done = threading.Event()

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pyllama._fast import ops  # noqa: E402
-from pyllama.cache_types import CACHE_TYPES  # noqa: E402
+from pyllama.runtime.cache_types import CACHE_TYPES  # noqa: E402
 
 
 def main() -> int:

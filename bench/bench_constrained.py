@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from pyllama.models.make import make_model  # noqa: E402
 from pyllama.server.constraint import (ConstraintSpec, Constraint, apply_masks,  # noqa: E402
                                        compile_constraint)
-from pyllama.engine import Engine  # noqa: E402
+from pyllama.runtime.engine import Engine  # noqa: E402
 
 SCHEMA = {"type": "array", "minItems": 100,
           "items": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -105,9 +105,9 @@ class KernelClock:
 
 def run_cell(path: str, batches: list[int], n_threads: int, steps: int, n_prompt: int) -> dict:
     """One model at one thread count, in this process (the parent runs it as a child)."""
-    from pyllama.context import Batch  # noqa: PLC0415
-    from pyllama.engine import Engine  # noqa: PLC0415
-    from pyllama.sampling import BatchSampler, SamplingParams, SequenceSampler  # noqa: PLC0415
+    from pyllama.runtime.context import Batch  # noqa: PLC0415
+    from pyllama.runtime.engine import Engine  # noqa: PLC0415
+    from pyllama.batching.sampling import BatchSampler, SamplingParams, SequenceSampler  # noqa: PLC0415
     clock = KernelClock()
     clock.install()
     rss0 = rss_mib()

@@ -27,8 +27,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from pyllama.context import Batch  # noqa: E402
-from pyllama.engine import Engine  # noqa: E402
+from pyllama.runtime.context import Batch  # noqa: E402
+from pyllama.runtime.engine import Engine  # noqa: E402
 from pyllama.models.make import make_model  # noqa: E402
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pyllama.sampling import BatchSampler, SamplingParams, SequenceSampler  # noqa: E402
+from pyllama.batching.sampling import BatchSampler, SamplingParams, SequenceSampler  # noqa: E402
 
 
 def main() -> int:

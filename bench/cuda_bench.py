@@ -30,10 +30,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from pyllama.context import Batch  # noqa: E402
-from pyllama.engine import Engine  # noqa: E402
+from pyllama.runtime.context import Batch  # noqa: E402
+from pyllama.runtime.engine import Engine  # noqa: E402
 from pyllama.models.make import make_model  # noqa: E402
-from pyllama.sampling import BatchSampler, SamplingParams, SequenceSampler  # noqa: E402
+from pyllama.batching.sampling import BatchSampler, SamplingParams, SequenceSampler  # noqa: E402
 
 
 def model_path(preset: str, wtype: str) -> str:

@@ -77,7 +77,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed as hseed, settings, strategies as st
 
 from pyllama.backend.cpu import CPUBackend
-from pyllama.graph.ops import Op
+from pyllama.models.build.ops import Op
 from pyllama.rpc import auth
 from pyllama.rpc import protocol as P
 from pyllama.rpc.protocol import Cmd
@@ -1871,7 +1871,7 @@ def _rpc_backend(tgt: "ProcessTarget"):
 def pressure_mem_moe_scratch(mem_mib: int = 20) -> str:
     """A MOE_FFN graph over 8.6 MiB of buffers whose kernel scratch is some 600 MiB."""
     from pyllama.rpc.connection import RPCError  # noqa: PLC0415
-    from pyllama.tensor import DType, Graph, Tensor, node  # noqa: PLC0415
+    from pyllama.ir.tensor import DType, Graph, Tensor, node  # noqa: PLC0415
     n, cols, n_exp, f = 16384, 64, 64, 16
     shapes = dict(x=(n, cols), r=(n_exp, cols), g=(n_exp, f, cols), u=(n_exp, f, cols), d=(n_exp, cols, f),
                   o=(n, cols))
@@ -1913,7 +1913,7 @@ def pressure_mem_moe_scratch(mem_mib: int = 20) -> str:
 def pressure_mem_repack_views(mem_mib: int = 16, views: int = 100) -> str:
     """`views` overlapping Q8_0 views of one weight in one graph: each a weight of its own, so each
     would get a repacked copy; past the cap they run on the file's layout instead."""
-    from pyllama.tensor import DType, Graph, Tensor, node  # noqa: PLC0415
+    from pyllama.ir.tensor import DType, Graph, Tensor, node  # noqa: PLC0415
     m, k, n = 1024, 4096, 1
     qtype = GGMLQuantizationType.Q8_0
     block, qsize = GGML_QUANT_SIZES[qtype]

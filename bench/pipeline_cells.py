@@ -87,7 +87,7 @@ from bench_users import run_bench  # noqa: E402
 import thread_stats  # noqa: E402
 from server_util import RPCServerProcess, ServerProcess  # noqa: E402
 
-from pyllama.priority import LEVELS, LEVELS_HELP, policy_for  # noqa: E402
+from pyllama.util.priority import LEVELS, LEVELS_HELP, policy_for  # noqa: E402
 
 CTX_SLACK = 16            # KV positions per slot beyond npp + ntg
 DEFAULT_VOCAB = (300, 1000)
@@ -371,7 +371,7 @@ def chrt_prefix(prio: int) -> list[str]:
 def split_blocks(n_layer: int, tensor_split: str, order: str) -> Optional[int]:
     """Blocks the last device (the one with the output layer) holds in a pyllama split cell of
     `order` under --tensor-split; None for auto (the server chose: `blocks_from_log` reads it)."""
-    from pyllama.weights import split_layers  # noqa: PLC0415
+    from pyllama.models.weights import split_layers  # noqa: PLC0415
 
     ts = split_arg(tensor_split, order)
     devs = order.split(",")

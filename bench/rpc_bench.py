@@ -25,8 +25,8 @@ sys.path[:0] = [HERE, ROOT, os.path.join(ROOT, "tests")]
 from bench_users import run_bench  # noqa: E402
 from pyllama.backend.cpu import CPUBackend  # noqa: E402
 from pyllama.backend.rpc import RPCBackend  # noqa: E402
-from pyllama.context import Batch  # noqa: E402
-from pyllama.engine import Engine  # noqa: E402
+from pyllama.runtime.context import Batch  # noqa: E402
+from pyllama.runtime.engine import Engine  # noqa: E402
 from pyllama.models.make import make_model  # noqa: E402
 from pyllama.rpc import stats  # noqa: E402
 from pyllama.rpc.connection import Connection  # noqa: E402

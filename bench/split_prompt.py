@@ -38,10 +38,10 @@ from peers import Peers  # noqa: E402
 from pipeline_cells import GgmlRpcPeer, llama_ngl, model_path  # noqa: E402
 from pyllama.backend.cpu import CPUBackend, set_compute_threads  # noqa: E402
 from pyllama.backend.rpc import RPCBackend  # noqa: E402
-from pyllama.context import Batch  # noqa: E402
-from pyllama.engine import Engine  # noqa: E402
+from pyllama.runtime.context import Batch  # noqa: E402
+from pyllama.runtime.engine import Engine  # noqa: E402
 from pyllama.rpc.connection import Connection  # noqa: E402
-from pyllama.sched import Scheduler  # noqa: E402
+from pyllama.runtime.sched import Scheduler  # noqa: E402
 from server_util import RPCServerProcess  # noqa: E402
 
 

@@ -12,16 +12,16 @@ import sys
 import time
 from typing import Iterator, Optional, Sequence
 
-from . import trace
-from .cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
-from .cli import Parser, Toggle, run_main, setup_logging
-from .context import Batch, Context, check_prompt_fits
-from .devices import add_device_args, list_devices, open_devices
-from .engine import Engine
-from .errors import PyllamaError
+from .obs import trace
+from .runtime.cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
+from .util.cli import Parser, Toggle, run_main, setup_logging
+from .runtime.context import Batch, Context, check_prompt_fits
+from .runtime.placement.devices import add_device_args, list_devices, open_devices
+from .runtime.engine import Engine
+from .util.errors import PyllamaError
 from .models.gguf_file import kv_override_arg
 from .models.hparams import add_rope_args, model_overrides
-from .sampling import BatchSampler, SamplingParams, SequenceSampler
+from .batching.sampling import BatchSampler, SamplingParams, SequenceSampler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -1,9 +1,9 @@
 """Helpers for tests that drive the engine directly."""
 from __future__ import annotations
 
-from pyllama.context import Batch
-from pyllama.engine import Engine
-from pyllama.tensor import DType, Tensor
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
+from pyllama.ir.tensor import DType, Tensor
 
 
 def greedy(engine: Engine, prompt: list[int], n: int, kv: DType = DType.F32) -> list[int]:

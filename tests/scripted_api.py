@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import types
 
-from pyllama.sampling import SamplingParams
+from pyllama.batching.sampling import SamplingParams
 from pyllama.server.api import Api, ChatOutputSpec, ServerState
 from pyllama.server.chat import ChatTemplate
 from pyllama.server.params import CompletionParams, parse_completion

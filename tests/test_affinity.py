@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from pyllama.affinity import cpu_set
-from pyllama.errors import PyllamaError
+from pyllama.util.affinity import cpu_set
+from pyllama.util.errors import PyllamaError
 
 
 def test_masks_and_ranges():
@@ -29,7 +29,7 @@ def test_every_thread_runs_on_the_chosen_cpus():
 import os, threading
 import numpy as np
 np.ones((256, 256)) @ np.ones((256, 256))
-from pyllama.affinity import apply_affinity, cpu_set
+from pyllama.util.affinity import apply_affinity, cpu_set
 apply_affinity(cpu_set(None, "0-0"))
 t = threading.Thread(target=lambda: None); t.start(); t.join()
 print(sorted({frozenset(os.sched_getaffinity(int(tid))) == frozenset({0}) for tid in os.listdir('/proc/self/task')}))

@@ -11,8 +11,8 @@ import pytest
 
 from pyllama.backend.cpu import CPUBackend
 from pyllama.backend.rpc import RPCBackend
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 from pyllama.rpc.connection import Connection
 from pyllama.rpc.staging import ALIGN, StagingArena, arena_size
 from server_util import ServerProcess

@@ -9,10 +9,10 @@ import pytest
 
 from pyllama.backend.cpu import CPUBackend
 from pyllama.backend.rpc import RPCBackend
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 from pyllama.rpc.connection import Connection
-from pyllama.sampling import BatchSampler, SamplingParams, SequenceSampler
+from pyllama.batching.sampling import BatchSampler, SamplingParams, SequenceSampler
 from server_util import RPCServerProcess, ServerProcess
 
 PARAMS = [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=11),

@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKED = ["pyllama/rpc", "pyllama/backend", "pyllama/server", "pyllama/rpc_server",
-           "pyllama/context.py", "pyllama/sched.py", "pyllama/engine.py"]
+           "pyllama/runtime/context.py", "pyllama/runtime/sched.py", "pyllama/runtime/engine.py"]
 SOCKET_OPS = {"recv", "recv_into", "recvfrom", "recvfrom_into", "accept", "sendall", "connect"}
 
 # (file, function, call) -> why it is bounded anyway

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from pyllama.engine import Engine
-from pyllama.errors import ModelFileError
+from pyllama.runtime.engine import Engine
+from pyllama.util.errors import ModelFileError
 from pyllama.models.check_tensors import bad_element
 from pyllama.models.gguf_file import GGUFFile
 from pyllama.models.quantize import quantize

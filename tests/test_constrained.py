@@ -162,7 +162,7 @@ def test_invalid_constraint_is_a_400_naming_it(srv, path, body, named):
 
 
 def test_compile_errors_name_the_field_given(tiny_model):
-    from pyllama.engine import Engine
+    from pyllama.runtime.engine import Engine
     tok = Engine(tiny_model, n_threads=1).tokenizer
     with pytest.raises(HTTPError) as exc:
         compile_constraint(ConstraintSpec("lark", "start: %json {\"type\": \"nope\"}", "tools"), tok)

@@ -25,8 +25,8 @@ import pytest
 from pyllama.backend import cuda_build
 from pyllama.backend.base import DType, Tensor
 from pyllama.backend.cpu import CPUBackend
-from pyllama.errors import PyllamaError
-from pyllama.graph.ops import Graph, Op, node, sample_out_cols
+from pyllama.util.errors import PyllamaError
+from pyllama.models.build.ops import Graph, Op, node, sample_out_cols
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_SRC = ROOT / "cuda_src"
@@ -163,7 +163,7 @@ def _one_clear_line(proc: subprocess.CompletedProcess) -> str:
 
 @without_gpu
 def test_make_backends_cuda_without_gpu_raises_the_reason():
-    from pyllama.devices import make_backends  # noqa: PLC0415
+    from pyllama.runtime.placement.devices import make_backends  # noqa: PLC0415
     with pytest.raises(PyllamaError) as err:
         make_backends("CUDA0", None, "layer", 1)
     assert str(err.value) == GPU_REASON and GPU_REASON.startswith("--device CUDA0: ")
@@ -358,7 +358,7 @@ def test_load_time_dequantization_is_exact(gpu, qtype, half):
 
 
 def _sample_inputs(params_list, V: int, seed: int):
-    from pyllama.sampling import BatchSampler, SequenceSampler  # noqa: PLC0415
+    from pyllama.batching.sampling import BatchSampler, SequenceSampler  # noqa: PLC0415
     rng = np.random.default_rng(seed)
     rows = len(params_list)
     logits = (2 * rng.standard_normal((rows, V))).astype(np.float32)
@@ -376,7 +376,7 @@ def _sample_inputs(params_list, V: int, seed: int):
 @needs_gpu
 @pytest.mark.parametrize("V", [512, 32000])
 def test_sample_greedy_is_the_exact_argmax(gpu, V):
-    from pyllama.sampling import SamplingParams  # noqa: PLC0415
+    from pyllama.batching.sampling import SamplingParams  # noqa: PLC0415
     plist = [SamplingParams(temperature=0, n_probs=5), SamplingParams(temperature=0, n_probs=3),
              SamplingParams(temperature=0, n_probs=2), SamplingParams(temperature=0),
              SamplingParams(temperature=0, repeat_penalty=1.5, presence_penalty=0.3, n_probs=4)] * 3
@@ -395,7 +395,7 @@ def test_sample_greedy_is_the_exact_argmax(gpu, V):
 @needs_gpu
 @pytest.mark.parametrize("V", [512, 32000])
 def test_sample_chain_matches_cpu(gpu, V):
-    from pyllama.sampling import SamplingParams  # noqa: PLC0415
+    from pyllama.batching.sampling import SamplingParams  # noqa: PLC0415
     plist = []
     for seed in range(24):
         plist += [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=seed, n_probs=8),
@@ -447,8 +447,8 @@ def test_events_and_async_reads(gpu):
 def _greedy_reference(model: str, prompt: str, n: int, gap: float = 0.05) -> list[int]:
     """CPU greedy ids, cut before the first step whose top-2 logit gap is under `gap` (there a
     half-precision device may rightly choose the other token)."""
-    from pyllama.context import Batch  # noqa: PLC0415
-    from pyllama.engine import Engine  # noqa: PLC0415
+    from pyllama.runtime.context import Batch  # noqa: PLC0415
+    from pyllama.runtime.engine import Engine  # noqa: PLC0415
     engine = Engine(model, n_threads=1)
     ctx = engine.new_context(512)
     ids = engine.tokenizer.encode(prompt)
@@ -539,7 +539,7 @@ def fake_gpu(monkeypatch, tmp_path):
 
 
 def _prompt_batch(engine, texts):
-    from pyllama.context import Batch  # noqa: PLC0415
+    from pyllama.runtime.context import Batch  # noqa: PLC0415
     batches = [Batch.for_sequence(engine.tokenizer.encode(t), 0, s) for s, t in enumerate(texts)]
     return Batch.concat(batches)
 
@@ -547,8 +547,8 @@ def _prompt_batch(engine, texts):
 @pytest.mark.parametrize("wtype", ["f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("devices", ["CUDA0", "CUDA0,CPU", "CPU,CUDA0"])
 def test_fake_device_forward_matches_the_cpu(fake_gpu, model_factory, wtype, devices):
-    from pyllama.devices import make_backends  # noqa: PLC0415
-    from pyllama.engine import Engine  # noqa: PLC0415
+    from pyllama.runtime.placement.devices import make_backends  # noqa: PLC0415
+    from pyllama.runtime.engine import Engine  # noqa: PLC0415
     path = model_factory("tiny", wtype=wtype)
     cpu = Engine(path, n_threads=1)
     gpu = Engine(path, n_threads=1, backends=make_backends(devices, None, "layer", 1), tensor_split=None)
@@ -573,7 +573,7 @@ def test_fake_device_behind_an_rpc_server_takes_f16_weights(fake_gpu, model_fact
     its rpc server accepts them where a CPU peer accepts only F32."""
     from pyllama.backend.cuda import open_backend  # noqa: PLC0415
     from pyllama.backend.rpc import RPCBackend  # noqa: PLC0415
-    from pyllama.engine import Engine  # noqa: PLC0415
+    from pyllama.runtime.engine import Engine  # noqa: PLC0415
     from pyllama.rpc.connection import get_connection  # noqa: PLC0415
     from pyllama.rpc_server.server import ServerThread  # noqa: PLC0415
     path = model_factory("tiny", wtype=wtype)
@@ -598,7 +598,7 @@ def test_an_rpc_server_refuses_weight_types_its_device_does_not_hold(model_facto
     """A peer says which weight types it holds (GET_DEVICE_TYPES): the client refuses at load,
     naming the type, and a client that sends such a weight anyway has its graph refused."""
     from pyllama.backend.rpc import RPCBackend  # noqa: PLC0415
-    from pyllama.engine import Engine  # noqa: PLC0415
+    from pyllama.runtime.engine import Engine  # noqa: PLC0415
     from pyllama.rpc.connection import RPCError, get_connection  # noqa: PLC0415
     from pyllama.rpc_server.server import ServerThread  # noqa: PLC0415
     path = model_factory("tiny", wtype="f16")
@@ -620,7 +620,7 @@ def test_an_rpc_server_refuses_weight_types_its_device_does_not_hold(model_facto
 
 def test_fake_device_bf16_weights(fake_gpu, model_factory, monkeypatch):
     from pyllama.backend.cuda import open_backend  # noqa: PLC0415
-    from pyllama.engine import Engine  # noqa: PLC0415
+    from pyllama.runtime.engine import Engine  # noqa: PLC0415
     monkeypatch.setenv("PYLLAMA_CUDA_WEIGHTS", "bf16")
     path = model_factory("tiny", wtype="q8_0")
     cpu, gpu = Engine(path, n_threads=1), Engine(path, n_threads=1, backends=[open_backend("CUDA0")])
@@ -638,9 +638,9 @@ def test_fake_device_groups_on_threads_sample_on_the_device_and_trace(fake_gpu, 
     import threading  # noqa: PLC0415
     from pyllama import trace  # noqa: PLC0415
     from pyllama.backend.cuda import open_backend  # noqa: PLC0415
-    from pyllama.context import Batch  # noqa: PLC0415
-    from pyllama.engine import Engine  # noqa: PLC0415
-    from pyllama.sampling import BatchSampler, SamplingParams, SequenceSampler  # noqa: PLC0415
+    from pyllama.runtime.context import Batch  # noqa: PLC0415
+    from pyllama.runtime.engine import Engine  # noqa: PLC0415
+    from pyllama.batching.sampling import BatchSampler, SamplingParams, SequenceSampler  # noqa: PLC0415
     engine = Engine(f16_model, n_threads=1, backends=[open_backend("CUDA0")])
     prompts = [engine.tokenizer.encode(t) for t in ("Hello world", "The cat", "Once upon", "A B C")]
 
@@ -843,7 +843,7 @@ def test_host_run_dequant_kernels_are_exact(host_kernels):
 @pytest.mark.parametrize("V", [512, 4096])
 def test_host_run_sample_kernel_matches_the_cpu(host_kernels, V):
     from pyllama.backend.cuda import _BLOCK  # noqa: PLC0415
-    from pyllama.sampling import SamplingParams  # noqa: PLC0415
+    from pyllama.batching.sampling import SamplingParams  # noqa: PLC0415
     plist = [SamplingParams(temperature=0, n_probs=5), SamplingParams(temperature=0, n_probs=3),
              SamplingParams(temperature=0, n_probs=2), SamplingParams(temperature=0),
              SamplingParams(temperature=0, repeat_penalty=1.5, presence_penalty=0.3, n_probs=4)]

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from pyllama.backend.cpu import CPUBackend
-from pyllama.context import Batch
-from pyllama.engine import Engine
-from pyllama.errors import PyllamaError
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
+from pyllama.util.errors import PyllamaError
 from pyllama.models.gguf_file import GGUFFile
 from pyllama.models.make import FamilyOptions
 from pyllama.models.model import Model
-from pyllama.tensor import Op
-from pyllama.weights import Placement, load_weights
+from pyllama.ir.tensor import Op
+from pyllama.models.weights import Placement, load_weights
 from reference_forward import reference_logits
 from server_util import RPCServerProcess, assert_same_tokens_in_two_groups, generated_tokens, run_generate
 

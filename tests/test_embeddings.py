@@ -11,7 +11,7 @@ import pytest
 from reference_forward import reference_hidden
 from server_util import RPCServerProcess, ServerProcess
 
-from pyllama.context import Batch
+from pyllama.runtime.context import Batch
 from pyllama.server.embedding import normalize
 from test_engine import make_context
 

@@ -7,10 +7,10 @@ import pytest
 
 from pyllama.backend.base import DType
 from pyllama.backend.cpu import CPUBackend
-from pyllama.context import PLAN_CACHE, Batch, Context
-from pyllama.engine import Engine
+from pyllama.runtime.context import PLAN_CACHE, Batch, Context
+from pyllama.runtime.engine import Engine
 from pyllama.models.model import Model
-from pyllama.weights import Placement, load_weights, split_layers
+from pyllama.models.weights import Placement, load_weights, split_layers
 from reference_forward import reference_logits
 
 PROMPTS = [

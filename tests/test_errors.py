@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pyllama.errors import ModelFileError
+from pyllama.util.errors import ModelFileError
 from pyllama.models.gguf_file import GGUFFile
 from pyllama.models.model import Model
 

@@ -5,10 +5,10 @@ import os
 import subprocess
 import sys
 
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 from pyllama.generate import generate_tokens
-from pyllama.sampling import SamplingParams
+from pyllama.batching.sampling import SamplingParams
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -75,7 +75,7 @@ def test_n_zero_generates_nothing(tiny_model):
 
 
 def test_on_off_flags_read_from_environment(monkeypatch):
-    from pyllama.cli import Parser
+    from pyllama.util.cli import Parser
     import argparse
 
     def parse(*argv):

@@ -818,7 +818,7 @@ def test_router_gives_a_freed_slot_to_the_waiting_request_served_least_recently(
     newcomer takes the first slot freed, and the big request's prompts take the rest in turn."""
     from types import SimpleNamespace
 
-    from pyllama.sampling import SamplingParams
+    from pyllama.batching.sampling import SamplingParams
     from pyllama.server.router import Router
     from pyllama.server.task import CompletionTask
 

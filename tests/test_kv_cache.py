@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyllama.errors import ContextLimitError
-from pyllama.kv_cache import KVCache
+from pyllama.util.errors import ContextLimitError
+from pyllama.runtime.kv_cache import KVCache
 
 
 def put(kv: KVCache, seq: int, start: int, n: int) -> np.ndarray:

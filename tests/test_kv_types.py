@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from pyllama.backend.cpu import CPUBackend
-from pyllama.cache_types import CACHE_TYPES
-from pyllama.context import Batch
-from pyllama.engine import Engine
-from pyllama.errors import PyllamaError
-from pyllama.tensor import DType, Graph, Op, Tensor, node
+from pyllama.runtime.cache_types import CACHE_TYPES
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
+from pyllama.util.errors import PyllamaError
+from pyllama.ir.tensor import DType, Graph, Op, Tensor, node
 from server_util import ServerProcess
 
 F32, F16, BF16, Q8_0, I32 = DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.I32
@@ -313,8 +313,8 @@ def test_q8_0_needs_rows_of_whole_blocks(model_factory, monkeypatch, tmp_path):
 def test_a_device_without_the_type_keeps_f32_and_says_so(tiny_model, caplog, monkeypatch):
     """A device whose attention reads only F32 caches (the CUDA backend) keeps its layers' caches
     in F32, logged once per device and types; the other devices keep the asked type."""
-    import pyllama.context
-    monkeypatch.setattr(pyllama.context, "_KV_FALLBACK_LOGGED", set())
+    import pyllama.runtime.context
+    monkeypatch.setattr(pyllama.runtime.context, "_KV_FALLBACK_LOGGED", set())
 
     class F32Only(CPUBackend):
         kv_types = frozenset({F32})
@@ -322,7 +322,7 @@ def test_a_device_without_the_type_keeps_f32_and_says_so(tiny_model, caplog, mon
     engine = Engine(tiny_model, n_threads=1, backends=[CPUBackend(1, "CPU"), F32Only(1, "GPU0")],
                     tensor_split=[1, 1])
     try:
-        with caplog.at_level(logging.WARNING, logger="pyllama.context"):
+        with caplog.at_level(logging.WARNING, logger="pyllama.runtime.context"):
             ctx = engine.new_context(64, type_k=Q8_0, type_v=F16)
             engine.new_context(64, type_k=Q8_0, type_v=F16)
         assert ctx.kv_types == {"CPU": (Q8_0, F16), "GPU0": (F32, F32)}
@@ -338,7 +338,7 @@ def test_cuda_device_keeps_f32_caches(tiny_model, monkeypatch, tmp_path):
     """On the fake CUDA device of tests/fake_cuda.py: the default f16 cache stays on the CPU's
     layers, the CUDA device's layers keep F32 (its kernels read nothing else), and it runs."""
     import fake_cuda
-    from pyllama.devices import make_backends
+    from pyllama.runtime.placement.devices import make_backends
     fake_cuda.install(monkeypatch, tmp_path / "kernels")
     # an even split: by free memory, the fake device's 64 GiB can take every layer of the tiny model
     engine = Engine(tiny_model, n_threads=1, backends=make_backends("CUDA0,CPU", None, "layer", 1), tensor_split=[1, 1])

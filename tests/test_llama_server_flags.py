@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyllama.devices import ALL_LAYERS, device_names, plan_devices
-from pyllama.errors import PyllamaError
+from pyllama.runtime.placement.devices import ALL_LAYERS, device_names, plan_devices
+from pyllama.util.errors import PyllamaError
 from pyllama.models.hparams import model_overrides
-from pyllama.sampling import SamplingParams
+from pyllama.batching.sampling import SamplingParams
 from pyllama.server import params
 from pyllama.server.options import (UNSUPPORTED, build_parser, default_stop, log_level, parse_args, process_escapes,
                                     sampling_defaults, settings)
@@ -419,7 +419,7 @@ def test_ngl_goes_to_the_non_cpu_devices_in_order_by_tensor_split():
 
 
 def test_ngl_without_a_non_cpu_device_changes_nothing(caplog):
-    with caplog.at_level(logging.INFO, logger="pyllama.devices"):
+    with caplog.at_level(logging.INFO, logger="pyllama.runtime.placement.devices"):
         assert plan_devices(["CPU"], 12, 99) == (["CPU"], None)
     assert "-ngl 99" in caplog.text
 
@@ -629,7 +629,7 @@ def test_list_devices(program):
 
 
 def test_no_kv_offload_holds_or_is_refused():
-    from pyllama.devices import check_kv_offload
+    from pyllama.runtime.placement.devices import check_kv_offload
     check_kv_offload(["CPU"], [0, 0], False)             # every layer local: the cache is in host memory
     check_kv_offload(["RPC0", "CPU"], [0, 1], True)      # the default: each cache on its layer's device
     with pytest.raises(PyllamaError, match="--no-kv-offload: layers are on RPC0"):
@@ -637,7 +637,7 @@ def test_no_kv_offload_holds_or_is_refused():
 
 
 def test_cpu_moe_holds_or_is_refused():
-    from pyllama.devices import check_cpu_moe
+    from pyllama.runtime.placement.devices import check_cpu_moe
     check_cpu_moe(["CPU"], [0, 0, 0, 0], True, 4)          # every layer on the CPU: it holds
     check_cpu_moe(["RPC0", "CPU"], [0, 0, 1, 1], False, 4)  # a dense model has no experts
     check_cpu_moe(["RPC0", "CPU"], [1, 1, 0, 0], True, 2)   # the first 2 layers are local
@@ -681,7 +681,7 @@ def test_warm_up_runs_before_serving_and_leaves_no_trace(tiny_model):
 
 
 def test_no_mmap_copies_the_weights(tiny_model):
-    from pyllama.engine import Engine
+    from pyllama.runtime.engine import Engine
     mapped = Engine(tiny_model, n_threads=1)
     copied = Engine(tiny_model, n_threads=1, map_weights=False)
     try:

@@ -13,12 +13,12 @@ from gguf import quants
 
 from pyllama._fast import moe, qmatmul
 from pyllama.backend.cpu import CPUBackend
-from pyllama.engine import Engine
-from pyllama.errors import PyllamaError
+from pyllama.runtime.engine import Engine
+from pyllama.util.errors import PyllamaError
 from pyllama.models.gguf_file import GGUFFile
 from pyllama.models.quantize import quantize
 from pyllama.rpc.protocol import Cap
-from pyllama.tensor import DType, Graph, Op, Tensor, check_node, node
+from pyllama.ir.tensor import DType, Graph, Op, Tensor, check_node, node
 from engine_util import greedy, placed
 from reference_forward import reference_logits
 from server_util import RPCServerProcess, assert_same_tokens_in_two_groups, generated_tokens, run_generate

@@ -11,9 +11,9 @@ import pytest
 
 from pyllama.backend.cpu import CPUBackend
 from pyllama.backend.rpc import RPCBackend
-from pyllama.balance import layer_bytes
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.runtime.placement.balance import layer_bytes
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 from pyllama.rpc.connection import Connection, RPCError
 from server_util import RPCServerProcess
 

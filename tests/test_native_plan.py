@@ -14,8 +14,8 @@ from pyllama._fast import gemm, ops, ops_extra, qmatmul
 from pyllama._fast.plan import NativeRun, NativeStep
 from pyllama.backend import cpu as cpu_backend
 from pyllama.backend.cpu import CPUBackend
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 
 
 def _decode_logits(path: str, native: bool, monkeypatch, one_run: bool = False) -> list[np.ndarray]:

@@ -11,7 +11,7 @@ PROMPT = "The little cat sat on the mat and looked at the"
 
 
 def _groups(model: str, n_groups: int = 2):
-    from pyllama.engine import Engine
+    from pyllama.runtime.engine import Engine
     from pyllama.server.group import PipelineGroup
     from pyllama.server.metrics import Metrics
     from pyllama.server.slot import Slot
@@ -26,7 +26,7 @@ def _groups(model: str, n_groups: int = 2):
 
 
 def _task(prompt: list[int], n_predict: int):
-    from pyllama.sampling import SamplingParams
+    from pyllama.batching.sampling import SamplingParams
     from pyllama.server.task import CompletionTask
 
     return CompletionTask(prompt=prompt, params=SamplingParams(temperature=0), n_predict=n_predict,

@@ -11,9 +11,9 @@ import pytest
 
 from pyllama.backend.cpu import CPUBackend
 from pyllama.backend.rpc import RPCBackend
-from pyllama.busy import BusyClock
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.obs.busy import BusyClock
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 from pyllama.rpc import protocol as P
 from pyllama.rpc.connection import Connection, RPCError
 from pyllama.rpc.protocol import Cap, Cmd

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from pyllama.errors import PyllamaError
-from pyllama.priority import LEVELS, apply_priority, check_level, policy_for
+from pyllama.util.errors import PyllamaError
+from pyllama.util.priority import LEVELS, apply_priority, check_level, policy_for
 from pyllama.server.options import parse_args
 from server_util import RPCServerProcess, ServerProcess
 
@@ -39,7 +39,7 @@ def test_other_levels_refused(level):
 # a process of its own: the test process's threads must keep their scheduling
 _PROBE = """
 import json, os, threading, time
-from pyllama.priority import apply_priority
+from pyllama.util.priority import apply_priority
 stop = threading.Event()
 before = threading.Thread(target=stop.wait); before.start()
 ok = apply_priority({level})
@@ -153,7 +153,7 @@ def test_refusal_by_the_system_is_one_warning(monkeypatch, caplog):
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
-    with caplog.at_level(logging.WARNING, logger="pyllama.priority"):
+    with caplog.at_level(logging.WARNING, logger="pyllama.util.priority"):
         assert apply_priority(2) is False
     assert len(calls) == 1  # stops at the first refusal
     assert [r.getMessage() for r in caplog.records] == [

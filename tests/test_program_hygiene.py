@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pyllama.cli import Parser
+from pyllama.util.cli import Parser
 from server_util import LONG_CONTEXT, RPCServerProcess, ServerProcess, free_port
 
 LEVEL = re.compile(r"^\S+ \S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")

@@ -11,9 +11,9 @@ import pytest
 from pyllama.backend.cpu import CPUBackend
 from pyllama.backend.rpc import RPCBackend
 from pyllama.backend.base import DType
-from pyllama.context import Batch
-from pyllama.engine import Engine
-from pyllama.errors import ContextLimitError
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
+from pyllama.util.errors import ContextLimitError
 from pyllama.rpc.connection import Connection
 from pyllama.server.prompt_cache import PromptCache
 from server_util import RPCServerProcess, ServerProcess
@@ -314,7 +314,7 @@ def test_rows_are_copied_off_the_decode_thread(tiny_model, monkeypatch):
     import threading
     import time
 
-    from pyllama.sampling import SamplingParams
+    from pyllama.batching.sampling import SamplingParams
     from pyllama.server.group import PipelineGroup
     from pyllama.server.metrics import Metrics
     from pyllama.server.slot import Slot

@@ -186,7 +186,7 @@ def test_cpu_backend_repacks_and_forgets_on_write():
     """A MUL_MAT against a Q4_K weight runs on the repacked copy; writing the weight's bytes drops
     the copy and the next compute uses the new weights."""
     from pyllama.backend.cpu import CPUBackend
-    from pyllama.tensor import DType, Graph, Op, Tensor, node
+    from pyllama.ir.tensor import DType, Graph, Op, Tensor, node
 
     rng = np.random.default_rng(8)
     be = CPUBackend(n_threads=2)
@@ -221,7 +221,7 @@ def test_an_allocated_weight_is_not_repacked_when_memory_is_short(monkeypatch, c
     """An uploaded (allocated) weight's copy is extra memory: with too little free the backend
     keeps the file layout, logs it once, and computes the same product."""
     from pyllama.backend import cpu as cpu_mod
-    from pyllama.tensor import DType, Graph, Op, Tensor, node
+    from pyllama.ir.tensor import DType, Graph, Op, Tensor, node
 
     rng = np.random.default_rng(9)
     m, k, n = 16, 256, 2

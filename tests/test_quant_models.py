@@ -17,14 +17,14 @@ from gguf import quants
 
 from pyllama.backend.cpu import CPUBackend
 from pyllama.backend.rpc import RPCBackend
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 from pyllama.models.gguf_file import GGUFFile
 from pyllama.rpc import stats
 from pyllama.rpc.connection import get_connection
 from pyllama.rpc.protocol import Cap
 from pyllama.rpc_server.server import ServerThread
-from pyllama.tensor import DType, Graph, Op, Tensor, node
+from pyllama.ir.tensor import DType, Graph, Op, Tensor, node
 from reference_forward import reference_logits
 from engine_util import greedy, placed
 from server_util import assert_same_tokens_in_two_groups, generated_tokens
@@ -154,8 +154,8 @@ def test_a_cpu_peer_gets_the_files_bytes(model_factory):
 
 RSS_SCRIPT = """
 import json, sys, psutil
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 e = Engine(sys.argv[1], n_threads=1)
 ctx = e.new_context(512, 1)
 ctx.decode(Batch.for_sequence(e.tokenizer.encode("The little cat sat on the mat"), 0, 0))
@@ -282,8 +282,8 @@ def test_rpc_server_no_repack_flag():
 
 FILE_RSS_SCRIPT = """
 import sys
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 e = Engine(sys.argv[1], n_threads=1, repack=sys.argv[2] == "1")
 e.new_context(64, 1).decode(Batch.for_sequence(e.tokenizer.encode("The little cat sat on the mat"), 0, 0))
 rss, cur = 0, None

@@ -10,9 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from pyllama.cli import Parser
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.util.cli import Parser
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 from pyllama.models.hparams import add_rope_args, model_overrides, rope_overrides
 from pyllama.models.make import FamilyOptions
 from server_util import ServerProcess, generated_tokens

@@ -17,8 +17,8 @@ import pytest
 
 from pyllama.backend.cpu import CPUBackend
 from pyllama.backend.rpc import RPCBackend
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 from pyllama.rpc import connection as rpc_connection
 from pyllama.rpc import stats
 from pyllama.rpc.connection import Connection, RPCError
@@ -111,7 +111,7 @@ def _call_in_thread(fn) -> tuple[threading.Thread, list]:
 
 def test_rpc_timeout_flag_and_variables(monkeypatch):
     """--rpc-timeout (or PYLLAMA_ARG_RPC_TIMEOUT) wins over PYLLAMA_RPC_TIMEOUT, which wins over 120 s."""
-    from pyllama.errors import PyllamaError
+    from pyllama.util.errors import PyllamaError
     from pyllama.server.__main__ import build_parser, check_args
 
     assert build_parser().parse_args(["--rpc-timeout", "2.5"]).rpc_timeout == 2.5
@@ -297,7 +297,7 @@ def test_reconnecting_fails_what_ran_and_forgets_cached_prompts(tiny_model):
     must not reuse a prefix whose KV was lost), restores, and clears the fault."""
     import queue
 
-    from pyllama.sampling import SamplingParams
+    from pyllama.batching.sampling import SamplingParams
     from pyllama.server.group import PipelineGroup
     from pyllama.server.metrics import Metrics
     from pyllama.server.reconnect import PeerReconnector

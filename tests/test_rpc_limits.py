@@ -19,7 +19,7 @@ from pyllama.rpc import protocol as P
 from pyllama.rpc.connection import Connection, RPCError
 from pyllama.rpc.protocol import Cmd
 from pyllama.rpc_server import ServerThread
-from pyllama.tensor import DType, Graph, Op, Tensor, node
+from pyllama.ir.tensor import DType, Graph, Op, Tensor, node
 from rpc_client import RawClient
 from test_qmatmul import activations
 from test_rpc_server import tensor

@@ -19,13 +19,13 @@ import pytest
 from pyllama._fast import wire
 from pyllama.backend.base import DType
 from pyllama.backend.cpu import CPUBackend
-from pyllama.context import Batch, Context
-from pyllama.graph.ops import Op
+from pyllama.runtime.context import Batch, Context
+from pyllama.models.build.ops import Op
 from pyllama.models.model import Model
 from pyllama.rpc import protocol as P
 from pyllama.rpc.protocol import Cap, Cmd
 from pyllama.rpc_server import ServerThread
-from pyllama.weights import Placement, load_weights, split_layers
+from pyllama.models.weights import Placement, load_weights, split_layers
 from rpc_client import RawClient
 from pyllama.rpc.protocol import graph_tables
 
@@ -725,7 +725,7 @@ def _sample_graph(bid: int, rows: int, vocab: int, n_probs: int, window: int, ou
 def test_sample_op_runs_the_host_sampler_and_is_validated(healthy):
     """SAMPLE on the peer equals the host's kernel on the same packed rows; bad parameters, a wrong
     output type and a server without the capability are refused."""
-    from pyllama.sampling import BatchSampler, SamplingParams, SequenceSampler
+    from pyllama.batching.sampling import BatchSampler, SamplingParams, SequenceSampler
     rows, vocab, n_probs, window = 3, 50, 4, 8
     rng = np.random.default_rng(5)
     logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 3

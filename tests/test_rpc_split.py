@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from pyllama.backend.rpc import RPCBackend
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 from pyllama.rpc import stats
 from pyllama.rpc.connection import Connection
 from pyllama.rpc.protocol import Cap

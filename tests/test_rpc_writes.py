@@ -8,7 +8,7 @@ import numpy as np
 from pyllama.backend.rpc import RPCBackend
 from pyllama.rpc import connection as rpc_connection
 from pyllama.rpc.connection import Connection
-from pyllama.tensor import DType, Tensor
+from pyllama.ir.tensor import DType, Tensor
 
 
 class _CountingSocket:

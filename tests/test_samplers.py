@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from pyllama.sampling import (DEFAULT_SAMPLERS, BatchSampler, SamplingParams, SequenceSampler, dry_breaker_table,
+from pyllama.batching.sampling import (DEFAULT_SAMPLERS, BatchSampler, SamplingParams, SequenceSampler, dry_breaker_table,
                               parse_samplers)
 from server_util import RPCServerProcess, ServerProcess
 

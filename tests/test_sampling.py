@@ -8,9 +8,9 @@ import zlib
 import numpy as np
 import pytest
 
-from pyllama import sampling
+from pyllama.batching import sampling
 from pyllama._fast.sampling import sample_rows
-from pyllama.sampling import BatchSampler, SamplingParams, SequenceSampler, pack_rows
+from pyllama.batching.sampling import BatchSampler, SamplingParams, SequenceSampler, pack_rows
 
 ONE_MINUS = float(np.nextafter(np.float32(1.0), np.float32(0.0)))  # largest float32 draw < 1
 

@@ -142,7 +142,7 @@ def test_records_named_threads_across_a_command() -> None:
         pytest.skip("perf cannot record scheduler events here (needs perf and root or perf_event_paranoid)")
     child = ("import sys; sys.path.insert(0, %r)\n"
              "import hashlib\n"
-             "from pyllama.threads import Thread\n"
+             "from pyllama.util.threads import Thread\n"
              "data = bytes(64 << 20)\n"
              "def spin():\n"
              "    for _ in range(6): hashlib.sha256(data).digest()\n"

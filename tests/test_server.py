@@ -386,8 +386,8 @@ def test_long_prompt_does_not_stall_running_generation(tiny_model):
     """While one slot generates, another's long prompt is fed one micro-batch per step: the prompt
     chunk fills what the decode rows leave of it, so the step is one micro-batch (in a split, every
     micro-batch is a trip through each stage; a 33rd row would cost a second trip)."""
-    from pyllama.engine import Engine
-    from pyllama.sampling import SamplingParams
+    from pyllama.runtime.engine import Engine
+    from pyllama.batching.sampling import SamplingParams
     from pyllama.server.group import PipelineGroup
     from pyllama.server.metrics import Metrics
     from pyllama.server.slot import Slot, SlotState
@@ -421,8 +421,8 @@ def test_long_prompt_does_not_stall_running_generation(tiny_model):
 def test_submit_does_not_wait_for_a_running_step(tiny_model):
     """Handing a task to a group must not block behind that group's decode step: the task thread
     places work for every group, and a step over a split can take a long time."""
-    from pyllama.engine import Engine
-    from pyllama.sampling import SamplingParams
+    from pyllama.runtime.engine import Engine
+    from pyllama.batching.sampling import SamplingParams
     from pyllama.server.group import PipelineGroup
     from pyllama.server.metrics import Metrics
     from pyllama.server.slot import Slot

@@ -49,7 +49,7 @@ def test_stream_events_carry_the_slot(srv):
 def _group_failing_once(model: str, monkeypatch, method: str, message: str):
     """A one-slot group in this process whose context's `method` raises `message` on its first call.
     Returns (engine, slots, freed: the slots handed back, group)."""
-    from pyllama.engine import Engine
+    from pyllama.runtime.engine import Engine
     from pyllama.server.group import PipelineGroup
     from pyllama.server.metrics import Metrics
     from pyllama.server.slot import Slot
@@ -75,7 +75,7 @@ def _group_failing_once(model: str, monkeypatch, method: str, message: str):
 def test_local_fault_clears_on_the_next_good_step(tiny_model, monkeypatch):
     """A step that fails on a local device sets the group's fault (/health 500); the next step that
     succeeds clears it, without a restart."""
-    from pyllama.sampling import SamplingParams
+    from pyllama.batching.sampling import SamplingParams
     from pyllama.server.api import Api, ServerState
     from pyllama.server.task import CompletionTask
 
@@ -128,7 +128,7 @@ def test_slot_context_is_capped_at_the_training_context(tiny_model):
 def test_a_request_that_fails_to_start_is_answered_and_frees_its_slot(tiny_model, monkeypatch):
     """An error while a group places a request (before its slot starts) ends that request with an
     error and gives its slot back; the group goes on serving."""
-    from pyllama.sampling import SamplingParams
+    from pyllama.batching.sampling import SamplingParams
     from pyllama.server.task import CompletionTask, ErrorEvent
 
     engine, slots, freed, group = _group_failing_once(tiny_model, monkeypatch, "seq_rm", "bookkeeping fault")

@@ -10,9 +10,9 @@ import pytest
 
 from pyllama.backend.cpu import CPUBackend
 from pyllama.backend.rpc import RPCBackend
-from pyllama.context import Batch
-from pyllama.engine import Engine
-from pyllama.errors import ContextLimitError
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
+from pyllama.util.errors import ContextLimitError
 from pyllama.rpc.connection import Connection, RPCError
 from pyllama.rpc.protocol import U32, Cmd
 from pyllama.rpc_server.server import ServerThread

@@ -1,4 +1,4 @@
-"""The default layer split balanced by measured speed (pyllama/balance.py): the solver against an
+"""The default layer split balanced by measured speed (pyllama/runtime/placement/balance.py): the solver against an
 exhaustive search, and the engine's probe against devices of known speed (CPU backends that
 sleep a fixed time per block and per output layer on top of their real, negligible, work)."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from pyllama.backend.cpu import CPUBackend
-from pyllama.balance import PROBE_ENV, StageCost, balance_layers, stage_ms
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.runtime.placement.balance import PROBE_ENV, StageCost, balance_layers, stage_ms
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 from pyllama.models import make
 from pyllama.models.make import Preset, make_model
 
@@ -138,12 +138,12 @@ def test_the_slower_device_gets_fewer_layers(deep_model, slow_first):
 
 def test_the_output_layer_counts_on_the_last_device(deep_model, caplog):
     devs = [Sleepy("DEV0", 0.003), Sleepy("DEV1", 0.003, output_s=0.006)]
-    with caplog.at_level(logging.INFO, logger="pyllama.balance"):
+    with caplog.at_level(logging.INFO, logger="pyllama.runtime.placement.balance"):
         engine = Engine(deep_model, n_threads=1, backends=devs, load=False)
     # equal blocks; the output layer (two blocks' worth) on DEV1: 5 x 3 = 3 x 3 + 6 ms
     assert counts(engine) == [5, 3]
     assert engine.measured_split.costs[1].output_ms == pytest.approx(6.0, abs=1.5)
-    lines = [r.getMessage() for r in caplog.records if r.name == "pyllama.balance" and r.levelno == logging.INFO]
+    lines = [r.getMessage() for r in caplog.records if r.name == "pyllama.runtime.placement.balance" and r.levelno == logging.INFO]
     assert len(lines) == 1
     assert "layer split by measured speed" in lines[0]
     assert "DEV0 5 (" in lines[0] and "DEV1 3 (" in lines[0] and "+ output" in lines[0]
@@ -152,12 +152,12 @@ def test_the_output_layer_counts_on_the_last_device(deep_model, caplog):
 
 def test_an_explicit_tensor_split_wins_and_nothing_is_timed(deep_model, caplog):
     devs = [Sleepy("DEV0", 0.006), Sleepy("DEV1", 0.002)]
-    with caplog.at_level(logging.INFO, logger="pyllama.balance"):
+    with caplog.at_level(logging.INFO, logger="pyllama.runtime.placement.balance"):
         engine = Engine(deep_model, n_threads=1, backends=devs, tensor_split=[1, 1], load=False)
     assert counts(engine) == [4, 4]
     assert engine.measured_split is None
     assert devs[0].graphs == devs[1].graphs == 0
-    assert not [r for r in caplog.records if r.name == "pyllama.balance"]
+    assert not [r for r in caplog.records if r.name == "pyllama.runtime.placement.balance"]
 
 
 @pytest.mark.parametrize("value", ["0", None])
@@ -182,11 +182,11 @@ def test_one_device_is_not_timed(deep_model):
 def test_a_probe_that_fails_falls_back_to_free_memory(deep_model, caplog):
     class NoRoom(Sleepy):
         def alloc_buffer(self, size, usage="compute"):
-            from pyllama.errors import PyllamaError
+            from pyllama.util.errors import PyllamaError
             raise PyllamaError(f"{self.name}: out of memory")
 
     devs = [Sleepy("DEV0", 0.006), NoRoom("DEV1", 0.002)]
-    with caplog.at_level(logging.WARNING, logger="pyllama.balance"):
+    with caplog.at_level(logging.WARNING, logger="pyllama.runtime.placement.balance"):
         engine = Engine(deep_model, n_threads=1, backends=devs, load=False)
     assert engine.measured_split is None
     assert any("timing DEV1 for the layer split failed" in r.getMessage() for r in caplog.records)

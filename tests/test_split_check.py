@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pyllama.balance import advise_split, output_blocks
+from pyllama.runtime.placement.balance import advise_split, output_blocks
 from pyllama.models.model import Model
 from pyllama.server.pipeline_stats import StepLog
 from pyllama.server.split_check import CHECK_ENV, SplitCheck, check_interval, describe_advice

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyllama.errors import PyllamaError
+from pyllama.util.errors import PyllamaError
 from pyllama.server.options import check_args, parse_args, template_kwargs
 from pyllama.server.reasoning import ThinkingBudget, budget_end_text
 from server_util import LONG_CONTEXT, ServerProcess

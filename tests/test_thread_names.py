@@ -10,7 +10,7 @@ from typing import Optional
 import pytest
 
 from pyllama.server.constraint import Constraint, MaskWorker
-from pyllama.threads import OS_NAME_MAX, Thread, os_name
+from pyllama.util.threads import OS_NAME_MAX, Thread, os_name
 from server_util import RPCServerProcess, ServerProcess
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names read from Linux's /proc")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pyllama.threads import Thread
+from pyllama.util.threads import Thread
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "bench", "thread_stats.py")
 _spec = importlib.util.spec_from_file_location("thread_stats", SCRIPT)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pyllama.errors import ModelFileError
+from pyllama.util.errors import ModelFileError
 from pyllama.models.gguf_file import read_metadata
 from pyllama.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 

@@ -10,7 +10,7 @@ from tokenizers import Regex
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from pyllama.errors import ModelFileError
+from pyllama.util.errors import ModelFileError
 from pyllama.models.default_vocab import bytes_to_unicode
 from pyllama.models.gguf_file import apply_kv_overrides, kv_override_arg, read_metadata
 from pyllama.tokenizer import load_tokenizer

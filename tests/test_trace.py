@@ -11,11 +11,11 @@ import textwrap
 import time
 
 
-from pyllama import trace
+from pyllama.obs import trace
 from pyllama.backend.cpu import CPUBackend
 from pyllama.backend.rpc import RPCBackend
-from pyllama.context import Batch
-from pyllama.engine import Engine
+from pyllama.runtime.context import Batch
+from pyllama.runtime.engine import Engine
 from pyllama.rpc.connection import Connection
 from server_util import RPCServerProcess
 
@@ -149,7 +149,7 @@ def test_peer_without_the_capability_is_never_sent_trace_sync(tiny_model, tmp_pa
 
 CHILD = textwrap.dedent("""
     import sys, time
-    from pyllama import trace
+    from pyllama.obs import trace
     print(trace.start(sys.argv[1], sys.argv[2], endpoint=sys.argv[3] or None), flush=True)
     i = 0
     while True:

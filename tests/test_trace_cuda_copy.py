@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from pyllama import trace
+from pyllama.obs import trace
 
 
 @pytest.fixture
@@ -78,8 +78,8 @@ def test_split_cuda_to_peer_needs_no_stream_synchronize(fake_gpu, peer, model_fa
     during a step; traced, the copy is one copy_event span and the device spans still arrive."""
     from pyllama.backend.cuda import open_backend  # noqa: PLC0415
     from pyllama.backend.rpc import RPCBackend  # noqa: PLC0415
-    from pyllama.context import Batch  # noqa: PLC0415
-    from pyllama.engine import Engine  # noqa: PLC0415
+    from pyllama.runtime.context import Batch  # noqa: PLC0415
+    from pyllama.runtime.engine import Engine  # noqa: PLC0415
     path = model_factory("tiny", wtype="f16")
     cpu = Engine(path, n_threads=1)
     split = Engine(path, n_threads=1, backends=[open_backend("CUDA0"), RPCBackend(peer, 0, "RPC0")],

@@ -8,12 +8,12 @@ import pytest
 
 from pyllama.backend.cpu import CPUBackend
 from pyllama.backend.rpc import RPCBackend
-from pyllama.context import Batch, Context
-from pyllama.engine import Engine
+from pyllama.runtime.context import Batch, Context
+from pyllama.runtime.engine import Engine
 from pyllama.models.model import Model
 from pyllama.rpc.connection import Connection
-from pyllama.sched import Scheduler
-from pyllama.weights import Placement, load_weights, split_layers
+from pyllama.runtime.sched import Scheduler
+from pyllama.models.weights import Placement, load_weights, split_layers
 
 PROMPT = [256, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # 3 micro-batches of 4, 4 and 3 tokens
 

@@ -9,12 +9,12 @@ from gguf import GGML_QUANT_SIZES
 from pyllama._fast import wire
 from pyllama.backend.base import DType, nbytes_of
 from pyllama.backend.cpu import CPUBackend
-from pyllama.context import Batch, Context
-from pyllama.graph.ops import Graph, Op
-from pyllama.tensor import WEIGHT_TYPES
+from pyllama.runtime.context import Batch, Context
+from pyllama.models.build.ops import Graph, Op
+from pyllama.ir.tensor import WEIGHT_TYPES
 from pyllama.models.model import Model
 from pyllama.rpc.protocol import GRAPH_HEAD, NO_SRC, NODE, TENSOR
-from pyllama.weights import Placement, load_weights, split_layers
+from pyllama.models.weights import Placement, load_weights, split_layers
 from pyllama.rpc.protocol import graph_tables
 
 U64_MAX = 2**64 - 1

@@ -558,7 +558,7 @@ cdef extern from * nogil:
     // they use typical-p, XTC, DRY, top-n-sigma, dynamic temperature, mirostat, min_keep or a
     // chain order other than the default; the others keep the faster path above.
 
-    // Chain codes (pyllama/sampling.py SAMPLER_CODES).
+    // Chain codes (pyllama/batching/sampling.py SAMPLER_CODES).
     enum { C_PENALTIES = 0, C_DRY = 1, C_TOP_N_SIGMA = 2, C_TOP_K = 3, C_TYPICAL = 4, C_TOP_P = 5,
            C_MIN_P = 6, C_XTC = 7, C_TEMPERATURE = 8 };
     // Extended float parameters (xparams columns) and int parameters (xiparams columns).
@@ -660,7 +660,7 @@ cdef extern from * nogil:
         c.sorted = false;
     }
 
-    // The breaker table (pyllama/sampling.py dry_breaker_table): [n, (head, offset) x n, tails]
+    // The breaker table (pyllama/batching/sampling.py dry_breaker_table): [n, (head, offset) x n, tails]
     // with heads ascending; a tail at `offset` is [length, tokens...].
     static void breaker_range(const int* brk, int token, int* lo, int* hi) {
         if (!brk) { *lo = *hi = 0; return; }
@@ -1378,7 +1378,7 @@ def sample_rows(const float[:, ::1] logits,
     min_keep, mirostat (0/1/2), dry_allowed_length, chain length (<= 16), chain codes (0
     penalties, 1 dry, 2 top_n_sigma, 3 top_k, 4 typical, 5 top_p, 6 min_p, 7 xtc, 8 temperature).
     dry_tokens / dry_breakers: per row, None or a C-contiguous int32 array (the DRY history,
-    oldest first; the breaker table of pyllama.sampling.dry_breaker_table).
+    oldest first; the breaker table of pyllama.batching.sampling.dry_breaker_table).
     """
     cdef Py_ssize_t n_rows = logits.shape[0]
     cdef Py_ssize_t n_vocab = logits.shape[1]

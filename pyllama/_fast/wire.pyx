@@ -70,7 +70,7 @@ cdef uint64_t _type_size[N_TYPE_IDS]
 memset(_block, 0, sizeof(_block))
 memset(_type_size, 0, sizeof(_type_size))
 
-# the element types (F32, F16, BF16, I32) and every weight type of pyllama.tensor.WEIGHT_TYPES
+# the element types (F32, F16, BF16, I32) and every weight type of pyllama.ir.tensor.WEIGHT_TYPES
 SUPPORTED_DTYPES = tuple(int(t) for t in (_QT.F32, _QT.F16, _QT.BF16, _QT.I32, _QT.Q4_0, _QT.Q4_1, _QT.Q5_0,
                                           _QT.Q5_1, _QT.Q8_0, _QT.Q2_K, _QT.Q3_K, _QT.Q4_K, _QT.Q5_K, _QT.Q6_K))
 for _t in SUPPORTED_DTYPES:

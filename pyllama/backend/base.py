@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 # the shared vocabulary lives in the bottom module; re-exported for the backends' callers
-from ..tensor import NP_DTYPES, Buffer, DType, Graph, Tensor, nbytes_of
+from ..ir.tensor import NP_DTYPES, Buffer, DType, Graph, Tensor, nbytes_of
 
 __all__ = ["DType", "Buffer", "Tensor", "DeviceInfo", "Backend", "Event", "nbytes_of", "NP_DTYPES"]
 

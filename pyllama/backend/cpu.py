@@ -38,14 +38,14 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .. import trace
-from ..busy import BusyClock
+from ..obs import trace
+from ..obs.busy import BusyClock
 from .._fast import gemm, moe, qmatmul
 from .._fast import ops as k
 from .._fast import ops_extra as kx
 from .._fast import sampling as k_sampling
 from .._fast.plan import NativeRun, NativeStep
-from ..tensor import KV_CACHE_TYPES, Graph, Op, check_node, sample_in_cols, sample_out_cols
+from ..ir.tensor import KV_CACHE_TYPES, Graph, Op, check_node, sample_in_cols, sample_out_cols
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 
 _PLAN_CACHE = 256
@@ -605,7 +605,7 @@ def _moe_ffn_steps(srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndar
 def _bind_sample(logits: np.ndarray, inp: np.ndarray, out: np.ndarray, n_probs: int, window: int,
                  nt: int) -> Callable[[], None]:
     """The SAMPLE op: unpacks the rows' sampler inputs, runs the sampling kernel, packs the ids,
-    probabilities and candidates (layout in graph/ops.py)."""
+    probabilities and candidates (layout in models/build/ops.py)."""
     rows = logits.shape[0]
     if not 0 <= n_probs <= 4096 or not 0 <= window <= 1 << 20:
         raise ValueError(f"SAMPLE: n_probs {n_probs} or window {window} out of range")

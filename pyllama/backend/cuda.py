@@ -45,9 +45,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
-from .. import trace
-from ..errors import PyllamaError
-from ..tensor import Graph, Op, check_node, sample_in_cols, sample_out_cols
+from ..obs import trace
+from ..util.errors import PyllamaError
+from ..ir.tensor import Graph, Op, check_node, sample_in_cols, sample_out_cols
 from . import cuda_build
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Event, Tensor
 

@@ -22,9 +22,9 @@ from typing import Optional
 
 import numpy as np
 
-from .. import trace
+from ..obs import trace
 from .._fast.wire import encode_graph
-from ..tensor import FAMILY_OPS, KV_CACHE_TYPES, Graph, Op
+from ..ir.tensor import FAMILY_OPS, KV_CACHE_TYPES, Graph, Op
 from ..rpc.connection import Connection, RPCError, get_connection
 from ..rpc.protocol import (ALLOC_REP, graph_tables, ALLOC_REQ, DEVICE_INFO, KIND, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32, U64, USAGE,
                             Cap, Cmd, DEVICE_TYPES_HEAD, MAX_DEVICE_TYPES)

@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from ..errors import ModelFileError
+from ..util.errors import ModelFileError
 from .gguf_file import TensorInfo
 
 # block bytes and the byte offsets of its F16 scales / minimums

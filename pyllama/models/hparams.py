@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ModelFileError
+from ..util.errors import ModelFileError
 from .gguf_file import GGUFFile
 
 ROPE_NORMAL = 0  # rotates adjacent pairs (x[2i], x[2i+1]) - llama

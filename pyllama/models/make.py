@@ -56,7 +56,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 
-from ..errors import ModelFileError, PyllamaError
+from ..util.errors import ModelFileError, PyllamaError
 from .default_vocab import BOS, EOS, build_default_vocab
 from .gguf_file import GGUFFile
 from .quantize import QK_K, quantize

@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 from gguf import GGMLQuantizationType as QT
 
-from ..errors import ModelFileError
-from ..tensor import WEIGHT_TYPES
+from ..util.errors import ModelFileError
+from ..ir.tensor import WEIGHT_TYPES
 from .gguf_file import GGUFFile, TensorInfo
 from .hparams import HParams, read_hparams
 

@@ -25,7 +25,7 @@ import secrets
 import stat
 from typing import Optional
 
-from ..errors import PyllamaError
+from ..util.errors import PyllamaError
 
 ENV = "PYLLAMA_RPC_TOKEN"
 NONCE = 32

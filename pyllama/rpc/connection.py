@@ -22,9 +22,9 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from .. import trace
-from ..env import env_number
-from ..errors import PyllamaError
+from ..obs import trace
+from ..util.env import env_number
+from ..util.errors import PyllamaError
 from . import auth, stats
 from .keepalive import enable_keepalive
 from .staging import StagingArena, arena_size

@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..env import env_number
+from ..util.env import env_number
 
 DEFAULT_BYTES = 64 << 20
 SIZE_ENV = "PYLLAMA_RPC_STAGING_BYTES"

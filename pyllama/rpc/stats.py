@@ -9,7 +9,7 @@ import threading
 import time
 from collections import defaultdict
 
-from ..threads import Thread
+from ..util.threads import Thread
 
 enabled = os.environ.get("PYLLAMA_RPC_STATS", "") not in ("", "0")
 _lock = threading.Lock()

@@ -15,12 +15,12 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from .. import trace
+from ..obs import trace
 from ..backend.base import Backend
 from ..backend.cpu import CPUBackend, set_compute_threads
-from ..cli import Parser, install_stop_signals, is_loopback_address, run_main, setup_logging
-from ..errors import PyllamaError
-from ..priority import LEVELS_HELP, apply_priority, check_level
+from ..util.cli import Parser, install_stop_signals, is_loopback_address, run_main, setup_logging
+from ..util.errors import PyllamaError
+from ..util.priority import LEVELS_HELP, apply_priority, check_level
 from ..rpc.auth import read_token
 from ..rpc.protocol import DEFAULT_MAX_FRAME
 from ..server.http import install_uvloop

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from typing import Optional
 
-from ..threads import Thread
+from ..util.threads import Thread
 
 log = logging.getLogger("pyllama.rpc_server")
 

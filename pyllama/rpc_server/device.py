@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 from ..backend.base import Backend, Buffer
 from ..backend.cpu import CPUBackend
 from ..rpc.protocol import KIND
-from ..threads import Thread
+from ..util.threads import Thread
 
 log = logging.getLogger("pyllama.rpc_server")
 

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .. import trace
+from ..obs import trace
 from ..backend.base import Backend
 from ..backend.cpu import CPUBackend
 from ..rpc import auth
@@ -33,7 +33,7 @@ from ..rpc.protocol import Cap, Cmd
 from .cache import TensorCache
 from .device import Device
 from .session import Session, frame, now_us
-from ..threads import Thread
+from ..util.threads import Thread
 
 log = logging.getLogger("pyllama.rpc_server")
 

@@ -24,10 +24,10 @@ import numpy as np
 from .._fast import wire
 from ..backend.base import Buffer, DType, Tensor
 from ..backend.cpu import CPUBackend
-from ..tensor import FAMILY_OPS, OP_TABLE, Graph, Node, Op, check_node, src_roles
+from ..ir.tensor import FAMILY_OPS, OP_TABLE, Graph, Node, Op, check_node, src_roles
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
-from ..trace import now as now_us
+from ..obs.trace import now as now_us
 from .cache import CACHE_MIN_BYTES, as_bytes_view
 
 if TYPE_CHECKING:
@@ -532,7 +532,7 @@ class Session:
                     op in FAMILY_OPS or (op == Op.ATTENTION and (n % 2 == 0 or any(params[j][9:12])))):
                 raise CommandError(f"graph node {j}: {op.name} (or ATTENTION's soft-cap, window or scaled RoPE) "
                                    "needs the FAMILY_OPS capability, not advertised here")
-            # the op table (pyllama.tensor) states each op's sources and types, for every backend
+            # the op table (pyllama.ir.tensor) states each op's sources and types, for every backend
             why = check_node(op, out.dtype, [t.dtype for t in ins], params[j], dev.weight_types)
             if why is not None:
                 raise CommandError(f"graph node {j} ({op.name}): {why}")

@@ -17,17 +17,17 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from .. import trace
-from ..balance import memory_caps, output_blocks
-from ..cache_types import CACHE_TYPES, cache_type_name
-from ..cli import install_stop_signals, run_main, setup_logging
-from ..devices import check_cpu_moe, check_kv_offload, list_devices, open_devices
-from ..engine import Engine
+from ..obs import trace
+from ..runtime.placement.balance import memory_caps, output_blocks
+from ..runtime.cache_types import CACHE_TYPES, cache_type_name
+from ..util.cli import install_stop_signals, run_main, setup_logging
+from ..runtime.placement.devices import check_cpu_moe, check_kv_offload, list_devices, open_devices
+from ..runtime.engine import Engine
 from ..rpc.connection import configured_timeout
-from ..errors import PyllamaError
+from ..util.errors import PyllamaError
 from ..models.hparams import model_overrides
-from ..affinity import apply_affinity
-from ..priority import apply_priority
+from ..util.affinity import apply_affinity
+from ..util.priority import apply_priority
 from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
 from .embedding import model_pooling

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from .. import __version__
 from ..models.gguf_file import file_type_name
-from ..sampling import SamplingParams
+from ..batching.sampling import SamplingParams
 from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
 from .chat import ChatTemplate, ChatTemplateError
 from .constraint import ConstraintSpec, compile_constraint

@@ -46,7 +46,7 @@ import numpy as np
 import llguidance as llg
 
 from .._fast import masks as _masks
-from ..threads import Thread
+from ..util.threads import Thread
 from ..tokenizer import Tokenizer
 from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
 from .grammar_check import CheckUnavailable, FirstMaskChecker

@@ -30,22 +30,22 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from ..context import Batch, Context, DecodeOutput
-from ..sampling import BatchSampler, SamplingParams, SequenceSampler
+from ..runtime.context import Batch, Context, DecodeOutput
+from ..batching.sampling import BatchSampler, SamplingParams, SequenceSampler
 from ..tokenizer import Tokenizer
-from .. import trace
+from ..obs import trace
 from .._fast import gemm
 from . import pipe_prof
 from .constraint import Constraint, MaskWorker, apply_masks
 from .metrics import Metrics
 from .pipeline_stats import StepLog
-from ..busy import now_us
+from ..obs.busy import now_us
 from .embedding import rows_wanted
 from .params import MAX_POST_SAMPLING_PROBS
 from .prompt_cache import COPY_WAIT_S, MIN_TOKENS, PromptCache
 from .slot import Slot, SlotState, common_prefix, presampling_probs, token_probs
 from .task import CompletionTask, EmbeddingEvent, ErrorEvent, EventSink, FinalEvent, ProgressEvent
-from ..threads import Thread
+from ..util.threads import Thread
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from urllib.parse import parse_qsl, unquote
 import httptools
 import ujson
 
-from ..cli import is_loopback_address
+from ..util.cli import is_loopback_address
 
 __all__ = [
     "HTTPError", "Request", "Response", "StreamResponse", "Handler", "HTTPServer",

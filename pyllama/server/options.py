@@ -19,15 +19,16 @@ import sys
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from .. import __version__, priority
-from ..cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
-from ..affinity import cpu_set
-from ..cli import Parser, Toggle, parse_bool
-from ..devices import add_device_args
-from ..errors import PyllamaError
+from .. import __version__
+from ..util import priority
+from ..runtime.cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
+from ..util.affinity import cpu_set
+from ..util.cli import Parser, Toggle, parse_bool
+from ..runtime.placement.devices import add_device_args
+from ..util.errors import PyllamaError
 from ..models.gguf_file import kv_override_arg
 from ..models.hparams import add_rope_args
-from ..sampling import SamplingParams, parse_samplers
+from ..batching.sampling import SamplingParams, parse_samplers
 from .group import QUANT_PIPELINE_CHUNK
 from .params import parse_logit_bias
 

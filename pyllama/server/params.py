@@ -8,8 +8,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..errors import PyllamaError
-from ..sampling import SamplingParams, cached_breaker_table, parse_samplers
+from ..util.errors import PyllamaError
+from ..batching.sampling import SamplingParams, cached_breaker_table, parse_samplers
 from ..tokenizer import Tokenizer
 from .constraint import ConstraintSpec, json_schema_spec
 from .http import HTTPError

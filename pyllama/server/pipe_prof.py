@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from ..threads import Thread
+from ..util.threads import Thread
 
 enabled = os.environ.get("PYLLAMA_PIPE_PROF", "") not in ("", "0")
 PERIOD_S = max(int(os.environ.get("PYLLAMA_PIPE_PROF_MS", "5000") or 5000), 50) / 1000

@@ -2,7 +2,7 @@
 
 Measured, not guessed, from three records the server keeps anyway:
 
-* each local device's busy spans (`pyllama.busy.BusyClock`, filled by the backend around every
+* each local device's busy spans (`pyllama.obs.busy.BusyClock`, filled by the backend around every
   graph it computes);
 * each rpc peer's busy spans, asked of the rpc server with DEVICE_BUSY (docs/rpc-protocol.md) when
   a reader wants them, and mapped onto this host's clock with the reply's timestamps as TRACE_SYNC
@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from ..busy import now_us
+from ..obs.busy import now_us
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
 

@@ -22,10 +22,10 @@ import logging
 import threading
 from typing import Optional
 
-from ..engine import Engine
+from ..runtime.engine import Engine
 from ..rpc.connection import configured_timeout
 from .group import PipelineGroup, groups_stopped
-from ..threads import Thread
+from ..util.threads import Thread
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Optional
 from .group import PipelineGroup
 from .slot import Slot, common_prefix
 from .task import CompletionTask
-from ..threads import Thread
+from ..util.threads import Thread
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..sampling import SequenceSampler
+from ..batching.sampling import SequenceSampler
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .constraint import Constraint
 from .reasoning import ThinkingBudget

@@ -1,6 +1,6 @@
 """The layer split checked against the load it serves.
 
-The split is chosen at load (`-ts`, free memory, or the probe of `pyllama.balance`), before any
+The split is chosen at load (`-ts`, free memory, or the probe of `pyllama.runtime.placement.balance`), before any
 request: neither free memory nor a probe of decode steps sees the mix of prompts and generations
 the server then gets, nor the host work that shares the local device's cores. Once the server has
 served under load, the devices' own busy clocks say how the stages actually compare: every
@@ -35,10 +35,10 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from ..balance import SplitAdvice, advise_split
-from ..env import env_number
+from ..runtime.placement.balance import SplitAdvice, advise_split
+from ..util.env import env_number
 from .pipeline_stats import StepLog
-from ..threads import Thread
+from ..util.threads import Thread
 
 log = logging.getLogger("pyllama.server")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ModelFileError
+from ..util.errors import ModelFileError
 from .base import KEY_MODEL, Tokenizer
 from .detok import IncrementalDetokenizer
 

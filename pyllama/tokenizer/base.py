@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from ..errors import ModelFileError
+from ..util.errors import ModelFileError
 
 log = logging.getLogger(__name__)
 

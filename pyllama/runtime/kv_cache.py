@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import ContextLimitError
+from ..util.errors import ContextLimitError
 
 
 class KVCache:

@@ -4,7 +4,7 @@ and behind the rpc server's DEVICE_BUSY reply.
 A backend holds one `BusyClock` and brackets each graph computation with `begin`/`end`. Several
 threads may compute on one device at once (pipeline groups): the clock keeps the union of their
 spans, so a device is busy while at least one of them runs, never "200 % busy". Times are
-microseconds of this host's monotonic clock (the trace's time base, `pyllama.trace.now`), so the
+microseconds of this host's monotonic clock (the trace's time base, `pyllama.obs.trace.now`), so the
 spans line up with a trace of the same run.
 
 Cost: two clock reads and two short lock holds per graph, a few hundred nanoseconds against the

@@ -10,8 +10,8 @@ from typing import Union
 
 from gguf import GGML_QUANT_SIZES
 
-from .errors import PyllamaError
-from .tensor import DType
+from ..util.errors import PyllamaError
+from ..ir.tensor import DType
 
 CACHE_TYPES: dict[str, DType] = {"f32": DType.F32, "f16": DType.F16, "bf16": DType.BF16, "q8_0": DType.Q8_0}
 DEFAULT_CACHE_TYPE = "f16"

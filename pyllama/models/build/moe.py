@@ -2,7 +2,7 @@
 
 One MOE_FFN node does the routed part: the router product, softmax, each token's top-k experts
 with the model's normalisation, and the chosen experts' gate/up/down products summed with their
-weights (tensor.py documents the op). It is one fused node rather than a router op plus
+weights (ir/tensor.py documents the op). It is one fused node rather than a router op plus
 gathered products because the grouping of tokens by expert, which is what lets the kernel read
 each chosen expert's rows once per step and never an unchosen one, would otherwise travel
 between nodes as index tensors of data-dependent size; the graph (and the rpc wire) keeps fixed
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..models.hparams import HParams
-from ..tensor import Op, Tensor
+from ..hparams import HParams
+from ...ir.tensor import Op, Tensor
 from ..weights import Weights
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
-from .backend.base import Backend
-from .backend.cpu import CPUBackend
-from .errors import PyllamaError
+from ...backend.base import Backend
+from ...backend.cpu import CPUBackend
+from ...util.errors import PyllamaError
 
-log = logging.getLogger("pyllama.devices")
+log = logging.getLogger("pyllama.runtime.placement.devices")
 
 
 def gpu_layers(text: str) -> int:
@@ -153,16 +153,16 @@ def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_
             i = int(name[3:])
             if i >= len(endpoints):
                 raise PyllamaError(f"--device {name}: there are {len(endpoints)} --rpc endpoints")
-            from .backend.rpc import RPCBackend  # noqa: PLC0415 - only when RPC is used
-            from .rpc.auth import read_token  # noqa: PLC0415
-            from .rpc.connection import get_connection, set_timeout, set_token  # noqa: PLC0415
+            from ...backend.rpc import RPCBackend  # noqa: PLC0415 - only when RPC is used
+            from ...rpc.auth import read_token  # noqa: PLC0415
+            from ...rpc.connection import get_connection, set_timeout, set_token  # noqa: PLC0415
             set_token(read_token(token_file, "--rpc-token-file"))
             set_timeout(rpc_timeout)
             backends.append(RPCBackend(get_connection(endpoints[i]), 0, name))
         elif name.startswith("CUDA"):
             # PyCUDA is imported only when a CUDA device is asked for; without PyCUDA, a driver, the
             # device or the built kernels this is one PyllamaError saying which
-            from .backend.cuda import open_backend  # noqa: PLC0415
+            from ...backend.cuda import open_backend  # noqa: PLC0415
             backends.append(open_backend(name))
         else:
             raise PyllamaError(f"--device: unknown device '{name}' (expected CPU, CUDA<i>, RPC<i>)")
@@ -176,7 +176,7 @@ def list_devices(args) -> str:
     then the CUDA GPUs PyCUDA sees; none without PyCUDA or a driver), with total and free memory."""
     names = [n for n in device_names(None, args.rpc) if n != "CPU"]
     try:
-        from .backend.cuda import CUDAUnavailable, device_count  # noqa: PLC0415
+        from ...backend.cuda import CUDAUnavailable, device_count  # noqa: PLC0415
         names += [f"CUDA{i}" for i in range(device_count())]
     except CUDAUnavailable:
         pass
@@ -236,8 +236,8 @@ def open_devices(args, model_path: str) -> tuple[list[Backend], Optional[list[fl
     n_gpu_layers = getattr(args, "n_gpu_layers", -1)
     n_layer = 0
     if n_gpu_layers >= 0 and args.split_mode == "layer" and any(n != "CPU" for n in names):
-        from .models.gguf_file import GGUFFile  # noqa: PLC0415 - the layer count, before placing
-        from .models.hparams import read_hparams  # noqa: PLC0415
+        from ...models.gguf_file import GGUFFile  # noqa: PLC0415 - the layer count, before placing
+        from ...models.hparams import read_hparams  # noqa: PLC0415
         n_layer = read_hparams(GGUFFile(model_path)).n_layer
     names, proportions = plan_devices(names, n_layer, n_gpu_layers, args.split_mode, getattr(args, "main_gpu", 0),
                                       args.tensor_split)

@@ -14,16 +14,16 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import trace
-from .backend.base import Backend, Buffer, DType, Tensor, lost_devices, nbytes_of
+from ..obs import trace
+from ..backend.base import Backend, Buffer, DType, Tensor, lost_devices, nbytes_of
 from .cache_types import cache_type, cache_type_name, check_cache_row
-from .errors import ContextLimitError, PyllamaError
-from .graph.llama import SAMPLING_INPUT, build_forward
-from .graph.ops import Op, sample_in_cols, sample_out_cols
+from ..util.errors import ContextLimitError, PyllamaError
+from ..models.build.llama import SAMPLING_INPUT, build_forward
+from ..models.build.ops import Op, sample_in_cols, sample_out_cols
 from .kv_cache import KVCache
-from .models.model import Model
-from .rpc import stats as rpc_stats
-from .weights import Placement, Weights
+from ..models.model import Model
+from ..rpc import stats as rpc_stats
+from ..models.weights import Placement, Weights
 from .sched import Job, Plan, Scheduler
 
 # Plans kept per context, least recently used dropped first. Under a mixed load nearly every step

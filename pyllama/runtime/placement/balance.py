@@ -39,10 +39,10 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from .backend.base import Backend
-from .errors import PyllamaError, UnsupportedOpError
+from ...backend.base import Backend
+from ...util.errors import PyllamaError, UnsupportedOpError
 
-log = logging.getLogger("pyllama.balance")
+log = logging.getLogger("pyllama.runtime.placement.balance")
 
 PROBE_ENV = "PYLLAMA_SPLIT_PROBE"
 PROBE_BATCH = 16      # decode rows per probe step: a server group's batch at 32 users over 2 groups
@@ -167,8 +167,8 @@ def _forget_plans(ctx) -> None:
 def probe_device(model, backend: Backend, last: bool, map_weights: bool = True, batch: int = PROBE_BATCH,
                  prompt: int = PROBE_PROMPT, steps: int = PROBE_STEPS) -> StageCost:
     """Times decode steps of `batch` rows on `backend` alone (see the module docstring)."""
-    from .context import Batch, Context  # noqa: PLC0415 - the engine imports this module
-    from .weights import Placement, load_weights  # noqa: PLC0415
+    from ..context import Batch, Context  # noqa: PLC0415 - the engine imports this module
+    from ...models.weights import Placement, load_weights  # noqa: PLC0415
 
     n_layer = model.hparams.n_layer
     big = max(1, min(PROBE_BLOCKS, n_layer))
@@ -180,7 +180,7 @@ def probe_device(model, backend: Backend, last: bool, map_weights: bool = True, 
     n_vocab = model.hparams.n_vocab
     weights = None
     contexts = []
-    with _quiet("pyllama.weights"):
+    with _quiet("pyllama.models.weights"):
         try:
             weights = load_weights(views[0], Placement([backend], [0] * big), map_weights=map_weights)
             for v in views:
@@ -228,7 +228,7 @@ def probe_device(model, backend: Backend, last: bool, map_weights: bool = True, 
 
 def layer_bytes(model, backend: Backend, map_weights: bool = True) -> int:
     """Bytes one block's weights take on `backend` (planned on paper, nothing allocated)."""
-    from .weights import Placement, load_weights  # noqa: PLC0415
+    from ...models.weights import Placement, load_weights  # noqa: PLC0415
 
     n = model.hparams.n_layer
     if n == 0:
@@ -326,7 +326,7 @@ def measured_split(model, backends: Sequence[Backend], fallback: Sequence[float]
     """Blocks per device balanced by each device's timed step cost, or None (the caller keeps
     `fallback`, the free-memory split) when the probe is off, fails on a device, or the memory
     caps leave no room. Logs the choice at INFO."""
-    from .weights import split_layers  # noqa: PLC0415
+    from ...models.weights import split_layers  # noqa: PLC0415
 
     if len(backends) < 2 or not probe_enabled():
         return None

@@ -13,11 +13,11 @@ from typing import Optional
 
 import numpy as np
 
-from . import trace
-from .backend.base import Backend, Buffer, Tensor
-from .graph.llama import ForwardGraph
-from .graph.ops import Graph
-from .weights import Placement
+from ..obs import trace
+from ..backend.base import Backend, Buffer, Tensor
+from ..models.build.llama import ForwardGraph
+from ..models.build.ops import Graph
+from ..models.weights import Placement
 
 log = logging.getLogger(__name__)
 

@@ -8,12 +8,12 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .backend.base import Backend, Buffer, DType, Tensor, dequantize_f32, nbytes_of
-from .errors import ModelFileError, PyllamaError, UnsupportedOpError
-from .tensor import FAMILY_OPS, Op
-from .models.hparams import GEMMA_ARCHS
-from .models.model import Model
-from .models.gguf_file import TensorInfo
+from ..backend.base import Backend, Buffer, DType, Tensor, dequantize_f32, nbytes_of
+from ..util.errors import ModelFileError, PyllamaError, UnsupportedOpError
+from ..ir.tensor import FAMILY_OPS, Op
+from .hparams import GEMMA_ARCHS
+from .model import Model
+from .gguf_file import TensorInfo
 
 log = logging.getLogger(__name__)
 

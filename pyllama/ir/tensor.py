@@ -1,6 +1,6 @@
 """The vocabulary every layer shares: element types, buffers, tensors, ops, graphs, and the op table.
 
-This module is the bottom of the engine: the graph builders (graph/), the backends (backend/), the
+This module is the bottom of the engine: the graph builders (models/build/), the backends (backend/), the
 scheduler and the rpc server all import it, and it imports nothing of pyllama, so no package
 depends on another one just to name a tensor or an op.
 
@@ -142,7 +142,7 @@ class Op(IntEnum):
     # -> out [n, m_1 + ... + m_p], part i written into its columns. Same result as MUL_MAT
     # against the rows concatenated, in one node (Python pays per node).
     MUL_MAT_CAT = 8
-    # A Mixture-of-Experts FFN, router to weighted sum (graph/moe.py):
+    # A Mixture-of-Experts FFN, router to weighted sum (models/build/moe.py):
     # srcs (x [n, e], router [E, e], gate_exps [E, f, e], up_exps [E, f, e], down_exps [E, e, f]
     #       [, shexp [n, e] [, shexp_gate [e]]]); params (n_expert_used K, norm, scale)
     # -> out [n, e]. Per token: p = softmax(x @ router.T), the K largest (ties: the lower expert

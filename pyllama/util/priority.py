@@ -28,7 +28,7 @@ import logging
 import os
 from typing import Optional
 
-log = logging.getLogger("pyllama.priority")
+log = logging.getLogger("pyllama.util.priority")
 
 LEVELS = {-1: "low", 0: "normal", 1: "medium", 2: "high", 3: "realtime"}
 _FIFO_PRIORITY = {1: 40, 2: 80, 3: 90}

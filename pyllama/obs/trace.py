@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from .threads import Thread
+from ..util.threads import Thread
 
 ENV = "PYLLAMA_TRACE"
 VERSION = 1

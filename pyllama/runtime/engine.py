@@ -13,16 +13,16 @@ import logging
 import weakref
 from typing import Optional, Sequence
 
-from .backend.base import Backend, DType, lost_devices
-from .backend.cpu import CPUBackend, set_compute_threads
-from .balance import MeasuredSplit, counts_of, measured_split
+from ..backend.base import Backend, DType, lost_devices
+from ..backend.cpu import CPUBackend, set_compute_threads
+from .placement.balance import MeasuredSplit, counts_of, measured_split
 from .context import Context
-from .devices import default_split
-from .errors import ModelFileError, PyllamaError
-from .models.check_tensors import check_tensors as check_model_tensors
-from .models.model import Model
-from .tokenizer import Tokenizer, load_tokenizer
-from .weights import Placement, Weights, load_weights, split_layers
+from .placement.devices import default_split
+from ..util.errors import ModelFileError, PyllamaError
+from ..models.check_tensors import check_tensors as check_model_tensors
+from ..models.model import Model
+from ..tokenizer import Tokenizer, load_tokenizer
+from ..models.weights import Placement, Weights, load_weights, split_layers
 
 log = logging.getLogger(__name__)
 

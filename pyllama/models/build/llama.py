@@ -1,4 +1,4 @@
-"""The llama-family forward graph (llama, qwen2, qwen3, and their MoE forms: graph/moe.py; the dense
+"""The llama-family forward graph (llama, qwen2, qwen3, and their MoE forms: models/build/moe.py; the dense
 gemma2, gemma3 and phi3, and RoPE scaling: docs/engine.md) for one micro-batch.
 
 The graph is built device-agnostic: nodes carry their layer, and the scheduler decides which
@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..tensor import DType, Tensor
-from ..models.hparams import HParams
+from ...ir.tensor import DType, Tensor
+from ..hparams import HParams
 from ..weights import Weights
 from .ops import Graph, Node, Op, input_tensor, node, sample_in_cols, sample_out_cols
 from .moe import build_moe_ffn

@@ -1,0 +1,1 @@
+"""Sequences, sampling and constraints: what turns logits into tokens."""

@@ -1,0 +1,1 @@
+"""Observability: the tracer and busy-time accounting."""

@@ -1,0 +1,1 @@
+"""The engine: a model's context (KV cache, graph scheduler) over its devices."""

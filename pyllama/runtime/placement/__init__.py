@@ -1,0 +1,1 @@
+"""Where a model's layers go: device plans, split balance."""

@@ -1,0 +1,1 @@
+"""Plumbing any layer may use: errors, environment, threads, CPU placement, command lines."""

@@ -16,7 +16,8 @@ import pytest
 import uvloop
 
 from pyllama.server.http import (MAX_JSON_ITEMS, SSE_DONE, HTTPError, HTTPServer, Request, Response, StreamResponse,
-                                 error_response, install_uvloop, json_response, sse_event)
+                                 error_response, json_response, sse_event)
+from pyllama.util.loop import install_uvloop
 
 
 # ---------------------------------------------------------------------------------------------

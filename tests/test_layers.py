@@ -36,7 +36,7 @@ def _modules(root: str) -> dict[str, str]:
     return out
 
 
-def _imports(module: str, path: str) -> list[tuple[int, str]]:
+def _imports(root: str, module: str, path: str) -> list[tuple[int, str]]:
     """(line, absolute module) of every pyllama import in a file."""
     tree = ast.parse(open(path).read(), path)
     pkg = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
@@ -49,10 +49,11 @@ def _imports(module: str, path: str) -> list[tuple[int, str]]:
                 target = ".".join(parts + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target == "pyllama" or target.startswith("pyllama."):
-                # `from pyllama import trace` imports a module: name it
-                for alias in node.names:
-                    found.append((node.lineno, f"{target}.{alias.name}" if target.count(".") < 1 else target))
+            if target == "pyllama":  # the package's own names (its version), or `from pyllama import util`
+                found += [(node.lineno, f"pyllama.{a.name}" if os.path.exists(os.path.join(root, a.name)) else target)
+                          for a in node.names]
+            elif target.startswith("pyllama."):
+                found.append((node.lineno, target))
         elif isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.startswith("pyllama")]
     return found
@@ -67,7 +68,7 @@ def upward_imports(root: str = ROOT) -> list[str]:
     bad = []
     for module, path in sorted(_modules(root).items()):
         own = _top(module)
-        for line, target in _imports(module, path):
+        for line, target in _imports(root, module, path):
             other = _top(target)
             if other == own or other in ANYWHERE:
                 continue

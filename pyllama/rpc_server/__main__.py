@@ -23,7 +23,7 @@ from ..util.errors import PyllamaError
 from ..util.priority import LEVELS_HELP, apply_priority, check_level
 from ..rpc.auth import read_token
 from ..rpc.protocol import DEFAULT_MAX_FRAME
-from ..server.http import install_uvloop
+from ..util.loop import install_uvloop
 from .server import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, RPCServer, caps_mask_from_env
 
 log = logging.getLogger("pyllama.rpc_server")

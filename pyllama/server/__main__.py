@@ -32,7 +32,8 @@ from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
 from .embedding import model_pooling
 from .group import PipelineGroup, groups_stopped, pipeline_chunk, share_stages
-from .http import HTTPServer, install_uvloop
+from .http import HTTPServer
+from ..util.loop import install_uvloop
 from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401
                       default_stop, log_accepted, log_level, parse_args, resolve, sampling_defaults,
                       template_kwargs)

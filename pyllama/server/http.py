@@ -41,7 +41,7 @@ from ..util.cli import is_loopback_address
 
 __all__ = [
     "HTTPError", "Request", "Response", "StreamResponse", "Handler", "HTTPServer",
-    "json_response", "error_response", "sse_event", "SSE_DONE", "install_uvloop", "MAX_JSON_DEPTH",
+    "json_response", "error_response", "sse_event", "SSE_DONE", "MAX_JSON_DEPTH",
     "MAX_JSON_ITEMS",
 ]
 
@@ -244,16 +244,6 @@ def sse_event(obj: Any) -> bytes:
 def sse_named_event(name: str, obj: Any) -> bytes:
     """An event with its name (`event:` line), as Anthropic's and OpenAI's Responses streams send them."""
     return b"event: " + name.encode() + b"\ndata: " + json_bytes(obj) + b"\n\n"
-
-
-def install_uvloop() -> None:
-    """Make uvloop the event loop of asyncio.run and new_event_loop; asyncio's own if it is missing."""
-    try:
-        import uvloop
-    except ImportError:
-        log.warning("uvloop is not installed: using asyncio's default event loop (slower)")
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 # ---------------------------------------------------------------------------------------------

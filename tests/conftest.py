@@ -1,8 +1,15 @@
-"""Shared fixtures: tiny test models made once per session with pyllama.models.make."""
+"""Shared fixtures: tiny test models made once per session with pyllama.models.make; the tiers.
+
+Every test is in one tier, given by a marker set here: `fuzz` (the randomized fuzzers' modules),
+`integration` (a test that starts a process, a server or a socket, by itself or through one of its
+fixtures: read from their source), else `unit`. `pytest -m unit` runs in under a minute.
+"""
 from __future__ import annotations
 
+import inspect
 import lzma
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -80,3 +87,40 @@ def seeded_hermes_server(tiny_model, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+# --- tiers -------------------------------------------------------------------------------------
+FUZZ_MODULES = {"test_rpc_fuzz"}
+# what a test (or a fixture it uses) does when it starts processes, servers or sockets
+_INTEGRATION = re.compile(r"ServerProcess|RPCServerProcess|LlamaServer|subprocess|Popen|socket\.|HTTPServer\(|"
+                          r"RPCServer\(|serve_forever|rpc_peer|127\.0\.0\.1|fuzz_http\.main|fuzz_rpc\.main")
+_source_cache: dict = {}
+
+
+def _starts_processes(fn) -> bool:
+    found = _source_cache.get(fn)
+    if found is None:
+        try:
+            found = bool(_INTEGRATION.search(inspect.getsource(fn)))
+        except (OSError, TypeError):
+            found = False
+        _source_cache[fn] = found
+    return found
+
+
+def _tier(item) -> str:
+    if item.module.__name__ in FUZZ_MODULES:
+        return "fuzz"
+    if _starts_processes(item.function):
+        return "integration"
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        if any(_starts_processes(d.func) for d in defs):
+            return "integration"
+    return "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by them
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not any(item.get_closest_marker(t) for t in ("unit", "integration", "fuzz")):
+            item.add_marker(getattr(pytest.mark, _tier(item)))

@@ -544,12 +544,12 @@ class Api:
         if not st.metrics_enabled:
             raise _not_enabled("metrics endpoint", "--metrics")
         _require_ready(st)
-        kv_used = sum(g.ctx.kv.used_cells for g in st.groups)
-        kv_total = sum(g.ctx.kv.n_cells for g in st.groups)
+        kv_used = sum(g.kv_use.used_cells for g in st.groups)
+        kv_total = sum(g.kv_use.n_cells for g in st.groups)
         text = st.metrics.render(
             requests_processing=st.router.n_processing, requests_deferred=st.router.n_deferred,
             kv_cache_usage_ratio=kv_used / kv_total if kv_total else 0.0,
-            kv_cache_tokens=sum(g.ctx.kv.n_tokens_cached() for g in st.groups))
+            kv_cache_tokens=sum(g.kv_use.tokens_cached for g in st.groups))
         snap = await asyncio.get_running_loop().run_in_executor(None, self.pipeline().snapshot, DEFAULT_WINDOW_S)
         text += render_families(pipeline_families(snap))
         cache = st.groups[0].prompt_cache if st.groups else None
@@ -689,20 +689,10 @@ class Api:
         return json_response(await self._slot_restore(slot, path, filename))
 
     async def _when_idle(self, slot, work: Callable[[], T]) -> T:
-        """work() under the slot's group lock once the slot serves nothing (as llama-server, the
-        action waits for a busy slot)."""
+        """work() on the slot's decode thread, between steps, once the slot serves nothing (as
+        llama-server, the action waits for a busy slot)."""
         group = self.state.groups[slot.group]
-
-        def attempt():
-            with group.lock:
-                if not self._idle(slot):
-                    return False, None
-                return True, work()
-        while True:
-            done, value = await asyncio.to_thread(attempt)
-            if done:
-                return value
-            await asyncio.sleep(0.02)
+        return await asyncio.wrap_future(group.when_idle(slot, work, self._idle))
 
     async def _slot_erase(self, slot) -> dict:
         ctx = self.state.groups[slot.group].ctx

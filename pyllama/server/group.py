@@ -25,8 +25,9 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 
 import numpy as np
 
@@ -48,6 +49,24 @@ from .task import CompletionTask, EmbeddingEvent, ErrorEvent, EventSink, FinalEv
 from ..util.threads import Thread
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# how often the decode thread looks again at a command waiting for a slot the router still holds
+COMMAND_POLL_S = 0.02
+
+
+class _Command(NamedTuple):
+    slot: Slot
+    work: Callable[[], Any]
+    idle: Callable[[Slot], bool]
+    future: Future
+
+
+class KVUse(NamedTuple):
+    """A group's KV cache use, published by its decode thread after every step (for /metrics)."""
+    used_cells: int
+    n_cells: int
+    tokens_cached: int
 
 _FEEDING = (SlotState.PROMPT, SlotState.RECOMPUTE)
 
@@ -86,11 +105,16 @@ class PipelineGroup:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.on_free = on_free
-        # `lock` is held by the decode thread for a whole iteration (context and slots); the
-        # inbox has its own lock so the task thread never waits behind a running step.
+        # The decode thread alone touches the context and the slots. `lock` is held by it for a
+        # whole iteration, so that groups_stopped (moving layers, a peer's reconnection) finds
+        # every group between steps; the inbox has its own lock so the task thread never waits
+        # behind a running step. Other threads act on a slot through `when_idle` (commands the
+        # decode thread runs between steps) and read the KV cache's use from `kv_use`.
         self.lock = threading.Lock()
         self._wake = threading.Condition(threading.Lock())
         self._inbox: deque[list[tuple[Slot, CompletionTask]]] = deque()
+        self._commands: deque[_Command] = deque()
+        self.kv_use = KVUse(ctx.kv.used_cells, ctx.kv.n_cells, ctx.kv.n_tokens_cached())
         self._running = True
         # a chosen token's probability is read only for requests with n_probs (token_probs)
         self.sampler = BatchSampler(ctx.hparams.n_vocab, max(len(slots), 1), MAX_POST_SAMPLING_PROBS,
@@ -147,6 +171,37 @@ class PipelineGroup:
             self._inbox.append(placements)
             self._wake.notify()
 
+    def when_idle(self, slot: Slot, work: Callable[[], T], idle: Callable[[Slot], bool]) -> "Future[T]":
+        """work() on the decode thread, between steps, once idle(slot) holds (a slot action waits
+        for a busy slot, as llama-server's do); its result or exception comes in the future."""
+        future: Future = Future()
+        with self._wake:
+            self._commands.append(_Command(slot, work, idle, future))
+            self._wake.notify()
+        return future
+
+    def _run_commands(self) -> None:
+        """Runs the queued commands whose slot is idle (between steps, under `lock`)."""
+        with self._wake:
+            ready = [c for c in self._commands if c.idle(c.slot) and not self._placing(c.slot)]
+            for c in ready:
+                self._commands.remove(c)
+        for c in ready:
+            if not c.future.set_running_or_notify_cancel():
+                continue
+            try:
+                c.future.set_result(c.work())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting request
+                c.future.set_exception(exc)
+
+    def _placing(self, slot: Slot) -> bool:
+        """Whether a placement for the slot waits in the inbox (called with _wake held)."""
+        return any(s is slot for placements in self._inbox for s, _ in placements)
+
+    def _publish(self) -> None:
+        kv = self.ctx.kv
+        self.kv_use = KVUse(kv.used_cells, kv.n_cells, kv.n_tokens_cached())
+
     def n_busy(self) -> int:
         return sum(1 for s in self.slots if s.busy)
 
@@ -160,9 +215,15 @@ class PipelineGroup:
         trace.set_group(self.index)
         while True:
             with self._wake:
-                # slots change only on this thread, so reading `busy` here races with nothing
+                # slots change only on this thread, so reading `busy` here races with nothing; a
+                # command waiting for a slot the router still holds is looked at again shortly
+                # (the router frees slots without telling the group)
                 while self._running and not self._inbox and not any(s.busy for s in self.slots):
-                    self._wake.wait()
+                    if self._commands:
+                        if self._wake.wait(COMMAND_POLL_S) or any(c.idle(c.slot) for c in self._commands):
+                            break
+                    else:
+                        self._wake.wait()
                 if not self._running:
                     break
             t_want = time.perf_counter()
@@ -178,6 +239,9 @@ class PipelineGroup:
                     else:
                         log.exception("decode step failed in group %d", self.index)
                         self._fail_all(f"decode failed: {exc}")
+                if self._commands:
+                    self._run_commands()
+                self._publish()
             t_send = time.perf_counter()
             tr_send = trace.now() if trace.enabled else 0
             self.sink.flush()
@@ -195,6 +259,11 @@ class PipelineGroup:
         for slot in self.slots:  # shutting down: whatever still runs ends as cancelled
             if slot.busy:
                 self._finish(slot, None)
+        with self._wake:
+            commands, self._commands = list(self._commands), deque()
+        for c in commands:
+            if c.future.set_running_or_notify_cancel():
+                c.future.set_exception(RuntimeError("the server is shutting down"))
         self.sink.flush()
         if self._masks is not None:
             self._masks.close()
@@ -558,7 +627,7 @@ class PipelineGroup:
             self._release_held(wait=True)
         return True
 
-    # --- slot files (POST /slots/{id}?action=save|restore; the caller holds the lock, the slot idle) ---
+    # --- slot files (POST /slots/{id}?action=save|restore: run by when_idle on the decode thread) ---
     def read_slot(self, slot: Slot) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
         """The slot's cached tokens that have KV rows, and those rows."""
         n = self.ctx.kv.seq_len(slot.seq)

@@ -56,7 +56,7 @@ extensions = [
     Extension(
         f"pyllama._fast.{pyx.stem}",
         [str(pyx.relative_to(HERE))],
-        include_dirs=[np.get_include()],
+        include_dirs=[np.get_include(), str(FAST / "csrc")],
         extra_compile_args=compile_args,
         extra_link_args=["-fopenmp"],
         language="c++",

@@ -9,7 +9,7 @@ every other type run on `_fast/qmatmul.pyx` with ggml's arithmetic (activations 
 weight type's dot-product type), and embedding rows of those types are dequantized when looked up.
 
 Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights with a multiple of 8 rows are also repacked in groups of 8 rows
-(`_fast/ggml_x8.h`) once loaded (`prepare_weights`; an rpc server's on the first graph that
+(`_fast/csrc/ggml_x8.h`) once loaded (`prepare_weights`; an rpc server's on the first graph that
 multiplies by them); the products then run on that copy, and the loader lets the file's pages of
 a weight read in place go (the bytes stay in the file layout for row lookups and reads, which
 page them in again). A weight in an allocated buffer (an rpc server's) is then held twice.

@@ -40,6 +40,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from pyllama.obs.spans import union  # noqa: F401 - the busy spans' arithmetic, shared with the live view
+
 ROLES = ("server", "rpc-server", "generate")
 CLIENT_ROLES = ("server", "generate")
 CORE = ["file", "uid", "role", "host", "c", "n", "t0", "t1", "tid", "grp"]
@@ -205,21 +207,6 @@ def load(paths: Sequence[str | Path]) -> Trace:
 
 
 # --- interval arithmetic ------------------------------------------------------------------
-def union(starts: Any, ends: Any) -> Intervals:
-    """The spans merged into sorted disjoint intervals (touching ones joined, empty ones
-    dropped): the time during which at least one of them was open."""
-    s, e = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
-    s, e = s[e > s], e[e > s]
-    if len(s) == 0:
-        return s, e
-    order = np.argsort(s, kind="stable")
-    s, e = s[order], e[order]
-    reach = np.maximum.accumulate(e)
-    first = np.r_[True, s[1:] > reach[:-1]]
-    last = np.r_[first[1:], True]
-    return s[first], reach[last]
-
-
 def _length_before(starts: np.ndarray, ends: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Sum over spans of their length left of each x: a piecewise linear function of x, so
     sorted starts and ends with prefix sums give it for all x at once."""

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from ..obs import spans as _spans
 from ..obs.busy import now_us
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
@@ -78,22 +79,15 @@ Spans = np.ndarray  # [n, 2] int64 (start, end) rows
 
 def union(spans: Union[Sequence[tuple[int, int]], np.ndarray]) -> Spans:
     """Sorted, disjoint spans covering exactly what the given (start, end) spans cover (spans that
-    touch become one)."""
+    touch become one): obs.spans.union over rows."""
     a = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
-    a = a[a[:, 1] > a[:, 0]]
-    if len(a) < 2:
-        return a
-    a = a[np.argsort(a[:, 0], kind="stable")]
-    ends = np.maximum.accumulate(a[:, 1])
-    first = np.flatnonzero(np.r_[True, a[1:, 0] > ends[:-1]])  # each merged span's first row
-    last = np.r_[first[1:] - 1, len(a) - 1]
-    return np.stack([a[first, 0], ends[last]], axis=1)
+    return np.stack(_spans.union(a[:, 0], a[:, 1]), axis=1)
 
 
 def covered(spans: Union[Sequence[tuple[int, int]], np.ndarray], w0: int, w1: int) -> int:
     """Length of [w0, w1) that disjoint `spans` cover."""
     a = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
-    return int(np.clip(np.minimum(a[:, 1], w1) - np.maximum(a[:, 0], w0), 0, None).sum())
+    return _spans.covered((a[:, 0], a[:, 1]), w0, w1)
 
 
 # --- the peers ----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 # the shared vocabulary lives in the bottom module; re-exported for the backends' callers
-from ..ir.tensor import NP_DTYPES, Buffer, DType, Graph, Tensor, nbytes_of
+from ..ir.tensor import FAMILY_OPS, NP_DTYPES, Buffer, DType, Graph, Node, Tensor, family_node, nbytes_of
 
 __all__ = ["DType", "Buffer", "Tensor", "DeviceInfo", "Backend", "Event", "nbytes_of", "NP_DTYPES"]
 
@@ -140,6 +140,13 @@ class Backend(ABC):
         """Whether graphs on this device may hold `op` (an Op code); every device runs the core
         ops, optional ones (SAMPLE) depend on the device or, for a peer, its capabilities."""
         return True
+
+    def supports_node(self, node: "Node") -> bool:
+        """Whether this device runs `node`: its op, and what its parameters ask of it (ATTENTION's
+        extensions need the dense families' ops, FAMILY_OPS)."""
+        if not self.supports(node.op):
+            return False
+        return not family_node(node.op, node.params, len(node.srcs)) or all(self.supports(op) for op in FAMILY_OPS)
 
     # the types a graph may give as a weight (MUL_MAT's matrix, GET_ROWS's table): the rpc server
     # accepts exactly these from a client

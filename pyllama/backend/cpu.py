@@ -45,7 +45,7 @@ from .._fast import ops as k
 from .._fast import ops_extra as kx
 from .._fast import sampling as k_sampling
 from .._fast.plan import NativeRun, NativeStep
-from ..ir.tensor import KV_CACHE_TYPES, Graph, Op, check_node, sample_in_cols, sample_out_cols
+from ..ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, Op, check_node, sample_in_cols, sample_out_cols
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 
 _PLAN_CACHE = 256
@@ -388,16 +388,15 @@ class CPUBackend(Backend):
                 steps.append(_native(k.bind_glu, _bind(k.swiglu, s[0], out, nt), s[0], out, nt, False))
             elif op == Op.ATTENTION:
                 qn, kn = (s[7], s[8]) if len(s) >= 9 else (empty, empty)
-                freqs = s[-1] if len(s) % 2 == 0 else None  # 8 or 10 sources: rope_freqs last
-                p = tuple(nd.params) + (0.0,) * (12 - len(nd.params))  # 9-parameter graphs: no extras
-                n_swa = p[10]
-                if n_swa != int(n_swa):
-                    raise ValueError(f"ATTENTION {nd.out.name}: n_swa {n_swa} is not an integer")
+                a = AttentionParams.of(nd.params, len(s))
+                freqs = s[-1] if a.rope_freqs else None
+                if a.n_swa != int(a.n_swa):
+                    raise ValueError(f"ATTENTION {nd.out.name}: n_swa {a.n_swa} is not an integer")
                 kc, vc = nd.srcs[1], nd.srcs[2]  # the caches as rows of bytes in their cache types
                 args = (s[0], _rows(kc), _rows(vc), s[3], s[4], s[5], s[6], qn, kn, out,
-                        int(p[0]), int(p[1]), int(p[2]), int(p[3]), int(p[4]), float(p[5]),
-                        float(p[6]), float(p[7]), float(p[8]), nt, int(kc.dtype), int(vc.dtype),
-                        float(p[9]), int(n_swa), float(p[11]) or 1.0, freqs)
+                        int(a.n_head), int(a.n_head_kv), int(a.head_dim), int(a.n_rot), int(a.rope_mode),
+                        float(a.freq_base), float(a.freq_scale), float(a.norm_eps), float(a.scale), nt,
+                        int(kc.dtype), int(vc.dtype), float(a.softcap), int(a.n_swa), float(a.rope_mscale), freqs)
                 steps.append(_native(k.bind_attention, _bind(k.attention, *args), *args))
             elif op == Op.GEGLU:
                 steps.append(_native(k.bind_glu, _bind(k.geglu, s[0], out, nt), s[0], out, nt, True))

@@ -47,7 +47,7 @@ from gguf import GGML_QUANT_SIZES
 
 from ..obs import trace
 from ..util.errors import PyllamaError
-from ..ir.tensor import Graph, Op, check_node, sample_in_cols, sample_out_cols
+from ..ir.tensor import AttentionParams, Graph, Op, check_node, sample_in_cols, sample_out_cols
 from . import cuda_build
 from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Event, Tensor
 
@@ -739,15 +739,16 @@ class CUDABackend(Backend):
         raise ValueError(f"unknown op {op!r}")
 
     def _bind_attention(self, nd: Any, err: int) -> list[Callable[[Any], None]]:
-        s, out, p, P = nd.srcs, nd.out, nd.params, self._ptr
+        s, out, P = nd.srcs, nd.out, self._ptr
         # the extensions (rope_freqs source; softcap, n_swa, rope_mscale) have no CUDA kernel: a
-        # model needing them is refused at load; unused (0) they may still arrive from the wire
-        if len(s) not in (7, 9) or len(p) not in (9, 12) or any(p[9:]):
+        # model needing them is refused at load; unused they may still arrive from the wire
+        a = AttentionParams.of(nd.params, len(s))
+        if len(s) not in (7, 9) or len(nd.params) not in (9, 12) or a.extended:
             raise ValueError("ATTENTION: expected 7 or 9 sources and 9 parameters (soft-capping, a sliding "
                              "window and scaled RoPE do not run on CUDA)")
         qkv, kc, vc, pos, kv_idx, cells, ranges = s[:7]
-        H, Hkv, hd, n_rot, mode = (int(v) for v in p[:5])
-        freq_base, freq_scale, eps, scale = float(p[5]), float(p[6]), float(p[7]), float(p[8])
+        H, Hkv, hd, n_rot, mode = int(a.n_head), int(a.n_head_kv), int(a.head_dim), int(a.n_rot), int(a.rope_mode)
+        freq_base, freq_scale, eps, scale = float(a.freq_base), float(a.freq_scale), float(a.norm_eps), float(a.scale)
         if H <= 0 or Hkv <= 0 or hd <= 0 or H % Hkv or n_rot < 0 or n_rot > hd or n_rot % 2:
             raise ValueError("attention: bad head parameters")
         if mode not in (0, 2):

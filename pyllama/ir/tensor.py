@@ -17,12 +17,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as DType
 
-__all__ = ["DType", "Buffer", "Tensor", "nbytes_of", "NP_DTYPES", "WEIGHT_TYPES", "QUANT_TYPES", "KV_CACHE_TYPES",
+__all__ = ["AttentionParams", "family_node", "DType", "Buffer", "Tensor", "nbytes_of", "NP_DTYPES", "WEIGHT_TYPES", "QUANT_TYPES", "KV_CACHE_TYPES",
            "Op", "Node", "Graph", "node", "input_tensor", "Src", "OpSpec", "OP_TABLE", "src_roles", "check_node",
            "sample_in_cols", "sample_out_cols", "SAMPLE_PARAM_COLS", "MAX_SRCS"]
 
@@ -176,6 +176,49 @@ class Src:
 # The ops of the dense families beyond llama (gemma, phi3, scaled RoPE): a device runs all of them
 # and ATTENTION's extensions (soft-cap, window, rope_freqs / rope_mscale), or none.
 FAMILY_OPS = (Op.GEGLU, Op.SCALE, Op.SOFTCAP)
+
+
+class AttentionParams(NamedTuple):
+    """ATTENTION's parameters by name (their order on the wire: Op.ATTENTION). The extensions
+    (softcap, n_swa, rope_mscale and a rope_freqs source) are what the dense families beyond llama
+    add; graphs without them carry the 9 base parameters, which every device runs."""
+
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_mode: int
+    freq_base: float
+    freq_scale: float
+    norm_eps: float
+    scale: float
+    softcap: float = 0.0
+    n_swa: float = 0      # a float as it travels; the kernels check it is whole
+    rope_mscale: float = 1.0
+    rope_freqs: bool = False  # a rope_freqs source follows (it is a source, not a parameter)
+
+    @classmethod
+    def of(cls, params: Sequence[float], n_srcs: int) -> "AttentionParams":
+        """From a node's parameters (9 or 12) and its source count (8 or 10: rope_freqs last)."""
+        p = tuple(params) + (0.0,) * (12 - len(params))
+        return cls(*p[:9], softcap=p[9], n_swa=p[10], rope_mscale=p[11] or 1.0, rope_freqs=n_srcs % 2 == 0)
+
+    @property
+    def extended(self) -> bool:
+        """Whether it uses an extension (devices without FAMILY_OPS run none)."""
+        return self.softcap != 0 or self.n_swa != 0 or self.rope_mscale != 1.0 or self.rope_freqs
+
+    def params(self) -> tuple:
+        """The node's parameters: the 9 base ones, the 3 extensions only where one is used."""
+        base = tuple(self[:9])
+        if self.softcap or self.n_swa or self.rope_mscale != 1.0:
+            return base + (self.softcap, self.n_swa, self.rope_mscale)
+        return base
+
+
+def family_node(op: Op, params: Sequence[float], n_srcs: int) -> bool:
+    """Whether a node needs a device with FAMILY_OPS: one of those ops, or ATTENTION extended."""
+    return op in FAMILY_OPS or (op == Op.ATTENTION and AttentionParams.of(params, n_srcs).extended)
 
 
 @dataclass(frozen=True)

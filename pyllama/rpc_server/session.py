@@ -24,7 +24,7 @@ import numpy as np
 from .._fast import wire
 from ..backend.base import Buffer, DType, Tensor
 from ..backend.cpu import CPUBackend
-from ..ir.tensor import FAMILY_OPS, OP_TABLE, Graph, Node, Op, check_node, src_roles
+from ..ir.tensor import OP_TABLE, Graph, Node, Op, check_node, family_node, src_roles
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
 from ..obs.trace import now as now_us
@@ -528,8 +528,7 @@ class Session:
                 raise CommandError(f"graph node {j}: SAMPLE needs the BACKEND_SAMPLING capability, not advertised here")
             if op == Op.MOE_FFN and not self.server.capabilities & Cap.MOE_FFN:
                 raise CommandError(f"graph node {j}: MOE_FFN needs the MOE_FFN capability, not advertised here")
-            if not self.server.capabilities & Cap.FAMILY_OPS and (
-                    op in FAMILY_OPS or (op == Op.ATTENTION and (n % 2 == 0 or any(params[j][9:12])))):
+            if not self.server.capabilities & Cap.FAMILY_OPS and family_node(op, params[j], n):
                 raise CommandError(f"graph node {j}: {op.name} (or ATTENTION's soft-cap, window or scaled RoPE) "
                                    "needs the FAMILY_OPS capability, not advertised here")
             # the op table (pyllama.ir.tensor) states each op's sources and types, for every backend

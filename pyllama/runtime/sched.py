@@ -18,6 +18,7 @@ from ..backend.base import Backend, Buffer, Tensor
 from ..models.build.llama import ForwardGraph
 from ..models.build.ops import Graph
 from ..models.weights import Placement
+from ..util.errors import UnsupportedOpError
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,13 @@ class Scheduler:
     def plan(self, fg: ForwardGraph) -> Plan:
         nb = len(self.backends)
         node_backend = [self.placement.backend_of_layer(nd.layer) for nd in fg.nodes]
+        # the placement as the graph has it: each device is asked about each node it gets (the
+        # load's check reads the model's kind; this one the nodes themselves, once per plan)
+        for nd, bi in zip(fg.nodes, node_backend):
+            if not self.backends[bi].supports_node(nd):
+                raise UnsupportedOpError(
+                    f"{nd.op.name} ({nd.out.name}{'' if nd.layer < 0 else f', layer {nd.layer}'}) cannot run on "
+                    f"{self.backends[bi].name}: keep that layer on a device that runs it (the CPU)")
         input_names = {id(t): name for name, t in fg.inputs.items()}
         produced: dict[int, int] = {}  # id(tensor) -> backend index that produces it
         for nd, bi in zip(fg.nodes, node_backend):

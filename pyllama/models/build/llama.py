@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ...ir.tensor import DType, Tensor
+from ...ir.tensor import AttentionParams, DType, Tensor
 from ..hparams import HParams
 from ..weights import Weights
 from .ops import Graph, Node, Op, input_tensor, node, sample_in_cols, sample_out_cols
@@ -142,11 +142,8 @@ def _attention_params(hp: HParams, il: int, scaled_freqs: bool) -> tuple:
     elif scaled_freqs and hp.rope_scaling == "yarn":
         freq_scale = 1.0
     scale = hp.attn_scale or 1.0 / math.sqrt(hp.head_dim)
-    params = (hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_rot, hp.rope_mode, base, freq_scale, hp.rms_eps, scale)
-    n_swa = hp.n_swa if swa else 0
-    if hp.attn_softcap or n_swa or mscale != 1.0:
-        params += (hp.attn_softcap, n_swa, mscale)
-    return params
+    return AttentionParams(hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_rot, hp.rope_mode, base, freq_scale, hp.rms_eps,
+                           scale, hp.attn_softcap, hp.n_swa if swa else 0, mscale, scaled_freqs).params()
 
 
 __all__ = ["ForwardGraph", "build_forward", "INPUT_NAMES", "OUTPUT_NAME", "SAMPLED_NAME", "SAMPLING_INPUT", "Graph"]

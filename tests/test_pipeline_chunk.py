@@ -97,7 +97,7 @@ def test_default_chunk(model_factory, wtype, stages, option, expect):
 
     from pyllama.backend.cpu import CPUBackend
     from pyllama.models.model import Model
-    from pyllama.server.group import pipeline_chunk
+    from pyllama.runtime.placement.chunk import pipeline_chunk
 
     assert CPUBackend.small_batches_cheap
     backends = [SimpleNamespace(small_batches_cheap=c) for c in stages]

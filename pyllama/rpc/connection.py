@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 from ..obs import trace
 from ..util.env import env_number
 from ..util.errors import PyllamaError
-from . import auth, stats
+from . import auth
+from ..obs import rpc_stats as stats
 from .keepalive import enable_keepalive
 from .staging import StagingArena, arena_size
 from .protocol import (HEADER, HELLO_REP, HELLO_REQ, ONE_WAY, STATUS_EARLIER_ERROR, STATUS_OK, TRACE_REP, U64,

@@ -22,7 +22,7 @@ from ..models.build.llama import SAMPLING_INPUT, build_forward
 from ..models.build.ops import Op, sample_in_cols, sample_out_cols
 from .kv_cache import KVCache
 from ..models.model import Model
-from ..rpc import stats as rpc_stats
+from ..obs import rpc_stats
 from ..models.weights import Placement, Weights
 from .sched import Job, Plan, Scheduler
 

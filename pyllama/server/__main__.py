@@ -31,7 +31,8 @@ from ..util.priority import apply_priority
 from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
 from .embedding import model_pooling
-from .group import PipelineGroup, groups_stopped, pipeline_chunk, share_stages
+from .group import PipelineGroup, groups_stopped, share_stages
+from ..runtime.placement.chunk import pipeline_chunk
 from .http import HTTPServer
 from ..util.loop import install_uvloop
 from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401

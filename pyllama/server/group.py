@@ -75,8 +75,6 @@ _FEEDING = (SlotState.PROMPT, SlotState.RECOMPUTE)
 # that were generated are recomputed in steps at most this large, so that their K/V, and so the
 # text that follows, are bit for bit those of the decode steps that first computed them.
 EXACT_ROWS = gemm.small_rows_max()
-# --pipeline-chunk's default for quantized weights on CPU devices (see pipeline_chunk)
-QUANT_PIPELINE_CHUNK = 64
 
 
 class PipelineGroup:
@@ -938,15 +936,3 @@ def share_stages(groups: list[PipelineGroup], chunk: int) -> None:
     for group in groups:
         group.neighbours = [g for g in groups if g is not group]
         group.shared_prompt_chunk = chunk
-
-
-def pipeline_chunk(option: Optional[int], model, backends) -> int:
-    """--pipeline-chunk's value: the option when given, else QUANT_PIPELINE_CHUNK for a model
-    whose blocks are quantized on stages that compute small batches at full speed (a CPU's
-    quantized products cost about as much per token at 16 rows as at 512: medium q4_k_m, one
-    thread, 762 vs 868 tok/s), else 0 (F32 products cost 2.4x as much at 16 rows, 276 vs 673
-    tok/s, and a GPU needs large batches)."""
-    if option is not None:
-        return option
-    cheap = model.blocks_quantized() and all(b.small_batches_cheap for b in backends)
-    return QUANT_PIPELINE_CHUNK if cheap else 0

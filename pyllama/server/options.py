@@ -29,7 +29,7 @@ from ..util.errors import PyllamaError
 from ..models.gguf_file import kv_override_arg
 from ..models.hparams import add_rope_args
 from ..batching.sampling import SamplingParams, parse_samplers
-from .group import QUANT_PIPELINE_CHUNK
+from ..runtime.placement.chunk import QUANT_PIPELINE_CHUNK
 from .params import parse_logit_bias
 
 if TYPE_CHECKING:

@@ -22,7 +22,6 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from server_util import RPCServerProcess, ServerProcess  # noqa: E402
 

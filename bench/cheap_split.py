@@ -24,9 +24,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (HERE, os.path.join(ROOT, "tests"), ROOT):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if ROOT not in sys.path:  # a checkout without an install
+    sys.path.insert(0, ROOT)
 
 from bench_users import run_bench  # noqa: E402
 from pipeline_cells import NetnsPeer, model_path, prompt_vocab, tbf_burst  # noqa: E402

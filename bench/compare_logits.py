@@ -28,9 +28,7 @@ import sys
 from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from peers import Peers  # noqa: E402
 from pipeline_cells import LlamaServer, model_path  # noqa: E402

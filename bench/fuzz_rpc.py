@@ -83,7 +83,6 @@ from pyllama.rpc import protocol as P
 from pyllama.rpc.protocol import Cmd
 from pyllama.rpc_server import ServerThread
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from rpc_client import RawClient, StatusError, cmd_name  # noqa: E402
 from pyllama.rpc_server import server as server_mod
 from pyllama.rpc_server.cache import CACHE_MIN_BYTES

@@ -21,7 +21,6 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from ggml_kernels import Ggml, cpu_variant  # noqa: E402

@@ -23,7 +23,6 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from bench_qmatmul import random_weights  # noqa: E402

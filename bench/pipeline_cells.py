@@ -79,9 +79,8 @@ from typing import Iterable, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (HERE, os.path.join(ROOT, "tests"), ROOT):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if ROOT not in sys.path:  # a checkout without an install
+    sys.path.insert(0, ROOT)
 
 from bench_users import run_bench  # noqa: E402
 import thread_stats  # noqa: E402
@@ -617,7 +616,7 @@ class _Drain:
 
 
 class CellServer:
-    """A pyllama.server for one cell (tests/server_util.ServerProcess, which drains its output)."""
+    """A pyllama.server for one cell (bench/server_util.ServerProcess, which drains its output)."""
 
     live: "set[CellServer]" = set()   # stopped by main()'s cleanup if a signal cut a stop() short
 

@@ -34,7 +34,6 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from thread_stats import split_command  # noqa: E402
 
 DEFAULT_COMPUTE = r"^(decode-\d+|rpc-exec-.*|kernel-pool)$"

@@ -25,9 +25,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from peers import Peers  # noqa: E402
 from pipeline_cells import LlamaServer, add_server_bench_options, model_and_vocab  # noqa: E402

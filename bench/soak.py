@@ -76,9 +76,8 @@ from typing import Any, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (HERE, os.path.join(ROOT, "tests"), ROOT):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if ROOT not in sys.path:  # a checkout without an install
+    sys.path.insert(0, ROOT)
 
 import psutil  # noqa: E402
 

@@ -20,7 +20,6 @@ import sys
 from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 import pipeline_cells as pc  # noqa: E402  (puts tests/ on the path for server_util)
 from bench_users import run_bench  # noqa: E402

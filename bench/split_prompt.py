@@ -30,9 +30,8 @@ from typing import Iterator, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (HERE, os.path.join(ROOT, "tests"), ROOT):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if ROOT not in sys.path:  # a checkout without an install
+    sys.path.insert(0, ROOT)
 
 from peers import Peers  # noqa: E402
 from pipeline_cells import GgmlRpcPeer, llama_ngl, model_path  # noqa: E402

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests import their helpers (reference_forward)
+# tests import their helpers (reference_forward) and bench/'s: the server and rpc helpers
+# (server_util, rpc_client) and the benches they drive
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 from pyllama.models.make import make_model  # noqa: E402
 

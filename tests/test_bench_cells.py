@@ -12,7 +12,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "pipeline_cells.py")
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import pipeline_cells as pc  # noqa: E402
 

@@ -170,7 +170,6 @@ PEERS = os.environ.get("PYLLAMA_PEERS")
 def test_llama_cpp_loads_every_arch(arch, tmp_path):
     """Each architecture's file, tied and untied where make writes both, loads and runs in
     llama.cpp (PYLLAMA_PEERS=/path/to/peers/llama.cpp python -m pytest tests/test_make.py -k llama_cpp)."""
-    sys.path.insert(0, str(ROOT / "bench"))
     try:
         from peers import Peers  # noqa: PLC0415
     finally:

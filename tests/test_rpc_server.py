@@ -45,7 +45,7 @@ def tensor(buf: int, offset: int = 0, dtype: int = DType.F32, shape=(16,), name:
 
 
 class Client(RawClient):
-    """The raw frame client (tests/rpc_client.py) with the commands these tests use."""
+    """The raw frame client (bench/rpc_client.py) with the commands these tests use."""
 
     def closed_by_server(self, timeout: float = 5.0) -> bool:
         self.sock.settimeout(timeout)

@@ -9,7 +9,6 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "split_sharing.py")
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import split_sharing as ss  # noqa: E402
 

@@ -14,9 +14,9 @@ import sys
 import threading
 from typing import Sequence
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+if BENCH not in sys.path:  # (run as a script: the server helpers live in bench/)
+    sys.path.insert(0, BENCH)
 
 from server_util import RPCServerProcess, ServerProcess  # noqa: E402
 

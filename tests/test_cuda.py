@@ -636,7 +636,7 @@ def test_fake_device_bf16_weights(fake_gpu, model_factory, monkeypatch):
 
 def test_fake_device_groups_on_threads_sample_on_the_device_and_trace(fake_gpu, f16_model, tmp_path):
     import threading  # noqa: PLC0415
-    from pyllama import trace  # noqa: PLC0415
+    from pyllama.obs import trace  # noqa: PLC0415
     from pyllama.backend.cuda import open_backend  # noqa: PLC0415
     from pyllama.runtime.context import Batch  # noqa: PLC0415
     from pyllama.runtime.engine import Engine  # noqa: PLC0415

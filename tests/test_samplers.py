@@ -627,7 +627,7 @@ def test_general_rows_sample_on_the_host_under_backend_sampling(tiny_model, tmp_
 
 
 def test_breaker_tables_are_cached_within_a_bound(monkeypatch):
-    from pyllama import sampling as smod
+    from pyllama.batching import sampling as smod
 
     calls = []
 

@@ -28,7 +28,7 @@ from pyllama.backend.rpc import RPCBackend  # noqa: E402
 from pyllama.runtime.context import Batch  # noqa: E402
 from pyllama.runtime.engine import Engine  # noqa: E402
 from pyllama.models.make import make_model  # noqa: E402
-from pyllama.rpc import stats  # noqa: E402
+from pyllama.obs import rpc_stats as stats  # noqa: E402
 from pyllama.rpc.connection import Connection  # noqa: E402
 from pyllama.rpc.protocol import Cmd  # noqa: E402
 from server_util import RPCServerProcess, ServerProcess  # noqa: E402

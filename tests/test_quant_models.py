@@ -20,7 +20,7 @@ from pyllama.backend.rpc import RPCBackend
 from pyllama.runtime.context import Batch
 from pyllama.runtime.engine import Engine
 from pyllama.models.gguf_file import GGUFFile
-from pyllama.rpc import stats
+from pyllama.obs import rpc_stats as stats
 from pyllama.rpc.connection import get_connection
 from pyllama.rpc.protocol import Cap
 from pyllama.rpc_server.server import ServerThread

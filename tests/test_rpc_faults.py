@@ -20,7 +20,7 @@ from pyllama.backend.rpc import RPCBackend
 from pyllama.runtime.context import Batch
 from pyllama.runtime.engine import Engine
 from pyllama.rpc import connection as rpc_connection
-from pyllama.rpc import stats
+from pyllama.obs import rpc_stats as stats
 from pyllama.rpc.connection import Connection, RPCError
 from pyllama.rpc.protocol import HEADER, HELLO_REP, U32, Cmd
 from fault_proxy import FaultProxy, wait_for

@@ -16,7 +16,7 @@ import pytest
 from pyllama.backend.rpc import RPCBackend
 from pyllama.runtime.context import Batch
 from pyllama.runtime.engine import Engine
-from pyllama.rpc import stats
+from pyllama.obs import rpc_stats as stats
 from pyllama.rpc.connection import Connection
 from pyllama.rpc.protocol import Cap
 from server_util import LONG_CONTEXT, RPCServerProcess, ServerProcess

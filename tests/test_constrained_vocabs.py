@@ -85,3 +85,21 @@ def test_grammar_over_http_on_an_spm_model(model_factory):
         assert status == 200 and re.fullmatch(" b[0-9]é", doc["content"]), doc
     finally:
         srv.stop()
+
+
+def test_a_grammar_compiled_for_a_dropped_vocabulary_is_not_reused_for_another(vocab_path, monkeypatch):
+    """Compiled grammars are cached per llguidance tokenizer; once a vocabulary's tokenizer is gone,
+    another one (of another size) must get its own compile even where Python hands it the freed
+    object's id (forced here: every llguidance tokenizer gets the same id)."""
+    import builtins
+
+    from pyllama.server import constraint as cmod
+
+    real_id = builtins.id
+    monkeypatch.setattr(cmod, "id", lambda obj: 7 if type(obj).__name__ == "LLTokenizer" else real_id(obj),
+                        raising=False)
+    spec = ConstraintSpec("gbnf", 'root ::= "a"{3}')
+    for name in ("ggml-vocab-llama-spm.gguf", "ggml-vocab-gpt-2.gguf", "ggml-vocab-bert-bge.gguf"):
+        tok = load_tokenizer(read_metadata(vocab_path(name)), name)
+        assert generate(spec, tok, 0) == b"aaa", name
+        del tok

@@ -28,6 +28,7 @@ that finds none free within FIRST_MASK_S is a 503, so that such computations can
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -201,27 +202,38 @@ class _Vocab:
         return out
 
 
-_tokenizers: "weakref.WeakKeyDictionary[Tokenizer, Any]" = weakref.WeakKeyDictionary()
+class _LLVocab(NamedTuple):
+    tokenizer: Any               # llguidance's LLTokenizer
+    checker: "FirstMaskChecker"
+    serial: int                  # names it in the compiled grammars' cache (an id could be reused)
+
+
+_tokenizers: "weakref.WeakKeyDictionary[Tokenizer, _LLVocab]" = weakref.WeakKeyDictionary()
 _tokenizers_lock = threading.Lock()
+_serials = itertools.count()
 
 
-def ll_tokenizer(tok: Tokenizer) -> Any:
-    """The llguidance tokenizer of a model's tokenizer, built once per tokenizer."""
+def _ll_vocab(tok: Tokenizer) -> _LLVocab:
+    """The llguidance view of a model's tokenizer, built once per tokenizer (and gone with it)."""
     with _tokenizers_lock:
         found = _tokenizers.get(tok)
         if found is None:
             vocab = _Vocab.of(tok)
-            found = (llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=tok.n_vocab, eos_token=vocab.eos_tokens),
-                     FirstMaskChecker(vocab.pieces(), tok.n_vocab))
+            found = _LLVocab(llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=tok.n_vocab,
+                                             eos_token=vocab.eos_tokens),
+                             FirstMaskChecker(vocab.pieces(), tok.n_vocab), next(_serials))
             _tokenizers[tok] = found
-        return found[0]
+        return found
+
+
+def ll_tokenizer(tok: Tokenizer) -> Any:
+    """The llguidance tokenizer of a model's tokenizer, built once per tokenizer."""
+    return _ll_vocab(tok).tokenizer
 
 
 def first_mask_checker(tok: Tokenizer) -> "FirstMaskChecker":
     """The processes that check a new grammar's first mask for `tok`'s vocabulary."""
-    ll_tokenizer(tok)
-    with _tokenizers_lock:
-        return _tokenizers[tok][1]
+    return _ll_vocab(tok).checker
 
 
 # --- compiling ----------------------------------------------------------------------------------
@@ -233,8 +245,9 @@ def compile_constraint(spec: ConstraintSpec, tok: Tokenizer) -> Any:
     """A fresh llguidance matcher for `spec` over the model's vocabulary. Raises HTTPError 400
     naming the request field and the problem when the grammar or schema is invalid. The compiled
     grammar is cached; each call returns its own matcher (a copy), ready for a new sequence."""
-    lt = ll_tokenizer(tok)
-    key = (spec.kind, spec.text, id(lt))
+    ll = _ll_vocab(tok)
+    lt = ll.tokenizer
+    key = (spec.kind, spec.text, ll.serial)
     with _compiled_lock:
         template = _compiled.get(key)
         if template is not None:

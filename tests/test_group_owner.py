@@ -99,3 +99,25 @@ def test_commands_still_waiting_fail_when_the_group_stops(tiny_model):
     assert g.stop(30)
     with pytest.raises(RuntimeError, match="shutting down"):
         future.result(timeout=10)
+
+
+def test_a_call_reads_the_slots_on_the_decode_thread_between_steps(group):
+    slot = group.slots[0]
+    group.submit([(slot, _task(list(range(1, 9)), 30))])
+    seen = []
+    for _ in range(5):
+        seen.append(group.call(lambda: (threading.current_thread().name, slot.snapshot()["n_past"])).result(timeout=30))
+    assert all(name == "decode-0" for name, _ in seen)
+    assert [n for _, n in seen] == sorted(n for _, n in seen)  # each read between two steps: never behind the last
+
+
+def test_a_call_on_a_stopped_group_runs_at_once(tiny_model):
+    engine = Engine(tiny_model, n_threads=1)
+    ctx = engine.new_context(256, 1)
+    slots = [Slot(0, 0, 0, ctx.seq_cap, engine.tokenizer)]
+    g = PipelineGroup(0, ctx, slots, engine.tokenizer, Metrics(), on_free=lambda slot: None)
+    assert g.call(lambda: "before start").result(timeout=1) == "before start"
+    g.start()
+    assert g.call(lambda: threading.current_thread().name).result(timeout=30) == "decode-0"
+    assert g.stop(30)
+    assert g.call(lambda: "after stop").result(timeout=1) == "after stop"

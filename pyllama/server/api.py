@@ -526,12 +526,14 @@ class Api:
         if not st.slots_enabled:
             raise _not_enabled("slots endpoint", "--slots")
         _require_ready(st)
-        slots = [s for g in st.groups for s in g.slots]
-        if req.query.get("fail_on_no_slot", "0") not in ("0", "false") and not any(self._idle(s) for s in slots):
+        # each group's decode thread reads its own slots, between steps
+        per_group = await asyncio.gather(*(asyncio.wrap_future(g.call(
+            lambda g=g: [(s.snapshot(), self._idle(s)) for s in g.slots])) for g in st.groups))
+        found = [pair for group in per_group for pair in group]
+        if req.query.get("fail_on_no_slot", "0") not in ("0", "false") and not any(idle for _, idle in found):
             raise HTTPError(503, "no slot available", "unavailable_error")
         out = []
-        for s in slots:
-            snap = s.snapshot()
+        for snap, _ in found:
             snap.setdefault("speculative", False)
             out.append(snap)
         return json_response(out)

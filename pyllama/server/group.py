@@ -56,9 +56,9 @@ COMMAND_POLL_S = 0.02
 
 
 class _Command(NamedTuple):
-    slot: Slot
+    slot: Optional[Slot]                           # None: runs between steps whatever the slots do
     work: Callable[[], Any]
-    idle: Callable[[Slot], bool]
+    idle: Optional[Callable[[Slot], bool]]
     future: Future
 
 
@@ -178,10 +178,28 @@ class PipelineGroup:
             self._wake.notify()
         return future
 
-    def _run_commands(self) -> None:
-        """Runs the queued commands whose slot is idle (between steps, under `lock`)."""
+    def call(self, work: Callable[[], T]) -> "Future[T]":
+        """work() on the decode thread at the end of the running step (or at once when idle): how
+        other threads read the slots (GET /slots) without racing the thread that changes them."""
+        future: Future = Future()
         with self._wake:
-            ready = [c for c in self._commands if c.idle(c.slot) and not self._placing(c.slot)]
+            if self._running and self.thread.is_alive():
+                self._commands.append(_Command(None, work, None, future))
+                self._wake.notify()
+                return future
+        try:  # the thread has ended (or never started): nobody else touches the slots
+            future.set_result(work())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
+        return future
+
+    def _ready(self, c: "_Command") -> bool:
+        return c.slot is None or (c.idle(c.slot) and not self._placing(c.slot))
+
+    def _run_commands(self) -> None:
+        """Runs the queued commands that are ready (between steps, under `lock`)."""
+        with self._wake:
+            ready = [c for c in self._commands if self._ready(c)]
             for c in ready:
                 self._commands.remove(c)
         for c in ready:
@@ -218,7 +236,7 @@ class PipelineGroup:
                 # (the router frees slots without telling the group)
                 while self._running and not self._inbox and not any(s.busy for s in self.slots):
                     if self._commands:
-                        if self._wake.wait(COMMAND_POLL_S) or any(c.idle(c.slot) for c in self._commands):
+                        if self._wake.wait(COMMAND_POLL_S) or any(self._ready(c) for c in self._commands):
                             break
                     else:
                         self._wake.wait()

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Iterator, Optional, Sequence
 
-from .obs import trace
+from .obs import check_env, trace
 from .runtime.cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from .util.cli import Parser, Toggle, run_main, setup_logging
 from .runtime.context import Batch, Context, check_prompt_fits
@@ -97,6 +97,7 @@ def generate_tokens(ctx: Context, tokenizer: Tokenizer, prompt: Sequence[int], n
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
+    check_env()
     if args.list_devices:
         print(list_devices(args))
         return 0

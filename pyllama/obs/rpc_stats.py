@@ -9,9 +9,18 @@ import threading
 import time
 from collections import defaultdict
 
+from ..util.env import env_number
+from ..util.errors import PyllamaError
 from ..util.threads import Thread
 
 enabled = os.environ.get("PYLLAMA_RPC_STATS", "") not in ("", "0")
+
+
+def period_s() -> float:
+    """PYLLAMA_RPC_STATS_MS in seconds (at least 0.1); a value that is not a whole number of
+    milliseconds is a PyllamaError naming the variable."""
+    ms = env_number("PYLLAMA_RPC_STATS_MS", 5000, int, lambda v: v > 0, "a number of milliseconds", PyllamaError)
+    return max(ms, 100) / 1000
 _lock = threading.Lock()
 _counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # name -> [count, bytes out, bytes in]
 _steps = 0
@@ -65,7 +74,7 @@ def _ensure_printer() -> None:
     with _lock:
         if _printer is not None:
             return
-        period = max(int(os.environ.get("PYLLAMA_RPC_STATS_MS", "5000") or 5000), 100) / 1000
+        period = period_s()
 
         def run() -> None:
             while True:

@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from ..obs import trace
+from ..obs import check_env, trace
 from ..backend.base import Backend
 from ..backend.cpu import CPUBackend, set_compute_threads
 from ..util.cli import Parser, install_stop_signals, is_loopback_address, run_main, setup_logging
@@ -156,6 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose, logging.INFO)
     check_args(args)
+    check_env()
     try:
         caps_mask_from_env()
     except ValueError as exc:

@@ -13,10 +13,18 @@ import sys
 import threading
 import time
 
+from ..util.env import env_number
+from ..util.errors import PyllamaError
 from ..util.threads import Thread
 
 enabled = os.environ.get("PYLLAMA_PIPE_PROF", "") not in ("", "0")
-PERIOD_S = max(int(os.environ.get("PYLLAMA_PIPE_PROF_MS", "5000") or 5000), 50) / 1000
+
+
+def period_s() -> float:
+    """PYLLAMA_PIPE_PROF_MS in seconds (at least 0.05); a value that is not a whole number of
+    milliseconds is a PyllamaError naming the variable."""
+    ms = env_number("PYLLAMA_PIPE_PROF_MS", 5000, int, lambda v: v > 0, "a number of milliseconds", PyllamaError)
+    return max(ms, 50) / 1000
 
 PHASES = ("lock_wait", "pre_decode", "submit", "synchronize", "post_decode")
 PER_TOKEN = ("sampling", "detokenize", "stop_strings", "result_send", "mask_wait", "mask_apply")
@@ -61,13 +69,14 @@ def profile_for(group: int) -> GroupProfile:
     with _start_lock:
         _profiles.append(prof)
         if not _started:
+            period = period_s()  # (a bad value is an error here, before the thread starts)
             _started = True
-            Thread(target=_print_loop, name="pipe-prof", daemon=True).start()
+            Thread(target=_print_loop, args=(period,), name="pipe-prof", daemon=True).start()
     return prof
 
 
-def _print_loop() -> None:
+def _print_loop(period: float) -> None:
     while True:
-        time.sleep(PERIOD_S)
+        time.sleep(period)
         for prof in list(_profiles):
             print(prof.take(), file=sys.stderr, flush=True)

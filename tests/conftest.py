@@ -1,8 +1,10 @@
 """Shared fixtures: tiny test models made once per session with pyllama.models.make; the tiers.
 
 Every test is in one tier, given by a marker set here: `fuzz` (the randomized fuzzers' modules),
-`integration` (a test that starts a process, a server or a socket, by itself or through one of its
-fixtures: read from their source), else `unit`. `pytest -m unit` runs in under a minute.
+`integration` (a test that starts a process, a server or a socket, by itself, through one of its
+fixtures or through a helper of its module: read from their source; and the end-to-end model
+modules that mark themselves so: whole forward passes against the reference, every vocabulary),
+else `unit`. `pytest -m unit` runs in about a minute.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -111,11 +114,53 @@ def _starts_processes(fn) -> bool:
     return found
 
 
+_helpers_cache: dict = {}
+
+
+def _process_helpers(module) -> frozenset:
+    """Names of the module's own functions (not tests) that start processes, servers or sockets."""
+    found = _helpers_cache.get(module)
+    if found is None:
+        found = frozenset(name for name, obj in vars(module).items()
+                          if inspect.isfunction(obj) and not name.startswith("test_")
+                          and getattr(obj, "__module__", None) == module.__name__ and _starts_processes(obj))
+        _helpers_cache[module] = found
+    return found
+
+
+# End-to-end tests that start nothing but run whole models or every vocabulary (seconds each), and
+# modules whose servers run in-process behind helpers the source scan does not follow: module ->
+# test names (None: every test of the module)
+INTEGRATION_TESTS: dict[str, Optional[frozenset]] = {
+    "test_quant_models": frozenset({"test_greedy_tokens_match_the_reference"}),
+    "test_moe": frozenset({"test_greedy_tokens_match_the_reference"}),
+    "test_dense_families": frozenset({"test_greedy_tokens_and_logits_match_the_reference"}),
+    "test_tokenizer_pre": frozenset({"test_llamacpp_vocab_vectors", "test_ugm_matches_tokenizers_unigram"}),
+    "test_make": frozenset({"test_vocab_is_copied"}),
+    "test_constrained_vocabs": None,
+    "test_notebook": None,
+    "test_http": None,
+    "test_rpc_faults": None,
+}
+
+
 def _tier(item) -> str:
     if item.module.__name__ in FUZZ_MODULES:
         return "fuzz"
+    if item.module.__name__ in INTEGRATION_TESTS:
+        names = INTEGRATION_TESTS[item.module.__name__]
+        if names is None or item.originalname in names:
+            return "integration"
     if _starts_processes(item.function):
         return "integration"
+    helpers = _process_helpers(item.module)
+    if helpers:
+        try:
+            source = inspect.getsource(item.function)
+        except (OSError, TypeError):
+            source = ""
+        if any(re.search(rf"\b{re.escape(h)}\(", source) for h in helpers):
+            return "integration"
     for defs in item._fixtureinfo.name2fixturedefs.values():
         if any(_starts_processes(d.func) for d in defs):
             return "integration"

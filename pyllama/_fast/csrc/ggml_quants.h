@@ -1043,6 +1043,20 @@ PQ_INLINE void pq_avx512_f16_tiny(int NR, int64_t n, const uint8_t *w, const uin
     for (int r = 0; r < NR; r++) out[r] = pinned_reduce16(acc[r]);
 }
 
+/* ggml_vec_dot_bf16's end: its two accumulators reduced and added in double, then the tail's
+ * float products from element np on, in double */
+PQ_INLINE void pq_bf16_finish(int NR, const __m512 *c1, const __m512 *c2, int64_t np, int64_t n, const uint8_t *w,
+                              const uint8_t *x, size_t xs, float *out) {
+    for (int r = 0; r < NR; r++) {
+        const float *y = (const float *)(x + r * xs);
+        double sum = 0;
+        sum += (double)pinned_reduce16(c1[r]);
+        sum += (double)pinned_reduce16(c2[r]);
+        for (int64_t j = np; j < n; j++) { uint16_t u; memcpy(&u, w + 2 * j, 2); sum += (double)(pq_bf16_to_f32(u) * y[j]); }
+        out[r] = (float)sum;
+    }
+}
+
 #if defined(__AVX512BF16__)
 #define PQ_BF16_TINY_KN 32
 /* 32 widened BF16 activations back to BF16 pairs (exact: they are BF16 values) */
@@ -1062,14 +1076,7 @@ PQ_INLINE void pq_avx512_bf16(int NR, int64_t n, const uint8_t *w, const uint8_t
             c2[r] = _mm512_dpbf16_ps(c2[r], w2, pq_bh32(y + 32));
         }
     }
-    for (int r = 0; r < NR; r++) {
-        const float *y = (const float *)(x + r * xs);
-        double sum = 0;
-        sum += (double)pinned_reduce16(c1[r]);
-        sum += (double)pinned_reduce16(c2[r]);
-        for (int64_t j = np; j < n; j++) { uint16_t u; memcpy(&u, w + 2 * j, 2); sum += (double)(pq_bf16_to_f32(u) * y[j]); }
-        out[r] = (float)sum;
-    }
+    pq_bf16_finish(NR, c1, c2, np, n, w, x, xs, out);
 }
 PQ_INLINE void pq_avx512_bf16_tiny(int NR, int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
     __m512 acc[PQ_MAX_NR];
@@ -1102,14 +1109,7 @@ PQ_INLINE void pq_avx512_bf16(int NR, int64_t n, const uint8_t *w, const uint8_t
             c2[r] = _mm512_add_ps(p2, c2[r]);
         }
     }
-    for (int r = 0; r < NR; r++) {
-        const float *y = (const float *)(x + r * xs);
-        double sum = 0;
-        sum += (double)pinned_reduce16(c1[r]);
-        sum += (double)pinned_reduce16(c2[r]);
-        for (int64_t j = np; j < n; j++) { uint16_t u; memcpy(&u, w + 2 * j, 2); sum += (double)(pq_bf16_to_f32(u) * y[j]); }
-        out[r] = (float)sum;
-    }
+    pq_bf16_finish(NR, c1, c2, np, n, w, x, xs, out);
 }
 PQ_INLINE void pq_avx512_bf16_tiny(int NR, int64_t n, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
     __m512 acc[PQ_MAX_NR];

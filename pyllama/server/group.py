@@ -62,6 +62,16 @@ class _Command(NamedTuple):
     future: Future
 
 
+def _settle(c: _Command) -> None:
+    """Runs a command's work into its future (unless the waiter gave up)."""
+    if not c.future.set_running_or_notify_cancel():
+        return
+    try:
+        c.future.set_result(c.work())
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting request
+        c.future.set_exception(exc)
+
+
 class KVUse(NamedTuple):
     """A group's KV cache use, published by its decode thread after every step (for /metrics)."""
     used_cells: int
@@ -172,26 +182,21 @@ class PipelineGroup:
     def when_idle(self, slot: Slot, work: Callable[[], T], idle: Callable[[Slot], bool]) -> "Future[T]":
         """work() on the decode thread, between steps, once idle(slot) holds (a slot action waits
         for a busy slot, as llama-server's do); its result or exception comes in the future."""
-        future: Future = Future()
-        with self._wake:
-            self._commands.append(_Command(slot, work, idle, future))
-            self._wake.notify()
-        return future
+        return self._queue(_Command(slot, work, idle, Future()))
 
     def call(self, work: Callable[[], T]) -> "Future[T]":
         """work() on the decode thread at the end of the running step (or at once when idle): how
         other threads read the slots (GET /slots) without racing the thread that changes them."""
-        future: Future = Future()
+        return self._queue(_Command(None, work, None, Future()))
+
+    def _queue(self, c: "_Command") -> Future:
         with self._wake:
             if self._running and self.thread.is_alive():
-                self._commands.append(_Command(None, work, None, future))
+                self._commands.append(c)
                 self._wake.notify()
-                return future
-        try:  # the thread has ended (or never started): nobody else touches the slots
-            future.set_result(work())
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            future.set_exception(exc)
-        return future
+                return c.future
+        _settle(c)  # the thread has ended (or never started): nobody else touches the slots
+        return c.future
 
     def _ready(self, c: "_Command") -> bool:
         return c.slot is None or (c.idle(c.slot) and not self._placing(c.slot))
@@ -203,12 +208,7 @@ class PipelineGroup:
             for c in ready:
                 self._commands.remove(c)
         for c in ready:
-            if not c.future.set_running_or_notify_cancel():
-                continue
-            try:
-                c.future.set_result(c.work())
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting request
-                c.future.set_exception(exc)
+            _settle(c)
 
     def _placing(self, slot: Slot) -> bool:
         """Whether a placement for the slot waits in the inbox (called with _wake held)."""

@@ -111,7 +111,7 @@ def test_a_call_reads_the_slots_on_the_decode_thread_between_steps(group):
     assert [n for _, n in seen] == sorted(n for _, n in seen)  # each read between two steps: never behind the last
 
 
-def test_a_call_on_a_stopped_group_runs_at_once(tiny_model):
+def test_a_call_or_slot_action_on_a_stopped_group_runs_at_once(tiny_model):
     engine = Engine(tiny_model, n_threads=1)
     ctx = engine.new_context(256, 1)
     slots = [Slot(0, 0, 0, ctx.seq_cap, engine.tokenizer)]
@@ -121,3 +121,5 @@ def test_a_call_on_a_stopped_group_runs_at_once(tiny_model):
     assert g.call(lambda: threading.current_thread().name).result(timeout=30) == "decode-0"
     assert g.stop(30)
     assert g.call(lambda: "after stop").result(timeout=1) == "after stop"
+    # a slot action too: with no decode thread nobody else touches the slot, so waiting would hang
+    assert g.when_idle(slots[0], lambda: "action after stop", lambda s: True).result(timeout=1) == "action after stop"

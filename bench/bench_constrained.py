@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from pyllama.models.make import make_model  # noqa: E402
-from pyllama.server.constraint import (ConstraintSpec, Constraint, apply_masks,  # noqa: E402
+from pyllama.batching.constraint import (ConstraintSpec, Constraint, apply_masks,  # noqa: E402
                                        compile_constraint)
 from pyllama.runtime.engine import Engine  # noqa: E402
 

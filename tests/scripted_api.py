@@ -10,7 +10,7 @@ from pyllama.server.api import Api, ChatOutputSpec, ServerState
 from pyllama.server.chat import ChatTemplate
 from pyllama.server.params import CompletionParams, parse_completion
 from pyllama.server.reasoning import prompt_opens_thinking
-from pyllama.server.task import CompletionTask, FinalEvent, ProgressEvent, TokenEvent
+from pyllama.batching.task import CompletionTask, FinalEvent, ProgressEvent, TokenEvent
 
 N_PROMPT, N_EVALUATED = 10, 4  # every scripted prompt: 10 tokens, 6 of them from the prompt cache
 # a Hermes-template reply with text and one call, cut into the 4-character tokens a model would send

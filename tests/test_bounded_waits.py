@@ -27,7 +27,7 @@ import textwrap
 from typing import Iterator, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECKED = ["pyllama/rpc", "pyllama/backend", "pyllama/server", "pyllama/rpc_server",
+CHECKED = ["pyllama/rpc", "pyllama/backend", "pyllama/batching", "pyllama/server", "pyllama/rpc_server",
            "pyllama/runtime/context.py", "pyllama/runtime/sched.py", "pyllama/runtime/engine.py"]
 SOCKET_OPS = {"recv", "recv_into", "recvfrom", "recvfrom_into", "accept", "sendall", "connect"}
 
@@ -37,14 +37,14 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "the socket has settimeout(RPC timeout) from Connection.__init__; a timeout breaks the connection",
     ("pyllama/rpc/connection.py", "Connection.send", "self.sock.sendall"):
         "the socket has settimeout(RPC timeout), which bounds a whole sendall; a timeout breaks the connection",
-    ("pyllama/server/group.py", "PipelineGroup._run", "self._wake.wait"):
+    ("pyllama/batching/group.py", "PipelineGroup._run", "self._wake.wait"):
         "the idle decode thread's wait for work, in a loop: woken by submit() and by request_stop() (shutdown)",
     ("pyllama/server/router.py", "Router._run", "self._commands.get"):
         "the idle task thread's wait for a command: woken by every submit/free and by stop() (shutdown)",
-    ("pyllama/server/constraint.py", "_MaskThread._run", "self._queue.get"):
+    ("pyllama/batching/constraint.py", "_MaskThread._run", "self._queue.get"):
         "a constraint's idle mask thread's wait for work: woken by every mask asked of it and ended by the "
         "None its constraint's finalizer queues; a daemon thread, so shutdown never waits for it",
-    ("pyllama/server/prompt_cache.py", "RowCopier._run", "self._jobs.get"):
+    ("pyllama/batching/prompt_cache.py", "RowCopier._run", "self._jobs.get"):
         "the idle prompt-cache copier's wait for a copy: woken by every submit; a daemon thread, so shutdown "
         "never waits for it",
     ("pyllama/server/api.py", "Api._events", "q.get"):

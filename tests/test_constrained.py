@@ -20,7 +20,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from pyllama.server.constraint import ConstraintSpec, compile_constraint
+from pyllama.batching.constraint import ConstraintSpec, compile_constraint
 from pyllama.server.http import HTTPError
 from pyllama.server.params import parse_completion
 from server_util import RPCServerProcess, ServerProcess
@@ -328,7 +328,7 @@ def test_a_mask_that_never_comes_fails_only_its_request(monkeypatch):
     hold, is not touched again."""
     import threading
 
-    from pyllama.server import constraint as cmod
+    from pyllama.batching import constraint as cmod
 
     release = threading.Event()
 
@@ -393,7 +393,7 @@ def test_a_stuck_mask_does_not_hold_up_another_requests_mask(monkeypatch, tiny_m
     import threading
 
     from pyllama.models.gguf_file import read_metadata
-    from pyllama.server import constraint as cmod
+    from pyllama.batching import constraint as cmod
     from pyllama.tokenizer import load_tokenizer
 
     release = threading.Event()
@@ -447,7 +447,7 @@ def test_a_first_mask_check_too_slow_is_killed_and_leaves_nothing_running(monkey
     next new grammar is checked by a new process."""
     import threading
 
-    from pyllama.server import constraint as cmod
+    from pyllama.batching import constraint as cmod
 
     tok = _tok(tiny_model)
     compile_constraint(ConstraintSpec("gbnf", 'root ::= "e"{3}'), tok)  # a check process is running
@@ -473,7 +473,7 @@ def test_grammars_refuse_new_ones_with_a_503_while_every_check_place_is_held(mon
     503 and a compiled one is served; once a place is free, new grammars compile again."""
     import threading
 
-    from pyllama.server import constraint as cmod
+    from pyllama.batching import constraint as cmod
 
     tok = _tok(tiny_model)
     compile_constraint(ConstraintSpec("gbnf", 'root ::= "b"{3}'), tok)  # compiled before
@@ -496,8 +496,8 @@ def test_without_check_processes_the_first_mask_is_checked_on_a_thread(monkeypat
     slow one is a 400, and the given-up computation holds its place until it ends."""
     import threading
 
-    from pyllama.server import constraint as cmod
-    from pyllama.server.grammar_check import CheckUnavailable
+    from pyllama.batching import constraint as cmod
+    from pyllama.batching.grammar_check import CheckUnavailable
 
     def unavailable(self, grammar, limit_s):
         raise CheckUnavailable("no processes here")
@@ -522,7 +522,7 @@ def test_a_grammar_whose_later_mask_is_too_slow_is_refused_next_time(monkeypatch
     """A first mask in microseconds, then a forced string whose mask takes long: the request's
     constraint fails, and the grammar is then refused at once like one whose first mask is slow."""
     from pyllama.models.gguf_file import read_metadata
-    from pyllama.server import constraint as cmod
+    from pyllama.batching import constraint as cmod
     from pyllama.tokenizer import load_tokenizer
 
     tok = load_tokenizer(read_metadata(tiny_model))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pyllama.models.gguf_file import read_metadata
-from pyllama.server.constraint import Constraint, ConstraintSpec, compile_constraint, json_schema_spec
+from pyllama.batching.constraint import Constraint, ConstraintSpec, compile_constraint, json_schema_spec
 from pyllama.server.tool_calls import call_grammar, parse_tool_request
 from pyllama.tokenizer import load_tokenizer
 from server_util import ServerProcess
@@ -93,7 +93,7 @@ def test_a_grammar_compiled_for_a_dropped_vocabulary_is_not_reused_for_another(v
     object's id (forced here: every llguidance tokenizer gets the same id)."""
     import builtins
 
-    from pyllama.server import constraint as cmod
+    from pyllama.batching import constraint as cmod
 
     real_id = builtins.id
     monkeypatch.setattr(cmod, "id", lambda obj: 7 if type(obj).__name__ == "LLTokenizer" else real_id(obj),

@@ -10,10 +10,10 @@ import pytest
 
 from pyllama.batching.sampling import SamplingParams
 from pyllama.runtime.engine import Engine
-from pyllama.server.group import PipelineGroup
-from pyllama.server.metrics import Metrics
-from pyllama.server.slot import Slot
-from pyllama.server.task import CompletionTask
+from pyllama.batching.group import PipelineGroup
+from pyllama.obs.metrics import Metrics
+from pyllama.batching.slot import Slot
+from pyllama.batching.task import CompletionTask
 
 
 @pytest.fixture

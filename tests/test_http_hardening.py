@@ -820,7 +820,7 @@ def test_router_gives_a_freed_slot_to_the_waiting_request_served_least_recently(
 
     from pyllama.batching.sampling import SamplingParams
     from pyllama.server.router import Router
-    from pyllama.server.task import CompletionTask
+    from pyllama.batching.task import CompletionTask
 
     placed: list[str] = []
     slots = [SimpleNamespace(id=i, group=0, cache_tokens=[], last_used=float(i)) for i in range(2)]

@@ -532,7 +532,7 @@ def test_usage_exits_zero(capsys):
 
 def test_special_renders_control_tokens_in_probabilities():
     from pyllama.models.gguf_file import read_metadata
-    from pyllama.server.slot import token_probs
+    from pyllama.batching.slot import token_probs
     from pyllama.tokenizer import load_tokenizer
     vocab = Path(__file__).parent / "data" / "vocab" / "ggml-vocab-gpt-2.gguf"
     tok = load_tokenizer(read_metadata(vocab), str(vocab))

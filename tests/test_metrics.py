@@ -1,4 +1,4 @@
-"""Server metrics (pyllama.server.metrics): llama-server's /metrics names, types and values."""
+"""Server metrics (pyllama.obs.metrics): llama-server's /metrics names, types and values."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from pyllama.server.metrics import Metrics
+from pyllama.obs.metrics import Metrics
 
 COUNTERS = {
     "llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total",

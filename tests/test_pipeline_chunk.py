@@ -12,9 +12,9 @@ PROMPT = "The little cat sat on the mat and looked at the"
 
 def _groups(model: str, n_groups: int = 2):
     from pyllama.runtime.engine import Engine
-    from pyllama.server.group import PipelineGroup
-    from pyllama.server.metrics import Metrics
-    from pyllama.server.slot import Slot
+    from pyllama.batching.group import PipelineGroup
+    from pyllama.obs.metrics import Metrics
+    from pyllama.batching.slot import Slot
 
     engine = Engine(model, n_threads=1)
     groups = []
@@ -27,7 +27,7 @@ def _groups(model: str, n_groups: int = 2):
 
 def _task(prompt: list[int], n_predict: int):
     from pyllama.batching.sampling import SamplingParams
-    from pyllama.server.task import CompletionTask
+    from pyllama.batching.task import CompletionTask
 
     return CompletionTask(prompt=prompt, params=SamplingParams(temperature=0), n_predict=n_predict,
                           cache_prompt=False)
@@ -35,7 +35,7 @@ def _task(prompt: list[int], n_predict: int):
 
 def _prompt_steps(group, slot) -> list[int]:
     """Iterates `group` until `slot` has its prompt in; the tokens each step fed."""
-    from pyllama.server.slot import SlotState
+    from pyllama.batching.slot import SlotState
 
     fed, steps = 0, []
     while slot.state is not SlotState.GENERATING:
@@ -47,8 +47,8 @@ def _prompt_steps(group, slot) -> list[int]:
 
 @pytest.mark.parametrize("chunk", [0, 24])
 def test_prompt_is_cut_while_a_neighbour_generates(tiny_model, chunk):
-    from pyllama.server.group import share_stages
-    from pyllama.server.slot import SlotState
+    from pyllama.batching.group import share_stages
+    from pyllama.batching.slot import SlotState
 
     engine, (a, b) = _groups(tiny_model)
     share_stages([a, b], chunk)
@@ -71,7 +71,7 @@ def test_prompt_is_cut_while_a_neighbour_generates(tiny_model, chunk):
 
 
 def test_one_group_is_never_cut(tiny_model):
-    from pyllama.server.group import share_stages
+    from pyllama.batching.group import share_stages
 
     engine, (a,) = _groups(tiny_model, 1)
     share_stages([a], 24)

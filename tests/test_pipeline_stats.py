@@ -18,7 +18,7 @@ from pyllama.rpc import protocol as P
 from pyllama.rpc.connection import Connection, RPCError
 from pyllama.rpc.protocol import Cap, Cmd
 from pyllama.rpc_server.server import ServerThread
-from pyllama.server.metrics import pipeline_families, render_families
+from pyllama.obs.metrics import pipeline_families, render_families
 from pyllama.server.pipeline_stats import covered, union
 
 from server_util import RPCServerProcess, ServerProcess

@@ -15,7 +15,7 @@ from pyllama.runtime.context import Batch
 from pyllama.runtime.engine import Engine
 from pyllama.util.errors import ContextLimitError
 from pyllama.rpc.connection import Connection
-from pyllama.server.prompt_cache import PromptCache
+from pyllama.batching.prompt_cache import PromptCache
 from server_util import RPCServerProcess, ServerProcess
 
 PROMPT = [1] + [(7 * i) % 200 + 3 for i in range(44)]  # 45 tokens: three KV blocks, the last partly used
@@ -75,7 +75,7 @@ def test_a_prompt_that_repeats_or_continues_an_earlier_one_came_back():
 
 
 def test_a_prompt_sharing_a_system_prompt_with_an_earlier_one_is_part_of_a_conversation():
-    from pyllama.server.prompt_cache import SYSTEM_PREFIX
+    from pyllama.batching.prompt_cache import SYSTEM_PREFIX
 
     cache = PromptCache(-1)
     system = [1] + list(range(500, 500 + SYSTEM_PREFIX - 1))
@@ -108,7 +108,7 @@ def test_a_reserved_entry_covers_its_prompt_and_waits_for_its_rows():
 
 
 def test_metrics_families_give_bytes_and_limit():
-    from pyllama.server.metrics import render_families
+    from pyllama.obs.metrics import render_families
 
     cache = PromptCache(4 << 20)
     cache.save(HEAD + [3], _rows(17))
@@ -315,10 +315,10 @@ def test_rows_are_copied_off_the_decode_thread(tiny_model, monkeypatch):
     import time
 
     from pyllama.batching.sampling import SamplingParams
-    from pyllama.server.group import PipelineGroup
-    from pyllama.server.metrics import Metrics
-    from pyllama.server.slot import Slot
-    from pyllama.server.task import CompletionTask
+    from pyllama.batching.group import PipelineGroup
+    from pyllama.obs.metrics import Metrics
+    from pyllama.batching.slot import Slot
+    from pyllama.batching.task import CompletionTask
 
     engine = Engine(tiny_model, n_threads=1)
     ctx = engine.new_context(512, 1)

@@ -298,11 +298,11 @@ def test_reconnecting_fails_what_ran_and_forgets_cached_prompts(tiny_model):
     import queue
 
     from pyllama.batching.sampling import SamplingParams
-    from pyllama.server.group import PipelineGroup
-    from pyllama.server.metrics import Metrics
+    from pyllama.batching.group import PipelineGroup
+    from pyllama.obs.metrics import Metrics
     from pyllama.server.reconnect import PeerReconnector
-    from pyllama.server.slot import Slot, SlotState
-    from pyllama.server.task import CompletionTask, ErrorEvent, FinalEvent
+    from pyllama.batching.slot import Slot, SlotState
+    from pyllama.batching.task import CompletionTask, ErrorEvent, FinalEvent
 
     class NowLoop:  # delivers events at once, on the calling thread
         def call_soon_threadsafe(self, fn, *args):

@@ -388,10 +388,10 @@ def test_long_prompt_does_not_stall_running_generation(tiny_model):
     micro-batch is a trip through each stage; a 33rd row would cost a second trip)."""
     from pyllama.runtime.engine import Engine
     from pyllama.batching.sampling import SamplingParams
-    from pyllama.server.group import PipelineGroup
-    from pyllama.server.metrics import Metrics
-    from pyllama.server.slot import Slot, SlotState
-    from pyllama.server.task import CompletionTask
+    from pyllama.batching.group import PipelineGroup
+    from pyllama.obs.metrics import Metrics
+    from pyllama.batching.slot import Slot, SlotState
+    from pyllama.batching.task import CompletionTask
 
     engine = Engine(tiny_model, n_threads=1)
     ctx = engine.new_context(4096, 2, n_batch=2048, n_ubatch=32)
@@ -423,10 +423,10 @@ def test_submit_does_not_wait_for_a_running_step(tiny_model):
     places work for every group, and a step over a split can take a long time."""
     from pyllama.runtime.engine import Engine
     from pyllama.batching.sampling import SamplingParams
-    from pyllama.server.group import PipelineGroup
-    from pyllama.server.metrics import Metrics
-    from pyllama.server.slot import Slot
-    from pyllama.server.task import CompletionTask
+    from pyllama.batching.group import PipelineGroup
+    from pyllama.obs.metrics import Metrics
+    from pyllama.batching.slot import Slot
+    from pyllama.batching.task import CompletionTask
 
     engine = Engine(tiny_model, n_threads=1)
     ctx = engine.new_context(512, 2)

@@ -50,9 +50,9 @@ def _group_failing_once(model: str, monkeypatch, method: str, message: str):
     """A one-slot group in this process whose context's `method` raises `message` on its first call.
     Returns (engine, slots, freed: the slots handed back, group)."""
     from pyllama.runtime.engine import Engine
-    from pyllama.server.group import PipelineGroup
-    from pyllama.server.metrics import Metrics
-    from pyllama.server.slot import Slot
+    from pyllama.batching.group import PipelineGroup
+    from pyllama.obs.metrics import Metrics
+    from pyllama.batching.slot import Slot
 
     engine = Engine(model, n_threads=1)
     ctx = engine.new_context(64, 1)
@@ -77,7 +77,7 @@ def test_local_fault_clears_on_the_next_good_step(tiny_model, monkeypatch):
     succeeds clears it, without a restart."""
     from pyllama.batching.sampling import SamplingParams
     from pyllama.server.api import Api, ServerState
-    from pyllama.server.task import CompletionTask
+    from pyllama.batching.task import CompletionTask
 
     engine, slots, freed, group = _group_failing_once(tiny_model, monkeypatch, "decode", "device fault")
     state = ServerState(args=None)
@@ -129,7 +129,7 @@ def test_a_request_that_fails_to_start_is_answered_and_frees_its_slot(tiny_model
     """An error while a group places a request (before its slot starts) ends that request with an
     error and gives its slot back; the group goes on serving."""
     from pyllama.batching.sampling import SamplingParams
-    from pyllama.server.task import CompletionTask, ErrorEvent
+    from pyllama.batching.task import CompletionTask, ErrorEvent
 
     engine, slots, freed, group = _group_failing_once(tiny_model, monkeypatch, "seq_rm", "bookkeeping fault")
     events = []

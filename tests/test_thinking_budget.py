@@ -6,7 +6,8 @@ import pytest
 
 from pyllama.util.errors import PyllamaError
 from pyllama.server.options import check_args, parse_args, template_kwargs
-from pyllama.server.reasoning import ThinkingBudget, budget_end_text
+from pyllama.batching.thinking import ThinkingBudget
+from pyllama.server.reasoning import budget_end_text
 from server_util import LONG_CONTEXT, ServerProcess
 from tool_templates import FAMILY_TEMPLATES
 

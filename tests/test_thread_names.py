@@ -9,7 +9,7 @@ from typing import Optional
 
 import pytest
 
-from pyllama.server.constraint import Constraint, MaskWorker
+from pyllama.batching.constraint import Constraint, MaskWorker
 from pyllama.util.threads import OS_NAME_MAX, Thread, os_name
 from server_util import RPCServerProcess, ServerProcess
 

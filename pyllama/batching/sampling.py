@@ -48,6 +48,9 @@ import numpy as np
 
 from pyllama._fast import sampling as _fast_sampling
 
+# candidates per row the sampling kernel keeps (probabilities after the sampler chain)
+MAX_POST_SAMPLING_PROBS = 20
+
 # Module-level so that tests can count kernel calls; always looked up at call time.
 _sample_rows = _fast_sampling.sample_rows
 

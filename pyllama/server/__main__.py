@@ -18,7 +18,7 @@ import time
 from typing import Optional, Sequence
 
 from ..obs import check_env, trace
-from . import pipe_prof
+from ..obs import pipe_prof
 from ..runtime.placement.balance import memory_caps, output_blocks
 from ..runtime.cache_types import CACHE_TYPES, cache_type_name
 from ..util.cli import install_stop_signals, run_main, setup_logging
@@ -32,7 +32,7 @@ from ..util.priority import apply_priority
 from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
 from .embedding import model_pooling
-from .group import PipelineGroup, groups_stopped, share_stages
+from ..batching.group import PipelineGroup, groups_stopped, share_stages
 from ..runtime.placement.chunk import pipeline_chunk
 from .http import HTTPServer
 from ..util.loop import install_uvloop
@@ -40,10 +40,10 @@ from .options import (apply_settings, build_parser, check_args, default_constrai
                       default_stop, log_accepted, log_level, parse_args, resolve, sampling_defaults,
                       template_kwargs)
 from .params import check_generation_defaults, set_default_constraint, set_generation_defaults
-from .prompt_cache import PromptCache
+from ..batching.prompt_cache import PromptCache
 from .reconnect import PeerReconnector
 from .router import Router
-from .slot import Slot
+from ..batching.slot import Slot
 from .split_check import SplitCheck, check_interval
 
 log = logging.getLogger("pyllama.server")

@@ -11,7 +11,7 @@ import json
 from typing import Any, Optional
 
 from .http import HTTPError, sse_named_event
-from .task import FinalEvent
+from ..batching.task import FinalEvent
 
 # Anthropic requires max_tokens; llama-server lets it out and generates at most this many.
 DEFAULT_MAX_TOKENS = 4096

@@ -24,11 +24,11 @@ from ..models.gguf_file import file_type_name
 from ..batching.sampling import SamplingParams
 from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
 from .chat import ChatTemplate, ChatTemplateError
-from .constraint import ConstraintSpec, compile_constraint
+from ..batching.constraint import ConstraintSpec, compile_constraint
 from .http import (PUBLIC_PATHS, SSE_DONE, HTTPError, Request, Response, StreamResponse, error_response,
                    json_response, sse_event, sse_named_event)
-from .metrics import Metrics, pipeline_families, render_families
-from .prompt_cache import cache_families
+from ..obs.metrics import Metrics, pipeline_families, render_families
+from ..batching.prompt_cache import cache_families
 from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
 from .params import CompletionParams, get_int, parse_completion, split_prompts, tokenize_prompt
@@ -38,7 +38,7 @@ from . import anthropic
 from . import slot_file
 from . import responses as resp
 from . import embedding as embd
-from .task import CompletionTask, EmbeddingEvent, ErrorEvent, FinalEvent, ProgressEvent, TokenEvent
+from ..batching.task import CompletionTask, EmbeddingEvent, ErrorEvent, FinalEvent, ProgressEvent, TokenEvent
 
 
 @dataclass

@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..batching.pooling import pool, rows_wanted  # noqa: F401 - the handlers pool through this module
+
 POOLING_NAMES = ("none", "mean", "cls", "last")  # index = llama.cpp's llama_pooling_type value
 
 
@@ -23,26 +25,6 @@ def model_pooling(gguf: Any, option: Optional[str]) -> str:
     if isinstance(value, int) and 0 <= value < len(POOLING_NAMES):
         return POOLING_NAMES[value]
     return "none"  # rank (4) and unknown values have no meaning for a generative model
-
-
-def rows_wanted(pooling: str, start: int, n: int, n_prompt: int) -> np.ndarray:
-    """Which of the prompt positions start..start+n the pooling reads (bool [n])."""
-    pos = np.arange(start, start + n)
-    if pooling == "cls":
-        return pos == 0
-    if pooling == "last":
-        return pos == n_prompt - 1
-    return np.ones(n, dtype=bool)
-
-
-def pool(hidden: np.ndarray, pooling: str) -> np.ndarray:
-    """[n_tokens, n_embd] hidden states of one prompt (only the rows `rows_wanted` chose) ->
-    [n_embd] (or [n_tokens, n_embd] for none)."""
-    if pooling == "mean":
-        return hidden.mean(axis=0, dtype=np.float64).astype(np.float32)
-    if pooling in ("cls", "last"):
-        return hidden[0]
-    return hidden
 
 
 def normalize(v: np.ndarray, embd_normalize: int) -> np.ndarray:

@@ -38,6 +38,7 @@ import httptools
 import ujson
 
 from ..util.cli import is_loopback_address
+from ..util.errors import HTTPError  # noqa: F401 - the handlers raise it through this module
 
 __all__ = [
     "HTTPError", "Request", "Response", "StreamResponse", "Handler", "HTTPServer",
@@ -72,17 +73,6 @@ _MIN_MAX_CHUNKS = 1024
 _LINGER_S = 2.0
 # what shutdown takes beyond its grace: cancelled handlers (2 s), then lingering closes (1 s)
 _SHUTDOWN_SLACK_S = 5.0
-
-
-class HTTPError(Exception):
-    """Raised by handlers (and by Request.json) to answer with an llama-server style error body."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", **extra: Any) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.extra = extra  # more fields of the error object (llama-server's n_prompt_tokens, n_ctx, ...)
 
 
 class Request:

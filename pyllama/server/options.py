@@ -35,7 +35,7 @@ from .params import parse_logit_bias
 if TYPE_CHECKING:
     import numpy as np
 
-    from .constraint import ConstraintSpec
+    from ..batching.constraint import ConstraintSpec
 
 log = logging.getLogger("pyllama.server")
 
@@ -584,7 +584,7 @@ def default_constraint(args) -> Optional["ConstraintSpec"]:
     """The constraint of --grammar / --grammar-file / --json-schema / --json-schema-file, or None.
     Raises PyllamaError for an unreadable file, two of them at once, or an invalid grammar or
     schema (its syntax is checked here, before the model loads)."""
-    from .constraint import ConstraintSpec, check_spec, json_schema_spec  # noqa: PLC0415
+    from ..batching.constraint import ConstraintSpec, check_spec, json_schema_spec  # noqa: PLC0415
     from .http import HTTPError  # noqa: PLC0415
     given = [(flag, value) for flag, value in (("--grammar", args.grammar), ("--grammar-file", args.grammar_file),
                                                ("--json-schema", args.json_schema),

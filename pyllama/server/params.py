@@ -9,9 +9,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..util.errors import PyllamaError
-from ..batching.sampling import SamplingParams, cached_breaker_table, parse_samplers
+from ..batching.sampling import MAX_POST_SAMPLING_PROBS, SamplingParams, cached_breaker_table, parse_samplers
 from ..tokenizer import Tokenizer
-from .constraint import ConstraintSpec, json_schema_spec
+from ..batching.constraint import ConstraintSpec, json_schema_spec
 from .http import HTTPError
 
 # Candidates per token: llama-server's default probabilities (the raw logits' softmax, computed on
@@ -19,7 +19,6 @@ from .http import HTTPError
 # token's entry a slice of the vocabulary; probabilities after the sampler chain come from the
 # sampling kernel, which keeps at most MAX_POST_SAMPLING_PROBS per row.
 MAX_N_PROBS = 1024
-MAX_POST_SAMPLING_PROBS = 20
 # Integer fields are int32 in llama-server; JSON integers are unbounded here, and a value past
 # int32 is never meaningful (n_predict 1e18 would only run until the slot is full).
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..obs import spans as _spans
 from ..obs.busy import now_us
+from ..obs.steps import StepLog  # noqa: F401 - the server's views read the groups' logs through here
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
 
@@ -36,41 +37,9 @@ __all__ = ["StepLog", "PipelineStats", "union", "covered", "MAX_WINDOW_S", "DEFA
 
 DEFAULT_WINDOW_S = 5.0
 MAX_WINDOW_S = 30.0
-_MAX_STEPS = 8192        # steps kept per group (at 1000 steps/s, 8 s of them)
 _KEEP_US = int((MAX_WINDOW_S + 5) * 1e6)  # peer spans older than this are dropped
 _LOCK_WAIT_S = 2.0       # a snapshot that waits longer for another one answers with that one's result
 _FIRST_WAIT_S = 120.0  # (a first snapshot has no earlier one to answer with)
-
-
-class StepLog:
-    """The decode steps of one pipeline group: (start_us, end_us, n_tokens, n_sampled) each, the
-    newest last. Appended by the group's thread only (a deque append is atomic), read by anyone."""
-
-    __slots__ = ("steps", "n_total", "tokens_total", "rows_total")
-
-    def __init__(self) -> None:
-        self.steps: deque[tuple[int, int, int, int]] = deque(maxlen=_MAX_STEPS)
-        self.n_total = 0         # steps since start
-        self.tokens_total = 0    # tokens sampled since start
-        self.rows_total = 0      # tokens computed since start (prompt tokens and decode rows)
-
-    def add(self, t0_us: int, t1_us: int, n_tokens: int, n_sampled: int) -> None:
-        self.steps.append((t0_us, t1_us, n_tokens, n_sampled))
-        self.n_total += 1
-        self.tokens_total += n_sampled
-        self.rows_total += n_tokens
-
-    def since(self, t_us: int) -> list[tuple[int, int, int, int]]:
-        """The steps that ended after t_us, oldest first."""
-        out = []
-        # copied in one C call first: iterating the deque itself while the group's thread appends
-        # would raise "deque mutated during iteration"
-        for s in reversed(tuple(self.steps)):
-            if s[1] <= t_us:
-                break
-            out.append(s)
-        out.reverse()
-        return out
 
 
 # --- interval arithmetic ------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Optional
 
 from ..runtime.engine import Engine
 from ..rpc.connection import configured_timeout
-from .group import PipelineGroup, groups_stopped
+from ..batching.group import PipelineGroup, groups_stopped
 from ..util.threads import Thread
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import uuid
 from typing import Any, Optional
 
 from .http import HTTPError
-from .task import FinalEvent
+from ..batching.task import FinalEvent
 
 _PASSED_THROUGH = ("temperature", "top_p", "stream", "parallel_tool_calls", "chat_template_kwargs")
 _TEXT_PARTS = ("input_text", "output_text", "text")

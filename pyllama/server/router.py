@@ -19,9 +19,9 @@ import queue
 from collections import deque
 from typing import Optional
 
-from .group import PipelineGroup
-from .slot import Slot, common_prefix
-from .task import CompletionTask
+from ..batching.group import PipelineGroup
+from ..batching.slot import Slot, common_prefix
+from ..batching.task import CompletionTask
 from ..util.threads import Thread
 
 log = logging.getLogger(__name__)

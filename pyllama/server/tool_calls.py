@@ -38,7 +38,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .constraint import JSON_WHITESPACE
+from ..batching.constraint import JSON_WHITESPACE
 
 __all__ = ["FAMILIES", "ToolCall", "Snapshot", "ToolSpec", "ToolCallStream", "ToolChoiceError", "detect_family",
            "call_grammar", "parse", "parse_tool_request", "new_call_id"]

@@ -14,10 +14,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..batching.sampling import SequenceSampler
+from .sampling import SequenceSampler
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .constraint import Constraint
-from .reasoning import ThinkingBudget
+from .thinking import ThinkingBudget
 from .task import CompletionTask, FinalEvent, TokenEvent
 
 

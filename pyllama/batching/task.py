@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..batching.sampling import SamplingParams
+from .sampling import SamplingParams
 
 _task_ids = itertools.count(1)
 

@@ -9,7 +9,7 @@ when next needed. The processes rebuild the vocabulary's llguidance tokenizer fr
 pieces (`constraint._Vocab.pieces`), encoding forced text greedily: the check measures time, and
 the server's own compile (with the model's encoder) makes the matcher that is used.
 
-    python -m pyllama.server.grammar_check   (started by FirstMaskChecker, not by hand)
+    python -m pyllama.batching.grammar_check   (started by FirstMaskChecker, not by hand)
 
 The parent sends the pieces once, then grammar texts; the child answers ("ok",) or ("error", why).
 A child whose parent has gone exits within a second.
@@ -36,7 +36,7 @@ class CheckUnavailable(RuntimeError):
 
 class _Child:
     def __init__(self, pieces: tuple, n_vocab: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "pyllama.server.grammar_check"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "pyllama.batching.grammar_check"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.tx = Connection(os.dup(self.proc.stdin.fileno()), readable=False)

@@ -51,7 +51,7 @@ from ..util.threads import Thread
 from ..tokenizer import Tokenizer
 from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
 from .grammar_check import CheckUnavailable, FirstMaskChecker
-from .http import HTTPError
+from ..util.errors import HTTPError
 
 log = logging.getLogger(__name__)
 

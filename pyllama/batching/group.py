@@ -32,17 +32,16 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 import numpy as np
 
 from ..runtime.context import Batch, Context, DecodeOutput
-from ..batching.sampling import BatchSampler, SamplingParams, SequenceSampler
+from .sampling import MAX_POST_SAMPLING_PROBS, BatchSampler, SamplingParams, SequenceSampler
 from ..tokenizer import Tokenizer
 from ..obs import trace
 from .._fast import gemm
-from . import pipe_prof
+from ..obs import pipe_prof
 from .constraint import Constraint, MaskWorker, apply_masks
-from .metrics import Metrics
-from .pipeline_stats import StepLog
+from ..obs.metrics import Metrics
+from ..obs.steps import StepLog
 from ..obs.busy import now_us
-from .embedding import rows_wanted
-from .params import MAX_POST_SAMPLING_PROBS
+from .pooling import rows_wanted
 from .prompt_cache import COPY_WAIT_S, MIN_TOKENS, PromptCache
 from .slot import Slot, SlotState, common_prefix, presampling_probs, token_probs
 from .task import CompletionTask, EmbeddingEvent, ErrorEvent, EventSink, FinalEvent, ProgressEvent

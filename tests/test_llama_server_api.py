@@ -352,7 +352,7 @@ def test_slot_restore_without_room_computes(srv, tmp_path, monkeypatch):
         kv = group.ctx.kv
         assert group.write_slot(group.slots[0], [1] * (kv.n_blocks * kv.block_size + 1), []) is False
         # what the last step reserved is not held between steps
-        group._reserved = kv.n_blocks
+        group.core.scheduler._reserved = kv.n_blocks
         n_decode = srv.state.metrics.snapshot()["n_decode_total"]
         assert srv.post("/slots/0?action=restore", {"filename": "s.bin"})[0] == 200
         assert srv.state.metrics.snapshot()["n_decode_total"] == n_decode

@@ -75,7 +75,7 @@ def test_one_group_is_never_cut(tiny_model):
 
     engine, (a,) = _groups(tiny_model, 1)
     share_stages([a], 24)
-    assert a.neighbours == [] and a.shared_prompt_chunk == 0
+    assert a.core.scheduler.neighbours == [] and a.core.scheduler.shared_prompt_chunk == 0
 
 
 @pytest.mark.parametrize("wtype,quantized", [("f32", False), ("f16", False), ("q8_0", True), ("q4_0", True)])

@@ -25,13 +25,19 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
-from .slot import common_prefix
+from .slot import SlotState, common_prefix
+
+if TYPE_CHECKING:
+    from ..runtime.context import Context
+    from .slot import Slot
+    from .task import CompletionTask
 
 log = logging.getLogger("pyllama.server")
 
@@ -269,3 +275,143 @@ class RowCopier:
                 job()
             except Exception:  # noqa: BLE001 - one copy, never the thread (jobs report their own failures)
                 log.exception("prompt cache copy failed")
+
+
+class GroupPromptCache:
+    """The host prompt cache as one pipeline group uses it: a slot's prompt is saved into it when
+    its cells are about to be dropped (the cache's copier thread reads them while their KV blocks
+    are held out of the pool), a starting prompt is loaded from the entry it shares most with, and
+    held blocks go back once copied. Decode thread only (the KV bookkeeping); without --cache-ram
+    (`cache` None) only the room checks of slot restores use it."""
+
+    def __init__(self, ctx: "Context") -> None:
+        self.ctx = ctx
+        self.cache: Optional[PromptCache] = None  # --cache-ram, shared by every group (set by the server)
+        self.idle_slots = False  # --cache-idle-slots: idle slots saved there when a request starts
+        # KV blocks kept out of the pool while the cache's copier reads them: (blocks, copied)
+        self.held: deque[tuple[list[int], threading.Event]] = deque()
+        self._came_back: set[int] = set()  # slots whose request repeated or continued an earlier prompt
+
+    def start(self, slot: "Slot", task: "CompletionTask", n_keep: int) -> int:
+        """A request starts on `slot`, its own cache matching the first n_keep prompt tokens: what
+        the slot held goes into the cache (when it is worth it), and the prompt is loaded from the
+        cache when an entry shares more of it. Returns the prompt tokens now cached."""
+        cache = self.cache
+        if cache is None or task.embedding:
+            return n_keep
+        came_back = cache.sight(task.prompt)
+        self.save(slot, n_keep)
+        (self._came_back.add if came_back else self._came_back.discard)(slot.id)
+        return self._load(slot, task.prompt, n_keep) if task.cache_prompt else n_keep
+
+    def start_child(self, slot: "Slot") -> None:
+        """A choice of an n > 1 request starts on `slot` (it shares its parent's prompt)."""
+        self._came_back.discard(slot.id)
+
+    def save_idle(self, slots: list["Slot"]) -> None:
+        """--cache-idle-slots: the idle slots whose request came back are saved now (an idle slot
+        whose request did not come back is let go when dropped)."""
+        if self.cache is None or not self.idle_slots:
+            return
+        for idle in slots:
+            if idle.state is SlotState.IDLE and idle.id in self._came_back:
+                self.save(idle, 0)
+
+    def save(self, slot: Slot, n_keep: int) -> None:
+        """The slot's cached prompt into the host cache when more than a block of it is about to
+        be dropped (all but its first n_keep tokens), no entry holds it already and its request
+        came back (see PromptCache.sight). Its blocks are held and copied by the cache's copier
+        thread: the decode thread goes on at once."""
+        cache = self.cache
+        assert cache is not None
+        # (the last token a request sampled has no KV rows yet)
+        tokens = slot.cache_tokens[:self.ctx.kv.seq_len(slot.seq)]
+        if len(tokens) - n_keep < MIN_TOKENS or cache.covers(tokens):
+            return
+        if slot.id not in self._came_back:  # a first appearance: it will most likely not come back
+            cache.not_admitted()
+            return
+        entry = cache.reserve(tokens, self._rows_nbytes(len(tokens)))
+        if entry is None:
+            return
+        blocks, runs = self.ctx.kv.hold(slot.seq, len(tokens))
+        copied = threading.Event()
+        self.held.append((blocks, copied))
+        ctx, n, slot_id = self.ctx, len(tokens), slot.id
+
+        def copy() -> None:
+            t0 = time.perf_counter()
+            try:
+                rows = ctx.read_cells(runs, n)
+            except Exception as exc:  # noqa: BLE001 - the prompt is only computed again later
+                log.warning("slot %d: saving its prompt to the host cache failed: %s", slot_id, exc)
+                cache.fail(entry)
+                return
+            finally:
+                copied.set()  # the decode thread gives the blocks back (release_held)
+            if cache.fill(entry, rows):
+                log.info("slot %d: %d prompt tokens saved to the host cache (%.1f ms; %d entries, %.1f MiB)",
+                         slot_id, n, (time.perf_counter() - t0) * 1e3, len(cache), cache.nbytes / 2**20)
+
+        cache.copier.submit(copy)
+
+    def _rows_nbytes(self, n: int) -> int:
+        """Bytes of n positions' K and V rows over all layers (what read_seq returns)."""
+        return n * sum(layer[1] + layer[3] for layer in self.ctx.kv_layout())
+
+    def release_held(self, wait: bool) -> bool:
+        """Gives back the blocks of finished copies (with wait, waits for the oldest copy first
+        when none has finished); whether any went back. Decode thread only (the KV bookkeeping)."""
+        held = self.held
+        if wait and held and not any(done.is_set() for _, done in held):
+            held[0][1].wait(COPY_WAIT_S)
+        kept: deque[tuple[list[int], threading.Event]] = deque()
+        released = False
+        while held:
+            blocks, done = held.popleft()
+            if done.is_set():
+                self.ctx.kv.release(blocks)
+                released = True
+            else:
+                kept.append((blocks, done))
+        self.held = kept
+        return released
+
+    def _load(self, slot: Slot, prompt: list[int], n_keep: int) -> int:
+        """Starts the slot from the host cache's entry that shares the longest prefix with `prompt`
+        when it shares more (by a block at least) than the slot's own cache and the KV pool has
+        the room; returns the prompt tokens now cached."""
+        cache = self.cache
+        assert cache is not None
+        entry, n = cache.best(prompt)
+        n = min(n, len(prompt) - 1)
+        if entry is None or n - n_keep < MIN_TOKENS:
+            return n_keep
+        n = min(n, self.ctx.kv.seq_cap)
+        if not self.fits(slot, n):
+            return n_keep
+        t0 = time.perf_counter()
+        rows = entry.wait(COPY_WAIT_S)  # a copy still under way is waited for: it is this request's prefix
+        if rows is None:
+            return n_keep
+        try:
+            self.ctx.write_seq(slot.seq, rows, n)
+        except Exception as exc:  # noqa: BLE001 - the sequence is empty again: computed from the start
+            log.warning("slot %d: loading a prompt from the host cache failed: %s", slot.id, exc)
+            slot.cache_tokens = []
+            return 0
+        slot.cache_tokens = list(prompt[:n])
+        log.info("slot %d: %d prompt tokens loaded from the host cache (%.1f ms)", slot.id, n,
+                 (time.perf_counter() - t0) * 1e3)
+        return n
+
+    def fits(self, slot: Slot, n: int) -> bool:
+        """Whether `slot`'s sequence, emptied, could take n positions from the free blocks now
+        (between steps nothing is reserved: the scheduler's free count would hold the last step's)."""
+        kv = self.ctx.kv
+        self.release_held(wait=False)
+        while -(-n // kv.block_size) > kv.n_free_blocks + kv.blocks_freed_by_rm(slot.seq):
+            if not self.held:
+                return False
+            self.release_held(wait=True)
+        return True

@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from .sampling import SamplingParams
 
@@ -100,6 +100,31 @@ class ErrorEvent:
     message: str
     status: int = 500
     type: str = "server_error"
+
+
+class EventOut(Protocol):
+    """Where the batching core puts a step's events, and flushes them once the step is done."""
+
+    def put(self, task: CompletionTask, event: object) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class EventList:
+    """Events kept in order as (task, event), for a caller that steps the core itself (generate)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[CompletionTask, object]] = []
+
+    def put(self, task: CompletionTask, event: object) -> None:
+        self.events.append((task, event))
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> list[tuple[CompletionTask, object]]:
+        out, self.events = self.events, []
+        return out
 
 
 class EventSink:

@@ -15,13 +15,18 @@ from typing import Iterator, Optional, Sequence
 from .obs import check_env, trace
 from .runtime.cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from .util.cli import Parser, Toggle, run_main, setup_logging
-from .runtime.context import Batch, Context, check_prompt_fits
+from .runtime.context import Context, check_prompt_fits
 from .runtime.placement.devices import add_device_args, list_devices, open_devices
 from .runtime.engine import Engine
 from .util.errors import PyllamaError
 from .models.gguf_file import kv_override_arg
 from .models.hparams import add_rope_args, model_overrides
-from .batching.sampling import BatchSampler, SamplingParams, SequenceSampler
+from .batching.core import BatchCore
+from .batching.sampling import SamplingParams
+from .batching.slot import Slot
+from .batching.task import CompletionTask, ErrorEvent, EventList, TokenEvent
+from .obs.metrics import Metrics
+from .obs.step_probe import StepProbe
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -71,27 +76,29 @@ def build_parser() -> Parser:
 
 def generate_tokens(ctx: Context, tokenizer: Tokenizer, prompt: Sequence[int], n_predict: int,
                     params: SamplingParams, ignore_eos: bool = False, seq: int = 0) -> Iterator[int]:
-    """Decodes the prompt, then yields sampled tokens until n_predict, end of text or a full context."""
+    """Decodes the prompt, then yields sampled tokens until n_predict, end of text or a full
+    context: one request on one slot of the batching core the server runs, stepped here."""
     check_prompt_fits(len(prompt), ctx.seq_cap)
-    sampler = SequenceSampler(params, list(prompt))
-    batch_sampler = BatchSampler(ctx.hparams.n_vocab, 1, max(params.n_probs, 1))
-    pos = 0
-    for i in range(0, len(prompt), ctx.n_batch):
-        chunk = prompt[i:i + ctx.n_batch]
-        out = ctx.decode(Batch.for_sequence(chunk, pos, seq))
-        pos += len(chunk)
-    n_done = 0
-    while n_predict < 0 or n_done < n_predict:
-        token = int(batch_sampler.sample(out.logits, [sampler]).ids[0])
-        sampler.accept(token)
-        if tokenizer.is_eog(token) and not ignore_eos:
-            return
-        yield token
-        n_done += 1
-        if pos >= ctx.seq_cap or (n_predict >= 0 and n_done >= n_predict):
-            return
-        out = ctx.decode(Batch.for_sequence([token], pos, seq))
-        pos += 1
+    slot = Slot(0, 0, seq, ctx.seq_cap, tokenizer)
+    events = EventList()
+    core = BatchCore(ctx, [slot], tokenizer, Metrics(), events, on_free=lambda s: None, probe=StepProbe(0))
+    task = CompletionTask(prompt=list(prompt), params=params, n_predict=n_predict, ignore_eos=ignore_eos,
+                          cache_prompt=False)
+    try:
+        core.place([(slot, task)])
+        while True:
+            stepped = core.step()
+            for _, event in events.take():
+                if isinstance(event, ErrorEvent):
+                    raise PyllamaError(event.message)
+                if isinstance(event, TokenEvent):
+                    yield event.token
+            if not slot.busy or not stepped:
+                return
+    finally:
+        if slot.busy:  # the caller stopped early: the request ends as cancelled
+            core.finish(slot, None)
+        core.close()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

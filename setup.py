@@ -1,5 +1,5 @@
 """Builds the Cython extensions of pyllama/_fast with optimisation on, and the CUDA kernels of
-cuda_src/ into pyllama/backend/cuda_kernels/*.fatbin when nvcc is found.
+cuda_src/ into pyllama/backend/cuda/kernels/*.fatbin when nvcc is found.
 
 Set PYLLAMA_PORTABLE=1 to build without -march=native (for binaries that move between machines),
 PYLLAMA_NO_CUDA_BUILD=1 to skip the CUDA kernels.
@@ -16,12 +16,12 @@ from setuptools.command.build_ext import build_ext
 HERE = Path(__file__).parent
 FAST = HERE / "pyllama" / "_fast"
 CUDA_SRC = HERE / "cuda_src"
-KERNELS = Path("pyllama") / "backend" / "cuda_kernels"
+KERNELS = Path("pyllama") / "backend" / "cuda" / "kernels"
 
 
 def _cuda_build():
     # by path: importing the package would need its dependencies at build time
-    spec = importlib.util.spec_from_file_location("_pyllama_cuda_build", HERE / "pyllama" / "backend" / "cuda_build.py")
+    spec = importlib.util.spec_from_file_location("_pyllama_cuda_build", HERE / "pyllama" / "backend" / "cuda" / "build.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

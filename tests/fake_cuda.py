@@ -252,7 +252,7 @@ class Function:
         self.name = name
 
     def _launch_kernel(self, grid, block, buf, shared, stream: Stream) -> None:
-        from pyllama.backend.cuda import _BLOCK, _FORMATS  # noqa: PLC0415
+        from pyllama.backend.cuda.backend import _BLOCK, _FORMATS  # noqa: PLC0415
         assert tuple(block) == (_BLOCK.get(self.name, 256), 1, 1)
         args = struct.unpack("@" + _FORMATS[self.name], buf)
         name = self.name
@@ -265,7 +265,7 @@ class Module:
         self.path = path
 
     def get_function(self, name: str) -> Function:
-        from pyllama.backend.cuda import _FORMATS  # noqa: PLC0415
+        from pyllama.backend.cuda.backend import _FORMATS  # noqa: PLC0415
         if name not in _FORMATS:
             raise LogicError(f"named symbol not found: {name}")
         return Function(name)
@@ -397,7 +397,7 @@ class FakeCuBLAS:
     """cublasGemmEx on a fake stream, checking the arguments the backend passes."""
 
     def __init__(self, lib=None):
-        from pyllama.backend import cublas  # noqa: PLC0415
+        from pyllama.backend.cuda import cublas  # noqa: PLC0415
         self._real = cublas
         self.p_one = self.p_zero = None
 
@@ -433,7 +433,8 @@ class FakeCuBLAS:
 def install(monkeypatch, kernel_dir: Path) -> None:
     """Makes `import pycuda.driver` give this module's fake and cuBLAS the fake GEMM, with
     placeholder fatbins in `kernel_dir`, for the duration of a test."""
-    from pyllama.backend import cublas, cuda  # noqa: PLC0415
+    from pyllama.backend.cuda import cublas  # noqa: PLC0415
+    from pyllama.backend.cuda import backend as cuda  # noqa: PLC0415
     driver = types.ModuleType("pycuda.driver")
     for name in ("Error", "LogicError", "event_flags", "DeviceAllocation", "Stream", "Event", "Context", "Device",
                  "init", "mem_alloc", "mem_get_info", "pagelocked_empty", "memcpy_htod_async", "memcpy_dtoh_async",

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyllama.backend import cuda_build
+from pyllama.backend.cuda import build as cuda_build
 from pyllama.backend.base import DType, Tensor
 from pyllama.backend.cpu import CPUBackend
 from pyllama.util.errors import PyllamaError
@@ -115,7 +115,7 @@ def _declared_kernels() -> dict[str, tuple[str, str]]:
 
 
 def test_every_op_has_cuda_kernels_that_exist_with_the_packed_arguments():
-    from pyllama.backend import cuda  # noqa: PLC0415 - importable without PyCUDA
+    from pyllama.backend.cuda import backend as cuda  # noqa: PLC0415 - importable without PyCUDA
     # MUL_MAT_CAT arises only on devices that store a fused weight's parts in different types;
     # this one stores every matrix in one half type (and says so through supports())
     # the gemma ops GEGLU, SCALE and SOFTCAP have none: a model needing them is refused at load
@@ -752,7 +752,7 @@ def _cpu_node(op: Op, inputs, out_dtype, out_shape, params=()):
 
 def test_host_run_row_and_element_kernels_match_the_cpu(host_kernels):
     from ctypes import c_float, c_longlong  # noqa: PLC0415
-    from pyllama.backend.cuda import _grid  # noqa: PLC0415
+    from pyllama.backend.cuda.backend import _grid  # noqa: PLC0415
     k, rng, err = host_kernels, np.random.default_rng(1), np.zeros(1, np.uint32)
     table = _bf16_exact(rng.standard_normal((50, 96)).astype(np.float32))
     ids = np.array([3, 0, 49, 3, 17], np.int32)
@@ -789,7 +789,7 @@ def test_host_run_row_and_element_kernels_match_the_cpu(host_kernels):
 @pytest.mark.parametrize("hd", [64, 80])
 def test_host_run_attention_kernels_match_the_cpu(host_kernels, rope_mode, qk_norm, hd):
     from ctypes import c_double, c_float, c_longlong  # noqa: PLC0415
-    from pyllama.backend.cuda import _BLOCK  # noqa: PLC0415
+    from pyllama.backend.cuda.backend import _BLOCK  # noqa: PLC0415
     rng, err = np.random.default_rng(4), np.zeros(1, np.uint32)
     H, Hkv, n, cells = 4, 2, 5, 32
     qkv = rng.standard_normal((n, (H + 2 * Hkv) * hd)).astype(np.float32)
@@ -819,7 +819,7 @@ def test_host_run_dequant_kernels_are_exact(host_kernels):
     from ctypes import c_longlong  # noqa: PLC0415
     from gguf import GGML_QUANT_SIZES  # noqa: PLC0415
     from pyllama._fast.quant import dequantize_to_f32  # noqa: PLC0415
-    from pyllama.backend.cuda import DEQUANT_KERNELS, _grid  # noqa: PLC0415
+    from pyllama.backend.cuda.backend import DEQUANT_KERNELS, _grid  # noqa: PLC0415
     rng = np.random.default_rng(5)
     for (qtype, half), name in DEQUANT_KERNELS.items():
         block, size = GGML_QUANT_SIZES[qtype]
@@ -842,7 +842,7 @@ def test_host_run_dequant_kernels_are_exact(host_kernels):
 
 @pytest.mark.parametrize("V", [512, 4096])
 def test_host_run_sample_kernel_matches_the_cpu(host_kernels, V):
-    from pyllama.backend.cuda import _BLOCK  # noqa: PLC0415
+    from pyllama.backend.cuda.backend import _BLOCK  # noqa: PLC0415
     from pyllama.batching.sampling import SamplingParams  # noqa: PLC0415
     plist = [SamplingParams(temperature=0, n_probs=5), SamplingParams(temperature=0, n_probs=3),
              SamplingParams(temperature=0, n_probs=2), SamplingParams(temperature=0),

@@ -311,7 +311,7 @@ def test_experts_read_in_place_stay_so_when_memory_is_short(monkeypatch, caplog)
     """Experts read in place from a model file are not all in memory until repacked (a token never
     pages in the experts it does not choose): with too little free memory the backend keeps their
     file layout, says so once, and computes what the file layout gives."""
-    from pyllama.backend import cpu as cpu_mod
+    from pyllama.backend.cpu import backend as cpu_mod
     if int(QT.Q8_0) not in qmatmul.x8_types():
         pytest.skip("this build has no repacked kernels")
     monkeypatch.setattr(cpu_mod, "_available_memory", lambda: 1 << 20)

@@ -12,7 +12,7 @@ import pytest
 
 from pyllama._fast import gemm, ops, ops_extra, qmatmul
 from pyllama._fast.plan import NativeRun, NativeStep
-from pyllama.backend import cpu as cpu_backend
+from pyllama.backend.cpu import backend as cpu_backend
 from pyllama.backend.cpu import CPUBackend
 from pyllama.runtime.context import Batch
 from pyllama.runtime.engine import Engine

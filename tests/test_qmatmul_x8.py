@@ -220,7 +220,7 @@ def test_cpu_backend_repacks_and_forgets_on_write():
 def test_an_allocated_weight_is_not_repacked_when_memory_is_short(monkeypatch, caplog):
     """An uploaded (allocated) weight's copy is extra memory: with too little free the backend
     keeps the file layout, logs it once, and computes the same product."""
-    from pyllama.backend import cpu as cpu_mod
+    from pyllama.backend.cpu import backend as cpu_mod
     from pyllama.ir.tensor import DType, Graph, Op, Tensor, node
 
     rng = np.random.default_rng(9)

@@ -35,7 +35,7 @@ class Engine:
         (check_memory first, then load()). map_weights=False (--no-mmap) copies the weights a CPU
         would use in place in the file's memory map. kv_overrides (--override-kv) replace metadata
         values before anything reads them. repack=False (--no-repack) keeps the local CPU's quantized
-        weights in the file's layout only (no repacked copies, backend/cpu.py). check_tensors
+        weights in the file's layout only (no repacked copies, backend/cpu/). check_tensors
         (--check-tensors) reads every tensor for values that are not finite before anything else."""
         self.map_weights = map_weights
         self.n_threads = set_compute_threads(n_threads)

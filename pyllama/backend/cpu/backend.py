@@ -38,15 +38,15 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..obs import trace
-from ..obs.busy import BusyClock
-from .._fast import gemm, moe, qmatmul
-from .._fast import ops as k
-from .._fast import ops_extra as kx
-from .._fast import sampling as k_sampling
-from .._fast.plan import NativeRun, NativeStep
-from ..ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, Op, check_node, sample_in_cols, sample_out_cols
-from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
+from ...obs import trace
+from ...obs.busy import BusyClock
+from ..._fast import gemm, moe, qmatmul
+from ..._fast import ops as k
+from ..._fast import ops_extra as kx
+from ..._fast import sampling as k_sampling
+from ..._fast.plan import NativeRun, NativeStep
+from ...ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, Op, check_node, sample_in_cols, sample_out_cols
+from ..base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 
 _PLAN_CACHE = 256
 _BLAS_ONLY = os.environ.get("PYLLAMA_CPU_BLAS_ONLY", "") not in ("", "0")

@@ -22,13 +22,13 @@ from typing import Optional
 
 import numpy as np
 
-from ..obs import trace
-from .._fast.wire import encode_graph
-from ..ir.tensor import FAMILY_OPS, KV_CACHE_TYPES, Graph, Op
-from ..rpc.connection import Connection, RPCError, get_connection
-from ..rpc.protocol import (ALLOC_REP, graph_tables, ALLOC_REQ, DEVICE_INFO, KIND, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32, U64, USAGE,
+from ...obs import trace
+from ..._fast.wire import encode_graph
+from ...ir.tensor import FAMILY_OPS, KV_CACHE_TYPES, Graph, Op
+from ...rpc.connection import Connection, RPCError, get_connection
+from ...rpc.protocol import (ALLOC_REP, graph_tables, ALLOC_REQ, DEVICE_INFO, KIND, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32, U64, USAGE,
                             Cap, Cmd, DEVICE_TYPES_HEAD, MAX_DEVICE_TYPES)
-from .base import Backend, Buffer, DeviceInfo, DType, Tensor
+from ..base import Backend, Buffer, DeviceInfo, DType, Tensor
 
 _KIND_NAMES = {v: k for k, v in KIND.items()}
 

@@ -1,9 +1,9 @@
 """The CUDA backend: one NVIDIA GPU through PyCUDA, kernels from cuda_src/ compiled ahead of time.
 
 What runs where (docs/cuda.md):
-- kernels: cuda_src/*.cu, compiled by nvcc at install time into pyllama/backend/cuda_kernels/
+- kernels: cuda_src/*.cu, compiled by nvcc at install time into pyllama/backend/cuda/kernels/
   <name>.fatbin (sm_90 code plus compute_90 PTX) and loaded here with module_from_file;
-  matrix products through cuBLAS (cublasGemmEx via ctypes, pyllama/backend/cublas.py).
+  matrix products through cuBLAS (cublasGemmEx via ctypes, cublas.py beside this module).
 - weights: quantized (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), F16 and BF16 file tensors are converted on
   the device at load into one half-precision type (F16, or BF16 with PYLLAMA_CUDA_WEIGHTS=bf16);
   the other block types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K) are dequantized on the host to that type,
@@ -45,16 +45,16 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
-from ..obs import trace
-from ..util.errors import PyllamaError
-from ..ir.tensor import AttentionParams, Graph, Op, check_node, sample_in_cols, sample_out_cols
-from . import cuda_build
-from .base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Event, Tensor
+from ...obs import trace
+from ...util.errors import PyllamaError
+from ...ir.tensor import AttentionParams, Graph, Op, check_node, sample_in_cols, sample_out_cols
+from . import build as cuda_build
+from ..base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Event, Tensor
 
 log = logging.getLogger(__name__)
 
-KERNEL_DIR = Path(__file__).parent / "cuda_kernels"
-SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda_src"  # present in a source checkout
+KERNEL_DIR = Path(__file__).parent / "kernels"
+SOURCE_DIR = Path(__file__).resolve().parents[3] / "cuda_src"  # present in a source checkout
 MODULES = ("elementwise", "attention", "dequant", "sampling")
 MIN_COMPUTE_CAPABILITY = (9, 0)  # the fatbins carry sm_90 code and compute_90 PTX
 

@@ -129,7 +129,7 @@ def test_every_op_has_cuda_kernels_that_exist_with_the_packed_arguments():
         assert name in declared, f"{name} is not a kernel of cuda_src/"
         assert declared[name][1] == fmt, f"{name}: the backend packs {fmt}, the kernel takes {declared[name][1]}"
     # the weight types converted on the device convert to both half types (the others are converted
-    # on the host by Backend.set_weight, tested in test_quant_models.py)
+    # on the host by WeightLayout.set_weight, tested in test_quant_models.py)
     for qt in (DType.Q8_0, DType.Q4_0, DType.Q4_K, DType.Q5_K, DType.Q6_K, F32, F16, BF16):
         for half in (F16, BF16):
             assert qt == half or (DType(qt), half) in cuda.DEQUANT_KERNELS, (qt, half)
@@ -345,7 +345,7 @@ def test_load_time_dequantization_is_exact(gpu, qtype, half):
     t = Tensor(half, (rows, 1024), "w")
     t.buffer = gpu.alloc_buffer(t.nbytes, usage="weights")
     try:
-        gpu.set_weight(t, 0, qtype, raw)
+        gpu.layout.set_weight(t, 0, qtype, raw)
         got = gpu.get_tensor(t).view(np.uint16).reshape(rows, 1024)
     finally:
         gpu.free_buffer(t.buffer)
@@ -608,7 +608,7 @@ def test_an_rpc_server_refuses_weight_types_its_device_does_not_hold(model_facto
         with pytest.raises(RPCError, match="cannot hold F16 weights"):
             Engine(path, n_threads=1, backends=[RPCBackend(conn, 0, "RPC0")], tensor_split=[1])
         backend = RPCBackend(conn, 0, "RPC0")
-        backend.weight_dtype = lambda file_dtype: file_dtype  # a client that sends them anyway
+        backend.layout.weight_dtype = lambda file_dtype: file_dtype  # a client that sends them anyway
         remote = Engine(path, n_threads=1, backends=[backend], tensor_split=[1])
         try:
             with pytest.raises(RPCError, match="is F16, not F32"):

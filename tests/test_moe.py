@@ -291,13 +291,13 @@ def test_the_cpu_backend_multiplies_repackable_experts_in_groups_of_8():
     got = {}
     for repack in (True, False):
         b = CPUBackend(1)
-        b.repack = repack
+        b.layout.repack = repack
         out = placed(b, DType.F32, (n, e))
         srcs = [placed(b, DType.F32, x.shape, x), placed(b, DType.F32, router.shape, router)]
         srcs += [placed(b, DType.Q8_0, (n_exp, rows, cols), raw) for raw, rows, cols in ((g, f, e), (u, f, e), (d, e, f))]
         b.graph_compute(Graph([node(Op.MOE_FFN, out, *srcs, params=(k, 1, 1.0))]))
         got[repack] = b.get_tensor(out).copy()
-        assert b.packed_weights() == (3 if repack else 0)
+        assert b.layout.packed_weights() == (3 if repack else 0)
     pack = [qmatmul.repack_x8(raw.reshape(n_exp * rows, -1), int(QT.Q8_0), cols).reshape(n_exp, -1)
             for raw, rows, cols in ((g, f, e), (u, f, e), (d, e, f))]
     for repacked, (gg, uu, dd) in ((True, pack), (False, (g, u, d))):
@@ -311,17 +311,17 @@ def test_experts_read_in_place_stay_so_when_memory_is_short(monkeypatch, caplog)
     """Experts read in place from a model file are not all in memory until repacked (a token never
     pages in the experts it does not choose): with too little free memory the backend keeps their
     file layout, says so once, and computes what the file layout gives."""
-    from pyllama.backend.cpu import backend as cpu_mod
+    from pyllama.backend.cpu import memory
     if int(QT.Q8_0) not in qmatmul.x8_types():
         pytest.skip("this build has no repacked kernels")
-    monkeypatch.setattr(cpu_mod, "_available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(memory, "available_memory", lambda: 1 << 20)
     rng = np.random.default_rng(13)
     n, e, f, n_exp, k = 4, 64, 32, 4, 2
     x = (rng.integers(-8, 9, (n, e)) / 4).astype(np.float32)
     router = rng.integers(0, 2, (n_exp, e)).astype(np.float32)
     experts = [_experts(rng, QT.Q8_0, n_exp, rows, cols)[0] for rows, cols in ((f, e), (f, e), (e, f))]
     b = CPUBackend(1)
-    file = b.map_host(np.concatenate([raw.reshape(-1) for raw in experts]))  # as a model file's map
+    file = b.layout.map_host(np.concatenate([raw.reshape(-1) for raw in experts]))  # as a model file's map
     srcs, off = [placed(b, DType.F32, x.shape, x), placed(b, DType.F32, router.shape, router)], 0
     for raw, (rows, cols) in zip(experts, ((f, e), (f, e), (e, f))):
         srcs.append(Tensor(DType.Q8_0, (n_exp, rows, cols), "exps", file, off))
@@ -329,7 +329,7 @@ def test_experts_read_in_place_stay_so_when_memory_is_short(monkeypatch, caplog)
     out = placed(b, DType.F32, (n, e))
     with caplog.at_level("WARNING"):
         b.graph_compute(Graph([node(Op.MOE_FFN, out, *srcs, params=(k, 1, 1.0))]))
-    assert b.packed_weights() == 0
+    assert b.layout.packed_weights() == 0
     assert sum("not enough free memory to repack" in r.getMessage() for r in caplog.records) == 1
     want = np.zeros((n, e), np.float32)
     moe.moe_ffn(x, x @ router.T, *[a for raw in experts for a in (raw, int(QT.Q8_0))], want, k, True, 1.0, None, None, 1)

@@ -204,7 +204,7 @@ def test_cpu_backend_repacks_and_forgets_on_write():
     for w in (w1, w2):
         be.set_tensor(wt, w)
         be.graph_compute(g)
-        assert be.packed_weights(buf) == 1, "the weight was not repacked"
+        assert be.layout.packed_weights(buf) == 1, "the weight was not repacked"
         want = np.empty((n, m), np.float32)
         qmatmul.mul_mat_q_x8(x, qmatmul.repack_x8(w, int(T.Q4_K), k), int(T.Q4_K), want)
         got = be.get_tensor(ot)
@@ -212,15 +212,15 @@ def test_cpu_backend_repacks_and_forgets_on_write():
         results.append(got)
     assert not np.array_equal(results[0], results[1])
     be.set_tensor(xt, x)              # writing another tensor of the buffer keeps the copy
-    assert be.packed_weights(buf) == 1
+    assert be.layout.packed_weights(buf) == 1
     be.free_buffer(buf)
-    assert be.packed_weights(buf) == 0 and be.packed_weights() == 0
+    assert be.layout.packed_weights(buf) == 0 and be.layout.packed_weights() == 0
 
 
 def test_an_allocated_weight_is_not_repacked_when_memory_is_short(monkeypatch, caplog):
     """An uploaded (allocated) weight's copy is extra memory: with too little free the backend
     keeps the file layout, logs it once, and computes the same product."""
-    from pyllama.backend.cpu import backend as cpu_mod
+    from pyllama.backend.cpu import CPUBackend, memory
     from pyllama.ir.tensor import DType, Graph, Op, Tensor, node
 
     rng = np.random.default_rng(9)
@@ -229,8 +229,8 @@ def test_an_allocated_weight_is_not_repacked_when_memory_is_short(monkeypatch, c
     x = activations(n, k, rng)
     outs = []
     for free in (1 << 40, 1 << 20):
-        monkeypatch.setattr(cpu_mod, "_available_memory", lambda free=free: free)
-        be = cpu_mod.CPUBackend(n_threads=1)
+        monkeypatch.setattr(memory, "available_memory", lambda free=free: free)
+        be = CPUBackend(n_threads=1)
         buf = be.alloc_buffer(w.nbytes + 4 * (n * k + n * m))
         wt = Tensor(DType.Q6_K, (m, k), "w", buf, 0)
         xt = Tensor(DType.F32, (n, k), "x", buf, w.nbytes)
@@ -240,7 +240,7 @@ def test_an_allocated_weight_is_not_repacked_when_memory_is_short(monkeypatch, c
         with caplog.at_level("WARNING"):
             be.graph_compute(Graph([node(Op.MUL_MAT, ot, xt, wt)]))
             be.graph_compute(Graph([node(Op.MUL_MAT, ot, xt, wt)]))
-        assert be.packed_weights(buf) == (1 if free > 1 << 30 else 0)
+        assert be.layout.packed_weights(buf) == (1 if free > 1 << 30 else 0)
         outs.append(be.get_tensor(ot))
     assert sum("not enough free memory to repack" in r.getMessage() for r in caplog.records) == 1
     bound = np.abs(outs[0]).max() * 1e-5

@@ -55,8 +55,8 @@ def test_greedy_tokens_match_the_reference(model_factory, preset, wtype):
               if t.dtype in (DType.Q4_0, DType.Q8_0, DType.Q4_K, DType.Q5_K, DType.Q6_K) and len(t.shape) == 2
               and t.shape[0] % 8 == 0]
         if preset in ("tiny", "tiny256"):
-            assert x8 and all(cpu._packed_weight(t) is not None for t in x8)
-            assert cpu.packed_weights() == len({(id(t.buffer), t.offset) for t in x8})
+            assert x8 and all(cpu.layout.packed(t) is not None for t in x8)
+            assert cpu.layout.packed_weights() == len({(id(t.buffer), t.offset) for t in x8})
     finally:
         engine.close()
     ref = reference_logits(path, prompt + tokens)[len(prompt) - 1:-1]  # the logits each token came from
@@ -175,7 +175,7 @@ def test_resident_memory_after_loading_a_q4_k_m_model(model_factory):
 
 
 def test_types_converted_on_the_host_for_half_precision_devices():
-    """Backend.set_weight, what a GPU device uses for the block types it has no kernel for: the
+    """WeightLayout.set_weight, what a GPU device uses for the block types it has no kernel for: the
     values gguf dequantizes, rounded to F16 / BF16."""
     rng = np.random.default_rng(3)
     b = CPUBackend(1)
@@ -185,7 +185,7 @@ def test_types_converted_on_the_host_for_half_precision_devices():
         for half in (DType.F16, DType.BF16):
             t = Tensor(half, (4, 64), "w")
             t.buffer = b.alloc_buffer(t.nbytes)
-            b.set_weight(t, 0, qtype, raw.reshape(-1))
+            b.layout.set_weight(t, 0, qtype, raw.reshape(-1))
             got = b.bytes_of(t).view(np.uint16).reshape(4, 64)
             if half == DType.F16:
                 np.testing.assert_array_equal(got, want.astype(np.float16).view(np.uint16))
@@ -256,7 +256,7 @@ def test_no_repack_keeps_the_file_layout_and_fuses(model_factory):
         engine = Engine(path, n_threads=1, repack=repack)
         try:
             cpu = engine.backends[0]
-            assert bool(cpu.packed_weights()) == repack and cpu.repack == repack
+            assert bool(cpu.layout.packed_weights()) == repack and cpu.layout.repack == repack
             gate_up = [w for name, w in engine.weights.tensors.items() if "ffn_gate_up" in name or "gate_up" in name]
             assert gate_up, sorted(engine.weights.tensors)[:20]
             assert isinstance(gate_up[0], tuple) == repack
@@ -293,7 +293,7 @@ for line in open("/proc/self/smaps"):
         cur = f[5] if len(f) > 5 else None
     elif line.startswith("Rss:") and cur == sys.argv[1]:
         rss += int(f[1])
-print(rss * 1024, e.backends[0].packed_weights())
+print(rss * 1024, e.backends[0].layout.packed_weights())
 """
 
 
@@ -325,10 +325,10 @@ def test_token_embedding_is_repacked_only_when_the_output_multiplies_by_it(model
         cpu = engine.backends[0]
         embd = engine.weights.tensors["token_embd"]
         assert embd.dtype in (DType.Q4_K, DType.Q6_K) and embd.buffer.mapped
-        entry = cpu._packed.get(id(embd.buffer), (None, {}))[1]
+        entry = cpu.layout._packed.get(id(embd.buffer), (None, {}))[1]
         assert any(key[:2] == (embd.offset, embd.nbytes) for key in entry) == tied  # (offset, size, type, shape)
         assert (engine.weights.tensors["output"] is embd) == tied
-        assert cpu.packed_weights() > 0  # the blocks' matrices are repacked either way
+        assert cpu.layout.packed_weights() > 0  # the blocks' matrices are repacked either way
         assert greedy(engine, engine.tokenizer.encode(PROMPT), 4)
     finally:
         engine.close()

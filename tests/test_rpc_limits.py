@@ -60,7 +60,7 @@ def test_set_tensor_hash_drops_the_repacked_copy(tmp_path):
             g = Graph([node(Op.MUL_MAT, ot, xt, wt)])
             rpc.graph_compute(g)
             before = rpc.get_tensor(ot)
-            assert st.server.devices[0].backend.packed_weights() == 1, "the weight was not repacked"
+            assert st.server.devices[0].backend.layout.packed_weights() == 1, "the weight was not repacked"
             digest = hashlib.sha256(w_new.tobytes()).digest()
             deadline = time.monotonic() + 10
             while not os.path.exists(st.server.cache.path(digest)) and time.monotonic() < deadline:
@@ -175,7 +175,7 @@ def test_repacked_copies_count_against_the_cap_and_one_is_shared_per_weight():
             outs.append((ot, w[:128]))
             rpc.graph_compute(Graph(nodes))
             rpc.synchronize()
-            packed = dev.backend.packed_weights()
+            packed = dev.backend.layout.packed_weights()
             assert 1 <= packed < views, packed
             assert dev.allocated + dev.held <= dev.mem_limit
             for ot, wv in outs:
@@ -197,7 +197,7 @@ def test_repacked_copies_count_against_the_cap_and_one_is_shared_per_weight():
         finally:
             conn.close()
         _still_serves(st)
-        assert dev.held == 0 and dev.backend.packed_weights() == 0
+        assert dev.held == 0 and dev.backend.layout.packed_weights() == 0
 
 
 @needs_x8

@@ -8,7 +8,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from ..backend.base import Backend, Buffer, DType, Tensor, dequantize_f32, nbytes_of
+from ..backend.base import Backend, Buffer, DType, Tensor, nbytes_of
+from ..backend.layout import dequantize_f32
 from ..util.errors import ModelFileError, PyllamaError, UnsupportedOpError
 from ..ir.tensor import FAMILY_OPS, Op
 from .hparams import GEMMA_ARCHS
@@ -158,13 +159,13 @@ class _Part:
 def _parts(infos: list[TensorInfo], backend: Backend, can_map: bool) -> list[_Part]:
     """Groups a logical weight's file tensors (concatenated by rows) into runs the device stores
     in one type: one part when the types agree (the fusion stays whole), else one per run; one
-    part per file tensor for types the device does not fuse (Backend.fuses)."""
-    dtypes = [backend.weight_dtype(i.qtype) for i in infos]
+    part per file tensor for types the device does not fuse (WeightLayout.fuses)."""
+    dtypes = [backend.layout.weight_dtype(i.qtype) for i in infos]
     if len(set(dtypes)) > 1 and not backend.supports(Op.MUL_MAT_CAT):
         dtypes = [DType.F32] * len(infos)  # a device without MUL_MAT_CAT gets the fusion whole, in F32
     parts: list[_Part] = []
     for info, dtype in zip(infos, dtypes):
-        if parts and parts[-1].dtype == dtype and backend.fuses(dtype):
+        if parts and parts[-1].dtype == dtype and backend.layout.fuses(dtype):
             parts[-1].infos.append(info)
         else:
             parts.append(_Part([info], dtype, (), False))
@@ -198,7 +199,7 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
     plan: list[tuple[str, int, int, list[_Part]]] = []
     aliases: dict[str, str] = {}  # a tied output matrix on its embedding's device is stored once
     first_of: dict[tuple[tuple[str, ...], int], str] = {}
-    mapped_bufs: list[Optional[Buffer]] = [b.map_host(model.file.data) if map_weights else None
+    mapped_bufs: list[Optional[Buffer]] = [b.layout.map_host(model.file.data) if map_weights else None
                                            for b in placement.backends]
     sizes: dict[tuple[int, int], int] = {}  # (backend, layer) -> bytes of its buffer
     mapped_sizes = [0] * n_backends
@@ -270,8 +271,9 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
         # layer multiplies by it too (tied): a copy for products would go unused
         lookup_only = {"token_embd"} - set(aliases.values())
         for bi, backend in enumerate(placement.backends):
-            own = backend.prepare_weights([t for lname, tb, _, _ in plan if tb == bi and lname not in lookup_only
-                                           for t in _as_tuple(weights.tensors[lname])])
+            own = backend.layout.prepare_weights([t for lname, tb, _, _ in plan
+                                                  if tb == bi and lname not in lookup_only
+                                                  for t in _as_tuple(weights.tensors[lname])])
             for t in own:  # the device computes on its own copy: the file's pages can go
                 if id(t) in in_file:
                     model.file.release_pages(in_file[id(t)])
@@ -369,7 +371,7 @@ def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
 def _upload(backend: Backend, model: Model, t: Tensor, infos: list[TensorInfo]) -> None:
     """Writes one stored tensor: the file bytes as they are when the device stores the file's type
     (concatenated once when fused), F32 converted on the host (a peer that computes in F32), or
-    each file tensor converted into its rows of the tensor by the device (set_weight)."""
+    each file tensor converted into its rows of the tensor by the device's layout (set_weight)."""
     if all(i.qtype == t.dtype for i in infos):
         backend.set_tensor(t, infos[0].raw if len(infos) == 1 else np.concatenate([i.raw for i in infos]))
         return
@@ -378,7 +380,7 @@ def _upload(backend: Backend, model: Model, t: Tensor, infos: list[TensorInfo]) 
         return
     offset = 0
     for info in infos:
-        backend.set_weight(t, offset, info.qtype, info.raw)
+        backend.layout.set_weight(t, offset, info.qtype, info.raw)
         offset += nbytes_of(t.dtype, info.shape)
 
 

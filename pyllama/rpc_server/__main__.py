@@ -110,7 +110,7 @@ async def serve(args) -> int:
     token = read_token(args.auth_token_file, "--auth-token-file")
     backend = open_device(args.device, args.threads)
     if isinstance(backend, CPUBackend):
-        backend.repack = backend.repack and not args.no_repack
+        backend.layout.repack = backend.layout.repack and not args.no_repack
     try:
         set_compute_threads(args.threads)  # BLAS threads too: idle ones spin and steal the cores
         server = RPCServer(args.host, args.port, backend_factory=lambda: backend,
@@ -142,7 +142,7 @@ async def serve(args) -> int:
         log.info("tracing to %s", traced)
     if isinstance(backend, CPUBackend):
         log.info("quantized weights repacked in groups of 8 rows: %s",
-                 "yes, memory allowing" if backend.repack else "no (--no-repack)")
+                 "yes, memory allowing" if backend.layout.repack else "no (--no-repack)")
     try:
         await stop.wait()
     finally:

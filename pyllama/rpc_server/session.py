@@ -363,7 +363,7 @@ class Session:
             return b"\0"
         # written in place below, past the backend's set_tensor: a repacked copy of a weight there
         # would otherwise stay and the next graph compute with the old bytes
-        dev.backend.drop_weights([view])
+        dev.backend.layout.drop_weights([view])
         if isinstance(dev.backend, CPUBackend):  # straight into the buffer
             found = cache.read_into(digest, memoryview(CPUBackend.bytes_of(view)))
         else:
@@ -478,7 +478,7 @@ class Session:
             dev.backend.graph_compute(stored.graph)
         finally:
             # a graph may write where a weight lies (no real one does): its repacked copy is stale
-            dev.backend.drop_weights(stored.written)
+            dev.backend.layout.drop_weights(stored.written)
 
     def _trim_recent(self) -> None:
         """Forgets the least recently run graphs beyond RECENT_GRAPHS or RECENT_GRAPH_BYTES."""

@@ -15,7 +15,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..obs import trace
-from ..backend.base import Backend, Buffer, DType, Tensor, lost_devices, nbytes_of
+from ..backend.base import Backend, Buffer, DType, Tensor, nbytes_of
+from ..backend.remote import lost_devices
 from .cache_types import cache_type, cache_type_name, check_cache_row
 from ..util.errors import ContextLimitError, PyllamaError
 from ..models.build.llama import SAMPLING_INPUT, build_forward

@@ -13,8 +13,9 @@ import logging
 import weakref
 from typing import Optional, Sequence
 
-from ..backend.base import Backend, DType, lost_devices
+from ..backend.base import Backend, DType
 from ..backend.cpu import CPUBackend, set_compute_threads
+from ..backend.remote import lost_devices, remote_devices
 from .placement.balance import MeasuredSplit, counts_of, measured_split
 from .context import Context
 from .placement.devices import default_split
@@ -51,7 +52,7 @@ class Engine:
         self.backends = list(backends) if backends else [CPUBackend(self.n_threads)]
         for b in self.backends:
             if isinstance(b, CPUBackend):
-                b.repack = b.repack and repack
+                b.layout.repack = b.layout.repack and repack
         # without -ts: llama.cpp's by-free-memory split, or with PYLLAMA_SPLIT_PROBE=1 the devices'
         # timed step costs balanced (balance.py; the output layer counted on the last device)
         self.measured_split: Optional[MeasuredSplit] = None
@@ -148,7 +149,7 @@ class Engine:
         self.placement.layer_backend[:] = layout
         old = self.weights.replace_layers(fresh)
         for b in self.backends:
-            b.drop_weights([t for t in old if t.buffer is not None and t.buffer.backend is b])
+            b.layout.drop_weights([t for t in old if t.buffer is not None and t.buffer.backend is b])
         for ctx, ctx_staged in zip(contexts, staged):
             ctx.commit_kv(ctx_staged)
         log.info("blocks %s moved: %s -> %s (%s)", _span(moved), _split_text(was), _split_text(counts),
@@ -163,7 +164,7 @@ class Engine:
     def reach_lost_devices(self) -> None:
         """Opens a new connection to the peer of every lost device; raises the error of the first
         that cannot be reached yet. Safe while contexts decode: nothing they use changes."""
-        for b in self.backends:
+        for b in remote_devices(self.backends):
             if b.lost():
                 b.reach()
 
@@ -174,7 +175,7 @@ class Engine:
         each sequence went with the peer. Returns the names of the restored devices; raises
         (RPCError) if a peer fails meanwhile, leaving it lost. No context may be in use."""
         restored = []
-        for b in self.backends:
+        for b in remote_devices(self.backends):
             if not b.lost():
                 continue
             try:
@@ -196,7 +197,7 @@ class Engine:
     def disconnect(self) -> None:
         """Drops the connections to every peer: a thread waiting on one gets an error at once.
         For shutting down; the engine cannot compute on its remote devices afterwards."""
-        for b in self.backends:
+        for b in remote_devices(self.backends):
             b.disconnect()
 
     def close(self) -> None:

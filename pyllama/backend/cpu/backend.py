@@ -8,12 +8,8 @@ BLAS. PYLLAMA_CPU_BLAS_ONLY=1 sends every F32 product to BLAS (for A/B runs). Pr
 every other type run on `_fast/qmatmul.pyx` with ggml's arithmetic (activations quantized to the
 weight type's dot-product type), and embedding rows of those types are dequantized when looked up.
 
-Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights with a multiple of 8 rows are also repacked in groups of 8 rows
-(`_fast/csrc/ggml_x8.h`) once loaded (`prepare_weights`; an rpc server's on the first graph that
-multiplies by them); the products then run on that copy, and the loader lets the file's pages of
-a weight read in place go (the bytes stay in the file layout for row lookups and reads, which
-page them in again). A weight in an allocated buffer (an rpc server's) is then held twice.
---no-repack (`repack = False`) or PYLLAMA_CPU_REPACK=0 turn repacking off.
+Quantized weights are also repacked in groups of 8 rows, and the products run on that copy: the
+CPU's weight layout (layout.py, `CPUBackend.layout`) makes, finds and drops those copies.
 
 A graph is bound once (`_prepare`): each node becomes its kernel with its arrays. Where the kernel
 has a C form (the products, norms, GLUs, attention, ADD, GET_ROWS, MOE_FFN: `bind_*` in `_fast`)
@@ -47,13 +43,12 @@ from ..._fast import sampling as k_sampling
 from ..._fast.plan import NativeRun, NativeStep
 from ...ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, Op, check_node, sample_in_cols, sample_out_cols
 from ..base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
+from . import memory
+from .layout import RepackingLayout
 
 _PLAN_CACHE = 256
 _BLAS_ONLY = os.environ.get("PYLLAMA_CPU_BLAS_ONLY", "") not in ("", "0")
 _NATIVE = os.environ.get("PYLLAMA_CPU_NATIVE", "1") not in ("", "0")
-_REPACK = os.environ.get("PYLLAMA_CPU_REPACK", "1") not in ("", "0")
-_REPACK_RESERVE = 512 << 20  # free memory an extra repacked copy must leave (or a tenth of the total)
-_X8_TYPES = frozenset(DType(t) for t in qmatmul.x8_types())
 
 
 def set_compute_threads(n_threads: int) -> int:
@@ -82,24 +77,6 @@ class CPUBuffer(Buffer):
         self.data = raw[start:start + size]
 
 
-def _total_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):  # pragma: no cover
-        return 0
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover
-        pass
-    return _total_memory()
-
-
 # the weight types the CPU computes on as stored: F32 on gemm/BLAS, the rest on qmatmul
 CPU_WEIGHT_TYPES = frozenset({DType.F32}) | frozenset(DType(t) for t in qmatmul.supported_types())
 
@@ -117,17 +94,11 @@ class CPUBackend(Backend):
         self._plans: "OrderedDict[int, list[Callable[[], None]]]" = OrderedDict()
         self._plans_lock = threading.Lock()
         self.allocated = 0
-        # weights repacked in groups of 8 rows: id(buffer) -> (the buffer, {(offset, nbytes, type,
-        # shape): packed array}); the buffer is kept so that its id cannot be reused by another while
-        # listed. Every view of one weight shares its copy; the same bytes as another type or shape
-        # are another weight (their copy is laid out otherwise)
-        self._packed: dict[int, tuple[Buffer, dict[tuple, np.ndarray]]] = {}
-        self.repack = _REPACK
-        self._repack_short = False  # a weight went unrepacked for want of memory (logged once)
-        # what counts memory beyond buffers against a cap (an rpc server's --mem: its Device):
-        # reserve(bytes, what) raises MemoryError past it, release(bytes); None: no cap
+        # what counts memory beyond buffers against a cap (an rpc server's --mem: its Device), the
+        # graphs' working memory here and the layout's repacked copies: reserve(bytes, what) raises
+        # MemoryError past it, release(bytes); None: no cap
         self.budget = None
-        self._charged: dict[int, int] = {}  # id(repacked copy) -> bytes reserved for it
+        self.layout: RepackingLayout = RepackingLayout(self)
 
     # --- buffers -------------------------------------------------------------------------------
     def alloc_buffer(self, size: int, usage: str = "compute") -> Buffer:
@@ -137,113 +108,20 @@ class CPUBackend(Backend):
         self.allocated += size
         return buf
 
-    def map_host(self, data: np.ndarray, usage: str = "weights") -> Buffer:
-        """A buffer over host bytes the caller keeps alive (a model file's memory map): weights
-        placed in it are read where they lie, never copied. Read-only if `data` is."""
-        return CPUBuffer(self, data.size, usage, data.reshape(-1).view(np.uint8))
-
     def free_buffer(self, buffer: Buffer) -> None:
-        self._forget_packed(buffer, 0, buffer.size)
-        self._packed.pop(id(buffer), None)
+        self.layout.forget_buffer(buffer)
         if not buffer.mapped:  # type: ignore[attr-defined]
             self.allocated -= buffer.size
         buffer.data = np.zeros(0, dtype=np.uint8)  # type: ignore[attr-defined]
 
     def clear_buffer(self, buffer: Buffer, value: int = 0) -> None:
-        self._forget_packed(buffer, 0, buffer.size)
+        self.layout.forget(buffer, 0, buffer.size)
         buffer.data.fill(value)  # type: ignore[attr-defined]
 
-    # --- weights repacked in groups of 8 rows ----------------------------------------------------
-    def prepare_weights(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return [t for t in tensors if self._packed_weight(t) is not None]
-
-    def drop_weights(self, tensors: Sequence[Tensor]) -> None:
-        for t in tensors:
-            if t.buffer is not None:
-                self._forget_packed(t.buffer, t.offset, t.offset + t.nbytes)
-
-    def fuses(self, dtype: DType) -> bool:
-        # a repacked weight would be held twice if fused (the fused copy and its repacked copy);
-        # apart, each part is read in place from the file and MUL_MAT_CAT quantizes x once
-        return not (self.repack and dtype in _X8_TYPES)
-
-    def _packed_weight(self, t: Tensor) -> Optional[np.ndarray]:
-        """The repacked copy of weight `t` for the products (made on first use), or None when
-        its type or row count has no repacked kernel. A Mixture-of-Experts tensor [experts, rows,
-        cols] is repacked as its experts' rows one after the other ([experts, rows / 8 groups])."""
-        if not self.repack or t.dtype not in _X8_TYPES or len(t.shape) not in (2, 3) or t.shape[-2] % 8:
-            return None
-        per_buf = self._packed.setdefault(id(t.buffer), (t.buffer, {}))[1]  # type: ignore[arg-type]
-        key = (t.offset, t.nbytes, int(t.dtype), tuple(t.shape))
-        packed = per_buf.get(key)
-        if packed is None:
-            # an rpc server's upload stays where it is; a model's experts, unlike a dense weight, are
-            # not all in memory until repacked (the unchosen ones are never paged in): both need room
-            if (not t.buffer.mapped or len(t.shape) == 3) and not self._room_for(t):  # type: ignore[union-attr]
-                return None
-            if self.budget is not None:
-                try:
-                    self.budget.reserve(t.nbytes, f"repacked copy of {t.name}")
-                except MemoryError as exc:
-                    self._short_of_memory(t, str(exc))
-                    return None
-            try:
-                rows = int(np.prod(t.shape[:-1]))  # an expert's groups of 8 never reach into the next
-                packed = qmatmul.repack_x8(self.bytes_of(t).reshape(rows, -1), int(t.dtype), t.shape[-1])
-            except BaseException:
-                if self.budget is not None:
-                    self.budget.release(t.nbytes)
-                raise
-            if len(t.shape) == 3:
-                packed = packed.reshape(t.shape[0], -1)
-            per_buf[key] = packed
-            if self.budget is not None:
-                self._charged[id(packed)] = t.nbytes
-        return packed
-
-    def _short_of_memory(self, t: Tensor, why: str) -> None:
-        if not self._repack_short:
-            self._repack_short = True
-            logging.getLogger(__name__).warning(
-                "%s: %s; %s and later weights that do not fit run on the file's layout", self.name, why, t.name)
-
-    def _room_for(self, t: Tensor) -> bool:
-        """Whether a repacked copy of weight `t` fits (an rpc server's upload stays where it is, and
-        a model's experts are not all in memory until repacked, so the copy is extra memory): not
-        when it would leave less than a tenth of the machine's memory (at least 512 MiB) free; the
-        weight then runs on the file layout, logged once. A server that holds a model too large for
-        one machine stays within its memory."""
-        if _available_memory() - t.nbytes >= max(_REPACK_RESERVE, _total_memory() // 10):
-            return True
-        if not self._repack_short:
-            self._repack_short = True
-            logging.getLogger(__name__).warning(
-                "%s: not enough free memory to repack %s and later weights into groups of 8 rows (%.0f MiB "
-                "free); they run on the file's layout", self.name, t.name, _available_memory() / 2**20)
-        return False
-
-    def _forget_packed(self, buffer: Buffer, start: int, end: int) -> None:
-        """Bytes [start, end) of `buffer` change: repacked copies of weights there are stale, and
-        so are the plans bound to them."""
-        entry = self._packed.get(id(buffer))
-        if not entry or not entry[1]:
-            return
-        per_buf = entry[1]
-        stale = [key for key in list(per_buf) if key[0] < end and start < key[0] + key[1]]  # a snapshot: a compute may add one
-        if not stale:
-            return
-        for key in stale:
-            packed = per_buf.pop(key, None)
-            charged = self._charged.pop(id(packed), 0) if packed is not None else 0
-            if charged and self.budget is not None:
-                self.budget.release(charged)
+    def forget_plans(self) -> None:
+        """Drops every bound plan (the layout's copies they point at went stale)."""
         with self._plans_lock:
             self._plans.clear()
-
-    def packed_weights(self, buffer: Optional[Buffer] = None) -> int:
-        """How many weights (of `buffer`, or of every buffer) have a repacked copy."""
-        entries = [self._packed.get(id(buffer))] if buffer is not None else list(self._packed.values())
-        return sum(len(e[1]) for e in entries if e)
 
     # --- data ------------------------------------------------------------------------------------
     @staticmethod
@@ -269,8 +147,8 @@ class CPUBackend(Backend):
         src = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if offset < 0 or offset + src.size > tensor.nbytes:
             raise ValueError(f"set_tensor: {src.size} bytes at {offset} overflow {tensor.name} ({tensor.nbytes} B)")
-        if self._packed:
-            self._forget_packed(tensor.buffer, tensor.offset + offset, tensor.offset + offset + src.size)
+        if self.layout.holds_copies():
+            self.layout.forget(tensor.buffer, tensor.offset + offset, tensor.offset + offset + src.size)
         self.bytes_of(tensor)[offset:offset + src.size] = src
 
     def get_tensor(self, tensor: Tensor, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -298,8 +176,8 @@ class CPUBackend(Backend):
     def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
         if not isinstance(src.backend, CPUBackend):
             return False
-        if self._packed:
-            self._forget_packed(dst.buffer, dst.offset, dst.offset + dst.nbytes)
+        if self.layout.holds_copies():
+            self.layout.forget(dst.buffer, dst.offset, dst.offset + dst.nbytes)
         self.bytes_of(dst)[:] = self.bytes_of(src)
         return True
 
@@ -375,13 +253,13 @@ class CPUBackend(Backend):
             elif op == Op.MUL_MAT:
                 bias = s[2] if len(s) == 3 else None
                 steps.append(_mul_mat_step(s[0], s[1], nd.srcs[1].dtype, out, bias, nt,
-                                           self._packed_weight(nd.srcs[1])))
+                                           self.layout.packed(nd.srcs[1])))
             elif op == Op.MUL_MAT_CAT:  # x, the weight parts, an optional bias (checked above)
                 n_parts = int(nd.params[0])
                 parts = nd.srcs[1:1 + n_parts]
                 steps.extend(_mul_mat_cat_steps(s[0], s[1:1 + n_parts], [t.dtype for t in parts], out,
                                                 s[1 + n_parts] if len(s) > 1 + n_parts else None, nt,
-                                                [self._packed_weight(t) for t in parts]))
+                                                [self.layout.packed(t) for t in parts]))
             elif op == Op.ADD:
                 steps.append(_native(kx.bind_add, _bind(np.add, s[0], s[1], out=out), s[0], s[1], out))
             elif op == Op.SWIGLU:
@@ -407,19 +285,15 @@ class CPUBackend(Backend):
             elif op == Op.SAMPLE:
                 steps.append(_bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             elif op == Op.MOE_FFN:
-                steps.extend(_moe_ffn_steps(nd.srcs, s, out, nd.params, nt, self._packed_weight))
+                steps.extend(_moe_ffn_steps(nd.srcs, s, out, nd.params, nt, self.layout.packed))
             else:
                 raise ValueError(f"unknown op {op!r}")
         return steps
 
     # --- information ---------------------------------------------------------------------------
     def device_info(self) -> DeviceInfo:
-        return DeviceInfo(self.name, "cpu", f"CPU ({self.n_threads} threads)", _available_memory(), _total_memory())
-
-    def weight_dtype(self, file_dtype: DType) -> DType:
-        # every type the kernels take stays as the file stores it; anything else (no model file
-        # gets here: Model refuses types outside tensor.WEIGHT_TYPES) would be computed in F32
-        return file_dtype if file_dtype in self.weight_types else DType.F32
+        return DeviceInfo(self.name, "cpu", f"CPU ({self.n_threads} threads)", memory.available_memory(),
+                          memory.total_memory())
 
 
 class _Plan(list):

@@ -4,10 +4,11 @@ What runs where (docs/cuda.md):
 - kernels: cuda_src/*.cu, compiled by nvcc at install time into pyllama/backend/cuda/kernels/
   <name>.fatbin (sm_90 code plus compute_90 PTX) and loaded here with module_from_file;
   matrix products through cuBLAS (cublasGemmEx via ctypes, cublas.py beside this module).
-- weights: quantized (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), F16 and BF16 file tensors are converted on
-  the device at load into one half-precision type (F16, or BF16 with PYLLAMA_CUDA_WEIGHTS=bf16);
-  the other block types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K) are dequantized on the host to that type,
-  so every MUL_MAT is one cuBLAS GEMM with float32 accumulation; F32 tensors stay F32.
+- weights (the device's layout, layout.py): quantized (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), F16 and
+  BF16 file tensors are converted on the device at load into one half-precision type (F16, or
+  BF16 with PYLLAMA_CUDA_WEIGHTS=bf16); the other block types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K) are
+  dequantized on the host to that type, so every MUL_MAT is one cuBLAS GEMM with float32
+  accumulation; F32 tensors stay F32.
   Activations, the KV cache and every op's output are float32.
 - streams: every thread that uses the device gets its own stream, cuBLAS handle and scratch (a
   "lane"): each pipeline group's decode thread, the rpc server's executor. Work is queued on the
@@ -50,6 +51,7 @@ from ...util.errors import PyllamaError
 from ...ir.tensor import AttentionParams, Graph, Op, check_node, sample_in_cols, sample_out_cols
 from . import build as cuda_build
 from ..base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Event, Tensor
+from .layout import DEQUANT_KERNELS, ConvertingLayout
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +70,6 @@ OP_KERNELS: dict[Op, tuple[str, ...]] = {
     Op.SWIGLU: ("swiglu_f32",),
     Op.ATTENTION: ("attn_store", "attn_attend"),
     Op.SAMPLE: ("sample_rows",),
-}
-
-_SRC_NAMES = {DType.Q8_0: "q8_0", DType.Q4_0: "q4_0", DType.Q4_K: "q4_k", DType.Q5_K: "q5_k",
-              DType.Q6_K: "q6_k", DType.F16: "f16", DType.BF16: "bf16", DType.F32: "f32"}
-_DST_NAMES = {DType.F16: "f16", DType.BF16: "bf16"}
-# (file type, device type) -> the load-time conversion kernel
-DEQUANT_KERNELS: dict[tuple[DType, DType], str] = {
-    (src, dst): f"dequant_{s}_{d}" for src, s in _SRC_NAMES.items() for dst, d in _DST_NAMES.items() if src != dst
 }
 
 # Argument layouts (Python struct, native alignment = the kernel parameter layout).
@@ -286,7 +280,7 @@ class CUDABackend(Backend):
             self._blas = CuBLAS()
         except OSError as exc:
             raise CUDAUnavailable(str(exc)) from None
-        self.half = BF16 if os.environ.get("PYLLAMA_CUDA_WEIGHTS", "f16").lower() == "bf16" else F16
+        self.layout: ConvertingLayout = ConvertingLayout(self)
         self._ctx = self._dev.retain_primary_context()
         self._tls = threading.local()
         self._lock = threading.RLock()
@@ -545,13 +539,10 @@ class CUDABackend(Backend):
             lane.release_pinned(pinned)
         return True
 
-    def set_weight(self, tensor: Tensor, offset: int, file_dtype: DType, raw: np.ndarray) -> None:
-        """Converts one file tensor on the device into its rows of `tensor` (F16 or BF16): the raw
-        bytes go up in chunks, a dequant kernel writes the half-precision values."""
-        kname = DEQUANT_KERNELS.get((file_dtype, tensor.dtype))
-        if kname is None:  # a type cuda_src/dequant.cu lacks (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K): on the host
-            super().set_weight(tensor, offset, file_dtype, raw)
-            return
+    def convert_weight(self, tensor: Tensor, offset: int, file_dtype: DType, raw: np.ndarray, kname: str) -> None:
+        """Converts one file tensor on the device into its rows of `tensor` (F16 or BF16) with the
+        dequant kernel `kname` (the layout's set_weight): the raw bytes go up in chunks, the kernel
+        writes the half-precision values."""
         kernel = self._kernels[kname]
         block, type_size = GGML_QUANT_SIZES[file_dtype]
         src = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
@@ -814,7 +805,7 @@ class CUDABackend(Backend):
             event.handle.record(lane.stream)
 
     def event_wait(self, event: Event) -> None:
-        if isinstance(event.backend, CUDABackend):
+        if isinstance(event.stream.backend, CUDABackend):
             if event.handle is None:
                 return  # never recorded: nothing to wait for
             with self._active():
@@ -878,10 +869,6 @@ class CUDABackend(Backend):
 
     def supports(self, op: int) -> bool:
         return op in OP_KERNELS
-
-    def weight_dtype(self, file_dtype: DType) -> DType:
-        # norms and biases are F32 in every file and stay F32; every matrix type becomes the half type
-        return F32 if file_dtype == F32 else self.half
 
     def close(self) -> None:
         if self._closed:

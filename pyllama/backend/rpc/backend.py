@@ -29,6 +29,8 @@ from ...rpc.connection import Connection, RPCError, get_connection
 from ...rpc.protocol import (ALLOC_REP, graph_tables, ALLOC_REQ, DEVICE_INFO, KIND, MAX_DIMS, NAME_LEN, RECOMPUTE, REGION, U32, U64, USAGE,
                             Cap, Cmd, DEVICE_TYPES_HEAD, MAX_DEVICE_TYPES)
 from ..base import Backend, Buffer, DeviceInfo, DType, Tensor
+from ..remote import RemoteDevice
+from .layout import PeerLayout
 
 _KIND_NAMES = {v: k for k, v in KIND.items()}
 
@@ -52,8 +54,7 @@ def tensor_bytes(t: Tensor) -> bytes:
                         t.name.encode()[:NAME_LEN])
 
 
-class RPCBackend(Backend):
-    remote = True
+class RPCBackend(RemoteDevice, Backend):
     # the peer runs every command for a device on that device's one executor, in arrival order
     in_order = True
     compute_async = True
@@ -70,6 +71,7 @@ class RPCBackend(Backend):
         self._peer_types: Optional[tuple[Connection, tuple[frozenset, frozenset]]] = None  # GET_DEVICE_TYPES
         # every buffer allocated here and not freed, to allocate again after a reconnect
         self._buffers: "weakref.WeakValueDictionary[int, RPCBuffer]" = weakref.WeakValueDictionary()
+        self.layout = PeerLayout(self)
         self._use(conn)
 
     def _use(self, conn: Connection) -> None:
@@ -373,22 +375,6 @@ class RPCBackend(Backend):
         if self._kind is None:
             self.device_info()
         return frozenset({DType.F32, DType.F16, DType.BF16}) if self._kind == KIND["cuda"] else frozenset({DType.F32})
-
-    def weight_dtype(self, file_dtype: DType) -> DType:
-        # A peer gets each weight in its file type when it holds that type (the file's bytes go
-        # up as they are: a CPU peer computes on them as the local CPU backend does). Otherwise a
-        # GPU peer takes it in F16, as the local CUDA backend stores it (converted here, on the
-        # host); a CPU peer without DEVICE_TYPES (an older server) computes in F32.
-        held = self.weight_types
-        if file_dtype in held:
-            return file_dtype
-        if DType.F16 in held:
-            return DType.F16
-        if self.peer_types() is None:
-            return DType.F32
-        raise RPCError(f"{self.name}: the RPC server at {self.conn.endpoint} cannot hold {file_dtype.name} weights "
-                       f"(it holds {', '.join(sorted(t.name for t in held))}); run a server that does, or keep "
-                       "these layers on another device")
 
 
 def _known_types(ids) -> list[DType]:

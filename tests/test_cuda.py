@@ -688,6 +688,31 @@ def test_fake_device_groups_on_threads_sample_on_the_device_and_trace(fake_gpu, 
         assert all(b["t0"] >= a["t1"] for a, b in zip(es, es[1:]))
 
 
+def test_fake_device_gives_each_context_a_stream_of_its_own(fake_gpu, f16_model):
+    """Two pipeline groups' contexts used from one thread still compute on two streams (lanes) of
+    their own, not the thread's default one; freeing a context gives its stream back."""
+    from pyllama.backend.cuda import CUDAStream, open_backend  # noqa: PLC0415
+    from pyllama.runtime.context import Batch  # noqa: PLC0415
+    from pyllama.runtime.engine import Engine  # noqa: PLC0415
+    gpu = open_backend("CUDA0")
+    engine = Engine(f16_model, n_threads=1, backends=[gpu])
+    try:
+        prompt = engine.tokenizer.encode("Hello world")
+        a, b = engine.new_context(128, 1), engine.new_context(128, 1)
+        sa, sb = a.sched.streams[0], b.sched.streams[0]
+        assert isinstance(sa, CUDAStream) and sa.lane is None  # nothing held before the first compute
+        la = a.decode(Batch.for_sequence(prompt, 0, 0)).logits.copy()
+        lb = b.decode(Batch.for_sequence(prompt, 0, 0)).logits.copy()
+        np.testing.assert_array_equal(la, lb)
+        own = getattr(gpu._tls, "lane", None)  # the thread's lane (the loader's writes), if any
+        assert sa.lane is not None and sb.lane is not None and len({id(sa.lane), id(sb.lane), id(own)}) == 3
+        assert sa.lane.plans and sb.lane.plans and not (own.plans if own else {})
+        a.free()
+        assert sa.lane is None and sb.lane in gpu._lanes and len(gpu._lanes) == 1 + (own is not None)
+    finally:
+        engine.close()
+
+
 def test_fake_device_reports_bad_indices_at_synchronize(fake_gpu):
     from pyllama.backend.cuda import open_backend  # noqa: PLC0415
     gpu = open_backend("CUDA0")

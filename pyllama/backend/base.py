@@ -3,7 +3,7 @@
 - Device (device.py): what it is and what it runs, asked before anything is placed there;
 - Buffers (buffer.py): its memory, and blocking reads and writes of tensors;
 - Stream (stream.py): a queue of work on it (async I/O, graph compute, events); a Backend is its
-  own default stream;
+  own default stream, and `new_stream()` gives each pipeline group one of its own;
 - `layout`, a WeightLayout (layout.py): how a model's weights are stored on it;
 - RemoteDevice (remote.py), mixed in by a device of another machine: losing its peer, reconnecting.
 
@@ -17,7 +17,7 @@ from ..ir.tensor import NP_DTYPES, Buffer, DType, Tensor, nbytes_of
 from .buffer import Buffers
 from .device import Device, DeviceInfo
 from .layout import WeightLayout
-from .stream import Event, Stream
+from .stream import Event, SharedStream, Stream
 
 __all__ = ["DType", "Buffer", "Tensor", "DeviceInfo", "Backend", "Event", "nbytes_of", "NP_DTYPES"]
 
@@ -30,3 +30,8 @@ class Backend(Device, Buffers, Stream):
     @property
     def backend(self) -> "Backend":
         return self  # as a stream, the backend is its device's default one
+
+    def new_stream(self) -> Stream:
+        """A stream for one pipeline group's work on this device. Here one over the default stream
+        (a SharedStream); a device with queues of its own (a GPU) gives a new one."""
+        return SharedStream(self)

@@ -195,7 +195,16 @@ class Context:
     def _forget(plan: Plan) -> None:
         """Tells the devices that a dropped plan's graphs will not run again."""
         for split in plan.splits:
-            split.backend.forget_graph(split.graph.uid)
+            split.stream.forget_graph(split.graph.uid)
+
+    def forget_plans(self) -> None:
+        """Drops every plan, telling the devices their graphs will not run again."""
+        while self._plans:
+            self._forget(self._plans.popitem()[1])
+
+    def synchronize(self) -> None:
+        """Waits for the work this context queued on every device."""
+        self.sched.synchronize()
 
     def decode(self, batch: Batch, sampling: Optional[np.ndarray] = None,
                sample: Optional[tuple[int, int]] = None, embeddings: bool = False) -> DecodeOutput:
@@ -237,12 +246,12 @@ class Context:
             keys, jobs = [], []
             for u0 in range(0, n, self.n_ubatch):
                 u1 = min(n, u0 + self.n_ubatch)
-                key, job, k, backend = self._ubatch_job(batch, u0, u1, done, sampling, sample, embeddings)
+                key, job, k, stream = self._ubatch_job(batch, u0, u1, done, sampling, sample, embeddings)
                 keys.append(key)
                 jobs.append(job)
                 done += k
-                if backend is not None:
-                    readers.add(backend)
+                if stream is not None:
+                    readers.add(stream)
             self._replan_stale(keys, jobs)
             self.sched.compute_ubatches(jobs)
         except BaseException:
@@ -250,8 +259,8 @@ class Context:
             raise
         t1 = time.perf_counter()
         tr1 = trace.now() if tr0 else 0
-        for backend in readers:  # the reads sent with the graphs complete here
-            backend.synchronize()
+        for stream in readers:  # the reads sent with the graphs complete here
+            stream.synchronize()
         self.last_submit_s, self.last_sync_s = t1 - t0, time.perf_counter() - t1
         if tr0:
             tr2 = trace.now()
@@ -273,16 +282,16 @@ class Context:
         device of the step (the logits of earlier micro-batches, a split's outgoing read). A
         reply left uncollected on a shared RPC connection would stall every other group on it.
         Each wait is bounded by the RPC timeout; an error here is secondary to the one raised."""
-        for backend in self.placement.backends:
+        for stream in self.sched.streams:
             try:
-                backend.synchronize()
+                stream.synchronize()
             except Exception as exc:  # noqa: BLE001 - the step's own error is what the caller gets
-                log.debug("after a failed step, %s: %s", backend.name, exc)
+                log.debug("after a failed step, %s: %s", stream.backend.name, exc)
 
     def _ubatch_job(self, batch: Batch, u0: int, u1: int, out_row: int, sampling: Optional[np.ndarray] = None,
                     sample: Optional[tuple[int, int]] = None, embeddings: bool = False):
         """One micro-batch's job for the scheduler, its cells taken in the KV cache; returns (its
-        plan's key, the job, rows of output it reads, the backend they are read from or None)."""
+        plan's key, the job, rows of output it reads, the stream they are read on or None)."""
         seq, pos = batch.seq_id[u0:u1], batch.pos[u0:u1]
         want = batch.logits[u0:u1]
         n_out = int(want.sum())
@@ -305,7 +314,7 @@ class Context:
             return key, Job(plan, values), 0, None
         if sampled:
             values[SAMPLING_INPUT] = sampling[out_row:out_row + n_out]
-            return key, Job(plan, values, self._sampled[out_row:out_row + n_out]), n_out, plan.output.backend
+            return key, Job(plan, values, self._sampled[out_row:out_row + n_out]), n_out, plan.splits[-1].stream
         out = plan.output
         if not embeddings and u1 - u0 == len(batch) and out is not None and out.backend.host_memory \
                 and out.dtype is DType.F32 and tuple(out.shape) == (n_out, self.hparams.n_vocab):
@@ -315,7 +324,7 @@ class Context:
             self._logits_in_place = out.backend.host_array(out).view(np.float32).reshape(out.shape)
             return key, Job(plan, values), n_out, None
         dest = self._embd if embeddings else self._logits
-        return key, Job(plan, values, dest[out_row:out_row + n_out]), n_out, plan.output.backend
+        return key, Job(plan, values, dest[out_row:out_row + n_out]), n_out, plan.splits[-1].stream
 
     def _replan_stale(self, keys: list[tuple], jobs: list[Job]) -> None:
         """Placing a later micro-batch's plan can grow a compute buffer, which makes the plans
@@ -447,8 +456,7 @@ class Context:
                 old.backend.free_buffer(old)
             except Exception as exc:  # noqa: BLE001 - the cache moved; a peer that lost it frees it anyway
                 log.warning("freeing layer %d's old KV cache on %s: %s", il, old.backend.name, exc)
-        while self._plans:
-            self._forget(self._plans.popitem()[1])
+        self.forget_plans()
         self.sched.generation += 1
         try:
             self._plan(self.n_ubatch, self.n_ubatch)  # compute buffers for the worst case on the new stages

@@ -4,6 +4,8 @@ Like ggml's backend scheduler it never asks what kind of device it holds: a node
 backend of its layer, consecutive nodes of one backend form a split, a tensor produced on one
 backend and read on another is copied once into the consumer's compute buffer, and every
 intermediate tensor gets an offset in its backend's compute buffer by liveness (first fit).
+A scheduler belongs to one context (one pipeline group) and queues all its work, inputs, copies,
+graphs and reads, on a stream of its own on each device (`Backend.new_stream`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 
 from ..obs import trace
 from ..backend.base import Backend, Buffer, Tensor
+from ..backend.stream import Stream
 from ..models.build.llama import ForwardGraph
 from ..models.build.ops import Graph
 from ..models.weights import Placement
@@ -29,6 +32,7 @@ ALIGN = 64
 class Copy:
     src: Tensor
     dst: Tensor
+    producer: Stream  # the stream the source is computed on
     staging: Optional[np.ndarray] = None  # host bytes, when the devices cannot copy directly
     source: bool = False  # the producer copies it (cpy_tensor_from_async), gated by its own event
 
@@ -38,6 +42,7 @@ class Split:
     backend_index: int
     backend: Backend
     graph: Graph
+    stream: Stream  # this scheduler's stream on `backend`
     copies: list[Copy] = field(default_factory=list)  # inputs from other backends, before compute
     outgoing: list[Copy] = field(default_factory=list)  # later copies read back with this split's graph
     # the graph inputs written just before this split: (name, its copy on this backend), at the
@@ -110,6 +115,7 @@ class Scheduler:
         self.placement = placement
         self.backends = placement.backends
         self.buffers: list[Optional[Buffer]] = [None] * len(self.backends)
+        self.streams: list[Stream] = [b.new_stream() for b in self.backends]
         self.generation = 0
         self.dry = dry
         self.peaks = [0] * len(self.backends)
@@ -136,7 +142,7 @@ class Scheduler:
         first_split: dict[int, Split] = {}  # backend index -> its first split
         for nd, bi in zip(fg.nodes, node_backend):
             if not splits or splits[-1].backend_index != bi:
-                splits.append(Split(bi, self.backends[bi], Graph([])))
+                splits.append(Split(bi, self.backends[bi], Graph([]), self.streams[bi]))
                 first_split.setdefault(bi, splits[-1])
             split = splits[-1]
             new_srcs = []
@@ -151,7 +157,7 @@ class Scheduler:
                     new_srcs.append(copy)
                 elif id(src) in produced and produced[id(src)] != bi:
                     copy = Tensor(src.dtype, src.shape, src.name)
-                    split.copies.append(Copy(src, copy))
+                    split.copies.append(Copy(src, copy, self.streams[produced[id(src)]]))
                     local[key] = copy
                     new_srcs.append(copy)
                 else:
@@ -274,7 +280,7 @@ class Scheduler:
                         started[(u, s)] = trace.now()
                     split, values = jobs[u].plan.splits[s], jobs[u].values
                     for name, t in split.inputs:
-                        t.backend.set_tensor(t, values[name])
+                        split.stream.set_tensor_async(t, values[name])
                     self._hand_over(split, u, regions, traced)
                 for u, s in sorted(items, key=lambda it: not jobs[it[0]].plan.splits[it[1]].backend.compute_async):
                     self._run_split(jobs[u], s, u, regions, started.pop((u, s), 0))
@@ -300,14 +306,13 @@ class Scheduler:
     def _hand_over(self, split: Split, u: int, regions: dict, traced: bool) -> None:
         """The split's inputs from other devices: direct copies, or the bytes read with the
         producer's graph (waited for here) written to this device."""
-        dst_backend = split.backend
         for c in split.copies:
             if c.source:
-                self._source_copy(c, dst_backend, traced)
+                self._source_copy(c, split, traced)
             elif c.staging is None:
-                dst_backend.cpy_tensor_async(c.src, c.dst)
+                split.stream.cpy_tensor_async(c.src, c.dst)
             else:
-                self._staged_copy(c, dst_backend, regions.pop((u, id(c)), None), traced)
+                self._staged_copy(c, split, regions.pop((u, id(c)), None), traced)
 
     @staticmethod
     def _run_split(job: Job, i: int, u: int, regions: dict, t_split: int) -> None:
@@ -322,7 +327,7 @@ class Scheduler:
             # the producer's own staging arena when it has one (shared by every group on
             # that connection), else the host bytes this plan set aside
             t_alloc = trace.now() if traced else 0
-            region = c.src.backend.stage_read(c.src)
+            region = c.producer.stage_read(c.src)
             if traced:
                 trace.event("sched", "copy_alloc", t_alloc, trace.now(), backend=c.src.backend.name,
                             subj=c.src.name, nbytes=c.src.nbytes, arena=region is not None,
@@ -332,45 +337,52 @@ class Scheduler:
             reads.append((c.src, region.view if region is not None else c.staging))
         if output is not None and i == len(plan.splits) - 1 and plan.output is not None:
             reads.append((plan.output, output))
-        split.backend.graph_compute(split.graph, reads)
+        split.stream.graph_compute(split.graph, reads)
         if traced:
             trace.event("sched", "split", t_split, trace.now(), backend=split.backend.name,
                         n_inputs=len(split.copies), n_nodes=len(split.graph.nodes), grp=trace.group())
 
     @staticmethod
-    def _source_copy(c: Copy, dst_backend: Backend, traced: bool) -> None:
+    def _source_copy(c: Copy, split: Split, traced: bool) -> None:
         """A copy the producer makes itself: it waits for an event recorded after the bytes left
         its device, never for the producing stream, then writes them to the consumer."""
         t0 = trace.now() if traced else 0
-        if not c.src.backend.cpy_tensor_from_async(c.src, c.dst):
-            raise RuntimeError(f"{c.src.backend.name} declined the copy of {c.src.name} to {dst_backend.name} it "
+        if not c.producer.cpy_tensor_from_async(c.src, c.dst):
+            raise RuntimeError(f"{c.src.backend.name} declined the copy of {c.src.name} to {split.backend.name} it "
                                "said it could make")
         if traced:
-            trace.event("sched", "copy_event", t0, trace.now(), backend=dst_backend.name, subj=c.dst.name,
+            trace.event("sched", "copy_event", t0, trace.now(), backend=split.backend.name, subj=c.dst.name,
                         nbytes=c.dst.nbytes, grp=trace.group())
 
     @staticmethod
-    def _staged_copy(c: Copy, dst_backend: Backend, region, traced: bool) -> None:
+    def _staged_copy(c: Copy, split: Split, region, traced: bool) -> None:
         """Waits for the read sent with the producing graph, writes the bytes to the consumer and
         frees the staging; traced, as its two halves (waiting for the read, the write)."""
         t0 = trace.now() if traced else 0
         try:
-            c.src.backend.synchronize()
+            c.producer.synchronize()
             t1 = trace.now() if traced else 0
-            dst_backend.set_tensor_async(c.dst, region.view if region is not None else c.staging)
+            split.stream.set_tensor_async(c.dst, region.view if region is not None else c.staging)
         finally:
             if region is not None:
                 region.release()  # set_tensor_async of a host-synchronous device has taken the bytes
         if traced:
             t2 = trace.now()
-            fields = dict(backend=dst_backend.name, subj=c.dst.name, nbytes=c.dst.nbytes, grp=trace.group())
+            fields = dict(backend=split.backend.name, subj=c.dst.name, nbytes=c.dst.nbytes, grp=trace.group())
             trace.event("sched", "copy_read", t0, t1, **fields)
             trace.event("sched", "copy_send", t1, t2, **fields)
             trace.event("sched", "copy_stage", t0, t2, **fields)
 
+
+    def synchronize(self) -> None:
+        """Waits for everything queued on this scheduler's streams."""
+        for stream in self.streams:
+            stream.synchronize()
 
     def free(self) -> None:
         for bi, buf in enumerate(self.buffers):
             if buf is not None:
                 self.backends[bi].free_buffer(buf)
                 self.buffers[bi] = None
+        for stream in self.streams:
+            stream.release()

@@ -10,17 +10,19 @@ What runs where (docs/cuda.md):
   dequantized on the host to that type, so every MUL_MAT is one cuBLAS GEMM with float32
   accumulation; F32 tensors stay F32.
   Activations, the KV cache and every op's output are float32.
-- streams: every thread that uses the device gets its own stream, cuBLAS handle and scratch (a
-  "lane"): each pipeline group's decode thread, the rpc server's executor. Work is queued on the
-  calling thread's stream and nothing waits for the GPU unless the interface asks: graph_compute
-  and the *_async calls return at once, synchronize() waits for the caller's stream, blocking
-  set_tensor / get_tensor complete before returning (a write into a compute buffer only needs
-  its bytes taken: the driver stages pageable memory before the call returns).
+- streams: each queue of work has its own CUDA stream, cuBLAS handle and scratch (a "lane"):
+  every stream of `new_stream()` (CUDAStream: each pipeline group's context computes on one) and,
+  for calls made on the backend itself (its default stream), every thread that makes them (the
+  loader, the rpc server's executors). Nothing waits for the GPU unless the interface asks:
+  graph_compute and the *_async calls return at once, synchronize() waits for that stream,
+  blocking set_tensor / get_tensor complete before returning (a write into a compute buffer only
+  needs its bytes taken: the driver stages pageable memory before the call returns). Work of two
+  lanes on one buffer is ordered on the GPU by events (`_order`).
 - reads queued with a graph (`reads`) or get_tensor_async go to pinned staging on the stream and
   land in the caller's arrays at synchronize(). A hidden state bound for a peer (cpy_tensor_from_async)
   goes to pinned staging too, and is sent once an event recorded after it completes: the producing
   stream is never synchronized for it.
-- events: real CUDA events; event_wait makes this thread's stream wait on the GPU, not the host.
+- events: real CUDA events; event_wait makes the waiting stream wait on the GPU, not the host.
 - tracing (docs/tracing.md, `dev` spans): CUDA events recorded around each graph compute; their times are put
   on the host's monotonic microsecond scale through an anchor event recorded when the stream
   goes from idle to busy (so the anchor's GPU time is the host time of its recording within a
@@ -35,6 +37,7 @@ CUDAUnavailable error with what to do about it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import struct
@@ -51,6 +54,7 @@ from ...util.errors import PyllamaError
 from ...ir.tensor import AttentionParams, Graph, Op, check_node, sample_in_cols, sample_out_cols
 from . import build as cuda_build
 from ..base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Event, Tensor
+from ..stream import Stream
 from .layout import DEQUANT_KERNELS, ConvertingLayout
 
 log = logging.getLogger(__name__)
@@ -194,8 +198,9 @@ class _Plan:
 
 
 class _Lane:
-    """What one thread uses of the device: stream, cuBLAS handle, scratch, error word, reads in
-    flight, pinned staging, bound plans and trace state."""
+    """What one queue of work uses of the device (a CUDAStream's, or a thread's on the default
+    stream): stream, cuBLAS handle, scratch, error word, reads in flight, pinned staging, bound
+    plans and trace state."""
 
     def __init__(self, backend: "CUDABackend", index: int):
         drv = self._drv = backend._drv
@@ -285,6 +290,7 @@ class CUDABackend(Backend):
         self._tls = threading.local()
         self._lock = threading.RLock()
         self._lanes: list[_Lane] = []
+        self._lane_ids = itertools.count()  # a lane's number names its row in a trace
         self._closed = False
         self.allocated = 0
         with self._active():
@@ -313,14 +319,42 @@ class CUDABackend(Backend):
         finally:
             self._drv.Context.pop()
 
-    def _lane(self) -> _Lane:
+    def _lane(self, stream: Optional["CUDAStream"] = None) -> _Lane:
+        """The lane work goes to: `stream`'s, or on the default stream (None) the calling thread's.
+        Made on first use, with the context active (it allocates on the device)."""
+        if stream is not None:
+            with self._lock:
+                if stream.lane is None:
+                    stream.lane = self._new_lane()
+                return stream.lane
         lane = getattr(self._tls, "lane", None)
         if lane is None:
             with self._lock:
-                lane = _Lane(self, len(self._lanes))
-                self._lanes.append(lane)
+                lane = self._new_lane()
             self._tls.lane = lane
         return lane
+
+    def _new_lane(self) -> _Lane:
+        lane = _Lane(self, next(self._lane_ids))
+        self._lanes.append(lane)
+        return lane
+
+    def _free_lane(self, lane: _Lane) -> None:
+        """Waits for the lane's work and frees what it holds (called with the context active)."""
+        try:
+            lane.stream.synchronize()
+            self._blas.destroy(lane.blas)
+            for a in (lane.scratch, lane.staging, lane.err_dev):
+                if a is not None:
+                    a.free()
+        except Exception as exc:  # noqa: BLE001 - freeing must release what it can
+            log.warning("%s: closing stream %d: %s", self.name, lane.index, exc)
+        lane.idle = True  # buffers that name it as their last user need not wait for it
+        lane.plans.clear()
+        lane.spans.clear()
+
+    def new_stream(self) -> "CUDAStream":
+        return CUDAStream(self)
 
     def _begin(self, lane: _Lane) -> None:
         """Called before queueing work: an idle stream gets a fresh trace anchor."""
@@ -419,6 +453,9 @@ class CUDABackend(Backend):
 
     # --- data ----------------------------------------------------------------------------------
     def set_tensor(self, tensor: Tensor, data: np.ndarray, offset: int = 0) -> None:
+        self._write(None, tensor, data, offset)
+
+    def _write(self, stream: Optional["CUDAStream"], tensor: Tensor, data: np.ndarray, offset: int) -> None:
         src = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if offset < 0 or offset + src.size > tensor.nbytes:
             raise ValueError(f"set_tensor: {src.size} bytes at {offset} overflow {tensor.name} ({tensor.nbytes} B)")
@@ -426,7 +463,7 @@ class CUDABackend(Backend):
         if src.size == 0:
             return
         with self._active():
-            lane = self._lane()
+            lane = self._lane(stream)
             self._begin(lane)
             self._order(lane, (buf,))
             # pageable source: the driver has copied it to its own staging when this returns
@@ -455,9 +492,12 @@ class CUDABackend(Backend):
         return out
 
     def get_tensor_async(self, tensor: Tensor, out: np.ndarray) -> None:
+        self._read(None, tensor, out)
+
+    def _read(self, stream: Optional["CUDAStream"], tensor: Tensor, out: np.ndarray) -> None:
         buf = self._buf(tensor)
         with self._active():
-            lane = self._lane()
+            lane = self._lane(stream)
             self._begin(lane)
             self._order(lane, (buf,))
             self._read_async(lane, tensor, out)
@@ -475,12 +515,15 @@ class CUDABackend(Backend):
         return src is self or src.host_memory
 
     def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
+        return self._copy(None, src, dst)
+
+    def _copy(self, stream: Optional["CUDAStream"], src: Tensor, dst: Tensor) -> bool:
         if src.nbytes != dst.nbytes:
             raise ValueError(f"copy {src.name} -> {dst.name}: {src.nbytes} B into {dst.nbytes} B")
         sb = src.backend
         if sb is self:
             with self._active():
-                lane = self._lane()
+                lane = self._lane(stream)
                 self._begin(lane)
                 self._order(lane, (self._buf(src), self._buf(dst)))
                 if src.nbytes:
@@ -490,7 +533,7 @@ class CUDABackend(Backend):
         if host is None:
             return False
         # a host-memory producer has finished when its graph_compute returned
-        self.set_tensor_async(dst, host)
+        self._write(stream, dst, host, 0)
         return True
 
     def can_copy_to(self, dst: Backend) -> bool:
@@ -499,6 +542,9 @@ class CUDABackend(Backend):
         return dst.remote
 
     def cpy_tensor_from_async(self, src: Tensor, dst: Tensor) -> bool:
+        return self._copy_out(None, src, dst)
+
+    def _copy_out(self, stream: Optional["CUDAStream"], src: Tensor, dst: Tensor) -> bool:
         """Source side of a copy to a remote device (a peer, which cannot read this memory): the
         bytes go to pinned staging on the producing stream, the host waits for an event recorded
         right after them, and the peer is sent them. The stream is never synchronized: work queued
@@ -510,7 +556,7 @@ class CUDABackend(Backend):
         if src.nbytes != dst.nbytes:
             raise ValueError(f"copy {src.name} -> {dst.name}: {src.nbytes} B into {dst.nbytes} B")
         with self._active():
-            lane = self._lane()
+            lane = self._lane(stream)
             self._begin(lane)
             self._order(lane, (self._buf(src),))
             pinned = lane.pinned(max(src.nbytes, 1))
@@ -521,8 +567,9 @@ class CUDABackend(Backend):
                 lane.copy_done = self._drv.Event(self._drv.event_flags.DISABLE_TIMING)
             lane.copy_done.record(lane.stream)
             lane.copy_done.synchronize()  # this copy, not the stream
-            # only this thread queues on its lane, and nothing came after the event: the stream is
-            # idle now, so the next work gets a fresh trace anchor (reads still land at synchronize)
+            # one thread queues on a lane (its own, or the one of the stream it computes on), and
+            # nothing came after the event: the stream is idle now, so the next work gets a fresh
+            # trace anchor (reads still land at synchronize)
             lane.idle = True
             lane.anchor = None
             if lane.spans:
@@ -570,8 +617,12 @@ class CUDABackend(Backend):
 
     # --- compute -------------------------------------------------------------------------------
     def graph_compute(self, graph: Graph, reads: Sequence[tuple[Tensor, np.ndarray]] = ()) -> None:
+        self._compute(None, graph, reads)
+
+    def _compute(self, stream: Optional["CUDAStream"], graph: Graph,
+                 reads: Sequence[tuple[Tensor, np.ndarray]]) -> None:
         with self._active():
-            lane = self._lane()
+            lane = self._lane(stream)
             with self._lock:
                 plan = lane.plans.get(graph.uid)
                 if plan is not None:
@@ -602,9 +653,11 @@ class CUDABackend(Backend):
                 self._read_async(lane, t, out)
 
     def synchronize(self) -> None:
-        lane = getattr(self._tls, "lane", None)
+        self._sync(getattr(self._tls, "lane", None))
+
+    def _sync(self, lane: Optional[_Lane]) -> None:
         if lane is None:
-            return  # this thread never queued anything here
+            return  # nothing was ever queued there
         with self._active():
             self._finish(lane)
 
@@ -798,22 +851,28 @@ class CUDABackend(Backend):
 
     # --- events --------------------------------------------------------------------------------
     def event_record(self, event: Event) -> None:
+        self._record(None, event)
+
+    def _record(self, stream: Optional["CUDAStream"], event: Event) -> None:
         with self._active():
-            lane = self._lane()
+            lane = self._lane(stream)
             if event.handle is None:
                 event.handle = self._drv.Event(self._drv.event_flags.DISABLE_TIMING)
             event.handle.record(lane.stream)
 
     def event_wait(self, event: Event) -> None:
+        self._wait(None, event)
+
+    def _wait(self, stream: Optional["CUDAStream"], event: Event) -> None:
         if isinstance(event.stream.backend, CUDABackend):
             if event.handle is None:
                 return  # never recorded: nothing to wait for
             with self._active():
-                lane = self._lane()
+                lane = self._lane(stream)
                 self._begin(lane)
                 lane.stream.wait_for_event(event.handle)  # the GPU waits, not the host
             return
-        super().event_wait(event)
+        event.stream.event_synchronize(event)
 
     def event_synchronize(self, event: Event) -> None:
         if event.handle is not None:
@@ -822,12 +881,15 @@ class CUDABackend(Backend):
 
     # --- tracing -------------------------------------------------------------------------------
     def trace_mark(self) -> None:
-        """Anchors the calling thread's stream to the host clock now if it is idle (the next
-        work then needs no anchor of its own)."""
+        self._mark(None)
+
+    def _mark(self, stream: Optional["CUDAStream"]) -> None:
+        """Anchors the stream to the host clock now if it is idle (the next work then needs no
+        anchor of its own)."""
         if not trace.enabled:
             return
         with self._active():
-            self._begin(self._lane())
+            self._begin(self._lane(stream))
 
     def trace_poll(self) -> list[dict[str, Any]]:
         """Emits the spans of completed graph computes of every stream (never waits)."""
@@ -877,16 +939,7 @@ class CUDABackend(Backend):
             with self._lock:
                 lanes, self._lanes = self._lanes, []
             for lane in lanes:
-                try:
-                    lane.stream.synchronize()
-                    self._blas.destroy(lane.blas)
-                    for a in (lane.scratch, lane.staging, lane.err_dev):
-                        if a is not None:
-                            a.free()
-                except Exception as exc:  # noqa: BLE001 - closing must release what it can
-                    log.warning("%s: closing stream %d: %s", self.name, lane.index, exc)
-                lane.plans.clear()
-                lane.spans.clear()
+                self._free_lane(lane)
             self._modules = []
             self._kernels = {}
         self._closed = True
@@ -894,6 +947,69 @@ class CUDABackend(Backend):
         if self.allocated == 0:
             # buffers still alive free themselves later and need the context until then
             self._ctx.detach()
+
+
+class CUDAStream(Stream):
+    """A queue of work of its own on the device (`CUDABackend.new_stream`: a pipeline group's
+    context computes on one): its lane is made on first use, so a context planned on paper holds
+    nothing on the device, and given back by release()."""
+
+    def __init__(self, backend: CUDABackend):
+        self._backend = backend
+        self.lane: Optional[_Lane] = None
+
+    @property
+    def backend(self) -> CUDABackend:
+        return self._backend
+
+    def set_tensor_async(self, tensor: Tensor, data: np.ndarray, offset: int = 0) -> None:
+        self._backend._write(self, tensor, data, offset)
+
+    def get_tensor_async(self, tensor: Tensor, out: np.ndarray) -> None:
+        self._backend._read(self, tensor, out)
+
+    def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
+        return self._backend._copy(self, src, dst)
+
+    def cpy_tensor_from_async(self, src: Tensor, dst: Tensor) -> bool:
+        return self._backend._copy_out(self, src, dst)
+
+    def graph_compute(self, graph: Graph, reads: Sequence[tuple[Tensor, np.ndarray]] = ()) -> None:
+        self._backend._compute(self, graph, reads)
+
+    def synchronize(self) -> None:
+        self._backend._sync(self.lane)
+
+    def forget_graph(self, uid: int) -> None:
+        lane = self.lane
+        if lane is not None:
+            with self._backend._lock:
+                lane.plans.pop(uid, None)
+
+    def event_record(self, event: Event) -> None:
+        self._backend._record(self, event)
+
+    def event_wait(self, event: Event) -> None:
+        self._backend._wait(self, event)
+
+    def event_synchronize(self, event: Event) -> None:
+        self._backend.event_synchronize(event)
+
+    def trace_mark(self) -> None:
+        self._backend._mark(self)
+
+    def trace_poll(self) -> list[dict[str, Any]]:
+        return self._backend.trace_poll()
+
+    def release(self) -> None:
+        backend = self._backend
+        with backend._lock:
+            lane, self.lane = self.lane, None
+            if lane is None or lane not in backend._lanes:  # never used, or the device closed
+                return
+            backend._lanes.remove(lane)
+        with backend._active():
+            backend._free_lane(lane)
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -944,5 +1060,5 @@ def _warn_if_stale(kdir: Path) -> None:
                     "(pip install -e '.[cuda]')", kdir, SOURCE_DIR)
 
 
-__all__ = ["CUDABackend", "CUDABuffer", "CUDAUnavailable", "DEQUANT_KERNELS", "MODULES", "OP_KERNELS",
+__all__ = ["CUDABackend", "CUDABuffer", "CUDAStream", "CUDAUnavailable", "DEQUANT_KERNELS", "MODULES", "OP_KERNELS",
            "device_count", "kernel_dir", "open_backend"]

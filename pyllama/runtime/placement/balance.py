@@ -156,14 +156,6 @@ def _view(model, n_layer: int):
     return v
 
 
-def _forget_plans(ctx) -> None:
-    """Tells the device that the probe's graphs will not run again (an rpc server keeps them)."""
-    for plan in list(ctx._plans.values()):
-        for split in plan.splits:
-            split.backend.forget_graph(split.graph.uid)
-    ctx._plans.clear()
-
-
 def probe_device(model, backend: Backend, last: bool, map_weights: bool = True, batch: int = PROBE_BATCH,
                  prompt: int = PROBE_PROMPT, steps: int = PROBE_STEPS) -> StageCost:
     """Times decode steps of `batch` rows on `backend` alone (see the module docstring)."""
@@ -204,12 +196,12 @@ def probe_device(model, backend: Backend, last: bool, map_weights: bool = True, 
                     pos[ci] += 1
                     t0 = time.perf_counter()
                     ctx.decode(b, embeddings=not logits)
-                    backend.synchronize()
+                    ctx.synchronize()
                     if r:  # the first round builds and sends the graphs
                         times[(ci, logits)].append((time.perf_counter() - t0) * 1e3)
         finally:
             for ctx in contexts:
-                _forget_plans(ctx)
+                ctx.forget_plans()  # what the device bound for the probe's graphs goes now
                 ctx.free()
             if weights is not None:
                 weights.free()

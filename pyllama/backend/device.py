@@ -57,7 +57,8 @@ class Device(ABC):
 
     def supports_node(self, node: Node) -> bool:
         """Whether this device runs `node`: its op, and what its parameters ask of it (ATTENTION's
-        extensions need the dense families' ops, FAMILY_OPS)."""
+        extensions need the dense families' ops, FAMILY_OPS). A model's load asks this of every
+        node of its graph (models/weights.py, check_placement), the scheduler of every plan's."""
         if not self.supports(node.op):
             return False
         return not family_node(node.op, node.params, len(node.srcs)) or all(self.supports(op) for op in FAMILY_OPS)

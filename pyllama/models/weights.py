@@ -11,8 +11,8 @@ import numpy as np
 from ..backend.base import Backend, Buffer, DType, Tensor, nbytes_of
 from ..backend.layout import dequantize_f32
 from ..util.errors import ModelFileError, PyllamaError, UnsupportedOpError
-from ..ir.tensor import FAMILY_OPS, Op
-from .hparams import GEMMA_ARCHS
+from ..ir.tensor import FAMILY_OPS, Node, Op, family_node
+from .build.llama import build_forward
 from .model import Model
 from .gguf_file import TensorInfo
 
@@ -194,7 +194,7 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
     layers: only the weights of these layers (-1 the embedding, n_layer the output layer).
     """
     hp = model.hparams
-    _check_ops(model, placement)
+    check_placement(model, placement)
     n_backends = len(placement.backends)
     plan: list[tuple[str, int, int, list[_Part]]] = []
     aliases: dict[str, str] = {}  # a tied output matrix on its embedding's device is stored once
@@ -203,16 +203,12 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
                                            for b in placement.backends]
     sizes: dict[tuple[int, int], int] = {}  # (backend, layer) -> bytes of its buffer
     mapped_sizes = [0] * n_backends
-    computed = computed_weights(model)
-    logical = model.logical_weights()
-    logical.update({lname: ([info.name], layer) for lname, (info, layer) in computed.items()})
-    by_name = {info.name: info for info, _ in computed.values()}
-    for lname, (fnames, layer) in logical.items():
+    logical = _logical_weights(model)
+    for lname, (infos, layer) in logical.items():
         if layers is not None and layer not in layers:
             continue
-        infos = [by_name[f] if f in by_name else model.file.tensors[f] for f in fnames]
         bi = placement.backend_of_layer(layer)
-        key = (tuple(fnames), bi)
+        key = (tuple(i.name for i in infos), bi)
         if key in first_of:
             aliases[lname] = first_of[key]
             continue
@@ -289,40 +285,89 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
     return weights
 
 
+def _logical_weights(model: Model) -> dict[str, tuple[list[TensorInfo], int]]:
+    """Every logical weight: its file tensors (or the ones computed at load) in row order, and
+    its layer."""
+    computed = computed_weights(model)
+    out = {lname: ([model.file.tensors[f] for f in fnames], layer)
+           for lname, (fnames, layer) in model.logical_weights().items()}
+    out.update({lname: ([info], layer) for lname, (info, layer) in computed.items()})
+    return out
+
+
 def _as_tuple(t: "Tensor | tuple[Tensor, ...]") -> tuple[Tensor, ...]:
     return t if isinstance(t, tuple) else (t,)
 
 
-def _needed_ops(model: Model) -> list[tuple[tuple[Op, ...], bool, str]]:
-    """The ops beyond the llama layer's that the model's graph holds: (ops, whether the output
-    layer needs them too, what needs them)."""
+# What a refused node does, for the one line that names it
+_NODE_WHAT = {Op.GET_ROWS: "row lookup", Op.RMS_NORM: "RMS norm", Op.MUL_MAT: "matrix product", Op.ADD: "addition",
+              Op.SWIGLU: "SwiGLU FFN", Op.ATTENTION: "attention", Op.SAMPLE: "sampling",
+              Op.MUL_MAT_CAT: "product over weight parts of mixed types", Op.MOE_FFN: "Mixture-of-Experts FFN",
+              Op.GEGLU: "GeGLU FFN", Op.SCALE: "embedding scale", Op.SOFTCAP: "logit soft-capping"}
+
+
+def check_placement(model: Model, placement: Placement) -> None:
+    """Refuses a placement that gives a device a node it cannot run, before anything is allocated:
+    the model's graph is built for a small batch over placeholder tensors (each weight in the
+    type and parts its device would store it in; the KV cache in F32, which every device holds),
+    and each node's device is asked about it (Device.supports_node, which reads the node's op and
+    typed parameters). UnsupportedOpError names the device (and the rpc server's address), what
+    the refused nodes do, the ops the device lacks for them, and their layers."""
     hp = model.hparams
-    needs = []
-    if hp.is_moe:
-        needs.append(((Op.MOE_FFN,), False, f"{hp.arch}'s Mixture-of-Experts layers"))
-    if (hp.arch in GEMMA_ARCHS or hp.rope_scaling != "none" or hp.n_swa > 0
-            or "rope_freqs.weight" in model.file.tensors):
-        needs.append((FAMILY_OPS, True,
-                      f"{hp.arch} (with its soft-capping, sliding window, RoPE scaling or GeGLU)"))
-    return needs
+    paper = Weights()
+    for lname, (infos, layer) in _logical_weights(model).items():
+        parts = _parts(infos, placement.backends[placement.backend_of_layer(layer)], can_map=False)
+        stored = tuple(Tensor(p.dtype, p.shape, lname if len(parts) == 1 else f"{lname}.{k}")
+                       for k, p in enumerate(parts))
+        paper.tensors[lname] = stored[0] if len(stored) == 1 else stored
+    kv = [(Tensor(DType.F32, (1, hp.n_embd_kv), f"cache_k_l{il}"), Tensor(DType.F32, (1, hp.n_embd_kv), f"cache_v_l{il}"))
+          for il in range(hp.n_layer)]
+    # two tokens of which one wants logits: the output rows are selected, as in any prompt
+    graph = build_forward(hp, paper, kv, n_tokens=2, n_outputs=1, n_cells_listed=2)
+    refused: dict[int, list[Node]] = {}
+    for nd in graph.nodes:
+        bi = placement.backend_of_layer(nd.layer)
+        if not placement.backends[bi].supports_node(nd):
+            refused.setdefault(bi, []).append(nd)
+    for bi, nodes in refused.items():
+        backend = placement.backends[bi]
+        what, lacks = {}, {}
+        for nd in nodes:
+            what.setdefault(_what(nd), None)
+            for op in _lacking(backend, nd):
+                lacks.setdefault(op.name, None)
+        where = getattr(getattr(backend, "conn", None), "endpoint", None)
+        layers = _layers_text(sorted({nd.layer for nd in nodes}), hp.n_layer)
+        raise UnsupportedOpError(
+            f"{model.name}: the {', '.join(what)} of {layers} cannot run on {backend.name}"
+            f"{f' (the RPC server at {where}; update that server)' if where else ''}, which lacks "
+            f"{', '.join(lacks)}; keep {layers} on a device that has them (the CPU)")
 
 
-def _check_ops(model: Model, placement: Placement) -> None:
-    """Refuses at load, naming the device (and the rpc server's address), a placement that gives
-    layers to a device without the ops they need: the CUDA backend has none of MOE_FFN, GEGLU,
-    SCALE, SOFTCAP or ATTENTION's extensions; an rpc server runs them only when it says so."""
-    for ops, with_output, what in _needed_ops(model):
-        for bi, backend in enumerate(placement.backends):
-            layers = [i for i, x in enumerate(placement.layer_backend) if x == bi]
-            if with_output and bi == placement.output_backend:
-                layers.append(model.hparams.n_layer)
-            missing = [op.name for op in ops if not backend.supports(op)]
-            if layers and missing:
-                where = getattr(getattr(backend, "conn", None), "endpoint", None)
-                raise UnsupportedOpError(
-                    f"{model.name}: {what} cannot run on {backend.name}"
-                    f"{f' (the RPC server at {where}; update that server)' if where else ''}, which lacks "
-                    f"{', '.join(missing)}; keep layers {layers[0]}-{layers[-1]} on a device that has them (the CPU)")
+def _what(nd: Node) -> str:
+    """e.g. 'GeGLU FFN (GEGLU)', 'attention with soft-capping, a sliding window or scaled RoPE (ATTENTION)'."""
+    what = _NODE_WHAT.get(nd.op, "node")
+    if nd.op == Op.ATTENTION and family_node(nd.op, nd.params, len(nd.srcs)):
+        what += " with soft-capping, a sliding window or scaled RoPE"
+    return f"{what} ({nd.op.name})"
+
+
+def _lacking(backend: Backend, nd: Node) -> list[Op]:
+    """The ops `backend` lacks for node `nd`: its own, and for a node of the dense families'
+    extensions those ops (FAMILY_OPS); the node's op when the device refuses it otherwise."""
+    wanted = [nd.op] + (list(FAMILY_OPS) if family_node(nd.op, nd.params, len(nd.srcs)) else [])
+    return [op for op in dict.fromkeys(wanted) if not backend.supports(op)] or [nd.op]
+
+
+def _layers_text(layers: Sequence[int], n_layer: int) -> str:
+    """e.g. 'the embedding, layers 0-5 and the output layer' (-1 the embedding, n_layer the output)."""
+    blocks = [il for il in layers if 0 <= il < n_layer]
+    parts = ["the embedding"] if -1 in layers else []
+    if blocks:
+        parts.append(f"layers {blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else f"layer {blocks[0]}")
+    if n_layer in layers:
+        parts.append("the output layer")
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def rope_factors(model: Model, base: float) -> Optional[np.ndarray]:

@@ -124,8 +124,9 @@ class Scheduler:
     def plan(self, fg: ForwardGraph) -> Plan:
         nb = len(self.backends)
         node_backend = [self.placement.backend_of_layer(nd.layer) for nd in fg.nodes]
-        # the placement as the graph has it: each device is asked about each node it gets (the
-        # load's check reads the model's kind; this one the nodes themselves, once per plan)
+        # each device is asked about each node it gets, once per plan: the load asked about the
+        # graph of a small batch (models/weights.py, check_placement), and a plan's graph may
+        # hold what that one did not (a SAMPLE node)
         for nd, bi in zip(fg.nodes, node_backend):
             if not self.backends[bi].supports_node(nd):
                 raise UnsupportedOpError(

@@ -11,14 +11,16 @@ its output is handed to MOE_FFN, which adds it, gated by sigmoid(x . ffn_gate_in
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..hparams import HParams
 from ...ir.tensor import Op, Tensor
-from ..weights import Weights
+
+if TYPE_CHECKING:  # the loader builds a graph to check a placement, so it imports this module
+    from ..weights import Weights
 
 
-def build_moe_ffn(add: Callable[..., Tensor], mul_mat: Callable[..., Tensor], hp: HParams, w: Weights,
+def build_moe_ffn(add: Callable[..., Tensor], mul_mat: Callable[..., Tensor], hp: HParams, w: "Weights",
                   il: int, h: Tensor) -> Tensor:
     """The FFN output [rows, n_embd] of layer `il` for its normed input `h` [rows, n_embd].
 

@@ -22,7 +22,7 @@ def _step(probe: step_probe.StepProbe, sampled: bool = True) -> None:
     if sampled:
         probe.sampling()
         probe.sampled(mask_wait_s=1e-6, mask_apply_s=2e-6)
-    probe.post_done(detok_s=3e-6, stop_s=4e-6)
+    probe.post_done([SimpleNamespace(t_detok=1e-6, t_stop=4e-6), SimpleNamespace(t_detok=2e-6, t_stop=0.0)])
     probe.sending()
     probe.end(lock_wait_s=0.125)
 

@@ -111,9 +111,7 @@ class BatchCore:
                 constrained = self.post.emit(rows, self.runner.sample(out, rows))
                 self.runner.request_masks(constrained)
         self.metrics.on_tokens(max(slot.n_past for slot in self.slots))
-        self.probe.post_done(sum(s.t_detok for s in rows), sum(s.t_stop for s in rows))
-        for s in rows:
-            s.t_detok = s.t_stop = 0.0
+        self.probe.post_done(rows)
         return True
 
     def finish(self, slot: Slot, final: Optional[FinalEvent]) -> None:

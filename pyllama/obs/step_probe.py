@@ -9,7 +9,7 @@ went out.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from . import pipe_prof, trace
 from .steps import StepLog
@@ -61,10 +61,16 @@ class StepProbe:
         self.t_sampled = _now()
         self.mask_wait_s, self.mask_apply_s = mask_wait_s, mask_apply_s
 
-    def post_done(self, detok_s: float, stop_s: float) -> None:
-        """The samples became events (detokenizing and stop-string matching took this much)."""
+    def post_done(self, rows: Sequence[Any]) -> None:
+        """The samples of `rows` (slots) became events. With the profile on, their detokenizing
+        and stop-string times (each slot's t_detok, t_stop) are taken and reset; otherwise they
+        are left alone, since nothing reads them."""
         self.t_post = _now()
-        self.detok_s, self.stop_s = detok_s, stop_s
+        if self.prof is not None:
+            self.detok_s = sum(r.t_detok for r in rows)
+            self.stop_s = sum(r.t_stop for r in rows)
+            for r in rows:
+                r.t_detok = r.t_stop = 0.0
 
     def sending(self) -> None:
         """The step's events are handed to the event loop now."""

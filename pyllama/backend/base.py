@@ -3,7 +3,8 @@
 - Device (device.py): what it is and what it runs, asked before anything is placed there;
 - Buffers (buffer.py): its memory, and blocking reads and writes of tensors;
 - Stream (stream.py): a queue of work on it (async I/O, graph compute, events); a Backend is its
-  own default stream, and `new_stream()` gives each pipeline group one of its own;
+  own default stream, and `new_stream()` gives each pipeline group one of its own where the
+  device has queues of its own (a GPU); elsewhere the default stream serves every group;
 - `layout`, a WeightLayout (layout.py): how a model's weights are stored on it;
 - RemoteDevice (remote.py), mixed in by a device of another machine: losing its peer, reconnecting.
 
@@ -17,7 +18,7 @@ from ..ir.tensor import NP_DTYPES, Buffer, DType, Tensor, nbytes_of
 from .buffer import Buffers
 from .device import Device, DeviceInfo
 from .layout import WeightLayout
-from .stream import Event, SharedStream, Stream
+from .stream import Event, Stream
 
 __all__ = ["DType", "Buffer", "Tensor", "DeviceInfo", "Backend", "Event", "nbytes_of", "NP_DTYPES"]
 
@@ -32,6 +33,8 @@ class Backend(Device, Buffers, Stream):
         return self  # as a stream, the backend is its device's default one
 
     def new_stream(self) -> Stream:
-        """A stream for one pipeline group's work on this device. Here one over the default stream
-        (a SharedStream); a device with queues of its own (a GPU) gives a new one."""
-        return SharedStream(self)
+        """A stream for one pipeline group's work on this device. Here the default stream itself,
+        which already serves each caller in order (a CPU computes on the calling thread; an RPC
+        client keeps each thread's reads apart, and the peer runs a device's commands in arrival
+        order); a device with queues of its own (a GPU) gives a new one."""
+        return self

@@ -7,7 +7,7 @@ submitted (a CPU) keeps nothing queued, so synchronize and events are trivial th
 
 A Backend is its device's default stream; `Backend.new_stream()` gives a pipeline group a stream of
 its own (each Context's scheduler holds one per device). A GPU makes it a queue of its own; a device
-whose default stream already keeps its callers apart gives a SharedStream over it.
+whose default stream already keeps its callers apart gives that stream.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ..ir.tensor import Graph, Tensor
 if TYPE_CHECKING:
     from .base import Backend
 
-__all__ = ["Event", "SharedStream", "Stream"]
+__all__ = ["Event", "Stream"]
 
 
 class Event:
@@ -97,58 +97,3 @@ class Stream(ABC):
 
     def release(self) -> None:
         """Gives back what the stream holds on its device; it is not used again."""
-
-
-class SharedStream(Stream):
-    """A stream whose work goes to its device's default stream: what a device gives when that
-    already serves each caller in order (a CPU computes on the calling thread; an RPC client keeps
-    each thread's reads apart, and the peer runs a device's commands in arrival order)."""
-
-    def __init__(self, backend: "Backend"):
-        self._backend = backend
-
-    @property
-    def backend(self) -> "Backend":
-        return self._backend
-
-    def set_tensor_async(self, tensor: Tensor, data: np.ndarray, offset: int = 0) -> None:
-        self._backend.set_tensor_async(tensor, data, offset)
-
-    def get_tensor_async(self, tensor: Tensor, out: np.ndarray) -> None:
-        self._backend.get_tensor_async(tensor, out)
-
-    def stage_read(self, tensor: Tensor) -> Any:
-        return self._backend.stage_read(tensor)
-
-    def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
-        return self._backend.cpy_tensor_async(src, dst)
-
-    def cpy_tensor_from_async(self, src: Tensor, dst: Tensor) -> bool:
-        return self._backend.cpy_tensor_from_async(src, dst)
-
-    def graph_compute(self, graph: Graph, reads: Sequence[tuple[Tensor, np.ndarray]] = ()) -> None:
-        self._backend.graph_compute(graph, reads)
-
-    def synchronize(self) -> None:
-        self._backend.synchronize()
-
-    def forget_graph(self, uid: int) -> None:
-        self._backend.forget_graph(uid)
-
-    def event_new(self) -> Event:
-        return self._backend.event_new()
-
-    def event_record(self, event: Event) -> None:
-        self._backend.event_record(event)
-
-    def event_wait(self, event: Event) -> None:
-        self._backend.event_wait(event)
-
-    def event_synchronize(self, event: Event) -> None:
-        self._backend.event_synchronize(event)
-
-    def trace_mark(self) -> None:
-        self._backend.trace_mark()
-
-    def trace_poll(self) -> list[dict[str, Any]]:
-        return self._backend.trace_poll()

@@ -46,14 +46,12 @@ def per_step(engine: Engine, users: int, steps: int = 16) -> dict:
     ctx = engine.new_context(users * 160, users)
     prompts = [[300 + (7 * i + j) % 500 for j in range(32)] for i in range(users)]
     ctx.decode(Batch.concat([Batch.for_sequence(p, 0, s) for s, p in enumerate(prompts)]))
-    stats.enabled = True
     stats.reset()
     pos = np.full(users, 32)
     for step in range(steps):
         ctx.decode(Batch(np.full(users, 300 + step), pos, range(users), np.ones(users, bool)))
         pos += 1
     counts, n = stats.snapshot()
-    stats.enabled = False
     ctx.free()
     return {name: {"per_step": c / n, "bytes_out_per_step": o / n, "bytes_in_per_step": i / n}
             for name, (c, o, i) in counts.items() if c}
@@ -82,13 +80,11 @@ def main() -> int:
         out["round_trip_us_median"] = statistics.median(lat) * 1e6
         out["round_trip_us_p99"] = sorted(lat)[int(0.99 * len(lat))] * 1e6
 
-        stats.enabled = True
         stats.reset()
         t0 = time.perf_counter()
         engine = Engine(model, n_threads=args.threads, backends=[RPCBackend(conn, 0, "RPC0")], tensor_split=[1])
         load_s = time.perf_counter() - t0
         counts, _ = stats.snapshot()
-        stats.enabled = False
         sent = counts.get("SET_TENSOR", (0, 0, 0))[1]
         out["upload_MB"] = sent / 1e6
         out["upload_MB_s_including_dequant"] = sent / 1e6 / load_s

@@ -12,13 +12,14 @@ import sys
 import time
 from typing import Iterator, Optional, Sequence
 
-from .obs import check_env, trace
+from .obs import trace
 from .runtime.cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from .util.cli import Parser, Toggle, run_main, setup_logging
 from .runtime.context import Context, check_prompt_fits
 from .runtime.placement.devices import add_device_args, list_devices, open_devices
 from .runtime.engine import Engine
 from .util.errors import PyllamaError
+from .util.settings import load as load_settings
 from .models.gguf_file import kv_override_arg
 from .models.hparams import add_rope_args, model_overrides
 from .batching.core import BatchCore
@@ -104,7 +105,7 @@ def generate_tokens(ctx: Context, tokenizer: Tokenizer, prompt: Sequence[int], n
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
-    check_env()
+    load_settings()  # the environment, read once: a bad value stops here
     if args.list_devices:
         print(list_devices(args))
         return 0

@@ -25,6 +25,30 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 from pyllama.models.make import make_model  # noqa: E402
+from pyllama.util import settings as process_settings  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _settings_restored():
+    """A test that changes the process's settings (env_settings, settings.load) changes them for
+    itself only."""
+    before = process_settings._current
+    yield
+    process_settings._current = before
+
+
+@pytest.fixture
+def env_settings(monkeypatch):
+    """env_settings(NAME=value or None, ...): sets (None: unsets) the variables and reads the
+    process's settings again, as an entry point does at start-up."""
+    def apply(**names: Optional[str]) -> process_settings.Settings:
+        for name, value in names.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        return process_settings.load()
+    return apply
 
 
 @pytest.fixture(scope="session")

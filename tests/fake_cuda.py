@@ -24,6 +24,7 @@ from pyllama._fast import ops as cpu_ops
 from pyllama._fast import sampling as cpu_sampling
 from pyllama._fast.quant import dequantize_to_f32
 from pyllama.backend.base import DType
+from pyllama.util import settings
 
 
 class Error(Exception):
@@ -451,3 +452,4 @@ def install(monkeypatch, kernel_dir: Path) -> None:
     for m in cuda.MODULES:
         (kernel_dir / f"{m}.fatbin").write_bytes(b"fake")
     monkeypatch.setenv("PYLLAMA_CUDA_KERNELS", str(kernel_dir))
+    settings.load()  # as a program starting in this environment (tests/conftest.py restores them)

@@ -15,6 +15,7 @@ from pyllama.runtime.context import Batch
 from pyllama.runtime.engine import Engine
 from pyllama.rpc.connection import Connection
 from pyllama.rpc.staging import ALIGN, StagingArena, arena_size
+from pyllama.util.errors import PyllamaError
 from server_util import ServerProcess
 
 
@@ -127,12 +128,12 @@ def test_live_regions_never_overlap_under_contention():
     assert arena.outstanding == 0 and arena.wraps > 10
 
 
-def test_size_from_the_environment(monkeypatch):
-    monkeypatch.setenv("PYLLAMA_RPC_STAGING_BYTES", "4096")
+def test_size_from_the_environment(env_settings):
+    env_settings(PYLLAMA_RPC_STAGING_BYTES="4096")
     assert arena_size() == 4096
-    monkeypatch.setenv("PYLLAMA_RPC_STAGING_BYTES", "lots")
-    with pytest.raises(ValueError, match="PYLLAMA_RPC_STAGING_BYTES"):
-        arena_size()
+    for bad in ("lots", str(ALIGN - 1)):
+        with pytest.raises(PyllamaError, match=f"PYLLAMA_RPC_STAGING_BYTES='{bad}': expected an integer"):
+            env_settings(PYLLAMA_RPC_STAGING_BYTES=bad)
 
 
 # --- two groups on one connection --------------------------------------------------------------
@@ -148,11 +149,11 @@ def greedy(ctx, prompt: list[int], n: int, seq: int = 0) -> list[int]:
 
 
 @pytest.mark.parametrize("order", ["RPC0,CPU", "CPU,RPC0"])
-def test_two_contexts_share_a_tiny_arena(tiny_model, rpc_peer, order, monkeypatch):
+def test_two_contexts_share_a_tiny_arena(tiny_model, rpc_peer, order, monkeypatch, env_settings):
     """Two decode threads (two groups) on one connection whose arena holds about two hidden
     states: it wraps constantly, and every sequence still equals its single-threaded run."""
     hidden = 64 * 4 * 8  # tiny model: n_embd 64, f32, the longest prompt below
-    monkeypatch.setenv("PYLLAMA_RPC_STAGING_BYTES", str(2 * hidden + ALIGN))
+    env_settings(PYLLAMA_RPC_STAGING_BYTES=str(2 * hidden + ALIGN))
     conn = Connection(rpc_peer.endpoint)
     try:
         rpc = RPCBackend(conn)

@@ -618,10 +618,10 @@ def test_an_rpc_server_refuses_weight_types_its_device_does_not_hold(model_facto
             conn.close()
 
 
-def test_fake_device_bf16_weights(fake_gpu, model_factory, monkeypatch):
+def test_fake_device_bf16_weights(fake_gpu, model_factory, monkeypatch, env_settings):
     from pyllama.backend.cuda import open_backend  # noqa: PLC0415
     from pyllama.runtime.engine import Engine  # noqa: PLC0415
-    monkeypatch.setenv("PYLLAMA_CUDA_WEIGHTS", "bf16")
+    env_settings(PYLLAMA_CUDA_WEIGHTS="bf16")
     path = model_factory("tiny", wtype="q8_0")
     cpu, gpu = Engine(path, n_threads=1), Engine(path, n_threads=1, backends=[open_backend("CUDA0")])
     try:

@@ -12,16 +12,15 @@ import pytest
 
 from pyllama._fast import gemm, ops, ops_extra, qmatmul
 from pyllama._fast.plan import NativeRun, NativeStep
-from pyllama.backend.cpu import backend as cpu_backend
 from pyllama.backend.cpu import CPUBackend
 from pyllama.runtime.context import Batch
 from pyllama.runtime.engine import Engine
+from pyllama.util.settings import CpuSettings
 
 
-def _decode_logits(path: str, native: bool, monkeypatch, one_run: bool = False) -> list[np.ndarray]:
+def _decode_logits(path: str, native: bool, one_run: bool = False) -> list[np.ndarray]:
     """A prompt, then 3 steps of 4 sequences: every step's logits."""
-    monkeypatch.setattr(cpu_backend, "_NATIVE", native)
-    engine = Engine(path, n_threads=2)
+    engine = Engine(path, n_threads=2, backends=[CPUBackend(2, settings=CpuSettings(native=native))])
     try:
         ctx = engine.new_context(256, 4)
         outs = [ctx.decode(Batch.for_sequence(list(range(5, 25)), 0, 0)).logits.copy()]
@@ -37,6 +36,9 @@ def _decode_logits(path: str, native: bool, monkeypatch, one_run: bool = False) 
             assert plans and any(isinstance(step, NativeRun) for p in plans for step in p)
             if one_run:  # every node had a C form: one run per graph
                 assert all(len(p) == 1 and isinstance(p[0], NativeRun) for p in plans)
+        else:  # the backend's settings say Python callables: no node ran natively
+            plans = [p for p in engine.backends[0]._plans.values()]
+            assert plans and not any(isinstance(step, (NativeRun, NativeStep)) for p in plans for step in p)
         return outs
     finally:
         engine.close()
@@ -44,30 +46,30 @@ def _decode_logits(path: str, native: bool, monkeypatch, one_run: bool = False) 
 
 @pytest.mark.parametrize("preset,wtype", [("tiny", "f32"), ("tiny", "q4_0"), ("tiny256", "q4_k_m"),
                                           ("small", "q5_k_m")])
-def test_native_runs_give_the_python_steps_results(model_factory, monkeypatch, preset, wtype):
+def test_native_runs_give_the_python_steps_results(model_factory, preset, wtype):
     path = model_factory(preset, wtype=wtype)
-    native = _decode_logits(path, True, monkeypatch)
-    python = _decode_logits(path, False, monkeypatch)
+    native = _decode_logits(path, True)
+    python = _decode_logits(path, False)
     assert len(native) == len(python)
     for a, b in zip(native, python):
         np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("arch,wtype", [("mixtral", "f32"), ("qwen2moe", "q8_0"), ("qwen3moe", "q4_0")])
-def test_moe_graphs_run_natively_with_the_python_steps_results(model_factory, monkeypatch, arch, wtype):
+def test_moe_graphs_run_natively_with_the_python_steps_results(model_factory, arch, wtype):
     """MOE_FFN (router product and experts) binds too: a MoE graph is one run."""
     path = model_factory("tiny", arch=arch, wtype=wtype)
-    native = _decode_logits(path, True, monkeypatch, one_run=True)
-    python = _decode_logits(path, False, monkeypatch)
+    native = _decode_logits(path, True, one_run=True)
+    python = _decode_logits(path, False)
     for a, b in zip(native, python):
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_decode_graph_is_one_native_run_and_its_sampling(model_factory, monkeypatch):
+def test_a_decode_graph_is_one_native_run_and_its_sampling(model_factory):
     """Every node of a dense model's graph but SAMPLE has a C form: the bound plan is one run
     (plus the sampling step when the graph samples)."""
-    monkeypatch.setattr(cpu_backend, "_NATIVE", True)
-    engine = Engine(model_factory("tiny256", wtype="q4_k_m"), n_threads=1)
+    engine = Engine(model_factory("tiny256", wtype="q4_k_m"), n_threads=1,
+                    backends=[CPUBackend(1, settings=CpuSettings(native=True))])
     try:
         ctx = engine.new_context(64, 1)
         ctx.decode(Batch.for_sequence([5, 6, 7], 0, 0))

@@ -122,7 +122,7 @@ def healthy(server):
 
 # --- handshake and commands ---------------------------------------------------------------------------------
 
-def test_hello_fields_and_capabilities(healthy, tmp_path, monkeypatch):
+def test_hello_fields_and_capabilities(healthy, tmp_path, monkeypatch, env_settings):
     with Client(healthy.port) as a, Client(healthy.port) as b:
         major, minor, patch, reserved, caps, sid = a.hello_reply
         assert (major, minor, patch, reserved) == (*P.VERSION, 0)
@@ -138,13 +138,13 @@ def test_hello_fields_and_capabilities(healthy, tmp_path, monkeypatch):
         assert c.hello_reply[4] == (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.DEVICE_TYPES
                                         | Cap.SET_TENSOR_HASH | Cap.MOE_FFN | Cap.DEVICE_BUSY | Cap.FAMILY_OPS)
         assert c.hello_reply[5] != sid
-    monkeypatch.setenv("PYLLAMA_RPC_SERVER_CAPS", "0")
+    env_settings(PYLLAMA_RPC_SERVER_CAPS="0")
     with start_server(cache_dir=str(tmp_path)) as st, Client(st.port) as c:
         assert c.hello_reply[4] == 0
         assert "not advertised" in c.error(Cmd.GET_TENSORS, P.U32.pack(0))
         assert "not advertised" in c.error(Cmd.TRACE_SYNC, P.U64.pack(1))
         assert c.ok(Cmd.DEVICE_COUNT) == P.U32.pack(1)
-    monkeypatch.setenv("PYLLAMA_RPC_SERVER_CAPS", "0x1")
+    env_settings(PYLLAMA_RPC_SERVER_CAPS="0x1")
     with start_server() as st, Client(st.port) as c:
         assert c.hello_reply[4] == Cap.GET_TENSORS
 

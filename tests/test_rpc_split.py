@@ -19,6 +19,7 @@ from pyllama.runtime.engine import Engine
 from pyllama.obs import rpc_stats as stats
 from pyllama.rpc.connection import Connection
 from pyllama.rpc.protocol import Cap
+from pyllama.util.settings import RpcSettings
 from server_util import LONG_CONTEXT, RPCServerProcess, ServerProcess
 
 PROMPT = "The little cat sat on the"
@@ -60,12 +61,7 @@ def test_batched_read_capability_both_ways(tiny_model, client_batched, server_ca
     try:
         conn = Connection(peer.endpoint)
         assert conn.has(Cap.GET_TENSORS) == (server_caps is None)
-        if not client_batched:
-            os.environ["PYLLAMA_RPC_NO_BATCHED_GET"] = "1"
-        try:
-            backend = RPCBackend(conn, 0, "RPC0")
-        finally:
-            os.environ.pop("PYLLAMA_RPC_NO_BATCHED_GET", None)
+        backend = RPCBackend(conn, 0, "RPC0", settings=RpcSettings(batched_get=client_batched))
         assert backend.batched_get == (client_batched and server_caps is None)
         engine = Engine(tiny_model, n_threads=1, backends=[backend], tensor_split=[1])
         ctx = engine.new_context(256, 2)
@@ -92,17 +88,12 @@ def test_one_read_round_trip_per_decode_step(tiny_model, peers, order):
         ctx = engine.new_context(64 * n_seq, n_seq)
         prompts = [engine.tokenizer.encode(f"{PROMPT} {i}") for i in range(n_seq)]
         ctx.decode(Batch.concat([Batch.for_sequence(p, 0, s) for s, p in enumerate(prompts)]))
-        was = stats.enabled
-        stats.enabled = True
         stats.reset()
-        try:
-            pos = [len(p) for p in prompts]
-            for step in range(5):
-                ctx.decode(Batch(np.full(n_seq, 300 + step), pos, range(n_seq), np.ones(n_seq, bool)))
-                pos = [p + 1 for p in pos]
-            counts, steps = stats.snapshot()
-        finally:
-            stats.enabled = was
+        pos = [len(p) for p in prompts]
+        for step in range(5):
+            ctx.decode(Batch(np.full(n_seq, 300 + step), pos, range(n_seq), np.ones(n_seq, bool)))
+            pos = [p + 1 for p in pos]
+        counts, steps = stats.snapshot()
         assert steps == 5
         reads = counts.get("GET_TENSORS", (0,))[0] + counts.get("GET_TENSOR", (0,))[0]
         assert reads == 5, (n_seq, counts)
@@ -152,14 +143,9 @@ def test_weight_cache_spares_the_upload_after_a_restart(tmp_path, model_factory)
         try:
             conn = Connection(peer.endpoint)
             assert conn.has(Cap.SET_TENSOR_HASH)
-            was = stats.enabled
-            stats.enabled = True
-            stats.reset()
-            try:
-                engine = Engine(model, n_threads=1, backends=[RPCBackend(conn, 0, "RPC0")], tensor_split=[1])
-                counts, _ = stats.snapshot()
-            finally:
-                stats.enabled = was
+            stats.reset()  # the counts are kept whether or not they are printed
+            engine = Engine(model, n_threads=1, backends=[RPCBackend(conn, 0, "RPC0")], tensor_split=[1])
+            counts, _ = stats.snapshot()
             logits = engine.new_context(64, 1).decode(Batch.for_sequence([256, 300, 301], 0, 0)).logits.copy()
             sent.append((counts.get("SET_TENSOR", (0, 0, 0))[1], counts.get("SET_TENSOR_HASH", (0,))[0], logits))
             engine.close()

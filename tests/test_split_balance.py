@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pyllama.backend.cpu import CPUBackend
-from pyllama.runtime.placement.balance import PROBE_ENV, StageCost, balance_layers, stage_ms
+from pyllama.runtime.placement.balance import StageCost, balance_layers, stage_ms
 from pyllama.runtime.context import Batch
 from pyllama.runtime.engine import Engine
 from pyllama.models import make
@@ -21,9 +21,9 @@ N_LAYER = 8
 
 
 @pytest.fixture(autouse=True)
-def probe_on(monkeypatch):
+def probe_on(env_settings):
     """The probe is opt-in (balance.probe_enabled); these tests are about it."""
-    monkeypatch.setenv(PROBE_ENV, "1")
+    env_settings(PYLLAMA_SPLIT_PROBE="1")
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +161,8 @@ def test_an_explicit_tensor_split_wins_and_nothing_is_timed(deep_model, caplog):
 
 
 @pytest.mark.parametrize("value", ["0", None])
-def test_the_probe_is_off_unless_asked_for(deep_model, monkeypatch, value):
-    if value is None:
-        monkeypatch.delenv(PROBE_ENV)
-    else:
-        monkeypatch.setenv(PROBE_ENV, value)
+def test_the_probe_is_off_unless_asked_for(deep_model, env_settings, value):
+    env_settings(PYLLAMA_SPLIT_PROBE=value)
     devs = [Sleepy("DEV0", 0.006), Sleepy("DEV1", 0.002)]
     engine = Engine(deep_model, n_threads=1, backends=devs, load=False)
     assert engine.measured_split is None

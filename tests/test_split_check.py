@@ -14,6 +14,7 @@ from pyllama.runtime.placement.balance import advise_split, output_blocks
 from pyllama.models.model import Model
 from pyllama.server.pipeline_stats import StepLog
 from pyllama.server.split_check import CHECK_ENV, SplitCheck, check_interval, describe_advice
+from pyllama.util.errors import PyllamaError
 from server_util import ServerProcess
 
 
@@ -245,16 +246,15 @@ def test_check_thread_runs_and_stops():
 
 
 @pytest.mark.parametrize("raw,value", [("", 60.0), ("0", 0.0), ("2.5", 2.5)])
-def test_check_interval_from_the_environment(monkeypatch, raw, value):
-    monkeypatch.setenv(CHECK_ENV, raw)
+def test_check_interval_from_the_environment(env_settings, raw, value):
+    env_settings(**{CHECK_ENV: raw})
     assert check_interval() == value
 
 
 @pytest.mark.parametrize("raw", ["soon", "-1", "nan"])
-def test_a_bad_interval_is_one_clear_error(monkeypatch, raw, tiny_model):
-    monkeypatch.setenv(CHECK_ENV, raw)
-    with pytest.raises(ValueError, match=CHECK_ENV):
-        check_interval()
+def test_a_bad_interval_is_one_clear_error(env_settings, raw, tiny_model):
+    with pytest.raises(PyllamaError, match=CHECK_ENV):
+        env_settings(**{CHECK_ENV: raw})
     if raw == "soon":  # the server refuses it before loading anything
         srv = ServerProcess(tiny_model, env={CHECK_ENV: raw})
         assert srv.proc.wait(60) == 1

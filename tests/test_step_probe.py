@@ -4,6 +4,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pyllama.obs import pipe_prof, step_probe, trace
+from pyllama.util import settings
 
 
 class _Clock:
@@ -34,9 +35,9 @@ def test_a_traced_step_tells_every_sink(monkeypatch):
     monkeypatch.setattr(trace, "event", lambda c, n, t0, t1, **f: events.append((n, t0, t1, f)))
     added = []
     prof = SimpleNamespace(add=lambda steps=0, tokens=0, **s: added.append((steps, tokens, s)))
-    monkeypatch.setattr(pipe_prof, "enabled", True)
     monkeypatch.setattr(pipe_prof, "profile_for", lambda group: prof)
-    probe = step_probe.StepProbe(3)
+    with settings.override(obs={"pipe_prof": True}):
+        probe = step_probe.StepProbe(3)
     _step(probe)
     names = [e[0] for e in events]
     assert names == ["batch_build", "submit", "synchronize", "sampling", "post_decode", "result_send", "iteration"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+
+from ..util.settings import current
 import tempfile
 
 log = logging.getLogger(__name__)
@@ -14,8 +16,7 @@ DEFAULT_FILE = f"pyllama-default-{DEFAULT_PRESET}-s{DEFAULT_SEED}-v2.gguf"
 
 
 def cache_dir() -> str:
-    base = os.environ.get("PYLLAMA_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pyllama")
+    base = current().cache_dir
     os.makedirs(base, exist_ok=True)
     return base
 

@@ -8,23 +8,22 @@ counts only its own work (its own object, touched only by its thread).
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 
-from ..util.env import env_number
-from ..util.errors import PyllamaError
+from ..util.settings import current
 from ..util.threads import Thread
 
-enabled = os.environ.get("PYLLAMA_PIPE_PROF", "") not in ("", "0")
+
+def enabled() -> bool:
+    return current().obs.pipe_prof
 
 
 def period_s() -> float:
-    """PYLLAMA_PIPE_PROF_MS in seconds (at least 0.05); a value that is not a whole number of
-    milliseconds is a PyllamaError naming the variable."""
-    ms = env_number("PYLLAMA_PIPE_PROF_MS", 5000, int, lambda v: v > 0, "a number of milliseconds", PyllamaError)
-    return max(ms, 50) / 1000
+    """PYLLAMA_PIPE_PROF_MS in seconds (at least 0.05)."""
+    return max(current().obs.pipe_prof_s, 0.05)
+
 
 PHASES = ("lock_wait", "pre_decode", "submit", "synchronize", "post_decode")
 PER_TOKEN = ("sampling", "detokenize", "stop_strings", "result_send", "mask_wait", "mask_apply")
@@ -69,7 +68,7 @@ def profile_for(group: int) -> GroupProfile:
     with _start_lock:
         _profiles.append(prof)
         if not _started:
-            period = period_s()  # (a bad value is an error here, before the thread starts)
+            period = period_s()
             _started = True
             Thread(target=_print_loop, args=(period,), name="pipe-prof", daemon=True).start()
     return prof

@@ -1,26 +1,26 @@
-"""PYLLAMA_RPC_STATS=1: command counts and bytes per command type, printed every
+"""Command counts and bytes per command type, with the decode steps they served: always counted
+(a lock and three additions per command), printed with PYLLAMA_RPC_STATS=1 every
 PYLLAMA_RPC_STATS_MS milliseconds (default 5000) and at exit, with the average per decode step."""
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import threading
 import time
 from collections import defaultdict
 
-from ..util.env import env_number
-from ..util.errors import PyllamaError
+from ..util.settings import current
 from ..util.threads import Thread
 
-enabled = os.environ.get("PYLLAMA_RPC_STATS", "") not in ("", "0")
+
+def enabled() -> bool:
+    return current().obs.rpc_stats
 
 
 def period_s() -> float:
-    """PYLLAMA_RPC_STATS_MS in seconds (at least 0.1); a value that is not a whole number of
-    milliseconds is a PyllamaError naming the variable."""
-    ms = env_number("PYLLAMA_RPC_STATS_MS", 5000, int, lambda v: v > 0, "a number of milliseconds", PyllamaError)
-    return max(ms, 100) / 1000
+    """PYLLAMA_RPC_STATS_MS in seconds (at least 0.1)."""
+    return max(current().obs.rpc_stats_s, 0.1)
+
 _lock = threading.Lock()
 _counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # name -> [count, bytes out, bytes in]
 _steps = 0
@@ -69,7 +69,7 @@ def format_stats(counts: dict[str, tuple[int, int, int]], steps: int) -> str:
 
 def _ensure_printer() -> None:
     global _printer
-    if _printer is not None:
+    if _printer is not None or not enabled():
         return
     with _lock:
         if _printer is not None:
@@ -79,8 +79,7 @@ def _ensure_printer() -> None:
         def run() -> None:
             while True:
                 time.sleep(period)
-                if enabled:
-                    print(format_stats(*snapshot()), file=sys.stderr, flush=True)
+                print(format_stats(*snapshot()), file=sys.stderr, flush=True)
 
         _printer = Thread(target=run, name="rpc-stats", daemon=True)
         _printer.start()
@@ -88,5 +87,5 @@ def _ensure_printer() -> None:
 
 
 def _print_final() -> None:
-    if enabled:
+    if enabled():
         print(format_stats(*snapshot()), file=sys.stderr, flush=True)

@@ -25,7 +25,7 @@ class StepProbe:
     def __init__(self, group: int):
         self.group = group
         self.steps = StepLog()
-        self.prof: Optional[pipe_prof.GroupProfile] = pipe_prof.profile_for(group) if pipe_prof.enabled else None
+        self.prof: Optional[pipe_prof.GroupProfile] = pipe_prof.profile_for(group) if pipe_prof.enabled() else None
         self._reset()
 
     def _reset(self) -> None:

@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from ..util.settings import current
 from ..util.threads import Thread
 
 ENV = "PYLLAMA_TRACE"
@@ -86,7 +87,7 @@ def start(trace_path: Optional[str], role: str, endpoint: Optional[str] = None,
     Returns the path actually written, which differs from the one asked for when another
     process already holds that one."""
     global _writer, enabled, _uid
-    trace_path = trace_path or os.environ.get(ENV) or None
+    trace_path = trace_path or current().obs.trace
     if not trace_path:
         return None
     if _writer is not None:

@@ -26,6 +26,7 @@ import stat
 from typing import Optional
 
 from ..util.errors import PyllamaError
+from ..util.settings import current
 
 ENV = "PYLLAMA_RPC_TOKEN"
 NONCE = 32
@@ -70,10 +71,9 @@ def read_token(path: Optional[str], flag: str) -> Optional[bytes]:
             logging.getLogger("pyllama.rpc").warning("%s %s: readable by other users (chmod 600 it)", flag, path)
         source = f"{flag} {path}"
     else:
-        env = os.environ.get(ENV)
-        if env is None or env == "":
+        raw = current().rpc.token
+        if raw is None:
             return None
-        raw = env.strip().encode()
         source = f"${ENV}"
     if len(raw) < MIN_TOKEN:
         raise PyllamaError(f"{source}: the token must be at least {MIN_TOKEN} bytes (e.g. `openssl rand -hex 32`)")

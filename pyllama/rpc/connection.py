@@ -23,7 +23,7 @@ import time
 from typing import Optional, Sequence
 
 from ..obs import trace
-from ..util.env import env_number
+from ..util.settings import current
 from ..util.errors import PyllamaError
 from . import auth
 from ..obs import rpc_stats as stats
@@ -39,8 +39,6 @@ _connections_lock = threading.Lock()
 _token: Optional[bytes] = None
 _token_set = False
 _timeout: Optional[float] = None
-TIMEOUT_ENV = "PYLLAMA_RPC_TIMEOUT"
-DEFAULT_TIMEOUT = 120.0
 _PEER_CLOSED = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 _JOIN_MAX = 64 << 10  # a message up to this size is written with one call (joined into one bytes)
 
@@ -66,8 +64,7 @@ def set_timeout(seconds: Optional[float]) -> None:
 def configured_timeout() -> float:
     if _timeout is not None:
         return _timeout
-    return env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT, float, lambda v: 0 < v < float("inf"),
-                      "a positive number of seconds", PyllamaError)
+    return current().rpc.timeout_s
 
 
 class RPCError(PyllamaError):
@@ -289,8 +286,7 @@ class Connection:
         finally:
             if not locked:
                 self._send_lock.release()
-        if stats.enabled:
-            stats.record(cmd.name, size + HEADER.size, 0)
+        stats.record(cmd.name, size + HEADER.size, 0)
         return ticket
 
     def acquire_send(self) -> None:
@@ -342,8 +338,7 @@ class Connection:
             status, payload = STATUS_EARLIER_ERROR, carried.encode()
         if sent is not None:
             self._trace(cmd, sent, (t_turn, t_recv0, trace.now(), size + HEADER.size), status == STATUS_OK)
-        if stats.enabled:
-            stats.record(cmd.name, 0, size + HEADER.size, count=0)
+        stats.record(cmd.name, 0, size + HEADER.size, count=0)
         if status != STATUS_OK:
             raise RPCError(f"{self.endpoint}: {cmd.name} failed: {payload.decode('utf-8', 'replace')}")
         return payload

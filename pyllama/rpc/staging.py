@@ -21,17 +21,13 @@ from typing import Optional
 
 import numpy as np
 
-from ..util.env import env_number
-
-DEFAULT_BYTES = 64 << 20
-SIZE_ENV = "PYLLAMA_RPC_STAGING_BYTES"
-ALIGN = 64
+from ..util.settings import STAGING_ALIGN as ALIGN
+from ..util.settings import current
 
 
 def arena_size() -> int:
     """Bytes of a connection's arena: $PYLLAMA_RPC_STAGING_BYTES, else 64 MiB."""
-    return env_number(SIZE_ENV, DEFAULT_BYTES, lambda raw: int(raw, 0), lambda size: size >= ALIGN,
-                      f"an integer number of bytes, at least {ALIGN}")
+    return current().rpc.staging_bytes
 
 
 class Region:

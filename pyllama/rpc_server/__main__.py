@@ -15,16 +15,17 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from ..obs import check_env, trace
+from ..obs import trace
 from ..backend.base import Backend
 from ..backend.cpu import CPUBackend, set_compute_threads
 from ..util.cli import Parser, install_stop_signals, is_loopback_address, run_main, setup_logging
 from ..util.errors import PyllamaError
+from ..util.settings import load as load_settings
 from ..util.priority import LEVELS_HELP, apply_priority, check_level
 from ..rpc.auth import read_token
 from ..rpc.protocol import DEFAULT_MAX_FRAME
 from ..util.loop import install_uvloop
-from .server import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, RPCServer, caps_mask_from_env
+from .server import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, RPCServer
 
 log = logging.getLogger("pyllama.rpc_server")
 
@@ -156,11 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose, logging.INFO)
     check_args(args)
-    check_env()
-    try:
-        caps_mask_from_env()
-    except ValueError as exc:
-        raise PyllamaError(str(exc)) from None
+    load_settings()  # the environment, read once: a bad value stops here
     apply_priority(args.prio)  # before any thread starts: the executor threads inherit it
     install_uvloop()
     return asyncio.run(serve(args))

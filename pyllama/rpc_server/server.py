@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -26,13 +25,13 @@ from ..obs import trace
 from ..backend.base import Backend
 from ..backend.cpu import CPUBackend
 from ..rpc import auth
-from ..rpc.connection import DEFAULT_TIMEOUT
 from ..rpc.keepalive import enable_keepalive
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
 from .cache import TensorCache
 from .device import Device
 from .session import Session, frame, now_us
+from ..util.settings import RpcSettings, current
 from ..util.threads import Thread
 
 log = logging.getLogger("pyllama.rpc_server")
@@ -47,19 +46,6 @@ _QUEUED_LOW = 16 << 20
 _LOOP_CMDS = frozenset({Cmd.HELLO, Cmd.DEVICE_COUNT, Cmd.GET_DEVICE_INFO, Cmd.TRACE_SYNC, Cmd.AUTH})
 _KNOWN = frozenset(int(c) for c in Cmd)
 _HELLO_MAX = 64                # a first frame claiming more than this is not a HELLO
-
-
-def caps_mask_from_env() -> Optional[int]:
-    raw = os.environ.get(CAPS_ENV)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        mask = int(raw.strip(), 0)
-    except ValueError:
-        raise ValueError(f"{CAPS_ENV}={raw!r} is not an integer") from None
-    if not 0 <= mask <= 0xFFFFFFFF:
-        raise ValueError(f"{CAPS_ENV}={raw!r} is not a 32-bit mask")
-    return mask
 
 
 class RPCServer:
@@ -95,7 +81,7 @@ class RPCServer:
         self.cache = TensorCache(cache_dir) if cache_dir else None
         caps = (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.DEVICE_TYPES | Cap.MOE_FFN
                 | Cap.DEVICE_BUSY | Cap.FAMILY_OPS | (Cap.SET_TENSOR_HASH if self.cache else 0))
-        mask = caps_mask if caps_mask is not None else caps_mask_from_env()
+        mask = caps_mask if caps_mask is not None else current().rpc.server_caps
         if mask is not None:
             caps &= mask
         self.token = token
@@ -217,7 +203,7 @@ class _Connection(asyncio.BufferedProtocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 # a client whose machine vanished is noticed (and its buffers freed) within about
                 # the default RPC timeout, though it never closed the connection
-                enable_keepalive(sock, DEFAULT_TIMEOUT, user_timeout=False)
+                enable_keepalive(sock, RpcSettings.timeout_s, user_timeout=False)
             except OSError:  # pragma: no cover
                 pass
         self.server._opened(self)

@@ -267,8 +267,7 @@ class Context:
             self.last_spans = (tr0, tr1, tr2)
             trace.event("ctx", "decode", tr0, tr2, n_tokens=n, n_outputs=len(rows),
                         n_splits=self._n_splits, grp=trace.group())
-        if rpc_stats.enabled:
-            rpc_stats.on_step()
+        rpc_stats.on_step()
         if embeddings:
             return DecodeOutput(self._logits[:0], rows, embd=self._embd[:len(rows)])
         if sampling is not None:

@@ -17,8 +17,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from ..obs import check_env, trace
-from ..obs import pipe_prof
+from ..obs import trace
+from ..util.settings import load as load_settings
 from ..runtime.placement.balance import memory_caps, output_blocks
 from ..runtime.cache_types import CACHE_TYPES, cache_type_name
 from ..util.cli import install_stop_signals, run_main, setup_logging
@@ -294,9 +294,7 @@ async def serve(args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     setup_logging(args.verbose, log_level(args))
-    check_env()
-    if pipe_prof.enabled:
-        pipe_prof.period_s()
+    load_settings()  # the environment, read once: a bad value stops here
     if args.list_devices:
         print(list_devices(args))
         return 0

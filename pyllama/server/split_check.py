@@ -36,7 +36,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from ..runtime.placement.balance import SplitAdvice, advise_split
-from ..util.env import env_number
+from ..util.settings import current
 from .pipeline_stats import StepLog
 from ..util.threads import Thread
 
@@ -48,9 +48,8 @@ LOADED = 0.5
 
 
 def check_interval() -> float:
-    """Seconds between checks from CHECK_ENV (0: off); a value that is not a number is an error."""
-    return env_number(CHECK_ENV, DEFAULT_CHECK_S, float, lambda v: 0 <= v < float("inf"),
-                      "a number of seconds (0 turns the check off)")
+    """Seconds between checks from CHECK_ENV (0: off)."""
+    return current().split.check_s
 
 
 def describe_advice(names: Sequence[str], counts: Sequence[int], busy: Sequence[float], interval_s: float,

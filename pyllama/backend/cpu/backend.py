@@ -43,12 +43,12 @@ from ..._fast import sampling as k_sampling
 from ..._fast.plan import NativeRun, NativeStep
 from ...ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, Op, check_node, sample_in_cols, sample_out_cols
 from ..base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
+from ...util.settings import CpuSettings
+from ...util.settings import current as current_settings
 from . import memory
 from .layout import RepackingLayout
 
 _PLAN_CACHE = 256
-_BLAS_ONLY = os.environ.get("PYLLAMA_CPU_BLAS_ONLY", "") not in ("", "0")
-_NATIVE = os.environ.get("PYLLAMA_CPU_NATIVE", "1") not in ("", "0")
 
 
 def set_compute_threads(n_threads: int) -> int:
@@ -87,8 +87,9 @@ class CPUBackend(Backend):
     weight_types = CPU_WEIGHT_TYPES
     kv_types = KV_CACHE_TYPES  # F32, F16, BF16, Q8_0: the attention kernel reads each in its own type
 
-    def __init__(self, n_threads: int = 0, name: str = "CPU"):
+    def __init__(self, n_threads: int = 0, name: str = "CPU", settings: Optional[CpuSettings] = None):
         self.name = name
+        self.settings = settings if settings is not None else current_settings().cpu
         self.busy = BusyClock()  # when it computed: the live pipeline view, the rpc server's DEVICE_BUSY
         self.n_threads = n_threads if n_threads > 0 else (os.cpu_count() or 1)
         self._plans: "OrderedDict[int, list[Callable[[], None]]]" = OrderedDict()
@@ -232,7 +233,7 @@ class CPUBackend(Backend):
 
     def _bind_nodes(self, graph: Graph) -> list[Callable[[], None]]:
         steps: list[Callable[[], None]] = []
-        nt = self.n_threads
+        nt, opts = self.n_threads, self.settings
         empty = np.zeros(0, dtype=np.float32)
         for nd in graph.nodes:
             for t in (nd.out, *nd.srcs):
@@ -245,25 +246,25 @@ class CPUBackend(Backend):
             out = self.array(nd.out)
             s = [self.view(t) for t in nd.srcs]
             if op == Op.GET_ROWS:
-                steps.append(_get_rows_step(s[0], nd.srcs[0].dtype, s[1], out, nt))
+                steps.append(_get_rows_step(opts, s[0], nd.srcs[0].dtype, s[1], out, nt))
             elif op == Op.RMS_NORM:
                 eps = float(nd.params[0])
-                steps.append(_native(k.bind_rms_norm, _bind(k.rms_norm, s[0], s[1], out, eps, nt),
+                steps.append(_native(opts, k.bind_rms_norm, _bind(k.rms_norm, s[0], s[1], out, eps, nt),
                                      s[0], s[1], out, eps, nt))
             elif op == Op.MUL_MAT:
                 bias = s[2] if len(s) == 3 else None
-                steps.append(_mul_mat_step(s[0], s[1], nd.srcs[1].dtype, out, bias, nt,
+                steps.append(_mul_mat_step(opts, s[0], s[1], nd.srcs[1].dtype, out, bias, nt,
                                            self.layout.packed(nd.srcs[1])))
             elif op == Op.MUL_MAT_CAT:  # x, the weight parts, an optional bias (checked above)
                 n_parts = int(nd.params[0])
                 parts = nd.srcs[1:1 + n_parts]
-                steps.extend(_mul_mat_cat_steps(s[0], s[1:1 + n_parts], [t.dtype for t in parts], out,
+                steps.extend(_mul_mat_cat_steps(opts, s[0], s[1:1 + n_parts], [t.dtype for t in parts], out,
                                                 s[1 + n_parts] if len(s) > 1 + n_parts else None, nt,
                                                 [self.layout.packed(t) for t in parts]))
             elif op == Op.ADD:
-                steps.append(_native(kx.bind_add, _bind(np.add, s[0], s[1], out=out), s[0], s[1], out))
+                steps.append(_native(opts, kx.bind_add, _bind(np.add, s[0], s[1], out=out), s[0], s[1], out))
             elif op == Op.SWIGLU:
-                steps.append(_native(k.bind_glu, _bind(k.swiglu, s[0], out, nt), s[0], out, nt, False))
+                steps.append(_native(opts, k.bind_glu, _bind(k.swiglu, s[0], out, nt), s[0], out, nt, False))
             elif op == Op.ATTENTION:
                 qn, kn = (s[7], s[8]) if len(s) >= 9 else (empty, empty)
                 a = AttentionParams.of(nd.params, len(s))
@@ -275,9 +276,9 @@ class CPUBackend(Backend):
                         int(a.n_head), int(a.n_head_kv), int(a.head_dim), int(a.n_rot), int(a.rope_mode),
                         float(a.freq_base), float(a.freq_scale), float(a.norm_eps), float(a.scale), nt,
                         int(kc.dtype), int(vc.dtype), float(a.softcap), int(a.n_swa), float(a.rope_mscale), freqs)
-                steps.append(_native(k.bind_attention, _bind(k.attention, *args), *args))
+                steps.append(_native(opts, k.bind_attention, _bind(k.attention, *args), *args))
             elif op == Op.GEGLU:
-                steps.append(_native(k.bind_glu, _bind(k.geglu, s[0], out, nt), s[0], out, nt, True))
+                steps.append(_native(opts, k.bind_glu, _bind(k.geglu, s[0], out, nt), s[0], out, nt, True))
             elif op == Op.SCALE:
                 steps.append(_bind(kx.scale, s[0], out, float(nd.params[0])))
             elif op == Op.SOFTCAP:
@@ -285,7 +286,7 @@ class CPUBackend(Backend):
             elif op == Op.SAMPLE:
                 steps.append(_bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             elif op == Op.MOE_FFN:
-                steps.extend(_moe_ffn_steps(nd.srcs, s, out, nd.params, nt, self.layout.packed))
+                steps.extend(_moe_ffn_steps(opts, nd.srcs, s, out, nd.params, nt, self.layout.packed))
             else:
                 raise ValueError(f"unknown op {op!r}")
         return steps
@@ -324,10 +325,10 @@ def _bind(fn: Callable, *args, **kwargs) -> Callable[[], None]:
     return lambda: fn(*args, **kwargs)
 
 
-def _native(binder: Callable, python_step: Callable[[], None], *args) -> Callable[[], None]:
+def _native(opts: CpuSettings, binder: Callable, python_step: Callable[[], None], *args) -> Callable[[], None]:
     """The node as a NativeStep made by binder(python_step, *args), or python_step where the kernel
-    has no C form for these arguments (the binder says None) or PYLLAMA_CPU_NATIVE=0."""
-    if not _NATIVE:
+    has no C form for these arguments (the binder says None) or PYLLAMA_CPU_NATIVE=0 (`opts.native`)."""
+    if not opts.native:
         return python_step
     step = binder(python_step, *args)
     return python_step if step is None else step
@@ -350,23 +351,23 @@ def _runs(steps: Sequence[Callable[[], None]]) -> list[Callable[[], None]]:
     return out
 
 
-def _get_rows_step(table: np.ndarray, dtype: DType, ids: np.ndarray, out: np.ndarray, nt: int) -> Callable[[], None]:
+def _get_rows_step(opts: CpuSettings, table: np.ndarray, dtype: DType, ids: np.ndarray, out: np.ndarray, nt: int) -> Callable[[], None]:
     py = _bind_get_rows(table, dtype, ids, out, nt)
     if dtype == DType.F32:
-        return _native(kx.bind_get_rows_f32, py, table, ids, out)
-    return _native(qmatmul.bind_get_rows_q, py, table, int(dtype), ids, out, nt)
+        return _native(opts, kx.bind_get_rows_f32, py, table, ids, out)
+    return _native(opts, qmatmul.bind_get_rows_q, py, table, int(dtype), ids, out, nt)
 
 
-def _mul_mat_step(x: np.ndarray, w: np.ndarray, dtype: DType, out: np.ndarray, bias: Optional[np.ndarray],
+def _mul_mat_step(opts: CpuSettings, x: np.ndarray, w: np.ndarray, dtype: DType, out: np.ndarray, bias: Optional[np.ndarray],
                   nt: int, packed: Optional[np.ndarray] = None) -> Callable[[], None]:
     """_bind_mul_mat's product as a NativeStep where its kernel has one (not BLAS)."""
-    py = _bind_mul_mat(x, w, dtype, out, bias, nt, packed)
+    py = _bind_mul_mat(opts, x, w, dtype, out, bias, nt, packed)
     if dtype != DType.F32:
         if packed is not None:
-            return _native(qmatmul.bind_mul_mat_q_x8_parts, py, x, [packed], [int(dtype)], out, bias, nt)
-        return _native(qmatmul.bind_mul_mat_q, py, x, w, int(dtype), out, bias, nt)
-    if x.shape[0] <= gemm.small_rows_max() and not _BLAS_ONLY:
-        return _native(gemm.bind_mul_mat_t, py, x, w, out, bias, nt)
+            return _native(opts, qmatmul.bind_mul_mat_q_x8_parts, py, x, [packed], [int(dtype)], out, bias, nt)
+        return _native(opts, qmatmul.bind_mul_mat_q, py, x, w, int(dtype), out, bias, nt)
+    if x.shape[0] <= gemm.small_rows_max() and not opts.blas_only:
+        return _native(opts, gemm.bind_mul_mat_t, py, x, w, out, bias, nt)
     return py
 
 
@@ -380,7 +381,7 @@ def _bind_get_rows(table: np.ndarray, dtype: DType, ids: np.ndarray, out: np.nda
     return lambda: qmatmul.get_rows_q(table, int(dtype), ids, out, nt)
 
 
-def _bind_mul_mat(x: np.ndarray, w: np.ndarray, dtype: DType, out: np.ndarray, bias: Optional[np.ndarray],
+def _bind_mul_mat(opts: CpuSettings, x: np.ndarray, w: np.ndarray, dtype: DType, out: np.ndarray, bias: Optional[np.ndarray],
                   nt: int, packed: Optional[np.ndarray] = None) -> Callable[[], None]:
     """out = x @ w.T (+ bias). F32 weights: the streaming kernel for decode batches, BLAS above;
     every other type: qmatmul with ggml's arithmetic, on the weight's repacked copy when it has
@@ -393,14 +394,14 @@ def _bind_mul_mat(x: np.ndarray, w: np.ndarray, dtype: DType, out: np.ndarray, b
         if packed is not None:
             return lambda: qmatmul.mul_mat_q_x8(x, packed, int(dtype), out, bias, nt)
         return lambda: qmatmul.mul_mat_q(x, w, int(dtype), out, bias, nt)
-    if x.shape[0] <= gemm.small_rows_max() and not _BLAS_ONLY:
+    if x.shape[0] <= gemm.small_rows_max() and not opts.blas_only:
         return _bind(gemm.mul_mat_t, x, w, out, bias, nt)
     if bias is not None:
         return _bind_mul_mat_bias(x, w.T, bias, out)
     return _bind(np.matmul, x, w.T, out=out)
 
 
-def _mul_mat_cat_steps(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequence[DType], out: np.ndarray,
+def _mul_mat_cat_steps(opts: CpuSettings, x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Sequence[DType], out: np.ndarray,
                        bias: Optional[np.ndarray], nt: int,
                        packed: Sequence[Optional[np.ndarray]]) -> list[Callable[[], None]]:
     """MUL_MAT_CAT: each weight part's product written into its columns of `out`. `packed`: each
@@ -409,14 +410,14 @@ def _mul_mat_cat_steps(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Seque
     if (parts and all(p is not None for p in packed)
             and len({qmatmul.vec_dot_type(int(d)) for d in dtypes}) == 1):
         py = _bind_mul_mat_cat_x8(x, parts, dtypes, out, bias, nt, packed)  # type: ignore[arg-type]
-        return [_native(qmatmul.bind_mul_mat_q_x8_parts, py, x, list(packed), [int(d) for d in dtypes], out, bias,
+        return [_native(opts, qmatmul.bind_mul_mat_q_x8_parts, py, x, list(packed), [int(d) for d in dtypes], out, bias,
                         nt)]
     steps, col = [], 0
     for w, dtype, wp in zip(parts, dtypes, packed):
         m = w.shape[0]
         if col + m > out.shape[1]:
             raise ValueError(f"MUL_MAT_CAT: the weight parts have more rows than out has columns ({out.shape[1]})")
-        steps.append(_mul_mat_step(x, w, dtype, out[:, col:col + m], None if bias is None else bias[col:col + m], nt,
+        steps.append(_mul_mat_step(opts, x, w, dtype, out[:, col:col + m], None if bias is None else bias[col:col + m], nt,
                                    wp))
         col += m
     if col != out.shape[1]:
@@ -440,7 +441,7 @@ def _bind_mul_mat_cat_x8(x: np.ndarray, parts: Sequence[np.ndarray], dtypes: Seq
     return lambda: qmatmul.mul_mat_q_x8_parts(x, wps, qts, out, bias, nt)
 
 
-def _moe_ffn_steps(srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndarray, params: Sequence[float],
+def _moe_ffn_steps(opts: CpuSettings, srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndarray, params: Sequence[float],
                    nt: int, packed: Callable[[Tensor], Optional[np.ndarray]]) -> list[Callable[[], None]]:
     """MOE_FFN: the router product (as any MUL_MAT, into a scratch of logits), then the MoE kernel
     (_fast/moe.pyx), which computes only the experts the tokens chose: two steps. Experts whose
@@ -458,7 +459,7 @@ def _moe_ffn_steps(srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndar
         raise ValueError(f"MOE_FFN: expert shapes {list(gate.shape)}, {list(up.shape)}, {list(down.shape)} do not "
                          f"fit x {list(x.shape)}")
     logits = np.zeros((x.shape[0], router.shape[0]), dtype=np.float32)
-    route = _mul_mat_step(x, router, srcs[1].dtype, logits, None, nt)
+    route = _mul_mat_step(opts, x, router, srcs[1].dtype, logits, None, nt)
     # each expert tensor as one row of bytes per expert, whatever its type (repacked or as in the file)
     g, u, d = (CPUBackend.bytes_of(t).reshape(t.shape[0], -1) for t in (gate, up, down))
     pg, pu, pd = packed(gate), packed(up), packed(down)
@@ -472,7 +473,7 @@ def _moe_ffn_steps(srcs: Sequence[Tensor], s: Sequence[np.ndarray], out: np.ndar
     args = (x, logits, g, int(gate.dtype), u, int(up.dtype), d, int(down.dtype), out, int(n_used), bool(norm),
             float(scale), shexp, shexp_gate, nt, x8_gate_up, pd is not None)
 
-    return [route, _native(moe.bind_moe_ffn, _bind(moe.moe_ffn, *args), *args)]
+    return [route, _native(opts, moe.bind_moe_ffn, _bind(moe.moe_ffn, *args), *args)]
 
 
 def _bind_sample(logits: np.ndarray, inp: np.ndarray, out: np.ndarray, n_probs: int, window: int,

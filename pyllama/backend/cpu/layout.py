@@ -6,12 +6,11 @@ Q4_0, Q8_0, Q4_K, Q5_K and Q6_K weights with a multiple of 8 rows are repacked i
 multiplies by them); the products then run on that copy, and the loader lets the file's pages of
 a weight read in place go (the bytes stay in the file layout for row lookups and reads, which
 page them in again). A weight in an allocated buffer (an rpc server's) is then held twice.
---no-repack (`repack = False`) or PYLLAMA_CPU_REPACK=0 turn repacking off.
+--no-repack (`repack = False`) or PYLLAMA_CPU_REPACK=0 (the backend's settings) turn repacking off.
 """
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RepackingLayout"]
 
-_REPACK = os.environ.get("PYLLAMA_CPU_REPACK", "1") not in ("", "0")
 _REPACK_RESERVE = 512 << 20  # free memory an extra repacked copy must leave (or a tenth of the total)
 _X8_TYPES = frozenset(DType(t) for t in qmatmul.x8_types())
 
@@ -38,7 +36,7 @@ class RepackingLayout(WeightLayout):
 
     def __init__(self, backend: "CPUBackend"):
         super().__init__(backend)
-        self.repack = _REPACK
+        self.repack = backend.settings.repack
         # weights repacked in groups of 8 rows: id(buffer) -> (the buffer, {(offset, nbytes, type,
         # shape): packed array}); the buffer is kept so that its id cannot be reused by another while
         # listed. Every view of one weight shares its copy; the same bytes as another type or shape

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import struct
 import threading
 from collections import OrderedDict
@@ -51,6 +50,7 @@ from gguf import GGML_QUANT_SIZES
 
 from ...obs import trace
 from ...util.errors import PyllamaError
+from ...util.settings import current as current_settings
 from ...ir.tensor import AttentionParams, Graph, Op, check_node, sample_in_cols, sample_out_cols
 from . import build as cuda_build
 from ..base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Event, Tensor
@@ -132,7 +132,7 @@ def device_count() -> int:
 
 def kernel_dir() -> Path:
     """Where the fatbins are loaded from ($PYLLAMA_CUDA_KERNELS overrides)."""
-    return Path(os.environ.get("PYLLAMA_CUDA_KERNELS") or KERNEL_DIR)
+    return Path(current_settings().cuda.kernels or KERNEL_DIR)
 
 
 def open_backend(name: str) -> "CUDABackend":
@@ -1048,7 +1048,7 @@ def _scratch_bytes(nd: Any) -> int:
 
 def _warn_if_stale(kdir: Path) -> None:
     """In a source checkout, says when the fatbins were built from other sources than cuda_src/."""
-    if not SOURCE_DIR.is_dir() or os.environ.get("PYLLAMA_CUDA_KERNELS"):
+    if not SOURCE_DIR.is_dir() or current_settings().cuda.kernels:
         return
     manifest = kdir / cuda_build.MANIFEST
     try:

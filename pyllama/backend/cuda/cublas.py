@@ -12,6 +12,8 @@ import glob
 import os
 from typing import Iterator
 
+from ...util.settings import current
+
 CUBLAS_OP_N = 0
 CUBLAS_OP_T = 1
 # cudaDataType
@@ -28,9 +30,9 @@ class CuBLASError(RuntimeError):
 
 
 def _candidates() -> Iterator[str]:
-    env = os.environ.get("PYLLAMA_CUBLAS")
-    if env:
-        yield env
+    cuda = current().cuda
+    if cuda.cublas:
+        yield cuda.cublas
     try:
         import nvidia.cublas as wheel  # noqa: PLC0415 - the pip wheel, when installed
         for root in wheel.__path__:
@@ -39,7 +41,7 @@ def _candidates() -> Iterator[str]:
         pass
     for name in ("libcublas.so", "libcublas.so.13", "libcublas.so.12", "libcublas.so.11"):
         yield name
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    for root in (*cuda.toolkit, "/usr/local/cuda"):
         if root:
             for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"),
                         os.path.join("targets", "sbsa-linux", "lib")):

@@ -4,13 +4,13 @@
 the file stores them and are converted on the device; the others are converted on the host."""
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ...ir.tensor import DType, Tensor
 from ..layout import WeightLayout
+from ...util.settings import current
 
 if TYPE_CHECKING:
     from .backend import CUDABackend
@@ -33,7 +33,7 @@ class ConvertingLayout(WeightLayout):
 
     def __init__(self, backend: "CUDABackend"):
         super().__init__(backend)
-        self.half = DType.BF16 if os.environ.get("PYLLAMA_CUDA_WEIGHTS", "f16").lower() == "bf16" else DType.F16
+        self.half = DType.BF16 if current().cuda.weights == "bf16" else DType.F16
 
     def weight_dtype(self, file_dtype: DType) -> DType:
         # norms and biases are F32 in every file and stay F32; every matrix type becomes the half type

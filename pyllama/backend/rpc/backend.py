@@ -14,7 +14,6 @@ restore.
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 import threading
 import weakref
@@ -31,6 +30,8 @@ from ...rpc.protocol import (ALLOC_REP, graph_tables, ALLOC_REQ, DEVICE_INFO, KI
 from ..base import Backend, Buffer, DeviceInfo, DType, Tensor
 from ..remote import RemoteDevice
 from .layout import PeerLayout
+from ...util.settings import RpcSettings
+from ...util.settings import current as current_settings
 
 _KIND_NAMES = {v: k for k, v in KIND.items()}
 
@@ -59,11 +60,13 @@ class RPCBackend(RemoteDevice, Backend):
     in_order = True
     compute_async = True
 
-    def __init__(self, conn: Connection, device: int = 0, name: str = "RPC0"):
+    def __init__(self, conn: Connection, device: int = 0, name: str = "RPC0",
+                 settings: Optional[RpcSettings] = None):
         self.device = device
         self.name = name
+        self.settings = settings if settings is not None else current_settings().rpc
         # split copies without host round trips of their own (PYLLAMA_RPC_NO_ASYNC_COPY=1: off)
-        self.async_copy = os.environ.get("PYLLAMA_RPC_NO_ASYNC_COPY", "") in ("", "0")
+        self.async_copy = self.settings.async_copy
         # per thread: every pipeline group uses this backend from its own decode thread
         self._local = threading.local()
         self._encoded: dict[int, bytes] = {}
@@ -76,7 +79,7 @@ class RPCBackend(RemoteDevice, Backend):
 
     def _use(self, conn: Connection) -> None:
         self.conn = conn
-        self.batched_get = conn.has(Cap.GET_TENSORS) and os.environ.get("PYLLAMA_RPC_NO_BATCHED_GET", "") in ("", "0")
+        self.batched_get = conn.has(Cap.GET_TENSORS) and self.settings.batched_get
         self._encoded.clear()  # encoded graphs name the old connection's buffer ids
 
     def _thread_state(self):

@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import logging
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -41,10 +40,10 @@ import numpy as np
 
 from ...backend.base import Backend
 from ...util.errors import PyllamaError, UnsupportedOpError
+from ...util.settings import current
 
 log = logging.getLogger("pyllama.runtime.placement.balance")
 
-PROBE_ENV = "PYLLAMA_SPLIT_PROBE"
 PROBE_BATCH = 16      # decode rows per probe step: a server group's batch at 32 users over 2 groups
 PROBE_PROMPT = 32     # positions each probe sequence holds before the timed steps
 PROBE_STEPS = 5       # timed steps per figure (the median is used), after one warm-up step
@@ -134,7 +133,7 @@ def probe_enabled() -> bool:
     # work (HTTP, batching, sampling, detokenizing), which shares the local device's cores, so the
     # local stage comes out too cheap (medium f32, RPC0,CPU, 2 groups: the probe chose 9,3 where
     # 7,5 served 10-20% more tokens/s, docs/pipeline-groups.md).
-    return os.environ.get(PROBE_ENV, "0").strip().lower() in ("1", "yes", "on", "true")
+    return current().split.probe
 
 
 @contextlib.contextmanager

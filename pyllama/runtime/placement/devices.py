@@ -8,6 +8,8 @@ from typing import Optional, Sequence
 from ...backend.base import Backend
 from ...backend.cpu import CPUBackend
 from ...util.errors import PyllamaError
+from ...util.settings import Settings
+from ...util.settings import current as current_settings
 
 log = logging.getLogger("pyllama.runtime.placement.devices")
 
@@ -137,10 +139,12 @@ def parse_split(text: Optional[str], n_devices: int) -> Optional[list[float]]:
 
 def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_threads: int,
                   token_file: Optional[str] = None, rpc_timeout: Optional[float] = None,
-                  names: Optional[Sequence[str]] = None) -> list[Backend]:
-    """The backends in layer order. Connections to rpc servers are opened here (once per endpoint),
-    proving the token of `token_file` (else $PYLLAMA_RPC_TOKEN) to servers that require one, with
-    `rpc_timeout` seconds (else $PYLLAMA_RPC_TIMEOUT, else 120) as their timeout."""
+                  names: Optional[Sequence[str]] = None, settings: Optional[Settings] = None) -> list[Backend]:
+    """The backends in layer order, each configured by its part of `settings` (default: the
+    process's). Connections to rpc servers are opened here (once per endpoint), proving the token of
+    `token_file` (else $PYLLAMA_RPC_TOKEN) to servers that require one, with `rpc_timeout` seconds
+    (else $PYLLAMA_RPC_TIMEOUT, else 120) as their timeout."""
+    settings = settings if settings is not None else current_settings()
     endpoints = [e.strip() for e in rpc.split(",") if e.strip()] if rpc else []
     names = list(names) if names is not None else device_names(device, rpc)
     if len(set(names)) != len(names):
@@ -148,7 +152,7 @@ def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_
     backends: list[Backend] = []
     for name in names:
         if name == "CPU":
-            backends.append(CPUBackend(n_threads))
+            backends.append(CPUBackend(n_threads, settings=settings.cpu))
         elif name.startswith("RPC") and name[3:].isdigit():
             i = int(name[3:])
             if i >= len(endpoints):
@@ -158,7 +162,7 @@ def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_
             from ...rpc.connection import get_connection, set_timeout, set_token  # noqa: PLC0415
             set_token(read_token(token_file, "--rpc-token-file"))
             set_timeout(rpc_timeout)
-            backends.append(RPCBackend(get_connection(endpoints[i]), 0, name))
+            backends.append(RPCBackend(get_connection(endpoints[i]), 0, name, settings=settings.rpc))
         elif name.startswith("CUDA"):
             # PyCUDA is imported only when a CUDA device is asked for; without PyCUDA, a driver, the
             # device or the built kernels this is one PyllamaError saying which

@@ -251,7 +251,8 @@ def ok_size(cmd: int, payload: bytes) -> Optional[int]:
     """The payload size of a status-0 reply to `cmd` with this request payload (None: not known)."""
     fixed = {Cmd.HELLO: P.HELLO_REP.size, Cmd.DEVICE_COUNT: 4, Cmd.GET_DEVICE_INFO: P.DEVICE_INFO.size,
              Cmd.ALLOC_BUFFER: P.ALLOC_REP.size, Cmd.FREE_BUFFER: 0, Cmd.BUFFER_CLEAR: 0,
-             Cmd.SET_TENSOR_HASH: 1, Cmd.COPY_TENSOR: 0, Cmd.SYNCHRONIZE: 0, Cmd.TRACE_SYNC: P.TRACE_REP.size}
+             Cmd.SET_TENSOR_HASH: 1, Cmd.COPY_TENSOR: 0, Cmd.SYNCHRONIZE: 0, Cmd.TRACE_SYNC: P.TRACE_REP.size,
+             Cmd.SESSION_KEY: P.SESSION_KEY_SIZE, Cmd.BIND_SESSION: 0}
     if cmd in fixed:
         return fixed[Cmd(cmd)]
     if cmd == Cmd.GET_TENSOR:
@@ -548,6 +549,16 @@ def b_trace_sync(draw, ctx: Ctx) -> bytes:
     return frame(Cmd.TRACE_SYNC, maybe_bytes_mutation(draw, P.U64.pack(draw(u64s))))
 
 
+def b_session_key(draw, ctx: Ctx) -> bytes:
+    return frame(Cmd.SESSION_KEY, draw(st.one_of(st.just(b""), st.binary(max_size=20))))
+
+
+def b_bind_session(draw, ctx: Ctx) -> bytes:
+    """A key no session has (or a payload of the wrong size): refused, the connection stays."""
+    return frame(Cmd.BIND_SESSION, draw(st.one_of(st.binary(min_size=P.SESSION_KEY_SIZE, max_size=P.SESSION_KEY_SIZE),
+                                                  st.binary(max_size=40))))
+
+
 def b_auth(draw, ctx: Ctx) -> bytes:
     step = draw(st.sampled_from([0, 1, 2, 3, 255]))
     body = draw(st.one_of(st.binary(min_size=32, max_size=32), st.binary(max_size=40), st.just(PROOF_PH)))
@@ -560,7 +571,7 @@ def b_hello(draw, ctx: Ctx) -> bytes:
 
 def b_raw(draw, ctx: Ctx) -> bytes:
     """Any command code (unknown ones close the connection) with a raw payload near its size."""
-    code = draw(st.one_of(st.sampled_from(sorted(KNOWN)), st.sampled_from([16, 17, 99, 128, 255])))
+    code = draw(st.one_of(st.sampled_from(sorted(KNOWN)), st.sampled_from([len(Cmd), len(Cmd) + 1, 99, 128, 255])))
     if code not in KNOWN and draw(st.integers(0, 3)):
         code = draw(st.sampled_from(sorted(KNOWN)))
     size = draw(st.one_of(st.sampled_from([0, 1, 4, 8, 9, 12, 16, 24, 33, 104, 112, 120, 124, 208, 244, 248]),
@@ -594,6 +605,7 @@ BUILDERS: dict[str, Callable] = {
     "FREE_BUFFER": b_free, "BUFFER_CLEAR": b_clear, "SET_TENSOR": b_set_tensor, "SET_TENSOR_HASH": b_set_tensor_hash,
     "GET_TENSOR": b_get_tensor, "GET_TENSORS": b_get_tensors, "COPY_TENSOR": b_copy, "GRAPH_COMPUTE": b_graph,
     "GRAPH_RECOMPUTE": b_recompute, "SYNCHRONIZE": b_sync, "TRACE_SYNC": b_trace_sync, "AUTH": b_auth,
+    "SESSION_KEY": b_session_key, "BIND_SESSION": b_bind_session,
     "HELLO": b_hello, "RAW": b_raw, "CACHE_ROUND_TRIP": b_cache_round_trip,
 }
 
@@ -1062,9 +1074,10 @@ class ThreadTarget(Target):
     def alive(self, wait: float = 0.0) -> Optional[str]:
         if self.st._thread is None or not self.st._thread.is_alive():
             return "the server's event loop thread died"
-        for dev in self.server.devices:
-            if not dev.executor.alive:
-                return f"the executor thread of {dev.name} died"
+        for conn in list(self.server._conns):
+            ex = conn.executor
+            if ex._started and not ex.alive and not conn.closing:
+                return f"the executor thread of connection {conn.number} ({conn.peer}) died"
         return None
 
     def allocated(self) -> int:

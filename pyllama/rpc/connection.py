@@ -20,6 +20,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from typing import Optional, Sequence
 
 from ..obs import trace
@@ -29,8 +30,8 @@ from . import auth
 from ..obs import rpc_stats as stats
 from .keepalive import enable_keepalive
 from .staging import StagingArena, arena_size
-from .protocol import (HEADER, HELLO_REP, HELLO_REQ, ONE_WAY, STATUS_EARLIER_ERROR, STATUS_OK, TRACE_REP, U64,
-                       VERSION, Cap, Cmd)
+from .protocol import (HEADER, HELLO_REP, HELLO_REQ, ONE_WAY, SESSION_KEY_SIZE, STATUS_EARLIER_ERROR, STATUS_OK,
+                       TRACE_REP, U32, U64, VERSION, Cap, Cmd)
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,23 @@ class _SendLock:
 
 
 class Connection:
-    def __init__(self, endpoint: str, timeout: Optional[float] = None):
+    """One TCP connection to an rpc server. The first one to an endpoint holds the session (the
+    buffers); with the LANES capability `open_lane` gives further connections bound to it, one per
+    pipeline group, so the peer runs each group's commands on an executor of their own."""
+
+    def __init__(self, endpoint: str, timeout: Optional[float] = None, session: Optional["Connection"] = None):
         self.endpoint = endpoint
+        # a lane: the session's first connection (its buffers, its staging); else None
+        self.session = session
+        self.lanes: "weakref.WeakSet[Connection]" = weakref.WeakSet()  # a session's: its open lanes
+        self.lane = 0 if session is None else session._lane_number()  # names the lane in traces
+        self._lanes_opened = 0
+        self._key: Optional[bytes] = None
+        # one-way commands sent, and how many of them the peer has run (known from a later reply):
+        # a lane's command waits for the session's writes (fence)
+        self.one_way_sent = 0
+        self.one_way_done = 0
+        self._one_way_before: dict[int, int] = {}  # ticket -> one-way commands sent before it
         host, port = parse_endpoint(endpoint)
         self.timeout = timeout if timeout is not None else configured_timeout()
         try:
@@ -157,11 +173,45 @@ class Connection:
         self.server_id = server_id
         try:
             self._authenticate(configured_token())
+            if session is not None:
+                if not self.has(Cap.LANES):
+                    raise RPCError(f"{endpoint}: the RPC server does not offer lanes")
+                self.call(Cmd.BIND_SESSION, session.session_key())
         except BaseException:
             self.close()
             raise
         if trace.enabled:
             self.trace_sync()
+
+    # --- sessions and lanes ------------------------------------------------------------------------
+    def session_key(self) -> bytes:
+        """The key that binds lanes to this connection's session (asked once)."""
+        if self._key is None:
+            key = self.call(Cmd.SESSION_KEY)
+            if len(key) != SESSION_KEY_SIZE:
+                raise RPCError(f"{self.endpoint}: malformed SESSION_KEY reply")
+            self._key = key
+        return self._key
+
+    def _lane_number(self) -> int:
+        self._lanes_opened += 1
+        return self._lanes_opened
+
+    def open_lane(self) -> "Connection":
+        """A further connection bound to this session (the peer advertises LANES): it uses the
+        session's buffers, and closes with it. Opened synchronously (at load or reconnection),
+        never from a path that must not wait."""
+        if self.session is not None:
+            raise ValueError("a lane opens no lanes of its own")
+        lane = Connection(self.endpoint, self.timeout, session=self)
+        self.lanes.add(lane)
+        return lane
+
+    def fence(self) -> None:
+        """Waits until the peer has run every one-way command sent so far (a round trip, only when
+        some are still unconfirmed): a lane's next command then sees what this connection wrote."""
+        if self.one_way_done != self.one_way_sent:
+            self.call(Cmd.SYNCHRONIZE, U32.pack(0))
 
     def _authenticate(self, token: Optional[bytes]) -> None:
         """Proves the token to a server that asks for one, then checks the server's proof;
@@ -260,6 +310,9 @@ class Connection:
             if cmd not in ONE_WAY:
                 ticket = self._next_ticket
                 self._next_ticket += 1
+                self._one_way_before[ticket] = self.one_way_sent
+            else:
+                self.one_way_sent += 1
             try:
                 if size <= _JOIN_MAX:
                     # one write: every syscall lets another thread take the GIL, and a frame cut
@@ -389,6 +442,10 @@ class Connection:
     def _end_turn(self) -> None:
         with self._turn:
             self._reading = False
+            # a reply (whatever its status) comes after the peer ran every command sent before it
+            done = self._one_way_before.pop(self._next_reply, None)
+            if done is not None and done > self.one_way_done:
+                self.one_way_done = done
             self._next_reply += 1
             self._turn.notify_all()
 
@@ -430,7 +487,7 @@ class Connection:
         t_enq, t_send0, t_send1, bytes_out, subj, grp = sent
         t_turn, t_recv0, t_recv1, bytes_in = got if got is not None else (None, None, None, 0)
         trace.event("rpc.client", cmd.name, t_enq, t_recv1 if t_recv1 is not None else t_send1,
-                    endpoint=self.endpoint, bytes_out=bytes_out, bytes_in=bytes_in, subj=subj, grp=grp,
+                    endpoint=self.endpoint, lane=self.lane, bytes_out=bytes_out, bytes_in=bytes_in, subj=subj, grp=grp,
                     t_enq=t_enq, t_send0=t_send0, t_send1=t_send1, t_turn=t_turn, t_recv0=t_recv0,
                     t_recv1=t_recv1, ok=ok)
 
@@ -454,17 +511,23 @@ class Connection:
             raise RPCError(self.broken)
 
     def _fail(self, why: str, stalled: bool = False) -> None:
+        """A session and its lanes fail together: a lost lane is restored by restoring the session."""
         state = "is not answering" if stalled else "is gone"
         self._shut(f"RPC peer {self.endpoint} {state} ({why})", log.error)
+        if self.session is not None and not self.session.broken:
+            self.session._shut(f"RPC peer {self.endpoint}: lane {self.lane} {state} ({why})", log.debug)
 
     def close(self) -> None:
         self._shut(f"RPC connection to {self.endpoint} closed", log.debug)
 
     def _shut(self, reason: str, say) -> None:
-        """Marks the connection broken (the first reason wins) and wakes every waiting thread."""
+        """Marks the connection broken (the first reason wins) and wakes every waiting thread; a
+        session's lanes close with it (the peer ends them too)."""
         if not self.broken:
             self.broken = reason
             say("%s", reason)
+            for lane in list(self.lanes):
+                lane._shut(f"{reason} (its session)", log.debug)
             if self._arena is not None:
                 self._arena.close()
             try:  # wakes a thread blocked on this socket at once (close alone would not)

@@ -33,6 +33,8 @@ class Cmd(enum.IntEnum):
     AUTH = 15
     GET_DEVICE_TYPES = 16
     DEVICE_BUSY = 17
+    SESSION_KEY = 18
+    BIND_SESSION = 19
 
 
 ONE_WAY = frozenset({Cmd.SET_TENSOR, Cmd.GRAPH_COMPUTE, Cmd.GRAPH_RECOMPUTE})
@@ -48,6 +50,7 @@ class Cap(enum.IntFlag):
     MOE_FFN = 1 << 6           # graphs may hold the MOE_FFN op (Mixture-of-Experts layers, CPU devices)
     DEVICE_BUSY = 1 << 7       # DEVICE_BUSY: when a device computed (the live pipeline view)
     FAMILY_OPS = 1 << 8        # graphs may hold GEGLU, SCALE, SOFTCAP and ATTENTION's extensions (CPU devices)
+    LANES = 1 << 9             # SESSION_KEY, BIND_SESSION: further connections (lanes) share a session's buffers
 
 
 STATUS_OK = 0
@@ -71,6 +74,7 @@ MAX_DEVICE_TYPES = 64                     # type ids are below 64; a reply listi
 BUSY_REQ = struct.Struct("<IIQ")          # device, reserved, since_us (server clock)
 BUSY_HEAD = struct.Struct("<QQQII")       # t_recv_us, t_reply_us, busy_total_us, n_spans, reserved
 BUSY_SPAN = struct.Struct("<QQ")          # start_us, end_us (server clock)
+SESSION_KEY_SIZE = 16                     # bytes of a session's key (SESSION_KEY's reply, BIND_SESSION's request)
 MAX_BUSY_SPANS = 4096                     # spans in one DEVICE_BUSY reply at most (the newest)
 
 MAX_DIMS = 4

@@ -1,7 +1,10 @@
-"""A device the RPC server exposes: its backend, its memory accounting and its executor thread.
+"""A device the RPC server exposes: its backend and its memory accounting; and the executor thread
+that runs one connection's commands.
 
-Every command that touches a device runs on that device's one executor thread, in arrival order
-over all connections, so a write never races a graph still computing from the same buffer.
+Every connection (a lane) has one executor that runs its commands in arrival order, so a write
+never races a graph of the same lane still computing from the same buffer. Lanes run concurrently;
+what they share (the accounting here, a session's buffer table, the backend's bound plans and
+repacked copies) is kept under locks held for bookkeeping only.
 """
 from __future__ import annotations
 
@@ -38,11 +41,13 @@ class Executor:
         self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._thread = Thread(target=self._run, name=name, daemon=True)
         self._started = False
+        self._start_lock = threading.Lock()  # the loop starts it, another lane's executor may stop it
 
     def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._thread.start()
+        with self._start_lock:
+            if not self._started:
+                self._thread.start()
+                self._started = True
 
     def submit(self, fn: Callable[[], Any], loop: Optional[asyncio.AbstractEventLoop] = None,
                done: Optional[Callable[[Any], None]] = None) -> None:
@@ -50,9 +55,16 @@ class Executor:
 
     def stop(self, timeout: float = STOP_WAIT_S) -> None:
         """Runs what is queued (for at most `timeout` seconds), then ends the thread."""
-        if self._started:
+        with self._start_lock:
+            started = self._started
+        if started:
             self._q.put(None)
             self._thread.join(timeout)
+
+    def close(self) -> None:
+        """Ends the thread once what is queued has run, without waiting for it."""
+        if self._started:
+            self._q.put(None)
 
     @property
     def alive(self) -> bool:
@@ -136,7 +148,6 @@ class Device:
             backend.budget = self  # its graphs' scratch and its repacked copies count here too
         # work is done when the executor returns from a command (no device queue to wait for)
         self.completes_in_executor = isinstance(backend, CPUBackend)
-        self.executor = Executor(f"rpc-exec-{backend.name}")
 
     def memory(self) -> tuple[int, int]:
         """(free, total): the cap when one is set, else what the backend reports."""

@@ -4,9 +4,11 @@ the commands (docs/rpc-protocol.md).
 The loop never computes. Each connection is an `asyncio.BufferedProtocol`: small frames are parsed
 out of a receive buffer (a frame may arrive in many pieces, several frames in one piece); a payload
 larger than that buffer is received straight into its own staging array, allocated once the header
-was checked against --max-frame. A complete frame goes to the executor of its device, which runs the
-commands of all connections in arrival order and hands each reply back with
-`loop.call_soon_threadsafe`; replies of one connection therefore leave in request order. A few
+was checked against --max-frame. A complete frame goes to its connection's executor, which runs
+that connection's commands in arrival order and hands each reply back with
+`loop.call_soon_threadsafe`; replies of one connection therefore leave in request order. Each
+connection is a lane: lanes run concurrently, and a lane bound to a session (BIND_SESSION) uses that
+session's buffers, so a client's pipeline groups each compute over a lane of their own. A few
 informational commands (DEVICE_COUNT, GET_DEVICE_INFO, TRACE_SYNC, and SYNCHRONIZE on a CPU device)
 are answered on the loop when nothing of that connection is queued, which keeps that order too.
 """
@@ -29,8 +31,8 @@ from ..rpc.keepalive import enable_keepalive
 from ..rpc import protocol as P
 from ..rpc.protocol import Cap, Cmd
 from .cache import TensorCache
-from .device import Device
-from .session import Session, frame, now_us
+from .device import Device, Executor
+from .session import CommandError, Session, frame, now_us
 from ..util.settings import RpcSettings, current
 from ..util.threads import Thread
 
@@ -43,7 +45,8 @@ DEFAULT_HANDSHAKE_TIMEOUT = 10.0  # seconds a connection has to say HELLO (and p
 DEFAULT_MAX_CONNECTIONS = 64
 _QUEUED_HIGH = 64 << 20        # stop reading a connection while this much of it waits to execute
 _QUEUED_LOW = 16 << 20
-_LOOP_CMDS = frozenset({Cmd.HELLO, Cmd.DEVICE_COUNT, Cmd.GET_DEVICE_INFO, Cmd.TRACE_SYNC, Cmd.AUTH})
+_SESSION_CMDS = frozenset({Cmd.SESSION_KEY, Cmd.BIND_SESSION})
+_LOOP_CMDS = frozenset({Cmd.HELLO, Cmd.DEVICE_COUNT, Cmd.GET_DEVICE_INFO, Cmd.TRACE_SYNC, Cmd.AUTH}) | _SESSION_CMDS
 _KNOWN = frozenset(int(c) for c in Cmd)
 _HELLO_MAX = 64                # a first frame claiming more than this is not a HELLO
 
@@ -80,7 +83,7 @@ class RPCServer:
         self.max_read = min(P.DEFAULT_MAX_READ, max_frame)
         self.cache = TensorCache(cache_dir) if cache_dir else None
         caps = (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.DEVICE_TYPES | Cap.MOE_FFN
-                | Cap.DEVICE_BUSY | Cap.FAMILY_OPS | (Cap.SET_TENSOR_HASH if self.cache else 0))
+                | Cap.DEVICE_BUSY | Cap.FAMILY_OPS | Cap.LANES | (Cap.SET_TENSOR_HASH if self.cache else 0))
         mask = caps_mask if caps_mask is not None else current().rpc.server_caps
         if mask is not None:
             caps &= mask
@@ -95,15 +98,17 @@ class RPCServer:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._conns: set["_Connection"] = set()
         self._all_closed: Optional[asyncio.Event] = None
+        self.sessions: dict[bytes, "_Connection"] = {}  # SESSION_KEY -> the session's first connection
+        self.sessions_lock = threading.Lock()  # the sessions and their connections' lanes and keys
+        self._executors: set[Executor] = set()  # every connection's, until its thread has ended
+        self._next_conn = 0
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> int:
-        """Starts the executors and listens; returns the bound port."""
+        """Listens; returns the bound port."""
         self._loop = asyncio.get_running_loop()
         self._all_closed = asyncio.Event()
         self._all_closed.set()
-        for dev in self.devices:
-            dev.executor.start()
         self._server = await self._loop.create_server(lambda: _Connection(self), self.host, self.port,
                                                       reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
@@ -129,14 +134,15 @@ class RPCServer:
                 pass
             self._server = None
         loop = asyncio.get_running_loop()
-        for dev in self.devices:  # each bounded (Executor.stop, TensorCache.close)
-            await loop.run_in_executor(None, dev.executor.stop)
+        executors = list(self._executors)
+        for ex in executors:  # each bounded (Executor.stop, TensorCache.close)
+            await loop.run_in_executor(None, ex.stop)
         if self.cache is not None:
             await loop.run_in_executor(None, self.cache.close)
+        if any(ex.alive for ex in executors):  # a command still computing: its buffers stay until the process ends
+            log.warning("a command is still running; not closing the devices")
+            return
         for dev in self.devices:
-            if dev.executor.alive:  # a command still computing: its buffers stay until the process ends
-                log.warning("%s: a command is still running; not closing the device", dev.name)
-                continue
             dev.backend.close()
 
     def allocated(self) -> int:
@@ -151,6 +157,10 @@ class RPCServer:
         self._conns.add(conn)
         assert self._all_closed is not None
         self._all_closed.clear()
+        self._next_conn += 1
+        conn.number = self._next_conn
+        self._executors = {ex for ex in self._executors if ex.alive}  # those of closed lanes end on their own
+        self._executors.add(conn.executor)
 
     def _closed(self, conn: "_Connection") -> None:
         self._conns.discard(conn)
@@ -169,6 +179,12 @@ class _Connection(asyncio.BufferedProtocol):
         self.hello_done = False
         self.closing = False
         self._eof = False
+        self.number = 0            # the server's count of connections when it was opened (logs, traces)
+        # the lane's executor: its commands run there in arrival order, concurrently with other lanes
+        self.executor = Executor("rpc-lane")
+        self.session_key: Optional[bytes] = None  # a session's first connection: its key, once asked
+        self.lanes: set["_Connection"] = set()    # a session's first connection: the lanes bound to it
+        self.lane_of: Optional["_Connection"] = None  # a lane: its session's first connection
         self.inflight = 0          # commands handed to an executor and not yet completed
         self.queued_bytes = 0      # their payload bytes
         self._write_paused = False
@@ -257,8 +273,31 @@ class _Connection(asyncio.BufferedProtocol):
         session = self.session
         if session is not None:
             session.closed = True
-            for dev in self.server.devices:  # frees its buffers after whatever is already queued
-                dev.executor.submit(lambda dev=dev: session.release(dev))
+            with self.server.sessions_lock:
+                if self.lane_of is not None:
+                    self.lane_of.lanes.discard(self)
+                if self.session_key is not None:
+                    self.server.sessions.pop(self.session_key, None)
+                lanes = list(self.lanes)
+                self.lanes.clear()
+            for lane in lanes:  # a session's lanes end with its first connection
+                if lane.session is not None:
+                    lane.session.closed = True
+                lane.abort()
+
+            def release() -> None:
+                # the lanes' executors end first: none still computes with a buffer freed here
+                for lane in lanes:
+                    lane.executor.stop()
+                for dev in self.server.devices:  # after whatever is already queued
+                    for lane in lanes:
+                        if lane.session is not None:
+                            lane.session.release(dev)
+                    session.release(dev)
+
+            self.executor.start()
+            self.executor.submit(release)
+            self.executor.close()
         self.server._closed(self)
 
     def pause_writing(self) -> None:
@@ -392,7 +431,7 @@ class _Connection(asyncio.BufferedProtocol):
         assert session is not None
         if self.inflight == 0 and (cmd in _LOOP_CMDS or (cmd is Cmd.SYNCHRONIZE and self._sync_on_loop)):
             t_exec0 = trace.now() if rx else 0
-            reply = session.execute(cmd, payload, t_recv)
+            reply = self._session_command(cmd, payload) if cmd in _SESSION_CMDS else session.execute(cmd, payload, t_recv)
             t_exec1 = trace.now() if rx else 0
             tx = self._reply(reply, rx is not None)
             if rx:
@@ -407,7 +446,10 @@ class _Connection(asyncio.BufferedProtocol):
             t_exec0 = trace.now() if rx else 0
             if not session.closed:
                 try:
-                    reply = session.execute(cmd, payload, t_recv)
+                    if cmd in _SESSION_CMDS:
+                        reply = self._session_command(cmd, payload)
+                    else:
+                        reply = session.execute(cmd, payload, t_recv)
                 except BaseException as exc:  # noqa: BLE001 - execute answers errors itself; this is a bug
                     log.exception("%s: %s crashed", session.peer, cmd.name)
                     if cmd not in P.ONE_WAY:
@@ -415,8 +457,56 @@ class _Connection(asyncio.BufferedProtocol):
             ex = (t_exec0, trace.now(), session.last_nodes) if rx else None
             return reply is not None, (reply, nbytes, cmd, rx, ex)
 
-        self.server.devices[0].executor.submit(run, self.server._loop, self._done)
+        self.executor.start()
+        self.executor.submit(run, self.server._loop, self._done)
         self._update_reading()
+
+    def _session_command(self, cmd: Cmd, payload) -> bytes:
+        """SESSION_KEY and BIND_SESSION (on the loop, or on the executor behind queued commands):
+        the server's table of sessions and their lanes change under its lock."""
+        assert self.session is not None
+        earlier = self.session.earlier_error()
+        if earlier is not None:
+            return earlier
+        try:
+            if not self.server.capabilities & Cap.LANES:
+                raise CommandError(f"{cmd.name} is not advertised by this server")
+            with self.server.sessions_lock:
+                out = self._session_key(payload) if cmd is Cmd.SESSION_KEY else self._bind(payload)
+            return frame(P.STATUS_OK, out)
+        except CommandError as exc:
+            log.warning("%s: %s refused: %s", self.peer, cmd.name, exc)
+            return frame(P.STATUS_ERROR, f"{cmd.name}: {exc}".encode())
+
+    def _session_key(self, payload) -> bytes:
+        if len(payload):
+            raise CommandError(f"payload of {len(payload)} bytes, expected none")
+        if self.lane_of is not None:
+            raise CommandError("this connection is a lane of another session")
+        if self.session_key is None:
+            key = secrets.token_bytes(P.SESSION_KEY_SIZE)
+            self.server.sessions[key] = self
+            self.session_key = key
+        return self.session_key
+
+    def _bind(self, payload) -> bytes:
+        if len(payload) != P.SESSION_KEY_SIZE:
+            raise CommandError(f"payload of {len(payload)} bytes, expected a {P.SESSION_KEY_SIZE}-byte key")
+        owner = self.server.sessions.get(bytes(payload))
+        if owner is None or owner.closing or owner.session is None:
+            raise CommandError("no open session has this key")
+        if owner is self:
+            raise CommandError("a connection cannot be a lane of its own session")
+        assert self.session is not None
+        if not self.session.fresh or self.session_key is not None:
+            raise CommandError("only a connection that has not used buffers, graphs or a session key yet can "
+                               "become a lane")
+        self.session.bind(owner.session)
+        self.lane_of = owner
+        owner.lanes.add(self)
+        log.info("%s: lane %d of the session of connection %d (%s)", self.peer, len(owner.lanes), owner.number,
+                 owner.peer)
+        return b""
 
     def _done(self, result: tuple) -> None:
         """On the loop: a queued command completed."""
@@ -510,7 +600,8 @@ class _Connection(asyncio.BufferedProtocol):
         trace.event("rpc.server", cmd.name, rx[0], t_send1 or ex[1], t_recv0=rx[0], t_recv1=rx[1],
                     t_exec0=ex[0], t_exec1=ex[1], t_send0=t_send0, t_send1=t_send1,
                     bytes_in=nbytes + P.HEADER.size, bytes_out=len(reply) if reply is not None else 0,
-                    n_nodes=ex[2], dev=self.server.devices[0].name, peer=self.peer)
+                    n_nodes=ex[2], dev=self.server.devices[0].name, peer=self.peer, conn=self.number,
+                    lane_of=self.lane_of.number if self.lane_of is not None else None)
 
     # --- output and flow control ----------------------------------------------------------------
     def _write(self, data) -> None:

@@ -2,8 +2,14 @@
 
 A Session holds what a connection owns: its buffers (id -> Buffer), the last graph per device
 (decoded once, re-run by GRAPH_RECOMPUTE), and the first failure of a one-way command until the
-next replying command reports it. Handlers run on the device's executor thread (a few informational
-ones run on the event loop while nothing of the connection is queued), so the state needs no lock.
+next replying command reports it. Handlers run on the connection's executor thread (a few
+informational ones run on the event loop while nothing of the connection is queued).
+
+A lane (a further connection bound with BIND_SESSION) is a Session of its own whose buffer table is
+its owner's: it keeps its own graphs and its own pending failure, and uses the owner's buffers.
+The table is a dict that each lane's executor reads while the owner's adds and removes entries
+(single dict operations, atomic in CPython); a lane drops its graphs that name a freed buffer the
+next time it computes (the owner counts its frees).
 
 Everything a request names is checked before anything is allocated or written (docs/rpc-protocol.md,
 "Validation"): Python integers never wrap, and the codec checks graph structure in 64-bit
@@ -143,6 +149,9 @@ class Session:
         self.server = server
         self.peer = peer
         self.buffers: dict[int, tuple[Buffer, "Device"]] = {}
+        self.owner: Optional["Session"] = None  # a lane: the session whose buffers it uses
+        self.frees = 0                          # FREE_BUFFERs run (lanes compare it with what they saw)
+        self._seen_frees = 0
         self.graphs: dict[int, StoredGraph] = {}   # device index -> last graph
         # recently decoded graphs by (device, uid): pipeline groups alternate their graphs on one
         # connection, and re-decoding and re-binding each one every step costs the server a lot
@@ -187,12 +196,9 @@ class Session:
                 else:
                     self._more_failures += 1
             return None
-        if self.pending is not None:
-            msg, self.pending = self.pending, None
-            if self._more_failures:
-                msg += f" (and {self._more_failures} later one-way command(s) failed too)"
-                self._more_failures = 0
-            return frame(P.STATUS_EARLIER_ERROR, msg.encode("utf-8", "replace"))
+        earlier = self.earlier_error()
+        if earlier is not None:
+            return earlier
         try:
             out = handler(payload, t_recv)
         except Exception as exc:  # noqa: BLE001 - any failure is an error reply, the server keeps serving
@@ -202,11 +208,38 @@ class Session:
             return out
         return frame(P.STATUS_OK, out)
 
+    def earlier_error(self) -> Optional[bytes]:
+        """The reply that reports a failed one-way command (then forgotten), or None: a replying
+        command answers with it instead of running."""
+        if self.pending is None:
+            return None
+        msg, self.pending = self.pending, None
+        if self._more_failures:
+            msg += f" (and {self._more_failures} later one-way command(s) failed too)"
+            self._more_failures = 0
+        return frame(P.STATUS_EARLIER_ERROR, msg.encode("utf-8", "replace"))
+
+    def bind(self, owner: "Session") -> None:
+        """Makes this (fresh) session a lane of `owner`: its buffers are the owner's from now on."""
+        self.owner = owner
+        self.buffers = owner.buffers
+        self._seen_frees = owner.frees
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing allocated, computed or failed yet: the state BIND_SESSION requires."""
+        return not self.buffers and not self.recent and self.pending is None and self.owner is None
+
     def release(self, device: "Device") -> None:
-        """Frees everything this connection holds on `device` (runs on its executor at close)."""
+        """Frees everything this connection holds on `device` (runs on its executor at close; a
+        lane's buffers are its owner's, which frees them)."""
         self.graphs.pop(device.index, None)
-        for key in [k for k in self.recent if k[0] == device.index]:
-            device.forget_graph(self.recent.pop(key).graph.uid)
+        for key in [k for k in list(self.recent) if k[0] == device.index]:
+            stored = self.recent.pop(key, None)  # (a closing session's job may release a lane too)
+            if stored is not None:
+                device.forget_graph(stored.graph.uid)
+        if self.owner is not None:
+            return
         for bid in [b for b, (_, dev) in self.buffers.items() if dev is device]:
             buf, _ = self.buffers.pop(bid)
             device.free(buf)
@@ -326,6 +359,7 @@ class Session:
         buf, dev = self._buffer(bid, "FREE_BUFFER")
         self._drop_graphs_using(bid)
         del self.buffers[bid]
+        (self.owner or self).frees += 1
         dev.free(buf)
         return b""
 
@@ -446,6 +480,7 @@ class Session:
             raise CommandError(f"payload of {len(payload)} bytes is shorter than the graph head")
         device, _, uid, _, _ = P.GRAPH_HEAD.unpack_from(payload)
         dev = self._device(device)
+        self._drop_stale_graphs()
         data = payload if isinstance(payload, bytes) else bytes(payload)
         self.graphs.pop(device, None)  # a refused graph still replaces the last one
         stored = self.recent.get((device, uid))
@@ -464,6 +499,7 @@ class Session:
         _expect(payload, P.RECOMPUTE.size, "GRAPH_RECOMPUTE")
         device, _, uid = P.RECOMPUTE.unpack(payload)
         dev = self._device(device)
+        self._drop_stale_graphs()
         stored = self.graphs.get(device)
         if stored is None or stored.uid != uid:
             last = "none" if stored is None else stored.uid
@@ -497,6 +533,15 @@ class Session:
 
     def _drop_graphs_using(self, bid: int) -> None:
         for key in [k for k, g in self.recent.items() if bid in g.buffers]:
+            self._forget(key)
+
+    def _drop_stale_graphs(self) -> None:
+        """A lane forgets its graphs that name a buffer another lane of its session freed since."""
+        shared = self.owner or self
+        if shared.frees == self._seen_frees:
+            return
+        self._seen_frees = shared.frees
+        for key in [k for k, g in self.recent.items() if not all(b in self.buffers for b in g.buffers)]:
             self._forget(key)
 
     def _build_graph(self, dev: "Device", payload: bytes) -> tuple[Graph, frozenset]:

@@ -29,6 +29,7 @@ from ...rpc.protocol import (ALLOC_REP, graph_tables, ALLOC_REQ, DEVICE_INFO, KI
                             Cap, Cmd, DEVICE_TYPES_HEAD, MAX_DEVICE_TYPES)
 from ..base import Backend, Buffer, DeviceInfo, DType, Tensor
 from ..remote import RemoteDevice
+from ..stream import Stream
 from .layout import PeerLayout
 from ...util.settings import RpcSettings
 from ...util.settings import current as current_settings
@@ -55,7 +56,165 @@ def tensor_bytes(t: Tensor) -> bytes:
                         t.name.encode()[:NAME_LEN])
 
 
-class RPCBackend(RemoteDevice, Backend):
+class _Commands:
+    """The commands of one queue of work on a peer's device, over one connection (`conn`): the
+    device's default stream (RPCBackend, on the session's connection, reads kept per thread) or a
+    pipeline group's lane (RPCLane, a connection of its own). `dev` is the device."""
+
+    dev: "RPCBackend"
+    conn: Connection
+
+    def _fence(self) -> None:
+        """Before a command that depends on what the session's connection wrote (a lane's)."""
+
+    @property
+    def _reads(self) -> list[tuple[Tensor, np.ndarray]]:
+        raise NotImplementedError
+
+    @property
+    def _inflight(self) -> list[tuple[int, Cmd, list[tuple[Tensor, np.ndarray]]]]:
+        raise NotImplementedError
+
+    # --- data ------------------------------------------------------------------------------------
+    def set_tensor(self, tensor: Tensor, data: np.ndarray, offset: int = 0) -> None:
+        src = memoryview(np.ascontiguousarray(data)).cast("B")
+        if offset < 0 or offset + len(src) > tensor.nbytes:
+            raise ValueError(f"set_tensor: {len(src)} bytes at {offset} overflow {tensor.name} ({tensor.nbytes} B)")
+        self._flush_reads()
+        self._fence()
+        desc = tensor_bytes(tensor)
+        if len(src) >= HASH_MIN_BYTES and tensor.buffer.usage == "weights" and self.conn.has(Cap.SET_TENSOR_HASH):
+            # the server's weight cache may already hold these bytes: a restart then resends nothing
+            digest = hashlib.sha256(src).digest()
+            found = self.conn.call(Cmd.SET_TENSOR_HASH, desc, REGION.pack(offset, len(src)), digest, subj=tensor.name)
+            if found == b"\x01":
+                return
+        self.conn.send(Cmd.SET_TENSOR, [desc, U64.pack(offset), src], subj=tensor.name)
+
+    def get_tensor(self, tensor: Tensor, out: Optional[np.ndarray] = None) -> np.ndarray:
+        self._flush_reads()
+        if out is None:
+            out = np.empty(tensor.nbytes, dtype=np.uint8)
+            if tensor.dtype in (DType.F32, DType.I32, DType.F16):
+                out = out.view({DType.F32: np.float32, DType.I32: np.int32, DType.F16: np.float16}[tensor.dtype]).reshape(tensor.shape)
+        dst = memoryview(out.reshape(-1).view(np.uint8))
+        if len(dst) != tensor.nbytes:
+            raise ValueError(f"get_tensor: {tensor.name} has {tensor.nbytes} B, destination {len(dst)} B")
+        self._fence()
+        self.conn.call(Cmd.GET_TENSOR, tensor_bytes(tensor), REGION.pack(0, tensor.nbytes), into=dst, subj=tensor.name)
+        return out
+
+    def get_tensor_async(self, tensor: Tensor, out: np.ndarray) -> None:
+        if not self.dev.batched_get:
+            self.get_tensor(tensor, out)
+            return
+        if out.nbytes != tensor.nbytes or not out.flags.c_contiguous:
+            raise ValueError(f"get_tensor_async: destination of {tensor.name} must be contiguous and {tensor.nbytes} B")
+        self._reads.append((tensor, out))
+
+    def _flush_reads(self) -> None:
+        """Sends this thread's queued reads and waits for every read it has in flight. Every
+        ticket is collected even when one reply is an error (the first error is raised after):
+        a ticket left behind would stall every other user of the connection."""
+        reads = self._reads
+        if reads:
+            self._send_reads(list(reads), locked=False)
+            reads.clear()
+        inflight = self._inflight
+        first: Optional[RPCError] = None
+        while inflight:
+            ticket, cmd, batch = inflight.pop(0)
+            try:
+                self._receive_read(ticket, cmd, batch)
+            except RPCError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _receive_read(self, ticket: int, cmd: Cmd, batch: list[tuple[Tensor, np.ndarray]]) -> None:
+        if len(batch) == 1:
+            self.conn.receive(ticket, cmd, into=memoryview(batch[0][1].reshape(-1).view(np.uint8)))
+            return
+        buf = bytearray(sum(t.nbytes for t, _ in batch))
+        self.conn.receive(ticket, cmd, into=memoryview(buf))
+        pos = 0
+        for t, out in batch:
+            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(buf, np.uint8, t.nbytes, pos)
+            pos += t.nbytes
+
+    def _send_reads(self, reads: list[tuple[Tensor, np.ndarray]], locked: bool) -> None:
+        """Sends reads (one GET_TENSORS, or one GET_TENSOR each without the capability); their
+        replies are received by _flush_reads."""
+        for t, out in reads:
+            if out.nbytes != t.nbytes or not out.flags.c_contiguous:
+                raise ValueError(f"read of {t.name}: destination must be contiguous and {t.nbytes} B")
+        if not locked:  # (a graph's reads go out behind it, which fenced already)
+            self._fence()
+        if self.dev.batched_get:
+            parts = [U32.pack(len(reads))]
+            for t, _ in reads:
+                parts += [tensor_bytes(t), REGION.pack(0, t.nbytes)]
+            subj = ",".join(t.name for t, _ in reads) if trace.enabled else ""
+            ticket = self.conn.send(Cmd.GET_TENSORS, parts, locked=locked, subj=subj)
+            self._inflight.append((ticket, Cmd.GET_TENSORS, reads))  # type: ignore[arg-type]
+            return
+        for t, out in reads:
+            ticket = self.conn.send(Cmd.GET_TENSOR, [tensor_bytes(t), REGION.pack(0, t.nbytes)], locked=locked,
+                                    subj=t.name)
+            self._inflight.append((ticket, Cmd.GET_TENSOR, [(t, out)]))  # type: ignore[arg-type]
+
+    def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
+        if isinstance(src.backend, RPCBackend):
+            if src.backend.conn is not self.dev.conn:  # another peer (or session)
+                return False
+            self._flush_reads()
+            self.conn.call(Cmd.COPY_TENSOR, tensor_bytes(src), tensor_bytes(dst), subj=dst.name)
+            return True
+        host = src.backend.host_array(src) if self.dev.async_copy else None
+        if host is None:
+            return False
+        # the producer's compute is complete when its graph_compute returned (host devices run
+        # synchronously), so its bytes can go as they are; SET_TENSOR is one-way
+        self.set_tensor(dst, host)
+        return True
+
+    def stage_read(self, tensor: Tensor):
+        """A region of the connection's staging arena to read `tensor` into (the read travels
+        with the producing graph), or None: async copies off, or no room without waiting."""
+        if not self.dev.async_copy:
+            return None
+        if self.conn.broken:
+            raise RPCError(self.conn.broken)
+        return self.dev.conn.arena.reserve(tensor.nbytes)  # the session's, shared by its lanes
+
+    # --- compute ---------------------------------------------------------------------------------
+    def graph_compute(self, graph: Graph, reads=()) -> None:
+        """Sends the graph (or re-runs it by uid) and, under the same send lock, the reads that
+        belong to it, so no other thread's graph can come between them on the wire."""
+        self._flush_reads()
+        self._fence()
+        conn = self.conn
+        with conn.send_lock:
+            if conn.last_graph.get(self.dev.device) == graph.uid:
+                conn.send(Cmd.GRAPH_RECOMPUTE, [RECOMPUTE.pack(self.dev.device, 0, graph.uid)], locked=True,
+                          subj=str(graph.uid) if trace.enabled else "")
+            else:
+                payload = self.dev._encoded.get(graph.uid)
+                if payload is None:
+                    payload = self.dev._encode(graph)
+                conn.send(Cmd.GRAPH_COMPUTE, [payload], locked=True, subj=str(graph.uid) if trace.enabled else "")
+                conn.last_graph[self.dev.device] = graph.uid
+            if reads:
+                self._send_reads(list(reads), locked=True)
+
+    def synchronize(self) -> None:
+        if self._reads or self._inflight:
+            self._flush_reads()  # their replies also report any earlier one-way failure
+        else:
+            self.conn.call(Cmd.SYNCHRONIZE, U32.pack(self.dev.device))
+
+
+class RPCBackend(_Commands, RemoteDevice, Backend):
     # the peer runs every command for a device on that device's one executor, in arrival order
     in_order = True
     compute_async = True
@@ -75,7 +234,21 @@ class RPCBackend(RemoteDevice, Backend):
         # every buffer allocated here and not freed, to allocate again after a reconnect
         self._buffers: "weakref.WeakValueDictionary[int, RPCBuffer]" = weakref.WeakValueDictionary()
         self.layout = PeerLayout(self)
+        self._lanes: "weakref.WeakSet[RPCLane]" = weakref.WeakSet()  # the pipeline groups' streams
         self._use(conn)
+
+    @property
+    def dev(self) -> "RPCBackend":
+        return self
+
+    def new_stream(self) -> Stream:
+        """A pipeline group's stream: a lane of its own to the peer when the peer offers lanes (its
+        steps then never wait behind another group's on the peer), else this default stream."""
+        if not self.conn.has(Cap.LANES):
+            return self
+        lane = RPCLane(self, self.conn.open_lane())
+        self._lanes.add(lane)
+        return lane
 
     def _use(self, conn: Connection) -> None:
         self.conn = conn
@@ -135,6 +308,8 @@ class RPCBackend(RemoteDevice, Backend):
             buf.remote_id, got = ALLOC_REP.unpack(rep)
             if got < buf.size:
                 raise RPCError(f"{old.endpoint}: ALLOC_BUFFER gave {got} of {buf.size} bytes")
+        for lane in list(self._lanes):  # every group's lane, bound to the new session
+            lane.reopen(conn)
         return list(buffers)
 
     # --- buffers -------------------------------------------------------------------------------
@@ -165,138 +340,11 @@ class RPCBackend(RemoteDevice, Backend):
         self._flush_reads()
         self.conn.call(Cmd.BUFFER_CLEAR, U64.pack(buffer.remote_id) + bytes([value & 0xFF]))  # type: ignore[attr-defined]
 
-    # --- data ------------------------------------------------------------------------------------
-    def set_tensor(self, tensor: Tensor, data: np.ndarray, offset: int = 0) -> None:
-        src = memoryview(np.ascontiguousarray(data)).cast("B")
-        if offset < 0 or offset + len(src) > tensor.nbytes:
-            raise ValueError(f"set_tensor: {len(src)} bytes at {offset} overflow {tensor.name} ({tensor.nbytes} B)")
-        self._flush_reads()
-        desc = tensor_bytes(tensor)
-        if len(src) >= HASH_MIN_BYTES and tensor.buffer.usage == "weights" and self.conn.has(Cap.SET_TENSOR_HASH):
-            # the server's weight cache may already hold these bytes: a restart then resends nothing
-            digest = hashlib.sha256(src).digest()
-            found = self.conn.call(Cmd.SET_TENSOR_HASH, desc, REGION.pack(offset, len(src)), digest, subj=tensor.name)
-            if found == b"\x01":
-                return
-        self.conn.send(Cmd.SET_TENSOR, [desc, U64.pack(offset), src], subj=tensor.name)
-
-    def get_tensor(self, tensor: Tensor, out: Optional[np.ndarray] = None) -> np.ndarray:
-        self._flush_reads()
-        if out is None:
-            out = np.empty(tensor.nbytes, dtype=np.uint8)
-            if tensor.dtype in (DType.F32, DType.I32, DType.F16):
-                out = out.view({DType.F32: np.float32, DType.I32: np.int32, DType.F16: np.float16}[tensor.dtype]).reshape(tensor.shape)
-        dst = memoryview(out.reshape(-1).view(np.uint8))
-        if len(dst) != tensor.nbytes:
-            raise ValueError(f"get_tensor: {tensor.name} has {tensor.nbytes} B, destination {len(dst)} B")
-        self.conn.call(Cmd.GET_TENSOR, tensor_bytes(tensor), REGION.pack(0, tensor.nbytes), into=dst, subj=tensor.name)
-        return out
-
-    def get_tensor_async(self, tensor: Tensor, out: np.ndarray) -> None:
-        if not self.batched_get:
-            self.get_tensor(tensor, out)
-            return
-        if out.nbytes != tensor.nbytes or not out.flags.c_contiguous:
-            raise ValueError(f"get_tensor_async: destination of {tensor.name} must be contiguous and {tensor.nbytes} B")
-        self._reads.append((tensor, out))
-
-    def _flush_reads(self) -> None:
-        """Sends this thread's queued reads and waits for every read it has in flight. Every
-        ticket is collected even when one reply is an error (the first error is raised after):
-        a ticket left behind would stall every other user of the connection."""
-        reads = self._reads
-        if reads:
-            self._send_reads(list(reads), locked=False)
-            reads.clear()
-        inflight = self._inflight
-        first: Optional[RPCError] = None
-        while inflight:
-            ticket, cmd, batch = inflight.pop(0)
-            try:
-                self._receive_read(ticket, cmd, batch)
-            except RPCError as exc:
-                first = first or exc
-        if first is not None:
-            raise first
-
-    def _receive_read(self, ticket: int, cmd: Cmd, batch: list[tuple[Tensor, np.ndarray]]) -> None:
-        if len(batch) == 1:
-            self.conn.receive(ticket, cmd, into=memoryview(batch[0][1].reshape(-1).view(np.uint8)))
-            return
-        buf = bytearray(sum(t.nbytes for t, _ in batch))
-        self.conn.receive(ticket, cmd, into=memoryview(buf))
-        pos = 0
-        for t, out in batch:
-            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(buf, np.uint8, t.nbytes, pos)
-            pos += t.nbytes
-
-    def _send_reads(self, reads: list[tuple[Tensor, np.ndarray]], locked: bool) -> None:
-        """Sends reads (one GET_TENSORS, or one GET_TENSOR each without the capability); their
-        replies are received by _flush_reads."""
-        for t, out in reads:
-            if out.nbytes != t.nbytes or not out.flags.c_contiguous:
-                raise ValueError(f"read of {t.name}: destination must be contiguous and {t.nbytes} B")
-        if self.batched_get:
-            parts = [U32.pack(len(reads))]
-            for t, _ in reads:
-                parts += [tensor_bytes(t), REGION.pack(0, t.nbytes)]
-            subj = ",".join(t.name for t, _ in reads) if trace.enabled else ""
-            ticket = self.conn.send(Cmd.GET_TENSORS, parts, locked=locked, subj=subj)
-            self._inflight.append((ticket, Cmd.GET_TENSORS, reads))  # type: ignore[arg-type]
-            return
-        for t, out in reads:
-            ticket = self.conn.send(Cmd.GET_TENSOR, [tensor_bytes(t), REGION.pack(0, t.nbytes)], locked=locked,
-                                    subj=t.name)
-            self._inflight.append((ticket, Cmd.GET_TENSOR, [(t, out)]))  # type: ignore[arg-type]
-
     def can_copy_from(self, src: Backend) -> bool:
         if isinstance(src, RPCBackend):
             return src.conn is self.conn
         # a host-memory producer: the SET_TENSOR goes out of its bytes in place, no staging
         return self.async_copy and src.host_memory
-
-    def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
-        if isinstance(src.backend, RPCBackend):
-            if src.backend.conn is not self.conn:
-                return False
-            self._flush_reads()
-            self.conn.call(Cmd.COPY_TENSOR, tensor_bytes(src), tensor_bytes(dst), subj=dst.name)
-            return True
-        host = src.backend.host_array(src) if self.async_copy else None
-        if host is None:
-            return False
-        # the producer's compute is complete when its graph_compute returned (host devices run
-        # synchronously), so its bytes can go as they are; SET_TENSOR is one-way
-        self.set_tensor(dst, host)
-        return True
-
-    def stage_read(self, tensor: Tensor):
-        """A region of the connection's staging arena to read `tensor` into (the read travels
-        with the producing graph), or None: async copies off, or no room without waiting."""
-        if not self.async_copy:
-            return None
-        if self.conn.broken:
-            raise RPCError(self.conn.broken)
-        return self.conn.arena.reserve(tensor.nbytes)
-
-    # --- compute ---------------------------------------------------------------------------------
-    def graph_compute(self, graph: Graph, reads=()) -> None:
-        """Sends the graph (or re-runs it by uid) and, under the same send lock, the reads that
-        belong to it, so no other thread's graph can come between them on the wire."""
-        self._flush_reads()
-        conn = self.conn
-        with conn.send_lock:
-            if conn.last_graph.get(self.device) == graph.uid:
-                conn.send(Cmd.GRAPH_RECOMPUTE, [RECOMPUTE.pack(self.device, 0, graph.uid)], locked=True,
-                          subj=str(graph.uid) if trace.enabled else "")
-            else:
-                payload = self._encoded.get(graph.uid)
-                if payload is None:
-                    payload = self._encode(graph)
-                conn.send(Cmd.GRAPH_COMPUTE, [payload], locked=True, subj=str(graph.uid) if trace.enabled else "")
-                conn.last_graph[self.device] = graph.uid
-            if reads:
-                self._send_reads(list(reads), locked=True)
 
     def _encode(self, graph: Graph) -> bytes:
         def remote_id(buf: Buffer) -> int:
@@ -310,12 +358,6 @@ class RPCBackend(RemoteDevice, Backend):
             self._encoded.pop(next(iter(self._encoded)))
         self._encoded[graph.uid] = payload
         return payload
-
-    def synchronize(self) -> None:
-        if self._reads or self._inflight:
-            self._flush_reads()  # their replies also report any earlier one-way failure
-        else:
-            self.conn.call(Cmd.SYNCHRONIZE, U32.pack(self.device))
 
     # --- information -------------------------------------------------------------------------
     def device_info(self) -> DeviceInfo:
@@ -380,6 +422,52 @@ class RPCBackend(RemoteDevice, Backend):
         return frozenset({DType.F32, DType.F16, DType.BF16}) if self._kind == KIND["cuda"] else frozenset({DType.F32})
 
 
+class RPCLane(_Commands, Stream):
+    """A pipeline group's stream on a peer's device: a connection of its own bound to the device's
+    session (LANES), so the peer runs this group's commands on an executor of their own. Used by
+    one decode thread; a command that depends on what the session's connection wrote (weights,
+    restored KV rows) first waits until the peer has run those writes (`Connection.fence`)."""
+
+    def __init__(self, device: RPCBackend, conn: Connection):
+        self.dev = device
+        self.conn = conn
+        self._state: tuple[Connection, list, list] = (conn, [], [])
+
+    @property
+    def backend(self) -> RPCBackend:
+        return self.dev
+
+    def _fence(self) -> None:
+        self.dev.conn.fence()
+
+    def _queues(self) -> tuple[Connection, list, list]:
+        if self._state[0] is not self.conn:  # after a reconnect: nothing of the old lane is awaited
+            self._state = (self.conn, [], [])
+        return self._state
+
+    @property
+    def _reads(self) -> list[tuple[Tensor, np.ndarray]]:
+        return self._queues()[1]
+
+    @property
+    def _inflight(self) -> list[tuple[int, Cmd, list[tuple[Tensor, np.ndarray]]]]:
+        return self._queues()[2]
+
+    def set_tensor_async(self, tensor: Tensor, data: np.ndarray, offset: int = 0) -> None:
+        self.set_tensor(tensor, data, offset)
+
+    def forget_graph(self, uid: int) -> None:
+        self.dev.forget_graph(uid)
+
+    def reopen(self, session: Connection) -> None:
+        """Continues on a new lane of `session` (the device's connection after a reconnect)."""
+        old, self.conn = self.conn, session.open_lane()
+        old.close()
+
+    def release(self) -> None:
+        self.conn.close()
+
+
 def _known_types(ids) -> list[DType]:
     """The type ids a peer listed that this side knows (an unknown one it cannot be sent anyway)."""
     out = []
@@ -391,4 +479,4 @@ def _known_types(ids) -> list[DType]:
     return out
 
 
-__all__ = ["RPCBackend", "RPCBuffer", "RPCError", "tensor_bytes"]
+__all__ = ["RPCBackend", "RPCBuffer", "RPCError", "RPCLane", "tensor_bytes"]

@@ -1233,28 +1233,44 @@ static inline void pq_dot_rows(int t, int nr, int64_t k, const uint8_t *w, const
  * PQ_POOL_SPIN_NS after their last item (the next product usually arrives within it), then
  * sleep on a futex. Which thread computes an item never changes its result.
  *
- * The job state is one atomic word: generation (16 bits) | item count (24) | next item (24), so
- * that a claim (a CAS on it) names its job exactly; the job's function and context are read
- * after a successful claim, when the job cannot end before the claimed item is done. A forked
- * child inherits no helpers: the pool forgets them (pthread_atfork) and starts its own. */
+ * Several threads may run kernels at once (pipeline groups sharing a process, an rpc server's
+ * lanes): the pool holds up to PQ_POOL_SLOTS jobs, one per slot, and its helpers, as many as the
+ * largest n_threads asked for less one, serve every job; a caller works only on its own job and
+ * waits only for its own items. A caller takes the first free slot (one atomic exchange: a lone
+ * caller always gets slot 0) and, when all are taken, runs its items alone. A helper scans the
+ * slots from the one after the slot of its last item, so that the jobs of concurrent callers
+ * share the helpers item by item.
+ *
+ * A slot's state is one atomic word: generation (16 bits) | item count (24) | next item (24), so
+ * that a claim (a CAS on it) names its job exactly, and a helper that read the state of a job that
+ * has since ended and been replaced in the same slot fails its CAS (the generation moved on); the
+ * job's function and context are written before the state (release) and read after a successful
+ * claim (acquire), when the job cannot end before the claimed item is done. A forked child
+ * inherits no helpers: the pool forgets them and every slot (pthread_atfork) and starts its own. */
 #define PQ_POOL_MAX 64
+#define PQ_POOL_SLOTS 8         /* a power of two: helpers step through the slots by masking */
 #define PQ_POOL_SPIN_NS 200000
 #define PQ_POOL_WAIT_SPIN_NS 20000
 #define PQ_POOL_ITEMS_MAX ((1 << 24) - 1)
 
 typedef void (*pq_item_fn)(void *ctx, int64_t item);
 
-static struct {
+typedef struct {
     uint64_t state;         /* atomic: gen << 48 | n << 24 | next */
-    int done;               /* atomic futex word: items finished in the current job */
+    int done;               /* atomic futex word: items finished in the slot's current job */
     int waiting;            /* atomic: the caller sleeps on `done` */
     pq_item_fn fn;
     void *ctx;
+} __attribute__((aligned(64))) pq_pool_slot;  /* a line each: one job's claims leave the others' alone */
+
+static struct {
+    pq_pool_slot slot[PQ_POOL_SLOTS];
+    int busy[PQ_POOL_SLOTS] __attribute__((aligned(64)));  /* atomic: a caller owns the slot */
     int wake;               /* atomic futex word, bumped to wake sleepers */
     int sleepers;           /* atomic */
     int nhelpers;           /* helpers started (guarded by lock) */
     pthread_mutex_t lock;
-} pq_pool = {0, 0, 0, NULL, NULL, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER};
+} pq_pool = {{{0}}, {0}, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER};
 
 static inline int64_t pq_now_ns(void) {
     struct timespec ts;
@@ -1266,71 +1282,96 @@ static inline void pq_cpu_relax(void) {
     __builtin_ia32_pause();
 #endif
 }
+static inline int pq_pool_has_items(uint64_t s) { return (s & 0xFFFFFFu) < ((s >> 24) & 0xFFFFFFu); }
 
-/* Claims one item of the current job: 1 and the item (fn and ctx of its job) or 0. */
-static inline int pq_pool_claim(int64_t *item) {
-    uint64_t s = __atomic_load_n(&pq_pool.state, __ATOMIC_ACQUIRE);
+/* Claims one item of the slot's current job: 1 and the item (fn and ctx of its job) or 0. */
+static inline int pq_pool_claim(pq_pool_slot *sl, int64_t *item) {
+    uint64_t s = __atomic_load_n(&sl->state, __ATOMIC_ACQUIRE);
     for (;;) {
-        const uint64_t n = (s >> 24) & 0xFFFFFFu, next = s & 0xFFFFFFu;
-        if (next >= n) return 0;
-        if (__atomic_compare_exchange_n(&pq_pool.state, &s, s + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-            *item = (int64_t)next;
+        if (!pq_pool_has_items(s)) return 0;
+        if (__atomic_compare_exchange_n(&sl->state, &s, s + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            *item = (int64_t)(s & 0xFFFFFFu);
             return 1;
         }
     }
 }
 
-static inline void pq_pool_run_claimed(int64_t item) {
-    pq_pool.fn(pq_pool.ctx, item);
-    __atomic_fetch_add(&pq_pool.done, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&pq_pool.waiting, __ATOMIC_SEQ_CST))
-        syscall(SYS_futex, &pq_pool.done, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+static inline void pq_pool_run_claimed(pq_pool_slot *sl, int64_t item) {
+    sl->fn(sl->ctx, item);
+    __atomic_fetch_add(&sl->done, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&sl->waiting, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &sl->done, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 }
 
 static void *pq_pool_helper(void *arg) {
     (void)arg;
     prctl(PR_SET_NAME, "kernel-pool", 0, 0, 0);  /* what top -H, ps -L and /proc show for it */
+    int from = 0;  /* the slot after the one of this helper's last item: where its next scan starts */
     for (;;) {
         int64_t item;
         int64_t idle_since = pq_now_ns();
         for (;;) {
-            if (pq_pool_claim(&item)) { pq_pool_run_claimed(item); idle_since = pq_now_ns(); continue; }
+            int got = -1;
+            for (int j = 0; j < PQ_POOL_SLOTS; j++) {
+                const int i = (from + j) & (PQ_POOL_SLOTS - 1);
+                if (pq_pool_claim(&pq_pool.slot[i], &item)) { got = i; break; }
+            }
+            if (got >= 0) {
+                pq_pool_run_claimed(&pq_pool.slot[got], item);
+                from = (got + 1) & (PQ_POOL_SLOTS - 1);
+                idle_since = pq_now_ns();
+                continue;
+            }
             for (int i = 0; i < 64; i++) pq_cpu_relax();
             if (pq_now_ns() - idle_since > PQ_POOL_SPIN_NS) break;
         }
-        /* sleep until the caller bumps `wake`; re-check for work after announcing ourselves */
+        /* sleep until a caller bumps `wake`; re-check for work after announcing ourselves */
         __atomic_fetch_add(&pq_pool.sleepers, 1, __ATOMIC_SEQ_CST);
         const int seq = __atomic_load_n(&pq_pool.wake, __ATOMIC_SEQ_CST);
-        const uint64_t s = __atomic_load_n(&pq_pool.state, __ATOMIC_SEQ_CST);
-        if ((s & 0xFFFFFFu) >= ((s >> 24) & 0xFFFFFFu))
+        int work = 0;
+        for (int i = 0; i < PQ_POOL_SLOTS && !work; i++)
+            work = pq_pool_has_items(__atomic_load_n(&pq_pool.slot[i].state, __ATOMIC_SEQ_CST));
+        if (!work)
             syscall(SYS_futex, &pq_pool.wake, FUTEX_WAIT_PRIVATE, seq, NULL, NULL, 0);
         __atomic_fetch_sub(&pq_pool.sleepers, 1, __ATOMIC_SEQ_CST);
     }
     return NULL;
 }
 
-static int pq_pool_busy = 0;
 static void pq_pool_after_fork_child(void) {
-    pq_pool.state = 0; pq_pool.done = 0; pq_pool.waiting = 0; pq_pool.sleepers = 0; pq_pool.nhelpers = 0;
-    pq_pool_busy = 0;
+    for (int i = 0; i < PQ_POOL_SLOTS; i++) {
+        pq_pool_slot *sl = &pq_pool.slot[i];
+        sl->state = 0; sl->done = 0; sl->waiting = 0; sl->fn = NULL; sl->ctx = NULL;
+        pq_pool.busy[i] = 0;
+    }
+    pq_pool.wake = 0; pq_pool.sleepers = 0; pq_pool.nhelpers = 0;
     pthread_mutex_init(&pq_pool.lock, NULL);
 }
 static pthread_once_t pq_pool_once = PTHREAD_ONCE_INIT;
 static void pq_pool_register_fork(void) { pthread_atfork(NULL, NULL, pq_pool_after_fork_child); }
 
-/* Runs fn(ctx, i) for i < n_items on the caller and up to n_threads - 1 helpers; returns when all
- * are done. Callers must not overlap (the products are issued by one thread at a time; a second
- * concurrent caller runs its items alone). */
+/* A free slot, now owned by the caller, or NULL when every slot holds a job. */
+static inline pq_pool_slot *pq_pool_take_slot(void) {
+    for (int i = 0; i < PQ_POOL_SLOTS; i++)
+        if (!__atomic_exchange_n(&pq_pool.busy[i], 1, __ATOMIC_ACQUIRE)) return &pq_pool.slot[i];
+    return NULL;
+}
+
+/* Runs fn(ctx, i) for i < n_items on the caller and the pool's helpers (up to n_threads - 1 of
+ * them are started); returns when all are done. Callers may overlap: each publishes its job in a
+ * slot of its own, claims items of that job only, and waits only for the items of that job that
+ * helpers claimed; the helpers serve every published job. With every slot taken a caller runs its
+ * items alone. */
 PQ_API void pq_pool_run(int n_threads, int64_t n_items, pq_item_fn fn, void *ctx) {
     int64_t item;
+    pq_pool_slot *sl;
     if (n_items <= 0) return;
     if (n_threads > PQ_POOL_MAX) n_threads = PQ_POOL_MAX;
-    if (n_threads <= 1 || n_items == 1 || n_items > PQ_POOL_ITEMS_MAX
-        || __atomic_exchange_n(&pq_pool_busy, 1, __ATOMIC_ACQUIRE)) {
+    if (n_threads <= 1 || n_items == 1 || n_items > PQ_POOL_ITEMS_MAX || !(sl = pq_pool_take_slot())) {
         for (int64_t i = 0; i < n_items; i++) fn(ctx, i);
         return;
     }
-    if (pq_pool.nhelpers < n_threads - 1) {
+    if (__atomic_load_n(&pq_pool.nhelpers, __ATOMIC_RELAXED) < n_threads - 1) {
         pthread_once(&pq_pool_once, pq_pool_register_fork);
         pthread_mutex_lock(&pq_pool.lock);
         while (pq_pool.nhelpers < n_threads - 1) {
@@ -1342,38 +1383,38 @@ PQ_API void pq_pool_run(int n_threads, int64_t n_items, pq_item_fn fn, void *ctx
             const int rc = pthread_create(&th, &at, pq_pool_helper, NULL);
             pthread_attr_destroy(&at);
             if (rc != 0) break;
-            pq_pool.nhelpers++;
+            __atomic_store_n(&pq_pool.nhelpers, pq_pool.nhelpers + 1, __ATOMIC_RELAXED);
         }
         pthread_mutex_unlock(&pq_pool.lock);
     }
-    /* publish: the previous job is finished (done == n), so no helper holds one of its items */
-    pq_pool.fn = fn;
-    pq_pool.ctx = ctx;
-    __atomic_store_n(&pq_pool.done, 0, __ATOMIC_RELAXED);
-    const uint64_t gen = ((__atomic_load_n(&pq_pool.state, __ATOMIC_RELAXED) >> 48) + 1) & 0xFFFFu;
-    __atomic_store_n(&pq_pool.state, gen << 48 | (uint64_t)n_items << 24, __ATOMIC_SEQ_CST);
+    /* publish: the slot's previous job is finished (done == n), so no helper holds one of its items */
+    sl->fn = fn;
+    sl->ctx = ctx;
+    __atomic_store_n(&sl->done, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&sl->waiting, 0, __ATOMIC_RELAXED);
+    const uint64_t gen = ((__atomic_load_n(&sl->state, __ATOMIC_RELAXED) >> 48) + 1) & 0xFFFFu;
+    __atomic_store_n(&sl->state, gen << 48 | (uint64_t)n_items << 24, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&pq_pool.sleepers, __ATOMIC_SEQ_CST) > 0) {
         __atomic_fetch_add(&pq_pool.wake, 1, __ATOMIC_SEQ_CST);
         syscall(SYS_futex, &pq_pool.wake, FUTEX_WAKE_PRIVATE, n_threads - 1, NULL, NULL, 0);
     }
-    while (pq_pool_claim(&item)) pq_pool_run_claimed(item);
+    while (pq_pool_claim(sl, &item)) pq_pool_run_claimed(sl, item);
     /* Only items that a helper claimed can be outstanding. Spin briefly, then sleep until the
      * helper finishes them: a helper the OS preempted in the middle of an item can then run on
      * this core (an idle core pulls waiting threads) instead of waiting for its own. */
     const int64_t wait_from = pq_now_ns();
     for (;;) {
-        const int d = __atomic_load_n(&pq_pool.done, __ATOMIC_ACQUIRE);
+        const int d = __atomic_load_n(&sl->done, __ATOMIC_ACQUIRE);
         if (d >= n_items) break;
         if (pq_now_ns() - wait_from < PQ_POOL_WAIT_SPIN_NS) {
             for (int i = 0; i < 16; i++) pq_cpu_relax();
             continue;
         }
-        __atomic_store_n(&pq_pool.waiting, 1, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&pq_pool.done, __ATOMIC_SEQ_CST) == d)
-            syscall(SYS_futex, &pq_pool.done, FUTEX_WAIT_PRIVATE, d, NULL, NULL, 0);
+        __atomic_store_n(&sl->waiting, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&sl->done, __ATOMIC_SEQ_CST) == d)
+            syscall(SYS_futex, &sl->done, FUTEX_WAIT_PRIVATE, d, NULL, NULL, 0);
     }
-    __atomic_store_n(&pq_pool.waiting, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&pq_pool_busy, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&pq_pool.busy[sl - pq_pool.slot], 0, __ATOMIC_RELEASE);
 }
 
 /* Weight bytes per work item: the longer a thread streams one run of weights, the better the

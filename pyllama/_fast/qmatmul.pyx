@@ -28,6 +28,44 @@ cdef void pool_run(int n_threads, int64_t n_items, pool_item_fn fn, void *ctx) n
     """fn(ctx, i) for i < n_items on the calling thread and up to n_threads - 1 of the pool's helpers."""
     pq_pool_run(n_threads, n_items, <pq_item_fn>fn, ctx)
 
+
+# The pool's test hook: items that record which OS thread ran them, when and how often, each busy
+# for a while so that the jobs of concurrent callers overlap.
+cdef extern from *:
+    """
+    #include "ggml_quants.h"
+    typedef struct { int32_t *who; int32_t *runs; int64_t *when; int64_t busy_ns; } pq_trace_job;
+    static void pq_trace_item(void *ctx, int64_t i) {
+        const pq_trace_job *j = (const pq_trace_job *)ctx;
+        const int64_t t0 = pq_now_ns();
+        __atomic_fetch_add(&j->runs[i], 1, __ATOMIC_RELAXED);
+        j->who[i] = (int32_t)syscall(SYS_gettid);
+        j->when[i] = t0;
+        while (pq_now_ns() - t0 < j->busy_ns) pq_cpu_relax();
+    }
+    """
+    ctypedef struct pq_trace_job:
+        int32_t *who
+        int32_t *runs
+        int64_t *when
+        int64_t busy_ns
+    void pq_trace_item(void *ctx, int64_t i) noexcept nogil
+
+
+def _pool_trace(int n_threads, int32_t[::1] who, int32_t[::1] runs, int64_t[::1] when, int64_t busy_ns=0):
+    """Test hook: pool_run(n_threads, len(who), ...) over items that each store the OS thread id
+    (threading.get_native_id()) that ran them in who[i] and their start (CLOCK_MONOTONIC, ns) in
+    when[i], add 1 to runs[i], and stay busy busy_ns."""
+    if who.shape[0] == 0 or runs.shape[0] != who.shape[0] or when.shape[0] != who.shape[0]:
+        raise ValueError("_pool_trace: who, runs and when must be non-empty and of one length")
+    cdef pq_trace_job j
+    j.who = &who[0]
+    j.runs = &runs[0]
+    j.when = &when[0]
+    j.busy_ns = busy_ns
+    with nogil:
+        pool_run(n_threads, who.shape[0], <pool_item_fn>pq_trace_item, &j)
+
 # Weight types accepted by mul_mat_q / get_rows_q (gguf.GGMLQuantizationType values).
 DEF T_Q8_1 = 9
 DEF T_Q8_K = 15

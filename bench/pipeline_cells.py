@@ -1,4 +1,4 @@
-"""Pipeline-group cells: one model split over a local CPU and an rpc server, 1..N groups side by side.
+"""Pipeline-group cells: one model split over a local CPU and rpc servers, 1..N groups side by side.
 
     python bench/pipeline_cells.py [--preset medium | --model PATH] [--orders 'CPU,RPC0;RPC0,CPU']
         [--groups 1,2,3,4] [--users 32,64,128] [--legs 3] [--npp 64] [--ntg 64] [-r 1] [-t 1]
@@ -7,10 +7,12 @@
         [--trace DIR] [--prio N]
         [--netns [--rate 10gbit]] [--json OUT]
 
-One rpc server (`python -m pyllama.rpc_server -t T`) lives for the whole run. A cell is
-(device order, groups, users); for each cell a fresh `python -m pyllama.server` is started with
+One rpc server (`python -m pyllama.rpc_server -t T`) per RPC<i> the orders name lives for the
+whole run: an order names CPU and RPC0, or for a 3-stage split two rpc servers (`--orders
+'RPC0,RPC1,CPU'`; an order that names RPC<i> names every RPC<j> below it). A cell is (device order,
+groups, users); for each cell a fresh `python -m pyllama.server` is started with
 
-    -m MODEL --rpc ENDPOINT --device ORDER -np NP -c NP*(npp+ntg+16) -t T -ts ... [--pipeline-groups G]
+    -m MODEL --rpc EP0[,EP1] --device ORDER -np NP -c NP*(npp+ntg+16) -t T -ts ... [--pipeline-groups G]
 
 where NP is the user count rounded up to a multiple of G (`--pipeline-groups` is passed only when
 G > 1: one group is the server's default). bench_users.run_bench drives it with that many
@@ -24,14 +26,16 @@ legs) and errors (sum). Then, per order, the best ratio of 2 groups over 1 and t
 was reached at. --json OUT writes the configuration, every leg (with bench_users' full report)
 and every cell.
 
---tensor-split: `even` (default) passes equal proportions per device so the layer boundary is the
-same in every cell; `auto` passes nothing (the server then splits by free memory, or by
-measured speed with PYLLAMA_SPLIT_PROBE=1, docs/pipeline-groups.md); anything else is passed to -ts as is.
+--tensor-split: `even` (default) passes equal proportions per device (1,1 or 1,1,1) so the layer
+boundaries are the same in every cell; `auto` passes nothing (the server then splits by free memory, or by
+measured speed with PYLLAMA_SPLIT_PROBE=1, docs/pipeline-groups.md); anything else is passed to -ts as
+is, and must then have one value per device of every order.
 
 --netns: the rpc server runs in its own network namespace (pyllama-peer-<pid>) behind a veth pair
 (pl<pid>a here, 10.231.X.1/30; pl<pid>b there, 10.231.X.2/30) shaped by a tbf qdisc at --rate
-on both ends, so the split crosses a link of known bandwidth rather than loopback. Needs root
-(ip, tc). The namespace and the veth pair are always removed at exit.
+on both ends, so the split crosses a link of known bandwidth rather than loopback; RPC1's namespace
+and pair are pyllama-peer-<pid>-1 and pl<pid>a1/pl<pid>b1, on a subnet of their own. Needs root
+(ip, tc). The namespaces and the veth pairs are always removed at exit.
 
 More arms in the same legs (interleaved with the split cells):
 - `--unsplit-threads 1,2`: pyllama.server in one process, no rpc, `-t` each value (the -t 2 / -t 1
@@ -43,15 +47,19 @@ More arms in the same legs (interleaved with the split cells):
   with the same blocks per process as pyllama's split (`--llama-ngl` to set N), and llama-server
   unsplit at each --unsplit-threads value. llama-server answers HTTP 500 on a share of requests
   against random-weight models: those cells count completed requests only (errors are reported,
-  not failures).
+  not failures). llama.cpp's split is compared with the 2-stage orders of CPU and RPC0 only: an
+  order of more stages gets no llama.cpp arm (a note says so).
 - `--types f32,q4_k_m`: every arm on each weight type (--preset models made by pyllama.models.make).
-- `--trace DIR`: the split cells' server and the rpc server write traces; each split leg gets the
-  devices' busy shares from `trace_tools/merge.py --summary`.
+- `--trace DIR`: the split cells' server and each rpc server write traces (DIR/rpc-server.jsonl,
+  DIR/rpc-server-RPC1.jsonl, ...); each split leg gets the devices' busy shares from
+  `trace_tools/merge.py --summary` over its server's trace and those of the rpc servers its order
+  names.
 - `--prio N`: every pyllama server and rpc server with `--prio N` (thread priority, docs/server.md),
   llama-server with its own `--prio N`, ggml-rpc-server (which has no such flag) under `chrt` at
   the same level.
 With any of these, a second table lists every cell (mean [min..max] over legs, completed/sent,
-how often per second the compute threads of pyllama's processes were preempted in the measured
+how often per second the compute threads of pyllama's processes (the server, each rpc server the
+order names) were preempted in the measured
 window (Linux; `bench/thread_stats.py`, the time-slicing `--prio` removes), the machine's cores
 idle and stolen by the hypervisor over that window (/proc/stat: idle is the time no process wanted
 a core, what a split's chain leaves unused), busy %), then the
@@ -113,19 +121,45 @@ def parse_int_list(text: str, name: str) -> list[int]:
     return values
 
 
+_RPC_DEVICE = re.compile(r"RPC(\d+)")
+
+
+def rpc_indices(order: str) -> list[int]:
+    """The rpc servers an order names, in its order: 'RPC1,RPC0,CPU' -> [1, 0]."""
+    return [int(m.group(1)) for d in order.split(",") if (m := _RPC_DEVICE.fullmatch(d.strip()))]
+
+
+def rpc_count(orders: Iterable[str]) -> int:
+    """How many rpc servers the widest order needs (one per RPC<i>): 0 when none names one."""
+    return max((max(rpc_indices(o), default=-1) + 1 for o in orders), default=0)
+
+
+def rpc_arg(endpoints: Sequence[str], order: str) -> str:
+    """The --rpc value of a cell of `order`: the endpoints of RPC0 .. the highest RPC<i> it names."""
+    return ",".join(endpoints[:max(rpc_indices(order), default=-1) + 1])
+
+
 def parse_orders(text: str) -> list[str]:
-    """'CPU,RPC0;RPC0,CPU' -> ['CPU,RPC0', 'RPC0,CPU'] (devices upper-cased, spaces dropped)."""
+    """'CPU,RPC0;RPC0,CPU' -> ['CPU,RPC0', 'RPC0,CPU'] (devices upper-cased, spaces dropped). An
+    order names CPU and rpc servers RPC0, RPC1, ... (one rpc server process each); one that names
+    RPC<i> names every RPC<j> below it too, e.g. 'RPC0,RPC1,CPU' for a 3-stage split."""
     orders = []
     for part in text.split(";"):
         devs = [d.strip().upper() for d in part.split(",") if d.strip()]
         if not devs:
             continue
         for d in devs:
-            if d not in ("CPU", "RPC0"):
-                raise ValueError(f"--orders: device '{d}' (this harness has CPU and one rpc server, RPC0)")
+            if d != "CPU" and not _RPC_DEVICE.fullmatch(d):
+                raise ValueError(f"--orders: device '{d}' (this harness has CPU and rpc servers RPC0, RPC1, ...)")
         if len(set(devs)) != len(devs):
             raise ValueError(f"--orders: '{part}' lists a device twice")
-        orders.append(",".join(devs))
+        order = ",".join(devs)
+        idx = rpc_indices(order)
+        if sorted(idx) != list(range(len(idx))):
+            missing = min(set(range(max(idx) + 1)) - set(idx))
+            raise ValueError(f"--orders: '{part}' names RPC{max(idx)} but not RPC{missing} "
+                             "(an order's rpc servers are RPC0, RPC1, ... in turn)")
+        orders.append(order)
     if not orders:
         raise ValueError(f"--orders '{text}' is empty")
     if len(set(orders)) != len(orders):
@@ -157,12 +191,23 @@ def ctx_for(n_slots: int, npp: int, ntg: int) -> int:
 
 
 def split_arg(tensor_split: str, order: str) -> Optional[str]:
-    """The -ts value for an order: 'even' -> '1,1,...', 'auto' -> None, else as given."""
+    """The -ts value for an order: 'even' -> '1,1,...' (one per device), 'auto' -> None, else as given."""
     if tensor_split == "auto":
         return None
     if tensor_split == "even":
         return ",".join("1" for _ in order.split(","))
     return tensor_split
+
+
+def check_tensor_split(tensor_split: str, orders: Iterable[str]) -> None:
+    """Proportions given as they are must have one value per device of every split order."""
+    if tensor_split in ("even", "auto"):
+        return
+    n = len(tensor_split.split(","))
+    for o in orders:
+        if len(o.split(",")) > 1 and len(o.split(",")) != n:
+            raise ValueError(f"--tensor-split '{tensor_split}' has {n} values for the {len(o.split(','))} devices "
+                             f"of {o} (even gives each order one per device)")
 
 
 # Every request of the load has a prompt of its own (bench_users), so a prompt cache in host
@@ -173,13 +218,14 @@ NO_PROMPT_CACHE = ["--cache-ram", "0"]
 
 def server_args(order: str, endpoint: str, groups: int, users: int, npp: int, ntg: int,
                 threads: int, tensor_split: str = "even", extra: Iterable[str] = ()) -> list[str]:
-    """The pyllama.server arguments of one cell (after -m MODEL). --pipeline-groups only when
+    """The pyllama.server arguments of one cell (after -m MODEL); `endpoint` is the --rpc value (the
+    rpc servers' endpoints, comma-separated, `rpc_arg`). --pipeline-groups only when
     groups > 1 (one group is the server's default, and a server without the flag still runs the
     groups=1 arm); main() removes PYLLAMA_ARG_PIPELINE_GROUPS so the default really is 1."""
     n_slots = slots_for(users, groups)
     args = ["--device", order, "-np", str(n_slots), "-c", str(ctx_for(n_slots, npp, ntg)),
             "-t", str(threads), *NO_PROMPT_CACHE]
-    if "RPC0" in order.split(","):
+    if rpc_indices(order):
         args[:0] = ["--rpc", endpoint]
     ts = split_arg(tensor_split, order)
     if ts is not None and len(order.split(",")) > 1:
@@ -524,8 +570,9 @@ def target_ratios(records: list[dict], types: list[str], users: list[int], order
                     n_dev = len(o.split(","))
                     pairs.append((f"{o}: {g2} group(s) / pyllama unsplit -t {n_dev * split_threads}",
                                   (SPLIT, o, g2), (UNSPLIT, n_dev * split_threads)))
-                    pairs.append((f"{o}: pyllama split {g2} group(s) / llama.cpp split",
-                                  (SPLIT, o, g2), (LLAMA_SPLIT,)))
+                    if n_dev == 2:  # llama.cpp's split: one ggml-rpc-server, two stages
+                        pairs.append((f"{o}: pyllama split {g2} group(s) / llama.cpp split",
+                                      (SPLIT, o, g2), (LLAMA_SPLIT,)))
                     for ug in (g for g in unsplit_groups if g > 1):
                         pairs.append((f"{o}: {g2} group(s) / pyllama unsplit -t {split_threads} {ug} groups",
                                       (SPLIT, o, g2), (UNSPLIT, split_threads, ug)))
@@ -647,19 +694,24 @@ def _run_quiet(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 class NetnsPeer:
-    """An rpc server in its own network namespace behind a rate-limited veth pair."""
+    """An rpc server in its own network namespace behind a rate-limited veth pair. `index` tells
+    the rpc servers of one run apart (RPC<index>): the first's names are pyllama-peer-<pid> and
+    pl<pid>a/pl<pid>b, the others' end in -<index> and <index>. Set up one after the other: each
+    takes a subnet the ones before it left free."""
 
     LISTEN = re.compile(r"^listening on (\S+):(\d+)\s*$")
 
-    def __init__(self, rate: str, threads: int, extra: Sequence[str] = ()) -> None:
+    def __init__(self, rate: str, threads: int, extra: Sequence[str] = (), index: int = 0) -> None:
         pid = os.getpid()
         self.extra = list(extra)
         self.rate = rate
         self.burst = tbf_burst(rate)
         self.latency = TBF_LATENCY
         self.threads = threads
-        self.ns = f"pyllama-peer-{pid}"
-        self.host_if, self.peer_if = f"pl{pid}a", f"pl{pid}b"
+        self.index = index
+        tag = "" if index == 0 else str(index)
+        self.ns = f"pyllama-peer-{pid}" + (f"-{index}" if index else "")
+        self.host_if, self.peer_if = f"pl{pid}a{tag}", f"pl{pid}b{tag}"
         self.x = pick_subnet(pid, self._used_subnets())
         self.host_ip, self.peer_ip = f"10.231.{self.x}.1", f"10.231.{self.x}.2"
         self.proc: Optional[subprocess.Popen] = None
@@ -939,9 +991,12 @@ def _trace_name(run: dict) -> str:
     return f"{run['type']}-{run['kind']}-{order}-g{run.get('groups', 0)}-u{run['users']}-leg{run['leg']}.jsonl"
 
 
-def busy_shares(server_trace: str, peer_trace: str, timeout: float = 600) -> tuple[dict[str, float], str]:
-    """Busy % per device of one traced cell, from trace_tools/merge.py --summary (and its text)."""
-    cmd = [sys.executable, os.path.join(ROOT, "trace_tools", "merge.py"), server_trace, peer_trace, "--summary"]
+def busy_shares(server_trace: str, peer_traces: "str | Sequence[str]",
+                timeout: float = 600) -> tuple[dict[str, float], str]:
+    """Busy % per device of one traced cell, from trace_tools/merge.py --summary over the server's
+    trace and those of the rpc servers it used (and the summary's text)."""
+    peers = [peer_traces] if isinstance(peer_traces, str) else list(peer_traces)
+    cmd = [sys.executable, os.path.join(ROOT, "trace_tools", "merge.py"), server_trace, *peers, "--summary"]
     try:
         r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -981,8 +1036,9 @@ def preempt_rate(stats: Optional[dict]) -> Optional[float]:
 
 def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], log, ctx: Optional[dict] = None) -> dict:
     """Start the cell's server (pyllama or llama-server), bench it, stop it. Never raises for a
-    server that fails. `ctx` carries the run's shared state: peers, the llama.cpp rpc endpoint,
-    the trace folder and the peer's trace, the blocks pyllama gave RPC0 (for llama.cpp's -ngl)."""
+    server that fails. `endpoint` is a split cell's --rpc value. `ctx` carries the run's shared
+    state: peers, the llama.cpp rpc endpoint, the trace folder and the rpc servers' traces and
+    pids (by RPC index), llama.cpp's -ngl."""
     ctx = ctx or {}
     kind = run.get("kind", SPLIT)
     extra = shlex.split(a.server_args) + prio_args(a.prio)
@@ -1024,8 +1080,11 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
     rec["ready_s"] = round(time.monotonic() - t0, 3)
     # pyllama's processes: their threads' counters over the measured window (Linux)
     labels = {} if llama or not sys.platform.startswith("linux") else {server.sp.proc.pid: "server"}
-    if labels and kind == SPLIT and ctx.get("peer_pid"):
-        labels[ctx["peer_pid"]] = "rpc"
+    if labels and kind == SPLIT:
+        for i in rpc_indices(run["order"]):
+            pids = ctx.get("peer_pids") or []
+            if i < len(pids) and pids[i]:
+                labels[pids[i]] = "rpc" if i == 0 else f"rpc{i}"
     before: dict = {}
     t_window = [0.0]
     cpu_window: list[list[int]] = []
@@ -1069,8 +1128,10 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
         blocks = blocks_from_log(getattr(server.sp, "stderr_text", ""))
         if blocks is not None:
             rec["last_blocks"] = blocks
-    if trace_path and ctx.get("peer_trace"):
-        rec["busy_pct"], rec["trace_summary"] = busy_shares(trace_path, ctx["peer_trace"])
+    peer_traces = [ctx["peer_traces"][i] for i in rpc_indices(run.get("order", ""))
+                   if i < len(ctx.get("peer_traces") or [])]
+    if trace_path and peer_traces:
+        rec["busy_pct"], rec["trace_summary"] = busy_shares(trace_path, peer_traces)
     return rec
 
 
@@ -1079,7 +1140,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=None)
     ap.add_argument("--preset", default="medium", help="test model preset (made once under bench/out/models)")
     ap.add_argument("--model", metavar="PATH", help="GGUF model (overrides --preset)")
-    ap.add_argument("--orders", default="CPU,RPC0;RPC0,CPU", help="device orders, ';'-separated")
+    ap.add_argument("--orders", default="CPU,RPC0;RPC0,CPU",
+                    help="device orders, ';'-separated, of CPU and rpc servers RPC0, RPC1, ... (one rpc server "
+                         "process each), e.g. 'RPC0,CPU;RPC0,RPC1,CPU'")
     ap.add_argument("--groups", default="1,2,3,4", help="pipeline group counts")
     ap.add_argument("--users", default="32,64,128", help="concurrent user counts")
     ap.add_argument("--legs", type=int, default=3, help="legs (repeats) per arm, interleaved")
@@ -1092,8 +1155,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=600, help="HTTP socket timeout per operation, seconds")
     ap.add_argument("--ready-timeout", type=float, default=600, help="seconds a server may take to load")
     ap.add_argument("--tensor-split", default="even",
-                    help="even: -ts 1,1 (a fixed layer boundary); auto: no -ts (the server's split by measured "
-                         "speed); or proportions a,b passed as they are")
+                    help="even: -ts 1,1 or 1,1,1 (fixed layer boundaries); auto: no -ts (the server's split by "
+                         "measured speed); or proportions a,b passed as they are (one per device of every order)")
     ap.add_argument("--server-args", default="", metavar="'ARGS'",
                     help="more pyllama.server arguments for every cell, e.g. '--kv-unified'")
     ap.add_argument("--prio", type=int, default=0, choices=sorted(LEVELS),
@@ -1136,6 +1199,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.llama_ngl is not None and a.llama_ngl < 0:
             raise ValueError("--llama-ngl must be at least 0")
         shlex.split(a.server_args)
+        check_tensor_split(a.tensor_split, orders)
         if a.netns:
             tbf_burst(a.rate)
     except ValueError as e:
@@ -1180,6 +1244,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 1
     vocabs = {t: prompt_vocab(m) for t, m in models.items()}
     arms = make_arms(orders, groups, unsplit_threads, peers is not None, unsplit_groups, a.threads)
+    # llama.cpp's split is one ggml-rpc-server and llama-server: it is compared with the 2-stage
+    # orders of CPU and RPC0 only
+    two_stage = [o for o in orders if sorted(o.split(",")) == ["CPU", "RPC0"]]
+    if peers is not None and len(two_stage) < len(orders):
+        wider = [o for o in orders if o not in two_stage]
+        log(f"llama.cpp split: run as 2 stages (CPU and one ggml-rpc-server) only; no llama.cpp arm for "
+            f"{'; '.join(wider)}" + ("" if two_stage else ", so none at all"))
+        if not two_stage:
+            arms = [r for r in arms if r["kind"] != LLAMA_SPLIT]
     runs = full_schedule(types, arms, users, a.legs)
     if os.environ.pop(GROUPS_ENV, None) is not None:
         log(f"ignoring {GROUPS_ENV} from the environment: every cell sets its own group count")
@@ -1189,12 +1262,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.makedirs(trace_dir, exist_ok=True)
 
     install_signal_handlers()
-    peer: Optional[NetnsPeer] = None
-    rpc: Optional[RPCServerProcess] = None
+    netns_peers: list[NetnsPeer] = []
+    rpcs: list[RPCServerProcess] = []
     llama_rpc: Optional[GgmlRpcPeer] = None
     records: list[dict] = []
     t_start = time.time()
-    endpoint = ""
+    endpoints: list[str] = []   # RPC<i>'s endpoint at index i
 
     def cleanup() -> None:
         ignore_signals()
@@ -1202,41 +1275,45 @@ def main(argv: Optional[list[str]] = None) -> int:
             server.stop()
         for server in list(LlamaServer.live):
             server.stop()
-        if rpc is not None:
+        for rpc in rpcs:
             rpc.stop()
         if llama_rpc is not None:
             llama_rpc.stop()
-        if peer is not None:
+        for peer in netns_peers:
             peer.teardown()
         if peers is not None:
             peers.close()
         restore_signals()
 
-    shared: dict = {"peers": peers, "trace_dir": trace_dir, "peer_trace": None}
+    shared: dict = {"peers": peers, "trace_dir": trace_dir, "peer_traces": [], "peer_pids": []}
+    n_rpc = rpc_count(r["order"] for r in runs if r["kind"] == SPLIT)
     try:
-        if any(r["kind"] == SPLIT for r in runs):
+        for i in range(n_rpc):  # one rpc server per RPC<i>, for the whole run
             peer_args = ["-t", str(a.threads)] + prio_args(a.prio)
             if trace_dir:
-                shared["peer_trace"] = os.path.join(trace_dir, "rpc-server.jsonl")
-                peer_args += ["--trace", shared["peer_trace"]]
+                shared["peer_traces"].append(os.path.join(trace_dir, "rpc-server.jsonl" if i == 0 else
+                                                          f"rpc-server-RPC{i}.jsonl"))
+                peer_args += ["--trace", shared["peer_traces"][-1]]
             if a.netns:
-                peer = NetnsPeer(a.rate, a.threads, prio_args(a.prio))
+                peer = NetnsPeer(a.rate, a.threads, prio_args(a.prio), index=i)
+                netns_peers.append(peer)
                 atexit.register(peer.teardown)
                 try:
                     peer.setup()
-                    endpoint = peer.start_rpc()
-                    shared["peer_pid"] = peer.proc.pid  # `ip netns exec` runs the server in its own process
+                    endpoints.append(peer.start_rpc())
+                    shared["peer_pids"].append(peer.proc.pid)  # `ip netns exec` runs the server in its own process
                 except RuntimeError as e:
                     print(f"{PROG}: --netns: {e}", file=sys.stderr)
                     return 1
-                log(f"rpc server in namespace {peer.ns} at {endpoint}, veth {peer.host_if}/{peer.peer_if} "
+                log(f"RPC{i}: rpc server in namespace {peer.ns} at {endpoints[-1]}, veth {peer.host_if}/{peer.peer_if} "
                     f"tbf {a.rate}")
             else:
                 rpc = RPCServerProcess(*peer_args)
-                shared["peer_pid"] = rpc.proc.pid
+                rpcs.append(rpc)
+                shared["peer_pids"].append(rpc.proc.pid)
                 atexit.register(rpc.stop)
-                endpoint = rpc.endpoint
-                log(f"rpc server at {endpoint}")
+                endpoints.append(rpc.endpoint)
+                log(f"RPC{i}: rpc server at {rpc.endpoint}")
         if any(r["kind"] == LLAMA_SPLIT for r in runs):
             llama_rpc = GgmlRpcPeer(peers, a.threads, wrap=chrt_prefix(a.prio))
             shared["llama_endpoint"] = llama_rpc.endpoint
@@ -1248,14 +1325,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             if run["kind"] == LLAMA_SPLIT:
                 ngl = a.llama_ngl
                 if ngl is None:  # the part of the last device in this type's pyllama split cells
-                    ref = "RPC0,CPU" if "RPC0,CPU" in orders else orders[0]
+                    ref = "RPC0,CPU" if "RPC0,CPU" in orders else two_stage[0]
                     seen = [r["last_blocks"] for r in records if r["type"] == run["type"] and r["kind"] == SPLIT
                             and r["order"] == ref and r.get("last_blocks") is not None]
                     n_layer = model_layers(models[run["type"]])
                     last = seen[-1] if seen else split_blocks(n_layer, a.tensor_split, ref)
                     ngl = llama_ngl(n_layer // 2 if last is None else last)
                 shared["llama_ngl"] = ngl
-            rec = run_cell(models[run["type"]], endpoint, run, a, vocabs[run["type"]], log, shared)
+            rpc_value = rpc_arg(endpoints, run["order"]) if run["kind"] == SPLIT else ""
+            rec = run_cell(models[run["type"]], rpc_value, run, a, vocabs[run["type"]], log, shared)
             records.append(rec)
             if rec["start_error"] is None:
                 done = (rec.get("bench") or {}).get("requests_done")
@@ -1278,7 +1356,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     every = all_cells(records)
     ratios = target_ratios(records, types, users, orders, groups, unsplit_threads, a.threads, unsplit_groups)
     print(f"pipeline cells: {', '.join(os.path.basename(m) for m in models.values())}, npp {a.npp}, ntg {a.ntg}, "
-          f"-r {a.requests}, -t {a.threads}, {a.legs} legs per arm, rpc "
+          f"-r {a.requests}, -t {a.threads}, {a.legs} legs per arm, "
+          + ("rpc " if n_rpc < 2 else f"{n_rpc} rpc servers ")
           + (f"in netns behind tbf {a.rate}" if a.netns else "on loopback"))
     if split_records:
         print(format_table(cells))
@@ -1294,7 +1373,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(LLAMA_NOTE)
     failed = [r for r in records if r["exit_status"] != 0 or (r["errors"] and r["kind"] not in (LLAMA_SPLIT, LLAMA_UNSPLIT))]
     for r in failed[:10]:
-        where = (f"{r['order']} groups {r['groups']}" if r["kind"] == SPLIT else arm_label(arm_key(r)))
+        where = (f"{r['order']} groups {r['groups']}" if r["kind"] == SPLIT and len(arm_key(r)) == 3
+                 else arm_label(arm_key(r)))
         print(f"FAIL {where} users {r['users']} leg {r['leg']}: " + "; ".join(r["failures"] or [f"{r['errors']} errors"]))
     status = 1 if failed else 0
     if a.json:
@@ -1302,8 +1382,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             "config": {k: getattr(a, k) for k in vars(a)}, "models": models, "model": next(iter(models.values())),
             "prompt_vocab": {t: list(v) for t, v in vocabs.items()},
             "orders": orders, "groups": groups, "users": users, "types": types, "unsplit_threads": unsplit_threads,
-            "arms": arms, "rpc_endpoint": endpoint,
-            "netns": peer.describe() if peer is not None else None,
+            "arms": arms, "rpc_endpoint": endpoints[0] if endpoints else "", "rpc_endpoints": endpoints,
+            "netns": netns_peers[0].describe() if netns_peers else None,
+            "netns_peers": [p.describe() for p in netns_peers],
             "started": t_start, "wall_s": round(time.time() - t_start, 3),
             "schedule": runs, "legs": records, "cells": cells, "all_cells": every, "ratios": ratios,
             "best_2_over_1": best, "exit_status": status, "llama_note": LLAMA_NOTE if peers is not None else None,

@@ -1,6 +1,6 @@
 """bench/pipeline_cells.py's other arms: pyllama unsplit, llama.cpp's split and unsplit servers,
-weight types, traced busy shares; the pure parts, and a tiny end-to-end run (llama.cpp's cells
-only where $PYLLAMA_PEERS names a folder with its programs)."""
+weight types, traced busy shares, a 3-stage split over two rpc servers; the pure parts, and tiny
+end-to-end runs (llama.cpp's cells only where $PYLLAMA_PEERS names a folder with its programs)."""
 from __future__ import annotations
 
 import json
@@ -184,3 +184,54 @@ def test_tiny_end_to_end_with_the_new_arms(tiny_model, tmp_path):
     if llama:
         assert doc["legs"][3]["server_args"][-2:] == ["-ngl", "2"]
         assert "llama.cpp cells count completed requests only" in r.stdout
+
+
+def test_three_stage_orders_name_their_rpc_servers():
+    assert pc.parse_orders("RPC0,RPC1,CPU; rpc1,rpc0,cpu;RPC0,CPU") == ["RPC0,RPC1,CPU", "RPC1,RPC0,CPU", "RPC0,CPU"]
+    for bad in ("RPC1,CPU", "RPC0,RPC2,CPU", "RPC0,GPU", "RPC0,RPC0,CPU"):
+        with pytest.raises(ValueError):
+            pc.parse_orders(bad)
+    assert pc.rpc_indices("RPC1,RPC0,CPU") == [1, 0] and pc.rpc_indices("CPU") == []
+    assert pc.rpc_count(["RPC0,CPU", "RPC0,RPC1,CPU"]) == 2 and pc.rpc_count(["RPC0,CPU"]) == 1
+    assert pc.rpc_count(["CPU"]) == 0 and pc.rpc_count([]) == 0
+    eps = ["127.0.0.1:1", "127.0.0.1:2"]
+    assert pc.rpc_arg(eps, "RPC0,CPU") == "127.0.0.1:1" and pc.rpc_arg(eps, "RPC1,RPC0,CPU") == "127.0.0.1:1,127.0.0.1:2"
+    args = pc.server_args("RPC0,RPC1,CPU", pc.rpc_arg(eps, "RPC0,RPC1,CPU"), 2, 4, 8, 4, 1)
+    assert args[:4] == ["--rpc", "127.0.0.1:1,127.0.0.1:2", "--device", "RPC0,RPC1,CPU"]
+    assert args[args.index("-ts") + 1] == "1,1,1"   # even: one proportion per device
+    pc.check_tensor_split("even", ["RPC0,CPU", "RPC0,RPC1,CPU"])
+    pc.check_tensor_split("2,1,1", ["RPC0,RPC1,CPU", "CPU"])
+    with pytest.raises(ValueError):
+        pc.check_tensor_split("7,5", ["RPC0,CPU", "RPC0,RPC1,CPU"])
+    # llama.cpp's split (one ggml-rpc-server) is paired with the 2-stage order only
+    recs = [_rec("f32", "split", 1, 300, order=o, groups=2) for o in ("RPC0,CPU", "RPC0,RPC1,CPU")]
+    recs.append(_rec("f32", "llama-split", 1, 150))
+    names = [r["name"] for r in pc.target_ratios(recs, ["f32"], [32], ["RPC0,CPU", "RPC0,RPC1,CPU"], [2], [], 1)]
+    assert names == ["RPC0,CPU: pyllama split 2 group(s) / llama.cpp split"]
+
+
+def test_tiny_end_to_end_three_stages(tiny_model, tmp_path):
+    # the tiny model has 2 blocks: -ts 1,1,0 gives RPC0 one, RPC1 the other, the CPU the output layer
+    out = tmp_path / "cells.json"
+    args = ["--model", tiny_model, "--orders", "RPC0,RPC1,CPU", "--groups", "1,2", "--users", "2", "--legs", "1",
+            "--npp", "8", "--ntg", "4", "--tensor-split", "1,1,0", "--trace", str(tmp_path / "traces"),
+            "--json", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "PYLLAMA_PEERS"}
+    r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       stdin=subprocess.DEVNULL, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert len(doc["rpc_endpoints"]) == 2 and len(set(doc["rpc_endpoints"])) == 2
+    assert [(lg["kind"], lg["order"], lg["groups"]) for lg in doc["legs"]] == [
+        ("split", "RPC0,RPC1,CPU", 1), ("split", "RPC0,RPC1,CPU", 2)]
+    for lg in doc["legs"]:
+        sa = lg["server_args"]
+        assert sa[sa.index("--rpc") + 1] == ",".join(doc["rpc_endpoints"]) and sa[sa.index("-ts") + 1] == "1,1,0"
+        assert lg["errors"] == 0 and lg["gen_tok_s"] > 0 and lg["bench"]["requests_ok"] == 2
+        assert lg["last_blocks"] == 0   # the CPU holds the output layer only
+        # both rpc servers' traces went into the busy shares, and both computed
+        assert set(lg["busy_pct"]) == {"CPU", "RPC0/CPU", "RPC1/CPU"}
+        assert lg["busy_pct"]["RPC0/CPU"] > 0 and lg["busy_pct"]["RPC1/CPU"] > 0
+        assert set(lg["thread_stats"]) == {"window_s", "server", "rpc", "rpc1"}
+    assert sorted(os.listdir(tmp_path / "traces"))[-2:] == ["rpc-server-RPC1.jsonl", "rpc-server.jsonl"]
+    assert "RPC0,RPC1,CPU: 2 groups / 1 group" in r.stdout

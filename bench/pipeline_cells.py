@@ -4,7 +4,7 @@
         [--groups 1,2,3,4] [--users 32,64,128] [--legs 3] [--npp 64] [--ntg 64] [-r 1] [-t 1]
         [--warmup 1] [--tensor-split even|auto|a,b] [--server-args '--kv-unified']
         [--types f32,q4_k_m] [--unsplit-threads 1,2] [--unsplit-groups 2] [--peers DIR [--llama-ngl N]]
-        [--trace DIR] [--prio N]
+        [--trace DIR] [--prio N] [--link DELAY_MS/RATE ... | --links 0/none,2/1gbit]
         [--netns [--rate 10gbit]] [--json OUT]
 
 One rpc server (`python -m pyllama.rpc_server -t T`) per RPC<i> the orders name lives for the
@@ -18,10 +18,10 @@ where NP is the user count rounded up to a multiple of G (`--pipeline-groups` is
 G > 1: one group is the server's default). bench_users.run_bench drives it with that many
 closed-loop users, then the server is stopped.
 
-An arm is (order, groups). For each order and user count the arms are interleaved: leg 1 of every
-groups value, then leg 2 of every groups value, ..., so drifting machine noise is spread over all
-arms. Per cell the table gives generated tokens/s (mean over legs and min..max), the ratio of that
-mean to the groups=1 arm of the same order and users, and TPOT, TTFT median and p99 (means over
+An arm is (order, groups), or (order, link, groups) with --link. For each user count the arms are
+interleaved: leg 1 of every arm, then leg 2 of every arm, ..., so drifting machine noise is spread
+over all arms. Per cell the table gives generated tokens/s (mean over legs and min..max), the ratio of that
+mean to the groups=1 arm of the same order (and link) and users, and TPOT, TTFT median and p99 (means over
 legs) and errors (sum). Then, per order, the best ratio of 2 groups over 1 and the user count it
 was reached at. --json OUT writes the configuration, every leg (with bench_users' full report)
 and every cell.
@@ -36,6 +36,20 @@ is, and must then have one value per device of every order.
 on both ends, so the split crosses a link of known bandwidth rather than loopback; RPC1's namespace
 and pair are pyllama-peer-<pid>-1 and pl<pid>a1/pl<pid>b1, on a subnet of their own. Needs root
 (ip, tc). The namespaces and the veth pairs are always removed at exit.
+
+--link DELAY_MS/RATE (given several times, or comma-separated: `--links 0/none,2/1gbit`): one more
+split arm per value, for every order and groups value, whose server reaches each rpc server
+through bench/link_shaper.py, a TCP relay that delays each direction by DELAY_MS and caps it at
+RATE (tc units, e.g. 10gbit, 500mbit; none: no cap), for kernels without `tc netem`. One relay
+process per link and rpc server lives for the whole run; the loopback arms stay as they were, and
+the link arms interleave with them in every leg (named e.g. `pyllama split RPC0,CPU 2 groups link
+2ms/1gbit`). The table then has a `link` column and its groups=1 ratio is taken within each link;
+the best 2-over-1 is given per order and link; the ratios add, per link, 2 groups / 1 group and,
+at every groups value, the split over the link / the same split on loopback. `0/none` is the
+relay's own cost. With --netns the relays reach the rpc servers in their namespaces (the tbf rate
+of the veth pair, then the relay's delay and rate). At --prio 1..3 the relays run one SCHED_FIFO
+step above pyllama's threads (`chrt`): they stand for the network, which compute threads do not
+hold up. Each link leg's thread counters include its relays' (`link`, `link1`).
 
 More arms in the same legs (interleaved with the split cells):
 - `--unsplit-threads 1,2`: pyllama.server in one process, no rpc, `-t` each value (the -t 2 / -t 1
@@ -57,7 +71,7 @@ More arms in the same legs (interleaved with the split cells):
 - `--prio N`: every pyllama server and rpc server with `--prio N` (thread priority, docs/server.md),
   llama-server with its own `--prio N`, ggml-rpc-server (which has no such flag) under `chrt` at
   the same level.
-With any of these, a second table lists every cell (mean [min..max] over legs, completed/sent,
+With any of these (or --link), a second table lists every cell (mean [min..max] over legs, completed/sent,
 how often per second the compute threads of pyllama's processes (the server, each rpc server the
 order names) were preempted in the measured
 window (Linux; `bench/thread_stats.py`, the time-slicing `--prio` removes), the machine's cores
@@ -91,6 +105,7 @@ if ROOT not in sys.path:  # a checkout without an install
     sys.path.insert(0, ROOT)
 
 from bench_users import run_bench  # noqa: E402
+from link_shaper import LinkShaperProcess, link_name, parse_link  # noqa: E402
 import thread_stats  # noqa: E402
 from server_util import RPCServerProcess, ServerProcess  # noqa: E402
 
@@ -259,31 +274,40 @@ def aggregate(legs: list[dict]) -> dict:
     }
 
 
-def summarize(leg_records: list[dict], orders: list[str], users: list[int], groups: list[int]) -> list[dict]:
-    """Cells (order, groups, users) in table order, each aggregate()d over its legs, with `ratio`:
-    tok/s mean over that of the groups=1 cell of the same order and users (None without one)."""
+def summarize(leg_records: list[dict], orders: list[str], users: list[int], groups: list[int],
+              links: Sequence[str] = ()) -> list[dict]:
+    """Cells (order, link, groups, users) in table order, each aggregate()d over its legs, with
+    `ratio`: tok/s mean over that of the groups=1 cell of the same order, link and users (None
+    without one). `link` is None for loopback, else a --link arm's name; loopback comes first."""
     cells = []
     for order in orders:
-        for u in users:
-            row = []
-            for g in groups:
-                legs = [r for r in leg_records if r["order"] == order and r["users"] == u and r["groups"] == g]
-                row.append({"order": order, "groups": g, "users": u, **aggregate(legs)})
-            base = next((c["tok_s_mean"] for c in row if c["groups"] == 1), None)
-            for c in row:
-                c["ratio"] = (c["tok_s_mean"] / base if base and c["tok_s_mean"] is not None else None)
-            cells.extend(row)
+        for link in [None, *(links if rpc_indices(order) else ())]:
+            for u in users:
+                row = []
+                for g in groups:
+                    legs = [r for r in leg_records if r["order"] == order and r["users"] == u and r["groups"] == g
+                            and r.get("link") == link]
+                    row.append({"order": order, "link": link, "groups": g, "users": u, **aggregate(legs)})
+                base = next((c["tok_s_mean"] for c in row if c["groups"] == 1), None)
+                for c in row:
+                    c["ratio"] = (c["tok_s_mean"] / base if base and c["tok_s_mean"] is not None else None)
+                cells.extend(row)
     return cells
 
 
 def best_ratios(cells: list[dict], orders: list[str], groups: int = 2) -> dict[str, Optional[dict]]:
-    """Per order, the cell of `groups` groups with the highest ratio: {users, ratio, tok_s_mean}."""
+    """Per order (and per order and link, as 'ORDER link NAME', where cells have a link), the cell
+    of `groups` groups with the highest ratio: {users, ratio, tok_s_mean}."""
     out: dict[str, Optional[dict]] = {}
+    links = list(dict.fromkeys(c.get("link") for c in cells if c.get("link")))
     for order in orders:
-        cand = [c for c in cells if c["order"] == order and c["groups"] == groups and c["ratio"] is not None]
-        best = max(cand, key=lambda c: c["ratio"], default=None)
-        out[order] = None if best is None else {"users": best["users"], "ratio": best["ratio"],
-                                                "tok_s_mean": best["tok_s_mean"]}
+        for link in [None, *links]:
+            cand = [c for c in cells if c["order"] == order and c.get("link") == link and c["groups"] == groups
+                    and c["ratio"] is not None]
+            best = max(cand, key=lambda c: c["ratio"], default=None)
+            key = order if link is None else f"{order} link {link}"
+            out[key] = None if best is None else {"users": best["users"], "ratio": best["ratio"],
+                                                  "tok_s_mean": best["tok_s_mean"]}
     return out
 
 
@@ -292,6 +316,9 @@ def _num(x: Optional[float], fmt: str) -> str:
 
 
 def format_table(cells: list[dict]) -> str:
+    """The split cells' table; a `link` column (loopback, or the --link arm's name) when any cell
+    went over a shaped link."""
+    with_link = any(c.get("link") for c in cells)
     head = ["order", "groups", "users", "tok/s mean [min..max]", "ratio", "TPOT ms", "TTFT med ms",
             "TTFT p99 ms", "errors"]
     rows = []
@@ -303,8 +330,13 @@ def format_table(cells: list[dict]) -> str:
                      "-" if c["ratio"] is None else f"{c['ratio']:.2f}x",
                      _num(c["tpot_ms"], ".1f"), _num(c["ttft_ms_median"], ".1f"),
                      _num(c["ttft_ms_p99"], ".1f"), err])
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     right = {1, 2, 4, 5, 6, 7, 8}
+    if with_link:
+        head.insert(1, "link")
+        for r, c in zip(rows, cells):
+            r.insert(1, c.get("link") or "loopback")
+        right = {i + 1 for i in right}
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
 
     def line(r: list[str]) -> str:
         return " | ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
@@ -347,6 +379,36 @@ def parse_types(text: str) -> list[str]:
     return types
 
 
+def parse_links(values: Optional[Iterable[str]]) -> list[dict]:
+    """--link values (each DELAY_MS/RATE, or several comma-separated) -> [{name, delay_ms,
+    rate_bit_s}] in the order given: '2/1gbit' -> name '2ms/1gbit'; 'none' as the rate: no cap."""
+    links: list[dict] = []
+    for value in values or ():
+        for part in value.split(","):
+            if not part.strip():
+                continue
+            try:
+                delay, rate = parse_link(part)
+            except ValueError as e:
+                raise ValueError(f"--link: {e}") from None
+            name = link_name(delay, rate)
+            if any(lk["name"] == name for lk in links):
+                raise ValueError(f"--link: {name} is listed twice")
+            links.append({"name": name, "delay_ms": delay, "rate_bit_s": rate})
+    return links
+
+
+def relay_prefix(prio: int) -> list[str]:
+    """The `chrt` command the link relays start under: at --prio 1..3 (SCHED_FIFO) one step above
+    pyllama's threads, so that a relay (which stands for the network, not a program sharing the
+    cores) hands bytes on as they come instead of waiting for a compute thread to block; otherwise
+    nothing."""
+    target = policy_for(prio)
+    if target is None or target[0] != os.SCHED_FIFO:
+        return []
+    return ["chrt", "-f", str(target[1] + 1)]
+
+
 def parse_thread_list(text: str, name: str) -> list[int]:
     """'1,2' -> [1, 2]; 'none' or '' -> []."""
     if text.strip().lower() in ("", "none"):
@@ -355,13 +417,15 @@ def parse_thread_list(text: str, name: str) -> list[int]:
 
 
 def make_arms(orders: list[str], groups: list[int], unsplit_threads: list[int], llama: bool,
-              unsplit_groups: Iterable[int] = (), split_threads: int = 1) -> list[dict]:
-    """Every arm of a leg: the pyllama split cells (order x groups), pyllama unsplit at each thread
+              unsplit_groups: Iterable[int] = (), split_threads: int = 1, links: Sequence[str] = ()) -> list[dict]:
+    """Every arm of a leg: the pyllama split cells (order x groups on loopback, then order x groups
+    over each --link, by its name), pyllama unsplit at each thread
     count (and, per --unsplit-groups, unsplit with that many pipeline groups of the split's
     threads each: one device, the groups overlapping each other's host work), and with
     llama.cpp's programs its split (ggml-rpc-server + llama-server) and its unsplit server at each
     thread count."""
-    arms: list[dict] = [{"kind": SPLIT, "order": o, "groups": g} for o in orders for g in groups]
+    arms: list[dict] = [{"kind": SPLIT, "order": o, "groups": g, **({"link": link} if link else {})}
+                        for o in orders for link in [None, *(links if rpc_indices(o) else ())] for g in groups]
     arms += [{"kind": UNSPLIT, "threads": t} for t in unsplit_threads]
     arms += [{"kind": UNSPLIT, "threads": split_threads, "groups": g} for g in unsplit_groups if g > 1]
     if llama:
@@ -478,7 +542,7 @@ def arm_key(r: dict) -> tuple:
     """What identifies an arm within a (type, users) block."""
     k = r["kind"]
     if k == SPLIT:
-        return (k, r["order"], r["groups"])
+        return (k, r["order"], r["groups"]) + ((r["link"],) if r.get("link") else ())
     if k == UNSPLIT and r.get("groups", 1) > 1:
         return (k, r["threads"], r["groups"])
     if k in (UNSPLIT, LLAMA_UNSPLIT):
@@ -489,7 +553,8 @@ def arm_key(r: dict) -> tuple:
 def arm_label(key: tuple) -> str:
     k = key[0]
     if k == SPLIT:
-        return f"{KIND_LABEL[k]} {key[1]} {key[2]} group{'s' if key[2] > 1 else ''}"
+        return (f"{KIND_LABEL[k]} {key[1]} {key[2]} group{'s' if key[2] > 1 else ''}"
+                + (f" link {key[3]}" if len(key) > 3 else ""))
     if k == UNSPLIT and len(key) > 2:
         return f"{KIND_LABEL[k]} -t {key[1]} {key[2]} groups"
     if k in (UNSPLIT, LLAMA_UNSPLIT):
@@ -543,10 +608,12 @@ def paired_ratio(records: list[dict], t: str, users: int, num: tuple, den: tuple
 
 def target_ratios(records: list[dict], types: list[str], users: list[int], orders: list[str],
                  groups: list[int], threads: list[int], split_threads: int,
-                 unsplit_groups: Iterable[int] = ()) -> list[dict]:
+                 unsplit_groups: Iterable[int] = (), links: Sequence[str] = ()) -> list[dict]:
     """The ratios the targets name, per weight type and user count, where both arms ran:
     pyllama -t2/-t1 (and llama.cpp's, the ceiling two threads give here), 2 groups / 1 group,
-    2 groups / pyllama unsplit at the split's total threads, pyllama 2 groups / llama.cpp split."""
+    2 groups / pyllama unsplit at the split's total threads, pyllama 2 groups / llama.cpp split;
+    and per --link arm (by name) its 2 groups / 1 group and, at every groups value, the split
+    over that link / the same split on loopback."""
     rows = []
     hi_t = max(threads) if threads else None
     lo_t = min(threads) if threads else None
@@ -576,6 +643,12 @@ def target_ratios(records: list[dict], types: list[str], users: list[int], order
                     for ug in (g for g in unsplit_groups if g > 1):
                         pairs.append((f"{o}: {g2} group(s) / pyllama unsplit -t {split_threads} {ug} groups",
                                       (SPLIT, o, g2), (UNSPLIT, split_threads, ug)))
+                for link in links:
+                    if g2 is not None and g2 != 1 and 1 in groups:
+                        pairs.append((f"{o} link {link}: {g2} groups / 1 group",
+                                      (SPLIT, o, g2, link), (SPLIT, o, 1, link)))
+                    for g in groups:
+                        pairs.append((f"{o} {g} group(s): link {link} / loopback", (SPLIT, o, g, link), (SPLIT, o, g)))
             for name, num, den in pairs:
                 r = paired_ratio(records, t, u, num, den)
                 if r is not None:
@@ -988,7 +1061,8 @@ def prompt_vocab(model: str) -> tuple[int, int]:
 
 def _trace_name(run: dict) -> str:
     order = run.get("order", "").replace(",", "-")
-    return f"{run['type']}-{run['kind']}-{order}-g{run.get('groups', 0)}-u{run['users']}-leg{run['leg']}.jsonl"
+    link = f"-link{run['link'].replace('/', '_')}" if run.get("link") else ""
+    return f"{run['type']}-{run['kind']}-{order}{link}-g{run.get('groups', 0)}-u{run['users']}-leg{run['leg']}.jsonl"
 
 
 def busy_shares(server_trace: str, peer_traces: "str | Sequence[str]",
@@ -1038,7 +1112,8 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
     """Start the cell's server (pyllama or llama-server), bench it, stop it. Never raises for a
     server that fails. `endpoint` is a split cell's --rpc value. `ctx` carries the run's shared
     state: peers, the llama.cpp rpc endpoint, the trace folder and the rpc servers' traces and
-    pids (by RPC index), llama.cpp's -ngl."""
+    pids (by RPC index), the --link relays' endpoints and pids (by link name, then RPC index),
+    llama.cpp's -ngl."""
     ctx = ctx or {}
     kind = run.get("kind", SPLIT)
     extra = shlex.split(a.server_args) + prio_args(a.prio)
@@ -1081,10 +1156,13 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
     # pyllama's processes: their threads' counters over the measured window (Linux)
     labels = {} if llama or not sys.platform.startswith("linux") else {server.sp.proc.pid: "server"}
     if labels and kind == SPLIT:
+        relays = (ctx.get("links") or {}).get(run.get("link"), {}).get("pids") or []
         for i in rpc_indices(run["order"]):
             pids = ctx.get("peer_pids") or []
             if i < len(pids) and pids[i]:
                 labels[pids[i]] = "rpc" if i == 0 else f"rpc{i}"
+            if i < len(relays):  # the relay of a --link arm: its CPU time over the window
+                labels[relays[i]] = "link" if i == 0 else f"link{i}"
     before: dict = {}
     t_window = [0.0]
     cpu_window: list[list[int]] = []
@@ -1162,6 +1240,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prio", type=int, default=0, choices=sorted(LEVELS),
                     help="--prio of every pyllama server and rpc server (docs/server.md) and of llama-server; "
                          f"ggml-rpc-server is started under chrt at the same level ({LEVELS_HELP})")
+    ap.add_argument("--link", "--links", action="append", dest="link", metavar="DELAY_MS/RATE",
+                    help="one more split arm per value whose server reaches each rpc server through "
+                         "bench/link_shaper.py: DELAY_MS one way and RATE each way (tc units, none: no cap), e.g. "
+                         "2/1gbit; may be given several times or comma-separated (0/none,2/1gbit)")
     ap.add_argument("--netns", action="store_true", help="rpc server in its own network namespace (root)")
     ap.add_argument("--rate", default="10gbit", help="tbf rate of the veth pair with --netns")
     ap.add_argument("--types", default="f32", help="weight types of the --preset models, e.g. f32,q4_k_m "
@@ -1200,6 +1282,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError("--llama-ngl must be at least 0")
         shlex.split(a.server_args)
         check_tensor_split(a.tensor_split, orders)
+        links = parse_links(a.link)
+        if links and not rpc_count(orders):
+            raise ValueError("--link: no order names an rpc server")
         if a.netns:
             tbf_burst(a.rate)
     except ValueError as e:
@@ -1243,7 +1328,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{PROG}: {e}", file=sys.stderr)
             return 1
     vocabs = {t: prompt_vocab(m) for t, m in models.items()}
-    arms = make_arms(orders, groups, unsplit_threads, peers is not None, unsplit_groups, a.threads)
+    link_names = [lk["name"] for lk in links]
+    arms = make_arms(orders, groups, unsplit_threads, peers is not None, unsplit_groups, a.threads, link_names)
     # llama.cpp's split is one ggml-rpc-server and llama-server: it is compared with the 2-stage
     # orders of CPU and RPC0 only
     two_stage = [o for o in orders if sorted(o.split(",")) == ["CPU", "RPC0"]]
@@ -1264,6 +1350,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     install_signal_handlers()
     netns_peers: list[NetnsPeer] = []
     rpcs: list[RPCServerProcess] = []
+    relays: list[LinkShaperProcess] = []
     llama_rpc: Optional[GgmlRpcPeer] = None
     records: list[dict] = []
     t_start = time.time()
@@ -1275,6 +1362,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             server.stop()
         for server in list(LlamaServer.live):
             server.stop()
+        for relay in relays:
+            relay.stop()
         for rpc in rpcs:
             rpc.stop()
         if llama_rpc is not None:
@@ -1285,7 +1374,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             peers.close()
         restore_signals()
 
-    shared: dict = {"peers": peers, "trace_dir": trace_dir, "peer_traces": [], "peer_pids": []}
+    shared: dict = {"peers": peers, "trace_dir": trace_dir, "peer_traces": [], "peer_pids": [], "links": {}}
     n_rpc = rpc_count(r["order"] for r in runs if r["kind"] == SPLIT)
     try:
         for i in range(n_rpc):  # one rpc server per RPC<i>, for the whole run
@@ -1314,6 +1403,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                 atexit.register(rpc.stop)
                 endpoints.append(rpc.endpoint)
                 log(f"RPC{i}: rpc server at {rpc.endpoint}")
+        for lk in links:  # per --link, a relay in front of each rpc server, for the whole run
+            mine: dict = {"endpoints": [], "pids": []}
+            for i, ep in enumerate(endpoints):
+                try:
+                    relay = LinkShaperProcess(ep, lk["delay_ms"], lk["rate_bit_s"], wrap=relay_prefix(a.prio))
+                except (OSError, RuntimeError) as e:
+                    print(f"{PROG}: --link {lk['name']}: {e}", file=sys.stderr)
+                    return 1
+                relays.append(relay)
+                atexit.register(relay.stop)
+                mine["endpoints"].append(relay.endpoint)
+                mine["pids"].append(relay.pid)
+                log(f"RPC{i} over link {lk['name']}: relay at {relay.endpoint}")
+            shared["links"][lk["name"]] = mine
         if any(r["kind"] == LLAMA_SPLIT for r in runs):
             llama_rpc = GgmlRpcPeer(peers, a.threads, wrap=chrt_prefix(a.prio))
             shared["llama_endpoint"] = llama_rpc.endpoint
@@ -1332,7 +1435,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     last = seen[-1] if seen else split_blocks(n_layer, a.tensor_split, ref)
                     ngl = llama_ngl(n_layer // 2 if last is None else last)
                 shared["llama_ngl"] = ngl
-            rpc_value = rpc_arg(endpoints, run["order"]) if run["kind"] == SPLIT else ""
+            rpc_value = "" if run["kind"] != SPLIT else \
+                rpc_arg(shared["links"][run["link"]]["endpoints"] if run.get("link") else endpoints, run["order"])
             rec = run_cell(models[run["type"]], rpc_value, run, a, vocabs[run["type"]], log, shared)
             records.append(rec)
             if rec["start_error"] is None:
@@ -1351,20 +1455,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     split_records = [r for r in records if r["kind"] == SPLIT]
     cells = []
     for t in types:
-        cells += [{"type": t, **c} for c in summarize([r for r in split_records if r["type"] == t], orders, users, groups)]
+        cells += [{"type": t, **c} for c in summarize([r for r in split_records if r["type"] == t], orders, users, groups,
+                                                      link_names)]
     best = best_ratios(cells, orders, 2) if len(types) == 1 else {}
     every = all_cells(records)
-    ratios = target_ratios(records, types, users, orders, groups, unsplit_threads, a.threads, unsplit_groups)
+    ratios = target_ratios(records, types, users, orders, groups, unsplit_threads, a.threads, unsplit_groups,
+                           link_names)
     print(f"pipeline cells: {', '.join(os.path.basename(m) for m in models.values())}, npp {a.npp}, ntg {a.ntg}, "
           f"-r {a.requests}, -t {a.threads}, {a.legs} legs per arm, "
           + ("rpc " if n_rpc < 2 else f"{n_rpc} rpc servers ")
-          + (f"in netns behind tbf {a.rate}" if a.netns else "on loopback"))
+          + (f"in netns behind tbf {a.rate}" if a.netns else "on loopback")
+          + (f"; and over links {', '.join(link_names)} (bench/link_shaper.py)" if links else ""))
     if split_records:
         print(format_table(cells))
         print()
         if len(types) == 1:
             print(format_best(best, 2))
-    if len(every) > len(cells) or len(types) > 1 or trace_dir:
+    if len(every) > len(cells) or len(types) > 1 or trace_dir or links:
         print()
         print(format_cells(every))
         print()
@@ -1385,6 +1492,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "arms": arms, "rpc_endpoint": endpoints[0] if endpoints else "", "rpc_endpoints": endpoints,
             "netns": netns_peers[0].describe() if netns_peers else None,
             "netns_peers": [p.describe() for p in netns_peers],
+            "links": [{**lk, **shared["links"].get(lk["name"], {})} for lk in links],
             "started": t_start, "wall_s": round(time.time() - t_start, 3),
             "schedule": runs, "legs": records, "cells": cells, "all_cells": every, "ratios": ratios,
             "best_2_over_1": best, "exit_status": status, "llama_note": LLAMA_NOTE if peers is not None else None,

@@ -235,3 +235,89 @@ def test_tiny_end_to_end_three_stages(tiny_model, tmp_path):
         assert set(lg["thread_stats"]) == {"window_s", "server", "rpc", "rpc1"}
     assert sorted(os.listdir(tmp_path / "traces"))[-2:] == ["rpc-server-RPC1.jsonl", "rpc-server.jsonl"]
     assert "RPC0,RPC1,CPU: 2 groups / 1 group" in r.stdout
+
+
+def test_link_arms_their_names_and_the_shaped_over_loopback_ratio():
+    links = pc.parse_links(["0/none,2/1gbit", "0.5/10gbit"])
+    assert links == [{"name": "0ms/none", "delay_ms": 0.0, "rate_bit_s": None},
+                     {"name": "2ms/1gbit", "delay_ms": 2.0, "rate_bit_s": 1e9},
+                     {"name": "0.5ms/10gbit", "delay_ms": 0.5, "rate_bit_s": 1e10}]
+    assert pc.parse_links(None) == [] and pc.parse_links([]) == []
+    for bad in (["2/1gbit", "2.0/1000mbit"], ["fast"], ["2/warp"]):
+        with pytest.raises(ValueError):
+            pc.parse_links(bad)
+    names = ["2ms/1gbit"]
+    arms = pc.make_arms(["RPC0,CPU"], [1, 2], [2], llama=False, links=names)
+    assert [pc.arm_label(pc.arm_key(a)) for a in arms] == [
+        "pyllama split RPC0,CPU 1 group", "pyllama split RPC0,CPU 2 groups",
+        "pyllama split RPC0,CPU 1 group link 2ms/1gbit", "pyllama split RPC0,CPU 2 groups link 2ms/1gbit",
+        "pyllama -t 2"]
+    runs = pc.full_schedule(["f32"], arms, [32], legs=2)   # the link arms interleave with the others
+    assert [r.get("link") for r in runs[:len(arms)]] == [None, None, "2ms/1gbit", "2ms/1gbit", None]
+    assert [r["leg"] for r in runs] == [1] * len(arms) + [2] * len(arms)
+    assert pc._trace_name(runs[2]) == "f32-split-RPC0-CPU-link2ms_1gbit-g1-u32-leg1.jsonl"
+    recs = []
+    for leg, (lo1, lo2, sh1, sh2) in enumerate([(300, 420, 240, 380), (310, 430, 250, 370)], 1):
+        recs += [_rec("f32", "split", leg, lo1, order="RPC0,CPU", groups=1),
+                 _rec("f32", "split", leg, lo2, order="RPC0,CPU", groups=2),
+                 _rec("f32", "split", leg, sh1, order="RPC0,CPU", groups=1, link="2ms/1gbit"),
+                 _rec("f32", "split", leg, sh2, order="RPC0,CPU", groups=2, link="2ms/1gbit")]
+    rows = {r["name"]: r for r in pc.target_ratios(recs, ["f32"], [32], ["RPC0,CPU"], [1, 2], [], 1, (), names)}
+    assert rows["RPC0,CPU 1 group(s): link 2ms/1gbit / loopback"]["ratio"] == pytest.approx(490 / 610)
+    r2 = rows["RPC0,CPU 2 group(s): link 2ms/1gbit / loopback"]
+    assert r2["ratio"] == pytest.approx(750 / 850) and (r2["min"], r2["max"]) == (pytest.approx(370 / 430),
+                                                                                 pytest.approx(380 / 420))
+    assert rows["RPC0,CPU link 2ms/1gbit: 2 groups / 1 group"]["ratio"] == pytest.approx(750 / 490)
+    assert rows["RPC0,CPU: 2 groups / 1 group"]["ratio"] == pytest.approx(850 / 610)   # loopback only
+    cells = pc.summarize(recs, ["RPC0,CPU"], [32], [1, 2], names)
+    assert [(c["link"], c["groups"]) for c in cells] == [(None, 1), (None, 2), ("2ms/1gbit", 1), ("2ms/1gbit", 2)]
+    assert cells[3]["ratio"] == pytest.approx(750 / 490) and cells[1]["ratio"] == pytest.approx(850 / 610)
+    assert cells[0]["legs"] == 2 and cells[2]["tok_s_mean"] == pytest.approx(245)
+    best = pc.best_ratios(cells, ["RPC0,CPU"])
+    assert set(best) == {"RPC0,CPU", "RPC0,CPU link 2ms/1gbit"}
+    assert best["RPC0,CPU link 2ms/1gbit"]["ratio"] == pytest.approx(750 / 490)
+    lines = pc.format_table(cells).splitlines()
+    assert [v.strip() for v in lines[0].split("|")[:3]] == ["order", "link", "groups"]
+    assert lines[2].split("|")[1].strip() == "loopback" and lines[4].split("|")[1].strip() == "2ms/1gbit"
+    assert len({len(ln) for ln in lines}) == 1
+    assert "link" not in pc.format_table(pc.summarize(recs[:2], ["RPC0,CPU"], [32], [1, 2])).splitlines()[0]
+    # an order without an rpc server has no link to shape
+    assert [a.get("link") for a in pc.make_arms(["CPU", "RPC0,CPU"], [1], [], False, links=names)] == \
+        [None, None, "2ms/1gbit"]
+    assert pc.relay_prefix(0) == [] and pc.relay_prefix(-1) == []
+    assert pc.relay_prefix(1) == ["chrt", "-f", "41"] and pc.relay_prefix(3) == ["chrt", "-f", "91"]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_tiny_end_to_end_over_a_shaped_link(tiny_model, tmp_path):
+    out = tmp_path / "cells.json"
+    args = ["--model", tiny_model, "--orders", "RPC0,CPU", "--groups", "1", "--users", "2", "--legs", "1",
+            "--npp", "8", "--ntg", "4", "--link", "2/1gbit", "--json", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "PYLLAMA_PEERS"}
+    r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       stdin=subprocess.DEVNULL, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    (link,) = doc["links"]
+    assert link["name"] == "2ms/1gbit" and link["delay_ms"] == 2.0 and link["rate_bit_s"] == 1e9
+    assert [(lg["kind"], lg.get("link")) for lg in doc["legs"]] == [("split", None), ("split", "2ms/1gbit")]
+    loop, shaped = doc["legs"]
+    rpc = [lg["server_args"][lg["server_args"].index("--rpc") + 1] for lg in doc["legs"]]
+    assert rpc == [doc["rpc_endpoints"][0], link["endpoints"][0]] and rpc[0] != rpc[1]
+    for lg in doc["legs"]:
+        assert lg["errors"] == 0 and lg["gen_tok_s"] > 0 and lg["bench"]["requests_ok"] == 2
+    # every token crosses the link there and back: 2 ms each way is a floor (no ceiling)
+    assert shaped["tpot_ms"] >= 4.0
+    assert "link" in shaped["thread_stats"] and "link" not in loop["thread_stats"]
+    assert "pyllama split RPC0,CPU 1 group link 2ms/1gbit" in r.stderr
+    names = [row["name"] for row in doc["ratios"]]
+    assert "RPC0,CPU 1 group(s): link 2ms/1gbit / loopback" in names
+    assert "RPC0,CPU 1 group(s): link 2ms/1gbit / loopback:" in r.stdout
+    assert all(_gone(pid) for pid in link["pids"])   # the relay went with the run

@@ -172,7 +172,9 @@ class CPUBackend(Backend):
         return self.bytes_of(tensor)
 
     def can_copy_from(self, src: Backend) -> bool:
-        return isinstance(src, CPUBackend)
+        # a CPU-like device whose tensors are not this host's memory (a simulated device behind a
+        # link, backend/sim.py) hands its tensors over with its graph instead, paying its link
+        return isinstance(src, CPUBackend) and src.host_memory
 
     def cpy_tensor_async(self, src: Tensor, dst: Tensor) -> bool:
         if not isinstance(src.backend, CPUBackend):

@@ -1,6 +1,6 @@
 """Deterministic random-weight test models, written as GGUF files that llama.cpp also loads.
 
-    python -m pyllama.models.make --preset tiny|small|medium --out PATH [--vocab VOCAB.gguf]
+    python -m pyllama.models.make --preset tiny|small|medium|deep --out PATH [--vocab VOCAB.gguf]
         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m|q5_k_m]
         [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3] [--tied|--untied]
         [--rope-scaling none|linear|yarn --rope-factor F] [--rope-freqs] [--n-rot N]
@@ -84,6 +84,8 @@ PRESETS: dict[str, Preset] = {
     "tiny256": Preset(256, 2, 4, 2, 512, 512, 512, True),
     "small": Preset(288, 6, 6, 6, 768, 32000, 2048, True),
     "medium": Preset(768, 12, 12, 4, 2048, 32000, 4096, True),
+    # tiny's widths over 24 blocks: splits of 2, 3, 4, 6, 8 or 12 equal stages (bench/pipeline_sim.py)
+    "deep": Preset(64, 24, 4, 2, 192, 512, 512, False),
 }
 ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3")
 # Mixture-of-Experts shapes per preset: (experts, experts used per token, expert FFN width, shared

@@ -16,7 +16,10 @@ decode B sequences, one token per sequence per step, in a thread of their own (a
 decode threads do). Once every group has made --warmup steps the window opens; it closes when
 the groups have made G x --steps steps together (so every group is working throughout: no ramp
 and no tail are measured). Per window: tokens/s, each device's busy share (the busy time of its
-BusyClock over the window's wall time), the smallest share, and the model's prediction.
+BusyClock over the window's wall time), the smallest share, and the model's prediction; in the
+JSON also per device `over_ms`, how much longer than modelled its graphs held it (the sleep's
+wake-up), and `gap_ms`, the mean time between one graph's end and the next one's start (idle
+waiting for a group, or the hand-over from one group's thread to the next).
 
 --link DELAY_MS/GBIT_S (`none`: no link; `2/1`: 2 ms and 1 Gbit/s; `2`: 2 ms, no rate cap) puts
 every simulated device behind such a link, as rpc peers are behind the network: a hidden state
@@ -210,8 +213,14 @@ class Groups:
         wall = (t1 - t0) / 1e6
         n = s1 - s0
         busy = [(b1 - b0) / 1e6 / wall for b0, b1 in zip(busy0, busy1)]
+        over, gaps = [], []
+        for d in devices:  # the graphs that ran inside the window
+            spans = sorted(sp for sp in list(d.spans) if sp[0] >= t0 and sp[1] <= t1)
+            over.append(float(np.mean([(b - a) / 1e3 - m * 1e3 for a, b, m in spans])) if spans else None)
+            gaps.append(float(np.mean([(c[0] - p[1]) / 1e3 for p, c in zip(spans, spans[1:])]))
+                        if len(spans) > 1 else None)
         return {"wall_s": wall, "steps": n, "tok_s": n * self.batch / wall, "step_ms": wall * g / n * 1e3,
-                "busy": busy, "min_busy": min(busy)}
+                "busy": busy, "min_busy": min(busy), "over_ms": over, "gap_ms": gaps}
 
     def _check(self) -> None:
         if self.error is not None:

@@ -229,6 +229,7 @@ def test_pipeline_sim_bench_end_to_end(tiny_model, tmp_path):
         m = r["model"]
         assert 0 < m["min_busy"] <= 1 and m["tok_s"] > 0 and m["cycle_ms"] > 0
         assert r["stage_ms"] == pytest.approx([2.0, 2.0])
+        assert len(r["over_ms"]) == len(r["gap_ms"]) == 2 and all(o > -0.01 for o in r["over_ms"])
     # the model: one group over two 2 ms stages is busy half the time; over 1 ms links (two per
     # hop, one back) the chain is 4 + 2 + 1 ms
     assert rows[0]["model"]["min_busy"] == pytest.approx(0.5)

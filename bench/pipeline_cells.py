@@ -379,6 +379,19 @@ def parse_types(text: str) -> list[str]:
     return types
 
 
+PINNED = {"name": "pinned", "delay_ms": 0.0, "rate_bit_s": None, "pinned": True}
+
+
+def pin_peers(pids: Sequence[int], pinned: bool) -> None:
+    """Each rpc server (every thread of it, those it starts later inherit the mask) on CPU 1 + its
+    index, or back on every CPU of the machine."""
+    n_cpu = os.cpu_count() or 1
+    for i, pid in enumerate(pids):
+        cpus = str((1 + i) % n_cpu) if pinned else f"0-{n_cpu - 1}"
+        subprocess.run(["taskset", "-a", "-p", "-c", cpus, str(pid)], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+
+
 def parse_links(values: Optional[Iterable[str]]) -> list[dict]:
     """--link values (each DELAY_MS/RATE, or several comma-separated) -> [{name, delay_ms,
     rate_bit_s}] in the order given: '2/1gbit' -> name '2ms/1gbit'; 'none' as the rate: no cap."""
@@ -1117,6 +1130,19 @@ def run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], lo
     ctx = ctx or {}
     kind = run.get("kind", SPLIT)
     extra = shlex.split(a.server_args) + prio_args(a.prio)
+    pinned = kind == SPLIT and bool((ctx.get("links") or {}).get(run.get("link"), {}).get("pinned"))
+    if pinned:
+        extra = extra + ["-C", "0x1"]
+        pin_peers([p for p in (ctx.get("peer_pids") or []) if p], True)
+    try:
+        return _run_cell(model, endpoint, run, a, vocab, log, ctx, kind, extra)
+    finally:
+        if pinned:
+            pin_peers([p for p in (ctx.get("peer_pids") or []) if p], False)
+
+
+def _run_cell(model: str, endpoint: str, run: dict, a, vocab: tuple[int, int], log, ctx: dict, kind: str,
+              extra: list[str]) -> dict:
     trace_path = None
     if kind == SPLIT:
         args = server_args(run["order"], endpoint, run["groups"], run["users"], a.npp, a.ntg, a.threads,
@@ -1244,6 +1270,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one more split arm per value whose server reaches each rpc server through "
                          "bench/link_shaper.py: DELAY_MS one way and RATE each way (tc units, none: no cap), e.g. "
                          "2/1gbit; may be given several times or comma-separated (0/none,2/1gbit)")
+    ap.add_argument("--pin", action="store_true",
+                    help="one more split arm per (order, groups), named link 'pinned': the server on CPU 0 "
+                         "(-C 0x1) and each rpc server on a CPU of its own (taskset, CPU 1 + its index) for the "
+                         "cell, on loopback; the other arms run on every CPU")
     ap.add_argument("--netns", action="store_true", help="rpc server in its own network namespace (root)")
     ap.add_argument("--rate", default="10gbit", help="tbf rate of the veth pair with --netns")
     ap.add_argument("--types", default="f32", help="weight types of the --preset models, e.g. f32,q4_k_m "
@@ -1283,6 +1313,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         shlex.split(a.server_args)
         check_tensor_split(a.tensor_split, orders)
         links = parse_links(a.link)
+        if a.pin:
+            links.append(dict(PINNED))
         if links and not rpc_count(orders):
             raise ValueError("--link: no order names an rpc server")
         if a.netns:
@@ -1404,6 +1436,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 endpoints.append(rpc.endpoint)
                 log(f"RPC{i}: rpc server at {rpc.endpoint}")
         for lk in links:  # per --link, a relay in front of each rpc server, for the whole run
+            if lk.get("pinned"):  # no relay: the rpc servers themselves, pinned while the cell runs
+                shared["links"][lk["name"]] = {"endpoints": list(endpoints), "pids": [], "pinned": True}
+                continue
             mine: dict = {"endpoints": [], "pids": []}
             for i, ep in enumerate(endpoints):
                 try:

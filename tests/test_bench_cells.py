@@ -321,3 +321,28 @@ def test_tiny_end_to_end_over_a_shaped_link(tiny_model, tmp_path):
     assert "RPC0,CPU 1 group(s): link 2ms/1gbit / loopback" in names
     assert "RPC0,CPU 1 group(s): link 2ms/1gbit / loopback:" in r.stdout
     assert all(_gone(pid) for pid in link["pids"])   # the relay went with the run
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or (os.cpu_count() or 1) < 2 or not __import__("shutil").which("taskset"),
+                    reason="needs Linux, taskset and two CPUs")
+def test_pin_puts_each_peer_on_a_cpu_of_its_own_and_back():
+    """--pin: every thread of each rpc server on CPU 1 + its index for the cell, then every CPU again."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import threading, time; threading.Thread(target=time.sleep, "
+                               "args=(30,), daemon=True).start(); time.sleep(30)"]) for _ in range(2)]
+    n = os.cpu_count() or 1
+
+    def allowed(pid: int) -> set:
+        return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+    try:
+        __import__("time").sleep(0.3)  # its second thread exists
+        pc.pin_peers([p.pid for p in procs], True)
+        assert allowed(procs[0].pid) == {frozenset({1 % n})} and allowed(procs[1].pid) == {frozenset({2 % n})}
+        pc.pin_peers([p.pid for p in procs], False)
+        assert allowed(procs[0].pid) == {frozenset(range(n))}
+        assert pc.make_arms(["RPC0,CPU"], [1, 2], [], False, links=["pinned"])[-1] == \
+            {"kind": pc.SPLIT, "order": "RPC0,CPU", "groups": 2, "link": "pinned"}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -594,6 +594,38 @@ def test_fake_device_behind_an_rpc_server_takes_f16_weights(fake_gpu, model_fact
             cpu.close()
 
 
+def test_fake_device_behind_an_rpc_server_computes_each_lane_on_a_stream_of_its_own(fake_gpu, f16_model):
+    """Two groups' contexts over one rpc server with a CUDA device: each group's lane runs on an
+    executor thread of its own there, and the device gives each of those threads a stream (lane)
+    of its own, so the groups' graphs queue on different streams."""
+    from pyllama.backend.cuda import open_backend  # noqa: PLC0415
+    from pyllama.backend.rpc import RPCBackend, RPCLane  # noqa: PLC0415
+    from pyllama.runtime.context import Batch  # noqa: PLC0415
+    from pyllama.runtime.engine import Engine  # noqa: PLC0415
+    from pyllama.rpc.connection import Connection  # noqa: PLC0415
+    from pyllama.rpc_server.server import ServerThread  # noqa: PLC0415
+    cpu = Engine(f16_model, n_threads=1)
+    with ServerThread(backend_factory=lambda: open_backend("CUDA0")) as st:
+        conn = Connection(f"127.0.0.1:{st.port}")
+        remote = Engine(f16_model, n_threads=1, backends=[RPCBackend(conn, 0, "RPC0")], tensor_split=[1])
+        try:
+            prompt = remote.tokenizer.encode("Hello world")
+            a, b = remote.new_context(128, 1), remote.new_context(128, 1)
+            assert all(isinstance(c.sched.streams[0], RPCLane) for c in (a, b))
+            la = a.decode(Batch.for_sequence(prompt, 0, 0)).logits.copy()
+            lb = b.decode(Batch.for_sequence(prompt, 0, 0)).logits.copy()
+            want = cpu.new_context(128, 1).decode(Batch.for_sequence(prompt, 0, 0)).logits
+            np.testing.assert_array_equal(la, lb)
+            assert _rel(la, want) < 2e-3
+            gpu = st.server.devices[0].backend
+            computing = [lane for lane in gpu._lanes if lane.plans]
+            assert len(computing) == 2  # one stream per group's lane; none for the session's loads
+        finally:
+            remote.close()
+            conn.close()
+            cpu.close()
+
+
 def test_an_rpc_server_refuses_weight_types_its_device_does_not_hold(model_factory):
     """A peer says which weight types it holds (GET_DEVICE_TYPES): the client refuses at load,
     naming the type, and a client that sends such a weight anyway has its graph refused."""

@@ -13,6 +13,15 @@ import time
 from typing import Any, Optional
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (a zombie counts until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

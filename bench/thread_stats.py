@@ -7,7 +7,7 @@
 Reads Linux's per-thread scheduler counters (/proc/PID/task/TID/schedstat: time on a CPU, time
 runnable but waiting for one; /proc/PID/task/TID/status: voluntary and involuntary context
 switches) before and after the command (or the interval) and prints, per thread that ran, its
-name (pyllama names its threads: decode-0, tasks, rpc-exec-CPU, kernel-pool, ...), CPU time,
+name (pyllama names its threads: decode-0, tasks, rpc-exec-N (one per connection), kernel-pool, ...), CPU time,
 run-queue wait, wait as a share of the time it wanted a CPU, and how often it was preempted
 (involuntary switches) or blocked (voluntary). Where two processes of a split share cores, a
 compute thread's run-queue wait and preemptions are the time-slicing that stretches its stage

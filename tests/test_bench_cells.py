@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "pipeline_cells.py")
 
 import pipeline_cells as pc  # noqa: E402
+from server_util import pid_alive  # noqa: E402
 
 
 def test_arms_and_schedule_interleave_every_arm_per_leg():
@@ -288,14 +289,6 @@ def test_link_arms_their_names_and_the_shaped_over_loopback_ratio():
     assert pc.relay_prefix(1) == ["chrt", "-f", "41"] and pc.relay_prefix(3) == ["chrt", "-f", "91"]
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_tiny_end_to_end_over_a_shaped_link(tiny_model, tmp_path):
     out = tmp_path / "cells.json"
     args = ["--model", tiny_model, "--orders", "RPC0,CPU", "--groups", "1", "--users", "2", "--legs", "1",
@@ -320,7 +313,7 @@ def test_tiny_end_to_end_over_a_shaped_link(tiny_model, tmp_path):
     names = [row["name"] for row in doc["ratios"]]
     assert "RPC0,CPU 1 group(s): link 2ms/1gbit / loopback" in names
     assert "RPC0,CPU 1 group(s): link 2ms/1gbit / loopback:" in r.stdout
-    assert all(_gone(pid) for pid in link["pids"])   # the relay went with the run
+    assert not any(pid_alive(pid) for pid in link["pids"])   # the relay went with the run
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or (os.cpu_count() or 1) < 2 or not __import__("shutil").which("taskset"),

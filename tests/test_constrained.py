@@ -10,7 +10,6 @@ token through: the mask makes it -inf first), so that outputs end well within ma
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import pytest
 from pyllama.batching.constraint import ConstraintSpec, compile_constraint
 from pyllama.server.http import HTTPError
 from pyllama.server.params import parse_completion
-from server_util import RPCServerProcess, ServerProcess
+from server_util import RPCServerProcess, ServerProcess, pid_alive
 
 N_SEEDS = 100
 A5 = 'root ::= "a"{5}'
@@ -433,14 +432,6 @@ def _tok(tiny_model):
     return load_tokenizer(read_metadata(tiny_model))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_a_first_mask_check_too_slow_is_killed_and_leaves_nothing_running(monkeypatch, tiny_model):
     """The check process of a grammar whose first mask is too slow is killed: the grammar is a 400,
     no computation goes on anywhere (no process, no thread), its place is free at once, and the
@@ -459,13 +450,13 @@ def test_a_first_mask_check_too_slow_is_killed_and_leaves_nothing_running(monkey
     with pytest.raises(HTTPError) as err:
         compile_constraint(ConstraintSpec("gbnf", 'root ::= a{700}\na ::= b{700}\nb ::= "y"'), tok)
     assert err.value.status == 400 and "too complex" in str(err.value)
-    assert checker.killed == killed + 1 and not _alive(pid) and checker.pids() == []
+    assert checker.killed == killed + 1 and not pid_alive(pid) and checker.pids() == []
     assert not [t for t in threading.enumerate() if t.name == "grammar-check"]
     assert cmod._checks.acquire(timeout=0)
     cmod._checks.release()
     compile_constraint(ConstraintSpec("gbnf", 'root ::= "f"{3}'), tok)
     (new_pid,) = checker.pids()
-    assert new_pid != pid and _alive(new_pid)
+    assert new_pid != pid and pid_alive(new_pid)
 
 
 def test_grammars_refuse_new_ones_with_a_503_while_every_check_place_is_held(monkeypatch, tiny_model):

@@ -92,4 +92,4 @@ def test_server_and_rpc_server_threads_are_named(tiny_model):
         rpc.stop()
     for name in ("decode-0", "decode-1", "tasks", "reconnect", "kernel-pool"):
         assert name in server_names, server_names
-    assert "rpc-exec-CPU" in rpc_names, rpc_names
+    assert any(n.startswith("rpc-exec-") for n in rpc_names), rpc_names  # one per connection (lane)

@@ -96,16 +96,17 @@ def test_a_long_prompt_over_a_real_split(tiny_model, rpc_peer, order):
     conn = Connection(rpc_peer.endpoint)
     try:
         rpc = RPCBackend(conn)
-        real = rpc.graph_compute
-
-        def logged(graph, reads=()):
-            log.append("RPC0")
-            real(graph, reads)
-        rpc.graph_compute = logged  # type: ignore[method-assign]
         cpu = _Logged("CPU", log)
         engine = Engine(tiny_model, n_threads=1, backends=[rpc, cpu] if order == "RPC0,CPU" else [cpu, rpc],
                         tensor_split=[1, 1])
         ctx = engine.new_context(64, 1, n_batch=64, n_ubatch=4)
+        stream = ctx.sched.streams[engine.backends.index(rpc)]  # the context's lane to the peer
+        real = stream.graph_compute
+
+        def logged(graph, reads=()):
+            log.append("RPC0")
+            real(graph, reads)
+        stream.graph_compute = logged  # type: ignore[method-assign]
         got = ctx.decode(Batch.for_sequence(PROMPT, 0, 0, all_logits=True)).logits.copy()
         if order == "RPC0,CPU":
             assert log == ["RPC0", "RPC0", "CPU", "RPC0", "CPU", "CPU"]
@@ -155,17 +156,18 @@ def test_a_peer_lost_in_the_middle_of_the_wave_is_one_error_and_keeps_no_staging
     conn = Connection(rpc_peer.endpoint)
     try:
         rpc = RPCBackend(conn)
-        real = rpc.graph_compute
+        engine = Engine(tiny_model, n_threads=1, backends=[rpc, CPUBackend(1)], tensor_split=[1, 1])
+        ctx = engine.new_context(64, 1, n_batch=64, n_ubatch=4)
+        stream = ctx.sched.streams[0]  # the context's lane to the peer
+        real = stream.graph_compute
         calls = []
 
         def breaking(graph, reads=()):
             calls.append(1)
             if len(calls) == 2:
-                conn.close()
+                conn.close()  # the session, and its lanes with it
             real(graph, reads)
-        rpc.graph_compute = breaking  # type: ignore[method-assign]
-        engine = Engine(tiny_model, n_threads=1, backends=[rpc, CPUBackend(1)], tensor_split=[1, 1])
-        ctx = engine.new_context(64, 1, n_batch=64, n_ubatch=4)
+        stream.graph_compute = breaking  # type: ignore[method-assign]
         with pytest.raises(RPCError):
             ctx.decode(Batch.for_sequence(PROMPT, 0, 0, all_logits=True))
         assert len(calls) == 2

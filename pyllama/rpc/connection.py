@@ -139,6 +139,7 @@ class Connection:
         self.one_way_sent = 0
         self.one_way_done = 0
         self._one_way_before: dict[int, int] = {}  # ticket -> one-way commands sent before it
+        self._retired = (0, 0, 0)  # a session's: the traffic of its lanes that closed
         host, port = parse_endpoint(endpoint)
         self.timeout = timeout if timeout is not None else configured_timeout()
         try:
@@ -180,7 +181,7 @@ class Connection:
         except BaseException:
             self.close()
             raise
-        if trace.enabled:
+        if trace.enabled and session is None:  # (a lane reaches the same peer clock)
             self.trace_sync()
 
     # --- sessions and lanes ------------------------------------------------------------------------
@@ -206,6 +207,14 @@ class Connection:
         lane = Connection(self.endpoint, self.timeout, session=self)
         self.lanes.add(lane)
         return lane
+
+    def traffic(self) -> tuple[int, int, int]:
+        """(replies read, bytes out, bytes in) of a session: its connection and every lane it had."""
+        n, out, inn = (self.n_replies + self._retired[0], self.bytes_out + self._retired[1],
+                       self.bytes_in + self._retired[2])
+        for lane in list(self.lanes):
+            n, out, inn = n + lane.n_replies, out + lane.bytes_out, inn + lane.bytes_in
+        return n, out, inn
 
     def fence(self) -> None:
         """Waits until the peer has run every one-way command sent so far (a round trip, only when
@@ -528,6 +537,10 @@ class Connection:
             say("%s", reason)
             for lane in list(self.lanes):
                 lane._shut(f"{reason} (its session)", log.debug)
+            if self.session is not None and self in self.session.lanes:  # its traffic stays counted
+                self.session.lanes.discard(self)
+                r = self.session._retired
+                self.session._retired = (r[0] + self.n_replies, r[1] + self.bytes_out, r[2] + self.bytes_in)
             if self._arena is not None:
                 self._arena.close()
             try:  # wakes a thread blocked on this socket at once (close alone would not)

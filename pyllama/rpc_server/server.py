@@ -159,6 +159,7 @@ class RPCServer:
         self._all_closed.clear()
         self._next_conn += 1
         conn.number = self._next_conn
+        conn.executor = Executor(f"rpc-exec-{conn.number}")  # (the OS keeps 15 characters of a name)
         self._executors = {ex for ex in self._executors if ex.alive}  # those of closed lanes end on their own
         self._executors.add(conn.executor)
 

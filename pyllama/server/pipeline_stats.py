@@ -233,7 +233,8 @@ class PipelineStats:
                 continue
             conn = b.conn
             own = self._own.get(id(conn), [0, 0, 0])
-            counters[conn.endpoint] = (conn.n_replies - own[0], conn.bytes_out - own[1], conn.bytes_in - own[2])
+            n, out, inn = conn.traffic()  # the session's connection and its groups' lanes
+            counters[conn.endpoint] = (n - own[0], out - own[1], inn - own[2])
         base = None
         for t, steps, c in self._link_history:
             if now - t <= int(MAX_WINDOW_S * 1e6) and steps < n_steps:

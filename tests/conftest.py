@@ -123,7 +123,8 @@ def seeded_hermes_server(tiny_model, tmp_path_factory):
 FUZZ_MODULES = {"test_rpc_fuzz"}
 # what a test (or a fixture it uses) does when it starts processes, servers or sockets
 _INTEGRATION = re.compile(r"ServerProcess|RPCServerProcess|LlamaServer|subprocess|Popen|socket\.|HTTPServer\(|"
-                          r"RPCServer\(|serve_forever|rpc_peer|127\.0\.0\.1|fuzz_http\.main|fuzz_rpc\.main")
+                          r"RPCServer\(|ServerThread|start_server\(|LinkShaper|os\.fork\(|serve_forever|rpc_peer|"
+                          r"127\.0\.0\.1|fuzz_http\.main|fuzz_rpc\.main")
 _source_cache: dict = {}
 
 

@@ -507,6 +507,12 @@ def test_set_tensor_hash_cache_survives_a_restart(tmp_path):
         assert c.sync() == (0, b"")
         small = tensor(bid, 0, DType.F32, (16,))
         c.set_tensor(small, b"\0" * 64)  # below 1 MiB: not cached
+        # a large write into a compute or KV buffer (a long prompt's hidden state) is not a weight
+        for usage in (0, 2):
+            act = c.alloc(2 << 20, usage=usage)
+            c.set_tensor(tensor(act, 0, DType.F32, (1 << 19,)), bytes(range(256)) * (8 << 10))
+            assert c.sync() == (0, b"")
+            c.free(act)
         assert "outside" in c.error(Cmd.SET_TENSOR_HASH, hash_req(bid)[:104] + P.REGION.pack(8, len(data)) + digest)
     assert os.listdir(cache) == [digest.hex()]
     assert (cache / digest.hex()).read_bytes() == data

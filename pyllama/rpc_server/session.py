@@ -382,7 +382,8 @@ class Session:
         if size:
             dev.backend.set_tensor(view, np.frombuffer(payload, np.uint8, size, SET_HEAD))
         cache = self.server.cache
-        if cache is not None and size >= CACHE_MIN_BYTES:
+        # weights only: a hidden state or cache rows are never asked for again by hash
+        if cache is not None and size >= CACHE_MIN_BYTES and t.buffer is not None and t.buffer.usage == "weights":
             cache.store_async(as_bytes_view(payload)[SET_HEAD:])
 
     def _set_tensor_hash(self, payload, t_recv: int) -> bytes:

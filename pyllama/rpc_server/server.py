@@ -181,8 +181,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.closing = False
         self._eof = False
         self.number = 0            # the server's count of connections when it was opened (logs, traces)
-        # the lane's executor: its commands run there in arrival order, concurrently with other lanes
-        self.executor = Executor("rpc-lane")
+        # the lane's executor (made by RPCServer._opened, which connection_made calls first): its
+        # commands run there in arrival order, concurrently with other lanes
+        self.executor: Executor
         self.session_key: Optional[bytes] = None  # a session's first connection: its key, once asked
         self.lanes: set["_Connection"] = set()    # a session's first connection: the lanes bound to it
         self.lane_of: Optional["_Connection"] = None  # a lane: its session's first connection

@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -624,6 +625,11 @@ def test_fake_device_behind_an_rpc_server_computes_each_lane_on_a_stream_of_its_
             remote.close()
             conn.close()
             cpu.close()
+        # each connection's executor thread, as it ends, gives back the stream it had
+        deadline = time.monotonic() + 10
+        while gpu._lanes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert gpu._lanes == []
 
 
 def test_an_rpc_server_refuses_weight_types_its_device_does_not_hold(model_factory):

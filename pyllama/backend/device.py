@@ -72,5 +72,9 @@ class Device(ABC):
         the scheduler does not stage those copies through the host)."""
         return False
 
+    def end_thread(self) -> None:
+        """The calling thread will not use this device again: what the device keeps for that thread
+        alone (a GPU's per-thread stream) goes. Nothing on devices without such state."""
+
     def close(self) -> None:
         """Releases every resource of the device."""

@@ -37,7 +37,9 @@ class Executor:
     one-way commands costs the loop one wake-up, not one each.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, on_exit: Optional[Callable[[], None]] = None):
+        """`on_exit` runs on the thread after its last job (what the thread held on the devices)."""
+        self._on_exit = on_exit
         self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._thread = Thread(target=self._run, name=name, daemon=True)
         self._started = False
@@ -71,6 +73,16 @@ class Executor:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self._on_exit is not None:
+                try:
+                    self._on_exit()
+                except Exception:  # noqa: BLE001 - the thread ends anyway
+                    log.exception("executor %s: releasing its devices' state failed", self._thread.name)
+
+    def _serve(self) -> None:
         ready: list[tuple[asyncio.AbstractEventLoop, Callable[[Any], None], Any]] = []
         first = 0.0
         while True:

@@ -159,9 +159,14 @@ class RPCServer:
         self._all_closed.clear()
         self._next_conn += 1
         conn.number = self._next_conn
-        conn.executor = Executor(f"rpc-exec-{conn.number}")  # (the OS keeps 15 characters of a name)
+        conn.executor = Executor(f"rpc-exec-{conn.number}", on_exit=self._executor_done)  # (15 characters kept)
         self._executors = {ex for ex in self._executors if ex.alive}  # those of closed lanes end on their own
         self._executors.add(conn.executor)
+
+    def _executor_done(self) -> None:
+        """On a connection's executor thread as it ends: a GPU frees the stream it kept for it."""
+        for dev in self.devices:
+            dev.backend.end_thread()
 
     def _closed(self, conn: "_Connection") -> None:
         self._conns.discard(conn)

@@ -339,6 +339,18 @@ class CUDABackend(Backend):
         self._lanes.append(lane)
         return lane
 
+    def end_thread(self) -> None:
+        lane = getattr(self._tls, "lane", None)
+        if lane is None:
+            return
+        self._tls.lane = None
+        with self._lock:
+            if lane not in self._lanes:  # the device closed
+                return
+            self._lanes.remove(lane)
+        with self._active():
+            self._free_lane(lane)
+
     def _free_lane(self, lane: _Lane) -> None:
         """Waits for the lane's work and frees what it holds (called with the context active)."""
         try:

@@ -1,7 +1,7 @@
 """Pipeline-group cells: one model split over a local CPU and rpc servers, 1..N groups side by side.
 
     python bench/pipeline_cells.py [--preset medium | --model PATH] [--orders 'CPU,RPC0;RPC0,CPU']
-        [--groups 1,2,3,4] [--users 32,64,128] [--legs 3] [--npp 64] [--ntg 64] [-r 1] [-t 1]
+        [--groups 1,2,3,4] [--users 32,64,128] [--legs 3] [--npp 64] [--ntg 64] [-r 3] [-t 1]
         [--warmup 1] [--tensor-split even|auto|a,b] [--server-args '--kv-unified']
         [--types f32,q4_k_m] [--unsplit-threads 1,2] [--unsplit-groups 2] [--peers DIR [--llama-ngl N]]
         [--trace DIR] [--prio N] [--link DELAY_MS/RATE ... | --links 0/none,2/1gbit]
@@ -646,10 +646,14 @@ def target_ratios(records: list[dict], types: list[str], users: list[int], order
             for o in orders:
                 if g2 is not None and g2 != 1 and 1 in groups:
                     pairs.append((f"{o}: {g2} groups / 1 group", (SPLIT, o, g2), (SPLIT, o, 1)))
+                n_dev = len(o.split(","))
+                # a group per stage is the split's own target cell; against every unsplit -t that
+                # ran, as a 3-stage split on a 2-core machine is judged against -t 2
+                for g in sorted({g for g in (g2, n_dev) if g is not None and g in groups}):
+                    for ut in sorted({n_dev * split_threads, *threads}):
+                        pairs.append((f"{o}: {g} group(s) / pyllama unsplit -t {ut}",
+                                      (SPLIT, o, g), (UNSPLIT, ut)))
                 if g2 is not None:
-                    n_dev = len(o.split(","))
-                    pairs.append((f"{o}: {g2} group(s) / pyllama unsplit -t {n_dev * split_threads}",
-                                  (SPLIT, o, g2), (UNSPLIT, n_dev * split_threads)))
                     if n_dev == 2:  # llama.cpp's split: one ggml-rpc-server, two stages
                         pairs.append((f"{o}: pyllama split {g2} group(s) / llama.cpp split",
                                       (SPLIT, o, g2), (LLAMA_SPLIT,)))
@@ -1252,7 +1256,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--legs", type=int, default=3, help="legs (repeats) per arm, interleaved")
     ap.add_argument("--npp", type=int, default=64, help="prompt tokens per request")
     ap.add_argument("--ntg", type=int, default=64, help="generated tokens per request")
-    ap.add_argument("-r", "--requests", type=int, default=1, help="measured requests per user")
+    ap.add_argument("-r", "--requests", type=int, default=3,
+                    help="measured requests per user (at 1, a leg is mostly its ramp and tail: the last "
+                    "steps of a leg carry few rows)")
     ap.add_argument("-t", "--threads", type=int, default=1, help="compute threads of the server and the rpc server")
     ap.add_argument("--warmup", type=int, default=1, help="uncounted requests per user before the window")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt token ids")

@@ -211,6 +211,21 @@ def test_three_stage_orders_name_their_rpc_servers():
     assert names == ["RPC0,CPU: pyllama split 2 group(s) / llama.cpp split"]
 
 
+def test_three_stages_with_a_group_each_are_judged_against_every_unsplit_run():
+    # the 3-stage target is 3 groups against -t 2 (the machine's cores), not only -t 3
+    recs = []
+    for leg, (g2, g3, t1, t2) in enumerate([(380, 400, 250, 440), (390, 396, 252, 420)], 1):
+        recs += [_rec("f32", "split", leg, g2, order="RPC0,RPC1,CPU", groups=2),
+                 _rec("f32", "split", leg, g3, order="RPC0,RPC1,CPU", groups=3),
+                 _rec("f32", "unsplit", leg, t1, threads=1), _rec("f32", "unsplit", leg, t2, threads=2)]
+    rows = {r["name"]: r for r in pc.target_ratios(recs, ["f32"], [32], ["RPC0,RPC1,CPU"], [1, 2, 3], [1, 2], 1)}
+    r = rows["RPC0,RPC1,CPU: 3 group(s) / pyllama unsplit -t 2"]
+    assert r["ratio"] == pytest.approx(796 / 860) and (r["min"], r["max"]) == (pytest.approx(400 / 440),
+                                                                                pytest.approx(396 / 420))
+    assert rows["RPC0,RPC1,CPU: 2 group(s) / pyllama unsplit -t 2"]["ratio"] == pytest.approx(770 / 860)
+    assert "RPC0,RPC1,CPU: 3 group(s) / pyllama unsplit -t 3" not in rows   # -t 3 did not run
+
+
 def test_tiny_end_to_end_three_stages(tiny_model, tmp_path):
     # the tiny model has 2 blocks: -ts 1,1,0 gives RPC0 one, RPC1 the other, the CPU the output layer
     out = tmp_path / "cells.json"

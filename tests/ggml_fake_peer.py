@@ -2,8 +2,9 @@
 loopback port, one client at a time, with that server's rules: HELLO first, every reply of the
 exact size its command defines, and a request it cannot serve (unknown buffer, a region outside
 its buffer, a wrong size) closes the connection. Buffers live in host memory at made-up addresses.
-Graphs are decoded and kept (`graphs`), not computed: what they compute is checked against
-llama.cpp's own rpc-server in bench/, not against a reading of ggml here.
+Graphs are decoded and kept (`graphs`); with `compute=True` they are also run by ggml_numpy.py,
+a float64 reading of the ops pyllama's lowering uses (the lowering itself is checked against
+llama.cpp's own rpc-server in bench/, where ggml computes).
 
 `reply_hook(cmd, payload) -> bytes | None` replaces the reply of a command (a hostile peer);
 with `close_after_hook` the peer then closes the connection."""
@@ -29,12 +30,13 @@ class FakeGGMLPeer:
 
     def __init__(self, devices: tuple[tuple[int, int], ...] = ((3 << 30, 4 << 30),), version=P.VERSION,
                  alignment: int = 32, reply_hook: Optional[Callable[[GCmd, bytes], Optional[bytes]]] = None,
-                 close_after_hook: bool = False):
+                 close_after_hook: bool = False, compute: bool = False):
         self.devices = list(devices)
         self.version = version
         self.alignment = alignment
         self.reply_hook = reply_hook
         self.close_after_hook = close_after_hook   # a hooked reply ends the connection (it may be short)
+        self.compute = compute
         self.buffers: dict[int, tuple[int, bytearray]] = {}   # remote_ptr -> (base, bytes)
         self.graphs: list[tuple[int, np.ndarray, np.ndarray]] = []
         self.recomputes: list[int] = []
@@ -223,13 +225,25 @@ class FakeGGMLPeer:
             ids = set(int(i) for i in tensors["id"])
             self._need(all(int(n) in ids for n in nodes), "a node id without a tensor")
             self.graphs.append((dev, nodes.copy(), tensors.copy()))
+            if self.compute:
+                self._compute(nodes, tensors)
             return b""
         if cmd == GCmd.GRAPH_RECOMPUTE:
             dev = self._device(p)
             self._need(any(g[0] == dev for g in self.graphs), "no stored graph")
             self.recomputes.append(dev)
+            if self.compute:
+                last = [gr for gr in self.graphs if gr[0] == dev][-1]
+                self._compute(last[1], last[2])
             return b""
         raise _Closed(f"command {cmd.name} not served here")
+
+    def _compute(self, nodes, tensors) -> None:
+        from ggml_numpy import run_graph  # noqa: PLC0415
+        try:
+            run_graph(self.buffers, nodes, tensors)
+        except (ValueError, KeyError, IndexError) as exc:
+            raise _Closed(f"graph: {exc}") from None
 
     # test helpers
     def read(self, ptr: int, offset: int, size: int) -> bytes:

@@ -230,9 +230,17 @@ def test_identify_names_both_protocols_when_neither_answers():
         t.join(2)
 
 
-def test_the_server_names_a_ggml_peer_it_cannot_use(peer):
+def test_rpc_names_a_ggml_peer_and_gives_its_device(peer, caplog):
+    from pyllama.backend.ggml.backend import GGMLBackend
     from pyllama.runtime.placement.devices import make_backends
-    with pytest.raises(PyllamaError) as e:
-        make_backends("RPC0,CPU", peer.endpoint, "layer", 1)
-    msg = str(e.value)
-    assert "llama.cpp rpc-server" in msg and "5.0.0" in msg and "2 devices" in msg and "\n" not in msg
+    caplog.set_level("INFO")
+    backends = make_backends("RPC0,CPU", peer.endpoint, "layer", 1)
+    try:
+        dev = backends[0]
+        assert isinstance(dev, GGMLBackend) and dev.name == "RPC0"
+        info = dev.device_info()
+        assert (info.kind, info.free, info.total) == ("ggml", 3 << 30, 4 << 30)
+        assert any("is a llama.cpp rpc-server (ggml RPC protocol 5.0.0, 2 devices)" in r.message for r in caplog.records)
+    finally:
+        for b in backends:
+            b.close()

@@ -204,6 +204,11 @@ def _name(rec: np.void) -> str:
 
 # --- which kind of peer ---------------------------------------------------------------------------
 PYLLAMA, GGML = "pyllama", "ggml"
+_kinds: dict[str, str] = {}     # endpoint -> the kind identify found there (a reconnect asks no more)
+
+
+def known_kind(endpoint: str) -> Optional[str]:
+    return _kinds.get(endpoint)
 
 
 def identify(endpoint: str, timeout: float = 10.0) -> tuple[str, tuple[int, int, int]]:
@@ -213,7 +218,9 @@ def identify(endpoint: str, timeout: float = 10.0) -> tuple[str, tuple[int, int,
     RPCError naming both attempts when neither answers as its protocol says."""
     host, port = parse_endpoint(endpoint)
     try:
-        return PYLLAMA, _pyllama_hello(host, port, timeout)
+        version = _pyllama_hello(host, port, timeout)
+        _kinds[endpoint] = PYLLAMA
+        return PYLLAMA, version
     except _NotThisKind as exc:
         first = str(exc)
     try:
@@ -225,6 +232,7 @@ def identify(endpoint: str, timeout: float = 10.0) -> tuple[str, tuple[int, int,
                        f"ggml's ({exc})") from None
     version = conn.version
     conn.close()
+    _kinds[endpoint] = GGML
     return GGML, version
 
 

@@ -22,6 +22,7 @@ from .protocol import GOp
 
 F32, F16, I32, I64 = 0, 1, 26, 27
 GLU_SWIGLU, GLU_GEGLU = 2, 1
+UNARY_TANH = 4
 ROPE_NORM, ROPE_NEOX = 0, 2
 
 
@@ -41,6 +42,7 @@ class GT:
     data: int = 0
     name: str = ""
     keep: bool = False                # an output: its bytes are not reused within the graph
+    fixed: bool = False               # placed by the caller (`place`), not in the scratch buffer
     users: list[int] = field(default_factory=list)
 
     @property
@@ -135,6 +137,15 @@ class GraphBuilder:
     def argmax(self, a: GT, name: str = "") -> GT:
         return self._new(I32, (a.ne[1],), GOp.ARGMAX, (a,), name=name)
 
+    def unary(self, a: GT, op: int, name: str = "") -> GT:
+        return self._new(a.type, a.ne, GOp.UNARY, (a,), struct.pack("<i", op), name)
+
+    def concat(self, a: GT, b: GT, dim: int, name: str = "") -> GT:
+        if a.type != b.type or any(a.ne[i] != b.ne[i] for i in range(4) if i != dim):
+            raise ValueError(f"concat: {a.ne} and {b.ne} along {dim}")
+        ne = tuple(a.ne[i] + b.ne[i] if i == dim else a.ne[i] for i in range(4))
+        return self._new(a.type, ne, GOp.CONCAT, (a, b), struct.pack("<i", dim), name)
+
     def cont(self, a: GT, name: str = "") -> GT:
         return self._new(a.type, a.ne, GOp.CONT, (a,), name=name)
 
@@ -184,6 +195,14 @@ class GraphBuilder:
     def output(self, t: GT) -> GT:
         """Marks a result to read after the graph: its bytes are never reused by a later node."""
         (t.view_src or t).keep = True
+        return t
+
+    def place(self, t: GT, buffer: int, data: int) -> GT:
+        """Puts a result at an address of the caller's (a tensor the caller's graph names), so it
+        is computed there rather than in the scratch buffer."""
+        if t.view_src is not None:
+            raise ValueError("a view takes its root's address")
+        t.buffer, t.data, t.fixed = buffer, data, True
         return t
 
     def finish(self, scratch_buffer: int, scratch_base: int, scratch_size: int,
@@ -247,7 +266,7 @@ class GraphBuilder:
         ends: dict[int, list[tuple[int, int]]] = {}     # node index -> blocks to free after it
         high = 0
         for index, t in enumerate(self.nodes):
-            if t.view_src is None:
+            if t.view_src is None and not t.fixed:
                 need = align(t.nbytes)
                 for j, (off, length) in enumerate(free):
                     if length >= need:

@@ -157,12 +157,11 @@ def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_
             i = int(name[3:])
             if i >= len(endpoints):
                 raise PyllamaError(f"--device {name}: there are {len(endpoints)} --rpc endpoints")
-            from ...backend.rpc import RPCBackend  # noqa: PLC0415 - only when RPC is used
             from ...rpc.auth import read_token  # noqa: PLC0415
             from ...rpc.connection import set_timeout, set_token  # noqa: PLC0415
             set_token(read_token(token_file, "--rpc-token-file"))
             set_timeout(rpc_timeout)
-            backends.append(RPCBackend(_connect(endpoints[i]), 0, name, settings=settings.rpc))
+            backends.append(_rpc_device(endpoints[i], name, settings))
         elif name.startswith("CUDA"):
             # PyCUDA is imported only when a CUDA device is asked for; without PyCUDA, a driver, the
             # device or the built kernels this is one PyllamaError saying which
@@ -175,31 +174,22 @@ def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_
     return backends
 
 
-def _connect(endpoint: str):
-    """The session to a pyllama rpc server at `endpoint`; a peer that refuses pyllama's HELLO is asked
-    whether it is a llama.cpp rpc-server, so the error says what is there instead of a reset."""
-    from ...rpc.connection import RPCError, get_connection  # noqa: PLC0415
-    try:
-        return get_connection(endpoint)
-    except RPCError as exc:
-        refused = exc
-    from ...backend.ggml.connection import GGML, GGMLConnection, identify  # noqa: PLC0415
+def _rpc_device(endpoint: str, name: str, settings: Settings) -> Backend:
+    """The device `name` at `endpoint`: a pyllama rpc server's, or device 0 of a llama.cpp
+    rpc-server (the log says which), told apart by a HELLO of each kind the first time."""
+    from ...backend.ggml.backend import GGMLBackend, ggml_connection  # noqa: PLC0415
+    from ...backend.ggml.connection import GGML, identify, known_kind  # noqa: PLC0415
     from ...backend.ggml.protocol import version_text  # noqa: PLC0415
-    try:
-        kind, version = identify(endpoint)
-    except PyllamaError:
-        raise refused from None
-    if kind != GGML:
-        raise refused
-    conn = GGMLConnection(endpoint)
-    try:
-        n = conn.device_count()
-        free = [conn.device_memory(d)[0] >> 20 for d in range(n)]
-    finally:
-        conn.close()
-    raise PyllamaError(f"--rpc {endpoint} is a llama.cpp rpc-server (ggml RPC protocol {version_text(version)}, "
-                       f"{n} device{'s' if n != 1 else ''}: {', '.join(f'{f} MiB free' for f in free)}); "
-                       "this pyllama computes only on pyllama rpc servers (python -m pyllama.rpc_server)")
+    from ...backend.rpc import RPCBackend  # noqa: PLC0415 - only when RPC is used
+    from ...rpc.connection import get_connection  # noqa: PLC0415
+    if (known_kind(endpoint) or identify(endpoint)[0]) != GGML:
+        return RPCBackend(get_connection(endpoint), 0, name, settings=settings.rpc)
+    conn = ggml_connection(endpoint)
+    version = conn.version
+    n = conn.device_count()
+    log.info("%s: %s is a llama.cpp rpc-server (ggml RPC protocol %s, %d device%s); %s is its device 0",
+             name, endpoint, version_text(version), n, "s" if n != 1 else "", name)
+    return GGMLBackend(conn, 0, name)
 
 
 def list_devices(args) -> str:

@@ -1,0 +1,105 @@
+"""pyllama's split over llama.cpp's rpc-server against llama-server's own split over it (needs --peers).
+
+    python bench/ggml_split_check.py --peers DIR [--preset medium] [--types f32,q8_0,q4_k_m]
+                                     [--ngl N] [--steps 16] [--margin 0.05]
+
+For each weight type (the f32 reference model, quantized by llama.cpp's llama-quantize), one
+`ggml-rpc-server -t 1` serves in turn: llama-server `--rpc EP -ngl N` and pyllama's server with the
+same `--rpc EP -ngl N` (the output layer and the last N-1 blocks on the peer, llama.cpp's count,
+so both sides put the same layers there), each asked the same greedy prompts with the top-2
+logprobs of every step. Printed per type and prompt: the steps whose chosen tokens agree, where
+they first differ and llama.cpp's top-2 margin there (a margin under --margin is a near tie, where
+either choice is right), and the largest difference of the compared top logprobs. pyllama unsplit
+is asked too, for the same table. Exits 1 when a difference comes at a step with a clear margin.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from compare_logits import quantized, steps_of  # noqa: E402
+from peers import Peers  # noqa: E402
+from pipeline_cells import GgmlRpcPeer, LlamaServer, model_path  # noqa: E402
+from server_util import ServerProcess  # noqa: E402
+
+PROMPTS = ("Hello, my name is", "The capital of France is", "Q: What is 2+2?\nA:", "Once upon a time")
+
+
+def compare(ref: list, got: list, margin: float) -> tuple[int, str, float, bool]:
+    """(steps agreeing, where they first differ, largest |logprob diff| on compared steps, tie):
+    tie is True when the first difference comes where the reference's top-2 margin is a near tie."""
+    worst, n = 0.0, 0
+    for (ta, pa), (tb, pb) in zip(ref, got):
+        common = set(pa) & set(pb)
+        if common:
+            worst = max(worst, max(abs(pa[t] - pb[t]) for t in common))
+        if ta != tb:
+            top = sorted(pa.values(), reverse=True)
+            gap = top[0] - top[1] if len(top) > 1 else math.inf
+            return n, f"step {n}: {ta} / {tb}, llama.cpp's top-2 margin {gap:.3f}", worst, gap < margin
+        n += 1
+    return n, "", worst, False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peers", default=os.environ.get("PYLLAMA_PEERS"))
+    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--types", default="f32,q8_0,q4_k_m")
+    ap.add_argument("--ngl", type=int, default=0, help="layers on the peer, llama.cpp's count (0: half the blocks + 1)")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--margin", type=float, default=0.05)
+    a = ap.parse_args()
+    peers = Peers.find(a.peers) if a.peers else None
+    if peers is None:
+        raise SystemExit("--peers DIR with llama.cpp's programs is needed")
+    src = model_path(a.preset, "f32")
+    from pyllama.models.gguf_file import read_metadata  # noqa: PLC0415
+    meta = read_metadata(src)
+    n_layer = int(meta[f"{meta['general.architecture']}.block_count"])
+    ngl = a.ngl or n_layer // 2 + 1
+    split = ["-ngl", str(ngl), "-t", "1", "-np", "1", "-c", "1024"]
+    bad = False
+    for qtype in [t for t in a.types.split(",") if t]:
+        model = src if qtype == "f32" else quantized(peers, src, qtype, a.preset)
+        peer = GgmlRpcPeer(peers, 1)
+        try:
+            llama = LlamaServer(peers, model, ["--rpc", peer.endpoint, *split], 300)
+            try:
+                ref = [steps_of(llama.url, p, a.steps, 2) for p in PROMPTS]
+            finally:
+                llama.stop()       # the peer serves one client at a time
+            ours = ServerProcess(model, "--rpc", peer.endpoint, *split).wait_ready(300)
+            try:
+                got = [steps_of(ours.url, p, a.steps, 2) for p in PROMPTS]
+                log = ours.log_tail(40)
+            finally:
+                ours.stop()
+        finally:
+            peer.stop()
+        plain = ServerProcess(model, "-t", "1", "-np", "1", "-c", "1024").wait_ready(300)
+        try:
+            unsplit = [steps_of(plain.url, p, a.steps, 2) for p in PROMPTS]
+        finally:
+            plain.stop()
+        print(f"== {qtype} ({os.path.basename(model)}), -ngl {ngl} of {n_layer} blocks + output")
+        if "llama.cpp rpc-server" not in log:
+            print("   (pyllama's log does not name the peer as a llama.cpp rpc-server)")
+        for p, r, g, u in zip(PROMPTS, ref, got, unsplit):
+            n, where, worst, tie = compare(r, g, a.margin)
+            nu, _, worst_u, _ = compare(r, u, a.margin)
+            verdict = "ok" if not where or tie else "DIFFERS at a clear margin"
+            bad |= bool(where) and not tie
+            print(f"   {p!r}: split {n}/{len(r)} steps agree, max |dlogprob| {worst:.2e}; unsplit {nu}/{len(r)}, "
+                  f"{worst_u:.2e}  {where}  {verdict}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

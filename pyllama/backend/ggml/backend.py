@@ -1,0 +1,230 @@
+"""A device of a llama.cpp rpc-server: its buffers hold pyllama's tensors at their offsets, and
+each graph pyllama places there is lowered to ggml's ops (lower.py) and computed by the peer.
+
+The peer serves one client at a time, so every device of an endpoint shares the process's one
+connection to it (`ggml_connection`), and pipeline groups share it too: the peer runs their
+commands in order. A graph that lowers to the same records as the last one sent for the device is
+re-run with GRAPH_RECOMPUTE (a decode step's graph repeats while its batch keeps its size: only
+the inputs' bytes change). Its masks and intermediate results live in two buffers of the device's
+own, grown as graphs need; one lock keeps a graph's mask upload, compute and reads together, so
+two groups never interleave on them.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ...ir.tensor import WEIGHT_TYPES, Buffer, DType, Graph, Tensor
+from ...util.errors import PyllamaError
+from ..base import Backend, DeviceInfo
+from ..layout import WeightLayout
+from . import graph as G
+from . import protocol as P
+from .connection import GGMLConnection
+from .lower import LOWERED_OPS, Lowering
+
+_connections: dict[str, GGMLConnection] = {}
+_connections_lock = threading.Lock()
+HOST_I32_MAX = 1 << 20   # I32 inputs up to this size keep a host copy (the attention's cell lists)
+
+
+_users: dict[int, int] = {}          # id(connection) -> devices open on it
+
+
+def ggml_connection(endpoint: str) -> GGMLConnection:
+    """The process's connection to a ggml peer (one: the peer serves one client at a time)."""
+    with _connections_lock:
+        conn = _connections.get(endpoint)
+        if conn is None or conn.broken:
+            conn = _connections[endpoint] = GGMLConnection(endpoint)
+        return conn
+
+
+def _release(conn: GGMLConnection) -> None:
+    """One device of `conn` closed; the last one closes the connection (the peer then serves its
+    next client)."""
+    with _connections_lock:
+        left = _users.get(id(conn), 1) - 1
+        if left > 0:
+            _users[id(conn)] = left
+            return
+        _users.pop(id(conn), None)
+        if _connections.get(conn.endpoint) is conn:
+            del _connections[conn.endpoint]
+    conn.close()
+
+
+class GGMLBuffer(Buffer):
+    __slots__ = ("remote_ptr", "base")
+
+    def __init__(self, backend: "GGMLBackend", size: int, usage: str, remote_ptr: int, base: int):
+        super().__init__(backend, size, usage)
+        self.remote_ptr = remote_ptr
+        self.base = base
+
+
+class GGMLBackend(Backend):
+    in_order = True
+    small_batches_cheap = True
+    weight_types = frozenset(WEIGHT_TYPES)
+    kv_types = frozenset({DType.F16, DType.F32})
+
+    def __init__(self, conn: GGMLConnection, device: int, name: str):
+        self.conn = conn
+        self.device = device
+        self.name = name
+        with _connections_lock:
+            _users[id(conn)] = _users.get(id(conn), 0) + 1
+        self._closed = False
+        self.alignment = conn.alignment(device)
+        self.layout = WeightLayout(self)
+        self._lock = threading.RLock()
+        self._host_i32: dict[tuple[int, int], np.ndarray] = {}
+        self._scratch: Optional[GGMLBuffer] = None
+        self._inputs: Optional[GGMLBuffer] = None
+        self._inputs_used = 0
+        self._last_graph: Optional[bytes] = None
+        self._lowering = Lowering(self._address, self._host_copy, self._mask_leaf)
+
+    # --- device ---------------------------------------------------------------------------------
+    def device_info(self) -> DeviceInfo:
+        free, total = self.conn.device_memory(self.device)
+        return DeviceInfo(self.name, "ggml", f"llama.cpp rpc-server device {self.device} at {self.conn.endpoint}",
+                          free, total)
+
+    def supports(self, op: int) -> bool:
+        return op in LOWERED_OPS
+
+
+    # --- buffers --------------------------------------------------------------------------------
+    def alloc_buffer(self, size: int, usage: str = "compute") -> Buffer:
+        ptr, got = self.conn.alloc_buffer(self.device, max(size, 1))
+        if not ptr:
+            raise PyllamaError(f"{self.name}: the llama.cpp rpc-server at {self.conn.endpoint} has no room for "
+                               f"{size / 2**20:.1f} MiB ({usage})")
+        return GGMLBuffer(self, got, usage, ptr, self.conn.buffer_base(ptr))
+
+    def free_buffer(self, buffer: Buffer) -> None:
+        self._host_i32 = {k: v for k, v in self._host_i32.items() if k[0] != buffer.id}
+        if not self.conn.broken:
+            self.conn.free_buffer(buffer.remote_ptr)  # type: ignore[attr-defined]
+
+    def clear_buffer(self, buffer: Buffer, value: int = 0) -> None:
+        self.conn.buffer_clear(buffer.remote_ptr, value)  # type: ignore[attr-defined]
+
+    def _record(self, t: Tensor) -> np.void:
+        buf = t.buffer
+        if not isinstance(buf, GGMLBuffer) or buf.backend is not self:
+            raise ValueError(f"{t.name} is not on {self.name}")
+        return P.tensor_record(1, int(t.dtype), tuple(reversed(t.shape)) or (1,), buffer=buf.remote_ptr,
+                               data=buf.base + t.offset, name=t.name)
+
+    def set_tensor(self, tensor: Tensor, data: np.ndarray, offset: int = 0) -> None:
+        raw = np.ascontiguousarray(data)
+        view = memoryview(raw).cast("B")
+        if offset < 0 or offset + len(view) > tensor.nbytes:
+            raise ValueError(f"set_tensor: {len(view)} bytes at {offset} overflow {tensor.name} ({tensor.nbytes} B)")
+        with self._lock:
+            if tensor.dtype == DType.I32 and tensor.nbytes <= HOST_I32_MAX:
+                key = (tensor.buffer.id, tensor.offset)  # type: ignore[union-attr]
+                mirror = self._host_i32.get(key)
+                if mirror is None or mirror.size * 4 != tensor.nbytes:
+                    mirror = self._host_i32[key] = np.zeros(tensor.nbytes // 4, np.int32)
+                mirror.view(np.uint8)[offset:offset + len(view)] = np.frombuffer(view, np.uint8)
+            self.conn.set_tensor(self._record(tensor), offset, view)
+
+    def get_tensor(self, tensor: Tensor, out: Optional[np.ndarray] = None) -> np.ndarray:
+        if out is None:
+            out = np.empty(tensor.nbytes, dtype=np.uint8)
+        dst = memoryview(out.reshape(-1).view(np.uint8))
+        if len(dst) != tensor.nbytes:
+            raise ValueError(f"get_tensor: {tensor.name} has {tensor.nbytes} B, destination {len(dst)} B")
+        with self._lock:
+            self.conn.get_tensor(self._record(tensor), 0, tensor.nbytes, into=dst)
+        return out
+
+    # --- compute --------------------------------------------------------------------------------
+    def graph_compute(self, graph: Graph, reads: Sequence[tuple[Tensor, np.ndarray]] = ()) -> None:
+        with self._lock:
+            while True:
+                self._inputs_used = 0
+                try:
+                    g = self._lowering.lower(graph)
+                    break
+                except _Relower:   # the mask buffer grew: the masks go into the new one
+                    continue
+            nodes, recs = self._finish(g)
+            raw = recs.tobytes()
+            if raw == self._last_graph:
+                self.conn.graph_recompute(self.device, subj=str(graph.uid))
+            else:
+                self.conn.graph_compute(self.device, nodes, recs, subj=str(graph.uid))
+                self._last_graph = raw
+            for t, out in reads:
+                self.get_tensor(t, out)
+
+    def _finish(self, g: G.GraphBuilder) -> tuple[list[int], np.ndarray]:
+        """Places the graph's intermediates in the device's scratch buffer, grown (and the graph
+        placed again) when it is too small."""
+        if self._scratch is not None:
+            try:
+                nodes, recs, _ = g.finish(self._scratch.remote_ptr, self._scratch.base, self._scratch.size,
+                                          self.alignment)
+                return nodes, recs
+            except MemoryError:
+                pass
+        _, _, need = g.finish(0, 0, 1 << 62, self.alignment)
+        if self._scratch is not None:
+            self.free_buffer(self._scratch)
+        self._scratch = self.alloc_buffer(max(need, 1 << 20) * 2, "compute")
+        self._last_graph = None
+        nodes, recs, _ = g.finish(self._scratch.remote_ptr, self._scratch.base, self._scratch.size, self.alignment)
+        return nodes, recs
+
+    # --- what the lowering asks ----------------------------------------------------------------
+    def _address(self, t: Tensor) -> tuple[int, int]:
+        buf = t.buffer
+        if not isinstance(buf, GGMLBuffer) or buf.backend is not self:
+            raise ValueError(f"a graph tensor ({t.name}) is not on {self.name}")
+        return buf.remote_ptr, buf.base + t.offset
+
+    def _host_copy(self, t: Tensor) -> np.ndarray:
+        got = self._host_i32.get((t.buffer.id, t.offset))  # type: ignore[union-attr]
+        if got is None:
+            raise ValueError(f"{self.name}: {t.name} was not written from this host (the attention's cell "
+                             "lists must be)")
+        return got
+
+    def _mask_leaf(self, g: G.GraphBuilder, mask: np.ndarray, key: tuple) -> G.GT:
+        size = mask.nbytes
+        need = self._inputs_used + size
+        if self._inputs is None or need > self._inputs.size:
+            # a larger buffer: earlier masks of this graph are written again into it
+            if self._inputs is not None:
+                self.free_buffer(self._inputs)
+            self._inputs = self.alloc_buffer(max(need * 2, 1 << 20), "compute")
+            self._last_graph = None
+            raise _Relower()
+        at = self._inputs_used
+        self._inputs_used = (need + self.alignment - 1) // self.alignment * self.alignment
+        gtype = G.F16 if mask.dtype == np.float16 else G.F32
+        leaf = g.leaf(gtype, (mask.shape[1], mask.shape[0]), self._inputs.remote_ptr, self._inputs.base + at, "kq_mask")
+        self.conn.set_tensor(P.tensor_record(1, gtype, leaf.ne, buffer=leaf.buffer, data=leaf.data), 0,
+                             memoryview(np.ascontiguousarray(mask)).cast("B"))
+        return leaf
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._scratch = self._inputs = None   # the peer frees every buffer with the connection
+        _release(self.conn)
+
+
+class _Relower(Exception):
+    """The mask buffer grew: lower the graph again."""
+
+
+__all__ = ["GGMLBackend", "GGMLBuffer", "ggml_connection"]

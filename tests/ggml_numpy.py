@@ -1,0 +1,174 @@
+"""A float64 numpy reading of the ggml ops pyllama's lowering emits, over the test peer's buffers
+(tests/ggml_fake_peer.py), so the suite runs lowered graphs end to end without llama.cpp. It is a
+reading of ggml, not ggml: bench/ggml_ops_check.py and bench/ggml_split_check.py compare the
+lowering with llama.cpp's own rpc-server.
+
+Tensors are strided views of the buffers' bytes (ggml's ne/nb, reversed into numpy's order);
+quantized weights are dequantized with the gguf package when a product or a row lookup reads them.
+"""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from pyllama.backend.ggml.protocol import GOp
+
+_NP = {0: np.float32, 1: np.float16, 26: np.int32, 27: np.int64}
+
+
+class _Mem:
+    def __init__(self, buffers: dict[int, tuple[int, bytearray]]):
+        self.buffers = buffers
+
+    def locate(self, addr: int) -> tuple[bytearray, int]:
+        for base, mem in self.buffers.values():
+            if base <= addr < base + len(mem):
+                return mem, addr - base
+        raise ValueError(f"address {addr:#x} is in no buffer")
+
+    def view(self, r) -> np.ndarray:
+        """The tensor as a writable strided array [ne3, ne2, ne1, ne0] (non-quantized types)."""
+        t = int(r["type"])
+        if t not in _NP:
+            raise ValueError(f"type {t} has no element view")
+        mem, off = self.locate(int(r["data"]))
+        ne = [int(x) for x in r["ne"]][::-1]
+        nb = [int(x) for x in r["nb"]][::-1]
+        return np.ndarray(ne, dtype=_NP[t], buffer=mem, offset=off, strides=nb)
+
+    def values(self, r) -> np.ndarray:
+        """float64 values [ne3, ne2, ne1, ne0], dequantized for block types (contiguous rows)."""
+        t = int(r["type"])
+        if t in _NP:
+            return self.view(r).astype(np.float64)
+        mem, off = self.locate(int(r["data"]))
+        ne = [int(x) for x in r["ne"]]
+        nb1 = int(r["nb"][1])
+        rows = ne[1] * ne[2] * ne[3]
+        raw = np.frombuffer(mem, np.uint8, rows * nb1, off).reshape(rows, nb1)
+        return dequantize(raw, T(t)).astype(np.float64).reshape(ne[3], ne[2], ne[1], ne[0])
+
+
+def _params(r, fmt: str) -> tuple:
+    return struct.unpack_from(fmt, r["op_params"].tobytes())
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, freqs, r) -> np.ndarray:
+    p = _params(r, "<5i6f")
+    n_dims, mode = p[1], p[2]
+    base, fscale, _, attn_factor = p[5], p[6], p[7], p[8]
+    out = x.copy()                                  # [1, n, H, hd]
+    inv = base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)
+    if freqs is not None:
+        inv = inv / freqs.reshape(-1)[: n_dims // 2]
+    ang = pos.reshape(-1)[:, None].astype(np.float64) * fscale * inv[None, :]
+    cos = (np.cos(ang) * attn_factor)[None, :, None, :]
+    sin = (np.sin(ang) * attn_factor)[None, :, None, :]
+    if mode & 2:
+        a, b = x[..., : n_dims // 2], x[..., n_dims // 2: n_dims]
+        out[..., : n_dims // 2] = a * cos - b * sin
+        out[..., n_dims // 2: n_dims] = a * sin + b * cos
+    else:
+        a, b = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
+        out[..., 0:n_dims:2] = a * cos - b * sin
+        out[..., 1:n_dims:2] = a * sin + b * cos
+    return out
+
+
+def _repeat(b: np.ndarray, shape) -> np.ndarray:
+    return np.tile(b, [s // bs for s, bs in zip(shape, b.shape)])
+
+
+def run_graph(buffers, nodes, tensors) -> None:
+    mem = _Mem(buffers)
+    by_id = {int(r["id"]): r for r in tensors}
+    for nid in nodes:
+        r = by_id[int(nid)]
+        op = GOp(int(r["op"]))
+        src = [by_id[int(i)] if int(i) else None for i in r["src"]]
+        if op in (GOp.NONE, GOp.VIEW, GOp.RESHAPE, GOp.PERMUTE, GOp.TRANSPOSE):
+            continue
+        dst = mem.view(r) if int(r["type"]) in _NP else None
+        if op == GOp.GET_ROWS:
+            table = mem.values(src[0])[0, 0]
+            ids = mem.view(src[1]).reshape(-1)
+            out = table[ids][None, None]
+        elif op == GOp.RMS_NORM:
+            x = mem.values(src[0])
+            (eps,) = _params(r, "<f")
+            out = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+        elif op in (GOp.ADD, GOp.MUL):
+            a, b = mem.values(src[0]), mem.values(src[1])
+            b = _repeat(b, a.shape)
+            out = a + b if op == GOp.ADD else a * b
+        elif op == GOp.SCALE:
+            s, bias = _params(r, "<ff")
+            out = mem.values(src[0]) * s + bias
+        elif op == GOp.MUL_MAT:
+            a, b = mem.values(src[0]), mem.values(src[1])       # [A3, A2, m, k], [B3, B2, n, k]
+            r2, r3 = b.shape[1] // a.shape[1], b.shape[0] // a.shape[0]
+            a = np.repeat(np.repeat(a, r2, axis=1), r3, axis=0)
+            out = b @ np.swapaxes(a, -1, -2)                    # [B3, B2, n, m]
+        elif op == GOp.GLU:
+            glu, swapped = _params(r, "<ii")
+            a = mem.values(src[0])
+            h = a.shape[-1] // 2
+            x, g = (a[..., h:], a[..., :h]) if swapped else (a[..., :h], a[..., h:])
+            if glu == 2:
+                act = x / (1 + np.exp(-x))
+            elif glu == 1:
+                act = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+            else:
+                raise ValueError(f"GLU op {glu}")
+            out = act * g
+        elif op == GOp.ROPE:
+            freqs = mem.values(src[2]) if src[2] is not None else None
+            out = _rope(mem.values(src[0]), mem.view(src[1]), freqs, r)
+        elif op == GOp.SET_ROWS:
+            rows = mem.values(src[0])[0, 0]
+            idx = mem.view(src[1]).reshape(-1)
+            dst[0, 0, idx] = rows.astype(dst.dtype)
+            continue
+        elif op in (GOp.CONT, GOp.CPY, GOp.DUP):
+            vals = mem.values(src[0])
+            out = vals.reshape(dst.shape) if op != GOp.CPY else vals
+        elif op == GOp.CONCAT:
+            (dim,) = _params(r, "<i")
+            out = np.concatenate([mem.values(src[0]), mem.values(src[1])], axis=3 - dim)
+        elif op == GOp.SOFT_MAX:
+            scale, max_bias = _params(r, "<ff")
+            x = mem.values(src[0]) * scale
+            if src[1] is not None:
+                m = mem.values(src[1])[:, :, : x.shape[2], :]
+                x = x + m
+            x = x - x.max(-1, keepdims=True)
+            e = np.exp(x)
+            out = e / e.sum(-1, keepdims=True)
+        elif op == GOp.FLASH_ATTN_EXT:
+            scale, max_bias, softcap = _params(r, "<fff")
+            q, k, v = (mem.values(s) for s in src[:3])          # [1, H, n, D], [1, Hkv, n_kv, D]
+            H, Hkv = q.shape[1], k.shape[1]
+            k = np.repeat(k, H // Hkv, axis=1)
+            v = np.repeat(v, H // Hkv, axis=1)
+            s = q @ np.swapaxes(k, -1, -2) * scale                # [1, H, n, n_kv]
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            if src[3] is not None:
+                s = s + mem.values(src[3])[:, :, : s.shape[2], :]
+            s = s - s.max(-1, keepdims=True)
+            p = np.exp(s)
+            p /= p.sum(-1, keepdims=True)
+            out = np.swapaxes(p @ v, 1, 2)                      # [1, n, H, D]
+        elif op == GOp.UNARY:
+            (u,) = _params(r, "<i")
+            if u != 4:
+                raise ValueError(f"unary op {u}")
+            out = np.tanh(mem.values(src[0]))
+        elif op == GOp.ARGMAX:
+            out = mem.values(src[0]).argmax(-1).reshape(dst.shape)
+        else:
+            raise ValueError(f"op {op.name} is not read here")
+        dst[...] = np.asarray(out).reshape(dst.shape).astype(dst.dtype)

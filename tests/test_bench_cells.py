@@ -152,7 +152,7 @@ def test_thread_summary_and_the_preemption_column():
 def test_tiny_end_to_end_with_the_new_arms(tiny_model, tmp_path):
     out = tmp_path / "cells.json"
     args = ["--model", tiny_model, "--groups", "1", "--users", "2", "--legs", "1", "--orders", "RPC0,CPU",
-            "--npp", "8", "--ntg", "4", "--unsplit-threads", "1,2", "--trace", str(tmp_path / "traces"),
+            "--npp", "8", "--ntg", "4", "-r", "1", "--unsplit-threads", "1,2", "--trace", str(tmp_path / "traces"),
             "--json", str(out)]
     peers = os.environ.get("PYLLAMA_PEERS")
     llama = bool(peers) and os.path.isfile(os.path.join(peers, "bin", "llama-server"))
@@ -230,7 +230,7 @@ def test_tiny_end_to_end_three_stages(tiny_model, tmp_path):
     # the tiny model has 2 blocks: -ts 1,1,0 gives RPC0 one, RPC1 the other, the CPU the output layer
     out = tmp_path / "cells.json"
     args = ["--model", tiny_model, "--orders", "RPC0,RPC1,CPU", "--groups", "1,2", "--users", "2", "--legs", "1",
-            "--npp", "8", "--ntg", "4", "--tensor-split", "1,1,0", "--trace", str(tmp_path / "traces"),
+            "--npp", "8", "--ntg", "4", "-r", "1", "--tensor-split", "1,1,0", "--trace", str(tmp_path / "traces"),
             "--json", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "PYLLAMA_PEERS"}
     r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -307,7 +307,7 @@ def test_link_arms_their_names_and_the_shaped_over_loopback_ratio():
 def test_tiny_end_to_end_over_a_shaped_link(tiny_model, tmp_path):
     out = tmp_path / "cells.json"
     args = ["--model", tiny_model, "--orders", "RPC0,CPU", "--groups", "1", "--users", "2", "--legs", "1",
-            "--npp", "8", "--ntg", "4", "--link", "2/1gbit", "--json", str(out)]
+            "--npp", "8", "--ntg", "4", "-r", "1", "--link", "2/1gbit", "--json", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "PYLLAMA_PEERS"}
     r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
                        stdin=subprocess.DEVNULL, env=env)

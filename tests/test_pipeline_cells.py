@@ -170,7 +170,7 @@ def test_netns_without_root_is_one_line(monkeypatch, capsys):
 # ---------------------------------------------------------------------------------------------
 # End to end on the tiny model
 
-TINY_ARGS = ["--groups", "1", "--users", "2", "--legs", "2", "--orders", "CPU,RPC0", "--npp", "8", "--ntg", "4"]
+TINY_ARGS = ["--groups", "1", "--users", "2", "--legs", "2", "--orders", "CPU,RPC0", "--npp", "8", "--ntg", "4", "-r", "1"]
 
 
 def _run(args, timeout=300):

@@ -37,6 +37,15 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "the socket has settimeout(RPC timeout) from Connection.__init__; a timeout breaks the connection",
     ("pyllama/rpc/connection.py", "Connection.send", "self.sock.sendall"):
         "the socket has settimeout(RPC timeout), which bounds a whole sendall; a timeout breaks the connection",
+    ("pyllama/backend/ggml/connection.py", "GGMLConnection.call", "self.sock.sendall"):
+        "the socket has settimeout(RPC timeout) from GGMLConnection.__init__, which bounds a whole sendall; the "
+        "lock is the connection's one (a ggml peer serves in order) and a timeout breaks the connection",
+    ("pyllama/backend/ggml/connection.py", "GGMLConnection._recv_into", "self.sock.recv_into"):
+        "the socket has settimeout(RPC timeout) from GGMLConnection.__init__; a timeout breaks the connection",
+    ("pyllama/backend/ggml/connection.py", "_pyllama_hello", "sock.sendall"):
+        "identify's probe socket, settimeout(the RPC timeout) before any send",
+    ("pyllama/backend/ggml/connection.py", "_read", "sock.recv"):
+        "reads identify's probe socket, which has settimeout(the RPC timeout)",
     ("pyllama/batching/group.py", "PipelineGroup._run", "self._wake.wait"):
         "the idle decode thread's wait for work, in a loop: woken by submit() and by request_stop() (shutdown)",
     ("pyllama/server/router.py", "Router._run", "self._commands.get"):

@@ -211,11 +211,14 @@ def known_kind(endpoint: str) -> Optional[str]:
     return _kinds.get(endpoint)
 
 
-def identify(endpoint: str, timeout: float = 10.0) -> tuple[str, tuple[int, int, int]]:
+def identify(endpoint: str, timeout: Optional[float] = None) -> tuple[str, tuple[int, int, int]]:
     """("pyllama" | "ggml", its protocol version) of the peer at `endpoint`, from a HELLO of each
     kind on fresh connections: pyllama's first (its peers are the common case; a ggml peer closes
-    at once on it, reading one byte), ggml's when that one was refused without a reply. Raises
-    RPCError naming both attempts when neither answers as its protocol says."""
+    at once on it, reading one byte), ggml's when that one was refused without a reply. Each waits
+    at most `timeout` (default: the RPC timeout); a peer that does not answer pyllama's HELLO in
+    that time is not asked again. Raises RPCError naming both attempts when neither answers as its
+    protocol says."""
+    timeout = timeout if timeout is not None else configured_timeout()
     host, port = parse_endpoint(endpoint)
     try:
         version = _pyllama_hello(host, port, timeout)
@@ -256,6 +259,8 @@ def _pyllama_hello(host: str, port: int, timeout: float) -> tuple[int, int, int]
         if len(body) < 3:
             raise _NotThisKind("a short HELLO reply")
         return struct.unpack_from("<BBB", body)
+    except TimeoutError:
+        raise RPCError(f"RPC peer {host}:{port} is not answering (no HELLO reply within {timeout:g} s)") from None
     except (OSError, EOFError) as exc:
         raise _NotThisKind("the peer closed the connection" if isinstance(exc, (EOFError, ConnectionError))
                            else str(exc)) from None

@@ -16,8 +16,8 @@ from pyllama.backend.ggml.lower import attention_mask
 PROMPT = "Hello world, the split"
 
 
-def _generate(model: str, *extra: str) -> list[int]:
-    r = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", PROMPT, "-n", "10", "--temp", "0",
+def _generate(model: str, *extra: str, prompt: str = PROMPT, n: int = 10) -> list[int]:
+    r = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", prompt, "-n", str(n), "--temp", "0",
                         "--tokens", "-t", "1", *extra], capture_output=True, text=True, timeout=240,
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -48,6 +48,23 @@ def test_the_whole_model_on_the_peer(model_factory):
     finally:
         peer.stop()
     assert got == want
+
+
+def test_decoding_past_a_step_of_attended_cells(model_factory):
+    # 247 prompt tokens, then 16 more: the attended cells grow past 256 mid-decode, so the kept
+    # lowering of the decode graph no longer fits and the graph is lowered again over 512 cells
+    model = model_factory("tiny", arch="llama", wtype="f32")
+    prompt = " ".join(["hello world"] * 41)
+    want = _generate(model, "-c", "512", prompt=prompt, n=16)
+    peer = FakeGGMLPeer(compute=True)
+    try:
+        got = _generate(model, "--rpc", peer.endpoint, "-dev", "RPC0,CPU", "-ts", "1,1", "-c", "512",
+                        prompt=prompt, n=16)
+        n_kv = {int(t["ne"][0]) for _, _, recs in peer.graphs for t in recs if bytes(t["name"]).startswith(b"kq_mask")}
+    finally:
+        peer.stop()
+    assert got == want
+    assert n_kv == {256, 512}, n_kv     # masks [n_kv, rows]: both sizes were sent
 
 
 def test_attention_mask_rows_follow_the_cell_lists():

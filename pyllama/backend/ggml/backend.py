@@ -12,6 +12,7 @@ two groups never interleave on them.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -23,11 +24,12 @@ from ..layout import WeightLayout
 from . import graph as G
 from . import protocol as P
 from .connection import GGMLConnection
-from .lower import LOWERED_OPS, Lowering
+from .lower import LOWERED_OPS, Lowering, MaskSpec
 
 _connections: dict[str, GGMLConnection] = {}
 _connections_lock = threading.Lock()
 HOST_I32_MAX = 1 << 20   # I32 inputs up to this size keep a host copy (the attention's cell lists)
+_LOWERED_KEPT = 256      # graphs whose lowering is kept (by uid; the scheduler forgets graphs it drops)
 
 
 _users: dict[int, int] = {}          # id(connection) -> devices open on it
@@ -86,6 +88,8 @@ class GGMLBackend(Backend):
         self._inputs: Optional[GGMLBuffer] = None
         self._inputs_used = 0
         self._last_graph: Optional[bytes] = None
+        self._lowered: dict[int, _Lowered] = {}   # graph uid -> its lowering
+        self._masks_made: list[tuple[MaskSpec, int]] = []
         self._lowering = Lowering(self._address, self._host_copy, self._mask_leaf)
 
     # --- device ---------------------------------------------------------------------------------
@@ -148,15 +152,14 @@ class GGMLBackend(Backend):
     # --- compute --------------------------------------------------------------------------------
     def graph_compute(self, graph: Graph, reads: Sequence[tuple[Tensor, np.ndarray]] = ()) -> None:
         with self._lock:
-            while True:
-                self._inputs_used = 0
-                try:
-                    g = self._lowering.lower(graph)
-                    break
-                except _Relower:   # the mask buffer grew: the masks go into the new one
-                    continue
-            nodes, recs = self._finish(g)
-            raw = recs.tobytes()
+            done = self._lowered.get(graph.uid)
+            if done is not None and done.scratch is self._scratch and done.inputs is self._inputs and \
+                    all(self._lowering.still_fits(spec) for spec, _ in done.masks):
+                for spec, at in done.masks:    # the same graph: only its masks' bytes are new
+                    self._upload_mask(spec, at)
+                nodes, recs, raw = done.nodes, done.recs, done.raw
+            else:
+                nodes, recs, raw = self._lower(graph)
             if raw == self._last_graph:
                 self.conn.graph_recompute(self.device, subj=str(graph.uid))
             else:
@@ -164,6 +167,25 @@ class GGMLBackend(Backend):
                 self._last_graph = raw
             for t, out in reads:
                 self.get_tensor(t, out)
+
+    def _lower(self, graph: Graph) -> tuple[list[int], np.ndarray, bytes]:
+        while True:
+            self._inputs_used = 0
+            self._masks_made = []
+            try:
+                g = self._lowering.lower(graph)
+                break
+            except _Relower:   # the mask buffer grew: the masks go into the new one
+                continue
+        nodes, recs = self._finish(g)
+        raw = recs.tobytes()
+        if len(self._lowered) >= _LOWERED_KEPT:
+            self._lowered.pop(next(iter(self._lowered)))
+        self._lowered[graph.uid] = _Lowered(nodes, recs, raw, list(self._masks_made), self._scratch, self._inputs)
+        return nodes, recs, raw
+
+    def forget_graph(self, uid: int) -> None:
+        self._lowered.pop(uid, None)
 
     def _finish(self, g: G.GraphBuilder) -> tuple[list[int], np.ndarray]:
         """Places the graph's intermediates in the device's scratch buffer, grown (and the graph
@@ -197,7 +219,8 @@ class GGMLBackend(Backend):
                              "lists must be)")
         return got
 
-    def _mask_leaf(self, g: G.GraphBuilder, mask: np.ndarray, key: tuple) -> G.GT:
+    def _mask_leaf(self, g: G.GraphBuilder, spec: MaskSpec) -> G.GT:
+        mask = self._lowering.mask(spec)
         size = mask.nbytes
         need = self._inputs_used + size
         if self._inputs is None or need > self._inputs.size:
@@ -211,9 +234,18 @@ class GGMLBackend(Backend):
         self._inputs_used = (need + self.alignment - 1) // self.alignment * self.alignment
         gtype = G.F16 if mask.dtype == np.float16 else G.F32
         leaf = g.leaf(gtype, (mask.shape[1], mask.shape[0]), self._inputs.remote_ptr, self._inputs.base + at, "kq_mask")
-        self.conn.set_tensor(P.tensor_record(1, gtype, leaf.ne, buffer=leaf.buffer, data=leaf.data), 0,
-                             memoryview(np.ascontiguousarray(mask)).cast("B"))
+        self._send_mask(mask, at)
+        self._masks_made.append((spec, at))
         return leaf
+
+    def _upload_mask(self, spec: MaskSpec, at: int) -> None:
+        self._send_mask(self._lowering.mask(spec), at)
+
+    def _send_mask(self, mask: np.ndarray, at: int) -> None:
+        gtype = G.F16 if mask.dtype == np.float16 else G.F32
+        rec = P.tensor_record(1, gtype, (mask.shape[1], mask.shape[0]), buffer=self._inputs.remote_ptr,  # type: ignore[union-attr]
+                              data=self._inputs.base + at)  # type: ignore[union-attr]
+        self.conn.set_tensor(rec, 0, memoryview(np.ascontiguousarray(mask)).cast("B"))
 
     def close(self) -> None:
         if self._closed:
@@ -221,6 +253,17 @@ class GGMLBackend(Backend):
         self._closed = True
         self._scratch = self._inputs = None   # the peer frees every buffer with the connection
         _release(self.conn)
+
+
+@dataclass
+class _Lowered:
+    """A graph as last lowered: what to send again while its masks cover the same cells."""
+    nodes: list[int]
+    recs: np.ndarray
+    raw: bytes
+    masks: list[tuple[MaskSpec, int]]     # (spec, offset in the inputs buffer)
+    scratch: Optional[GGMLBuffer]
+    inputs: Optional[GGMLBuffer]
 
 
 class _Relower(Exception):

@@ -16,7 +16,7 @@ MUL_MAT, SOFT_MAX and MUL_MAT as llama.cpp's builder without flash attention.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -47,24 +47,50 @@ def attention_mask(cells: np.ndarray, ranges: np.ndarray, n_swa: int, n_kv: int,
     return mask
 
 
+def attended_cells(cells: np.ndarray, n_cells: int) -> int:
+    """n_kv: the cells [0, n_kv) a graph attends over, every listed cell in them, rounded up."""
+    used = int(cells.max()) + 1 if cells.size else 1
+    return min(n_cells, -(-used // KV_STEP) * KV_STEP)
+
+
+class MaskSpec(NamedTuple):
+    """What one attention mask of a graph is made of (a graph's layers share it)."""
+    cells: Tensor
+    ranges: Tensor
+    n_swa: int
+    n_kv: int
+    n_tokens: int
+    flash: bool
+    n_cells: int
+
+
 class Lowering:
     """Builds the ggml graph of one pyllama graph.
 
     `address(t)`: (remote buffer, address) of a pyllama tensor on the peer; `host_i32(t)`: the
-    host's copy of an I32 input it wrote this step (attn_cells, attn_ranges); `mask_leaf(g, mask,
-    key)`: the mask array uploaded to the peer as a leaf of `g` (one per distinct key)."""
+    host's copy of an I32 input it wrote this step (attn_cells, attn_ranges); `mask_leaf(g, spec)`:
+    the mask of `spec` uploaded to the peer as a leaf of `g` (one per distinct spec)."""
 
     def __init__(self, address: Callable[[Tensor], tuple[int, int]], host_i32: Callable[[Tensor], np.ndarray],
-                 mask_leaf: Callable[[G.GraphBuilder, np.ndarray, tuple], G.GT]):
+                 mask_leaf: Callable[[G.GraphBuilder, MaskSpec], G.GT]):
         self.address = address
         self.host_i32 = host_i32
         self.mask_leaf = mask_leaf
+
+    def mask(self, spec: MaskSpec) -> np.ndarray:
+        """The mask array of `spec` from this step's cell lists."""
+        return attention_mask(self.host_i32(spec.cells), self.host_i32(spec.ranges).reshape(-1, 2), spec.n_swa,
+                              spec.n_kv, spec.n_tokens, np.float16 if spec.flash else np.float32)
+
+    def still_fits(self, spec: MaskSpec) -> bool:
+        """Whether this step's cell lists attend over the same cells as when `spec` was made."""
+        return attended_cells(self.host_i32(spec.cells), spec.n_cells) == spec.n_kv
 
     def lower(self, graph: Graph) -> G.GraphBuilder:
         g = G.GraphBuilder()
         self.g = g
         self.of: dict[int, G.GT] = {}      # id(pyllama tensor) -> its ggml tensor in this graph
-        self.masks: dict[tuple, G.GT] = {}
+        self.masks: dict[MaskSpec, G.GT] = {}
         for nd in graph.nodes:
             result = self._node(nd)
             if result.view_src is None:
@@ -146,17 +172,13 @@ class Lowering:
         kc, vc, idx = self.t(kc_t), self.t(vc_t), self.t(s[4])
         k_set = g.set_rows(kc, g.reshape(k, [Hkv * hd, n]), idx)
         v_set = g.set_rows(vc, v, idx)
-        cells = self.host_i32(s[5])
-        ranges = self.host_i32(s[6]).reshape(-1, 2)
         n_cells = kc_t.shape[0]
-        used = int(cells.max()) + 1 if cells.size else 1
-        n_kv = min(n_cells, -(-used // KV_STEP) * KV_STEP)
+        n_kv = attended_cells(self.host_i32(s[5]), n_cells)
         flash = kc_t.dtype == DType.F16 and vc_t.dtype == DType.F16
-        key = (id(s[5]), id(s[6]), int(a.n_swa), n_kv, n, flash)
-        mask = self.masks.get(key)
+        spec = MaskSpec(s[5], s[6], int(a.n_swa), n_kv, n, flash, n_cells)
+        mask = self.masks.get(spec)
         if mask is None:
-            arr = attention_mask(cells, ranges, int(a.n_swa), n_kv, n, np.float16 if flash else np.float32)
-            mask = self.masks[key] = self.mask_leaf(g, arr, key)
+            mask = self.masks[spec] = self.mask_leaf(g, spec)
         K = g.view(k_set, [hd, Hkv, n_kv], [nbytes_of(kc_t.dtype, (hd,)), nbytes_of(kc_t.dtype, (Hkv * hd,))], 0)
         V = g.view(v_set, [hd, Hkv, n_kv], [nbytes_of(vc_t.dtype, (hd,)), nbytes_of(vc_t.dtype, (Hkv * hd,))], 0)
         qp = g.permute(q, 0, 2, 1, 3)
@@ -176,4 +198,4 @@ class Lowering:
         return g.cont(g.permute(g.mul_mat(vt, kq), 0, 2, 1, 3), nd.out.name)
 
 
-__all__ = ["Lowering", "LOWERED_OPS", "attention_mask"]
+__all__ = ["Lowering", "LOWERED_OPS", "MaskSpec", "attention_mask", "attended_cells"]

@@ -244,3 +244,24 @@ def test_rpc_names_a_ggml_peer_and_gives_its_device(peer, caplog):
     finally:
         for b in backends:
             b.close()
+
+
+def test_every_command_is_traced_with_its_peer(peer, tmp_path):
+    from pyllama.obs import trace
+    path = tmp_path / "t.jsonl"
+    trace.start(str(path), "test")
+    try:
+        conn = GGMLConnection(peer.endpoint)
+        conn.device_count()
+        ptr, _ = conn.alloc_buffer(0, 64)
+        conn.set_tensor(P.tensor_record(1, 0, [4], buffer=ptr, data=conn.buffer_base(ptr), name="w"), 0, bytes(16))
+        conn.close()
+    finally:
+        trace.close()
+    import json
+    events = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+    got = {e["n"]: e for e in events if e["c"] == "rpc.client"}
+    assert {"HELLO", "DEVICE_COUNT", "ALLOC_BUFFER", "BUFFER_GET_BASE", "SET_TENSOR"} <= set(got)
+    assert all(e["peer"] == "ggml" and e["endpoint"] == peer.endpoint for e in got.values())
+    assert got["DEVICE_COUNT"]["bytes_in"] == 12 and got["DEVICE_COUNT"]["t_recv1"] >= got["DEVICE_COUNT"]["t_send1"]
+    assert "t_recv1" not in got["SET_TENSOR"] and got["SET_TENSOR"]["subj"] == "w"

@@ -129,6 +129,7 @@ class GGMLConnection:
         want = P.expected_reply(cmd, asked)
         t0 = trace.now() if trace.enabled else 0
         with self._lock:
+            t_locked = trace.now() if t0 else 0
             if self.broken:
                 raise RPCError(self.broken)
             try:
@@ -137,8 +138,10 @@ class GGMLConnection:
                 self.bytes_out += size + P.HEADER.size
                 t_sent = trace.now() if t0 else 0
                 payload = b""
+                t_head = 0
                 if want is not None:
                     got = P.U64.unpack(self._recv_exact(8))[0]
+                    t_head = trace.now() if t0 else 0
                     P.check_reply_size(self.endpoint, cmd, got, want)
                     if into is not None and len(into) == got:
                         self._recv_into(into)
@@ -158,9 +161,11 @@ class GGMLConnection:
                            "the connection on a request it cannot serve; its log says why)")
                 raise RPCError(self.broken) from None
         if t0:
-            trace.event("rpc.client", cmd.name, t0, trace.now(), endpoint=self.endpoint, peer="ggml",
+            t1 = trace.now()
+            replied = {"t_recv0": t_head, "t_recv1": t1} if want is not None else {}
+            trace.event("rpc.client", cmd.name, t0, t1, endpoint=self.endpoint, peer="ggml",
                         bytes_out=size + P.HEADER.size, bytes_in=(want + 8) if want is not None else 0,
-                        subj=subj, grp=trace.group(), t_send1=t_sent, ok=True)
+                        subj=subj, grp=trace.group(), t_enq=t0, t_send0=t_locked, t_send1=t_sent, ok=True, **replied)
         return payload
 
     def _recv_exact(self, n: int) -> bytes:

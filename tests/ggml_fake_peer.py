@@ -30,7 +30,7 @@ class FakeGGMLPeer:
 
     def __init__(self, devices: tuple[tuple[int, int], ...] = ((3 << 30, 4 << 30),), version=P.VERSION,
                  alignment: int = 32, reply_hook: Optional[Callable[[GCmd, bytes], Optional[bytes]]] = None,
-                 close_after_hook: bool = False, compute: bool = False):
+                 close_after_hook: bool = False, compute: bool = False, port: int = 0):
         self.devices = list(devices)
         self.version = version
         self.alignment = alignment
@@ -45,15 +45,23 @@ class FakeGGMLPeer:
         self.closed_on: list[str] = []        # why connections were closed
         self._next = self.BASE
         self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", port))
         self._sock.listen(4)
         self.endpoint = f"127.0.0.1:{self._sock.getsockname()[1]}"
         self._stop = False
+        self._client_sock: Optional[socket.socket] = None
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop = True
+        client = self._client_sock
+        if client is not None:     # a peer that dies: its client's connection goes with it
+            try:
+                client.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         try:
             socket.create_connection(self._sock.getsockname(), timeout=1).close()
         except OSError:
@@ -68,6 +76,7 @@ class FakeGGMLPeer:
             if self._stop:
                 conn.close()
                 break
+            self._client_sock = conn
             with conn:
                 try:
                     self._client(conn)

@@ -265,3 +265,32 @@ def test_every_command_is_traced_with_its_peer(peer, tmp_path):
     assert all(e["peer"] == "ggml" and e["endpoint"] == peer.endpoint for e in got.values())
     assert got["DEVICE_COUNT"]["bytes_in"] == 12 and got["DEVICE_COUNT"]["t_recv1"] >= got["DEVICE_COUNT"]["t_send1"]
     assert "t_recv1" not in got["SET_TENSOR"] and got["SET_TENSOR"]["subj"] == "w"
+
+
+def test_a_lost_peer_is_noticed_reached_and_reconnected():
+    from pyllama.backend.ggml.backend import GGMLBackend, ggml_connection
+    from pyllama.ir.tensor import DType, Tensor
+    first = FakeGGMLPeer()
+    port = int(first.endpoint.rsplit(":", 1)[1])
+    dev = GGMLBackend(ggml_connection(first.endpoint), 0, "RPC0")
+    try:
+        buf = dev.alloc_buffer(4096, "weights")
+        t = Tensor(DType.F32, (4, 16), "w", buf, 64)
+        dev.set_tensor(t, np.arange(64, dtype=np.float32))
+        assert dev.lost() is None
+        first.stop()                                   # the peer dies while the device is idle
+        assert "closed the connection" in (dev.lost() or "")
+        with pytest.raises(RPCError):
+            dev.reach()                                # nobody listens yet
+        second = FakeGGMLPeer(port=port)
+        try:
+            dev.reach()
+            assert dev.reconnect() == [buf] and buf.remote_ptr in second.buffers and dev.lost() is None
+            assert not dev.get_tensor(t).view(np.float32).any()              # contents are the caller's to restore
+            dev.set_tensor(t, np.ones(64, np.float32))
+            assert (dev.get_tensor(t).view(np.float32) == 1).all()
+        finally:
+            dev.close()
+            second.stop()
+    finally:
+        first.stop()

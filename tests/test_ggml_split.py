@@ -80,3 +80,93 @@ def test_attention_mask_rows_follow_the_cell_lists():
     assert (w[0] == 0).tolist() == [False, True, True] + [False] * 5 and w.dtype == np.float32
     with pytest.raises(ValueError):
         attention_mask(cells, np.array([[4, 3]], np.int32), 0, 8, 1)
+
+
+def _greedy(ctx, tokens: list[int], n: int) -> list[int]:
+    from pyllama.runtime.context import Batch
+    out = []
+    logits = ctx.decode(Batch.for_sequence(tokens, 0, 0)).logits
+    pos = len(tokens)
+    for _ in range(n):
+        tok = int(np.argmax(logits[0]))
+        out.append(tok)
+        logits = ctx.decode(Batch.for_sequence([tok], pos, 0)).logits
+        pos += 1
+    return out
+
+
+def test_the_engine_restores_a_ggml_peer_that_died(model_factory):
+    from pyllama.backend.cpu import CPUBackend
+    from pyllama.backend.ggml.backend import GGMLBackend, ggml_connection
+    from pyllama.rpc.connection import RPCError
+    from pyllama.runtime.engine import Engine
+    model = model_factory("tiny", arch="llama", wtype="q8_0")
+    peer = FakeGGMLPeer(compute=True)
+    port = int(peer.endpoint.rsplit(":", 1)[1])
+    engine = None
+    try:
+        engine = Engine(model, n_threads=1, backends=[GGMLBackend(ggml_connection(peer.endpoint), 0, "RPC0"),
+                                                      CPUBackend(1)], tensor_split=[1, 1])
+        prompt = engine.tokenizer.encode(PROMPT)
+        ctx = engine.new_context(256, 1)
+        want = _greedy(ctx, prompt, 6)
+        peer.stop()                                    # the peer dies
+        ctx.clear()
+        with pytest.raises(RPCError):
+            _greedy(ctx, prompt, 2)
+        lost = engine.lost_devices()
+        assert list(lost) == ["RPC0"] and peer.endpoint in lost["RPC0"]
+        with pytest.raises(RPCError):
+            engine.reach_lost_devices()                # nobody listens yet
+        peer = FakeGGMLPeer(compute=True, port=port)
+        engine.reach_lost_devices()
+        assert engine.restore_lost_devices() == ["RPC0"] and engine.lost_devices() == {}
+        assert ctx.kv.n_tokens_cached() == 0           # the sequence starts again, same tokens
+        assert _greedy(ctx, prompt, 6) == want
+    finally:
+        if engine is not None:
+            engine.close()
+        peer.stop()
+
+
+def test_two_ggml_peers_in_one_split(model_factory):
+    model = model_factory("tiny", arch="qwen2", wtype="q8_0")
+    want = _generate(model)
+    peers = [FakeGGMLPeer(compute=True), FakeGGMLPeer(compute=True)]
+    try:
+        got = _generate(model, "--rpc", ",".join(p.endpoint for p in peers), "-dev", "RPC0,RPC1,CPU", "-ts", "1,1,0")
+        assert all(p.graphs for p in peers)
+    finally:
+        for p in peers:
+            p.stop()
+    assert got == want
+
+
+def test_two_pipeline_groups_share_one_ggml_peer(model_factory):
+    import threading
+    from server_util import ServerProcess
+    model = model_factory("tiny", arch="llama", wtype="f32")
+    want = _generate(model, "--ignore-eos", n=12)
+    peer = FakeGGMLPeer(compute=True)
+    srv = None
+    try:
+        srv = ServerProcess(model, "--rpc", peer.endpoint, "-dev", "RPC0,CPU", "-ts", "1,1", "-np", "2", "-c", "512",
+                            "-t", "1", "--pipeline-groups", "2").wait_ready()
+        results: list = [None, None]
+
+        def ask(i: int) -> None:
+            results[i] = srv.post("/completion", {"prompt": PROMPT, "n_predict": 12, "temperature": 0,
+                                                  "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for status, res in results:
+            assert status == 200, res
+            assert res["tokens"] == want
+    finally:
+        if srv is not None:
+            assert srv.stop() == 0
+        peer.stop()

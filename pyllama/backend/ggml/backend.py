@@ -12,15 +12,18 @@ two groups never interleave on them.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
+from ...rpc.connection import RPCError
 from ...ir.tensor import WEIGHT_TYPES, Buffer, DType, Graph, Tensor
 from ...util.errors import PyllamaError
 from ..base import Backend, DeviceInfo
 from ..layout import WeightLayout
+from ..remote import RemoteDevice
 from . import graph as G
 from . import protocol as P
 from .connection import GGMLConnection
@@ -67,7 +70,7 @@ class GGMLBuffer(Buffer):
         self.base = base
 
 
-class GGMLBackend(Backend):
+class GGMLBackend(RemoteDevice, Backend):
     in_order = True
     small_batches_cheap = True
     weight_types = frozenset(WEIGHT_TYPES)
@@ -91,6 +94,8 @@ class GGMLBackend(Backend):
         self._lowered: dict[int, _Lowered] = {}   # graph uid -> its lowering
         self._masks_made: list[tuple[MaskSpec, int]] = []
         self._lowering = Lowering(self._address, self._host_copy, self._mask_leaf)
+        # every live buffer, to allocate again on a new connection after the peer was lost
+        self._buffers: "weakref.WeakValueDictionary[int, GGMLBuffer]" = weakref.WeakValueDictionary()
 
     # --- device ---------------------------------------------------------------------------------
     def device_info(self) -> DeviceInfo:
@@ -108,9 +113,12 @@ class GGMLBackend(Backend):
         if not ptr:
             raise PyllamaError(f"{self.name}: the llama.cpp rpc-server at {self.conn.endpoint} has no room for "
                                f"{size / 2**20:.1f} MiB ({usage})")
-        return GGMLBuffer(self, got, usage, ptr, self.conn.buffer_base(ptr))
+        buf = GGMLBuffer(self, got, usage, ptr, self.conn.buffer_base(ptr))
+        self._buffers[buf.id] = buf
+        return buf
 
     def free_buffer(self, buffer: Buffer) -> None:
+        self._buffers.pop(buffer.id, None)
         self._host_i32 = {k: v for k, v in self._host_i32.items() if k[0] != buffer.id}
         if not self.conn.broken:
             self.conn.free_buffer(buffer.remote_ptr)  # type: ignore[attr-defined]
@@ -246,6 +254,39 @@ class GGMLBackend(Backend):
         rec = P.tensor_record(1, gtype, (mask.shape[1], mask.shape[0]), buffer=self._inputs.remote_ptr,  # type: ignore[union-attr]
                               data=self._inputs.base + at)  # type: ignore[union-attr]
         self.conn.set_tensor(rec, 0, memoryview(np.ascontiguousarray(mask)).cast("B"))
+
+    # --- a lost peer ------------------------------------------------------------------------------
+    def lost(self) -> Optional[str]:
+        return self.conn.check_peer()
+
+    def reach(self) -> None:
+        ggml_connection(self.conn.endpoint)
+
+    def reconnect(self) -> list[Buffer]:
+        """Continues on the process's new connection to the peer: every live buffer is allocated
+        there again under its old Buffer object (contents lost, for the engine to restore), and
+        what was kept of the old connection's graphs is dropped."""
+        old, conn = self.conn, ggml_connection(self.conn.endpoint)
+        with self._lock:
+            if conn is not old:
+                with _connections_lock:
+                    _users[id(conn)] = _users.get(id(conn), 0) + 1
+                _release(old)
+                self.conn = conn
+            self._scratch = self._inputs = None
+            self._lowered.clear()
+            self._last_graph = None
+            buffers = sorted(self._buffers.values(), key=lambda b: b.id)
+            for buf in buffers:
+                ptr, got = conn.alloc_buffer(self.device, max(buf.size, 1))
+                if not ptr or got < buf.size:
+                    raise RPCError(f"{self.name}: the llama.cpp rpc-server at {conn.endpoint} came back without room "
+                                   f"for {buf.size / 2**20:.1f} MiB")
+                buf.remote_ptr, buf.base = ptr, conn.buffer_base(ptr)
+        return buffers
+
+    def disconnect(self) -> None:
+        self.conn.close()
 
     def close(self) -> None:
         if self._closed:

@@ -10,6 +10,7 @@ every later call with one message naming the command it died on.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import struct
 import threading
@@ -180,6 +181,25 @@ class GGMLConnection:
             if k == 0:
                 raise EOFError
             got += k
+
+    def check_peer(self) -> Optional[str]:
+        """Why the connection is unusable, or None; notices a peer that closed it while idle (the
+        socket reads as closed) without waiting for the next command."""
+        if self.broken:
+            return self.broken
+        try:
+            ready, _, _ = select.select([self.sock], [], [], 0)
+            if ready and self._lock.acquire(blocking=False):   # idle: nobody is reading a reply
+                try:
+                    if self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                        self._fail(f"the ggml peer at {self.endpoint} closed the connection")
+                finally:
+                    self._lock.release()
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            self._fail(f"the ggml peer at {self.endpoint} is gone ({exc})")
+        return self.broken
 
     def _fail(self, why: str) -> None:
         if not self.broken:

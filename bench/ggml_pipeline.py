@@ -59,7 +59,8 @@ def main() -> int:
         for leg in range(1, a.legs + 1):
             for arm in arms:
                 if arm == "llama.cpp":
-                    srv = LlamaServer(peers, model, llama_args(a.users, a.npp, a.ntg, a.threads, peer.endpoint, ngl), 600)
+                    args = llama_args(a.users, a.npp, a.ntg, a.threads, peer.endpoint, ngl)
+                    srv = LlamaServer(peers, model, args, 600)
                 else:
                     g = int(arm.split()[1])
                     np_ = -(-a.users // g) * g
@@ -74,7 +75,8 @@ def main() -> int:
                 print(f"[leg {leg}] {arm}: {rep['gen_tok_s']:.1f} tok/s, errors {rep.get('errors', 0)}", flush=True)
     finally:
         peer.stop()
-    print(f"\n{os.path.basename(model)}, -ngl {ngl} of {n_layer} blocks + output on ggml-rpc-server -t {a.threads}, "
+    print(f"\n{os.path.basename(model)}, -ngl {ngl} ({min(ngl - 1, n_layer)} of {n_layer} blocks and the output "
+          f"layer) on ggml-rpc-server -t {a.threads}, "
           f"{a.users} users, npp {a.npp}, ntg {a.ntg}, -r {a.requests}, {a.legs} legs")
     base = got["llama.cpp"]
     for arm in arms:

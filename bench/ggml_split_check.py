@@ -88,7 +88,8 @@ def main() -> int:
             unsplit = [steps_of(plain.url, p, a.steps, 2) for p in PROMPTS]
         finally:
             plain.stop()
-        print(f"== {qtype} ({os.path.basename(model)}), -ngl {ngl} of {n_layer} blocks + output")
+        print(f"== {qtype} ({os.path.basename(model)}), -ngl {ngl} "
+              f"({min(ngl - 1, n_layer)} of {n_layer} blocks and the output layer)")
         if "llama.cpp rpc-server" not in log:
             print("   (pyllama's log does not name the peer as a llama.cpp rpc-server)")
         for p, r, g, u in zip(PROMPTS, ref, got, unsplit):

@@ -4,9 +4,9 @@
 
 Starts `ggml-rpc-server` from DIR/bin on a free loopback port and drives it with
 pyllama.backend.ggml.connection.GGMLConnection: recognition at connect, every replying command,
-tensor writes and reads, and graphs of ggml ops (ADD, MUL_MAT against F32 weights and Q8_0 weights as the file's bytes, the latter against
-pyllama's own Q8_0 product,
-RMS_NORM) computed by the peer and compared with numpy; then GRAPH_RECOMPUTE after new inputs,
+tensor writes and reads, and graphs of ggml ops (ADD, MUL_MAT against F32 weights and against Q8_0
+weights as the file's bytes, RMS_NORM) computed by the peer and compared with numpy (the Q8_0
+product with pyllama's own); then GRAPH_RECOMPUTE after new inputs,
 COPY_TENSOR, MEMSET_TENSOR, BUFFER_CLEAR, and a request the peer must refuse (it closes the
 connection; the client must say so in one line). Prints one line per check; exits 1 when any fails.
 """

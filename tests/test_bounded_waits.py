@@ -42,6 +42,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "lock is the connection's one (a ggml peer serves in order) and a timeout breaks the connection",
     ("pyllama/backend/ggml/connection.py", "GGMLConnection._recv_into", "self.sock.recv_into"):
         "the socket has settimeout(RPC timeout) from GGMLConnection.__init__; a timeout breaks the connection",
+    ("pyllama/backend/ggml/connection.py", "GGMLConnection.check_peer", "self.sock.recv"):
+        "MSG_PEEK | MSG_DONTWAIT after select() said readable: never blocks",
     ("pyllama/backend/ggml/connection.py", "_pyllama_hello", "sock.sendall"):
         "identify's probe socket, settimeout(the RPC timeout) before any send",
     ("pyllama/backend/ggml/connection.py", "_read", "sock.recv"):

@@ -15,7 +15,6 @@ from pyllama.backend.ggml import protocol as P
 from pyllama.backend.ggml.connection import GGMLConnection, identify
 from pyllama.backend.ggml.protocol import GCmd
 from pyllama.rpc.connection import RPCError
-from pyllama.util.errors import PyllamaError
 
 
 @pytest.fixture
@@ -132,7 +131,8 @@ def _hostile(replies: dict[GCmd, bytes]) -> FakeGGMLPeer:
     (GCmd.ALLOC_BUFFER, P.U64.pack(16) + P.PTR_SIZE.pack(0x1000, 10), lambda c: c.alloc_buffer(0, 4096),
      "10 bytes for 4096"),
     (GCmd.ALLOC_BUFFER, P.U64.pack(16) + P.PTR_SIZE.pack(0, 10), lambda c: c.alloc_buffer(0, 4096), "no buffer"),
-    (GCmd.GET_DEVICE_MEMORY, P.U64.pack(16) + P.PTR_SIZE.pack(10, 5), lambda c: c.device_memory(0), "10 bytes free of 5"),
+    (GCmd.GET_DEVICE_MEMORY, P.U64.pack(16) + P.PTR_SIZE.pack(10, 5), lambda c: c.device_memory(0),
+     "10 bytes free of 5"),
     (GCmd.COPY_TENSOR, P.U64.pack(1) + b"\x07", lambda c: c.copy_tensor(P.tensor_record(1, 0, [4]),
                                                                          P.tensor_record(2, 0, [4])), "result 7"),
     (GCmd.BUFFER_GET_BASE, P.U64.pack(8) + P.U64.pack(0), lambda c: c.buffer_base(5), "null base"),
@@ -240,7 +240,8 @@ def test_rpc_names_a_ggml_peer_and_gives_its_device(peer, caplog):
         assert isinstance(dev, GGMLBackend) and dev.name == "RPC0"
         info = dev.device_info()
         assert (info.kind, info.free, info.total) == ("ggml", 3 << 30, 4 << 30)
-        assert any("is a llama.cpp rpc-server (ggml RPC protocol 5.0.0, 2 devices)" in r.message for r in caplog.records)
+        said = "is a llama.cpp rpc-server (ggml RPC protocol 5.0.0, 2 devices)"
+        assert any(said in r.message for r in caplog.records)
     finally:
         for b in backends:
             b.close()

@@ -17,8 +17,8 @@ PROMPT = "Hello world, the split"
 
 
 def _generate(model: str, *extra: str, prompt: str = PROMPT, n: int = 10) -> list[int]:
-    r = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", prompt, "-n", str(n), "--temp", "0",
-                        "--tokens", "-t", "1", *extra], capture_output=True, text=True, timeout=240,
+    r = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", prompt, "-n", str(n),
+                        "--temp", "0", "--tokens", "-t", "1", *extra], capture_output=True, text=True, timeout=240,
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-3000:]
     return [int(x) for x in r.stdout.split()]

@@ -251,8 +251,10 @@ class GGMLBackend(RemoteDevice, Backend):
 
     def _send_mask(self, mask: np.ndarray, at: int) -> None:
         gtype = G.F16 if mask.dtype == np.float16 else G.F32
-        rec = P.tensor_record(1, gtype, (mask.shape[1], mask.shape[0]), buffer=self._inputs.remote_ptr,  # type: ignore[union-attr]
-                              data=self._inputs.base + at)  # type: ignore[union-attr]
+        inputs = self._inputs
+        assert inputs is not None
+        rec = P.tensor_record(1, gtype, (mask.shape[1], mask.shape[0]), buffer=inputs.remote_ptr,
+                              data=inputs.base + at)
         self.conn.set_tensor(rec, 0, memoryview(np.ascontiguousarray(mask)).cast("B"))
 
     # --- a lost peer ------------------------------------------------------------------------------

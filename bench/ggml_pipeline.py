@@ -3,6 +3,7 @@ over one `ggml-rpc-server` (needs --peers).
 
     python bench/ggml_pipeline.py --peers DIR [--model PATH | --preset medium --type q4_k_m]
         [--users 32] [--groups 1,2] [--legs 3] [-r 3] [--npp 64] [--ntg 32] [--ngl N] [-t 1]
+        [--llama-args=--kv-unified]
 
 One ggml-rpc-server (-t T) lives for the whole run. Arms, interleaved leg by leg: llama-server
 `--rpc EP -ngl N` (it turns pipelining off with an RPC device), and pyllama's server with the same
@@ -42,6 +43,7 @@ def main() -> int:
     ap.add_argument("--ntg", type=int, default=32)
     ap.add_argument("--ngl", type=int, default=0, help="llama.cpp's count (0: half the blocks + 1)")
     ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("--llama-args", default="", help="more llama-server arguments, e.g. '--kv-unified'")
     a = ap.parse_args()
     peers = Peers.find(a.peers) if a.peers else None
     if peers is None:
@@ -59,7 +61,7 @@ def main() -> int:
         for leg in range(1, a.legs + 1):
             for arm in arms:
                 if arm == "llama.cpp":
-                    args = llama_args(a.users, a.npp, a.ntg, a.threads, peer.endpoint, ngl)
+                    args = llama_args(a.users, a.npp, a.ntg, a.threads, peer.endpoint, ngl) + a.llama_args.split()
                     srv = LlamaServer(peers, model, args, 600)
                 else:
                     g = int(arm.split()[1])

@@ -23,8 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from ggml_wire_check import free_port, wait_port  # noqa: E402
 from peers import Peers  # noqa: E402
+from pipeline_cells import GgmlRpcPeer  # noqa: E402
 from pyllama.backend.ggml import graph as G  # noqa: E402
 from pyllama.backend.ggml.connection import GGMLConnection  # noqa: E402
 
@@ -73,13 +73,10 @@ def main() -> int:
         mask[i, : 3 + i] = 0.0
     mask16 = mask.astype(np.float16)
 
-    port = free_port()
-    proc = peers.popen("ggml-rpc-server", "-H", "127.0.0.1", "-p", str(port), "-t", "1",
-                       stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
+    peer = GgmlRpcPeer(peers, 1)
     bad = []
     try:
-        wait_port(port)
-        conn = GGMLConnection(f"127.0.0.1:{port}")
+        conn = GGMLConnection(peer.endpoint)
         align = conn.alignment(0)
         ptr, size = conn.alloc_buffer(0, 8 << 20)
         base_addr = conn.buffer_base(ptr)
@@ -201,8 +198,7 @@ def main() -> int:
         print(f"{len(nodes)} nodes, {len(recs)} tensors, {used_scratch} scratch bytes")
         conn.close()
     finally:
-        proc.terminate()
-        proc.wait(10)
+        peer.stop()
     print(f"{len(bad)} check(s) failed" if bad else "every check passed")
     return 1 if bad else 0
 

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import struct
 import sys
-import time
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
@@ -25,8 +23,10 @@ from gguf.quants import dequantize, quantize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 from peers import Peers  # noqa: E402
+from pipeline_cells import GgmlRpcPeer  # noqa: E402
 from pyllama._fast import qmatmul  # noqa: E402
 from pyllama.backend.ggml import protocol as P  # noqa: E402
 from pyllama.backend.ggml.connection import GGMLConnection, identify  # noqa: E402
@@ -39,23 +39,6 @@ def check(name: str, ok: bool, detail: str = "") -> None:
     print(f"{'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}")
     if not ok:
         failures.append(name)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, seconds: float = 20) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"ggml-rpc-server did not listen on {port} within {seconds:g} s")
 
 
 class Arena:
@@ -100,12 +83,9 @@ def main() -> int:
     peers = Peers.find(a.peers) if a.peers else None
     if peers is None or not os.path.isfile(peers.path("ggml-rpc-server")):
         raise SystemExit("--peers DIR with bin/ggml-rpc-server is needed")
-    port = free_port()
-    proc = peers.popen("ggml-rpc-server", "-H", "127.0.0.1", "-p", str(port), "-t", str(a.threads),
-                       stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
+    peer = GgmlRpcPeer(peers, a.threads)
     try:
-        wait_port(port)
-        ep = f"127.0.0.1:{port}"
+        ep = peer.endpoint
         kind, version = identify(ep)
         check("recognised at connect", kind == "ggml" and tuple(version)[:2] == P.VERSION[:2],
               f"{kind} {P.version_text(version)}")
@@ -198,8 +178,7 @@ def main() -> int:
         check("a new connection after the refusal", conn.device_count() == n)
         conn.close()
     finally:
-        proc.terminate()
-        proc.wait(10)
+        peer.stop()
     print(f"{len(failures)} check(s) failed" if failures else "every check passed")
     return 1 if failures else 0
 

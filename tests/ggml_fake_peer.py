@@ -150,6 +150,10 @@ class FakeGGMLPeer:
         self._need(base <= start < base + len(mem) and size <= base + len(mem) - start, "region out of bounds")
         return mem, start - base
 
+    def _write(self, rec: np.void, offset: int, data: bytes) -> None:
+        mem, at = self._region(rec, offset, len(data))
+        mem[at:at + len(data)] = data
+
     def _run(self, cmd: GCmd, p: bytes) -> bytes:
         T = P.RPC_TENSOR.itemsize
         if cmd == GCmd.DEVICE_COUNT:
@@ -185,21 +189,14 @@ class FakeGGMLPeer:
             return b""
         if cmd == GCmd.SET_TENSOR:
             self._need(len(p) >= T + 8, "request size")
-            rec = np.frombuffer(p, P.RPC_TENSOR, 1)[0]
-            offset = P.U64.unpack_from(p, T)[0]
-            data = p[T + 8:]
-            mem, at = self._region(rec, offset, len(data))
-            mem[at:at + len(data)] = data
+            self._write(np.frombuffer(p, P.RPC_TENSOR, 1)[0], P.U64.unpack_from(p, T)[0], p[T + 8:])
             return b""
         if cmd == GCmd.SET_TENSOR_HASH:
             self._need(len(p) == T + 16, "request size")
-            rec = np.frombuffer(p, P.RPC_TENSOR, 1)[0]
             offset, h = P.REGION.unpack_from(p, T)
             if h not in self.cache:
                 return b"\0"
-            data = self.cache[h]
-            mem, at = self._region(rec, offset, len(data))
-            mem[at:at + len(data)] = data
+            self._write(np.frombuffer(p, P.RPC_TENSOR, 1)[0], offset, self.cache[h])
             return b"\1"
         if cmd == GCmd.GET_TENSOR:
             self._need(len(p) == T + 16, "request size")

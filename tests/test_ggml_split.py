@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ggml_fake_peer import FakeGGMLPeer
+from greedy import greedy_decode
 from pyllama.backend.ggml.lower import attention_mask
 
 PROMPT = "Hello world, the split"
@@ -82,19 +83,6 @@ def test_attention_mask_rows_follow_the_cell_lists():
         attention_mask(cells, np.array([[4, 3]], np.int32), 0, 8, 1)
 
 
-def _greedy(ctx, tokens: list[int], n: int) -> list[int]:
-    from pyllama.runtime.context import Batch
-    out = []
-    logits = ctx.decode(Batch.for_sequence(tokens, 0, 0)).logits
-    pos = len(tokens)
-    for _ in range(n):
-        tok = int(np.argmax(logits[0]))
-        out.append(tok)
-        logits = ctx.decode(Batch.for_sequence([tok], pos, 0)).logits
-        pos += 1
-    return out
-
-
 def test_the_engine_restores_a_ggml_peer_that_died(model_factory):
     from pyllama.backend.cpu import CPUBackend
     from pyllama.backend.ggml.backend import GGMLBackend, ggml_connection
@@ -109,11 +97,11 @@ def test_the_engine_restores_a_ggml_peer_that_died(model_factory):
                                                       CPUBackend(1)], tensor_split=[1, 1])
         prompt = engine.tokenizer.encode(PROMPT)
         ctx = engine.new_context(256, 1)
-        want = _greedy(ctx, prompt, 6)
+        want = greedy_decode(ctx, prompt, 6)
         peer.stop()                                    # the peer dies
         ctx.clear()
         with pytest.raises(RPCError):
-            _greedy(ctx, prompt, 2)
+            greedy_decode(ctx, prompt, 2)
         lost = engine.lost_devices()
         assert list(lost) == ["RPC0"] and peer.endpoint in lost["RPC0"]
         with pytest.raises(RPCError):
@@ -122,7 +110,7 @@ def test_the_engine_restores_a_ggml_peer_that_died(model_factory):
         engine.reach_lost_devices()
         assert engine.restore_lost_devices() == ["RPC0"] and engine.lost_devices() == {}
         assert ctx.kv.n_tokens_cached() == 0           # the sequence starts again, same tokens
-        assert _greedy(ctx, prompt, 6) == want
+        assert greedy_decode(ctx, prompt, 6) == want
     finally:
         if engine is not None:
             engine.close()

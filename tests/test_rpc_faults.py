@@ -24,6 +24,7 @@ from pyllama.obs import rpc_stats as stats
 from pyllama.rpc.connection import Connection, RPCError
 from pyllama.rpc.protocol import HEADER, HELLO_REP, U32, Cmd
 from fault_proxy import FaultProxy, wait_for
+from greedy import greedy_decode
 from server_util import RPCServerProcess, ServerProcess
 
 PROMPT = "The little cat sat on the"
@@ -202,18 +203,6 @@ def wait_cached(cache: str) -> None:
     assert wait_for(lambda: os.path.isdir(cache) and any(not f.startswith(".") for f in os.listdir(cache)), 20)
 
 
-def _greedy(ctx, tokens: list[int], n: int) -> list[int]:
-    out = []
-    logits = ctx.decode(Batch.for_sequence(tokens, 0, 0)).logits
-    pos = len(tokens)
-    for _ in range(n):
-        tok = int(np.argmax(logits[0]))
-        out.append(tok)
-        logits = ctx.decode(Batch.for_sequence([tok], pos, 0)).logits
-        pos += 1
-    return out
-
-
 def test_engine_restores_a_restarted_peer_through_its_weight_cache(cached_model, tmp_path):
     cache = str(tmp_path / "cache")
     peer = RPCServerProcess("--cache", cache)
@@ -224,14 +213,14 @@ def test_engine_restores_a_restarted_peer_through_its_weight_cache(cached_model,
         engine = Engine(cached_model, n_threads=1, backends=[backend, CPUBackend(1)], tensor_split=[1, 1])
         prompt = engine.tokenizer.encode(PROMPT)
         contexts = [engine.new_context(256, 1), engine.new_context(256, 1)]
-        want = [_greedy(ctx, prompt, 8) for ctx in contexts]
+        want = [greedy_decode(ctx, prompt, 8) for ctx in contexts]
         assert want[0] == want[1]
         assert engine.lost_devices() == {}
         wait_cached(cache)
         peer.stop(signal.SIGKILL)
         contexts[0].clear()
         with pytest.raises(RPCError):
-            _greedy(contexts[0], prompt, 2)
+            greedy_decode(contexts[0], prompt, 2)
         lost = engine.lost_devices()
         assert list(lost) == ["RPC0"] and f"127.0.0.1:{port}" in lost["RPC0"]
         with pytest.raises(RPCError):
@@ -248,7 +237,7 @@ def test_engine_restores_a_restarted_peer_through_its_weight_cache(cached_model,
         # every context's KV cache was lost with the peer: the sequences start again, same text
         assert all(ctx.kv.n_tokens_cached() == 0 for ctx in contexts)
         for ctx in contexts:
-            assert _greedy(ctx, prompt, 8) == want[0]
+            assert greedy_decode(ctx, prompt, 8) == want[0]
     finally:
         if engine is not None:
             engine.close()

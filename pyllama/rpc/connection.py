@@ -72,6 +72,19 @@ class RPCError(PyllamaError):
     """A failed RPC command or a lost peer."""
 
 
+def close_socket(sock: socket.socket) -> None:
+    """Shuts the socket down, which wakes a thread blocked on it at once (close alone would not),
+    then closes it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     host, sep, port = endpoint.strip().rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -543,13 +556,6 @@ class Connection:
                 self.session._retired = (r[0] + self.n_replies, r[1] + self.bytes_out, r[2] + self.bytes_in)
             if self._arena is not None:
                 self._arena.close()
-            try:  # wakes a thread blocked on this socket at once (close alone would not)
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            try:
-                self.sock.close()
-            except OSError:
-                pass
+            close_socket(self.sock)
         with self._turn:
             self._turn.notify_all()

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ...obs import trace
-from ...rpc.connection import RPCError, configured_timeout, parse_endpoint
+from ...rpc.connection import RPCError, close_socket, configured_timeout, parse_endpoint
 from ...rpc.keepalive import enable_keepalive
 from ...rpc.protocol import HEADER as PYLLAMA_HEADER, HELLO_REQ as PYLLAMA_HELLO_REQ, VERSION as PYLLAMA_VERSION
 from . import protocol as P
@@ -213,14 +213,7 @@ class GGMLConnection:
         self._close_socket()
 
     def _close_socket(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        close_socket(self.sock)
 
 
 def _name(rec: np.void) -> str:

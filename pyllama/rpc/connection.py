@@ -72,6 +72,20 @@ class RPCError(PyllamaError):
     """A failed RPC command or a lost peer."""
 
 
+def open_socket(endpoint: str, timeout: float) -> socket.socket:
+    """A TCP connection to a peer: every blocking operation bounded by `timeout`, no Nagle delay,
+    keepalive so that a half-open idle peer is noticed within about the timeout."""
+    host, port = parse_endpoint(endpoint)
+    try:
+        sock = socket.create_connection((host, port), timeout=min(timeout, 10.0))
+    except OSError as exc:
+        raise RPCError(f"cannot connect to the RPC server at {endpoint}: {exc.strerror or exc}") from None
+    sock.settimeout(timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    enable_keepalive(sock, timeout)
+    return sock
+
+
 def close_socket(sock: socket.socket) -> None:
     """Shuts the socket down, which wakes a thread blocked on it at once (close alone would not),
     then closes it."""
@@ -153,15 +167,8 @@ class Connection:
         self.one_way_done = 0
         self._one_way_before: dict[int, int] = {}  # ticket -> one-way commands sent before it
         self._retired = (0, 0, 0)  # a session's: the traffic of its lanes that closed
-        host, port = parse_endpoint(endpoint)
         self.timeout = timeout if timeout is not None else configured_timeout()
-        try:
-            self.sock = socket.create_connection((host, port), timeout=min(self.timeout, 10.0))
-        except OSError as exc:
-            raise RPCError(f"cannot connect to the RPC server at {endpoint}: {exc.strerror or exc}") from None
-        self.sock.settimeout(self.timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        enable_keepalive(self.sock, self.timeout)  # a half-open idle peer is noticed within about the timeout
+        self.sock = open_socket(endpoint, self.timeout)
         self._send_lock = threading.Lock()
         self._turn = threading.Condition()
         self._next_ticket = 0

@@ -19,8 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ...obs import trace
-from ...rpc.connection import RPCError, close_socket, configured_timeout, parse_endpoint
-from ...rpc.keepalive import enable_keepalive
+from ...rpc.connection import RPCError, close_socket, configured_timeout, open_socket, parse_endpoint
 from ...rpc.protocol import HEADER as PYLLAMA_HEADER, HELLO_REQ as PYLLAMA_HELLO_REQ, VERSION as PYLLAMA_VERSION
 from . import protocol as P
 from .protocol import GCmd
@@ -34,14 +33,7 @@ class GGMLConnection:
     def __init__(self, endpoint: str, timeout: Optional[float] = None):
         self.endpoint = endpoint
         self.timeout = timeout if timeout is not None else configured_timeout()
-        host, port = parse_endpoint(endpoint)
-        try:
-            self.sock = socket.create_connection((host, port), timeout=min(self.timeout, 10.0))
-        except OSError as exc:
-            raise RPCError(f"cannot connect to the RPC server at {endpoint}: {exc.strerror or exc}") from None
-        self.sock.settimeout(self.timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        enable_keepalive(self.sock, self.timeout)
+        self.sock = open_socket(endpoint, self.timeout)
         self._lock = threading.Lock()
         self.broken: Optional[str] = None
         self.n_sent = self.bytes_out = self.n_replies = self.bytes_in = 0

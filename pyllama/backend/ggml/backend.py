@@ -3,9 +3,10 @@ each graph pyllama places there is lowered to ggml's ops (lower.py) and computed
 
 The peer serves one client at a time, so every device of an endpoint shares the process's one
 connection to it (`ggml_connection`), and pipeline groups share it too: the peer runs their
-commands in order. A graph that lowers to the same records as the last one sent for the device is
-re-run with GRAPH_RECOMPUTE (a decode step's graph repeats while its batch keeps its size: only
-the inputs' bytes change). Its masks and intermediate results live in two buffers of the device's
+commands in order. A graph seen before (by uid) is not lowered again while its masks cover the
+same cells: only the masks' bytes go up, and when its records are the last ones the device ran it
+is re-run with GRAPH_RECOMPUTE (a decode step's graph repeats while its batch keeps its size).
+Its masks and intermediate results live in two buffers of the device's
 own, grown as graphs need; one lock keeps a graph's mask upload, compute and reads together, so
 two groups never interleave on them.
 """
@@ -29,13 +30,12 @@ from . import protocol as P
 from .connection import GGMLConnection
 from .lower import LOWERED_OPS, Lowering, MaskSpec
 
-_connections: dict[str, GGMLConnection] = {}
-_connections_lock = threading.Lock()
 HOST_I32_MAX = 1 << 20   # I32 inputs up to this size keep a host copy (the attention's cell lists)
 _LOWERED_KEPT = 256      # graphs whose lowering is kept (by uid; the scheduler forgets graphs it drops)
 
-
-_users: dict[int, int] = {}          # id(connection) -> devices open on it
+_connections: dict[str, GGMLConnection] = {}   # endpoint -> the process's connection
+_users: dict[int, int] = {}                     # id(connection) -> devices open on it
+_connections_lock = threading.Lock()
 
 
 def ggml_connection(endpoint: str) -> GGMLConnection:

@@ -93,9 +93,8 @@ class Lowering:
         self.masks: dict[MaskSpec, G.GT] = {}
         for nd in graph.nodes:
             result = self._node(nd)
-            if result.view_src is None:
-                buf, addr = self.address(nd.out)
-                g.place(result, buf, addr)
+            buf, addr = self.address(nd.out)
+            g.place(result, buf, addr)     # (a view cannot be: every node ends in a result of its own)
             want = tuple(reversed(nd.out.shape))
             if result.ne[:len(want)] != want or any(x != 1 for x in result.ne[len(want):]):
                 result = g.reshape(result, want)

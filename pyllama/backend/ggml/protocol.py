@@ -24,7 +24,6 @@ MAX_DIMS = 4
 MAX_SRC = 10
 MAX_OP_PARAMS = 64           # bytes
 MAX_NAME = 64
-HASH_THRESHOLD = 10 << 20    # SET_TENSOR_HASH is tried first for writes larger than this
 MAX_DEVICES = 256            # a DEVICE_COUNT above this is not a real peer's
 
 
@@ -68,10 +67,9 @@ GGML_OPS: tuple[str, ...] = (
     "OPT_STEP_ADAMW", "OPT_STEP_SGD", "GLU")
 assert len(GGML_OPS) == 101
 GOp = IntEnum("GOp", {name: code for code, name in enumerate(GGML_OPS)})
-GGML_TYPE_COUNT = 43
 
-# tensor flags
-FLAG_INPUT, FLAG_OUTPUT, FLAG_COMPUTE = 1, 2, 16
+# a node without this flag is skipped by ggml's backends (ggml's graph builder sets it on every op)
+FLAG_COMPUTE = 16
 
 # rpc_tensor: every field packed, 296 bytes (ne and nb are 32-bit on the wire)
 RPC_TENSOR = np.dtype([
@@ -82,9 +80,7 @@ assert RPC_TENSOR.itemsize == 296
 
 U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")
-U8 = struct.Struct("<B")
 HEADER = struct.Struct("<BQ")                  # request: command, payload size
-REPLY_SIZE = U64                               # reply: payload size
 HELLO_REP = struct.Struct(f"<BBBB{CONN_CAPS_SIZE}s")
 ALLOC_REQ = struct.Struct("<IQ")               # device, size
 PTR_SIZE = struct.Struct("<QQ")                # ALLOC_BUFFER: remote_ptr, remote_size; memory: free, total
@@ -176,11 +172,6 @@ def decode_memory(endpoint: str, payload: bytes) -> tuple[int, int]:
     if free > total:
         raise GGMLProtocolError(f"the ggml peer at {endpoint} reports {free} bytes free of {total}")
     return free, total
-
-
-def tensor_records(n: int) -> np.ndarray:
-    """n zeroed rpc_tensor records."""
-    return np.zeros(n, dtype=RPC_TENSOR)
 
 
 def graph_payload(device: int, nodes: Sequence[int], tensors: np.ndarray) -> list[bytes | memoryview]:

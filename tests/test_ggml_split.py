@@ -158,3 +158,17 @@ def test_two_pipeline_groups_share_one_ggml_peer(model_factory):
         if srv is not None:
             assert srv.stop() == 0
         peer.stop()
+
+
+def test_a_layer_the_lowering_lacks_is_refused_at_load_naming_the_peer(model_factory):
+    model = model_factory("tiny", arch="qwen2moe")
+    peer = FakeGGMLPeer(compute=True)
+    try:
+        r = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", PROMPT, "-n", "2",
+                            "--rpc", peer.endpoint, "-dev", "RPC0,CPU", "-ts", "1,1"], capture_output=True, text=True,
+                           timeout=240, stdin=subprocess.DEVNULL)
+    finally:
+        peer.stop()
+    assert r.returncode == 1
+    assert "(MOE_FFN) of layer 0 cannot run on RPC0 (a llama.cpp rpc-server at" in r.stderr, r.stderr
+    assert "update that server" not in r.stderr and r.stderr.count("\n") <= 2

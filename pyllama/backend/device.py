@@ -63,6 +63,11 @@ class Device(ABC):
             return False
         return not family_node(node.op, node.params, len(node.srcs)) or all(self.supports(op) for op in FAMILY_OPS)
 
+    def refusal_hint(self) -> str:
+        """What to say of this device when a model's node cannot run on it (a peer names itself
+        and what would help); empty for a local device."""
+        return ""
+
     def can_copy_from(self, src: "Device") -> bool:
         """Whether cpy_tensor_async can take a tensor of `src` without passing through the host."""
         return False

@@ -336,11 +336,11 @@ def check_placement(model: Model, placement: Placement) -> None:
             what.setdefault(_what(nd), None)
             for op in _lacking(backend, nd):
                 lacks.setdefault(op.name, None)
-        where = getattr(getattr(backend, "conn", None), "endpoint", None)
+        hint = backend.refusal_hint()
         layers = _layers_text(sorted({nd.layer for nd in nodes}), hp.n_layer)
         raise UnsupportedOpError(
             f"{model.name}: the {', '.join(what)} of {layers} cannot run on {backend.name}"
-            f"{f' (the RPC server at {where}; update that server)' if where else ''}, which lacks "
+            f"{f' ({hint})' if hint else ''}, which lacks "
             f"{', '.join(lacks)}; keep {layers} on a device that has them (the CPU)")
 
 

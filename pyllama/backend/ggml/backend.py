@@ -106,6 +106,9 @@ class GGMLBackend(RemoteDevice, Backend):
     def supports(self, op: int) -> bool:
         return op in LOWERED_OPS
 
+    def refusal_hint(self) -> str:
+        return f"a llama.cpp rpc-server at {self.conn.endpoint}; pyllama does not lower that op to ggml's yet"
+
 
     # --- buffers --------------------------------------------------------------------------------
     def alloc_buffer(self, size: int, usage: str = "compute") -> Buffer:

@@ -366,6 +366,9 @@ class RPCBackend(_Commands, RemoteDevice, Backend):
         desc = name.rstrip(b"\0").decode("utf-8", "replace")
         return DeviceInfo(self.name, "rpc", f"{desc} ({_KIND_NAMES.get(kind, '?')}) at {self.conn.endpoint}", free, total)
 
+    def refusal_hint(self) -> str:
+        return f"the RPC server at {self.conn.endpoint}; update that server"
+
     def supports(self, op: int) -> bool:
         if op == Op.MUL_MAT_CAT:  # servers that negotiate weight types run it, on a CPU device
             return self.conn.has(Cap.DEVICE_TYPES) and self.device_kind() == KIND["cpu"]

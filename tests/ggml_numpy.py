@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from pyllama.backend.ggml.protocol import GOp
+from reference_forward import rope
 
 _NP = {0: np.float32, 1: np.float16, 26: np.int32, 27: np.int64}
 
@@ -57,25 +58,13 @@ def _params(r, fmt: str) -> tuple:
 
 
 def _rope(x: np.ndarray, pos: np.ndarray, freqs, r) -> np.ndarray:
+    """ggml's ROPE (its parameters in r's op_params) on x [1, n, H, hd]."""
     p = _params(r, "<5i6f")
-    n_dims, mode = p[1], p[2]
-    base, fscale, _, attn_factor = p[5], p[6], p[7], p[8]
-    out = x.copy()                                  # [1, n, H, hd]
-    inv = base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)
+    n_dims, mode, base, fscale, attn_factor = p[1], p[2], p[5], p[6], p[8]
+    inv = base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims) * fscale
     if freqs is not None:
         inv = inv / freqs.reshape(-1)[: n_dims // 2]
-    ang = pos.reshape(-1)[:, None].astype(np.float64) * fscale * inv[None, :]
-    cos = (np.cos(ang) * attn_factor)[None, :, None, :]
-    sin = (np.sin(ang) * attn_factor)[None, :, None, :]
-    if mode & 2:
-        a, b = x[..., : n_dims // 2], x[..., n_dims // 2: n_dims]
-        out[..., : n_dims // 2] = a * cos - b * sin
-        out[..., n_dims // 2: n_dims] = a * sin + b * cos
-    else:
-        a, b = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
-        out[..., 0:n_dims:2] = a * cos - b * sin
-        out[..., 1:n_dims:2] = a * sin + b * cos
-    return out
+    return rope(x[0], base, n_dims, bool(mode & 2), inv, attn_factor, pos.reshape(-1))[None]
 
 
 def _repeat(b: np.ndarray, shape) -> np.ndarray:

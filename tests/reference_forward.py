@@ -102,11 +102,11 @@ def rmsnorm(x: np.ndarray, eps: float) -> np.ndarray:
 
 
 def rope(x: np.ndarray, base: float, n_rot: int, neox: bool, inv_freq: np.ndarray | None = None,
-         mscale: float = 1.0) -> np.ndarray:
-    """x: [n_tokens, n_heads, head_dim] at positions 0..n_tokens-1; the first n_rot dims rotate.
-    inv_freq: each pair's angle per position (default base^(-2i / n_rot)); mscale scales cos and
-    sin (YaRN's attention factor)."""
-    pos = np.arange(x.shape[0], dtype=np.float64)[:, None, None]
+         mscale: float = 1.0, positions: np.ndarray | None = None) -> np.ndarray:
+    """x: [n_tokens, n_heads, head_dim] at `positions` (default 0..n_tokens-1); the first n_rot dims
+    rotate. inv_freq: each pair's angle per position (default base^(-2i / n_rot)); mscale scales
+    cos and sin (YaRN's attention factor)."""
+    pos = (np.arange(x.shape[0]) if positions is None else positions).astype(np.float64)[:, None, None]
     if inv_freq is None:
         inv_freq = base ** (-2.0 * np.arange(n_rot // 2) / n_rot)
     theta = pos * inv_freq  # [n_tokens, 1, n_rot/2]

@@ -236,10 +236,8 @@ def identify(endpoint: str, timeout: Optional[float] = None) -> tuple[str, tuple
         return PYLLAMA, version
     except _NotThisKind as exc:
         first = str(exc)
-    try:
+    try:   # (a version refusal, GGMLProtocolError, is not an RPCError: it goes up as it is)
         conn = GGMLConnection(endpoint, timeout)
-    except P.GGMLProtocolError:
-        raise
     except RPCError as exc:
         raise RPCError(f"the peer at {endpoint} answers neither pyllama's RPC protocol ({first}) nor "
                        f"ggml's ({exc})") from None

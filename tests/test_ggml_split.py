@@ -12,7 +12,8 @@ import pytest
 
 from ggml_fake_peer import FakeGGMLPeer
 from greedy import greedy_decode
-from pyllama.backend.ggml.lower import attention_mask
+from pyllama.backend.ggml.lower import attention_plan, group_mask
+from pyllama.ir.tensor import DType
 
 PROMPT = "Hello world, the split"
 
@@ -52,7 +53,7 @@ def test_the_whole_model_on_the_peer(model_factory):
 
 
 def test_decoding_past_a_step_of_attended_cells(model_factory):
-    # 247 prompt tokens, then 16 more: the attended cells grow past 256 mid-decode, so the kept
+    # 247 prompt tokens, then 16 more: the sequence's cells grow past 256 mid-decode, so the kept
     # lowering of the decode graph no longer fits and the graph is lowered again over 512 cells
     model = model_factory("tiny", arch="llama", wtype="f32")
     prompt = " ".join(["hello world"] * 41)
@@ -65,22 +66,39 @@ def test_decoding_past_a_step_of_attended_cells(model_factory):
     finally:
         peer.stop()
     assert got == want
-    assert n_kv == {256, 512}, n_kv     # masks [n_kv, rows]: both sizes were sent
+    assert n_kv == {256, 512}, n_kv     # masks [cells, tokens, 1, sequences]: both sizes were sent
 
 
-def test_attention_mask_rows_follow_the_cell_lists():
-    cells = np.array([0, 1, 2, 5, 6], np.int32)      # two sequences: cells 0-2 and 5-6
-    ranges = np.array([[0, 3], [3, 1], [3, 2]], np.int32)
-    m = attention_mask(cells, ranges, 0, 8, 3)
-    assert m.shape == (64, 8) and m.dtype == np.float16
-    assert np.isneginf(m[3:]).all()                  # padding rows
-    assert (m[0] == 0).tolist() == [True, True, True, False, False, False, False, False]
-    assert (m[1] == 0).tolist() == [False] * 5 + [True, False, False]
-    assert (m[2] == 0).tolist() == [False] * 5 + [True, True, False]
-    w = attention_mask(cells, ranges, 2, 8, 3, np.float32)   # a window of 2: the last two cells
-    assert (w[0] == 0).tolist() == [False, True, True] + [False] * 5 and w.dtype == np.float32
+def test_a_decode_step_attends_each_sequence_over_its_own_cells():
+    cells = np.array([0, 1, 2, 5, 6, 9], np.int32)     # sequences in the lists: cells 0-2, 5-6, 9
+    ranges = np.array([[3, 2], [0, 3], [5, 1]], np.int32)   # one token each, batch order 1, 0, 2
+    layout, groups = attention_plan(cells, ranges, 3)
+    assert layout.groups == ((1, 3, 256),) and layout.in_order
+    (grp,) = groups
+    assert grp.tokens.tolist() == [0, 1, 2]
+    gather = grp.gather.reshape(3, 256)
+    assert gather[0, :2].tolist() == [5, 6] and gather[1, :3].tolist() == [0, 1, 2] and gather[2, 0] == 9
+    assert not gather[0, 2:].any() and not gather[2, 1:].any()   # padding reads cell 0, masked
+    m = group_mask(grp, 256, 0)
+    assert m.shape == (3, 1, 1, 256) and m.dtype == np.float16
+    assert [int((row == 0).sum()) for row in m[:, 0, 0]] == [2, 3, 1]
+    assert (m[1, 0, 0, :3] == 0).all() and np.isneginf(m[1, 0, 0, 3:]).all()
+    w = group_mask(grp, 256, 2, np.float32)             # a window of 2: the last two cells
+    assert (w[1, 0, 0, :4] == 0).tolist() == [False, True, True, False] and w.dtype == np.float32
+
+
+def test_a_prompt_among_decodes_is_its_own_group_and_the_rows_go_back_in_order():
+    cells = np.array([4, 5, 6, 7, 0, 1], np.int32)      # sequence A: cells 4-7 (a 2-token prompt ends
+    ranges = np.array([[4, 1], [0, 3], [0, 4], [5, 1]], np.int32)   # at 7), B: 0, C: 1
+    layout, groups = attention_plan(cells, ranges, 4)
+    assert layout.groups == ((1, 2, 256), (2, 1, 256)) and not layout.in_order
+    decodes, prompt = groups
+    assert decodes.tokens.tolist() == [0, 3] and prompt.tokens.tolist() == [1, 2]
+    assert prompt.lengths.tolist() == [[3, 4]] and prompt.gather[:4].tolist() == [4, 5, 6, 7]
+    m = group_mask(prompt, 256, 0)                       # causal within the prompt
+    assert [int((m[0, 0, j] == 0).sum()) for j in range(2)] == [3, 4]
     with pytest.raises(ValueError):
-        attention_mask(cells, np.array([[4, 3]], np.int32), 0, 8, 1)
+        attention_plan(cells, np.array([[4, 3]], np.int32), 1)
 
 
 def test_the_engine_restores_a_ggml_peer_that_died(model_factory):
@@ -172,3 +190,40 @@ def test_a_layer_the_lowering_lacks_is_refused_at_load_naming_the_peer(model_fac
     assert r.returncode == 1
     assert "(MOE_FFN) of layer 0 cannot run on RPC0 (a llama.cpp rpc-server at" in r.stderr, r.stderr
     assert "update that server" not in r.stderr and r.stderr.count("\n") <= 2
+
+
+@pytest.mark.parametrize("wtype,cache", [("f32", DType.F16), ("f32", DType.F32)])
+def test_a_batch_mixing_prompts_and_decodes_matches_the_unsplit_logits(model_factory, wtype, cache):
+    # prompts of two lengths and decodes in one batch, the decodes interleaved with a prompt: the
+    # lowering gathers the rows into groups (flash attention on an F16 cache, MUL_MAT + SOFT_MAX
+    # on an F32 one) and puts the results back in the batch's order
+    from pyllama.backend.cpu import CPUBackend
+    from pyllama.backend.ggml.backend import GGMLBackend, ggml_connection
+    from pyllama.runtime.context import Batch
+    from pyllama.runtime.engine import Engine
+    model = model_factory("tiny", arch="llama", wtype=wtype)
+    steps = [Batch.concat([Batch.for_sequence([5, 6, 7, 8, 9], 0, 0, True), Batch.for_sequence([11, 12, 13], 0, 1, True)]),
+             Batch.concat([Batch.for_sequence([21], 5, 0), Batch.for_sequence([31, 32, 33, 34], 0, 2, True),
+                           Batch.for_sequence([22], 3, 1)]),
+             Batch.concat([Batch.for_sequence([23], 4, 1), Batch.for_sequence([24], 6, 0), Batch.for_sequence([35], 4, 2)])]
+
+    def run(backends, split) -> list[np.ndarray]:
+        engine = Engine(model, n_threads=1, backends=backends, tensor_split=split)
+        try:
+            ctx = engine.new_context(256, 3, type_k=cache, type_v=cache)
+            return [ctx.decode(b).logits.copy() for b in steps]
+        finally:
+            engine.close()
+
+    want = run([CPUBackend(1)], None)
+    peer = FakeGGMLPeer(compute=True)
+    try:
+        got = run([GGMLBackend(ggml_connection(peer.endpoint), 0, "RPC0"), CPUBackend(1)], [1, 1])
+        layouts = {tuple(int(x) for x in t["ne"]) for _, _, recs in peer.graphs for t in recs
+                   if bytes(t["name"]).startswith(b"kq_mask")}
+    finally:
+        peer.stop()
+    for w, g in zip(want, got):
+        assert w.shape == g.shape
+        np.testing.assert_allclose(g, w, atol=2e-3, rtol=0)
+    assert {(256, 1, 1, 2), (256, 4, 1, 1), (256, 5, 1, 1), (256, 3, 1, 1), (256, 1, 1, 3)} <= layouts, layouts

@@ -3,12 +3,13 @@ each graph pyllama places there is lowered to ggml's ops (lower.py) and computed
 
 The peer serves one client at a time, so every device of an endpoint shares the process's one
 connection to it (`ggml_connection`), and pipeline groups share it too: the peer runs their
-commands in order. A graph seen before (by uid) is not lowered again while its masks cover the
-same cells: only the masks' bytes go up, and when its records are the last ones the device ran it
+commands in order. A graph seen before (by uid) is not lowered again while its attention keeps its
+layout (the same groups of sequences over the same rounded cell counts): only the attention's
+inputs go up (cell gathers and masks), and when its records are the last ones the device ran it
 is re-run with GRAPH_RECOMPUTE (a decode step's graph repeats while its batch keeps its size).
-Its masks and intermediate results live in two buffers of the device's
-own, grown as graphs need; one lock keeps a graph's mask upload, compute and reads together, so
-two groups never interleave on them.
+Those inputs and the intermediate results live in two buffers of the device's own, grown as
+graphs need; one lock keeps a graph's input upload, compute and reads together, so two groups
+never interleave on them.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from ..remote import RemoteDevice
 from . import graph as G
 from . import protocol as P
 from .connection import GGMLConnection
-from .lower import LOWERED_OPS, Lowering, MaskSpec
+from .lower import LOWERED_OPS, AttnSpec, Lowering
 
 HOST_I32_MAX = 1 << 20   # I32 inputs up to this size keep a host copy (the attention's cell lists)
 _LOWERED_KEPT = 256      # graphs whose lowering is kept (by uid; the scheduler forgets graphs it drops)
@@ -92,8 +93,8 @@ class GGMLBackend(RemoteDevice, Backend):
         self._inputs_used = 0
         self._last_graph: Optional[bytes] = None
         self._lowered: dict[int, _Lowered] = {}   # graph uid -> its lowering
-        self._masks_made: list[tuple[MaskSpec, int]] = []
-        self._lowering = Lowering(self._address, self._host_copy, self._mask_leaf)
+        self._inputs_made: list[tuple[AttnSpec, list[int]]] = []
+        self._lowering = Lowering(self._address, self._host_copy, self._input_leaves)
         # every live buffer, to allocate again on a new connection after the peer was lost
         self._buffers: "weakref.WeakValueDictionary[int, GGMLBuffer]" = weakref.WeakValueDictionary()
 
@@ -165,9 +166,9 @@ class GGMLBackend(RemoteDevice, Backend):
         with self._lock:
             done = self._lowered.get(graph.uid)
             if done is not None and done.scratch is self._scratch and done.inputs is self._inputs and \
-                    all(self._lowering.still_fits(spec) for spec, _ in done.masks):
-                for spec, at in done.masks:    # the same graph: only its masks' bytes are new
-                    self._upload_mask(spec, at)
+                    all(self._lowering.still_fits(spec) for spec, _ in done.inputs_at):
+                for spec, at in done.inputs_at:   # the same graph: only its inputs' bytes are new
+                    self._upload_inputs(spec, at)
                 nodes, recs, raw = done.nodes, done.recs, done.raw
             else:
                 nodes, recs, raw = self._lower(graph)
@@ -182,17 +183,17 @@ class GGMLBackend(RemoteDevice, Backend):
     def _lower(self, graph: Graph) -> tuple[list[int], np.ndarray, bytes]:
         while True:
             self._inputs_used = 0
-            self._masks_made = []
+            self._inputs_made = []
             try:
                 g = self._lowering.lower(graph)
                 break
-            except _Relower:   # the mask buffer grew: the masks go into the new one
+            except _Relower:   # the inputs buffer grew: the inputs go into the new one
                 continue
         nodes, recs = self._finish(g)
         raw = recs.tobytes()
         if len(self._lowered) >= _LOWERED_KEPT:
             self._lowered.pop(next(iter(self._lowered)))
-        self._lowered[graph.uid] = _Lowered(nodes, recs, raw, list(self._masks_made), self._scratch, self._inputs)
+        self._lowered[graph.uid] = _Lowered(nodes, recs, raw, list(self._inputs_made), self._scratch, self._inputs)
         return nodes, recs, raw
 
     def forget_graph(self, uid: int) -> None:
@@ -230,35 +231,36 @@ class GGMLBackend(RemoteDevice, Backend):
                              "lists must be)")
         return got
 
-    def _mask_leaf(self, g: G.GraphBuilder, spec: MaskSpec) -> G.GT:
-        mask = self._lowering.mask(spec)
-        size = mask.nbytes
-        need = self._inputs_used + size
-        if self._inputs is None or need > self._inputs.size:
-            # a larger buffer: earlier masks of this graph are written again into it
-            if self._inputs is not None:
-                self.free_buffer(self._inputs)
-            self._inputs = self.alloc_buffer(max(need * 2, 1 << 20), "compute")
-            self._last_graph = None
-            raise _Relower()
-        at = self._inputs_used
-        self._inputs_used = (need + self.alignment - 1) // self.alignment * self.alignment
-        gtype = G.F16 if mask.dtype == np.float16 else G.F32
-        leaf = g.leaf(gtype, (mask.shape[1], mask.shape[0]), self._inputs.remote_ptr, self._inputs.base + at, "kq_mask")
-        self._send_mask(mask, at)
-        self._masks_made.append((spec, at))
-        return leaf
+    def _input_leaves(self, g: G.GraphBuilder, spec: AttnSpec) -> list[G.GT]:
+        arrays = self._lowering.inputs(spec)
+        offsets = []
+        for arr in arrays:
+            need = self._inputs_used + arr.nbytes
+            if self._inputs is None or need > self._inputs.size:
+                # a larger buffer: earlier inputs of this graph are written again into it
+                if self._inputs is not None:
+                    self.free_buffer(self._inputs)
+                self._inputs = self.alloc_buffer(max(need * 2, 1 << 20), "compute")
+                self._last_graph = None
+                raise _Relower()
+            offsets.append(self._inputs_used)
+            self._inputs_used = (need + self.alignment - 1) // self.alignment * self.alignment
+        self._send_inputs(arrays, offsets)
+        self._inputs_made.append((spec, offsets))
+        return [g.leaf(_GGML_TYPE[arr.dtype.char], tuple(reversed(arr.shape)), self._inputs.remote_ptr,
+                       self._inputs.base + at, "kq_mask" if arr.dtype != np.int32 else "kv_gather")
+                for arr, at in zip(arrays, offsets)]
 
-    def _upload_mask(self, spec: MaskSpec, at: int) -> None:
-        self._send_mask(self._lowering.mask(spec), at)
+    def _upload_inputs(self, spec: AttnSpec, offsets: list[int]) -> None:
+        self._send_inputs(self._lowering.inputs(spec), offsets)
 
-    def _send_mask(self, mask: np.ndarray, at: int) -> None:
-        gtype = G.F16 if mask.dtype == np.float16 else G.F32
+    def _send_inputs(self, arrays: list[np.ndarray], offsets: list[int]) -> None:
         inputs = self._inputs
         assert inputs is not None
-        rec = P.tensor_record(1, gtype, (mask.shape[1], mask.shape[0]), buffer=inputs.remote_ptr,
-                              data=inputs.base + at)
-        self.conn.set_tensor(rec, 0, memoryview(np.ascontiguousarray(mask)).cast("B"))
+        for arr, at in zip(arrays, offsets):
+            rec = P.tensor_record(1, _GGML_TYPE[arr.dtype.char], tuple(reversed(arr.shape)),
+                                  buffer=inputs.remote_ptr, data=inputs.base + at)
+            self.conn.set_tensor(rec, 0, memoryview(np.ascontiguousarray(arr)).cast("B"))
 
     # --- a lost peer ------------------------------------------------------------------------------
     def lost(self) -> Optional[str]:
@@ -303,17 +305,20 @@ class GGMLBackend(RemoteDevice, Backend):
 
 @dataclass
 class _Lowered:
-    """A graph as last lowered: what to send again while its masks cover the same cells."""
+    """A graph as last lowered: what to send again while its attention keeps its layout."""
     nodes: list[int]
     recs: np.ndarray
     raw: bytes
-    masks: list[tuple[MaskSpec, int]]     # (spec, offset in the inputs buffer)
+    inputs_at: list[tuple[AttnSpec, list[int]]]   # (spec, its arrays' offsets in the inputs buffer)
     scratch: Optional[GGMLBuffer]
     inputs: Optional[GGMLBuffer]
 
 
 class _Relower(Exception):
-    """The mask buffer grew: lower the graph again."""
+    """The inputs buffer grew: lower the graph again."""
+
+
+_GGML_TYPE = {"f": G.F32, "e": G.F16, "i": G.I32}
 
 
 __all__ = ["GGMLBackend", "GGMLBuffer", "ggml_connection"]

@@ -153,6 +153,13 @@ class GraphBuilder:
         """ggml_cpy(a, b): a's values written into b (converted to b's type); a view of b."""
         return self._view_of(b, b.ne, b.nb, 0, GOp.CPY, (a, b), b"", name)
 
+    def cast(self, a: GT, ggml_type: int, name: str = "") -> GT:
+        """ggml_cast(a, type): a's values converted into a new tensor (a CPY that is its own
+        destination, as ggml writes it)."""
+        ne = a.ne
+        t = GT(self._id(), ggml_type, ne, P.contiguous_nb(ggml_type, ne), op=int(GOp.CPY), name=name)
+        return self._node(t, (a, t))
+
     # views
     def view(self, a: GT, ne: Sequence[int], nb: Sequence[int], offset: int, name: str = "") -> GT:
         """ggml_view_Nd(a, ne..., nb1.., offset): nb[0] is the element size."""

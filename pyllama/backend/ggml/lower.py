@@ -9,10 +9,15 @@ scratch buffer.
 
 ATTENTION is llama.cpp's attention block: q, k, v are views of the fused qkv rows; q and k get
 their RMS norm (qwen3) and RoPE with the model's parameters; k and v rows are written into the
-caches with SET_ROWS at kv_idx; the token attends over cells [0, n_kv) of the caches with a mask
-built on the host from attn_cells and attn_ranges (0 where the token may look, -inf elsewhere):
-FLASH_ATTN_EXT at F32 precision on an F16 cache (what llama-server runs on a CPU by default), else
-MUL_MAT, SOFT_MAX and MUL_MAT as llama.cpp's builder without flash attention.
+caches with SET_ROWS at kv_idx. Then each sequence attends over its own cells, as llama.cpp does
+with a KV stream per sequence: GET_ROWS gathers every sequence's cells (rounded up to 256, cast
+back to the cache's type), and one attention per group of sequences with the same number of
+tokens in the step runs over [cells, tokens, heads, sequences] with a mask built on the host from
+attn_cells and attn_ranges (0 where the token may look, -inf elsewhere): FLASH_ATTN_EXT at F32
+precision on an F16 cache (what llama-server runs on a CPU by default), else MUL_MAT, SOFT_MAX and
+MUL_MAT as llama.cpp's builder without flash attention. A decode step is one group in the batch's
+order; a step that mixes a prompt with decodes has several, their rows gathered into groups and
+the results back into the batch's order.
 """
 from __future__ import annotations
 
@@ -26,71 +31,131 @@ from . import graph as G
 # ops a ggml device runs (MOE_FFN and SAMPLE are not lowered)
 LOWERED_OPS = frozenset({Op.GET_ROWS, Op.RMS_NORM, Op.MUL_MAT, Op.MUL_MAT_CAT, Op.ADD, Op.SWIGLU, Op.ATTENTION,
                          Op.GEGLU, Op.SCALE, Op.SOFTCAP})
-MASK_PAD = 64          # mask rows padded as llama.cpp pads them (GGML_KQ_MASK_PAD), for every peer's kernels
-KV_STEP = 256          # attended cells rounded up to this, so a decode's graph repeats as the cache grows
+KV_STEP = 256          # a sequence's attended cells rounded up to this, as llama.cpp pads a stream's
 
 
-def attention_mask(cells: np.ndarray, ranges: np.ndarray, n_swa: int, n_kv: int, n_tokens: int,
-                   dtype=np.float16) -> np.ndarray:
-    """[pad(n_tokens), n_kv]: row t is 0 at the cells attn_cells[r0 : r0 + r1] of (r0, r1) =
-    ranges[t] (their last n_swa with a sliding window) and -inf elsewhere; padding rows all -inf."""
-    rows = -(-max(n_tokens, 1) // MASK_PAD) * MASK_PAD
-    mask = np.full((rows, n_kv), -np.inf, dtype=dtype)
+class AttnLayout(NamedTuple):
+    """How a step's tokens attend, sequence by sequence (llama.cpp's KV streams): the sequences
+    with the same number of tokens in the step form a group, one attention over [C cells, T
+    tokens, heads, m sequences]; a graph lowered for one layout serves every step with it."""
+    groups: tuple[tuple[int, int, int], ...]   # (T tokens per sequence, m sequences, C cells) each
+    in_order: bool                             # groups' tokens, sequence by sequence, are the batch's order
+
+
+class AttnGroup(NamedTuple):
+    tokens: np.ndarray     # [m * T] the batch rows, sequence by sequence
+    gather: np.ndarray     # [m * C] i32: each sequence's cells in position order, then cell 0
+    lengths: np.ndarray    # [m, T]: how many of its sequence's cells each token attends
+
+
+def attention_plan(cells: np.ndarray, ranges: np.ndarray, n_tokens: int) -> tuple[AttnLayout, list[AttnGroup]]:
+    """The step's layout and each group's rows from the host's cell lists: token t attends
+    cells[r0 : r0 + r1] for (r0, r1) = ranges[t], a sequence's tokens sharing r0 (kv_cache
+    lists each sequence's cells once, in position order)."""
     r0, r1 = ranges[:n_tokens, 0].astype(np.int64), ranges[:n_tokens, 1].astype(np.int64)
-    if n_swa > 0:
-        r0, r1 = r0 + np.maximum(r1 - n_swa, 0), np.minimum(r1, n_swa)
-    if r1.size and (r0.min() < 0 or (r0 + r1).max() > cells.size):
+    if n_tokens and (r0.min() < 0 or r1.min() < 1 or (r0 + r1).max() > cells.size):
         raise ValueError("ATTENTION: attn_ranges name cells beyond attn_cells")
-    token = np.repeat(np.arange(n_tokens), r1)
-    idx = np.repeat(r0 - np.cumsum(r1) + r1, r1) + np.arange(int(r1.sum()))
-    mask[token, cells[idx]] = 0
-    return mask
+    starts, first, inverse = np.unique(r0, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")          # sequences in the order they first appear
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    seq = rank[inverse.reshape(-1)]                   # token -> its sequence, by appearance
+    starts = starts[order]
+    n_seq_tokens = np.bincount(seq, minlength=starts.size)
+    length = np.zeros(starts.size, np.int64)
+    np.maximum.at(length, seq, r1)
+    t_values, t_first, t_of = np.unique(n_seq_tokens, return_index=True, return_inverse=True)
+    by_first = np.argsort(t_first, kind="stable")     # groups in the order their first sequence appears
+    t_order = t_values[by_first]
+    group_rank = np.empty_like(by_first)
+    group_rank[by_first] = np.arange(by_first.size)
+    group_of = group_rank[t_of.reshape(-1)]
+    slots = np.lexsort((np.arange(n_tokens), seq, group_of[seq]))   # batch rows in group, sequence order
+    groups, layout = [], []
+    at = 0
+    for gi, T in enumerate(t_order.tolist()):
+        members = np.flatnonzero(group_of == gi)
+        m = members.size
+        C = -(-int(length[members].max()) // KV_STEP) * KV_STEP
+        tokens = slots[at:at + m * T]
+        at += m * T
+        col = np.arange(C)
+        valid = col[None, :] < length[members, None]
+        gather = np.where(valid, cells[np.minimum(starts[members, None] + col[None, :], max(cells.size - 1, 0))], 0)
+        groups.append(AttnGroup(tokens, gather.astype(np.int32).reshape(-1), r1[tokens].reshape(m, T)))
+        layout.append((int(T), int(m), C))
+    in_order = bool((slots == np.arange(n_tokens)).all())
+    return AttnLayout(tuple(layout), in_order), groups
 
 
-def attended_cells(cells: np.ndarray, n_cells: int) -> int:
-    """n_kv: the cells [0, n_kv) a graph attends over, every listed cell in them, rounded up."""
-    used = int(cells.max()) + 1 if cells.size else 1
-    return min(n_cells, -(-used // KV_STEP) * KV_STEP)
+def group_mask(group: AttnGroup, C: int, n_swa: int, dtype=np.float16) -> np.ndarray:
+    """[m, 1, T, C]: 0 where token j of sequence i may look (its first lengths[i, j] cells, their
+    last n_swa with a sliding window), -inf elsewhere."""
+    hi = group.lengths[:, :, None]
+    lo = np.maximum(hi - n_swa, 0) if n_swa > 0 else 0
+    col = np.arange(C)[None, None, :]
+    mask = np.where((col >= lo) & (col < hi), 0.0, -np.inf).astype(dtype)
+    return mask[:, None]
 
 
-class MaskSpec(NamedTuple):
-    """What one attention mask of a graph is made of (a graph's layers share it)."""
+class AttnSpec(NamedTuple):
+    """One attention's inputs of a graph (its layers share them): the cell lists they come from,
+    the sliding window, the mask's type and the layout they were laid out for."""
     cells: Tensor
     ranges: Tensor
     n_swa: int
-    n_kv: int
     n_tokens: int
     flash: bool
-    n_cells: int
+    layout: AttnLayout
 
 
 class Lowering:
     """Builds the ggml graph of one pyllama graph.
 
     `address(t)`: (remote buffer, address) of a pyllama tensor on the peer; `host_i32(t)`: the
-    host's copy of an I32 input it wrote this step (attn_cells, attn_ranges); `mask_leaf(g, spec)`:
-    the mask of `spec` uploaded to the peer as a leaf of `g` (one per distinct spec)."""
+    host's copy of an I32 input it wrote this step (attn_cells, attn_ranges); `input_leaves(g,
+    spec)`: the arrays `inputs(spec)` uploaded to the peer as leaves of `g` (once per spec)."""
 
     def __init__(self, address: Callable[[Tensor], tuple[int, int]], host_i32: Callable[[Tensor], np.ndarray],
-                 mask_leaf: Callable[[G.GraphBuilder, MaskSpec], G.GT]):
+                 input_leaves: Callable[[G.GraphBuilder, AttnSpec], list[G.GT]]):
         self.address = address
         self.host_i32 = host_i32
-        self.mask_leaf = mask_leaf
+        self.input_leaves = input_leaves
 
-    def mask(self, spec: MaskSpec) -> np.ndarray:
-        """The mask array of `spec` from this step's cell lists."""
-        return attention_mask(self.host_i32(spec.cells), self.host_i32(spec.ranges).reshape(-1, 2), spec.n_swa,
-                              spec.n_kv, spec.n_tokens, np.float16 if spec.flash else np.float32)
+    def _plan(self, spec: AttnSpec) -> tuple[AttnLayout, list[AttnGroup]]:
+        return attention_plan(self.host_i32(spec.cells), self.host_i32(spec.ranges).reshape(-1, 2), spec.n_tokens)
 
-    def still_fits(self, spec: MaskSpec) -> bool:
-        """Whether this step's cell lists attend over the same cells as when `spec` was made."""
-        return attended_cells(self.host_i32(spec.cells), spec.n_cells) == spec.n_kv
+    def layout(self, cells: Tensor, ranges: Tensor, n_tokens: int) -> AttnLayout:
+        return attention_plan(self.host_i32(cells), self.host_i32(ranges).reshape(-1, 2), n_tokens)[0]
+
+    def inputs(self, spec: AttnSpec) -> list[np.ndarray]:
+        """This step's arrays of `spec`, in the order `_attention` reads them: per group its cell
+        gather and mask (and its batch rows when the groups reorder the batch), then the batch
+        order of the result rows when they do."""
+        layout, groups = self._plan(spec)
+        if layout != spec.layout:
+            raise ValueError("ATTENTION: the step's cell lists changed layout under a kept graph")
+        out: list[np.ndarray] = []
+        for (T, m, C), grp in zip(layout.groups, groups):
+            out += [grp.gather, group_mask(grp, C, spec.n_swa, np.float16 if spec.flash else np.float32)]
+            if not layout.in_order:
+                out.append(grp.tokens.astype(np.int32))
+        if not layout.in_order:
+            slots = np.concatenate([grp.tokens for grp in groups])
+            back = np.empty(slots.size, np.int32)
+            back[slots] = np.arange(slots.size, dtype=np.int32)
+            out.append(back)
+        return out
+
+    def still_fits(self, spec: AttnSpec) -> bool:
+        """Whether this step's cell lists have the layout `spec` was lowered for."""
+        return self.layout(spec.cells, spec.ranges, spec.n_tokens) == spec.layout
 
     def lower(self, graph: Graph) -> G.GraphBuilder:
         g = G.GraphBuilder()
         self.g = g
         self.of: dict[int, G.GT] = {}      # id(pyllama tensor) -> its ggml tensor in this graph
-        self.masks: dict[MaskSpec, G.GT] = {}
+        self.attn_inputs: dict[AttnSpec, list[G.GT]] = {}
         for nd in graph.nodes:
             result = self._node(nd)
             buf, addr = self.address(nd.out)
@@ -171,30 +236,54 @@ class Lowering:
         kc, vc, idx = self.t(kc_t), self.t(vc_t), self.t(s[4])
         k_set = g.set_rows(kc, g.reshape(k, [Hkv * hd, n]), idx)
         v_set = g.set_rows(vc, v, idx)
-        n_cells = kc_t.shape[0]
-        n_kv = attended_cells(self.host_i32(s[5]), n_cells)
         flash = kc_t.dtype == DType.F16 and vc_t.dtype == DType.F16
-        spec = MaskSpec(s[5], s[6], int(a.n_swa), n_kv, n, flash, n_cells)
-        mask = self.masks.get(spec)
-        if mask is None:
-            mask = self.masks[spec] = self.mask_leaf(g, spec)
-        K = g.view(k_set, [hd, Hkv, n_kv], [nbytes_of(kc_t.dtype, (hd,)), nbytes_of(kc_t.dtype, (Hkv * hd,))], 0)
-        V = g.view(v_set, [hd, Hkv, n_kv], [nbytes_of(vc_t.dtype, (hd,)), nbytes_of(vc_t.dtype, (Hkv * hd,))], 0)
-        qp = g.permute(q, 0, 2, 1, 3)
-        kp = g.permute(K, 0, 2, 1, 3)
-        mrows = g.view(mask, [n_kv, mask.ne[1]], [mask.nb[1]], 0) if flash else \
-            g.view(mask, [n_kv, n], [mask.nb[1]], 0)
-        if flash:
-            return g.flash_attn_ext(qp, kp, g.permute(V, 0, 2, 1, 3), mrows, float(a.scale), 0.0,
-                                    float(a.softcap), True, nd.out.name)
-        kq = g.mul_mat(kp, qp)
-        scale = float(a.scale)
-        if a.softcap:   # llama.cpp's order: the scores scaled, capped, then the softmax unscaled
-            kq = g.scale(g.unary(g.scale(kq, scale / float(a.softcap)), G.UNARY_TANH), float(a.softcap))
-            scale = 1.0
-        kq = g.soft_max_ext(kq, mrows, scale, 0.0)
-        vt = g.cont(g.permute(V, 1, 2, 0, 3))
-        return g.cont(g.permute(g.mul_mat(vt, kq), 0, 2, 1, 3), nd.out.name)
+        spec = AttnSpec(s[5], s[6], int(a.n_swa), n, flash, self.layout(s[5], s[6], n))
+        leaves = self.attn_inputs.get(spec)
+        if leaves is None:
+            leaves = self.attn_inputs[spec] = self.input_leaves(g, spec)
+        leaves = list(leaves)
+        kv_type = G.F16 if flash else G.F32
+
+        def per_sequence(cache: G.GT, gather: G.GT, C: int, m: int) -> G.GT:
+            """[hd, Hkv, C, m]: each sequence's cells of a cache, gathered (in the cache's type,
+            so the peer's kernels read what they read from llama.cpp's per-sequence streams)."""
+            rows = g.get_rows(cache, gather)
+            if kv_type != G.F32:
+                rows = g.cast(rows, kv_type)
+            es = 2 if kv_type == G.F16 else 4
+            return g.view(rows, [hd, Hkv, C, m], [es * hd, es * Hkv * hd, es * Hkv * hd * C], 0)
+
+        q_rows = g.reshape(q, [hd * H, n]) if not spec.layout.in_order else None
+        parts = []
+        first = 0
+        for T, m, C in spec.layout.groups:
+            gather, mask = leaves.pop(0), leaves.pop(0)
+            if spec.layout.in_order:   # this group's rows are the batch's [first, first + m T)
+                qg = g.view(q, [hd, H, T, m], [4 * hd, 4 * hd * H, 4 * hd * H * T], 4 * hd * H * first)
+            else:
+                qg = g.reshape(g.get_rows(q_rows, leaves.pop(0)), [hd, H, T, m])
+            first += T * m
+            K, V = per_sequence(k_set, gather, C, m), per_sequence(v_set, gather, C, m)
+            qp, kp = g.permute(qg, 0, 2, 1, 3), g.permute(K, 0, 2, 1, 3)
+            if flash:
+                out = g.flash_attn_ext(qp, kp, g.permute(V, 0, 2, 1, 3), mask, float(a.scale), 0.0,
+                                       float(a.softcap), True, nd.out.name)
+            else:
+                kq = g.mul_mat(kp, qp)
+                scale = float(a.scale)
+                if a.softcap:   # llama.cpp's order: the scores scaled, capped, then the softmax unscaled
+                    kq = g.scale(g.unary(g.scale(kq, scale / float(a.softcap)), G.UNARY_TANH), float(a.softcap))
+                    scale = 1.0
+                kq = g.soft_max_ext(kq, mask, scale, 0.0)
+                vt = g.cont(g.permute(V, 1, 2, 0, 3))
+                out = g.cont(g.permute(g.mul_mat(vt, kq), 0, 2, 1, 3), nd.out.name)
+            parts.append(out)
+        if len(parts) == 1 and spec.layout.in_order:
+            return parts[0]
+        y = g.reshape(parts[0], [hd * H, parts[0].ne[2] * parts[0].ne[3]])
+        for p in parts[1:]:
+            y = g.concat(y, g.reshape(p, [hd * H, p.ne[2] * p.ne[3]]), 1, nd.out.name)
+        return y if spec.layout.in_order else g.get_rows(y, leaves.pop(0), nd.out.name)
 
 
-__all__ = ["Lowering", "LOWERED_OPS", "MaskSpec", "attention_mask", "attended_cells"]
+__all__ = ["AttnLayout", "AttnSpec", "Lowering", "LOWERED_OPS", "attention_plan", "group_mask"]

@@ -13,6 +13,7 @@ import pytest
 from ggml_fake_peer import FakeGGMLPeer
 from greedy import greedy_decode
 from pyllama.backend.ggml.lower import attention_plan, group_mask
+from pyllama.backend.ggml.protocol import GOp
 from pyllama.ir.tensor import DType
 
 PROMPT = "Hello world, the split"
@@ -227,3 +228,36 @@ def test_a_batch_mixing_prompts_and_decodes_matches_the_unsplit_logits(model_fac
         assert w.shape == g.shape
         np.testing.assert_allclose(g, w, atol=2e-3, rtol=0)
     assert {(256, 1, 1, 2), (256, 4, 1, 1), (256, 5, 1, 1), (256, 3, 1, 1), (256, 1, 1, 3)} <= layouts, layouts
+
+
+def test_greedy_rows_are_sampled_on_the_peer_and_the_others_here(model_factory):
+    # the output layer on the peer: greedy requests end the graph at ARGMAX and read back ids;
+    # a request with a temperature (top_k 1: the same tokens) and one asking for probabilities
+    # take the logits back and the host's sampler chain
+    from server_util import ServerProcess
+    model = model_factory("tiny", arch="llama", wtype="f32")
+    want = _generate(model, "--ignore-eos", n=8)
+    peer = FakeGGMLPeer(compute=True)
+    srv = None
+    try:
+        srv = ServerProcess(model, "--rpc", peer.endpoint, "-dev", "CPU,RPC0", "-ts", "1,1", "-np", "1", "-c", "256",
+                            "-t", "1").wait_ready()
+        ask = {"prompt": PROMPT, "n_predict": 8, "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
+
+        def argmax_graphs() -> int:
+            return sum(any(int(t["op"]) == int(GOp.ARGMAX) for t in recs) for _, _, recs in peer.graphs)
+
+        status, res = srv.post("/completion", {**ask, "temperature": 0})
+        assert status == 200 and res["tokens"] == want
+        greedy_graphs = argmax_graphs()
+        assert greedy_graphs >= 1
+        status, res = srv.post("/completion", {**ask, "temperature": 0.8, "top_k": 1, "seed": 3})
+        assert status == 200 and res["tokens"] == want
+        status, res = srv.post("/completion", {**ask, "temperature": 0, "n_probs": 2})
+        assert status == 200 and res["tokens"] == want
+        assert len(res["completion_probabilities"][0]["top_logprobs"]) == 2
+        assert argmax_graphs() == greedy_graphs        # neither request's graphs ended at ARGMAX
+    finally:
+        if srv is not None:
+            assert srv.stop() == 0
+        peer.stop()

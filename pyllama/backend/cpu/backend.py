@@ -39,10 +39,10 @@ from ...obs.busy import BusyClock
 from ..._fast import gemm, moe, qmatmul
 from ..._fast import ops as k
 from ..._fast import ops_extra as kx
-from ..._fast import sampling as k_sampling
 from ..._fast.plan import NativeRun, NativeStep
-from ...ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, Op, check_node, sample_in_cols, sample_out_cols
+from ...ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, Op, check_node
 from ..base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
+from ..host_sample import bind_sample
 from ...util.settings import CpuSettings
 from ...util.settings import current as current_settings
 from . import memory
@@ -286,7 +286,7 @@ class CPUBackend(Backend):
             elif op == Op.SOFTCAP:
                 steps.append(_bind(kx.softcap, s[0], out, float(nd.params[0])))
             elif op == Op.SAMPLE:
-                steps.append(_bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
+                steps.append(bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             elif op == Op.MOE_FFN:
                 steps.extend(_moe_ffn_steps(opts, nd.srcs, s, out, nd.params, nt, self.layout.packed))
             else:
@@ -476,37 +476,6 @@ def _moe_ffn_steps(opts: CpuSettings, srcs: Sequence[Tensor], s: Sequence[np.nda
             float(scale), shexp, shexp_gate, nt, x8_gate_up, pd is not None)
 
     return [route, _native(opts, moe.bind_moe_ffn, _bind(moe.moe_ffn, *args), *args)]
-
-
-def _bind_sample(logits: np.ndarray, inp: np.ndarray, out: np.ndarray, n_probs: int, window: int,
-                 nt: int) -> Callable[[], None]:
-    """The SAMPLE op: unpacks the rows' sampler inputs, runs the sampling kernel, packs the ids,
-    probabilities and candidates (layout in models/build/ops.py)."""
-    rows = logits.shape[0]
-    if not 0 <= n_probs <= 4096 or not 0 <= window <= 1 << 20:
-        raise ValueError(f"SAMPLE: n_probs {n_probs} or window {window} out of range")
-    if inp.shape != (rows, sample_in_cols(window)) or inp.dtype != np.int32:
-        raise ValueError(f"SAMPLE: sampling input {inp.shape} {inp.dtype}, expected int32 ({rows}, {sample_in_cols(window)})")
-    if out.shape != (rows, sample_out_cols(n_probs)) or out.dtype != np.int32:
-        raise ValueError(f"SAMPLE: output {out.shape} {out.dtype}, expected int32 ({rows}, {sample_out_cols(n_probs)})")
-    fparams = np.zeros((rows, 8), np.float32)
-    iparams = np.zeros((rows, 4), np.int32)
-    pen = np.zeros((rows, window), np.int32)
-    ids = np.zeros(rows, np.int32)
-    prob = np.zeros(rows, np.float32)
-    top_ids = np.zeros((rows, n_probs), np.int32)
-    top_probs = np.zeros((rows, n_probs), np.float32)
-
-    def run() -> None:
-        fparams.view(np.int32)[:] = inp[:, :8]
-        iparams[:] = inp[:, 8:12]
-        pen[:] = inp[:, 12:]
-        k_sampling.sample_rows(logits, fparams, iparams, pen, ids, prob, top_ids, top_probs, nt)
-        out[:, 0] = ids
-        out[:, 1] = prob.view(np.int32)
-        out[:, 2:2 + n_probs] = top_ids
-        out[:, 2 + n_probs:] = top_probs.view(np.int32)
-    return run
 
 
 def _bind_mul_mat_bias(x: np.ndarray, wt: np.ndarray, bias: np.ndarray, out: np.ndarray) -> Callable[[], None]:

@@ -24,12 +24,13 @@ from ...rpc.connection import RPCError
 from ...ir.tensor import WEIGHT_TYPES, Buffer, DType, Graph, Tensor
 from ...util.errors import PyllamaError
 from ..base import Backend, DeviceInfo
+from ..host_sample import bind_sample
 from ..layout import WeightLayout
 from ..remote import RemoteDevice
 from . import graph as G
 from . import protocol as P
 from .connection import GGMLConnection
-from .lower import LOWERED_OPS, AttnSpec, Lowering
+from .lower import LOWERED_OPS, AttnSpec, Lowering, SampleTail
 
 HOST_I32_MAX = 1 << 20   # I32 inputs up to this size keep a host copy (the attention's cell lists)
 _LOWERED_KEPT = 256      # graphs whose lowering is kept (by uid; the scheduler forgets graphs it drops)
@@ -166,21 +167,42 @@ class GGMLBackend(RemoteDevice, Backend):
         with self._lock:
             done = self._lowered.get(graph.uid)
             if done is not None and done.scratch is self._scratch and done.inputs is self._inputs and \
-                    all(self._lowering.still_fits(spec) for spec, _ in done.inputs_at):
+                    all(self._lowering.still_fits(spec) for spec, _ in done.inputs_at) and \
+                    (done.sample is None or self._lowering.all_greedy(done.sample.node.srcs[1])
+                     == (done.sample.ids is not None)):
                 for spec, at in done.inputs_at:   # the same graph: only its inputs' bytes are new
                     self._upload_inputs(spec, at)
-                nodes, recs, raw = done.nodes, done.recs, done.raw
             else:
-                nodes, recs, raw = self._lower(graph)
-            if raw == self._last_graph:
+                done = self._lower(graph)
+            if done.raw == self._last_graph:
                 self.conn.graph_recompute(self.device, subj=str(graph.uid))
             else:
-                self.conn.graph_compute(self.device, nodes, recs, subj=str(graph.uid))
-                self._last_graph = raw
+                self.conn.graph_compute(self.device, done.nodes, done.recs, subj=str(graph.uid))
+                self._last_graph = done.raw
             for t, out in reads:
-                self.get_tensor(t, out)
+                if done.sample is not None and t is done.sample.node.out:
+                    self._sample_here(done.sample, out)
+                else:
+                    self.get_tensor(t, out)
 
-    def _lower(self, graph: Graph) -> tuple[list[int], np.ndarray, bytes]:
+    def _sample_here(self, tail: SampleTail, out: np.ndarray) -> None:
+        """The SAMPLE node's result: the peer's ARGMAX ids, or the host's sampler chain on the
+        logits read back."""
+        nd = tail.node
+        dst = out.reshape(-1).view(np.int32).reshape(nd.out.shape)
+        if tail.ids is not None:
+            rec = P.tensor_record(1, G.I32, tail.ids.ne, buffer=tail.ids.buffer, data=tail.ids.data)
+            ids = np.empty(nd.out.shape[0], np.int32)
+            self.conn.get_tensor(rec, 0, ids.nbytes, into=memoryview(ids).cast("B"))
+            dst[:] = 0
+            dst[:, 0] = ids
+            return
+        logits, sampling = nd.srcs
+        host_logits = self.get_tensor(logits).view(np.float32).reshape(logits.shape)
+        bind_sample(host_logits, self._host_copy(sampling).reshape(sampling.shape), dst, int(nd.params[0]),
+                    int(nd.params[1]), 1)()
+
+    def _lower(self, graph: Graph) -> "_Lowered":
         while True:
             self._inputs_used = 0
             self._inputs_made = []
@@ -190,11 +212,11 @@ class GGMLBackend(RemoteDevice, Backend):
             except _Relower:   # the inputs buffer grew: the inputs go into the new one
                 continue
         nodes, recs = self._finish(g)
-        raw = recs.tobytes()
         if len(self._lowered) >= _LOWERED_KEPT:
             self._lowered.pop(next(iter(self._lowered)))
-        self._lowered[graph.uid] = _Lowered(nodes, recs, raw, list(self._inputs_made), self._scratch, self._inputs)
-        return nodes, recs, raw
+        done = self._lowered[graph.uid] = _Lowered(nodes, recs, recs.tobytes(), list(self._inputs_made),
+                                                   self._scratch, self._inputs, self._lowering.sample)
+        return done
 
     def forget_graph(self, uid: int) -> None:
         self._lowered.pop(uid, None)
@@ -312,6 +334,7 @@ class _Lowered:
     inputs_at: list[tuple[AttnSpec, list[int]]]   # (spec, its arrays' offsets in the inputs buffer)
     scratch: Optional[GGMLBuffer]
     inputs: Optional[GGMLBuffer]
+    sample: Optional[SampleTail]                   # how its SAMPLE node is made, if it has one
 
 
 class _Relower(Exception):

@@ -21,16 +21,16 @@ the results back into the batch's order.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from ...ir.tensor import AttentionParams, DType, Graph, Op, Tensor, nbytes_of
+from ...ir.tensor import AttentionParams, DType, Graph, Op, Tensor
 from . import graph as G
 
-# ops a ggml device runs (MOE_FFN and SAMPLE are not lowered)
+# ops a ggml device runs (MOE_FFN is not lowered; SAMPLE ends at ARGMAX or on the host)
 LOWERED_OPS = frozenset({Op.GET_ROWS, Op.RMS_NORM, Op.MUL_MAT, Op.MUL_MAT_CAT, Op.ADD, Op.SWIGLU, Op.ATTENTION,
-                         Op.GEGLU, Op.SCALE, Op.SOFTCAP})
+                         Op.GEGLU, Op.SCALE, Op.SOFTCAP, Op.SAMPLE})
 KV_STEP = 256          # a sequence's attended cells rounded up to this, as llama.cpp pads a stream's
 
 
@@ -109,6 +109,13 @@ class AttnSpec(NamedTuple):
     layout: AttnLayout
 
 
+class SampleTail(NamedTuple):
+    """A graph's SAMPLE node, made on the host from what the peer computed: the ids of its ARGMAX
+    (every row greedy) or, when `ids` is None, the sampler chain run on the logits read back."""
+    node: object
+    ids: Optional[G.GT]
+
+
 class Lowering:
     """Builds the ggml graph of one pyllama graph.
 
@@ -156,7 +163,11 @@ class Lowering:
         self.g = g
         self.of: dict[int, G.GT] = {}      # id(pyllama tensor) -> its ggml tensor in this graph
         self.attn_inputs: dict[AttnSpec, list[G.GT]] = {}
+        self.sample: Optional[SampleTail] = None
         for nd in graph.nodes:
+            if nd.op == Op.SAMPLE:
+                self.sample = self._sample(nd)
+                continue
             result = self._node(nd)
             buf, addr = self.address(nd.out)
             g.place(result, buf, addr)     # (a view cannot be: every node ends in a result of its own)
@@ -166,6 +177,19 @@ class Lowering:
             self.of[id(nd.out)] = result
             g.output(result)
         return g
+
+    def all_greedy(self, sampling: Tensor) -> bool:
+        """Whether every row of this step's packed sampler inputs takes the most likely token
+        (temperature <= 0, no penalty tokens, no candidate probabilities asked)."""
+        rows = self.host_i32(sampling).reshape(sampling.shape)
+        return bool((rows[:, 0].view(np.float32) <= 0).all() and not rows[:, 9:11].any())
+
+    def _sample(self, nd) -> "SampleTail":
+        """SAMPLE ends the graph at ARGMAX when every row is greedy (the step reads back ids),
+        else at the logits, which the host samples."""
+        greedy = self.all_greedy(nd.srcs[1])
+        ids = self.g.output(self.g.argmax(self.t(nd.srcs[0]), "sampled_ids")) if greedy else None
+        return SampleTail(nd, ids)
 
     # --- tensors ---------------------------------------------------------------------------------
     def t(self, x: Tensor) -> G.GT:
@@ -286,4 +310,4 @@ class Lowering:
         return y if spec.layout.in_order else g.get_rows(y, leaves.pop(0), nd.out.name)
 
 
-__all__ = ["AttnLayout", "AttnSpec", "Lowering", "LOWERED_OPS", "attention_plan", "group_mask"]
+__all__ = ["AttnLayout", "AttnSpec", "Lowering", "SampleTail", "LOWERED_OPS", "attention_plan", "group_mask"]

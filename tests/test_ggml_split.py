@@ -261,3 +261,46 @@ def test_greedy_rows_are_sampled_on_the_peer_and_the_others_here(model_factory):
         if srv is not None:
             assert srv.stop() == 0
         peer.stop()
+
+
+def test_each_device_of_a_ggml_peer_is_an_rpc_device_in_llama_cpp_order(model_factory):
+    # a llama.cpp rpc-server with two devices, then a pyllama rpc server: RPC0 and RPC1 are the
+    # first one's devices 0 and 1, RPC2 the second server's one device
+    from server_util import RPCServerProcess
+    model = model_factory("tiny", arch="llama", wtype="q8_0")
+    want = _generate(model)
+    peer = FakeGGMLPeer(devices=((3 << 30, 4 << 30), (1 << 30, 2 << 30)), compute=True)
+    ours = RPCServerProcess()
+    try:
+        rpc = f"{peer.endpoint},{ours.endpoint}"
+        got = _generate(model, "--rpc", rpc, "-dev", "RPC0,RPC1", "-ts", "1,1")    # a layer on each
+        devices = sorted({int(dev) for dev, _, _ in peer.graphs})
+        peer.graphs.clear()
+        got_ours = _generate(model, "--rpc", rpc, "-dev", "RPC2,RPC1", "-ts", "1,1")
+        devices_after = sorted({int(dev) for dev, _, _ in peer.graphs})
+        listed = subprocess.run([sys.executable, "-m", "pyllama.server", "--list-devices", "--rpc",
+                                 f"{peer.endpoint},{ours.endpoint}"], capture_output=True, text=True, timeout=120,
+                                stdin=subprocess.DEVNULL)
+    finally:
+        peer.stop()
+        assert ours.stop() == 0
+    assert got == want and got_ours == want
+    assert devices == [0, 1], devices          # both of the peer's devices computed their layers
+    assert devices_after == [1], devices_after  # RPC2 is the pyllama server's
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    lines = [ln.strip() for ln in listed.stdout.splitlines()]
+    assert [ln.split(":")[0] for ln in lines[1:]] == ["RPC0", "RPC1", "RPC2"], lines
+    assert "(4096 MiB, 3072 MiB free)" in lines[1] and "(2048 MiB, 1024 MiB free)" in lines[2]
+
+
+def test_a_device_beyond_the_peers_devices_is_refused_in_one_line(model_factory):
+    model = model_factory("tiny", arch="llama", wtype="f32")
+    peer = FakeGGMLPeer(compute=True)
+    try:
+        r = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", "x", "-n", "1", "--rpc",
+                            peer.endpoint, "-dev", "RPC1,CPU"], capture_output=True, text=True, timeout=120,
+                           stdin=subprocess.DEVNULL)
+    finally:
+        peer.stop()
+    assert r.returncode != 0
+    assert "--device RPC1: the --rpc servers have 1 device" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -49,6 +49,17 @@ def ggml_connection(endpoint: str) -> GGMLConnection:
         return conn
 
 
+def release_if_unused(endpoint: str) -> None:
+    """Closes the process's connection to `endpoint` when no device is open on it (it was opened
+    to count the peer's devices): the peer serves its next client."""
+    with _connections_lock:
+        conn = _connections.get(endpoint)
+        if conn is None or _users.get(id(conn), 0) > 0:
+            return
+        del _connections[endpoint]
+    conn.close()
+
+
 def _release(conn: GGMLConnection) -> None:
     """One device of `conn` closed; the last one closes the connection (the peer then serves its
     next client)."""
@@ -344,4 +355,4 @@ class _Relower(Exception):
 _GGML_TYPE = {"f": G.F32, "e": G.F16, "i": G.I32}
 
 
-__all__ = ["GGMLBackend", "GGMLBuffer", "ggml_connection"]
+__all__ = ["GGMLBackend", "GGMLBuffer", "ggml_connection", "release_if_unused"]

@@ -32,7 +32,9 @@ ALL_LAYERS = 1 << 30
 
 def add_device_args(p) -> None:
     p.add_argument("--rpc", llama_env="LLAMA_ARG_RPC",
-                   help="comma-separated rpc_server endpoints host:port; RPCi is the i-th")
+                   help="comma-separated rpc server endpoints host:port (pyllama's rpc_server or llama.cpp's "
+                        "rpc-server); their devices are RPC0, RPC1, ... in order (a llama.cpp rpc-server "
+                        "may have several)")
     p.add_argument("-dev", "--device", llama_env="LLAMA_ARG_DEVICE",
                    help="comma-separated devices in layer order, e.g. RPC0,CPU or CUDA0,RPC0 "
                         "(default: every RPC device, then CPU); the last holds the output layer; none = CPU only")
@@ -62,14 +64,42 @@ def add_device_args(p) -> None:
                         "(default: $PYLLAMA_RPC_TIMEOUT, else 120)")
 
 
-def device_names(device: Optional[str], rpc: Optional[str]) -> list[str]:
-    """The device names in layer order: --device's (none = CPU), else every RPC endpoint, then CPU."""
+def device_names(device: Optional[str], rpc: Optional[str],
+                 rpc_map: Optional[Sequence[tuple[str, int]]] = None) -> list[str]:
+    """The device names in layer order: --device's (none = CPU), else every RPC device (one per
+    endpoint, or those of `rpc_map`), then CPU."""
     n_rpc = len([e for e in rpc.split(",") if e.strip()]) if rpc else 0
+    if rpc_map is not None:
+        n_rpc = len(rpc_map)
     if device and device.strip().lower() == "none":
         return ["CPU"]
     if device:
         return [d.strip().upper() for d in device.split(",") if d.strip()]
     return [f"RPC{i}" for i in range(n_rpc)] + ["CPU"]
+
+
+def rpc_devices(rpc: Optional[str], token_file: Optional[str] = None,
+                rpc_timeout: Optional[float] = None) -> list[tuple[str, int]]:
+    """(endpoint, device) of RPC0, RPC1, ... as llama.cpp numbers them: each endpoint's devices in
+    turn, one for a pyllama rpc server, every device of a llama.cpp rpc-server. Asks each endpoint
+    once (its kind, and a llama.cpp rpc-server its device count), proving the token of `token_file`
+    (else $PYLLAMA_RPC_TOKEN) to servers that require one."""
+    endpoints = [e.strip() for e in rpc.split(",") if e.strip()] if rpc else []
+    if not endpoints:
+        return []
+    from ...backend.ggml.backend import ggml_connection  # noqa: PLC0415 - only when RPC is used
+    from ...backend.ggml.connection import GGML, identify, known_kind  # noqa: PLC0415
+    from ...rpc.auth import read_token  # noqa: PLC0415
+    from ...rpc.connection import set_timeout, set_token  # noqa: PLC0415
+    set_token(read_token(token_file, "--rpc-token-file"))
+    set_timeout(rpc_timeout)
+    out: list[tuple[str, int]] = []
+    for ep in endpoints:
+        if (known_kind(ep) or identify(ep)[0]) == GGML:
+            out += [(ep, d) for d in range(ggml_connection(ep).device_count())]
+        else:
+            out.append((ep, 0))
+    return out
 
 
 def plan_devices(names: Sequence[str], n_layer: int, n_gpu_layers: int = -1, split_mode: str = "layer",
@@ -139,70 +169,77 @@ def parse_split(text: Optional[str], n_devices: int) -> Optional[list[float]]:
 
 def make_backends(device: Optional[str], rpc: Optional[str], split_mode: str, n_threads: int,
                   token_file: Optional[str] = None, rpc_timeout: Optional[float] = None,
-                  names: Optional[Sequence[str]] = None, settings: Optional[Settings] = None) -> list[Backend]:
+                  names: Optional[Sequence[str]] = None, settings: Optional[Settings] = None,
+                  rpc_map: Optional[Sequence[tuple[str, int]]] = None) -> list[Backend]:
     """The backends in layer order, each configured by its part of `settings` (default: the
     process's). Connections to rpc servers are opened here (once per endpoint), proving the token of
     `token_file` (else $PYLLAMA_RPC_TOKEN) to servers that require one, with `rpc_timeout` seconds
-    (else $PYLLAMA_RPC_TIMEOUT, else 120) as their timeout."""
+    (else $PYLLAMA_RPC_TIMEOUT, else 120) as their timeout; `rpc_map`: rpc_devices' answer, when
+    the caller asked already."""
     settings = settings if settings is not None else current_settings()
-    endpoints = [e.strip() for e in rpc.split(",") if e.strip()] if rpc else []
     names = list(names) if names is not None else device_names(device, rpc)
     if len(set(names)) != len(names):
         raise PyllamaError(f"--device '{device}' lists a device twice")
+    if rpc_map is None and any(n.startswith("RPC") for n in names):
+        rpc_map = rpc_devices(rpc, token_file, rpc_timeout)
     backends: list[Backend] = []
-    for name in names:
-        if name == "CPU":
-            backends.append(CPUBackend(n_threads, settings=settings.cpu))
-        elif name.startswith("RPC") and name[3:].isdigit():
-            i = int(name[3:])
-            if i >= len(endpoints):
-                raise PyllamaError(f"--device {name}: there are {len(endpoints)} --rpc endpoints")
-            from ...rpc.auth import read_token  # noqa: PLC0415
-            from ...rpc.connection import set_timeout, set_token  # noqa: PLC0415
-            set_token(read_token(token_file, "--rpc-token-file"))
-            set_timeout(rpc_timeout)
-            backends.append(_rpc_device(endpoints[i], name, settings))
-        elif name.startswith("CUDA"):
-            # PyCUDA is imported only when a CUDA device is asked for; without PyCUDA, a driver, the
-            # device or the built kernels this is one PyllamaError saying which
-            from ...backend.cuda import open_backend  # noqa: PLC0415
-            backends.append(open_backend(name))
-        else:
-            raise PyllamaError(f"--device: unknown device '{name}' (expected CPU, CUDA<i>, RPC<i>)")
+    try:
+        for name in names:
+            if name == "CPU":
+                backends.append(CPUBackend(n_threads, settings=settings.cpu))
+            elif name.startswith("RPC") and name[3:].isdigit():
+                i = int(name[3:])
+                if rpc_map is None or i >= len(rpc_map):
+                    n = len(rpc_map or ())
+                    raise PyllamaError(f"--device {name}: the --rpc servers have {n} device{'s' if n != 1 else ''}")
+                backends.append(_rpc_device(*rpc_map[i], name, settings))
+            elif name.startswith("CUDA"):
+                # PyCUDA is imported only when a CUDA device is asked for; without PyCUDA, a driver, the
+                # device or the built kernels this is one PyllamaError saying which
+                from ...backend.cuda import open_backend  # noqa: PLC0415
+                backends.append(open_backend(name))
+            else:
+                raise PyllamaError(f"--device: unknown device '{name}' (expected CPU, CUDA<i>, RPC<i>)")
+    finally:
+        if rpc_map:   # a llama.cpp rpc-server serves one client at a time: none is held for nothing
+            from ...backend.ggml.backend import release_if_unused  # noqa: PLC0415
+            for ep in {ep for ep, _ in rpc_map}:
+                release_if_unused(ep)
     if split_mode == "none":
         backends = backends[:1]
     return backends
 
 
-def _rpc_device(endpoint: str, name: str, settings: Settings) -> Backend:
-    """The device `name` at `endpoint`: a pyllama rpc server's, or device 0 of a llama.cpp
-    rpc-server (the log says which), told apart by a HELLO of each kind the first time."""
+def _rpc_device(endpoint: str, device: int, name: str, settings: Settings) -> Backend:
+    """Device `device` of the rpc server at `endpoint`, as `name`: a pyllama rpc server's (its one
+    device), or a llama.cpp rpc-server's (the log says which)."""
     from ...backend.ggml.backend import GGMLBackend, ggml_connection  # noqa: PLC0415
-    from ...backend.ggml.connection import GGML, identify, known_kind  # noqa: PLC0415
+    from ...backend.ggml.connection import GGML, known_kind  # noqa: PLC0415
     from ...backend.ggml.protocol import version_text  # noqa: PLC0415
     from ...backend.rpc import RPCBackend  # noqa: PLC0415 - only when RPC is used
     from ...rpc.connection import get_connection  # noqa: PLC0415
-    if (known_kind(endpoint) or identify(endpoint)[0]) != GGML:
+    if known_kind(endpoint) != GGML:
         return RPCBackend(get_connection(endpoint), 0, name, settings=settings.rpc)
     conn = ggml_connection(endpoint)
-    version = conn.version
     n = conn.device_count()
-    log.info("%s: %s is a llama.cpp rpc-server (ggml RPC protocol %s, %d device%s); %s is its device 0",
-             name, endpoint, version_text(version), n, "s" if n != 1 else "", name)
-    return GGMLBackend(conn, 0, name)
+    log.info("%s: %s is a llama.cpp rpc-server (ggml RPC protocol %s, %d device%s); %s is its device %d",
+             name, endpoint, version_text(conn.version), n, "s" if n != 1 else "", name, device)
+    return GGMLBackend(conn, device, name)
 
 
 def list_devices(args) -> str:
     """--list-devices, as llama.cpp prints it: the devices besides the CPU (each --rpc server's,
     then the CUDA GPUs PyCUDA sees; none without PyCUDA or a driver), with total and free memory."""
-    names = [n for n in device_names(None, args.rpc) if n != "CPU"]
+    rpc_map = rpc_devices(args.rpc, args.rpc_token_file, args.rpc_timeout)
+    names = [n for n in device_names(None, args.rpc, rpc_map) if n != "CPU"]
     try:
         from ...backend.cuda import CUDAUnavailable, device_count  # noqa: PLC0415
         names += [f"CUDA{i}" for i in range(device_count())]
     except CUDAUnavailable:
         pass
     lines = ["Available devices:"]
-    for b in make_backends(None, args.rpc, "layer", 1, args.rpc_token_file, args.rpc_timeout, names=names):
+    for b in make_backends(None, args.rpc, "layer", 1, args.rpc_token_file, args.rpc_timeout, names=names,
+                           rpc_map=rpc_map):
         info = b.device_info()
         lines.append(f"  {info.name}: {info.description} ({info.total // 2**20} MiB, {info.free // 2**20} MiB free)")
         b.close()
@@ -253,7 +290,8 @@ def default_split(backends: Sequence[Backend]) -> list[float]:
 def open_devices(args, model_path: str) -> tuple[list[Backend], Optional[list[float]]]:
     """The backends in layer order and their layer proportions (None: by free memory) for a
     program's device flags (--device, --rpc, -ngl, -sm, -mg, -ts)."""
-    names = device_names(args.device, args.rpc)
+    rpc_map = rpc_devices(args.rpc, args.rpc_token_file, args.rpc_timeout) if args.rpc else None
+    names = device_names(args.device, args.rpc, rpc_map)
     n_gpu_layers = getattr(args, "n_gpu_layers", -1)
     n_layer = 0
     if n_gpu_layers >= 0 and args.split_mode == "layer" and any(n != "CPU" for n in names):
@@ -263,5 +301,5 @@ def open_devices(args, model_path: str) -> tuple[list[Backend], Optional[list[fl
     names, proportions = plan_devices(names, n_layer, n_gpu_layers, args.split_mode, getattr(args, "main_gpu", 0),
                                       args.tensor_split)
     backends = make_backends(args.device, args.rpc, "layer", args.threads, args.rpc_token_file, args.rpc_timeout,
-                             names=names)
+                             names=names, rpc_map=rpc_map)
     return backends, proportions

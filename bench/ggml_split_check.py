@@ -1,7 +1,7 @@
 """pyllama's split over llama.cpp's rpc-server against llama-server's own split over it (needs --peers).
 
-    python bench/ggml_split_check.py --peers DIR [--preset medium] [--types f32,q8_0,q4_k_m]
-                                     [--ngl N] [--steps 16] [--margin 0.05]
+    python bench/ggml_split_check.py --peers DIR [--preset medium] [--arch llama|qwen2moe|...]
+                                     [--types f32,q8_0,q4_k_m] [--ngl N] [--steps 16] [--margin 0.05]
 
 For each weight type (the f32 reference model, quantized by llama.cpp's llama-quantize), one
 `ggml-rpc-server -t 1` serves in turn: llama-server `--rpc EP -ngl N` and pyllama's server with the
@@ -47,10 +47,22 @@ def compare(ref: list, got: list, margin: float) -> tuple[int, str, float, bool]
     return n, "", worst, False
 
 
+def arch_model(preset: str, arch: str) -> str:
+    """bench/out/models/PRESET-ARCH-f32.gguf, made once."""
+    from pyllama.models.make import make_model  # noqa: PLC0415
+    path = os.path.join(HERE, "out", "models", f"{preset}-{arch}-f32.gguf")
+    if not os.path.exists(path):
+        make_model(preset, path + ".tmp", wtype="f32", arch=arch)
+        os.replace(path + ".tmp", path)
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", default=os.environ.get("PYLLAMA_PEERS"))
     ap.add_argument("--preset", default="medium")
+    ap.add_argument("--arch", default="llama", help="the reference model's architecture (qwen2moe, qwen3moe, "
+                    "mixtral: Mixture-of-Experts layers on the peer)")
     ap.add_argument("--types", default="f32,q8_0,q4_k_m")
     ap.add_argument("--ngl", type=int, default=0, help="layers on the peer, llama.cpp's count (0: half the blocks + 1)")
     ap.add_argument("--steps", type=int, default=16)
@@ -59,7 +71,8 @@ def main() -> int:
     peers = Peers.find(a.peers) if a.peers else None
     if peers is None:
         raise SystemExit("--peers DIR with llama.cpp's programs is needed")
-    src = model_path(a.preset, "f32")
+    src = model_path(a.preset, "f32") if a.arch == "llama" else arch_model(a.preset, a.arch)
+    tag = a.preset if a.arch == "llama" else f"{a.preset}-{a.arch}"
     from pyllama.models.gguf_file import read_metadata  # noqa: PLC0415
     meta = read_metadata(src)
     n_layer = int(meta[f"{meta['general.architecture']}.block_count"])
@@ -67,7 +80,7 @@ def main() -> int:
     split = ["-ngl", str(ngl), "-t", "1", "-np", "1", "-c", "1024"]
     bad = False
     for qtype in [t for t in a.types.split(",") if t]:
-        model = src if qtype == "f32" else quantized(peers, src, qtype, a.preset)
+        model = src if qtype == "f32" else quantized(peers, src, qtype, tag)
         peer = GgmlRpcPeer(peers, 1)
         try:
             llama = LlamaServer(peers, model, ["--rpc", peer.endpoint, *split], 300)

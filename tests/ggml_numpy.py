@@ -81,18 +81,34 @@ def run_graph(buffers, nodes, tensors) -> None:
         if op in (GOp.NONE, GOp.VIEW, GOp.RESHAPE, GOp.PERMUTE, GOp.TRANSPOSE):
             continue
         dst = mem.view(r) if int(r["type"]) in _NP else None
-        if op == GOp.GET_ROWS:
-            table = mem.values(src[0])[0, 0]
-            ids = mem.view(src[1]).reshape(-1)
-            out = table[ids][None, None]
+        if op == GOp.GET_ROWS:     # row b[i12, i11, i10] of a's matrix (i12, i11)
+            table = mem.values(src[0])
+            ids = mem.view(src[1])[0]
+            j2, j1 = np.meshgrid(np.arange(ids.shape[0]), np.arange(ids.shape[1]), indexing="ij")
+            out = table[j2[..., None] % table.shape[0], j1[..., None] % table.shape[1], ids]
         elif op == GOp.RMS_NORM:
             x = mem.values(src[0])
             (eps,) = _params(r, "<f")
             out = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
-        elif op in (GOp.ADD, GOp.MUL):
+        elif op in (GOp.ADD, GOp.MUL, GOp.DIV):
             a, b = mem.values(src[0]), mem.values(src[1])
             b = _repeat(b, a.shape)
-            out = a + b if op == GOp.ADD else a * b
+            out = a + b if op == GOp.ADD else a * b if op == GOp.MUL else a / b
+        elif op == GOp.MUL_MAT_ID:                  # b's row (t, k % rows) against matrix ids[t, k]
+            w, b = mem.values(src[0])[0], mem.values(src[1])[0]      # [E, m, k], [n, rows, k]
+            ids = mem.view(src[2])[0, 0]                             # [n, K]
+            n, K = ids.shape
+            rows = b[np.arange(n)[:, None], np.arange(K)[None, :] % b.shape[1]]   # [n, K, k]
+            out = np.einsum("tkc,tkmc->tkm", rows, w[ids])[None]
+        elif op == GOp.ARGSORT:
+            (order,) = _params(r, "<i")
+            x = mem.values(src[0])
+            out = np.argsort(-x if order == 1 else x, axis=-1, kind="stable")
+        elif op == GOp.SUM_ROWS:
+            out = mem.values(src[0]).sum(-1, keepdims=True)
+        elif op == GOp.CLAMP:
+            lo, hi = _params(r, "<ff")
+            out = np.clip(mem.values(src[0]), lo, hi)
         elif op == GOp.SCALE:
             s, bias = _params(r, "<ff")
             out = mem.values(src[0]) * s + bias
@@ -105,7 +121,10 @@ def run_graph(buffers, nodes, tensors) -> None:
             glu, swapped = _params(r, "<ii")
             a = mem.values(src[0])
             h = a.shape[-1] // 2
-            x, g = (a[..., h:], a[..., :h]) if swapped else (a[..., :h], a[..., h:])
+            if src[1] is not None:                  # two tensors: act(a) * b
+                x, g = a, mem.values(src[1])
+            else:
+                x, g = (a[..., h:], a[..., :h]) if swapped else (a[..., :h], a[..., h:])
             if glu == 2:
                 act = x / (1 + np.exp(-x))
             elif glu == 1:
@@ -153,9 +172,10 @@ def run_graph(buffers, nodes, tensors) -> None:
             out = np.swapaxes(p @ v, 1, 2)                      # [1, n, H, D]
         elif op == GOp.UNARY:
             (u,) = _params(r, "<i")
-            if u != 4:
+            if u not in (4, 7):
                 raise ValueError(f"unary op {u}")
-            out = np.tanh(mem.values(src[0]))
+            x = mem.values(src[0])
+            out = np.tanh(x) if u == 4 else 1 / (1 + np.exp(-x))
         elif op == GOp.ARGMAX:
             out = mem.values(src[0]).argmax(-1).reshape(dst.shape)
         else:

@@ -179,18 +179,42 @@ def test_two_pipeline_groups_share_one_ggml_peer(model_factory):
         peer.stop()
 
 
-def test_a_layer_the_lowering_lacks_is_refused_at_load_naming_the_peer(model_factory):
-    model = model_factory("tiny", arch="qwen2moe")
+@pytest.mark.parametrize("arch,wtype", [("qwen2moe", "f32"), ("qwen3moe", "q8_0"), ("mixtral", "f32")])
+def test_moe_layers_on_a_ggml_peer_give_the_unsplit_tokens(model_factory, arch, wtype):
+    # the experts' FFN lowered as llama.cpp builds it (ARGSORT top-k, MUL_MAT_ID, the weights'
+    # sum and scale), qwen2moe's sigmoid-gated shared expert included
+    model = model_factory("tiny", arch=arch, wtype=wtype)
+    want = _generate(model)
     peer = FakeGGMLPeer(compute=True)
     try:
-        r = subprocess.run([sys.executable, "-m", "pyllama.generate", "-m", model, "-p", PROMPT, "-n", "2",
-                            "--rpc", peer.endpoint, "-dev", "RPC0,CPU", "-ts", "1,1"], capture_output=True, text=True,
-                           timeout=240, stdin=subprocess.DEVNULL)
+        got = _generate(model, "--rpc", peer.endpoint, "-dev", "RPC0,CPU", "-ts", "1,1")
+        ops = {int(t["op"]) for _, _, recs in peer.graphs for t in recs}
     finally:
         peer.stop()
-    assert r.returncode == 1
-    assert "(MOE_FFN) of layer 0 cannot run on RPC0 (a llama.cpp rpc-server at" in r.stderr, r.stderr
-    assert "update that server" not in r.stderr and r.stderr.count("\n") <= 2
+    assert got == want
+    assert {int(GOp.MUL_MAT_ID), int(GOp.ARGSORT)} <= ops
+
+
+def test_a_layer_the_lowering_lacks_is_refused_at_load_naming_the_peer(model_factory, monkeypatch):
+    from pyllama.backend.cpu import CPUBackend
+    from pyllama.backend.ggml import backend as ggml_backend
+    from pyllama.ir.tensor import Op
+    from pyllama.runtime.engine import Engine
+    from pyllama.util.errors import PyllamaError
+    model = model_factory("tiny", arch="qwen2moe")
+    monkeypatch.setattr(ggml_backend, "LOWERED_OPS", ggml_backend.LOWERED_OPS - {Op.MOE_FFN})
+    peer = FakeGGMLPeer(compute=True)
+    backends = [ggml_backend.GGMLBackend(ggml_backend.ggml_connection(peer.endpoint), 0, "RPC0"), CPUBackend(1)]
+    try:
+        with pytest.raises(PyllamaError) as err:
+            Engine(model, n_threads=1, backends=backends, tensor_split=[1, 1])
+    finally:
+        for b in backends:
+            b.close()
+        peer.stop()
+    said = str(err.value)
+    assert "(MOE_FFN) of layer 0 cannot run on RPC0 (a llama.cpp rpc-server at" in said, said
+    assert "update that server" not in said and "\n" not in said
 
 
 @pytest.mark.parametrize("wtype,cache", [("f32", DType.F16), ("f32", DType.F32)])

@@ -22,7 +22,8 @@ from .protocol import GOp
 
 F32, F16, I32, I64 = 0, 1, 26, 27
 GLU_SWIGLU, GLU_GEGLU = 2, 1
-UNARY_TANH = 4
+UNARY_TANH, UNARY_SIGMOID = 4, 7
+SORT_DESC = 1
 ROPE_NORM, ROPE_NEOX = 0, 2
 
 
@@ -111,6 +112,38 @@ class GraphBuilder:
         if a.ne[0] != b.ne[0] or b.ne[2] % a.ne[2] or b.ne[3] % a.ne[3]:
             raise ValueError(f"mul_mat: {a.ne} cannot multiply {b.ne}")
         return self._new(F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), GOp.MUL_MAT, (a, b), name=name)
+
+    def mul_mat_id(self, a: GT, b: GT, ids: GT, name: str = "") -> GT:
+        """ggml_mul_mat_id(as, b, ids): [as.ne1, ids.ne0, b.ne2] F32, b's row j of token t against
+        the matrix ids[k, t] of as, for every k (b.ne1 rows broadcast over the k)."""
+        if a.ne[3] != 1 or b.ne[3] != 1 or ids.type != I32 or ids.ne[2] != 1 or ids.ne[3] != 1 or \
+                ids.ne[1] != b.ne[2] or a.ne[0] != b.ne[0] or ids.ne[0] % b.ne[1]:
+            raise ValueError(f"mul_mat_id: {a.ne} x {b.ne} by {ids.ne}")
+        return self._new(F32, (a.ne[1], ids.ne[0], b.ne[2], 1), GOp.MUL_MAT_ID, (a, b, ids), name=name)
+
+    def argsort(self, a: GT, order: int, name: str = "") -> GT:
+        return self._new(I32, a.ne, GOp.ARGSORT, (a,), struct.pack("<i", order), name)
+
+    def argsort_top_k(self, a: GT, k: int, name: str = "") -> GT:
+        """ggml_argsort_top_k: the first k of a descending argsort, a view."""
+        s = self.argsort(a, SORT_DESC, name)
+        return self.view(s, [k, s.ne[1], s.ne[2], s.ne[3]], s.nb[1:], 0)
+
+    def sum_rows(self, a: GT, name: str = "") -> GT:
+        return self._new(a.type, (1,) + a.ne[1:], GOp.SUM_ROWS, (a,), name=name)
+
+    def div(self, a: GT, b: GT, name: str = "") -> GT:
+        return self._binary(GOp.DIV, a, b, name)
+
+    def clamp(self, a: GT, lo: float, hi: float, name: str = "") -> GT:
+        """ggml_clamp: in place, a view of a (as ggml writes it)."""
+        return self._view_of(a, a.ne, a.nb, 0, GOp.CLAMP, (a,), struct.pack("<ff", lo, hi), name)
+
+    def glu_pair(self, a: GT, b: GT, op: int, name: str = "") -> GT:
+        """ggml_swiglu_split / geglu_split(a, b): act(a) * b, two tensors of one shape."""
+        if a.ne != b.ne or a.type != b.type:
+            raise ValueError(f"glu: {a.ne} and {b.ne}")
+        return self._new(a.type, a.ne, GOp.GLU, (a, b), struct.pack("<ii", op, 0), name)
 
     def glu_split(self, a: GT, op: int, swapped: bool = False, name: str = "") -> GT:
         """ggml_glu(a, op, swapped): the activated half is a's first (second when swapped)."""

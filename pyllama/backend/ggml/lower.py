@@ -28,9 +28,9 @@ import numpy as np
 from ...ir.tensor import AttentionParams, DType, Graph, Op, Tensor
 from . import graph as G
 
-# ops a ggml device runs (MOE_FFN is not lowered; SAMPLE ends at ARGMAX or on the host)
+# ops a ggml device runs (SAMPLE ends at ARGMAX or on the host)
 LOWERED_OPS = frozenset({Op.GET_ROWS, Op.RMS_NORM, Op.MUL_MAT, Op.MUL_MAT_CAT, Op.ADD, Op.SWIGLU, Op.ATTENTION,
-                         Op.GEGLU, Op.SCALE, Op.SOFTCAP, Op.SAMPLE})
+                         Op.GEGLU, Op.SCALE, Op.SOFTCAP, Op.SAMPLE, Op.MOE_FFN})
 KV_STEP = 256          # a sequence's attended cells rounded up to this, as llama.cpp pads a stream's
 
 
@@ -232,7 +232,44 @@ class Lowering:
             return g.scale(g.unary(g.scale(self.t(s[0]), 1.0 / c), G.UNARY_TANH), c, 0.0, nd.out.name)
         if op == Op.ATTENTION:
             return self._attention(nd)
+        if op == Op.MOE_FFN:
+            return self._moe_ffn(nd)
         raise ValueError(f"{nd.out.name}: {Op(op).name} is not lowered to ggml ops")
+
+    def _moe_ffn(self, nd) -> G.GT:
+        """llama.cpp's build_moe_ffn with softmax gating: router product, SOFT_MAX, the top K by
+        a descending ARGSORT, their probabilities by GET_ROWS (normalised by their clamped sum,
+        scaled), MUL_MAT_ID for the chosen experts' gate, up and down, SWIGLU, the weights, and
+        the K results added in order; then the shared expert, gated by a sigmoid when it has one."""
+        g, s = self.g, nd.srcs
+        K, norm, w_scale = int(nd.params[0]), int(nd.params[1]), float(nd.params[2])
+        x = self.t(s[0])
+        e, n = x.ne[0], x.ne[1]
+        n_expert = s[1].shape[0]
+        probs = g.soft_max_ext(g.mul_mat(self.t(s[1]), x), None, 1.0, 0.0)        # [E, n]
+        chosen = g.argsort_top_k(probs, K)                                      # [K, n]
+        weights = g.get_rows(g.reshape(probs, [1, n_expert, n]), chosen)        # [1, K, n]
+        if norm:
+            weights = g.reshape(weights, [K, n])
+            total = g.clamp(g.sum_rows(weights), 6.103515625e-5, float("inf"))
+            weights = g.reshape(g.div(weights, total), [1, K, n])
+        if w_scale not in (0.0, 1.0):
+            weights = g.scale(weights, w_scale)
+        x3 = g.reshape(x, [e, 1, n])
+        up = g.mul_mat_id(self.t(s[3]), x3, chosen)                             # [f, K, n]
+        gate = g.mul_mat_id(self.t(s[2]), x3, chosen)
+        experts = g.mul(g.mul_mat_id(self.t(s[4]), g.glu_pair(gate, up, G.GLU_SWIGLU), chosen), weights)
+        out = g.view(experts, [e, n], [experts.nb[2]], 0)
+        for k in range(1, K):
+            out = g.add(out, g.view(experts, [e, n], [experts.nb[2]], k * experts.nb[1]))
+        if K == 1:
+            out = g.cont(out)
+        if len(s) > 5:
+            shexp = self.t(s[5])
+            if len(s) > 6:
+                shexp = g.mul(shexp, g.unary(g.mul_mat(self.t(s[6]), x), G.UNARY_SIGMOID))
+            out = g.add(out, shexp)
+        return out
 
     def _attention(self, nd) -> G.GT:
         g, s = self.g, nd.srcs

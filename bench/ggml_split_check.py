@@ -2,6 +2,7 @@
 
     python bench/ggml_split_check.py --peers DIR [--preset medium] [--arch llama|qwen2moe|...]
                                      [--types f32,q8_0,q4_k_m] [--ngl N] [--steps 16] [--margin 0.05]
+                                     [--n-peers 1|2] [--pyllama-args="--pipeline-groups 2"]
 
 For each weight type (the f32 reference model, quantized by llama.cpp's llama-quantize), one
 `ggml-rpc-server -t 1` serves in turn: llama-server `--rpc EP -ngl N` and pyllama's server with the
@@ -65,6 +66,10 @@ def main() -> int:
                     "mixtral: Mixture-of-Experts layers on the peer)")
     ap.add_argument("--types", default="f32,q8_0,q4_k_m")
     ap.add_argument("--ngl", type=int, default=0, help="layers on the peer, llama.cpp's count (0: half the blocks + 1)")
+    ap.add_argument("--n-peers", type=int, default=1, help="ggml-rpc-servers, the peer layers split evenly "
+                    "over them (-ts 1,1 on both sides)")
+    ap.add_argument("--pyllama-args", default="", help="more flags for pyllama's server only, e.g. "
+                    "'--pipeline-groups 2' (then -np is the group count)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--margin", type=float, default=0.05)
     a = ap.parse_args()
@@ -77,32 +82,37 @@ def main() -> int:
     meta = read_metadata(src)
     n_layer = int(meta[f"{meta['general.architecture']}.block_count"])
     ngl = a.ngl or n_layer // 2 + 1
-    split = ["-ngl", str(ngl), "-t", "1", "-np", "1", "-c", "1024"]
+    split = ["-ngl", str(ngl), "-t", "1", "-c", "1024"] + (["-ts", ",".join("1" * a.n_peers)] if a.n_peers > 1 else [])
+    ours_extra = a.pyllama_args.split()
+    groups = int(ours_extra[ours_extra.index("--pipeline-groups") + 1]) if "--pipeline-groups" in ours_extra else 1
     bad = False
     for qtype in [t for t in a.types.split(",") if t]:
         model = src if qtype == "f32" else quantized(peers, src, qtype, tag)
-        peer = GgmlRpcPeer(peers, 1)
+        fleet = [GgmlRpcPeer(peers, 1) for _ in range(a.n_peers)]
+        rpc = ",".join(p.endpoint for p in fleet)
         try:
-            llama = LlamaServer(peers, model, ["--rpc", peer.endpoint, *split], 300)
+            llama = LlamaServer(peers, model, ["--rpc", rpc, "-np", "1", *split], 300)
             try:
                 ref = [steps_of(llama.url, p, a.steps, 2) for p in PROMPTS]
             finally:
                 llama.stop()       # the peer serves one client at a time
-            ours = ServerProcess(model, "--rpc", peer.endpoint, *split).wait_ready(300)
+            ours = ServerProcess(model, "--rpc", rpc, "-np", str(groups), *split, *ours_extra).wait_ready(300)
             try:
                 got = [steps_of(ours.url, p, a.steps, 2) for p in PROMPTS]
                 log = ours.log_tail(40)
             finally:
                 ours.stop()
         finally:
-            peer.stop()
+            for p in fleet:
+                p.stop()
         plain = ServerProcess(model, "-t", "1", "-np", "1", "-c", "1024").wait_ready(300)
         try:
             unsplit = [steps_of(plain.url, p, a.steps, 2) for p in PROMPTS]
         finally:
             plain.stop()
         print(f"== {qtype} ({os.path.basename(model)}), -ngl {ngl} "
-              f"({min(ngl - 1, n_layer)} of {n_layer} blocks and the output layer)")
+              f"({min(ngl - 1, n_layer)} of {n_layer} blocks and the output layer) on {a.n_peers} peer(s)"
+              f"{' ' + a.pyllama_args if a.pyllama_args else ''}")
         if "llama.cpp rpc-server" not in log:
             print("   (pyllama's log does not name the peer as a llama.cpp rpc-server)")
         for p, r, g, u in zip(PROMPTS, ref, got, unsplit):

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ...obs import trace
 from ...rpc.connection import RPCError
 from ...ir.tensor import WEIGHT_TYPES, Buffer, DType, Graph, Tensor
 from ...util.errors import PyllamaError
@@ -30,10 +31,10 @@ from ..remote import RemoteDevice
 from . import graph as G
 from . import protocol as P
 from .connection import GGMLConnection
-from .lower import LOWERED_OPS, AttnSpec, Lowering, SampleTail
+from .lower import LOWERED_OPS, AttnSpec, GraphSources, Lowering, SampleTail
 
 HOST_I32_MAX = 1 << 20   # I32 inputs up to this size keep a host copy (the attention's cell lists)
-_LOWERED_KEPT = 256      # graphs whose lowering is kept (by uid; the scheduler forgets graphs it drops)
+_LOWERED_KEPT = 256      # lowerings kept (by graph uid and shape; the scheduler forgets graphs it drops)
 
 _connections: dict[str, GGMLConnection] = {}   # endpoint -> the process's connection
 _users: dict[int, int] = {}                     # id(connection) -> devices open on it
@@ -104,7 +105,8 @@ class GGMLBackend(RemoteDevice, Backend):
         self._inputs: Optional[GGMLBuffer] = None
         self._inputs_used = 0
         self._last_graph: Optional[bytes] = None
-        self._lowered: dict[int, _Lowered] = {}   # graph uid -> its lowering
+        self._lowered: dict[tuple, _Lowered] = {}   # (graph uid, its shape) -> its lowering
+        self._sources: dict[int, GraphSources] = {}   # graph uid -> the host inputs its shape reads
         self._inputs_made: list[tuple[AttnSpec, list[int]]] = []
         self._lowering = Lowering(self._address, self._host_copy, self._input_leaves)
         # every live buffer, to allocate again on a new connection after the peer was lost
@@ -175,21 +177,34 @@ class GGMLBackend(RemoteDevice, Backend):
 
     # --- compute --------------------------------------------------------------------------------
     def graph_compute(self, graph: Graph, reads: Sequence[tuple[Tensor, np.ndarray]] = ()) -> None:
+        # The step's shape and attention inputs are worked out before the lock: while another
+        # group's graph computes on the peer this one's host work is done, and the peer idles only
+        # for the upload. A graph is lowered once per shape it takes (a mix of prompts and decodes
+        # recurs), not again each time its batch changes shape.
+        t_ready = trace.now() if trace.enabled else 0
+        memo: dict = {}
+        sources = self._sources.get(graph.uid)
+        kept = self._lowered.get((graph.uid,) + self._lowering.shape_of(sources, memo)) \
+            if sources is not None else None
+        arrays = [self._lowering.inputs(spec, memo) for spec, _ in kept.inputs_at] if kept is not None else None
         with self._lock:
-            done = self._lowered.get(graph.uid)
-            if done is not None and done.scratch is self._scratch and done.inputs is self._inputs and \
-                    all(self._lowering.still_fits(spec) for spec, _ in done.inputs_at) and \
-                    (done.sample is None or self._lowering.all_greedy(done.sample.node.srcs[1])
-                     == (done.sample.ids is not None)):
-                for spec, at in done.inputs_at:   # the same graph: only its inputs' bytes are new
-                    self._upload_inputs(spec, at)
+            t_lock = trace.now() if t_ready else 0
+            done = kept if kept is not None and kept.scratch is self._scratch and kept.inputs is self._inputs \
+                else None
+            if done is not None and arrays is not None:
+                for (_, at), arrs in zip(done.inputs_at, arrays):   # only the inputs are new
+                    self._send_inputs(arrs, at)
             else:
-                done = self._lower(graph)
-            if done.raw == self._last_graph:
+                done = self._lower(graph, memo)
+            recompute = done.raw == self._last_graph
+            if recompute:
                 self.conn.graph_recompute(self.device, subj=str(graph.uid))
             else:
                 self.conn.graph_compute(self.device, done.nodes, done.recs, subj=str(graph.uid))
                 self._last_graph = done.raw
+            if t_ready:
+                trace.event("ggml", "prepare", t_ready, trace.now(), dev=self.name, t_lock=t_lock,
+                            lowered=done is not kept, recompute=recompute, grp=trace.group())
             for t, out in reads:
                 if done.sample is not None and t is done.sample.node.out:
                     self._sample_here(done.sample, out)
@@ -213,24 +228,28 @@ class GGMLBackend(RemoteDevice, Backend):
         bind_sample(host_logits, self._host_copy(sampling).reshape(sampling.shape), dst, int(nd.params[0]),
                     int(nd.params[1]), 1)()
 
-    def _lower(self, graph: Graph) -> "_Lowered":
+    def _lower(self, graph: Graph, memo: dict) -> "_Lowered":
         while True:
             self._inputs_used = 0
             self._inputs_made = []
             try:
-                g = self._lowering.lower(graph)
+                g = self._lowering.lower(graph, memo)
                 break
             except _Relower:   # the inputs buffer grew: the inputs go into the new one
                 continue
         nodes, recs = self._finish(g)
-        if len(self._lowered) >= _LOWERED_KEPT:
+        sources = self._sources[graph.uid] = self._lowering.sources
+        while len(self._lowered) >= _LOWERED_KEPT:
             self._lowered.pop(next(iter(self._lowered)))
-        done = self._lowered[graph.uid] = _Lowered(nodes, recs, recs.tobytes(), list(self._inputs_made),
-                                                   self._scratch, self._inputs, self._lowering.sample)
+        key = (graph.uid,) + self._lowering.shape_of(sources, memo)
+        done = self._lowered[key] = _Lowered(nodes, recs, recs.tobytes(), list(self._inputs_made),
+                                             self._scratch, self._inputs, self._lowering.sample)
         return done
 
     def forget_graph(self, uid: int) -> None:
-        self._lowered.pop(uid, None)
+        self._sources.pop(uid, None)
+        for key in [k for k in self._lowered if k[0] == uid]:
+            del self._lowered[key]
 
     def _finish(self, g: G.GraphBuilder) -> tuple[list[int], np.ndarray]:
         """Places the graph's intermediates in the device's scratch buffer, grown (and the graph
@@ -265,7 +284,7 @@ class GGMLBackend(RemoteDevice, Backend):
         return got
 
     def _input_leaves(self, g: G.GraphBuilder, spec: AttnSpec) -> list[G.GT]:
-        arrays = self._lowering.inputs(spec)
+        arrays = self._lowering.inputs(spec, self._lowering.memo)
         offsets = []
         for arr in arrays:
             need = self._inputs_used + arr.nbytes
@@ -283,9 +302,6 @@ class GGMLBackend(RemoteDevice, Backend):
         return [g.leaf(_GGML_TYPE[arr.dtype.char], tuple(reversed(arr.shape)), self._inputs.remote_ptr,
                        self._inputs.base + at, "kq_mask" if arr.dtype != np.int32 else "kv_gather")
                 for arr, at in zip(arrays, offsets)]
-
-    def _upload_inputs(self, spec: AttnSpec, offsets: list[int]) -> None:
-        self._send_inputs(self._lowering.inputs(spec), offsets)
 
     def _send_inputs(self, arrays: list[np.ndarray], offsets: list[int]) -> None:
         inputs = self._inputs
@@ -315,6 +331,7 @@ class GGMLBackend(RemoteDevice, Backend):
                 self.conn = conn
             self._scratch = self._inputs = None
             self._lowered.clear()
+            self._sources.clear()
             self._last_graph = None
             buffers = sorted(self._buffers.values(), key=lambda b: b.id)
             for buf in buffers:

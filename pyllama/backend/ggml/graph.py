@@ -204,6 +204,20 @@ class GraphBuilder:
             nb4[i] = nb4[i - 1] * ne4[i - 1]
         return self._view_of(a, ne4, tuple(nb4), offset, GOp.VIEW, (a,), struct.pack("<Q", offset), name)
 
+    def reinterpret(self, a: GT, ggml_type: int, ne: Sequence[int], name: str = "") -> GT:
+        """a's bytes read as another type (a VIEW of a contiguous tensor, of the same byte size):
+        GET_ROWS of 4-byte words copies F16 rows bit for bit where ggml's F16 GET_ROWS would
+        widen them to F32."""
+        ne4 = _ne4(ne)
+        nb4 = P.contiguous_nb(ggml_type, ne4)
+        probe = GT(0, ggml_type, ne4, nb4)
+        if not a.is_contiguous() or probe.nbytes != a.nbytes:
+            raise ValueError(f"reinterpret: {a.ne} type {a.type} is not {ne4} type {ggml_type} byte for byte")
+        root = a.view_src or a
+        t = GT(self._id(), ggml_type, ne4, nb4, op=int(GOp.VIEW), params=struct.pack("<Q", 0), view_src=root,
+               view_offs=a.view_offs, buffer=root.buffer, name=name)
+        return self._node(t, (a,))
+
     def reshape(self, a: GT, ne: Sequence[int], name: str = "") -> GT:
         if not a.is_contiguous():
             raise ValueError("reshape of a tensor that is not contiguous")
@@ -250,17 +264,23 @@ class GraphBuilder:
         """(node ids, rpc_tensor records, scratch bytes used): every result that is not a view gets
         its place in the scratch buffer, freed after the last node that reads it (or a view of it)."""
         used = self._place(scratch_buffer, scratch_base, scratch_size, alignment)
-        recs = np.zeros(len(self.tensors), dtype=P.RPC_TENSOR)
-        for i, t in enumerate(self.tensors):
-            r = recs[i]
-            r["id"], r["type"], r["buffer"], r["data"] = t.id, t.type, t.buffer, t.data
-            r["ne"], r["nb"], r["op"] = t.ne, t.nb, t.op
-            r["op_params"] = np.frombuffer(t.params.ljust(P.MAX_OP_PARAMS, b"\0"), dtype="<i4")
-            r["flags"] = P.FLAG_COMPUTE if t.op else 0
-            r["src"] = [s.id if s is not None else 0 for s in t.src] + [0] * (P.MAX_SRC - len(t.src))
-            r["view_src"] = t.view_src.id if t.view_src is not None else 0
-            r["view_offs"] = t.view_offs
-            r["name"] = t.name.encode()[:P.MAX_NAME - 1]
+        ts = self.tensors
+        recs = np.zeros(len(ts), dtype=P.RPC_TENSOR)
+        # whole columns at once: a numpy record's fields set one by one cost a microsecond each
+        recs["id"] = [t.id for t in ts]
+        recs["type"] = [t.type for t in ts]
+        recs["buffer"] = [t.buffer for t in ts]
+        recs["data"] = [t.data for t in ts]
+        recs["ne"] = [t.ne for t in ts]
+        recs["nb"] = [t.nb for t in ts]
+        recs["op"] = [t.op for t in ts]
+        params = b"".join(t.params.ljust(P.MAX_OP_PARAMS, b"\0") for t in ts)
+        recs["op_params"] = np.frombuffer(params, dtype="<i4").reshape(len(ts), P.MAX_OP_PARAMS // 4)
+        recs["flags"] = [P.FLAG_COMPUTE if t.op else 0 for t in ts]
+        recs["src"] = [[s.id if s is not None else 0 for s in t.src] + [0] * (P.MAX_SRC - len(t.src)) for t in ts]
+        recs["view_src"] = [t.view_src.id if t.view_src is not None else 0 for t in ts]
+        recs["view_offs"] = [t.view_offs for t in ts]
+        recs["name"] = [t.name.encode()[:P.MAX_NAME - 1] for t in ts]
         return [t.id for t in self.nodes], recs, used
 
     # --- internals ---------------------------------------------------------------------------------

@@ -109,6 +109,13 @@ class AttnSpec(NamedTuple):
     layout: AttnLayout
 
 
+class GraphSources(NamedTuple):
+    """The host inputs a graph's lowering reads: its attentions' (attn_cells, attn_ranges,
+    n_tokens) and its SAMPLE's sampler rows."""
+    attention: list
+    sampling: Optional[Tensor]
+
+
 class SampleTail(NamedTuple):
     """A graph's SAMPLE node, made on the host from what the peer computed: the ids of its ARGMAX
     (every row greedy) or, when `ids` is None, the sampler chain run on the logits read back."""
@@ -120,8 +127,10 @@ class Lowering:
     """Builds the ggml graph of one pyllama graph.
 
     `address(t)`: (remote buffer, address) of a pyllama tensor on the peer; `host_i32(t)`: the
-    host's copy of an I32 input it wrote this step (attn_cells, attn_ranges); `input_leaves(g,
-    spec)`: the arrays `inputs(spec)` uploaded to the peer as leaves of `g` (once per spec)."""
+    host's copy of an I32 input it wrote this step (attn_cells, attn_ranges, sampler rows);
+    `input_leaves(g, spec)`: the arrays `inputs(spec)` uploaded to the peer as leaves of `g`
+    (once per spec). A step's plans of the cell lists are kept in a `memo` dict the caller
+    passes, so a step works each out once (and two groups' threads never share one)."""
 
     def __init__(self, address: Callable[[Tensor], tuple[int, int]], host_i32: Callable[[Tensor], np.ndarray],
                  input_leaves: Callable[[G.GraphBuilder, AttnSpec], list[G.GT]]):
@@ -129,19 +138,21 @@ class Lowering:
         self.host_i32 = host_i32
         self.input_leaves = input_leaves
 
-    def _plan(self, spec: AttnSpec) -> tuple[AttnLayout, list[AttnGroup]]:
-        return attention_plan(self.host_i32(spec.cells), self.host_i32(spec.ranges).reshape(-1, 2), spec.n_tokens)
+    def plan(self, cells: Tensor, ranges: Tensor, n_tokens: int, memo: dict) -> tuple[AttnLayout, list[AttnGroup]]:
+        """This step's attention plan of a graph's cell lists (`memo`: the plans this step made)."""
+        key = (id(cells), id(ranges), n_tokens)
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = attention_plan(self.host_i32(cells), self.host_i32(ranges).reshape(-1, 2), n_tokens)
+        return got
 
-    def layout(self, cells: Tensor, ranges: Tensor, n_tokens: int) -> AttnLayout:
-        return attention_plan(self.host_i32(cells), self.host_i32(ranges).reshape(-1, 2), n_tokens)[0]
-
-    def inputs(self, spec: AttnSpec) -> list[np.ndarray]:
+    def inputs(self, spec: AttnSpec, memo: dict) -> list[np.ndarray]:
         """This step's arrays of `spec`, in the order `_attention` reads them: per group its cell
         gather and mask (and its batch rows when the groups reorder the batch), then the batch
         order of the result rows when they do."""
-        layout, groups = self._plan(spec)
+        layout, groups = self.plan(spec.cells, spec.ranges, spec.n_tokens, memo)
         if layout != spec.layout:
-            raise ValueError("ATTENTION: the step's cell lists changed layout under a kept graph")
+            raise ValueError("ATTENTION: the step's cell lists have another layout than its lowered graph")
         out: list[np.ndarray] = []
         for (T, m, C), grp in zip(layout.groups, groups):
             out += [grp.gather, group_mask(grp, C, spec.n_swa, np.float16 if spec.flash else np.float32)]
@@ -154,13 +165,19 @@ class Lowering:
             out.append(back)
         return out
 
-    def still_fits(self, spec: AttnSpec) -> bool:
-        """Whether this step's cell lists have the layout `spec` was lowered for."""
-        return self.layout(spec.cells, spec.ranges, spec.n_tokens) == spec.layout
+    def shape_of(self, sources: "GraphSources", memo: dict) -> tuple:
+        """What a lowering of the graph depends on besides its nodes, this step: each attention's
+        layout and whether every sampled row is greedy."""
+        layouts = tuple(self.plan(c, r, n, memo)[0] for c, r, n in sources.attention)
+        return layouts, (self.all_greedy(sources.sampling) if sources.sampling is not None else None)
 
-    def lower(self, graph: Graph) -> G.GraphBuilder:
+    def lower(self, graph: Graph, memo: dict) -> G.GraphBuilder:
+        """The ggml graph of `graph` for this step's cell lists (`memo`: this step's plans); then
+        `sources` says what its shape depends on (shape_of) and `sample` how its SAMPLE is made."""
         g = G.GraphBuilder()
         self.g = g
+        self.memo = memo
+        self.sources = GraphSources([], None)
         self.of: dict[int, G.GT] = {}      # id(pyllama tensor) -> its ggml tensor in this graph
         self.attn_inputs: dict[AttnSpec, list[G.GT]] = {}
         self.sample: Optional[SampleTail] = None
@@ -188,6 +205,7 @@ class Lowering:
         """SAMPLE ends the graph at ARGMAX when every row is greedy (the step reads back ids),
         else at the logits, which the host samples."""
         greedy = self.all_greedy(nd.srcs[1])
+        self.sources = self.sources._replace(sampling=nd.srcs[1])
         ids = self.g.output(self.g.argmax(self.t(nd.srcs[0]), "sampled_ids")) if greedy else None
         return SampleTail(nd, ids)
 
@@ -298,7 +316,9 @@ class Lowering:
         k_set = g.set_rows(kc, g.reshape(k, [Hkv * hd, n]), idx)
         v_set = g.set_rows(vc, v, idx)
         flash = kc_t.dtype == DType.F16 and vc_t.dtype == DType.F16
-        spec = AttnSpec(s[5], s[6], int(a.n_swa), n, flash, self.layout(s[5], s[6], n))
+        spec = AttnSpec(s[5], s[6], int(a.n_swa), n, flash, self.plan(s[5], s[6], n, self.memo)[0])
+        if not any(c is s[5] and r is s[6] and k == n for c, r, k in self.sources.attention):
+            self.sources.attention.append((s[5], s[6], n))
         leaves = self.attn_inputs.get(spec)
         if leaves is None:
             leaves = self.attn_inputs[spec] = self.input_leaves(g, spec)
@@ -306,13 +326,19 @@ class Lowering:
         kv_type = G.F16 if flash else G.F32
 
         def per_sequence(cache: G.GT, gather: G.GT, C: int, m: int) -> G.GT:
-            """[hd, Hkv, C, m]: each sequence's cells of a cache, gathered (in the cache's type,
-            so the peer's kernels read what they read from llama.cpp's per-sequence streams)."""
-            rows = g.get_rows(cache, gather)
-            if kv_type != G.F32:
-                rows = g.cast(rows, kv_type)
+            """[hd, Hkv, C, m]: each sequence's cells of a cache, gathered in the cache's type (an
+            F16 cache as 4-byte words, copied bit for bit), so the peer's kernels read what they
+            read from llama.cpp's per-sequence streams."""
+            row = Hkv * hd
+            if kv_type == G.F16 and row % 2 == 0:
+                words = g.reinterpret(cache, G.I32, [row // 2, cache.ne[1]])
+                rows = g.reinterpret(g.get_rows(words, gather), G.F16, [row, C * m])
+            else:
+                rows = g.get_rows(cache, gather)
+                if kv_type != G.F32:
+                    rows = g.cast(rows, kv_type)
             es = 2 if kv_type == G.F16 else 4
-            return g.view(rows, [hd, Hkv, C, m], [es * hd, es * Hkv * hd, es * Hkv * hd * C], 0)
+            return g.view(rows, [hd, Hkv, C, m], [es * hd, es * row, es * row * C], 0)
 
         q_rows = g.reshape(q, [hd * H, n]) if not spec.layout.in_order else None
         parts = []
@@ -347,4 +373,4 @@ class Lowering:
         return y if spec.layout.in_order else g.get_rows(y, leaves.pop(0), nd.out.name)
 
 
-__all__ = ["AttnLayout", "AttnSpec", "Lowering", "SampleTail", "LOWERED_OPS", "attention_plan", "group_mask"]
+__all__ = ["AttnLayout", "AttnSpec", "GraphSources", "Lowering", "SampleTail", "LOWERED_OPS", "attention_plan", "group_mask"]

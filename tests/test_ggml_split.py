@@ -28,7 +28,7 @@ def _generate(model: str, *extra: str, prompt: str = PROMPT, n: int = 10) -> lis
 
 
 @pytest.mark.parametrize("arch,wtype", [("llama", "f32"), ("llama", "q8_0"), ("qwen2", "f16"), ("qwen3", "q4_0"),
-                                        ("gemma2", "f32")])
+                                        ("gemma2", "f32"), ("gemma3", "f32"), ("phi3", "q8_0")])
 def test_greedy_tokens_over_a_ggml_peer_equal_the_unsplit_run(model_factory, arch, wtype):
     model = model_factory("tiny", arch=arch, wtype=wtype)
     want = _generate(model)

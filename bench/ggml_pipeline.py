@@ -3,7 +3,7 @@ over one `ggml-rpc-server` (needs --peers).
 
     python bench/ggml_pipeline.py --peers DIR [--model PATH | --preset medium --type q4_k_m]
         [--users 32] [--groups 1,2] [--legs 3] [-r 3] [--npp 64] [--ntg 32] [--ngl N] [-t 1]
-        [--llama-args=--kv-unified]
+        [--llama-args=--kv-unified] [--trace DIR]
 
 One ggml-rpc-server (-t T) lives for the whole run. Arms, interleaved leg by leg: llama-server
 `--rpc EP -ngl N` (it turns pipelining off with an RPC device), and pyllama's server with the same
@@ -11,6 +11,12 @@ One ggml-rpc-server (-t T) lives for the whole run. Arms, interleaved leg by leg
 -np USERS and is stopped before the next starts (the peer serves one client at a time).
 bench_users drives USERS closed-loop users; printed per arm: generated tokens/s, mean and min..max
 over legs, and the ratio of each pyllama arm to llama-server's with the per-leg spread.
+
+--trace DIR: pyllama's servers write traces there, and each pyllama arm's line gets busy shares
+over the load: the peer's, from pyllama's own spans (the ggml peer writes no trace: each graph
+counts from its GRAPH_COMPUTE or GRAPH_RECOMPUTE to the reply of the read that follows it, which
+waits for it) and the server's local compute (`sched` splits on the CPU), both as the share of
+the loaded time they cover; llama-server's stages have no trace.
 """
 from __future__ import annotations
 
@@ -29,6 +35,51 @@ from pipeline_cells import GgmlRpcPeer, LlamaServer, ctx_for, llama_args, model_
 from server_util import ServerProcess  # noqa: E402
 
 
+def _covered(spans: list[tuple[int, int]]) -> int:
+    """Microseconds covered by the union of the spans."""
+    total, end = 0, None
+    for t0, t1 in sorted(spans):
+        if end is None or t0 > end:
+            total += t1 - t0
+            end = t1
+        elif t1 > end:
+            total += t1 - end
+            end = t1
+    return total
+
+
+def busy_shares(path: str) -> tuple[float, float]:
+    """(peer, server CPU) busy shares over a pyllama server's trace of a leg: the peer from each
+    graph sent to it to the reply of the read after it; the CPU from its `sched` splits. The
+    loaded time runs from the first decode step to the last."""
+    import json  # noqa: PLC0415
+    peer, cpu, steps = [], [], []
+    sent: dict[str, int] = {}
+    with open(path) as f:
+        for line in f:
+            e = json.loads(line)
+            c, n = e.get("c"), e.get("n")
+            if c == "ctx" and n == "decode":
+                steps.append((e["t0"], e["t1"]))
+            elif c == "sched" and n == "split" and e.get("backend") == "CPU":
+                cpu.append((e["t0"], e["t1"]))
+            elif c == "rpc.client" and e.get("peer") == "ggml":
+                if n in ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE"):
+                    sent[e["tid"]] = e["t0"]
+                elif n == "GET_TENSOR" and e["tid"] in sent:
+                    peer.append((sent.pop(e["tid"]), e["t1"]))
+    steps.sort()
+    while len(steps) > 1 and steps[1][0] - steps[0][1] > 500_000:   # the warm-up, long before the load
+        steps.pop(0)
+    if len(steps) < 2:
+        return 0.0, 0.0
+    t0, t1 = steps[0][0], max(t for _, t in steps)
+
+    def within(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return [(max(a, t0), min(b, t1)) for a, b in spans if b > t0 and a < t1]
+    return _covered(within(peer)) / (t1 - t0), _covered(within(cpu)) / (t1 - t0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", default=os.environ.get("PYLLAMA_PEERS"))
@@ -44,6 +95,7 @@ def main() -> int:
     ap.add_argument("--ngl", type=int, default=0, help="llama.cpp's count (0: half the blocks + 1)")
     ap.add_argument("-t", "--threads", type=int, default=1)
     ap.add_argument("--llama-args", default="", help="more llama-server arguments, e.g. '--kv-unified'")
+    ap.add_argument("--trace", metavar="DIR", help="pyllama's servers trace there; busy shares are printed")
     a = ap.parse_args()
     peers = Peers.find(a.peers) if a.peers else None
     if peers is None:
@@ -56,6 +108,9 @@ def main() -> int:
     groups = [int(g) for g in a.groups.split(",") if g]
     arms = ["llama.cpp"] + [f"pyllama {g} group{'s' if g > 1 else ''}" for g in groups]
     got: dict[str, list[float]] = {arm: [] for arm in arms}
+    busy: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
+    if a.trace:
+        os.makedirs(a.trace, exist_ok=True)
     peer = GgmlRpcPeer(peers, a.threads)
     try:
         for leg in range(1, a.legs + 1):
@@ -67,6 +122,9 @@ def main() -> int:
                     g = int(arm.split()[1])
                     np_ = -(-a.users // g) * g
                     extra = ["--pipeline-groups", str(g)] if g > 1 else []
+                    trace_path = os.path.join(a.trace, f"{g}g-leg{leg}.jsonl") if a.trace else None
+                    if trace_path:
+                        extra += ["--trace", trace_path]
                     srv = ServerProcess(model, "--rpc", peer.endpoint, "-ngl", str(ngl), "-t", str(a.threads),
                                         "-np", str(np_), "-c", str(ctx_for(np_, a.npp, a.ntg)), *extra).wait_ready(600)
                 try:
@@ -74,6 +132,8 @@ def main() -> int:
                 finally:
                     srv.stop()
                 got[arm].append(rep["gen_tok_s"])
+                if arm != "llama.cpp" and a.trace:
+                    busy[arm].append(busy_shares(trace_path))
                 print(f"[leg {leg}] {arm}: {rep['gen_tok_s']:.1f} tok/s, errors {rep.get('errors', 0)}", flush=True)
     finally:
         peer.stop()
@@ -87,6 +147,9 @@ def main() -> int:
         if arm != "llama.cpp":
             per = [x / y for x, y in zip(v, base)]
             line += f"  {statistics.fmean(v) / statistics.fmean(base):.2f}x llama.cpp [{min(per):.2f}..{max(per):.2f}]"
+            if busy[arm]:
+                line += (f"  busy: peer {statistics.fmean(b[0] for b in busy[arm]):.0%}, "
+                         f"server CPU {statistics.fmean(b[1] for b in busy[arm]):.0%}")
         print(line)
     return 0
 

@@ -3,6 +3,7 @@
     python bench/ggml_split_check.py --peers DIR [--preset medium] [--arch llama|qwen2moe|...]
                                      [--types f32,q8_0,q4_k_m] [--ngl N] [--steps 16] [--margin 0.05]
                                      [--n-peers 1|2] [--pyllama-args="--pipeline-groups 2"]
+                                     [--both-args="-ctk q8_0 -ctv q8_0"]
 
 For each weight type (the f32 reference model, quantized by llama.cpp's llama-quantize), one
 `ggml-rpc-server -t 1` serves in turn: llama-server `--rpc EP -ngl N` and pyllama's server with the
@@ -70,6 +71,8 @@ def main() -> int:
                     "over them (-ts 1,1 on both sides)")
     ap.add_argument("--pyllama-args", default="", help="more flags for pyllama's server only, e.g. "
                     "'--pipeline-groups 2' (then -np is the group count)")
+    ap.add_argument("--both-args", default="", help="more flags for both servers (and the unsplit one), e.g. "
+                    "'-ctk q8_0 -ctv q8_0'")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--margin", type=float, default=0.05)
     a = ap.parse_args()
@@ -83,6 +86,7 @@ def main() -> int:
     n_layer = int(meta[f"{meta['general.architecture']}.block_count"])
     ngl = a.ngl or n_layer // 2 + 1
     split = ["-ngl", str(ngl), "-t", "1", "-c", "1024"] + (["-ts", ",".join("1" * a.n_peers)] if a.n_peers > 1 else [])
+    split += a.both_args.split()
     ours_extra = a.pyllama_args.split()
     groups = int(ours_extra[ours_extra.index("--pipeline-groups") + 1]) if "--pipeline-groups" in ours_extra else 1
     bad = False
@@ -105,7 +109,7 @@ def main() -> int:
         finally:
             for p in fleet:
                 p.stop()
-        plain = ServerProcess(model, "-t", "1", "-np", "1", "-c", "1024").wait_ready(300)
+        plain = ServerProcess(model, "-t", "1", "-np", "1", "-c", "1024", *a.both_args.split()).wait_ready(300)
         try:
             unsplit = [steps_of(plain.url, p, a.steps, 2) for p in PROMPTS]
         finally:

@@ -12,7 +12,8 @@ import struct
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
 
 from pyllama.backend.ggml.protocol import GOp
 from reference_forward import rope
@@ -41,16 +42,29 @@ class _Mem:
         return np.ndarray(ne, dtype=_NP[t], buffer=mem, offset=off, strides=nb)
 
     def values(self, r) -> np.ndarray:
-        """float64 values [ne3, ne2, ne1, ne0], dequantized for block types (contiguous rows)."""
+        """float64 values [ne3, ne2, ne1, ne0], dequantized for block types (rows at any strides)."""
         t = int(r["type"])
         if t in _NP:
             return self.view(r).astype(np.float64)
+        return dequantize(self._rows(r), T(t)).astype(np.float64).reshape([int(x) for x in r["ne"]][::-1])
+
+    def _rows(self, r) -> np.ndarray:
+        """The raw bytes of every row of a block-type tensor, [rows, row bytes] in row order."""
         mem, off = self.locate(int(r["data"]))
         ne = [int(x) for x in r["ne"]]
+        nb = [int(x) for x in r["nb"]]
+        block, size = GGML_QUANT_SIZES[T(int(r["type"]))]
+        i3, i2, i1 = np.meshgrid(np.arange(ne[3]), np.arange(ne[2]), np.arange(ne[1]), indexing="ij")
+        starts = (off + i1 * nb[1] + i2 * nb[2] + i3 * nb[3]).reshape(-1)
+        return np.frombuffer(mem, np.uint8)[starts[:, None] + np.arange(ne[0] // block * size)[None, :]]
+
+    def write_rows(self, r, rows: np.ndarray, idx: np.ndarray) -> None:
+        """Rows idx of a 2-D block-type tensor set to `rows` (float), quantized as ggml stores them."""
+        mem, off = self.locate(int(r["data"]))
+        raw = quantize(rows.astype(np.float32), T(int(r["type"])))
         nb1 = int(r["nb"][1])
-        rows = ne[1] * ne[2] * ne[3]
-        raw = np.frombuffer(mem, np.uint8, rows * nb1, off).reshape(rows, nb1)
-        return dequantize(raw, T(t)).astype(np.float64).reshape(ne[3], ne[2], ne[1], ne[0])
+        at = off + idx.astype(np.int64)[:, None] * nb1 + np.arange(raw.shape[1])[None, :]
+        np.frombuffer(mem, np.uint8)[at.reshape(-1)] = raw.reshape(-1)
 
 
 def _params(r, fmt: str) -> tuple:
@@ -138,7 +152,10 @@ def run_graph(buffers, nodes, tensors) -> None:
         elif op == GOp.SET_ROWS:
             rows = mem.values(src[0])[0, 0]
             idx = mem.view(src[1]).reshape(-1)
-            dst[0, 0, idx] = rows.astype(dst.dtype)
+            if dst is None:       # a BF16 or Q8_0 cache
+                mem.write_rows(r, rows, idx)
+            else:
+                dst[0, 0, idx] = rows.astype(dst.dtype)
             continue
         elif op in (GOp.CONT, GOp.CPY, GOp.DUP):
             vals = mem.values(src[0])
@@ -180,4 +197,8 @@ def run_graph(buffers, nodes, tensors) -> None:
             out = mem.values(src[0]).argmax(-1).reshape(dst.shape)
         else:
             raise ValueError(f"op {op.name} is not read here")
+        if dst is None:           # a block-type result (a CPY into BF16 or Q8_0): quantized row by row
+            vals = np.asarray(out).reshape(-1, int(r["ne"][0]))
+            mem.write_rows(r, vals, np.arange(vals.shape[0]))
+            continue
         dst[...] = np.asarray(out).reshape(dst.shape).astype(dst.dtype)

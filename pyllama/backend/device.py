@@ -47,6 +47,11 @@ class Device(ABC):
     # for another keeps that cache in F32 on this device, and logs it
     kv_types: frozenset = frozenset({DType.F32})
 
+    def holds_kv(self, dtype: DType, head_dim: int) -> bool:
+        """Whether this device keeps a KV cache of `dtype` for heads of `head_dim` (a device that
+        reads a head at a time needs whole blocks of a block type per head)."""
+        return dtype in self.kv_types
+
     @abstractmethod
     def device_info(self) -> DeviceInfo: ...
 

@@ -136,7 +136,7 @@ class Context:
     # ------------------------------------------------------------------------------------------
     def _device_kv_types(self, backend: Backend) -> tuple[DType, DType]:
         """The (K, V) cache types `backend` holds: the context's, or F32 for a type it cannot hold."""
-        tk, tv = (t if t in backend.kv_types else DType.F32 for t in (self.type_k, self.type_v))
+        tk, tv = (t if backend.holds_kv(t, self.hparams.head_dim) else DType.F32 for t in (self.type_k, self.type_v))
         key = (backend.name, self.type_k, self.type_v)
         if (tk, tv) != (self.type_k, self.type_v) and key not in _KV_FALLBACK_LOGGED:
             _KV_FALLBACK_LOGGED.add(key)

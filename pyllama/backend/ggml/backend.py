@@ -88,7 +88,7 @@ class GGMLBackend(RemoteDevice, Backend):
     in_order = True
     small_batches_cheap = True
     weight_types = frozenset(WEIGHT_TYPES)
-    kv_types = frozenset({DType.F16, DType.F32})
+    kv_types = frozenset({DType.F16, DType.F32, DType.BF16, DType.Q8_0})
 
     def __init__(self, conn: GGMLConnection, device: int, name: str):
         self.conn = conn
@@ -120,6 +120,10 @@ class GGMLBackend(RemoteDevice, Backend):
 
     def supports(self, op: int) -> bool:
         return op in LOWERED_OPS
+
+    def holds_kv(self, dtype: DType, head_dim: int) -> bool:
+        # ggml's attention views a cache a head at a time: a Q8_0 head is whole 32-value blocks
+        return dtype in self.kv_types and head_dim % P.GGML_QUANT_SIZES[P.GGMLQuantizationType(int(dtype))][0] == 0
 
     def refusal_hint(self) -> str:
         return f"a llama.cpp rpc-server at {self.conn.endpoint}; pyllama does not lower that op to ggml's yet"

@@ -24,6 +24,7 @@ F32, F16, I32, I64 = 0, 1, 26, 27
 GLU_SWIGLU, GLU_GEGLU = 2, 1
 UNARY_TANH, UNARY_SIGMOID = 4, 7
 SORT_DESC = 1
+HINT_HADAMARD = 1
 ROPE_NORM, ROPE_NEOX = 0, 2
 
 
@@ -107,11 +108,14 @@ class GraphBuilder:
     def scale(self, a: GT, s: float, b: float = 0.0, name: str = "") -> GT:
         return self._new(a.type, a.ne, GOp.SCALE, (a,), struct.pack("<ff", s, b), name)
 
-    def mul_mat(self, a: GT, b: GT, name: str = "") -> GT:
-        """ggml_mul_mat(a, b): [a.ne1, b.ne1, b.ne2, b.ne3] F32, row i of b against every row of a."""
+    def mul_mat(self, a: GT, b: GT, name: str = "", hint: int = 0) -> GT:
+        """ggml_mul_mat(a, b): [a.ne1, b.ne1, b.ne2, b.ne3] F32, row i of b against every row of a;
+        hint HINT_HADAMARD: a is a Hadamard matrix (ggml_mul_mat_set_hint; a CPU computes a fast
+        Walsh-Hadamard transform instead)."""
         if a.ne[0] != b.ne[0] or b.ne[2] % a.ne[2] or b.ne[3] % a.ne[3]:
             raise ValueError(f"mul_mat: {a.ne} cannot multiply {b.ne}")
-        return self._new(F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), GOp.MUL_MAT, (a, b), name=name)
+        params = struct.pack("<ii", 0, hint) if hint else b""
+        return self._new(F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), GOp.MUL_MAT, (a, b), params, name)
 
     def mul_mat_id(self, a: GT, b: GT, ids: GT, name: str = "") -> GT:
         """ggml_mul_mat_id(as, b, ids): [as.ne1, ids.ne0, b.ne2] F32, b's row j of token t against

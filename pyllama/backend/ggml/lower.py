@@ -27,10 +27,12 @@ import numpy as np
 
 from ...ir.tensor import AttentionParams, DType, Graph, Op, Tensor
 from . import graph as G
+from . import protocol as P
 
 # ops a ggml device runs (SAMPLE ends at ARGMAX or on the host)
 LOWERED_OPS = frozenset({Op.GET_ROWS, Op.RMS_NORM, Op.MUL_MAT, Op.MUL_MAT_CAT, Op.ADD, Op.SWIGLU, Op.ATTENTION,
                          Op.GEGLU, Op.SCALE, Op.SOFTCAP, Op.SAMPLE, Op.MOE_FFN})
+FLASH_KV = frozenset({DType.F16, DType.BF16, DType.Q8_0})   # caches flash attention reads
 KV_STEP = 256          # a sequence's attended cells rounded up to this, as llama.cpp pads a stream's
 
 
@@ -100,13 +102,38 @@ def group_mask(group: AttnGroup, C: int, n_swa: int, dtype=np.float16) -> np.nda
 
 class AttnSpec(NamedTuple):
     """One attention's inputs of a graph (its layers share them): the cell lists they come from,
-    the sliding window, the mask's type and the layout they were laid out for."""
+    the sliding window, the mask's type, the layout they were laid out for, and the sizes of the
+    Hadamard rotations of a quantized K or V cache (0: none)."""
     cells: Tensor
     ranges: Tensor
     n_swa: int
     n_tokens: int
     flash: bool
     layout: AttnLayout
+    rot_k: int = 0
+    rot_v: int = 0
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The n x n Hadamard matrix over sqrt(n) (Sylvester's, as llama.cpp's KV cache makes it)."""
+    h = np.full((1, 1), np.float32(1.0) / np.sqrt(np.float32(n)), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def rotation_sizes(head_dim: int, k_type: DType, v_type: DType) -> tuple[int, int]:
+    """llama.cpp rotates q, k (and v, its output back) by a Hadamard matrix before a quantized
+    cache stores them, where heads are a multiple of 64: K by the largest power of two dividing
+    the head, V by 64."""
+    def quantized(t: DType) -> bool:
+        return t not in (DType.F32, DType.F16, DType.BF16)
+    rot_k = 0
+    if quantized(k_type) and head_dim % 64 == 0:
+        rot_k = 64
+        while head_dim % (rot_k * 2) == 0:
+            rot_k *= 2
+    return rot_k, (64 if quantized(v_type) and head_dim % 64 == 0 else 0)
 
 
 class GraphSources(NamedTuple):
@@ -149,11 +176,11 @@ class Lowering:
     def inputs(self, spec: AttnSpec, memo: dict) -> list[np.ndarray]:
         """This step's arrays of `spec`, in the order `_attention` reads them: per group its cell
         gather and mask (and its batch rows when the groups reorder the batch), then the batch
-        order of the result rows when they do."""
+        order of the result rows when they do; first the Hadamard matrices of its rotations."""
         layout, groups = self.plan(spec.cells, spec.ranges, spec.n_tokens, memo)
         if layout != spec.layout:
             raise ValueError("ATTENTION: the step's cell lists have another layout than its lowered graph")
-        out: list[np.ndarray] = []
+        out: list[np.ndarray] = [hadamard(n) for n in (spec.rot_k, spec.rot_v) if n]
         for (T, m, C), grp in zip(layout.groups, groups):
             out += [grp.gather, group_mask(grp, C, spec.n_swa, np.float16 if spec.flash else np.float32)]
             if not layout.in_order:
@@ -312,33 +339,52 @@ class Lowering:
 
         q, k = rope(q), rope(k)
         kc_t, vc_t = s[1], s[2]
-        kc, vc, idx = self.t(kc_t), self.t(vc_t), self.t(s[4])
-        k_set = g.set_rows(kc, g.reshape(k, [Hkv * hd, n]), idx)
-        v_set = g.set_rows(vc, v, idx)
-        flash = kc_t.dtype == DType.F16 and vc_t.dtype == DType.F16
-        spec = AttnSpec(s[5], s[6], int(a.n_swa), n, flash, self.plan(s[5], s[6], n, self.memo)[0])
-        if not any(c is s[5] and r is s[6] and k == n for c, r, k in self.sources.attention):
+        # flash attention on F16, BF16 and Q8_0 caches (llama-server's default on a CPU, and what
+        # it needs for a quantized V cache); MUL_MAT + SOFT_MAX when a cache is F32
+        flash = kc_t.dtype in FLASH_KV and vc_t.dtype in FLASH_KV
+        rot_k, rot_v = rotation_sizes(hd, kc_t.dtype, vc_t.dtype)
+        spec = AttnSpec(s[5], s[6], int(a.n_swa), n, flash, self.plan(s[5], s[6], n, self.memo)[0], rot_k, rot_v)
+        if not any(c is s[5] and r is s[6] and t == n for c, r, t in self.sources.attention):
             self.sources.attention.append((s[5], s[6], n))
         leaves = self.attn_inputs.get(spec)
         if leaves is None:
             leaves = self.attn_inputs[spec] = self.input_leaves(g, spec)
         leaves = list(leaves)
-        kv_type = G.F16 if flash else G.F32
+
+        def rotate(x: G.GT, rot: G.GT) -> G.GT:
+            """llama_mul_mat_hadamard: x's values in rows of rot's size, times rot."""
+            n_rot = rot.ne[0]
+            rows = g.reshape(x if x.is_contiguous() else g.cont(x), [n_rot, int(np.prod(x.ne)) // n_rot])
+            return g.mul_mat(rot, rows, hint=G.HINT_HADAMARD)
+
+        rot_k_leaf = leaves.pop(0) if rot_k else None
+        rot_v_leaf = leaves.pop(0) if rot_v else None
+        if rot_k_leaf is not None:
+            q = g.reshape(rotate(q, rot_k_leaf), list(q.ne))
+            k = g.reshape(rotate(k, rot_k_leaf), list(k.ne))
+        if rot_v_leaf is not None:
+            v = g.reshape(rotate(v, rot_v_leaf), list(v.ne))
+        kc, vc, idx = self.t(kc_t), self.t(vc_t), self.t(s[4])
+        k_set = g.set_rows(kc, g.reshape(k, [Hkv * hd, n]), idx)
+        v_set = g.set_rows(vc, v, idx)
 
         def per_sequence(cache: G.GT, gather: G.GT, C: int, m: int) -> G.GT:
-            """[hd, Hkv, C, m]: each sequence's cells of a cache, gathered in the cache's type (an
-            F16 cache as 4-byte words, copied bit for bit), so the peer's kernels read what they
-            read from llama.cpp's per-sequence streams."""
+            """[hd, Hkv, C, m]: each sequence's cells of a cache, gathered in the cache's type (as
+            4-byte words, copied bit for bit, where a row is whole words; else through F32), so the
+            peer's kernels read what they read from llama.cpp's per-sequence streams. Under
+            MUL_MAT + SOFT_MAX every cache is read as F32."""
+            kind = cache.type if flash else G.F32
             row = Hkv * hd
-            if kv_type == G.F16 and row % 2 == 0:
-                words = g.reinterpret(cache, G.I32, [row // 2, cache.ne[1]])
-                rows = g.reinterpret(g.get_rows(words, gather), G.F16, [row, C * m])
+            row_bytes = P.contiguous_nb(cache.type, (row,))[1]
+            if kind == cache.type and kind != G.F32 and row_bytes % 4 == 0:
+                words = g.reinterpret(cache, G.I32, [row_bytes // 4, cache.ne[1]])
+                rows = g.reinterpret(g.get_rows(words, gather), kind, [row, C * m])
             else:
                 rows = g.get_rows(cache, gather)
-                if kv_type != G.F32:
-                    rows = g.cast(rows, kv_type)
-            es = 2 if kv_type == G.F16 else 4
-            return g.view(rows, [hd, Hkv, C, m], [es * hd, es * row, es * row * C], 0)
+                if kind != G.F32:
+                    rows = g.cast(rows, kind)
+            nb = P.contiguous_nb(kind, (hd, Hkv, C, m))
+            return g.view(rows, [hd, Hkv, C, m], nb[1:], 0)
 
         q_rows = g.reshape(q, [hd * H, n]) if not spec.layout.in_order else None
         parts = []
@@ -366,11 +412,14 @@ class Lowering:
                 out = g.cont(g.permute(g.mul_mat(vt, kq), 0, 2, 1, 3), nd.out.name)
             parts.append(out)
         if len(parts) == 1 and spec.layout.in_order:
-            return parts[0]
-        y = g.reshape(parts[0], [hd * H, parts[0].ne[2] * parts[0].ne[3]])
-        for p in parts[1:]:
-            y = g.concat(y, g.reshape(p, [hd * H, p.ne[2] * p.ne[3]]), 1, nd.out.name)
-        return y if spec.layout.in_order else g.get_rows(y, leaves.pop(0), nd.out.name)
+            y = parts[0]
+        else:
+            y = g.reshape(parts[0], [hd * H, parts[0].ne[2] * parts[0].ne[3]])
+            for p in parts[1:]:
+                y = g.concat(y, g.reshape(p, [hd * H, p.ne[2] * p.ne[3]]), 1, nd.out.name)
+            if not spec.layout.in_order:
+                y = g.get_rows(y, leaves.pop(0), nd.out.name)
+        return y if rot_v_leaf is None else rotate(y, rot_v_leaf)   # the output rotated back
 
 
-__all__ = ["AttnLayout", "AttnSpec", "GraphSources", "Lowering", "SampleTail", "LOWERED_OPS", "attention_plan", "group_mask"]
+__all__ = ["AttnLayout", "AttnSpec", "GraphSources", "Lowering", "SampleTail", "hadamard", "rotation_sizes", "LOWERED_OPS", "attention_plan", "group_mask"]

@@ -37,9 +37,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "the socket has settimeout(RPC timeout) from Connection.__init__; a timeout breaks the connection",
     ("pyllama/rpc/connection.py", "Connection.send", "self.sock.sendall"):
         "the socket has settimeout(RPC timeout), which bounds a whole sendall; a timeout breaks the connection",
-    ("pyllama/backend/ggml/connection.py", "GGMLConnection.call", "self.sock.sendall"):
+    ("pyllama/backend/ggml/connection.py", "GGMLConnection.send", "self.sock.sendall"):
         "the socket has settimeout(RPC timeout) from GGMLConnection.__init__, which bounds a whole sendall; the "
-        "lock is the connection's one (a ggml peer serves in order) and a timeout breaks the connection",
+        "lock is the connection's send lock (a ggml peer reads commands in order) and a timeout breaks the "
+        "connection",
     ("pyllama/backend/ggml/connection.py", "GGMLConnection._recv_into", "self.sock.recv_into"):
         "the socket has settimeout(RPC timeout) from GGMLConnection.__init__; a timeout breaks the connection",
     ("pyllama/backend/ggml/connection.py", "GGMLConnection.check_peer", "self.sock.recv"):

@@ -295,3 +295,66 @@ def test_a_lost_peer_is_noticed_reached_and_reconnected():
             second.stop()
     finally:
         first.stop()
+
+
+def test_replies_are_read_in_the_order_their_commands_were_sent(peer):
+    # two reads asked back to back (as two pipeline groups ask theirs): the second's receiver waits
+    # until the first reply was read, then each gets its own bytes; a one-way write goes meanwhile
+    import time
+    conn = GGMLConnection(peer.endpoint)
+    try:
+        ptr, _ = conn.alloc_buffer(0, 64)
+        base = conn.buffer_base(ptr)
+        a = P.tensor_record(1, 0, [4], buffer=ptr, data=base, name="a")
+        b = P.tensor_record(2, 0, [4], buffer=ptr, data=base + 16, name="b")
+        conn.set_tensor(a, 0, np.arange(4, dtype=np.float32).tobytes())
+        conn.set_tensor(b, 0, np.arange(10, 14, dtype=np.float32).tobytes())
+        first, second = conn.ask_tensor(a, 0, 16), conn.ask_tensor(b, 0, 16)
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.__setitem__("b", conn.receive(second)))
+        t.start()
+        time.sleep(0.2)
+        assert "b" not in got                       # its turn has not come
+        conn.set_tensor(b, 0, np.zeros(4, np.float32).tobytes())   # one-way, after both reads on the wire
+        got["a"] = conn.receive(first)
+        t.join(10)
+        assert np.frombuffer(got["a"], np.float32).tolist() == [0, 1, 2, 3]
+        assert np.frombuffer(got["b"], np.float32).tolist() == [10, 11, 12, 13]
+        assert conn.get_tensor(b, 0, 16) == bytes(16)
+    finally:
+        conn.close()
+
+
+def test_a_peer_lost_while_replies_are_awaited_fails_every_one_of_them():
+    # the peer takes both reads, then closes without answering: both receivers fail, naming it
+    import time
+
+    def close_at_the_read(cmd: GCmd, payload: bytes):
+        if cmd != GCmd.GET_TENSOR:
+            return None
+        time.sleep(0.3)                               # the second read is on the wire by now
+        return b""
+    peer = FakeGGMLPeer(reply_hook=close_at_the_read, close_after_hook=True)
+    conn = GGMLConnection(peer.endpoint)
+    try:
+        ptr, _ = conn.alloc_buffer(0, 64)
+        rec = P.tensor_record(1, 0, [4], buffer=ptr, data=conn.buffer_base(ptr), name="a")
+        replies = [conn.ask_tensor(rec, 0, 16), conn.ask_tensor(rec, 0, 16)]
+        errors: list = []
+
+        def wait(reply) -> None:
+            try:
+                conn.receive(reply)
+            except RPCError as exc:
+                errors.append(str(exc))
+        threads = [threading.Thread(target=wait, args=(r,)) for r in reversed(replies)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(errors) == 2 and all(peer.endpoint in e and "GET_TENSOR" in e for e in errors), errors
+        with pytest.raises(RPCError):
+            conn.device_count()                       # and every later call
+    finally:
+        conn.close()
+        peer.stop()

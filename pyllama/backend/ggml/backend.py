@@ -209,28 +209,47 @@ class GGMLBackend(RemoteDevice, Backend):
             if t_ready:
                 trace.event("ggml", "prepare", t_ready, trace.now(), dev=self.name, t_lock=t_lock,
                             lowered=done is not kept, recompute=recompute, grp=trace.group())
-            for t, out in reads:
-                if done.sample is not None and t is done.sample.node.out:
-                    self._sample_here(done.sample, out)
-                else:
-                    self.get_tensor(t, out)
+            # the reads are asked under the lock, so they come before any later graph on the wire;
+            # their replies are read after it, while the next group sends its step
+            asked = [self._ask_read(t, out, done.sample) for t, out in reads]
+        error: Optional[BaseException] = None
+        for reply, into, then in asked:     # every reply is read, even after an error: later ones wait
+            try:
+                self.conn.receive(reply, into)
+                if error is None and then is not None:
+                    then()
+            except BaseException as exc:  # noqa: BLE001 - the first error is raised below
+                error = error or exc
+        if error is not None:
+            raise error
 
-    def _sample_here(self, tail: SampleTail, out: np.ndarray) -> None:
-        """The SAMPLE node's result: the peer's ARGMAX ids, or the host's sampler chain on the
+    def _ask_read(self, t: Tensor, out: np.ndarray, tail: Optional[SampleTail]):
+        """(reply, where it goes, what follows it) of one read after a graph. The SAMPLE node's
+        result is made here: from the peer's ARGMAX ids, or by the host's sampler chain on the
         logits read back."""
+        if tail is None or t is not tail.node.out:
+            dst = memoryview(out.reshape(-1).view(np.uint8))
+            if len(dst) != t.nbytes:
+                raise ValueError(f"get_tensor: {t.name} has {t.nbytes} B, destination {len(dst)} B")
+            return self.conn.ask_tensor(self._record(t), 0, t.nbytes), dst, None
         nd = tail.node
-        dst = out.reshape(-1).view(np.int32).reshape(nd.out.shape)
+        sampled = out.reshape(-1).view(np.int32).reshape(nd.out.shape)
         if tail.ids is not None:
             rec = P.tensor_record(1, G.I32, tail.ids.ne, buffer=tail.ids.buffer, data=tail.ids.data)
             ids = np.empty(nd.out.shape[0], np.int32)
-            self.conn.get_tensor(rec, 0, ids.nbytes, into=memoryview(ids).cast("B"))
-            dst[:] = 0
-            dst[:, 0] = ids
-            return
+
+            def place_ids() -> None:
+                sampled[:] = 0
+                sampled[:, 0] = ids
+            return self.conn.ask_tensor(rec, 0, ids.nbytes), memoryview(ids).cast("B"), place_ids
         logits, sampling = nd.srcs
-        host_logits = self.get_tensor(logits).view(np.float32).reshape(logits.shape)
-        bind_sample(host_logits, self._host_copy(sampling).reshape(sampling.shape), dst, int(nd.params[0]),
-                    int(nd.params[1]), 1)()
+        host_logits = np.empty(logits.shape, np.float32)
+        rows = self._host_copy(sampling).reshape(sampling.shape).copy()   # this step's, before the next one's
+
+        def sample_here() -> None:
+            bind_sample(host_logits, rows, sampled, int(nd.params[0]), int(nd.params[1]), 1)()
+        return (self.conn.ask_tensor(self._record(logits), 0, logits.nbytes), memoryview(host_logits).cast("B"),
+                sample_here)
 
     def _lower(self, graph: Graph, memo: dict) -> "_Lowered":
         while True:

@@ -1,11 +1,13 @@
 """One connection to a llama.cpp `rpc-server` (ggml's RPC protocol), and telling the two kinds of
 peer apart at connect.
 
-The peer serves one client at a time and runs its commands in order, so a connection is one
-socket used under one lock: a replying command holds it from its first byte sent to its last byte
-read, a one-way command only while it writes. The peer reports no errors: it closes the
+The peer serves one client at a time and runs its commands in order, and replies in that order.
+So a command holds the connection only while it writes (under the send lock, a replying command
+also takes its place in the queue of replies), and its reply is read by its sender when every
+earlier reply has been: one pipeline group can send its inputs and graph while another waits for
+its results, and the peer runs them back to back. The peer reports no errors: it closes the
 connection on a request it cannot serve (its own log says why), and this connection then fails
-every later call with one message naming the command it died on.
+every later call (and every reply still awaited) with one message naming the command it died on.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import select
 import socket
 import struct
 import threading
+import time
+from collections import deque
 from typing import Optional, Sequence
 
 import numpy as np
@@ -34,7 +38,10 @@ class GGMLConnection:
         self.endpoint = endpoint
         self.timeout = timeout if timeout is not None else configured_timeout()
         self.sock = open_socket(endpoint, self.timeout)
-        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._turn = threading.Condition()        # guards _replies: the replies awaited, in wire order
+        self._replies: deque[Reply] = deque()
+        self._reading = False                     # the first of them is being read
         self.broken: Optional[str] = None
         self.n_sent = self.bytes_out = self.n_replies = self.bytes_in = 0
         try:
@@ -83,8 +90,14 @@ class GGMLConnection:
 
     def get_tensor(self, rec: np.void, offset: int, size: int, into: Optional[memoryview] = None) -> bytes:
         """`size` bytes at `offset` of the tensor; read straight into `into` when given."""
-        return self.call(GCmd.GET_TENSOR, P.tensor_bytes(rec), P.REGION.pack(offset, size), asked=size,
-                         into=into, subj=_name(rec))
+        return self.receive(self.ask_tensor(rec, offset, size), into)
+
+    def ask_tensor(self, rec: np.void, offset: int, size: int) -> "Reply":
+        """Sends a GET_TENSOR whose reply `receive` reads later (in its turn)."""
+        got = self.send(GCmd.GET_TENSOR, P.tensor_bytes(rec), P.REGION.pack(offset, size), asked=size,
+                        subj=_name(rec))
+        assert got is not None
+        return got
 
     def copy_tensor(self, src: np.void, dst: np.void) -> bool:
         rep = self.call(GCmd.COPY_TENSOR, P.tensor_bytes(src), P.tensor_bytes(dst), subj=_name(dst))
@@ -118,47 +131,90 @@ class GGMLConnection:
              subj: str = "") -> bytes:
         """Sends one command; for a replying command waits for its reply, checks its size against
         the protocol before reading it, and returns it (b"" when read into `into`)."""
+        reply = self.send(cmd, *parts, asked=asked, subj=subj)
+        return self.receive(reply, into) if reply is not None else b""
+
+    def send(self, cmd: GCmd, *parts: bytes | memoryview, asked: int = 0, subj: str = "") -> Optional["Reply"]:
+        """Writes one command; returns the Reply to `receive` for a replying command (None for a
+        one-way one). Every Reply sent must be received, in any thread: later replies wait for it."""
         size = sum(len(p) for p in parts)
         want = P.expected_reply(cmd, asked)
         t0 = trace.now() if trace.enabled else 0
-        with self._lock:
+        with self._send_lock:
             t_locked = trace.now() if t0 else 0
             if self.broken:
                 raise RPCError(self.broken)
             try:
                 self.sock.sendall(b"".join((P.HEADER.pack(int(cmd), size), *parts)))
-                self.n_sent += 1
-                self.bytes_out += size + P.HEADER.size
-                t_sent = trace.now() if t0 else 0
-                payload = b""
-                t_head = 0
-                if want is not None:
-                    got = P.U64.unpack(self._recv_exact(8))[0]
-                    t_head = trace.now() if t0 else 0
-                    P.check_reply_size(self.endpoint, cmd, got, want)
-                    if into is not None and len(into) == got:
-                        self._recv_into(into)
-                    else:
-                        payload = self._recv_exact(got)
-                    self.n_replies += 1
-                    self.bytes_in += got + 8
-            except P.GGMLProtocolError as exc:
-                self._fail(str(exc))
-                raise
             except TimeoutError:
-                self._fail(f"{cmd.name}: no reply within {self.timeout:g} s")
+                self._fail(f"{cmd.name}: could not send within {self.timeout:g} s")
                 raise RPCError(self.broken) from None
-            except (OSError, EOFError) as exc:
-                why = "closed the connection" if isinstance(exc, EOFError) else f"failed ({exc})"
-                self._fail(f"the ggml peer at {self.endpoint} {why} at {cmd.name} (an rpc-server closes "
+            except OSError as exc:
+                self._fail(f"the ggml peer at {self.endpoint} failed ({exc}) at {cmd.name} (an rpc-server closes "
                            "the connection on a request it cannot serve; its log says why)")
                 raise RPCError(self.broken) from None
-        if t0:
-            t1 = trace.now()
-            replied = {"t_recv0": t_head, "t_recv1": t1} if want is not None else {}
-            trace.event("rpc.client", cmd.name, t0, t1, endpoint=self.endpoint, peer="ggml",
-                        bytes_out=size + P.HEADER.size, bytes_in=(want + 8) if want is not None else 0,
-                        subj=subj, grp=trace.group(), t_enq=t0, t_send0=t_locked, t_send1=t_sent, ok=True, **replied)
+            self.n_sent += 1
+            self.bytes_out += size + P.HEADER.size
+            t_sent = trace.now() if t0 else 0
+            reply = Reply(cmd, want, subj, size, t0, t_locked, t_sent) if want is not None else None
+            if reply is not None:
+                with self._turn:
+                    self._replies.append(reply)
+        if t0 and reply is None:
+            trace.event("rpc.client", cmd.name, t0, trace.now(), endpoint=self.endpoint, peer="ggml",
+                        bytes_out=size + P.HEADER.size, bytes_in=0, subj=subj, grp=trace.group(), t_enq=t0,
+                        t_send0=t_locked, t_send1=t_sent, ok=True)
+        return reply
+
+    def receive(self, reply: "Reply", into: Optional[memoryview] = None) -> bytes:
+        """The reply of a command `send` wrote, once every reply before it was read: its size
+        checked against the protocol before it is read (into `into` when that is its size)."""
+        cmd = reply.cmd
+        with self._turn:
+            idle_since = time.monotonic()
+            while not self.broken and self._replies and self._replies[0] is not reply:
+                if self._reading:          # an earlier reply is being read: that read is bounded
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > self.timeout:
+                    self._fail(f"a reply before {cmd.name}'s was not read within {self.timeout:g} s")
+                    break
+                self._turn.wait(self.timeout)
+            if self.broken:
+                raise RPCError(self.broken)
+            self._reading = True
+        payload = b""
+        try:
+            got = P.U64.unpack(self._recv_exact(8))[0]
+            t_head = trace.now() if reply.t0 else 0
+            P.check_reply_size(self.endpoint, cmd, got, reply.want)
+            if into is not None and len(into) == got:
+                self._recv_into(into)
+            else:
+                payload = self._recv_exact(got)
+            self.n_replies += 1
+            self.bytes_in += got + 8
+        except P.GGMLProtocolError as exc:
+            self._fail(str(exc))
+            raise
+        except TimeoutError:
+            self._fail(f"{cmd.name}: no reply within {self.timeout:g} s")
+            raise RPCError(self.broken) from None
+        except (OSError, EOFError) as exc:
+            why = "closed the connection" if isinstance(exc, EOFError) else f"failed ({exc})"
+            self._fail(f"the ggml peer at {self.endpoint} {why} at {cmd.name} (an rpc-server closes "
+                       "the connection on a request it cannot serve; its log says why)")
+            raise RPCError(self.broken) from None
+        finally:
+            with self._turn:
+                self._reading = False
+                if self._replies and self._replies[0] is reply:
+                    self._replies.popleft()
+                self._turn.notify_all()
+        if reply.t0:
+            trace.event("rpc.client", cmd.name, reply.t0, trace.now(), endpoint=self.endpoint, peer="ggml",
+                        bytes_out=reply.size + P.HEADER.size, bytes_in=reply.want + 8, subj=reply.subj,
+                        grp=trace.group(), t_enq=reply.t0, t_send0=reply.t_locked, t_send1=reply.t_sent, ok=True,
+                        t_recv0=t_head, t_recv1=trace.now())
         return payload
 
     def _recv_exact(self, n: int) -> bytes:
@@ -181,12 +237,10 @@ class GGMLConnection:
             return self.broken
         try:
             ready, _, _ = select.select([self.sock], [], [], 0)
-            if ready and self._lock.acquire(blocking=False):   # idle: nobody is reading a reply
-                try:
-                    if self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                        self._fail(f"the ggml peer at {self.endpoint} closed the connection")
-                finally:
-                    self._lock.release()
+            with self._turn:
+                idle = not self._replies    # nobody awaits a reply: what is readable is the peer closing
+                if ready and idle and self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    self._fail(f"the ggml peer at {self.endpoint} closed the connection")
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as exc:
@@ -198,6 +252,8 @@ class GGMLConnection:
             self.broken = why
             log.error("%s", why)
         self._close_socket()
+        with self._turn:                # every reply still awaited fails with it
+            self._turn.notify_all()
 
     def close(self) -> None:
         if not self.broken:
@@ -206,6 +262,15 @@ class GGMLConnection:
 
     def _close_socket(self) -> None:
         close_socket(self.sock)
+
+
+class Reply:
+    """A sent command's reply to come: what `receive` checks and traces."""
+    __slots__ = ("cmd", "want", "subj", "size", "t0", "t_locked", "t_sent")
+
+    def __init__(self, cmd: GCmd, want: int, subj: str, size: int, t0: int, t_locked: int, t_sent: int):
+        self.cmd, self.want, self.subj, self.size = cmd, want, subj, size
+        self.t0, self.t_locked, self.t_sent = t0, t_locked, t_sent
 
 
 def _name(rec: np.void) -> str:

@@ -4,6 +4,7 @@ unsplit run's. bench/ggml_split_check.py runs the same against llama.cpp's rpc-s
 llama-server's own split."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -28,8 +29,11 @@ def _generate(model: str, *extra: str, prompt: str = PROMPT, n: int = 10) -> lis
 
 
 @pytest.mark.parametrize("arch,wtype", [("llama", "f32"), ("llama", "q8_0"), ("qwen2", "f16"), ("qwen3", "q4_0"),
-                                        ("gemma2", "f32"), ("gemma3", "f32"), ("phi3", "q8_0")])
+                                        ("gemma2", "f32"), ("gemma3", "f32"), ("phi3", "q8_0"),
+                                        ("qwen2moe", "f32"), ("qwen3moe", "q8_0"), ("mixtral", "f32")])
 def test_greedy_tokens_over_a_ggml_peer_equal_the_unsplit_run(model_factory, arch, wtype):
+    # Mixture-of-Experts layers are lowered as llama.cpp builds them (ARGSORT top-k, MUL_MAT_ID,
+    # the weights' sum and scale), qwen2moe's sigmoid-gated shared expert included
     model = model_factory("tiny", arch=arch, wtype=wtype)
     want = _generate(model)
     peer = FakeGGMLPeer(compute=True)
@@ -37,9 +41,12 @@ def test_greedy_tokens_over_a_ggml_peer_equal_the_unsplit_run(model_factory, arc
         got = _generate(model, "--rpc", peer.endpoint, "-dev", "RPC0,CPU", "-ts", "1,1")
         assert peer.graphs, "no graph reached the peer"
         assert peer.recomputes, "a decode step's repeated graph was sent again instead of re-run"
+        ops = {int(t["op"]) for _, _, recs in peer.graphs for t in recs}
     finally:
         peer.stop()
     assert got == want
+    if arch in ("qwen2moe", "qwen3moe", "mixtral"):
+        assert {int(GOp.MUL_MAT_ID), int(GOp.ARGSORT)} <= ops
 
 
 def test_the_whole_model_on_the_peer(model_factory):
@@ -149,16 +156,27 @@ def test_two_ggml_peers_in_one_split(model_factory):
     assert got == want
 
 
+@contextlib.contextmanager
+def _server_over(peer: FakeGGMLPeer, model: str, *args: str):
+    """pyllama's server with `--rpc` at the test peer (stopped, then the peer, on the way out)."""
+    from server_util import ServerProcess
+    srv = None
+    try:
+        srv = ServerProcess(model, "--rpc", peer.endpoint, "-t", "1", *args).wait_ready()
+        yield srv
+    finally:
+        if srv is not None:
+            assert srv.stop() == 0
+        peer.stop()
+
+
 def test_two_pipeline_groups_share_one_ggml_peer(model_factory):
     import threading
-    from server_util import ServerProcess
     model = model_factory("tiny", arch="llama", wtype="f32")
     want = _generate(model, "--ignore-eos", n=12)
     peer = FakeGGMLPeer(compute=True)
-    srv = None
-    try:
-        srv = ServerProcess(model, "--rpc", peer.endpoint, "-dev", "RPC0,CPU", "-ts", "1,1", "-np", "2", "-c", "512",
-                            "-t", "1", "--pipeline-groups", "2").wait_ready()
+    with _server_over(peer, model, "-dev", "RPC0,CPU", "-ts", "1,1", "-np", "2", "-c", "512",
+                      "--pipeline-groups", "2") as srv:
         results: list = [None, None]
 
         def ask(i: int) -> None:
@@ -173,26 +191,6 @@ def test_two_pipeline_groups_share_one_ggml_peer(model_factory):
         for status, res in results:
             assert status == 200, res
             assert res["tokens"] == want
-    finally:
-        if srv is not None:
-            assert srv.stop() == 0
-        peer.stop()
-
-
-@pytest.mark.parametrize("arch,wtype", [("qwen2moe", "f32"), ("qwen3moe", "q8_0"), ("mixtral", "f32")])
-def test_moe_layers_on_a_ggml_peer_give_the_unsplit_tokens(model_factory, arch, wtype):
-    # the experts' FFN lowered as llama.cpp builds it (ARGSORT top-k, MUL_MAT_ID, the weights'
-    # sum and scale), qwen2moe's sigmoid-gated shared expert included
-    model = model_factory("tiny", arch=arch, wtype=wtype)
-    want = _generate(model)
-    peer = FakeGGMLPeer(compute=True)
-    try:
-        got = _generate(model, "--rpc", peer.endpoint, "-dev", "RPC0,CPU", "-ts", "1,1")
-        ops = {int(t["op"]) for _, _, recs in peer.graphs for t in recs}
-    finally:
-        peer.stop()
-    assert got == want
-    assert {int(GOp.MUL_MAT_ID), int(GOp.ARGSORT)} <= ops
 
 
 def test_a_layer_the_lowering_lacks_is_refused_at_load_naming_the_peer(model_factory, monkeypatch):
@@ -288,14 +286,10 @@ def test_greedy_rows_are_sampled_on_the_peer_and_the_others_here(model_factory):
     # the output layer on the peer: greedy requests end the graph at ARGMAX and read back ids;
     # a request with a temperature (top_k 1: the same tokens) and one asking for probabilities
     # take the logits back and the host's sampler chain
-    from server_util import ServerProcess
     model = model_factory("tiny", arch="llama", wtype="f32")
     want = _generate(model, "--ignore-eos", n=8)
     peer = FakeGGMLPeer(compute=True)
-    srv = None
-    try:
-        srv = ServerProcess(model, "--rpc", peer.endpoint, "-dev", "CPU,RPC0", "-ts", "1,1", "-np", "1", "-c", "256",
-                            "-t", "1").wait_ready()
+    with _server_over(peer, model, "-dev", "CPU,RPC0", "-ts", "1,1", "-np", "1", "-c", "256") as srv:
         ask = {"prompt": PROMPT, "n_predict": 8, "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
 
         def argmax_graphs() -> int:
@@ -311,10 +305,6 @@ def test_greedy_rows_are_sampled_on_the_peer_and_the_others_here(model_factory):
         assert status == 200 and res["tokens"] == want
         assert len(res["completion_probabilities"][0]["top_logprobs"]) == 2
         assert argmax_graphs() == greedy_graphs        # neither request's graphs ended at ARGMAX
-    finally:
-        if srv is not None:
-            assert srv.stop() == 0
-        peer.stop()
 
 
 def test_each_device_of_a_ggml_peer_is_an_rpc_device_in_llama_cpp_order(model_factory):

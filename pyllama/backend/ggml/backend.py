@@ -8,8 +8,9 @@ layout (the same groups of sequences over the same rounded cell counts): only th
 inputs go up (cell gathers and masks), and when its records are the last ones the device ran it
 is re-run with GRAPH_RECOMPUTE (a decode step's graph repeats while its batch keeps its size).
 Those inputs and the intermediate results live in two buffers of the device's own, grown as
-graphs need; one lock keeps a graph's input upload, compute and reads together, so two groups
-never interleave on them.
+graphs need; one lock keeps a graph's input upload, compute and the asking of its reads together,
+so two groups never interleave on them, and the reads' replies are read after it (the peer answers
+in order), while the next group sends its step.
 """
 from __future__ import annotations
 
@@ -185,6 +186,9 @@ class GGMLBackend(RemoteDevice, Backend):
         # group's graph computes on the peer this one's host work is done, and the peer idles only
         # for the upload. A graph is lowered once per shape it takes (a mix of prompts and decodes
         # recurs), not again each time its batch changes shape.
+        for t, out in reads:   # checked before any read is asked: every reply asked must be read
+            if out.nbytes != t.nbytes:
+                raise ValueError(f"get_tensor: {t.name} has {t.nbytes} B, destination {out.nbytes} B")
         t_ready = trace.now() if trace.enabled else 0
         memo: dict = {}
         sources = self._sources.get(graph.uid)
@@ -228,10 +232,7 @@ class GGMLBackend(RemoteDevice, Backend):
         result is made here: from the peer's ARGMAX ids, or by the host's sampler chain on the
         logits read back."""
         if tail is None or t is not tail.node.out:
-            dst = memoryview(out.reshape(-1).view(np.uint8))
-            if len(dst) != t.nbytes:
-                raise ValueError(f"get_tensor: {t.name} has {t.nbytes} B, destination {len(dst)} B")
-            return self.conn.ask_tensor(self._record(t), 0, t.nbytes), dst, None
+            return self.conn.ask_tensor(self._record(t), 0, t.nbytes), memoryview(out.reshape(-1).view(np.uint8)), None
         nd = tail.node
         sampled = out.reshape(-1).view(np.int32).reshape(nd.out.shape)
         if tail.ids is not None:
@@ -307,9 +308,9 @@ class GGMLBackend(RemoteDevice, Backend):
         return got
 
     def _input_leaves(self, g: G.GraphBuilder, spec: AttnSpec) -> list[G.GT]:
-        arrays = self._lowering.inputs(spec, self._lowering.memo)
+        items = self._lowering.inputs(spec, self._lowering.memo)
         offsets = []
-        for arr in arrays:
+        for _, arr in items:
             need = self._inputs_used + arr.nbytes
             if self._inputs is None or need > self._inputs.size:
                 # a larger buffer: earlier inputs of this graph are written again into it
@@ -320,18 +321,17 @@ class GGMLBackend(RemoteDevice, Backend):
                 raise _Relower()
             offsets.append(self._inputs_used)
             self._inputs_used = (need + self.alignment - 1) // self.alignment * self.alignment
-        self._send_inputs(arrays, offsets)
+        self._send_inputs(items, offsets)
         self._inputs_made.append((spec, offsets))
         return [g.leaf(_GGML_TYPE[arr.dtype.char], tuple(reversed(arr.shape)), self._inputs.remote_ptr,
-                       self._inputs.base + at, "kq_mask" if arr.dtype != np.int32 else "kv_gather")
-                for arr, at in zip(arrays, offsets)]
+                       self._inputs.base + at, name) for (name, arr), at in zip(items, offsets)]
 
-    def _send_inputs(self, arrays: list[np.ndarray], offsets: list[int]) -> None:
+    def _send_inputs(self, items: list[tuple[str, np.ndarray]], offsets: list[int]) -> None:
         inputs = self._inputs
         assert inputs is not None
-        for arr, at in zip(arrays, offsets):
+        for (name, arr), at in zip(items, offsets):
             rec = P.tensor_record(1, _GGML_TYPE[arr.dtype.char], tuple(reversed(arr.shape)),
-                                  buffer=inputs.remote_ptr, data=inputs.base + at)
+                                  buffer=inputs.remote_ptr, data=inputs.base + at, name=name)
             self.conn.set_tensor(rec, 0, memoryview(np.ascontiguousarray(arr)).cast("B"))
 
     # --- a lost peer ------------------------------------------------------------------------------

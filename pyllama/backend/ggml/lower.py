@@ -173,23 +173,24 @@ class Lowering:
             got = memo[key] = attention_plan(self.host_i32(cells), self.host_i32(ranges).reshape(-1, 2), n_tokens)
         return got
 
-    def inputs(self, spec: AttnSpec, memo: dict) -> list[np.ndarray]:
-        """This step's arrays of `spec`, in the order `_attention` reads them: per group its cell
-        gather and mask (and its batch rows when the groups reorder the batch), then the batch
-        order of the result rows when they do; first the Hadamard matrices of its rotations."""
+    def inputs(self, spec: AttnSpec, memo: dict) -> list[tuple[str, np.ndarray]]:
+        """This step's (name, array) inputs of `spec`, in the order `_attention` reads them: the
+        Hadamard matrices of its rotations, then per group its cell gather and mask (and its batch
+        rows when the groups reorder the batch), then the batch order of the result rows when they do."""
         layout, groups = self.plan(spec.cells, spec.ranges, spec.n_tokens, memo)
         if layout != spec.layout:
             raise ValueError("ATTENTION: the step's cell lists have another layout than its lowered graph")
-        out: list[np.ndarray] = [hadamard(n) for n in (spec.rot_k, spec.rot_v) if n]
+        out = [(name, hadamard(n)) for name, n in (("attn_rot_k", spec.rot_k), ("attn_rot_v", spec.rot_v)) if n]
         for (T, m, C), grp in zip(layout.groups, groups):
-            out += [grp.gather, group_mask(grp, C, spec.n_swa, np.float16 if spec.flash else np.float32)]
+            out += [("kv_gather", grp.gather),
+                    ("kq_mask", group_mask(grp, C, spec.n_swa, np.float16 if spec.flash else np.float32))]
             if not layout.in_order:
-                out.append(grp.tokens.astype(np.int32))
+                out.append(("attn_rows", grp.tokens.astype(np.int32)))
         if not layout.in_order:
             slots = np.concatenate([grp.tokens for grp in groups])
             back = np.empty(slots.size, np.int32)
             back[slots] = np.arange(slots.size, dtype=np.int32)
-            out.append(back)
+            out.append(("attn_order", back))
         return out
 
     def shape_of(self, sources: "GraphSources", memo: dict) -> tuple:

@@ -13,6 +13,7 @@ connection; the client must say so in one line). Prints one line per check; exit
 from __future__ import annotations
 
 import argparse
+import tempfile
 import os
 import struct
 import sys
@@ -27,6 +28,7 @@ sys.path.insert(0, HERE)
 
 from peers import Peers  # noqa: E402
 from pipeline_cells import GgmlRpcPeer  # noqa: E402
+from pyllama._fast.wire import fnv1a64  # noqa: E402
 from pyllama._fast import qmatmul  # noqa: E402
 from pyllama.backend.ggml import protocol as P  # noqa: E402
 from pyllama.backend.ggml.connection import GGMLConnection, identify  # noqa: E402
@@ -179,6 +181,24 @@ def main() -> int:
         conn.close()
     finally:
         peer.stop()
+    with tempfile.TemporaryDirectory() as cache:   # rpc-server -c keeps long writes under their hash
+        peer = GgmlRpcPeer(peers, a.threads, args=["-c"], env={"LLAMA_CACHE": cache})
+        try:
+            conn = GGMLConnection(peer.endpoint)
+            ar = Arena(conn, 0, 24 << 20)
+            data = np.random.default_rng(0).standard_normal((11 << 20) // 4).astype(np.float32)
+            first = ar.tensor(0, [data.size], "w0")
+            second = ar.tensor(0, [data.size], "w1")
+            h = fnv1a64(data)
+            missed = conn.set_tensor_hash(first, 0, h)
+            ar.put(first, data)
+            hit = conn.set_tensor_hash(second, 0, h)
+            check("SET_TENSOR_HASH: a write the peer kept (rpc-server -c) is not sent again",
+                  not missed and hit and np.array_equal(ar.get_f32(second, (data.size,)), data),
+                  f"hash {h:016x}: before the write {missed}, after it {hit}; kept {sorted(os.listdir(cache))}")
+            conn.close()
+        finally:
+            peer.stop()
     print(f"{len(failures)} check(s) failed" if failures else "every check passed")
     return 1 if failures else 0
 

@@ -56,9 +56,10 @@ class Peers:
             raise RuntimeError(f"{program} exited {proc.returncode}: {proc.stderr[-2000:]}")
         return proc.stdout
 
-    def popen(self, program: str, *args: str, wrap: Sequence[str] = (), **kwargs) -> subprocess.Popen:
-        """Starts a program; `wrap` goes before it (e.g. `chrt -f 40`)."""
-        return subprocess.Popen([*wrap, self.path(program), *args], env=self.env, **kwargs)
+    def popen(self, program: str, *args: str, wrap: Sequence[str] = (), env: Optional[dict] = None,
+              **kwargs) -> subprocess.Popen:
+        """Starts a program; `wrap` goes before it (e.g. `chrt -f 40`); `env` adds variables."""
+        return subprocess.Popen([*wrap, self.path(program), *args], env={**self.env, **(env or {})}, **kwargs)
 
     def close(self) -> None:
         shutil.rmtree(self._libdir, ignore_errors=True)

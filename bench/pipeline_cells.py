@@ -951,7 +951,8 @@ class LlamaServer:
 class GgmlRpcPeer:
     """llama.cpp's ggml-rpc-server (-t threads) on a free loopback port, for the whole run."""
 
-    def __init__(self, peers, threads: int, timeout: float = 60, wrap: Sequence[str] = ()) -> None:
+    def __init__(self, peers, threads: int, timeout: float = 60, wrap: Sequence[str] = (), args: Sequence[str] = (),
+                 env: Optional[dict] = None) -> None:
         import socket  # noqa: PLC0415
 
         from server_util import free_port  # noqa: PLC0415
@@ -959,7 +960,7 @@ class GgmlRpcPeer:
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.proc = peers.popen("ggml-rpc-server", "-H", "127.0.0.1", "-p", str(self.port), "-t", str(threads),
-                                wrap=wrap, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                *args, wrap=wrap, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.drain = _Drain(self.proc.stdout)
         deadline = time.monotonic() + timeout
         while True:  # it prints nothing we can rely on: ready once the port takes a connection

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from pyllama._fast.wire import fnv1a64
 from pyllama.backend.ggml import protocol as P
 from pyllama.backend.ggml.protocol import GCmd
 
@@ -42,6 +43,8 @@ class FakeGGMLPeer:
         self.recomputes: list[int] = []
         self.commands: list[GCmd] = []
         self.cache: dict[int, bytes] = {}     # fnv hash -> bytes (rpc-server -c)
+        self.keep_cache = False               # as rpc-server -c: a SET_TENSOR longer than hash_min is kept
+        self.hash_min = 10 << 20
         self.closed_on: list[str] = []        # why connections were closed
         self._next = self.BASE
         self._sock = socket.socket()
@@ -189,7 +192,10 @@ class FakeGGMLPeer:
             return b""
         if cmd == GCmd.SET_TENSOR:
             self._need(len(p) >= T + 8, "request size")
-            self._write(np.frombuffer(p, P.RPC_TENSOR, 1)[0], P.U64.unpack_from(p, T)[0], p[T + 8:])
+            data = p[T + 8:]
+            self._write(np.frombuffer(p, P.RPC_TENSOR, 1)[0], P.U64.unpack_from(p, T)[0], data)
+            if self.keep_cache and len(data) > self.hash_min:
+                self.cache[fnv1a64(data)] = bytes(data)
             return b""
         if cmd == GCmd.SET_TENSOR_HASH:
             self._need(len(p) == T + 16, "request size")

@@ -348,3 +348,35 @@ def test_a_device_beyond_the_peers_devices_is_refused_in_one_line(model_factory)
         peer.stop()
     assert r.returncode != 0
     assert "--device RPC1: the --rpc servers have 1 device" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_weights_a_peer_kept_are_not_sent_again(model_factory, monkeypatch):
+    # rpc-server -c keeps each long write under its FNV-1a hash; a later load offers the hash first
+    # (SET_TENSOR_HASH) and sends the bytes only when the peer lacks them, as llama.cpp's client does
+    from pyllama.backend.cpu import CPUBackend
+    from pyllama.backend.ggml import backend as ggml_backend
+    from pyllama.backend.ggml.protocol import GCmd
+    from pyllama.runtime.engine import Engine
+    model = model_factory("tiny", arch="llama", wtype="f32")
+    monkeypatch.setattr(ggml_backend, "HASH_MIN_BYTES", 16 << 10)   # the tiny model's matrices are small
+    peer = FakeGGMLPeer(compute=True)
+    peer.keep_cache, peer.hash_min = True, 16 << 10
+    runs = []
+    try:
+        for _ in range(2):
+            before = len(peer.commands)
+            engine = Engine(model, n_threads=1, backends=[ggml_backend.GGMLBackend(
+                ggml_backend.ggml_connection(peer.endpoint), 0, "RPC0"), CPUBackend(1)], tensor_split=[1, 1])
+            try:
+                ctx = engine.new_context(256, 1)
+                tokens = greedy_decode(ctx, engine.tokenizer.encode(PROMPT), 6)
+            finally:
+                engine.close()
+            sent = peer.commands[before:]
+            runs.append((tokens, sent.count(GCmd.SET_TENSOR_HASH), sent.count(GCmd.SET_TENSOR)))
+    finally:
+        peer.stop()
+    (first, asked1, sets1), (second, asked2, sets2) = runs
+    assert peer.cache and asked1 == asked2 == len(peer.cache)      # every long write offered its hash
+    assert sets2 == sets1 - len(peer.cache)                        # ... and the second load sent none of them
+    assert second == first

@@ -127,6 +127,18 @@ cdef str _size_error(int code, uint32_t dtype, uint32_t n_dims, const uint64_t* 
     return f"the byte size of {_type_name(dtype)}{shp} overflows 64 bits"
 
 
+def fnv1a64(data) -> int:
+    """The 64-bit FNV-1a hash of a bytes-like object, as ggml's RPC hashes a tensor write for a
+    llama.cpp rpc-server's cache (SET_TENSOR_HASH). The GIL is released over the bytes."""
+    cdef const uint8_t[::1] view = memoryview(data).cast("B")
+    cdef uint64_t h = 0xcbf29ce484222325ULL
+    cdef Py_ssize_t i, n = view.shape[0]
+    with nogil:
+        for i in range(n):
+            h = (h ^ view[i]) * 0x100000001b3ULL
+    return h
+
+
 def tensor_nbytes(dtype, shape) -> int:
     """Bytes of a row-major `dtype` tensor of `shape` (1 to 4 dims); ValueError when it has none."""
     cdef uint64_t dims[4]

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..._fast.wire import fnv1a64
 from ...obs import trace
 from ...rpc.connection import RPCError
 from ...ir.tensor import WEIGHT_TYPES, Buffer, DType, Graph, Tensor
@@ -35,6 +36,8 @@ from .connection import GGMLConnection
 from .lower import LOWERED_OPS, AttnSpec, GraphSources, Lowering, SampleTail
 
 HOST_I32_MAX = 1 << 20   # I32 inputs up to this size keep a host copy (the attention's cell lists)
+HASH_MIN_BYTES = 10 << 20   # a longer write first offers its FNV-1a hash to the peer's cache (rpc-server -c),
+                            # as llama.cpp's client does (HASH_THRESHOLD): the peer writes the bytes it kept
 _LOWERED_KEPT = 256      # lowerings kept (by graph uid and shape; the scheduler forgets graphs it drops)
 
 _connections: dict[str, GGMLConnection] = {}   # endpoint -> the process's connection
@@ -168,7 +171,10 @@ class GGMLBackend(RemoteDevice, Backend):
                 if mirror is None or mirror.size * 4 != tensor.nbytes:
                     mirror = self._host_i32[key] = np.zeros(tensor.nbytes // 4, np.int32)
                 mirror.view(np.uint8)[offset:offset + len(view)] = np.frombuffer(view, np.uint8)
-            self.conn.set_tensor(self._record(tensor), offset, view)
+            rec = self._record(tensor)
+            if len(view) > HASH_MIN_BYTES and self.conn.set_tensor_hash(rec, offset, fnv1a64(view)):
+                return   # the peer had kept these bytes (a weight sent to it before) and wrote them
+            self.conn.set_tensor(rec, offset, view)
 
     def get_tensor(self, tensor: Tensor, out: Optional[np.ndarray] = None) -> np.ndarray:
         if out is None:

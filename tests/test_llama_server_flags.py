@@ -169,6 +169,9 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M --embeddings", lambda a: a.embedding is True),
     ("-m M -dt 0.1", lambda a: a.defrag_thold == 0.1),
     ("-m M --no-prefill-assistant", lambda a: a.prefill_assistant is False),
+    ("-m M --draft-max 16", lambda a: a.spec_draft_n_max == 16 and a.spec_type == "none"),
+    ("-m M --spec-type none,ngram-simple --spec-draft-n-max 4 --spec-draft-n-min 2",
+     lambda a: (a.spec_type, a.spec_draft_n_max, a.spec_draft_n_min) == ("ngram-simple", 4, 2)),
 ])
 def test_llama_server_command_lines(line, check):
     assert check(parse_args(line.split()))
@@ -184,8 +187,8 @@ def test_llama_server_command_lines(line, check):
     ("-m M --mmproj mm.gguf", "--mmproj"),
     ("-m M -ot exps=CPU", "-ot"),
     ("-m M --override-tensor exps=CPU", "--override-tensor"),
-    ("-m M --draft-max 16", "--draft-max"),
-    ("-m M --spec-draft-n-max 16", "--spec-draft-n-max"),
+    ("-m M --spec-ngram-mod-n-max 16", "--spec-ngram-mod-n-max"),
+    ("-m M --draft-p-min 0.5", "--draft-p-min"),
     ("-m M -gan 4", "-gan"),
     ("-m M --ssl-key-file k.pem", "--ssl-key-file"),
     ("-m M --adaptive-target 0.5", "--adaptive-target"),

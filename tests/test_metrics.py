@@ -13,7 +13,8 @@ COUNTERS = {
     "llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total",
     "llamacpp:tokens_predicted_total", "llamacpp:tokens_predicted_seconds_total",
     "llamacpp:n_decode_total", "llamacpp:n_tokens_max", "llamacpp:n_preemptions_total",
-    "llamacpp:n_context_shifts_total",
+    "llamacpp:n_context_shifts_total", "llamacpp:spec_decode_num_draft_tokens_total",
+    "llamacpp:spec_decode_num_accepted_tokens_total", "llamacpp:spec_decode_num_drafts_total",
 }
 GAUGES = {
     "llamacpp:n_busy_slots_per_decode", "llamacpp:prompt_tokens_seconds",

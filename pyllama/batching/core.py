@@ -14,13 +14,14 @@ import numpy as np
 
 from ..obs.metrics import Metrics
 from ..obs.step_probe import StepProbe
-from ..runtime.context import Context
+from ..runtime.context import Context, DecodeOutput
 from ..tokenizer import Tokenizer
 from .postprocess import Postprocessor
 from .prompt_cache import GroupPromptCache
-from .runner import Runner
+from .runner import Runner, wants_raw_probs
 from .scheduler import Scheduler
-from .slot import Slot, common_prefix
+from .slot import Slot, SlotState, common_prefix
+from .speculative import Drafter, SpecConfig, verify
 from .task import CompletionTask, ErrorEvent, EventOut, FinalEvent, ProgressEvent
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class BatchCore:
     def __init__(self, ctx: Context, slots: list[Slot], tokenizer: Tokenizer, metrics: Metrics, sink: EventOut,
                  on_free: Callable[[Slot], None], probe: StepProbe, n_threads: int = 1,
                  backend_sampling: bool = False, context_shift: bool = False, pooling: str = "none",
-                 name: str = "0"):
+                 name: str = "0", spec: Optional[SpecConfig] = None):
         self.ctx = ctx
         self.slots = slots
         self.metrics = metrics
@@ -43,6 +44,7 @@ class BatchCore:
         self.post = Postprocessor(ctx, slots, tokenizer, metrics, sink, on_free)
         self.scheduler = Scheduler(ctx, slots, tokenizer, metrics, self.cache, self.post.finish)
         self.runner = Runner(ctx, len(slots), probe, n_threads, backend_sampling, pooling, name)
+        self.drafter = Drafter(spec) if spec is not None and spec.enabled else None
 
     def warm_up(self, token: int) -> None:
         """One step of `token` on the first slot's sequence, then forgotten (Runner.warm_up)."""
@@ -96,6 +98,9 @@ class BatchCore:
         for slot in self.slots:
             if slot.busy and slot.task is not None and slot.task.cancelled.is_set():
                 self.post.finish(slot, None)
+        if self.drafter is not None:
+            for slot in self.slots:
+                slot.draft = self.drafter.propose(slot) if slot.state is SlotState.GENERATING else []
         plan = self.scheduler.plan()
         batch, rows = self.runner.build(plan)
         if batch is None:
@@ -107,12 +112,36 @@ class BatchCore:
         if rows:
             if out.embd is not None:
                 self.post.after_embeddings(rows)
+            elif any(slot.draft for slot in plan.decode):
+                self._emit_speculative(out, rows, plan.decode)
             else:
                 constrained = self.post.emit(rows, self.runner.sample(out, rows))
                 self.runner.request_masks(constrained)
         self.metrics.on_tokens(max(slot.n_past for slot in self.slots))
         self.probe.post_done(rows)
         return True
+
+    def _emit_speculative(self, out: DecodeOutput, rows: list[Slot], decode: list[Slot]) -> None:
+        """A step with drafts: the other rows are sampled together as usual, then each drafted
+        slot's rows in turn (speculative.verify), and the cells of the draft tokens it did not
+        accept are freed."""
+        plain = [i for i, slot in enumerate(rows) if not slot.draft]
+        if plain:
+            part = DecodeOutput(np.ascontiguousarray(out.logits[plain]), out.rows[plain])
+            constrained = self.post.emit([rows[i] for i in plain], self.runner.sample(part, [rows[i] for i in plain]))
+            self.runner.request_masks(constrained)
+        first = {}
+        for i, slot in enumerate(rows):
+            first.setdefault(slot.id, i)
+        for slot in decode:
+            if not slot.draft:
+                continue
+            i, n = first[slot.id], 1 + len(slot.draft)
+            accepted = verify(slot, out.logits[i:i + n], self.runner.sampler, self.post.emit_token,
+                              wants_raw_probs(slot))
+            self.metrics.on_draft(n - 1, accepted)
+            n_kept = self.ctx.seq_rm(slot.seq, slot.n_past)
+            del slot.cache_tokens[n_kept:]
 
     def finish(self, slot: Slot, final: Optional[FinalEvent]) -> None:
         """Ends the slot's request (with `final`, or None: cancelled) and frees the slot."""

@@ -58,39 +58,46 @@ class Postprocessor:
         ids, probs, top_ids, top_probs, raw = samples
         constrained: list[Slot] = []
         for i, slot in enumerate(rows):
-            task = slot.task
-            assert task is not None
-            if slot.state is SlotState.PROMPT:
-                slot.state = SlotState.GENERATING
-                slot.n_prompt_path = len(slot.prompt)
-                self.metrics.on_prompt(len(slot.prompt) - slot.n_cached, time.perf_counter() - slot.t_start)
-                self.release_children(slot)
-                if task.n_predict == 0:  # the prompt is cached; no token is wanted
-                    self.finish(slot, slot.end_without_tokens())
-                    continue
-            sampled = ids[i]
-            if slot.thinking is not None:  # a spent thinking budget puts its end in place of the sample
-                ids[i] = slot.thinking.replace(sampled)
-            p = None
-            if task.n_probs > 0 and ids[i] == sampled:  # a token put in was not sampled: it has no probabilities
-                p = presampling_probs(self.tokenizer, raw[i], ids[i], task.n_probs, slot.special) \
-                    if raw is not None and i in raw else \
-                    token_probs(self.tokenizer, ids[i], float(probs[i]), top_ids[i], top_probs[i], task.n_probs,
-                                post_sampling=True, special=slot.special)
-            if slot.constraint is not None and not slot.constraint.consume(ids[i]):
-                # only a token the mask allowed can be sampled: this is the grammar engine failing
-                why = slot.constraint.error or f"token {ids[i]} refused"
-                self.sink.put(task, ErrorEvent(f"constrained decoding failed: {why}"))
-                self.finish(slot, None)
-                continue
-            event, final = slot.accept(ids[i], p)
-            if event is not None:
-                self.sink.put(task, event)
-            if final is not None:
-                self.finish(slot, final)
-            elif slot.constraint is not None:
+            if self.emit_token(slot, ids[i], float(probs[i]), top_ids[i], top_probs[i],
+                               raw[i] if raw is not None and i in raw else None) and slot.constraint is not None:
                 constrained.append(slot)
         return constrained
+
+    def emit_token(self, slot: Slot, sampled: int, prob: float, top_ids: np.ndarray, top_probs: np.ndarray,
+                   raw: Optional[np.ndarray]) -> bool:
+        """One sampled token of `slot` becomes its request's events (`raw`: the row's logits before
+        sampling, for llama-server's default probabilities); whether the request goes on."""
+        task = slot.task
+        assert task is not None
+        if slot.state is SlotState.PROMPT:
+            slot.state = SlotState.GENERATING
+            slot.n_prompt_path = len(slot.prompt)
+            self.metrics.on_prompt(len(slot.prompt) - slot.n_cached, time.perf_counter() - slot.t_start)
+            self.release_children(slot)
+            if task.n_predict == 0:  # the prompt is cached; no token is wanted
+                self.finish(slot, slot.end_without_tokens())
+                return False
+        token = sampled
+        if slot.thinking is not None:  # a spent thinking budget puts its end in place of the sample
+            token = slot.thinking.replace(sampled)
+        p = None
+        if task.n_probs > 0 and token == sampled:  # a token put in was not sampled: it has no probabilities
+            p = presampling_probs(self.tokenizer, raw, token, task.n_probs, slot.special) if raw is not None else \
+                token_probs(self.tokenizer, token, prob, top_ids, top_probs, task.n_probs, post_sampling=True,
+                            special=slot.special)
+        if slot.constraint is not None and not slot.constraint.consume(token):
+            # only a token the mask allowed can be sampled: this is the grammar engine failing
+            why = slot.constraint.error or f"token {token} refused"
+            self.sink.put(task, ErrorEvent(f"constrained decoding failed: {why}"))
+            self.finish(slot, None)
+            return False
+        event, final = slot.accept(token, p)
+        if event is not None:
+            self.sink.put(task, event)
+        if final is not None:
+            self.finish(slot, final)
+            return False
+        return True
 
     def _embedding_step(self, slot: Slot, out: DecodeOutput) -> None:
         """Keeps the hidden rows an embedding task's prompt chunk returned; once the whole prompt

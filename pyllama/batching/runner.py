@@ -69,12 +69,14 @@ class Runner:
         seqs: list[int] = []
         want: list[bool] = []
         rows: list[Slot] = []
-        for slot in plan.decode:
+        for slot in plan.decode:  # its sampled token, then any draft: a row each
+            n = 1 + len(slot.draft)
             tokens.append(slot.next_token)
-            pos.append(slot.n_past)
-            seqs.append(slot.seq)
-            want.append(True)
-            rows.append(slot)
+            tokens.extend(slot.draft)
+            pos.extend(range(slot.n_past, slot.n_past + n))
+            seqs.extend([slot.seq] * n)
+            want.extend([True] * n)
+            rows.extend([slot] * n)
         for slot, n in plan.chunks:
             start = slot.n_past
             tokens.extend(slot.feed[start:start + n])
@@ -103,6 +105,7 @@ class Runner:
         if any(slot.task is not None and slot.task.embedding for slot in rows):
             out = self.ctx.decode(batch, embeddings=True)  # hidden states instead of logits
         elif self.backend_sampling and rows and not any(slot.sampler.logit_bias is not None
+                                                        or slot.draft  # rows sampled in turn: speculative.verify
                                                         or wants_raw_probs(slot)
                                                         or slot.constraint is not None
                                                         or not slot.sampler.device_ok for slot in rows):
@@ -115,7 +118,7 @@ class Runner:
 
     def sample(self, out: DecodeOutput, rows: list[Slot]) -> Samples:
         """The rows' tokens: as the device sampled them, or sampled here from the logits after the
-        grammar masks are applied."""
+        grammar masks are applied. (Drafted slots' rows are not among them: speculative.verify.)"""
         self.probe.sampling()
         raw = None  # the rows wanting pre-sampling probabilities, copied before sampling biases them
         if out.sampled is None and any(wants_raw_probs(slot) for slot in rows):

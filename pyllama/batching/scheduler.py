@@ -154,7 +154,33 @@ class Scheduler:
                 budget = min(budget, EXACT_ROWS - n_rows)
         # a decode row may have been given up to a prompt older than its slot
         decode = [s for s in decode if s.state is SlotState.GENERATING and s.id in self._decode_need]
+        self._fit_drafts(decode, EXACT_ROWS - n_rows)
         return StepPlan(decode, chunks)
+
+    def _fit_drafts(self, decode: list[Slot], rows_left: int) -> None:
+        """Trims the decode slots' drafts to the rows the step has left within EXACT_ROWS (a
+        drafted row must compute what a one-row decode would: beyond, none is verified) and to the
+        free blocks; prompts went first. Drafts never evict anything."""
+        in_step = {slot.id for slot in decode}
+        for slot in self.slots:
+            if slot.draft and slot.id not in in_step:
+                slot.draft = []
+        for slot in decode:
+            if not slot.draft:
+                continue
+            k = min(len(slot.draft), max(0, rows_left))
+            extra = 0
+            while k > 0:
+                extra = self.kv.blocks_to_grow(slot.seq, slot.n_past + 1 + k) - self._decode_need[slot.id]
+                if extra <= self._free():
+                    break
+                k -= 1
+            slot.draft = slot.draft[:k]
+            if k:
+                self._reserved += extra
+                self._decode_need[slot.id] += extra
+                slot.n_pending = 1 + k
+                rows_left -= k
 
     def _free(self) -> int:
         return self.kv.n_free_blocks - self._reserved

@@ -108,6 +108,10 @@ class Slot:
         self.n_shifted = 0
         self.embd_parts: list[np.ndarray] = []  # embedding tasks: the hidden rows computed so far
         self.embd_span = (0, 0)         # embedding tasks: its output rows in the step being decoded
+        # speculative decoding: the tokens the next step computes after next_token, and the totals
+        self.draft: list[int] = []
+        self.n_draft_total = 0
+        self.n_draft_accepted = 0
 
     # --- life cycle (decode thread) --------------------------------------------------------------
     @property
@@ -197,6 +201,15 @@ class Slot:
             event.timings = self.timings()
         return event, None
 
+    def draft_room(self) -> int:
+        """Draft tokens the slot can verify: its context keeps room for the sampled token and one
+        more, and a draft beyond the tokens it may still generate is wasted (as llama-server)."""
+        task = self.task
+        room = self.n_ctx - self.n_past - 2
+        if task is not None and task.n_predict >= 0:
+            room = min(room, task.n_predict - self.n_decoded - 1)
+        return room
+
     def timings(self) -> tuple[int, float, int, float]:
         """(prompt tokens computed, prompt ms, tokens generated, generation ms) so far."""
         t_prompt = self.t_prompt_done or self.t_last
@@ -230,7 +243,8 @@ class Slot:
             n_evaluated=len(self.prompt) - self.n_cached, n_predicted=self.n_decoded,
             prompt_ms=(t_prompt - self.t_start) * 1e3, predicted_ms=(self.t_last - t_prompt) * 1e3,
             id_slot=self.id, text_tail=tail, truncated=self.truncated, n_cache=min(self.n_past, self.n_ctx),
-            n_preempted=self.n_preempted, n_shifted=self.n_shifted)
+            n_preempted=self.n_preempted, n_shifted=self.n_shifted, draft_n=self.n_draft_total,
+            draft_n_accepted=self.n_draft_accepted)
 
     def snapshot(self) -> dict:
         task = self.task

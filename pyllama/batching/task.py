@@ -36,6 +36,8 @@ class CompletionTask:
     thinking_end: list[int] = field(default_factory=list)  # the tokens that end it (reasoning.budget_end_text)
     thinking_open: bool = False             # the prompt opened the thinking
     id_slot: int = -1
+    spec_n_max: int = -1                    # speculative.n_max: at most this many draft tokens a step (-1: no cap)
+    spec_n_min: int = 0                     # speculative.n_min: a shorter draft is not verified
     settings: dict = field(default_factory=dict)  # the request's generation_settings, which /slots shows
     index: int = 0                          # choice index within a request with n > 1
     siblings: list["CompletionTask"] = field(default_factory=list)  # the other choices, to be placed together
@@ -84,6 +86,8 @@ class FinalEvent:
     n_cache: int = 0           # positions of the sequence in the KV cache at the end (at most n_ctx)
     n_preempted: int = 0       # times its cells were freed for an older request and recomputed
     n_shifted: int = 0         # context shifts
+    draft_n: int = 0           # speculative decoding: tokens drafted, and of those accepted
+    draft_n_accepted: int = 0
 
 
 @dataclass

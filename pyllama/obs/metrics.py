@@ -22,6 +22,9 @@ _COUNTERS = (
     ("tokens_predicted_seconds_total", "Predict process time"),
     ("n_decode_total", "Total number of llama_decode() calls"),
     ("n_tokens_max", "Largest observed n_tokens."),
+    ("spec_decode_num_draft_tokens_total", "Total draft tokens generated"),
+    ("spec_decode_num_accepted_tokens_total", "Total draft tokens accepted by the target model"),
+    ("spec_decode_num_drafts_total", "Total speculative decoding verification steps"),
     # pyllama's own: the scheduler under a full KV pool (docs/server.md)
     ("n_preemptions_total", "Requests preempted: their KV cells freed for an older request and recomputed later"),
     ("n_context_shifts_total", "Context shifts (--context-shift)"),
@@ -73,6 +76,9 @@ class Metrics:
         self._n_tokens_max = 0
         self._n_preemptions = 0
         self._n_context_shifts = 0
+        self._n_draft_tokens = 0
+        self._n_draft_accepted = 0
+        self._n_drafts = 0
 
     # -- updates (decode threads) ------------------------------------------------------------
 
@@ -105,6 +111,13 @@ class Metrics:
         with self._lock:
             self._n_preemptions += 1
 
+    def on_draft(self, n_drafted: int, n_accepted: int) -> None:
+        """A draft of ``n_drafted`` tokens was verified; ``n_accepted`` of them were kept."""
+        with self._lock:
+            self._n_draft_tokens += n_drafted
+            self._n_draft_accepted += n_accepted
+            self._n_drafts += 1
+
     def on_context_shift(self) -> None:
         with self._lock:
             self._n_context_shifts += 1
@@ -118,7 +131,11 @@ class Metrics:
             gt, gs = self._predicted_tokens, self._predicted_seconds
             nd, nb, nt = self._n_decode, self._n_busy_slots, self._n_tokens_max
             npre, nshift = self._n_preemptions, self._n_context_shifts
+            ndt, nda, nds = self._n_draft_tokens, self._n_draft_accepted, self._n_drafts
         return {
+            "spec_decode_num_draft_tokens_total": ndt,
+            "spec_decode_num_accepted_tokens_total": nda,
+            "spec_decode_num_drafts_total": nds,
             "n_preemptions_total": npre,
             "n_context_shifts_total": nshift,
             "prompt_tokens_total": pt,

@@ -38,7 +38,8 @@ from .http import HTTPServer
 from ..util.loop import install_uvloop
 from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401
                       default_stop, log_accepted, log_level, parse_args, resolve, sampling_defaults,
-                      template_kwargs)
+                      spec_config, template_kwargs)
+from ..batching.scheduler import EXACT_ROWS
 from .params import check_generation_defaults, set_default_constraint, set_generation_defaults
 from ..batching.prompt_cache import PromptCache
 from .reconnect import PeerReconnector
@@ -87,6 +88,10 @@ def load(state: ServerState) -> None:
         log.info("embeddings: pooling %s", state.pooling)
     state.groups = []
     n_ctx_slot = 0
+    spec = spec_config(args)
+    if spec.enabled:
+        log.info("speculative decoding: %s (n = %d, m = %d%s), verified in steps of at most %d rows", spec.kind,
+                 spec.ngram_n, spec.ngram_m, f", at most {spec.n_max} a step" if spec.n_max >= 0 else "", EXACT_ROWS)
     for g in range(n_groups):
         ctx = engine.new_context(ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified,
                                  type_k, type_v)
@@ -102,7 +107,8 @@ def load(state: ServerState) -> None:
                  for i in range(seq_group)]
         state.groups.append(PipelineGroup(g, ctx, slots, engine.tokenizer, state.metrics, on_free=lambda s: None,
                                           n_threads=1, backend_sampling=backend_sampling,
-                                          context_shift=args.context_shift, pooling=state.pooling))
+                                          context_shift=args.context_shift, pooling=state.pooling,
+                                          spec=spec))
 
     if args.warmup:
         warm_up(state.groups, engine.tokenizer)

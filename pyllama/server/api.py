@@ -200,8 +200,12 @@ def _timings_dict(prompt_n: int, prompt_ms: float, predicted_n: int, predicted_m
 
 
 def _timings(final: FinalEvent) -> dict:
-    return _timings_dict(final.n_evaluated, final.prompt_ms, final.n_predicted, final.predicted_ms,
-                         final.n_prompt - final.n_evaluated)
+    out = _timings_dict(final.n_evaluated, final.prompt_ms, final.n_predicted, final.predicted_ms,
+                        final.n_prompt - final.n_evaluated)
+    if final.draft_n > 0:  # as llama-server: only for a request that drafted
+        out["draft_n"] = final.draft_n
+        out["draft_n_accepted"] = final.draft_n_accepted
+    return out
 
 
 def _usage(n_prompt: int, n_gen: int, n_cached: int) -> dict:
@@ -786,7 +790,7 @@ class Api:
                     timings_per_token=p.timings_per_token, return_progress=p.return_progress and p.stream,
                     cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=k * p.n + i, matcher=matcher,
                     thinking_budget=p.thinking_budget, thinking_end=p.thinking_end, thinking_open=p.thinking_open,
-                    settings=settings))
+                    spec_n_max=p.spec_n_max, spec_n_min=p.spec_n_min, settings=settings))
             out.append(tasks)
         return out
 

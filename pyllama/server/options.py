@@ -29,6 +29,7 @@ from ..util.errors import PyllamaError
 from ..models.gguf_file import kv_override_arg
 from ..models.hparams import add_rope_args
 from ..batching.sampling import SamplingParams, parse_samplers
+from ..batching.speculative import SPEC_TYPES, SpecConfig
 from ..runtime.placement.chunk import QUANT_PIPELINE_CHUNK
 from .params import parse_logit_bias
 
@@ -48,7 +49,9 @@ POOLING_TYPES = ("none", "mean", "cls", "last")
 # llama-server flags pyllama does not have, and why: each is refused in one line (a server that
 # silently ignored --lora or --mmproj would answer with another model than the one asked for)
 _LORA = "LoRA adapters are not supported"
-_DRAFT = "speculative decoding (draft models) is not supported"
+_DRAFT = "speculative decoding with a draft model is not supported (n-gram drafts are: --spec-type ngram-simple)"
+_SPEC = ("pyllama drafts with ngram-simple only (--spec-type, --spec-ngram-simple-size-n/-m, "
+         "--spec-draft-n-max/-min)")
 _MM = "multimodal projectors are not supported (text models only)"
 _DL = "pyllama does not download models; pass a local GGUF file with -m"
 _SAMPLER = "this sampler is not supported (adaptive-p is not in pyllama's sampler set)"
@@ -57,8 +60,7 @@ UNSUPPORTED: dict[str, str] = {
     **{f: _LORA for f in ("--lora", "--lora-scaled", "--lora-init-without-apply")},
     **{f: "control vectors are not supported" for f in ("--control-vector", "--control-vector-scaled",
                                                         "--control-vector-layer-range")},
-    **{f: _DRAFT for f in ("-md", "--model-draft", "--draft", "--draft-n", "--draft-max", "--draft-min",
-                           "--draft-n-min", "--draft-p-min", "--draft-p-split", "-ngld", "--gpu-layers-draft",
+    **{f: _DRAFT for f in ("-md", "--model-draft", "--draft-p-min", "--draft-p-split", "-ngld", "--gpu-layers-draft",
                            "--n-gpu-layers-draft", "-devd", "--device-draft", "-ctkd", "--cache-type-k-draft",
                            "-ctvd", "--cache-type-v-draft", "-td", "--threads-draft", "-tbd",
                            "--threads-batch-draft", "-hfd", "-hfrd", "--hf-repo-draft", "-otd",
@@ -101,7 +103,7 @@ UNSUPPORTED: dict[str, str] = {
                                     "--server-base", "--completion-bash")},
 }
 # llama-server's presets (--fim-qwen-7b-default, --gpt-oss-20b-default, ...) fetch a model by name
-UNSUPPORTED_PREFIXES = {"--spec-": _DRAFT, "--fim-qwen-": _DL, "--gpt-oss-": _DL, "--vision-gemma-": _DL,
+UNSUPPORTED_PREFIXES = {"--spec-": _SPEC, "--fim-qwen-": _DL, "--gpt-oss-": _DL, "--vision-gemma-": _DL,
                         "--embd-gemma-": _DL}
 # llama-server variables of unsupported flags: set in a container, they must not pass unnoticed
 UNSUPPORTED_ENV = {"LLAMA_ARG_HF_REPO": "--hf-repo", "LLAMA_ARG_HF_FILE": "--hf-file",
@@ -110,6 +112,30 @@ UNSUPPORTED_ENV = {"LLAMA_ARG_HF_REPO": "--hf-repo", "LLAMA_ARG_HF_FILE": "--hf-
                    "LLAMA_ARG_SPEC_DRAFT_MODEL": "--model-draft", "LLAMA_ARG_OVERRIDE_TENSOR": "--override-tensor",
                    "LLAMA_ARG_RERANKING": "--reranking", "LLAMA_ARG_SSL_KEY_FILE": "--ssl-key-file",
                    "LLAMA_ARG_SSL_CERT_FILE": "--ssl-cert-file", "LLAMA_ARG_MODELS_DIR": "--models-dir"}
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `minimum`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: '{text}'") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def spec_types(text: str) -> str:
+    """--spec-type: llama-server takes a comma-separated list; pyllama drafts by n-grams only."""
+    kinds = [k.strip() for k in text.split(",") if k.strip()] or ["none"]
+    for kind in kinds:
+        if kind not in SPEC_TYPES:
+            why = "a draft model is not supported" if kind.startswith("draft") else "not a type pyllama drafts with"
+            raise argparse.ArgumentTypeError(f"'{kind}': {why} (types: {', '.join(SPEC_TYPES)})")
+    kinds = [k for k in kinds if k != "none"]
+    return kinds[0] if kinds else "none"
 
 
 def _flash_attn(text: str) -> str:
@@ -307,6 +333,18 @@ def build_parser() -> Parser:
       help="run every request's sampler chain on the device that holds the output layer (local or an rpc "
            "server that supports it): only token ids come back instead of the logits; default: on when "
            "the output layer is on an rpc server that supports it, off when it is local")
+    a("--spec-type", type=spec_types, default="none", llama_env="LLAMA_ARG_SPEC_TYPE",
+      help="speculative decoding: none, or ngram-simple (each sequence drafts the tokens that followed the last "
+           "earlier occurrence of its last n tokens; a step verifies them, and keeps those its sampler agrees with)")
+    a("--spec-ngram-simple-size-n", type=int_at_least(1), default=12, llama_env=None,
+      help="ngram-simple: the n-gram looked up in the sequence's tokens")
+    a("--spec-ngram-simple-size-m", type=int_at_least(1), default=48, llama_env=None,
+      help="ngram-simple: at most this many tokens that followed it are drafted")
+    a("--spec-draft-n-max", "--draft-max", "--draft-n", "--draft", dest="spec_draft_n_max", type=int_at_least(0),
+      default=None, llama_env="LLAMA_ARG_SPEC_DRAFT_N_MAX",
+      help="at most this many draft tokens per sequence and step (default: ngram-simple's m)")
+    a("--spec-draft-n-min", "--draft-min", "--draft-n-min", dest="spec_draft_n_min", type=int_at_least(0), default=0,
+      llama_env="LLAMA_ARG_SPEC_DRAFT_N_MIN", help="a shorter draft is not verified")
     a("--embedding", "--embeddings", dest="embedding", action="store_true", llama_env="LLAMA_ARG_EMBEDDINGS",
       help="serve the embedding endpoints")
     a("--pooling", choices=list(POOLING_TYPES), default=None, llama_env="LLAMA_ARG_POOLING",
@@ -502,13 +540,18 @@ def build_parser() -> Parser:
     return p.finish()
 
 
+# the --spec-* flags pyllama has (the others fall under UNSUPPORTED_PREFIXES)
+SPEC_FLAGS = frozenset(("--spec-type", "--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m",
+                        "--spec-draft-n-max", "--spec-draft-n-min"))
+
+
 def _refuse_unsupported(argv: Sequence[str]) -> None:
     for arg in argv:
         if arg == "--":
             break
         name = arg.split("=", 1)[0]
         why = UNSUPPORTED.get(name)
-        if why is None:
+        if why is None and name not in SPEC_FLAGS:
             why = next((w for pre, w in UNSUPPORTED_PREFIXES.items() if name.startswith(pre)), None)
         if why is not None:
             raise PyllamaError(f"{name}: llama-server flag not supported by pyllama: {why}")
@@ -613,6 +656,12 @@ def default_constraint(args) -> Optional["ConstraintSpec"]:
     except HTTPError as exc:
         raise PyllamaError(exc.message.replace(f"'{flag}'", flag, 1)) from None
     return spec
+
+
+def spec_config(args) -> SpecConfig:
+    """The server's speculative decoding settings from its flags."""
+    return SpecConfig(kind=args.spec_type, ngram_n=args.spec_ngram_simple_size_n, ngram_m=args.spec_ngram_simple_size_m,
+                      n_max=-1 if args.spec_draft_n_max is None else args.spec_draft_n_max, n_min=args.spec_draft_n_min)
 
 
 def check_args(args) -> None:

@@ -222,6 +222,8 @@ class CompletionParams:
     thinking_budget: int = -1  # chat: >= 0, tokens the reply may spend thinking (reasoning.ThinkingBudget)
     thinking_end: list[int] = field(default_factory=list)
     thinking_open: bool = False
+    spec_n_max: int = -1    # speculative.n_max: draft tokens per step at most (-1: the server's)
+    spec_n_min: int = 0     # speculative.n_min: a shorter draft is not verified
 
 
 def get_fields(body: dict) -> list[str]:
@@ -338,7 +340,9 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         timings_per_token=get_bool(body, "timings_per_token", False),
         return_progress=get_bool(body, "return_progress", False),
         post_sampling_probs=post_sampling,
-        constraint=parse_constraint(body))
+        constraint=parse_constraint(body),
+        spec_n_max=get_int(body, "speculative.n_max", -1, lo=-1),  # type: ignore[arg-type]
+        spec_n_min=get_int(body, "speculative.n_min", 0, lo=0))  # type: ignore[arg-type]
 
 
 # The server's default constraint (its --grammar / --json-schema), for requests that set none;

@@ -380,3 +380,22 @@ def test_weights_a_peer_kept_are_not_sent_again(model_factory, monkeypatch):
     assert peer.cache and asked1 == asked2 == len(peer.cache)      # every long write offered its hash
     assert sets2 == sets1 - len(peer.cache)                        # ... and the second load sent none of them
     assert second == first
+
+
+def test_metrics_and_pipeline_stats_over_a_ggml_peer(model_factory):
+    # llama.cpp's rpc-server reports no busy time and counts no traffic of its own: /metrics and the
+    # pipeline figures say so for that device instead of failing
+    model = model_factory("tiny", arch="llama", wtype="f32")
+    peer = FakeGGMLPeer(compute=True)
+    with _server_over(peer, model, "-dev", "CPU,RPC0", "-ts", "1,1", "-np", "1", "-c", "256", "--metrics") as srv:
+        status, res = srv.post("/completion", {"prompt": PROMPT, "n_predict": 4})
+        assert status == 200, res
+        status, text = srv.request("GET", "/metrics")
+        assert status == 200, text
+        assert "llamacpp:tokens_predicted_total 4" in text
+        status, stats = srv.request("GET", "/pipeline/stats")
+        assert status == 200, stats
+        rpc = [d for d in stats["devices"] if d["name"] == "RPC0"]
+        assert rpc and not rpc[0]["measured"] and "busy time" in rpc[0]["note"], stats["devices"]
+        assert [link["endpoint"] for link in stats["rpc"]] == [peer.endpoint]
+        assert stats["rpc"][0]["round_trips_total"] > 0 and stats["rpc"][0]["bytes_out_total"] > 0

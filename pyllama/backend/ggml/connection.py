@@ -51,6 +51,15 @@ class GGMLConnection:
             self.close()
             raise
 
+    def has(self, cap: object) -> bool:
+        """Whether the peer offers one of pyllama's wire capabilities (rpc.protocol.Cap): llama.cpp's
+        rpc-server has none of them (no busy time, no sampling, ...)."""
+        return False
+
+    def traffic(self) -> tuple[int, int, int]:
+        """(replies read, bytes out, bytes in) since the connection opened."""
+        return self.n_replies, self.bytes_out, self.bytes_in
+
     # --- the commands ---------------------------------------------------------------------------
     def device_count(self) -> int:
         return self._decode(P.decode_device_count, self.call(GCmd.DEVICE_COUNT))

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from pyllama.batching.speculative import SpecConfig, ngram_simple_draft
+from pyllama.batching.speculative import NgramModTable, SpecConfig, ngram_simple_draft
 from server_util import RPCServerProcess, ServerProcess
 
 # code with repeated lines: the n-gram lookup finds what followed earlier, and random-weight models
@@ -17,6 +17,8 @@ from server_util import RPCServerProcess, ServerProcess
 PROMPT = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
           "def mul(a, b):\n    return a * b\n") * 3
 SPEC = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8"]
+SPEC_MOD = ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "4", "--spec-ngram-mod-n-min", "2",
+            "--spec-ngram-mod-n-max", "12"]
 
 
 def reference_draft(tokens: list[int], sampled: int, n: int, m: int) -> list[int]:
@@ -65,6 +67,50 @@ def test_ngram_simple_draft_edges():
         SpecConfig(kind="draft-simple").validate()
 
 
+class ReferenceMod:
+    """llama.cpp's common_ngram_mod and ngram-mod's draft_one, loop for loop (size as given)."""
+
+    def __init__(self, n: int, size: int):
+        self.n, self.entries = n, [-1] * size
+
+    def idx(self, tokens: list[int]) -> int:
+        res = 0
+        for i in range(self.n):
+            res = (res * 6364136223846793005 + tokens[i]) % 2**64
+        return res % len(self.entries)
+
+    def add(self, tokens: list[int]) -> None:
+        self.entries[self.idx(tokens)] = tokens[self.n]
+
+    def draft(self, key: list[int], n_max: int) -> list[int]:
+        result = list(key)
+        for i in range(n_max):
+            token = self.entries[self.idx(result[i:])]
+            if token == -1:
+                break
+            result.append(token)
+        return result[self.n:]
+
+
+@pytest.mark.unit
+def test_ngram_mod_table_matches_llama_cpp_loop():
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        n, size = int(rng.integers(1, 6)), int(rng.integers(5, 200))
+        tokens = rng.integers(0, int(rng.integers(2, 40)), int(rng.integers(n + 1, 120))).astype(np.int32)
+        ref, table = ReferenceMod(n, size), NgramModTable(n, size)
+        stop = len(tokens) - n
+        cut = int(rng.integers(0, stop + 1))
+        for i in range(stop):
+            ref.add(tokens.tolist()[i:])
+        table.add_all(tokens, 0, cut)  # in two chunks, as the drafter adds them
+        table.add_all(tokens, cut, stop)
+        assert table.entries.tolist() == ref.entries
+        assert table.used == sum(e != -1 for e in ref.entries)
+        key = tokens[-n:].tolist()
+        assert table.draft(key, 16) == ref.draft(key, 16)
+
+
 def completions(srv: ServerProcess, n_predict: int = 120) -> tuple:
     status, greedy = srv.post("/completion", {"prompt": PROMPT, "n_predict": n_predict, "temperature": 0,
                                               "ignore_eos": True, "n_probs": 2})
@@ -84,9 +130,9 @@ def spec_counters(srv: ServerProcess) -> dict[str, int]:
             for m in re.finditer(r"^llamacpp:(spec_decode_\w+) (\d+)$", text, re.M)}
 
 
-def run_both(model: str, *extra: str) -> None:
+def run_both(model: str, *extra: str, spec: tuple = tuple(SPEC)) -> dict:
     results = {}
-    for name, flags in (("plain", []), ("spec", SPEC)):
+    for name, flags in (("plain", []), ("spec", list(spec))):
         srv = ServerProcess(model, "-c", "2048", "-np", "2", "--metrics", *flags, *extra).wait_ready()
         try:
             results[name], timings = completions(srv)
@@ -106,10 +152,12 @@ def run_both(model: str, *extra: str) -> None:
     assert results["spec"][0] == results["plain"][0], "greedy text differs with drafts"
     assert results["spec"][1] == results["plain"][1], "greedy probabilities differ with drafts"
     assert results["spec"][2] == results["plain"][2], "seeded text differs with drafts"
+    return timings
 
 
-def test_output_identical_with_ngram_drafts(tiny_model):
-    run_both(tiny_model)
+@pytest.mark.parametrize("kind", ["ngram-simple", "ngram-mod"])
+def test_output_identical_with_ngram_drafts(tiny_model, kind):
+    run_both(tiny_model, spec=tuple(SPEC if kind == "ngram-simple" else SPEC_MOD))
 
 
 @pytest.mark.parametrize("order,groups", [("CPU,RPC0", 2), ("RPC0,CPU", 1)])
@@ -119,6 +167,35 @@ def test_output_identical_with_ngram_drafts_over_a_split(tiny_model, order, grou
         run_both(tiny_model, "--rpc", peer.endpoint, "--device", order, "--pipeline-groups", str(groups))
     finally:
         assert peer.stop() == 0
+
+
+@pytest.mark.parametrize("draft_type", ["q8_0", "same"])
+def test_output_identical_with_a_draft_model(tiny_model, model_factory, draft_type):
+    """-md: the tiny model's Q8_0 (mostly agrees with it) or the model itself (always agrees)."""
+    draft = tiny_model if draft_type == "same" else model_factory("tiny", wtype="q8_0")
+    timings = run_both(tiny_model, spec=("-md", draft, "--spec-draft-n-max", "4"))
+    if draft_type == "same":  # every greedy draft token is the target's own choice
+        assert timings["draft_n_accepted"] == timings["draft_n"], timings
+
+
+def test_draft_model_over_a_split_with_two_groups(tiny_model, model_factory):
+    peer = RPCServerProcess()
+    try:
+        run_both(tiny_model, "--rpc", peer.endpoint, "--device", "RPC0,CPU", "--pipeline-groups", "2",
+                 spec=("-md", model_factory("tiny", wtype="q8_0"), "--draft-max", "5", "--draft-p-min", "0.05"))
+    finally:
+        assert peer.stop() == 0
+
+
+def test_draft_model_of_another_vocabulary_is_refused(tiny_model, model_factory):
+    import subprocess
+    import sys
+    other = model_factory("small")  # another vocabulary (32000 tokens)
+    proc = subprocess.run([sys.executable, "-m", "pyllama.server", "-m", tiny_model, "-md", other, "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if "--model-draft" in ln]
+    assert lines and "vocabulary" in lines[-1], proc.stderr[-2000:]
 
 
 def test_concurrent_drafting_requests_match_their_plain_runs(tiny_model):
@@ -164,15 +241,25 @@ def test_request_fields_checked(tiny_model):
         status, res = srv.post("/completion", {"prompt": PROMPT, "n_predict": 30, "temperature": 0,
                                                "ignore_eos": True, "speculative.n_min": 9})
         assert status == 200 and "draft_n" not in res["timings"], res["timings"]
+        assert res["generation_settings"]["speculative.types"] == "ngram-simple"
+        status, props = srv.request("GET", "/props")
+        assert status == 200 and props["default_generation_settings"]["speculative"] is True
+        status, slots = srv.request("GET", "/slots")
+        assert status == 200 and all(s["speculative"] is True for s in slots)
     finally:
         assert srv.stop() == 0
 
 
 @pytest.mark.parametrize("argv,fragment", [
-    (["--spec-type", "draft-simple"], "draft model is not supported"),
-    (["--spec-type", "ngram-mod"], "not a type pyllama drafts with"),
-    (["-md", "draft.gguf"], "draft model is not supported"),
-    (["--spec-ngram-mod-n-min", "3"], "ngram-simple only"),
+    (["--spec-type", "draft-simple"], "needs a draft model"),
+    (["-m", "x.gguf", "-md", "d.gguf", "--spec-type", "ngram-mod"], "one draft type at a time"),
+    (["-m", "x.gguf", "-md", "d.gguf", "-devd", "RPC0"], "runs on the local CPU"),
+    (["-m", "x.gguf", "-md", "d.gguf", "--spec-draft-p-min", "1.5"], "must be 0..1"),
+    (["-otd", "x=CPU"], "not supported for the draft model"),
+    (["--spec-replace", "a", "b"], "does not translate between vocabularies"),
+    (["--spec-type", "ngram-cache"], "not a type pyllama drafts with"),
+    (["--spec-type", "ngram-simple,ngram-mod"], "one type at a time"),
+    (["--spec-ngram-map-k-size-n", "3"], "another draft type or setting is not supported"),
     (["--spec-ngram-simple-size-n", "0"], "at least 1"),
     (["--spec-draft-n-max", "-1"], "at least 0"),
 ])

@@ -8,6 +8,7 @@ context: a pipeline group's decode thread in the server, the main thread in `gen
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Optional
 
 import numpy as np
@@ -19,9 +20,9 @@ from ..tokenizer import Tokenizer
 from .postprocess import Postprocessor
 from .prompt_cache import GroupPromptCache
 from .runner import Runner, wants_raw_probs
-from .scheduler import Scheduler
+from .scheduler import EXACT_ROWS, Scheduler
 from .slot import Slot, SlotState, common_prefix
-from .speculative import Drafter, SpecConfig, verify
+from .speculative import Drafter, SpecControl, verify
 from .task import CompletionTask, ErrorEvent, EventOut, FinalEvent, ProgressEvent
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class BatchCore:
     def __init__(self, ctx: Context, slots: list[Slot], tokenizer: Tokenizer, metrics: Metrics, sink: EventOut,
                  on_free: Callable[[Slot], None], probe: StepProbe, n_threads: int = 1,
                  backend_sampling: bool = False, context_shift: bool = False, pooling: str = "none",
-                 name: str = "0", spec: Optional[SpecConfig] = None):
+                 name: str = "0", drafter: Optional[Drafter] = None):
         self.ctx = ctx
         self.slots = slots
         self.metrics = metrics
@@ -44,7 +45,8 @@ class BatchCore:
         self.post = Postprocessor(ctx, slots, tokenizer, metrics, sink, on_free)
         self.scheduler = Scheduler(ctx, slots, tokenizer, metrics, self.cache, self.post.finish)
         self.runner = Runner(ctx, len(slots), probe, n_threads, backend_sampling, pooling, name)
-        self.drafter = Drafter(spec) if spec is not None and spec.enabled else None
+        self.drafter = drafter  # speculative decoding: proposes the generating slots' drafts
+        self.spec = SpecControl()
 
     def warm_up(self, token: int) -> None:
         """One step of `token` on the first slot's sequence, then forgotten (Runner.warm_up)."""
@@ -98,13 +100,21 @@ class BatchCore:
         for slot in self.slots:
             if slot.busy and slot.task is not None and slot.task.cancelled.is_set():
                 self.post.finish(slot, None)
+        t0 = time.perf_counter()
+        generating = [slot for slot in self.slots if slot.state is SlotState.GENERATING]
         if self.drafter is not None:
             for slot in self.slots:
-                slot.draft = self.drafter.propose(slot) if slot.state is SlotState.GENERATING else []
+                slot.draft = []
+            # with as many decode rows as the exact kernels take, no step has room for a draft
+            self.drafter.caught_up = 0
+            if 0 < len(generating) < EXACT_ROWS and self.spec.step_drafts(len(generating)):
+                self.drafter.draft([slot for slot in generating if self.spec.slot_wants(slot)])
+        decoded = sum(slot.n_decoded for slot in generating)
         plan = self.scheduler.plan()
         batch, rows = self.runner.build(plan)
         if batch is None:
             return False
+        drafted = any(slot.draft for slot in plan.decode)
         self.probe.built(len(batch), len(rows), len(plan.decode))
         out = self.runner.decode(batch, rows)
         self.metrics.on_decode(sum(1 for s in self.slots if s.busy))
@@ -119,6 +129,10 @@ class BatchCore:
                 self.runner.request_masks(constrained)
         self.metrics.on_tokens(max(slot.n_past for slot in self.slots))
         self.probe.post_done(rows)
+        # a step holding a prompt, or the draft model's catching up with one, is no measure of drafting
+        if self.drafter is not None and generating and not plan.chunks and not self.drafter.caught_up:
+            self.spec.step_done(len(generating), drafted, sum(slot.n_decoded for slot in generating) - decoded,
+                                time.perf_counter() - t0)
         return True
 
     def _emit_speculative(self, out: DecodeOutput, rows: list[Slot], decode: list[Slot]) -> None:
@@ -140,6 +154,9 @@ class BatchCore:
             accepted = verify(slot, out.logits[i:i + n], self.runner.sampler, self.post.emit_token,
                               wants_raw_probs(slot))
             self.metrics.on_draft(n - 1, accepted)
+            self.spec.verified(slot, n - 1, accepted)
+            if self.drafter is not None:
+                self.drafter.accepted(slot, n - 1, accepted)
             n_kept = self.ctx.seq_rm(slot.seq, slot.n_past)
             del slot.cache_tokens[n_kept:]
 
@@ -172,3 +189,5 @@ class BatchCore:
 
     def close(self) -> None:
         self.runner.close()
+        if self.drafter is not None:
+            self.drafter.close()

@@ -34,7 +34,7 @@ from ..tokenizer import Tokenizer
 from ..util.threads import Thread
 from .core import BatchCore
 from .prompt_cache import PromptCache
-from .speculative import SpecConfig
+from .speculative import Drafter
 from .slot import Slot
 from .task import CompletionTask, EventSink, FinalEvent
 
@@ -72,7 +72,7 @@ class KVUse(NamedTuple):
 class PipelineGroup:
     def __init__(self, index: int, ctx: Context, slots: list[Slot], tokenizer: Tokenizer, metrics: Metrics,
                  on_free: Callable[[Slot], None], n_threads: int = 1, backend_sampling: bool = False,
-                 context_shift: bool = False, pooling: str = "none", spec: Optional[SpecConfig] = None):
+                 context_shift: bool = False, pooling: str = "none", drafter: Optional[Drafter] = None):
         self.index = index
         self.ctx = ctx
         self.slots = slots
@@ -80,7 +80,7 @@ class PipelineGroup:
         self.sink = EventSink()
         self.probe = StepProbe(index)  # what the steps measured, for the trace, the profile and the live view
         self.core = BatchCore(ctx, slots, tokenizer, metrics, self.sink, on_free, self.probe, n_threads,
-                              backend_sampling, context_shift, pooling, name=str(index), spec=spec)
+                              backend_sampling, context_shift, pooling, name=str(index), drafter=drafter)
         # The decode thread alone touches the context and the slots. `lock` is held by it for a
         # whole iteration, so that groups_stopped (moving layers, a peer's reconnection) finds
         # every group between steps; the inbox has its own lock so the task thread never waits

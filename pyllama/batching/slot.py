@@ -112,6 +112,8 @@ class Slot:
         self.draft: list[int] = []
         self.n_draft_total = 0
         self.n_draft_accepted = 0
+        self.spec_pause = 0             # steps left without drafts (SpecControl)
+        self.spec_window_drafted = self.spec_window_accepted = 0
 
     # --- life cycle (decode thread) --------------------------------------------------------------
     @property

@@ -40,6 +40,8 @@ from .options import (apply_settings, build_parser, check_args, default_constrai
                       default_stop, log_accepted, log_level, parse_args, resolve, sampling_defaults,
                       spec_config, template_kwargs)
 from ..batching.scheduler import EXACT_ROWS
+from ..batching.draft_model import ModelDrafter, open_draft_model
+from ..batching.speculative import Drafter, NgramDrafter, SpecConfig
 from .params import check_generation_defaults, set_default_constraint, set_generation_defaults
 from ..batching.prompt_cache import PromptCache
 from .reconnect import PeerReconnector
@@ -48,6 +50,18 @@ from ..batching.slot import Slot
 from .split_check import SplitCheck, check_interval
 
 log = logging.getLogger("pyllama.server")
+
+
+def make_drafter(args, spec: SpecConfig, draft_engine, n_ctx: int, n_seq: int) -> "Drafter | None":
+    """A group's drafter: the draft model's own context (-md), n-gram drafts (--spec-type), or none."""
+    if draft_engine is not None:
+        type_k = CACHE_TYPES[args.cache_type_k_draft or args.cache_type_k]
+        type_v = CACHE_TYPES[args.cache_type_v_draft or args.cache_type_v]
+        ctx = draft_engine.new_context(args.ctx_size_draft or n_ctx, n_seq, args.batch_size, args.ubatch_size,
+                                       args.kv_unified, type_k, type_v)
+        return ModelDrafter(ctx, 3 if args.spec_draft_n_max is None else args.spec_draft_n_max, args.spec_draft_n_min,
+                            args.spec_draft_p_min)
+    return NgramDrafter(spec) if spec.enabled else None
 
 
 def load(state: ServerState) -> None:
@@ -89,9 +103,19 @@ def load(state: ServerState) -> None:
     state.groups = []
     n_ctx_slot = 0
     spec = spec_config(args)
-    if spec.enabled:
-        log.info("speculative decoding: %s (n = %d, m = %d%s), verified in steps of at most %d rows", spec.kind,
-                 spec.ngram_n, spec.ngram_m, f", at most {spec.n_max} a step" if spec.n_max >= 0 else "", EXACT_ROWS)
+    state.spec_type = spec.kind
+    draft_engine = None
+    if args.model_draft:
+        draft_engine = open_draft_model(args.model_draft, engine.tokenizer, args.threads_draft or args.threads)
+        state.draft_engine, state.spec_type = draft_engine, "draft-simple"
+        n_draft = 3 if args.spec_draft_n_max is None else args.spec_draft_n_max
+        log.info("speculative decoding: draft model %s on the local CPU, %d tokens a step (p_min %.2f), verified "
+                 "in steps of at most %d rows", args.model_draft, n_draft, args.spec_draft_p_min, EXACT_ROWS)
+    elif spec.enabled:
+        sizes = (f"n = {spec.ngram_n}, m = {spec.ngram_m}" if spec.kind == "ngram-simple" else
+                 f"n_match = {spec.mod_n_match}, n_min = {spec.mod_n_min}, n_max = {spec.mod_n_max}")
+        log.info("speculative decoding: %s (%s%s), verified in steps of at most %d rows", spec.kind, sizes,
+                 f", at most {spec.n_max} a step" if spec.n_max >= 0 else "", EXACT_ROWS)
     for g in range(n_groups):
         ctx = engine.new_context(ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified,
                                  type_k, type_v)
@@ -108,7 +132,7 @@ def load(state: ServerState) -> None:
         state.groups.append(PipelineGroup(g, ctx, slots, engine.tokenizer, state.metrics, on_free=lambda s: None,
                                           n_threads=1, backend_sampling=backend_sampling,
                                           context_shift=args.context_shift, pooling=state.pooling,
-                                          spec=spec))
+                                          drafter=make_drafter(args, spec, draft_engine, ctx_group, seq_group)))
 
     if args.warmup:
         warm_up(state.groups, engine.tokenizer)
@@ -293,6 +317,8 @@ async def serve(args) -> int:
             g.stop()
         if state.engine is not None:
             state.engine.close()
+        if state.draft_engine is not None:
+            state.draft_engine.close()
         trace.close()
     return code
 

@@ -74,6 +74,8 @@ class ServerState:
     aliases: list[str] = field(default_factory=list)
     embd_normalize: int = 2  # of embeddings whose request gives none
     pooling: str = "none"  # of embeddings: --pooling, else the model's (set when it loads)
+    spec_type: str = "none"  # speculative decoding: draft-simple (-md), ngram-simple, ngram-mod or none
+    draft_engine: Any = None  # -md: the draft model
     split_chosen: bool = False  # the layer split is the server's own choice (no -ts, -ngl): it may move
     # llama-server's marker of media in a multimodal prompt, random per server; a text model never expands it
     media_marker: str = field(default_factory=lambda: "<__media_" + "".join(
@@ -243,9 +245,10 @@ def _settings(state: ServerState, p: CompletionParams) -> dict:
             "logit_bias": bias, "samplers": list(s.samplers), "timings_per_token": p.timings_per_token,
             "return_tokens": p.return_tokens, "return_progress": p.return_progress, "id_slot": p.id_slot,
             "n_cmpl": p.n, "grammar": p.constraint.text if p.constraint is not None else "",
-            # llama-server's fields for what pyllama does not have (adaptive-p sampler, LoRA, speculative
-            # decoding) at their "off" values, and the context shift's discard (0: half, as here)
-            "adaptive_target": -1.0, "adaptive_decay": 0.9, "lora": [], "speculative.types": "none", "n_discard": 0,
+            # llama-server's fields for what pyllama does not have (adaptive-p sampler, LoRA) at their
+            # "off" values, and the context shift's discard (0: half, as here)
+            "adaptive_target": -1.0, "adaptive_decay": 0.9, "lora": [], "speculative.types": state.spec_type,
+            "n_discard": 0,
             "backend_sampling": any(getattr(g, "backend_sampling", False) for g in state.groups)}
 
 
@@ -486,7 +489,8 @@ class Api:
         snap = st.metrics.snapshot()
         tok = st.tokenizer
         return json_response({
-            "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": st.n_ctx_slot, "speculative": False,
+            "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": st.n_ctx_slot,
+                                            "speculative": st.spec_type != "none",
                                             "is_processing": False, "params": _settings(st, self._defaults())},
             "total_slots": sum(len(g.slots) for g in st.groups),
             "model_alias": st.model_alias, "model_path": st.model_path,
@@ -538,7 +542,7 @@ class Api:
             raise HTTPError(503, "no slot available", "unavailable_error")
         out = []
         for snap, _ in found:
-            snap.setdefault("speculative", False)
+            snap.setdefault("speculative", st.spec_type != "none")
             out.append(snap)
         return json_response(out)
 

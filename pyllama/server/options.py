@@ -49,9 +49,9 @@ POOLING_TYPES = ("none", "mean", "cls", "last")
 # llama-server flags pyllama does not have, and why: each is refused in one line (a server that
 # silently ignored --lora or --mmproj would answer with another model than the one asked for)
 _LORA = "LoRA adapters are not supported"
-_DRAFT = "speculative decoding with a draft model is not supported (n-gram drafts are: --spec-type ngram-simple)"
-_SPEC = ("pyllama drafts with ngram-simple only (--spec-type, --spec-ngram-simple-size-n/-m, "
-         "--spec-draft-n-max/-min)")
+_DRAFT = "not supported for the draft model (it runs on the local CPU; see -md)"
+_SPEC = ("pyllama drafts with a draft model (-md) or n-grams (--spec-type ngram-simple or ngram-mod); this flag of "
+         "another draft type or setting is not supported")
 _MM = "multimodal projectors are not supported (text models only)"
 _DL = "pyllama does not download models; pass a local GGUF file with -m"
 _SAMPLER = "this sampler is not supported (adaptive-p is not in pyllama's sampler set)"
@@ -60,10 +60,8 @@ UNSUPPORTED: dict[str, str] = {
     **{f: _LORA for f in ("--lora", "--lora-scaled", "--lora-init-without-apply")},
     **{f: "control vectors are not supported" for f in ("--control-vector", "--control-vector-scaled",
                                                         "--control-vector-layer-range")},
-    **{f: _DRAFT for f in ("-md", "--model-draft", "--draft-p-min", "--draft-p-split", "-ngld", "--gpu-layers-draft",
-                           "--n-gpu-layers-draft", "-devd", "--device-draft", "-ctkd", "--cache-type-k-draft",
-                           "-ctvd", "--cache-type-v-draft", "-td", "--threads-draft", "-tbd",
-                           "--threads-batch-draft", "-hfd", "-hfrd", "--hf-repo-draft", "-otd",
+    "--spec-replace": "pyllama does not translate between vocabularies: the draft model must share the target's",
+    **{f: _DRAFT for f in ("--draft-p-split", "-hfd", "-hfrd", "--hf-repo-draft", "-otd",
                            "--override-tensor-draft", "-cmoed", "--cpu-moe-draft", "-ncmoed", "--n-cpu-moe-draft",
                            "--mtp", "--dflash", "--eagle3", "--lookup-cache-static", "-lcs",
                            "--lookup-cache-dynamic", "-lcd", "-Cd", "--cpu-mask-draft", "-Crd", "--cpu-range-draft",
@@ -109,7 +107,7 @@ UNSUPPORTED_PREFIXES = {"--spec-": _SPEC, "--fim-qwen-": _DL, "--gpt-oss-": _DL,
 UNSUPPORTED_ENV = {"LLAMA_ARG_HF_REPO": "--hf-repo", "LLAMA_ARG_HF_FILE": "--hf-file",
                    "LLAMA_ARG_MODEL_URL": "--model-url", "LLAMA_ARG_DOCKER_REPO": "--docker-repo",
                    "LLAMA_ARG_MMPROJ": "--mmproj", "LLAMA_ARG_MMPROJ_URL": "--mmproj-url",
-                   "LLAMA_ARG_SPEC_DRAFT_MODEL": "--model-draft", "LLAMA_ARG_OVERRIDE_TENSOR": "--override-tensor",
+                   "LLAMA_ARG_OVERRIDE_TENSOR": "--override-tensor",
                    "LLAMA_ARG_RERANKING": "--reranking", "LLAMA_ARG_SSL_KEY_FILE": "--ssl-key-file",
                    "LLAMA_ARG_SSL_CERT_FILE": "--ssl-cert-file", "LLAMA_ARG_MODELS_DIR": "--models-dir"}
 
@@ -131,10 +129,12 @@ def spec_types(text: str) -> str:
     """--spec-type: llama-server takes a comma-separated list; pyllama drafts by n-grams only."""
     kinds = [k.strip() for k in text.split(",") if k.strip()] or ["none"]
     for kind in kinds:
-        if kind not in SPEC_TYPES:
-            why = "a draft model is not supported" if kind.startswith("draft") else "not a type pyllama drafts with"
-            raise argparse.ArgumentTypeError(f"'{kind}': {why} (types: {', '.join(SPEC_TYPES)})")
+        if kind not in SPEC_TYPES + ("draft-simple",):
+            raise argparse.ArgumentTypeError(f"'{kind}': not a type pyllama drafts with (types: "
+                                             f"{', '.join(SPEC_TYPES)}, draft-simple with -md)")
     kinds = [k for k in kinds if k != "none"]
+    if len(kinds) > 1:
+        raise argparse.ArgumentTypeError(f"'{text}': one type at a time")
     return kinds[0] if kinds else "none"
 
 
@@ -334,17 +334,49 @@ def build_parser() -> Parser:
            "server that supports it): only token ids come back instead of the logits; default: on when "
            "the output layer is on an rpc server that supports it, off when it is local")
     a("--spec-type", type=spec_types, default="none", llama_env="LLAMA_ARG_SPEC_TYPE",
-      help="speculative decoding: none, or ngram-simple (each sequence drafts the tokens that followed the last "
-           "earlier occurrence of its last n tokens; a step verifies them, and keeps those its sampler agrees with)")
+      help="speculative decoding: none; ngram-simple (a sequence drafts the tokens that followed the last earlier "
+           "occurrence of its last n tokens) or ngram-mod (a table of the n-grams seen gives the token that followed "
+           "each, followed from the last n tokens); a step verifies the draft after the sampled token and keeps the "
+           "tokens its sampler agrees with")
     a("--spec-ngram-simple-size-n", type=int_at_least(1), default=12, llama_env=None,
       help="ngram-simple: the n-gram looked up in the sequence's tokens")
     a("--spec-ngram-simple-size-m", type=int_at_least(1), default=48, llama_env=None,
       help="ngram-simple: at most this many tokens that followed it are drafted")
+    a("--spec-ngram-mod-n-match", type=int_at_least(1), default=24, llama_env=None,
+      help="ngram-mod: the n-gram whose hash looks up the token that followed it")
+    a("--spec-ngram-mod-n-min", type=int_at_least(0), default=48, llama_env=None,
+      help="ngram-mod: a shorter draft is dropped")
+    a("--spec-ngram-mod-n-max", type=int_at_least(1), default=64, llama_env=None,
+      help="ngram-mod: at most this many tokens drafted")
     a("--spec-draft-n-max", "--draft-max", "--draft-n", "--draft", dest="spec_draft_n_max", type=int_at_least(0),
       default=None, llama_env="LLAMA_ARG_SPEC_DRAFT_N_MAX",
-      help="at most this many draft tokens per sequence and step (default: ngram-simple's m)")
+      help="tokens the draft model drafts per step (default 3); with n-gram drafts, a cap (default none)")
     a("--spec-draft-n-min", "--draft-min", "--draft-n-min", dest="spec_draft_n_min", type=int_at_least(0), default=0,
       llama_env="LLAMA_ARG_SPEC_DRAFT_N_MIN", help="a shorter draft is not verified")
+    a("-md", "--model-draft", "--spec-draft-model", dest="model_draft", default=None, metavar="FNAME",
+      llama_env="LLAMA_ARG_SPEC_DRAFT_MODEL",
+      help="draft model for speculative decoding: a small model of the same vocabulary, run on the local CPU; it "
+           "drafts --spec-draft-n-max tokens greedily for every generating sequence, which the next step verifies")
+    a("-cd", "--ctx-size-draft", dest="ctx_size_draft", type=int_at_least(0), default=0, llama_env=None,
+      help="the draft model's context per group (0: the target's)")
+    a("--spec-draft-p-min", "--draft-p-min", dest="spec_draft_p_min", type=float, default=0.0,
+      llama_env="LLAMA_ARG_SPEC_DRAFT_P_MIN",
+      help="the draft ends before a token the draft model gives less than this probability (default 0: never)")
+    a("-devd", "--device-draft", "--spec-draft-device", dest="device_draft", default=None, llama_env=None,
+      help="the draft model's device: only the local CPU (CPU, or none: no offload, as llama-server's)")
+    a("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl", dest="n_gpu_layers_draft",
+      default=None, llama_env="LLAMA_ARG_N_GPU_LAYERS_DRAFT",
+      help="draft layers on a GPU: the draft model runs on the local CPU, so any value keeps it there")
+    a("-td", "--threads-draft", "--spec-draft-threads", dest="threads_draft", type=int, default=None, llama_env=None,
+      help="the draft model's compute threads (default: -t)")
+    a("-tbd", "--threads-batch-draft", "--spec-draft-threads-batch", dest="threads_batch_draft", type=int,
+      default=None, llama_env=None, help="as -td")
+    a("-ctkd", "--cache-type-k-draft", "--spec-draft-type-k", dest="cache_type_k_draft", default=None,
+      choices=list(CACHE_TYPES), llama_env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K",
+      help="the draft model's K cache type (default: -ctk)")
+    a("-ctvd", "--cache-type-v-draft", "--spec-draft-type-v", dest="cache_type_v_draft", default=None,
+      choices=list(CACHE_TYPES), llama_env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V",
+      help="the draft model's V cache type (default: -ctv)")
     a("--embedding", "--embeddings", dest="embedding", action="store_true", llama_env="LLAMA_ARG_EMBEDDINGS",
       help="serve the embedding endpoints")
     a("--pooling", choices=list(POOLING_TYPES), default=None, llama_env="LLAMA_ARG_POOLING",
@@ -542,7 +574,10 @@ def build_parser() -> Parser:
 
 # the --spec-* flags pyllama has (the others fall under UNSUPPORTED_PREFIXES)
 SPEC_FLAGS = frozenset(("--spec-type", "--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m",
-                        "--spec-draft-n-max", "--spec-draft-n-min"))
+                        "--spec-ngram-mod-n-match", "--spec-ngram-mod-n-min", "--spec-ngram-mod-n-max",
+                        "--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-model", "--spec-draft-p-min",
+                        "--spec-draft-device", "--spec-draft-ngl", "--spec-draft-threads", "--spec-draft-threads-batch",
+                        "--spec-draft-type-k", "--spec-draft-type-v"))
 
 
 def _refuse_unsupported(argv: Sequence[str]) -> None:
@@ -659,14 +694,34 @@ def default_constraint(args) -> Optional["ConstraintSpec"]:
 
 
 def spec_config(args) -> SpecConfig:
-    """The server's speculative decoding settings from its flags."""
-    return SpecConfig(kind=args.spec_type, ngram_n=args.spec_ngram_simple_size_n, ngram_m=args.spec_ngram_simple_size_m,
+    """The server's n-gram drafts from its flags (kind "none" with a draft model or none)."""
+    kind = "none" if args.model_draft or args.spec_type == "draft-simple" else args.spec_type
+    return SpecConfig(kind=kind, ngram_n=args.spec_ngram_simple_size_n, ngram_m=args.spec_ngram_simple_size_m,
+                      mod_n_match=args.spec_ngram_mod_n_match, mod_n_min=args.spec_ngram_mod_n_min,
+                      mod_n_max=args.spec_ngram_mod_n_max,
                       n_max=-1 if args.spec_draft_n_max is None else args.spec_draft_n_max, n_min=args.spec_draft_n_min)
+
+
+def check_spec_args(args) -> None:
+    """The draft model's flags against the others: one draft type at a time, a local draft."""
+    if args.model_draft:
+        if args.spec_type not in ("none", "draft-simple"):
+            raise PyllamaError(f"-md with --spec-type {args.spec_type}: one draft type at a time")
+        if args.device_draft not in (None, "none", "CPU", "cpu"):
+            raise PyllamaError(f"-devd {args.device_draft}: the draft model runs on the local CPU (CPU or none)")
+        if not 0.0 <= args.spec_draft_p_min <= 1.0:
+            raise PyllamaError(f"--spec-draft-p-min {args.spec_draft_p_min}: must be 0..1")
+        for flag, value in (("-td", args.threads_draft), ("-tbd", args.threads_batch_draft)):
+            if value is not None and value < 0:
+                raise PyllamaError(f"{flag} {value}: must be 0 (all cores) or more")
+    elif args.spec_type == "draft-simple":
+        raise PyllamaError("--spec-type draft-simple needs a draft model (-md FILE)")
 
 
 def check_args(args) -> None:
     if not hasattr(args, "api_keys"):  # straight from build_parser().parse_args()
         resolve(args)
+    check_spec_args(args)
     if args.parallel < 1:
         raise PyllamaError(f"--parallel {args.parallel}: must be -1 (auto) or at least 1")
     if args.cpu_strict or args.cpu_strict_batch:

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from pyllama.batching.speculative import NgramModTable, SpecConfig, ngram_simple_draft
+from pyllama.batching.speculative import NgramModTable, SpecConfig, SpecControl, ngram_simple_draft
 from server_util import RPCServerProcess, ServerProcess
 
 # code with repeated lines: the n-gram lookup finds what followed earlier, and random-weight models
@@ -109,6 +109,48 @@ def test_ngram_mod_table_matches_llama_cpp_loop():
         assert table.used == sum(e != -1 for e in ref.entries)
         key = tokens[-n:].tolist()
         assert table.draft(key, 16) == ref.draft(key, 16)
+
+
+def run_control(drafted_rate: float, plain_rate: float, steps: int = 2000, n_generating: int = 1) -> list[bool]:
+    """SpecControl's choices over steps whose rates (tokens/s) are given per mode."""
+    control, choices = SpecControl(), []
+    for _ in range(steps):
+        d = control.step_drafts(n_generating)
+        choices.append(d)
+        tokens = 3 if d else 1
+        control.step_done(n_generating, d, tokens, tokens / (drafted_rate if d else plain_rate))
+    return choices
+
+
+@pytest.mark.unit
+def test_spec_control_drafts_only_where_drafted_steps_are_faster():
+    faster = run_control(75.0, 40.0)
+    assert sum(faster) > 0.99 * len(faster)  # measured both, then probes that back off
+    slower = run_control(30.0, 40.0)
+    assert sum(slower) < 0.02 * len(slower) and sum(slower[-500:]) >= 1  # still probed now and then
+    # each count of generating sequences is judged on its own
+    control = SpecControl()
+    for _ in range(100):
+        for n, rates in ((1, (75.0, 40.0)), (8, (30.0, 40.0))):
+            d = control.step_drafts(n)
+            control.step_done(n, d, 1, 1 / rates[0 if d else 1])
+    assert control.rate(1, True) > control.rate(1, False) and control.rate(8, True) < control.rate(8, False)
+
+
+@pytest.mark.unit
+def test_a_sequence_whose_drafts_are_rejected_pauses():
+    from pyllama.batching.slot import Slot
+    slot = Slot(0, 0, 0, 512, tokenizer=None)
+    control = SpecControl()
+    for _ in range(SpecControl.SEQ_JUDGE // 4):
+        control.verified(slot, 4, 0)
+    assert not control.slot_wants(slot)  # paused ...
+    for _ in range(SpecControl.SEQ_PAUSE - 1):
+        assert not control.slot_wants(slot)
+    assert control.slot_wants(slot)       # ... for SEQ_PAUSE steps
+    for _ in range(SpecControl.SEQ_JUDGE // 4):
+        control.verified(slot, 4, 2)      # half accepted: no pause
+    assert control.slot_wants(slot)
 
 
 def completions(srv: ServerProcess, n_predict: int = 120) -> tuple:

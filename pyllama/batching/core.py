@@ -106,8 +106,9 @@ class BatchCore:
             for slot in self.slots:
                 slot.draft = []
             # with as many decode rows as the exact kernels take, no step has room for a draft
-            self.drafter.caught_up = 0
-            if 0 < len(generating) < EXACT_ROWS and self.spec.step_drafts(len(generating)):
+            # a step verifies at most EXACT_ROWS rows: with more than half of them decode rows, most
+            # sequences would have no room for a draft they paid for
+            if 0 < 2 * len(generating) <= EXACT_ROWS and self.spec.step_drafts(len(generating)):
                 self.drafter.draft([slot for slot in generating if self.spec.slot_wants(slot)])
         decoded = sum(slot.n_decoded for slot in generating)
         plan = self.scheduler.plan()
@@ -129,8 +130,9 @@ class BatchCore:
                 self.runner.request_masks(constrained)
         self.metrics.on_tokens(max(slot.n_past for slot in self.slots))
         self.probe.post_done(rows)
-        # a step holding a prompt, or the draft model's catching up with one, is no measure of drafting
-        if self.drafter is not None and generating and not plan.chunks and not self.drafter.caught_up:
+        # a step holding a prompt is no measure of drafting (a draft model catching up with a slot is:
+        # that is what its drafts cost)
+        if self.drafter is not None and generating and not plan.chunks:
             self.spec.step_done(len(generating), drafted, sum(slot.n_decoded for slot in generating) - decoded,
                                 time.perf_counter() - t0)
         return True

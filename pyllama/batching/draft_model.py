@@ -58,7 +58,6 @@ class ModelDrafter(Drafter):
         self.cached: list[list[int]] = [[] for _ in range(ctx.kv.n_seq_max)]  # each draft sequence's tokens
 
     def draft(self, slots: list[Slot]) -> None:
-        self.caught_up = 0
         wanted: list[tuple[Slot, int, int]] = []
         for slot in slots:
             limit, fewest = draft_limit(slot, self.n_max, self.n_min)
@@ -86,10 +85,7 @@ class ModelDrafter(Drafter):
             del cached[keep:]
             parts.append(Batch.for_sequence(target[keep:], keep, slot.seq))
             cached.extend(target[keep:])
-        batch = Batch.concat(parts)
-        # beyond its sampled token and the last draft token, a slot's catch-up is a new prompt's
-        self.caught_up = max(0, len(batch) - 2 * len(parts))
-        out = self.ctx.decode(batch)
+        out = self.ctx.decode(Batch.concat(parts))
         drafts: list[list[int]] = [[] for _ in wanted]
         going = list(range(len(wanted)))
         logits = out.logits

@@ -2,10 +2,11 @@
 next step computes them after its sampled token, and each row's logits are sampled in turn: the
 tokens that match the draft are kept, so one step can yield several tokens.
 
-The draft comes from the sequence's own history, as llama-server's n-gram drafts make it:
-`ngram-simple` copies the tokens that followed the last earlier occurrence of its last n tokens;
-`ngram-mod` follows a hash table of the n-grams seen (the token that last followed each) from its
-last n tokens, one token at a time. Verification samples each row with
+A `Drafter` proposes the drafts: a draft model (draft_model.py), or the sequence's own history
+as llama-server's n-gram drafts read it: `ngram-simple` copies the tokens that followed the last
+earlier occurrence of its last n tokens; `ngram-mod` follows a hash table of the n-grams seen (the
+token that last followed each) from its last n tokens, one token at a time. `SpecControl` decides
+where drafting pays. Verification samples each row with
 the sequence's own sampler and compares, as llama-server does: a row is sampled exactly as a
 plain decode step would sample it (the same sampler state, one draw per token), so greedy and
 seeded output is the same with and without drafts, as long as each row's logits are the same,
@@ -147,10 +148,6 @@ class Drafter:
     (the scheduler then trims them to the step's room); after it, `accepted` learns how much of
     a slot's draft was kept."""
 
-    # tokens the last `draft` computed to catch up with the slots (a draft model's new prompts):
-    # such a step says nothing of what drafting costs (SpecControl does not measure it)
-    caught_up = 0
-
     def draft(self, slots: list[Slot]) -> None:
         raise NotImplementedError
 
@@ -276,18 +273,23 @@ class SpecControl:
     time included) with and without drafts at each count of generating sequences, drafting only
     where drafted steps are faster. A step yields 1 to draft + 1 tokens, so each rate is a decayed
     sum of tokens over a decayed sum of seconds, judged once both modes have MIN_SAMPLES steps;
-    every PROBE_EVERY-th step at that count then goes the other way, to keep both current."""
+    then a step at that count goes the other way now and then, to keep both current: after
+    PROBE_EVERY steps, twice as many after each probe that did not change the choice (up to
+    PROBE_MAX)."""
 
     SEQ_JUDGE = 24         # drafted tokens before a sequence's acceptance is judged
     SEQ_LOW = 0.1          # accepted per drafted token under which it pauses
     SEQ_PAUSE = 16         # steps it then goes without drafts
     MIN_SAMPLES = 8
     PROBE_EVERY = 32
+    PROBE_MAX = 512
     DECAY = 0.95           # weight of the past in the running sums, per step
 
     def __init__(self) -> None:
         self._sums: dict[tuple[int, bool], list[float]] = {}  # (generating, drafted) -> [tokens, seconds, steps]
-        self._steps: dict[int, int] = {}
+        self._steps: dict[int, int] = {}         # steps since the last probe, per count of generating
+        self._interval: dict[int, int] = {}      # steps between probes
+        self._last_choice: dict[int, bool] = {}  # the choice at the last probe
 
     def slot_wants(self, slot: Slot) -> bool:
         if slot.spec_pause > 0:
@@ -310,15 +312,24 @@ class SpecControl:
 
     def step_drafts(self, n_generating: int) -> bool:
         """Whether this step, with n_generating sequences, drafts."""
-        k = self._steps.get(n_generating, 0) + 1
-        self._steps[n_generating] = k
         with_d, without = self.rate(n_generating, True), self.rate(n_generating, False)
         if with_d is None:
             return True
         if without is None:
             return False
         better = with_d >= without
-        return better if k % self.PROBE_EVERY else not better
+        k = self._steps.get(n_generating, 0) + 1
+        self._steps[n_generating] = k
+        interval = self._interval.get(n_generating, self.PROBE_EVERY)
+        if k < interval:
+            return better
+        # a probe of the other mode; while probes confirm the choice they come half as often (a
+        # draft model's probe costs it the catching up of all the steps it missed)
+        self._steps[n_generating] = 0
+        same = self._last_choice.get(n_generating, better) == better
+        self._interval[n_generating] = min(interval * 2, self.PROBE_MAX) if same else self.PROBE_EVERY
+        self._last_choice[n_generating] = better
+        return not better
 
     def step_done(self, n_generating: int, drafted: bool, tokens: int, seconds: float) -> None:
         if seconds <= 0:

@@ -138,6 +138,40 @@ def test_spec_control_drafts_only_where_drafted_steps_are_faster():
 
 
 @pytest.mark.unit
+def test_catching_up_only_while_the_tokens_left_repay_it():
+    from pyllama.batching.sampling import SamplingParams
+    from pyllama.batching.slot import Slot
+    from pyllama.batching.speculative import Drafter
+    from pyllama.batching.task import CompletionTask
+
+    class Behind(Drafter):
+        catch_up_s_per_token = 0.01
+        lag: dict = {}
+
+        def behind(self, slot):
+            return self.lag[slot.id]
+
+    slots = []
+    for i in range(3):
+        slot = Slot(i, 0, i, 4096, tokenizer=None)
+        slot.task = CompletionTask(prompt=[1, 2, 3], params=SamplingParams(), n_predict=200)
+        slots.append(slot)
+    drafter, control = Behind(), SpecControl()
+    drafter.lag = {0: 0, 1: 300, 2: 400}
+    # nothing measured: at most EXPLORE_TOKENS caught up in a step, the nearest first
+    assert control.affordable(slots, 1, drafter) == slots[:2]
+    for _ in range(20):  # drafted steps: 60 tokens/s, plain ones 40: 1/120 s saved per token
+        for d in (True, False):
+            control.step_done(1, d, 3 if d else 1, 0.05 if d else 0.025)
+    drafter.lag = {0: 0, 1: 100, 2: 300}   # 200 tokens left save ~1.7 s: 1 s of catching up pays, 3 s not
+    assert control.affordable(slots, 1, drafter) == slots[:2]
+    slots[1].n_decoded = 150                # 50 left save ~0.4 s
+    assert control.affordable(slots, 1, drafter) == slots[:1]
+    drafter.lag = {0: 0, 1: 0, 2: 0}
+    assert control.affordable(slots, 1, drafter) == slots
+
+
+@pytest.mark.unit
 def test_a_sequence_whose_drafts_are_rejected_pauses():
     from pyllama.batching.slot import Slot
     slot = Slot(0, 0, 0, 512, tokenizer=None)

@@ -20,7 +20,7 @@ from ..tokenizer import Tokenizer
 from .postprocess import Postprocessor
 from .prompt_cache import GroupPromptCache
 from .runner import Runner, wants_raw_probs
-from .scheduler import EXACT_ROWS, Scheduler
+from .scheduler import EXACT_ROWS, FEEDING, Scheduler
 from .slot import Slot, SlotState, common_prefix
 from .speculative import Drafter, SpecControl, verify
 from .task import CompletionTask, ErrorEvent, EventOut, FinalEvent, ProgressEvent
@@ -105,11 +105,14 @@ class BatchCore:
         if self.drafter is not None:
             for slot in self.slots:
                 slot.draft = []
-            # with as many decode rows as the exact kernels take, no step has room for a draft
             # a step verifies at most EXACT_ROWS rows: with more than half of them decode rows, most
-            # sequences would have no room for a draft they paid for
-            if 0 < 2 * len(generating) <= EXACT_ROWS and self.spec.step_drafts(len(generating)):
-                self.drafter.draft([slot for slot in generating if self.spec.slot_wants(slot)])
+            # sequences would have no room for a draft they paid for; nor while a prompt waits (its
+            # chunk takes the step's rows before any draft)
+            n = len(generating)
+            feeding = any(slot.state in FEEDING for slot in self.slots)
+            if 0 < 2 * n <= EXACT_ROWS and not feeding and self.spec.step_drafts(n):
+                wanted = [slot for slot in generating if self.spec.slot_wants(slot)]
+                self.drafter.draft(self.spec.affordable(wanted, n, self.drafter))
         decoded = sum(slot.n_decoded for slot in generating)
         plan = self.scheduler.plan()
         batch, rows = self.runner.build(plan)

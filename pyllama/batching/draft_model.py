@@ -8,6 +8,7 @@ step yields, never which."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -85,7 +86,13 @@ class ModelDrafter(Drafter):
             del cached[keep:]
             parts.append(Batch.for_sequence(target[keep:], keep, slot.seq))
             cached.extend(target[keep:])
-        out = self.ctx.decode(Batch.concat(parts))
+        batch = Batch.concat(parts)
+        t0 = time.perf_counter()
+        out = self.ctx.decode(batch)
+        if len(batch) >= 4 * len(parts) + 16:  # mostly catching up: a measure of its cost per token
+            per = (time.perf_counter() - t0) / len(batch)
+            old = self.catch_up_s_per_token
+            self.catch_up_s_per_token = per if not old else 0.7 * old + 0.3 * per
         drafts: list[list[int]] = [[] for _ in wanted]
         going = list(range(len(wanted)))
         logits = out.logits
@@ -112,6 +119,9 @@ class ModelDrafter(Drafter):
                 self.cached[s].append(t)
             logits = out.logits
         return drafts
+
+    def behind(self, slot: Slot) -> int:
+        return len(slot.cache_tokens) + 1 - common_prefix(self.cached[slot.seq], slot.cache_tokens)
 
     def _choose(self, logits: np.ndarray) -> np.ndarray:
         """Each row's most probable token (greedy, as llama.cpp drafts), or -1 where its probability

@@ -154,6 +154,13 @@ class Drafter:
     def accepted(self, slot: Slot, n_drafted: int, n_accepted: int) -> None:
         pass
 
+    # measured seconds per token of catching up with a slot's tokens (a draft model; 0: unknown or free)
+    catch_up_s_per_token = 0.0
+
+    def behind(self, slot: Slot) -> int:
+        """Tokens drafting for `slot` would first have to catch up with (0: none)."""
+        return 0
+
     def close(self) -> None:
         pass
 
@@ -281,6 +288,7 @@ class SpecControl:
     SEQ_LOW = 0.1          # accepted per drafted token under which it pauses
     SEQ_PAUSE = 16         # steps it then goes without drafts
     MIN_SAMPLES = 8
+    EXPLORE_TOKENS = 512   # catching up allowed in a step while the rates at its count are unknown
     PROBE_EVERY = 32
     PROBE_MAX = 512
     DECAY = 0.95           # weight of the past in the running sums, per step
@@ -304,6 +312,34 @@ class SpecControl:
             if slot.spec_window_accepted < self.SEQ_LOW * slot.spec_window_drafted:
                 slot.spec_pause = self.SEQ_PAUSE
             slot.spec_window_drafted = slot.spec_window_accepted = 0
+
+    def affordable(self, slots: list[Slot], n_generating: int, drafter: "Drafter") -> list[Slot]:
+        """The slots worth drafting for, given what the drafter must first catch up with for each
+        (a draft model's cache behind the slot's tokens: a new prompt, steps it did not draft).
+        Where the rates at this count are measured: those whose catching up costs less than the
+        measured saving per token over the tokens they may still generate. Before that, at most
+        EXPLORE_TOKENS of catching up in all, the slots furthest ahead first: the tail of a busy
+        load (long histories, few tokens left) is never caught up just to be measured."""
+        need = [(drafter.behind(slot), slot) for slot in slots]
+        if not any(b for b, _ in need):
+            return slots
+        with_d, without = self.rate(n_generating, True), self.rate(n_generating, False)
+        if with_d is None or without is None or not drafter.catch_up_s_per_token:
+            out, total = [], 0
+            for b, slot in sorted(need, key=lambda x: x[0]):
+                if total + b > self.EXPLORE_TOKENS:
+                    break
+                total += b
+                out.append(slot)
+            return out
+        saving = (1.0 / without - 1.0 / with_d) * n_generating  # seconds per token of a slot's
+        out = []
+        for b, slot in need:
+            task = slot.task
+            left = slot.draft_room() + 1 if task is None or task.n_predict < 0 else task.n_predict - slot.n_decoded
+            if b * drafter.catch_up_s_per_token < left * saving:
+                out.append(slot)
+        return out
 
     def rate(self, n_generating: int, drafted: bool) -> Optional[float]:
         """Tokens per second of the steps in that mode, None before MIN_SAMPLES of them."""

@@ -42,11 +42,12 @@ PROMPTS = (None, "Hello, my name is", "Q: What is 2+2?\nA:",
 # llama-quantize's name of each type (a suffix: _pure = --pure, _q8out = Q8_0 output and embeddings)
 TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k",
          "q4_0_pure", "q4_1_pure", "q5_0_pure", "q5_1_pure", "q2_k_pure", "q3_k_pure", "q4_k_pure", "q5_k_pure",
-         "q6_k_pure", "f32", "f16", "bf16")
+         "q6_k_pure", "iq4_nl", "iq4_xs", "iq4_nl_pure", "iq4_xs_pure", "mxfp4_moe_pure", "f32", "f16", "bf16")
 SERVER_FLAGS = ("-ctk", "f32", "-ctv", "f32", "-fa", "off", "-c", "512", "-np", "1")
 # pyllama's own quantizer's names for the pure files it writes without peers
 _OWN = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1", "q5_0": "q5_0", "q5_1": "q5_1", "q2_k": "q2_k",
-        "q3_k": "q3_k", "q4_k": "q4_k", "q5_k": "q5_k", "q6_k": "q6_k", "q4_k_m": "q4_k_m", "q5_k_m": "q5_k_m"}
+        "q3_k": "q3_k", "q4_k": "q4_k", "q5_k": "q5_k", "q6_k": "q6_k", "q4_k_m": "q4_k_m", "q5_k_m": "q5_k_m",
+        "iq4_nl": "iq4_nl_mix", "iq4_xs": "iq4_xs_mix", "mxfp4_moe": "mxfp4"}
 
 
 def quantized(peers: Optional[Peers], src: str, qtype: str, preset: str) -> str:

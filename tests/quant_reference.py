@@ -23,13 +23,23 @@ from gguf import quants
 QK_K = 256
 ACT_TYPE = {T.F32: T.F32, T.F16: T.F16, T.BF16: T.BF16, T.Q4_0: T.Q8_0, T.Q5_0: T.Q8_0, T.Q8_0: T.Q8_0,
             T.Q4_1: T.Q8_1, T.Q5_1: T.Q8_1, T.Q2_K: T.Q8_K, T.Q3_K: T.Q8_K, T.Q4_K: T.Q8_K,
-            T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K}
+            T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K, T.IQ4_NL: T.Q8_0, T.IQ4_XS: T.Q8_K, T.MXFP4: T.Q8_0}
 BLOCK_BYTES = {T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q5_1: 24, T.Q8_0: 34, T.Q8_1: 36, T.Q2_K: 84,
-               T.Q3_K: 110, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210, T.Q8_K: 292}
-BLOCK_ELEMS = {t: (QK_K if t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_K) else 32) for t in BLOCK_BYTES}
+               T.Q3_K: 110, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210, T.Q8_K: 292, T.IQ4_NL: 18, T.IQ4_XS: 136,
+               T.MXFP4: 17}
+BLOCK_ELEMS = {t: (QK_K if t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_K, T.IQ4_XS) else 32) for t in BLOCK_BYTES}
 # Byte offsets of every f16 scale field of a weight block (random test blocks make them finite).
 F16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
-              T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+              T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+              T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.MXFP4: ()}
+# The 4-bit lookup types' values (ggml-common.h's kvalues_iq4nl, and kvalues_mxfp4: E2M1 doubled)
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int64)
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int64)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """MXFP4's E8M0 exponent byte -> 2^(e - 128) (half the OCP scale: the values are doubled)."""
+    return np.ldexp(1.0, np.asarray(e, np.int64) - 128)
 
 
 def f16(b: np.ndarray) -> np.ndarray:
@@ -163,6 +173,21 @@ def decode_weight(w: np.ndarray, qtype: T, k: int) -> Weight:
         fmin = f16(wb[:, 2:4]) if qtype in (T.Q4_1, T.Q5_1) else None
         return Weight(q=q.reshape(-1), sub=32, sc=np.ones(nb, np.int64), d=f16(wb[:, 0:2]), fmin=fmin)
     wb = np.ascontiguousarray(w).reshape(nb, -1)
+    if qtype in (T.IQ4_NL, T.MXFP4):    # d f16 | qs[16], or e (E8M0) | qs[16]
+        off = 2 if qtype == T.IQ4_NL else 1
+        qs = b[:, off:off + 16]
+        kv = KVALUES_IQ4NL if qtype == T.IQ4_NL else KVALUES_MXFP4
+        q = kv[np.concatenate([qs & 0xF, qs >> 4], axis=1)]
+        d = f16(wb[:, 0:2]) if qtype == T.IQ4_NL else e8m0_half(b[:, 0])
+        return Weight(q=q.reshape(-1), sub=32, sc=np.ones(nb, np.int64), d=d)
+    if qtype == T.IQ4_XS:      # d | scales_h u16 | scales_l[4] | qs[128]: sub-block ib is qs[16ib:][:16]
+        ib = np.arange(8)
+        sh = b[:, 2] | (b[:, 3] << 8)
+        lo = (b[:, 4 + ib // 2] >> (4 * (ib % 2))) & 0xF
+        hi = (sh[:, None] >> (2 * ib)) & 3
+        qs = b[:, 8:].reshape(nb, 8, 16)
+        q = KVALUES_IQ4NL[np.concatenate([qs & 0xF, qs >> 4], axis=2)]
+        return Weight(q=q.reshape(-1), sub=32, sc=((lo | (hi << 4)) - 32).reshape(-1), d=f16(wb[:, 0:2]))
     if qtype == T.Q8_0:
         return Weight(q=wb[:, 2:].view(np.int8).astype(np.int64).reshape(-1), sub=32,
                       sc=np.ones(nb, np.int64), d=f16(wb[:, 0:2]))
@@ -289,4 +314,8 @@ def random_weights(qtype: T, m: int, k: int, rng: np.random.Generator) -> np.nda
         scales = rng.uniform(-0.05, 0.05, (m, nb)).astype(np.float16)
         scales[rng.random((m, nb)) < 0.05] = 0
         raw[:, :, off:off + 2] = scales.view(np.uint8).reshape(m, nb, 2)
+    if qtype == T.MXFP4:       # block scales 2^-20 .. 2^-3, and the E8M0 extremes now and then
+        raw[:, :, 0] = rng.integers(108, 126, (m, nb))
+        raw[:, :, 0][rng.random((m, nb)) < 0.02] = 0
+        raw[:, :, 0][rng.random((m, nb)) < 0.02] = 1
     return raw.reshape(m, -1)

@@ -88,7 +88,7 @@ def test_parameter_counts_from_table():
 # ---- file contents ----------------------------------------------------------------------------
 
 # types every tensor of the tiny preset can take (K-quants need rows of a multiple of 256: see below)
-TINY_WTYPES = [w for w, (t, _) in WTYPES.items() if t not in K_QUANTS]
+TINY_WTYPES = [w for w, (t, _) in WTYPES.items() if t not in K_QUANTS and t != Q.IQ4_XS and w not in MIXES]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -234,9 +234,11 @@ def test_vocab_is_copied(tmp_path, vocab):
 # Bounds on the relative RMS error of dequantize(quantize(x)) for N(0, s) weights. ggml's reference
 # quantizer (what llama-quantize runs without an importance matrix) gives, on these models' tensors:
 # Q2_K 0.297, Q3_K 0.151, Q4_0 0.086, Q4_1 0.078, Q4_K 0.0714, Q5_0 0.043, Q5_1 0.038, Q5_K 0.0361,
-# Q6_K 0.0178, Q8_0 0.0054. The bounds are those figures + 6% (small tensors scatter a little).
+# Q6_K 0.0178, Q8_0 0.0054, IQ4_NL 0.0764, IQ4_XS 0.0770, MXFP4 0.1162. The bounds are those figures
+# + 6% (small tensors scatter a little).
 RMS_BOUND = {Q.Q2_K: 0.315, Q.Q3_K: 0.160, Q.Q4_0: 0.091, Q.Q4_1: 0.083, Q.Q4_K: 0.0757, Q.Q5_0: 0.0456,
-             Q.Q5_1: 0.0403, Q.Q5_K: 0.0383, Q.Q6_K: 0.0189, Q.Q8_0: 0.0058, Q.F16: 1e-3, Q.BF16: 8e-3}
+             Q.Q5_1: 0.0403, Q.Q5_K: 0.0383, Q.Q6_K: 0.0189, Q.Q8_0: 0.0058, Q.F16: 1e-3, Q.BF16: 8e-3,
+             Q.IQ4_NL: 0.081, Q.IQ4_XS: 0.0816, Q.MXFP4: 0.123}
 K_WTYPES = [w for w, (t, _) in WTYPES.items() if t in K_QUANTS]
 LEGACY_QUANT = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 
@@ -368,7 +370,8 @@ def test_k_types_refused_where_no_tensor_can_take_them(wtype):
         tensor_types(tensor_plan("tiny"), wtype)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_1, Q.Q5_0, Q.Q5_1])
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+                                   Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4])
 def test_quantizer_round_trip_and_edge_rows(qtype):
     rng = np.random.default_rng(7)
     x = rng.standard_normal((48, 1024), dtype=np.float32) * np.float32(0.02)
@@ -386,10 +389,35 @@ def test_quantizer_round_trip_and_edge_rows(qtype):
     assert not y[0].any()
     assert rel_rms(y[6:], x[6:]) < RMS_BOUND[qtype]
     assert rel_rms(y[1], x[1]) < RMS_BOUND[qtype] and rel_rms(y[2], x[2]) < 2 * RMS_BOUND[qtype]
-    assert abs(float(y[3, 100]) - 40.0) < 40.0 * RMS_BOUND[qtype]
+    # MXFP4's levels next to a block's largest are 4 and 6 times its power-of-two scale: 40 lies
+    # halfway between 32 and 48
+    assert abs(float(y[3, 100]) - 40.0) < 40.0 * (0.21 if qtype == Q.MXFP4 else RMS_BOUND[qtype])
     assert np.abs(y[4]).max() < 1e-6
     assert rel_rms(y[5], x[5]) < 1.5 * RMS_BOUND[qtype]
     assert np.array_equal(quantize(x, qtype), q)  # deterministic
+
+
+def test_iq4_and_mxfp4_mixes_follow_llama_quantize():
+    """llama-quantize's IQ4_NL / IQ4_XS ftypes (no importance matrix): the output matrix Q6_K, attn_v
+    Q5_K with 4+ query heads per KV head, ffn_down of the first n_layer/8 layers Q5_K; MXFP4_MOE:
+    the experts MXFP4, every other matrix Q8_0."""
+    from pyllama.models.make import Preset
+    gqa4 = Preset(n_embd=256, n_layer=16, n_head=8, n_head_kv=2, n_ff=512, n_vocab=512, n_ctx=512, tied=False)
+    plan = tensor_plan(gqa4, arch="qwen2")                         # 16 layers, 4 query heads per KV head
+    for wtype, base in (("iq4_xs_mix", Q.IQ4_XS), ("iq4_nl_mix", Q.IQ4_NL)):
+        types = tensor_types(plan, wtype)
+        assert types["output.weight"] == Q.Q6_K and types["token_embd.weight"] == base
+        assert all(types[f"blk.{i}.attn_v.weight"] == Q.Q5_K for i in range(16))
+        assert [types[f"blk.{i}.ffn_down.weight"] for i in range(3)] == [Q.Q5_K, Q.Q5_K, base]
+        assert types["blk.5.attn_q.weight"] == types["blk.5.ffn_up.weight"] == base
+    assert tensor_types(tensor_plan("medium"), "iq4_xs_mix")["token_embd.weight"] == Q.Q6_K  # tied: the output
+    assert tensor_types(tensor_plan("medium"), "iq4_xs_mix")["blk.1.attn_v.weight"] == Q.IQ4_XS  # 3 per KV head
+    moe = tensor_types(tensor_plan("small", arch="qwen3moe"), "mxfp4_moe")
+    assert {t for n, t in moe.items() if n.endswith("_exps.weight")} == {Q.MXFP4}
+    assert {t for n, t in moe.items() if n.endswith(".weight") and "_exps" not in n and "norm" not in n
+            and "gate_inp" not in n} == {Q.Q8_0}
+    # IQ4_XS falls back to IQ4_NL on rows that are not whole super-blocks (the small preset's 288)
+    assert set(tensor_types(tensor_plan("small"), "iq4_xs").values()) == {Q.F32, Q.IQ4_NL, Q.IQ4_XS}
 
 
 def test_k_quant_file_is_deterministic(small_512, model_factory, tmp_path):

@@ -16,7 +16,8 @@ import quant_reference as ref
 qmatmul = pytest.importorskip("pyllama._fast.qmatmul", reason="Cython extensions not built (python setup.py build_ext --inplace)")
 from pyllama._fast import ops  # noqa: E402
 
-TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+         T.IQ4_NL, T.IQ4_XS, T.MXFP4)
 INT_TYPES = TYPES[3:]
 K = 768          # 24 blocks of 32, 3 super-blocks of 256
 PATHS = (False, True) if qmatmul.have_avx2() else (True,)

@@ -12,7 +12,10 @@ quant = pytest.importorskip("pyllama._fast.quant", reason="Cython extensions not
 
 # Where each K-quant block keeps its f16 super-block scales: (d, dmin) or d alone.
 K_SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
-QUANTIZABLE = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
+QUANTIZABLE = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4)
+# the f16 scale of the 4-bit lookup types (MXFP4's E8M0 exponent comes from its quantizer above)
+K_SCALE_OFFSETS[T.IQ4_NL] = (0,)
+K_SCALE_OFFSETS[T.IQ4_XS] = (0,)
 ALL_TYPES = QUANTIZABLE + tuple(K_SCALE_OFFSETS)
 
 

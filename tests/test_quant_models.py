@@ -33,7 +33,8 @@ PROMPT = "The little cat sat on the"
 # (preset, --type): the K-quants need rows of 256; the small preset's 288-wide rows fall back to
 # other types as llama.cpp's quantizer does (so those files mix types, like the _M mixes)
 MODELS = [("tiny", "q8_0"), ("tiny", "q4_0"), ("small", "q4_k"), ("small", "q6_k"), ("small", "q4_k_m"),
-          ("small", "q5_k_m"), ("tiny256", "q4_k_m"), ("tiny256", "q5_k_m"), ("tiny256", "q6_k")]
+          ("small", "q5_k_m"), ("tiny256", "q4_k_m"), ("tiny256", "q5_k_m"), ("tiny256", "q6_k"),
+          ("tiny", "iq4_nl"), ("tiny", "mxfp4"), ("tiny256", "iq4_xs"), ("small", "iq4_xs_mix")]
 
 
 @pytest.mark.parametrize("preset,wtype", MODELS)
@@ -54,7 +55,7 @@ def test_greedy_tokens_match_the_reference(model_factory, preset, wtype):
         x8 = [t for w in engine.weights.tensors.values() for t in (w if isinstance(w, tuple) else (w,))
               if t.dtype in (DType.Q4_0, DType.Q8_0, DType.Q4_K, DType.Q5_K, DType.Q6_K) and len(t.shape) == 2
               and t.shape[0] % 8 == 0]
-        if preset in ("tiny", "tiny256"):
+        if preset in ("tiny", "tiny256") and not wtype.startswith(("iq4", "mxfp4")):  # those have no x8 copy
             assert x8 and all(cpu.layout.packed(t) is not None for t in x8)
             assert cpu.layout.packed_weights() == len({(id(t.buffer), t.offset) for t in x8})
     finally:
@@ -111,7 +112,7 @@ def test_mul_mat_cat_equals_the_products_joined():
 
 
 @pytest.mark.parametrize("preset,wtype", [("tiny", "q8_0"), ("small", "q4_k_m"), ("small", "q5_k_m"),
-                                          ("tiny256", "q4_k_m")])
+                                          ("tiny256", "q4_k_m"), ("tiny256", "iq4_xs"), ("tiny", "mxfp4")])
 def test_tokens_identical_over_splits_and_groups(model_factory, rpc_peer, preset, wtype):
     model = model_factory(preset, wtype=wtype)
     local = generated_tokens(model, PROMPT, 16)
@@ -212,15 +213,15 @@ def _refused(path: str, *needles: str) -> None:
 
 
 def test_an_unsupported_weight_type_is_one_line(model_factory, tmp_path):
-    data = bytearray(open(model_factory("tiny", wtype="q4_0"), "rb").read())
+    data = bytearray(open(model_factory("tiny256", wtype="q3_k"), "rb").read())
     at = _tensor_info_at(data, "blk.0.attn_q.weight")
     n_dims = struct.unpack_from("<I", data, at)[0]
     type_at = at + 4 + 8 * n_dims
-    assert struct.unpack_from("<I", data, type_at)[0] == QT.Q4_0
-    struct.pack_into("<I", data, type_at, QT.IQ4_NL)  # same block size and bytes as Q4_0
-    bad = tmp_path / "iq4_nl.gguf"
+    assert struct.unpack_from("<I", data, type_at)[0] == QT.Q3_K
+    struct.pack_into("<I", data, type_at, QT.IQ3_S)  # same block size and bytes as Q3_K
+    bad = tmp_path / "iq3_s.gguf"
     bad.write_bytes(data)
-    _refused(str(bad), "blk.0.attn_q.weight", "IQ4_NL")
+    _refused(str(bad), "blk.0.attn_q.weight", "IQ3_S")
 
 
 def test_a_row_that_is_not_whole_blocks_is_one_line(model_factory, tmp_path):

@@ -42,7 +42,10 @@ cdef enum:
     T_Q4_K = 12
     T_Q5_K = 13
     T_Q6_K = 14
+    T_IQ4_NL = 20
+    T_IQ4_XS = 23
     T_BF16 = 30
+    T_MXFP4 = 39
     QK_K = 256
     # Elements per parallel work item: a multiple of every block size.
     WORK = 8192
@@ -64,6 +67,9 @@ BLOCK_SIZES = {
     T_Q4_K: (QK_K, 144),
     T_Q5_K: (QK_K, 176),
     T_Q6_K: (QK_K, 210),
+    T_IQ4_NL: (32, 18),
+    T_IQ4_XS: (QK_K, 136),
+    T_MXFP4: (32, 17),
 }
 """Supported type id -> (elements per block, bytes per block)."""
 
@@ -260,7 +266,7 @@ cdef void _range_q6_k(const uint8_t *src, float *dst, Py_ssize_t nb) noexcept no
 
 cdef void _range_generic(int qtype, const uint8_t *src, float *dst, Py_ssize_t nb,
                         Py_ssize_t block, Py_ssize_t type_size) noexcept nogil:
-    # Q4_1, Q5_0, Q5_1, Q2_K, Q3_K: ggml_quants.h's block functions (the formulas of
+    # Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4: ggml_quants.h's block functions (the formulas of
     # ggml's dequantize_row_*, every product exact in float32 as above).
     cdef Py_ssize_t i
     for i in range(nb):
@@ -310,7 +316,7 @@ def dequantize(raw, int qtype, Py_ssize_t n_elements, out, int n_threads=0):
     raw: 1-D C-contiguous uint8 array (or other byte buffer) of exactly
     n_elements / block_size * type_size bytes; read-only buffers (memory maps) are fine.
     qtype: a gguf.GGMLQuantizationType value: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-    Q2_K, Q3_K, Q4_K, Q5_K or Q6_K.
+    Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS or MXFP4.
     out: 1-D C-contiguous writable float32 array of n_elements.
     n_threads: OpenMP threads to use; 0 = the OpenMP default (small inputs always use one).
 

@@ -269,7 +269,7 @@ def apply_kv_overrides(metadata: dict[str, Any], overrides: Mapping[str, Any], s
 _FTYPE_NAMES = {0: "all F32", 1: "F16", 32: "BF16", 2: "Q4_0", 3: "Q4_1", 8: "Q5_0", 9: "Q5_1", 7: "Q8_0",
                 10: "Q2_K - Medium", 21: "Q2_K - Small", 11: "Q3_K - Small", 12: "Q3_K - Medium",
                 13: "Q3_K - Large", 14: "Q4_K - Small", 15: "Q4_K - Medium", 16: "Q5_K - Small",
-                17: "Q5_K - Medium", 18: "Q6_K"}
+                17: "Q5_K - Medium", 18: "Q6_K", 25: "IQ4_NL - 4.5 bpw", 30: "IQ4_XS - 4.25 bpw", 38: "MXFP4 MoE"}
 
 
 def file_type_name(file_type: Any) -> str:

@@ -1,7 +1,8 @@
 """Deterministic random-weight test models, written as GGUF files that llama.cpp also loads.
 
     python -m pyllama.models.make --preset tiny|small|medium|deep --out PATH [--vocab VOCAB.gguf]
-        [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|q4_k_m|q5_k_m]
+        [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|iq4_nl|iq4_xs|mxfp4
+                |q4_k_m|q5_k_m|iq4_nl_mix|iq4_xs_mix|mxfp4_moe]
         [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3] [--tied|--untied]
         [--rope-scaling none|linear|yarn --rope-factor F] [--rope-freqs] [--n-rot N]
         [--sliding-window N] [--attn-softcap C] [--final-softcap C]   (FamilyOptions)
@@ -20,22 +21,30 @@ gemma2/gemma3 are always tied and qwen2moe never (llama.cpp's loaders read them 
 1-D tensors and the router are always F32; other weights are stored in --type, as llama.cpp's quantizer
 (llama-quantize, no importance matrix) would store them from the F32 model:
 
-- f32 ... q5_1, q2_k ... q6_k: every 2-D weight in that type (llama-quantize --pure). general.file_type
-  is the matching MOSTLY_* value (MOSTLY_Q3_K_S, _Q4_K_S, _Q5_K_S for the plain q3_k, q4_k, q5_k).
+- f32 ... q5_1, q2_k ... q6_k, iq4_nl, iq4_xs, mxfp4: every 2-D weight in that type (llama-quantize
+  --pure). general.file_type is the matching MOSTLY_* value (MOSTLY_Q3_K_S, _Q4_K_S, _Q5_K_S for the
+  plain q3_k, q4_k, q5_k; MOSTLY_MXFP4_MOE for mxfp4).
 - q4_k_m / q5_k_m (general.file_type MOSTLY_Q4_K_M / MOSTLY_Q5_K_M): Q4_K / Q5_K, except
   * output.weight, or token_embd.weight when there is no output.weight (tied: it is the output
     matrix): Q6_K, or Q8_0 when its rows are not a multiple of 256;
   * attn_v.weight and ffn_down.weight of the layers where use_more_bits(i, n_layer) holds, that is
     i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2 (integer division: layers 0, 3, 6, 9, 10 and 11 of
     12, layers 2 and 5 of 6), counting layers in file order as llama.cpp does: Q6_K.
+- iq4_nl_mix / iq4_xs_mix (MOSTLY_IQ4_NL / MOSTLY_IQ4_XS, llama-quantize's IQ4_NL and IQ4_XS without
+  --pure or an importance matrix): IQ4_NL / IQ4_XS, except the output matrix as in the _M mixes,
+  attn_v.weight Q5_K where the model has 4 or more query heads per KV head, and the ffn_down
+  tensors of the layers i < n_layer/8: Q5_K.
+- mxfp4_moe (MOSTLY_MXFP4_MOE): the experts' 3-D tensors MXFP4, every other 2-D weight (the output
+  matrix included) Q8_0.
 - K-quant fallback, for plain K types and the mixes alike: a tensor whose rows are not a multiple of
   256 (the K-quants' super-block) gets Q4_0 instead of Q2_K or Q3_K, Q5_0 instead of Q4_K, Q5_1
-  instead of Q5_K and Q8_0 instead of Q6_K (F16 if its rows are not a multiple of 32 either). A
+  instead of Q5_K, Q8_0 instead of Q6_K and IQ4_NL instead of IQ4_XS (F16 if its rows are not a
+  multiple of 32 either). A
   K type that would then apply to no tensor at all (the tiny preset: 64-wide rows) is refused.
   Rows: medium 768 and 2048, all K-quant; small 288 (fallback) and 768 (ffn_down, K-quant).
 
-K-quants are computed by pyllama.models.quantize (ggml's reference searches, vectorized); the other
-types by the gguf package.
+K-quants, IQ4_NL and IQ4_XS are computed by pyllama.models.quantize (ggml's reference searches,
+vectorized); the other types by the gguf package.
 
 Without --vocab the model gets pyllama's own byte-level BPE vocabulary (default_vocab.py);
 with it, every `tokenizer.*` key of that GGUF file is copied and n_vocab is its token count.
@@ -116,11 +125,18 @@ WTYPES: dict[str, tuple[Q, LlamaFileType]] = {
     "q4_k": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
     "q5_k": (Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_S),
     "q6_k": (Q.Q6_K, LlamaFileType.MOSTLY_Q6_K),
+    "iq4_nl": (Q.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL),
+    "iq4_xs": (Q.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
+    "mxfp4": (Q.MXFP4, LlamaFileType.MOSTLY_MXFP4_MOE),
     "q4_k_m": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),  # base type; tensor_types() applies the mix
     "q5_k_m": (Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
+    "iq4_nl_mix": (Q.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL),
+    "iq4_xs_mix": (Q.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
+    "mxfp4_moe": (Q.MXFP4, LlamaFileType.MOSTLY_MXFP4_MOE),
 }
-MIXES = frozenset({"q4_k_m", "q5_k_m"})
-K_QUANT_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+MIXES = frozenset({"q4_k_m", "q5_k_m", "iq4_nl_mix", "iq4_xs_mix", "mxfp4_moe"})
+K_QUANT_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0,
+                    Q.IQ4_XS: Q.IQ4_NL}
 ROPE_FREQ_BASE = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen2moe": 1000000.0,
                   "qwen3moe": 1000000.0, "mixtral": 1000000.0, "gemma2": 10000.0, "gemma3": 1000000.0,
                   "phi3": 10000.0}
@@ -342,6 +358,9 @@ def tensor_types(plan: list[TensorSpec], wtype: str) -> dict[str, Q]:
     """
     base = WTYPES[wtype][0]
     tied = not any(spec.name == "output.weight" for spec in plan)
+    rows = {spec.name.split(".", 2)[-1]: spec.shape[0] for spec in plan if spec.name.startswith("blk.0.")}
+    n_gqa = rows.get("attn_q.weight", 1) // rows.get("attn_k.weight", 1)
+    iq4_mix = wtype in ("iq4_nl_mix", "iq4_xs_mix")
     n_attn_v = sum(1 for spec in plan if spec.name.endswith("attn_v.weight"))
     n_layer = n_attn_v  # one attn_v and one ffn_down per layer
     i_attn_v = i_ffn_down = 0
@@ -352,18 +371,25 @@ def tensor_types(plan: list[TensorSpec], wtype: str) -> dict[str, Q]:
             types[spec.name] = Q.F32
             continue
         qtype, row = base, spec.shape[-1]
-        if wtype in MIXES:
+        if wtype == "mxfp4_moe":
+            qtype = Q.MXFP4 if len(spec.shape) == 3 else Q.Q8_0
+        elif wtype in MIXES:
+            more = use_more_bits if not iq4_mix else (lambda i, n: i < n // 8)
+            v_type = Q.Q6_K if not iq4_mix else Q.Q5_K
             if spec.name == "output.weight" or (tied and spec.name == "token_embd.weight"):
                 qtype = Q.Q8_0 if row % QK_K else Q.Q6_K
             elif spec.name.endswith("attn_v.weight"):
-                qtype = Q.Q6_K if use_more_bits(i_attn_v, n_attn_v) else base
+                if iq4_mix:
+                    qtype = Q.Q5_K if n_gqa >= 4 else base
+                else:
+                    qtype = Q.Q6_K if use_more_bits(i_attn_v, n_attn_v) else base
                 i_attn_v += 1
             elif spec.name.endswith("ffn_down.weight"):
-                qtype = Q.Q6_K if use_more_bits(i_ffn_down, n_layer) else base
+                qtype = v_type if more(i_ffn_down, n_layer) else base
                 i_ffn_down += 1
             elif spec.name.endswith(("ffn_down_exps.weight", "ffn_down_shexp.weight")):
                 # a MoE model's down tensors: by their block index, as llama.cpp does with experts
-                qtype = Q.Q6_K if use_more_bits(int(spec.name.split(".")[1]), n_layer) else base
+                qtype = v_type if more(int(spec.name.split(".")[1]), n_layer) else base
         try:
             types[spec.name] = _with_fallback(qtype, row)
         except ValueError as exc:

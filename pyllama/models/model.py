@@ -18,7 +18,7 @@ from .hparams import HParams, read_hparams
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TYPES = WEIGHT_TYPES  # the types a model's tensors may have (the IQ*, TQ*, MXFP4 families not)
+SUPPORTED_TYPES = WEIGHT_TYPES  # the types a model's tensors may have (not the grid IQ types, not TQ*)
 
 
 def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:

@@ -15,6 +15,11 @@ llama-quantize uses without an importance matrix):
   21 / 16 candidate scales (weights mean|x| + |x|); both quantized to 6 bits.
 - Q6_K: 16 sub-blocks of 16, symmetric levels -32..31 with the best of 19 candidate scales
   (x^2-weighted); scales quantized to signed 8 bits.
+- IQ4_NL / IQ4_XS: blocks of 32 on the 16 non-linear levels, each block's scale the best x^2-weighted
+  least-squares fit over 15 candidate scales around -max/127 (ggml's quantize_iq4_nl /
+  quantize_iq4_xs without an importance matrix); IQ4_XS then stores the 8 scales of a super-block
+  as 6-bit multiples of a common f16 scale and requantizes each block on its stored scale.
+- MXFP4 uses the gguf package's quantizer (a power-of-two block scale, the nearest E2M1 value).
 
 Every step is vectorized over all sub-blocks of a chunk of rows (Python loops only run over search
 steps and, for Q3_K, over the 16 positions of a sub-block), so a 100M-weight model takes seconds.
@@ -371,7 +376,78 @@ def _encode_q6_k(x: np.ndarray) -> np.ndarray:
                            _f16_bytes(d).reshape(nb, 2)], axis=1)
 
 
+# ---- IQ4_NL / IQ4_XS ------------------------------------------------------------------------
+
+_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+_IQ4_NTRY = 7
+
+
+def _iq4_index(v: np.ndarray) -> np.ndarray:
+    """The nearest of the 16 levels to each v (ggml's best_index_int8: the lower one on a tie)."""
+    mu = np.clip(np.searchsorted(_IQ4NL, v, side="right"), 1, 15)
+    lower = v - _IQ4NL[mu - 1] < _IQ4NL[mu] - v
+    return np.where(lower, mu - 1, mu).astype(np.uint8)
+
+
+def _iq4_fit(xb: np.ndarray, w: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    q = _IQ4NL[idx]
+    return (w * q * xb).sum(axis=1, dtype=np.float32), (w * q * q).sum(axis=1, dtype=np.float32)
+
+
+def _iq4_block_scales(xb: np.ndarray) -> np.ndarray:
+    """Blocks of 32 (rows) -> each block's float scale, ggml's search with ntry = 7."""
+    w = xb * xb
+    ax = np.abs(xb)
+    mx = np.take_along_axis(xb, ax.argmax(axis=1)[:, None], axis=1)[:, 0]   # the first largest |x|
+    live = ax.max(axis=1) >= _TINY
+    safe_max = np.where(live, mx, np.float32(1))
+    d0 = -safe_max / _IQ4NL[0]
+    sqx, sq2 = _iq4_fit(xb, w, _iq4_index((np.float32(1) / d0)[:, None] * xb))
+    d = np.where(sq2 > 0, sqx / np.where(sq2 > 0, sq2, np.float32(1)), np.float32(0))
+    best = d * sqx
+    for itry in range(-_IQ4_NTRY, _IQ4_NTRY + 1):
+        iscale = (np.float32(itry) + _IQ4NL[0]) / safe_max
+        sqx, sq2 = _iq4_fit(xb, w, _iq4_index(iscale[:, None] * xb))
+        better = (sq2 > 0) & (sqx * sqx > best * sq2)
+        dn = sqx / np.where(sq2 > 0, sq2, np.float32(1))
+        d = np.where(better, dn, d)
+        best = np.where(better, dn * sqx, best)
+    return np.where(live, d, np.float32(0)).astype(np.float32)
+
+
+def _iq4_pack(idx: np.ndarray) -> np.ndarray:
+    """Level indices [n, 32] -> 16 bytes each: element j in the low nibble, j + 16 in the high."""
+    return (idx[:, :16] | (idx[:, 16:] << 4)).astype(np.uint8)
+
+
+def _encode_iq4_nl(x: np.ndarray) -> np.ndarray:
+    d = _iq4_block_scales(x)
+    inv = np.where(d != 0, np.float32(1) / _safe(d), np.float32(0))
+    idx = _iq4_index(inv[:, None] * x)
+    return np.concatenate([_f16_bytes(d), _iq4_pack(idx)], axis=1)
+
+
+def _encode_iq4_xs(x: np.ndarray) -> np.ndarray:
+    nb = x.shape[0]
+    xb = x.reshape(nb * 8, 32)
+    sc = _iq4_block_scales(xb).reshape(nb, 8)
+    max_scale = np.take_along_axis(sc, np.abs(sc).argmax(axis=1)[:, None], axis=1)[:, 0]
+    d = -max_scale / np.float32(32)
+    inv = np.where(d != 0, np.float32(1) / _safe(d), np.float32(0))
+    ls = np.clip(np.rint(inv[:, None] * sc), -32, 31).astype(np.int32)
+    dl = (d[:, None] * ls.astype(np.float32)).reshape(-1)
+    idl = np.where(dl != 0, np.float32(1) / _safe(dl), np.float32(0))
+    idx = _iq4_index(idl[:, None] * xb)
+    l = (ls + 32).astype(np.uint16)
+    scales_l = ((l[:, 0::2] & 0xF) | ((l[:, 1::2] & 0xF) << 4)).astype(np.uint8)
+    scales_h = ((l >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+    return np.concatenate([_f16_bytes(d), scales_h.view(np.uint8).reshape(nb, 2), scales_l,
+                           _iq4_pack(idx).reshape(nb, 128)], axis=1)
+
+
 _K_ENCODERS = {
+    Q.IQ4_NL: _encode_iq4_nl,
+    Q.IQ4_XS: _encode_iq4_xs,
     Q.Q2_K: _encode_q2_k,
     Q.Q3_K: _encode_q3_k,
     Q.Q4_K: _encode_q4_k,

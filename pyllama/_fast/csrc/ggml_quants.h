@@ -63,8 +63,12 @@ static inline int32_t pq_hsum_i32(__m256i v) {
 enum {
     PQ_F32 = 0, PQ_F16 = 1, PQ_Q4_0 = 2, PQ_Q4_1 = 3, PQ_Q5_0 = 6, PQ_Q5_1 = 7, PQ_Q8_0 = 8,
     PQ_Q8_1 = 9, PQ_Q2_K = 10, PQ_Q3_K = 11, PQ_Q4_K = 12, PQ_Q5_K = 13, PQ_Q6_K = 14,
-    PQ_Q8_K = 15, PQ_BF16 = 30
+    PQ_Q8_K = 15, PQ_IQ4_NL = 20, PQ_IQ4_XS = 23, PQ_BF16 = 30, PQ_MXFP4 = 39
 };
+/* The 4-bit lookup types' values: IQ4_NL / IQ4_XS's non-linear grid and MXFP4's E2M1 values
+ * doubled (ggml's kvalues_iq4nl, kvalues_mxfp4). */
+static const int8_t pq_kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t pq_kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 #define PQ_QK_K 256
 /* Entry points: a module that includes this header uses only some of them. */
 #define PQ_API static __attribute__((unused))
@@ -103,6 +107,9 @@ static inline int pq_get_traits(int t, pq_traits *tr) {
     case PQ_Q5_K: *tr = (pq_traits){PQ_QK_K, 176, PQ_Q8_K, 10}; return 1;
     case PQ_Q6_K: *tr = (pq_traits){PQ_QK_K, 210, PQ_Q8_K, 17}; return 1;
     case PQ_Q8_K: *tr = (pq_traits){PQ_QK_K, 292, -1, 0}; return 1;
+    case PQ_IQ4_NL: *tr = (pq_traits){32, 18, PQ_Q8_0, 1}; return 1;
+    case PQ_IQ4_XS: *tr = (pq_traits){PQ_QK_K, 136, PQ_Q8_K, 9}; return 1;
+    case PQ_MXFP4: *tr = (pq_traits){32, 17, PQ_Q8_0, 1}; return 1;
     default: return 0;
     }
 }
@@ -163,6 +170,17 @@ static inline float pq_ld_f16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); 
 static inline float pq_ld_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
 static inline int16_t pq_ld_i16(const uint8_t *p) { int16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t pq_ld_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+/* MXFP4's E8M0 block exponent as 2^(e - 128), half the scale, since the values are doubled
+ * (ggml_e8m0_to_fp32_half: e < 2 gives the subnormals 2^-128 and 2^-127) */
+static inline float pq_e8m0_half(uint8_t e) {
+    return pq_bits_f32(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
+/* IQ4_XS sub-block ib's 6-bit scale, less 32 */
+static inline int pq_iq4xs_scale(const uint8_t *b, int ib) {
+    const int lo = (b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF;
+    const int hi = (b[2 + ib / 4] >> (2 * (ib % 4))) & 3;   /* scales_h, a little-endian uint16 */
+    return (lo | (hi << 4)) - 32;
+}
 
 /* ---------------------------------------------------------------------------------------------
  * Activation quantizers: ggml's x86 quantize_row_q8_0 / q8_1 (what its CPU backend runs on AVX
@@ -387,6 +405,24 @@ static inline void pq_dequant_block(int t, const uint8_t *b, float *y) {
             y[e] = d * (float)(int8_t)b[192 + e / 16] * (float)((lo | (hi << 4)) - 32);
         }
         break; }
+    case PQ_IQ4_NL: case PQ_MXFP4: {
+        const int nl = t == PQ_IQ4_NL;
+        const float d = nl ? pq_ld_f16(b) : pq_e8m0_half(b[0]);
+        const int8_t *kv = nl ? pq_kvalues_iq4nl : pq_kvalues_mxfp4;
+        const uint8_t *qs = b + (nl ? 2 : 1);
+        for (int j = 0; j < 16; j++) { y[j] = d * (float)kv[qs[j] & 0xF]; y[j + 16] = d * (float)kv[qs[j] >> 4]; }
+        break; }
+    case PQ_IQ4_XS: { /* d | scales_h | scales_l[4] | qs[128]; dl = d * (scale - 32), as ggml */
+        const float d = pq_ld_f16(b);
+        for (int ib = 0; ib < 8; ib++) {
+            const float dl = d * (float)pq_iq4xs_scale(b, ib);
+            const uint8_t *qs = b + 8 + 16 * ib;
+            for (int j = 0; j < 16; j++) {
+                y[32 * ib + j] = dl * (float)pq_kvalues_iq4nl[qs[j] & 0xF];
+                y[32 * ib + j + 16] = dl * (float)pq_kvalues_iq4nl[qs[j] >> 4];
+            }
+        }
+        break; }
     case PQ_F16: y[0] = pq_ld_f16(b); break;
     case PQ_BF16: { uint16_t h; memcpy(&h, b, 2); y[0] = pq_bf16_to_f32(h); break; }
     default: y[0] = pq_ld_f32(b); break;
@@ -417,7 +453,9 @@ PQ_API void pq_dequant_row(int t, const uint8_t *w, float *y, int64_t k) {
  *   Q2_K: 16 sub-block sums of q_w (0..3) * q_x, then isum = sum sc_lo * sub, summs = sum bsums * sc_hi
  *   Q3_K: 16 sub-block sums of q_w (-4..3) * q_x, then isum = sum (scale - 32) * sub
  *   Q4_K, Q5_K: 8 sub-block (32) sums of q_w * q_x, then isum = sum scale * sub, summs = sum bsums * min
- *   Q6_K: 16 sub-block sums of (q_w - 32) * q_x, then isum = sum scale * sub */
+ *   Q6_K: 16 sub-block sums of (q_w - 32) * q_x, then isum = sum scale * sub
+ *   IQ4_NL, MXFP4: [sum value(q_w) * q_x]
+ *   IQ4_XS: 8 sub-block (32) sums of value(q_w) * q_x, then isum = sum (scale - 32) * sub */
 
 static inline void pq_isums_q4_0(const uint8_t *w, const uint8_t *x, int32_t *s) {
     const int8_t *q8 = (const int8_t *)(x + 2);
@@ -538,6 +576,28 @@ static inline void pq_isums_q6_K(const uint8_t *w, const uint8_t *x, int32_t *s)
     s[16] = isum;
 }
 
+/* IQ4_NL, MXFP4: one block of 32 looked up in kv; qs its 16 bytes of nibbles */
+static inline void pq_isums_lut(const int8_t *kv, const uint8_t *qs, const uint8_t *x, int32_t *s) {
+    const int8_t *q8 = (const int8_t *)(x + 2);
+    int s0 = 0, s1 = 0;
+    for (int j = 0; j < 16; j++) { s0 += q8[j] * kv[qs[j] & 0xF]; s1 += q8[j + 16] * kv[qs[j] >> 4]; }
+    s[0] = s0 + s1;
+}
+
+static inline void pq_isums_iq4_xs(const uint8_t *w, const uint8_t *x, int32_t *s) {
+    const int8_t *q8 = (const int8_t *)(x + 4);
+    int isum = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *qs = w + 8 + 16 * ib;
+        int sub = 0;
+        for (int j = 0; j < 16; j++)
+            sub += q8[32 * ib + j] * pq_kvalues_iq4nl[qs[j] & 0xF] + q8[32 * ib + j + 16] * pq_kvalues_iq4nl[qs[j] >> 4];
+        s[ib] = sub;
+        isum += pq_iq4xs_scale(w, ib) * sub;
+    }
+    s[8] = isum;
+}
+
 /* The per-block integer sums of a whole row (nb blocks); 0 if t has none. */
 PQ_API int pq_isums_row(int t, int64_t nb, const uint8_t *w, const uint8_t *x, int32_t *out) {
     pq_traits tw, tx;
@@ -557,6 +617,9 @@ PQ_API int pq_isums_row(int t, int64_t nb, const uint8_t *w, const uint8_t *x, i
         case PQ_Q4_K: pq_isums_q45_K(wb, xb, s, 0); break;
         case PQ_Q5_K: pq_isums_q45_K(wb, xb, s, 1); break;
         case PQ_Q6_K: pq_isums_q6_K(wb, xb, s); break;
+        case PQ_IQ4_NL: pq_isums_lut(pq_kvalues_iq4nl, wb + 2, xb, s); break;
+        case PQ_MXFP4: pq_isums_lut(pq_kvalues_mxfp4, wb + 1, xb, s); break;
+        case PQ_IQ4_XS: pq_isums_iq4_xs(wb, xb, s); break;
         }
     }
     return 1;
@@ -631,6 +694,26 @@ PQ_API float pq_dot1_portable(int t, int64_t n, const uint8_t *w, const uint8_t 
             const uint8_t *wb = w + 210 * i, *xb = x + 292 * i;
             pq_isums_q6_K(wb, xb, s);
             sumf += (pq_ld_f16(wb + 208) * pq_ld_f32(xb)) * (float)s[16];
+        }
+        return sumf;
+    case PQ_IQ4_NL:
+        for (i = 0; i < n / 32; i++) {
+            pq_isums_lut(pq_kvalues_iq4nl, w + 18 * i + 2, x + 34 * i, s);
+            sumf += (pq_ld_f16(x + 34 * i) * pq_ld_f16(w + 18 * i)) * (float)s[0];
+        }
+        return sumf;
+    case PQ_MXFP4:
+        for (i = 0; i < n / 32; i++) {
+            pq_isums_lut(pq_kvalues_mxfp4, w + 17 * i + 1, x + 34 * i, s);
+            sumf += (pq_ld_f16(x + 34 * i) * pq_e8m0_half(w[17 * i])) * (float)s[0];
+        }
+        return sumf;
+    case PQ_IQ4_XS:   /* ggml's generic order: a float term per sub-block */
+        for (i = 0; i < n / PQ_QK_K; i++) {
+            const uint8_t *wb = w + 136 * i, *xb = x + 292 * i;
+            pq_isums_iq4_xs(wb, xb, s);
+            const float d4d8 = pq_ld_f16(wb) * pq_ld_f32(xb);
+            for (int ib = 0; ib < 8; ib++) sumf += (d4d8 * (float)pq_iq4xs_scale(wb, ib)) * (float)s[ib];
         }
         return sumf;
     case PQ_F16: {
@@ -960,6 +1043,69 @@ PQ_INLINE void pq_avx2_q3_K(int NR, int64_t nb, const uint8_t *w, const uint8_t 
     for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]);
 }
 
+/* IQ4_NL, MXFP4 x Q8_0: each block's 16 bytes of nibbles looked up in the type's 16 values (a byte
+ * shuffle), dotted as signed bytes; even blocks go to one accumulator and odd ones to another, added
+ * at the end, and an odd last block is added in scalar, as ggml's AVX2 vec_dot does. */
+PQ_INLINE __m256i pq_unpack_lut(__m256i lut, const uint8_t *qs) { return _mm256_shuffle_epi8(lut, pq_nibbles32(qs)); }
+PQ_INLINE void pq_avx2_lut_0(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    const int nl = t == PQ_IQ4_NL, wb = nl ? 18 : 17, qo = nl ? 2 : 1;
+    const int8_t *kv = nl ? pq_kvalues_iq4nl : pq_kvalues_mxfp4;
+    const __m128i kv128 = _mm_loadu_si128((const __m128i *)kv);
+    const __m256i lut = _mm256_set_m128i(kv128, kv128);
+    __m256 acc1[PQ_MAX_NR], acc2[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) { acc1[r] = _mm256_setzero_ps(); acc2[r] = _mm256_setzero_ps(); }
+    int64_t i = 0;
+    for (; i + 1 < nb; i += 2) {
+        const uint8_t *w1 = w + wb * i, *w2 = w1 + wb;
+        const __m256i q1 = pq_unpack_lut(lut, w1 + qo), q2 = pq_unpack_lut(lut, w2 + qo);
+        const __m256i a1 = _mm256_sign_epi8(q1, q1), a2 = _mm256_sign_epi8(q2, q2);
+        const float d1 = nl ? pq_h2f(w1) : pq_e8m0_half(w1[0]), d2 = nl ? pq_h2f(w2) : pq_e8m0_half(w2[0]);
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *y = x + r * xs + 34 * i;
+            const __m256i p1 = pq_dot_i8(a1, q1, _mm256_loadu_si256((const __m256i *)(y + 2)));
+            const __m256i p2 = pq_dot_i8(a2, q2, _mm256_loadu_si256((const __m256i *)(y + 36)));
+            acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(pq_h2f(y) * d1), _mm256_cvtepi32_ps(p1), acc1[r]);
+            acc2[r] = _mm256_fmadd_ps(_mm256_set1_ps(pq_h2f(y + 34) * d2), _mm256_cvtepi32_ps(p2), acc2[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        out[r] = pq_hsum256(_mm256_add_ps(acc1[r], acc2[r]));
+        if (i < nb) {
+            const uint8_t *wl = w + wb * i, *y = x + r * xs + 34 * i;
+            int32_t s;
+            pq_isums_lut(kv, wl + qo, y, &s);
+            out[r] += (pq_h2f(y) * (nl ? pq_h2f(wl) : pq_e8m0_half(wl[0]))) * (float)s;
+        }
+    }
+}
+
+/* IQ4_XS x Q8_K: per super-block, the sub-blocks' byte products (int16 pairs) times their scales
+ * summed in 8 int32 lanes, then one float term per super-block, as ggml's AVX2 vec_dot. */
+PQ_INLINE void pq_avx2_iq4_xs(int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    const __m128i kv128 = _mm_loadu_si128((const __m128i *)pq_kvalues_iq4nl);
+    const __m256i lut = _mm256_set_m128i(kv128, kv128);
+    __m256 acc[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += 136) {
+        __m256i sumi[PQ_MAX_NR];
+        for (int r = 0; r < NR; r++) sumi[r] = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const __m256i q = pq_unpack_lut(lut, w + 8 + 16 * ib);
+            const __m256i qa = _mm256_sign_epi8(q, q);
+            const __m256i ls = _mm256_set1_epi16((short)pq_iq4xs_scale(w, ib));
+            for (int r = 0; r < NR; r++) {
+                const __m256i y = _mm256_loadu_si256((const __m256i *)(x + r * xs + 292 * i + 4 + 32 * ib));
+                const __m256i p16 = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(y, q));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p16, ls));
+            }
+        }
+        const float dx = pq_h2f(w);
+        for (int r = 0; r < NR; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * pq_ld_f32(x + r * xs + 292 * i)), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+    }
+    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]);
+}
+
 /* F16 / BF16 / F32 weights with activations of the same type: products exact in float32 for
  * the 16-bit types, FMA accumulation in 8 lanes. The activations may also come widened to F32
  * (xt = PQ_F32: the same values, rounded to the weight's type once and stored as floats), which
@@ -1149,6 +1295,9 @@ PQ_DEF4(pq_k_q3_K, pq_avx2_q3_K(NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_q4_K, pq_avx2_q45_K(0, NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_q5_K, pq_avx2_q45_K(1, NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_q6_K, pq_avx2_q6_K(NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_iq4_nl, pq_avx2_lut_0(PQ_IQ4_NL, NR, n / 32, w, x, xs, out))
+PQ_DEF4(pq_k_mxfp4, pq_avx2_lut_0(PQ_MXFP4, NR, n / 32, w, x, xs, out))
+PQ_DEF4(pq_k_iq4_xs, pq_avx2_iq4_xs(NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_f16, pq_avx2_float(PQ_F16, PQ_F16, NR, n, w, x, xs, out))
 PQ_DEF4(pq_k_bf16, pq_avx2_float(PQ_BF16, PQ_BF16, NR, n, w, x, xs, out))
 PQ_DEF4(pq_k_f32, pq_avx2_float(PQ_F32, PQ_F32, NR, n, w, x, xs, out))
@@ -1188,6 +1337,8 @@ PQ_API pq_dot_fn pq_avx2_kernel(int t, int nr) {
     static const pq_dot_fn q2_K[PQ_MAX_NR] = PQ_TAB(pq_k_q2_K), q3_K[PQ_MAX_NR] = PQ_TAB(pq_k_q3_K), q4_K[PQ_MAX_NR] = PQ_TAB(pq_k_q4_K);
     static const pq_dot_fn q5_K[PQ_MAX_NR] = PQ_TAB(pq_k_q5_K), q6_K[PQ_MAX_NR] = PQ_TAB(pq_k_q6_K);
     static const pq_dot_fn f16[PQ_MAX_NR] = PQ_TAB(pq_k_f16), bf16[PQ_MAX_NR] = PQ_TAB(pq_k_bf16), f32[PQ_MAX_NR] = PQ_TAB(pq_k_f32);
+    static const pq_dot_fn iq4_nl[PQ_MAX_NR] = PQ_TAB(pq_k_iq4_nl), mxfp4[PQ_MAX_NR] = PQ_TAB(pq_k_mxfp4);
+    static const pq_dot_fn iq4_xs[PQ_MAX_NR] = PQ_TAB(pq_k_iq4_xs);
     const pq_dot_fn *tab;
     switch (t) {
     case PQ_Q4_0: tab = q4_0; break;
@@ -1203,6 +1354,9 @@ PQ_API pq_dot_fn pq_avx2_kernel(int t, int nr) {
     case PQ_F16: tab = f16; break;
     case PQ_BF16: tab = bf16; break;
     case PQ_F32: tab = f32; break;
+    case PQ_IQ4_NL: tab = iq4_nl; break;
+    case PQ_MXFP4: tab = mxfp4; break;
+    case PQ_IQ4_XS: tab = iq4_xs; break;
     default: return NULL;
     }
     return tab[nr - 1];

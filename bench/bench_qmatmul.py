@@ -39,10 +39,11 @@ def blas_threads(n: int):
     return threadpool_limits(limits=n, user_api="blas") if threadpool_limits else contextlib.nullcontext()
 
 ALL_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0",
-             "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+             "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "mxfp4")
 # Byte offsets of each block's f16 scales: set to finite values (random bytes may be inf/nan).
 F16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
-              T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+              T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+              T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.MXFP4: ()}
 
 
 def random_weights(qtype: T, m: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -59,6 +60,8 @@ def random_weights(qtype: T, m: int, k: int, rng: np.random.Generator) -> np.nda
     for off in F16_FIELDS[qtype]:
         scales = rng.uniform(0.001, 0.01, (m, k // block)).astype(np.float16)
         raw[:, :, off:off + 2] = scales.view(np.uint8).reshape(m, k // block, 2)
+    if qtype == T.MXFP4:   # E8M0 block exponents of scales 2^-10 .. 2^-5
+        raw[:, :, 0] = rng.integers(118, 124, (m, k // block))
     return raw.reshape(m, -1)
 
 

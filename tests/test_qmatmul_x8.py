@@ -17,7 +17,8 @@ qmatmul = pytest.importorskip("pyllama._fast.qmatmul", reason="Cython extensions
 pytestmark = pytest.mark.skipif(not qmatmul.x8_types(), reason="this build has no AVX2 kernels (repacking needs them)")
 
 # Q2_K and Q3_K have no oct kernel: builds for AVX-512 VNNI keep them in the file's layout
-X8 = tuple(t for t in (T.Q4_0, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K) if int(t) in qmatmul.x8_types())
+X8 = tuple(t for t in (T.Q4_0, T.Q8_0, T.IQ4_NL, T.MXFP4, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+           if int(t) in qmatmul.x8_types())
 
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
@@ -55,6 +56,8 @@ def test_largest_quants_against_full_scale_activations(qtype, sign):
     w = np.full((m, k // ref.BLOCK_ELEMS[qtype], ref.BLOCK_BYTES[qtype]), 0xFF, np.uint8)
     for off in ref.F16_FIELDS[qtype]:
         w[:, :, off:off + 2] = np.array([0.01], np.float16).view(np.uint8)
+    if qtype == T.MXFP4:
+        w[:, :, 0] = 121                        # E8M0: a scale of 2^-7
     w = w.reshape(m, -1)
     x = np.full((n, k), sign, np.float32)
     xq = qmatmul.quantize_rows(x, qmatmul.vec_dot_type(int(qtype)))
@@ -109,17 +112,22 @@ def test_threads_strided_out_bias_and_batch_independence(qtype):
 # Q8_0 everywhere, the K-quants in builds for AVX-512 VNNI (the oct kernels; those builds repack no
 # Q2_K), whose 256-bit kernels still add each row's lanes per block
 OCT_BUILD = T.Q2_K not in X8
-SAME_BITS = tuple(t for t in X8 if t in (T.Q4_0, T.Q8_0) or (OCT_BUILD and t in (T.Q4_K, T.Q5_K, T.Q6_K)))
+SAME_BITS = tuple(t for t in X8 if t in (T.Q4_0, T.Q8_0, T.IQ4_NL, T.MXFP4)
+                  or (OCT_BUILD and t in (T.Q4_K, T.Q5_K, T.Q6_K)))
 
 
 @pytest.mark.parametrize("qtype", SAME_BITS, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 2, 5, 32])
 @pytest.mark.parametrize("nt", [1, 2])
-def test_repacked_and_file_layout_give_the_same_bits(qtype, n, nt):
+@pytest.mark.parametrize("blocks", [32, 25])
+def test_repacked_and_file_layout_give_the_same_bits(qtype, n, nt, blocks):
     """One arithmetic per weight type: the repacked product equals the file layout's bit for bit
-    (ggml's float steps in both) at any row count and thread count."""
+    (ggml's float steps in both) at any row count and thread count; for the 32-element types also
+    with an odd number of blocks (IQ4_NL / MXFP4 add the last one apart, as ggml does)."""
+    if blocks % 8 and ref.BLOCK_ELEMS[qtype] != 32:
+        pytest.skip("rows of whole super-blocks")
     rng = np.random.default_rng(7 * n + nt + int(qtype))
-    m, k = 40, 1024
+    m, k = 40, 32 * blocks
     w = ref.random_weights(qtype, m, k, rng)
     x = activations(n, k, rng)
     rows = np.empty((n, m), np.float32)

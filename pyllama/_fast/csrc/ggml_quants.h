@@ -765,6 +765,8 @@ PQ_INLINE __m256i pq_nibbles32(const uint8_t *p) {
     const __m128i t = _mm_loadu_si128((const __m128i *)p);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
 }
+/* 16 bytes of nibbles -> 32 bytes, each looked up in a 16-value table (both lanes of lut) */
+PQ_INLINE __m256i pq_unpack_lut(__m256i lut, const uint8_t *qs) { return _mm256_shuffle_epi8(lut, pq_nibbles32(qs)); }
 /* 32 bits -> 32 bytes, byte j = 0xFF where bit j is set */
 PQ_INLINE __m256i pq_bits_to_bytes(uint32_t bits) {
     const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
@@ -1043,10 +1045,12 @@ PQ_INLINE void pq_avx2_q3_K(int NR, int64_t nb, const uint8_t *w, const uint8_t 
     for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]);
 }
 
-/* IQ4_NL, MXFP4 x Q8_0: each block's 16 bytes of nibbles looked up in the type's 16 values (a byte
- * shuffle), dotted as signed bytes; even blocks go to one accumulator and odd ones to another, added
- * at the end, and an odd last block is added in scalar, as ggml's AVX2 vec_dot does. */
-PQ_INLINE __m256i pq_unpack_lut(__m256i lut, const uint8_t *qs) { return _mm256_shuffle_epi8(lut, pq_nibbles32(qs)); }
+/* IQ4_NL, MXFP4 x Q8_0 in ggml's AVX2 vec_dot order: each block's 16 bytes of nibbles looked up in
+ * the type's 16 values (a byte shuffle) and dotted as signed bytes; even blocks go to one 8-lane
+ * accumulator and odd ones to another, added lane-wise at the end and reduced, and an odd last block
+ * is added after, one float term (pq_lut_tail). The repacked kernels (ggml_x8.h) keep the same steps. */
+static inline float pq_lut_scale(int t, const uint8_t *w) { return t == PQ_IQ4_NL ? pq_ld_f16(w) : pq_e8m0_half(w[0]); }
+static inline float pq_lut_tail(float sum, float dxy, int32_t isum) { return fmaf(dxy, (float)isum, sum); }
 PQ_INLINE void pq_avx2_lut_0(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
     const int nl = t == PQ_IQ4_NL, wb = nl ? 18 : 17, qo = nl ? 2 : 1;
     const int8_t *kv = nl ? pq_kvalues_iq4nl : pq_kvalues_mxfp4;
@@ -1059,7 +1063,7 @@ PQ_INLINE void pq_avx2_lut_0(int t, int NR, int64_t nb, const uint8_t *w, const 
         const uint8_t *w1 = w + wb * i, *w2 = w1 + wb;
         const __m256i q1 = pq_unpack_lut(lut, w1 + qo), q2 = pq_unpack_lut(lut, w2 + qo);
         const __m256i a1 = _mm256_sign_epi8(q1, q1), a2 = _mm256_sign_epi8(q2, q2);
-        const float d1 = nl ? pq_h2f(w1) : pq_e8m0_half(w1[0]), d2 = nl ? pq_h2f(w2) : pq_e8m0_half(w2[0]);
+        const float d1 = pq_lut_scale(t, w1), d2 = pq_lut_scale(t, w2);
         for (int r = 0; r < NR; r++) {
             const uint8_t *y = x + r * xs + 34 * i;
             const __m256i p1 = pq_dot_i8(a1, q1, _mm256_loadu_si256((const __m256i *)(y + 2)));
@@ -1069,12 +1073,14 @@ PQ_INLINE void pq_avx2_lut_0(int t, int NR, int64_t nb, const uint8_t *w, const 
         }
     }
     for (int r = 0; r < NR; r++) {
-        out[r] = pq_hsum256(_mm256_add_ps(acc1[r], acc2[r]));
+        __m256 both = _mm256_add_ps(acc1[r], acc2[r]);
+        PIN_VEC(both);
+        out[r] = pq_hsum256(both);
         if (i < nb) {
             const uint8_t *wl = w + wb * i, *y = x + r * xs + 34 * i;
             int32_t s;
             pq_isums_lut(kv, wl + qo, y, &s);
-            out[r] += (pq_h2f(y) * (nl ? pq_h2f(wl) : pq_e8m0_half(wl[0]))) * (float)s;
+            out[r] = pq_lut_tail(out[r], pq_h2f(y) * pq_lut_scale(t, wl), s);
         }
     }
 }

@@ -1,4 +1,4 @@
-/* Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights repacked in groups of 8 rows, for the AVX2
+/* Q4_0, Q8_0, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights repacked in groups of 8 rows, for the AVX2
  * / AVX-512 products.
  *
  * In the file's layout each weight row is dotted with an activation row on its own: the kernel
@@ -20,12 +20,14 @@
  *
  * Q4_0 and Q8_0 (signed weights, one f16 scale per 32 elements, Q8_0 activations) take the
  * product as |w| . (y with w's sign), exact in the byte dot product, per 32-element block (the
- * 512-bit kernel offsets y instead, see pq_x8_kernel_0_oct).
+ * 512-bit kernel offsets y instead, see pq_x8_kernel_0_oct). IQ4_NL and MXFP4 are Q4_0 with the
+ * nibbles looked up in their 16 values instead of less 8, and MXFP4's scale an E8M0 exponent.
  *
  * Packed layouts, per group of 8 rows and per block (32 elements for Q4_0 / Q8_0, a super-block
  * of 256 for the K-quants), each the file's 8 blocks' size but Q4_K's:
  *   Q4_0 (144 bytes): d f16[8] | qs[4 quads][8 rows][4 bytes] (low nibbles elements 4q.., high 16 + 4q..)
  *   Q8_0 (272 bytes): d f16[8] | qs[8 quads][8 rows][4 bytes]
+ *   IQ4_NL (144 bytes): as Q4_0;  MXFP4 (136 bytes): e u8[8] | qs as Q4_0's
  *   Q4_K (1184 bytes): d f16[8] | dmin f16[8] | scale u8[8 sub-blocks][8 rows]
  *                      | min u8[8][8] | qs[4 runs of 64][8 quads][8 rows][4 bytes]
  *   Q5_K (1440 bytes): Q4_K's layout | qh[8 quads][8 rows][4 bytes] (bit j: sub-block j's 5th bit)
@@ -72,6 +74,8 @@ static inline int pq_x8_block_bytes(int t) {
     switch (t) {
     case PQ_Q4_0: return 144;
     case PQ_Q8_0: return 272;
+    case PQ_IQ4_NL: return 144;
+    case PQ_MXFP4: return 136;
     case PQ_Q4_K: return PQ_X8_Q4_K_BYTES;
     case PQ_Q5_K: return PQ_X8_Q4_K_BYTES + 256;
     case PQ_Q6_K: return PQ_X8_Q6_K_BYTES;
@@ -81,7 +85,10 @@ static inline int pq_x8_block_bytes(int t) {
     }
 }
 /* Elements per block of a repacked type */
-static inline int pq_x8_block_elems(int t) { return t == PQ_Q4_0 || t == PQ_Q8_0 ? 32 : PQ_QK_K; }
+/* the types of the 32-element kernels (pq_x8_kernel_0), and those of them with 4-bit weights */
+static inline int pq_x8_is_0(int t) { return t == PQ_Q4_0 || t == PQ_Q8_0 || t == PQ_IQ4_NL || t == PQ_MXFP4; }
+static inline int pq_x8_is_nib(int t) { return t == PQ_Q4_0 || t == PQ_IQ4_NL || t == PQ_MXFP4; }
+static inline int pq_x8_block_elems(int t) { return pq_x8_is_0(t) ? 32 : PQ_QK_K; }
 
 /* Copies bytes [off, off + 4 * nq) of each of the 8 rows' blocks (src[l]) to dst in units of
  * `unit` (4 or 8) bytes, unit-major: unit u of row l at dst + 8 * unit * u + unit * l. */
@@ -119,9 +126,12 @@ PQ_API int pq_repack_x8(int t, const uint8_t *w, int64_t m, int64_t wstride, int
             const uint8_t *src[8];
             for (int l = 0; l < 8; l++) src[l] = w + (8 * g + l) * wstride + b * fb;
             uint8_t *o = out + (g * nb + b) * pb;
-            if (t == PQ_Q4_0 || t == PQ_Q8_0) {
+            if (t == PQ_MXFP4) {
+                for (int l = 0; l < 8; l++) o[l] = src[l][0];
+                pq_x8_units(o + 8, src, 1, 4, PQ_X8_UNIT);
+            } else if (pq_x8_is_0(t)) {
                 for (int l = 0; l < 8; l++) memcpy(o + 2 * l, src[l], 2);
-                pq_x8_units(o + 16, src, 2, t == PQ_Q4_0 ? 4 : 8, PQ_X8_UNIT);
+                pq_x8_units(o + 16, src, 2, t == PQ_Q8_0 ? 8 : 4, PQ_X8_UNIT);
             } else if (t == PQ_Q4_K || t == PQ_Q5_K) {
                 for (int l = 0; l < 8; l++) {
                     memcpy(o + 2 * l, src[l], 2);
@@ -431,36 +441,69 @@ PQ_INLINE __m256 pq_x8_hsum8_lanes(const __m256 *f) {
     return pq_x8_add(pq_x8_add(pq_x8_add(f[0], f[4]), pq_x8_add(f[2], f[6])),
                      pq_x8_add(pq_x8_add(f[1], f[5]), pq_x8_add(f[3], f[7])));
 }
+/* The 8 rows' block scales: f16, or MXFP4's E8M0 bytes as pq_e8m0_half reads them */
+PQ_INLINE __m256 pq_x8_scales_0(int t, const uint8_t *blk) {
+    if (t != PQ_MXFP4) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)blk));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(tiny, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+}
+static inline int pq_x8_qs_0(int t) { return t == PQ_MXFP4 ? 8 : 16; }
+static inline int pq_x8_is_lut(int t) { return t == PQ_IQ4_NL || t == PQ_MXFP4; }
+static inline const int8_t *pq_x8_lut_0(int t) { return t == PQ_IQ4_NL ? pq_kvalues_iq4nl : pq_kvalues_mxfp4; }
 PQ_INLINE void pq_x8_kernel_0(int t, int NR, int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs,
                               float *out, int64_t ldo, const float *bias) {
     const int pb = pq_x8_block_bytes(t), nq = 8;
     const __m256i m4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
-    __m256 facc[PQ_X8_NR][8];
-    for (int r = 0; r < NR; r++)
-        for (int q = 0; q < nq; q++) facc[r][q] = _mm256_setzero_ps();
+    const int qo = pq_x8_qs_0(t);
+    __m128i kv128 = _mm_setzero_si128();
+    if (t == PQ_IQ4_NL || t == PQ_MXFP4) kv128 = _mm_loadu_si128((const __m128i *)pq_x8_lut_0(t));
+    const __m256i lut = _mm256_set_m128i(kv128, kv128);
+    /* IQ4_NL / MXFP4: ggml's even and odd blocks in two accumulator sets, an odd last block apart
+     * (pq_avx2_lut_0) */
+    const int two = pq_x8_is_lut(t);
+    const int64_t tail = two && (nb & 1) ? nb - 1 : -1;
+    __m256 facc[PQ_X8_NR][2][8], dtail[PQ_X8_NR];
+    __m256i itail[PQ_X8_NR];
+    for (int r = 0; r < NR; r++) {
+        itail[r] = _mm256_setzero_si256();
+        dtail[r] = _mm256_setzero_ps();
+        for (int q = 0; q < nq; q++) facc[r][0][q] = facc[r][1][q] = _mm256_setzero_ps();
+    }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * pb;
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d = pq_x8_scales_0(t, blk);
+        const int par = two ? (int)(b & 1) : 0;
         __m256 dd[PQ_X8_NR];
         for (int r = 0; r < NR; r++) dd[r] = _mm256_mul_ps(d, _mm256_set1_ps(pq_h2f(x + r * xs + 34 * b)));
+        if (b == tail)
+            for (int r = 0; r < NR; r++) dtail[r] = dd[r];
 #pragma GCC unroll 8
         for (int q = 0; q < nq; q++) {
             __m256i w;
-            if (t == PQ_Q4_0) {   /* quads 0..3: low nibbles (elements 4q..), 4..7: high (16 + 4(q - 4)..) */
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (q % 4)));
-                w = _mm256_sub_epi8(_mm256_and_si256(q < 4 ? v : _mm256_srli_epi16(v, 4), m4), eight);
+            if (pq_x8_is_nib(t)) {   /* quads 0..3: low nibbles (elements 4q..), 4..7: high (16 + 4(q - 4)..) */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + qo + 32 * (q % 4)));
+                const __m256i nib = _mm256_and_si256(q < 4 ? v : _mm256_srli_epi16(v, 4), m4);
+                w = t == PQ_Q4_0 ? _mm256_sub_epi8(nib, eight) : _mm256_shuffle_epi8(lut, nib);
             } else {
                 w = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * q));
             }
             const __m256i wa = _mm256_sign_epi8(w, w);
             for (int r = 0; r < NR; r++) {
                 const __m256i p = pq_dpbusd(wa, _mm256_sign_epi8(pq_x8_bcast(x + r * xs + 34 * b + 2 + 4 * q), w));
-                facc[r][q] = _mm256_fmadd_ps(dd[r], _mm256_cvtepi32_ps(p), facc[r][q]);
+                if (b == tail) itail[r] = _mm256_add_epi32(itail[r], p);
+                else facc[r][par][q] = _mm256_fmadd_ps(dd[r], _mm256_cvtepi32_ps(p), facc[r][par][q]);
             }
         }
     }
     __m256 fsum[PQ_X8_NR];
-    for (int r = 0; r < NR; r++) fsum[r] = pq_x8_hsum8_lanes(facc[r]);
+    for (int r = 0; r < NR; r++) {
+        __m256 lanes[8];
+        for (int q = 0; q < nq; q++) lanes[q] = two ? pq_x8_add(facc[r][0][q], facc[r][1][q]) : facc[r][0][q];
+        fsum[r] = pq_x8_hsum8_lanes(lanes);
+        if (tail >= 0) fsum[r] = _mm256_fmadd_ps(dtail[r], _mm256_cvtepi32_ps(itail[r]), fsum[r]);
+    }
     pq_x8_store(NR, fsum, out, ldo, bias);
 }
 
@@ -475,44 +518,69 @@ PQ_INLINE void pq_x8_kernel_0_oct(int t, int NR, int64_t nb, const uint8_t *wg, 
                                   float *out, int64_t ldo, const float *bias) {
     const int pb = pq_x8_block_bytes(t);
     const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8), ones = _mm512_set1_epi8(1);
+    const int qo = pq_x8_qs_0(t);
+    __m128i kv128 = _mm_setzero_si128();
+    if (t == PQ_IQ4_NL || t == PQ_MXFP4) kv128 = _mm_loadu_si128((const __m128i *)pq_x8_lut_0(t));
+    const __m512i lut = _mm512_broadcast_i32x4(kv128);
     const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    __m512 facc[PQ_X8_NR][4];
-    for (int r = 0; r < NR; r++)
-        for (int u = 0; u < 4; u++) facc[r][u] = _mm512_setzero_ps();
+    /* IQ4_NL / MXFP4: ggml's even and odd blocks in two accumulator sets, an odd last block apart
+     * (see pq_x8_kernel_0) */
+    const int two = pq_x8_is_lut(t);
+    const int64_t tail = two && (nb & 1) ? nb - 1 : -1;
+    __m512 facc[PQ_X8_NR][2][4];
+    __m512i itail[PQ_X8_NR];
+    __m256 dtail[PQ_X8_NR];
+    for (int r = 0; r < NR; r++) {
+        itail[r] = _mm512_setzero_si512();
+        dtail[r] = _mm256_setzero_ps();
+        for (int u = 0; u < 4; u++) facc[r][0][u] = facc[r][1][u] = _mm512_setzero_ps();
+    }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * pb;
+        const int par = two ? (int)(b & 1) : 0;
         __m512i w[4], start[4];
         for (int u = 0; u < 4; u++) {
-            if (t == PQ_Q4_0) {   /* octs 0, 1: low nibbles (elements 8u..), 2, 3: high (16 + 8(u - 2)..) */
-                const __m512i v = _mm512_loadu_si512((const void *)(blk + 16 + 64 * (u % 2)));
-                w[u] = _mm512_sub_epi8(_mm512_and_si512(u < 2 ? v : _mm512_srli_epi16(v, 4), m4), eight);
+            if (pq_x8_is_nib(t)) {   /* octs 0, 1: low nibbles (elements 8u..), 2, 3: high (16 + 8(u - 2)..) */
+                const __m512i v = _mm512_loadu_si512((const void *)(blk + qo + 64 * (u % 2)));
+                const __m512i nib = _mm512_and_si512(u < 2 ? v : _mm512_srli_epi16(v, 4), m4);
+                w[u] = t == PQ_Q4_0 ? _mm512_sub_epi8(nib, eight) : _mm512_shuffle_epi8(lut, nib);
             } else {
                 w[u] = _mm512_loadu_si512((const void *)(blk + 16 + 64 * u));
             }
             start[u] = _mm512_sub_epi32(_mm512_setzero_si512(),
                                         _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w[u]), 7));
         }
-        const __m512 d = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
+        const __m512 d = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(pq_x8_scales_0(t, blk)));
         for (int r = 0; r < NR; r++) {
             const uint8_t *y = x + r * xs + 34 * b;
             const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(pq_h2f(y)));
+            if (b == tail) dtail[r] = _mm256_mul_ps(pq_x8_scales_0(t, blk), _mm256_set1_ps(pq_h2f(y)));
             for (int u = 0; u < 4; u++) {
                 int64_t y8;
                 memcpy(&y8, y + 2 + 8 * u, 8);
                 const __m512i acc = _mm512_dpbusd_epi32(start[u], _mm512_set1_epi64(y8), w[u]);
-                facc[r][u] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(acc), facc[r][u]);
+                if (b == tail) itail[r] = _mm512_add_epi32(itail[r], acc);
+                else facc[r][par][u] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(acc), facc[r][par][u]);
             }
         }
     }
     __m256 fsum[PQ_X8_NR];
     for (int r = 0; r < NR; r++)
     {
-        __m512 a = _mm512_add_ps(facc[r][0], facc[r][2]), c = _mm512_add_ps(facc[r][1], facc[r][3]);
+        __m512 f[4];
+        for (int u = 0; u < 4; u++) {
+            f[u] = two ? _mm512_add_ps(facc[r][0][u], facc[r][1][u]) : facc[r][0][u];
+            PIN_VEC(f[u]);
+        }
+        __m512 a = _mm512_add_ps(f[0], f[2]), c = _mm512_add_ps(f[1], f[3]);
         PIN_VEC(a);
         PIN_VEC(c);
         __m512 t = _mm512_add_ps(a, c);
         PIN_VEC(t);
         fsum[r] = pq_x8_pair_sums_ps(t);
+        /* the last block's integer sums: each row's two lanes, exact in float (|sum| < 2^24) */
+        if (tail >= 0)
+            fsum[r] = _mm256_fmadd_ps(dtail[r], pq_x8_pair_sums_ps(_mm512_cvtepi32_ps(itail[r])), fsum[r]);
     }
     pq_x8_store(NR, fsum, out, ldo, bias);
 }
@@ -624,12 +692,23 @@ PQ_INLINE void pq_x8_kernel_k_oct(int t, int NR, int64_t nb, const uint8_t *wg, 
 #else
 #define PQ_X8_KERNEL_0 pq_x8_kernel_0
 #endif
+#ifndef PQ_X8_LUT_NR
+#define PQ_X8_LUT_NR 2
+#endif
 typedef void (*pq_x8_fn)(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs, float *out, int64_t ldo,
                          const float *bias);
+static pq_x8_fn pq_x8_kernel_for(int t, int nr);
 #define PQ_X8_DEF1(name, t, nr) \
     static void name##_##nr(int64_t nb, const uint8_t *wg, const uint8_t *x, size_t xs, float *out, int64_t ldo, \
                             const float *bias) { \
-        if (t == PQ_Q4_0 || t == PQ_Q8_0) PQ_X8_KERNEL_0(t, nr, nb, wg, x, xs, out, ldo, bias); \
+        if (pq_x8_is_lut(t) && nr > PQ_X8_LUT_NR) { \
+            /* two accumulator sets: a few activation rows at a time keep them in registers */ \
+            int r0 = 0; \
+            for (; r0 + PQ_X8_LUT_NR <= nr; r0 += PQ_X8_LUT_NR) \
+                PQ_X8_KERNEL_0(t, PQ_X8_LUT_NR, nb, wg, x + r0 * xs, xs, out + r0 * ldo, ldo, bias); \
+            if (r0 < nr) pq_x8_kernel_for(t, nr - r0)(nb, wg, x + r0 * xs, xs, out + r0 * ldo, ldo, bias); \
+        } \
+        else if (pq_x8_is_0(t)) PQ_X8_KERNEL_0(t, nr, nb, wg, x, xs, out, ldo, bias); \
         else PQ_X8_KERNEL_K(t, nr, nb, wg, x, xs, out, ldo, bias); }
 #if PQ_X8_NR == 8
 #define PQ_X8_DEF(name, t) PQ_X8_DEF1(name, t, 1) PQ_X8_DEF1(name, t, 2) PQ_X8_DEF1(name, t, 3) PQ_X8_DEF1(name, t, 4) \
@@ -648,11 +727,14 @@ PQ_X8_DEF(pq_x8_q2_K, PQ_Q2_K)
 #endif
 PQ_X8_DEF(pq_x8_q4_0, PQ_Q4_0)
 PQ_X8_DEF(pq_x8_q8_0, PQ_Q8_0)
+PQ_X8_DEF(pq_x8_iq4_nl, PQ_IQ4_NL)
+PQ_X8_DEF(pq_x8_mxfp4, PQ_MXFP4)
 
 static pq_x8_fn pq_x8_kernel_for(int t, int nr) {
     static const pq_x8_fn q4[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q4_K), q6[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q6_K);
     static const pq_x8_fn q40[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q4_0), q80[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q8_0);
     static const pq_x8_fn q5[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q5_K);
+    static const pq_x8_fn nl[PQ_X8_NR] = PQ_X8_TAB(pq_x8_iq4_nl), mx[PQ_X8_NR] = PQ_X8_TAB(pq_x8_mxfp4);
 #if !PQ_X8_OCT
     static const pq_x8_fn q3[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q3_K), q2[PQ_X8_NR] = PQ_X8_TAB(pq_x8_q2_K);
     if (t == PQ_Q3_K) return q3[nr - 1];
@@ -663,6 +745,8 @@ static pq_x8_fn pq_x8_kernel_for(int t, int nr) {
     case PQ_Q5_K: return q5[nr - 1];
     case PQ_Q6_K: return q6[nr - 1];
     case PQ_Q4_0: return q40[nr - 1];
+    case PQ_IQ4_NL: return nl[nr - 1];
+    case PQ_MXFP4: return mx[nr - 1];
     default: return q80[nr - 1];
     }
 }

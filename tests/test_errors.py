@@ -56,7 +56,7 @@ def bad_files(tmp_path, tiny_model):
     size = os.path.getsize(tiny_model)
 
     def set_type(data: bytearray) -> None:
-        struct.pack_into("<I", data, tensor_type_offset(data, "blk.0.ffn_up.weight"), 20)  # IQ4_NL
+        struct.pack_into("<I", data, tensor_type_offset(data, "blk.0.ffn_up.weight"), 9)  # Q8_1 (an activation type)
 
     return {
         "missing": (str(tmp_path / "nope.gguf"), "no such file"),
@@ -69,7 +69,7 @@ def bad_files(tmp_path, tiny_model):
         "header_cut": (patched_copy(tiny_model, str(tmp_path / "cut.gguf"), lambda d: d.__delitem__(slice(1500, None))),
                        "truncated or corrupt"),
         "arch": (GPT2_VOCAB, "unsupported architecture 'gpt2'"),
-        "qtype": (patched_copy(tiny_model, str(tmp_path / "iq4nl.gguf"), set_type), "unsupported type IQ4_NL"),
+        "qtype": (patched_copy(tiny_model, str(tmp_path / "q8_1.gguf"), set_type), "unsupported type Q8_1"),
         "empty": (patched_copy(tiny_model, str(tmp_path / "empty.gguf"), lambda d: d.clear()), "not a GGUF file"),
     }
 

@@ -189,10 +189,10 @@ def run_graph(buffers, nodes, tensors) -> None:
             out = np.swapaxes(p @ v, 1, 2)                      # [1, n, H, D]
         elif op == GOp.UNARY:
             (u,) = _params(r, "<i")
-            if u not in (4, 7):
+            if u not in (4, 7, 10):
                 raise ValueError(f"unary op {u}")
             x = mem.values(src[0])
-            out = np.tanh(x) if u == 4 else 1 / (1 + np.exp(-x))
+            out = np.tanh(x) if u == 4 else 1 / (1 + np.exp(-x)) if u == 7 else x / (1 + np.exp(-x))
         elif op == GOp.ARGMAX:
             out = mem.values(src[0]).argmax(-1).reshape(dst.shape)
         else:

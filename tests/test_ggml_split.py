@@ -48,6 +48,8 @@ def test_greedy_tokens_over_a_ggml_peer_equal_the_unsplit_run(model_factory, arc
     assert got == want
     if arch in ("qwen2moe", "qwen3moe", "mixtral"):
         assert {int(GOp.MUL_MAT_ID), int(GOp.ARGSORT)} <= ops
+    if arch == "qwen2moe":   # the shared expert's gate as llama.cpp builds it, silu(z) / z: a sigmoid op
+        assert int(GOp.DIV) in ops   # rounds differently, which flips near-tied experts downstream
 
 
 def test_the_whole_model_on_the_peer(model_factory):

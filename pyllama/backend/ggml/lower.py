@@ -312,8 +312,9 @@ class Lowering:
             out = g.cont(out)
         if len(s) > 5:
             shexp = self.t(s[5])
-            if len(s) > 6:
-                shexp = g.mul(shexp, g.unary(g.mul_mat(self.t(s[6]), x), G.UNARY_SIGMOID))
+            if len(s) > 6:   # the gate's sigmoid as llama.cpp's qwen2moe builds it: silu(z) / z
+                z = g.mul_mat(self.t(s[6]), x)
+                shexp = g.mul(shexp, g.div(g.unary(z, G.UNARY_SILU), z))
             out = g.add(out, shexp)
         return out
 

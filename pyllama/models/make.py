@@ -361,6 +361,10 @@ def tensor_types(plan: list[TensorSpec], wtype: str) -> dict[str, Q]:
     rows = {spec.name.split(".", 2)[-1]: spec.shape[0] for spec in plan if spec.name.startswith("blk.0.")}
     n_gqa = rows.get("attn_q.weight", 1) // rows.get("attn_k.weight", 1)
     iq4_mix = wtype in ("iq4_nl_mix", "iq4_xs_mix")
+    # the layers whose ffn_down gets more bits, and that type: the _M mixes' use_more_bits and Q6_K,
+    # the IQ4 ftypes' first n_layer / 8 layers and Q5_K
+    more = (lambda i, n: i < n // 8) if iq4_mix else use_more_bits
+    more_type = Q.Q5_K if iq4_mix else Q.Q6_K
     n_attn_v = sum(1 for spec in plan if spec.name.endswith("attn_v.weight"))
     n_layer = n_attn_v  # one attn_v and one ffn_down per layer
     i_attn_v = i_ffn_down = 0
@@ -374,8 +378,6 @@ def tensor_types(plan: list[TensorSpec], wtype: str) -> dict[str, Q]:
         if wtype == "mxfp4_moe":
             qtype = Q.MXFP4 if len(spec.shape) == 3 else Q.Q8_0
         elif wtype in MIXES:
-            more = use_more_bits if not iq4_mix else (lambda i, n: i < n // 8)
-            v_type = Q.Q6_K if not iq4_mix else Q.Q5_K
             if spec.name == "output.weight" or (tied and spec.name == "token_embd.weight"):
                 qtype = Q.Q8_0 if row % QK_K else Q.Q6_K
             elif spec.name.endswith("attn_v.weight"):
@@ -385,11 +387,11 @@ def tensor_types(plan: list[TensorSpec], wtype: str) -> dict[str, Q]:
                     qtype = Q.Q6_K if use_more_bits(i_attn_v, n_attn_v) else base
                 i_attn_v += 1
             elif spec.name.endswith("ffn_down.weight"):
-                qtype = v_type if more(i_ffn_down, n_layer) else base
+                qtype = more_type if more(i_ffn_down, n_layer) else base
                 i_ffn_down += 1
             elif spec.name.endswith(("ffn_down_exps.weight", "ffn_down_shexp.weight")):
                 # a MoE model's down tensors: by their block index, as llama.cpp does with experts
-                qtype = v_type if more(int(spec.name.split(".")[1]), n_layer) else base
+                qtype = more_type if more(int(spec.name.split(".")[1]), n_layer) else base
         try:
             types[spec.name] = _with_fallback(qtype, row)
         except ValueError as exc:

@@ -10,7 +10,9 @@ from_float + vec_dot per (row, column), pyllama's mul_mat_q (file layout) and, w
 repacked, mul_mat_q_x8. F16 and BF16 weights are also multiplied by ggml's own mul_mat in a graph
 (what llama.cpp runs: vec_dot for one activation row, llamafile's tinyBLAS for several). Printed per
 type: activation bytes that differ, and outputs that are not bit-identical for each layout (0
-everywhere is the goal). Exits 1 when any differs.
+everywhere is the goal). Then the KV cache types (--kv-types): the bytes ggml's `from_float`
+writes for rows of k or v (what its CPU backend stores into a cache of the type) against
+pyllama's cache store, rows whose bytes differ. Exits 1 when any differs.
 """
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from bench_qmatmul import random_weights  # noqa: E402
 from peers import Peers  # noqa: E402
-from pyllama._fast import qmatmul  # noqa: E402
+from pyllama._fast import ops, qmatmul  # noqa: E402
 
 TYPES = "f16,bf16,q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k"
+KV_TYPES = "f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl"
 _FF = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 _VD = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -90,6 +93,7 @@ def main() -> int:
     ap.add_argument("--k", default="768,2048")
     ap.add_argument("--m", type=int, default=16, help="weight rows (a multiple of 8)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--kv-types", default=KV_TYPES, help="KV cache types whose stored rows are compared")
     args = ap.parse_args()
     peers = Peers.find(args.peers)
     if peers is None:
@@ -126,6 +130,25 @@ def main() -> int:
         x8 = f" repacked {total['x8']}" if qtype in qmatmul.x8_types() else ""
         print(f"{name:6s} activation bytes differing {total['xq']}  outputs differing: file layout {total['layout']}{x8}"
               f"  (of {sum(int(n) for n in args.rows.split(',')) * args.m * len(args.k.split(','))})", flush=True)
+    for name in [t for t in args.kv_types.split(",") if t]:
+        qtype = int(T[name.upper()])
+        differing = rows = 0
+        for scale in (0.01, 1.0, 30.0):
+            x = (rng.standard_normal((64, 256)) * scale).astype(np.float32)
+            x[:8, :32] = 0.0  # an all-zero block
+            x[8:16, ::5] = np.round(x[8:16, ::5] * 2) / 2
+            ours = np.zeros((x.shape[0], ops.kv_row_nbytes(qtype, x.shape[1])), np.uint8)
+            ops.kv_store(qtype, x, ours)
+            ref = ggml.quantize(qtype, x)
+            same_values = np.zeros_like(x), np.zeros_like(x)
+            ops.kv_load_rows(qtype, ours, same_values[0])
+            ops.kv_load_rows(qtype, ref, same_values[1])
+            # an all-zero IQ4_NL block keeps whatever levels ggml's scratch held: its value (0) counts
+            diff = np.any(ours != ref, axis=1) & np.any(same_values[0] != same_values[1], axis=1)
+            differing += int(diff.sum())
+            rows += x.shape[0]
+        bad |= differing > 0
+        print(f"KV cache {name:6s} stored rows differing {differing} (of {rows})", flush=True)
     graph.close()
     peers.close()
     return 1 if bad else 0

@@ -1,7 +1,8 @@
-"""KV cache types (-ctk / -ctv: f32, f16, bf16, q8_0; f16 by default).
+"""KV cache types (-ctk / -ctv: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; f16 by default).
 
 The stored bytes are checked bit for bit against conversions written here in numpy from ggml's
-definitions (np.float16 for f16, ggml's fp32 -> bf16 rounding, ggml's quantize_row_q8_0_ref), the
+definitions (np.float16 for f16, ggml's fp32 -> bf16 rounding, ggml's x86 quantize_row_q8_0, the
+gguf package's reference quantizers for q4_0 .. q5_1, quantize_row_iq4_nl_ref for iq4_nl), the
 ATTENTION op against a float64 attention over those stored values, and whole runs of the tiny
 model for identical greedy tokens local, split over an rpc server and in two pipeline groups.
 """
@@ -14,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+from gguf import quants
 
 from pyllama.backend.cpu import CPUBackend
 from pyllama.runtime.cache_types import CACHE_TYPES
@@ -24,8 +26,11 @@ from pyllama.ir.tensor import DType, Graph, Op, Tensor, node
 from server_util import ServerProcess
 
 F32, F16, BF16, Q8_0, I32 = DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.I32
-TYPES = [F32, F16, BF16, Q8_0]
+Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL = DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.IQ4_NL
+BLOCK_TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL]  # beside Q8_0: 32 values a block
+TYPES = [F32, F16, BF16, Q8_0] + BLOCK_TYPES
 QK8_0 = 32
+IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 
 
 # --- reference conversions, from ggml's definitions ----------------------------------------------
@@ -43,19 +48,60 @@ def ref_store(dtype: DType, x: np.ndarray) -> np.ndarray:
         bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
         bits = np.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 64, bits)
         return bits.astype(np.uint16).view(np.uint8).reshape(n, -1)
-    assert dtype == Q8_0 and w % QK8_0 == 0
-    # quantize_row_q8_0_ref: per block of 32, d = amax / 127 (float), id = 1/d (0 when d is 0),
-    # q = roundf(x * id), d stored as fp16
+    assert w % QK8_0 == 0
+    if dtype == IQ4_NL:
+        return ref_store_iq4_nl(x)
+    if dtype != Q8_0:
+        with np.errstate(over="ignore", invalid="ignore"):  # scales beyond f16's range: inf, as ggml
+            return quants.quantize(x, dtype)
+    # ggml's x86 quantize_row_q8_0 (its CPU backend's from_float): per block of 32, d = amax / 127,
+    # id = 127 / amax (0 when amax is 0), q = x * id rounded half to even, d stored as fp16
     b = x.reshape(n, w // QK8_0, QK8_0)
     amax = np.max(np.abs(b), axis=-1)
     d = (amax / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    v = (b * inv[..., None]).astype(np.float32).astype(np.float64)
-    q = np.trunc(v + np.copysign(0.5, v)).astype(np.int8)  # roundf: halves away from zero
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint((b * inv[..., None]).astype(np.float32)).astype(np.int8)
     out = np.empty((n, w // QK8_0, 34), np.uint8)
     out[..., :2] = d.astype(np.float16)[..., None].view(np.uint8)
     out[..., 2:] = q.view(np.uint8)
+    return out.reshape(n, -1)
+
+
+def nearest_iq4nl_level(al: np.float32) -> int:
+    """The index of the IQ4_NL value nearest `al`; halfway: the upper one (ggml's best_index_int8)."""
+    if al <= IQ4NL_VALUES[0]:
+        return 0
+    if al >= IQ4NL_VALUES[-1]:
+        return 15
+    mu = int(np.searchsorted(IQ4NL_VALUES, al, side="right"))  # values[mu - 1] <= al < values[mu]
+    return mu - 1 if al - IQ4NL_VALUES[mu - 1] < IQ4NL_VALUES[mu] - al else mu
+
+
+def ref_store_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """quantize_row_iq4_nl_ref: per block of 32, levels nearest x / (max / -127) (max: the value of
+    largest magnitude; ties to the upper level), then d = sum w q x / sum w q^2 with w = x^2, stored
+    as fp16; a block below 1e-15 stores d = 0 (and, here, level 0: ggml leaves its scratch)."""
+    n, w = x.shape
+    out = np.zeros((n, w // QK8_0, 18), np.uint8)
+    for r in range(n):
+        for ib in range(w // QK8_0):
+            xb = x[r, ib * QK8_0:(ib + 1) * QK8_0]
+            L = np.zeros(QK8_0, np.uint8)
+            d = np.float32(0)
+            j = int(np.argmax(np.abs(xb)))  # the first of equal magnitudes, as ggml's strict >
+            if abs(xb[j]) >= np.float32(1e-15):
+                inv = np.float32(1) / (xb[j] / np.float32(-127))
+                sumqx = sumq2 = np.float32(0)
+                for i in range(QK8_0):
+                    al = np.float32(inv * xb[i])
+                    L[i] = nearest_iq4nl_level(al)
+                    q, wt = IQ4NL_VALUES[L[i]], np.float32(xb[i] * xb[i])
+                    sumqx = np.float32(sumqx + np.float32(np.float32(wt * q) * xb[i]))
+                    sumq2 = np.float32(sumq2 + np.float32(np.float32(wt * q) * q))
+                d = np.float32(sumqx / sumq2) if sumq2 > 0 else np.float32(0)
+            out[r, ib, :2] = np.array([d], np.float16).view(np.uint8)
+            out[r, ib, 2:] = L[:16] | (L[16:] << 4)
     return out.reshape(n, -1)
 
 
@@ -69,6 +115,9 @@ def ref_load(dtype: DType, rows: np.ndarray, w: int) -> np.ndarray:
         return rows.view(np.float16).astype(np.float64)
     if dtype == BF16:
         return (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if dtype != Q8_0:  # the block types' values as ggml dequantizes them (float32 products)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return quants.dequantize(rows, dtype).astype(np.float64).reshape(n, w)
     blocks = rows.reshape(n, w // QK8_0, 34)
     d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [n, nb, 1]
     q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
@@ -76,7 +125,8 @@ def ref_load(dtype: DType, rows: np.ndarray, w: int) -> np.ndarray:
 
 
 def row_bytes(dtype: DType, w: int) -> int:
-    return {F32: 4 * w, F16: 2 * w, BF16: 2 * w, Q8_0: w // QK8_0 * 34}[dtype]
+    return {F32: 4 * w, F16: 2 * w, BF16: 2 * w, Q8_0: w // QK8_0 * 34, Q4_0: w // QK8_0 * 18, Q4_1: w // QK8_0 * 20,
+            Q5_0: w // QK8_0 * 22, Q5_1: w // QK8_0 * 24, IQ4_NL: w // QK8_0 * 18}[dtype]
 
 
 def edge_values(rng: np.random.Generator, n: int, w: int) -> np.ndarray:
@@ -98,7 +148,7 @@ def test_store_and_load_match_the_reference_bit_for_bit(dtype):
     rng = np.random.default_rng(1)
     n, w = 8, 96
     x = edge_values(rng, n, w)
-    if dtype == Q8_0:  # a block with inf or a huge value has no meaningful scale in ggml either
+    if dtype in (Q8_0, *BLOCK_TYPES):  # a block with inf or a huge value has no meaningful scale in ggml either
         x = np.where(np.isfinite(x) & (np.abs(x) < 1e30), x, np.float32(7.0))
     rows = np.zeros((n, row_bytes(dtype, w)), np.uint8)
     ops.kv_store(int(dtype), x, rows)
@@ -143,10 +193,25 @@ def test_nan_stays_a_quiet_nan(dtype):
         np.testing.assert_array_equal(rows, ref_store(BF16, x))
 
 
-def test_q8_0_rows_must_be_whole_blocks():
+@pytest.mark.parametrize("dtype", [Q8_0] + BLOCK_TYPES, ids=lambda t: t.name)
+def test_block_type_rows_must_be_whole_blocks(dtype):
     from pyllama._fast import ops
-    with pytest.raises(ValueError, match="Q8_0"):
-        ops.kv_store(int(Q8_0), np.zeros((1, 48), np.float32), np.zeros((1, 51), np.uint8))
+    assert ops.kv_row_nbytes(int(dtype), 48) == 0 and ops.kv_row_nbytes(int(dtype), 64) == row_bytes(dtype, 64)
+    with pytest.raises(ValueError, match=dtype.name):
+        ops.kv_store(int(dtype), np.zeros((1, 48), np.float32), np.zeros((1, 51), np.uint8))
+
+
+@pytest.mark.parametrize("dtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_block_types_store_random_rows_as_the_reference(dtype):
+    """Many random blocks of every scale (and halves that land on rounding ties) byte for byte."""
+    from pyllama._fast import ops
+    rng = np.random.default_rng(int(dtype))
+    n = 64 if dtype == IQ4_NL else 512  # the IQ4_NL reference is a Python loop
+    x = (rng.standard_normal((n, 64)) * np.exp(rng.uniform(-8, 8, (n, 1)))).astype(np.float32)
+    x[::3, ::4] = np.round(x[::3, ::4] * 2) / 2
+    rows = np.zeros((n, row_bytes(dtype, 64)), np.uint8)
+    ops.kv_store(int(dtype), x, rows)
+    np.testing.assert_array_equal(rows, ref_store(dtype, x))
 
 
 # --- the ATTENTION op -------------------------------------------------------------------------------
@@ -206,6 +271,44 @@ def rope64(x: np.ndarray, pos: np.ndarray, n_rot: int, mode: int, base: float) -
     return out
 
 
+def rotation_sizes(hd: int, k_type: DType, v_type: DType) -> tuple[int, int]:
+    """llama.cpp's KV cache rotations: a quantized K cache by the largest power of two from 64
+    dividing the head, a quantized V cache by 64, where the head is a multiple of 64."""
+    def quantized(t: DType) -> bool:
+        return t not in (F32, F16, BF16)
+    rot_k = 64 if quantized(k_type) and hd % 64 == 0 else 0
+    while rot_k and hd % (2 * rot_k) == 0:
+        rot_k *= 2
+    return rot_k, (64 if quantized(v_type) and hd % 64 == 0 else 0)
+
+
+def fwht32(x: np.ndarray, size: int) -> np.ndarray:
+    """Each run of `size` values of the rows of x (float32) rotated as ggml's fast Walsh-Hadamard
+    transform rotates them: scaled by 1 / sqrt(size) first, then butterflies u + v, u - v."""
+    y = (np.asarray(x, np.float32).reshape(-1, size) * (np.float32(1) / np.sqrt(np.float32(size)))).astype(np.float32)
+    ln = 1
+    while ln < size:
+        z = y.reshape(-1, size // (2 * ln), 2, ln)
+        u, v = z[:, :, 0].copy(), z[:, :, 1].copy()
+        z[:, :, 0], z[:, :, 1] = u + v, u - v
+        ln *= 2
+    return y.reshape(np.shape(x))
+
+
+def hadamard64(size: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < size:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(size)
+
+
+def test_fwht32_is_the_orthonormal_hadamard_product():
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    for size in (64, 128, 256):
+        want = (x.astype(np.float64).reshape(-1, size) @ hadamard64(size)).reshape(x.shape)
+        np.testing.assert_allclose(fwht32(x, size), want, rtol=1e-5, atol=1e-5)
+
+
 def norm64(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
@@ -228,8 +331,16 @@ def test_attention_matches_float64_reference(k_type, v_type, hd, mode, qk_norm, 
                       vc=ref_load(v_type, inputs["vc"], Hkv * hd).astype(np.float32))
     _, k32, v32 = run_attention(backend, F32, F32, f32_inputs, params)
     got, kb, vb = run_attention(backend, k_type, v_type, inputs, params)
-    np.testing.assert_array_equal(kb, ref_store(k_type, k32.view(np.float32)))
-    np.testing.assert_array_equal(vb, ref_store(v_type, v32.view(np.float32)))
+    # a quantized cache stores the written rows Hadamard-rotated, as llama.cpp's KV cache does
+    rot_k, rot_v = rotation_sizes(hd, k_type, v_type)
+    k32, v32 = k32.view(np.float32).copy(), v32.view(np.float32).copy()
+    written = inputs["kv_idx"]
+    if rot_k:
+        k32[written] = fwht32(k32[written], rot_k)
+    if rot_v:
+        v32[written] = fwht32(v32[written], rot_v)
+    np.testing.assert_array_equal(kb, ref_store(k_type, k32))
+    np.testing.assert_array_equal(vb, ref_store(v_type, v32))
 
     # float64 attention over the stored values
     qkv = inputs["qkv"].astype(np.float64)
@@ -239,9 +350,11 @@ def test_attention_matches_float64_reference(k_type, v_type, hd, mode, qk_norm, 
     if qk_norm:
         q, k_new = norm64(q, inputs["q_norm"], eps), norm64(k_new, inputs["k_norm"], eps)
     q, k_new = rope64(q, pos, n_rot, mode, base), rope64(k_new, pos, n_rot, mode, base)
+    if rot_k:  # q.k is unchanged by the rotation, but the cache holds k rotated: q turns with it
+        q = (q.reshape(-1, rot_k) @ hadamard64(rot_k)).reshape(q.shape)
+        k_new = (k_new.reshape(-1, rot_k) @ hadamard64(rot_k)).reshape(k_new.shape)
     # the kernel's f32 rotation agrees with float64 before any rounding into the cache type
-    np.testing.assert_allclose(k32.view(np.float32)[inputs["kv_idx"]].reshape(n, Hkv, hd), k_new,
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k32[inputs["kv_idx"]].reshape(n, Hkv, hd), k_new, rtol=1e-5, atol=1e-5)
     K, V = ref_load(k_type, kb, Hkv * hd), ref_load(v_type, vb, Hkv * hd)
     want = np.zeros((n, H, hd))
     for t in range(n):
@@ -252,6 +365,8 @@ def test_attention_matches_float64_reference(k_type, v_type, hd, mode, qk_norm, 
             scores = K[listed, g * hd:(g + 1) * hd] @ q[t, h] * params[8]
             p = np.exp(scores - scores.max())
             want[t, h] = (p / p.sum()) @ V[listed, g * hd:(g + 1) * hd]
+    if rot_v:  # the output turned back
+        want = (want.reshape(-1, rot_v) @ hadamard64(rot_v)).reshape(want.shape)
     np.testing.assert_allclose(got.reshape(n, H, hd), want, rtol=1e-5, atol=2e-6)
 
 
@@ -263,7 +378,7 @@ def test_attention_refuses_a_type_it_cannot_read():
     with pytest.raises(ValueError, match="cannot hold"):
         ops.attention(f, cache, cache.copy(), i1, i1, i1, np.array([[0, 1]], np.int32), np.zeros(0, np.float32),
                       np.zeros(0, np.float32), np.zeros((1, 32), np.float32), 2, 1, 16, 16, 0, 1e4, 1.0, 1e-5, 0.25,
-                      1, int(DType.Q4_0), int(F16))
+                      1, int(DType.Q4_K), int(F16))
 
 
 # --- contexts: bytes, memory check, refusals -----------------------------------------------------------
@@ -408,7 +523,8 @@ def test_the_cache_type_changes_the_logits_but_not_much(tiny_model):
             ctx = engine.new_context(64, type_k=dtype, type_v=dtype)
             logits[dtype] = ctx.decode(Batch.for_sequence(tokens, 0, 0, all_logits=True)).logits.copy()
         scale = np.abs(logits[F32]).max()
-        for dtype, bound in ((F16, 2e-3), (BF16, 2e-2), (Q8_0, 2e-2)):
+        for dtype, bound in ((F16, 2e-3), (BF16, 2e-2), (Q8_0, 2e-2), (Q5_0, 0.05), (Q5_1, 0.05), (Q4_0, 0.1),
+                             (Q4_1, 0.1), (IQ4_NL, 0.1)):
             err = np.abs(logits[dtype] - logits[F32]).max() / scale
             assert 0 < err < bound, (dtype.name, err)
     finally:
@@ -429,7 +545,7 @@ def test_flags_parse(program):
 
 
 @pytest.mark.parametrize("program", ["pyllama.generate", "pyllama.server"])
-@pytest.mark.parametrize("args,env", [(["-ctk", "q4_0"], {}), (["-ctv", "F17"], {}),
+@pytest.mark.parametrize("args,env", [(["-ctk", "q4_k"], {}), (["-ctv", "F17"], {}),
                                       ([], {"PYLLAMA_ARG_CACHE_TYPE_V": "int8"})])
 def test_a_bad_cache_type_is_one_line_and_exit_1(tiny_model, program, args, env):
     proc = subprocess.run([sys.executable, "-m", program, "-m", tiny_model, *args], capture_output=True, text=True,

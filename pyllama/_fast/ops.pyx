@@ -1,6 +1,7 @@
 # cython: language_level=3
 """CPU kernels for the coarse graph ops: RMS norm, SwiGLU and GeGLU, and attention with RoPE and the KV
-write, over a cache of any KV cache type (F32, F16, BF16, Q8_0; conversions in kv_types.h).
+write, over a cache of any KV cache type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; conversions in
+kv_types.h).
 
 Every kernel checks its arguments while it still holds the GIL (a graph may come from the wire),
 then runs without it, split into items on the products' worker pool (qmatmul.pxd): one set of
@@ -11,7 +12,7 @@ nobody up (no barrier). Which thread computes an item never changes its result.
 kernel as a NativeStep (plan.pyx) for a bound graph; attention's per-step data (the cells, the
 lists, the ids) is still checked at every run.
 """
-from libc.math cimport fmaf, powf, sqrt, tanh
+from libc.math cimport fmaf, powf, sqrt, sqrtf, tanh
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 
@@ -216,21 +217,61 @@ cdef inline void _rope(float* v, const float* cs, int n_rot, int mode) noexcept 
             v[i + half] = fmaf(x0, s, x1 * c)
 
 
+cdef inline void _hadamard(float* x, Py_ssize_t n, int size) noexcept nogil:
+    """x's n values rotated in place, each run of `size` (a power of two) by the orthonormal
+    Hadamard matrix of that size: ggml's fast Walsh-Hadamard transform (its CPU product with the
+    Hadamard hint), scaled first by 1 / sqrt(size), then butterflies u + v, u - v from the nearest
+    pairs outwards; the float steps are the same at every vector width."""
+    cdef float sc = 1.0 / sqrtf(<float>size), u, v
+    cdef Py_ssize_t c = 0, i, j, ln
+    while c < n:
+        for j in range(size):
+            x[c + j] = x[c + j] * sc
+        ln = 1
+        while ln < size:
+            i = 0
+            while i < size:
+                for j in range(ln):
+                    u = x[c + i + j]
+                    v = x[c + i + ln + j]
+                    x[c + i + j] = u + v
+                    x[c + i + ln + j] = u - v
+                i += 2 * ln
+            ln *= 2
+        c += size
+
+
+def _rotation_sizes(int head_dim, int k_type, int v_type):
+    """(rot_k, rot_v): llama.cpp's KV cache rotates q and k by a Hadamard matrix before a quantized
+    K cache stores k (the largest power of two from 64 that divides the head), and v by one of
+    size 64 before a quantized V cache stores it (the attention's output is rotated back), where
+    the head is a multiple of 64; 0 where it does not rotate. Quantization error spreads evenly
+    over the rotated values, which is what makes 4-bit caches usable."""
+    cdef int rot_k = 0
+    if k_type not in (KV_F32, KV_F16, KV_BF16) and head_dim % 64 == 0:
+        rot_k = 64
+        while head_dim % (rot_k * 2) == 0:
+            rot_k *= 2
+    return rot_k, (64 if v_type not in (KV_F32, KV_F16, KV_BF16) and head_dim % 64 == 0 else 0)
+
+
 cdef extern from "kv_types.h" nogil:
     int KV_F32, KV_F16, KV_BF16, KV_Q8_0
     long long kv_row_bytes(int type, long long n)
     void kv_store_row(int type, const float* x, unsigned char* row, long long n)
     void kv_load(int type, const unsigned char* row, long long start, long long n, float* out)
 
-# The KV cache holds k and v in their cache type (F32, F16, BF16 or Q8_0; ggml's type ids). A
-# token's k (after q/k norm and RoPE, computed in f32) and its v are rounded into that type when
-# written, as ggml's f32 -> type copy does (Q8_0: quantize_row_q8_0_ref). Reading converts every
-# element back to f32 exactly, and the products and the softmax run in f32 exactly as with an F32
-# cache: the semantics of llama.cpp's non-flash-attention GPU paths. ggml's CPU kernels would also
-# round q to the cache's dot-product type (f16, or q8_0 blocks) for q.k, and the probabilities to
-# f16 for p.v; pyllama does not, for every cache type alike, so the cache's rounding is the only
-# difference from an F32 cache.
-KV_TYPE_NAMES = {0: "F32", 1: "F16", 8: "Q8_0", 30: "BF16"}
+# The KV cache holds k and v in their cache type (F32, F16, BF16 or a block type: Q8_0, Q4_0, Q4_1,
+# Q5_0, Q5_1, IQ4_NL; ggml's type ids). A token's k (after q/k norm and RoPE, computed in f32) and
+# its v are rounded into that type when written, as ggml's CPU f32 -> type copy does (Q8_0: its x86
+# quantizer, id = 127 / amax and round half to even; the other block types: ggml's reference
+# quantizers). Reading converts every element back to f32 (exactly, but for the block types' scale
+# products, which are ggml's dequantization), and the products and the softmax run in f32 exactly
+# as with an F32 cache: the semantics of llama.cpp's non-flash-attention GPU paths. ggml's CPU
+# kernels would also round q to the cache's dot-product type (f16, or q8_0 / q8_1 blocks) for q.k,
+# and the probabilities to f16 for p.v; pyllama does not, for every cache type alike, so the
+# cache's rounding is the only difference from an F32 cache.
+KV_TYPE_NAMES = {0: "F32", 1: "F16", 8: "Q8_0", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 20: "IQ4_NL"}
 
 cdef extern from "vec_math.h":
     int PV_GGML_ATTEND
@@ -256,6 +297,7 @@ cdef struct AttnArgs:
     const float* freq_factors  # NULL, or n_rot / 2 divisors of the rotation angles (ggml's freq factors)
     float* out
     int H, Hkv, hd, n_rot, rope_mode
+    int rot_k, rot_v    # Hadamard rotation sizes of a quantized K / V cache (0: none; see _rotation_sizes)
     float freq_scale, mscale
     float theta_scale   # powf(freq_base, -2 / n_rot): ggml's factor from one pair's angle to the next
     float eps, scale, softcap  # softcap 0: none
@@ -272,13 +314,15 @@ cdef struct AttnArgs:
 
 cdef void _store_token(AttnArgs* a, Py_ssize_t t, float* scratch) noexcept nogil:
     """Rotates (and normalizes) token t's q into out; its k likewise, and its v as it is, rounded
-    into their cache rows. scratch: n_rot + 2 floats of cos/sin, then Hkv * hd for k."""
+    into their cache rows; q and k, and v, Hadamard-rotated first for a quantized cache (rot_k,
+    rot_v). scratch: n_rot + 2 floats of cos/sin, then Hkv * hd for k, then Hkv * hd for v."""
     cdef int h, d, hd = a.hd, H = a.H, Hkv = a.Hkv
     cdef const float* src = a.qkv + t * a.qkv_stride
     cdef float* q = a.out + t * H * hd
     cdef Py_ssize_t cell = a.kv_idx[t]
     cdef float* cs = scratch
     cdef float* k = scratch + a.n_rot + 2
+    cdef float* v
     pv_rope_cache(<float>a.pos[t], a.n_rot // 2, a.theta_scale, a.freq_scale, a.freq_factors, a.mscale, cs)
     for d in range(H * hd):
         q[d] = src[d]
@@ -292,11 +336,29 @@ cdef void _store_token(AttnArgs* a, Py_ssize_t t, float* scratch) noexcept nogil
         if a.k_norm != NULL:
             _norm_head(k + h * hd, a.k_norm, hd, a.eps)
         _rope(k + h * hd, cs, a.n_rot, a.rope_mode)
+    if a.rot_k:
+        _hadamard(q, H * hd, a.rot_k)
+        _hadamard(k, Hkv * hd, a.rot_k)
     kv_store_row(a.k_type, k, a.k_cache + cell * a.k_row, Hkv * hd)
-    kv_store_row(a.v_type, src + (H + Hkv) * hd, a.v_cache + cell * a.v_row, Hkv * hd)
+    if a.rot_v:
+        v = k + Hkv * hd
+        for d in range(Hkv * hd):
+            v[d] = src[(H + Hkv) * hd + d]
+        _hadamard(v, Hkv * hd, a.rot_v)
+        kv_store_row(a.v_type, v, a.v_cache + cell * a.v_row, Hkv * hd)
+    else:
+        kv_store_row(a.v_type, src + (H + Hkv) * hd, a.v_cache + cell * a.v_row, Hkv * hd)
 
 
 cdef void _attend(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
+    """_attend_heads, then its output rotated back where a quantized V cache holds v rotated."""
+    _attend_heads(a, i, scratch)
+    cdef int G = a.H // a.Hkv
+    if a.rot_v:
+        _hadamard(a.out + (i // a.Hkv) * a.H * a.hd + (i % a.Hkv) * G * a.hd, G * a.hd, a.rot_v)
+
+
+cdef void _attend_heads(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogil:
     """softmax(q k^T * scale) v for the G = H / Hkv query heads of token i // Hkv that share kv
     head i % Hkv, over the token's listed cells: each cache row is read (and converted) once for
     the G heads. Per head the arithmetic is that of one head alone. scratch: q and acc (G * hd
@@ -407,7 +469,7 @@ cdef object _cache_bytes(object cache):
 
 def kv_row_nbytes(int cache_type, Py_ssize_t n) -> int:
     """Bytes of a KV cache row of n elements of `cache_type` (a ggml type id); 0 when the type
-    cannot hold such a row (not a cache type, or Q8_0 with n not a multiple of 32)."""
+    cannot hold such a row (not a cache type, or a block type with n not a multiple of 32)."""
     return kv_row_bytes(cache_type, n) if n >= 0 else 0
 
 
@@ -457,7 +519,8 @@ cdef int _attn_setup(AttnArgs* a, const float[:, ::1] qkv, unsigned char[:, ::1]
         raise ValueError("attention: qkv / out shapes do not match the head parameters")
     for name, typ in (("K", k_type), ("V", v_type)):
         if typ not in KV_TYPE_NAMES:
-            raise ValueError(f"attention: type {typ} cannot hold a {name} cache (F32, F16, BF16, Q8_0 can)")
+            raise ValueError(f"attention: type {typ} cannot hold a {name} cache "
+                             f"({', '.join(KV_TYPE_NAMES.values())} can)")
         if kv_row_bytes(typ, kv_width) == 0:
             raise ValueError(f"attention: a {KV_TYPE_NAMES[typ]} {name} cache needs rows of a multiple of 32 "
                              f"elements, not {kv_width}")
@@ -512,7 +575,8 @@ cdef int _attn_setup(AttnArgs* a, const float[:, ::1] qkv, unsigned char[:, ::1]
     a.q_width = q_width
     a.n_threads = n_threads
     # the store's cos/sin and k row
-    a.store_floats = n_rot + 2 + kv_width
+    a.rot_k, a.rot_v = _rotation_sizes(hd, k_type, v_type)
+    a.store_floats = n_rot + 2 + 2 * kv_width
     keep.extend((qkv, kc, vc, pos, kv_idx, cells, ranges, q_norm, k_norm, out))
     return 1
 
@@ -607,7 +671,7 @@ def attention(const float[:, ::1] qkv, k_cache, v_cache,
               rope_freqs=None):
     """One layer's self-attention for a micro-batch (see Op.ATTENTION). k_cache and v_cache are
     [n_cells, row] arrays holding rows of k_type and v_type (ggml type ids: F32 0, F16 1, Q8_0 8,
-    BF16 30), as uint8 bytes or, for F32, as float32. softcap, n_swa, rope_mscale and rope_freqs
+    BF16 30, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, IQ4_NL 20), as uint8 bytes or, for F32, as float32. softcap, n_swa, rope_mscale and rope_freqs
     (float32 [n_rot / 2] or None) are Op.ATTENTION's optional parameters and source."""
     cdef unsigned char[:, ::1] kc = _cache_bytes(k_cache)
     cdef unsigned char[:, ::1] vc = _cache_bytes(v_cache)

@@ -40,7 +40,8 @@ QUANT_TYPES: tuple[DType, ...] = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1
 # every type a model file may give a weight (the grid IQ types and TQ* are refused at load)
 WEIGHT_TYPES: tuple[DType, ...] = (DType.F32, DType.F16, DType.BF16) + QUANT_TYPES
 # the types a KV cache may be stored in (ATTENTION's k_cache and v_cache)
-KV_CACHE_TYPES: frozenset = frozenset({DType.F32, DType.F16, DType.BF16, DType.Q8_0})
+KV_CACHE_TYPES: frozenset = frozenset({DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1,
+                                       DType.Q5_0, DType.Q5_1, DType.IQ4_NL})
 
 
 def nbytes_of(dtype: DType, shape: tuple[int, ...]) -> int:

@@ -1,8 +1,9 @@
 """The types a KV cache may be stored in, under llama.cpp's names (`-ctk` / `-ctv`).
 
 F16 is the default, as in llama.cpp. A token's k and v are rounded into the cache type when they
-are written (Q8_0: blocks of 32 with an F16 scale, so a row must be a whole number of blocks) and
-converted back exactly when attention reads them; see `_fast/ops.pyx` for the arithmetic.
+are written (the block types q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl: blocks of 32 with an F16 scale, so
+a row must be a whole number of blocks; rounded as ggml's CPU backend rounds them) and converted back
+when attention reads them; see `_fast/ops.pyx` for the arithmetic.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from gguf import GGML_QUANT_SIZES
 from ..util.errors import PyllamaError
 from ..ir.tensor import DType
 
-CACHE_TYPES: dict[str, DType] = {"f32": DType.F32, "f16": DType.F16, "bf16": DType.BF16, "q8_0": DType.Q8_0}
+CACHE_TYPES: dict[str, DType] = {"f32": DType.F32, "f16": DType.F16, "bf16": DType.BF16, "q8_0": DType.Q8_0,
+                                 "q4_0": DType.Q4_0, "q4_1": DType.Q4_1, "q5_0": DType.Q5_0, "q5_1": DType.Q5_1,
+                                 "iq4_nl": DType.IQ4_NL}
 DEFAULT_CACHE_TYPE = "f16"
 
 __all__ = ["CACHE_TYPES", "DEFAULT_CACHE_TYPE", "cache_type", "cache_type_name", "check_cache_row"]

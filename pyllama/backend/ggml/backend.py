@@ -24,7 +24,7 @@ import numpy as np
 from ..._fast.wire import fnv1a64
 from ...obs import trace
 from ...rpc.connection import RPCError
-from ...ir.tensor import WEIGHT_TYPES, Buffer, DType, Graph, Tensor
+from ...ir.tensor import KV_CACHE_TYPES, WEIGHT_TYPES, Buffer, DType, Graph, Tensor
 from ...util.errors import PyllamaError
 from ..base import Backend, DeviceInfo
 from ..host_sample import bind_sample
@@ -92,7 +92,7 @@ class GGMLBackend(RemoteDevice, Backend):
     in_order = True
     small_batches_cheap = True
     weight_types = frozenset(WEIGHT_TYPES)
-    kv_types = frozenset({DType.F16, DType.F32, DType.BF16, DType.Q8_0})
+    kv_types = KV_CACHE_TYPES
 
     def __init__(self, conn: GGMLConnection, device: int, name: str):
         self.conn = conn
@@ -126,7 +126,7 @@ class GGMLBackend(RemoteDevice, Backend):
         return op in LOWERED_OPS
 
     def holds_kv(self, dtype: DType, head_dim: int) -> bool:
-        # ggml's attention views a cache a head at a time: a Q8_0 head is whole 32-value blocks
+        # ggml's attention views a cache a head at a time: a quantized head is whole 32-value blocks
         return dtype in self.kv_types and head_dim % P.GGML_QUANT_SIZES[P.GGMLQuantizationType(int(dtype))][0] == 0
 
     def refusal_hint(self) -> str:

@@ -32,7 +32,8 @@ from . import protocol as P
 # ops a ggml device runs (SAMPLE ends at ARGMAX or on the host)
 LOWERED_OPS = frozenset({Op.GET_ROWS, Op.RMS_NORM, Op.MUL_MAT, Op.MUL_MAT_CAT, Op.ADD, Op.SWIGLU, Op.ATTENTION,
                          Op.GEGLU, Op.SCALE, Op.SOFTCAP, Op.SAMPLE, Op.MOE_FFN})
-FLASH_KV = frozenset({DType.F16, DType.BF16, DType.Q8_0})   # caches flash attention reads
+FLASH_KV = frozenset({DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1,
+                      DType.IQ4_NL})   # caches flash attention reads
 KV_STEP = 256          # a sequence's attended cells rounded up to this, as llama.cpp pads a stream's
 
 
@@ -341,7 +342,7 @@ class Lowering:
 
         q, k = rope(q), rope(k)
         kc_t, vc_t = s[1], s[2]
-        # flash attention on F16, BF16 and Q8_0 caches (llama-server's default on a CPU, and what
+        # flash attention on F16, BF16 and quantized caches (llama-server's default on a CPU, and what
         # it needs for a quantized V cache); MUL_MAT + SOFT_MAX when a cache is F32
         flash = kc_t.dtype in FLASH_KV and vc_t.dtype in FLASH_KV
         rot_k, rot_v = rotation_sizes(hd, kc_t.dtype, vc_t.dtype)

@@ -50,11 +50,13 @@ def compare(ref: list, got: list, margin: float) -> tuple[int, str, float, bool]
 
 
 def arch_model(preset: str, arch: str) -> str:
-    """bench/out/models/PRESET-ARCH-f32.gguf, made once."""
-    from pyllama.models.make import make_model  # noqa: PLC0415
+    """bench/out/models/PRESET-ARCH-f32.gguf, made once. ARCH may name boolean FamilyOptions after
+    a `+` each (phi3+longrope, qwen2+output_bias)."""
+    from pyllama.models.make import FamilyOptions, make_model  # noqa: PLC0415
+    name, *flags = arch.split("+")
     path = os.path.join(HERE, "out", "models", f"{preset}-{arch}-f32.gguf")
     if not os.path.exists(path):
-        make_model(preset, path + ".tmp", wtype="f32", arch=arch)
+        make_model(preset, path + ".tmp", wtype="f32", arch=name, opts=FamilyOptions(**{f: True for f in flags}))
         os.replace(path + ".tmp", path)
     return path
 
@@ -64,7 +66,8 @@ def main() -> int:
     ap.add_argument("--peers", default=os.environ.get("PYLLAMA_PEERS"))
     ap.add_argument("--preset", default="medium")
     ap.add_argument("--arch", default="llama", help="the reference model's architecture (qwen2moe, qwen3moe, "
-                    "mixtral: Mixture-of-Experts layers on the peer)")
+                    "mixtral: Mixture-of-Experts layers on the peer; phi3+longrope, qwen2+output_bias: "
+                    "with those FamilyOptions)")
     ap.add_argument("--types", default="f32,q8_0,q4_k_m")
     ap.add_argument("--ngl", type=int, default=0, help="layers on the peer, llama.cpp's count (0: half the blocks + 1)")
     ap.add_argument("--n-peers", type=int, default=1, help="ggml-rpc-servers, the peer layers split evenly "

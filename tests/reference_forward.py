@@ -169,7 +169,8 @@ def moe_ffn(h: np.ndarray, W: dict, p: str, meta: dict, arch: str) -> np.ndarray
     return out
 
 
-def rope_frequencies(meta: dict, W: dict, arch: str, n_rot: int, base: float) -> tuple[np.ndarray, float]:
+def rope_frequencies(meta: dict, W: dict, arch: str, n_rot: int, base: float,
+                     n_ctx_seq: int = 0) -> tuple[np.ndarray, float]:
     """(inv_freq [n_rot / 2], cos/sin scale) of the file's RoPE scaling, after transformers'
     modeling_rope_utils as llama.cpp reads it from GGUF:
 
@@ -177,10 +178,18 @@ def rope_frequencies(meta: dict, W: dict, arch: str, n_rot: int, base: float) ->
     - llama3: the converter stores the per-pair divisors as rope_freqs.weight;
     - yarn: pairs below the low correction dimension keep their frequency (extrapolation), those
       above the high one are divided by the factor (interpolation), linearly mixed between;
-      cos and sin get the attention factor 0.1 ln(factor) + 1 (times rope.scaling.attn_factor)."""
+      cos and sin get the attention factor 0.1 ln(factor) + 1 (times rope.scaling.attn_factor);
+    - phi3's LongRoPE (transformers' _compute_longrope_parameters): the long factors where the
+      context (`n_ctx_seq`) is beyond original_context_length, else the short ones, divide the
+      frequencies, and cos and sin get rope.scaling.attn_factor."""
     inv_freq = 1.0 / base ** (np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
     if "rope_freqs.weight" in W:
         inv_freq = inv_freq / np.asarray(W["rope_freqs.weight"], dtype=np.float64)
+    elif "rope_factors_long.weight" in W:
+        orig = meta.get(f"{arch}.rope.scaling.original_context_length", meta.get(f"{arch}.context_length"))
+        which = "long" if n_ctx_seq > orig else "short"
+        inv_freq = inv_freq / np.asarray(W[f"rope_factors_{which}.weight"], dtype=np.float64)
+        return inv_freq, float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0))
     kind = meta.get(f"{arch}.rope.scaling.type", "linear")
     factor = float(meta.get(f"{arch}.rope.scaling.factor", 0.0)) or 1.0
     if kind == "none" or factor == 1.0:
@@ -231,7 +240,7 @@ def _shape(meta: dict) -> tuple:
             e, hd, meta.get(f"{arch}.rope.dimension_count", hd))
 
 
-def _dense_family_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict, dict]:
+def _dense_family_hidden(model_path: str, tokens: list[int], n_ctx_seq: int = 0) -> tuple[np.ndarray, dict, dict]:
     """Gemma2 / Gemma3 / Phi3 as transformers' modeling_gemma2, modeling_gemma3 (text model) and
     modeling_phi3 define them, with the hyper-parameters llama.cpp derives from GGUF metadata."""
     meta, W = load_model(model_path)
@@ -274,7 +283,7 @@ def _dense_family_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray
         if arch == "gemma3" and sliding[i]:  # local layers: rope_local_base_freq, no scaling
             inv_freq, mscale = 1.0 / 10000.0 ** (np.arange(0, n_rot, 2) / n_rot), 1.0
         else:
-            inv_freq, mscale = rope_frequencies(meta, W, arch, n_rot, base)
+            inv_freq, mscale = rope_frequencies(meta, W, arch, n_rot, base, n_ctx_seq)
         q, k = rope(q, base, n_rot, True, inv_freq, mscale), rope(k, base, n_rot, True, inv_freq, mscale)
         att = np.empty((n, n_head, hd))
         for hq in range(n_head):
@@ -302,15 +311,19 @@ def _dense_family_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray
     return norm(x, W["output_norm.weight"]), W, meta
 
 
-def reference_logits(model_path: str, tokens: list[int]) -> np.ndarray:
-    """Logits [len(tokens), n_vocab] (float64) of one sequence at positions 0..n-1."""
+def reference_logits(model_path: str, tokens: list[int], n_ctx_seq: int = 0) -> np.ndarray:
+    """Logits [len(tokens), n_vocab] (float64) of one sequence at positions 0..n-1 (n_ctx_seq: the
+    context's positions per sequence, which pick phi3's LongRoPE factors); output.bias added where
+    the file has one."""
     if GGUFReader(model_path).fields["general.architecture"].contents() in DENSE_FAMILIES:
-        h, W, meta = _dense_family_hidden(model_path, tokens)
+        h, W, meta = _dense_family_hidden(model_path, tokens, n_ctx_seq)
         logits = matmul(h, W.get("output.weight", W["token_embd.weight"]))
         cap = float(meta.get(f"{meta['general.architecture']}.final_logit_softcapping", 0.0))
-        return np.tanh(logits / cap) * cap if cap else logits
-    h, W = _final_hidden(model_path, tokens)
-    return matmul(h, W.get("output.weight", W["token_embd.weight"]))
+        logits = np.tanh(logits / cap) * cap if cap else logits
+    else:
+        h, W = _final_hidden(model_path, tokens)
+        logits = matmul(h, W.get("output.weight", W["token_embd.weight"]))
+    return logits + np.asarray(W["output.bias"], dtype=np.float64) if "output.bias" in W else logits
 
 
 def reference_hidden(model_path: str, tokens: list[int]) -> np.ndarray:

@@ -39,6 +39,8 @@ CASES = {
     "llama-yarn": ("llama", FamilyOptions(rope_scaling="yarn", rope_factor=4.0)),
     "llama-rope-freqs": ("llama", FamilyOptions(rope_freqs=True)),
     "qwen2-yarn": ("qwen2", FamilyOptions(rope_scaling="yarn", rope_factor=8.0)),
+    "phi3-longrope": ("phi3", FamilyOptions(longrope=True, output_bias=True)),
+    "qwen2-output-bias": ("qwen2", FamilyOptions(output_bias=True)),
 }
 
 
@@ -50,12 +52,12 @@ def make(model_factory):
     return make
 
 
-def run_greedy(path: str, n: int = 12) -> tuple[list[int], list[int], np.ndarray]:
+def run_greedy(path: str, n: int = 12, n_ctx: int = 256) -> tuple[list[int], list[int], np.ndarray]:
     """(prompt, greedy tokens, the logits each came from [n, n_vocab])."""
     engine = Engine(path, n_threads=2)
     try:
         prompt = engine.tokenizer.encode(PROMPT)
-        ctx = engine.new_context(256, 1)
+        ctx = engine.new_context(n_ctx, 1)
         out = ctx.decode(Batch.for_sequence(prompt, 0, 0))
         tokens, logits = [], []
         for i in range(n):
@@ -85,13 +87,27 @@ def test_greedy_tokens_and_logits_match_the_reference(make, name):
     path = make(name)
     prompt, tokens, logits = run_greedy(path)
     assert len(prompt) > WINDOW
-    ref = reference_logits(path, prompt + tokens)[len(prompt) - 1:-1]  # the logits each token came from
+    # the logits each token came from (run_greedy's context: 256 positions)
+    ref = reference_logits(path, prompt + tokens, n_ctx_seq=256)[len(prompt) - 1:-1]
     assert np.abs(logits - ref).max() <= 2e-3 * np.abs(ref).max()
     top2 = np.sort(ref, axis=1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 1e-2 * np.abs(ref).max()
     assert clear.sum() >= len(tokens) // 2, "too few steps with a clear margin to compare"
     for i in np.flatnonzero(clear):
         assert tokens[i] == int(ref[i].argmax()), f"step {i}: {tokens[i]} vs the reference's {int(ref[i].argmax())}"
+
+
+@pytest.mark.parametrize("n_ctx", [64, 256])
+def test_longrope_takes_the_short_or_long_factors_by_the_context_length(make, n_ctx):
+    """The tiny phi3's original context is 512 / 4 = 128 positions: a 64-position context takes
+    the short factors, a 256-position one the long ones (llama.cpp's rule), each as the
+    reference computes it; the two differ."""
+    path = make("phi3-longrope")
+    prompt, tokens, logits = run_greedy(path, 6, n_ctx)
+    ref = reference_logits(path, prompt + tokens, n_ctx_seq=n_ctx)[len(prompt) - 1:-1]
+    assert np.abs(logits - ref).max() <= 2e-3 * np.abs(ref).max()
+    other = reference_logits(path, prompt + tokens, n_ctx_seq=320 - n_ctx)[len(prompt) - 1:-1]
+    assert np.abs(other - ref).max() > 1e-2 * np.abs(ref).max()
 
 
 def test_the_sliding_window_limits_attention(model_factory):
@@ -137,6 +153,19 @@ def test_gemma_and_phi3_tensors_and_metadata(make):
     assert phi.tensors["blk.0.attn_qkv.weight"].shape == (64 + 2 * 32, 64)
     assert phi.tensors["blk.0.ffn_up.weight"].shape == (2 * 192, 64)
     assert Model(make("phi3-partial")).hparams.n_rot == 12
+    lr = Model(make("phi3-longrope"))
+    assert {"rope_factors_long.weight", "rope_factors_short.weight", "output.bias"} <= set(lr.file.tensors)
+    assert lr.output_bias and "output_bias" in lr.logical_weights()
+    assert lr.hparams.n_ctx_orig == 128 and lr.hparams.rope_mscale == pytest.approx((1 + np.log(4) / np.log(128)) ** 0.5)
+    assert not Model(make("phi3")).output_bias and Model(make("phi3")).hparams.rope_mscale == 1.0
+
+
+def test_output_bias_and_longrope_options_are_refused_where_llama_cpp_reads_none(tmp_path):
+    from pyllama.models.make import make_model
+    with pytest.raises(ValueError, match="output.bias"):
+        make_model("tiny", str(tmp_path / "a.gguf"), arch="llama", opts=FamilyOptions(output_bias=True))
+    with pytest.raises(ValueError, match="longrope"):
+        make_model("tiny", str(tmp_path / "b.gguf"), arch="qwen2", opts=FamilyOptions(longrope=True))
 
 
 def test_make_cli_writes_the_families(tmp_path):
@@ -169,7 +198,7 @@ def test_a_device_without_the_ops_is_refused_at_load(make, name):
     load_weights(plain, Placement([_NoFamilyOps(1, name="NOOPS")], [0, 0]), upload=False)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3-linear", "phi3-partial", "llama-yarn"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3-linear", "phi3-partial", "llama-yarn", "phi3-longrope"])
 def test_tokens_identical_local_rpc_and_pipeline_groups(make, rpc_peer, name):
     model = make(name)
     local = generated_tokens(model, PROMPT, 12)

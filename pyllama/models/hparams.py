@@ -64,11 +64,12 @@ class HParams:
     # for yarn); yarn mixes interpolated and extrapolated frequencies over the pairs between its
     # correction dimensions and scales cos/sin by rope_mscale
     rope_scaling: str = "none"
-    n_ctx_orig: int = 0           # yarn's original context length (0: n_ctx_train)
+    n_ctx_orig: int = 0           # the original context length: yarn's, and the context beyond which
+                                  # phi3 takes its long LongRoPE factors (0: n_ctx_train)
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     yarn_ext_factor: float = 1.0  # how much of the ramp extrapolates (0: yarn interpolates alone)
-    rope_attn_factor: float = 1.0
+    rope_attn_factor: float = 1.0  # cos/sin's factor (phi3's LongRoPE magnitude; yarn's times its own)
     # the gemma and phi3 families
     swa_layers: tuple = ()        # per layer: True where it attends through the sliding window
     n_swa: int = 0                # the window (positions p - n_swa < q <= p), 0: none
@@ -87,9 +88,9 @@ class HParams:
     @property
     def rope_mscale(self) -> float:
         """cos/sin scale: YaRN's 1 + 0.1 ln(factor) (when it extrapolates) times its attn_factor,
-        as llama.cpp."""
+        as llama.cpp; without YaRN the attn_factor alone (phi3's LongRoPE files set one)."""
         if self.rope_scaling != "yarn":
-            return 1.0
+            return self.rope_attn_factor
         if self.yarn_ext_factor == 0:
             return self.rope_attn_factor
         return self.rope_attn_factor * (1.0 + 0.1 * math.log(1.0 / self.rope_scale))
@@ -256,15 +257,16 @@ def _rope_scaling(gf: GGUFFile, arch: str) -> dict:
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor < 0 or factor != factor:
         raise ModelFileError(f"{gf.path}: metadata key '{arch}.rope.scaling.factor' must be a non-negative number, "
                              f"got {factor!r}")
-    out: dict = {"rope_scale": 1.0 if kind == "none" or factor == 0 else 1.0 / float(factor)}
+    out: dict = {"rope_scale": 1.0 if kind == "none" or factor == 0 else 1.0 / float(factor),
+                 # also what phi3's LongRoPE factors are chosen by, and its magnitude
+                 "n_ctx_orig": _int(gf, f"{arch}.rope.scaling.original_context_length",
+                                    _int(gf, f"{arch}.context_length", 2048)),
+                 "rope_attn_factor": _float(gf, f"{arch}.rope.scaling.attn_factor", 1.0)}
     if kind == "yarn":
         out.update(rope_scaling="yarn",
-                   n_ctx_orig=_int(gf, f"{arch}.rope.scaling.original_context_length",
-                                   _int(gf, f"{arch}.context_length", 2048)),
                    yarn_beta_fast=_float(gf, f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
                    yarn_beta_slow=_float(gf, f"{arch}.rope.scaling.yarn_beta_slow", 1.0),
-                   yarn_ext_factor=_float(gf, f"{arch}.rope.scaling.yarn_ext_factor", 1.0, zero=True),
-                   rope_attn_factor=_float(gf, f"{arch}.rope.scaling.attn_factor", 1.0))
+                   yarn_ext_factor=_float(gf, f"{arch}.rope.scaling.yarn_ext_factor", 1.0, zero=True))
     elif out["rope_scale"] != 1.0:
         out["rope_scaling"] = "linear"
     return out

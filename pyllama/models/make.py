@@ -5,7 +5,8 @@
                 |q4_k_m|q5_k_m|iq4_nl_mix|iq4_xs_mix|mxfp4_moe]
         [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3] [--tied|--untied]
         [--rope-scaling none|linear|yarn --rope-factor F] [--rope-freqs] [--n-rot N]
-        [--sliding-window N] [--attn-softcap C] [--final-softcap C]   (FamilyOptions)
+        [--sliding-window N] [--attn-softcap C] [--final-softcap C] [--longrope] [--output-bias]
+        (FamilyOptions)
 
 The same arguments give a byte-identical file: weights come from numpy's default_rng(seed) in
 float32, tensor by tensor in a fixed order, and the file has no timestamps. Tensor names and
@@ -157,6 +158,11 @@ class FamilyOptions:
     positions), generated after every other tensor so that the other weights do not change.
     sliding_window: gemma's window (0: the architecture's default); attn_softcap / final_softcap:
     gemma2's caps (0: its defaults, 50 and 30); n_rot: rope.dimension_count (0: the head size).
+    longrope (phi3): the LongRoPE pair rope_factors_long.weight / rope_factors_short.weight (per-pair
+    divisors, random in [1, 8] and [1, 2]) with rope.scaling.original_context_length = the preset's
+    n_ctx / 4 and rope.scaling.attn_factor sqrt(1 + ln 4 / ln(that)), as the phi3 converter writes
+    a 128k model; output_bias (qwen2, phi3): output.bias [n_vocab]. Both come after every other
+    tensor, so that the other weights do not change.
     """
 
     rope_scaling: str = "none"
@@ -166,6 +172,8 @@ class FamilyOptions:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     n_rot: int = 0
+    longrope: bool = False
+    output_bias: bool = False
 RMS_EPS = 1e-5
 QUANTIZATION_VERSION = 2
 
@@ -254,6 +262,11 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
         plan.append(TensorSpec("output.weight", (n_vocab, e), "normal", 2.5 / math.sqrt(e)))
     if opts.rope_freqs:
         plan.append(TensorSpec("rope_freqs.weight", ((opts.n_rot or hd) // 2,), "rope_freqs"))
+    if opts.longrope:
+        plan.append(TensorSpec("rope_factors_long.weight", ((opts.n_rot or hd) // 2,), "rope_freqs"))
+        plan.append(TensorSpec("rope_factors_short.weight", ((opts.n_rot or hd) // 2,), "rope_freqs", 2.0))
+    if opts.output_bias:
+        plan.append(TensorSpec("output.bias", (n_vocab,), "bias"))
     return plan
 
 
@@ -408,8 +421,8 @@ def tensor_types(plan: list[TensorSpec], wtype: str) -> dict[str, Q]:
 
 def _generate(rng: np.random.Generator, spec: TensorSpec) -> np.ndarray:
     x = rng.standard_normal(spec.shape, dtype=np.float32)
-    if spec.kind == "rope_freqs":  # per-pair divisors in [1, 8], log-uniform
-        return np.exp(rng.uniform(0.0, math.log(8.0), spec.shape)).astype(np.float32)
+    if spec.kind == "rope_freqs":  # per-pair divisors in [1, std or 8], log-uniform
+        return np.exp(rng.uniform(0.0, math.log(spec.std or 8.0), spec.shape)).astype(np.float32)
     if spec.kind == "norm":
         x *= np.float32(0.1)
         x += np.float32(1.0)
@@ -522,6 +535,10 @@ def _check_family(p: Preset, arch: str, opts: FamilyOptions) -> None:
         raise ValueError(f"n_rot must be even and at most the head size {p.head_dim}, got {opts.n_rot}")
     if opts.sliding_window < 0 or opts.attn_softcap < 0 or opts.final_softcap < 0:
         raise ValueError("sliding window and soft-caps must not be negative")
+    if opts.longrope and (arch != "phi3" or opts.rope_freqs or opts.rope_scaling != "none"):
+        raise ValueError("--longrope is phi3's (and without --rope-freqs or --rope-scaling)")
+    if opts.output_bias and arch not in ("qwen2", "phi3"):
+        raise ValueError(f"{arch} reads no output.bias (qwen2, phi3 do)")
     if (opts.sliding_window and arch not in GEMMA_ARCHS) or \
             ((opts.attn_softcap or opts.final_softcap) and arch != "gemma2"):
         raise ValueError(f"{arch} takes no sliding window or soft-cap here (gemma2, gemma3 do)")
@@ -536,6 +553,10 @@ def _add_family_metadata(w: GGUFWriter, p: Preset, arch_name: str, opts: FamilyO
         w.add_float32(f"{arch}.rope.scaling.factor", opts.rope_factor)
         if opts.rope_scaling == "yarn":
             w.add_uint32(f"{arch}.rope.scaling.original_context_length", max(1, int(p.n_ctx / opts.rope_factor)))
+    if opts.longrope:
+        orig = max(2, p.n_ctx // 4)
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", orig)
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", math.sqrt(1 + math.log(p.n_ctx / orig) / math.log(orig)))
     if arch in GEMMA_ARCHS:
         w.add_uint32(f"{arch}.attention.sliding_window", opts.sliding_window or SWA_DEFAULT[arch])
     if arch == "gemma2":
@@ -586,9 +607,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="gemma2/gemma3: attention.sliding_window (default 4096 / 1024)")
     ap.add_argument("--attn-softcap", type=float, default=0.0, help="gemma2: attn_logit_softcapping (default 50)")
     ap.add_argument("--final-softcap", type=float, default=0.0, help="gemma2: final_logit_softcapping (default 30)")
+    ap.add_argument("--longrope", action="store_true",
+                    help="phi3: LongRoPE factors (rope_factors_long/short.weight), original context n_ctx / 4")
+    ap.add_argument("--output-bias", action="store_true", help="qwen2, phi3: add output.bias")
     args = ap.parse_args(argv)
     opts = FamilyOptions(args.rope_scaling, args.rope_factor, args.rope_freqs, args.sliding_window,
-                         args.attn_softcap, args.final_softcap, args.n_rot)
+                         args.attn_softcap, args.final_softcap, args.n_rot, args.longrope, args.output_bias)
     try:
         path = make_model(args.preset, args.out, vocab=args.vocab, wtype=args.wtype, seed=args.seed,
                           arch=args.arch, tied=args.tied, opts=opts)

@@ -19,6 +19,8 @@ from .hparams import HParams, read_hparams
 log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = WEIGHT_TYPES  # the types a model's tensors may have (not the grid IQ types, not TQ*)
+# architectures whose llama.cpp graph adds an output.bias [n_vocab] to the logits where the file has one
+OUTPUT_BIAS_ARCHS = ("qwen2", "phi3")
 
 
 def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
@@ -106,6 +108,10 @@ class Model:
         return "output.weight" not in self.file.tensors
 
     @property
+    def output_bias(self) -> bool:
+        return self.hparams.arch in OUTPUT_BIAS_ARCHS and "output.bias" in self.file.tensors
+
+    @property
     def name(self) -> str:
         return os.path.basename(self.path)
 
@@ -114,6 +120,8 @@ class Model:
         want = expected_tensors(hp)
         if "output.weight" in self.file.tensors:
             want["output.weight"] = (hp.n_vocab, hp.n_embd)
+        if self.output_bias:
+            want["output.bias"] = (hp.n_vocab,)
         for name, shape in want.items():
             info = self.file.tensors.get(name)
             if info is None:
@@ -155,6 +163,8 @@ class Model:
             "output_norm": (["output_norm.weight"], hp.n_layer),
             "output": (["token_embd.weight" if self.tied_output else "output.weight"], hp.n_layer),
         }
+        if self.output_bias:
+            out["output_bias"] = (["output.bias"], hp.n_layer)
         for i in range(hp.n_layer):
             b = f"blk.{i}."
             out[b + "attn_norm"] = ([b + "attn_norm.weight"], i)

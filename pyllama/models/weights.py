@@ -370,25 +370,36 @@ def _layers_text(layers: Sequence[int], n_layer: int) -> str:
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
-def rope_factors(model: Model, base: float) -> Optional[np.ndarray]:
+LONGROPE_TENSORS = {"rope_freqs_long": "rope_factors_long.weight", "rope_freqs_short": "rope_factors_short.weight"}
+
+
+def _factor_tensor(model: Model, name: str, half: int) -> Optional[np.ndarray]:
+    """A file tensor of per-pair RoPE divisors (F32 [n_rot / 2], all positive) as float64, or None."""
+    info = model.file.tensors.get(name)
+    if info is None:
+        return None
+    if info.qtype != DType.F32 or info.shape != (half,):
+        raise ModelFileError(f"{model.path}: tensor '{name}' must be F32 of shape [{half}], is "
+                             f"{info.qtype.name} {list(info.shape)}")
+    factors = info.raw.view(np.float32).astype(np.float64)
+    if not np.all(factors > 0):
+        raise ModelFileError(f"{model.path}: tensor '{name}' holds a value that is not positive")
+    return factors
+
+
+def rope_factors(model: Model, base: float, name: str = "rope_freqs.weight") -> Optional[np.ndarray]:
     """ATTENTION's rope_freqs for the layers that scale RoPE (float32 [n_rot / 2]), or None where
-    plain (freq_base, freq_scale) say it all. As llama.cpp: the file's rope_freqs.weight (llama3's
-    per-pair divisors), and for YaRN each pair's angle made a mix of the interpolated (times
-    freq_scale) and the extrapolated one, ramping between yarn's correction dimensions; the graph
-    then passes freq_scale 1 (it is folded in here)."""
+    plain (freq_base, freq_scale) say it all. As llama.cpp: the file's per-pair divisors (`name`:
+    llama3's rope_freqs.weight, or one of phi3's LongRoPE pair), and for YaRN each pair's angle made
+    a mix of the interpolated (times freq_scale) and the extrapolated one, ramping between yarn's
+    correction dimensions; the graph then passes freq_scale 1 (it is folded in here)."""
     hp = model.hparams
     half = hp.n_rot // 2
-    info = model.file.tensors.get("rope_freqs.weight")
-    factors = np.ones(half, dtype=np.float64)
-    if info is not None:
-        if info.qtype != DType.F32 or info.shape != (half,):
-            raise ModelFileError(f"{model.path}: tensor 'rope_freqs.weight' must be F32 of shape [{half}], is "
-                                 f"{info.qtype.name} {list(info.shape)}")
-        factors = info.raw.view(np.float32).astype(np.float64)
-        if not np.all(factors > 0):
-            raise ModelFileError(f"{model.path}: tensor 'rope_freqs.weight' holds a value that is not positive")
-    elif hp.rope_scaling != "yarn":
-        return None
+    factors = _factor_tensor(model, name, half)
+    if factors is None:
+        if hp.rope_scaling != "yarn":
+            return None
+        factors = np.ones(half, dtype=np.float64)
     if hp.rope_scaling == "yarn":
         def corr_dim(n_rotations: float) -> float:  # the pair whose wavelength fits n_rotations times
             return hp.n_rot * math.log(hp.n_ctx_orig / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -403,14 +414,23 @@ def rope_factors(model: Model, base: float) -> Optional[np.ndarray]:
 
 def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
     """Weights computed at load rather than read from the file: each scaling layer's rope_freqs
-    (one tensor, stored once per device), by logical name -> (its TensorInfo, its layer)."""
+    (one tensor, stored once per device), by logical name -> (its TensorInfo, its layer). A phi3
+    LongRoPE file gives two, rope_freqs_long and rope_freqs_short, and each context takes the one
+    its sequences' length calls for (models/build/llama.py), as llama.cpp; rope_freqs.weight, where
+    a file has it, wins over them."""
     hp = model.hparams
-    factors = rope_factors(model, hp.rope_base)
-    if factors is None:
-        return {}
-    info = TensorInfo("rope_freqs (computed)", DType.F32, factors.shape, factors.size, factors.view(np.uint8), -1)
-    return {f"blk.{il}.rope_freqs": (info, il) for il in range(hp.n_layer)
-            if not (hp.is_swa[il] and hp.rope_base_swa > 0)}  # gemma3's local layers never scale
+    names = {"rope_freqs": "rope_freqs.weight"}
+    if "rope_freqs.weight" not in model.file.tensors and any(t in model.file.tensors for t in LONGROPE_TENSORS.values()):
+        names = dict(LONGROPE_TENSORS)
+    out: dict[str, tuple[TensorInfo, int]] = {}
+    for logical, tensor in names.items():
+        factors = rope_factors(model, hp.rope_base, tensor)
+        if factors is None:
+            continue
+        info = TensorInfo(f"{logical} (computed)", DType.F32, factors.shape, factors.size, factors.view(np.uint8), -1)
+        out.update({f"blk.{il}.{logical}": (info, il) for il in range(hp.n_layer)
+                    if not (hp.is_swa[il] and hp.rope_base_swa > 0)})  # gemma3's local layers never scale
+    return out
 
 
 def _upload(backend: Backend, model: Model, t: Tensor, infos: list[TensorInfo]) -> None:

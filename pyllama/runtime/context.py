@@ -178,7 +178,7 @@ class Context:
             return plan
         listed = min(n_tokens, self.n_seq_max) * self.kv.seq_cap
         fg = build_forward(self.hparams, self.weights, self.kv_tensors, n_tokens, n_outputs, listed,
-                           sample if n_outputs else None, embd=embd)
+                           sample if n_outputs else None, embd=embd, n_ctx_seq=self.kv.seq_cap)
         plan = self.sched.plan(fg)
         stale = self._plans.pop(key, None)
         if stale is not None:

@@ -38,7 +38,8 @@ class ForwardGraph:
 
 
 def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_tokens: int, n_outputs: int,
-                  n_cells_listed: int, sample: Optional[tuple[int, int]] = None, embd: bool = False) -> ForwardGraph:
+                  n_cells_listed: int, sample: Optional[tuple[int, int]] = None, embd: bool = False,
+                  n_ctx_seq: int = 0) -> ForwardGraph:
     """Nodes for `n_tokens` tokens of which `n_outputs` rows produce logits.
 
     kv[il] = (k_cache, v_cache) of layer il; `n_cells_listed` bounds the attention cell list.
@@ -46,6 +47,8 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
     layer's device, and the graph's output is its packed result instead of the logits.
     embd: the graph ends at `result_norm`, the final hidden state after the output norm (what
     llama.cpp returns as embeddings): no output matrix product.
+    n_ctx_seq: the context's positions per sequence, which pick phi3's LongRoPE factors (the long
+    ones beyond the original context length, as llama.cpp).
     """
     n, e = n_tokens, hp.n_embd
     inputs = {
@@ -76,16 +79,20 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
     x = add(Op.GET_ROWS, (n, e), "inp_embd", w["token_embd"], inputs["inp_tokens"], layer=-1)
     if hp.embd_scale:  # gemma scales its input embeddings by sqrt(n_embd)
         x = add(Op.SCALE, (n, e), "inp_scaled", x, params=(hp.embd_scale,), layer=-1)
+    long_rope = n_ctx_seq > (hp.n_ctx_orig or hp.n_ctx_train)
     for il in range(hp.n_layer):
         b = f"blk.{il}."
-        attn_params = _attention_params(hp, il, w.get(b + "rope_freqs") is not None)
+        freqs = w.get(b + "rope_freqs")
+        if freqs is None:
+            freqs = w.get(b + ("rope_freqs_long" if long_rope else "rope_freqs_short"))
+        attn_params = _attention_params(hp, il, freqs is not None)
         h = add(Op.RMS_NORM, (n, e), f"attn_norm-{il}", x, w[b + "attn_norm"], params=(hp.rms_eps,), layer=il)
         qkv = mul_mat((n, hp.n_embd_q + 2 * hp.n_embd_kv), f"qkv-{il}", h, w[b + "attn_qkv"],
                       w.get(b + "attn_qkv_bias"), layer=il)
         k_cache, v_cache = kv[il]
         a = add(Op.ATTENTION, (n, hp.n_embd_q), f"kqv_out-{il}", qkv, k_cache, v_cache, inputs["inp_pos"],
                 inputs["inp_kv_idx"], inputs["inp_attn_cells"], inputs["inp_attn_ranges"],
-                w.get(b + "attn_q_norm"), w.get(b + "attn_k_norm"), w.get(b + "rope_freqs"), params=attn_params,
+                w.get(b + "attn_q_norm"), w.get(b + "attn_k_norm"), freqs, params=attn_params,
                 layer=il)
         if il == hp.n_layer - 1:
             if n_outputs == 0:
@@ -121,7 +128,8 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
             output = add(Op.SOFTCAP, (n_outputs, hp.n_vocab), OUTPUT_NAME, raw, params=(hp.final_softcap,),
                          layer=hp.n_layer)
         else:
-            output = mul_mat((n_outputs, hp.n_vocab), OUTPUT_NAME, hn, w["output"], layer=hp.n_layer)
+            output = mul_mat((n_outputs, hp.n_vocab), OUTPUT_NAME, hn, w["output"], w.get("output_bias"),
+                             layer=hp.n_layer)
         if sample is not None:
             n_probs, window = sample
             inputs[SAMPLING_INPUT] = input_tensor(SAMPLING_INPUT, I32, (n_outputs, sample_in_cols(window)))

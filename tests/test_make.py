@@ -170,10 +170,7 @@ PEERS = os.environ.get("PYLLAMA_PEERS")
 def test_llama_cpp_loads_every_arch(arch, tmp_path):
     """Each architecture's file, tied and untied where make writes both, loads and runs in
     llama.cpp (PYLLAMA_PEERS=/path/to/peers/llama.cpp python -m pytest tests/test_make.py -k llama_cpp)."""
-    try:
-        from peers import Peers  # noqa: PLC0415
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    from peers import Peers  # noqa: PLC0415 (bench/, on the path through conftest)
     peers = Peers(PEERS)
     made = 0
     try:

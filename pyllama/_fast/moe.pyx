@@ -17,7 +17,7 @@ computed by one kernel call whatever the thread, and the weighted sum over a tok
 runs in the token's top-k order, so results do not depend on the thread count. Everything is
 validated (ValueError naming the argument) before the GIL is released.
 """
-from libc.math cimport expf
+from libc.math cimport INFINITY, expf
 from libc.stdint cimport int32_t, int64_t, uint8_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
@@ -42,6 +42,8 @@ cdef extern from "ggml_x8.h" nogil:
 # items to helpers costs about a microsecond each
 DEF PARALLEL_MIN = 65536
 DEF NORM_MIN = 6.103515625e-5  # llama.cpp clamps the sum of the chosen weights to this before dividing
+DEF GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_* ids
+DEF GATING_SIGMOID = 2
 
 
 ctypedef struct Item:
@@ -176,50 +178,85 @@ cdef int64_t _rb(pq_traits tr, int64_t k, str what) except -1:
     return k // tr.block * tr.bytes
 
 
-cdef void _route(const float *logits, int64_t n, int64_t n_exp, int k, bint norm, float scale,
-                 int32_t *ids, float *wts, float *p) noexcept nogil:
-    """Softmax over each token's logits, its k largest (ties: the lower id), their weights."""
-    cdef int64_t t, x
-    cdef int j, jj
-    cdef float mx, s, best, sw
-    cdef int32_t bi
+cdef int _top(const float *v, int64_t n, const int32_t *taken, int n_taken) noexcept nogil:
+    """The index of the largest of v[0, n) not in taken (ties: the lower index); when no value
+    compares (NaN, or every one -inf), the lowest index not taken."""
+    cdef int64_t x
+    cdef int jj, bi = -1
+    cdef float best = -INFINITY
+    for x in range(n):
+        if v[x] > best:
+            jj = 0
+            while jj < n_taken and taken[jj] != x:
+                jj += 1
+            if jj == n_taken:
+                best = v[x]
+                bi = <int>x
+    if bi < 0:
+        bi = 0
+        jj = 0
+        while jj < n_taken:
+            if taken[jj] == bi:
+                bi += 1
+                jj = 0
+            else:
+                jj += 1
+    return bi
+
+
+cdef void _route(const float *logits, int64_t n, int64_t n_exp, int k, bint norm, float scale, int gating,
+                 const float *bias, int n_group, int n_group_used, int32_t *ids, float *wts,
+                 float *p) noexcept nogil:
+    """Each token's experts as llama.cpp's build_moe_ffn picks them: probabilities p (softmax, or
+    sigmoid, of the logits); selection scores p + bias (the expert bias, DeepSeek V3's and GLM's
+    load balancing, picks experts but does not weigh them); with n_group > 1 only the experts of
+    the n_group_used groups whose two best scores sum highest; the k best scores (ties: the lower
+    id); their weights p (divided by their sum when norm) times scale. p: 3 * n_exp floats."""
+    cdef int64_t t, x, per = n_exp // n_group if n_group > 0 else n_exp
+    cdef int j, gi, gj
+    cdef float mx, s, sw
+    cdef float *sel = p + n_exp
+    cdef float *gs = p + 2 * n_exp
+    cdef int32_t gtaken[64]
+    cdef int32_t two[2]
+    cdef const float *lg
     for t in range(n):
-        mx = logits[t * n_exp]
-        for x in range(1, n_exp):
-            if logits[t * n_exp + x] > mx:
-                mx = logits[t * n_exp + x]
-        s = 0.0
+        lg = logits + t * n_exp
+        if gating == GATING_SIGMOID:
+            for x in range(n_exp):
+                p[x] = 1.0 / (1.0 + expf(-lg[x]))
+        else:
+            mx = lg[0]
+            for x in range(1, n_exp):
+                if lg[x] > mx:
+                    mx = lg[x]
+            s = 0.0
+            for x in range(n_exp):
+                p[x] = expf(lg[x] - mx)
+                s = s + p[x]
+            for x in range(n_exp):
+                p[x] = p[x] / s
         for x in range(n_exp):
-            p[x] = expf(logits[t * n_exp + x] - mx)
-            s = s + p[x]
-        for x in range(n_exp):
-            p[x] = p[x] / s
+            sel[x] = p[x] + bias[x] if bias != NULL else p[x]
+        if n_group > 1:
+            for gi in range(n_group):
+                two[0] = _top(sel + gi * per, per, two, 0)
+                two[1] = _top(sel + gi * per, per, two, 1)
+                gs[gi] = sel[gi * per + two[0]] + sel[gi * per + two[1]]
+            for gj in range(n_group_used):
+                gtaken[gj] = _top(gs, n_group, gtaken, gj)
+            for gi in range(n_group):
+                gj = 0
+                while gj < n_group_used and gtaken[gj] != gi:
+                    gj += 1
+                if gj == n_group_used:
+                    for x in range(gi * per, (gi + 1) * per):
+                        sel[x] = -INFINITY
         sw = 0.0
         for j in range(k):
-            bi = -1
-            best = -1.0
-            for x in range(n_exp):
-                if p[x] > best:
-                    # skip experts already chosen for this token
-                    jj = 0
-                    while jj < j and ids[t * k + jj] != x:
-                        jj += 1
-                    if jj == j:
-                        best = p[x]
-                        bi = <int32_t>x
-            if bi < 0:  # NaN logits: no comparison holds; take the lowest id not yet chosen
-                bi = 0
-                jj = 0
-                while jj < j:
-                    if ids[t * k + jj] == bi:
-                        bi += 1
-                        jj = 0
-                    else:
-                        jj += 1
-                best = p[bi]
-            ids[t * k + j] = bi
-            wts[t * k + j] = best
-            sw = sw + best
+            ids[t * k + j] = _top(sel, n_exp, ids + t * k, j)
+            wts[t * k + j] = p[ids[t * k + j]]
+            sw = sw + wts[t * k + j]
         if norm:
             if sw < NORM_MIN:
                 sw = NORM_MIN
@@ -229,23 +266,46 @@ cdef void _route(const float *logits, int64_t n, int64_t n_exp, int k, bint norm
             wts[t * k + j] = wts[t * k + j] * scale
 
 
-def route(const float[:, ::1] logits, int n_used, bint norm=True, float scale=1.0):
+cdef const float *_routing_setup(int64_t n_exp, int gating, probs_b, int n_group, int n_group_used,
+                                 list keep) except? NULL:
+    """Checks the routing options against n_exp experts; the expert bias's data, or NULL."""
+    cdef const float[::1] bv
+    if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
+        raise ValueError(f"moe_ffn: gating {gating} is not 1 (softmax) or 2 (sigmoid)")
+    if n_group < 1 or n_group > 64 or n_exp % n_group or not 1 <= n_group_used <= n_group:
+        raise ValueError(f"moe_ffn: {n_exp} experts in {n_group} groups of which {n_group_used} are used")
+    if n_group > 1 and n_exp // n_group < 2:
+        raise ValueError(f"moe_ffn: expert groups of {n_exp // n_group} (groups are scored by their best two)")
+    if probs_b is None:
+        return NULL
+    bv = probs_b
+    if bv.shape[0] != n_exp:
+        raise ValueError(f"moe_ffn: probs_b has {bv.shape[0]} elements, expected {n_exp}")
+    keep.append(bv)
+    return &bv[0]
+
+
+def route(const float[:, ::1] logits, int n_used, bint norm=True, float scale=1.0, int gating=GATING_SOFTMAX,
+          probs_b=None, int n_group=1, int n_group_used=1):
     """(ids int32 [n, n_used], weights float32 [n, n_used]) that moe_ffn uses for these router
-    logits: the softmax's n_used largest in descending order, normalized and scaled as asked."""
+    logits (_route): the n_used best in descending order, normalized and scaled as asked."""
     cdef int64_t n = logits.shape[0], n_exp = logits.shape[1]
     if not 1 <= n_used <= n_exp:
         raise ValueError(f"route: n_used {n_used} outside 1..{n_exp}")
+    cdef list keep = []
+    cdef const float *bias = _routing_setup(n_exp, gating, probs_b, n_group, n_group_used, keep)
     ids = np.zeros((n, n_used), dtype=np.int32)
     wts = np.zeros((n, n_used), dtype=np.float32)
     if n == 0:
         return ids, wts
     cdef int32_t[:, ::1] iv = ids
     cdef float[:, ::1] wv = wts
-    cdef float *p = <float *>malloc(n_exp * sizeof(float))
+    cdef float *p = <float *>malloc(3 * n_exp * sizeof(float))
     if p == NULL:
         raise MemoryError("route: scratch")
     with nogil:
-        _route(&logits[0, 0], n, n_exp, n_used, norm, scale, &iv[0, 0], &wv[0, 0], p)
+        _route(&logits[0, 0], n, n_exp, n_used, norm, scale, gating, bias, n_group, n_group_used, &iv[0, 0],
+               &wv[0, 0], p)
     free(p)
     return ids, wts
 
@@ -295,6 +355,8 @@ ctypedef struct MoeArgs:
     int n_used, n_threads
     bint norm, same_x
     float scale
+    int gating, n_group, n_group_used
+    const float *probs_b              # the expert bias, or NULL
     int t_gate, t_up, t_down, vt_gate, vt_up, vt_down
     const uint8_t *gate
     const uint8_t *up
@@ -324,7 +386,7 @@ cdef int _moe_setup(MoeArgs *a, const float[:, ::1] x, const float[:, ::1] logit
                     const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
                     const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm,
                     float scale, shexp, shexp_gate, int n_threads, list keep, bint x8_gate_up,
-                    bint x8_down) except -1:
+                    bint x8_down, int gating, probs_b, int n_group, int n_group_used) except -1:
     """Checks the arguments and fills a (the arrays it points into appended to keep); 0 when
     there is nothing to compute. x8_gate_up / x8_down: those experts come repacked in groups of
     8 rows (qmatmul.repack_x8 of each expert's rows, experts one after the other)."""
@@ -340,6 +402,8 @@ cdef int _moe_setup(MoeArgs *a, const float[:, ::1] x, const float[:, ::1] logit
         raise ValueError(f"moe_ffn: n_expert_used {n_used} outside 1..{n_exp}")
     if n_used > 64:
         raise ValueError(f"moe_ffn: n_expert_used {n_used} above 64")
+    a.probs_b = _routing_setup(n_exp, gating, probs_b, n_group, n_group_used, keep)
+    a.gating, a.n_group, a.n_group_used = gating, n_group, n_group_used
     if gate.shape[0] != n_exp or up.shape[0] != n_exp or down.shape[0] != n_exp:
         raise ValueError(f"moe_ffn: expert tensors have {gate.shape[0]}, {up.shape[0]}, {down.shape[0]} experts, "
                          f"the router {n_exp}")
@@ -396,7 +460,7 @@ cdef int _moe_setup(MoeArgs *a, const float[:, ::1] x, const float[:, ::1] logit
     # scratch: routing, grouping, gathered activations, hidden rows, expert outputs
     a.need = (R * (2 * sizeof(int32_t) + sizeof(float) + (xs_g + (0 if same_x else xs_u))
                    + f * sizeof(float) + aq_stride + e * sizeof(float))
-              + (2 * n_exp + 1) * sizeof(int32_t) + n_exp * sizeof(float) + n * (xs_g + xs_u) + 64 * 8)
+              + (2 * n_exp + 1) * sizeof(int32_t) + 3 * n_exp * sizeof(float) + n * (xs_g + xs_u) + 64 * 8)
     a.n, a.e, a.f, a.n_exp, a.R = n, e, f, n_exp, R
     a.n_used, a.n_threads, a.norm, a.same_x, a.scale = n_used, n_threads, norm, same_x, scale
     a.t_gate, a.t_up, a.t_down = t_gate, t_up, t_down
@@ -433,7 +497,7 @@ cdef int64_t _moe_compute(const MoeArgs *a, uint8_t *mem) noexcept nogil:
     cdef int32_t *fill = <int32_t *>cur
     cur += n_exp * sizeof(int32_t)
     cdef float *p = <float *>cur
-    cur += n_exp * sizeof(float)
+    cur += 3 * n_exp * sizeof(float)
     cur += (-<size_t>cur) % 64
     cdef uint8_t *xq_g = cur
     cur += n * xs_g
@@ -465,7 +529,7 @@ cdef int64_t _moe_compute(const MoeArgs *a, uint8_t *mem) noexcept nogil:
     cdef const float *xp = a.x
     cdef const float *lp = a.logits
     cdef float *op = a.out
-    _route(lp, n, n_exp, <int>n_used, a.norm, a.scale, ids, wts, p)
+    _route(lp, n, n_exp, <int>n_used, a.norm, a.scale, a.gating, a.probs_b, a.n_group, a.n_group_used, ids, wts, p)
     # group the (token, slot) pairs by expert, tokens in order within an expert
     for xx in range(n_exp + 1):
         first[xx] = 0
@@ -553,8 +617,10 @@ def moe_ffn(const float[:, ::1] x, const float[:, ::1] logits,
             const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
             const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm=True,
             float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1, bint x8_gate_up=False,
-            bint x8_down=False):
-    """out[n, e] = the MoE FFN of x[n, e] (module docstring), given the router logits [n, E].
+            bint x8_down=False, int gating=GATING_SOFTMAX, probs_b=None, int n_group=1, int n_group_used=1):
+    """out[n, e] = the MoE FFN of x[n, e] (module docstring), given the router logits [n, E],
+    routed by _route (gating 1 softmax or 2 sigmoid, probs_b an expert bias float32 [E] or None,
+    n_group / n_group_used the expert groups).
 
     gate, up: uint8 [E, f * row_bytes(t_gate / t_up, e)] (each expert's f rows of e elements);
     down: uint8 [E, e * row_bytes(t_down, f)]. shexp: float32 [n, e] added to the result, times
@@ -563,8 +629,9 @@ def moe_ffn(const float[:, ::1] x, const float[:, ::1] logits,
     rows, [E, rows / 8 * bytes per group]). Returns the number of experts that were computed
     (chosen by at least one token)."""
     cdef MoeArgs a
+    cdef list keep = []
     if not _moe_setup(&a, x, logits, gate, t_gate, up, t_up, down, t_down, out, n_used, norm, scale, shexp,
-                      shexp_gate, n_threads, [], x8_gate_up, x8_down):
+                      shexp_gate, n_threads, keep, x8_gate_up, x8_down, gating, probs_b, n_group, n_group_used):
         return 0
     cdef uint8_t *mem = <uint8_t *>malloc(a.need)
     if mem == NULL:
@@ -582,12 +649,13 @@ def bind_moe_ffn(checked, const float[:, ::1] x, const float[:, ::1] logits,
                  const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
                  const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm=True,
                  float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1, bint x8_gate_up=False,
-                 bint x8_down=False):
+                 bint x8_down=False, int gating=GATING_SOFTMAX, probs_b=None, int n_group=1, int n_group_used=1):
     """moe_ffn (same arguments) bound as a NativeStep (plan.pyx), its scratch the run's; None
     when there is nothing to compute."""
     cdef NativeStep s = step_for(sizeof(MoeArgs), checked)
     cdef list keep = []
     if not _moe_setup(<MoeArgs *>s.ctx, x, logits, gate, t_gate, up, t_up, down, t_down, out, n_used, norm,
-                      scale, shexp, shexp_gate, n_threads, keep, x8_gate_up, x8_down):
+                      scale, shexp, shexp_gate, n_threads, keep, x8_gate_up, x8_down, gating, probs_b, n_group,
+                      n_group_used):
         return None
     return bound(s, _moe_step, keep, (<MoeArgs *>s.ctx).need)

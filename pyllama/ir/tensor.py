@@ -22,7 +22,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as DType
 
-__all__ = ["AttentionParams", "family_node", "DType", "Buffer", "Tensor", "nbytes_of", "NP_DTYPES", "WEIGHT_TYPES", "QUANT_TYPES", "KV_CACHE_TYPES",
+__all__ = ["AttentionParams", "MoeParams", "family_node", "DType", "Buffer", "Tensor", "nbytes_of", "NP_DTYPES", "WEIGHT_TYPES", "QUANT_TYPES", "KV_CACHE_TYPES",
            "Op", "Node", "Graph", "node", "input_tensor", "Src", "OpSpec", "OP_TABLE", "src_roles", "check_node",
            "sample_in_cols", "sample_out_cols", "SAMPLE_PARAM_COLS", "MAX_SRCS"]
 
@@ -146,11 +146,15 @@ class Op(IntEnum):
     MUL_MAT_CAT = 8
     # A Mixture-of-Experts FFN, router to weighted sum (models/build/moe.py):
     # srcs (x [n, e], router [E, e], gate_exps [E, f, e], up_exps [E, f, e], down_exps [E, e, f]
-    #       [, shexp [n, e] [, shexp_gate [e]]]); params (n_expert_used K, norm, scale)
-    # -> out [n, e]. Per token: p = softmax(x @ router.T), the K largest (ties: the lower expert
-    # id), their weights p_k (divided by their sum when norm is 1) times scale; out = sum_k w_k *
-    # down_k(silu(gate_k x) * up_k x). Only the chosen experts' rows are read. shexp, a shared
-    # expert's output computed by ordinary nodes, is added, times sigmoid(x . shexp_gate) if given.
+    #       [, shexp [n, e] [, shexp_gate [e]]] [, probs_b [E]]); params (n_expert_used K, norm,
+    #       scale [, gating, probs_b, n_group, n_group_used]) (MoeParams)
+    # -> out [n, e]. Per token: p = softmax(x @ router.T) (gating 2: sigmoid), selection scores
+    # p + probs_b (where the params say a probs_b source comes last), with n_group > 1 only the
+    # experts of the n_group_used groups whose best two scores sum highest; the K best (ties: the
+    # lower expert id), their weights p_k (divided by their sum when norm is 1) times scale; out =
+    # sum_k w_k * down_k(silu(gate_k x) * up_k x). Only the chosen experts' rows are read. shexp, a
+    # shared expert's output computed by ordinary nodes, is added, times sigmoid(x . shexp_gate)
+    # if given.
     MOE_FFN = 9
     # srcs (gu [n, 2f]) -> out [n, f] = gelu(gu[:, :f]) * gu[:, f:], gelu in its tanh form (GeGLU,
     # gemma's FFN)
@@ -218,9 +222,39 @@ class AttentionParams(NamedTuple):
         return base
 
 
+class MoeParams(NamedTuple):
+    """MOE_FFN's parameters by name (their order on the wire). The routing extensions (sigmoid
+    gating, an expert bias source, expert groups) are what DeepSeek- and GLM-style MoE layers add;
+    graphs without them carry the 3 base parameters, which every MoE device runs."""
+
+    n_used: float
+    norm: float
+    scale: float
+    gating: float = 1.0   # llama.cpp's expert gating ids: 1 softmax, 2 sigmoid
+    probs_b: float = 0.0  # 1: the last source is the expert bias
+    n_group: float = 1.0
+    n_group_used: float = 1.0
+
+    @classmethod
+    def of(cls, params: Sequence[float]) -> "MoeParams":
+        """From a node's parameters (3, or 7; the wire pads with zeros, and a 0 gating or group
+        count reads as its default, 1)."""
+        p = tuple(params) + (0.0,) * (7 - len(params))
+        return cls(*p[:3], gating=p[3] or 1.0, probs_b=p[4], n_group=p[5] or 1.0, n_group_used=p[6] or 1.0)
+
+    @property
+    def extended(self) -> bool:
+        return self.gating != 1 or self.probs_b != 0 or self.n_group != 1 or self.n_group_used != 1
+
+    def params(self) -> tuple:
+        return tuple(self) if self.extended else tuple(self[:3])
+
+
 def family_node(op: Op, params: Sequence[float], n_srcs: int) -> bool:
-    """Whether a node needs a device with FAMILY_OPS: one of those ops, or ATTENTION extended."""
-    return op in FAMILY_OPS or (op == Op.ATTENTION and AttentionParams.of(params, n_srcs).extended)
+    """Whether a node needs a device with FAMILY_OPS: one of those ops, ATTENTION extended, or
+    MOE_FFN routed with its extensions."""
+    return (op in FAMILY_OPS or (op == Op.ATTENTION and AttentionParams.of(params, n_srcs).extended)
+            or (op == Op.MOE_FFN and len(params) > 3 and MoeParams.of(params).extended))
 
 
 @dataclass(frozen=True)
@@ -248,9 +282,10 @@ OP_TABLE: dict[Op, OpSpec] = {
     # sources are laid out by src_roles (x, p weights, optional bias)
     Op.MUL_MAT_CAT: OpSpec((_s("x", F32), _s("w", F32, weight=True), _s("bias", F32)),
                            tuple(range(3, MAX_SRCS + 1)), F32, 1),
+    # sources are laid out by src_roles (5 fixed, the shared expert and its gate, the expert bias)
     Op.MOE_FFN: OpSpec((_s("x", F32), _s("router", F32, weight=True), _s("gate_exps", F32, weight=True),
                         _s("up_exps", F32, weight=True), _s("down_exps", F32, weight=True), _s("shexp", F32),
-                        _s("shexp_gate", F32)), (5, 6, 7), F32, 3),
+                        _s("shexp_gate", F32), _s("probs_b", F32)), (5, 6, 7, 8), F32, 7),
     Op.GEGLU: OpSpec((_s("gu", F32),), (1,), F32, 0),
     Op.SCALE: OpSpec((_s("x", F32),), (1,), F32, 1),
     Op.SOFTCAP: OpSpec((_s("x", F32),), (1,), F32, 1),
@@ -271,6 +306,11 @@ def src_roles(op: Op, n_srcs: int, params: Sequence[float] = ()) -> Optional[lis
             return None
         x, w, bias = spec.srcs
         return [x] + [w] * int(p) + [bias] * (n_srcs - 1 - int(p))
+    if op == Op.MOE_FFN:  # the expert bias last where the parameters say it is there
+        bias = 1 if len(params) > 4 and params[4] == 1 else 0
+        if len(params) > 4 and params[4] not in (0, 1) or n_srcs - bias < 5 or n_srcs - bias > 7:
+            return None
+        return list(spec.srcs[:n_srcs - bias]) + [spec.srcs[7]] * bias
     if op == Op.ATTENTION:  # 7 fixed, then q_norm and k_norm as a pair, then rope_freqs
         base, pair, freqs = list(spec.srcs[:7]), list(spec.srcs[7:9]), [spec.srcs[9]]
         return base + (pair if n_srcs >= 9 else []) + (freqs if n_srcs % 2 == 0 else [])

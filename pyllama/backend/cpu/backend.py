@@ -40,7 +40,7 @@ from ..._fast import gemm, moe, qmatmul
 from ..._fast import ops as k
 from ..._fast import ops_extra as kx
 from ..._fast.plan import NativeRun, NativeStep
-from ...ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, Op, check_node
+from ...ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, MoeParams, Op, check_node
 from ..base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 from ..host_sample import bind_sample
 from ...util.settings import CpuSettings
@@ -451,9 +451,15 @@ def _moe_ffn_steps(opts: CpuSettings, srcs: Sequence[Tensor], s: Sequence[np.nda
     together (they share the gathered activations)."""
     x, router = s[0], s[1]
     gate, up, down = srcs[2], srcs[3], srcs[4]
-    n_used, norm, scale = params[0], params[1], params[2]
+    mp = MoeParams.of(params)
+    n_used, norm, scale = mp.n_used, mp.norm, mp.scale
     if n_used != int(n_used) or norm not in (0, 1):
         raise ValueError(f"MOE_FFN: n_expert_used {n_used} and norm {norm} must be integers (norm 0 or 1)")
+    if any(v != int(v) for v in (mp.gating, mp.n_group, mp.n_group_used)):
+        raise ValueError(f"MOE_FFN: gating {mp.gating} and expert groups {mp.n_group}, {mp.n_group_used} must be "
+                         "integers")
+    probs_b = s[-1] if mp.probs_b == 1 else None
+    rest = list(s[5:len(s) - (1 if probs_b is not None else 0)])  # the shared expert and its gate
     for t in (gate, up, down):
         if len(t.shape) != 3 or t.shape[0] != router.shape[0]:
             raise ValueError(f"MOE_FFN: expert tensor {t.name} {list(t.shape)} is not [{router.shape[0]}, rows, cols]")
@@ -470,10 +476,11 @@ def _moe_ffn_steps(opts: CpuSettings, srcs: Sequence[Tensor], s: Sequence[np.nda
         g, u = pg, pu
     if pd is not None:
         d = pd
-    shexp = s[5] if len(s) > 5 else None
-    shexp_gate = s[6] if len(s) > 6 else None
+    shexp = rest[0] if rest else None
+    shexp_gate = rest[1] if len(rest) > 1 else None
     args = (x, logits, g, int(gate.dtype), u, int(up.dtype), d, int(down.dtype), out, int(n_used), bool(norm),
-            float(scale), shexp, shexp_gate, nt, x8_gate_up, pd is not None)
+            float(scale), shexp, shexp_gate, nt, x8_gate_up, pd is not None, int(mp.gating), probs_b,
+            int(mp.n_group), int(mp.n_group_used))
 
     return [route, _native(opts, moe.bind_moe_ffn, _bind(moe.moe_ffn, *args), *args)]
 

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from ...ir.tensor import AttentionParams, DType, Graph, Op, Tensor
+from ...ir.tensor import AttentionParams, DType, Graph, MoeParams, Op, Tensor
 from . import graph as G
 from . import protocol as P
 
@@ -284,17 +284,27 @@ class Lowering:
         raise ValueError(f"{nd.out.name}: {Op(op).name} is not lowered to ggml ops")
 
     def _moe_ffn(self, nd) -> G.GT:
-        """llama.cpp's build_moe_ffn with softmax gating: router product, SOFT_MAX, the top K by
-        a descending ARGSORT, their probabilities by GET_ROWS (normalised by their clamped sum,
-        scaled), MUL_MAT_ID for the chosen experts' gate, up and down, SWIGLU, the weights, and
-        the K results added in order; then the shared expert, gated by a sigmoid when it has one."""
+        """llama.cpp's build_moe_ffn: router product, SOFT_MAX (or SIGMOID), the expert bias
+        added for the choice only, the top K by a descending ARGSORT, their probabilities by
+        GET_ROWS (normalised by their clamped sum, scaled), MUL_MAT_ID for the chosen experts'
+        gate, up and down, SWIGLU, the weights, and the K results added in order; then the shared
+        expert, gated by a sigmoid when it has one."""
         g, s = self.g, nd.srcs
-        K, norm, w_scale = int(nd.params[0]), int(nd.params[1]), float(nd.params[2])
+        mp = MoeParams.of(nd.params)
+        K, norm, w_scale = int(mp.n_used), int(mp.norm), float(mp.scale)
+        if mp.n_group != 1:
+            raise ValueError(f"MOE_FFN {nd.out.name}: expert groups are not lowered to ggml ops")
+        bias = self.t(s[-1]) if mp.probs_b == 1 else None
+        rest = s[5:len(s) - (1 if bias is not None else 0)]   # the shared expert and its gate
         x = self.t(s[0])
         e, n = x.ne[0], x.ne[1]
         n_expert = s[1].shape[0]
-        probs = g.soft_max_ext(g.mul_mat(self.t(s[1]), x), None, 1.0, 0.0)        # [E, n]
-        chosen = g.argsort_top_k(probs, K)                                      # [K, n]
+        logits = g.mul_mat(self.t(s[1]), x)                                     # [E, n]
+        if mp.gating == 2:
+            probs = g.unary(logits, G.UNARY_SIGMOID)
+        else:
+            probs = g.soft_max_ext(logits, None, 1.0, 0.0)
+        chosen = g.argsort_top_k(probs if bias is None else g.add(probs, bias), K)   # [K, n]
         weights = g.get_rows(g.reshape(probs, [1, n_expert, n]), chosen)        # [1, K, n]
         if norm:
             weights = g.reshape(weights, [K, n])
@@ -311,10 +321,10 @@ class Lowering:
             out = g.add(out, g.view(experts, [e, n], [experts.nb[2]], k * experts.nb[1]))
         if K == 1:
             out = g.cont(out)
-        if len(s) > 5:
-            shexp = self.t(s[5])
-            if len(s) > 6:   # the gate's sigmoid as llama.cpp's qwen2moe builds it: silu(z) / z
-                z = g.mul_mat(self.t(s[6]), x)
+        if rest:
+            shexp = self.t(rest[0])
+            if len(rest) > 1:   # the gate's sigmoid as llama.cpp's qwen2moe builds it: silu(z) / z
+                z = g.mul_mat(self.t(rest[1]), x)
                 shexp = g.mul(shexp, g.div(g.unary(z, G.UNARY_SILU), z))
             out = g.add(out, shexp)
         return out

@@ -1,5 +1,5 @@
 """An independent float64 reference forward pass of the llama family (llama, qwen2, qwen3, and the
-Mixture-of-Experts qwen2moe, qwen3moe and Mixtral-style llama).
+Mixture-of-Experts qwen2moe, qwen3moe, Mixtral-style llama and glm4moe).
 
 Test helper, not a test: `reference_logits(model_path, tokens)` reads the GGUF file with
 `gguf.GGUFReader` and `gguf.quants.dequantize` (not pyllama's loader) and runs one sequence at
@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, quants
 
-NEOX_ARCHS = ("qwen2", "qwen3", "qwen2moe", "qwen3moe")  # rotate (x[i], x[i + n_rot/2]); llama rotates (x[2i], x[2i+1])
+NEOX_ARCHS = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe")  # rotate (x[i], x[i + n_rot/2]); llama rotates (x[2i], x[2i+1])
 
 
 # the type ggml quantizes activation rows to for the dot product against each weight type
@@ -131,7 +131,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 # Whether the chosen experts' routing weights are renormalized to sum 1 when the file does not say
 # (`{arch}.expert_weights_norm`): Qwen2MoE's norm_topk_prob is false by default, the Qwen3-MoE
 # models set it, and Mixtral always renormalizes.
-MOE_NORM_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "llama": True}
+MOE_NORM_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "llama": True, "glm4moe": False}
 
 
 def _expert(x: np.ndarray, w: np.ndarray, e: int) -> np.ndarray:
@@ -144,8 +144,14 @@ def moe_ffn(h: np.ndarray, W: dict, p: str, meta: dict, arch: str) -> np.ndarray
     Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock): router logits, softmax over all experts, the
     top-k probabilities (renormalized when the model says so), the weighted sum of those experts'
     SwiGLU FFNs, plus (Qwen2-MoE) the shared expert times sigmoid(its gate). Each token is taken on
-    its own, expert by expert: nothing here groups tokens."""
+    its own, expert by expert: nothing here groups tokens.
+
+    GLM-4.5 (transformers' Glm4MoeMoE): sigmoid scores, the experts chosen by score + the
+    correction bias (exp_probs_b) but weighted by the score alone, normalized when the model says
+    so, times routed_scaling_factor (expert_weights_scale); its shared expert is not gated."""
     k = meta[f"{arch}.expert_used_count"]
+    if arch == "glm4moe":
+        return _glm4moe_ffn(h, W, p, meta, k)
     norm = meta.get(f"{arch}.expert_weights_norm", MOE_NORM_DEFAULT[arch])
     scale = float(meta.get(f"{arch}.expert_weights_scale", 1.0))
     probs = matmul(h, W[p + "ffn_gate_inp.weight"])
@@ -166,6 +172,27 @@ def moe_ffn(h: np.ndarray, W: dict, p: str, meta: dict, arch: str) -> np.ndarray
                         W[p + "ffn_down_shexp.weight"])
         gate = 1.0 / (1.0 + np.exp(-(h @ W[p + "ffn_gate_inp_shexp.weight"])))
         out += gate[:, None] * shared
+    return out
+
+
+def _glm4moe_ffn(h: np.ndarray, W: dict, p: str, meta: dict, k: int) -> np.ndarray:
+    norm = bool(meta.get("glm4moe.expert_weights_norm", MOE_NORM_DEFAULT["glm4moe"]))
+    scale = float(meta.get("glm4moe.expert_weights_scale", 1.0))
+    scores = 1.0 / (1.0 + np.exp(-matmul(h, W[p + "ffn_gate_inp.weight"])))
+    choice = scores + np.asarray(W[p + "exp_probs_b.bias"], dtype=np.float64)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        chosen = sorted(range(scores.shape[1]), key=lambda e: (-choice[t, e], e))[:k]
+        weights = scores[t, chosen]
+        if norm:
+            weights = weights / weights.sum()
+        for e, wt in zip(chosen, weights * scale):
+            g = matmul(h[t:t + 1], _expert(h, W[p + "ffn_gate_exps.weight"], e))
+            u = matmul(h[t:t + 1], _expert(h, W[p + "ffn_up_exps.weight"], e))
+            out[t] += wt * matmul(silu(g) * u, _expert(h, W[p + "ffn_down_exps.weight"], e))[0]
+    if p + "ffn_gate_shexp.weight" in W:
+        out += matmul(silu(matmul(h, W[p + "ffn_gate_shexp.weight"])) * matmul(h, W[p + "ffn_up_shexp.weight"]),
+                      W[p + "ffn_down_shexp.weight"])
     return out
 
 
@@ -337,6 +364,8 @@ def _final_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict[
     arch, n_layer, n_head, n_kv, eps, base, n_embd, hd, n_rot = _shape(meta)
     neox = arch in NEOX_ARCHS
     n = len(tokens)
+    n_layer -= int(meta.get(f"{arch}.nextn_predict_layers", 0))  # GLM's multi-token prediction layers
+    ffn_norm = "post_attention_norm.weight" if arch == "glm4moe" else "ffn_norm.weight"
 
     x = np.asarray(W["token_embd.weight"])[np.asarray(tokens)]  # [n, n_embd]
     causal = np.triu(np.ones((n, n), dtype=bool), k=1)  # True above the diagonal = masked
@@ -363,7 +392,7 @@ def _final_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict[
             probs /= probs.sum(axis=1, keepdims=True)
             att[:, hq] = probs @ v[:, hk]
         x = x + matmul(att.reshape(n, n_head * hd), W[p + "attn_output.weight"])
-        h = rmsnorm(x, eps) * W[p + "ffn_norm.weight"]
+        h = rmsnorm(x, eps) * W[p + ffn_norm]
         if p + "ffn_gate_inp.weight" in W:
             x = x + moe_ffn(h, W, p, meta, arch)
         else:

@@ -31,7 +31,7 @@ def _generate(model: str, *extra: str, prompt: str = PROMPT, n: int = 10) -> lis
 @pytest.mark.parametrize("arch,wtype", [("llama", "f32"), ("llama", "q8_0"), ("qwen2", "f16"), ("qwen3", "q4_0"),
                                         ("gemma2", "f32"), ("gemma3", "f32"), ("phi3", "q8_0"),
                                         ("qwen2moe", "f32"), ("qwen3moe", "q8_0"), ("mixtral", "f32"),
-                                        ("llama", "iq4_nl"), ("qwen3moe", "mxfp4")])
+                                        ("llama", "iq4_nl"), ("qwen3moe", "mxfp4"), ("glm4moe", "f32")])
 def test_greedy_tokens_over_a_ggml_peer_equal_the_unsplit_run(model_factory, arch, wtype):
     # Mixture-of-Experts layers are lowered as llama.cpp builds them (ARGSORT top-k, MUL_MAT_ID,
     # the weights' sum and scale), qwen2moe's sigmoid-gated shared expert included
@@ -39,15 +39,18 @@ def test_greedy_tokens_over_a_ggml_peer_equal_the_unsplit_run(model_factory, arc
     want = _generate(model)
     peer = FakeGGMLPeer(compute=True)
     try:
-        got = _generate(model, "--rpc", peer.endpoint, "-dev", "RPC0,CPU", "-ts", "1,1")
+        # glm4moe's first layer is dense: its MoE layer goes to the peer too
+        got = _generate(model, "--rpc", peer.endpoint, "-dev", "RPC0,CPU", "-ts", "3,1" if arch == "glm4moe" else "1,1")
         assert peer.graphs, "no graph reached the peer"
         assert peer.recomputes, "a decode step's repeated graph was sent again instead of re-run"
         ops = {int(t["op"]) for _, _, recs in peer.graphs for t in recs}
     finally:
         peer.stop()
     assert got == want
-    if arch in ("qwen2moe", "qwen3moe", "mixtral"):
+    if arch in ("qwen2moe", "qwen3moe", "mixtral", "glm4moe"):
         assert {int(GOp.MUL_MAT_ID), int(GOp.ARGSORT)} <= ops
+    if arch == "glm4moe":   # sigmoid routing: a UNARY op, and the expert bias added for the choice
+        assert {int(GOp.UNARY), int(GOp.ADD)} <= ops
     if arch == "qwen2moe":   # the shared expert's gate as llama.cpp builds it, silu(z) / z: a sigmoid op
         assert int(GOp.DIV) in ops   # rounds differently, which flips near-tied experts downstream
 

@@ -22,7 +22,12 @@ ARCHITECTURES = {
     "gemma2": (ROPE_NEOX, False, False),
     "gemma3": (ROPE_NEOX, False, True),
     "phi3": (ROPE_NEOX, False, False),
+    # q/k/v biases and per-head q/k norms where its file has them (GLM-4.5 has the biases, the
+    # 355B model the norms too)
+    "glm4moe": (ROPE_NEOX, False, False),
 }
+# architectures whose q/k/v biases and q/k norms are optional: present where the file has them
+OPTIONAL_ATTN_TENSORS = ("glm4moe",)
 GEMMA_ARCHS = ("gemma2", "gemma3")
 # the RoPE scaling types of `{arch}.rope.scaling.type` (llama.cpp's names); llama3's per-dimension
 # factors come as the tensor rope_freqs.weight instead, with any of them
@@ -31,8 +36,11 @@ ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 # weights are divided by their sum when the file has no `{arch}.expert_weights_norm` key (what
 # llama.cpp builds for each: Qwen2MoE's norm_topk_prob defaults to false, Qwen3MoE's models and
 # Mixtral normalize). `llama` is MoE (Mixtral-style) when its file has `llama.expert_count`.
-MOE_NORM_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "llama": True}
+MOE_NORM_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "llama": True, "glm4moe": False}
 EXPERT_GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+EXPERT_GATING_SIGMOID = 2
+# the gating an architecture's MoE layers use when the file names none (llama.cpp's loaders)
+GATING_DEFAULT = {"glm4moe": EXPERT_GATING_SIGMOID}
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,10 @@ class HParams:
     n_ff_shexp: int = 0          # the shared expert's (0: none)
     expert_weights_norm: bool = False
     expert_weights_scale: float = 1.0
+    expert_gating: int = EXPERT_GATING_SOFTMAX  # 2: sigmoid (glm4moe), with the expert bias exp_probs_b
+    n_layer_dense_lead: int = 0  # the first layers of a MoE model with a dense FFN instead (glm4moe)
+    n_layer_nextn: int = 0       # blocks after n_layer that only predict further tokens (glm4moe's
+                                 # NextN/MTP layers): in the file, never computed
     # RoPE scaling (llama.cpp's semantics): rope_scale above is its freq_scale (1 / factor, also
     # for yarn); yarn mixes interpolated and extrapolated frequencies over the pairs between its
     # correction dimensions and scales cos/sin by rope_mscale
@@ -98,6 +110,10 @@ class HParams:
     @property
     def is_moe(self) -> bool:
         return self.n_expert > 0
+
+    def moe_layer(self, il: int) -> bool:
+        """Whether layer il's FFN is routed (a MoE model's leading dense layers are not)."""
+        return self.n_expert > 0 and il >= self.n_layer_dense_lead
 
     @property
     def n_embd_q(self) -> int:
@@ -221,13 +237,18 @@ def read_hparams(gf: GGUFFile) -> HParams:
     n_ff = _int(gf, f"{arch}.feed_forward_length", n_ff_default)
     rope = _rope_scaling(gf, arch)
     rope_scale = rope.pop("rope_scale")
+    n_layer = _int(gf, f"{arch}.block_count")
     moe = _moe_hparams(gf, arch, n_ff)
-    dense = _dense_family_hparams(gf, arch, _int(gf, f"{arch}.block_count"), n_embd, n_head, head_dim)
+    n_layer -= moe.get("n_layer_nextn", 0)
+    dense = _dense_family_hparams(gf, arch, n_layer, n_embd, n_head, head_dim)
+    if arch in OPTIONAL_ATTN_TENSORS:
+        qkv_bias = "blk.0.attn_q.bias" in gf.tensors
+        qk_norm = "blk.0.attn_q_norm.weight" in gf.tensors
     return HParams(
         arch=arch,
         n_vocab=int(n_vocab),
         n_embd=n_embd,
-        n_layer=_int(gf, f"{arch}.block_count"),
+        n_layer=n_layer,
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
@@ -309,15 +330,30 @@ def _moe_hparams(gf: GGUFFile, arch: str, n_ff: int) -> dict:
         raise ModelFileError(f"{gf.path}: expert_used_count {n_used} is above expert_count {n_expert}")
     if n_used > 64:
         raise ModelFileError(f"{gf.path}: expert_used_count {n_used} above 64 is not supported")
-    gating = gf.get(f"{arch}.expert_gating_func", EXPERT_GATING_SOFTMAX)
-    if gating != EXPERT_GATING_SOFTMAX:
-        raise ModelFileError(f"{gf.path}: expert_gating_func {gating!r} is not supported (only 1, softmax)")
+    default_gating = GATING_DEFAULT.get(arch, EXPERT_GATING_SOFTMAX)
+    gating = gf.get(f"{arch}.expert_gating_func", default_gating)
+    if gating == 0:  # llama.cpp's NONE: the architecture's own
+        gating = default_gating
+    if gating not in (EXPERT_GATING_SOFTMAX, EXPERT_GATING_SIGMOID) or isinstance(gating, bool):
+        raise ModelFileError(f"{gf.path}: expert_gating_func {gating!r} is not supported (1 softmax, 2 sigmoid)")
     norm = gf.get(f"{arch}.expert_weights_norm", MOE_NORM_DEFAULT[arch])
     if not isinstance(norm, bool):
         raise ModelFileError(f"{gf.path}: metadata key '{arch}.expert_weights_norm' must be a bool, got {norm!r}")
-    # Mixtral's experts are feed_forward_length wide; the Qwen MoE files give their own width
+    # Mixtral's experts are feed_forward_length wide; the Qwen and GLM MoE files give their own width
     n_ff_exp = n_ff if arch == "llama" else _int(gf, f"{arch}.expert_feed_forward_length")
     n_ff_shexp = _int(gf, f"{arch}.expert_shared_feed_forward_length", n_ff) if arch == "qwen2moe" else 0
+    extra: dict = {}
+    if arch == "glm4moe":
+        n_shared = gf.get("glm4moe.expert_shared_count", 0)
+        n_ff_shexp = n_ff_exp * _int(gf, "glm4moe.expert_shared_count") if n_shared else 0
+        n_layer = _int(gf, "glm4moe.block_count")
+        lead = gf.get("glm4moe.leading_dense_block_count", 0)
+        nextn = gf.get("glm4moe.nextn_predict_layers", 0)
+        for key, value in (("leading_dense_block_count", lead), ("nextn_predict_layers", nextn)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < n_layer:
+                raise ModelFileError(f"{gf.path}: metadata key 'glm4moe.{key}' must be an integer in 0..{n_layer - 1}, "
+                                     f"got {value!r}")
+        extra = dict(n_layer_dense_lead=lead, n_layer_nextn=nextn)
     return dict(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp,
-                expert_weights_norm=norm,
-                expert_weights_scale=_float(gf, f"{arch}.expert_weights_scale", 1.0))
+                expert_weights_norm=norm, expert_gating=gating,
+                expert_weights_scale=_float(gf, f"{arch}.expert_weights_scale", 1.0), **extra)

@@ -3,7 +3,7 @@
     python -m pyllama.models.make --preset tiny|small|medium|deep --out PATH [--vocab VOCAB.gguf]
         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|iq4_nl|iq4_xs|mxfp4
                 |q4_k_m|q5_k_m|iq4_nl_mix|iq4_xs_mix|mxfp4_moe]
-        [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3] [--tied|--untied]
+        [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3|glm4moe] [--tied|--untied]
         [--rope-scaling none|linear|yarn --rope-factor F] [--rope-freqs] [--n-rot N]
         [--sliding-window N] [--attn-softcap C] [--final-softcap C] [--longrope] [--output-bias]
         (FamilyOptions)
@@ -97,7 +97,7 @@ PRESETS: dict[str, Preset] = {
     # tiny's widths over 24 blocks: splits of 2, 3, 4, 6, 8 or 12 equal stages (bench/pipeline_sim.py)
     "deep": Preset(64, 24, 4, 2, 192, 512, 512, False),
 }
-ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "glm4moe")
 # Mixture-of-Experts shapes per preset: (experts, experts used per token, expert FFN width, shared
 # expert FFN width (qwen2moe only)). The small qwen3moe model's active FFN (3 x 256) is the small
 # dense preset's (768), which is what bench/bench_moe.py compares. Mixtral-style models (`mixtral`:
@@ -109,7 +109,13 @@ MOE_PRESETS: dict[str, tuple[int, int, int, int]] = {
     "small": (32, 3, 256, 512),
     "medium": (64, 8, 256, 1024),
 }
-MOE_ARCHS = ("qwen2moe", "qwen3moe", "mixtral")
+MOE_ARCHS = ("qwen2moe", "qwen3moe", "mixtral", "glm4moe")
+# glm4moe as GLM-4.5's converter writes it: a leading dense layer, one shared expert as wide as a
+# routed one, sigmoid routing with the expert bias exp_probs_b, normalized weights times the
+# routed scaling factor, q/k/v biases, RoPE on half of each head, and one NextN (multi-token
+# prediction) layer after the others, in the file but never computed
+GLM4MOE = {"leading_dense_block_count": 1, "expert_shared_count": 1, "expert_weights_scale": 2.5,
+           "nextn_predict_layers": 1}
 GGUF_ARCH = {"mixtral": "llama"}  # --arch -> general.architecture where they differ
 # --type -> (ggml type of the 2-D weights, general.file_type)
 WTYPES: dict[str, tuple[Q, LlamaFileType]] = {
@@ -140,8 +146,8 @@ K_QUANT_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5
                     Q.IQ4_XS: Q.IQ4_NL}
 ROPE_FREQ_BASE = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen2moe": 1000000.0,
                   "qwen3moe": 1000000.0, "mixtral": 1000000.0, "gemma2": 10000.0, "gemma3": 1000000.0,
-                  "phi3": 10000.0}
-QKV_BIAS_ARCHS = ("qwen2", "qwen2moe")
+                  "phi3": 10000.0, "glm4moe": 1000000.0}
+QKV_BIAS_ARCHS = ("qwen2", "qwen2moe", "glm4moe")
 QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3")
 GEMMA_ARCHS = ("gemma2", "gemma3")  # post-norms, always tied (llama.cpp reads no output.weight for them)
 UNTIED_ARCHS = ("qwen2moe",)  # llama.cpp's loader requires output.weight (no fallback to token_embd)
@@ -214,7 +220,8 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
         return TensorSpec(name, (n, rows, cols), "normal", gain / math.sqrt(cols))
 
     plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 2.5 / math.sqrt(e) if tied else 1.0)]
-    for i in range(p.n_layer):
+    n_blocks = p.n_layer + (GLM4MOE["nextn_predict_layers"] if arch == "glm4moe" else 0)
+    for i in range(n_blocks):
         b = f"blk.{i}."
         plan.append(TensorSpec(b + "attn_norm.weight", (e,), "norm"))
         if arch == "phi3":  # q|k|v fused in the file, and gate|up in ffn_up
@@ -239,6 +246,9 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
         plan.append(w(b + "attn_output.weight", e, nq, 0.5))
         if arch in GEMMA_ARCHS:
             plan.append(TensorSpec(b + "post_attention_norm.weight", (e,), "norm"))
+        if arch == "glm4moe":
+            plan.extend(_glm4moe_layer(p, i, b, w, experts))
+            continue
         plan.append(TensorSpec(b + "ffn_norm.weight", (e,), "norm"))
         if arch in MOE_ARCHS:
             n_exp, _, ff_exp, ff_sh = moe_shape(p, arch)
@@ -270,6 +280,28 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
     return plan
 
 
+def _glm4moe_layer(p: Preset, i: int, b: str, w, experts) -> list[TensorSpec]:
+    """Layer i of a glm4moe file after its attention: the FFN norm (post_attention_norm, GLM's
+    name), a dense FFN in the leading layers, else the router, the expert bias, the experts and
+    the shared expert; the NextN layer's own tensors on the last block."""
+    e = p.n_embd
+    out = [TensorSpec(b + "post_attention_norm.weight", (e,), "norm")]
+    if i < GLM4MOE["leading_dense_block_count"]:
+        return out + [w(b + "ffn_gate.weight", p.n_ff, e), w(b + "ffn_up.weight", p.n_ff, e),
+                      w(b + "ffn_down.weight", e, p.n_ff, 0.5)]
+    n_exp, _, ff_exp, ff_sh = moe_shape(p, "glm4moe")
+    out += [w(b + "ffn_gate_inp.weight", n_exp, e), TensorSpec(b + "exp_probs_b.bias", (n_exp,), "bias"),
+            experts(b + "ffn_gate_exps.weight", n_exp, ff_exp, e), experts(b + "ffn_up_exps.weight", n_exp, ff_exp, e),
+            experts(b + "ffn_down_exps.weight", n_exp, e, ff_exp, 0.5),
+            w(b + "ffn_gate_shexp.weight", ff_sh, e), w(b + "ffn_up_shexp.weight", ff_sh, e),
+            w(b + "ffn_down_shexp.weight", e, ff_sh, 0.5)]
+    if i >= p.n_layer:  # the NextN layer: these, and its block above, only predict further tokens
+        out += [w(b + "nextn.eh_proj.weight", e, 2 * e), TensorSpec(b + "nextn.enorm.weight", (e,), "norm"),
+                TensorSpec(b + "nextn.hnorm.weight", (e,), "norm"),
+                TensorSpec(b + "nextn.shared_head_norm.weight", (e,), "norm")]
+    return out
+
+
 def moe_shape(p: Preset, arch: str) -> tuple[int, int, int, int]:
     """(experts, used per token, expert FFN width, shared expert FFN width) of a MoE arch at a preset."""
     name = next(k for k, v in PRESETS.items() if v == p)
@@ -279,6 +311,8 @@ def moe_shape(p: Preset, arch: str) -> tuple[int, int, int, int]:
     n_exp, n_used, ff_exp, ff_sh = MOE_PRESETS[name]
     if arch == "mixtral":
         return n_exp, n_used, p.n_ff, 0
+    if arch == "glm4moe":
+        return n_exp, n_used, ff_exp, ff_exp * GLM4MOE["expert_shared_count"]
     return n_exp, n_used, ff_exp, ff_sh if arch == "qwen2moe" else 0
 
 
@@ -504,7 +538,7 @@ def _add_metadata(w: GGUFWriter, preset: str, p: Preset, arch_name: str, ftype: 
     w.add_uint32("general.quantization_version", QUANTIZATION_VERSION)
     w.add_uint32(f"{arch}.context_length", p.n_ctx)
     w.add_uint32(f"{arch}.embedding_length", p.n_embd)
-    w.add_uint32(f"{arch}.block_count", p.n_layer)
+    w.add_uint32(f"{arch}.block_count", p.n_layer + (GLM4MOE["nextn_predict_layers"] if arch == "glm4moe" else 0))
     w.add_uint32(f"{arch}.feed_forward_length", p.n_ff)
     w.add_uint32(f"{arch}.attention.head_count", p.n_head)
     w.add_uint32(f"{arch}.attention.head_count_kv", p.n_head_kv)
@@ -518,8 +552,14 @@ def _add_metadata(w: GGUFWriter, preset: str, p: Preset, arch_name: str, ftype: 
         w.add_uint32(f"{arch}.expert_used_count", n_used)
         if arch_name != "mixtral":
             w.add_uint32(f"{arch}.expert_feed_forward_length", ff_exp)
-        if ff_sh:
+        if ff_sh and arch_name == "qwen2moe":
             w.add_uint32(f"{arch}.expert_shared_feed_forward_length", ff_sh)
+        if arch_name == "glm4moe":
+            for key in ("leading_dense_block_count", "expert_shared_count", "nextn_predict_layers"):
+                w.add_uint32(f"{arch}.{key}", GLM4MOE[key])
+            w.add_float32(f"{arch}.expert_weights_scale", GLM4MOE["expert_weights_scale"])
+            w.add_bool(f"{arch}.expert_weights_norm", True)
+            w.add_uint32(f"{arch}.expert_gating_func", 2)  # sigmoid
     w.add_float32(f"{arch}.rope.freq_base", ROPE_FREQ_BASE[arch_name])
     w.add_uint32(f"{arch}.vocab_size", n_vocab)
     for key, value, vtype, sub in vocab_entries:
@@ -547,7 +587,7 @@ def _check_family(p: Preset, arch: str, opts: FamilyOptions) -> None:
 def _add_family_metadata(w: GGUFWriter, p: Preset, arch_name: str, opts: FamilyOptions) -> None:
     """RoPE dimensions and scaling, and the gemma keys, as llama.cpp's converters write them."""
     arch = GGUF_ARCH.get(arch_name, arch_name)
-    w.add_uint32(f"{arch}.rope.dimension_count", opts.n_rot or p.head_dim)
+    w.add_uint32(f"{arch}.rope.dimension_count", opts.n_rot or (p.head_dim // 2 if arch == "glm4moe" else p.head_dim))
     if opts.rope_scaling != "none":
         w.add_string(f"{arch}.rope.scaling.type", opts.rope_scaling)
         w.add_float32(f"{arch}.rope.scaling.factor", opts.rope_factor)

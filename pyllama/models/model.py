@@ -38,9 +38,9 @@ def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
             b + "attn_k.weight": (kv, e),
             b + "attn_v.weight": (kv, e),
             b + "attn_output.weight": (e, q),
-            b + "ffn_norm.weight": (e,),
+            b + ffn_norm_tensor(hp): (e,),
         })
-        shapes.update(_ffn_tensors(hp, b))
+        shapes.update(_ffn_tensors(hp, i))
         if hp.qkv_bias:
             shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
         if hp.qk_norm:
@@ -77,20 +77,31 @@ def _dense_family_weights(hp: HParams, out: dict[str, tuple[list[str], int]]) ->
     return out
 
 
-def _ffn_tensors(hp: HParams, b: str) -> dict[str, tuple[int, ...]]:
-    """A layer's FFN tensors: dense, or (MoE) the router, the 3-D expert tensors [n_expert, rows,
-    cols] and the shared expert with its gate where the architecture has one."""
-    e = hp.n_embd
-    if not hp.is_moe:
+def ffn_norm_tensor(hp: HParams) -> str:
+    """The file name of a layer's norm before the FFN (GLM's converter names it for the HF model's
+    post_attention_layernorm)."""
+    return "post_attention_norm.weight" if hp.arch == "glm4moe" else "ffn_norm.weight"
+
+
+def _ffn_tensors(hp: HParams, il: int) -> dict[str, tuple[int, ...]]:
+    """Layer il's FFN tensors: dense, or (MoE) the router, the 3-D expert tensors [n_expert, rows,
+    cols], the expert bias (glm4moe) and the shared expert with its gate where the architecture
+    has one."""
+    e, b = hp.n_embd, f"blk.{il}."
+    if not hp.moe_layer(il):
         return {b + "ffn_gate.weight": (hp.n_ff, e), b + "ffn_up.weight": (hp.n_ff, e),
                 b + "ffn_down.weight": (e, hp.n_ff)}
     x, f = hp.n_expert, hp.n_ff_exp
     out = {b + "ffn_gate_inp.weight": (x, e), b + "ffn_gate_exps.weight": (x, f, e),
            b + "ffn_up_exps.weight": (x, f, e), b + "ffn_down_exps.weight": (x, e, f)}
+    if hp.arch == "glm4moe":
+        out[b + "exp_probs_b.bias"] = (x,)
     if hp.n_ff_shexp:
         fs = hp.n_ff_shexp
-        out.update({b + "ffn_gate_inp_shexp.weight": (e,), b + "ffn_gate_shexp.weight": (fs, e),
-                    b + "ffn_up_shexp.weight": (fs, e), b + "ffn_down_shexp.weight": (e, fs)})
+        out.update({b + "ffn_gate_shexp.weight": (fs, e), b + "ffn_up_shexp.weight": (fs, e),
+                    b + "ffn_down_shexp.weight": (e, fs)})
+        if hp.arch == "qwen2moe":
+            out[b + "ffn_gate_inp_shexp.weight"] = (e,)
     return out
 
 
@@ -175,12 +186,15 @@ class Model:
                 out[b + "attn_q_norm"] = ([b + "attn_q_norm.weight"], i)
                 out[b + "attn_k_norm"] = ([b + "attn_k_norm.weight"], i)
             out[b + "attn_output"] = ([b + "attn_output.weight"], i)
-            out[b + "ffn_norm"] = ([b + "ffn_norm.weight"], i)
-            if hp.is_moe:  # expert tensors stay whole (3-D), each one file tensor, used in place
+            out[b + "ffn_norm"] = ([b + ffn_norm_tensor(hp)], i)
+            if hp.moe_layer(i):  # expert tensors stay whole (3-D), each one file tensor, used in place
                 for name in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
                     out[b + name] = ([b + name + ".weight"], i)
+                if hp.arch == "glm4moe":
+                    out[b + "exp_probs_b"] = ([b + "exp_probs_b.bias"], i)
                 if hp.n_ff_shexp:
-                    out[b + "ffn_gate_inp_shexp"] = ([b + "ffn_gate_inp_shexp.weight"], i)
+                    if hp.arch == "qwen2moe":
+                        out[b + "ffn_gate_inp_shexp"] = ([b + "ffn_gate_inp_shexp.weight"], i)
                     out[b + "ffn_gate_up_shexp"] = ([b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight"], i)
                     out[b + "ffn_down_shexp"] = ([b + "ffn_down_shexp.weight"], i)
             else:

@@ -1,5 +1,5 @@
-"""The llama-family forward graph (llama, qwen2, qwen3, and their MoE forms: models/build/moe.py; the dense
-gemma2, gemma3 and phi3, and RoPE scaling: docs/engine.md) for one micro-batch.
+"""The llama-family forward graph (llama, qwen2, qwen3, and their MoE forms: models/build/moe.py; glm4moe;
+the dense gemma2, gemma3 and phi3, and RoPE scaling: docs/engine.md) for one micro-batch.
 
 The graph is built device-agnostic: nodes carry their layer, and the scheduler decides which
 backend runs them and where the hidden state crosses devices.
@@ -107,7 +107,7 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
                     params=(hp.rms_eps,), layer=il)
         x1 = add(Op.ADD, (rows, e), f"ffn_inp-{il}", o, x, layer=il)
         h2 = add(Op.RMS_NORM, (rows, e), f"ffn_norm-{il}", x1, w[b + "ffn_norm"], params=(hp.rms_eps,), layer=il)
-        if hp.is_moe:
+        if hp.moe_layer(il):
             d = build_moe_ffn(add, mul_mat, hp, w, il, h2)
         else:
             gu = mul_mat((rows, 2 * hp.n_ff), f"ffn_gate_up-{il}", h2, w[b + "ffn_gate_up"], layer=il)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from ..hparams import HParams
-from ...ir.tensor import Op, Tensor
+from ...ir.tensor import MoeParams, Op, Tensor
 
 if TYPE_CHECKING:  # the loader builds a graph to check a placement, so it imports this module
     from ..weights import Weights
@@ -33,10 +33,12 @@ def build_moe_ffn(add: Callable[..., Tensor], mul_mat: Callable[..., Tensor], hp
         gu = mul_mat((rows, 2 * hp.n_ff_shexp), f"ffn_gate_up_shexp-{il}", h, w[b + "ffn_gate_up_shexp"], layer=il)
         s = add(Op.SWIGLU, (rows, hp.n_ff_shexp), f"ffn_swiglu_shexp-{il}", gu, layer=il)
         shexp = mul_mat((rows, e), f"ffn_shexp-{il}", s, w[b + "ffn_down_shexp"], layer=il)
-        shexp_gate = w[b + "ffn_gate_inp_shexp"]
-    params = (hp.n_expert_used, 1 if hp.expert_weights_norm else 0, hp.expert_weights_scale)
+        shexp_gate = w.get(b + "ffn_gate_inp_shexp")
+    probs_b = w.get(b + "exp_probs_b")
+    params = MoeParams(hp.n_expert_used, 1 if hp.expert_weights_norm else 0, hp.expert_weights_scale,
+                       hp.expert_gating, 1 if probs_b is not None else 0).params()
     return add(Op.MOE_FFN, (rows, e), f"ffn_moe_out-{il}", h, w[b + "ffn_gate_inp"], w[b + "ffn_gate_exps"],
-               w[b + "ffn_up_exps"], w[b + "ffn_down_exps"], shexp, shexp_gate, params=params, layer=il)
+               w[b + "ffn_up_exps"], w[b + "ffn_down_exps"], shexp, shexp_gate, probs_b, params=params, layer=il)
 
 
 __all__ = ["build_moe_ffn"]

@@ -242,7 +242,7 @@ def rope_frequencies(meta: dict, W: dict, arch: str, n_rot: int, base: float,
     return inv_freq, attn * (0.1 * np.log(factor) + 1.0)
 
 
-DENSE_FAMILIES = ("gemma2", "gemma3", "phi3")
+DENSE_FAMILIES = ("gemma2", "gemma3", "phi3", "glm4")
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -268,12 +268,16 @@ def _shape(meta: dict) -> tuple:
 
 
 def _dense_family_hidden(model_path: str, tokens: list[int], n_ctx_seq: int = 0) -> tuple[np.ndarray, dict, dict]:
-    """Gemma2 / Gemma3 / Phi3 as transformers' modeling_gemma2, modeling_gemma3 (text model) and
-    modeling_phi3 define them, with the hyper-parameters llama.cpp derives from GGUF metadata."""
+    """Gemma2 / Gemma3 / Phi3 / GLM-4 as transformers' modeling_gemma2, modeling_gemma3 (text
+    model), modeling_phi3 and modeling_glm4 define them, with the hyper-parameters llama.cpp
+    derives from GGUF metadata (GLM-4: post-norms as gemma's but plain RMS norms, interleaved
+    RoPE on the first rope.dimension_count dimensions, gate|up fused as phi3's)."""
     meta, W = load_model(model_path)
     arch, n_layer, n_head, n_kv, eps, base, e, hd, n_rot = _shape(meta)
-    gemma = arch != "phi3"
+    gemma = arch in ("gemma2", "gemma3")
+    post_norms = gemma or arch == "glm4"
     n = len(tokens)
+    n_layer -= int(meta.get(f"{arch}.nextn_predict_layers", 0))
     norm = (lambda x, w: gemma_rmsnorm(x, w, eps)) if gemma else (lambda x, w: rmsnorm(x, eps) * w)
 
     # query_pre_attn_scalar: n_embd / n_head for the 27B models, else head_dim (gemma_pytorch)
@@ -299,11 +303,11 @@ def _dense_family_hidden(model_path: str, tokens: list[int], n_ctx_seq: int = 0)
         if sliding[i]:
             masked = masked | (qpos - kpos >= window)
         h = norm(x, W[p + "attn_norm.weight"])
-        if arch == "phi3":
-            qkv = matmul(h, W[p + "attn_qkv.weight"])
+        if p + "attn_qkv.weight" in W:
+            qkv = matmul(h, W[p + "attn_qkv.weight"]) + W.get(p + "attn_qkv.bias", 0.0)
             q, k, v = np.split(qkv, [n_head * hd, (n_head + n_kv) * hd], axis=1)
         else:
-            q, k, v = (matmul(h, W[p + f"attn_{c}.weight"]) for c in "qkv")
+            q, k, v = (matmul(h, W[p + f"attn_{c}.weight"]) + W.get(p + f"attn_{c}.bias", 0.0) for c in "qkv")
         q, k, v = q.reshape(n, n_head, hd), k.reshape(n, n_kv, hd), v.reshape(n, n_kv, hd)
         if arch == "gemma3":
             q, k = norm(q, W[p + "attn_q_norm.weight"]), norm(k, W[p + "attn_k_norm.weight"])
@@ -311,7 +315,8 @@ def _dense_family_hidden(model_path: str, tokens: list[int], n_ctx_seq: int = 0)
             inv_freq, mscale = 1.0 / 10000.0 ** (np.arange(0, n_rot, 2) / n_rot), 1.0
         else:
             inv_freq, mscale = rope_frequencies(meta, W, arch, n_rot, base, n_ctx_seq)
-        q, k = rope(q, base, n_rot, True, inv_freq, mscale), rope(k, base, n_rot, True, inv_freq, mscale)
+        neox = arch != "glm4"
+        q, k = rope(q, base, n_rot, neox, inv_freq, mscale), rope(k, base, n_rot, neox, inv_freq, mscale)
         att = np.empty((n, n_head, hd))
         for hq in range(n_head):
             hk = hq // (n_head // n_kv)
@@ -323,13 +328,15 @@ def _dense_family_hidden(model_path: str, tokens: list[int], n_ctx_seq: int = 0)
             probs /= probs.sum(axis=1, keepdims=True)
             att[:, hq] = probs @ v[:, hk]
         o = matmul(att.reshape(n, n_head * hd), W[p + "attn_output.weight"])
-        if gemma:
+        if post_norms:
             o = norm(o, W[p + "post_attention_norm.weight"])
         x = x + o
         h = norm(x, W[p + "ffn_norm.weight"])
-        if arch == "phi3":
+        if arch in ("phi3", "glm4"):
             gate, up = np.split(matmul(h, W[p + "ffn_up.weight"]), 2, axis=1)
             f = matmul(up * silu(gate), W[p + "ffn_down.weight"])
+            if post_norms:
+                f = norm(f, W[p + "post_ffw_norm.weight"])
         else:
             f = matmul(gelu_tanh(matmul(h, W[p + "ffn_gate.weight"])) * matmul(h, W[p + "ffn_up.weight"]),
                        W[p + "ffn_down.weight"])

@@ -1,4 +1,4 @@
-"""The dense families (gemma2, gemma3, phi3) and RoPE scaling (linear, YaRN, llama3's rope_freqs):
+"""The dense families (gemma2, gemma3, phi3, glm4) and RoPE scaling (linear, YaRN, llama3's rope_freqs):
 greedy tokens and logits against the float64 reference written from the published model
 definitions, each feature shown to matter (a sliding window limits attention, each scaling moves
 the logits), identical tokens locally, over RPC0,CPU and in 2 pipeline groups, and a device
@@ -41,6 +41,7 @@ CASES = {
     "qwen2-yarn": ("qwen2", FamilyOptions(rope_scaling="yarn", rope_factor=8.0)),
     "phi3-longrope": ("phi3", FamilyOptions(longrope=True, output_bias=True)),
     "qwen2-output-bias": ("qwen2", FamilyOptions(output_bias=True)),
+    "glm4": ("glm4", FamilyOptions()),
 }
 
 
@@ -198,7 +199,7 @@ def test_a_device_without_the_ops_is_refused_at_load(make, name):
     load_weights(plain, Placement([_NoFamilyOps(1, name="NOOPS")], [0, 0]), upload=False)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3-linear", "phi3-partial", "llama-yarn", "phi3-longrope"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3-linear", "phi3-partial", "llama-yarn", "phi3-longrope", "glm4"])
 def test_tokens_identical_local_rpc_and_pipeline_groups(make, rpc_peer, name):
     model = make(name)
     local = generated_tokens(model, PROMPT, 12)

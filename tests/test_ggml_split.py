@@ -31,7 +31,8 @@ def _generate(model: str, *extra: str, prompt: str = PROMPT, n: int = 10) -> lis
 @pytest.mark.parametrize("arch,wtype", [("llama", "f32"), ("llama", "q8_0"), ("qwen2", "f16"), ("qwen3", "q4_0"),
                                         ("gemma2", "f32"), ("gemma3", "f32"), ("phi3", "q8_0"),
                                         ("qwen2moe", "f32"), ("qwen3moe", "q8_0"), ("mixtral", "f32"),
-                                        ("llama", "iq4_nl"), ("qwen3moe", "mxfp4"), ("glm4moe", "f32")])
+                                        ("llama", "iq4_nl"), ("qwen3moe", "mxfp4"), ("glm4moe", "f32"),
+                                        ("glm4", "f32")])
 def test_greedy_tokens_over_a_ggml_peer_equal_the_unsplit_run(model_factory, arch, wtype):
     # Mixture-of-Experts layers are lowered as llama.cpp builds them (ARGSORT top-k, MUL_MAT_ID,
     # the weights' sum and scale), qwen2moe's sigmoid-gated shared expert included

@@ -25,9 +25,14 @@ ARCHITECTURES = {
     # q/k/v biases and per-head q/k norms where its file has them (GLM-4.5 has the biases, the
     # 355B model the norms too)
     "glm4moe": (ROPE_NEOX, False, False),
+    # GLM-4-0414 (dense): normal-mode RoPE on part of the head, post-norms, gate|up fused in ffn_up
+    "glm4": (ROPE_NORMAL, False, False),
 }
 # architectures whose q/k/v biases and q/k norms are optional: present where the file has them
-OPTIONAL_ATTN_TENSORS = ("glm4moe",)
+OPTIONAL_ATTN_TENSORS = ("glm4moe", "glm4")
+# architectures whose last `nextn_predict_layers` blocks only predict further tokens (multi-token
+# prediction): in the file, never computed, as llama.cpp skips them
+NEXTN_ARCHS = ("glm4moe", "glm4")
 GEMMA_ARCHS = ("gemma2", "gemma3")
 # the RoPE scaling types of `{arch}.rope.scaling.type` (llama.cpp's names); llama3's per-dimension
 # factors come as the tensor rope_freqs.weight instead, with any of them
@@ -90,7 +95,8 @@ class HParams:
     attn_softcap: float = 0.0     # gemma2's attention logit soft-cap (0: none)
     final_softcap: float = 0.0    # gemma2's final logit soft-cap (0: none)
     embd_scale: float = 0.0       # the input embeddings' factor (gemma: sqrt(n_embd); 0: none)
-    post_norms: bool = False      # gemma2/3: RMS norms after attention and after the FFN
+    post_norms: bool = False      # gemma2/3, glm4: RMS norms after attention and after the FFN
+    qkv_fused: bool = False       # q|k|v in the file as one attn_qkv tensor (phi3; glm4 where so written)
     ffn_gelu: bool = False        # gemma: GeGLU (gelu tanh) instead of SwiGLU
 
     @property
@@ -134,6 +140,14 @@ def _int(gf: GGUFFile, key: str, default: int | None = None) -> int:
         value = value[0]
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ModelFileError(f"{gf.path}: metadata key '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _layer_count(gf: GGUFFile, key: str, n_layer: int) -> int:
+    """A count of layers (0 when the key is absent) below the block count."""
+    value = gf.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < n_layer:
+        raise ModelFileError(f"{gf.path}: metadata key '{key}' must be an integer in 0..{n_layer - 1}, got {value!r}")
     return value
 
 
@@ -239,10 +253,12 @@ def read_hparams(gf: GGUFFile) -> HParams:
     rope_scale = rope.pop("rope_scale")
     n_layer = _int(gf, f"{arch}.block_count")
     moe = _moe_hparams(gf, arch, n_ff)
-    n_layer -= moe.get("n_layer_nextn", 0)
+    n_layer_nextn = _layer_count(gf, f"{arch}.nextn_predict_layers", n_layer) if arch in NEXTN_ARCHS else 0
+    n_layer -= n_layer_nextn
     dense = _dense_family_hparams(gf, arch, n_layer, n_embd, n_head, head_dim)
+    qkv_fused = arch == "phi3" or (arch == "glm4" and "blk.0.attn_qkv.weight" in gf.tensors)
     if arch in OPTIONAL_ATTN_TENSORS:
-        qkv_bias = "blk.0.attn_q.bias" in gf.tensors
+        qkv_bias = f"blk.0.attn_{'qkv' if qkv_fused else 'q'}.bias" in gf.tensors
         qk_norm = "blk.0.attn_q_norm.weight" in gf.tensors
     return HParams(
         arch=arch,
@@ -261,6 +277,8 @@ def read_hparams(gf: GGUFFile) -> HParams:
         rope_mode=rope_mode,
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
+        qkv_fused=qkv_fused,
+        n_layer_nextn=n_layer_nextn,
         **moe,
         **rope,
         **dense,
@@ -294,8 +312,10 @@ def _rope_scaling(gf: GGUFFile, arch: str) -> dict:
 
 
 def _dense_family_hparams(gf: GGUFFile, arch: str, n_layer: int, n_embd: int, n_head: int, head_dim: int) -> dict:
-    """The gemma2 / gemma3 fields of HParams, as llama.cpp sets them (phi3: none, as llama.cpp,
-    which ignores phi3's sliding_window key); empty for the other architectures."""
+    """The gemma2 / gemma3 / glm4 fields of HParams, as llama.cpp sets them (phi3: none, as
+    llama.cpp, which ignores phi3's sliding_window key); empty for the other architectures."""
+    if arch == "glm4":
+        return dict(post_norms=True)
     if arch not in GEMMA_ARCHS:
         return {}
     # the query scale of gemma_pytorch's config: 1 / sqrt(n_embd / n_head) for the 27B models
@@ -346,14 +366,8 @@ def _moe_hparams(gf: GGUFFile, arch: str, n_ff: int) -> dict:
     if arch == "glm4moe":
         n_shared = gf.get("glm4moe.expert_shared_count", 0)
         n_ff_shexp = n_ff_exp * _int(gf, "glm4moe.expert_shared_count") if n_shared else 0
-        n_layer = _int(gf, "glm4moe.block_count")
-        lead = gf.get("glm4moe.leading_dense_block_count", 0)
-        nextn = gf.get("glm4moe.nextn_predict_layers", 0)
-        for key, value in (("leading_dense_block_count", lead), ("nextn_predict_layers", nextn)):
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < n_layer:
-                raise ModelFileError(f"{gf.path}: metadata key 'glm4moe.{key}' must be an integer in 0..{n_layer - 1}, "
-                                     f"got {value!r}")
-        extra = dict(n_layer_dense_lead=lead, n_layer_nextn=nextn)
+        extra = dict(n_layer_dense_lead=_layer_count(gf, "glm4moe.leading_dense_block_count",
+                                                     _int(gf, "glm4moe.block_count")))
     return dict(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp,
                 expert_weights_norm=norm, expert_gating=gating,
                 expert_weights_scale=_float(gf, f"{arch}.expert_weights_scale", 1.0), **extra)

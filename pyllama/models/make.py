@@ -3,7 +3,8 @@
     python -m pyllama.models.make --preset tiny|small|medium|deep --out PATH [--vocab VOCAB.gguf]
         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|iq4_nl|iq4_xs|mxfp4
                 |q4_k_m|q5_k_m|iq4_nl_mix|iq4_xs_mix|mxfp4_moe]
-        [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3|glm4moe] [--tied|--untied]
+        [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3|glm4|glm4moe]
+        [--tied|--untied]
         [--rope-scaling none|linear|yarn --rope-factor F] [--rope-freqs] [--n-rot N]
         [--sliding-window N] [--attn-softcap C] [--final-softcap C] [--longrope] [--output-bias]
         (FamilyOptions)
@@ -97,7 +98,9 @@ PRESETS: dict[str, Preset] = {
     # tiny's widths over 24 blocks: splits of 2, 3, 4, 6, 8 or 12 equal stages (bench/pipeline_sim.py)
     "deep": Preset(64, 24, 4, 2, 192, 512, 512, False),
 }
-ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "glm4moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "glm4",
+         "glm4moe")
+PARTIAL_ROPE_ARCHS = ("glm4", "glm4moe")  # RoPE on half of each head, as GLM's files have it
 # Mixture-of-Experts shapes per preset: (experts, experts used per token, expert FFN width, shared
 # expert FFN width (qwen2moe only)). The small qwen3moe model's active FFN (3 x 256) is the small
 # dense preset's (768), which is what bench/bench_moe.py compares. Mixtral-style models (`mixtral`:
@@ -146,8 +149,8 @@ K_QUANT_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5
                     Q.IQ4_XS: Q.IQ4_NL}
 ROPE_FREQ_BASE = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen2moe": 1000000.0,
                   "qwen3moe": 1000000.0, "mixtral": 1000000.0, "gemma2": 10000.0, "gemma3": 1000000.0,
-                  "phi3": 10000.0, "glm4moe": 1000000.0}
-QKV_BIAS_ARCHS = ("qwen2", "qwen2moe", "glm4moe")
+                  "phi3": 10000.0, "glm4": 10000.0, "glm4moe": 1000000.0}
+QKV_BIAS_ARCHS = ("qwen2", "qwen2moe", "glm4", "glm4moe")
 QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3")
 GEMMA_ARCHS = ("gemma2", "gemma3")  # post-norms, always tied (llama.cpp reads no output.weight for them)
 UNTIED_ARCHS = ("qwen2moe",)  # llama.cpp's loader requires output.weight (no fallback to token_embd)
@@ -244,8 +247,12 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
             plan.append(TensorSpec(b + "attn_q_norm.weight", (hd,), "norm"))
             plan.append(TensorSpec(b + "attn_k_norm.weight", (hd,), "norm"))
         plan.append(w(b + "attn_output.weight", e, nq, 0.5))
-        if arch in GEMMA_ARCHS:
+        if arch in GEMMA_ARCHS or arch == "glm4":
             plan.append(TensorSpec(b + "post_attention_norm.weight", (e,), "norm"))
+        if arch == "glm4":  # gate|up fused in ffn_up, and a norm after the FFN
+            plan += [TensorSpec(b + "ffn_norm.weight", (e,), "norm"), w(b + "ffn_up.weight", 2 * ff, e),
+                     w(b + "ffn_down.weight", e, ff, 0.5), TensorSpec(b + "post_ffw_norm.weight", (e,), "norm")]
+            continue
         if arch == "glm4moe":
             plan.extend(_glm4moe_layer(p, i, b, w, experts))
             continue
@@ -587,7 +594,8 @@ def _check_family(p: Preset, arch: str, opts: FamilyOptions) -> None:
 def _add_family_metadata(w: GGUFWriter, p: Preset, arch_name: str, opts: FamilyOptions) -> None:
     """RoPE dimensions and scaling, and the gemma keys, as llama.cpp's converters write them."""
     arch = GGUF_ARCH.get(arch_name, arch_name)
-    w.add_uint32(f"{arch}.rope.dimension_count", opts.n_rot or (p.head_dim // 2 if arch == "glm4moe" else p.head_dim))
+    w.add_uint32(f"{arch}.rope.dimension_count",
+                 opts.n_rot or (p.head_dim // 2 if arch in PARTIAL_ROPE_ARCHS else p.head_dim))
     if opts.rope_scaling != "none":
         w.add_string(f"{arch}.rope.scaling.type", opts.rope_scaling)
         w.add_float32(f"{arch}.rope.scaling.factor", opts.rope_factor)

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 SUPPORTED_TYPES = WEIGHT_TYPES  # the types a model's tensors may have (not the grid IQ types, not TQ*)
 # architectures whose llama.cpp graph adds an output.bias [n_vocab] to the logits where the file has one
 OUTPUT_BIAS_ARCHS = ("qwen2", "phi3")
+# architectures whose gate|up come fused in the file's ffn_up [2 n_ff, n_embd], gate first
+FUSED_FFN_ARCHS = ("phi3", "glm4")
 
 
 def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
@@ -49,14 +51,22 @@ def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
 
 
 def _dense_family_tensors(hp: HParams, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """phi3's fused tensors (q|k|v in attn_qkv, gate|up in ffn_up) and gemma's post-norms."""
+    """The fused file tensors (q|k|v in attn_qkv: phi3, some glm4 files; gate|up in ffn_up: phi3,
+    glm4) and the post-norms (gemma, glm4)."""
     e, ff = hp.n_embd, hp.n_ff
     for i in range(hp.n_layer):
         b = f"blk.{i}."
-        if hp.arch == "phi3":
-            for name in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"):
+        if hp.qkv_fused:
+            for name in ("attn_q", "attn_k", "attn_v"):
                 shapes.pop(b + name + ".weight")
+                if hp.qkv_bias:
+                    shapes.pop(b + name + ".bias")
             shapes[b + "attn_qkv.weight"] = (hp.n_embd_q + 2 * hp.n_embd_kv, e)
+            if hp.qkv_bias:
+                shapes[b + "attn_qkv.bias"] = (hp.n_embd_q + 2 * hp.n_embd_kv,)
+        if hp.arch in FUSED_FFN_ARCHS:
+            for name in ("ffn_gate", "ffn_up"):
+                shapes.pop(b + name + ".weight")
             shapes[b + "ffn_up.weight"] = (2 * ff, e)
         if hp.post_norms:
             shapes[b + "post_attention_norm.weight"] = (e,)
@@ -65,11 +75,14 @@ def _dense_family_tensors(hp: HParams, shapes: dict[str, tuple[int, ...]]) -> di
 
 
 def _dense_family_weights(hp: HParams, out: dict[str, tuple[list[str], int]]) -> dict[str, tuple[list[str], int]]:
-    """logical_weights' entries for phi3's fused file tensors and gemma's post-norms."""
+    """logical_weights' entries for the fused file tensors and the post-norms."""
     for i in range(hp.n_layer):
         b = f"blk.{i}."
-        if hp.arch == "phi3":  # already fused in the file, in the graph's row order
+        if hp.qkv_fused:  # already fused in the file, in the graph's row order
             out[b + "attn_qkv"] = ([b + "attn_qkv.weight"], i)
+            if hp.qkv_bias:
+                out[b + "attn_qkv_bias"] = ([b + "attn_qkv.bias"], i)
+        if hp.arch in FUSED_FFN_ARCHS:
             out[b + "ffn_gate_up"] = ([b + "ffn_up.weight"], i)
         if hp.post_norms:
             out[b + "attn_post_norm"] = ([b + "post_attention_norm.weight"], i)

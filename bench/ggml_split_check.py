@@ -78,6 +78,8 @@ def main() -> int:
                     "'-ctk q8_0 -ctv q8_0'")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--margin", type=float, default=0.05)
+    ap.add_argument("--unsplit", action="store_true", help="no peer: pyllama's server against llama-server, both "
+                    "on this CPU (architectures the lowering lacks, deepseek2's latent attention)")
     a = ap.parse_args()
     peers = Peers.find(a.peers) if a.peers else None
     if peers is None:
@@ -95,6 +97,9 @@ def main() -> int:
     bad = False
     for qtype in [t for t in a.types.split(",") if t]:
         model = src if qtype == "f32" else quantized(peers, src, qtype, tag)
+        if a.unsplit:
+            bad |= unsplit_only(peers, model, qtype, a)
+            continue
         fleet = [GgmlRpcPeer(peers, 1) for _ in range(a.n_peers)]
         rpc = ",".join(p.endpoint for p in fleet)
         try:
@@ -130,6 +135,30 @@ def main() -> int:
             print(f"   {p!r}: split {n}/{len(r)} steps agree, max |dlogprob| {worst:.2e}; unsplit {nu}/{len(r)}, "
                   f"{worst_u:.2e}  {where}  {verdict}")
     return 1 if bad else 0
+
+
+def unsplit_only(peers, model: str, qtype: str, a) -> bool:
+    """pyllama unsplit against llama-server unsplit, the same flags; True where a difference comes
+    at a clear margin."""
+    flags = ["-t", "1", "-np", "1", "-c", "1024", *a.both_args.split()]
+    llama = LlamaServer(peers, model, flags, 300)
+    try:
+        ref = [steps_of(llama.url, p, a.steps, 2) for p in PROMPTS]
+    finally:
+        llama.stop()
+    ours = ServerProcess(model, *flags, *a.pyllama_args.split()).wait_ready(300)
+    try:
+        got = [steps_of(ours.url, p, a.steps, 2) for p in PROMPTS]
+    finally:
+        ours.stop()
+    print(f"== {qtype} ({os.path.basename(model)}) unsplit, both on this CPU")
+    bad = False
+    for p, r, g in zip(PROMPTS, ref, got):
+        n, where, worst, tie = compare(r, g, a.margin)
+        bad |= bool(where) and not tie
+        print(f"   {p!r}: {n}/{len(r)} steps agree, max |dlogprob| {worst:.2e}  {where}  "
+              f"{'ok' if not where or tie else 'DIFFERS at a clear margin'}")
+    return bad
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """An independent float64 reference forward pass of the llama family (llama, qwen2, qwen3, and the
-Mixture-of-Experts qwen2moe, qwen3moe, Mixtral-style llama and glm4moe).
+Mixture-of-Experts qwen2moe, qwen3moe, Mixtral-style llama, glm4moe and deepseek2).
 
 Test helper, not a test: `reference_logits(model_path, tokens)` reads the GGUF file with
 `gguf.GGUFReader` and `gguf.quants.dequantize` (not pyllama's loader) and runs one sequence at
@@ -131,7 +131,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 # Whether the chosen experts' routing weights are renormalized to sum 1 when the file does not say
 # (`{arch}.expert_weights_norm`): Qwen2MoE's norm_topk_prob is false by default, the Qwen3-MoE
 # models set it, and Mixtral always renormalizes.
-MOE_NORM_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "llama": True, "glm4moe": False}
+MOE_NORM_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "llama": True, "glm4moe": False, "deepseek2": False}
 
 
 def _expert(x: np.ndarray, w: np.ndarray, e: int) -> np.ndarray:
@@ -150,8 +150,8 @@ def moe_ffn(h: np.ndarray, W: dict, p: str, meta: dict, arch: str) -> np.ndarray
     correction bias (exp_probs_b) but weighted by the score alone, normalized when the model says
     so, times routed_scaling_factor (expert_weights_scale); its shared expert is not gated."""
     k = meta[f"{arch}.expert_used_count"]
-    if arch == "glm4moe":
-        return _glm4moe_ffn(h, W, p, meta, k)
+    if arch in ("glm4moe", "deepseek2"):
+        return _glm4moe_ffn(h, W, p, meta, k, arch)
     norm = meta.get(f"{arch}.expert_weights_norm", MOE_NORM_DEFAULT[arch])
     scale = float(meta.get(f"{arch}.expert_weights_scale", 1.0))
     probs = matmul(h, W[p + "ffn_gate_inp.weight"])
@@ -175,11 +175,30 @@ def moe_ffn(h: np.ndarray, W: dict, p: str, meta: dict, arch: str) -> np.ndarray
     return out
 
 
-def _glm4moe_ffn(h: np.ndarray, W: dict, p: str, meta: dict, k: int) -> np.ndarray:
-    norm = bool(meta.get("glm4moe.expert_weights_norm", MOE_NORM_DEFAULT["glm4moe"]))
-    scale = float(meta.get("glm4moe.expert_weights_scale", 1.0))
-    scores = 1.0 / (1.0 + np.exp(-matmul(h, W[p + "ffn_gate_inp.weight"])))
-    choice = scores + np.asarray(W[p + "exp_probs_b.bias"], dtype=np.float64)
+def _glm4moe_ffn(h: np.ndarray, W: dict, p: str, meta: dict, k: int, arch: str = "glm4moe") -> np.ndarray:
+    """GLM-4.5's and DeepSeek V3's MoE (transformers' Glm4MoeMoE / DeepseekV3MoE): sigmoid scores,
+    the choice by score + e_score_correction_bias, DeepSeek's within the topk_group groups whose
+    two best (biased) scores sum highest, weights the plain scores."""
+    norm = bool(meta.get(f"{arch}.expert_weights_norm", MOE_NORM_DEFAULT[arch]))
+    scale = float(meta.get(f"{arch}.expert_weights_scale", 1.0))
+    logits = matmul(h, W[p + "ffn_gate_inp.weight"])
+    if int(meta.get(f"{arch}.expert_gating_func", 2)) == 2:
+        scores = 1.0 / (1.0 + np.exp(-logits))
+    else:
+        scores = np.exp(logits - logits.max(axis=1, keepdims=True))
+        scores /= scores.sum(axis=1, keepdims=True)
+    choice = scores + np.asarray(W.get(p + "exp_probs_b.bias", 0.0), dtype=np.float64)
+    groups = int(meta.get(f"{arch}.expert_group_count", 1) or 1)
+    if groups > 1:
+        used = int(meta[f"{arch}.expert_group_used_count"])
+        g = choice.reshape(choice.shape[0], groups, -1)
+        top2 = np.sort(g, axis=2)[:, :, -2:].sum(axis=2)
+        for t in range(choice.shape[0]):
+            keep = sorted(range(groups), key=lambda j: (-top2[t, j], j))[:used]
+            for j in range(groups):
+                if j not in keep:
+                    g[t, j] = -np.inf
+        choice = g.reshape(choice.shape)
     out = np.zeros_like(h)
     for t in range(h.shape[0]):
         chosen = sorted(range(scores.shape[1]), key=lambda e: (-choice[t, e], e))[:k]
@@ -360,6 +379,51 @@ def reference_logits(model_path: str, tokens: list[int], n_ctx_seq: int = 0) -> 
     return logits + np.asarray(W["output.bias"], dtype=np.float64) if "output.bias" in W else logits
 
 
+def _deepseek2_hidden(meta: dict, W: dict, tokens: list[int], n_layer: int, eps: float) -> tuple[np.ndarray, dict]:
+    """DeepSeek V2/V3 as transformers' DeepseekV3Attention computes it, without absorbing anything:
+    per head, keys [k_b^T c, k_pe] and values v_b c from each token's latent c (RMS-normed), the
+    query [q_nope, q_pe] from the low-rank query path, RoPE on the rope parts (adjacent pairs, as
+    llama.cpp's converter lays them out), scores over sqrt(nope + rope); then the MoE FFN."""
+    n, H = len(tokens), meta["deepseek2.attention.head_count"]
+    lora = meta["deepseek2.attention.kv_lora_rank"]
+    rope_d = meta["deepseek2.rope.dimension_count"]
+    nope = meta["deepseek2.attention.key_length_mla"] - rope_d
+    base = float(meta.get("deepseek2.rope.freq_base", 10000.0))
+    x = np.asarray(W["token_embd.weight"])[np.asarray(tokens)]
+    causal = np.triu(np.ones((n, n), dtype=bool), k=1)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        h = rmsnorm(x, eps) * W[p + "attn_norm.weight"]
+        if p + "attn_q_a.weight" in W:
+            q = matmul(rmsnorm(matmul(h, W[p + "attn_q_a.weight"]), eps) * W[p + "attn_q_a_norm.weight"],
+                       W[p + "attn_q_b.weight"])
+        else:
+            q = matmul(h, W[p + "attn_q.weight"])
+        q = q.reshape(n, H, nope + rope_d)
+        kv = matmul(h, W[p + "attn_kv_a_mqa.weight"])
+        c = rmsnorm(kv[:, :lora], eps) * W[p + "attn_kv_a_norm.weight"]          # [n, lora]
+        k_pe = rope(kv[:, None, lora:], base, rope_d, False)[:, 0]                  # [n, rope]
+        q_pe = rope(q[:, :, nope:], base, rope_d, False)
+        k_b, v_b = np.asarray(W[p + "attn_k_b.weight"]), np.asarray(W[p + "attn_v_b.weight"])
+        att = []
+        for hq in range(H):
+            keys = np.concatenate([c @ k_b[hq], k_pe], axis=1)                      # [n, nope + rope]
+            query = np.concatenate([q[:, hq, :nope], q_pe[:, hq]], axis=1)
+            scores = query @ keys.T / np.sqrt(nope + rope_d)
+            scores[causal] = -np.inf
+            probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+            probs /= probs.sum(axis=1, keepdims=True)
+            att.append(probs @ (c @ v_b[hq].T))                                       # [n, v]
+        x = x + matmul(np.concatenate(att, axis=1), W[p + "attn_output.weight"])
+        h = rmsnorm(x, eps) * W[p + "ffn_norm.weight"]
+        if p + "ffn_gate_inp.weight" in W:
+            x = x + moe_ffn(h, W, p, meta, "deepseek2")
+        else:
+            x = x + matmul(silu(matmul(h, W[p + "ffn_gate.weight"])) * matmul(h, W[p + "ffn_up.weight"]),
+                           W[p + "ffn_down.weight"])
+    return rmsnorm(x, eps) * W["output_norm.weight"], W
+
+
 def reference_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
     """The final hidden states after the output norm [len(tokens), n_embd] (float64): llama.cpp's
     `result_norm`, what it returns as embeddings."""
@@ -373,6 +437,8 @@ def _final_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict[
     n = len(tokens)
     n_layer -= int(meta.get(f"{arch}.nextn_predict_layers", 0))  # GLM's multi-token prediction layers
     ffn_norm = "post_attention_norm.weight" if arch == "glm4moe" else "ffn_norm.weight"
+    if arch == "deepseek2":
+        return _deepseek2_hidden(meta, W, tokens, n_layer, eps)
 
     x = np.asarray(W["token_embd.weight"])[np.asarray(tokens)]  # [n, n_embd]
     causal = np.triu(np.ones((n, n), dtype=bool), k=1)  # True above the diagonal = masked

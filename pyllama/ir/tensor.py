@@ -22,7 +22,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as DType
 
-__all__ = ["AttentionParams", "MoeParams", "family_node", "DType", "Buffer", "Tensor", "nbytes_of", "NP_DTYPES", "WEIGHT_TYPES", "QUANT_TYPES", "KV_CACHE_TYPES",
+__all__ = ["AttentionParams", "MlaParams", "MoeParams", "family_node", "DType", "Buffer", "Tensor", "nbytes_of", "NP_DTYPES", "WEIGHT_TYPES", "QUANT_TYPES", "KV_CACHE_TYPES",
            "Op", "Node", "Graph", "node", "input_tensor", "Src", "OpSpec", "OP_TABLE", "src_roles", "check_node",
            "sample_in_cols", "sample_out_cols", "SAMPLE_PARAM_COLS", "MAX_SRCS"]
 
@@ -163,6 +163,18 @@ class Op(IntEnum):
     SCALE = 12
     # srcs (x); params (c,) -> out = c * tanh(x / c) (gemma2's final logit soft-capping)
     SOFTCAP = 13
+    # DeepSeek's multi-head latent attention with its cache write, as llama.cpp's MLA path
+    # (models/build/deepseek2.py): srcs (q [n, H (nope + rope)], kv [n, lora + rope], k_cache
+    # [cells, lora + rope], pos, kv_idx, attn_cells, attn_ranges (as ATTENTION's), kv_norm [lora],
+    # k_b [H, lora, nope], v_b [H, v, lora]); params (n_head, lora, freq_base, freq_scale,
+    # norm_eps, scale, attn_factor, ext_factor, beta_fast, beta_slow, n_ctx_orig) -> out [n, H v].
+    # Per token: the latent c = rms_norm(kv[:lora]) * kv_norm and k_pe = rope(kv[lora:]) are
+    # stored as its cache row [c, k_pe]; each head's query is [k_b q_nope, rope(q_pe)] (the
+    # "absorbed" query) against the rows of its listed cells, one KV head for all (scores times
+    # scale, softmax), the probabilities times the cells' latents, and v_b of that is the head's
+    # output. RoPE is ggml's rope_ext in the normal (adjacent pairs) mode with its YaRN
+    # parameters. The cache holds lora + rope values per token and layer, as llama.cpp's.
+    MLA_ATTENTION = 14
 
 
 MAX_SRCS = 10  # sources a node may have (the wire's fixed node layout)
@@ -250,10 +262,26 @@ class MoeParams(NamedTuple):
         return tuple(self) if self.extended else tuple(self[:3])
 
 
+class MlaParams(NamedTuple):
+    """MLA_ATTENTION's parameters by name, in their order on the wire."""
+
+    n_head: float
+    lora: float
+    freq_base: float
+    freq_scale: float
+    norm_eps: float
+    scale: float
+    attn_factor: float = 1.0
+    ext_factor: float = 0.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: float = 0.0
+
+
 def family_node(op: Op, params: Sequence[float], n_srcs: int) -> bool:
-    """Whether a node needs a device with FAMILY_OPS: one of those ops, ATTENTION extended, or
-    MOE_FFN routed with its extensions."""
-    return (op in FAMILY_OPS or (op == Op.ATTENTION and AttentionParams.of(params, n_srcs).extended)
+    """Whether a node needs a device with FAMILY_OPS: one of those ops, ATTENTION extended, MOE_FFN
+    routed with its extensions, or MLA_ATTENTION (which a device runs besides)."""
+    return (op in FAMILY_OPS or op == Op.MLA_ATTENTION or (op == Op.ATTENTION and AttentionParams.of(params, n_srcs).extended)
             or (op == Op.MOE_FFN and len(params) > 3 and MoeParams.of(params).extended))
 
 
@@ -287,6 +315,10 @@ OP_TABLE: dict[Op, OpSpec] = {
                         _s("up_exps", F32, weight=True), _s("down_exps", F32, weight=True), _s("shexp", F32),
                         _s("shexp_gate", F32), _s("probs_b", F32)), (5, 6, 7, 8), F32, 7),
     Op.GEGLU: OpSpec((_s("gu", F32),), (1,), F32, 0),
+    Op.MLA_ATTENTION: OpSpec((_s("q", F32), _s("kv", F32), Src("k_cache", KV_CACHE_TYPES), _s("pos", I32),
+                              _s("kv_idx", I32), _s("attn_cells", I32), _s("attn_ranges", I32),
+                              _s("kv_norm", F32), _s("k_b", F32, weight=True), _s("v_b", F32, weight=True)),
+                    (10,), F32, 11),
     Op.SCALE: OpSpec((_s("x", F32),), (1,), F32, 1),
     Op.SOFTCAP: OpSpec((_s("x", F32),), (1,), F32, 1),
 }

@@ -27,12 +27,15 @@ ARCHITECTURES = {
     "glm4moe": (ROPE_NEOX, False, False),
     # GLM-4-0414 (dense): normal-mode RoPE on part of the head, post-norms, gate|up fused in ffn_up
     "glm4": (ROPE_NORMAL, False, False),
+    # DeepSeek V2/V3/R1, Kimi K2: multi-head latent attention (MLA files only), normal-mode RoPE on
+    # the rope part of each head, leading dense layers, then routed and shared experts
+    "deepseek2": (ROPE_NORMAL, False, False),
 }
 # architectures whose q/k/v biases and q/k norms are optional: present where the file has them
 OPTIONAL_ATTN_TENSORS = ("glm4moe", "glm4")
 # architectures whose last `nextn_predict_layers` blocks only predict further tokens (multi-token
 # prediction): in the file, never computed, as llama.cpp skips them
-NEXTN_ARCHS = ("glm4moe", "glm4")
+NEXTN_ARCHS = ("glm4moe", "glm4", "deepseek2")
 GEMMA_ARCHS = ("gemma2", "gemma3")
 # the RoPE scaling types of `{arch}.rope.scaling.type` (llama.cpp's names); llama3's per-dimension
 # factors come as the tensor rope_freqs.weight instead, with any of them
@@ -41,7 +44,7 @@ ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 # weights are divided by their sum when the file has no `{arch}.expert_weights_norm` key (what
 # llama.cpp builds for each: Qwen2MoE's norm_topk_prob defaults to false, Qwen3MoE's models and
 # Mixtral normalize). `llama` is MoE (Mixtral-style) when its file has `llama.expert_count`.
-MOE_NORM_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "llama": True, "glm4moe": False}
+MOE_NORM_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "llama": True, "glm4moe": False, "deepseek2": False}
 EXPERT_GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 EXPERT_GATING_SIGMOID = 2
 # the gating an architecture's MoE layers use when the file names none (llama.cpp's loaders)
@@ -77,6 +80,15 @@ class HParams:
     n_layer_dense_lead: int = 0  # the first layers of a MoE model with a dense FFN instead (glm4moe)
     n_layer_nextn: int = 0       # blocks after n_layer that only predict further tokens (glm4moe's
                                  # NextN/MTP layers): in the file, never computed
+    n_expert_groups: int = 1     # DeepSeek V3's group-limited routing: experts in this many groups,
+    n_group_used: int = 1        # of which each token's experts come from this many
+    # multi-head latent attention (deepseek2; mla_lora_kv 0: none). head_dim is then the cache
+    # row (latent + rope), n_head_kv 1; each head's query has mla_nope + n_rot values, its output mla_v
+    mla_lora_q: int = 0          # the query's low-rank width (0: a plain attn_q)
+    mla_lora_kv: int = 0         # the latent's width (kv_lora_rank)
+    mla_nope: int = 0
+    mla_v: int = 0
+    yarn_log_mul: float = 0.0    # DeepSeek's mscale_all_dim (rope.scaling.yarn_log_multiplier / 0.1)
     # RoPE scaling (llama.cpp's semantics): rope_scale above is its freq_scale (1 / factor, also
     # for yarn); yarn mixes interpolated and extrapolated frequencies over the pairs between its
     # correction dimensions and scales cos/sin by rope_mscale
@@ -141,6 +153,26 @@ def _int(gf: GGUFFile, key: str, default: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ModelFileError(f"{gf.path}: metadata key '{key}' must be a positive integer, got {value!r}")
     return value
+
+
+def _mla_hparams(gf: GGUFFile, head_dim: int, value_dim: int, n_head_kv: int, n_rot: int) -> dict:
+    """deepseek2's multi-head latent attention as llama.cpp reads an MLA file: the cache row
+    (key_length) is the latent (value_length = kv_lora_rank) and the rope part, one KV head."""
+    if gf.get("deepseek2.attention.key_length_mla") is None:
+        raise ModelFileError(f"{gf.path}: a deepseek2 file without 'deepseek2.attention.key_length_mla' (from a "
+                             "converter before multi-head latent attention) is not supported; convert it again")
+    lora = _int(gf, "deepseek2.attention.kv_lora_rank")
+    k_mla, v_mla = _int(gf, "deepseek2.attention.key_length_mla"), _int(gf, "deepseek2.attention.value_length_mla")
+    if n_head_kv != 1 or value_dim != lora or head_dim != lora + n_rot or k_mla <= n_rot:
+        raise ModelFileError(f"{gf.path}: MLA needs head_count_kv 1, value_length = kv_lora_rank ({lora}), key_length "
+                             f"= kv_lora_rank + rope.dimension_count and key_length_mla above it; got {n_head_kv}, "
+                             f"{value_dim}, {head_dim}, {k_mla} (rope {n_rot})")
+    log_mul = gf.get("deepseek2.rope.scaling.yarn_log_multiplier", 0.0)
+    if not isinstance(log_mul, (int, float)) or isinstance(log_mul, bool) or log_mul < 0:
+        raise ModelFileError(f"{gf.path}: 'deepseek2.rope.scaling.yarn_log_multiplier' must be a non-negative number")
+    q_lora = gf.get("deepseek2.attention.q_lora_rank", 0)
+    return dict(mla_lora_q=_int(gf, "deepseek2.attention.q_lora_rank") if q_lora else 0, mla_lora_kv=lora,
+                mla_nope=k_mla - n_rot, mla_v=v_mla, yarn_log_mul=float(log_mul) / 0.1)
 
 
 def _layer_count(gf: GGUFFile, key: str, n_layer: int) -> int:
@@ -238,7 +270,7 @@ def read_hparams(gf: GGUFFile) -> HParams:
         raise ModelFileError(f"{gf.path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     head_dim = _int(gf, f"{arch}.attention.key_length", n_embd // n_head if n_embd % n_head == 0 else None)
     value_dim = _int(gf, f"{arch}.attention.value_length", head_dim)
-    if value_dim != head_dim:
+    if value_dim != head_dim and arch != "deepseek2":
         raise ModelFileError(f"{gf.path}: key_length {head_dim} != value_length {value_dim} is not supported")
     n_rot = _int(gf, f"{arch}.rope.dimension_count", head_dim)
     if n_rot > head_dim or n_rot % 2:
@@ -256,6 +288,7 @@ def read_hparams(gf: GGUFFile) -> HParams:
     n_layer_nextn = _layer_count(gf, f"{arch}.nextn_predict_layers", n_layer) if arch in NEXTN_ARCHS else 0
     n_layer -= n_layer_nextn
     dense = _dense_family_hparams(gf, arch, n_layer, n_embd, n_head, head_dim)
+    mla = _mla_hparams(gf, head_dim, value_dim, n_head_kv, n_rot) if arch == "deepseek2" else {}
     qkv_fused = arch == "phi3" or (arch == "glm4" and "blk.0.attn_qkv.weight" in gf.tensors)
     if arch in OPTIONAL_ATTN_TENSORS:
         qkv_bias = f"blk.0.attn_{'qkv' if qkv_fused else 'q'}.bias" in gf.tensors
@@ -279,6 +312,7 @@ def read_hparams(gf: GGUFFile) -> HParams:
         qk_norm=qk_norm,
         qkv_fused=qkv_fused,
         n_layer_nextn=n_layer_nextn,
+        **mla,
         **moe,
         **rope,
         **dense,
@@ -363,11 +397,18 @@ def _moe_hparams(gf: GGUFFile, arch: str, n_ff: int) -> dict:
     n_ff_exp = n_ff if arch == "llama" else _int(gf, f"{arch}.expert_feed_forward_length")
     n_ff_shexp = _int(gf, f"{arch}.expert_shared_feed_forward_length", n_ff) if arch == "qwen2moe" else 0
     extra: dict = {}
-    if arch == "glm4moe":
-        n_shared = gf.get("glm4moe.expert_shared_count", 0)
-        n_ff_shexp = n_ff_exp * _int(gf, "glm4moe.expert_shared_count") if n_shared else 0
-        extra = dict(n_layer_dense_lead=_layer_count(gf, "glm4moe.leading_dense_block_count",
-                                                     _int(gf, "glm4moe.block_count")))
+    if arch in ("glm4moe", "deepseek2"):
+        n_shared = gf.get(f"{arch}.expert_shared_count", 0)
+        n_ff_shexp = n_ff_exp * _int(gf, f"{arch}.expert_shared_count") if n_shared else 0
+        extra = dict(n_layer_dense_lead=_layer_count(gf, f"{arch}.leading_dense_block_count",
+                                                     _int(gf, f"{arch}.block_count")))
+        groups = gf.get(f"{arch}.expert_group_count", 0) or 1
+        used = gf.get(f"{arch}.expert_group_used_count", 0) or 1
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (groups, used)) or groups > 64 \
+                or n_expert % groups or not 1 <= used <= groups or (groups > 1 and n_expert // groups < 2):
+            raise ModelFileError(f"{gf.path}: expert_group_count {groups!r} / expert_group_used_count {used!r} do not "
+                                 f"divide {n_expert} experts (at most 64 groups of two or more)")
+        extra.update(n_expert_groups=groups, n_group_used=used)
     return dict(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp,
                 expert_weights_norm=norm, expert_gating=gating,
                 expert_weights_scale=_float(gf, f"{arch}.expert_weights_scale", 1.0), **extra)

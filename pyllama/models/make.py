@@ -3,7 +3,7 @@
     python -m pyllama.models.make --preset tiny|small|medium|deep --out PATH [--vocab VOCAB.gguf]
         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|iq4_nl|iq4_xs|mxfp4
                 |q4_k_m|q5_k_m|iq4_nl_mix|iq4_xs_mix|mxfp4_moe]
-        [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3|glm4|glm4moe]
+        [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3|glm4|glm4moe|deepseek2]
         [--tied|--untied]
         [--rope-scaling none|linear|yarn --rope-factor F] [--rope-freqs] [--n-rot N]
         [--sliding-window N] [--attn-softcap C] [--final-softcap C] [--longrope] [--output-bias]
@@ -99,7 +99,7 @@ PRESETS: dict[str, Preset] = {
     "deep": Preset(64, 24, 4, 2, 192, 512, 512, False),
 }
 ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "glm4",
-         "glm4moe")
+         "glm4moe", "deepseek2")
 PARTIAL_ROPE_ARCHS = ("glm4", "glm4moe")  # RoPE on half of each head, as GLM's files have it
 # Mixture-of-Experts shapes per preset: (experts, experts used per token, expert FFN width, shared
 # expert FFN width (qwen2moe only)). The small qwen3moe model's active FFN (3 x 256) is the small
@@ -112,7 +112,16 @@ MOE_PRESETS: dict[str, tuple[int, int, int, int]] = {
     "small": (32, 3, 256, 512),
     "medium": (64, 8, 256, 1024),
 }
-MOE_ARCHS = ("qwen2moe", "qwen3moe", "mixtral", "glm4moe")
+MOE_ARCHS = ("qwen2moe", "qwen3moe", "mixtral", "glm4moe", "deepseek2")
+# deepseek2 as DeepSeek V3's converter writes it (multi-head latent attention), per preset:
+# (q_lora_rank, kv_lora_rank, nope, rope, v head size, expert groups, groups used); like glm4moe
+# (GLM4MOE's counts) a leading dense layer, one shared expert, sigmoid routing with the expert
+# bias, normalized weights times 2.5 and one NextN layer
+MLA_PRESETS: dict[str, tuple[int, int, int, int, int, int, int]] = {
+    "tiny": (48, 32, 16, 8, 16, 3, 2),
+    "small": (96, 64, 32, 16, 32, 4, 2),
+    "medium": (384, 256, 64, 32, 64, 8, 4),
+}
 # glm4moe as GLM-4.5's converter writes it: a leading dense layer, one shared expert as wide as a
 # routed one, sigmoid routing with the expert bias exp_probs_b, normalized weights times the
 # routed scaling factor, q/k/v biases, RoPE on half of each head, and one NextN (multi-token
@@ -149,7 +158,7 @@ K_QUANT_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5
                     Q.IQ4_XS: Q.IQ4_NL}
 ROPE_FREQ_BASE = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen2moe": 1000000.0,
                   "qwen3moe": 1000000.0, "mixtral": 1000000.0, "gemma2": 10000.0, "gemma3": 1000000.0,
-                  "phi3": 10000.0, "glm4": 10000.0, "glm4moe": 1000000.0}
+                  "phi3": 10000.0, "glm4": 10000.0, "glm4moe": 1000000.0, "deepseek2": 10000.0}
 QKV_BIAS_ARCHS = ("qwen2", "qwen2moe", "glm4", "glm4moe")
 QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3")
 GEMMA_ARCHS = ("gemma2", "gemma3")  # post-norms, always tied (llama.cpp reads no output.weight for them)
@@ -223,9 +232,12 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
         return TensorSpec(name, (n, rows, cols), "normal", gain / math.sqrt(cols))
 
     plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 2.5 / math.sqrt(e) if tied else 1.0)]
-    n_blocks = p.n_layer + (GLM4MOE["nextn_predict_layers"] if arch == "glm4moe" else 0)
+    n_blocks = p.n_layer + (GLM4MOE["nextn_predict_layers"] if arch in ("glm4moe", "deepseek2") else 0)
     for i in range(n_blocks):
         b = f"blk.{i}."
+        if arch == "deepseek2":
+            plan.extend(_deepseek2_layer(p, i, b, w, experts))
+            continue
         plan.append(TensorSpec(b + "attn_norm.weight", (e,), "norm"))
         if arch == "phi3":  # q|k|v fused in the file, and gate|up in ffn_up
             plan.append(w(b + "attn_qkv.weight", nq + 2 * nkv, e))
@@ -287,6 +299,30 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
     return plan
 
 
+def _deepseek2_layer(p: Preset, i: int, b: str, w, experts) -> list[TensorSpec]:
+    """Layer i of a deepseek2 file: its latent attention (MLA_PRESETS), then the FFN as glm4moe's
+    (the same leading dense layer, experts, expert bias, shared expert and NextN layer), but with
+    the FFN norm under its usual name."""
+    e, H = p.n_embd, p.n_head
+    q_lora, lora, nope, rope, v = mla_shape(p)[:5]
+    out = [TensorSpec(b + "attn_norm.weight", (e,), "norm"), w(b + "attn_q_a.weight", q_lora, e),
+           TensorSpec(b + "attn_q_a_norm.weight", (q_lora,), "norm"), w(b + "attn_q_b.weight", H * (nope + rope), q_lora),
+           w(b + "attn_kv_a_mqa.weight", lora + rope, e), TensorSpec(b + "attn_kv_a_norm.weight", (lora,), "norm"),
+           experts(b + "attn_k_b.weight", H, lora, nope), experts(b + "attn_v_b.weight", H, v, lora),
+           w(b + "attn_output.weight", e, H * v, 0.5)]
+    glm = _glm4moe_layer(p, i, b, w, experts)
+    return out + [TensorSpec(b + "ffn_norm.weight", (e,), "norm")] + glm[1:]
+
+
+def mla_shape(p: Preset) -> tuple[int, int, int, int, int, int, int]:
+    """deepseek2's attention and routing shape at a preset (MLA_PRESETS)."""
+    name = next(k for k, v in PRESETS.items() if v == p)
+    if name not in MLA_PRESETS:
+        raise ValueError(f"the {name} preset has no latent-attention shape (deepseek2 is made at "
+                         f"{', '.join(MLA_PRESETS)})")
+    return MLA_PRESETS[name]
+
+
 def _glm4moe_layer(p: Preset, i: int, b: str, w, experts) -> list[TensorSpec]:
     """Layer i of a glm4moe file after its attention: the FFN norm (post_attention_norm, GLM's
     name), a dense FFN in the leading layers, else the router, the expert bias, the experts and
@@ -318,7 +354,7 @@ def moe_shape(p: Preset, arch: str) -> tuple[int, int, int, int]:
     n_exp, n_used, ff_exp, ff_sh = MOE_PRESETS[name]
     if arch == "mixtral":
         return n_exp, n_used, p.n_ff, 0
-    if arch == "glm4moe":
+    if arch in ("glm4moe", "deepseek2"):
         return n_exp, n_used, ff_exp, ff_exp * GLM4MOE["expert_shared_count"]
     return n_exp, n_used, ff_exp, ff_sh if arch == "qwen2moe" else 0
 
@@ -545,10 +581,11 @@ def _add_metadata(w: GGUFWriter, preset: str, p: Preset, arch_name: str, ftype: 
     w.add_uint32("general.quantization_version", QUANTIZATION_VERSION)
     w.add_uint32(f"{arch}.context_length", p.n_ctx)
     w.add_uint32(f"{arch}.embedding_length", p.n_embd)
-    w.add_uint32(f"{arch}.block_count", p.n_layer + (GLM4MOE["nextn_predict_layers"] if arch == "glm4moe" else 0))
+    w.add_uint32(f"{arch}.block_count",
+                 p.n_layer + (GLM4MOE["nextn_predict_layers"] if arch in ("glm4moe", "deepseek2") else 0))
     w.add_uint32(f"{arch}.feed_forward_length", p.n_ff)
     w.add_uint32(f"{arch}.attention.head_count", p.n_head)
-    w.add_uint32(f"{arch}.attention.head_count_kv", p.n_head_kv)
+    w.add_uint32(f"{arch}.attention.head_count_kv", 1 if arch == "deepseek2" else p.n_head_kv)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", RMS_EPS)
     if arch in QK_NORM_ARCHS:
         w.add_uint32(f"{arch}.attention.key_length", p.head_dim)
@@ -561,12 +598,22 @@ def _add_metadata(w: GGUFWriter, preset: str, p: Preset, arch_name: str, ftype: 
             w.add_uint32(f"{arch}.expert_feed_forward_length", ff_exp)
         if ff_sh and arch_name == "qwen2moe":
             w.add_uint32(f"{arch}.expert_shared_feed_forward_length", ff_sh)
-        if arch_name == "glm4moe":
+        if arch_name in ("glm4moe", "deepseek2"):
             for key in ("leading_dense_block_count", "expert_shared_count", "nextn_predict_layers"):
                 w.add_uint32(f"{arch}.{key}", GLM4MOE[key])
             w.add_float32(f"{arch}.expert_weights_scale", GLM4MOE["expert_weights_scale"])
             w.add_bool(f"{arch}.expert_weights_norm", True)
             w.add_uint32(f"{arch}.expert_gating_func", 2)  # sigmoid
+        if arch_name == "deepseek2":
+            q_lora, lora, nope, rope, v, groups, used = mla_shape(p)
+            w.add_uint32(f"{arch}.expert_group_count", groups)
+            w.add_uint32(f"{arch}.expert_group_used_count", used)
+            w.add_uint32(f"{arch}.attention.q_lora_rank", q_lora)
+            w.add_uint32(f"{arch}.attention.kv_lora_rank", lora)
+            w.add_uint32(f"{arch}.attention.key_length", lora + rope)
+            w.add_uint32(f"{arch}.attention.value_length", lora)
+            w.add_uint32(f"{arch}.attention.key_length_mla", nope + rope)
+            w.add_uint32(f"{arch}.attention.value_length_mla", v)
     w.add_float32(f"{arch}.rope.freq_base", ROPE_FREQ_BASE[arch_name])
     w.add_uint32(f"{arch}.vocab_size", n_vocab)
     for key, value, vtype, sub in vocab_entries:
@@ -594,8 +641,8 @@ def _check_family(p: Preset, arch: str, opts: FamilyOptions) -> None:
 def _add_family_metadata(w: GGUFWriter, p: Preset, arch_name: str, opts: FamilyOptions) -> None:
     """RoPE dimensions and scaling, and the gemma keys, as llama.cpp's converters write them."""
     arch = GGUF_ARCH.get(arch_name, arch_name)
-    w.add_uint32(f"{arch}.rope.dimension_count",
-                 opts.n_rot or (p.head_dim // 2 if arch in PARTIAL_ROPE_ARCHS else p.head_dim))
+    n_rot = mla_shape(p)[3] if arch == "deepseek2" else p.head_dim // 2 if arch in PARTIAL_ROPE_ARCHS else p.head_dim
+    w.add_uint32(f"{arch}.rope.dimension_count", opts.n_rot or n_rot)
     if opts.rope_scaling != "none":
         w.add_string(f"{arch}.rope.scaling.type", opts.rope_scaling)
         w.add_float32(f"{arch}.rope.scaling.factor", opts.rope_factor)

@@ -42,6 +42,8 @@ def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
             b + "attn_output.weight": (e, q),
             b + ffn_norm_tensor(hp): (e,),
         })
+        if hp.mla_lora_kv:
+            _mla_tensors(hp, b, shapes)
         shapes.update(_ffn_tensors(hp, i))
         if hp.qkv_bias:
             shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
@@ -88,6 +90,24 @@ def _dense_family_weights(hp: HParams, out: dict[str, tuple[list[str], int]]) ->
             out[b + "attn_post_norm"] = ([b + "post_attention_norm.weight"], i)
             out[b + "ffn_post_norm"] = ([b + "post_ffw_norm.weight"], i)
     return out
+
+
+def _mla_tensors(hp: HParams, b: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    """deepseek2's attention tensors in place of q/k/v: the query (low-rank with its norm where
+    q_lora_rank is set), the latent and rope part (attn_kv_a_mqa), the latent's norm, k_b and v_b
+    per head [n_head, rows, cols], and the output."""
+    e, H, lora, rope = hp.n_embd, hp.n_head, hp.mla_lora_kv, hp.n_rot
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        shapes.pop(b + name + ".weight")
+    qw = H * (hp.mla_nope + rope)
+    if hp.mla_lora_q:
+        shapes.update({b + "attn_q_a.weight": (hp.mla_lora_q, e), b + "attn_q_a_norm.weight": (hp.mla_lora_q,),
+                       b + "attn_q_b.weight": (qw, hp.mla_lora_q)})
+    else:
+        shapes[b + "attn_q.weight"] = (qw, e)
+    shapes.update({b + "attn_kv_a_mqa.weight": (lora + rope, e), b + "attn_kv_a_norm.weight": (lora,),
+                   b + "attn_k_b.weight": (H, lora, hp.mla_nope), b + "attn_v_b.weight": (H, hp.mla_v, lora),
+                   b + "attn_output.weight": (e, H * hp.mla_v)})
 
 
 def ffn_norm_tensor(hp: HParams) -> str:
@@ -192,7 +212,12 @@ class Model:
         for i in range(hp.n_layer):
             b = f"blk.{i}."
             out[b + "attn_norm"] = ([b + "attn_norm.weight"], i)
-            out[b + "attn_qkv"] = ([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"], i)
+            if hp.mla_lora_kv:
+                names = ["attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b", "attn_output"]
+                names += ["attn_q_a", "attn_q_a_norm", "attn_q_b"] if hp.mla_lora_q else ["attn_q"]
+                out.update({b + n: ([b + n + ".weight"], i) for n in names})
+            else:
+                out[b + "attn_qkv"] = ([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"], i)
             if hp.qkv_bias:
                 out[b + "attn_qkv_bias"] = ([b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"], i)
             if hp.qk_norm:
@@ -203,7 +228,7 @@ class Model:
             if hp.moe_layer(i):  # expert tensors stay whole (3-D), each one file tensor, used in place
                 for name in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
                     out[b + name] = ([b + name + ".weight"], i)
-                if hp.arch == "glm4moe":
+                if b + "exp_probs_b.bias" in self.file.tensors:  # glm4moe's always, DeepSeek V3's
                     out[b + "exp_probs_b"] = ([b + "exp_probs_b.bias"], i)
                 if hp.n_ff_shexp:
                     if hp.arch == "qwen2moe":

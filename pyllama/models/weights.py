@@ -303,7 +303,8 @@ def _as_tuple(t: "Tensor | tuple[Tensor, ...]") -> tuple[Tensor, ...]:
 _NODE_WHAT = {Op.GET_ROWS: "row lookup", Op.RMS_NORM: "RMS norm", Op.MUL_MAT: "matrix product", Op.ADD: "addition",
               Op.SWIGLU: "SwiGLU FFN", Op.ATTENTION: "attention", Op.SAMPLE: "sampling",
               Op.MUL_MAT_CAT: "product over weight parts of mixed types", Op.MOE_FFN: "Mixture-of-Experts FFN",
-              Op.GEGLU: "GeGLU FFN", Op.SCALE: "embedding scale", Op.SOFTCAP: "logit soft-capping"}
+              Op.GEGLU: "GeGLU FFN", Op.SCALE: "embedding scale", Op.SOFTCAP: "logit soft-capping",
+              Op.MLA_ATTENTION: "multi-head latent attention"}
 
 
 def check_placement(model: Model, placement: Placement) -> None:
@@ -419,6 +420,8 @@ def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
     its sequences' length calls for (models/build/llama.py), as llama.cpp; rope_freqs.weight, where
     a file has it, wins over them."""
     hp = model.hparams
+    if hp.mla_lora_kv:  # MLA_ATTENTION computes its YaRN angles itself, as ggml's rope_ext does
+        return {}
     names = {"rope_freqs": "rope_freqs.weight"}
     if "rope_freqs.weight" not in model.file.tensors and any(t in model.file.tensors for t in LONGROPE_TENSORS.values()):
         names = dict(LONGROPE_TENSORS)

@@ -18,6 +18,8 @@ from ..obs import trace
 from ..backend.base import Backend, Buffer, DType, Tensor, nbytes_of
 from ..backend.remote import lost_devices
 from .cache_types import cache_type, cache_type_name, check_cache_row
+
+MLA_CACHE_TYPES = (DType.F32, DType.F16, DType.BF16)
 from ..util.errors import ContextLimitError, PyllamaError
 from ..models.build.llama import SAMPLING_INPUT, build_forward
 from ..models.build.ops import Op, sample_in_cols, sample_out_cols
@@ -104,6 +106,10 @@ class Context:
         self.kv_tensors: list[tuple[Tensor, Tensor]] = []
         self.kv_bytes: dict[str, int] = {}
         self.type_k, self.type_v = cache_type(type_k), cache_type(type_v)
+        if hp.mla_lora_kv and (self.type_k not in MLA_CACHE_TYPES or self.type_v != self.type_k):
+            raise PyllamaError(f"{model.name}: latent attention (MLA) keeps one cache of f32, f16 or bf16 (llama.cpp "
+                               f"rotates quantized ones, which pyllama's MLA does not yet); -ctk {cache_type_name(self.type_k)} "
+                               f"-ctv {cache_type_name(self.type_v)} cannot hold it: give -ctk and -ctv one of those")
         check_cache_row(self.type_k, hp.n_embd_kv, "K")
         check_cache_row(self.type_v, hp.n_embd_kv, "V")
         self.kv_types: dict[str, tuple[DType, DType]] = {}  # device name -> (K, V) cache types it holds
@@ -112,9 +118,12 @@ class Context:
             backend = placement.backends[placement.backend_of_layer(il)]
             tk, tv = self.kv_types.get(backend.name) or self._device_kv_types(backend)
             self.kv_types[backend.name] = (tk, tv)
-            # V starts on a 64-byte boundary whatever the K rows' size (a Q8_0 row is 34 B per block)
+            # V starts on a 64-byte boundary whatever the K rows' size (a Q8_0 row is 34 B per block);
+            # latent attention (MLA) caches K only, and its V is a view of K (nothing more stored)
             v_off = -(-nbytes_of(tk, (n_cells, width)) // 64) * 64
             size = v_off + nbytes_of(tv, (n_cells, width))
+            if hp.mla_lora_kv:
+                v_off, size, tv = 0, nbytes_of(tk, (n_cells, width)), tk
             buf = backend.alloc_buffer(size, usage="kv") if allocate else Buffer(backend, size, "kv")
             if allocate:
                 self._kv_buffers.append(buf)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
@@ -40,13 +41,15 @@ from ..._fast import gemm, moe, qmatmul
 from ..._fast import ops as k
 from ..._fast import ops_extra as kx
 from ..._fast.plan import NativeRun, NativeStep
-from ...ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, MoeParams, Op, check_node
+from ...ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, MlaParams, MoeParams, Op, check_node
 from ..base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 from ..host_sample import bind_sample
 from ...util.settings import CpuSettings
 from ...util.settings import current as current_settings
+from ..layout import dequantize_f32
 from . import memory
 from .layout import RepackingLayout
+from .mla import mla_attention
 
 _PLAN_CACHE = 256
 
@@ -100,6 +103,7 @@ class CPUBackend(Backend):
         # MemoryError past it, release(bytes); None: no cap
         self.budget = None
         self.layout: RepackingLayout = RepackingLayout(self)
+        self._f32_weights: dict[tuple, tuple] = {}  # MLA's k_b, v_b as float32 (_f32_weight)
 
     # --- buffers -------------------------------------------------------------------------------
     def alloc_buffer(self, size: int, usage: str = "compute") -> Buffer:
@@ -289,9 +293,25 @@ class CPUBackend(Backend):
                 steps.append(bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             elif op == Op.MOE_FFN:
                 steps.extend(_moe_ffn_steps(opts, nd.srcs, s, out, nd.params, nt, self.layout.packed))
+            elif op == Op.MLA_ATTENTION:
+                kc = nd.srcs[2]
+                k_b, v_b = self._f32_weight(nd.srcs[8]), self._f32_weight(nd.srcs[9])
+                steps.append(_bind(mla_attention, s[0], s[1], _rows(kc), int(kc.dtype), s[3], s[4], s[5], s[6], s[7],
+                                   k_b, v_b, MlaParams(*nd.params[:11]), out))
             else:
                 raise ValueError(f"unknown op {op!r}")
         return steps
+
+    def _f32_weight(self, t: Tensor) -> np.ndarray:
+        """A small weight (MLA's k_b, v_b) as float32 in its shape, converted once per tensor."""
+        key = (id(t.buffer), t.offset, t.dtype, t.shape)
+        held = self._f32_weights.get(key)
+        if held is not None and held[0]() is t.buffer:  # (not a later buffer at a freed one's id)
+            return held[1]
+        flat = (int(np.prod(t.shape[:-1])), int(t.shape[-1]))
+        got = dequantize_f32(self.bytes_of(t), t.dtype, flat).reshape(t.shape)
+        self._f32_weights[key] = (weakref.ref(t.buffer), got)
+        return got
 
     # --- information ---------------------------------------------------------------------------
     def device_info(self) -> DeviceInfo:

@@ -1,5 +1,6 @@
 """The llama-family forward graph (llama, qwen2, qwen3, and their MoE forms: models/build/moe.py; glm4moe;
-the dense gemma2, gemma3 and phi3, and RoPE scaling: docs/engine.md) for one micro-batch.
+deepseek2's latent attention: models/build/mla.py; the dense gemma2, gemma3, phi3 and glm4, and RoPE
+scaling: docs/engine.md) for one micro-batch.
 
 The graph is built device-agnostic: nodes carry their layer, and the scheduler decides which
 backend runs them and where the hidden state crosses devices.
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from ...ir.tensor import AttentionParams, DType, Tensor
 from ..hparams import HParams
 from .ops import Graph, Node, Op, input_tensor, node, sample_in_cols, sample_out_cols
+from .mla import build_mla_attention
 from .moe import build_moe_ffn
 
 if TYPE_CHECKING:  # the loader builds a graph to check a placement, so it imports this module
@@ -87,18 +89,21 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
             freqs = w.get(b + ("rope_freqs_long" if long_rope else "rope_freqs_short"))
         attn_params = _attention_params(hp, il, freqs is not None)
         h = add(Op.RMS_NORM, (n, e), f"attn_norm-{il}", x, w[b + "attn_norm"], params=(hp.rms_eps,), layer=il)
-        qkv = mul_mat((n, hp.n_embd_q + 2 * hp.n_embd_kv), f"qkv-{il}", h, w[b + "attn_qkv"],
-                      w.get(b + "attn_qkv_bias"), layer=il)
         k_cache, v_cache = kv[il]
-        a = add(Op.ATTENTION, (n, hp.n_embd_q), f"kqv_out-{il}", qkv, k_cache, v_cache, inputs["inp_pos"],
-                inputs["inp_kv_idx"], inputs["inp_attn_cells"], inputs["inp_attn_ranges"],
-                w.get(b + "attn_q_norm"), w.get(b + "attn_k_norm"), freqs, params=attn_params,
-                layer=il)
+        if hp.mla_lora_kv:
+            a = build_mla_attention(add, mul_mat, hp, w, il, h, k_cache, inputs)
+        else:
+            qkv = mul_mat((n, hp.n_embd_q + 2 * hp.n_embd_kv), f"qkv-{il}", h, w[b + "attn_qkv"],
+                          w.get(b + "attn_qkv_bias"), layer=il)
+            a = add(Op.ATTENTION, (n, hp.n_embd_q), f"kqv_out-{il}", qkv, k_cache, v_cache, inputs["inp_pos"],
+                    inputs["inp_kv_idx"], inputs["inp_attn_cells"], inputs["inp_attn_ranges"],
+                    w.get(b + "attn_q_norm"), w.get(b + "attn_k_norm"), freqs, params=attn_params,
+                    layer=il)
         if il == hp.n_layer - 1:
             if n_outputs == 0:
                 break  # the KV cache is written; nothing downstream is read
             if select_rows:  # only rows that want logits go through the last FFN and the output layer
-                a = add(Op.GET_ROWS, (n_outputs, hp.n_embd_q), f"kqv_out_sel-{il}", a, inputs["inp_out_ids"], layer=il)
+                a = add(Op.GET_ROWS, (n_outputs, a.shape[1]), f"kqv_out_sel-{il}", a, inputs["inp_out_ids"], layer=il)
                 x = add(Op.GET_ROWS, (n_outputs, e), f"inp_sel-{il}", x, inputs["inp_out_ids"], layer=il)
         rows = a.shape[0]
         o = mul_mat((rows, e), f"attn_out-{il}", a, w[b + "attn_output"], layer=il)

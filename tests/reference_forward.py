@@ -1,5 +1,5 @@
 """An independent float64 reference forward pass of the llama family (llama, qwen2, qwen3, and the
-Mixture-of-Experts qwen2moe, qwen3moe, Mixtral-style llama, glm4moe and deepseek2).
+Mixture-of-Experts qwen2moe, qwen3moe, Mixtral-style llama, glm4moe, deepseek2 and gpt-oss).
 
 Test helper, not a test: `reference_logits(model_path, tokens)` reads the GGUF file with
 `gguf.GGUFReader` and `gguf.quants.dequantize` (not pyllama's loader) and runs one sequence at
@@ -424,6 +424,56 @@ def _deepseek2_hidden(meta: dict, W: dict, tokens: list[int], n_layer: int, eps:
     return rmsnorm(x, eps) * W["output_norm.weight"], W
 
 
+def _gpt_oss_hidden(meta: dict, W: dict, tokens: list[int], n_layer: int, eps: float) -> tuple[np.ndarray, dict]:
+    """gpt-oss as transformers' modeling_gpt_oss computes it: q/k/v and output biases, NeoX RoPE,
+    a learned sink logit per head in each softmax's denominator, even layers in a sliding window,
+    then the MoE: router logits plus bias, the top k by logit weighted by their softmax, each
+    expert's biased gate and up through the clamped SwiGLU (alpha 1.702, limit 7), its biased down."""
+    n = len(tokens)
+    H, Hkv = meta["gpt-oss.attention.head_count"], meta["gpt-oss.attention.head_count_kv"]
+    hd = meta["gpt-oss.attention.key_length"]
+    base = float(meta["gpt-oss.rope.freq_base"])
+    window = meta["gpt-oss.attention.sliding_window"]
+    k_used = meta["gpt-oss.expert_used_count"]
+    x = np.asarray(W["token_embd.weight"])[np.asarray(tokens)]
+    qpos, kpos = np.arange(n)[:, None], np.arange(n)[None, :]
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        h = rmsnorm(x, eps) * W[p + "attn_norm.weight"]
+        q, k, v = (matmul(h, W[p + f"attn_{c}.weight"]) + W[p + f"attn_{c}.bias"] for c in "qkv")
+        q, k, v = q.reshape(n, H, hd), k.reshape(n, Hkv, hd), v.reshape(n, Hkv, hd)
+        q, k = rope(q, base, hd, True), rope(k, base, hd, True)
+        masked = kpos > qpos
+        if i % 2 == 0:
+            masked = masked | (qpos - kpos >= window)
+        sinks = np.asarray(W[p + "attn_sinks.weight"], dtype=np.float64)
+        att = np.empty((n, H, hd))
+        for hq in range(H):
+            hk = hq // (H // Hkv)
+            scores = q[:, hq] @ k[:, hk].T / np.sqrt(hd)
+            scores[masked] = -np.inf
+            m = np.maximum(scores.max(axis=1, keepdims=True), sinks[hq])
+            e = np.exp(scores - m)
+            att[:, hq] = (e / (e.sum(axis=1, keepdims=True) + np.exp(sinks[hq] - m))) @ v[:, hk]
+        x = x + matmul(att.reshape(n, H * hd), W[p + "attn_output.weight"]) + W[p + "attn_output.bias"]
+        h = rmsnorm(x, eps) * W[p + "post_attention_norm.weight"]
+        logits = matmul(h, W[p + "ffn_gate_inp.weight"]) + W[p + "ffn_gate_inp.bias"]
+        out = np.zeros_like(h)
+        for t in range(n):
+            chosen = sorted(range(logits.shape[1]), key=lambda e_: (-logits[t, e_], e_))[:k_used]
+            wts = np.exp(logits[t, chosen] - logits[t, chosen].max())
+            wts /= wts.sum()
+            for ex, wt in zip(chosen, wts):
+                g = matmul(h[t:t + 1], _expert(h, W[p + "ffn_gate_exps.weight"], ex)) + W[p + "ffn_gate_exps.bias"][ex]
+                u = matmul(h[t:t + 1], _expert(h, W[p + "ffn_up_exps.weight"], ex)) + W[p + "ffn_up_exps.bias"][ex]
+                g = np.minimum(g, 7.0)
+                act = g / (1.0 + np.exp(-1.702 * g)) * (np.clip(u, -7.0, 7.0) + 1.0)
+                out[t] += wt * (matmul(act, _expert(h, W[p + "ffn_down_exps.weight"], ex))[0]
+                                + W[p + "ffn_down_exps.bias"][ex])
+        x = x + out
+    return rmsnorm(x, eps) * W["output_norm.weight"], W
+
+
 def reference_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
     """The final hidden states after the output norm [len(tokens), n_embd] (float64): llama.cpp's
     `result_norm`, what it returns as embeddings."""
@@ -439,6 +489,8 @@ def _final_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict[
     ffn_norm = "post_attention_norm.weight" if arch == "glm4moe" else "ffn_norm.weight"
     if arch == "deepseek2":
         return _deepseek2_hidden(meta, W, tokens, n_layer, eps)
+    if arch == "gpt-oss":
+        return _gpt_oss_hidden(meta, W, tokens, n_layer, eps)
 
     x = np.asarray(W["token_embd.weight"])[np.asarray(tokens)]  # [n, n_embd]
     causal = np.triu(np.ones((n, n), dtype=bool), k=1)  # True above the diagonal = masked

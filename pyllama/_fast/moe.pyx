@@ -44,6 +44,9 @@ DEF PARALLEL_MIN = 65536
 DEF NORM_MIN = 6.103515625e-5  # llama.cpp clamps the sum of the chosen weights to this before dividing
 DEF GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_* ids
 DEF GATING_SIGMOID = 2
+DEF GATING_SOFTMAX_WEIGHT = 3  # gpt-oss: choose by the logits, weigh by the softmax of the chosen ones
+DEF OAI_ALPHA = 1.702          # gpt-oss's clamped SwiGLU (ggml's swiglu_oai with llama.cpp's constants)
+DEF OAI_LIMIT = 7.0
 
 
 ctypedef struct Item:
@@ -74,6 +77,26 @@ ctypedef struct MoeJob:
     int q_type
     int nr_x8                         # activation rows per repacked kernel call
     int64_t gs_gate, gs_up, gs_down   # bytes per group of 8 rows of repacked experts
+    const float *gate_b               # the experts' biases ([E, f], [E, f], [E, e]) or NULL
+    const float *up_b
+    const float *down_b
+    int act                           # 0: silu(g) u; 1: gpt-oss's clamped SwiGLU
+
+
+cdef inline float _glu(const MoeJob *jb, float g, float u, int64_t x, int64_t j) noexcept nogil:
+    """One hidden value of expert x's row j from its gate and up products (plus their biases)."""
+    if jb.gate_b != NULL:
+        g = g + jb.gate_b[x * jb.f + j]
+        u = u + jb.up_b[x * jb.f + j]
+    if jb.act == 1:  # min(g, limit) sigmoid(alpha min(g, limit)) (clamp(u, -limit, limit) + 1)
+        if g > OAI_LIMIT:
+            g = OAI_LIMIT
+        if u > OAI_LIMIT:
+            u = OAI_LIMIT
+        elif u < -OAI_LIMIT:
+            u = -OAI_LIMIT
+        return g / (1.0 + expf(<float>OAI_ALPHA * (-g))) * (u + 1.0)
+    return g / (1.0 + expf(-g)) * u
 
 
 cdef void _gate_up_item(void *ctx, int64_t it) noexcept nogil:
@@ -94,8 +117,7 @@ cdef void _gate_up_item(void *ctx, int64_t it) noexcept nogil:
                         g, 0)
             pq_dot_rows(jb.t_up, nr, jb.e, wu + j * jb.up_rb, jb.xg_up + r * jb.xs_up, <size_t>jb.xs_up, u, 0)
             for i in range(nr):
-                gv = g[i]
-                jb.hg[(r + i) * jb.f + j] = gv / (1.0 + expf(-gv)) * u[i]
+                jb.hg[(r + i) * jb.f + j] = _glu(jb, g[i], u[i], item.expert, j)
         r += nr
 
 
@@ -113,7 +135,7 @@ cdef void _down_item(void *ctx, int64_t it) noexcept nogil:
             pq_dot_rows(jb.t_down, nr, jb.f, wd + j * jb.down_rb, jb.aq + r * jb.aq_stride, <size_t>jb.aq_stride,
                         s, 0)
             for i in range(nr):
-                jb.y[(r + i) * jb.e + j] = s[i]
+                jb.y[(r + i) * jb.e + j] = s[i] + (jb.down_b[item.expert * jb.e + j] if jb.down_b != NULL else 0.0)
         r += nr
 
 
@@ -140,8 +162,7 @@ cdef void _gate_up_item_x8(void *ctx, int64_t it) noexcept nogil:
             for i in range(nr):
                 h = jb.hg + (r + i) * jb.f + grp * 8
                 for l in range(8):
-                    gv = g[i * 8 + l]
-                    h[l] = gv / (1.0 + expf(-gv)) * u[i * 8 + l]
+                    h[l] = _glu(jb, g[i * 8 + l], u[i * 8 + l], item.expert, grp * 8 + l)
         r += nr
 
 
@@ -149,7 +170,7 @@ cdef void _down_item_x8(void *ctx, int64_t it) noexcept nogil:
     cdef MoeJob *jb = <MoeJob *>ctx
     cdef Item item = jb.items[it]
     cdef int64_t r0 = jb.first[item.expert], r1 = jb.first[item.expert + 1], r, grp
-    cdef int nr
+    cdef int nr, i, l
     cdef const uint8_t *wd = jb.down + item.expert * jb.down_es
     r = r0
     while r < r1:
@@ -157,6 +178,10 @@ cdef void _down_item_x8(void *ctx, int64_t it) noexcept nogil:
         for grp in range(item.j0 // 8, item.j1 // 8):
             pq_x8_dot8(jb.t_down, nr, jb.f, wd + grp * jb.gs_down, jb.aq + r * jb.aq_stride, <size_t>jb.aq_stride,
                        jb.y + r * jb.e + grp * 8, jb.e)
+            if jb.down_b != NULL:
+                for i in range(nr):
+                    for l in range(8):
+                        jb.y[(r + i) * jb.e + grp * 8 + l] += jb.down_b[item.expert * jb.e + grp * 8 + l]
         r += nr
 
 
@@ -215,6 +240,7 @@ cdef void _route(const float *logits, int64_t n, int64_t n_exp, int k, bint norm
     cdef int64_t t, x, per = n_exp // n_group if n_group > 0 else n_exp
     cdef int j, gi, gj
     cdef float mx, s, sw
+    cdef double ds
     cdef float *sel = p + n_exp
     cdef float *gs = p + 2 * n_exp
     cdef int32_t gtaken[64]
@@ -225,6 +251,9 @@ cdef void _route(const float *logits, int64_t n, int64_t n_exp, int k, bint norm
         if gating == GATING_SIGMOID:
             for x in range(n_exp):
                 p[x] = 1.0 / (1.0 + expf(-lg[x]))
+        elif gating == GATING_SOFTMAX_WEIGHT:
+            for x in range(n_exp):
+                p[x] = lg[x]
         else:
             mx = lg[0]
             for x in range(1, n_exp):
@@ -257,6 +286,15 @@ cdef void _route(const float *logits, int64_t n, int64_t n_exp, int k, bint norm
             ids[t * k + j] = _top(sel, n_exp, ids + t * k, j)
             wts[t * k + j] = p[ids[t * k + j]]
             sw = sw + wts[t * k + j]
+        if gating == GATING_SOFTMAX_WEIGHT:  # the chosen logits' softmax (ggml's: its sum in double)
+            mx = wts[t * k]  # the first chosen is the largest
+            ds = 0.0
+            for j in range(k):
+                wts[t * k + j] = expf(wts[t * k + j] - mx)
+                ds = ds + wts[t * k + j]
+            for j in range(k):
+                wts[t * k + j] = wts[t * k + j] * <float>(1.0 / ds)
+            sw = 1.0
         if norm:
             if sw < NORM_MIN:
                 sw = NORM_MIN
@@ -270,8 +308,8 @@ cdef const float *_routing_setup(int64_t n_exp, int gating, probs_b, int n_group
                                  list keep) except? NULL:
     """Checks the routing options against n_exp experts; the expert bias's data, or NULL."""
     cdef const float[::1] bv
-    if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
-        raise ValueError(f"moe_ffn: gating {gating} is not 1 (softmax) or 2 (sigmoid)")
+    if gating not in (GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT):
+        raise ValueError(f"moe_ffn: gating {gating} is not 1 (softmax), 2 (sigmoid) or 3 (softmax of the chosen)")
     if n_group < 1 or n_group > 64 or n_exp % n_group or not 1 <= n_group_used <= n_group:
         raise ValueError(f"moe_ffn: {n_exp} experts in {n_group} groups of which {n_group_used} are used")
     if n_group > 1 and n_exp // n_group < 2:
@@ -355,8 +393,11 @@ ctypedef struct MoeArgs:
     int n_used, n_threads
     bint norm, same_x
     float scale
-    int gating, n_group, n_group_used
+    int gating, n_group, n_group_used, act
     const float *probs_b              # the expert bias, or NULL
+    const float *gate_b               # the experts' own biases, or NULL
+    const float *up_b
+    const float *down_b
     int t_gate, t_up, t_down, vt_gate, vt_up, vt_down
     const uint8_t *gate
     const uint8_t *up
@@ -386,7 +427,7 @@ cdef int _moe_setup(MoeArgs *a, const float[:, ::1] x, const float[:, ::1] logit
                     const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
                     const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm,
                     float scale, shexp, shexp_gate, int n_threads, list keep, bint x8_gate_up,
-                    bint x8_down, int gating, probs_b, int n_group, int n_group_used) except -1:
+                    bint x8_down, int gating, probs_b, int n_group, int n_group_used, biases, int act) except -1:
     """Checks the arguments and fills a (the arrays it points into appended to keep); 0 when
     there is nothing to compute. x8_gate_up / x8_down: those experts come repacked in groups of
     8 rows (qmatmul.repack_x8 of each expert's rows, experts one after the other)."""
@@ -403,7 +444,10 @@ cdef int _moe_setup(MoeArgs *a, const float[:, ::1] x, const float[:, ::1] logit
     if n_used > 64:
         raise ValueError(f"moe_ffn: n_expert_used {n_used} above 64")
     a.probs_b = _routing_setup(n_exp, gating, probs_b, n_group, n_group_used, keep)
-    a.gating, a.n_group, a.n_group_used = gating, n_group, n_group_used
+    a.gating, a.n_group, a.n_group_used, a.act = gating, n_group, n_group_used, act
+    if act not in (0, 1):
+        raise ValueError(f"moe_ffn: activation {act} is not 0 (SwiGLU) or 1 (clamped SwiGLU)")
+    a.gate_b = a.up_b = a.down_b = NULL
     if gate.shape[0] != n_exp or up.shape[0] != n_exp or down.shape[0] != n_exp:
         raise ValueError(f"moe_ffn: expert tensors have {gate.shape[0]}, {up.shape[0]}, {down.shape[0]} experts, "
                          f"the router {n_exp}")
@@ -451,6 +495,19 @@ cdef int _moe_setup(MoeArgs *a, const float[:, ::1] x, const float[:, ::1] logit
         raise ValueError("moe_ffn: shexp_gate without shexp")
     if n_threads < 1:
         raise ValueError(f"moe_ffn: n_threads must be >= 1, got {n_threads}")
+    cdef const float[:, ::1] gbv
+    cdef const float[:, ::1] ubv
+    cdef const float[:, ::1] dbv
+    if biases is not None:
+        gbv, ubv, dbv = biases
+        f_rows = gate.shape[1] // gs_gate * 8 if x8_gate_up else (gate.shape[1] // gate_rb if gate_rb else 0)
+        if (gbv.shape[0] != n_exp or ubv.shape[0] != n_exp or dbv.shape[0] != n_exp or gbv.shape[1] != f_rows
+                or ubv.shape[1] != f_rows or dbv.shape[1] != e):
+            raise ValueError(f"moe_ffn: expert biases {gbv.shape[0]}x{gbv.shape[1]}, {ubv.shape[0]}x{ubv.shape[1]}, "
+                             f"{dbv.shape[0]}x{dbv.shape[1]} do not fit {n_exp} experts of {f_rows} rows, width {e}")
+        if n_exp and f_rows and e:
+            a.gate_b, a.up_b, a.down_b = &gbv[0, 0], &ubv[0, 0], &dbv[0, 0]
+        keep.extend((gbv, ubv, dbv))
     if n == 0 or e == 0:
         return 0
     if f == 0:
@@ -571,6 +628,7 @@ cdef int64_t _moe_compute(const MoeArgs *a, uint8_t *mem) noexcept nogil:
     jb.xg_gate, jb.xg_up, jb.xs_gate, jb.xs_up = xg_g, xg_u, xs_g, xs_u
     jb.hg, jb.aq, jb.aq_stride, jb.y = hg, aq, aq_stride, y
     jb.nr_x8, jb.gs_gate, jb.gs_up, jb.gs_down = pq_x8_max_rows(), a.gs_gate, a.gs_up, a.gs_down
+    jb.gate_b, jb.up_b, jb.down_b, jb.act = a.gate_b, a.up_b, a.down_b, a.act
     items_a = _items(first, n_exp, f, a.gate_rb + a.up_rb, n_threads, 8 if a.x8_gu else 1, &na)
     items_b = _items(first, n_exp, e, a.down_rb, n_threads, 8 if a.x8_down else 1, &nb)
     if items_a != NULL and items_b != NULL:
@@ -617,10 +675,12 @@ def moe_ffn(const float[:, ::1] x, const float[:, ::1] logits,
             const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
             const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm=True,
             float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1, bint x8_gate_up=False,
-            bint x8_down=False, int gating=GATING_SOFTMAX, probs_b=None, int n_group=1, int n_group_used=1):
+            bint x8_down=False, int gating=GATING_SOFTMAX, probs_b=None, int n_group=1, int n_group_used=1,
+            biases=None, int act=0):
     """out[n, e] = the MoE FFN of x[n, e] (module docstring), given the router logits [n, E],
-    routed by _route (gating 1 softmax or 2 sigmoid, probs_b an expert bias float32 [E] or None,
-    n_group / n_group_used the expert groups).
+    routed by _route (gating 1 softmax, 2 sigmoid or 3 the chosen logits' softmax, probs_b an
+    expert bias float32 [E] or None, n_group / n_group_used the expert groups). biases: None or
+    the experts' (gate_b [E, f], up_b [E, f], down_b [E, e]) float32; act 1: the clamped SwiGLU.
 
     gate, up: uint8 [E, f * row_bytes(t_gate / t_up, e)] (each expert's f rows of e elements);
     down: uint8 [E, e * row_bytes(t_down, f)]. shexp: float32 [n, e] added to the result, times
@@ -631,7 +691,8 @@ def moe_ffn(const float[:, ::1] x, const float[:, ::1] logits,
     cdef MoeArgs a
     cdef list keep = []
     if not _moe_setup(&a, x, logits, gate, t_gate, up, t_up, down, t_down, out, n_used, norm, scale, shexp,
-                      shexp_gate, n_threads, keep, x8_gate_up, x8_down, gating, probs_b, n_group, n_group_used):
+                      shexp_gate, n_threads, keep, x8_gate_up, x8_down, gating, probs_b, n_group, n_group_used,
+                      biases, act):
         return 0
     cdef uint8_t *mem = <uint8_t *>malloc(a.need)
     if mem == NULL:
@@ -649,13 +710,14 @@ def bind_moe_ffn(checked, const float[:, ::1] x, const float[:, ::1] logits,
                  const uint8_t[:, ::1] gate, int t_gate, const uint8_t[:, ::1] up, int t_up,
                  const uint8_t[:, ::1] down, int t_down, float[:, ::1] out, int n_used, bint norm=True,
                  float scale=1.0, shexp=None, shexp_gate=None, int n_threads=1, bint x8_gate_up=False,
-                 bint x8_down=False, int gating=GATING_SOFTMAX, probs_b=None, int n_group=1, int n_group_used=1):
+                 bint x8_down=False, int gating=GATING_SOFTMAX, probs_b=None, int n_group=1, int n_group_used=1,
+                 biases=None, int act=0):
     """moe_ffn (same arguments) bound as a NativeStep (plan.pyx), its scratch the run's; None
     when there is nothing to compute."""
     cdef NativeStep s = step_for(sizeof(MoeArgs), checked)
     cdef list keep = []
     if not _moe_setup(<MoeArgs *>s.ctx, x, logits, gate, t_gate, up, t_up, down, t_down, out, n_used, norm,
                       scale, shexp, shexp_gate, n_threads, keep, x8_gate_up, x8_down, gating, probs_b, n_group,
-                      n_group_used):
+                      n_group_used, biases, act):
         return None
     return bound(s, _moe_step, keep, (<MoeArgs *>s.ctx).need)

@@ -119,7 +119,7 @@ class Op(IntEnum):
     # Self-attention of one layer with its KV-cache write, RoPE and optional q/k norm fused:
     # srcs (qkv [n, (H + 2 Hkv) hd], k_cache [cells, Hkv hd], v_cache [cells, Hkv hd], pos i32 [n],
     #       kv_idx i32 [n], attn_cells i32 [c], attn_ranges i32 [n, 2] [, q_norm [hd], k_norm [hd]]
-    #       [, rope_freqs [n_rot / 2]])
+    #       [, rope_freqs [n_rot / 2]] [, sinks [H]])
     # params (n_head, n_head_kv, head_dim, n_rot, rope_mode, freq_base, freq_scale, norm_eps, scale
     #         [, softcap, n_swa, rope_mscale])
     # -> out [n, H hd]. Token t writes its k, v to cell kv_idx[t], then attends to the cells
@@ -130,6 +130,8 @@ class Op(IntEnum):
     # tanh(score / softcap) (gemma2). n_swa > 0: only the last n_swa cells of the token's list
     # (a sliding window: positions p - n_swa < q <= p). The three trailing parameters are 0 in
     # graphs that use none of them (9-parameter graphs stay valid); rope_mscale 0 reads as 1.
+    # rope_mode + ATTN_SINKS (16): a sinks source comes last, one logit per query head that joins
+    # each softmax's denominator (gpt-oss's attention sinks, ggml's soft_max with sinks).
     ATTENTION = 6
     # The sampler chain of every output row, run where the logits are (backend sampling):
     # srcs (logits [r, n_vocab], sampling i32 [r, 12 + L]); params (n_probs N, window L)
@@ -148,11 +150,15 @@ class Op(IntEnum):
     # srcs (x [n, e], router [E, e], gate_exps [E, f, e], up_exps [E, f, e], down_exps [E, e, f]
     #       [, shexp [n, e] [, shexp_gate [e]]] [, probs_b [E]]); params (n_expert_used K, norm,
     #       scale [, gating, probs_b, n_group, n_group_used]) (MoeParams)
-    # -> out [n, e]. Per token: p = softmax(x @ router.T) (gating 2: sigmoid), selection scores
+    #       [, biases, act]; with biases, router_b [E], gate_b [E, f], up_b [E, f], down_b [E, e]
+    #       follow the 5 fixed sources)
+    # -> out [n, e]. Per token: p = softmax(x @ router.T) (gating 2: sigmoid; 3: the logits, and
+    # the chosen experts' weights the softmax of their logits, gpt-oss), selection scores
     # p + probs_b (where the params say a probs_b source comes last), with n_group > 1 only the
     # experts of the n_group_used groups whose best two scores sum highest; the K best (ties: the
     # lower expert id), their weights p_k (divided by their sum when norm is 1) times scale; out =
-    # sum_k w_k * down_k(silu(gate_k x) * up_k x). Only the chosen experts' rows are read. shexp, a
+    # sum_k w_k * down_k(silu(gate_k x) * up_k x) (act 1: min(g, 7) sigmoid(1.702 min(g, 7)) *
+    # (clamp(u, -7, 7) + 1), each product plus its bias). Only the chosen experts' rows are read. shexp, a
     # shared expert's output computed by ordinary nodes, is added, times sigmoid(x . shexp_gate)
     # if given.
     MOE_FFN = 9
@@ -196,6 +202,9 @@ class Src:
 FAMILY_OPS = (Op.GEGLU, Op.SCALE, Op.SOFTCAP)
 
 
+ATTN_SINKS = 16  # a flag on ATTENTION's rope_mode: the last source is the per-head sink logits
+
+
 class AttentionParams(NamedTuple):
     """ATTENTION's parameters by name (their order on the wire: Op.ATTENTION). The extensions
     (softcap, n_swa, rope_mscale and a rope_freqs source) are what the dense families beyond llama
@@ -214,21 +223,31 @@ class AttentionParams(NamedTuple):
     n_swa: float = 0      # a float as it travels; the kernels check it is whole
     rope_mscale: float = 1.0
     rope_freqs: bool = False  # a rope_freqs source follows (it is a source, not a parameter)
+    sinks: bool = False       # a sinks source comes last (ATTN_SINKS on rope_mode on the wire)
 
     @classmethod
     def of(cls, params: Sequence[float], n_srcs: int) -> "AttentionParams":
-        """From a node's parameters (9 or 12) and its source count (8 or 10: rope_freqs last)."""
+        """From a node's parameters (9 or 12) and its source count (8 or 10: rope_freqs last, then
+        the sinks where rope_mode carries ATTN_SINKS)."""
         p = tuple(params) + (0.0,) * (12 - len(params))
-        return cls(*p[:9], softcap=p[9], n_swa=p[10], rope_mscale=p[11] or 1.0, rope_freqs=n_srcs % 2 == 0)
+        mode = p[4]
+        sinks = mode == int(mode) and int(mode) & ATTN_SINKS != 0
+        if sinks:
+            p = p[:4] + (int(mode) & ~ATTN_SINKS,) + p[5:]
+        rest = n_srcs - (1 if sinks else 0)
+        return cls(*p[:9], softcap=p[9], n_swa=p[10], rope_mscale=p[11] or 1.0, rope_freqs=rest % 2 == 0,
+                   sinks=sinks)
 
     @property
     def extended(self) -> bool:
         """Whether it uses an extension (devices without FAMILY_OPS run none)."""
-        return self.softcap != 0 or self.n_swa != 0 or self.rope_mscale != 1.0 or self.rope_freqs
+        return self.softcap != 0 or self.n_swa != 0 or self.rope_mscale != 1.0 or self.rope_freqs or self.sinks
 
     def params(self) -> tuple:
         """The node's parameters: the 9 base ones, the 3 extensions only where one is used."""
         base = tuple(self[:9])
+        if self.sinks:
+            base = base[:4] + (int(self.rope_mode) | ATTN_SINKS,) + base[5:]
         if self.softcap or self.n_swa or self.rope_mscale != 1.0:
             return base + (self.softcap, self.n_swa, self.rope_mscale)
         return base
@@ -246,20 +265,26 @@ class MoeParams(NamedTuple):
     probs_b: float = 0.0  # 1: the last source is the expert bias
     n_group: float = 1.0
     n_group_used: float = 1.0
+    biases: float = 0.0   # 1: router and expert biases follow the 5 fixed sources (gpt-oss)
+    act: float = 0.0      # the experts' activation: 0 SwiGLU, 1 gpt-oss's clamped SwiGLU
 
     @classmethod
     def of(cls, params: Sequence[float]) -> "MoeParams":
-        """From a node's parameters (3, or 7; the wire pads with zeros, and a 0 gating or group
+        """From a node's parameters (3, 7 or 9; the wire pads with zeros, and a 0 gating or group
         count reads as its default, 1)."""
-        p = tuple(params) + (0.0,) * (7 - len(params))
-        return cls(*p[:3], gating=p[3] or 1.0, probs_b=p[4], n_group=p[5] or 1.0, n_group_used=p[6] or 1.0)
+        p = tuple(params) + (0.0,) * (9 - len(params))
+        return cls(*p[:3], gating=p[3] or 1.0, probs_b=p[4], n_group=p[5] or 1.0, n_group_used=p[6] or 1.0,
+                   biases=p[7], act=p[8])
 
     @property
     def extended(self) -> bool:
-        return self.gating != 1 or self.probs_b != 0 or self.n_group != 1 or self.n_group_used != 1
+        return (self.gating != 1 or self.probs_b != 0 or self.n_group != 1 or self.n_group_used != 1
+                or self.biases != 0 or self.act != 0)
 
     def params(self) -> tuple:
-        return tuple(self) if self.extended else tuple(self[:3])
+        if not self.extended:
+            return tuple(self[:3])
+        return tuple(self) if self.biases or self.act else tuple(self[:7])
 
 
 class MlaParams(NamedTuple):
@@ -305,7 +330,8 @@ OP_TABLE: dict[Op, OpSpec] = {
     Op.SWIGLU: OpSpec((_s("gu", F32),), (1,), F32, 0),
     Op.ATTENTION: OpSpec((_s("qkv", F32), Src("k_cache", KV_CACHE_TYPES), Src("v_cache", KV_CACHE_TYPES),
                           _s("pos", I32), _s("kv_idx", I32), _s("attn_cells", I32), _s("attn_ranges", I32),
-                          _s("q_norm", F32), _s("k_norm", F32), _s("rope_freqs", F32)), (7, 8, 9, 10), F32, 12),
+                          _s("q_norm", F32), _s("k_norm", F32), _s("rope_freqs", F32), _s("sinks", F32)),
+                         (7, 8, 9, 10), F32, 12),
     Op.SAMPLE: OpSpec((_s("logits", F32), _s("sampling", I32)), (2,), I32, 2),
     # sources are laid out by src_roles (x, p weights, optional bias)
     Op.MUL_MAT_CAT: OpSpec((_s("x", F32), _s("w", F32, weight=True), _s("bias", F32)),
@@ -313,7 +339,8 @@ OP_TABLE: dict[Op, OpSpec] = {
     # sources are laid out by src_roles (5 fixed, the shared expert and its gate, the expert bias)
     Op.MOE_FFN: OpSpec((_s("x", F32), _s("router", F32, weight=True), _s("gate_exps", F32, weight=True),
                         _s("up_exps", F32, weight=True), _s("down_exps", F32, weight=True), _s("shexp", F32),
-                        _s("shexp_gate", F32), _s("probs_b", F32)), (5, 6, 7, 8), F32, 7),
+                        _s("shexp_gate", F32), _s("probs_b", F32), _s("router_b", F32), _s("gate_b", F32),
+                        _s("up_b", F32), _s("down_b", F32)), (5, 6, 7, 8, 9, 10), F32, 9),
     Op.GEGLU: OpSpec((_s("gu", F32),), (1,), F32, 0),
     Op.MLA_ATTENTION: OpSpec((_s("q", F32), _s("kv", F32), Src("k_cache", KV_CACHE_TYPES), _s("pos", I32),
                               _s("kv_idx", I32), _s("attn_cells", I32), _s("attn_ranges", I32),
@@ -338,14 +365,23 @@ def src_roles(op: Op, n_srcs: int, params: Sequence[float] = ()) -> Optional[lis
             return None
         x, w, bias = spec.srcs
         return [x] + [w] * int(p) + [bias] * (n_srcs - 1 - int(p))
-    if op == Op.MOE_FFN:  # the expert bias last where the parameters say it is there
-        bias = 1 if len(params) > 4 and params[4] == 1 else 0
-        if len(params) > 4 and params[4] not in (0, 1) or n_srcs - bias < 5 or n_srcs - bias > 7:
+    if op == Op.MOE_FFN:  # 5 fixed [, 4 biases], the shared expert and its gate, the expert bias
+        mp = MoeParams.of(params)
+        if mp.probs_b not in (0, 1) or mp.biases not in (0, 1):
             return None
-        return list(spec.srcs[:n_srcs - bias]) + [spec.srcs[7]] * bias
-    if op == Op.ATTENTION:  # 7 fixed, then q_norm and k_norm as a pair, then rope_freqs
-        base, pair, freqs = list(spec.srcs[:7]), list(spec.srcs[7:9]), [spec.srcs[9]]
-        return base + (pair if n_srcs >= 9 else []) + (freqs if n_srcs % 2 == 0 else [])
+        bias, biases = int(mp.probs_b), 4 * int(mp.biases)
+        shared = n_srcs - 5 - bias - biases
+        if not 0 <= shared <= 2:
+            return None
+        return (list(spec.srcs[:5]) + list(spec.srcs[8:12])[:biases] + list(spec.srcs[5:5 + shared])
+                + [spec.srcs[7]] * bias)
+    if op == Op.ATTENTION:  # 7 fixed, then q_norm and k_norm as a pair, then rope_freqs, then sinks
+        base, pair, freqs, sinks = list(spec.srcs[:7]), list(spec.srcs[7:9]), [spec.srcs[9]], [spec.srcs[10]]
+        has_sinks = AttentionParams.of(params, n_srcs).sinks if params else False
+        rest = n_srcs - (1 if has_sinks else 0)
+        if rest < 7:
+            return None
+        return base + (pair if rest >= 9 else []) + (freqs if rest % 2 == 0 else []) + (sinks if has_sinks else [])
     return list(spec.srcs[:n_srcs])
 
 

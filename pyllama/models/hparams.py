@@ -30,6 +30,9 @@ ARCHITECTURES = {
     # DeepSeek V2/V3/R1, Kimi K2: multi-head latent attention (MLA files only), normal-mode RoPE on
     # the rope part of each head, leading dense layers, then routed and shared experts
     "deepseek2": (ROPE_NORMAL, False, False),
+    # gpt-oss: NeoX RoPE (YaRN in the published files), q/k/v and output biases, attention sinks,
+    # every other layer in a sliding window, and Mixture-of-Experts layers with biased experts
+    "gpt-oss": (ROPE_NEOX, True, False),
 }
 # architectures whose q/k/v biases and q/k norms are optional: present where the file has them
 OPTIONAL_ATTN_TENSORS = ("glm4moe", "glm4")
@@ -44,9 +47,11 @@ ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 # weights are divided by their sum when the file has no `{arch}.expert_weights_norm` key (what
 # llama.cpp builds for each: Qwen2MoE's norm_topk_prob defaults to false, Qwen3MoE's models and
 # Mixtral normalize). `llama` is MoE (Mixtral-style) when its file has `llama.expert_count`.
-MOE_NORM_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "llama": True, "glm4moe": False, "deepseek2": False}
+MOE_NORM_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "llama": True, "glm4moe": False, "deepseek2": False,
+                    "gpt-oss": False}
 EXPERT_GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 EXPERT_GATING_SIGMOID = 2
+EXPERT_GATING_SOFTMAX_WEIGHT = 3  # choose by the router logits, weigh by the chosen ones' softmax (gpt-oss)
 # the gating an architecture's MoE layers use when the file names none (llama.cpp's loaders)
 GATING_DEFAULT = {"glm4moe": EXPERT_GATING_SIGMOID}
 
@@ -76,7 +81,10 @@ class HParams:
     n_ff_shexp: int = 0          # the shared expert's (0: none)
     expert_weights_norm: bool = False
     expert_weights_scale: float = 1.0
-    expert_gating: int = EXPERT_GATING_SOFTMAX  # 2: sigmoid (glm4moe), with the expert bias exp_probs_b
+    expert_gating: int = EXPERT_GATING_SOFTMAX  # 2: sigmoid (glm4moe), with the expert bias exp_probs_b;
+                                                # 3: the chosen logits' softmax (gpt-oss)
+    moe_biases: bool = False     # the router and every expert have biases, and SwiGLU is clamped (gpt-oss)
+    attn_sinks: bool = False     # a learned sink logit per head joins each softmax (gpt-oss)
     n_layer_dense_lead: int = 0  # the first layers of a MoE model with a dense FFN instead (glm4moe)
     n_layer_nextn: int = 0       # blocks after n_layer that only predict further tokens (glm4moe's
                                  # NextN/MTP layers): in the file, never computed
@@ -279,7 +287,7 @@ def read_hparams(gf: GGUFFile) -> HParams:
     n_vocab = gf.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
     if not n_vocab:
         raise ModelFileError(f"{gf.path}: no vocabulary size ('{arch}.vocab_size' or 'tokenizer.ggml.tokens')")
-    n_ff_default = gf.get(f"{arch}.expert_feed_forward_length") if arch in ("qwen2moe", "qwen3moe") else None
+    n_ff_default = gf.get(f"{arch}.expert_feed_forward_length") if arch in ("qwen2moe", "qwen3moe", "gpt-oss") else None
     n_ff = _int(gf, f"{arch}.feed_forward_length", n_ff_default)
     rope = _rope_scaling(gf, arch)
     rope_scale = rope.pop("rope_scale")
@@ -350,6 +358,12 @@ def _dense_family_hparams(gf: GGUFFile, arch: str, n_layer: int, n_embd: int, n_
     llama.cpp, which ignores phi3's sliding_window key); empty for the other architectures."""
     if arch == "glm4":
         return dict(post_norms=True)
+    if arch == "gpt-oss":  # every `sliding_window_pattern`-th layer attends to all, the others slide
+        period = gf.get("gpt-oss.attention.sliding_window_pattern", 2)
+        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+            raise ModelFileError(f"{gf.path}: 'gpt-oss.attention.sliding_window_pattern' must be a positive integer")
+        return dict(n_swa=_int(gf, "gpt-oss.attention.sliding_window"), attn_sinks=True,
+                    swa_layers=tuple(il % period < period - 1 for il in range(n_layer)))
     if arch not in GEMMA_ARCHS:
         return {}
     # the query scale of gemma_pytorch's config: 1 / sqrt(n_embd / n_head) for the 27B models
@@ -388,6 +402,10 @@ def _moe_hparams(gf: GGUFFile, arch: str, n_ff: int) -> dict:
     gating = gf.get(f"{arch}.expert_gating_func", default_gating)
     if gating == 0:  # llama.cpp's NONE: the architecture's own
         gating = default_gating
+    if arch == "gpt-oss":  # llama.cpp's graph routes gpt-oss so whatever the file says
+        return dict(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=_int(gf, "gpt-oss.expert_feed_forward_length"),
+                    expert_gating=EXPERT_GATING_SOFTMAX_WEIGHT, moe_biases=True,
+                    expert_weights_scale=_float(gf, "gpt-oss.expert_weights_scale", 1.0))
     if gating not in (EXPERT_GATING_SOFTMAX, EXPERT_GATING_SIGMOID) or isinstance(gating, bool):
         raise ModelFileError(f"{gf.path}: expert_gating_func {gating!r} is not supported (1 softmax, 2 sigmoid)")
     norm = gf.get(f"{arch}.expert_weights_norm", MOE_NORM_DEFAULT[arch])

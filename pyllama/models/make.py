@@ -3,7 +3,8 @@
     python -m pyllama.models.make --preset tiny|small|medium|deep --out PATH [--vocab VOCAB.gguf]
         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|iq4_nl|iq4_xs|mxfp4
                 |q4_k_m|q5_k_m|iq4_nl_mix|iq4_xs_mix|mxfp4_moe]
-        [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3|glm4|glm4moe|deepseek2]
+        [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3|glm4|glm4moe|deepseek2|
+                gpt-oss]
         [--tied|--untied]
         [--rope-scaling none|linear|yarn --rope-factor F] [--rope-freqs] [--n-rot N]
         [--sliding-window N] [--attn-softcap C] [--final-softcap C] [--longrope] [--output-bias]
@@ -99,7 +100,7 @@ PRESETS: dict[str, Preset] = {
     "deep": Preset(64, 24, 4, 2, 192, 512, 512, False),
 }
 ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "glm4",
-         "glm4moe", "deepseek2")
+         "glm4moe", "deepseek2", "gpt-oss")
 PARTIAL_ROPE_ARCHS = ("glm4", "glm4moe")  # RoPE on half of each head, as GLM's files have it
 # Mixture-of-Experts shapes per preset: (experts, experts used per token, expert FFN width, shared
 # expert FFN width (qwen2moe only)). The small qwen3moe model's active FFN (3 x 256) is the small
@@ -112,7 +113,8 @@ MOE_PRESETS: dict[str, tuple[int, int, int, int]] = {
     "small": (32, 3, 256, 512),
     "medium": (64, 8, 256, 1024),
 }
-MOE_ARCHS = ("qwen2moe", "qwen3moe", "mixtral", "glm4moe", "deepseek2")
+MOE_ARCHS = ("qwen2moe", "qwen3moe", "mixtral", "glm4moe", "deepseek2", "gpt-oss")
+GPT_OSS_WINDOW = 8  # gpt-oss's sliding window here (128 in the published models): the test prompts outgrow it
 # deepseek2 as DeepSeek V3's converter writes it (multi-head latent attention), per preset:
 # (q_lora_rank, kv_lora_rank, nope, rope, v head size, expert groups, groups used); like glm4moe
 # (GLM4MOE's counts) a leading dense layer, one shared expert, sigmoid routing with the expert
@@ -158,11 +160,12 @@ K_QUANT_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5
                     Q.IQ4_XS: Q.IQ4_NL}
 ROPE_FREQ_BASE = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen2moe": 1000000.0,
                   "qwen3moe": 1000000.0, "mixtral": 1000000.0, "gemma2": 10000.0, "gemma3": 1000000.0,
-                  "phi3": 10000.0, "glm4": 10000.0, "glm4moe": 1000000.0, "deepseek2": 10000.0}
-QKV_BIAS_ARCHS = ("qwen2", "qwen2moe", "glm4", "glm4moe")
+                  "phi3": 10000.0, "glm4": 10000.0, "glm4moe": 1000000.0, "deepseek2": 10000.0,
+                  "gpt-oss": 150000.0}
+QKV_BIAS_ARCHS = ("qwen2", "qwen2moe", "glm4", "glm4moe", "gpt-oss")
 QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3")
 GEMMA_ARCHS = ("gemma2", "gemma3")  # post-norms, always tied (llama.cpp reads no output.weight for them)
-UNTIED_ARCHS = ("qwen2moe",)  # llama.cpp's loader requires output.weight (no fallback to token_embd)
+UNTIED_ARCHS = ("qwen2moe", "gpt-oss")  # llama.cpp's loader requires output.weight (no fallback to token_embd)
 SWA_DEFAULT = {"gemma2": 4096, "gemma3": 1024}  # their sliding windows
 
 
@@ -258,6 +261,9 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
         if arch in QK_NORM_ARCHS:
             plan.append(TensorSpec(b + "attn_q_norm.weight", (hd,), "norm"))
             plan.append(TensorSpec(b + "attn_k_norm.weight", (hd,), "norm"))
+        if arch == "gpt-oss":
+            plan.extend(_gpt_oss_layer(p, b, w, experts))
+            continue
         plan.append(w(b + "attn_output.weight", e, nq, 0.5))
         if arch in GEMMA_ARCHS or arch == "glm4":
             plan.append(TensorSpec(b + "post_attention_norm.weight", (e,), "norm"))
@@ -312,6 +318,22 @@ def _deepseek2_layer(p: Preset, i: int, b: str, w, experts) -> list[TensorSpec]:
            w(b + "attn_output.weight", e, H * v, 0.5)]
     glm = _glm4moe_layer(p, i, b, w, experts)
     return out + [TensorSpec(b + "ffn_norm.weight", (e,), "norm")] + glm[1:]
+
+
+def _gpt_oss_layer(p: Preset, b: str, w, experts) -> list[TensorSpec]:
+    """A gpt-oss layer after its q/k/v and their biases: the output product and its bias, the
+    sink logits, the FFN norm (post_attention_norm), the router and the experts, each with a
+    bias."""
+    e, H = p.n_embd, p.n_head
+    n_exp, _, ff_exp, _ = moe_shape(p, "gpt-oss")
+    return [w(b + "attn_output.weight", e, H * p.head_dim, 0.5), TensorSpec(b + "attn_output.bias", (e,), "bias"),
+            TensorSpec(b + "attn_sinks.weight", (H,), "normal", 1.0),
+            TensorSpec(b + "post_attention_norm.weight", (e,), "norm"),
+            w(b + "ffn_gate_inp.weight", n_exp, e), TensorSpec(b + "ffn_gate_inp.bias", (n_exp,), "bias"),
+            experts(b + "ffn_gate_exps.weight", n_exp, ff_exp, e), TensorSpec(b + "ffn_gate_exps.bias", (n_exp, ff_exp), "bias"),
+            experts(b + "ffn_up_exps.weight", n_exp, ff_exp, e), TensorSpec(b + "ffn_up_exps.bias", (n_exp, ff_exp), "bias"),
+            experts(b + "ffn_down_exps.weight", n_exp, e, ff_exp, 0.5),
+            TensorSpec(b + "ffn_down_exps.bias", (n_exp, e), "bias")]
 
 
 def mla_shape(p: Preset) -> tuple[int, int, int, int, int, int, int]:
@@ -460,8 +482,9 @@ def tensor_types(plan: list[TensorSpec], wtype: str) -> dict[str, Q]:
     i_attn_v = i_ffn_down = 0
     types: dict[str, Q] = {}
     for spec in plan:
-        # 1-D tensors, and the MoE router (llama.cpp's quantizer never quantizes ffn_gate_inp), stay F32
-        if len(spec.shape) == 1 or spec.name.endswith("ffn_gate_inp.weight"):
+        # 1-D tensors, biases (gpt-oss's expert biases are 2-D) and the MoE router (llama.cpp's
+        # quantizer quantizes only tensors named *weight, and never ffn_gate_inp) stay F32
+        if len(spec.shape) == 1 or spec.name.endswith("ffn_gate_inp.weight") or not spec.name.endswith("weight"):
             types[spec.name] = Q.F32
             continue
         qtype, row = base, spec.shape[-1]
@@ -604,6 +627,10 @@ def _add_metadata(w: GGUFWriter, preset: str, p: Preset, arch_name: str, ftype: 
             w.add_float32(f"{arch}.expert_weights_scale", GLM4MOE["expert_weights_scale"])
             w.add_bool(f"{arch}.expert_weights_norm", True)
             w.add_uint32(f"{arch}.expert_gating_func", 2)  # sigmoid
+        if arch_name == "gpt-oss":
+            w.add_uint32(f"{arch}.attention.sliding_window", GPT_OSS_WINDOW)
+            w.add_uint32(f"{arch}.attention.key_length", p.head_dim)
+            w.add_uint32(f"{arch}.attention.value_length", p.head_dim)
         if arch_name == "deepseek2":
             q_lora, lora, nope, rope, v, groups, used = mla_shape(p)
             w.add_uint32(f"{arch}.expert_group_count", groups)

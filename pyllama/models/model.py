@@ -44,6 +44,8 @@ def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
         })
         if hp.mla_lora_kv:
             _mla_tensors(hp, b, shapes)
+        if hp.attn_sinks:  # gpt-oss: a sink logit per head, and the output product's bias
+            shapes.update({b + "attn_sinks.weight": (hp.n_head,), b + "attn_output.bias": (e,)})
         shapes.update(_ffn_tensors(hp, i))
         if hp.qkv_bias:
             shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
@@ -113,7 +115,7 @@ def _mla_tensors(hp: HParams, b: str, shapes: dict[str, tuple[int, ...]]) -> Non
 def ffn_norm_tensor(hp: HParams) -> str:
     """The file name of a layer's norm before the FFN (GLM's converter names it for the HF model's
     post_attention_layernorm)."""
-    return "post_attention_norm.weight" if hp.arch == "glm4moe" else "ffn_norm.weight"
+    return "post_attention_norm.weight" if hp.arch in ("glm4moe", "gpt-oss") else "ffn_norm.weight"
 
 
 def _ffn_tensors(hp: HParams, il: int) -> dict[str, tuple[int, ...]]:
@@ -129,6 +131,9 @@ def _ffn_tensors(hp: HParams, il: int) -> dict[str, tuple[int, ...]]:
            b + "ffn_up_exps.weight": (x, f, e), b + "ffn_down_exps.weight": (x, e, f)}
     if hp.arch == "glm4moe":
         out[b + "exp_probs_b.bias"] = (x,)
+    if hp.moe_biases:
+        out.update({b + "ffn_gate_inp.bias": (x,), b + "ffn_gate_exps.bias": (x, f), b + "ffn_up_exps.bias": (x, f),
+                    b + "ffn_down_exps.bias": (x, e)})
     if hp.n_ff_shexp:
         fs = hp.n_ff_shexp
         out.update({b + "ffn_gate_shexp.weight": (fs, e), b + "ffn_up_shexp.weight": (fs, e),
@@ -224,12 +229,18 @@ class Model:
                 out[b + "attn_q_norm"] = ([b + "attn_q_norm.weight"], i)
                 out[b + "attn_k_norm"] = ([b + "attn_k_norm.weight"], i)
             out[b + "attn_output"] = ([b + "attn_output.weight"], i)
+            if hp.attn_sinks:
+                out[b + "attn_sinks"] = ([b + "attn_sinks.weight"], i)
+                out[b + "attn_output_bias"] = ([b + "attn_output.bias"], i)
             out[b + "ffn_norm"] = ([b + ffn_norm_tensor(hp)], i)
             if hp.moe_layer(i):  # expert tensors stay whole (3-D), each one file tensor, used in place
                 for name in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
                     out[b + name] = ([b + name + ".weight"], i)
                 if b + "exp_probs_b.bias" in self.file.tensors:  # glm4moe's always, DeepSeek V3's
                     out[b + "exp_probs_b"] = ([b + "exp_probs_b.bias"], i)
+                if hp.moe_biases:
+                    for name in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+                        out[b + name + "_bias"] = ([b + name + ".bias"], i)
                 if hp.n_ff_shexp:
                     if hp.arch == "qwen2moe":
                         out[b + "ffn_gate_inp_shexp"] = ([b + "ffn_gate_inp_shexp.weight"], i)

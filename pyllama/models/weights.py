@@ -11,7 +11,7 @@ import numpy as np
 from ..backend.base import Backend, Buffer, DType, Tensor, nbytes_of
 from ..backend.layout import dequantize_f32
 from ..util.errors import ModelFileError, PyllamaError, UnsupportedOpError
-from ..ir.tensor import FAMILY_OPS, Node, Op, family_node
+from ..ir.tensor import FAMILY_OPS, AttentionParams, Node, Op, family_node
 from .build.llama import build_forward
 from .model import Model
 from .gguf_file import TensorInfo
@@ -348,8 +348,12 @@ def check_placement(model: Model, placement: Placement) -> None:
 def _what(nd: Node) -> str:
     """e.g. 'GeGLU FFN (GEGLU)', 'attention with soft-capping, a sliding window or scaled RoPE (ATTENTION)'."""
     what = _NODE_WHAT.get(nd.op, "node")
-    if nd.op == Op.ATTENTION and family_node(nd.op, nd.params, len(nd.srcs)):
+    if nd.op == Op.ATTENTION and AttentionParams.of(nd.params, len(nd.srcs)).sinks:
+        what += " with sinks"
+    elif nd.op == Op.ATTENTION and family_node(nd.op, nd.params, len(nd.srcs)):
         what += " with soft-capping, a sliding window or scaled RoPE"
+    elif nd.op == Op.MOE_FFN and family_node(nd.op, nd.params, len(nd.srcs)):
+        what += " with sigmoid, grouped or biased routing"
     return f"{what} ({nd.op.name})"
 
 

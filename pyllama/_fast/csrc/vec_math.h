@@ -242,6 +242,15 @@ static inline float pv_softmax_unnormed(float *x, int64_t n) {
     return pv_exp_shift_sum(x, n, m);
 }
 
+/* The same with an attention sink: one more logit that joins the maximum and the denominator but
+ * has no value (ggml's soft_max with sinks: max over the row and the sink, then exp(sink - max)
+ * added to the sum). */
+static inline float pv_softmax_unnormed_sink(float *x, int64_t n, float sink) {
+    float m = sink;
+    for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+    return pv_exp_shift_sum(x, n, m) + expf(sink - m);
+}
+
 /* exp(x) as ggml's vectorized ggml_v_expf computes it (a range reduction x = n ln2 + b with
  * n = round(x / ln2) by the 1.5 * 2^23 trick, ln2 in two parts, and a degree-5 polynomial in b
  * evaluated as c1 b + u (c2 + c3 b + u (c4 + c5 b)), u = b^2), in its AVX-512 form (16 lanes,

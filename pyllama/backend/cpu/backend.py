@@ -272,16 +272,17 @@ class CPUBackend(Backend):
             elif op == Op.SWIGLU:
                 steps.append(_native(opts, k.bind_glu, _bind(k.swiglu, s[0], out, nt), s[0], out, nt, False))
             elif op == Op.ATTENTION:
-                qn, kn = (s[7], s[8]) if len(s) >= 9 else (empty, empty)
                 a = AttentionParams.of(nd.params, len(s))
-                freqs = s[-1] if a.rope_freqs else None
+                qn, kn = (s[7], s[8]) if len(s) - a.sinks >= 9 else (empty, empty)
+                sinks = s[-1] if a.sinks else None
+                freqs = s[-2 if a.sinks else -1] if a.rope_freqs else None
                 if a.n_swa != int(a.n_swa):
                     raise ValueError(f"ATTENTION {nd.out.name}: n_swa {a.n_swa} is not an integer")
                 kc, vc = nd.srcs[1], nd.srcs[2]  # the caches as rows of bytes in their cache types
                 args = (s[0], _rows(kc), _rows(vc), s[3], s[4], s[5], s[6], qn, kn, out,
                         int(a.n_head), int(a.n_head_kv), int(a.head_dim), int(a.n_rot), int(a.rope_mode),
                         float(a.freq_base), float(a.freq_scale), float(a.norm_eps), float(a.scale), nt,
-                        int(kc.dtype), int(vc.dtype), float(a.softcap), int(a.n_swa), float(a.rope_mscale), freqs)
+                        int(kc.dtype), int(vc.dtype), float(a.softcap), int(a.n_swa), float(a.rope_mscale), freqs, sinks)
                 steps.append(_native(opts, k.bind_attention, _bind(k.attention, *args), *args))
             elif op == Op.GEGLU:
                 steps.append(_native(opts, k.bind_glu, _bind(k.geglu, s[0], out, nt), s[0], out, nt, True))
@@ -479,7 +480,10 @@ def _moe_ffn_steps(opts: CpuSettings, srcs: Sequence[Tensor], s: Sequence[np.nda
         raise ValueError(f"MOE_FFN: gating {mp.gating} and expert groups {mp.n_group}, {mp.n_group_used} must be "
                          "integers")
     probs_b = s[-1] if mp.probs_b == 1 else None
-    rest = list(s[5:len(s) - (1 if probs_b is not None else 0)])  # the shared expert and its gate
+    n_biases = 4 if mp.biases == 1 else 0  # router_b, gate_b, up_b, down_b (gpt-oss)
+    router_b = s[5] if n_biases else None
+    biases = (s[6], s[7], s[8]) if n_biases else None
+    rest = list(s[5 + n_biases:len(s) - (1 if probs_b is not None else 0)])  # the shared expert and its gate
     for t in (gate, up, down):
         if len(t.shape) != 3 or t.shape[0] != router.shape[0]:
             raise ValueError(f"MOE_FFN: expert tensor {t.name} {list(t.shape)} is not [{router.shape[0]}, rows, cols]")
@@ -487,7 +491,7 @@ def _moe_ffn_steps(opts: CpuSettings, srcs: Sequence[Tensor], s: Sequence[np.nda
         raise ValueError(f"MOE_FFN: expert shapes {list(gate.shape)}, {list(up.shape)}, {list(down.shape)} do not "
                          f"fit x {list(x.shape)}")
     logits = np.zeros((x.shape[0], router.shape[0]), dtype=np.float32)
-    route = _mul_mat_step(opts, x, router, srcs[1].dtype, logits, None, nt)
+    route = _mul_mat_step(opts, x, router, srcs[1].dtype, logits, router_b, nt)
     # each expert tensor as one row of bytes per expert, whatever its type (repacked or as in the file)
     g, u, d = (CPUBackend.bytes_of(t).reshape(t.shape[0], -1) for t in (gate, up, down))
     pg, pu, pd = packed(gate), packed(up), packed(down)
@@ -500,7 +504,7 @@ def _moe_ffn_steps(opts: CpuSettings, srcs: Sequence[Tensor], s: Sequence[np.nda
     shexp_gate = rest[1] if len(rest) > 1 else None
     args = (x, logits, g, int(gate.dtype), u, int(up.dtype), d, int(down.dtype), out, int(n_used), bool(norm),
             float(scale), shexp, shexp_gate, nt, x8_gate_up, pd is not None, int(mp.gating), probs_b,
-            int(mp.n_group), int(mp.n_group_used))
+            int(mp.n_group), int(mp.n_group_used), biases, int(mp.act))
 
     return [route, _native(opts, moe.bind_moe_ffn, _bind(moe.moe_ffn, *args), *args)]
 

@@ -24,7 +24,7 @@ import numpy as np
 from ..._fast.wire import fnv1a64
 from ...obs import trace
 from ...rpc.connection import RPCError
-from ...ir.tensor import KV_CACHE_TYPES, WEIGHT_TYPES, Buffer, DType, Graph, Tensor
+from ...ir.tensor import KV_CACHE_TYPES, WEIGHT_TYPES, AttentionParams, Buffer, DType, Graph, MoeParams, Node, Op, Tensor
 from ...util.errors import PyllamaError
 from ..base import Backend, DeviceInfo
 from ..host_sample import bind_sample
@@ -124,6 +124,17 @@ class GGMLBackend(RemoteDevice, Backend):
 
     def supports(self, op: int) -> bool:
         return op in LOWERED_OPS
+
+    def supports_node(self, node: Node) -> bool:
+        """Beyond the op: the extensions the lowering builds (not gpt-oss's attention sinks, nor
+        MOE_FFN's expert groups, expert biases, clamped SwiGLU or softmax of the chosen)."""
+        if node.op == Op.ATTENTION and AttentionParams.of(node.params, len(node.srcs)).sinks:
+            return False
+        if node.op == Op.MOE_FFN:
+            mp = MoeParams.of(node.params)
+            if mp.n_group != 1 or mp.biases or mp.act or mp.gating not in (1, 2):
+                return False
+        return super().supports_node(node)
 
     def holds_kv(self, dtype: DType, head_dim: int) -> bool:
         # ggml's attention views a cache a head at a time: a quantized head is whole 32-value blocks

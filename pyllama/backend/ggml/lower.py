@@ -340,7 +340,7 @@ class Lowering:
         q = g.view(qkv, [hd, H, n], [4 * hd, row], 0)
         k = g.view(qkv, [hd, Hkv, n], [4 * hd, row], 4 * H * hd)
         v = g.view(qkv, [Hkv * hd, n], [row], 4 * (H + Hkv) * hd)
-        if len(s) >= 9:   # q and k norms (qwen3): per head, before RoPE
+        if len(s) - a.sinks >= 9:   # q and k norms (qwen3): per head, before RoPE
             q = g.mul(g.rms_norm(q, float(a.norm_eps)), self.t(s[7]))
             k = g.mul(g.rms_norm(k, float(a.norm_eps)), self.t(s[8]))
         freqs = self.t(s[-1]) if a.rope_freqs else None

@@ -87,7 +87,7 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
         freqs = w.get(b + "rope_freqs")
         if freqs is None:
             freqs = w.get(b + ("rope_freqs_long" if long_rope else "rope_freqs_short"))
-        attn_params = _attention_params(hp, il, freqs is not None)
+        attn_params = _attention_params(hp, il, freqs is not None, w.get(b + "attn_sinks") is not None)
         h = add(Op.RMS_NORM, (n, e), f"attn_norm-{il}", x, w[b + "attn_norm"], params=(hp.rms_eps,), layer=il)
         k_cache, v_cache = kv[il]
         if hp.mla_lora_kv:
@@ -97,8 +97,8 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
                           w.get(b + "attn_qkv_bias"), layer=il)
             a = add(Op.ATTENTION, (n, hp.n_embd_q), f"kqv_out-{il}", qkv, k_cache, v_cache, inputs["inp_pos"],
                     inputs["inp_kv_idx"], inputs["inp_attn_cells"], inputs["inp_attn_ranges"],
-                    w.get(b + "attn_q_norm"), w.get(b + "attn_k_norm"), freqs, params=attn_params,
-                    layer=il)
+                    w.get(b + "attn_q_norm"), w.get(b + "attn_k_norm"), freqs, w.get(b + "attn_sinks"),
+                    params=attn_params, layer=il)
         if il == hp.n_layer - 1:
             if n_outputs == 0:
                 break  # the KV cache is written; nothing downstream is read
@@ -106,7 +106,7 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
                 a = add(Op.GET_ROWS, (n_outputs, a.shape[1]), f"kqv_out_sel-{il}", a, inputs["inp_out_ids"], layer=il)
                 x = add(Op.GET_ROWS, (n_outputs, e), f"inp_sel-{il}", x, inputs["inp_out_ids"], layer=il)
         rows = a.shape[0]
-        o = mul_mat((rows, e), f"attn_out-{il}", a, w[b + "attn_output"], layer=il)
+        o = mul_mat((rows, e), f"attn_out-{il}", a, w[b + "attn_output"], w.get(b + "attn_output_bias"), layer=il)
         if hp.post_norms:
             o = add(Op.RMS_NORM, (rows, e), f"attn_post_norm-{il}", o, w[b + "attn_post_norm"],
                     params=(hp.rms_eps,), layer=il)
@@ -144,7 +144,7 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
     return ForwardGraph(nodes, inputs, output, n_tokens, n_outputs)
 
 
-def _attention_params(hp: HParams, il: int, scaled_freqs: bool) -> tuple:
+def _attention_params(hp: HParams, il: int, scaled_freqs: bool, sinks: bool = False) -> tuple:
     """Layer il's ATTENTION parameters: the 9 base ones, and the 3 extensions only where used
     (so that plain models build the 9-parameter graphs every device runs).
 
@@ -158,7 +158,7 @@ def _attention_params(hp: HParams, il: int, scaled_freqs: bool) -> tuple:
         freq_scale = 1.0
     scale = hp.attn_scale or 1.0 / math.sqrt(hp.head_dim)
     return AttentionParams(hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_rot, hp.rope_mode, base, freq_scale, hp.rms_eps,
-                           scale, hp.attn_softcap, hp.n_swa if swa else 0, mscale, scaled_freqs).params()
+                           scale, hp.attn_softcap, hp.n_swa if swa else 0, mscale, scaled_freqs, sinks).params()
 
 
 __all__ = ["ForwardGraph", "build_forward", "INPUT_NAMES", "OUTPUT_NAME", "SAMPLED_NAME", "SAMPLING_INPUT", "Graph"]

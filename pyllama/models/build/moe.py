@@ -35,10 +35,14 @@ def build_moe_ffn(add: Callable[..., Tensor], mul_mat: Callable[..., Tensor], hp
         shexp = mul_mat((rows, e), f"ffn_shexp-{il}", s, w[b + "ffn_down_shexp"], layer=il)
         shexp_gate = w.get(b + "ffn_gate_inp_shexp")
     probs_b = w.get(b + "exp_probs_b")
+    biases = [w[b + n + "_bias"] for n in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")] \
+        if hp.moe_biases else []
     params = MoeParams(hp.n_expert_used, 1 if hp.expert_weights_norm else 0, hp.expert_weights_scale,
-                       hp.expert_gating, 1 if probs_b is not None else 0, hp.n_expert_groups, hp.n_group_used).params()
+                       hp.expert_gating, 1 if probs_b is not None else 0, hp.n_expert_groups, hp.n_group_used,
+                       1 if biases else 0, 1 if hp.moe_biases else 0).params()
     return add(Op.MOE_FFN, (rows, e), f"ffn_moe_out-{il}", h, w[b + "ffn_gate_inp"], w[b + "ffn_gate_exps"],
-               w[b + "ffn_up_exps"], w[b + "ffn_down_exps"], shexp, shexp_gate, probs_b, params=params, layer=il)
+               w[b + "ffn_up_exps"], w[b + "ffn_down_exps"], *biases, shexp, shexp_gate, probs_b, params=params,
+               layer=il)
 
 
 __all__ = ["build_moe_ffn"]

@@ -108,6 +108,10 @@ def run_graph(buffers, nodes, tensors) -> None:
             a, b = mem.values(src[0]), mem.values(src[1])
             b = _repeat(b, a.shape)
             out = a + b if op == GOp.ADD else a * b if op == GOp.MUL else a / b
+        elif op == GOp.ADD_ID:                      # a[t, k] + b[ids[t, k]] (each chosen expert's bias)
+            a, b = mem.values(src[0]), mem.values(src[1])[0, 0]      # [1, n, K, m], [E, m]
+            ids = mem.view(src[2])[0, 0]                             # [n, K]
+            out = a + b[ids][None]
         elif op == GOp.MUL_MAT_ID:                  # b's row (t, k % rows) against matrix ids[t, k]
             w, b = mem.values(src[0])[0], mem.values(src[1])[0]      # [E, m, k], [n, rows, k]
             ids = mem.view(src[2])[0, 0]                             # [n, K]
@@ -139,7 +143,11 @@ def run_graph(buffers, nodes, tensors) -> None:
                 x, g = a, mem.values(src[1])
             else:
                 x, g = (a[..., h:], a[..., :h]) if swapped else (a[..., :h], a[..., h:])
-            if glu == 2:
+            if glu == 3:                            # swiglu_oai: alpha and limit in op_params 2, 3
+                alpha, limit = _params(r, "<iiff")[2:]
+                x = np.minimum(x, limit)
+                act, g = x / (1 + np.exp(-alpha * x)), np.clip(g, -limit, limit) + 1
+            elif glu == 2:
                 act = x / (1 + np.exp(-x))
             elif glu == 1:
                 act = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
@@ -169,9 +177,10 @@ def run_graph(buffers, nodes, tensors) -> None:
             if src[1] is not None:
                 m = mem.values(src[1])[:, :, : x.shape[2], :]
                 x = x + m
-            x = x - x.max(-1, keepdims=True)
-            e = np.exp(x)
-            out = e / e.sum(-1, keepdims=True)
+            sink = mem.values(src[2]).reshape(1, -1, 1, 1) if src[2] is not None else None  # per head (ne2)
+            top = x.max(-1, keepdims=True) if sink is None else np.maximum(x.max(-1, keepdims=True), sink)
+            e = np.exp(x - top)
+            out = e / (e.sum(-1, keepdims=True) + (0 if sink is None else np.exp(sink - top)))
         elif op == GOp.FLASH_ATTN_EXT:
             scale, max_bias, softcap = _params(r, "<fff")
             q, k, v = (mem.values(s) for s in src[:3])          # [1, H, n, D], [1, Hkv, n_kv, D]
@@ -183,9 +192,10 @@ def run_graph(buffers, nodes, tensors) -> None:
                 s = softcap * np.tanh(s / softcap)
             if src[3] is not None:
                 s = s + mem.values(src[3])[:, :, : s.shape[2], :]
-            s = s - s.max(-1, keepdims=True)
-            p = np.exp(s)
-            p /= p.sum(-1, keepdims=True)
+            sink = mem.values(src[4]).reshape(1, -1, 1, 1) if src[4] is not None else None  # per head
+            top = s.max(-1, keepdims=True) if sink is None else np.maximum(s.max(-1, keepdims=True), sink)
+            p = np.exp(s - top)
+            p /= p.sum(-1, keepdims=True) + (0 if sink is None else np.exp(sink - top))
             out = np.swapaxes(p @ v, 1, 2)                      # [1, n, H, D]
         elif op == GOp.UNARY:
             (u,) = _params(r, "<i")

@@ -32,7 +32,7 @@ def _generate(model: str, *extra: str, prompt: str = PROMPT, n: int = 10) -> lis
                                         ("gemma2", "f32"), ("gemma3", "f32"), ("phi3", "q8_0"),
                                         ("qwen2moe", "f32"), ("qwen3moe", "q8_0"), ("mixtral", "f32"),
                                         ("llama", "iq4_nl"), ("qwen3moe", "mxfp4"), ("glm4moe", "f32"),
-                                        ("glm4", "f32")])
+                                        ("glm4", "f32"), ("gpt-oss", "f32")])
 def test_greedy_tokens_over_a_ggml_peer_equal_the_unsplit_run(model_factory, arch, wtype):
     # Mixture-of-Experts layers are lowered as llama.cpp builds them (ARGSORT top-k, MUL_MAT_ID,
     # the weights' sum and scale), qwen2moe's sigmoid-gated shared expert included
@@ -48,8 +48,10 @@ def test_greedy_tokens_over_a_ggml_peer_equal_the_unsplit_run(model_factory, arc
     finally:
         peer.stop()
     assert got == want
-    if arch in ("qwen2moe", "qwen3moe", "mixtral", "glm4moe"):
+    if arch in ("qwen2moe", "qwen3moe", "mixtral", "glm4moe", "gpt-oss"):
         assert {int(GOp.MUL_MAT_ID), int(GOp.ARGSORT)} <= ops
+    if arch == "gpt-oss":   # the experts' biases as llama.cpp adds them, and the clamped SwiGLU
+        assert {int(GOp.ADD_ID), int(GOp.GLU)} <= ops
     if arch == "glm4moe":   # sigmoid routing: a UNARY op, and the expert bias added for the choice
         assert {int(GOp.UNARY), int(GOp.ADD)} <= ops
     if arch == "qwen2moe":   # the shared expert's gate as llama.cpp builds it, silu(z) / z: a sigmoid op

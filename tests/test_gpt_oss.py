@@ -115,14 +115,3 @@ def test_tokens_identical_local_rpc_and_pipeline_groups(oss, rpc_peer):
     local = generated_tokens(oss, PROMPT, 12)
     assert generated_tokens(oss, PROMPT, 12, "--rpc", rpc_peer.endpoint, "--device", "RPC0,CPU") == local
     assert_same_tokens_in_two_groups(oss, PROMPT, 12, local)
-
-
-def test_a_ggml_peer_is_refused_at_load_naming_the_sinks(oss):
-    from ggml_fake_peer import FakeGGMLPeer
-    peer = FakeGGMLPeer(compute=True)
-    try:
-        proc = run_generate(oss, PROMPT, 2, "--rpc", peer.endpoint, "--device", "RPC0,CPU", "-ts", "1,1")
-    finally:
-        peer.stop()
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1 and "sinks" in lines[0], proc.stderr

@@ -24,7 +24,7 @@ import numpy as np
 from ..._fast.wire import fnv1a64
 from ...obs import trace
 from ...rpc.connection import RPCError
-from ...ir.tensor import KV_CACHE_TYPES, WEIGHT_TYPES, AttentionParams, Buffer, DType, Graph, MoeParams, Node, Op, Tensor
+from ...ir.tensor import KV_CACHE_TYPES, WEIGHT_TYPES, Buffer, DType, Graph, MoeParams, Node, Op, Tensor
 from ...util.errors import PyllamaError
 from ..base import Backend, DeviceInfo
 from ..host_sample import bind_sample
@@ -126,14 +126,9 @@ class GGMLBackend(RemoteDevice, Backend):
         return op in LOWERED_OPS
 
     def supports_node(self, node: Node) -> bool:
-        """Beyond the op: the extensions the lowering builds (not gpt-oss's attention sinks, nor
-        MOE_FFN's expert groups, expert biases, clamped SwiGLU or softmax of the chosen)."""
-        if node.op == Op.ATTENTION and AttentionParams.of(node.params, len(node.srcs)).sinks:
+        """Beyond the op: the extensions the lowering builds (not MOE_FFN's expert groups yet)."""
+        if node.op == Op.MOE_FFN and MoeParams.of(node.params).n_group != 1:
             return False
-        if node.op == Op.MOE_FFN:
-            mp = MoeParams.of(node.params)
-            if mp.n_group != 1 or mp.biases or mp.act or mp.gating not in (1, 2):
-                return False
         return super().supports_node(node)
 
     def holds_kv(self, dtype: DType, head_dim: int) -> bool:

@@ -21,7 +21,7 @@ from . import protocol as P
 from .protocol import GOp
 
 F32, F16, I32, I64 = 0, 1, 26, 27
-GLU_SWIGLU, GLU_GEGLU = 2, 1
+GLU_SWIGLU, GLU_GEGLU, GLU_SWIGLU_OAI = 2, 1, 3
 UNARY_TANH, UNARY_SIGMOID, UNARY_SILU = 4, 7, 10
 SORT_DESC = 1
 HINT_HADAMARD = 1
@@ -143,18 +143,29 @@ class GraphBuilder:
         """ggml_clamp: in place, a view of a (as ggml writes it)."""
         return self._view_of(a, a.ne, a.nb, 0, GOp.CLAMP, (a,), struct.pack("<ff", lo, hi), name)
 
-    def glu_pair(self, a: GT, b: GT, op: int, name: str = "") -> GT:
-        """ggml_swiglu_split / geglu_split(a, b): act(a) * b, two tensors of one shape."""
+    def glu_pair(self, a: GT, b: GT, op: int, name: str = "", alpha: float = 0.0, limit: float = 0.0) -> GT:
+        """ggml_swiglu_split / geglu_split(a, b): act(a) * b, two tensors of one shape;
+        GLU_SWIGLU_OAI takes ggml_swiglu_oai's alpha and limit."""
         if a.ne != b.ne or a.type != b.type:
             raise ValueError(f"glu: {a.ne} and {b.ne}")
-        return self._new(a.type, a.ne, GOp.GLU, (a, b), struct.pack("<ii", op, 0), name)
+        params = struct.pack("<ii", op, 0) + (struct.pack("<ff", alpha, limit) if op == GLU_SWIGLU_OAI else b"")
+        return self._new(a.type, a.ne, GOp.GLU, (a, b), params, name)
+
+    def add_id(self, a: GT, b: GT, ids: GT, name: str = "") -> GT:
+        """ggml_add_id(a, b, ids): a[:, i1, i2] + b[:, ids[i1, i2]] (each chosen expert's bias)."""
+        if a.ne[0] != b.ne[0] or ids.type != I32 or ids.ne[0] != a.ne[1] or ids.ne[1] != a.ne[2]:
+            raise ValueError(f"add_id: {a.ne} + {b.ne} by {ids.ne}")
+        return self._new(a.type, a.ne, GOp.ADD_ID, (a, b, ids), name=name)
 
     def glu_split(self, a: GT, op: int, swapped: bool = False, name: str = "") -> GT:
         """ggml_glu(a, op, swapped): the activated half is a's first (second when swapped)."""
         return self._new(a.type, (a.ne[0] // 2,) + a.ne[1:], GOp.GLU, (a,), struct.pack("<ii", op, int(swapped)), name)
 
-    def soft_max_ext(self, a: GT, mask: Optional[GT], scale: float, max_bias: float = 0.0, name: str = "") -> GT:
-        return self._new(a.type, a.ne, GOp.SOFT_MAX, (a, mask), struct.pack("<ff", scale, max_bias), name)
+    def soft_max_ext(self, a: GT, mask: Optional[GT], scale: float, max_bias: float = 0.0, name: str = "",
+                     sinks: Optional[GT] = None) -> GT:
+        """ggml_soft_max_ext (with ggml_soft_max_add_sinks' per-head sink logits as src[2])."""
+        srcs = (a, mask, sinks) if sinks is not None else (a, mask)
+        return self._new(a.type, a.ne, GOp.SOFT_MAX, srcs, struct.pack("<ff", scale, max_bias), name)
 
     def rope_ext(self, a: GT, pos: GT, freqs: Optional[GT], n_dims: int, mode: int, n_ctx_orig: int,
                  freq_base: float, freq_scale: float, ext_factor: float, attn_factor: float,
@@ -245,9 +256,12 @@ class GraphBuilder:
         return self._view_of(a, ne, nb, 0, GOp.TRANSPOSE, (a,), b"", name)
 
     def flash_attn_ext(self, q: GT, k: GT, v: GT, mask: Optional[GT], scale: float, max_bias: float = 0.0,
-                       logit_softcap: float = 0.0, prec_f32: bool = False, name: str = "") -> GT:
+                       logit_softcap: float = 0.0, prec_f32: bool = False, name: str = "",
+                       sinks: Optional[GT] = None) -> GT:
+        """ggml_flash_attn_ext (with ggml_flash_attn_ext_add_sinks' sink logits as src[4])."""
         params = struct.pack("<fffi", scale, max_bias, logit_softcap, 10 if prec_f32 else 0)
-        return self._new(F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), GOp.FLASH_ATTN_EXT, (q, k, v, mask), params, name)
+        srcs = (q, k, v, mask, sinks) if sinks is not None else (q, k, v, mask)
+        return self._new(F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), GOp.FLASH_ATTN_EXT, srcs, params, name)
 
     # --- the finished graph -----------------------------------------------------------------------
     def output(self, t: GT) -> GT:

@@ -295,17 +295,25 @@ class Lowering:
         if mp.n_group != 1:
             raise ValueError(f"MOE_FFN {nd.out.name}: expert groups are not lowered to ggml ops")
         bias = self.t(s[-1]) if mp.probs_b == 1 else None
-        rest = s[5:len(s) - (1 if bias is not None else 0)]   # the shared expert and its gate
+        nb = 4 if mp.biases == 1 else 0          # router_b, gate_b, up_b, down_b (gpt-oss)
+        biases = [self.t(t) for t in s[5:5 + nb]]
+        rest = s[5 + nb:len(s) - (1 if bias is not None else 0)]   # the shared expert and its gate
         x = self.t(s[0])
         e, n = x.ne[0], x.ne[1]
         n_expert = s[1].shape[0]
         logits = g.mul_mat(self.t(s[1]), x)                                     # [E, n]
+        if biases:
+            logits = g.add(logits, biases[0])
         if mp.gating == 2:
             probs = g.unary(logits, G.UNARY_SIGMOID)
+        elif mp.gating == 3:   # choose by the logits, weigh by the chosen ones' softmax
+            probs = logits
         else:
             probs = g.soft_max_ext(logits, None, 1.0, 0.0)
         chosen = g.argsort_top_k(probs if bias is None else g.add(probs, bias), K)   # [K, n]
         weights = g.get_rows(g.reshape(probs, [1, n_expert, n]), chosen)        # [1, K, n]
+        if mp.gating == 3:
+            weights = g.reshape(g.soft_max_ext(g.reshape(weights, [K, n]), None, 1.0, 0.0), [1, K, n])
         if norm:
             weights = g.reshape(weights, [K, n])
             total = g.clamp(g.sum_rows(weights), 6.103515625e-5, float("inf"))
@@ -314,8 +322,19 @@ class Lowering:
             weights = g.scale(weights, w_scale)
         x3 = g.reshape(x, [e, 1, n])
         up = g.mul_mat_id(self.t(s[3]), x3, chosen)                             # [f, K, n]
+        if biases:
+            up = g.add_id(up, biases[2], chosen)
         gate = g.mul_mat_id(self.t(s[2]), x3, chosen)
-        experts = g.mul(g.mul_mat_id(self.t(s[4]), g.glu_pair(gate, up, G.GLU_SWIGLU), chosen), weights)
+        if biases:
+            gate = g.add_id(gate, biases[1], chosen)
+        if mp.act == 1:        # gpt-oss's clamped SwiGLU, llama.cpp's constants
+            hidden = g.glu_pair(gate, up, G.GLU_SWIGLU_OAI, alpha=1.702, limit=7.0)
+        else:
+            hidden = g.glu_pair(gate, up, G.GLU_SWIGLU)
+        experts = g.mul_mat_id(self.t(s[4]), hidden, chosen)
+        if biases:
+            experts = g.add_id(experts, biases[3], chosen)
+        experts = g.mul(experts, weights)
         out = g.view(experts, [e, n], [experts.nb[2]], 0)
         for k in range(1, K):
             out = g.add(out, g.view(experts, [e, n], [experts.nb[2]], k * experts.nb[1]))
@@ -343,7 +362,8 @@ class Lowering:
         if len(s) - a.sinks >= 9:   # q and k norms (qwen3): per head, before RoPE
             q = g.mul(g.rms_norm(q, float(a.norm_eps)), self.t(s[7]))
             k = g.mul(g.rms_norm(k, float(a.norm_eps)), self.t(s[8]))
-        freqs = self.t(s[-1]) if a.rope_freqs else None
+        freqs = self.t(s[-2 if a.sinks else -1]) if a.rope_freqs else None
+        sinks = self.t(s[-1]) if a.sinks else None
         pos = self.t(s[3])
 
         def rope(x: G.GT) -> G.GT:
@@ -413,14 +433,14 @@ class Lowering:
             qp, kp = g.permute(qg, 0, 2, 1, 3), g.permute(K, 0, 2, 1, 3)
             if flash:
                 out = g.flash_attn_ext(qp, kp, g.permute(V, 0, 2, 1, 3), mask, float(a.scale), 0.0,
-                                       float(a.softcap), True, nd.out.name)
+                                       float(a.softcap), True, nd.out.name, sinks=sinks)
             else:
                 kq = g.mul_mat(kp, qp)
                 scale = float(a.scale)
                 if a.softcap:   # llama.cpp's order: the scores scaled, capped, then the softmax unscaled
                     kq = g.scale(g.unary(g.scale(kq, scale / float(a.softcap)), G.UNARY_TANH), float(a.softcap))
                     scale = 1.0
-                kq = g.soft_max_ext(kq, mask, scale, 0.0)
+                kq = g.soft_max_ext(kq, mask, scale, 0.0, sinks=sinks)
                 vt = g.cont(g.permute(V, 1, 2, 0, 3))
                 out = g.cont(g.permute(g.mul_mat(vt, kq), 0, 2, 1, 3), nd.out.name)
             parts.append(out)

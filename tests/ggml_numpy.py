@@ -158,13 +158,22 @@ def run_graph(buffers, nodes, tensors) -> None:
             freqs = mem.values(src[2]) if src[2] is not None else None
             out = _rope(mem.values(src[0]), mem.view(src[1]), freqs, r)
         elif op == GOp.SET_ROWS:
-            rows = mem.values(src[0])[0, 0]
+            vals = mem.values(src[0])                   # [1, B2, rows, ne0]
+            if vals.shape[1] > 1:                       # rows of b[i2] into a[i2] at c[i2] (DeepSeek's groups)
+                idx = mem.view(src[1])[0, 0]            # [B2, rows]
+                for i2 in range(vals.shape[1]):
+                    dst[0, i2, idx[i2]] = vals[0, i2].astype(dst.dtype)
+                continue
+            rows = vals[0, 0]
             idx = mem.view(src[1]).reshape(-1)
             if dst is None:       # a BF16 or Q8_0 cache
                 mem.write_rows(r, rows, idx)
             else:
                 dst[0, 0, idx] = rows.astype(dst.dtype)
             continue
+        elif op == GOp.FILL:
+            (c,) = _params(r, "<f")
+            out = np.full(dst.shape, c)
         elif op in (GOp.CONT, GOp.CPY, GOp.DUP):
             vals = mem.values(src[0])
             out = vals.reshape(dst.shape) if op != GOp.CPY else vals

@@ -95,17 +95,6 @@ def test_a_quantized_cache_is_one_clear_error(ds):
     assert proc.returncode == 1 and len(lines) == 1 and "latent attention" in lines[0], proc.stderr
 
 
-def test_a_ggml_peer_is_refused_at_load_naming_the_op(ds):
-    from ggml_fake_peer import FakeGGMLPeer
-    peer = FakeGGMLPeer(compute=True)
-    try:
-        proc = run_generate(ds, PROMPT, 2, "--rpc", peer.endpoint, "--device", "RPC0,CPU", "-ts", "1,1")
-    finally:
-        peer.stop()
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1 and "MLA_ATTENTION" in lines[0], proc.stderr
-
-
 @pytest.mark.parametrize("key,value", [("deepseek2.attention.key_length", 33), ("deepseek2.attention.head_count_kv", 2),
                                        ("deepseek2.expert_group_count", 4)])
 def test_bad_mla_metadata_is_one_clear_error(ds, key, value):
@@ -122,8 +111,8 @@ def _op_inputs(n_cells: int = 8):
     args = dict(q=q, kv=kv, k_cache=cache, k_type=0, pos=np.arange(3, dtype=np.int32),
                 kv_idx=np.arange(3, dtype=np.int32), cells=np.array([0, 0, 1, 0, 1, 2], np.int32),
                 ranges=np.array([[0, 1], [1, 2], [3, 3]], np.int32), kv_norm=np.ones(lora, np.float32),
-                k_b=rng.standard_normal((H, lora, nope)).astype(np.float32),
-                v_b=rng.standard_normal((H, v, lora)).astype(np.float32),
+                k_b=rng.standard_normal((H, lora, nope)).astype(np.float32).view(np.uint8), k_b_type=0,
+                v_b=rng.standard_normal((H, v, lora)).astype(np.float32).view(np.uint8), v_b_type=0, nope=nope, v_dim=v,
                 params=MlaParams(H, lora, 10000.0, 1.0, 1e-6, 0.25), out=np.zeros((3, H * v), np.float32))
     return args
 

@@ -32,7 +32,7 @@ def _generate(model: str, *extra: str, prompt: str = PROMPT, n: int = 10) -> lis
                                         ("gemma2", "f32"), ("gemma3", "f32"), ("phi3", "q8_0"),
                                         ("qwen2moe", "f32"), ("qwen3moe", "q8_0"), ("mixtral", "f32"),
                                         ("llama", "iq4_nl"), ("qwen3moe", "mxfp4"), ("glm4moe", "f32"),
-                                        ("glm4", "f32"), ("gpt-oss", "f32")])
+                                        ("glm4", "f32"), ("gpt-oss", "f32"), ("deepseek2", "f32"), ("deepseek2", "q8_0")])
 def test_greedy_tokens_over_a_ggml_peer_equal_the_unsplit_run(model_factory, arch, wtype):
     # Mixture-of-Experts layers are lowered as llama.cpp builds them (ARGSORT top-k, MUL_MAT_ID,
     # the weights' sum and scale), qwen2moe's sigmoid-gated shared expert included
@@ -41,14 +41,15 @@ def test_greedy_tokens_over_a_ggml_peer_equal_the_unsplit_run(model_factory, arc
     peer = FakeGGMLPeer(compute=True)
     try:
         # glm4moe's first layer is dense: its MoE layer goes to the peer too
-        got = _generate(model, "--rpc", peer.endpoint, "-dev", "RPC0,CPU", "-ts", "3,1" if arch == "glm4moe" else "1,1")
+        got = _generate(model, "--rpc", peer.endpoint, "-dev", "RPC0,CPU",
+                        "-ts", "3,1" if arch in ("glm4moe", "deepseek2") else "1,1")
         assert peer.graphs, "no graph reached the peer"
         assert peer.recomputes, "a decode step's repeated graph was sent again instead of re-run"
         ops = {int(t["op"]) for _, _, recs in peer.graphs for t in recs}
     finally:
         peer.stop()
     assert got == want
-    if arch in ("qwen2moe", "qwen3moe", "mixtral", "glm4moe", "gpt-oss"):
+    if arch in ("qwen2moe", "qwen3moe", "mixtral", "glm4moe", "gpt-oss", "deepseek2"):
         assert {int(GOp.MUL_MAT_ID), int(GOp.ARGSORT)} <= ops
     if arch == "gpt-oss":   # the experts' biases as llama.cpp adds them, and the clamped SwiGLU
         assert {int(GOp.ADD_ID), int(GOp.GLU)} <= ops

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
@@ -46,7 +45,6 @@ from ..base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 from ..host_sample import bind_sample
 from ...util.settings import CpuSettings
 from ...util.settings import current as current_settings
-from ..layout import dequantize_f32
 from . import memory
 from .layout import RepackingLayout
 from .mla import mla_attention
@@ -103,7 +101,6 @@ class CPUBackend(Backend):
         # MemoryError past it, release(bytes); None: no cap
         self.budget = None
         self.layout: RepackingLayout = RepackingLayout(self)
-        self._f32_weights: dict[tuple, tuple] = {}  # MLA's k_b, v_b as float32 (_f32_weight)
 
     # --- buffers -------------------------------------------------------------------------------
     def alloc_buffer(self, size: int, usage: str = "compute") -> Buffer:
@@ -295,24 +292,16 @@ class CPUBackend(Backend):
             elif op == Op.MOE_FFN:
                 steps.extend(_moe_ffn_steps(opts, nd.srcs, s, out, nd.params, nt, self.layout.packed))
             elif op == Op.MLA_ATTENTION:
-                kc = nd.srcs[2]
-                k_b, v_b = self._f32_weight(nd.srcs[8]), self._f32_weight(nd.srcs[9])
+                kc, kb, vb = nd.srcs[2], nd.srcs[8], nd.srcs[9]
+                if len(kb.shape) != 3 or len(vb.shape) != 3:
+                    raise ValueError(f"MLA_ATTENTION {nd.out.name}: k_b and v_b must be [heads, rows, cols]")
                 steps.append(_bind(mla_attention, s[0], s[1], _rows(kc), int(kc.dtype), s[3], s[4], s[5], s[6], s[7],
-                                   k_b, v_b, MlaParams(*nd.params[:11]), out))
+                                   self.bytes_of(kb).reshape(kb.shape[0], kb.shape[1], -1), int(kb.dtype),
+                                   self.bytes_of(vb).reshape(vb.shape[0], vb.shape[1], -1), int(vb.dtype),
+                                   int(kb.shape[2]), int(vb.shape[1]), MlaParams(*nd.params[:11]), out))
             else:
                 raise ValueError(f"unknown op {op!r}")
         return steps
-
-    def _f32_weight(self, t: Tensor) -> np.ndarray:
-        """A small weight (MLA's k_b, v_b) as float32 in its shape, converted once per tensor."""
-        key = (id(t.buffer), t.offset, t.dtype, t.shape)
-        held = self._f32_weights.get(key)
-        if held is not None and held[0]() is t.buffer:  # (not a later buffer at a freed one's id)
-            return held[1]
-        flat = (int(np.prod(t.shape[:-1])), int(t.shape[-1]))
-        got = dequantize_f32(self.bytes_of(t), t.dtype, flat).reshape(t.shape)
-        self._f32_weights[key] = (weakref.ref(t.buffer), got)
-        return got
 
     # --- information ---------------------------------------------------------------------------
     def device_info(self) -> DeviceInfo:

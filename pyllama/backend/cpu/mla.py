@@ -7,8 +7,9 @@ KV head), and v_b maps each head's weighted latent to its output. RoPE is ggml's
 normal mode (adjacent pairs) with its YaRN ramp computed here from the op's parameters, in float32
 and ggml's order (the angle multiplied pair after pair by base^(-2 / n_rot)).
 
-It is numpy, vectorised over heads and cells, one token's attention at a time; k_b and v_b are
-taken as float32 (dequantized once per weight by the caller).
+It is numpy, vectorised over heads and cells, one token's attention at a time; the per-head
+products with k_b and v_b run the quantized-product kernels (qmatmul.mul_mat_q) on the weights'
+file bytes, so a quantized k_b or v_b rounds its activations as ggml's MUL_MAT does.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import math
 
 import numpy as np
 
-from ..._fast import ops
+from ..._fast import ops, qmatmul
 from ...ir.tensor import MlaParams
 
 
@@ -60,21 +61,23 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 def mla_attention(q: np.ndarray, kv: np.ndarray, k_cache: np.ndarray, k_type: int, pos: np.ndarray,
                   kv_idx: np.ndarray, cells: np.ndarray, ranges: np.ndarray, kv_norm: np.ndarray,
-                  k_b: np.ndarray, v_b: np.ndarray, params: MlaParams, out: np.ndarray) -> None:
+                  k_b: np.ndarray, k_b_type: int, v_b: np.ndarray, v_b_type: int, nope: int, v_dim: int,
+                  params: MlaParams, out: np.ndarray) -> None:
     """One layer's MLA for a micro-batch: writes the tokens' cache rows (k_cache: uint8 rows of
-    cache type k_type), then out [n, H v]. k_b [H, lora, nope] and v_b [H, v, lora] float32."""
+    cache type k_type), then out [n, H v]. k_b: uint8 [H, lora, bytes of a row of nope values]
+    and v_b: uint8 [H, v, bytes of a row of lora values], in the weight types k_b_type, v_b_type."""
     n = q.shape[0]
     H, lora = int(params.n_head), int(params.lora)
     width = kv.shape[1]
     rope = width - lora
     if n == 0:
         return
-    if H <= 0 or lora <= 0 or rope <= 0 or rope % 2 or k_b.shape[:2] != (H, lora) or v_b.shape[0] != H \
-            or v_b.shape[2] != lora:
+    if H <= 0 or lora <= 0 or rope <= 0 or rope % 2 or nope <= 0 or v_dim <= 0 or k_b.shape[:2] != (H, lora) \
+            or k_b.shape[2] != qmatmul.row_bytes(k_b_type, nope) or v_b.shape[:2] != (H, v_dim) \
+            or v_b.shape[2] != qmatmul.row_bytes(v_b_type, lora):
         raise ValueError(f"MLA_ATTENTION: {H} heads, latent {lora} of {width}, k_b {list(k_b.shape)}, "
                          f"v_b {list(v_b.shape)} do not fit")
-    nope = k_b.shape[2]
-    if q.shape[1] != H * (nope + rope) or out.shape != (n, H * v_b.shape[1]) or kv_norm.shape != (lora,):
+    if q.shape[1] != H * (nope + rope) or out.shape != (n, H * v_dim) or kv_norm.shape != (lora,):
         raise ValueError(f"MLA_ATTENTION: q {list(q.shape)}, out {list(out.shape)} or kv_norm {list(kv_norm.shape)} "
                          f"do not fit {H} heads of {nope} + {rope} and latent {lora}")
     if ops.kv_row_nbytes(k_type, width) != k_cache.shape[1]:
@@ -105,9 +108,11 @@ def mla_attention(q: np.ndarray, kv: np.ndarray, k_cache: np.ndarray, k_type: in
     # the absorbed queries [n, H, lora + rope]
     qh = q.reshape(n, H, nope + rope)
     query = np.empty((n, H, width), np.float32)
-    query[:, :, :lora] = np.einsum("hln,thn->thl", k_b, qh[:, :, :nope], dtype=np.float32)
+    for h in range(H):  # each head's no-rope part through its k_b [lora, nope]
+        qmatmul.mul_mat_q(np.ascontiguousarray(qh[:, h, :nope]), k_b[h], k_b_type, query[:, h, :lora])
     query[:, :, lora:] = _rope(qh[:, :, nope:], cos, sin)
     scale = np.float32(params.scale)
+    latents = np.empty((n, H, lora), np.float32)
     for t in range(n):
         r0, r1 = int(ranges[t, 0]), int(ranges[t, 1])
         listed = cells[r0:r0 + r1]
@@ -116,8 +121,9 @@ def mla_attention(q: np.ndarray, kv: np.ndarray, k_cache: np.ndarray, k_type: in
         scores = (query[t] @ keys.T) * scale                        # [H, C]
         scores = np.exp(scores - scores.max(axis=1, keepdims=True))
         probs = scores / scores.sum(axis=1, keepdims=True)
-        latent = probs @ keys[:, :lora]                              # [H, lora]
-        out[t] = np.einsum("hvl,hl->hv", v_b, latent, dtype=np.float32).reshape(-1)
+        latents[t] = probs @ keys[:, :lora]                          # [H, lora]
+    for h in range(H):  # each head's weighted latent through its v_b [v, lora]
+        qmatmul.mul_mat_q(np.ascontiguousarray(latents[:, h]), v_b[h], v_b_type, out[:, h * v_dim:(h + 1) * v_dim])
 
 
 __all__ = ["mla_attention", "rope_cos_sin"]

@@ -24,7 +24,7 @@ import numpy as np
 from ..._fast.wire import fnv1a64
 from ...obs import trace
 from ...rpc.connection import RPCError
-from ...ir.tensor import KV_CACHE_TYPES, WEIGHT_TYPES, Buffer, DType, Graph, MoeParams, Node, Op, Tensor
+from ...ir.tensor import KV_CACHE_TYPES, WEIGHT_TYPES, Buffer, DType, Graph, Tensor
 from ...util.errors import PyllamaError
 from ..base import Backend, DeviceInfo
 from ..host_sample import bind_sample
@@ -125,11 +125,6 @@ class GGMLBackend(RemoteDevice, Backend):
     def supports(self, op: int) -> bool:
         return op in LOWERED_OPS
 
-    def supports_node(self, node: Node) -> bool:
-        """Beyond the op: the extensions the lowering builds (not MOE_FFN's expert groups yet)."""
-        if node.op == Op.MOE_FFN and MoeParams.of(node.params).n_group != 1:
-            return False
-        return super().supports_node(node)
 
     def holds_kv(self, dtype: DType, head_dim: int) -> bool:
         # ggml's attention views a cache a head at a time: a quantized head is whole 32-value blocks

@@ -182,6 +182,10 @@ class GraphBuilder:
             raise ValueError("set_rows: b's rows into a at the I32/I64 indices c")
         return self._view_of(a, a.ne, a.nb, 0, GOp.SET_ROWS, (b, c, a), b"", name)
 
+    def fill(self, a: GT, c: float, name: str = "") -> GT:
+        """ggml_fill(a, c): a new tensor of a's shape, every value c."""
+        return self._new(a.type, a.ne, GOp.FILL, (a,), struct.pack("<f", c), name)
+
     def argmax(self, a: GT, name: str = "") -> GT:
         return self._new(I32, (a.ne[1],), GOp.ARGMAX, (a,), name=name)
 

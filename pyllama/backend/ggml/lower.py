@@ -25,13 +25,13 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from ...ir.tensor import AttentionParams, DType, Graph, MoeParams, Op, Tensor
+from ...ir.tensor import AttentionParams, DType, Graph, MlaParams, MoeParams, Op, Tensor
 from . import graph as G
 from . import protocol as P
 
 # ops a ggml device runs (SAMPLE ends at ARGMAX or on the host)
 LOWERED_OPS = frozenset({Op.GET_ROWS, Op.RMS_NORM, Op.MUL_MAT, Op.MUL_MAT_CAT, Op.ADD, Op.SWIGLU, Op.ATTENTION,
-                         Op.GEGLU, Op.SCALE, Op.SOFTCAP, Op.SAMPLE, Op.MOE_FFN})
+                         Op.GEGLU, Op.SCALE, Op.SOFTCAP, Op.SAMPLE, Op.MOE_FFN, Op.MLA_ATTENTION})
 FLASH_KV = frozenset({DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1,
                       DType.IQ4_NL})   # caches flash attention reads
 KV_STEP = 256          # a sequence's attended cells rounded up to this, as llama.cpp pads a stream's
@@ -279,6 +279,8 @@ class Lowering:
             return g.scale(g.unary(g.scale(self.t(s[0]), 1.0 / c), G.UNARY_TANH), c, 0.0, nd.out.name)
         if op == Op.ATTENTION:
             return self._attention(nd)
+        if op == Op.MLA_ATTENTION:
+            return self._mla(nd)
         if op == Op.MOE_FFN:
             return self._moe_ffn(nd)
         raise ValueError(f"{nd.out.name}: {Op(op).name} is not lowered to ggml ops")
@@ -292,8 +294,6 @@ class Lowering:
         g, s = self.g, nd.srcs
         mp = MoeParams.of(nd.params)
         K, norm, w_scale = int(mp.n_used), int(mp.norm), float(mp.scale)
-        if mp.n_group != 1:
-            raise ValueError(f"MOE_FFN {nd.out.name}: expert groups are not lowered to ggml ops")
         bias = self.t(s[-1]) if mp.probs_b == 1 else None
         nb = 4 if mp.biases == 1 else 0          # router_b, gate_b, up_b, down_b (gpt-oss)
         biases = [self.t(t) for t in s[5:5 + nb]]
@@ -310,7 +310,18 @@ class Lowering:
             probs = logits
         else:
             probs = g.soft_max_ext(logits, None, 1.0, 0.0)
-        chosen = g.argsort_top_k(probs if bias is None else g.add(probs, bias), K)   # [K, n]
+        selection = probs if bias is None else g.add(probs, bias)
+        if mp.n_group > 1:   # DeepSeek V3's group-limited choice, as llama.cpp's build_moe_ffn builds it
+            groups, used = int(mp.n_group), int(mp.n_group_used)
+            per = n_expert // groups
+            by_group = g.reshape(selection, [per, groups, n])
+            best2 = g.argsort_top_k(by_group, 2)                                                 # [2, groups, n]
+            scores = g.get_rows(g.reshape(by_group, [1, per, groups, n]), best2)                 # [1, 2, groups, n]
+            scores = g.reshape(g.sum_rows(g.reshape(scores, [2, groups, n])), [groups, n])
+            kept = g.argsort_top_k(scores, used)                                                 # [used, n]
+            masked = g.set_rows(g.fill(by_group, float("-inf")), g.get_rows(by_group, kept), kept)
+            selection = g.reshape(masked, [n_expert, n])
+        chosen = g.argsort_top_k(selection, K)                                  # [K, n]
         weights = g.get_rows(g.reshape(probs, [1, n_expert, n]), chosen)        # [1, K, n]
         if mp.gating == 3:
             weights = g.reshape(g.soft_max_ext(g.reshape(weights, [K, n]), None, 1.0, 0.0), [1, K, n])
@@ -400,6 +411,19 @@ class Lowering:
         kc, vc, idx = self.t(kc_t), self.t(vc_t), self.t(s[4])
         k_set = g.set_rows(kc, g.reshape(k, [Hkv * hd, n]), idx)
         v_set = g.set_rows(vc, v, idx)
+        y = self._attend(nd, spec, leaves, q, k_set, v_set, hd, hd, Hkv, float(a.scale), float(a.softcap), sinks)
+        return y if rot_v_leaf is None else rotate(y, rot_v_leaf)   # the output rotated back
+
+    def _attend(self, nd, spec: AttnSpec, leaves: list, q: G.GT, k_set: G.GT, v_set: Optional[G.GT], hd: int,
+                dv: int, Hkv: int, scale: float, softcap: float, sinks: Optional[G.GT],
+                v_mla: Optional[G.GT] = None) -> G.GT:
+        """Each group of the batch attends over its sequences' cells (spec.layout), as llama.cpp's
+        build_attn_mha: q [hd, H, n] against the caches written (k_set; v_set, or with MLA the
+        first dv values of k_set's rows), flash attention or MUL_MAT + SOFT_MAX; with v_mla each
+        head's weighted latent goes through it. The result [H dv (or H v), n] in the batch's order."""
+        g = self.g
+        H, n = q.ne[1], q.ne[2]
+        flash = spec.flash
 
         def per_sequence(cache: G.GT, gather: G.GT, C: int, m: int) -> G.GT:
             """[hd, Hkv, C, m]: each sequence's cells of a cache, gathered in the cache's type (as
@@ -419,40 +443,87 @@ class Lowering:
             nb = P.contiguous_nb(kind, (hd, Hkv, C, m))
             return g.view(rows, [hd, Hkv, C, m], nb[1:], 0)
 
-        q_rows = g.reshape(q, [hd * H, n]) if not spec.layout.in_order else None
+        q_rows = g.reshape(q if q.is_contiguous() else g.cont(q), [hd * H, n]) if not spec.layout.in_order else None
+        width = H * (v_mla.ne[1] if v_mla is not None else dv)
         parts = []
         first = 0
         for T, m, C in spec.layout.groups:
             gather, mask = leaves.pop(0), leaves.pop(0)
-            if spec.layout.in_order:   # this group's rows are the batch's [first, first + m T)
+            if spec.layout.in_order and q.is_contiguous():   # this group's rows are the batch's [first, first + m T)
                 qg = g.view(q, [hd, H, T, m], [4 * hd, 4 * hd * H, 4 * hd * H * T], 4 * hd * H * first)
+            elif spec.layout.in_order:
+                qg = g.reshape(g.cont(g.view(q, [hd, H, T * m], q.nb[1:], first * q.nb[2])), [hd, H, T, m])
             else:
                 qg = g.reshape(g.get_rows(q_rows, leaves.pop(0)), [hd, H, T, m])
             first += T * m
-            K, V = per_sequence(k_set, gather, C, m), per_sequence(v_set, gather, C, m)
+            K = per_sequence(k_set, gather, C, m)
+            V = per_sequence(v_set, gather, C, m) if v_set is not None else g.view(K, [dv, Hkv, C, m], K.nb[1:], 0)
             qp, kp = g.permute(qg, 0, 2, 1, 3), g.permute(K, 0, 2, 1, 3)
+            name = nd.out.name if v_mla is None else ""
             if flash:
-                out = g.flash_attn_ext(qp, kp, g.permute(V, 0, 2, 1, 3), mask, float(a.scale), 0.0,
-                                       float(a.softcap), True, nd.out.name, sinks=sinks)
+                out = g.flash_attn_ext(qp, kp, g.permute(V, 0, 2, 1, 3), mask, scale, 0.0, softcap, True, name,
+                                       sinks=sinks)                               # [dv, H, T, m]
+                if v_mla is not None:   # as llama.cpp: to [dv, T, H], through v_mla, back
+                    out = g.cont(g.permute(g.mul_mat(v_mla, g.permute(out, 0, 2, 1, 3)), 0, 2, 1, 3), nd.out.name)
             else:
                 kq = g.mul_mat(kp, qp)
-                scale = float(a.scale)
-                if a.softcap:   # llama.cpp's order: the scores scaled, capped, then the softmax unscaled
-                    kq = g.scale(g.unary(g.scale(kq, scale / float(a.softcap)), G.UNARY_TANH), float(a.softcap))
-                    scale = 1.0
-                kq = g.soft_max_ext(kq, mask, scale, 0.0, sinks=sinks)
+                s = scale
+                if softcap:   # llama.cpp's order: the scores scaled, capped, then the softmax unscaled
+                    kq = g.scale(g.unary(g.scale(kq, s / softcap), G.UNARY_TANH), softcap)
+                    s = 1.0
+                kq = g.soft_max_ext(kq, mask, s, 0.0, sinks=sinks)
                 vt = g.cont(g.permute(V, 1, 2, 0, 3))
-                out = g.cont(g.permute(g.mul_mat(vt, kq), 0, 2, 1, 3), nd.out.name)
+                kqv = g.mul_mat(vt, kq)                                                # [dv, T, H, m]
+                if v_mla is not None:
+                    kqv = g.mul_mat(v_mla, kqv)
+                out = g.cont(g.permute(kqv, 0, 2, 1, 3), nd.out.name)
             parts.append(out)
         if len(parts) == 1 and spec.layout.in_order:
-            y = parts[0]
-        else:
-            y = g.reshape(parts[0], [hd * H, parts[0].ne[2] * parts[0].ne[3]])
-            for p in parts[1:]:
-                y = g.concat(y, g.reshape(p, [hd * H, p.ne[2] * p.ne[3]]), 1, nd.out.name)
-            if not spec.layout.in_order:
-                y = g.get_rows(y, leaves.pop(0), nd.out.name)
-        return y if rot_v_leaf is None else rotate(y, rot_v_leaf)   # the output rotated back
+            return parts[0]   # its bytes are the [width, n] result (a reshape would be a view)
+        y = g.reshape(parts[0], [width, parts[0].ne[2] * parts[0].ne[3]])
+        for p in parts[1:]:
+            y = g.concat(y, g.reshape(p, [width, p.ne[2] * p.ne[3]]), 1, nd.out.name)
+        if not spec.layout.in_order:
+            y = g.get_rows(y, leaves.pop(0), nd.out.name)
+        return y
+
+    def _mla(self, nd) -> G.GT:
+        """deepseek2's latent attention as llama.cpp's MLA path builds it: the query's rope part
+        and the key's turned by ROPE, the latent RMS-normed, the query's no-rope part absorbed by
+        MUL_MAT with k_b per head, [latent, k_pe] written as the cache row (one KV head), the
+        attention over those rows (the values: their first lora values), then v_b per head."""
+        g, s = self.g, nd.srcs
+        p = MlaParams(*nd.params[:11])
+        H, lora, n = int(p.n_head), int(p.lora), s[0].shape[0]
+        width = s[1].shape[1]
+        rope_d, nope = width - lora, s[8].shape[2]
+        q_t, kv_t, pos = self.t(s[0]), self.t(s[1]), self.t(s[3])
+        qh = 4 * (nope + rope_d)
+        q_nope = g.view(q_t, [nope, H, n], [qh, q_t.nb[1]], 0)
+        q_pe = g.view(q_t, [rope_d, H, n], [qh, q_t.nb[1]], 4 * nope)
+        kv_cmpr = g.view(kv_t, [lora, n], [kv_t.nb[1]], 0)
+        k_pe = g.view(kv_t, [rope_d, 1, n], [kv_t.nb[1], kv_t.nb[1]], 4 * lora)
+
+        def rope(x: G.GT) -> G.GT:
+            return g.rope_ext(x, pos, None, rope_d, 0, int(p.n_ctx_orig), float(p.freq_base), float(p.freq_scale),
+                              float(p.ext_factor), float(p.attn_factor), float(p.beta_fast), float(p.beta_slow))
+
+        q_pe, k_pe = rope(q_pe), rope(k_pe)
+        kv_cmpr = g.mul(g.rms_norm(kv_cmpr, float(p.norm_eps)), self.t(s[7]))
+        q_abs = g.permute(g.mul_mat(self.t(s[8]), g.permute(q_nope, 0, 2, 1, 3)), 0, 2, 1, 3)   # [lora, H, n]
+        q = g.concat(q_abs, q_pe, 0)                                                           # [lora + rope, H, n]
+        k = g.concat(g.reshape(kv_cmpr, [lora, 1, n]), k_pe, 0)                                # [lora + rope, 1, n]
+        kc_t = s[2]
+        flash = kc_t.dtype in FLASH_KV
+        spec = AttnSpec(s[5], s[6], 0, n, flash, self.plan(s[5], s[6], n, self.memo)[0])
+        if not any(c is s[5] and r is s[6] and t == n for c, r, t in self.sources.attention):
+            self.sources.attention.append((s[5], s[6], n))
+        leaves = self.attn_inputs.get(spec)
+        if leaves is None:
+            leaves = self.attn_inputs[spec] = self.input_leaves(g, spec)
+        k_set = g.set_rows(self.t(kc_t), g.reshape(k, [width, n]), self.t(s[4]))
+        return self._attend(nd, spec, list(leaves), q, k_set, None, width, lora, 1, float(p.scale), 0.0, None,
+                            v_mla=self.t(s[9]))
 
 
 __all__ = ["AttnLayout", "AttnSpec", "GraphSources", "Lowering", "SampleTail", "hadamard", "rotation_sizes", "LOWERED_OPS", "attention_plan", "group_mask"]

@@ -143,9 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-blas", action="store_true", help="skip the dequantize+BLAS path")
     args = ap.parse_args(argv)
     types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
-    unknown = [t for t in types if t not in ALL_TYPES]
+    unknown = [t for t in types if t not in ALL_TYPES + IQ_GRID_TYPES]
     if unknown:
-        print(f"bench_qmatmul: unknown type(s) {', '.join(unknown)} (known: {', '.join(ALL_TYPES)})", file=sys.stderr)
+        print(f"bench_qmatmul: unknown type(s) {', '.join(unknown)} (known: {', '.join(ALL_TYPES + IQ_GRID_TYPES)})",
+              file=sys.stderr)
         return 1
     ns = [int(v) for v in args.n.split(",")]
     threads = [int(v) for v in args.threads.split(",")]

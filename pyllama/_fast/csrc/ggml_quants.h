@@ -1294,8 +1294,83 @@ PQ_INLINE void pq_avx2_iq4_xs(int NR, int64_t nb, const uint8_t *w, const uint8_
     for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]);
 }
 
+/* Sub-block ib of a grid IQ block as pq_iq_sub reads it, in registers: the values' magnitudes and a
+ * vector whose byte signs are theirs (+-1, or the IQ1 values themselves), the halves' scales and the
+ * IQ1 shifts' signs. The grid points are gathered as ggml's AVX2 code does (one 64- or 32-bit load
+ * each); the sign bytes come from their bits. */
+PQ_INLINE void pq_iq_sub_avx2(int t, const uint8_t *b, int ib, __m256i *mag, __m256i *sgn, int *sc, int *dl) {
+    uint32_t bits = 0;
+    switch (t) {
+    case PQ_IQ2_XXS: {
+        const uint8_t *q = b + 2 + 8 * ib;
+        const uint32_t a = pq_ld_u32(q + 4);
+        sc[0] = sc[1] = 2 * (int)(a >> 28) + 1;
+        *mag = _mm256_set_epi64x((long long)pq_iq2xxs_grid[q[3]], (long long)pq_iq2xxs_grid[q[2]],
+                                 (long long)pq_iq2xxs_grid[q[1]], (long long)pq_iq2xxs_grid[q[0]]);
+        for (int l = 0; l < 4; l++) bits |= (uint32_t)pq_ksigns_iq2xs[(a >> (7 * l)) & 127] << (8 * l);
+        break; }
+    case PQ_IQ2_XS: {
+        uint16_t q[4];
+        memcpy(q, b + 2 + 8 * ib, 8);
+        *mag = _mm256_set_epi64x((long long)pq_iq2xs_grid[q[3] & 511], (long long)pq_iq2xs_grid[q[2] & 511],
+                                 (long long)pq_iq2xs_grid[q[1] & 511], (long long)pq_iq2xs_grid[q[0] & 511]);
+        for (int l = 0; l < 4; l++) bits |= (uint32_t)pq_ksigns_iq2xs[q[l] >> 9] << (8 * l);
+        sc[0] = 2 * (b[66 + ib] & 0xF) + 1;
+        sc[1] = 2 * (b[66 + ib] >> 4) + 1;
+        break; }
+    case PQ_IQ2_S: {
+        const uint8_t *q = b + 2 + 4 * ib;
+        const int h = b[66 + ib];
+        *mag = _mm256_set_epi64x((long long)pq_iq2s_grid[q[3] | ((h << 2) & 0x300)], (long long)pq_iq2s_grid[q[2] | ((h << 4) & 0x300)],
+                                 (long long)pq_iq2s_grid[q[1] | ((h << 6) & 0x300)], (long long)pq_iq2s_grid[q[0] | ((h << 8) & 0x300)]);
+        bits = pq_ld_u32(b + 34 + 4 * ib);
+        sc[0] = 2 * (b[74 + ib] & 0xF) + 1;
+        sc[1] = 2 * (b[74 + ib] >> 4) + 1;
+        break; }
+    case PQ_IQ3_XXS: {
+        const uint8_t *q = b + 2 + 8 * ib;
+        const uint32_t a = pq_ld_u32(b + 66 + 4 * ib);
+        sc[0] = sc[1] = 2 * (int)(a >> 28) + 1;
+        *mag = _mm256_set_epi32((int)pq_iq3xxs_grid[q[7]], (int)pq_iq3xxs_grid[q[6]], (int)pq_iq3xxs_grid[q[5]], (int)pq_iq3xxs_grid[q[4]],
+                                (int)pq_iq3xxs_grid[q[3]], (int)pq_iq3xxs_grid[q[2]], (int)pq_iq3xxs_grid[q[1]], (int)pq_iq3xxs_grid[q[0]]);
+        for (int l = 0; l < 4; l++) bits |= (uint32_t)pq_ksigns_iq2xs[(a >> (7 * l)) & 127] << (8 * l);
+        break; }
+    case PQ_IQ3_S: {
+        const uint8_t *q = b + 2 + 8 * ib;
+        const int h = b[66 + ib];
+        int idx[8];
+        for (int k = 0; k < 8; k++) idx[k] = q[k] | ((h << (8 - k)) & 256);
+        *mag = _mm256_set_epi32((int)pq_iq3s_grid[idx[7]], (int)pq_iq3s_grid[idx[6]], (int)pq_iq3s_grid[idx[5]], (int)pq_iq3s_grid[idx[4]],
+                                (int)pq_iq3s_grid[idx[3]], (int)pq_iq3s_grid[idx[2]], (int)pq_iq3s_grid[idx[1]], (int)pq_iq3s_grid[idx[0]]);
+        bits = pq_ld_u32(b + 74 + 4 * ib);
+        sc[0] = sc[1] = 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF) + 1;
+        break; }
+    case PQ_IQ1_S: {
+        const uint16_t h = pq_ld_u16(b + 34 + 2 * ib);
+        const uint8_t *q = b + 2 + 4 * ib;
+        sc[0] = sc[1] = 2 * ((h >> 12) & 7) + 1;
+        dl[0] = dl[1] = dl[2] = dl[3] = h & 0x8000 ? -1 : 1;
+        *sgn = _mm256_set_epi64x((long long)pq_iq1s_grid[q[3] | ((h >> 1) & 0x700)], (long long)pq_iq1s_grid[q[2] | ((h << 2) & 0x700)],
+                                 (long long)pq_iq1s_grid[q[1] | ((h << 5) & 0x700)], (long long)pq_iq1s_grid[q[0] | ((h << 8) & 0x700)]);
+        *mag = _mm256_sign_epi8(*sgn, *sgn);
+        return; }
+    default: {           /* IQ1_M */
+        const uint16_t s16 = pq_ld_u16(b + 48 + 2 * (ib / 2));
+        const uint8_t *q = b + 4 * ib;
+        const int h0 = b[32 + 2 * ib], h1 = b[33 + 2 * ib];
+        sc[0] = 2 * ((s16 >> (6 * (ib % 2))) & 7) + 1;
+        sc[1] = 2 * ((s16 >> (6 * (ib % 2) + 3)) & 7) + 1;
+        dl[0] = h0 & 0x08 ? -1 : 1; dl[1] = h0 & 0x80 ? -1 : 1; dl[2] = h1 & 0x08 ? -1 : 1; dl[3] = h1 & 0x80 ? -1 : 1;
+        *sgn = _mm256_set_epi64x((long long)pq_iq1s_grid[q[3] | ((h1 << 4) & 0x700)], (long long)pq_iq1s_grid[q[2] | ((h1 << 8) & 0x700)],
+                                 (long long)pq_iq1s_grid[q[1] | ((h0 << 4) & 0x700)], (long long)pq_iq1s_grid[q[0] | ((h0 << 8) & 0x700)]);
+        *mag = _mm256_sign_epi8(*sgn, *sgn);
+        return; }
+    }
+    *sgn = _mm256_or_si256(pq_bits_to_bytes(bits), _mm256_set1_epi8(1));   /* -1 where the bit is set, else 1 */
+}
+
 /* Grid IQ types x Q8_K in the steps of pq_dot1_iq (ggml's AVX2 vec_dot): each sub-block decoded once
- * (pq_iq_sub) for the NR rows; its values' magnitudes times the activations signed by them (int16
+ * (pq_iq_sub_avx2) for the NR rows; its values' magnitudes times the activations signed by them (int16
  * pairs, at most 2 * 62 * 127), times the halves' scales, summed in 8 int32 lanes. */
 PQ_INLINE void pq_avx2_iq(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
     pq_traits tr;
@@ -1309,11 +1384,9 @@ PQ_INLINE void pq_avx2_iq(int t, int NR, int64_t nb, const uint8_t *w, const uin
         int32_t sd[PQ_MAX_NR];
         for (int r = 0; r < NR; r++) { sumi[r] = _mm256_setzero_si256(); sumd[r] = _mm256_setzero_si256(); sd[r] = 0; }
         for (int ib = 0; ib < 8; ib++) {
-            int8_t v[32] __attribute__((aligned(32)));
+            __m256i qa, q;
             int sc[2], dl[4] = {0, 0, 0, 0};
-            pq_iq_sub(t, w, ib, v, sc, dl);
-            const __m256i q = _mm256_load_si256((const __m256i *)v);
-            const __m256i qa = _mm256_sign_epi8(q, q);
+            pq_iq_sub_avx2(t, w, ib, &qa, &q, sc, dl);
             const __m256i scv = _mm256_set_m128i(_mm_set1_epi16((short)sc[1]), _mm_set1_epi16((short)sc[0]));
             const __m256i dv = _mm256_set_epi64x(dl[3] < 0 ? -1LL : 0x0101010101010101LL, dl[2] < 0 ? -1LL : 0x0101010101010101LL,
                                                  dl[1] < 0 ? -1LL : 0x0101010101010101LL, dl[0] < 0 ? -1LL : 0x0101010101010101LL);

@@ -43,7 +43,11 @@ ALL_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0",
 # Byte offsets of each block's f16 scales: set to finite values (random bytes may be inf/nan).
 F16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
               T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-              T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.MXFP4: ()}
+              T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.MXFP4: (),
+              T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,), T.IQ1_S: (0,),
+              T.IQ1_M: ()}
+# the grid IQ types: any bytes are valid blocks once the f16 scale is finite (optional in --types)
+IQ_GRID_TYPES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
 
 
 def random_weights(qtype: T, m: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -62,6 +66,13 @@ def random_weights(qtype: T, m: int, k: int, rng: np.random.Generator) -> np.nda
         raw[:, :, off:off + 2] = scales.view(np.uint8).reshape(m, k // block, 2)
     if qtype == T.MXFP4:   # E8M0 block exponents of scales 2^-10 .. 2^-5
         raw[:, :, 0] = rng.integers(118, 124, (m, k // block))
+    if qtype == T.IQ1_M:   # the f16 scale lives in the top nibbles of the 4 scale words (bytes 48..55)
+        h = rng.uniform(0.001, 0.01, (m, k // block)).astype(np.float16).view(np.uint16)
+        for j in range(4):
+            word = raw[:, :, 48 + 2 * j].astype(np.uint16) | (raw[:, :, 49 + 2 * j].astype(np.uint16) << 8)
+            word = (word & 0x0FFF) | (((h >> (4 * j)) & 0xF) << 12)
+            raw[:, :, 48 + 2 * j] = (word & 0xFF).astype(np.uint8)
+            raw[:, :, 49 + 2 * j] = (word >> 8).astype(np.uint8)
     return raw.reshape(m, -1)
 
 
@@ -132,9 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-blas", action="store_true", help="skip the dequantize+BLAS path")
     args = ap.parse_args(argv)
     types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
-    unknown = [t for t in types if t not in ALL_TYPES]
+    unknown = [t for t in types if t not in ALL_TYPES + IQ_GRID_TYPES]
     if unknown:
-        print(f"bench_qmatmul: unknown type(s) {', '.join(unknown)} (known: {', '.join(ALL_TYPES)})", file=sys.stderr)
+        print(f"bench_qmatmul: unknown type(s) {', '.join(unknown)} (known: {', '.join(ALL_TYPES + IQ_GRID_TYPES)})",
+              file=sys.stderr)
         return 1
     ns = [int(v) for v in args.n.split(",")]
     threads = [int(v) for v in args.threads.split(",")]

@@ -218,10 +218,10 @@ def test_an_unsupported_weight_type_is_one_line(model_factory, tmp_path):
     n_dims = struct.unpack_from("<I", data, at)[0]
     type_at = at + 4 + 8 * n_dims
     assert struct.unpack_from("<I", data, type_at)[0] == QT.Q3_K
-    struct.pack_into("<I", data, type_at, QT.IQ3_S)  # same block size and bytes as Q3_K
-    bad = tmp_path / "iq3_s.gguf"
+    struct.pack_into("<I", data, type_at, QT.TQ1_0)  # blocks of 256 too, fewer bytes: the data still fits
+    bad = tmp_path / "tq1_0.gguf"
     bad.write_bytes(data)
-    _refused(str(bad), "blk.0.attn_q.weight", "IQ3_S")
+    _refused(str(bad), "blk.0.attn_q.weight", "TQ1_0")
 
 
 def test_a_row_that_is_not_whole_blocks_is_one_line(model_factory, tmp_path):

@@ -42,8 +42,15 @@ cdef enum:
     T_Q4_K = 12
     T_Q5_K = 13
     T_Q6_K = 14
+    T_IQ2_XXS = 16
+    T_IQ2_XS = 17
+    T_IQ3_XXS = 18
+    T_IQ1_S = 19
     T_IQ4_NL = 20
+    T_IQ3_S = 21
+    T_IQ2_S = 22
     T_IQ4_XS = 23
+    T_IQ1_M = 29
     T_BF16 = 30
     T_MXFP4 = 39
     QK_K = 256
@@ -69,6 +76,13 @@ BLOCK_SIZES = {
     T_Q6_K: (QK_K, 210),
     T_IQ4_NL: (32, 18),
     T_IQ4_XS: (QK_K, 136),
+    T_IQ2_XXS: (QK_K, 66),
+    T_IQ2_XS: (QK_K, 74),
+    T_IQ2_S: (QK_K, 82),
+    T_IQ3_XXS: (QK_K, 98),
+    T_IQ3_S: (QK_K, 110),
+    T_IQ1_S: (QK_K, 50),
+    T_IQ1_M: (QK_K, 56),
     T_MXFP4: (32, 17),
 }
 """Supported type id -> (elements per block, bytes per block)."""
@@ -266,7 +280,7 @@ cdef void _range_q6_k(const uint8_t *src, float *dst, Py_ssize_t nb) noexcept no
 
 cdef void _range_generic(int qtype, const uint8_t *src, float *dst, Py_ssize_t nb,
                         Py_ssize_t block, Py_ssize_t type_size) noexcept nogil:
-    # Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4: ggml_quants.h's block functions (the formulas of
+    # Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4 and the grid IQ types: ggml_quants.h's block functions (the formulas of
     # ggml's dequantize_row_*, every product exact in float32 as above).
     cdef Py_ssize_t i
     for i in range(nb):
@@ -316,7 +330,8 @@ def dequantize(raw, int qtype, Py_ssize_t n_elements, out, int n_threads=0):
     raw: 1-D C-contiguous uint8 array (or other byte buffer) of exactly
     n_elements / block_size * type_size bytes; read-only buffers (memory maps) are fine.
     qtype: a gguf.GGMLQuantizationType value: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-    Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS or MXFP4.
+    Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S
+    or IQ1_M.
     out: 1-D C-contiguous writable float32 array of n_elements.
     n_threads: OpenMP threads to use; 0 = the OpenMP default (small inputs always use one).
 

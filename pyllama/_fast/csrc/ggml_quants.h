@@ -45,6 +45,7 @@
 #include <linux/futex.h>
 
 #include "pinned_sum.h"
+#include "ggml_iq_grids.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -63,8 +64,15 @@ static inline int32_t pq_hsum_i32(__m256i v) {
 enum {
     PQ_F32 = 0, PQ_F16 = 1, PQ_Q4_0 = 2, PQ_Q4_1 = 3, PQ_Q5_0 = 6, PQ_Q5_1 = 7, PQ_Q8_0 = 8,
     PQ_Q8_1 = 9, PQ_Q2_K = 10, PQ_Q3_K = 11, PQ_Q4_K = 12, PQ_Q5_K = 13, PQ_Q6_K = 14,
-    PQ_Q8_K = 15, PQ_IQ4_NL = 20, PQ_IQ4_XS = 23, PQ_BF16 = 30, PQ_MXFP4 = 39
+    PQ_Q8_K = 15, PQ_IQ2_XXS = 16, PQ_IQ2_XS = 17, PQ_IQ3_XXS = 18, PQ_IQ1_S = 19, PQ_IQ4_NL = 20,
+    PQ_IQ3_S = 21, PQ_IQ2_S = 22, PQ_IQ4_XS = 23, PQ_IQ1_M = 29, PQ_BF16 = 30, PQ_MXFP4 = 39
 };
+/* The grid IQ types: super-blocks of 256 whose groups of 8 (or 4) elements are points of a lattice
+ * grid (ggml_iq_grids.h), dotted against Q8_K activations */
+static inline int pq_is_iq_grid(int t) {
+    return t == PQ_IQ2_XXS || t == PQ_IQ2_XS || t == PQ_IQ2_S || t == PQ_IQ3_XXS || t == PQ_IQ3_S || t == PQ_IQ1_S ||
+           t == PQ_IQ1_M;
+}
 /* The 4-bit lookup types' values: IQ4_NL / IQ4_XS's non-linear grid and MXFP4's E2M1 values
  * doubled (ggml's kvalues_iq4nl, kvalues_mxfp4). */
 static const int8_t pq_kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -110,6 +118,13 @@ static inline int pq_get_traits(int t, pq_traits *tr) {
     case PQ_IQ4_NL: *tr = (pq_traits){32, 18, PQ_Q8_0, 1}; return 1;
     case PQ_IQ4_XS: *tr = (pq_traits){PQ_QK_K, 136, PQ_Q8_K, 9}; return 1;
     case PQ_MXFP4: *tr = (pq_traits){32, 17, PQ_Q8_0, 1}; return 1;
+    case PQ_IQ2_XXS: *tr = (pq_traits){PQ_QK_K, 66, PQ_Q8_K, 17}; return 1;
+    case PQ_IQ2_XS: *tr = (pq_traits){PQ_QK_K, 74, PQ_Q8_K, 17}; return 1;
+    case PQ_IQ2_S: *tr = (pq_traits){PQ_QK_K, 82, PQ_Q8_K, 17}; return 1;
+    case PQ_IQ3_XXS: *tr = (pq_traits){PQ_QK_K, 98, PQ_Q8_K, 17}; return 1;
+    case PQ_IQ3_S: *tr = (pq_traits){PQ_QK_K, 110, PQ_Q8_K, 17}; return 1;
+    case PQ_IQ1_S: *tr = (pq_traits){PQ_QK_K, 50, PQ_Q8_K, 18}; return 1;
+    case PQ_IQ1_M: *tr = (pq_traits){PQ_QK_K, 56, PQ_Q8_K, 18}; return 1;
     default: return 0;
     }
 }
@@ -180,6 +195,90 @@ static inline int pq_iq4xs_scale(const uint8_t *b, int ib) {
     const int lo = (b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF;
     const int hi = (b[2 + ib / 4] >> (2 * (ib % 4))) & 3;   /* scales_h, a little-endian uint16 */
     return (lo | (hi << 4)) - 32;
+}
+
+static inline uint16_t pq_ld_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* Grid IQ types. Sub-block ib (elements 32 ib .. 32 ib + 31) of block b, decoded as ggml's dequantizers
+ * and vec_dots read it: v the signed integer values (grid point times sign: the IQ2 / IQ3 grids hold
+ * magnitudes and a byte of sign bits per group of 8, the IQ1 grid signed -1 / 0 / 1), sc the odd
+ * integer scales of its two halves of 16 (2 ls + 1), and for IQ1_S / IQ1_M dl the sign of each group
+ * of 8's delta (+-1/8). An element's value is d * sc * v / 8 (IQ2), / 4 (IQ3_XXS), d * sc * v (IQ3_S),
+ * d * sc * (v + dl / 8) (IQ1). */
+static inline void pq_iq_sign8(int8_t *v, uint64_t grid, unsigned signs) {
+    for (int j = 0; j < 8; j++) {
+        const int m = (int)((grid >> (8 * j)) & 0xFF);
+        v[j] = (int8_t)((signs >> j) & 1 ? -m : m);
+    }
+}
+static inline void pq_iq_sub(int t, const uint8_t *b, int ib, int8_t *v, int *sc, int *dl) {
+    switch (t) {
+    case PQ_IQ2_XXS: {   /* d | per sub-block: 4 grid bytes, then u32 signs 4x7 | scale << 28 */
+        const uint8_t *q = b + 2 + 8 * ib;
+        const uint32_t a = pq_ld_u32(q + 4);
+        sc[0] = sc[1] = 2 * (int)(a >> 28) + 1;
+        for (int l = 0; l < 4; l++) pq_iq_sign8(v + 8 * l, pq_iq2xxs_grid[q[l]], pq_ksigns_iq2xs[(a >> (7 * l)) & 127]);
+        break; }
+    case PQ_IQ2_XS: {    /* d | qs u16[32]: 9-bit grid index | 7 sign bits << 9 | scales[8] of 2 nibbles */
+        for (int l = 0; l < 4; l++) {
+            const uint16_t q = pq_ld_u16(b + 2 + 8 * ib + 2 * l);
+            pq_iq_sign8(v + 8 * l, pq_iq2xs_grid[q & 511], pq_ksigns_iq2xs[q >> 9]);
+        }
+        sc[0] = 2 * (b[66 + ib] & 0xF) + 1;
+        sc[1] = 2 * (b[66 + ib] >> 4) + 1;
+        break; }
+    case PQ_IQ2_S: {     /* d | qs[32] | signs[32] | qh[8]: 2 index bits per group | scales[8] */
+        for (int l = 0; l < 4; l++) {
+            const int idx = b[2 + 4 * ib + l] | ((b[66 + ib] << (8 - 2 * l)) & 0x300);
+            pq_iq_sign8(v + 8 * l, pq_iq2s_grid[idx], b[34 + 4 * ib + l]);
+        }
+        sc[0] = 2 * (b[74 + ib] & 0xF) + 1;
+        sc[1] = 2 * (b[74 + ib] >> 4) + 1;
+        break; }
+    case PQ_IQ3_XXS: {   /* d | qs[64]: grid bytes, 8 per sub-block | u32[8] signs 4x7 | scale << 28 */
+        const uint32_t a = pq_ld_u32(b + 66 + 4 * ib);
+        sc[0] = sc[1] = 2 * (int)(a >> 28) + 1;
+        for (int l = 0; l < 4; l++) {
+            const uint64_t g = (uint64_t)pq_iq3xxs_grid[b[2 + 8 * ib + 2 * l]] |
+                               (uint64_t)pq_iq3xxs_grid[b[3 + 8 * ib + 2 * l]] << 32;
+            pq_iq_sign8(v + 8 * l, g, pq_ksigns_iq2xs[(a >> (7 * l)) & 127]);
+        }
+        break; }
+    case PQ_IQ3_S: {     /* d | qs[64] | qh[8]: the 9th index bits | signs[32] | scales[4] of 2 nibbles */
+        for (int l = 0; l < 4; l++) {
+            const int i1 = b[2 + 8 * ib + 2 * l] | ((b[66 + ib] << (8 - 2 * l)) & 256);
+            const int i2 = b[3 + 8 * ib + 2 * l] | ((b[66 + ib] << (7 - 2 * l)) & 256);
+            pq_iq_sign8(v + 8 * l, (uint64_t)pq_iq3s_grid[i1] | (uint64_t)pq_iq3s_grid[i2] << 32, b[74 + 4 * ib + l]);
+        }
+        sc[0] = sc[1] = 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF) + 1;
+        break; }
+    case PQ_IQ1_S: {     /* d | qs[32] | qh u16[8]: 4x3 index bits | scale << 12 | delta sign << 15 */
+        const uint16_t h = pq_ld_u16(b + 34 + 2 * ib);
+        sc[0] = sc[1] = 2 * ((h >> 12) & 7) + 1;
+        for (int l = 0; l < 4; l++) {
+            const uint64_t g = pq_iq1s_grid[b[2 + 4 * ib + l] | (((h >> (3 * l)) & 7) << 8)];
+            for (int j = 0; j < 8; j++) v[8 * l + j] = (int8_t)(g >> (8 * j));
+            dl[l] = h & 0x8000 ? -1 : 1;
+        }
+        break; }
+    default: {           /* IQ1_M: qs[32] | qh[16]: 3 index bits | delta sign << 3, per group | scales u16[4] */
+        const uint16_t s16 = pq_ld_u16(b + 48 + 2 * (ib / 2));
+        sc[0] = 2 * ((s16 >> (6 * (ib % 2))) & 7) + 1;
+        sc[1] = 2 * ((s16 >> (6 * (ib % 2) + 3)) & 7) + 1;
+        for (int l = 0; l < 4; l++) {
+            const int h = (b[32 + 2 * ib + l / 2] >> (4 * (l % 2))) & 0xF;
+            const uint64_t g = pq_iq1s_grid[b[4 * ib + l] | ((h & 7) << 8)];
+            for (int j = 0; j < 8; j++) v[8 * l + j] = (int8_t)(g >> (8 * j));
+            dl[l] = h & 8 ? -1 : 1;
+        }
+        break; }
+    }
+}
+/* A grid IQ block's f16 scale (IQ1_M keeps its 16 bits in the top nibbles of its 4 scale words) */
+static inline float pq_iq_d(int t, const uint8_t *b) {
+    if (t != PQ_IQ1_M) return pq_ld_f16(b);
+    const uint16_t s0 = pq_ld_u16(b + 48), s1 = pq_ld_u16(b + 50), s2 = pq_ld_u16(b + 52), s3 = pq_ld_u16(b + 54);
+    return pq_f16_to_f32((uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000)));
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -423,6 +522,21 @@ static inline void pq_dequant_block(int t, const uint8_t *b, float *y) {
             }
         }
         break; }
+    case PQ_IQ2_XXS: case PQ_IQ2_XS: case PQ_IQ2_S: case PQ_IQ3_XXS: case PQ_IQ3_S: case PQ_IQ1_S: case PQ_IQ1_M: {
+        /* every product exact: d (11 bits) * sc (4) * v (6) or * (v +- 1/8) (4) */
+        const float d = pq_iq_d(t, b);
+        const float f = t == PQ_IQ3_S || t == PQ_IQ1_S || t == PQ_IQ1_M ? 1.0f : t == PQ_IQ3_XXS ? 0.25f : 0.125f;
+        const int iq1 = t == PQ_IQ1_S || t == PQ_IQ1_M;
+        int8_t v[32];
+        int sc[2], dl[4];
+        for (int ib = 0; ib < 8; ib++) {
+            pq_iq_sub(t, b, ib, v, sc, dl);
+            for (int e = 0; e < 32; e++) {
+                const float db = d * (float)sc[e / 16] * f;
+                y[32 * ib + e] = iq1 ? db * ((float)v[e] + (dl[e / 8] < 0 ? -0.125f : 0.125f)) : db * (float)v[e];
+            }
+        }
+        break; }
     case PQ_F16: y[0] = pq_ld_f16(b); break;
     case PQ_BF16: { uint16_t h; memcpy(&h, b, 2); y[0] = pq_bf16_to_f32(h); break; }
     default: y[0] = pq_ld_f32(b); break;
@@ -455,7 +569,9 @@ PQ_API void pq_dequant_row(int t, const uint8_t *w, float *y, int64_t k) {
  *   Q4_K, Q5_K: 8 sub-block (32) sums of q_w * q_x, then isum = sum scale * sub, summs = sum bsums * min
  *   Q6_K: 16 sub-block sums of (q_w - 32) * q_x, then isum = sum scale * sub
  *   IQ4_NL, MXFP4: [sum value(q_w) * q_x]
- *   IQ4_XS: 8 sub-block (32) sums of value(q_w) * q_x, then isum = sum (scale - 32) * sub */
+ *   IQ4_XS: 8 sub-block (32) sums of value(q_w) * q_x, then isum = sum (scale - 32) * sub
+ *   grid IQ types: 16 half sub-block (16) sums of v * q_x, then isum = sum sc * sub; IQ1_S, IQ1_M
+ *   then the deltas' sum dsum = sum sc * (sum dl * q_x) (pq_iq_sub's v, sc, dl) */
 
 static inline void pq_isums_q4_0(const uint8_t *w, const uint8_t *x, int32_t *s) {
     const int8_t *q8 = (const int8_t *)(x + 2);
@@ -598,6 +714,70 @@ static inline void pq_isums_iq4_xs(const uint8_t *w, const uint8_t *x, int32_t *
     s[8] = isum;
 }
 
+static inline void pq_isums_iq(int t, const uint8_t *w, const uint8_t *x, int32_t *s) {
+    const int8_t *q8 = (const int8_t *)(x + 4);
+    int8_t v[32];
+    int sc[2], dl[4] = {0, 0, 0, 0};
+    int isum = 0, dsum = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        pq_iq_sub(t, w, ib, v, sc, dl);
+        for (int h = 0; h < 2; h++) {
+            int sub = 0, ds = 0;
+            for (int e = 16 * h; e < 16 * h + 16; e++) { sub += v[e] * q8[32 * ib + e]; ds += dl[e / 8] * q8[32 * ib + e]; }
+            s[2 * ib + h] = sub;
+            isum += sc[h] * sub;
+            dsum += sc[h] * ds;
+        }
+    }
+    s[16] = isum;
+    if (t == PQ_IQ1_S || t == PQ_IQ1_M) s[17] = dsum;
+}
+
+/* A grid IQ row . a Q8_K row in the float steps of ggml's x86 (AVX2) vec_dot, which llama.cpp runs
+ * on x86 (its generic C code orders them otherwise). Per super-block the integer sums go to 8 int32
+ * lanes, lane l taking elements 4l .. 4l + 3 of every sub-block times their half's scale; each lane
+ * is converted and fused into its float accumulator with d = d_w * d_x, and the 8 accumulators are
+ * reduced at the end as hsum_float_8, then times 1/8 (IQ2) or 1/4 (IQ3_XXS). IQ1_M keeps its deltas'
+ * lanes in a second set of accumulators, reduced and added times 1/8; IQ1_S its deltas' whole sum
+ * per super-block (from the activation's bsums) in one float, fused with d, added times 1/8. The
+ * AVX2 kernel (pq_avx2_iq) takes the same steps, so the two paths agree bit for bit. No
+ * reassociation: each float operation is ggml's, one by one. */
+PQ_EXACT static float pq_dot1_iq(int t, int64_t n, const uint8_t *w, const uint8_t *x) {
+    pq_traits tr;
+    pq_get_traits(t, &tr);
+    float acc[8] = {0}, accd[8] = {0}, acc1 = 0.0f;
+    int8_t v[32];
+    int sc[2], dl[4] = {0, 0, 0, 0};
+    for (int64_t i = 0; i < n / PQ_QK_K; i++) {
+        const uint8_t *wb = w + (int64_t)tr.bytes * i, *xb = x + 292 * i;
+        const int8_t *q8 = (const int8_t *)(xb + 4);
+        int32_t lane[8] = {0}, laned[8] = {0}, sumd = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            pq_iq_sub(t, wb, ib, v, sc, dl);
+            for (int l = 0; l < 8; l++) {
+                int p = 0, pd = 0;
+                for (int e = 4 * l; e < 4 * l + 4; e++) { p += v[e] * q8[32 * ib + e]; pd += dl[e / 8] * q8[32 * ib + e]; }
+                lane[l] += sc[l / 4] * p;
+                laned[l] += sc[l / 4] * pd;
+            }
+            if (t == PQ_IQ1_S) sumd += (pq_ld_i16(xb + 260 + 4 * ib) + pq_ld_i16(xb + 262 + 4 * ib)) * dl[0] * sc[0];
+        }
+        const float d = pq_iq_d(t, wb) * pq_ld_f32(xb);
+        for (int l = 0; l < 8; l++) acc[l] = fmaf(d, (float)lane[l], acc[l]);
+        if (t == PQ_IQ1_M)
+            for (int l = 0; l < 8; l++) accd[l] = fmaf(d, (float)laned[l], accd[l]);
+        if (t == PQ_IQ1_S) acc1 = fmaf(d, (float)sumd, acc1);
+    }
+    const float sum = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    switch (t) {
+    case PQ_IQ3_S: return sum;
+    case PQ_IQ3_XXS: return 0.25f * sum;
+    case PQ_IQ1_S: return sum + 0.125f * acc1;
+    case PQ_IQ1_M: return sum + 0.125f * (((accd[0] + accd[4]) + (accd[2] + accd[6])) + ((accd[1] + accd[5]) + (accd[3] + accd[7])));
+    default: return 0.125f * sum;
+    }
+}
+
 /* The per-block integer sums of a whole row (nb blocks); 0 if t has none. */
 PQ_API int pq_isums_row(int t, int64_t nb, const uint8_t *w, const uint8_t *x, int32_t *out) {
     pq_traits tw, tx;
@@ -620,6 +800,7 @@ PQ_API int pq_isums_row(int t, int64_t nb, const uint8_t *w, const uint8_t *x, i
         case PQ_IQ4_NL: pq_isums_lut(pq_kvalues_iq4nl, wb + 2, xb, s); break;
         case PQ_MXFP4: pq_isums_lut(pq_kvalues_mxfp4, wb + 1, xb, s); break;
         case PQ_IQ4_XS: pq_isums_iq4_xs(wb, xb, s); break;
+        default: if (pq_is_iq_grid(t)) pq_isums_iq(t, wb, xb, s); break;
         }
     }
     return 1;
@@ -630,6 +811,7 @@ PQ_API float pq_dot1_portable(int t, int64_t n, const uint8_t *w, const uint8_t 
     int32_t s[18];
     float sumf = 0.0f;
     int64_t i;
+    if (pq_is_iq_grid(t)) return pq_dot1_iq(t, n, w, x);
     switch (t) {
     case PQ_Q4_0:
         for (i = 0; i < n / 32; i++) {
@@ -1112,6 +1294,132 @@ PQ_INLINE void pq_avx2_iq4_xs(int NR, int64_t nb, const uint8_t *w, const uint8_
     for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]);
 }
 
+/* Sub-block ib of a grid IQ block as pq_iq_sub reads it, in registers: the values' magnitudes and a
+ * vector whose byte signs are theirs (+-1, or the IQ1 values themselves), the halves' scales and the
+ * IQ1 shifts' signs. The grid points are gathered as ggml's AVX2 code does (one 64- or 32-bit load
+ * each); the sign bytes come from their bits. */
+PQ_INLINE void pq_iq_sub_avx2(int t, const uint8_t *b, int ib, __m256i *mag, __m256i *sgn, int *sc, int *dl) {
+    uint32_t bits = 0;
+    switch (t) {
+    case PQ_IQ2_XXS: {
+        const uint8_t *q = b + 2 + 8 * ib;
+        const uint32_t a = pq_ld_u32(q + 4);
+        sc[0] = sc[1] = 2 * (int)(a >> 28) + 1;
+        *mag = _mm256_set_epi64x((long long)pq_iq2xxs_grid[q[3]], (long long)pq_iq2xxs_grid[q[2]],
+                                 (long long)pq_iq2xxs_grid[q[1]], (long long)pq_iq2xxs_grid[q[0]]);
+        for (int l = 0; l < 4; l++) bits |= (uint32_t)pq_ksigns_iq2xs[(a >> (7 * l)) & 127] << (8 * l);
+        break; }
+    case PQ_IQ2_XS: {
+        uint16_t q[4];
+        memcpy(q, b + 2 + 8 * ib, 8);
+        *mag = _mm256_set_epi64x((long long)pq_iq2xs_grid[q[3] & 511], (long long)pq_iq2xs_grid[q[2] & 511],
+                                 (long long)pq_iq2xs_grid[q[1] & 511], (long long)pq_iq2xs_grid[q[0] & 511]);
+        for (int l = 0; l < 4; l++) bits |= (uint32_t)pq_ksigns_iq2xs[q[l] >> 9] << (8 * l);
+        sc[0] = 2 * (b[66 + ib] & 0xF) + 1;
+        sc[1] = 2 * (b[66 + ib] >> 4) + 1;
+        break; }
+    case PQ_IQ2_S: {
+        const uint8_t *q = b + 2 + 4 * ib;
+        const int h = b[66 + ib];
+        *mag = _mm256_set_epi64x((long long)pq_iq2s_grid[q[3] | ((h << 2) & 0x300)], (long long)pq_iq2s_grid[q[2] | ((h << 4) & 0x300)],
+                                 (long long)pq_iq2s_grid[q[1] | ((h << 6) & 0x300)], (long long)pq_iq2s_grid[q[0] | ((h << 8) & 0x300)]);
+        bits = pq_ld_u32(b + 34 + 4 * ib);
+        sc[0] = 2 * (b[74 + ib] & 0xF) + 1;
+        sc[1] = 2 * (b[74 + ib] >> 4) + 1;
+        break; }
+    case PQ_IQ3_XXS: {
+        const uint8_t *q = b + 2 + 8 * ib;
+        const uint32_t a = pq_ld_u32(b + 66 + 4 * ib);
+        sc[0] = sc[1] = 2 * (int)(a >> 28) + 1;
+        *mag = _mm256_set_epi32((int)pq_iq3xxs_grid[q[7]], (int)pq_iq3xxs_grid[q[6]], (int)pq_iq3xxs_grid[q[5]], (int)pq_iq3xxs_grid[q[4]],
+                                (int)pq_iq3xxs_grid[q[3]], (int)pq_iq3xxs_grid[q[2]], (int)pq_iq3xxs_grid[q[1]], (int)pq_iq3xxs_grid[q[0]]);
+        for (int l = 0; l < 4; l++) bits |= (uint32_t)pq_ksigns_iq2xs[(a >> (7 * l)) & 127] << (8 * l);
+        break; }
+    case PQ_IQ3_S: {
+        const uint8_t *q = b + 2 + 8 * ib;
+        const int h = b[66 + ib];
+        int idx[8];
+        for (int k = 0; k < 8; k++) idx[k] = q[k] | ((h << (8 - k)) & 256);
+        *mag = _mm256_set_epi32((int)pq_iq3s_grid[idx[7]], (int)pq_iq3s_grid[idx[6]], (int)pq_iq3s_grid[idx[5]], (int)pq_iq3s_grid[idx[4]],
+                                (int)pq_iq3s_grid[idx[3]], (int)pq_iq3s_grid[idx[2]], (int)pq_iq3s_grid[idx[1]], (int)pq_iq3s_grid[idx[0]]);
+        bits = pq_ld_u32(b + 74 + 4 * ib);
+        sc[0] = sc[1] = 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF) + 1;
+        break; }
+    case PQ_IQ1_S: {
+        const uint16_t h = pq_ld_u16(b + 34 + 2 * ib);
+        const uint8_t *q = b + 2 + 4 * ib;
+        sc[0] = sc[1] = 2 * ((h >> 12) & 7) + 1;
+        dl[0] = dl[1] = dl[2] = dl[3] = h & 0x8000 ? -1 : 1;
+        *sgn = _mm256_set_epi64x((long long)pq_iq1s_grid[q[3] | ((h >> 1) & 0x700)], (long long)pq_iq1s_grid[q[2] | ((h << 2) & 0x700)],
+                                 (long long)pq_iq1s_grid[q[1] | ((h << 5) & 0x700)], (long long)pq_iq1s_grid[q[0] | ((h << 8) & 0x700)]);
+        *mag = _mm256_sign_epi8(*sgn, *sgn);
+        return; }
+    default: {           /* IQ1_M */
+        const uint16_t s16 = pq_ld_u16(b + 48 + 2 * (ib / 2));
+        const uint8_t *q = b + 4 * ib;
+        const int h0 = b[32 + 2 * ib], h1 = b[33 + 2 * ib];
+        sc[0] = 2 * ((s16 >> (6 * (ib % 2))) & 7) + 1;
+        sc[1] = 2 * ((s16 >> (6 * (ib % 2) + 3)) & 7) + 1;
+        dl[0] = h0 & 0x08 ? -1 : 1; dl[1] = h0 & 0x80 ? -1 : 1; dl[2] = h1 & 0x08 ? -1 : 1; dl[3] = h1 & 0x80 ? -1 : 1;
+        *sgn = _mm256_set_epi64x((long long)pq_iq1s_grid[q[3] | ((h1 << 4) & 0x700)], (long long)pq_iq1s_grid[q[2] | ((h1 << 8) & 0x700)],
+                                 (long long)pq_iq1s_grid[q[1] | ((h0 << 4) & 0x700)], (long long)pq_iq1s_grid[q[0] | ((h0 << 8) & 0x700)]);
+        *mag = _mm256_sign_epi8(*sgn, *sgn);
+        return; }
+    }
+    *sgn = _mm256_or_si256(pq_bits_to_bytes(bits), _mm256_set1_epi8(1));   /* -1 where the bit is set, else 1 */
+}
+
+/* Grid IQ types x Q8_K in the steps of pq_dot1_iq (ggml's AVX2 vec_dot): each sub-block decoded once
+ * (pq_iq_sub_avx2) for the NR rows; its values' magnitudes times the activations signed by them (int16
+ * pairs, at most 2 * 62 * 127), times the halves' scales, summed in 8 int32 lanes. */
+PQ_INLINE void pq_avx2_iq(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    pq_traits tr;
+    pq_get_traits(t, &tr);
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256 acc[PQ_MAX_NR], accd[PQ_MAX_NR];
+    float acc1[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accd[r] = _mm256_setzero_ps(); acc1[r] = 0.0f; }
+    for (int64_t i = 0; i < nb; i++, w += tr.bytes) {
+        __m256i sumi[PQ_MAX_NR], sumd[PQ_MAX_NR];
+        int32_t sd[PQ_MAX_NR];
+        for (int r = 0; r < NR; r++) { sumi[r] = _mm256_setzero_si256(); sumd[r] = _mm256_setzero_si256(); sd[r] = 0; }
+        for (int ib = 0; ib < 8; ib++) {
+            __m256i qa, q;
+            int sc[2], dl[4] = {0, 0, 0, 0};
+            pq_iq_sub_avx2(t, w, ib, &qa, &q, sc, dl);
+            const __m256i scv = _mm256_set_m128i(_mm_set1_epi16((short)sc[1]), _mm_set1_epi16((short)sc[0]));
+            const __m256i dv = _mm256_set_epi64x(dl[3] < 0 ? -1LL : 0x0101010101010101LL, dl[2] < 0 ? -1LL : 0x0101010101010101LL,
+                                                 dl[1] < 0 ? -1LL : 0x0101010101010101LL, dl[0] < 0 ? -1LL : 0x0101010101010101LL);
+            for (int r = 0; r < NR; r++) {
+                const uint8_t *y = x + r * xs + 292 * i;
+                const __m256i y8 = _mm256_loadu_si256((const __m256i *)(y + 4 + 32 * ib));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, _mm256_sign_epi8(y8, q)), scv));
+                if (t == PQ_IQ1_M)
+                    sumd[r] = _mm256_add_epi32(sumd[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ones, _mm256_sign_epi8(y8, dv)), scv));
+                if (t == PQ_IQ1_S)
+                    sd[r] += (pq_ld_i16(y + 260 + 4 * ib) + pq_ld_i16(y + 262 + 4 * ib)) * dl[0] * sc[0];
+            }
+        }
+        const float dw = pq_iq_d(t, w);
+        for (int r = 0; r < NR; r++) {
+            const float d = dw * pq_ld_f32(x + r * xs + 292 * i);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            if (t == PQ_IQ1_M) accd[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumd[r]), accd[r]);
+            if (t == PQ_IQ1_S) acc1[r] = fmaf(d, (float)sd[r], acc1[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        const float sum = pq_hsum256(acc[r]);
+        switch (t) {
+        case PQ_IQ3_S: out[r] = sum; break;
+        case PQ_IQ3_XXS: out[r] = 0.25f * sum; break;
+        case PQ_IQ1_S: out[r] = sum + 0.125f * acc1[r]; break;
+        case PQ_IQ1_M: out[r] = sum + 0.125f * pq_hsum256(accd[r]); break;
+        default: out[r] = 0.125f * sum; break;
+        }
+    }
+}
+
 /* F16 / BF16 / F32 weights with activations of the same type: products exact in float32 for
  * the 16-bit types, FMA accumulation in 8 lanes. The activations may also come widened to F32
  * (xt = PQ_F32: the same values, rounded to the weight's type once and stored as floats), which
@@ -1304,6 +1612,13 @@ PQ_DEF4(pq_k_q6_K, pq_avx2_q6_K(NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_iq4_nl, pq_avx2_lut_0(PQ_IQ4_NL, NR, n / 32, w, x, xs, out))
 PQ_DEF4(pq_k_mxfp4, pq_avx2_lut_0(PQ_MXFP4, NR, n / 32, w, x, xs, out))
 PQ_DEF4(pq_k_iq4_xs, pq_avx2_iq4_xs(NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_iq2_xxs, pq_avx2_iq(PQ_IQ2_XXS, NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_iq2_xs, pq_avx2_iq(PQ_IQ2_XS, NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_iq2_s, pq_avx2_iq(PQ_IQ2_S, NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_iq3_xxs, pq_avx2_iq(PQ_IQ3_XXS, NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_iq3_s, pq_avx2_iq(PQ_IQ3_S, NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_iq1_s, pq_avx2_iq(PQ_IQ1_S, NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_iq1_m, pq_avx2_iq(PQ_IQ1_M, NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_f16, pq_avx2_float(PQ_F16, PQ_F16, NR, n, w, x, xs, out))
 PQ_DEF4(pq_k_bf16, pq_avx2_float(PQ_BF16, PQ_BF16, NR, n, w, x, xs, out))
 PQ_DEF4(pq_k_f32, pq_avx2_float(PQ_F32, PQ_F32, NR, n, w, x, xs, out))
@@ -1345,6 +1660,10 @@ PQ_API pq_dot_fn pq_avx2_kernel(int t, int nr) {
     static const pq_dot_fn f16[PQ_MAX_NR] = PQ_TAB(pq_k_f16), bf16[PQ_MAX_NR] = PQ_TAB(pq_k_bf16), f32[PQ_MAX_NR] = PQ_TAB(pq_k_f32);
     static const pq_dot_fn iq4_nl[PQ_MAX_NR] = PQ_TAB(pq_k_iq4_nl), mxfp4[PQ_MAX_NR] = PQ_TAB(pq_k_mxfp4);
     static const pq_dot_fn iq4_xs[PQ_MAX_NR] = PQ_TAB(pq_k_iq4_xs);
+    static const pq_dot_fn iq2_xxs[PQ_MAX_NR] = PQ_TAB(pq_k_iq2_xxs), iq2_xs[PQ_MAX_NR] = PQ_TAB(pq_k_iq2_xs);
+    static const pq_dot_fn iq2_s[PQ_MAX_NR] = PQ_TAB(pq_k_iq2_s), iq3_xxs[PQ_MAX_NR] = PQ_TAB(pq_k_iq3_xxs);
+    static const pq_dot_fn iq3_s[PQ_MAX_NR] = PQ_TAB(pq_k_iq3_s), iq1_s[PQ_MAX_NR] = PQ_TAB(pq_k_iq1_s);
+    static const pq_dot_fn iq1_m[PQ_MAX_NR] = PQ_TAB(pq_k_iq1_m);
     const pq_dot_fn *tab;
     switch (t) {
     case PQ_Q4_0: tab = q4_0; break;
@@ -1363,6 +1682,13 @@ PQ_API pq_dot_fn pq_avx2_kernel(int t, int nr) {
     case PQ_IQ4_NL: tab = iq4_nl; break;
     case PQ_MXFP4: tab = mxfp4; break;
     case PQ_IQ4_XS: tab = iq4_xs; break;
+    case PQ_IQ2_XXS: tab = iq2_xxs; break;
+    case PQ_IQ2_XS: tab = iq2_xs; break;
+    case PQ_IQ2_S: tab = iq2_s; break;
+    case PQ_IQ3_XXS: tab = iq3_xxs; break;
+    case PQ_IQ3_S: tab = iq3_s; break;
+    case PQ_IQ1_S: tab = iq1_s; break;
+    case PQ_IQ1_M: tab = iq1_m; break;
     default: return NULL;
     }
     return tab[nr - 1];
@@ -1373,8 +1699,9 @@ PQ_API pq_dot_fn pq_avx2_kernel(int t, int nr) {
 static inline void pq_dot_rows(int t, int nr, int64_t k, const uint8_t *w, const uint8_t *x, size_t xs,
                                float *out, int portable) {
 #if PQ_HAVE_AVX2
-    if (!portable) {
-        pq_avx2_kernel(t, nr)(k, w, x, xs, out);
+    const pq_dot_fn fn = portable ? NULL : pq_avx2_kernel(t, nr);
+    if (fn) {   /* a type without an AVX2 kernel takes the portable one */
+        fn(k, w, x, xs, out);
         return;
     }
 #endif

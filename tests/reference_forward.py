@@ -157,21 +157,29 @@ def moe_ffn(h: np.ndarray, W: dict, p: str, meta: dict, arch: str) -> np.ndarray
     probs = matmul(h, W[p + "ffn_gate_inp.weight"])
     probs = np.exp(probs - probs.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
+    out = _routed(h, W, p, probs, probs, k, norm, scale)
+    if p + "ffn_gate_inp_shexp.weight" in W:
+        shared = matmul(silu(matmul(h, W[p + "ffn_gate_shexp.weight"])) * matmul(h, W[p + "ffn_up_shexp.weight"]),
+                        W[p + "ffn_down_shexp.weight"])
+        gate = 1.0 / (1.0 + np.exp(-(h @ W[p + "ffn_gate_inp_shexp.weight"])))
+        out += gate[:, None] * shared
+    return out
+
+
+def _routed(h: np.ndarray, W: dict, p: str, choice: np.ndarray, weigh: np.ndarray, k: int, norm: bool,
+            scale: float) -> np.ndarray:
+    """Each token's k experts by `choice` (ties: the lower id), weighted by `weigh` (divided by
+    their sum when norm) times scale, their SwiGLU FFNs summed."""
     out = np.zeros_like(h)
     for t in range(h.shape[0]):
-        chosen = sorted(range(probs.shape[1]), key=lambda e: (-probs[t, e], e))[:k]
-        weights = probs[t, chosen]
+        chosen = sorted(range(choice.shape[1]), key=lambda e: (-choice[t, e], e))[:k]
+        weights = weigh[t, chosen]
         if norm:
             weights = weights / weights.sum()
         for e, wt in zip(chosen, weights * scale):
             g = matmul(h[t:t + 1], _expert(h, W[p + "ffn_gate_exps.weight"], e))
             u = matmul(h[t:t + 1], _expert(h, W[p + "ffn_up_exps.weight"], e))
             out[t] += wt * matmul(silu(g) * u, _expert(h, W[p + "ffn_down_exps.weight"], e))[0]
-    if p + "ffn_gate_inp_shexp.weight" in W:
-        shared = matmul(silu(matmul(h, W[p + "ffn_gate_shexp.weight"])) * matmul(h, W[p + "ffn_up_shexp.weight"]),
-                        W[p + "ffn_down_shexp.weight"])
-        gate = 1.0 / (1.0 + np.exp(-(h @ W[p + "ffn_gate_inp_shexp.weight"])))
-        out += gate[:, None] * shared
     return out
 
 
@@ -199,16 +207,7 @@ def _glm4moe_ffn(h: np.ndarray, W: dict, p: str, meta: dict, k: int, arch: str =
                 if j not in keep:
                     g[t, j] = -np.inf
         choice = g.reshape(choice.shape)
-    out = np.zeros_like(h)
-    for t in range(h.shape[0]):
-        chosen = sorted(range(scores.shape[1]), key=lambda e: (-choice[t, e], e))[:k]
-        weights = scores[t, chosen]
-        if norm:
-            weights = weights / weights.sum()
-        for e, wt in zip(chosen, weights * scale):
-            g = matmul(h[t:t + 1], _expert(h, W[p + "ffn_gate_exps.weight"], e))
-            u = matmul(h[t:t + 1], _expert(h, W[p + "ffn_up_exps.weight"], e))
-            out[t] += wt * matmul(silu(g) * u, _expert(h, W[p + "ffn_down_exps.weight"], e))[0]
+    out = _routed(h, W, p, choice, scores, k, norm, scale)
     if p + "ffn_gate_shexp.weight" in W:
         out += matmul(silu(matmul(h, W[p + "ffn_gate_shexp.weight"])) * matmul(h, W[p + "ffn_up_shexp.weight"]),
                       W[p + "ffn_down_shexp.weight"])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pyllama.backend.cpu.mla import mla_attention
-from pyllama.ir.tensor import DType, MlaParams, MoeParams, Op
+from pyllama.ir.tensor import MlaParams, MoeParams, Op
 from pyllama.models.gguf_file import GGUFFile
 from pyllama.models.make import MLA_PRESETS, PRESETS
 from pyllama.models.model import Model
@@ -21,6 +21,7 @@ from pyllama.runtime.context import Batch
 from pyllama.runtime.engine import Engine
 from pyllama.util.errors import ModelFileError
 from reference_forward import reference_logits
+from greedy import paper_graph, prompt_logits_f32
 from server_util import assert_same_tokens_in_two_groups, generated_tokens, run_generate
 
 PROMPT = "The little cat sat on the mat and looked at the"
@@ -45,11 +46,7 @@ def test_the_file_is_deepseek_v3_shaped_and_read_so(ds):
 def test_logits_match_the_reference(ds):
     engine = Engine(ds, n_threads=2)
     try:
-        prompt = engine.tokenizer.encode(PROMPT)
-        ctx = engine.new_context(256, 1, type_k=DType.F32, type_v=DType.F32)  # the reference rounds nothing
-        batch = Batch.for_sequence(prompt, 0, 0)
-        batch.logits[:] = True
-        got = ctx.decode(batch).logits[:len(prompt)].copy()
+        prompt, ctx, got = prompt_logits_f32(engine, PROMPT)
         # a decode step after the prompt (one row attending over the cached latents) agrees too
         nxt = int(got[-1].argmax())
         step = ctx.decode(Batch.for_sequence([nxt], len(prompt), 0)).logits[0].copy()
@@ -65,15 +62,8 @@ def test_logits_match_the_reference(ds):
 
 
 def test_the_graph_holds_latent_attention_and_grouped_routing(ds):
-    from pyllama.backend.cpu import CPUBackend
-    from pyllama.models.build.llama import build_forward
-    from pyllama.models.weights import Placement, load_weights
-    model = Model(ds)
-    hp = model.hparams
-    w = load_weights(model, Placement([CPUBackend(1)], [0] * hp.n_layer), upload=False)
-    from pyllama.ir.tensor import Tensor
-    kv = [(Tensor(DType.F16, (8, hp.n_embd_kv), "k"), Tensor(DType.F16, (8, hp.n_embd_kv), "v"))] * hp.n_layer
-    fg = build_forward(hp, w, kv, 4, 1, 4)
+    hp = Model(ds).hparams
+    fg = paper_graph(ds)
     mla = [nd for nd in fg.nodes if nd.op == Op.MLA_ATTENTION]
     assert len(mla) == hp.n_layer and not any(nd.op == Op.ATTENTION for nd in fg.nodes)
     p = MlaParams(*mla[0].params)

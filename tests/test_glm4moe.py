@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from pyllama._fast import moe
-from pyllama.ir.tensor import DType, MoeParams, Op
+from pyllama.ir.tensor import MoeParams, Op
 from pyllama.models.gguf_file import GGUFFile
 from pyllama.models.make import GLM4MOE, PRESETS, moe_shape
 from pyllama.models.model import Model
-from pyllama.runtime.context import Batch
 from pyllama.runtime.engine import Engine
 from pyllama.util.errors import ModelFileError
 from reference_forward import reference_logits
+from greedy import paper_graph, prompt_logits_f32
 from server_util import assert_same_tokens_in_two_groups, generated_tokens
 
 PROMPT = "The little cat sat on the mat and looked at the"
@@ -104,11 +104,7 @@ def test_the_file_is_glm_4_5_shaped_and_read_so(glm):
 def test_greedy_tokens_and_logits_match_the_reference(glm):
     engine = Engine(glm, n_threads=2)
     try:
-        prompt = engine.tokenizer.encode(PROMPT)
-        ctx = engine.new_context(256, 1, type_k=DType.F32, type_v=DType.F32)  # the reference rounds nothing
-        batch = Batch.for_sequence(prompt, 0, 0)
-        batch.logits[:] = True
-        got = ctx.decode(batch).logits[:len(prompt)].copy()
+        prompt, _, got = prompt_logits_f32(engine, PROMPT)
     finally:
         engine.close()
     ref = reference_logits(glm, prompt)
@@ -117,12 +113,7 @@ def test_greedy_tokens_and_logits_match_the_reference(glm):
 
 
 def test_the_moe_node_carries_sigmoid_routing_and_the_expert_bias(glm):
-    from pyllama.models.build.llama import build_forward
-    from pyllama.models.weights import Placement, load_weights
-    from pyllama.backend.cpu import CPUBackend
-    model = Model(glm)
-    w = load_weights(model, Placement([CPUBackend(1)], [0] * model.hparams.n_layer), upload=False)
-    fg = build_forward(model.hparams, w, [(None, None)] * model.hparams.n_layer, 4, 1, 4)
+    fg = paper_graph(glm)
     (nd,) = [nd for nd in fg.nodes if nd.op == Op.MOE_FFN]
     mp = MoeParams.of(nd.params)
     assert (mp.gating, mp.probs_b, mp.scale) == (2, 1, GLM4MOE["expert_weights_scale"])

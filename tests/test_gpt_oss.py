@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from pyllama._fast import moe, ops
-from pyllama.ir.tensor import ATTN_SINKS, AttentionParams, DType, MoeParams, Op, src_roles
+from pyllama.ir.tensor import ATTN_SINKS, AttentionParams, MoeParams, Op, src_roles
 from pyllama.models.make import GPT_OSS_WINDOW
 from pyllama.models.model import Model
-from pyllama.runtime.context import Batch
 from pyllama.runtime.engine import Engine
 from reference_forward import reference_logits
-from server_util import assert_same_tokens_in_two_groups, generated_tokens, run_generate
+from greedy import paper_graph, prompt_logits_f32
+from server_util import assert_same_tokens_in_two_groups, generated_tokens
 
 PROMPT = "The little cat sat on the mat and looked at the"
 
@@ -42,28 +42,16 @@ def test_logits_match_the_reference(model_factory, wtype):
     path = model_factory("tiny", arch="gpt-oss", wtype=wtype)
     engine = Engine(path, n_threads=2)
     try:
-        prompt = engine.tokenizer.encode(PROMPT)
-        assert len(prompt) > 2 * GPT_OSS_WINDOW  # the window binds
-        ctx = engine.new_context(256, 1, type_k=DType.F32, type_v=DType.F32)  # the reference rounds nothing
-        batch = Batch.for_sequence(prompt, 0, 0)
-        batch.logits[:] = True
-        got = ctx.decode(batch).logits[:len(prompt)].copy()
+        prompt, _, got = prompt_logits_f32(engine, PROMPT)
     finally:
         engine.close()
+    assert len(prompt) > 2 * GPT_OSS_WINDOW  # the window binds
     ref = reference_logits(path, prompt)
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 def test_sinks_and_routing_are_in_the_graph(oss):
-    from pyllama.backend.cpu import CPUBackend
-    from pyllama.models.build.llama import build_forward
-    from pyllama.models.weights import Placement, load_weights
-    from pyllama.ir.tensor import Tensor
-    model = Model(oss)
-    hp = model.hparams
-    w = load_weights(model, Placement([CPUBackend(1)], [0] * hp.n_layer), upload=False)
-    kv = [(Tensor(DType.F16, (8, hp.n_embd_kv), "k"), Tensor(DType.F16, (8, hp.n_embd_kv), "v"))] * hp.n_layer
-    fg = build_forward(hp, w, kv, 4, 1, 4)
+    fg = paper_graph(oss)
     att = [nd for nd in fg.nodes if nd.op == Op.ATTENTION]
     a = AttentionParams.of(att[0].params, len(att[0].srcs))
     assert a.sinks and int(att[0].params[4]) & ATTN_SINKS and a.rope_mode == 2 and a.n_swa == GPT_OSS_WINDOW

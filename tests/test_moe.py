@@ -386,3 +386,43 @@ def test_make_writes_llama_cpp_keys(model_factory):
     assert gf.tensors["blk.0.ffn_gate_inp.weight"].qtype == QT.F32  # the router is never quantized
     assert gf.tensors["blk.0.ffn_down_exps.weight"].qtype == QT.Q8_0
     assert os.path.getsize(model_factory("tiny", arch="qwen3moe")) > 0
+
+
+def _split_experts(src: str, dst: str) -> None:
+    """The Mixtral file `src` rewritten as converters before 3-D expert tensors wrote it: each
+    expert's gate, up and down matrices as tensors of their own (blk.N.ffn_gate.E.weight ...)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter  # noqa: PLC0415
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, r.fields["general.architecture"].contents())
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if "_exps." in t.name:
+            base = t.name.replace("_exps.weight", "")
+            for x in range(data.shape[0]):
+                w.add_tensor(f"{base}.{x}.weight", np.ascontiguousarray(data[x]), raw_dtype=t.tensor_type)
+        else:
+            w.add_tensor(t.name, np.ascontiguousarray(data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("wtype", ["f32", "q8_0"])
+def test_experts_stored_one_tensor_each_load_as_the_3d_tensors(model_factory, tmp_path, wtype):
+    """Older Mixtral files hold each expert's matrix alone: the loader stacks them, and the model
+    computes what the same weights as 3-D tensors compute."""
+    src = model_factory("tiny", arch="mixtral", wtype=wtype)
+    dst = str(tmp_path / "split.gguf")
+    _split_experts(src, dst)
+    split = GGUFFile(dst).tensors
+    assert "blk.0.ffn_gate.0.weight" in split and "blk.0.ffn_gate_exps.weight" not in split
+    want = generated_tokens(src, "Once upon a time", 8)
+    assert generated_tokens(dst, "Once upon a time", 8) == want
+    assert generated_tokens(dst, "Once upon a time", 8, "--no-repack") == want

@@ -150,6 +150,12 @@ class Model:
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path, kv_overrides)
         self.hparams = read_hparams(self.file)
+        # Mixtral files from converters before 3-D expert tensors hold each expert's matrix alone
+        # (blk.N.ffn_gate.E.weight ...): their logical weights stack them into one 3-D tensor
+        self.split_experts = self.hparams.is_moe and "blk.0.ffn_gate.0.weight" in self.file.tensors
+        self.expert_stacks: frozenset[str] = frozenset(
+            f"blk.{i}.{name}" for i in range(self.hparams.n_layer) if self.split_experts
+            for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
         self._check_tensors()
 
     @property
@@ -167,6 +173,11 @@ class Model:
     def _check_tensors(self) -> None:
         hp = self.hparams
         want = expected_tensors(hp)
+        if self.split_experts:  # each expert's matrix alone, as older Mixtral files have them
+            for i in range(hp.n_layer):
+                for name in ("ffn_gate", "ffn_up", "ffn_down"):
+                    shape = want.pop(f"blk.{i}.{name}_exps.weight")[1:]
+                    want.update({f"blk.{i}.{name}.{x}.weight": shape for x in range(hp.n_expert)})
         if "output.weight" in self.file.tensors:
             want["output.weight"] = (hp.n_vocab, hp.n_embd)
         if self.output_bias:
@@ -236,6 +247,9 @@ class Model:
             if hp.moe_layer(i):  # expert tensors stay whole (3-D), each one file tensor, used in place
                 for name in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
                     out[b + name] = ([b + name + ".weight"], i)
+                if self.split_experts:  # stacked at load (expert_stacks)
+                    for name in ("ffn_gate", "ffn_up", "ffn_down"):
+                        out[b + name + "_exps"] = ([f"{b}{name}.{x}.weight" for x in range(hp.n_expert)], i)
                 if b + "exp_probs_b.bias" in self.file.tensors:  # glm4moe's always, DeepSeek V3's
                     out[b + "exp_probs_b"] = ([b + "exp_probs_b.bias"], i)
                 if hp.moe_biases:

@@ -156,10 +156,16 @@ class _Part:
     mapped: bool  # used in place in the file's memory map (one file tensor, stored as the file has it)
 
 
-def _parts(infos: list[TensorInfo], backend: Backend, can_map: bool) -> list[_Part]:
+def _parts(infos: list[TensorInfo], backend: Backend, can_map: bool, stack: bool = False) -> list[_Part]:
     """Groups a logical weight's file tensors (concatenated by rows) into runs the device stores
     in one type: one part when the types agree (the fusion stays whole), else one per run; one
-    part per file tensor for types the device does not fuse (WeightLayout.fuses)."""
+    part per file tensor for types the device does not fuse (WeightLayout.fuses). stack: the file
+    tensors are the experts of one 3-D tensor (old Mixtral files), one part [n, rows, cols]."""
+    if stack:
+        if len({(i.qtype, i.shape) for i in infos}) != 1:
+            raise ModelFileError(f"{infos[0].name}: the experts of one tensor differ in type or shape")
+        dtype = backend.layout.weight_dtype(infos[0].qtype)
+        return [_Part(list(infos), dtype, (len(infos),) + infos[0].shape, False)]
     dtypes = [backend.layout.weight_dtype(i.qtype) for i in infos]
     if len(set(dtypes)) > 1 and not backend.supports(Op.MUL_MAT_CAT):
         dtypes = [DType.F32] * len(infos)  # a device without MUL_MAT_CAT gets the fusion whole, in F32
@@ -213,7 +219,7 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
             aliases[lname] = first_of[key]
             continue
         first_of[key] = lname
-        parts = _parts(infos, placement.backends[bi], mapped_bufs[bi] is not None)
+        parts = _parts(infos, placement.backends[bi], mapped_bufs[bi] is not None, lname in model.expert_stacks)
         for p in parts:
             if p.mapped:
                 mapped_sizes[bi] += nbytes_of(p.dtype, p.shape)
@@ -317,7 +323,8 @@ def check_placement(model: Model, placement: Placement) -> None:
     hp = model.hparams
     paper = Weights()
     for lname, (infos, layer) in _logical_weights(model).items():
-        parts = _parts(infos, placement.backends[placement.backend_of_layer(layer)], can_map=False)
+        parts = _parts(infos, placement.backends[placement.backend_of_layer(layer)], can_map=False,
+                       stack=lname in model.expert_stacks)
         stored = tuple(Tensor(p.dtype, p.shape, lname if len(parts) == 1 else f"{lname}.{k}")
                        for k, p in enumerate(parts))
         paper.tensors[lname] = stored[0] if len(stored) == 1 else stored

@@ -79,8 +79,12 @@ def test_tokens_identical_local_rpc_and_pipeline_groups(ds, rpc_peer):
     assert_same_tokens_in_two_groups(ds, PROMPT, 12, local)
 
 
-def test_a_quantized_cache_is_one_clear_error(ds):
-    proc = run_generate(ds, PROMPT, 2, "-ctk", "q8_0", "-ctv", "q8_0")
+def test_a_quantized_cache_holds_the_latents_and_k_and_v_must_agree(ds):
+    """As llama.cpp: an MLA cache of a block type stores its rows as they are (no Hadamard rotation
+    on that path), and -ctk and -ctv must name the same type (the values are a view of the keys)."""
+    q8 = generated_tokens(ds, PROMPT, 6, "-ctk", "q8_0", "-ctv", "q8_0")
+    assert len(q8) == 6
+    proc = run_generate(ds, PROMPT, 2, "-ctk", "q8_0", "-ctv", "f16")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and "latent attention" in lines[0], proc.stderr
 

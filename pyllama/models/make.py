@@ -120,7 +120,7 @@ GPT_OSS_WINDOW = 8  # gpt-oss's sliding window here (128 in the published models
 # (GLM4MOE's counts) a leading dense layer, one shared expert, sigmoid routing with the expert
 # bias, normalized weights times 2.5 and one NextN layer
 MLA_PRESETS: dict[str, tuple[int, int, int, int, int, int, int]] = {
-    "tiny": (64, 32, 32, 8, 32, 3, 2),
+    "tiny": (64, 32, 32, 32, 32, 3, 2),
     "small": (96, 64, 32, 16, 32, 4, 2),
     "medium": (384, 256, 64, 32, 64, 8, 4),
 }

@@ -18,8 +18,6 @@ from ..obs import trace
 from ..backend.base import Backend, Buffer, DType, Tensor, nbytes_of
 from ..backend.remote import lost_devices
 from .cache_types import cache_type, cache_type_name, check_cache_row
-
-MLA_CACHE_TYPES = (DType.F32, DType.F16, DType.BF16)
 from ..util.errors import ContextLimitError, PyllamaError
 from ..models.build.llama import SAMPLING_INPUT, build_forward
 from ..models.build.ops import Op, sample_in_cols, sample_out_cols
@@ -106,10 +104,10 @@ class Context:
         self.kv_tensors: list[tuple[Tensor, Tensor]] = []
         self.kv_bytes: dict[str, int] = {}
         self.type_k, self.type_v = cache_type(type_k), cache_type(type_v)
-        if hp.mla_lora_kv and (self.type_k not in MLA_CACHE_TYPES or self.type_v != self.type_k):
-            raise PyllamaError(f"{model.name}: latent attention (MLA) keeps one cache of f32, f16 or bf16 (llama.cpp "
-                               f"rotates quantized ones, which pyllama's MLA does not yet); -ctk {cache_type_name(self.type_k)} "
-                               f"-ctv {cache_type_name(self.type_v)} cannot hold it: give -ctk and -ctv one of those")
+        if hp.mla_lora_kv and self.type_v != self.type_k:  # (as llama.cpp refuses it)
+            raise PyllamaError(f"{model.name}: latent attention (MLA) keeps one cache, its values a view of its "
+                               f"keys: -ctk {cache_type_name(self.type_k)} and -ctv {cache_type_name(self.type_v)} "
+                               "must be the same type")
         check_cache_row(self.type_k, hp.n_embd_kv, "K")
         check_cache_row(self.type_v, hp.n_embd_kv, "V")
         self.kv_types: dict[str, tuple[DType, DType]] = {}  # device name -> (K, V) cache types it holds

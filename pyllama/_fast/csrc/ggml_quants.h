@@ -1369,10 +1369,81 @@ PQ_INLINE void pq_iq_sub_avx2(int t, const uint8_t *b, int ib, __m256i *mag, __m
     *sgn = _mm256_or_si256(pq_bits_to_bytes(bits), _mm256_set1_epi8(1));   /* -1 where the bit is set, else 1 */
 }
 
+/* One activation row (batch-1 decode): the per-sub-block decode that pq_avx2_iq shares between rows
+ * costs more than the product itself here, so these kernels build the weights in registers two
+ * sub-blocks at a time, as ggml's AVX2 vec_dot does, without branches on the sign bits (random,
+ * hence mispredicted). The int32 lanes hold the same exact sums as pq_avx2_iq's and the float steps
+ * are its own, so every result is bit-identical to the shared kernel's. */
+#if defined(__BMI2__)
+/* Four 11-bit IQ1 grid indices: 4 low bytes and their high bits, 3 per index (IQ1_S packs them
+ * contiguously, IQ1_M keeps a 4-bit nibble per index whose top bit is the delta sign) */
+#define PQ_IQ1_IDX(lo, hi, hmask, hdep) (_pdep_u64((lo), 0x00FF00FF00FF00FFULL) | _pdep_u64((hi) & (hmask), (hdep)))
+#else
+static inline uint64_t pq_iq1_idx_sw(uint32_t lo, uint32_t hi, int nib) {
+    uint64_t r = 0;
+    for (int k = 0; k < 4; k++) r |= (uint64_t)(((lo >> (8 * k)) & 0xFF) | (((hi >> ((nib ? 4 : 3) * k)) & 7) << 8)) << (16 * k);
+    return r;
+}
+#define PQ_IQ1_IDX(lo, hi, hmask, hdep) pq_iq1_idx_sw((lo), (hi), (hmask) == 0x7777)
+#endif
+PQ_INLINE __m256i pq_iq1_grid4(uint64_t idx) {
+    return _mm256_set_epi64x((long long)pq_iq1s_grid[idx >> 48], (long long)pq_iq1s_grid[(idx >> 32) & 0xFFFF],
+                             (long long)pq_iq1s_grid[(idx >> 16) & 0xFFFF], (long long)pq_iq1s_grid[idx & 0xFFFF]);
+}
+/* grid values (-1 / 0 / 1) . activations, int16 pairs */
+PQ_INLINE __m256i pq_iq1_mul16(__m256i g, __m256i y) { return _mm256_maddubs_epi16(_mm256_sign_epi8(g, g), _mm256_sign_epi8(y, g)); }
+
+PQ_INLINE void pq_avx2_iq1_m_1(int64_t nb, const uint8_t *w, const uint8_t *x, float *out) {
+    const __m256i mask7 = _mm256_set1_epi16(7), one16 = _mm256_set1_epi16(1), ones = _mm256_set1_epi8(1);
+    /* the 16 3-bit scales as int16 words: lane half 0 (low 128 bits) the first halves' scales, lane
+     * half 1 the second halves', even sub-blocks in words 0..3, odd in 4..7 (pshufb stays in a lane) */
+    const __m256i shift = _mm256_set_epi64x(9, 3, 6, 0);
+    __m256 acc = _mm256_setzero_ps(), accd = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += 56, x += 292) {
+        uint64_t s64;
+        memcpy(&s64, w + 48, 8);
+        __m256i scales = _mm256_srlv_epi64(_mm256_set1_epi64x((long long)s64), shift);
+        scales = _mm256_add_epi16(_mm256_slli_epi16(_mm256_and_si256(scales, mask7), 1), one16);
+        __m256i sidx1 = _mm256_set1_epi16(0x0100), sidx2 = _mm256_set1_epi16(0x0908);
+        __m256i sumi = _mm256_setzero_si256(), sumd = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib += 2) {
+            uint32_t q0, q1, h;
+            memcpy(&q0, w + 4 * ib, 4);
+            memcpy(&q1, w + 4 * ib + 4, 4);
+            memcpy(&h, w + 32 + 2 * ib, 4);
+            const __m256i g1 = pq_iq1_grid4(PQ_IQ1_IDX(q0, h & 0xFFFF, 0x7777, 0x0F000F000F000F00ULL));
+            const __m256i g2 = pq_iq1_grid4(PQ_IQ1_IDX(q1, h >> 16, 0x7777, 0x0F000F000F000F00ULL));
+            /* byte k of ds: 0x80 where group k's delta is negative; spread to its 8 bytes' signs */
+#if defined(__BMI2__)
+            const uint64_t ds = _pdep_u64(h & 0x88888888u, 0xF0F0F0F0F0F0F0F0ULL);
+#else
+            uint64_t ds = 0;
+            for (int k = 0; k < 8; k++) ds |= (uint64_t)((h >> (4 * k + 3)) & 1) << (8 * k + 7);
+#endif
+            const __m256i dv1 = _mm256_or_si256(ones, _mm256_cvtepi8_epi64(_mm_cvtsi32_si128((int)(uint32_t)ds)));
+            const __m256i dv2 = _mm256_or_si256(ones, _mm256_cvtepi8_epi64(_mm_cvtsi32_si128((int)(uint32_t)(ds >> 32))));
+            const __m256i y1 = _mm256_loadu_si256((const __m256i *)(x + 4 + 32 * ib));
+            const __m256i y2 = _mm256_loadu_si256((const __m256i *)(x + 36 + 32 * ib));
+            const __m256i sc1 = _mm256_shuffle_epi8(scales, sidx1), sc2 = _mm256_shuffle_epi8(scales, sidx2);
+            sidx1 = _mm256_add_epi8(sidx1, _mm256_set1_epi8(2));
+            sidx2 = _mm256_add_epi8(sidx2, _mm256_set1_epi8(2));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(pq_iq1_mul16(g1, y1), sc1),
+                                                           _mm256_madd_epi16(pq_iq1_mul16(g2, y2), sc2)));
+            sumd = _mm256_add_epi32(sumd, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones, _mm256_sign_epi8(y1, dv1)), sc1),
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(ones, _mm256_sign_epi8(y2, dv2)), sc2)));
+        }
+        const float d = pq_iq_d(PQ_IQ1_M, w) * pq_ld_f32(x);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        accd = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumd), accd);
+    }
+    out[0] = pq_hsum256(acc) + 0.125f * pq_hsum256(accd);
+}
+
 /* Grid IQ types x Q8_K in the steps of pq_dot1_iq (ggml's AVX2 vec_dot): each sub-block decoded once
  * (pq_iq_sub_avx2) for the NR rows; its values' magnitudes times the activations signed by them (int16
  * pairs, at most 2 * 62 * 127), times the halves' scales, summed in 8 int32 lanes. */
 PQ_INLINE void pq_avx2_iq(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    if (NR == 1 && t == PQ_IQ1_M) { pq_avx2_iq1_m_1(nb, w, x, out); return; }
     pq_traits tr;
     pq_get_traits(t, &tr);
     const __m256i ones = _mm256_set1_epi8(1);

@@ -1439,11 +1439,54 @@ PQ_INLINE void pq_avx2_iq1_m_1(int64_t nb, const uint8_t *w, const uint8_t *x, f
     out[0] = pq_hsum256(acc) + 0.125f * pq_hsum256(accd);
 }
 
+PQ_INLINE void pq_avx2_iq1_s_1(int64_t nb, const uint8_t *w, const uint8_t *x, float *out) {
+    const __m128i mask7 = _mm_set1_epi16(7), one16 = _mm_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    float acc1 = 0.0f;
+    for (int64_t i = 0; i < nb; i++, w += 50, x += 292) {
+        /* the 8 scales as int16 words, and signed by their deltas, each twice to meet the activations'
+         * 16-element sums: the deltas' whole sum is one madd and a horizontal add */
+        const __m128i h128 = _mm_loadu_si128((const __m128i *)(w + 34));
+        const __m128i sc = _mm_add_epi16(_mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h128, 12), mask7), 1), one16);
+        const __m128i neg = _mm_srai_epi16(h128, 15);
+        const __m128i ss = _mm_sub_epi16(_mm_xor_si128(sc, neg), neg);
+        const __m256i dsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(x + 260)),
+                                               _mm256_set_m128i(_mm_unpackhi_epi16(ss, ss), _mm_unpacklo_epi16(ss, ss)));
+        __m128i d4 = _mm_add_epi32(_mm256_castsi256_si128(dsum), _mm256_extracti128_si256(dsum, 1));
+        d4 = _mm_add_epi32(d4, _mm_shuffle_epi32(d4, 0x4E));
+        d4 = _mm_add_epi32(d4, _mm_shuffle_epi32(d4, 0xB1));
+        const int32_t sd = _mm_cvtsi128_si32(d4);
+        const __m256i scales = _mm256_set_m128i(sc, sc);
+        __m256i sidx1 = _mm256_set1_epi16(0x0100), sidx2 = _mm256_set1_epi16(0x0302);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib += 2) {
+            uint32_t q0, q1, h;
+            memcpy(&q0, w + 2 + 4 * ib, 4);
+            memcpy(&q1, w + 6 + 4 * ib, 4);
+            memcpy(&h, w + 34 + 2 * ib, 4);
+            const __m256i g1 = pq_iq1_grid4(PQ_IQ1_IDX(q0, h & 0xFFFF, 0xFFF, 0x0700070007000700ULL));
+            const __m256i g2 = pq_iq1_grid4(PQ_IQ1_IDX(q1, h >> 16, 0xFFF, 0x0700070007000700ULL));
+            const __m256i y1 = _mm256_loadu_si256((const __m256i *)(x + 4 + 32 * ib));
+            const __m256i y2 = _mm256_loadu_si256((const __m256i *)(x + 36 + 32 * ib));
+            const __m256i sc1 = _mm256_shuffle_epi8(scales, sidx1), sc2 = _mm256_shuffle_epi8(scales, sidx2);
+            sidx1 = _mm256_add_epi8(sidx1, _mm256_set1_epi8(4));
+            sidx2 = _mm256_add_epi8(sidx2, _mm256_set1_epi8(4));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(pq_iq1_mul16(g1, y1), sc1),
+                                                           _mm256_madd_epi16(pq_iq1_mul16(g2, y2), sc2)));
+        }
+        const float d = pq_iq_d(PQ_IQ1_S, w) * pq_ld_f32(x);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        acc1 = fmaf(d, (float)sd, acc1);
+    }
+    out[0] = pq_hsum256(acc) + 0.125f * acc1;
+}
+
 /* Grid IQ types x Q8_K in the steps of pq_dot1_iq (ggml's AVX2 vec_dot): each sub-block decoded once
  * (pq_iq_sub_avx2) for the NR rows; its values' magnitudes times the activations signed by them (int16
  * pairs, at most 2 * 62 * 127), times the halves' scales, summed in 8 int32 lanes. */
 PQ_INLINE void pq_avx2_iq(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
     if (NR == 1 && t == PQ_IQ1_M) { pq_avx2_iq1_m_1(nb, w, x, out); return; }
+    if (NR == 1 && t == PQ_IQ1_S) { pq_avx2_iq1_s_1(nb, w, x, out); return; }
     pq_traits tr;
     pq_get_traits(t, &tr);
     const __m256i ones = _mm256_set1_epi8(1);

@@ -1481,12 +1481,62 @@ PQ_INLINE void pq_avx2_iq1_s_1(int64_t nb, const uint8_t *w, const uint8_t *x, f
     out[0] = pq_hsum256(acc) + 0.125f * acc1;
 }
 
+/* The sign bytes of 4 groups of 8 (one byte each, in bytes 0, 2, 4, 6 of the 128-bit half s2) spread
+ * to the groups' 32 bytes as +-1 */
+PQ_INLINE __m256i pq_iq_signs4(__m128i s2, __m256i shuf) {
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set_m128i(s2, s2), shuf), bit);
+    return _mm256_or_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(1));
+}
+/* a sub-block's two halves' scales (bytes 2 ib, 2 ib + 1 of sc8) as 8 + 8 int16 words */
+PQ_INLINE __m256i pq_iq_scales16(__m128i sc8, int ib) {
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * ib + 1), 0x0101010101010101LL * (2 * ib))));
+}
+
+PQ_INLINE void pq_avx2_iq2_xs_1(int64_t nb, const uint8_t *w, const uint8_t *x, float *out) {
+    /* 0x80 where a nibble's parity is odd: the 8th sign bit of a group (ksigns_iq2xs) is the parity of
+     * its 7 stored bits, and b0..b3 ^ b4..b6 has that parity */
+    const __m256i parity = _mm256_set_epi64x(0x0080800080000080LL, (long long)0x8000008000808000ULL,
+                                             0x0080800080000080LL, (long long)0x8000008000808000ULL);
+    const __m256i m511 = _mm256_set1_epi16(511);
+    const __m256i shuf1 = _mm256_set_epi64x(0x0606060606060606LL, 0x0404040404040404LL, 0x0202020202020202LL, 0);
+    const __m256i shuf2 = _mm256_set_epi64x(0x0E0E0E0E0E0E0E0ELL, 0x0C0C0C0C0C0C0C0CLL, 0x0A0A0A0A0A0A0A0ALL, 0x0808080808080808LL);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += 74, x += 292) {
+        uint64_t a64;
+        memcpy(&a64, w + 66, 8);
+        __m128i st = _mm_set1_epi64x((long long)a64);
+        st = _mm_unpacklo_epi8(_mm_and_si128(st, _mm_set1_epi8(0xF)), _mm_and_si128(_mm_srli_epi16(st, 4), _mm_set1_epi8(0xF)));
+        const __m128i sc8 = _mm_add_epi8(_mm_add_epi8(st, st), _mm_set1_epi8(1));
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib += 4) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2 + 8 * ib));
+            uint16_t gi[16];
+            _mm256_storeu_si256((__m256i *)gi, _mm256_and_si256(q, m511));
+            const __m256i s7 = _mm256_srli_epi16(q, 9);
+            const __m256i sg = _mm256_or_si256(s7, _mm256_shuffle_epi8(parity, _mm256_xor_si256(s7, _mm256_srli_epi16(q, 13))));
+            const __m128i sgl = _mm256_castsi256_si128(sg), sgh = _mm256_extracti128_si256(sg, 1);
+            const __m256i sn[4] = {pq_iq_signs4(sgl, shuf1), pq_iq_signs4(sgl, shuf2), pq_iq_signs4(sgh, shuf1), pq_iq_signs4(sgh, shuf2)};
+            for (int k = 0; k < 4; k++) {
+                const __m256i g = _mm256_set_epi64x((long long)pq_iq2xs_grid[gi[4 * k + 3]], (long long)pq_iq2xs_grid[gi[4 * k + 2]],
+                                                    (long long)pq_iq2xs_grid[gi[4 * k + 1]], (long long)pq_iq2xs_grid[gi[4 * k]]);
+                const __m256i y = _mm256_loadu_si256((const __m256i *)(x + 4 + 32 * (ib + k)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(g, _mm256_sign_epi8(y, sn[k])), pq_iq_scales16(sc8, ib + k)));
+            }
+        }
+        const float d = pq_iq_d(PQ_IQ2_XS, w) * pq_ld_f32(x);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    out[0] = 0.125f * pq_hsum256(acc);
+}
+
 /* Grid IQ types x Q8_K in the steps of pq_dot1_iq (ggml's AVX2 vec_dot): each sub-block decoded once
  * (pq_iq_sub_avx2) for the NR rows; its values' magnitudes times the activations signed by them (int16
  * pairs, at most 2 * 62 * 127), times the halves' scales, summed in 8 int32 lanes. */
 PQ_INLINE void pq_avx2_iq(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
     if (NR == 1 && t == PQ_IQ1_M) { pq_avx2_iq1_m_1(nb, w, x, out); return; }
     if (NR == 1 && t == PQ_IQ1_S) { pq_avx2_iq1_s_1(nb, w, x, out); return; }
+    if (NR == 1 && t == PQ_IQ2_XS) { pq_avx2_iq2_xs_1(nb, w, x, out); return; }
     pq_traits tr;
     pq_get_traits(t, &tr);
     const __m256i ones = _mm256_set1_epi8(1);

@@ -1530,6 +1530,74 @@ PQ_INLINE void pq_avx2_iq2_xs_1(int64_t nb, const uint8_t *w, const uint8_t *x, 
     out[0] = 0.125f * pq_hsum256(acc);
 }
 
+/* IQ2_S and IQ3_S: a byte of sign bits per group of 8 stored as is, grid indices with high bits
+ * in qh. Per sub-block one pshufb picks its halves' scales from a vector of all 16. */
+PQ_INLINE void pq_avx2_iq23_s_1(int t, int64_t nb, const uint8_t *w, const uint8_t *x, float *out) {
+    const int iq3 = t == PQ_IQ3_S;
+    const __m128i m4 = _mm_set1_epi8(0xF), m1 = _mm_set1_epi8(1);
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += iq3 ? 110 : 82, x += 292) {
+        __m256i scales;   /* int16 words: lane half 0 sub-block ib's first half's scale in word ib, half 1 its second's */
+        if (iq3) {
+            uint32_t s32;
+            memcpy(&s32, w + 106, 4);
+            const __m128i s = _mm_cvtsi32_si128((int)s32);
+            const __m128i s8 = _mm_unpacklo_epi8(_mm_and_si128(s, m4), _mm_and_si128(_mm_srli_epi16(s, 4), m4));
+            scales = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_add_epi8(_mm_add_epi8(s8, s8), m1)));
+        } else {
+            uint64_t a64;
+            memcpy(&a64, w + 74, 8);
+            const __m128i s8 = _mm_and_si128(_mm_set_epi64x((long long)(a64 >> 4), (long long)a64), m4);
+            scales = _mm256_cvtepi8_epi16(_mm_add_epi8(_mm_add_epi8(s8, s8), m1));
+        }
+        __m256i sidx = _mm256_set1_epi16(0x0100);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const int h = w[66 + ib];
+            __m256i g;
+            uint32_t bits;
+            if (iq3) {
+                uint64_t q8b;
+                memcpy(&q8b, w + 2 + 8 * ib, 8);
+#if defined(__BMI2__)
+                const uint64_t i0 = _pdep_u64(q8b, 0x00FF00FF00FF00FFULL) | _pdep_u64((uint64_t)h, 0x0100010001000100ULL);
+                const uint64_t i1 = _pdep_u64(q8b >> 32, 0x00FF00FF00FF00FFULL) | _pdep_u64((uint64_t)h >> 4, 0x0100010001000100ULL);
+#else
+                uint64_t i0 = 0, i1 = 0;
+                for (int k = 0; k < 4; k++) {
+                    i0 |= (uint64_t)(((q8b >> (8 * k)) & 0xFF) | (((h >> k) & 1) << 8)) << (16 * k);
+                    i1 |= (uint64_t)(((q8b >> (8 * k + 32)) & 0xFF) | (((h >> (k + 4)) & 1) << 8)) << (16 * k);
+                }
+#endif
+                g = _mm256_set_epi32((int)pq_iq3s_grid[i1 >> 48], (int)pq_iq3s_grid[(i1 >> 32) & 0xFFFF], (int)pq_iq3s_grid[(i1 >> 16) & 0xFFFF],
+                                     (int)pq_iq3s_grid[i1 & 0xFFFF], (int)pq_iq3s_grid[i0 >> 48], (int)pq_iq3s_grid[(i0 >> 32) & 0xFFFF],
+                                     (int)pq_iq3s_grid[(i0 >> 16) & 0xFFFF], (int)pq_iq3s_grid[i0 & 0xFFFF]);
+                memcpy(&bits, w + 74 + 4 * ib, 4);
+            } else {
+                uint32_t q4;
+                memcpy(&q4, w + 2 + 4 * ib, 4);
+#if defined(__BMI2__)
+                const uint64_t i0 = _pdep_u64(q4, 0x00FF00FF00FF00FFULL) | _pdep_u64((uint64_t)h, 0x0300030003000300ULL);
+#else
+                uint64_t i0 = 0;
+                for (int k = 0; k < 4; k++) i0 |= (uint64_t)(((q4 >> (8 * k)) & 0xFF) | (((h >> (2 * k)) & 3) << 8)) << (16 * k);
+#endif
+                g = _mm256_set_epi64x((long long)pq_iq2s_grid[i0 >> 48], (long long)pq_iq2s_grid[(i0 >> 32) & 0xFFFF],
+                                      (long long)pq_iq2s_grid[(i0 >> 16) & 0xFFFF], (long long)pq_iq2s_grid[i0 & 0xFFFF]);
+                memcpy(&bits, w + 34 + 4 * ib, 4);
+            }
+            const __m256i sg = _mm256_or_si256(pq_bits_to_bytes(bits), ones);
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(x + 4 + 32 * ib));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(g, _mm256_sign_epi8(y, sg)), _mm256_shuffle_epi8(scales, sidx)));
+            sidx = _mm256_add_epi8(sidx, _mm256_set1_epi8(2));
+        }
+        const float d = pq_iq_d(t, w) * pq_ld_f32(x);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    out[0] = iq3 ? pq_hsum256(acc) : 0.125f * pq_hsum256(acc);
+}
+
 /* Grid IQ types x Q8_K in the steps of pq_dot1_iq (ggml's AVX2 vec_dot): each sub-block decoded once
  * (pq_iq_sub_avx2) for the NR rows; its values' magnitudes times the activations signed by them (int16
  * pairs, at most 2 * 62 * 127), times the halves' scales, summed in 8 int32 lanes. */
@@ -1537,6 +1605,7 @@ PQ_INLINE void pq_avx2_iq(int t, int NR, int64_t nb, const uint8_t *w, const uin
     if (NR == 1 && t == PQ_IQ1_M) { pq_avx2_iq1_m_1(nb, w, x, out); return; }
     if (NR == 1 && t == PQ_IQ1_S) { pq_avx2_iq1_s_1(nb, w, x, out); return; }
     if (NR == 1 && t == PQ_IQ2_XS) { pq_avx2_iq2_xs_1(nb, w, x, out); return; }
+    if (NR == 1 && t == PQ_IQ2_S) { pq_avx2_iq23_s_1(t, nb, w, x, out); return; }
     pq_traits tr;
     pq_get_traits(t, &tr);
     const __m256i ones = _mm256_set1_epi8(1);

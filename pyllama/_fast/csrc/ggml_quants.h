@@ -1488,11 +1488,6 @@ PQ_INLINE __m256i pq_iq_signs4(__m128i s2, __m256i shuf) {
     const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set_m128i(s2, s2), shuf), bit);
     return _mm256_or_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(1));
 }
-/* a sub-block's two halves' scales (bytes 2 ib, 2 ib + 1 of sc8) as 8 + 8 int16 words */
-PQ_INLINE __m256i pq_iq_scales16(__m128i sc8, int ib) {
-    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * ib + 1), 0x0101010101010101LL * (2 * ib))));
-}
-
 PQ_INLINE void pq_avx2_iq2_xs_1(int64_t nb, const uint8_t *w, const uint8_t *x, float *out) {
     /* 0x80 where a nibble's parity is odd: the 8th sign bit of a group (ksigns_iq2xs) is the parity of
      * its 7 stored bits, and b0..b3 ^ b4..b6 has that parity */
@@ -1503,11 +1498,11 @@ PQ_INLINE void pq_avx2_iq2_xs_1(int64_t nb, const uint8_t *w, const uint8_t *x, 
     const __m256i shuf2 = _mm256_set_epi64x(0x0E0E0E0E0E0E0E0ELL, 0x0C0C0C0C0C0C0C0CLL, 0x0A0A0A0A0A0A0A0ALL, 0x0808080808080808LL);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++, w += 74, x += 292) {
+        /* int16 words: lane half 0 sub-block ib's first half's scale in word ib, half 1 its second's */
         uint64_t a64;
         memcpy(&a64, w + 66, 8);
-        __m128i st = _mm_set1_epi64x((long long)a64);
-        st = _mm_unpacklo_epi8(_mm_and_si128(st, _mm_set1_epi8(0xF)), _mm_and_si128(_mm_srli_epi16(st, 4), _mm_set1_epi8(0xF)));
-        const __m128i sc8 = _mm_add_epi8(_mm_add_epi8(st, st), _mm_set1_epi8(1));
+        const __m128i s8 = _mm_and_si128(_mm_set_epi64x((long long)(a64 >> 4), (long long)a64), _mm_set1_epi8(0xF));
+        const __m256i scales = _mm256_cvtepi8_epi16(_mm_add_epi8(_mm_add_epi8(s8, s8), _mm_set1_epi8(1)));
         __m256i sumi = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ib += 4) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2 + 8 * ib));
@@ -1521,7 +1516,8 @@ PQ_INLINE void pq_avx2_iq2_xs_1(int64_t nb, const uint8_t *w, const uint8_t *x, 
                 const __m256i g = _mm256_set_epi64x((long long)pq_iq2xs_grid[gi[4 * k + 3]], (long long)pq_iq2xs_grid[gi[4 * k + 2]],
                                                     (long long)pq_iq2xs_grid[gi[4 * k + 1]], (long long)pq_iq2xs_grid[gi[4 * k]]);
                 const __m256i y = _mm256_loadu_si256((const __m256i *)(x + 4 + 32 * (ib + k)));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(g, _mm256_sign_epi8(y, sn[k])), pq_iq_scales16(sc8, ib + k)));
+                const __m256i sc = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (ib + k))));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(g, _mm256_sign_epi8(y, sn[k])), sc));
             }
         }
         const float d = pq_iq_d(PQ_IQ2_XS, w) * pq_ld_f32(x);

@@ -1594,6 +1594,46 @@ PQ_INLINE void pq_avx2_iq23_s_1(int t, int64_t nb, const uint8_t *w, const uint8
     out[0] = iq3 ? pq_hsum256(acc) : 0.125f * pq_hsum256(acc);
 }
 
+/* IQ2_XXS and IQ3_XXS: a u32 per sub-block of 4 7-bit sign fields and the scale. The fields go to
+ * 4 bytes by one pdep and get their 8th (parity) bit from a nibble-parity pshufb, in place of 4
+ * ksigns lookups assembled by shifts. */
+PQ_INLINE void pq_avx2_iq_xxs_1(int t, int64_t nb, const uint8_t *w, const uint8_t *x, float *out) {
+    const int iq3 = t == PQ_IQ3_XXS;
+    const __m128i parity = _mm_set_epi64x(0x0080800080000080LL, (long long)0x8000008000808000ULL);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL), ones = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += iq3 ? 98 : 66, x += 292) {
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *q = w + 2 + 8 * ib;
+            const uint32_t a = pq_ld_u32(iq3 ? w + 66 + 4 * ib : q + 4);
+            __m256i g;
+            if (iq3)
+                g = _mm256_set_epi32((int)pq_iq3xxs_grid[q[7]], (int)pq_iq3xxs_grid[q[6]], (int)pq_iq3xxs_grid[q[5]], (int)pq_iq3xxs_grid[q[4]],
+                                     (int)pq_iq3xxs_grid[q[3]], (int)pq_iq3xxs_grid[q[2]], (int)pq_iq3xxs_grid[q[1]], (int)pq_iq3xxs_grid[q[0]]);
+            else
+                g = _mm256_set_epi64x((long long)pq_iq2xxs_grid[q[3]], (long long)pq_iq2xxs_grid[q[2]],
+                                      (long long)pq_iq2xxs_grid[q[1]], (long long)pq_iq2xxs_grid[q[0]]);
+#if defined(__BMI2__)
+            const uint32_t s7 = _pdep_u32(a, 0x7F7F7F7Fu);
+#else
+            const uint32_t s7 = (a & 0x7F) | ((a << 1) & 0x7F00) | ((a << 2) & 0x7F0000) | ((a << 3) & 0x7F000000);
+#endif
+            __m128i v = _mm_cvtsi32_si128((int)s7);
+            v = _mm_or_si128(v, _mm_shuffle_epi8(parity, _mm_xor_si128(v, _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0xF)))));
+            const __m256i sb = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(v), shuf), bit);
+            const __m256i sg = _mm256_or_si256(_mm256_cmpeq_epi8(sb, bit), ones);
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(x + 4 + 32 * ib));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(g, _mm256_sign_epi8(y, sg)),
+                                                            _mm256_set1_epi16((short)(2 * (int)(a >> 28) + 1))));
+        }
+        const float d = pq_iq_d(t, w) * pq_ld_f32(x);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    out[0] = iq3 ? 0.25f * pq_hsum256(acc) : 0.125f * pq_hsum256(acc);
+}
+
 /* Grid IQ types x Q8_K in the steps of pq_dot1_iq (ggml's AVX2 vec_dot): each sub-block decoded once
  * (pq_iq_sub_avx2) for the NR rows; its values' magnitudes times the activations signed by them (int16
  * pairs, at most 2 * 62 * 127), times the halves' scales, summed in 8 int32 lanes. */
@@ -1602,6 +1642,7 @@ PQ_INLINE void pq_avx2_iq(int t, int NR, int64_t nb, const uint8_t *w, const uin
     if (NR == 1 && t == PQ_IQ1_S) { pq_avx2_iq1_s_1(nb, w, x, out); return; }
     if (NR == 1 && t == PQ_IQ2_XS) { pq_avx2_iq2_xs_1(nb, w, x, out); return; }
     if (NR == 1 && (t == PQ_IQ2_S || t == PQ_IQ3_S)) { pq_avx2_iq23_s_1(t, nb, w, x, out); return; }
+    if (NR == 1 && t == PQ_IQ2_XXS) { pq_avx2_iq_xxs_1(t, nb, w, x, out); return; }
     pq_traits tr;
     pq_get_traits(t, &tr);
     const __m256i ones = _mm256_set1_epi8(1);

@@ -1642,7 +1642,7 @@ PQ_INLINE void pq_avx2_iq(int t, int NR, int64_t nb, const uint8_t *w, const uin
     if (NR == 1 && t == PQ_IQ1_S) { pq_avx2_iq1_s_1(nb, w, x, out); return; }
     if (NR == 1 && t == PQ_IQ2_XS) { pq_avx2_iq2_xs_1(nb, w, x, out); return; }
     if (NR == 1 && (t == PQ_IQ2_S || t == PQ_IQ3_S)) { pq_avx2_iq23_s_1(t, nb, w, x, out); return; }
-    if (NR == 1 && t == PQ_IQ2_XXS) { pq_avx2_iq_xxs_1(t, nb, w, x, out); return; }
+    if (NR == 1 && (t == PQ_IQ2_XXS || t == PQ_IQ3_XXS)) { pq_avx2_iq_xxs_1(t, nb, w, x, out); return; }
     pq_traits tr;
     pq_get_traits(t, &tr);
     const __m256i ones = _mm256_set1_epi8(1);

@@ -1369,10 +1369,280 @@ PQ_INLINE void pq_iq_sub_avx2(int t, const uint8_t *b, int ib, __m256i *mag, __m
     *sgn = _mm256_or_si256(pq_bits_to_bytes(bits), _mm256_set1_epi8(1));   /* -1 where the bit is set, else 1 */
 }
 
+/* One activation row (batch-1 decode): the per-sub-block decode that pq_avx2_iq shares between rows
+ * costs more than the product itself here, so these kernels build the weights in registers two
+ * sub-blocks at a time, as ggml's AVX2 vec_dot does, without branches on the sign bits (random,
+ * hence mispredicted). The int32 lanes hold the same exact sums as pq_avx2_iq's and the float steps
+ * are its own, so every result is bit-identical to the shared kernel's. */
+#if defined(__BMI2__)
+/* Four 11-bit IQ1 grid indices: 4 low bytes and their high bits, 3 per index (IQ1_S packs them
+ * contiguously, IQ1_M keeps a 4-bit nibble per index whose top bit is the delta sign) */
+#define PQ_IQ1_IDX(lo, hi, hmask, hdep) (_pdep_u64((lo), 0x00FF00FF00FF00FFULL) | _pdep_u64((hi) & (hmask), (hdep)))
+#else
+static inline uint64_t pq_iq1_idx_sw(uint32_t lo, uint32_t hi, int nib) {
+    uint64_t r = 0;
+    for (int k = 0; k < 4; k++) r |= (uint64_t)(((lo >> (8 * k)) & 0xFF) | (((hi >> ((nib ? 4 : 3) * k)) & 7) << 8)) << (16 * k);
+    return r;
+}
+#define PQ_IQ1_IDX(lo, hi, hmask, hdep) pq_iq1_idx_sw((lo), (hi), (hmask) == 0x7777)
+#endif
+PQ_INLINE __m256i pq_iq1_grid4(uint64_t idx) {
+    return _mm256_set_epi64x((long long)pq_iq1s_grid[idx >> 48], (long long)pq_iq1s_grid[(idx >> 32) & 0xFFFF],
+                             (long long)pq_iq1s_grid[(idx >> 16) & 0xFFFF], (long long)pq_iq1s_grid[idx & 0xFFFF]);
+}
+/* grid values (-1 / 0 / 1) . activations, int16 pairs */
+PQ_INLINE __m256i pq_iq1_mul16(__m256i g, __m256i y) { return _mm256_maddubs_epi16(_mm256_sign_epi8(g, g), _mm256_sign_epi8(y, g)); }
+
+PQ_INLINE void pq_avx2_iq1_m_1(int64_t nb, const uint8_t *w, const uint8_t *x, float *out) {
+    const __m256i mask7 = _mm256_set1_epi16(7), one16 = _mm256_set1_epi16(1), ones = _mm256_set1_epi8(1);
+    /* the 16 3-bit scales as int16 words: lane half 0 (low 128 bits) the first halves' scales, lane
+     * half 1 the second halves', even sub-blocks in words 0..3, odd in 4..7 (pshufb stays in a lane) */
+    const __m256i shift = _mm256_set_epi64x(9, 3, 6, 0);
+    __m256 acc = _mm256_setzero_ps(), accd = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += 56, x += 292) {
+        uint64_t s64;
+        memcpy(&s64, w + 48, 8);
+        __m256i scales = _mm256_srlv_epi64(_mm256_set1_epi64x((long long)s64), shift);
+        scales = _mm256_add_epi16(_mm256_slli_epi16(_mm256_and_si256(scales, mask7), 1), one16);
+        __m256i sidx1 = _mm256_set1_epi16(0x0100), sidx2 = _mm256_set1_epi16(0x0908);
+        __m256i sumi = _mm256_setzero_si256(), sumd = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib += 2) {
+            uint32_t q0, q1, h;
+            memcpy(&q0, w + 4 * ib, 4);
+            memcpy(&q1, w + 4 * ib + 4, 4);
+            memcpy(&h, w + 32 + 2 * ib, 4);
+            const __m256i g1 = pq_iq1_grid4(PQ_IQ1_IDX(q0, h & 0xFFFF, 0x7777, 0x0F000F000F000F00ULL));
+            const __m256i g2 = pq_iq1_grid4(PQ_IQ1_IDX(q1, h >> 16, 0x7777, 0x0F000F000F000F00ULL));
+            /* byte k of ds: 0x80 where group k's delta is negative; spread to its 8 bytes' signs */
+#if defined(__BMI2__)
+            const uint64_t ds = _pdep_u64(h & 0x88888888u, 0xF0F0F0F0F0F0F0F0ULL);
+#else
+            uint64_t ds = 0;
+            for (int k = 0; k < 8; k++) ds |= (uint64_t)((h >> (4 * k + 3)) & 1) << (8 * k + 7);
+#endif
+            const __m256i dv1 = _mm256_or_si256(ones, _mm256_cvtepi8_epi64(_mm_cvtsi32_si128((int)(uint32_t)ds)));
+            const __m256i dv2 = _mm256_or_si256(ones, _mm256_cvtepi8_epi64(_mm_cvtsi32_si128((int)(uint32_t)(ds >> 32))));
+            const __m256i y1 = _mm256_loadu_si256((const __m256i *)(x + 4 + 32 * ib));
+            const __m256i y2 = _mm256_loadu_si256((const __m256i *)(x + 36 + 32 * ib));
+            const __m256i sc1 = _mm256_shuffle_epi8(scales, sidx1), sc2 = _mm256_shuffle_epi8(scales, sidx2);
+            sidx1 = _mm256_add_epi8(sidx1, _mm256_set1_epi8(2));
+            sidx2 = _mm256_add_epi8(sidx2, _mm256_set1_epi8(2));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(pq_iq1_mul16(g1, y1), sc1),
+                                                           _mm256_madd_epi16(pq_iq1_mul16(g2, y2), sc2)));
+            sumd = _mm256_add_epi32(sumd, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones, _mm256_sign_epi8(y1, dv1)), sc1),
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(ones, _mm256_sign_epi8(y2, dv2)), sc2)));
+        }
+        const float d = pq_iq_d(PQ_IQ1_M, w) * pq_ld_f32(x);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        accd = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumd), accd);
+    }
+    out[0] = pq_hsum256(acc) + 0.125f * pq_hsum256(accd);
+}
+
+PQ_INLINE void pq_avx2_iq1_s_1(int64_t nb, const uint8_t *w, const uint8_t *x, float *out) {
+    const __m128i mask7 = _mm_set1_epi16(7), one16 = _mm_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    float acc1 = 0.0f;
+    for (int64_t i = 0; i < nb; i++, w += 50, x += 292) {
+        /* the 8 scales as int16 words, and signed by their deltas, each twice to meet the activations'
+         * 16-element sums: the deltas' whole sum is one madd and a horizontal add */
+        const __m128i h128 = _mm_loadu_si128((const __m128i *)(w + 34));
+        const __m128i sc = _mm_add_epi16(_mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h128, 12), mask7), 1), one16);
+        const __m128i neg = _mm_srai_epi16(h128, 15);
+        const __m128i ss = _mm_sub_epi16(_mm_xor_si128(sc, neg), neg);
+        const __m256i dsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(x + 260)),
+                                               _mm256_set_m128i(_mm_unpackhi_epi16(ss, ss), _mm_unpacklo_epi16(ss, ss)));
+        __m128i d4 = _mm_add_epi32(_mm256_castsi256_si128(dsum), _mm256_extracti128_si256(dsum, 1));
+        d4 = _mm_add_epi32(d4, _mm_shuffle_epi32(d4, 0x4E));
+        d4 = _mm_add_epi32(d4, _mm_shuffle_epi32(d4, 0xB1));
+        const int32_t sd = _mm_cvtsi128_si32(d4);
+        const __m256i scales = _mm256_set_m128i(sc, sc);
+        __m256i sidx1 = _mm256_set1_epi16(0x0100), sidx2 = _mm256_set1_epi16(0x0302);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib += 2) {
+            uint32_t q0, q1, h;
+            memcpy(&q0, w + 2 + 4 * ib, 4);
+            memcpy(&q1, w + 6 + 4 * ib, 4);
+            memcpy(&h, w + 34 + 2 * ib, 4);
+            const __m256i g1 = pq_iq1_grid4(PQ_IQ1_IDX(q0, h & 0xFFFF, 0xFFF, 0x0700070007000700ULL));
+            const __m256i g2 = pq_iq1_grid4(PQ_IQ1_IDX(q1, h >> 16, 0xFFF, 0x0700070007000700ULL));
+            const __m256i y1 = _mm256_loadu_si256((const __m256i *)(x + 4 + 32 * ib));
+            const __m256i y2 = _mm256_loadu_si256((const __m256i *)(x + 36 + 32 * ib));
+            const __m256i sc1 = _mm256_shuffle_epi8(scales, sidx1), sc2 = _mm256_shuffle_epi8(scales, sidx2);
+            sidx1 = _mm256_add_epi8(sidx1, _mm256_set1_epi8(4));
+            sidx2 = _mm256_add_epi8(sidx2, _mm256_set1_epi8(4));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(pq_iq1_mul16(g1, y1), sc1),
+                                                           _mm256_madd_epi16(pq_iq1_mul16(g2, y2), sc2)));
+        }
+        const float d = pq_iq_d(PQ_IQ1_S, w) * pq_ld_f32(x);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        acc1 = fmaf(d, (float)sd, acc1);
+    }
+    out[0] = pq_hsum256(acc) + 0.125f * acc1;
+}
+
+/* The sign bytes of 4 groups of 8 (one byte each, in bytes 0, 2, 4, 6 of the 128-bit half s2) spread
+ * to the groups' 32 bytes as +-1 */
+PQ_INLINE __m256i pq_iq_signs4(__m128i s2, __m256i shuf) {
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set_m128i(s2, s2), shuf), bit);
+    return _mm256_or_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(1));
+}
+PQ_INLINE void pq_avx2_iq2_xs_1(int64_t nb, const uint8_t *w, const uint8_t *x, float *out) {
+    /* 0x80 where a nibble's parity is odd: the 8th sign bit of a group (ksigns_iq2xs) is the parity of
+     * its 7 stored bits, and b0..b3 ^ b4..b6 has that parity */
+    const __m256i parity = _mm256_set_epi64x(0x0080800080000080LL, (long long)0x8000008000808000ULL,
+                                             0x0080800080000080LL, (long long)0x8000008000808000ULL);
+    const __m256i m511 = _mm256_set1_epi16(511);
+    const __m256i shuf1 = _mm256_set_epi64x(0x0606060606060606LL, 0x0404040404040404LL, 0x0202020202020202LL, 0);
+    const __m256i shuf2 = _mm256_set_epi64x(0x0E0E0E0E0E0E0E0ELL, 0x0C0C0C0C0C0C0C0CLL, 0x0A0A0A0A0A0A0A0ALL, 0x0808080808080808LL);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += 74, x += 292) {
+        /* int16 words: lane half 0 sub-block ib's first half's scale in word ib, half 1 its second's */
+        uint64_t a64;
+        memcpy(&a64, w + 66, 8);
+        const __m128i s8 = _mm_and_si128(_mm_set_epi64x((long long)(a64 >> 4), (long long)a64), _mm_set1_epi8(0xF));
+        const __m256i scales = _mm256_cvtepi8_epi16(_mm_add_epi8(_mm_add_epi8(s8, s8), _mm_set1_epi8(1)));
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib += 4) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2 + 8 * ib));
+            uint16_t gi[16];
+            _mm256_storeu_si256((__m256i *)gi, _mm256_and_si256(q, m511));
+            const __m256i s7 = _mm256_srli_epi16(q, 9);
+            const __m256i sg = _mm256_or_si256(s7, _mm256_shuffle_epi8(parity, _mm256_xor_si256(s7, _mm256_srli_epi16(q, 13))));
+            const __m128i sgl = _mm256_castsi256_si128(sg), sgh = _mm256_extracti128_si256(sg, 1);
+            const __m256i sn[4] = {pq_iq_signs4(sgl, shuf1), pq_iq_signs4(sgl, shuf2), pq_iq_signs4(sgh, shuf1), pq_iq_signs4(sgh, shuf2)};
+            for (int k = 0; k < 4; k++) {
+                const __m256i g = _mm256_set_epi64x((long long)pq_iq2xs_grid[gi[4 * k + 3]], (long long)pq_iq2xs_grid[gi[4 * k + 2]],
+                                                    (long long)pq_iq2xs_grid[gi[4 * k + 1]], (long long)pq_iq2xs_grid[gi[4 * k]]);
+                const __m256i y = _mm256_loadu_si256((const __m256i *)(x + 4 + 32 * (ib + k)));
+                const __m256i sc = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (ib + k))));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(g, _mm256_sign_epi8(y, sn[k])), sc));
+            }
+        }
+        const float d = pq_iq_d(PQ_IQ2_XS, w) * pq_ld_f32(x);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    out[0] = 0.125f * pq_hsum256(acc);
+}
+
+/* IQ2_S and IQ3_S: a byte of sign bits per group of 8 stored as is, grid indices with high bits
+ * in qh. Per sub-block one pshufb picks its halves' scales from a vector of all 16. */
+PQ_INLINE void pq_avx2_iq23_s_1(int t, int64_t nb, const uint8_t *w, const uint8_t *x, float *out) {
+    const int iq3 = t == PQ_IQ3_S;
+    const __m128i m4 = _mm_set1_epi8(0xF), m1 = _mm_set1_epi8(1);
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += iq3 ? 110 : 82, x += 292) {
+        __m256i scales;   /* int16 words: lane half 0 sub-block ib's first half's scale in word ib, half 1 its second's */
+        if (iq3) {
+            uint32_t s32;
+            memcpy(&s32, w + 106, 4);
+            const __m128i s = _mm_cvtsi32_si128((int)s32);
+            const __m128i s8 = _mm_unpacklo_epi8(_mm_and_si128(s, m4), _mm_and_si128(_mm_srli_epi16(s, 4), m4));
+            scales = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_add_epi8(_mm_add_epi8(s8, s8), m1)));
+        } else {
+            uint64_t a64;
+            memcpy(&a64, w + 74, 8);
+            const __m128i s8 = _mm_and_si128(_mm_set_epi64x((long long)(a64 >> 4), (long long)a64), m4);
+            scales = _mm256_cvtepi8_epi16(_mm_add_epi8(_mm_add_epi8(s8, s8), m1));
+        }
+        __m256i sidx = _mm256_set1_epi16(0x0100);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const int h = w[66 + ib];
+            __m256i g;
+            uint32_t bits;
+            if (iq3) {
+                uint64_t q8b;
+                memcpy(&q8b, w + 2 + 8 * ib, 8);
+#if defined(__BMI2__)
+                const uint64_t i0 = _pdep_u64(q8b, 0x00FF00FF00FF00FFULL) | _pdep_u64((uint64_t)h, 0x0100010001000100ULL);
+                const uint64_t i1 = _pdep_u64(q8b >> 32, 0x00FF00FF00FF00FFULL) | _pdep_u64((uint64_t)h >> 4, 0x0100010001000100ULL);
+#else
+                uint64_t i0 = 0, i1 = 0;
+                for (int k = 0; k < 4; k++) {
+                    i0 |= (uint64_t)(((q8b >> (8 * k)) & 0xFF) | (((h >> k) & 1) << 8)) << (16 * k);
+                    i1 |= (uint64_t)(((q8b >> (8 * k + 32)) & 0xFF) | (((h >> (k + 4)) & 1) << 8)) << (16 * k);
+                }
+#endif
+                g = _mm256_set_epi32((int)pq_iq3s_grid[i1 >> 48], (int)pq_iq3s_grid[(i1 >> 32) & 0xFFFF], (int)pq_iq3s_grid[(i1 >> 16) & 0xFFFF],
+                                     (int)pq_iq3s_grid[i1 & 0xFFFF], (int)pq_iq3s_grid[i0 >> 48], (int)pq_iq3s_grid[(i0 >> 32) & 0xFFFF],
+                                     (int)pq_iq3s_grid[(i0 >> 16) & 0xFFFF], (int)pq_iq3s_grid[i0 & 0xFFFF]);
+                memcpy(&bits, w + 74 + 4 * ib, 4);
+            } else {
+                uint32_t q4;
+                memcpy(&q4, w + 2 + 4 * ib, 4);
+#if defined(__BMI2__)
+                const uint64_t i0 = _pdep_u64(q4, 0x00FF00FF00FF00FFULL) | _pdep_u64((uint64_t)h, 0x0300030003000300ULL);
+#else
+                uint64_t i0 = 0;
+                for (int k = 0; k < 4; k++) i0 |= (uint64_t)(((q4 >> (8 * k)) & 0xFF) | (((h >> (2 * k)) & 3) << 8)) << (16 * k);
+#endif
+                g = _mm256_set_epi64x((long long)pq_iq2s_grid[i0 >> 48], (long long)pq_iq2s_grid[(i0 >> 32) & 0xFFFF],
+                                      (long long)pq_iq2s_grid[(i0 >> 16) & 0xFFFF], (long long)pq_iq2s_grid[i0 & 0xFFFF]);
+                memcpy(&bits, w + 34 + 4 * ib, 4);
+            }
+            const __m256i sg = _mm256_or_si256(pq_bits_to_bytes(bits), ones);
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(x + 4 + 32 * ib));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(g, _mm256_sign_epi8(y, sg)), _mm256_shuffle_epi8(scales, sidx)));
+            sidx = _mm256_add_epi8(sidx, _mm256_set1_epi8(2));
+        }
+        const float d = pq_iq_d(t, w) * pq_ld_f32(x);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    out[0] = iq3 ? pq_hsum256(acc) : 0.125f * pq_hsum256(acc);
+}
+
+/* IQ2_XXS and IQ3_XXS: a u32 per sub-block of 4 7-bit sign fields and the scale. The fields go to
+ * 4 bytes by one pdep and get their 8th (parity) bit from a nibble-parity pshufb, in place of 4
+ * ksigns lookups assembled by shifts. */
+PQ_INLINE void pq_avx2_iq_xxs_1(int t, int64_t nb, const uint8_t *w, const uint8_t *x, float *out) {
+    const int iq3 = t == PQ_IQ3_XXS;
+    const __m128i parity = _mm_set_epi64x(0x0080800080000080LL, (long long)0x8000008000808000ULL);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL), ones = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += iq3 ? 98 : 66, x += 292) {
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *q = w + 2 + 8 * ib;
+            const uint32_t a = pq_ld_u32(iq3 ? w + 66 + 4 * ib : q + 4);
+            __m256i g;
+            if (iq3)
+                g = _mm256_set_epi32((int)pq_iq3xxs_grid[q[7]], (int)pq_iq3xxs_grid[q[6]], (int)pq_iq3xxs_grid[q[5]], (int)pq_iq3xxs_grid[q[4]],
+                                     (int)pq_iq3xxs_grid[q[3]], (int)pq_iq3xxs_grid[q[2]], (int)pq_iq3xxs_grid[q[1]], (int)pq_iq3xxs_grid[q[0]]);
+            else
+                g = _mm256_set_epi64x((long long)pq_iq2xxs_grid[q[3]], (long long)pq_iq2xxs_grid[q[2]],
+                                      (long long)pq_iq2xxs_grid[q[1]], (long long)pq_iq2xxs_grid[q[0]]);
+#if defined(__BMI2__)
+            const uint32_t s7 = _pdep_u32(a, 0x7F7F7F7Fu);
+#else
+            const uint32_t s7 = (a & 0x7F) | ((a << 1) & 0x7F00) | ((a << 2) & 0x7F0000) | ((a << 3) & 0x7F000000);
+#endif
+            __m128i v = _mm_cvtsi32_si128((int)s7);
+            v = _mm_or_si128(v, _mm_shuffle_epi8(parity, _mm_xor_si128(v, _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0xF)))));
+            const __m256i sb = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(v), shuf), bit);
+            const __m256i sg = _mm256_or_si256(_mm256_cmpeq_epi8(sb, bit), ones);
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(x + 4 + 32 * ib));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(g, _mm256_sign_epi8(y, sg)),
+                                                            _mm256_set1_epi16((short)(2 * (int)(a >> 28) + 1))));
+        }
+        const float d = pq_iq_d(t, w) * pq_ld_f32(x);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    out[0] = iq3 ? 0.25f * pq_hsum256(acc) : 0.125f * pq_hsum256(acc);
+}
+
 /* Grid IQ types x Q8_K in the steps of pq_dot1_iq (ggml's AVX2 vec_dot): each sub-block decoded once
  * (pq_iq_sub_avx2) for the NR rows; its values' magnitudes times the activations signed by them (int16
  * pairs, at most 2 * 62 * 127), times the halves' scales, summed in 8 int32 lanes. */
 PQ_INLINE void pq_avx2_iq(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    if (NR == 1 && t == PQ_IQ1_M) { pq_avx2_iq1_m_1(nb, w, x, out); return; }
+    if (NR == 1 && t == PQ_IQ1_S) { pq_avx2_iq1_s_1(nb, w, x, out); return; }
+    if (NR == 1 && t == PQ_IQ2_XS) { pq_avx2_iq2_xs_1(nb, w, x, out); return; }
+    if (NR == 1 && (t == PQ_IQ2_S || t == PQ_IQ3_S)) { pq_avx2_iq23_s_1(t, nb, w, x, out); return; }
+    if (NR == 1 && (t == PQ_IQ2_XXS || t == PQ_IQ3_XXS)) { pq_avx2_iq_xxs_1(t, nb, w, x, out); return; }
     pq_traits tr;
     pq_get_traits(t, &tr);
     const __m256i ones = _mm256_set1_epi8(1);

@@ -282,6 +282,13 @@ class MoeParams(NamedTuple):
         return (self.gating != 1 or self.probs_b != 0 or self.n_group != 1 or self.n_group_used != 1
                 or self.biases != 0 or self.act != 0)
 
+    def sources(self, srcs: Sequence) -> tuple[list, list, Optional[object]]:
+        """(the four biases router_b, gate_b, up_b, down_b or [], the shared expert and its gate
+        (0 to 2), the expert bias or None) among a node's sources past the five fixed ones."""
+        bias = srcs[-1] if self.probs_b == 1 else None
+        n = 4 if self.biases == 1 else 0
+        return list(srcs[5:5 + n]), list(srcs[5 + n:len(srcs) - (1 if bias is not None else 0)]), bias
+
     def params(self) -> tuple:
         if not self.extended:
             return tuple(self[:3])

@@ -468,11 +468,9 @@ def _moe_ffn_steps(opts: CpuSettings, srcs: Sequence[Tensor], s: Sequence[np.nda
     if any(v != int(v) for v in (mp.gating, mp.n_group, mp.n_group_used)):
         raise ValueError(f"MOE_FFN: gating {mp.gating} and expert groups {mp.n_group}, {mp.n_group_used} must be "
                          "integers")
-    probs_b = s[-1] if mp.probs_b == 1 else None
-    n_biases = 4 if mp.biases == 1 else 0  # router_b, gate_b, up_b, down_b (gpt-oss)
-    router_b = s[5] if n_biases else None
-    biases = (s[6], s[7], s[8]) if n_biases else None
-    rest = list(s[5 + n_biases:len(s) - (1 if probs_b is not None else 0)])  # the shared expert and its gate
+    four, rest, probs_b = mp.sources(s)  # gpt-oss's biases; the shared expert and its gate; the expert bias
+    router_b = four[0] if four else None
+    biases = tuple(four[1:]) if four else None
     for t in (gate, up, down):
         if len(t.shape) != 3 or t.shape[0] != router.shape[0]:
             raise ValueError(f"MOE_FFN: expert tensor {t.name} {list(t.shape)} is not [{router.shape[0]}, rows, cols]")

@@ -294,10 +294,9 @@ class Lowering:
         g, s = self.g, nd.srcs
         mp = MoeParams.of(nd.params)
         K, norm, w_scale = int(mp.n_used), int(mp.norm), float(mp.scale)
-        bias = self.t(s[-1]) if mp.probs_b == 1 else None
-        nb = 4 if mp.biases == 1 else 0          # router_b, gate_b, up_b, down_b (gpt-oss)
-        biases = [self.t(t) for t in s[5:5 + nb]]
-        rest = s[5 + nb:len(s) - (1 if bias is not None else 0)]   # the shared expert and its gate
+        four, rest, probs_b = mp.sources(s)   # gpt-oss's biases; the shared expert and its gate; the expert bias
+        biases = [self.t(t) for t in four]
+        bias = self.t(probs_b) if probs_b is not None else None
         x = self.t(s[0])
         e, n = x.ne[0], x.ne[1]
         n_expert = s[1].shape[0]

@@ -45,9 +45,10 @@ F16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0
               T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
               T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.MXFP4: (),
               T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,), T.IQ1_S: (0,),
-              T.IQ1_M: ()}
-# the grid IQ types: any bytes are valid blocks once the f16 scale is finite (optional in --types)
+              T.IQ1_M: (), T.TQ1_0: (52,), T.TQ2_0: (64,)}
+# the grid IQ and ternary types: any bytes are valid blocks once the f16 scale is finite (optional in --types)
 IQ_GRID_TYPES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+TERNARY_TYPES = ("tq1_0", "tq2_0")
 
 
 def random_weights(qtype: T, m: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -143,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-blas", action="store_true", help="skip the dequantize+BLAS path")
     args = ap.parse_args(argv)
     types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
-    unknown = [t for t in types if t not in ALL_TYPES + IQ_GRID_TYPES]
+    unknown = [t for t in types if t not in ALL_TYPES + IQ_GRID_TYPES + TERNARY_TYPES]
     if unknown:
-        print(f"bench_qmatmul: unknown type(s) {', '.join(unknown)} (known: {', '.join(ALL_TYPES + IQ_GRID_TYPES)})",
+        print(f"bench_qmatmul: unknown type(s) {', '.join(unknown)} (known: {', '.join(ALL_TYPES + IQ_GRID_TYPES + TERNARY_TYPES)})",
               file=sys.stderr)
         return 1
     ns = [int(v) for v in args.n.split(",")]

@@ -32,7 +32,7 @@ from peers import Peers  # noqa: E402
 from pyllama._fast import ops, qmatmul  # noqa: E402
 
 TYPES = "f16,bf16,q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k"
-# also accepted by --types: iq4_nl, iq4_xs, mxfp4 and the grid IQ types
+# also accepted by --types: iq4_nl, iq4_xs, mxfp4, the grid IQ types and tq1_0, tq2_0
 IQ_GRID_TYPES = "iq2_xxs,iq2_xs,iq2_s,iq3_xxs,iq3_s,iq1_s,iq1_m"
 KV_TYPES = "f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl"
 _FF = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)

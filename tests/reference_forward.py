@@ -23,7 +23,7 @@ NEOX_ARCHS = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe")  # rotate (x[
 # the type ggml quantizes activation rows to for the dot product against each weight type
 ACT_TYPE = {QT.Q4_0: "q8_0", QT.Q5_0: "q8_0", QT.Q8_0: "q8_0", QT.Q4_1: "q8_1", QT.Q5_1: "q8_1",
             QT.Q2_K: "q8_k", QT.Q3_K: "q8_k", QT.Q4_K: "q8_k", QT.Q5_K: "q8_k", QT.Q6_K: "q8_k",
-            QT.IQ4_NL: "q8_0", QT.MXFP4: "q8_0", QT.IQ4_XS: "q8_k",
+            QT.IQ4_NL: "q8_0", QT.MXFP4: "q8_0", QT.IQ4_XS: "q8_k", QT.TQ1_0: "q8_k", QT.TQ2_0: "q8_k",
             QT.F16: "f16", QT.BF16: "bf16", QT.F32: "f32"}
 
 

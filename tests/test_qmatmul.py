@@ -279,7 +279,7 @@ def test_bad_input_raises_value_error():
     w = ref.random_weights(T.Q4_K, 4, 512, rng)
     x = rng.standard_normal((2, 512)).astype(np.float32)
     out = np.empty((2, 4), np.float32)
-    _raises("TQ2_0", qmatmul.mul_mat_q, x, w, int(T.TQ2_0), out)                      # unsupported, named
+    _raises("Q1_0", qmatmul.mul_mat_q, x, w, int(T.Q1_0), out)                        # unsupported, named
     _raises("needs 288", qmatmul.mul_mat_q, x, np.ascontiguousarray(w[:, :-1]), int(T.Q4_K), out)  # truncated
     _raises("not a whole number", qmatmul.mul_mat_q, x[:, :500].copy(), w, int(T.Q4_K), out)
     _raises("out is", qmatmul.mul_mat_q, x, w, int(T.Q4_K), np.empty((2, 5), np.float32))
@@ -287,7 +287,7 @@ def test_bad_input_raises_value_error():
     _raises("bias", qmatmul.mul_mat_q, x, w, int(T.Q4_K), out, bias=np.zeros(3, np.float32))
     _raises("n_threads", qmatmul.mul_mat_q, x, w, int(T.Q4_K), out, n_threads=0)
     _raises("not a whole number", qmatmul.row_bytes, int(T.Q8_0), 33)
-    _raises("unsupported", qmatmul.vec_dot_type, int(T.TQ1_0))
+    _raises("unsupported", qmatmul.vec_dot_type, int(T.NVFP4))
     _raises("outside", qmatmul.get_rows_q, w, int(T.Q4_K), np.array([0, 4], np.int32), np.empty((2, 512), np.float32))
     _raises("outside", qmatmul.get_rows_q, w, int(T.Q4_K), np.array([-1], np.int32), np.empty((1, 512), np.float32))
     _raises("needs 288", qmatmul.get_rows_q, np.ascontiguousarray(w[:, 1:]), int(T.Q4_K), np.array([0], np.int32),
@@ -298,7 +298,8 @@ def test_bad_input_raises_value_error():
 
 def test_api_tables():
     grid_iq = (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M)   # tests/test_iq_grid.py
-    assert set(qmatmul.supported_types()) == {int(t) for t in TYPES + grid_iq}
+    ternary = (T.TQ1_0, T.TQ2_0)                                                     # tests/test_ternary.py
+    assert set(qmatmul.supported_types()) == {int(t) for t in TYPES + grid_iq + ternary}
     assert qmatmul.vec_dot_type(int(T.Q4_1)) == int(T.Q8_1)
     assert qmatmul.vec_dot_type(int(T.Q5_0)) == int(T.Q8_0)
     assert qmatmul.vec_dot_type(int(T.Q6_K)) == int(T.Q8_K)

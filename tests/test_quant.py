@@ -121,8 +121,8 @@ def _err(raw, qtype, n, out, n_threads=0):
 
 
 def test_unsupported_type_is_named():
-    msg = _err(np.zeros(66, np.uint8), T.TQ2_0, 256, np.empty(256, np.float32))
-    assert "TQ2_0" in msg and "unsupported" in msg
+    msg = _err(np.zeros(36, np.uint8), T.Q1_0, 256, np.empty(256, np.float32))
+    assert "Q1_0" in msg and "unsupported" in msg
     msg = _err(np.zeros(20, np.uint8), 9999, 32, np.empty(32, np.float32))
     assert "9999" in msg
 

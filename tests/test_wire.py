@@ -183,7 +183,7 @@ def test_tensor_nbytes_matches_gguf_for_supported_types():
 
 def test_tensor_nbytes_refusals_and_overflow():
     with pytest.raises(ValueError, match="unsupported"):
-        wire.tensor_nbytes(DType.TQ2_0, (256,))
+        wire.tensor_nbytes(DType.Q1_0, (256,))
     with pytest.raises(ValueError, match="unsupported"):
         wire.tensor_nbytes(2**40, (1,))
     with pytest.raises(ValueError, match="whole number"):

@@ -69,7 +69,7 @@ def _pool_trace(int n_threads, int32_t[::1] who, int32_t[::1] runs, int64_t[::1]
 # Weight types accepted by mul_mat_q / get_rows_q (gguf.GGMLQuantizationType values).
 DEF T_Q8_1 = 9
 DEF T_Q8_K = 15
-_SUPPORTED = (0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 39, 16, 17, 18, 19, 21, 22, 29)
+_SUPPORTED = (0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 39, 16, 17, 18, 19, 21, 22, 29, 34, 35)
 _VEC_TYPES = (0, 1, 30, 8, 9, 15)
 
 # Rows of x from which mul_mat_q_blas beats mul_mat_q: measured on one AVX2 core (Q4_K, k = 768,

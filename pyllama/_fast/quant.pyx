@@ -52,6 +52,8 @@ cdef enum:
     T_IQ4_XS = 23
     T_IQ1_M = 29
     T_BF16 = 30
+    T_TQ1_0 = 34
+    T_TQ2_0 = 35
     T_MXFP4 = 39
     QK_K = 256
     # Elements per parallel work item: a multiple of every block size.
@@ -83,6 +85,8 @@ BLOCK_SIZES = {
     T_IQ3_S: (QK_K, 110),
     T_IQ1_S: (QK_K, 50),
     T_IQ1_M: (QK_K, 56),
+    T_TQ1_0: (QK_K, 54),
+    T_TQ2_0: (QK_K, 66),
     T_MXFP4: (32, 17),
 }
 """Supported type id -> (elements per block, bytes per block)."""
@@ -280,7 +284,8 @@ cdef void _range_q6_k(const uint8_t *src, float *dst, Py_ssize_t nb) noexcept no
 
 cdef void _range_generic(int qtype, const uint8_t *src, float *dst, Py_ssize_t nb,
                         Py_ssize_t block, Py_ssize_t type_size) noexcept nogil:
-    # Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4 and the grid IQ types: ggml_quants.h's block functions (the formulas of
+    # Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, the grid IQ types and TQ1_0 / TQ2_0: ggml_quants.h's
+    # block functions (the formulas of
     # ggml's dequantize_row_*, every product exact in float32 as above).
     cdef Py_ssize_t i
     for i in range(nb):
@@ -330,8 +335,8 @@ def dequantize(raw, int qtype, Py_ssize_t n_elements, out, int n_threads=0):
     raw: 1-D C-contiguous uint8 array (or other byte buffer) of exactly
     n_elements / block_size * type_size bytes; read-only buffers (memory maps) are fine.
     qtype: a gguf.GGMLQuantizationType value: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-    Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S
-    or IQ1_M.
+    Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
+    IQ1_M, TQ1_0 or TQ2_0.
     out: 1-D C-contiguous writable float32 array of n_elements.
     n_threads: OpenMP threads to use; 0 = the OpenMP default (small inputs always use one).
 

@@ -74,7 +74,7 @@ memset(_type_size, 0, sizeof(_type_size))
 SUPPORTED_DTYPES = tuple(int(t) for t in (_QT.F32, _QT.F16, _QT.BF16, _QT.I32, _QT.Q4_0, _QT.Q4_1, _QT.Q5_0,
                                           _QT.Q5_1, _QT.Q8_0, _QT.Q2_K, _QT.Q3_K, _QT.Q4_K, _QT.Q5_K, _QT.Q6_K,
                                           _QT.IQ4_NL, _QT.IQ4_XS, _QT.MXFP4, _QT.IQ2_XXS, _QT.IQ2_XS, _QT.IQ2_S,
-                                          _QT.IQ3_XXS, _QT.IQ3_S, _QT.IQ1_S, _QT.IQ1_M))
+                                          _QT.IQ3_XXS, _QT.IQ3_S, _QT.IQ1_S, _QT.IQ1_M, _QT.TQ1_0, _QT.TQ2_0))
 for _t in SUPPORTED_DTYPES:
     _block[_t] = GGML_QUANT_SIZES[_QT(_t)][0]
     _type_size[_t] = GGML_QUANT_SIZES[_QT(_t)][1]

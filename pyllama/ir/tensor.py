@@ -37,8 +37,9 @@ NP_DTYPES: dict[DType, np.dtype] = {
 QUANT_TYPES: tuple[DType, ...] = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0,
                                   DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K, DType.Q6_K,
                                   DType.IQ4_NL, DType.IQ4_XS, DType.MXFP4, DType.IQ2_XXS, DType.IQ2_XS,
-                                  DType.IQ2_S, DType.IQ3_XXS, DType.IQ3_S, DType.IQ1_S, DType.IQ1_M)
-# every type a model file may give a weight (TQ1_0 and TQ2_0 are refused at load)
+                                  DType.IQ2_S, DType.IQ3_XXS, DType.IQ3_S, DType.IQ1_S, DType.IQ1_M,
+                                  DType.TQ1_0, DType.TQ2_0)
+# every type a model file may give a weight (NVFP4 and Q1_0 are refused at load)
 WEIGHT_TYPES: tuple[DType, ...] = (DType.F32, DType.F16, DType.BF16) + QUANT_TYPES
 # the types a KV cache may be stored in (ATTENTION's k_cache and v_cache)
 KV_CACHE_TYPES: frozenset = frozenset({DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.Q4_1,

@@ -272,7 +272,8 @@ _FTYPE_NAMES = {0: "all F32", 1: "F16", 32: "BF16", 2: "Q4_0", 3: "Q4_1", 8: "Q5
                 17: "Q5_K - Medium", 18: "Q6_K", 25: "IQ4_NL - 4.5 bpw", 30: "IQ4_XS - 4.25 bpw", 38: "MXFP4 MoE",
                 19: "IQ2_XXS - 2.0625 bpw", 20: "IQ2_XS - 2.3125 bpw", 28: "IQ2_S - 2.5 bpw", 29: "IQ2_M - 2.7 bpw",
                 22: "IQ3_XS - 3.3 bpw", 23: "IQ3_XXS - 3.0625 bpw", 24: "IQ1_S - 1.5625 bpw", 31: "IQ1_M - 1.75 bpw",
-                26: "IQ3_S - 3.4375 bpw", 27: "IQ3_S mix - 3.66 bpw"}
+                26: "IQ3_S - 3.4375 bpw", 27: "IQ3_S mix - 3.66 bpw",
+                36: "TQ1_0 - 1.69 bpw ternary", 37: "TQ2_0 - 2.06 bpw ternary"}
 
 
 def file_type_name(file_type: Any) -> str:

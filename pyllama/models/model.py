@@ -18,7 +18,7 @@ from .hparams import HParams, read_hparams
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TYPES = WEIGHT_TYPES  # the types a model's tensors may have (not TQ*)
+SUPPORTED_TYPES = WEIGHT_TYPES  # the types a model's tensors may have (not NVFP4, not Q1_0)
 # architectures whose llama.cpp graph adds an output.bias [n_vocab] to the logits where the file has one
 OUTPUT_BIAS_ARCHS = ("qwen2", "phi3")
 # architectures whose gate|up come fused in the file's ffn_up [2 n_ff, n_embd], gate first

@@ -65,7 +65,8 @@ enum {
     PQ_F32 = 0, PQ_F16 = 1, PQ_Q4_0 = 2, PQ_Q4_1 = 3, PQ_Q5_0 = 6, PQ_Q5_1 = 7, PQ_Q8_0 = 8,
     PQ_Q8_1 = 9, PQ_Q2_K = 10, PQ_Q3_K = 11, PQ_Q4_K = 12, PQ_Q5_K = 13, PQ_Q6_K = 14,
     PQ_Q8_K = 15, PQ_IQ2_XXS = 16, PQ_IQ2_XS = 17, PQ_IQ3_XXS = 18, PQ_IQ1_S = 19, PQ_IQ4_NL = 20,
-    PQ_IQ3_S = 21, PQ_IQ2_S = 22, PQ_IQ4_XS = 23, PQ_IQ1_M = 29, PQ_BF16 = 30, PQ_MXFP4 = 39
+    PQ_IQ3_S = 21, PQ_IQ2_S = 22, PQ_IQ4_XS = 23, PQ_IQ1_M = 29, PQ_BF16 = 30, PQ_TQ1_0 = 34, PQ_TQ2_0 = 35,
+    PQ_MXFP4 = 39
 };
 /* The grid IQ types: super-blocks of 256 whose groups of 8 (or 4) elements are points of a lattice
  * grid (ggml_iq_grids.h), dotted against Q8_K activations */
@@ -125,6 +126,8 @@ static inline int pq_get_traits(int t, pq_traits *tr) {
     case PQ_IQ3_S: *tr = (pq_traits){PQ_QK_K, 110, PQ_Q8_K, 17}; return 1;
     case PQ_IQ1_S: *tr = (pq_traits){PQ_QK_K, 50, PQ_Q8_K, 18}; return 1;
     case PQ_IQ1_M: *tr = (pq_traits){PQ_QK_K, 56, PQ_Q8_K, 18}; return 1;
+    case PQ_TQ1_0: *tr = (pq_traits){PQ_QK_K, 54, PQ_Q8_K, 8}; return 1;
+    case PQ_TQ2_0: *tr = (pq_traits){PQ_QK_K, 66, PQ_Q8_K, 8}; return 1;
     default: return 0;
     }
 }
@@ -440,9 +443,38 @@ static inline int pq_q3_scale(const uint8_t *s, int i) {
     return (lo | (hi << 4)) - 32;
 }
 
+/* The ternary types' 256 stored digits, each 0, 1 or 2 for the weight's -1, 0, +1 (TQ2_0's 2-bit fields
+ * may also hold 3, which ggml reads as +2), in element order:
+ *   TQ1_0: qs[48] | qh[4] | d. A byte holds 5 base-3 digits as a fixed-point fraction (byte = ceil(v *
+ *   256 / 243)); digit n is the top of 3 * (byte * 3^n mod 256) / 256. Element 32n + m is digit n of
+ *   qs[m] (m < 32), 160 + 16n + m digit n of qs[32 + m], 240 + 4n + j digit n (< 4) of qh[j].
+ *   TQ2_0: qs[64] | d. Element 128h + 32l + m is bits 2l .. 2l + 1 of qs[32h + m]. */
+static inline int pq_trit(uint8_t byte, int n) {
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    return ((uint16_t)(uint8_t)(byte * pow3[n]) * 3) >> 8;
+}
+static inline void pq_tq_digits(int t, const uint8_t *b, uint8_t *u) {
+    if (t == PQ_TQ2_0) {
+        for (int e = 0; e < PQ_QK_K; e++) u[e] = (b[32 * (e / 128) + e % 32] >> (2 * ((e / 32) % 4))) & 3;
+        return;
+    }
+    for (int n = 0; n < 5; n++)
+        for (int m = 0; m < 32; m++) u[32 * n + m] = (uint8_t)pq_trit(b[m], n);
+    for (int n = 0; n < 5; n++)
+        for (int m = 0; m < 16; m++) u[160 + 16 * n + m] = (uint8_t)pq_trit(b[32 + m], n);
+    for (int n = 0; n < 4; n++)
+        for (int j = 0; j < 4; j++) u[240 + 4 * n + j] = (uint8_t)pq_trit(b[48 + j], n);
+}
+
 /* One block of type t at `b` -> its `block` floats. */
 static inline void pq_dequant_block(int t, const uint8_t *b, float *y) {
     switch (t) {
+    case PQ_TQ1_0: case PQ_TQ2_0: { /* (digit - 1) * d, exact */
+        uint8_t u[PQ_QK_K];
+        const float d = pq_ld_f16(b + (t == PQ_TQ1_0 ? 52 : 64));
+        pq_tq_digits(t, b, u);
+        for (int e = 0; e < PQ_QK_K; e++) y[e] = (float)(u[e] - 1) * d;
+        break; }
     case PQ_Q4_0: { const float d = pq_ld_f16(b);
         for (int j = 0; j < 16; j++) { y[j] = (float)((b[2 + j] & 0xF) - 8) * d; y[j + 16] = (float)((b[2 + j] >> 4) - 8) * d; }
         break; }
@@ -571,7 +603,8 @@ PQ_API void pq_dequant_row(int t, const uint8_t *w, float *y, int64_t k) {
  *   IQ4_NL, MXFP4: [sum value(q_w) * q_x]
  *   IQ4_XS: 8 sub-block (32) sums of value(q_w) * q_x, then isum = sum (scale - 32) * sub
  *   grid IQ types: 16 half sub-block (16) sums of v * q_x, then isum = sum sc * sub; IQ1_S, IQ1_M
- *   then the deltas' sum dsum = sum sc * (sum dl * q_x) (pq_iq_sub's v, sc, dl) */
+ *   then the deltas' sum dsum = sum sc * (sum dl * q_x) (pq_iq_sub's v, sc, dl)
+ *   TQ1_0, TQ2_0: 8 lanes as ggml's AVX2 vec_dot forms them (pq_isums_tq) */
 
 static inline void pq_isums_q4_0(const uint8_t *w, const uint8_t *x, int32_t *s) {
     const int8_t *q8 = (const int8_t *)(x + 2);
@@ -778,6 +811,37 @@ PQ_EXACT static float pq_dot1_iq(int t, int64_t n, const uint8_t *w, const uint8
     }
 }
 
+/* TQ1_0 / TQ2_0 . Q8_K, the integer lanes of ggml's x86 (AVX2) vec_dot: lane l holds the stored digits
+ * (0..2) times q_x of elements 4l .. 4l + 3 of every 32, less the sum of q_x over elements 32l .. 32l + 31
+ * (bsums 2l and 2l + 1), so that the 8 lanes add up to sum (digit - 1) * q_x. */
+static inline void pq_isums_tq(int t, const uint8_t *w, const uint8_t *x, int32_t *lane) {
+    const int8_t *q8 = (const int8_t *)(x + 4);
+    uint8_t u[PQ_QK_K];
+    pq_tq_digits(t, w, u);
+    for (int l = 0; l < 8; l++) {
+        int p = 0;
+        for (int c = 0; c < 8; c++)
+            for (int e = 32 * c + 4 * l; e < 32 * c + 4 * l + 4; e++) p += u[e] * q8[e];
+        lane[l] = p - (pq_ld_i16(x + 260 + 4 * l) + pq_ld_i16(x + 262 + 4 * l));
+    }
+}
+
+/* A ternary row . a Q8_K row in the float steps of ggml's x86 vec_dot: each super-block's 8 lanes
+ * converted and fused into 8 float accumulators with d = d_x * d_w, reduced at the end as
+ * hsum_float_8. The AVX2 kernel (pq_avx2_tq) takes the same steps. */
+PQ_EXACT static float pq_dot1_tq(int t, int64_t n, const uint8_t *w, const uint8_t *x) {
+    const int bytes = t == PQ_TQ1_0 ? 54 : 66;
+    float acc[8] = {0};
+    int32_t lane[8];
+    for (int64_t i = 0; i < n / PQ_QK_K; i++) {
+        const uint8_t *wb = w + (int64_t)bytes * i, *xb = x + 292 * i;
+        pq_isums_tq(t, wb, xb, lane);
+        const float d = pq_ld_f32(xb) * pq_ld_f16(wb + bytes - 2);
+        for (int l = 0; l < 8; l++) acc[l] = fmaf((float)lane[l], d, acc[l]);
+    }
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
 /* The per-block integer sums of a whole row (nb blocks); 0 if t has none. */
 PQ_API int pq_isums_row(int t, int64_t nb, const uint8_t *w, const uint8_t *x, int32_t *out) {
     pq_traits tw, tx;
@@ -800,6 +864,7 @@ PQ_API int pq_isums_row(int t, int64_t nb, const uint8_t *w, const uint8_t *x, i
         case PQ_IQ4_NL: pq_isums_lut(pq_kvalues_iq4nl, wb + 2, xb, s); break;
         case PQ_MXFP4: pq_isums_lut(pq_kvalues_mxfp4, wb + 1, xb, s); break;
         case PQ_IQ4_XS: pq_isums_iq4_xs(wb, xb, s); break;
+        case PQ_TQ1_0: case PQ_TQ2_0: pq_isums_tq(t, wb, xb, s); break;
         default: if (pq_is_iq_grid(t)) pq_isums_iq(t, wb, xb, s); break;
         }
     }
@@ -812,6 +877,7 @@ PQ_API float pq_dot1_portable(int t, int64_t n, const uint8_t *w, const uint8_t 
     float sumf = 0.0f;
     int64_t i;
     if (pq_is_iq_grid(t)) return pq_dot1_iq(t, n, w, x);
+    if (t == PQ_TQ1_0 || t == PQ_TQ2_0) return pq_dot1_tq(t, n, w, x);
     switch (t) {
     case PQ_Q4_0:
         for (i = 0; i < n / 32; i++) {
@@ -1690,6 +1756,84 @@ PQ_INLINE void pq_avx2_iq(int t, int NR, int64_t nb, const uint8_t *w, const uin
     }
 }
 
+/* TQ1_0 / TQ2_0 x Q8_K in the steps of pq_dot1_tq: a block's 256 digits unpacked once into 8 vectors of
+ * 32 (pq_tq_digits' order) for the NR rows, each left in place in its byte: TQ1_0's digit as the top
+ * two bits (digit * 64), TQ2_0's as the field it has (digit * 4^l for chunk 4h + l), which spares a
+ * shift per vector; the exact sums are divided back once per row. That needs VNNI's dpbusd (products
+ * up to 192 * 128 would saturate maddubs' int16 pairs): without it the digits are shifted down.
+ * digits . q_x by dpbusd (lane l: elements 4l .. 4l + 3 of each 32), less the bsums pairs, fused into 8
+ * float lanes per row. */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define PQ_TQ_SCALED 1
+#else
+#define PQ_TQ_SCALED 0
+#endif
+PQ_INLINE __m256i pq_trit64_avx2(__m256i q) {   /* per byte: 64 * ((3 q) >> 8) (>> 6 without PQ_TQ_SCALED) */
+    q = _mm256_subs_epu8(q, _mm256_set1_epi8(1));
+    q = _mm256_avg_epu8(q, _mm256_avg_epu8(q, _mm256_setzero_si256()));
+    if (!PQ_TQ_SCALED) return _mm256_and_si256(_mm256_srli_epi16(q, 6), _mm256_set1_epi8(3));
+    return _mm256_and_si256(q, _mm256_set1_epi8((char)0xC0));
+}
+PQ_INLINE __m256i pq_mul9_u8(__m256i q) {     /* per byte: 9 q mod 256 */
+    return _mm256_add_epi8(_mm256_and_si256(_mm256_slli_epi16(q, 3), _mm256_set1_epi8((char)0xF8)), q);
+}
+PQ_INLINE void pq_tq_digits_avx2(int t, const uint8_t *b, __m256i *u) {
+    if (t == PQ_TQ2_0) {
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 * h));
+            for (int l = 0; l < 4; l++)
+                u[4 * h + l] = PQ_TQ_SCALED ? _mm256_and_si256(q, _mm256_set1_epi8((char)(3 << (2 * l))))
+                                            : _mm256_and_si256(_mm256_srli_epi16(q, 2 * l), _mm256_set1_epi8(3));
+        }
+        return;
+    }
+    const __m256i q1 = _mm256_loadu_si256((const __m256i *)b);
+    const __m256i q3 = _mm256_add_epi8(q1, _mm256_add_epi8(q1, q1)), q9 = pq_mul9_u8(q1);
+    u[0] = pq_trit64_avx2(q1);
+    u[1] = pq_trit64_avx2(q3);
+    u[2] = pq_trit64_avx2(q9);
+    u[3] = pq_trit64_avx2(pq_mul9_u8(q3));
+    u[4] = pq_trit64_avx2(pq_mul9_u8(q9));
+    /* qs[32..47] times 1, 3 | 9, 27 | 81, then qh's 4 bytes times 1, 3, 9, 27 */
+    const __m256i r1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 32)));
+    const __m256i r3 = _mm256_add_epi8(r1, _mm256_add_epi8(r1, r1)), r9 = pq_mul9_u8(r1), r27 = pq_mul9_u8(r3);
+    const __m256i h = _mm256_and_si256(_mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm_set1_epi32((int)pq_ld_u32(b + 48))),
+                                                          _mm256_set_epi16(27, 27, 27, 27, 9, 9, 9, 9, 3, 3, 3, 3, 1, 1, 1, 1)),
+                                       _mm256_set1_epi16(0xFF));
+    const __m128i hb = _mm_packus_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    u[5] = pq_trit64_avx2(_mm256_blend_epi32(r1, r3, 0xF0));
+    u[6] = pq_trit64_avx2(_mm256_blend_epi32(r9, r27, 0xF0));
+    u[7] = pq_trit64_avx2(_mm256_set_m128i(hb, _mm256_castsi256_si128(pq_mul9_u8(r9))));
+}
+PQ_INLINE void pq_avx2_tq(int t, int NR, int64_t nb, const uint8_t *w, const uint8_t *x, size_t xs, float *out) {
+    const int bytes = t == PQ_TQ1_0 ? 54 : 66;
+    const __m256i ones16 = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
+    __m256 acc[PQ_MAX_NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += bytes) {
+        __m256i u[8];
+        pq_tq_digits_avx2(t, w, u);
+        const float dw = pq_h2f(w + bytes - 2);
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *y = x + r * xs + 292 * i;
+            __m256i yc[8];
+            for (int c = 0; c < 8; c++) yc[c] = _mm256_loadu_si256((const __m256i *)(y + 4 + 32 * c));
+            __m256i sumi = _mm256_sub_epi32(zero, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(y + 260)), ones16));
+            if (t == PQ_TQ1_0) {   /* two chains, so that one row does not wait on each dpbusd's latency */
+                __m256i s0 = zero, s1 = zero;
+                for (int c = 0; c < 8; c += 2) { s0 = pq_dpbusd_acc(s0, u[c], yc[c]); s1 = pq_dpbusd_acc(s1, u[c + 1], yc[c + 1]); }
+                sumi = _mm256_add_epi32(sumi, _mm256_srai_epi32(_mm256_add_epi32(s0, s1), PQ_TQ_SCALED ? 6 : 0));
+            } else {               /* a chain per field position l, divided by its 4^l */
+                for (int l = 0; l < 4; l++)
+                    sumi = _mm256_add_epi32(sumi, _mm256_srai_epi32(pq_dpbusd_acc(pq_dpbusd(u[l], yc[l]), u[4 + l], yc[4 + l]),
+                                                                    PQ_TQ_SCALED ? 2 * l : 0));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(pq_ld_f32(y) * dw), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = pq_hsum256(acc[r]);
+}
+
 /* F16 / BF16 / F32 weights with activations of the same type: products exact in float32 for
  * the 16-bit types, FMA accumulation in 8 lanes. The activations may also come widened to F32
  * (xt = PQ_F32: the same values, rounded to the weight's type once and stored as floats), which
@@ -1889,6 +2033,8 @@ PQ_DEF4(pq_k_iq3_xxs, pq_avx2_iq(PQ_IQ3_XXS, NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_iq3_s, pq_avx2_iq(PQ_IQ3_S, NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_iq1_s, pq_avx2_iq(PQ_IQ1_S, NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_iq1_m, pq_avx2_iq(PQ_IQ1_M, NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_tq1_0, pq_avx2_tq(PQ_TQ1_0, NR, n / PQ_QK_K, w, x, xs, out))
+PQ_DEF4(pq_k_tq2_0, pq_avx2_tq(PQ_TQ2_0, NR, n / PQ_QK_K, w, x, xs, out))
 PQ_DEF4(pq_k_f16, pq_avx2_float(PQ_F16, PQ_F16, NR, n, w, x, xs, out))
 PQ_DEF4(pq_k_bf16, pq_avx2_float(PQ_BF16, PQ_BF16, NR, n, w, x, xs, out))
 PQ_DEF4(pq_k_f32, pq_avx2_float(PQ_F32, PQ_F32, NR, n, w, x, xs, out))
@@ -1934,6 +2080,7 @@ PQ_API pq_dot_fn pq_avx2_kernel(int t, int nr) {
     static const pq_dot_fn iq2_s[PQ_MAX_NR] = PQ_TAB(pq_k_iq2_s), iq3_xxs[PQ_MAX_NR] = PQ_TAB(pq_k_iq3_xxs);
     static const pq_dot_fn iq3_s[PQ_MAX_NR] = PQ_TAB(pq_k_iq3_s), iq1_s[PQ_MAX_NR] = PQ_TAB(pq_k_iq1_s);
     static const pq_dot_fn iq1_m[PQ_MAX_NR] = PQ_TAB(pq_k_iq1_m);
+    static const pq_dot_fn tq1_0[PQ_MAX_NR] = PQ_TAB(pq_k_tq1_0), tq2_0[PQ_MAX_NR] = PQ_TAB(pq_k_tq2_0);
     const pq_dot_fn *tab;
     switch (t) {
     case PQ_Q4_0: tab = q4_0; break;
@@ -1959,6 +2106,8 @@ PQ_API pq_dot_fn pq_avx2_kernel(int t, int nr) {
     case PQ_IQ3_S: tab = iq3_s; break;
     case PQ_IQ1_S: tab = iq1_s; break;
     case PQ_IQ1_M: tab = iq1_m; break;
+    case PQ_TQ1_0: tab = tq1_0; break;
+    case PQ_TQ2_0: tab = tq2_0; break;
     default: return NULL;
     }
     return tab[nr - 1];

@@ -88,7 +88,8 @@ def test_parameter_counts_from_table():
 # ---- file contents ----------------------------------------------------------------------------
 
 # types every tensor of the tiny preset can take (K-quants need rows of a multiple of 256: see below)
-TINY_WTYPES = [w for w, (t, _) in WTYPES.items() if t not in K_QUANTS and t != Q.IQ4_XS and w not in MIXES]
+TINY_WTYPES = [w for w, (t, _) in WTYPES.items()
+               if t not in K_QUANTS and t not in (Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0) and w not in MIXES]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -361,7 +362,7 @@ def test_fallback_rules():
         tensor_types(plan, "q4_0")
 
 
-@pytest.mark.parametrize("wtype", K_WTYPES)
+@pytest.mark.parametrize("wtype", K_WTYPES + ["tq1_0", "tq2_0"])
 def test_k_types_refused_where_no_tensor_can_take_them(wtype):
     with pytest.raises(ValueError, match=r"multiple of 256.*blk\.0\.ffn_down\.weight has 192.*--preset medium"):
         tensor_types(tensor_plan("tiny"), wtype)
@@ -392,6 +393,17 @@ def test_quantizer_round_trip_and_edge_rows(qtype):
     assert np.abs(y[4]).max() < 1e-6
     assert rel_rms(y[5], x[5]) < 1.5 * RMS_BOUND[qtype]
     assert np.array_equal(quantize(x, qtype), q)  # deterministic
+
+
+@pytest.mark.parametrize("wtype", ["tq1_0", "tq2_0"])
+def test_ternary_types_fall_back_to_q4_0(wtype):
+    """llama-quantize --pure TQ1_0 / TQ2_0: every matrix in that type, Q4_0 where rows are not whole
+    super-blocks (the small preset's 288)."""
+    qtype = WTYPES[wtype][0]
+    assert set(tensor_types(tensor_plan("medium"), wtype).values()) == {Q.F32, qtype}
+    small = tensor_types(tensor_plan("small"), wtype)
+    assert small["blk.0.ffn_down.weight"] == qtype and small["blk.0.attn_q.weight"] == Q.Q4_0
+    assert set(small.values()) == {Q.F32, Q.Q4_0, qtype}
 
 
 def test_iq4_and_mxfp4_mixes_follow_llama_quantize():

@@ -34,7 +34,8 @@ PROMPT = "The little cat sat on the"
 # other types as llama.cpp's quantizer does (so those files mix types, like the _M mixes)
 MODELS = [("tiny", "q8_0"), ("tiny", "q4_0"), ("small", "q4_k"), ("small", "q6_k"), ("small", "q4_k_m"),
           ("small", "q5_k_m"), ("tiny256", "q4_k_m"), ("tiny256", "q5_k_m"), ("tiny256", "q6_k"),
-          ("tiny", "iq4_nl"), ("tiny", "mxfp4"), ("tiny256", "iq4_xs"), ("small", "iq4_xs_mix")]
+          ("tiny", "iq4_nl"), ("tiny", "mxfp4"), ("tiny256", "iq4_xs"), ("small", "iq4_xs_mix"),
+          ("tiny256", "tq1_0"), ("tiny256", "tq2_0")]
 
 
 @pytest.mark.parametrize("preset,wtype", MODELS)
@@ -55,7 +56,7 @@ def test_greedy_tokens_match_the_reference(model_factory, preset, wtype):
         x8 = [t for w in engine.weights.tensors.values() for t in (w if isinstance(w, tuple) else (w,))
               if t.dtype in (DType.Q4_0, DType.Q8_0, DType.Q4_K, DType.Q5_K, DType.Q6_K) and len(t.shape) == 2
               and t.shape[0] % 8 == 0]
-        if preset in ("tiny", "tiny256") and not wtype.startswith(("iq4", "mxfp4")):  # those have no x8 copy
+        if preset in ("tiny", "tiny256") and not wtype.startswith(("iq4", "mxfp4", "tq")):  # those have no x8 copy
             assert x8 and all(cpu.layout.packed(t) is not None for t in x8)
             assert cpu.layout.packed_weights() == len({(id(t.buffer), t.offset) for t in x8})
     finally:
@@ -112,7 +113,8 @@ def test_mul_mat_cat_equals_the_products_joined():
 
 
 @pytest.mark.parametrize("preset,wtype", [("tiny", "q8_0"), ("small", "q4_k_m"), ("small", "q5_k_m"),
-                                          ("tiny256", "q4_k_m"), ("tiny256", "iq4_xs"), ("tiny", "mxfp4")])
+                                          ("tiny256", "q4_k_m"), ("tiny256", "iq4_xs"), ("tiny", "mxfp4"),
+                                          ("tiny256", "tq1_0")])
 def test_tokens_identical_over_splits_and_groups(model_factory, rpc_peer, preset, wtype):
     model = model_factory(preset, wtype=wtype)
     local = generated_tokens(model, PROMPT, 16)
@@ -218,10 +220,10 @@ def test_an_unsupported_weight_type_is_one_line(model_factory, tmp_path):
     n_dims = struct.unpack_from("<I", data, at)[0]
     type_at = at + 4 + 8 * n_dims
     assert struct.unpack_from("<I", data, type_at)[0] == QT.Q3_K
-    struct.pack_into("<I", data, type_at, QT.TQ1_0)  # blocks of 256 too, fewer bytes: the data still fits
-    bad = tmp_path / "tq1_0.gguf"
+    struct.pack_into("<I", data, type_at, QT.Q1_0)  # fewer bytes per 256 elements: the data still fits
+    bad = tmp_path / "q1_0.gguf"
     bad.write_bytes(data)
-    _refused(str(bad), "blk.0.attn_q.weight", "TQ1_0")
+    _refused(str(bad), "blk.0.attn_q.weight", "Q1_0")
 
 
 def test_a_row_that_is_not_whole_blocks_is_one_line(model_factory, tmp_path):

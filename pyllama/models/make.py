@@ -2,7 +2,7 @@
 
     python -m pyllama.models.make --preset tiny|small|medium|deep --out PATH [--vocab VOCAB.gguf]
         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|iq4_nl|iq4_xs|mxfp4
-                |q4_k_m|q5_k_m|iq4_nl_mix|iq4_xs_mix|mxfp4_moe]
+                |tq1_0|tq2_0|q4_k_m|q5_k_m|iq4_nl_mix|iq4_xs_mix|mxfp4_moe]
         [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3|glm4|glm4moe|deepseek2|
                 gpt-oss]
         [--tied|--untied]
@@ -24,8 +24,9 @@ gemma2/gemma3 are always tied and qwen2moe never (llama.cpp's loaders read them 
 1-D tensors and the router are always F32; other weights are stored in --type, as llama.cpp's quantizer
 (llama-quantize, no importance matrix) would store them from the F32 model:
 
-- f32 ... q5_1, q2_k ... q6_k, iq4_nl, iq4_xs, mxfp4: every 2-D weight in that type (llama-quantize
-  --pure). general.file_type is the matching MOSTLY_* value (MOSTLY_Q3_K_S, _Q4_K_S, _Q5_K_S for the
+- f32 ... q5_1, q2_k ... q6_k, iq4_nl, iq4_xs, mxfp4, tq1_0, tq2_0: every 2-D weight in that type
+  (llama-quantize --pure; the ternary types keep a weight's sign where |x| >= max / 2, its block's
+  absolute maximum as the scale). general.file_type is the matching MOSTLY_* value (MOSTLY_Q3_K_S, _Q4_K_S, _Q5_K_S for the
   plain q3_k, q4_k, q5_k; MOSTLY_MXFP4_MOE for mxfp4).
 - q4_k_m / q5_k_m (general.file_type MOSTLY_Q4_K_M / MOSTLY_Q5_K_M): Q4_K / Q5_K, except
   * output.weight, or token_embd.weight when there is no output.weight (tied: it is the output
@@ -40,7 +41,7 @@ gemma2/gemma3 are always tied and qwen2moe never (llama.cpp's loaders read them 
 - mxfp4_moe (MOSTLY_MXFP4_MOE): the experts' 3-D tensors MXFP4, every other 2-D weight (the output
   matrix included) Q8_0.
 - K-quant fallback, for plain K types and the mixes alike: a tensor whose rows are not a multiple of
-  256 (the K-quants' super-block) gets Q4_0 instead of Q2_K or Q3_K, Q5_0 instead of Q4_K, Q5_1
+  256 (the K-quants' super-block) gets Q4_0 instead of Q2_K, Q3_K, TQ1_0 or TQ2_0, Q5_0 instead of Q4_K, Q5_1
   instead of Q5_K, Q8_0 instead of Q6_K and IQ4_NL instead of IQ4_XS (F16 if its rows are not a
   multiple of 32 either). A
   K type that would then apply to no tensor at all (the tiny preset: 64-wide rows) is refused.
@@ -149,6 +150,8 @@ WTYPES: dict[str, tuple[Q, LlamaFileType]] = {
     "iq4_nl": (Q.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL),
     "iq4_xs": (Q.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
     "mxfp4": (Q.MXFP4, LlamaFileType.MOSTLY_MXFP4_MOE),
+    "tq1_0": (Q.TQ1_0, LlamaFileType.MOSTLY_TQ1_0),
+    "tq2_0": (Q.TQ2_0, LlamaFileType.MOSTLY_TQ2_0),
     "q4_k_m": (Q.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),  # base type; tensor_types() applies the mix
     "q5_k_m": (Q.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
     "iq4_nl_mix": (Q.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL),
@@ -157,7 +160,7 @@ WTYPES: dict[str, tuple[Q, LlamaFileType]] = {
 }
 MIXES = frozenset({"q4_k_m", "q5_k_m", "iq4_nl_mix", "iq4_xs_mix", "mxfp4_moe"})
 K_QUANT_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0,
-                    Q.IQ4_XS: Q.IQ4_NL}
+                    Q.IQ4_XS: Q.IQ4_NL, Q.TQ1_0: Q.Q4_0, Q.TQ2_0: Q.Q4_0}
 ROPE_FREQ_BASE = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen2moe": 1000000.0,
                   "qwen3moe": 1000000.0, "mixtral": 1000000.0, "gemma2": 10000.0, "gemma3": 1000000.0,
                   "phi3": 10000.0, "glm4": 10000.0, "glm4moe": 1000000.0, "deepseek2": 10000.0,

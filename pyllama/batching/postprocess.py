@@ -92,6 +92,12 @@ class Postprocessor:
             self.finish(slot, None)
             return False
         event, final = slot.accept(token, p)
+        if final is None and slot.constraint is not None and slot.constraint.failed:  # a lazy grammar's start
+            if event is not None:
+                self.sink.put(task, event)
+            self.sink.put(task, ErrorEvent(f"constrained decoding failed: {slot.constraint.failed}"))
+            self.finish(slot, None)
+            return False
         if event is not None:
             self.sink.put(task, event)
         if final is not None:

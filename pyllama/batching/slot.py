@@ -17,6 +17,7 @@ import numpy as np
 from .sampling import SequenceSampler
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .constraint import Constraint
+from .lazy_grammar import LazyStart
 from .thinking import ThinkingBudget
 from .task import CompletionTask, FinalEvent, TokenEvent
 
@@ -92,6 +93,8 @@ class Slot:
         # the grammar or schema the output follows: the group feeds it each sampled token exactly
         # once, as the token is accepted, never the tokens a recomputation puts back in the cache
         self.constraint: Optional[Constraint] = None
+        self.lazy: Optional[LazyStart] = None  # a lazy grammar's triggers, until one fires (then: constraint)
+        self._lazy_matcher = None
         self.thinking: Optional[ThinkingBudget] = None  # the reply's thinking held to a budget of tokens
         self.text = ""
         self.n_sent = 0                 # characters of self.text already sent
@@ -131,7 +134,9 @@ class Slot:
         self.sampler = SequenceSampler(task.params, task.prompt)
         self.detok = IncrementalDetokenizer(self.tokenizer, special=self.special)
         self.stopper = StopMatcher(task.stop)
-        if task.matcher is not None:
+        if task.matcher is not None and task.triggers:
+            self.lazy, self._lazy_matcher = LazyStart(self.tokenizer, task.triggers), task.matcher
+        elif task.matcher is not None:
             self.constraint = Constraint(task.matcher, self.tokenizer.n_vocab)
         elif task.thinking_budget >= 0:  # (a grammar decides a constrained reply's every token)
             self.thinking = ThinkingBudget(task.thinking_budget, task.thinking_end, task.thinking_open)
@@ -143,6 +148,7 @@ class Slot:
         self.state = SlotState.IDLE
         self.task = None
         self.constraint = None
+        self.lazy = self._lazy_matcher = None
         self.parent = None
         self.last_used = time.monotonic()
 
@@ -176,6 +182,8 @@ class Slot:
         self.text += piece
         if self.thinking is not None:
             self.thinking.observe(piece)
+        if self.lazy is not None:
+            self._watch_triggers(token)
         t1 = time.perf_counter()
         stop_type, word = "", ""
         if self.stopper.stops:
@@ -190,7 +198,7 @@ class Slot:
         if not stop_type and self.n_past >= self.n_ctx and not self.context_shift:
             stop_type = "limit"  # the token cannot be stored to continue: the slot's context is full
             self.truncated = True
-        if not stop_type and self.constraint is not None and self.constraint.done:
+        if not stop_type and self.constraint is not None and self.constraint.done and not self.constraint.failed:
             stop_type = "eos"  # the grammar allows nothing more but the end: the model's EOS is all that could follow
         if stop_type:
             if stop_type != "word":
@@ -202,6 +210,19 @@ class Slot:
         if task.timings_per_token:
             event.timings = self.timings()
         return event, None
+
+    def _watch_triggers(self, token: int) -> None:
+        """A lazy grammar: once a trigger fires, its matcher takes the text from the trigger on and
+        constrains every later token (a matcher that refuses that text fails the request)."""
+        assert self.lazy is not None
+        start = self.lazy.feed(token)
+        if start is None:
+            return
+        self.constraint = Constraint(self._lazy_matcher, self.tokenizer.n_vocab)
+        self.lazy = self._lazy_matcher = None
+        if not self.constraint.matcher.consume_tokens(start):
+            self.constraint.failed = (self.constraint.error or "the grammar does not accept the text its trigger "
+                                      "started") + f" (from {self.tokenizer.decode(start)!r})"
 
     def draft_room(self) -> int:
         """Draft tokens the slot can verify: its context keeps room for the sampled token and one

@@ -170,7 +170,7 @@ def draft_limit(slot: Slot, n_max: int, n_min: int) -> tuple[int, int]:
     request's speculative.n_max / n_min and the server's; (0, 0) where it must not draft (a grammar
     or a thinking budget decides tokens a draft cannot know)."""
     task = slot.task
-    if task is None or slot.constraint is not None or slot.thinking is not None or not task.spec_n_max:
+    if task is None or slot.constraint is not None or slot.lazy is not None or slot.thinking is not None or not task.spec_n_max:
         return 0, 0
     limit = slot.draft_room()
     if task.spec_n_max > 0:

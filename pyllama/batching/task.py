@@ -32,6 +32,7 @@ class CompletionTask:
     cache_prompt: bool = True
     embedding: bool = False                 # the prompt's pooled hidden state is the result: no sampling
     matcher: Any = None                     # constrained output: a fresh llguidance matcher (constraint.py)
+    triggers: tuple = ()                    # lazy_grammar.Trigger: the matcher applies from the first one on
     thinking_budget: int = -1               # >= 0: the reply's thinking ends after this many tokens
     thinking_end: list[int] = field(default_factory=list)  # the tokens that end it (reasoning.budget_end_text)
     thinking_open: bool = False             # the prompt opened the thinking

@@ -25,6 +25,7 @@ from ..batching.sampling import SamplingParams
 from ..tokenizer.base import TT_BYTE, TT_NORMAL, TT_USER_DEFINED
 from .chat import ChatTemplate, ChatTemplateError
 from ..batching.constraint import ConstraintSpec, compile_constraint
+from ..batching.lazy_grammar import Trigger
 from .http import (PUBLIC_PATHS, SSE_DONE, HTTPError, Request, Response, StreamResponse, error_response,
                    json_response, sse_event, sse_named_event)
 from ..obs.metrics import Metrics, pipeline_families, render_families
@@ -33,7 +34,7 @@ from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
 from .params import CompletionParams, get_int, parse_completion, split_prompts, tokenize_prompt
 from .reasoning import ReasoningStream, budget_end_text, check_format, prompt_opens_thinking
-from .tool_calls import ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request
+from .tool_calls import CALL_TRIGGERS, ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request
 from . import anthropic
 from . import slot_file
 from . import responses as resp
@@ -792,7 +793,7 @@ class Api:
                     prompt=prompt, params=sampling, n_predict=p.n_predict, n_keep=p.n_keep, ignore_eos=p.ignore_eos,
                     stop=p.stop, n_probs=p.n_probs, post_sampling_probs=p.post_sampling_probs,
                     timings_per_token=p.timings_per_token, return_progress=p.return_progress and p.stream,
-                    cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=k * p.n + i, matcher=matcher,
+                    cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=k * p.n + i, matcher=matcher, triggers=p.triggers,
                     thinking_budget=p.thinking_budget, thinking_end=p.thinking_end, thinking_open=p.thinking_open,
                     spec_n_max=p.spec_n_max, spec_n_min=p.spec_n_min, settings=settings))
             out.append(tasks)
@@ -1085,6 +1086,13 @@ class Api:
             grammar = call_grammar(spec.family, spec.tools, self._special_token,
                                    close_thinking=opens and spec.reasoning_format != "none")
             p.constraint = ConstraintSpec("lark", grammar, "tools")
+        elif spec.tools.parse_calls and CALL_TRIGGERS.get(spec.family or "") and p.constraint is None:
+            # "auto": the reply is free until the family's call marker, then follows the call grammar
+            # (a lazy grammar, as llama-server's), so that a call the model starts always parses
+            trigger = CALL_TRIGGERS[spec.family or ""]
+            p.constraint = ConstraintSpec("lark", call_grammar(spec.family or "", spec.tools, self._special_token), "tools")
+            tid = self._special_token(trigger)
+            p.triggers = (Trigger("token", trigger, tid) if tid is not None else Trigger("word", trigger),)
         st.check_prompt_fits(len(text), 0)
         _check_constraint(st, p)
         self._thinking_budget(body, p, spec.forced_open)

@@ -3,6 +3,7 @@ is a 400 naming the field, never an exception from deep inside the engine."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -12,6 +13,7 @@ from ..util.errors import PyllamaError
 from ..batching.sampling import MAX_POST_SAMPLING_PROBS, SamplingParams, cached_breaker_table, parse_samplers
 from ..tokenizer import Tokenizer
 from ..batching.constraint import ConstraintSpec, json_schema_spec
+from ..batching.lazy_grammar import TRIGGER_KINDS, Trigger
 from .http import HTTPError
 
 # Candidates per token: llama-server's default probabilities (the raw logits' softmax, computed on
@@ -219,6 +221,7 @@ class CompletionParams:
     return_progress: bool = False     # streamed prompt_progress chunks
     post_sampling_probs: bool = False  # n_probs as probabilities after the sampler chain
     constraint: Optional[ConstraintSpec] = None  # grammar / JSON schema the output must follow
+    triggers: tuple = ()    # grammar_lazy: the constraint applies from the first of these (lazy_grammar.Trigger)
     thinking_budget: int = -1  # chat: >= 0, tokens the reply may spend thinking (reasoning.ThinkingBudget)
     thinking_end: list[int] = field(default_factory=list)
     thinking_open: bool = False
@@ -340,9 +343,53 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         timings_per_token=get_bool(body, "timings_per_token", False),
         return_progress=get_bool(body, "return_progress", False),
         post_sampling_probs=post_sampling,
-        constraint=parse_constraint(body),
+        constraint=(constraint := parse_constraint(body)),
+        triggers=parse_triggers(body, tokenizer, n_vocab) if constraint is not None else (),
         spec_n_max=get_int(body, "speculative.n_max", -1, lo=-1),  # type: ignore[arg-type]
         spec_n_min=get_int(body, "speculative.n_min", 0, lo=0))  # type: ignore[arg-type]
+
+
+def parse_triggers(body: dict, tokenizer: Optional[Tokenizer], n_vocab: Optional[int]) -> tuple[Trigger, ...]:
+    """`grammar_lazy` and `grammar_triggers` as llama-server reads them: each trigger an object with
+    "type" (0 token, 1 word, 2 pattern, 3 pattern_full), "value" and, for a token, "token". A word
+    that is one token of the vocabulary must be listed in `preserved_tokens` and then triggers as
+    that token. A lazy grammar needs a trigger; without `grammar_lazy` the triggers have no use."""
+    lazy = get_bool(body, "grammar_lazy", False)
+    raw = body.get("grammar_triggers")
+    if raw is not None and not isinstance(raw, list):
+        raise _bad("grammar_triggers", 'a list of {"type": 0-3, "value": ...} objects')
+    preserved = body.get("preserved_tokens") or []
+    if not isinstance(preserved, list) or not all(isinstance(t, str) for t in preserved):
+        raise _bad("preserved_tokens", "a list of strings")
+    triggers: list[Trigger] = []
+    for i, item in enumerate(raw or []):
+        where = f"grammar_triggers[{i}]"
+        if not isinstance(item, dict) or not isinstance(item.get("value"), str) \
+                or type(item.get("type")) is not int or not 0 <= item["type"] < len(TRIGGER_KINDS):
+            raise _bad(where, 'an object {"type": 0 (token), 1 (word), 2 (pattern) or 3 (pattern_full), "value": text}')
+        kind, value = TRIGGER_KINDS[item["type"]], item["value"]
+        if kind == "token":
+            token = item.get("token")
+            if type(token) is not int or not 0 <= token < (n_vocab or 2**31):
+                raise _bad(f"{where}.token", "a token id of the vocabulary")
+            triggers.append(Trigger("token", value, token))
+            continue
+        if kind in ("pattern", "pattern_full"):
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise HTTPError(400, f"'{where}.value' is not a valid regular expression: {exc}") from None
+        if kind == "word" and tokenizer is not None:
+            ids = tokenizer.encode(value, add_special=False, parse_special=True)
+            if len(ids) == 1:
+                if value not in preserved:
+                    raise HTTPError(400, f"Grammar trigger word should be marked as preserved token: {value}")
+                triggers.append(Trigger("token", value, ids[0]))
+                continue
+        triggers.append(Trigger(kind, value))
+    if lazy and not triggers:
+        raise HTTPError(400, "'grammar_lazy' needs 'grammar_triggers': no triggers set for lazy grammar")
+    return tuple(triggers) if lazy else ()
 
 
 # The server's default constraint (its --grammar / --json-schema), for requests that set none;

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 
 from ..batching.constraint import JSON_WHITESPACE
 
-__all__ = ["FAMILIES", "ToolCall", "Snapshot", "ToolSpec", "ToolCallStream", "ToolChoiceError", "detect_family",
+__all__ = ["CALL_TRIGGERS", "FAMILIES", "ToolCall", "Snapshot", "ToolSpec", "ToolCallStream", "ToolChoiceError", "detect_family",
            "call_grammar", "parse", "parse_tool_request", "new_call_id"]
 
 FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic")
@@ -988,6 +988,11 @@ def _lark_literal(text: str, special: Callable[[str], Optional[int]]) -> str:
     plain text can produce), else the text itself."""
     tid = special(text)
     return f"<[{tid}]>" if tid is not None else json.dumps(text, ensure_ascii=False)
+
+
+# The marker that opens a family's calls: under tool_choice "auto" the call grammar applies lazily
+# from it on (llama-server's lazy grammar for these formats); families without one stay free.
+CALL_TRIGGERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "deepseek": DS_CALLS_BEGIN}
 
 
 def _params(tool: dict) -> dict:

@@ -306,7 +306,8 @@ class ChatReply:
 
     def __init__(self, spec: ChatOutputSpec) -> None:
         self.thoughts = ReasoningStream(spec.reasoning_format, spec.forced_open)
-        self.calls = ToolCallStream(spec.family, spec.tools.parallel) \
+        # the tools' schemas: formats that write values bare are typed by them
+        self.calls = ToolCallStream(spec.family, spec.tools.parallel, spec.tools.tools) \
             if spec.family is not None and spec.tools.parse_calls else None
         self._prefill = spec.prefill  # read before the first generated text, and sent with it
 

@@ -316,7 +316,9 @@ class ChatTemplate:
         return {"tools": "probe_tool_name" in out([user], tools=[tool]),
                 "tool_calls": "probe_call_name" in as_object + as_string,
                 "tool_responses": "probe_tool_result" in as_object + as_string,
-                "object_arguments": '"probe_arg": 1' in as_object,
+                # JSON of the object, or (XML call formats) its keys walked, which a string cannot give
+                "object_arguments": '"probe_arg": 1' in as_object or (
+                    "probe_arg" in as_object and "probe_arg" not in as_string),
                 "parallel_tool_calls": "probe_call_name" in parallel and "probe_second_name" in parallel,
                 "system_role": "probe_system_text" in out([{"role": "system", "content": "probe_system_text"}, user]),
                 "string_content": "probe_string_text" in out([{"role": "user", "content": "probe_string_text"}]),

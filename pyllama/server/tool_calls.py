@@ -20,6 +20,9 @@ generic  anything else                                     one JSON object: ``{"
                                                            ``{"tool_call": {...}}`` or ``{"response": text}``
 ======== ================================================ =========================================
 
+More formats are in :mod:`.tool_formats`; they are recognised before all of the above, as
+llama-server tries its dedicated parsers first (and GLM 4.5's templates hold ``<tool_call>`` too).
+
 Parsing is done on the whole text so far (:func:`parse`), in a partial mode while tokens still
 come: text that may be the start of a call is held back, a call is announced once its name is
 known and its arguments have begun, and the arguments then grow as the model writes them.
@@ -43,7 +46,7 @@ from ..batching.constraint import JSON_WHITESPACE
 __all__ = ["FAMILIES", "ToolCall", "Snapshot", "ToolSpec", "ToolCallStream", "ToolChoiceError", "detect_family",
            "call_grammar", "parse", "parse_tool_request", "new_call_id"]
 
-FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic")
+FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic", "qwen3_coder")
 
 # DeepSeek's markers (full-width bars and "▁" as in its vocabulary).
 DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -61,6 +64,10 @@ class ToolChoiceError(ValueError):
 def detect_family(source: Optional[str]) -> str:
     """The tool-call family of a Jinja chat template's source (``generic`` when none matches)."""
     src = source or ""
+    from .tool_formats import detect_new_family  # noqa: PLC0415 (it builds on this module)
+    found = detect_new_family(src, "special") or detect_new_family(src, "tagged")
+    if found:
+        return found
     if DS_CALLS_BEGIN in src:
         return "deepseek"
     if "<tool_call>" in src:
@@ -226,6 +233,7 @@ class _Memo:
         self.json: dict[int, tuple] = {}
         self.members: dict[int, Any] = {}
         self.find: dict[tuple[str, int], tuple[int, int]] = {}
+        self.fam: Optional[_Family] = None  # the family as bound to the request
 
 
 def _find(s: str, marker: str, pos: int, memo: Optional[_Memo]) -> int:
@@ -552,6 +560,10 @@ class _Family:
     markers: tuple[str, ...] = ()
     json_at_start = False
 
+    def bind(self, tools: Optional[list[dict]], reasoning_format: str, read_calls: bool) -> "_Family":
+        """This format for one request (formats that read the tools' schemas or the reasoning)."""
+        return self
+
     def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
         raise NotImplementedError
 
@@ -833,6 +845,18 @@ class _Generic(_Family):
 _FAMILIES: dict[str, _Family] = {f.name: f for f in (_Hermes(), _Llama3(), _Mistral(), _DeepSeek(), _Generic())}
 
 
+def _family(family: str) -> _Family:
+    """A registered family (the formats of tool_formats join on first use: they build on this module)."""
+    if family not in _FAMILIES and family in FAMILIES:
+        from .tool_formats import NEW_FAMILIES  # noqa: PLC0415
+        for f in NEW_FAMILIES:
+            _FAMILIES.setdefault(f.name, f)
+    try:
+        return _FAMILIES[family]
+    except KeyError:
+        raise ValueError(f"unknown tool-call family {family!r}") from None
+
+
 def _held_marker_prefix(s: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of s may be the start of a marker."""
     best = 0
@@ -844,15 +868,22 @@ def _held_marker_prefix(s: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-def parse(family: str, text: str, final: bool = True, parallel: bool = True, memo: Optional[_Memo] = None) -> Snapshot:
+def parse(family: str, text: str, final: bool = True, parallel: bool = True, memo: Optional[_Memo] = None,
+          tools: Optional[list[dict]] = None, reasoning_format: str = "auto", read_calls: bool = True) -> Snapshot:
     """Content and tool calls of a reply in a family's format.
 
     final=False reads an unfinished reply: the content excludes what may still turn out to be a
     call (a partial marker, trailing whitespace, a call being written), and the last call may be
     unfinished (done False). Whitespace just before a call is not content; text after the calls
     is. Text that starts like a call but is not a well-formed one stays in the content.
-    memo: the scanners' state from reading a shorter start of the same text (ToolCallStream's)."""
-    fam = _FAMILIES[family]
+    memo: the scanners' state from reading a shorter start of the same text (ToolCallStream's).
+    tools: the request's tools, for the formats whose values are typed by their schemas (None:
+    any function, values read as they look); reasoning_format and read_calls: for formats that
+    read them."""
+    fam = memo.fam if memo is not None and memo.fam is not None else \
+        _family(family).bind(tools, reasoning_format, read_calls)
+    if memo is not None:
+        memo.fam = fam
     pieces: list[str] = []
     calls: list[ToolCall] = []
     pos = 0
@@ -915,12 +946,12 @@ class ToolCallStream:
     reply is copying at memory speed: the content and an unfinished call's arguments are sliced
     out of the reply again at each piece and compared with what was sent."""
 
-    def __init__(self, family: str, parallel: bool = True) -> None:
-        if family not in _FAMILIES:
-            raise ValueError(f"unknown tool-call family {family!r}")
+    def __init__(self, family: str, parallel: bool = True, tools: Optional[list[dict]] = None,
+                 reasoning_format: str = "auto", read_calls: bool = True) -> None:
         self.family = family
         self.parallel = parallel
-        self._fam = _FAMILIES[family]
+        self._fam = _family(family)
+        self._opts = (tools, reasoning_format, read_calls)
         self.text = ""
         self._content = ""          # content sent so far
         self._ids: list[str] = []   # per announced call: its id
@@ -936,11 +967,10 @@ class ToolCallStream:
         text, self.text = self.text, ""
         text += piece
         self.text = text
-        return self._update(parse(self.family, self.text, final=False, parallel=self.parallel, memo=self._memo))
+        return self._update(parse(self.family, self.text, False, self.parallel, self._memo, *self._opts))
 
     def finish(self) -> list[dict]:
-        return self._update(parse(self.family, self.text, final=True, parallel=self.parallel, memo=self._memo),
-                            final=True)
+        return self._update(parse(self.family, self.text, True, self.parallel, self._memo, *self._opts), final=True)
 
     def _update(self, snap: Snapshot, final: bool = False) -> list[dict]:
         out: list[dict] = []
@@ -1022,7 +1052,10 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         return out
 
     many = spec.parallel
-    if family == "hermes":
+    if family in FAMILIES[5:]:  # the formats of tool_formats
+        from .tool_formats import grammar_rules  # noqa: PLC0415
+        rules[:0] = grammar_rules(family, tools, many, lit, json_rule)
+    elif family == "hermes":
         json_rule("call", {"anyOf": object_calls("arguments")})
         block = f'{lit("<tool_call>")} "\\n" call "\\n" {lit("</tool_call>")}'
         rules.insert(0, f'start: block ("\\n" block)*' if many else "start: block")

@@ -1,0 +1,44 @@
+"""Tool-call formats whose arguments are not one JSON object the model writes whole, or whose
+reply is not text with calls in it. :mod:`..tool_calls` registers them as families, recognised by
+the template's source in llama-server's order (the table's): the formats it has dedicated parsers
+for come first, then those it finds when it analyses a template, all before the formats of
+:mod:`..tool_calls` (GLM 4.5's templates hold Hermes's ``<tool_call>`` too).
+
+=========== ==================================================== =======================================
+family      recognised by (in the template source)                what the model writes
+=========== ==================================================== =======================================
+qwen3_coder ``<tool_call>``, ``<function=`` and ``<parameter=``   ``<tool_call>\\n<function=NAME>\\n``
+                                                                  ``<parameter=P>\\nVALUE\\n</parameter>``
+                                                                  ``\\n</function>\\n</tool_call>``
+=========== ==================================================== =======================================
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from ..tool_calls import _Family
+from .tagged import Qwen3Coder
+
+__all__ = ["NEW_FAMILIES", "detect_new_family", "grammar_rules"]
+
+NEW_FAMILIES: tuple[_Family, ...] = (Qwen3Coder(),)
+_BY_NAME = {f.name: f for f in NEW_FAMILIES}
+
+
+def detect_new_family(src: str, stage: str) -> Optional[str]:
+    """The family of these formats that a template's source names, for one stage of the
+    detection: "special" (what llama-server tests before any other format) or "tagged"."""
+    if stage == "special":
+        if "<tool_call>" in src and "<function=" in src and "<parameter=" in src:
+            return "qwen3_coder"
+    return None
+
+
+def grammar_rules(family: str, tools: list[dict], many: bool, lit: Callable[[str], str],
+                  json_rule: Callable[[str, dict], None]) -> list[str]:
+    """The head Lark rules (``start`` first) of a required call in one of these formats; the
+    rules of JSON values are added through json_rule(rule, schema)."""
+    fam = _BY_NAME.get(family)
+    if fam is None:
+        raise ValueError(f"no call grammar for the tool-call family {family!r}")
+    return fam.grammar_rules(tools, many, lit, json_rule)

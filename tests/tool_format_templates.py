@@ -1,5 +1,5 @@
 """Chat templates in the shape of the published ones of the families in pyllama.server.tool_formats
-(Qwen3-Coder): how tools are listed, how an assistant's calls and a
+(Qwen3-Coder, GLM 4.5): how tools are listed, how an assistant's calls and a
 tool's results are shown, the generation prompt."""
 from __future__ import annotations
 
@@ -49,4 +49,58 @@ QWEN3_CODER = """{%- if messages[0].role == 'system' %}{%- set system_message = 
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{% endif %}"""
 
-TEMPLATES = {"qwen3_coder": QWEN3_CODER}
+# GLM 4.5: [gMASK]<sop>, tools as JSON lines, calls as <tool_call>NAME with <arg_key>/<arg_value>
+# pairs, results in an <|observation|> turn, thinking in <think> tags.
+GLM45 = """[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}
+<arg_key>{arg-key-1}</arg_key>
+<arg_value>{arg-value-1}</arg_value>
+...
+</tool_call>
+{%- endif -%}
+{%- for m in messages %}
+{%- if m.role == 'system' %}<|system|>
+{{ m.content }}
+{%- elif m.role == 'user' %}<|user|>
+{{ m.content }}
+{%- elif m.role == 'assistant' %}<|assistant|>
+{%- if m.reasoning_content %}
+<think>{{ m.reasoning_content }}</think>
+{%- else %}
+<think></think>
+{%- endif %}
+{%- if m.content %}
+{{ m.content.strip() }}
+{%- endif %}
+{%- for tc in m.tool_calls or [] %}
+{%- if tc.function %}{%- set tc = tc.function %}{%- endif %}
+<tool_call>{{ tc.name }}
+{% for k, v in tc.arguments | items %}<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson if v is not string else v }}</arg_value>
+{% endfor %}</tool_call>
+{%- endfor %}
+{%- elif m.role == 'tool' %}<|observation|>
+<tool_response>
+{{ m.content }}
+</tool_response>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>
+{%- if enable_thinking is defined and not enable_thinking %}
+<think></think>
+{%- endif %}
+{%- endif %}"""
+
+TEMPLATES = {"qwen3_coder": QWEN3_CODER, "glm45": GLM45}

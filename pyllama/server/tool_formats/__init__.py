@@ -10,6 +10,9 @@ family      recognised by (in the template source)                what the model
 qwen3_coder ``<tool_call>``, ``<function=`` and ``<parameter=``   ``<tool_call>\\n<function=NAME>\\n``
                                                                   ``<parameter=P>\\nVALUE\\n</parameter>``
                                                                   ``\\n</function>\\n</tool_call>``
+glm45       ``<arg_key>`` and ``<arg_value>``                     ``<tool_call>NAME\\n<arg_key>P</arg_key>``
+                                                                  ``\\n<arg_value>VALUE</arg_value>...``
+                                                                  ``</tool_call>``
 =========== ==================================================== =======================================
 """
 from __future__ import annotations
@@ -17,11 +20,11 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ..tool_calls import _Family
-from .tagged import Qwen3Coder
+from .tagged import Glm45, Qwen3Coder
 
 __all__ = ["NEW_FAMILIES", "detect_new_family", "grammar_rules"]
 
-NEW_FAMILIES: tuple[_Family, ...] = (Qwen3Coder(),)
+NEW_FAMILIES: tuple[_Family, ...] = (Qwen3Coder(), Glm45())
 _BY_NAME = {f.name: f for f in NEW_FAMILIES}
 
 
@@ -31,6 +34,8 @@ def detect_new_family(src: str, stage: str) -> Optional[str]:
     if stage == "special":
         if "<tool_call>" in src and "<function=" in src and "<parameter=" in src:
             return "qwen3_coder"
+    elif "<arg_key>" in src and "<arg_value>" in src:
+        return "glm45"
     return None
 
 

@@ -1,5 +1,5 @@
 """Calls whose arguments are written as tagged name/value pairs, each value bare: Qwen3-Coder's
-XML.
+XML and GLM 4.5's key/value tags.
 
 As llama-server does, a parameter whose schema can be a string (``type`` string or a list holding
 it, a string ``enum`` / ``const``, string keywords such as ``pattern``) takes the text as it is;
@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 from ..tool_calls import (BAD, DONE, PARTIAL, ToolCall, _Family, _held_marker_prefix, _literal, _loads, _Memo,
                           _params, _Part, _skip_ws)
 
-__all__ = ["Qwen3Coder", "schema_is_string"]
+__all__ = ["Glm45", "Qwen3Coder", "schema_is_string"]
 
 
 def schema_is_string(schema: Any, defs: Optional[dict] = None, seen: Optional[set] = None) -> bool:
@@ -268,3 +268,42 @@ class Qwen3Coder(Tagged):
         return f'{lit("<tool_call>")} {_q(chr(10) + "<function=" + name + ">" + chr(10))} {args} ' \
                f'"</function>\\n" {lit("</tool_call>")}'
 
+
+class Glm45(Tagged):
+    name = "glm45"
+    markers = ("<tool_call>",)
+    arg_open, name_close, value_open, value_close = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+
+    _NAME_END = re.compile(r"\n|<arg_key>|</tool_call>")
+
+    def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
+        n = len(s)
+        k = i + len(marker)
+        m = self._NAME_END.search(s, k)
+        if m is None:
+            if final or n - k > 256:
+                return _Part(BAD, k, [])
+            return _Part(PARTIAL, n, [])
+        name = s[k:m.start()].strip()
+        if not self._name_ok(name) or "<" in name or "{" in name:
+            return _Part(BAD, k, [])
+        st, end, args = self._args(s, m.start(), name, final)
+        if st == BAD:
+            return _Part(BAD, end, [])
+        if st == PARTIAL:
+            return _Part(PARTIAL, n, [ToolCall(name, args, done=False)])
+        lit = _literal(s, end, "</tool_call>")
+        if lit == DONE:
+            return _Part(DONE, end + len("</tool_call>"), [ToolCall(name, args)])
+        if end >= n:
+            return _Part(DONE, end, [ToolCall(name, args)]) if final else \
+                _Part(PARTIAL, n, [ToolCall(name, args, done=False)])
+        if lit == PARTIAL and not final:
+            return _Part(PARTIAL, n, [ToolCall(name, args, done=False)])
+        return _Part(BAD, end, [])
+
+    def _arg_markup(self, pname: str) -> tuple[str, str]:
+        return f"<arg_key>{pname}</arg_key>\n<arg_value>", "</arg_value>\n"
+
+    def _call_markup(self, name: str, args: str, lit: Callable[[str], str]) -> str:
+        return f'{lit("<tool_call>")} {_q(name + chr(10))} {args} {lit("</tool_call>")}'

@@ -1,5 +1,5 @@
 """Chat templates in the shape of the published ones of the families in pyllama.server.tool_formats
-(Qwen3-Coder, GLM 4.5): how tools are listed, how an assistant's calls and a
+(Qwen3-Coder, GLM 4.5, Kimi K2): how tools are listed, how an assistant's calls and a
 tool's results are shown, the generation prompt."""
 from __future__ import annotations
 
@@ -103,4 +103,33 @@ For each function call, output the function name and arguments within the follow
 {%- endif %}
 {%- endif %}"""
 
-TEMPLATES = {"qwen3_coder": QWEN3_CODER, "glm45": GLM45}
+# Kimi K2: <|im_...|> turns, tools declared as JSON, calls in a section with ids functions.NAME:IDX.
+KIMI_K2 = """{%- if tools -%}
+<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>
+{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'system' -%}<|im_system|>system<|im_middle|>
+{%- elif message.role == 'user' -%}<|im_user|>user<|im_middle|>
+{%- elif message.role == 'tool' -%}<|im_system|>tool<|im_middle|>
+{%- else -%}<|im_assistant|>assistant<|im_middle|>
+{%- endif -%}
+{%- if message.role == 'assistant' and message.tool_calls -%}
+{{ message.content or '' }}<|tool_calls_section_begin|>
+{%- for tool_call in message.tool_calls -%}
+<|tool_call_begin|>{{ tool_call.id }}<|tool_call_argument_begin|>
+{%- if tool_call.function.arguments is string %}{{ tool_call.function.arguments }}
+{%- else %}{{ tool_call.function.arguments | tojson }}{% endif -%}
+<|tool_call_end|>
+{%- endfor -%}
+<|tool_calls_section_end|>
+{%- elif message.role == 'tool' -%}
+## Return of {{ message.tool_call_id }}
+{{ message.content }}
+{%- else -%}
+{{ message.content }}
+{%- endif -%}
+<|im_end|>
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"""
+
+TEMPLATES = {"qwen3_coder": QWEN3_CODER, "glm45": GLM45, "kimi_k2": KIMI_K2}

@@ -46,7 +46,7 @@ from ..batching.constraint import JSON_WHITESPACE
 __all__ = ["FAMILIES", "ToolCall", "Snapshot", "ToolSpec", "ToolCallStream", "ToolChoiceError", "detect_family",
            "call_grammar", "parse", "parse_tool_request", "new_call_id"]
 
-FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic", "qwen3_coder", "glm45")
+FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic", "kimi_k2", "qwen3_coder", "glm45")
 
 # DeepSeek's markers (full-width bars and "▁" as in its vocabulary).
 DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"

@@ -7,6 +7,10 @@ for come first, then those it finds when it analyses a template, all before the 
 =========== ==================================================== =======================================
 family      recognised by (in the template source)                what the model writes
 =========== ==================================================== =======================================
+kimi_k2     ``<|tool_calls_section_begin|>`` and                  ``<|tool_calls_section_begin|>``
+            ``<|tool_call_begin|>``                               ``<|tool_call_begin|>functions.NAME:0``
+                                                                  ``<|tool_call_argument_begin|>ARGS``
+                                                                  ``<|tool_call_end|>...``
 qwen3_coder ``<tool_call>``, ``<function=`` and ``<parameter=``   ``<tool_call>\\n<function=NAME>\\n``
                                                                   ``<parameter=P>\\nVALUE\\n</parameter>``
                                                                   ``\\n</function>\\n</tool_call>``
@@ -20,11 +24,12 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ..tool_calls import _Family
+from .kimi_k2 import KIMI_CALL_BEGIN, KIMI_SECTION_BEGIN, KimiK2
 from .tagged import Glm45, Qwen3Coder
 
 __all__ = ["NEW_FAMILIES", "detect_new_family", "grammar_rules"]
 
-NEW_FAMILIES: tuple[_Family, ...] = (Qwen3Coder(), Glm45())
+NEW_FAMILIES: tuple[_Family, ...] = (KimiK2(), Qwen3Coder(), Glm45())
 _BY_NAME = {f.name: f for f in NEW_FAMILIES}
 
 
@@ -32,6 +37,8 @@ def detect_new_family(src: str, stage: str) -> Optional[str]:
     """The family of these formats that a template's source names, for one stage of the
     detection: "special" (what llama-server tests before any other format) or "tagged"."""
     if stage == "special":
+        if KIMI_SECTION_BEGIN in src and KIMI_CALL_BEGIN in src:
+            return "kimi_k2"
         if "<tool_call>" in src and "<function=" in src and "<parameter=" in src:
             return "qwen3_coder"
     elif "<arg_key>" in src and "<arg_value>" in src:

@@ -1,5 +1,5 @@
 """Chat templates in the shape of the published ones of the families in pyllama.server.tool_formats
-(Qwen3-Coder, GLM 4.5, Kimi K2): how tools are listed, how an assistant's calls and a
+(Qwen3-Coder, GLM 4.5, Kimi K2, gpt-oss): how tools are listed, how an assistant's calls and a
 tool's results are shown, the generation prompt."""
 from __future__ import annotations
 
@@ -132,4 +132,47 @@ KIMI_K2 = """{%- if tools -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"""
 
-TEMPLATES = {"qwen3_coder": QWEN3_CODER, "glm45": GLM45, "kimi_k2": KIMI_K2}
+# gpt-oss (harmony): system and developer messages, tools as a TypeScript-like namespace, calls on
+# the commentary channel addressed to=functions.NAME, results from functions.NAME to=assistant.
+GPT_OSS = """<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.
+Knowledge cutoff: 2024-06
+
+Reasoning: medium
+
+# Valid channels: analysis, commentary, final. Channel must be included for every message.
+{%- if tools %}
+Calls to these tools must go to the commentary channel: 'functions'.
+{%- endif %}<|end|>
+{%- if tools %}<|start|>developer<|message|># Tools
+
+## functions
+
+namespace functions {
+{% for t in tools %}
+// {{ t.function.description }}
+type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
+{% endfor %}
+} // namespace functions<|end|>
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}<|start|>user<|message|>{{ message.content }}<|end|>
+{%- elif message.role == 'system' %}<|start|>developer<|message|># Instructions
+
+{{ message.content }}<|end|>
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{%- if message.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking }}<|end|>{% endif %}
+{%- set tc = message.tool_calls[0].function %}
+{{- '<|start|>assistant to=functions.' + tc.name + '<|channel|>commentary json<|message|>' }}
+{{- tc.arguments if tc.arguments is string else tc.arguments | tojson }}<|call|>
+{%- elif message.role == 'assistant' %}
+{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}
+{%- elif message.role == 'tool' %}
+{%- set prev = messages[loop.index0 - 1] if loop.index0 > 0 else {} %}
+{%- set caller = prev.tool_calls[0].function.name if prev.tool_calls else 'tool' %}
+{{- '<|start|>functions.' + caller + ' to=assistant<|channel|>commentary<|message|>' }}
+{{- (message.content | tojson) + '<|end|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
+TEMPLATES = {"qwen3_coder": QWEN3_CODER, "glm45": GLM45, "kimi_k2": KIMI_K2, "harmony": GPT_OSS}

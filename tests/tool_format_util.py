@@ -66,6 +66,7 @@ def check_reply(family: str, text: str, content: str, calls: list[tuple[str, Any
     snap = parse(family, text, tools=tools, reasoning_format=reasoning_format)
     assert snap.content == content
     assert [(c.name, json.loads(c.arguments)) for c in snap.calls] == calls
+    assert snap.reasoning == reasoning
     for pieces in (list(text), random_pieces(text, 1), random_pieces(text, 2), [text]):
         got_content, got_reasoning, got_calls, stream = read_stream(family, pieces, tools, reasoning_format)
         final = stream.snapshot

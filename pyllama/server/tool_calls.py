@@ -44,9 +44,9 @@ from typing import Any, Callable, Optional
 from ..batching.constraint import JSON_WHITESPACE
 
 __all__ = ["FAMILIES", "ToolCall", "Snapshot", "ToolSpec", "ToolCallStream", "ToolChoiceError", "detect_family",
-           "call_grammar", "parse", "parse_tool_request", "new_call_id"]
+           "call_grammar", "parse", "parse_tool_request", "new_call_id", "reads_reasoning"]
 
-FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic", "kimi_k2", "qwen3_coder", "glm45")
+FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic", "harmony", "kimi_k2", "qwen3_coder", "glm45")
 
 # DeepSeek's markers (full-width bars and "▁" as in its vocabulary).
 DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -480,6 +480,7 @@ class Snapshot:
 
     content: str
     calls: list[ToolCall]
+    reasoning: str = ""  # read by a family whose format holds the thinking (harmony)
 
 
 @dataclass
@@ -559,6 +560,10 @@ class _Family:
     name = "generic"
     markers: tuple[str, ...] = ()
     json_at_start = False
+    reads_reasoning = False  # the format itself tells the thinking apart (no <think> tags)
+    # a whole-reply reader (text, final, parallel, memo) -> Snapshot, for formats that are not
+    # text with calls in it
+    parse_reply: Optional[Callable[..., "Snapshot"]] = None
 
     def bind(self, tools: Optional[list[dict]], reasoning_format: str, read_calls: bool) -> "_Family":
         """This format for one request (formats that read the tools' schemas or the reasoning)."""
@@ -857,6 +862,11 @@ def _family(family: str) -> _Family:
         raise ValueError(f"unknown tool-call family {family!r}") from None
 
 
+def reads_reasoning(family: Optional[str]) -> bool:
+    """Whether a family's format tells the thinking apart itself (the reply has no think tags)."""
+    return family is not None and _family(family).reads_reasoning
+
+
 def _held_marker_prefix(s: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of s may be the start of a marker."""
     best = 0
@@ -878,12 +888,13 @@ def parse(family: str, text: str, final: bool = True, parallel: bool = True, mem
     is. Text that starts like a call but is not a well-formed one stays in the content.
     memo: the scanners' state from reading a shorter start of the same text (ToolCallStream's).
     tools: the request's tools, for the formats whose values are typed by their schemas (None:
-    any function, values read as they look); reasoning_format and read_calls: for formats that
-    read them."""
+    any function, values read as they look); reasoning_format and read_calls: for harmony."""
     fam = memo.fam if memo is not None and memo.fam is not None else \
         _family(family).bind(tools, reasoning_format, read_calls)
     if memo is not None:
         memo.fam = fam
+    if fam.parse_reply is not None:
+        return fam.parse_reply(text, final, parallel, memo)
     pieces: list[str] = []
     calls: list[ToolCall] = []
     pos = 0
@@ -954,6 +965,7 @@ class ToolCallStream:
         self._opts = (tools, reasoning_format, read_calls)
         self.text = ""
         self._content = ""          # content sent so far
+        self._reasoning = ""        # reasoning sent so far (harmony)
         self._ids: list[str] = []   # per announced call: its id
         self._args: list[str] = []  # per announced call: the arguments sent so far
         self.snapshot = Snapshot("", [])
@@ -975,6 +987,9 @@ class ToolCallStream:
     def _update(self, snap: Snapshot, final: bool = False) -> list[dict]:
         out: list[dict] = []
         # A partial reading only ever holds text back, so what was sent is a prefix of what comes.
+        if len(snap.reasoning) > len(self._reasoning) and snap.reasoning.startswith(self._reasoning):
+            out.append({"reasoning_content": snap.reasoning[len(self._reasoning):]})
+            self._reasoning = snap.reasoning
         new = snap.content[len(self._content):] if snap.content.startswith(self._content) else ""
         if new and not (final and snap.calls and not (self._content + new).strip()):
             out.append({"content": new})

@@ -7,6 +7,10 @@ for come first, then those it finds when it analyses a template, all before the 
 =========== ==================================================== =======================================
 family      recognised by (in the template source)                what the model writes
 =========== ==================================================== =======================================
+harmony     ``<|channel|>`` (gpt-oss)                             ``<|channel|>analysis<|message|>...``
+                                                                  ``<|end|><|start|>assistant<|channel|>``
+                                                                  ``commentary to=functions.NAME``
+                                                                  `` <|constrain|>json<|message|>ARGS``
 kimi_k2     ``<|tool_calls_section_begin|>`` and                  ``<|tool_calls_section_begin|>``
             ``<|tool_call_begin|>``                               ``<|tool_call_begin|>functions.NAME:0``
                                                                   ``<|tool_call_argument_begin|>ARGS``
@@ -24,12 +28,13 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ..tool_calls import _Family
+from .harmony import H_CHANNEL, Harmony
 from .kimi_k2 import KIMI_CALL_BEGIN, KIMI_SECTION_BEGIN, KimiK2
 from .tagged import Glm45, Qwen3Coder
 
 __all__ = ["NEW_FAMILIES", "detect_new_family", "grammar_rules"]
 
-NEW_FAMILIES: tuple[_Family, ...] = (KimiK2(), Qwen3Coder(), Glm45())
+NEW_FAMILIES: tuple[_Family, ...] = (Harmony(), KimiK2(), Qwen3Coder(), Glm45())
 _BY_NAME = {f.name: f for f in NEW_FAMILIES}
 
 
@@ -37,6 +42,8 @@ def detect_new_family(src: str, stage: str) -> Optional[str]:
     """The family of these formats that a template's source names, for one stage of the
     detection: "special" (what llama-server tests before any other format) or "tagged"."""
     if stage == "special":
+        if H_CHANNEL in src:
+            return "harmony"
         if KIMI_SECTION_BEGIN in src and KIMI_CALL_BEGIN in src:
             return "kimi_k2"
         if "<tool_call>" in src and "<function=" in src and "<parameter=" in src:

@@ -34,6 +34,7 @@ NOT_CALLS = [
     call("get_time", [("zone", "UTC")]),
     call("get_weather", [("town", "Paris")]),
     call("search", [("query", "x"), ("limit", "many")]),
+    call("search", [("limit", "5"), ("query", "x")]),  # the required query after an optional one
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
 ]
 

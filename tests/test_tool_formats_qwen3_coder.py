@@ -36,6 +36,8 @@ CASES = [
     ("<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", "",
      [("get_weather", {"city": "Paris"})]),
     ("No call here.", "No call here.", []),
+    # llama-server reads the calls to the end of the reply: what follows them is dropped
+    (WEATHER + "\nDone.", "", [("get_weather", {"city": "Paris"})]),
 ]
 
 NOT_CALLS = [
@@ -43,6 +45,7 @@ NOT_CALLS = [
     call("get_weather", [("town", "Paris")]),                              # not a parameter of it
     call("search", [("query", "x"), ("limit", "five")]),                   # not an integer
     call("search", [("limit", "5")]),                                       # the required query missing
+    call("search", [("limit", "5"), ("query", "x")]),                      # required after optional
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',  # Hermes JSON
 ]
 
@@ -67,6 +70,13 @@ def test_whole_and_streamed(text, content, calls):
 def test_malformed_calls_stay_content(text):
     snap = parse("qwen3_coder", "Well. " + text, tools=TOOLS)
     assert snap.content == "Well. " + text and not snap.calls
+
+
+def test_a_bad_call_after_a_good_one_is_dropped():
+    """Read whole (a stream has announced the second call by the time it goes wrong)."""
+    snap = parse("qwen3_coder", "Two.\n" + WEATHER + "\n" + call("search", [("limit", "5"), ("query", "x")]),
+                 tools=TOOLS)
+    assert snap.content == "Two." and [c.name for c in snap.calls] == ["get_weather"]
 
 
 def test_partial_markers_are_held_back():

@@ -560,6 +560,7 @@ class _Family:
     name = "generic"
     markers: tuple[str, ...] = ()
     json_at_start = False
+    text_after_calls = True  # False: what follows the calls is dropped (llama-server's Qwen3-Coder reading)
     reads_reasoning = False  # the format itself tells the thinking apart (no <think> tags)
     # a whole-reply reader (text, final, parallel, memo) -> Snapshot, for formats that are not
     # text with calls in it
@@ -916,7 +917,7 @@ def parse(family: str, text: str, final: bool = True, parallel: bool = True, mem
         found = [(_find(text, m, pos, memo), m) for m in fam.markers]
         found = [(k, m) for k, m in found if k >= 0]
         if not found:
-            tail = text[pos:]
+            tail = text[pos:] if fam.text_after_calls or not calls else ""
             if not final:
                 held = _held_marker_prefix(tail, fam.markers)
                 tail = tail[:len(tail) - held] if held else tail
@@ -926,7 +927,7 @@ def parse(family: str, text: str, final: bool = True, parallel: bool = True, mem
         k, marker = min(found)
         part = fam.at_marker(text, k, marker, final, memo)
         if part.status == BAD:
-            pieces.append(text[pos:])
+            pieces.append(text[pos:] if fam.text_after_calls or not calls else "")
             break
         pieces.append(text[pos:k].rstrip())
         calls += part.calls

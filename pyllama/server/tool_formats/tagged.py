@@ -6,8 +6,10 @@ it, a string ``enum`` / ``const``, string keywords such as ``pattern``) takes th
 any other value must be JSON. The arguments are built as compact JSON (``{"p":"v","n":1}``),
 growing while a value is written, so that the streamed fragments add up to the final text. A call
 to a function the request did not list, with a parameter its schema does not have, without a
-required parameter, or with a value that is not JSON where JSON is due, is not a call (it stays in
-the content). Read without the request's tools, any function is taken and a value is JSON when it
+required parameter, with a required parameter after an optional one (GLM 4.5: the required ones
+in the order of the properties), or with a value that is not JSON where JSON is due, is not a
+call (it stays in the content; for Qwen3-Coder, once a call was read, what follows that is not
+another call is dropped, as llama-server drops it). Read without the request's tools, any function is taken and a value is JSON when it
 reads as JSON.
 """
 from __future__ import annotations
@@ -56,7 +58,8 @@ class _Tool:
         props = params.get("properties")
         self.props: dict = props if isinstance(props, dict) else {}
         req = params.get("required")
-        self.required = [r for r in req if isinstance(r, str)] if isinstance(req, list) else []
+        listed = {r for r in req if isinstance(r, str)} if isinstance(req, list) else set()
+        self.required = [p for p in self.props if p in listed]  # in the properties' order
         defs = params.get("$defs") or params.get("definitions") or {}
         self.strings = {k: schema_is_string(v, defs if isinstance(defs, dict) else {}) for k, v in self.props.items()}
 
@@ -109,6 +112,9 @@ class Tagged(_Family):
     value_open = ""         # before its value (after whitespace)
     value_close = ""        # after its value
     value_newlines = False  # one newline after value_open and before value_close belongs to the markup
+    # llama-server's grammar for the pairs: the required parameters first (in the properties'
+    # order when this is set, else in any order), then optional ones in any order
+    required_in_order = False
 
     def __init__(self, tools: Optional[list[dict]] = None) -> None:
         self.tools = _tool_table(tools)
@@ -118,6 +124,17 @@ class Tagged(_Family):
 
     def _name_ok(self, name: str) -> bool:
         return bool(name) and (self.tools is None or name in self.tools)
+
+    def _may_follow(self, tool: _Tool, pname: str, seen: list[str]) -> bool:
+        """Whether parameter pname may come after those seen, as llama-server's grammar has it."""
+        if pname not in tool.props:
+            return False
+        if pname not in tool.required:
+            return True
+        done = [r for r in seen if r in tool.required]
+        if pname in done or len(done) < len(seen):  # a repeat, or after an optional one
+            return False
+        return not self.required_in_order or pname == tool.required[len(done)]
 
     def _args(self, s: str, p: int, name: str, final: bool) -> tuple[int, int, str]:
         """(status, where the arguments end, the arguments' JSON so far) of the pairs from p on.
@@ -146,7 +163,7 @@ class Tagged(_Family):
                     return BAD, q, ""
                 return PARTIAL, n, so_far()
             pname = s[q:e].strip()
-            if not pname or (tool is not None and pname not in tool.props):
+            if not pname or (tool is not None and not self._may_follow(tool, pname, seen)):
                 return BAD, q, ""
             is_str = tool.strings.get(pname, False) if tool is not None else None
             v = e + len(self.name_close)
@@ -203,7 +220,7 @@ class Tagged(_Family):
         for k, t in enumerate(tools):
             tool = _Tool(t)
             args = []
-            order = tool.required + [p for p in tool.props if p not in tool.required]
+            order = tool.required + [p for p in tool.props if p not in tool.required]  # as both formats allow
             for a, pname in enumerate(order):
                 schema = tool.props.get(pname) if isinstance(tool.props.get(pname), dict) else {}
                 head, end = self._arg_markup(pname)
@@ -223,6 +240,7 @@ class Qwen3Coder(Tagged):
     markers = ("<tool_call>", "<function=")
     arg_open, name_close, value_close = "<parameter=", ">", "</parameter>"
     value_newlines = True
+    text_after_calls = False  # llama-server reads the calls to the end of the reply and drops the rest
 
     def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
         n = len(s)
@@ -273,6 +291,7 @@ class Glm45(Tagged):
     name = "glm45"
     markers = ("<tool_call>",)
     arg_open, name_close, value_open, value_close = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+    required_in_order = True
 
     _NAME_END = re.compile(r"\n|<arg_key>|</tool_call>")
 

@@ -132,8 +132,8 @@ def reading(content: Optional[str], reasoning: Optional[str], calls: list[dict])
             "ids": [c.get("id") for c in calls]}
 
 
-def pyllama_reading(family: str, text: str, tools: list[dict]) -> dict:
-    spec = ChatOutputSpec(family=family, tools=parse_tool_request({"tools": tools}), reasoning_format="auto")
+def pyllama_reading(family: str, text: str, tools: list[dict], reasoning_format: str = "auto") -> dict:
+    spec = ChatOutputSpec(family=family, tools=parse_tool_request({"tools": tools}), reasoning_format=reasoning_format)
     reply = ChatReply(spec)
     reply.feed(text)
     reply.finish()
@@ -184,11 +184,13 @@ def check_family(peers: Peers, model: str, family: str, workdir: str) -> tuple[i
                 time.sleep(0.3)
         user = [{"role": "user", "content": "Weather in Paris?"}]
         eos = eos_id(model)
-        for k, text in enumerate(KNOWN[family]):
+        # gpt-oss's reasoning is read by the call format itself: also without separating it
+        formats = ("auto", "none") if family == "harmony" else ("auto",)
+        for k, (text, fmt) in enumerate((t, f) for f in formats for t in KNOWN[family]):
             prefill = {"role": "assistant", "content": text}
             if family == "harmony":
                 prefill = {"role": "assistant", "content": "", "reasoning_content": text[len(_H_PREFILL):]}
-            status, doc = post(port, {"messages": user + [prefill],
+            status, doc = post(port, {"messages": user + [prefill], "reasoning_format": fmt,
                                       # llama-server's default follows the template's probed
                                       # capabilities; pyllama's is true
                                       "tools": [WEATHER], "parallel_tool_calls": True,
@@ -196,12 +198,13 @@ def check_family(peers: Peers, model: str, family: str, workdir: str) -> tuple[i
                                       "temperature": 0})
             if status != 200:
                 print(f"  known reply {k}: llama-server refused ({status}): {str(doc)[:300]}")
-                ours = pyllama_reading(family, text, [WEATHER])
+                ours = pyllama_reading(family, text, [WEATHER], fmt)
                 print(f"    pyllama reads content {ours['content']!r}, calls {ours['calls']!r}")
                 refused += 1
                 continue
             total += 1
-            agree += compare(f"known reply {k}", llama_reading(doc), pyllama_reading(family, text, [WEATHER]))
+            agree += compare(f"known reply {k}" + (f" (reasoning_format {fmt})" if fmt != "auto" else ""),
+                             llama_reading(doc), pyllama_reading(family, text, [WEATHER], fmt))
         status, doc = post(port, {"messages": user, "tools": [FIXED], "tool_choice": "required",
                                   "parallel_tool_calls": False, "max_tokens": 200, "seed": 1, "verbose": True})
         if status != 200:

@@ -72,6 +72,14 @@ def test_malformed_calls_stay_content(text):
     assert snap.content == "Well. " + text and not snap.calls
 
 
+def test_long_value_streams_as_it_is_written():
+    """A file written into a parameter: escapes, markup lookalikes, and a stream that keeps its
+    reading between pieces give the same arguments as the whole reply."""
+    text = "".join(f'line {i}: "q" \\ tab\t <p>\n</paragraph>\n' for i in range(300))
+    check_reply("qwen3_coder", call("search", [("query", text), ("limit", "7")]), "",
+                [("search", {"query": text, "limit": 7})])
+
+
 def test_a_bad_call_after_a_good_one_is_dropped():
     """Read whole (a stream has announced the second call by the time it goes wrong)."""
     snap = parse("qwen3_coder", "Two.\n" + WEATHER + "\n" + call("search", [("limit", "5"), ("query", "x")]),

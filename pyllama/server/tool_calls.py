@@ -234,6 +234,7 @@ class _Memo:
         self.members: dict[int, Any] = {}
         self.find: dict[tuple[str, int], tuple[int, int]] = {}
         self.fam: Optional[_Family] = None  # the family as bound to the request
+        self.formats: dict[Any, Any] = {}  # what the formats of tool_formats keep between readings
 
 
 def _find(s: str, marker: str, pos: int, memo: Optional[_Memo]) -> int:

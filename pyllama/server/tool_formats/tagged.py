@@ -18,8 +18,8 @@ import json
 import re
 from typing import Any, Callable, Optional
 
-from ..tool_calls import (BAD, DONE, PARTIAL, ToolCall, _Family, _held_marker_prefix, _literal, _loads, _Memo,
-                          _params, _Part, _skip_ws)
+from ..tool_calls import (BAD, DONE, PARTIAL, ToolCall, _Family, _find, _held_marker_prefix, _literal, _loads,
+                          _Memo, _params, _Part, _skip_ws)
 
 __all__ = ["Glm45", "Qwen3Coder", "schema_is_string"]
 
@@ -136,17 +136,24 @@ class Tagged(_Family):
             return False
         return not self.required_in_order or pname == tool.required[len(done)]
 
-    def _args(self, s: str, p: int, name: str, final: bool) -> tuple[int, int, str]:
+    def _args(self, s: str, p: int, name: str, final: bool, memo: Optional[_Memo] = None) -> tuple[int, int, str]:
         """(status, where the arguments end, the arguments' JSON so far) of the pairs from p on.
-        DONE: s[end:] starts with what follows the pairs; PARTIAL: the text ran out inside them."""
+        DONE: s[end:] starts with what follows the pairs; PARTIAL: the text ran out inside them.
+        With a memo (a stream's), reading resumes after the pairs read before, and the value
+        being written is escaped only where it grew: a long value (a file the model writes)
+        then costs per piece what the piece costs, not what the value does."""
         n = len(s)
         tool = self.tools.get(name) if self.tools is not None else None
         parts: list[str] = []
+        seen: list[str] = []
+        start = p
+        kept = memo.formats.get(("pairs", start)) if memo is not None else None
+        if kept is not None:
+            p, parts, seen = kept[0], list(kept[1]), list(kept[2])
 
         def so_far(extra: str = "") -> str:
             return "{" + ",".join(parts) + ("," if parts and extra else "") + extra
 
-        seen: list[str] = []
         while True:
             p = _skip_ws(s, p)
             if not s.startswith(self.arg_open, p):
@@ -180,7 +187,7 @@ class Tagged(_Family):
             elif self.value_newlines and v >= n and not final:
                 return PARTIAL, n, so_far(_key(pname) if is_str is not None else "")
             close = self.value_close
-            end = s.find(close, v)
+            end = _find(s, close, v, memo)
             raw = s[v:end] if end >= 0 else s[v:]
             if end < 0:
                 if final:
@@ -194,7 +201,7 @@ class Tagged(_Family):
                     return PARTIAL, n, so_far()  # which it is is known only at its end
                 is_str = not _is_json(raw.strip())
             if is_str:
-                value = '"' + _esc(raw) + ('"' if end >= 0 else "")
+                value = '"' + self._escaped(raw, v, end < 0, memo) + ('"' if end >= 0 else "")
             else:
                 value = raw.strip()
                 if end >= 0 and not _is_json(value):
@@ -204,6 +211,22 @@ class Tagged(_Family):
             parts.append(_key(pname) + value)
             seen.append(pname)
             p = end + len(close)
+            if memo is not None:  # a finished pair stays so whatever follows
+                memo.formats[("pairs", start)] = (p, tuple(parts), tuple(seen))
+
+    @staticmethod
+    def _escaped(raw: str, at: int, growing: bool, memo: Optional[_Memo]) -> str:
+        """_esc(raw) for the value at `at`; a growing value's escape is extended, not redone."""
+        if memo is None:
+            return _esc(raw)
+        done = memo.formats.get(("value", at))
+        if done is not None and len(raw) >= done[0]:
+            text = done[1] + _esc(raw[done[0]:])
+        else:
+            text = _esc(raw)
+        if growing:
+            memo.formats[("value", at)] = (len(raw), text)
+        return text
 
     # the markup of one parameter in a required call's grammar: (before the value, after it)
     def _arg_markup(self, pname: str) -> tuple[str, str]:
@@ -259,7 +282,7 @@ class Qwen3Coder(Tagged):
         name = s[k:gt].strip()
         if not self._name_ok(name):
             return _Part(BAD, k, [])
-        st, end, args = self._args(s, gt + 1, name, final)
+        st, end, args = self._args(s, gt + 1, name, final, memo)
         if st == BAD:
             return _Part(BAD, end, [])
         if st == PARTIAL:
@@ -306,7 +329,7 @@ class Glm45(Tagged):
         name = s[k:m.start()].strip()
         if not self._name_ok(name) or "<" in name or "{" in name:
             return _Part(BAD, k, [])
-        st, end, args = self._args(s, m.start(), name, final)
+        st, end, args = self._args(s, m.start(), name, final, memo)
         if st == BAD:
             return _Part(BAD, end, [])
         if st == PARTIAL:

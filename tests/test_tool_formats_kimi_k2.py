@@ -74,6 +74,28 @@ def test_openai_client_reads_reasoning_and_calls(stream):
                                                              '{"city": "Paris"}')
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_section_ends_an_unclosed_thinking(stream):
+    """Kimi K2 Thinking may call straight from its thinking, as llama-server reads it."""
+    out = scripted("kimi_k2", {"tools": TOOLS}, "<think>Use the tool." + WEATHER, stream)
+    msg = out.choices[0].message
+    assert reasoning_of(msg) == "Use the tool." and not msg.content
+    assert [c.id for c in msg.tool_calls] == ["functions.get_weather:0"]
+
+
+def test_reasoning_stream_other_ends():
+    from pyllama.server.reasoning import ReasoningStream
+    text = "<think>a <|tool_call_b" + "x" + KIMI_CALL_BEGIN + "rest"
+    for pieces in (list(text), [text]):
+        s = ReasoningStream("deepseek", False, (KIMI_SECTION_BEGIN, KIMI_CALL_BEGIN))
+        r = c = ""
+        for p in pieces:
+            a, b = s.feed(p)
+            r, c = r + a, c + b
+        a, b = s.finish()
+        assert (r + a, c + b) == ("a <|tool_call_bx", KIMI_CALL_BEGIN + "rest")
+
+
 def test_call_grammar():
     check_grammar("kimi_k2", WEATHER)
 

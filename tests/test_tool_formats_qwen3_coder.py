@@ -109,6 +109,15 @@ def test_thinking_before_the_call():
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_call_ends_an_unclosed_thinking(stream):
+    """Qwen3.5 may start a call straight from its thinking: <tool_call> ends it, as in llama-server."""
+    out = scripted("qwen3_coder", {"tools": TOOLS}, "<think>\nParis, then.\n" + WEATHER, stream)
+    msg = out.choices[0].message
+    assert reasoning_of(msg) == "Paris, then." and not msg.content
+    assert [c.function.name for c in msg.tool_calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_openai_client_reads_calls(stream):
     text = CASES[1][0]
     out = scripted("qwen3_coder", {"tools": TOOLS}, text, stream)

@@ -34,7 +34,7 @@ from .static import WebUI
 from .params import CompletionParams, get_int, parse_completion, split_prompts, tokenize_prompt
 from .reasoning import ReasoningStream, budget_end_text, check_format, prompt_opens_thinking
 from .tool_calls import (ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request,
-                         reads_reasoning)
+                         reads_reasoning, thinking_ends)
 from . import anthropic
 from . import slot_file
 from . import responses as resp
@@ -307,7 +307,8 @@ class ChatReply:
 
     def __init__(self, spec: ChatOutputSpec) -> None:
         own = reads_reasoning(spec.family)  # harmony: the calls' reader also reads the thinking
-        self.thoughts = ReasoningStream("none" if own else spec.reasoning_format, spec.forced_open)
+        self.thoughts = ReasoningStream("none" if own else spec.reasoning_format, spec.forced_open,
+                                        thinking_ends(spec.family))
         self.calls = ToolCallStream(spec.family, spec.tools.parallel, spec.tools.tools, spec.reasoning_format,
                                     spec.tools.parse_calls) \
             if spec.family is not None and (spec.tools.parse_calls or own) else None

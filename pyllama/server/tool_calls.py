@@ -44,7 +44,8 @@ from typing import Any, Callable, Optional
 from ..batching.constraint import JSON_WHITESPACE
 
 __all__ = ["FAMILIES", "ToolCall", "Snapshot", "ToolSpec", "ToolCallStream", "ToolChoiceError", "detect_family",
-           "call_grammar", "parse", "parse_tool_request", "new_call_id", "reads_reasoning"]
+           "call_grammar", "parse", "parse_tool_request", "new_call_id", "reads_reasoning",
+           "thinking_ends"]
 
 FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic", "harmony", "kimi_k2", "qwen3_coder", "glm45")
 
@@ -563,6 +564,7 @@ class _Family:
     json_at_start = False
     text_after_calls = True  # False: what follows the calls is dropped (llama-server's Qwen3-Coder reading)
     reads_reasoning = False  # the format itself tells the thinking apart (no <think> tags)
+    thinking_ends: tuple[str, ...] = ()  # markers of a call that also end an unclosed <think>
     # a whole-reply reader (text, final, parallel, memo) -> Snapshot, for formats that are not
     # text with calls in it
     parse_reply: Optional[Callable[..., "Snapshot"]] = None
@@ -867,6 +869,12 @@ def _family(family: str) -> _Family:
 def reads_reasoning(family: Optional[str]) -> bool:
     """Whether a family's format tells the thinking apart itself (the reply has no think tags)."""
     return family is not None and _family(family).reads_reasoning
+
+
+def thinking_ends(family: Optional[str]) -> tuple[str, ...]:
+    """The markers of a family's calls that end a thinking left open (models that call a tool
+    straight from their thinking, as llama-server reads them)."""
+    return _family(family).thinking_ends if family is not None else ()
 
 
 def _held_marker_prefix(s: str, markers: tuple[str, ...]) -> int:

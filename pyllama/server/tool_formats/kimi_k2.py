@@ -31,6 +31,7 @@ _KIMI_ID = re.compile(r"functions\.([^\s:<]+):([0-9]+)")
 class KimiK2(_Family):
     name = "kimi_k2"
     markers = (KIMI_SECTION_BEGIN, KIMI_CALL_BEGIN)
+    thinking_ends = markers  # Kimi K2 Thinking may call straight from its thinking
 
     def __init__(self, tools: Optional[list[dict]] = None) -> None:
         self.names = None if tools is None else {t["function"]["name"] for t in tools}

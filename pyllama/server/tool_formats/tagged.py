@@ -264,6 +264,7 @@ class Qwen3Coder(Tagged):
     arg_open, name_close, value_close = "<parameter=", ">", "</parameter>"
     value_newlines = True
     text_after_calls = False  # llama-server reads the calls to the end of the reply and drops the rest
+    thinking_ends = ("<tool_call>",)  # Qwen3.5 may call straight from its thinking
 
     def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
         n = len(s)

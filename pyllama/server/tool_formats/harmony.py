@@ -19,8 +19,8 @@ import json
 import re
 from typing import Callable, Optional
 
-from ..tool_calls import BAD, DONE, Snapshot, ToolCall, _Family, _held_marker_prefix, _Memo, _params, _skip_ws, \
-    scan_json
+from ..tool_calls import BAD, DONE, Snapshot, ToolCall, _Family, _find, _held_marker_prefix, _Memo, _params, \
+    _skip_ws, scan_json
 
 __all__ = ["Harmony"]
 
@@ -52,7 +52,7 @@ class Harmony(_Family):
         calls: list[ToolCall] = []
         pos = 0
         while pos < n:
-            head_end = s.find(H_MESSAGE, pos)
+            head_end = _find(s, H_MESSAGE, pos, memo)
             if head_end < 0:
                 rest = s[pos:]
                 if final or len(rest) > 256 or any(m in rest for m in _H_ENDS):
@@ -64,7 +64,7 @@ class Harmony(_Family):
                 break
             channel, recipient = chan
             b = head_end + len(H_MESSAGE)
-            ends = [(s.find(m, b), m) for m in _H_ENDS]
+            ends = [(_find(s, m, b, memo), m) for m in _H_ENDS]  # resumed where the last reading stopped
             ends = [(k, m) for k, m in ends if k >= 0]
             k, marker = min(ends) if ends else (-1, "")
             open_ = k < 0

@@ -21,10 +21,14 @@ class ReasoningStream:
 
     :meth:`feed` returns the (reasoning, content) text that can be told apart so far, holding
     back what may be the start of a tag and trailing whitespace of the reasoning; :meth:`finish`
-    returns the rest. :attr:`reasoning` and :attr:`content` accumulate what was returned."""
+    returns the rest. :attr:`reasoning` and :attr:`content` accumulate what was returned.
 
-    def __init__(self, fmt: str = "deepseek", forced_open: bool = False) -> None:
+    also_ends: markers that end the thinking without closing it, and stay in the content (a
+    tool call some models start straight from their thinking, as llama-server reads them)."""
+
+    def __init__(self, fmt: str = "deepseek", forced_open: bool = False, also_ends: tuple[str, ...] = ()) -> None:
         self.fmt = fmt
+        self._ends = (THINK_END,) + tuple(also_ends)
         self.active = fmt != "none"
         self.legacy = fmt == "deepseek-legacy"
         self._state = "think" if forced_open and self.active else ("start" if self.active else "content")
@@ -62,10 +66,11 @@ class ReasoningStream:
                     if not self._buf:
                         break
                     self._reasoning_started = True
-                end = self._buf.find(THINK_END)
+                end, tag = self._end_tag()
                 if end >= 0:
                     r_out.append(self._buf[:end].rstrip())
-                    self._buf = self._buf[end + len(THINK_END):]
+                    # the end tag is dropped; another marker that ends the thinking is content
+                    self._buf = self._buf[end + len(THINK_END):] if tag == THINK_END else self._buf[end:]
                     self._state = "content"
                     self._after_end = True
                     continue
@@ -73,7 +78,7 @@ class ReasoningStream:
                     r_out.append(self._buf.rstrip())
                     self._buf = ""
                     break
-                keep = _partial_suffix(self._buf, THINK_END)
+                keep = max(_partial_suffix(self._buf, t) for t in self._ends)
                 text = self._buf[:len(self._buf) - keep]
                 emit = text.rstrip()  # trailing whitespace waits: it may come right before the end tag
                 r_out.append(emit)
@@ -95,6 +100,11 @@ class ReasoningStream:
         self.reasoning += r
         self.content += c
         return r, c
+
+    def _end_tag(self) -> tuple[int, str]:
+        """(where, which) of the first tag in the buffer that ends the thinking; (-1, "") if none."""
+        found = [(k, t) for k, t in ((self._buf.find(t), t) for t in self._ends) if k >= 0]
+        return min(found) if found else (-1, "")
 
     @property
     def thinking(self) -> bool:

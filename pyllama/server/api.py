@@ -34,7 +34,8 @@ from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
 from .params import CompletionParams, get_int, parse_completion, split_prompts, tokenize_prompt
 from .reasoning import ReasoningStream, budget_end_text, check_format, prompt_opens_thinking
-from .tool_calls import CALL_TRIGGERS, ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request
+from .tool_calls import (CALL_TRIGGERS, ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request,
+                         reads_reasoning, thinking_ends)
 from . import anthropic
 from . import slot_file
 from . import responses as resp
@@ -306,9 +307,12 @@ class ChatReply:
     the deltas add up to the message."""
 
     def __init__(self, spec: ChatOutputSpec) -> None:
-        self.thoughts = ReasoningStream(spec.reasoning_format, spec.forced_open)
-        self.calls = ToolCallStream(spec.family, spec.tools.parallel) \
-            if spec.family is not None and spec.tools.parse_calls else None
+        own = reads_reasoning(spec.family)  # harmony: the calls' reader also reads the thinking
+        self.thoughts = ReasoningStream("none" if own else spec.reasoning_format, spec.forced_open,
+                                        thinking_ends(spec.family))
+        self.calls = ToolCallStream(spec.family, spec.tools.parallel, spec.tools.tools, spec.reasoning_format,
+                                    spec.tools.parse_calls) \
+            if spec.family is not None and (spec.tools.parse_calls or own) else None
         self._prefill = spec.prefill  # read before the first generated text, and sent with it
 
     def feed(self, text: str) -> list[dict]:
@@ -338,8 +342,9 @@ class ChatReply:
             msg["content"], calls = self.calls.message()
         else:
             msg["content"], calls = self.thoughts.content, []
-        if self.thoughts.reasoning:
-            msg["reasoning_content"] = self.thoughts.reasoning
+        reasoning = self.thoughts.reasoning or (self.calls.snapshot.reasoning if self.calls is not None else "")
+        if reasoning:
+            msg["reasoning_content"] = reasoning
         if calls:
             msg["tool_calls"] = calls
         return msg

@@ -305,6 +305,11 @@ class ChatTemplate:
                     {"role": "tool", "tool_call_id": "probe0001", "name": "probe_call_name",
                      "content": "probe_tool_result"}, user]
         as_object = out(call_convo({"probe_arg": 1}), tools=[tool])
+        no_calls = call_convo({})
+        del no_calls[1]["tool_calls"]
+        # a template may show a call by its id alone (Kimi K2: functions.NAME:IDX), which the
+        # tool's result shows too: seen when the call adds to the result's mentions
+        ids_alone = out(no_calls, tools=[tool]).count("probe0001")
         as_string = out(call_convo('{"probe_arg": 1}'), tools=[tool])
         two = call_convo({"probe_arg": 1})
         two[1]["tool_calls"] = two[1]["tool_calls"] + [{"id": "probe0002", "type": "function", "function": {
@@ -314,9 +319,12 @@ class ChatTemplate:
         typed = self._format is None and "probe_typed_text" in out(
             [{"role": "user", "content": [{"type": "text", "text": "probe_typed_text"}]}])
         return {"tools": "probe_tool_name" in out([user], tools=[tool]),
-                "tool_calls": "probe_call_name" in as_object + as_string,
+                "tool_calls": "probe_call_name" in as_object + as_string or
+                              max(as_object.count("probe0001"), as_string.count("probe0001")) > ids_alone,
                 "tool_responses": "probe_tool_result" in as_object + as_string,
-                "object_arguments": '"probe_arg": 1' in as_object,
+                # JSON of the object, or (XML call formats) its keys walked, which a string cannot give
+                "object_arguments": '"probe_arg": 1' in as_object or (
+                    "probe_arg" in as_object and "probe_arg" not in as_string),
                 "parallel_tool_calls": "probe_call_name" in parallel and "probe_second_name" in parallel,
                 "system_role": "probe_system_text" in out([{"role": "system", "content": "probe_system_text"}, user]),
                 "string_content": "probe_string_text" in out([{"role": "user", "content": "probe_string_text"}]),

@@ -20,6 +20,9 @@ generic  anything else                                     one JSON object: ``{"
                                                            ``{"tool_call": {...}}`` or ``{"response": text}``
 ======== ================================================ =========================================
 
+More formats are in :mod:`.tool_formats`; they are recognised before all of the above, as
+llama-server tries its dedicated parsers first (and GLM 4.5's templates hold ``<tool_call>`` too).
+
 Parsing is done on the whole text so far (:func:`parse`), in a partial mode while tokens still
 come: text that may be the start of a call is held back, a call is announced once its name is
 known and its arguments have begun, and the arguments then grow as the model writes them.
@@ -40,10 +43,11 @@ from typing import Any, Callable, Optional
 
 from ..batching.constraint import JSON_WHITESPACE
 
-__all__ = ["CALL_TRIGGERS", "FAMILIES", "ToolCall", "Snapshot", "ToolSpec", "ToolCallStream", "ToolChoiceError", "detect_family",
-           "call_grammar", "parse", "parse_tool_request", "new_call_id"]
+__all__ = ["CALL_TRIGGERS", "FAMILIES", "ToolCall", "Snapshot", "ToolSpec", "ToolCallStream", "ToolChoiceError",
+           "detect_family", "call_grammar", "parse", "parse_tool_request", "new_call_id", "reads_reasoning",
+           "thinking_ends"]
 
-FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic")
+FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic", "harmony", "kimi_k2", "qwen3_coder", "glm45")
 
 # DeepSeek's markers (full-width bars and "▁" as in its vocabulary).
 DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -61,6 +65,10 @@ class ToolChoiceError(ValueError):
 def detect_family(source: Optional[str]) -> str:
     """The tool-call family of a Jinja chat template's source (``generic`` when none matches)."""
     src = source or ""
+    from .tool_formats import detect_new_family  # noqa: PLC0415 (it builds on this module)
+    found = detect_new_family(src, "special") or detect_new_family(src, "tagged")
+    if found:
+        return found
     if DS_CALLS_BEGIN in src:
         return "deepseek"
     if "<tool_call>" in src:
@@ -226,6 +234,8 @@ class _Memo:
         self.json: dict[int, tuple] = {}
         self.members: dict[int, Any] = {}
         self.find: dict[tuple[str, int], tuple[int, int]] = {}
+        self.fam: Optional[_Family] = None  # the family as bound to the request
+        self.formats: dict[Any, Any] = {}  # what the formats of tool_formats keep between readings
 
 
 def _find(s: str, marker: str, pos: int, memo: Optional[_Memo]) -> int:
@@ -472,6 +482,7 @@ class Snapshot:
 
     content: str
     calls: list[ToolCall]
+    reasoning: str = ""  # read by a family whose format holds the thinking (harmony)
 
 
 @dataclass
@@ -551,6 +562,16 @@ class _Family:
     name = "generic"
     markers: tuple[str, ...] = ()
     json_at_start = False
+    text_after_calls = True  # False: what follows the calls is dropped (llama-server's Qwen3-Coder reading)
+    reads_reasoning = False  # the format itself tells the thinking apart (no <think> tags)
+    thinking_ends: tuple[str, ...] = ()  # markers of a call that also end an unclosed <think>
+    # a whole-reply reader (text, final, parallel, memo) -> Snapshot, for formats that are not
+    # text with calls in it
+    parse_reply: Optional[Callable[..., "Snapshot"]] = None
+
+    def bind(self, tools: Optional[list[dict]], reasoning_format: str, read_calls: bool) -> "_Family":
+        """This format for one request (formats that read the tools' schemas or the reasoning)."""
+        return self
 
     def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
         raise NotImplementedError
@@ -833,6 +854,29 @@ class _Generic(_Family):
 _FAMILIES: dict[str, _Family] = {f.name: f for f in (_Hermes(), _Llama3(), _Mistral(), _DeepSeek(), _Generic())}
 
 
+def _family(family: str) -> _Family:
+    """A registered family (the formats of tool_formats join on first use: they build on this module)."""
+    if family not in _FAMILIES and family in FAMILIES:
+        from .tool_formats import NEW_FAMILIES  # noqa: PLC0415
+        for f in NEW_FAMILIES:
+            _FAMILIES.setdefault(f.name, f)
+    try:
+        return _FAMILIES[family]
+    except KeyError:
+        raise ValueError(f"unknown tool-call family {family!r}") from None
+
+
+def reads_reasoning(family: Optional[str]) -> bool:
+    """Whether a family's format tells the thinking apart itself (the reply has no think tags)."""
+    return family is not None and _family(family).reads_reasoning
+
+
+def thinking_ends(family: Optional[str]) -> tuple[str, ...]:
+    """The markers of a family's calls that end a thinking left open (models that call a tool
+    straight from their thinking, as llama-server reads them)."""
+    return _family(family).thinking_ends if family is not None else ()
+
+
 def _held_marker_prefix(s: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of s may be the start of a marker."""
     best = 0
@@ -844,15 +888,23 @@ def _held_marker_prefix(s: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-def parse(family: str, text: str, final: bool = True, parallel: bool = True, memo: Optional[_Memo] = None) -> Snapshot:
+def parse(family: str, text: str, final: bool = True, parallel: bool = True, memo: Optional[_Memo] = None,
+          tools: Optional[list[dict]] = None, reasoning_format: str = "auto", read_calls: bool = True) -> Snapshot:
     """Content and tool calls of a reply in a family's format.
 
     final=False reads an unfinished reply: the content excludes what may still turn out to be a
     call (a partial marker, trailing whitespace, a call being written), and the last call may be
     unfinished (done False). Whitespace just before a call is not content; text after the calls
     is. Text that starts like a call but is not a well-formed one stays in the content.
-    memo: the scanners' state from reading a shorter start of the same text (ToolCallStream's)."""
-    fam = _FAMILIES[family]
+    memo: the scanners' state from reading a shorter start of the same text (ToolCallStream's).
+    tools: the request's tools, for the formats whose values are typed by their schemas (None:
+    any function, values read as they look); reasoning_format and read_calls: for harmony."""
+    fam = memo.fam if memo is not None and memo.fam is not None else \
+        _family(family).bind(tools, reasoning_format, read_calls)
+    if memo is not None:
+        memo.fam = fam
+    if fam.parse_reply is not None:
+        return fam.parse_reply(text, final, parallel, memo)
     pieces: list[str] = []
     calls: list[ToolCall] = []
     pos = 0
@@ -874,7 +926,7 @@ def parse(family: str, text: str, final: bool = True, parallel: bool = True, mem
         found = [(_find(text, m, pos, memo), m) for m in fam.markers]
         found = [(k, m) for k, m in found if k >= 0]
         if not found:
-            tail = text[pos:]
+            tail = text[pos:] if fam.text_after_calls or not calls else ""
             if not final:
                 held = _held_marker_prefix(tail, fam.markers)
                 tail = tail[:len(tail) - held] if held else tail
@@ -884,7 +936,7 @@ def parse(family: str, text: str, final: bool = True, parallel: bool = True, mem
         k, marker = min(found)
         part = fam.at_marker(text, k, marker, final, memo)
         if part.status == BAD:
-            pieces.append(text[pos:])
+            pieces.append(text[pos:] if fam.text_after_calls or not calls else "")
             break
         pieces.append(text[pos:k].rstrip())
         calls += part.calls
@@ -915,14 +967,15 @@ class ToolCallStream:
     reply is copying at memory speed: the content and an unfinished call's arguments are sliced
     out of the reply again at each piece and compared with what was sent."""
 
-    def __init__(self, family: str, parallel: bool = True) -> None:
-        if family not in _FAMILIES:
-            raise ValueError(f"unknown tool-call family {family!r}")
+    def __init__(self, family: str, parallel: bool = True, tools: Optional[list[dict]] = None,
+                 reasoning_format: str = "auto", read_calls: bool = True) -> None:
         self.family = family
         self.parallel = parallel
-        self._fam = _FAMILIES[family]
+        self._fam = _family(family)
+        self._opts = (tools, reasoning_format, read_calls)
         self.text = ""
         self._content = ""          # content sent so far
+        self._reasoning = ""        # reasoning sent so far (harmony)
         self._ids: list[str] = []   # per announced call: its id
         self._args: list[str] = []  # per announced call: the arguments sent so far
         self.snapshot = Snapshot("", [])
@@ -936,15 +989,17 @@ class ToolCallStream:
         text, self.text = self.text, ""
         text += piece
         self.text = text
-        return self._update(parse(self.family, self.text, final=False, parallel=self.parallel, memo=self._memo))
+        return self._update(parse(self.family, self.text, False, self.parallel, self._memo, *self._opts))
 
     def finish(self) -> list[dict]:
-        return self._update(parse(self.family, self.text, final=True, parallel=self.parallel, memo=self._memo),
-                            final=True)
+        return self._update(parse(self.family, self.text, True, self.parallel, self._memo, *self._opts), final=True)
 
     def _update(self, snap: Snapshot, final: bool = False) -> list[dict]:
         out: list[dict] = []
         # A partial reading only ever holds text back, so what was sent is a prefix of what comes.
+        if len(snap.reasoning) > len(self._reasoning) and snap.reasoning.startswith(self._reasoning):
+            out.append({"reasoning_content": snap.reasoning[len(self._reasoning):]})
+            self._reasoning = snap.reasoning
         new = snap.content[len(self._content):] if snap.content.startswith(self._content) else ""
         if new and not (final and snap.calls and not (self._content + new).strip()):
             out.append({"content": new})
@@ -992,7 +1047,8 @@ def _lark_literal(text: str, special: Callable[[str], Optional[int]]) -> str:
 
 # The marker that opens a family's calls: under tool_choice "auto" the call grammar applies lazily
 # from it on (llama-server's lazy grammar for these formats); families without one stay free.
-CALL_TRIGGERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "deepseek": DS_CALLS_BEGIN}
+CALL_TRIGGERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "deepseek": DS_CALLS_BEGIN,
+                 "qwen3_coder": "<tool_call>", "glm45": "<tool_call>", "kimi_k2": "<|tool_calls_section_begin|>"}
 
 
 def _params(tool: dict) -> dict:
@@ -1027,7 +1083,10 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         return out
 
     many = spec.parallel
-    if family == "hermes":
+    if family in FAMILIES[5:]:  # the formats of tool_formats
+        from .tool_formats import grammar_rules  # noqa: PLC0415
+        rules[:0] = grammar_rules(family, tools, many, lit, json_rule)
+    elif family == "hermes":
         json_rule("call", {"anyOf": object_calls("arguments")})
         block = f'{lit("<tool_call>")} "\\n" call "\\n" {lit("</tool_call>")}'
         rules.insert(0, f'start: block ("\\n" block)*' if many else "start: block")

@@ -842,6 +842,31 @@ PQ_EXACT static float pq_dot1_tq(int t, int64_t n, const uint8_t *w, const uint8
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
+/* An IQ4_XS row . a Q8_K row in the float steps of ggml's x86 vec_dot (and of pq_avx2_iq4_xs): per
+ * super-block 8 int32 lanes, lane l the scaled sums of elements 4l .. 4l + 3 of every sub-block, each
+ * fused into its float accumulator with d_w * d_x, reduced as hsum_float_8. */
+PQ_EXACT static float pq_dot1_iq4_xs(int64_t n, const uint8_t *w, const uint8_t *x) {
+    float acc[8] = {0};
+    for (int64_t i = 0; i < n / PQ_QK_K; i++) {
+        const uint8_t *wb = w + 136 * i, *xb = x + 292 * i;
+        const int8_t *q8 = (const int8_t *)(xb + 4);
+        int32_t lane[8] = {0};
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *qs = wb + 8 + 16 * ib;
+            const int ls = pq_iq4xs_scale(wb, ib);
+            for (int l = 0; l < 8; l++) {
+                int p = 0;
+                for (int e = 4 * l; e < 4 * l + 4; e++)   /* elements 0..15 low nibbles, 16..31 high */
+                    p += q8[32 * ib + e] * pq_kvalues_iq4nl[e < 16 ? qs[e] & 0xF : qs[e - 16] >> 4];
+                lane[l] += ls * p;
+            }
+        }
+        const float d = pq_ld_f16(wb) * pq_ld_f32(xb);
+        for (int l = 0; l < 8; l++) acc[l] = fmaf(d, (float)lane[l], acc[l]);
+    }
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
 /* The per-block integer sums of a whole row (nb blocks); 0 if t has none. */
 PQ_API int pq_isums_row(int t, int64_t nb, const uint8_t *w, const uint8_t *x, int32_t *out) {
     pq_traits tw, tx;
@@ -956,14 +981,7 @@ PQ_API float pq_dot1_portable(int t, int64_t n, const uint8_t *w, const uint8_t 
             sumf += (pq_ld_f16(x + 34 * i) * pq_e8m0_half(w[17 * i])) * (float)s[0];
         }
         return sumf;
-    case PQ_IQ4_XS:   /* ggml's generic order: a float term per sub-block */
-        for (i = 0; i < n / PQ_QK_K; i++) {
-            const uint8_t *wb = w + 136 * i, *xb = x + 292 * i;
-            pq_isums_iq4_xs(wb, xb, s);
-            const float d4d8 = pq_ld_f16(wb) * pq_ld_f32(xb);
-            for (int ib = 0; ib < 8; ib++) sumf += (d4d8 * (float)pq_iq4xs_scale(wb, ib)) * (float)s[ib];
-        }
-        return sumf;
+    case PQ_IQ4_XS: return pq_dot1_iq4_xs(n, w, x);
     case PQ_F16: {
         const uint16_t *a = (const uint16_t *)w, *b = (const uint16_t *)x;
         for (i = 0; i < n; i++) sumf += pq_f16_to_f32(a[i]) * pq_f16_to_f32(b[i]);

@@ -23,8 +23,11 @@ class ReasoningStream:
     back what may be the start of a tag and trailing whitespace of the reasoning; :meth:`finish`
     returns the rest. :attr:`reasoning` and :attr:`content` accumulate what was returned."""
 
-    def __init__(self, fmt: str = "deepseek", forced_open: bool = False) -> None:
+    def __init__(self, fmt: str = "deepseek", forced_open: bool = False, start: str = THINK_START,
+                 end: str = THINK_END) -> None:
+        # start / end: the family's own thinking tags (``[THINK]``, ``<seed:think>``, ...)
         self.fmt = fmt
+        self._start, self._end = start, end
         self.active = fmt != "none"
         self.legacy = fmt == "deepseek-legacy"
         self._state = "think" if forced_open and self.active else ("start" if self.active else "content")
@@ -48,11 +51,11 @@ class ReasoningStream:
         while True:
             if self._state == "start":
                 lead = self._buf.lstrip()
-                if lead.startswith(THINK_START):
-                    self._buf = lead[len(THINK_START):]
+                if lead.startswith(self._start):
+                    self._buf = lead[len(self._start):]
                     self._state = "think"
                     continue
-                if not final and THINK_START.startswith(lead):
+                if not final and self._start.startswith(lead):
                     break  # maybe a tag still being written
                 self._state = "content"
                 continue
@@ -62,10 +65,10 @@ class ReasoningStream:
                     if not self._buf:
                         break
                     self._reasoning_started = True
-                end = self._buf.find(THINK_END)
+                end = self._buf.find(self._end)
                 if end >= 0:
                     r_out.append(self._buf[:end].rstrip())
-                    self._buf = self._buf[end + len(THINK_END):]
+                    self._buf = self._buf[end + len(self._end):]
                     self._state = "content"
                     self._after_end = True
                     continue
@@ -73,7 +76,7 @@ class ReasoningStream:
                     r_out.append(self._buf.rstrip())
                     self._buf = ""
                     break
-                keep = _partial_suffix(self._buf, THINK_END)
+                keep = _partial_suffix(self._buf, self._end)
                 text = self._buf[:len(self._buf) - keep]
                 emit = text.rstrip()  # trailing whitespace waits: it may come right before the end tag
                 r_out.append(emit)

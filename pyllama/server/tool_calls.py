@@ -20,6 +20,8 @@ generic  anything else                                     one JSON object: ``{"
                                                            ``{"tool_call": {...}}`` or ``{"response": text}``
 ======== ================================================ =========================================
 
+More formats are in tool_formats_more.py; their templates are recognised before these.
+
 Parsing is done on the whole text so far (:func:`parse`), in a partial mode while tokens still
 come: text that may be the start of a call is held back, a call is announced once its name is
 known and its arguments have begun, and the arguments then grow as the model writes them.
@@ -43,7 +45,7 @@ from ..batching.constraint import JSON_WHITESPACE
 __all__ = ["FAMILIES", "ToolCall", "Snapshot", "ToolSpec", "ToolCallStream", "ToolChoiceError", "detect_family",
            "call_grammar", "parse", "parse_tool_request", "new_call_id"]
 
-FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic")
+FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic")  # and tool_formats_more.FAMILIES, added below
 
 # DeepSeek's markers (full-width bars and "▁" as in its vocabulary).
 DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -61,6 +63,9 @@ class ToolChoiceError(ValueError):
 def detect_family(source: Optional[str]) -> str:
     """The tool-call family of a Jinja chat template's source (``generic`` when none matches)."""
     src = source or ""
+    more = _more.detect(src)
+    if more is not None:
+        return more
     if DS_CALLS_BEGIN in src:
         return "deepseek"
     if "<tool_call>" in src:
@@ -844,15 +849,20 @@ def _held_marker_prefix(s: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-def parse(family: str, text: str, final: bool = True, parallel: bool = True, memo: Optional[_Memo] = None) -> Snapshot:
+def parse(family: str, text: str, final: bool = True, parallel: bool = True, memo: Optional[_Memo] = None,
+          calls: bool = True) -> Snapshot:
     """Content and tool calls of a reply in a family's format.
 
     final=False reads an unfinished reply: the content excludes what may still turn out to be a
     call (a partial marker, trailing whitespace, a call being written), and the last call may be
     unfinished (done False). Whitespace just before a call is not content; text after the calls
     is. Text that starts like a call but is not a well-formed one stays in the content.
-    memo: the scanners' state from reading a shorter start of the same text (ToolCallStream's)."""
+    memo: the scanners' state from reading a shorter start of the same text (ToolCallStream's).
+    calls=False: no calls are read, only the family's markers around plain text are taken out."""
     fam = _FAMILIES[family]
+    own = getattr(fam, "read", None)
+    if own is not None:
+        return own(text, final, parallel, memo, calls)
     pieces: list[str] = []
     calls: list[ToolCall] = []
     pos = 0
@@ -915,11 +925,12 @@ class ToolCallStream:
     reply is copying at memory speed: the content and an unfinished call's arguments are sliced
     out of the reply again at each piece and compared with what was sent."""
 
-    def __init__(self, family: str, parallel: bool = True) -> None:
+    def __init__(self, family: str, parallel: bool = True, calls: bool = True) -> None:
         if family not in _FAMILIES:
             raise ValueError(f"unknown tool-call family {family!r}")
         self.family = family
         self.parallel = parallel
+        self.calls = calls
         self._fam = _FAMILIES[family]
         self.text = ""
         self._content = ""          # content sent so far
@@ -936,11 +947,12 @@ class ToolCallStream:
         text, self.text = self.text, ""
         text += piece
         self.text = text
-        return self._update(parse(self.family, self.text, final=False, parallel=self.parallel, memo=self._memo))
+        return self._update(parse(self.family, self.text, final=False, parallel=self.parallel, memo=self._memo,
+                                  calls=self.calls))
 
     def finish(self) -> list[dict]:
-        return self._update(parse(self.family, self.text, final=True, parallel=self.parallel, memo=self._memo),
-                            final=True)
+        return self._update(parse(self.family, self.text, final=True, parallel=self.parallel, memo=self._memo,
+                                  calls=self.calls), final=True)
 
     def _update(self, snap: Snapshot, final: bool = False) -> list[dict]:
         out: list[dict] = []
@@ -1001,6 +1013,8 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
     several) in the family's format, to one of the request's tools (the named one only, for a
     named tool_choice); the arguments follow each tool's JSON schema (``%json``).
     close_thinking: the prompt opened a think tag, which the reply closes first."""
+    if family in _more.FAMILIES:
+        return _more.call_grammar(family, spec, special, close_thinking)
     tools = [t for t in spec.tools if not spec.named or t["function"]["name"] == spec.choice]
     names = [t["function"]["name"] for t in tools]
     rules: list[str] = []
@@ -1055,3 +1069,10 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         rules[0] = rules[0].replace("start:", "tool_calls:", 1)
         rules.insert(0, f'start: {lit("</think>")} "\\n\\n" tool_calls')
     return "\n".join(rules) + "\n"
+
+
+# the formats of tool_formats_more.py, which builds on this module's readers
+from . import tool_formats_more as _more  # noqa: E402
+
+_FAMILIES.update(_more._MORE)
+FAMILIES += _more.FAMILIES

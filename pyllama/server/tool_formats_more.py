@@ -1,0 +1,239 @@
+"""More tool-call formats, each read as llama-server reads it (with its specialised parsers where it
+has one, else with the parser it derives from the template).
+
+============== ========================================== =============================================
+family         recognised by (in the template source)     what the model writes
+============== ========================================== =============================================
+nemotron-v2    ``<SPECIAL_10>``, ``<SPECIAL_11>``,          ``<think>..</think>`` then
+               ``<SPECIAL_12>`` and ``<TOOL_RESPONSE>``;    ``<TOOLCALL>[{"name": N, "arguments": A}]</TOOLCALL>``
+               or ``<TOOLCALL>``
+============== ========================================== =============================================
+
+These are tested before the families of tool_calls.py, whose markers some of these templates also
+hold (Llama's ``ipython`` turns, Mistral's ``[TOOL_CALLS]``).
+Nemotron v3 (Nano 3) writes Qwen3-Coder's XML calls, as llama-server reads it, and is that family.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Optional
+
+from .tool_calls import (BAD, DONE, PARTIAL, Snapshot, ToolCall, ToolSpec, _Family, _find, _held_marker_prefix,
+                         _lark_literal, _limit, _loads, _Memo, _params, _Part, _scan_members, _skip_ws,
+                         _unfinished, _literal, scan_json)
+from ..batching.constraint import JSON_WHITESPACE
+
+__all__ = ["FAMILIES", "REASONING_TAGS", "detect", "reads_content", "call_grammar"]
+
+FAMILIES = (
+    "nemotron-v2",
+)
+
+# the thinking tags of each family (the others think in <think>...</think>, if at all)
+REASONING_TAGS: dict[str, tuple[str, str]] = {}
+
+
+def detect(src: str) -> Optional[str]:
+    """The family of a template source among this module's, or None."""
+    if "<TOOLCALL>" in src or all(t in src for t in ("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>",
+                                                      "<TOOL_RESPONSE>")):
+        return "nemotron-v2"
+    return None
+
+
+def reads_content(family: Optional[str]) -> bool:
+    """Whether the family's replies carry markers around plain text (read even without tools)."""
+    return family in _READS_CONTENT
+
+
+_READS_CONTENT = frozenset()
+
+
+# ---------------------------------------------------------------------------------------------
+# Readers
+
+
+def _keyed_call(s: str, i: int, final: bool, memo: Optional[_Memo], name_key: str, args_key: str,
+                id_key: Optional[str] = None) -> _Part:
+    """A call written as one JSON object holding its name, arguments (and id) under these keys;
+    announced, while it is being written, once the name is known and the arguments have begun."""
+    m = _scan_members(s, i, memo)
+    if m.status == BAD:
+        return _Part(BAD, m.end, [])
+
+    def text(key: str) -> Any:
+        span = m.done.get(key)
+        return _loads(s[span[0]:span[1]]) if span else None
+    name, call_id = text(name_key), text(id_key) if id_key else None
+    if (name is not None and not isinstance(name, str)) or \
+            (call_id is not None and not isinstance(call_id, (str, int))):
+        return _Part(BAD, m.end, [])
+    cid = str(call_id) if call_id is not None else ""
+    if m.status == PARTIAL:
+        if final:
+            return _Part(BAD, m.end, [])
+        if name and args_key in m.done:
+            span = m.done[args_key]
+            return _Part(PARTIAL, m.end, [ToolCall(name, s[span[0]:span[1]], cid, done=False)])
+        if name and m.open_key == args_key and s.startswith("{", m.open_start):
+            return _Part(PARTIAL, m.end, [ToolCall(name, s[m.open_start:], cid, done=False)])
+        return _Part(PARTIAL, m.end, [])
+    span = m.done.get(args_key)
+    if not name or (span is not None and not s.startswith("{", span[0])):
+        return _Part(BAD, m.end, [])
+    return _Part(DONE, m.end, [ToolCall(name, s[span[0]:span[1]] if span else "{}", cid)])
+
+
+def _json_list(s: str, j: int, final: bool, memo: Optional[_Memo], item: Callable[..., _Part]) -> _Part:
+    """The JSON list of calls at s[j] == '[' (the last one may be unfinished)."""
+    calls: list[ToolCall] = []
+    i, n = j + 1, len(s)
+    while True:
+        i = _skip_ws(s, i)
+        if i >= n:
+            return _Part(BAD if final else PARTIAL, n, [_unfinished(c) for c in calls])
+        if s[i] != "{":
+            return _Part(BAD, i, [])  # an empty list calls nothing
+        part = item(s, i, final, memo)
+        if part.status == BAD:
+            return _Part(BAD, part.end, [])
+        if part.status == PARTIAL:
+            return _Part(PARTIAL, n, calls + part.calls)
+        calls += part.calls
+        i = _skip_ws(s, part.end)
+        if i >= n:
+            return _Part(BAD if final else PARTIAL, n, [_unfinished(c) for c in calls])
+        if s[i] == "]":
+            return _Part(DONE, i + 1, calls)
+        if s[i] != ",":
+            return _Part(BAD, i, [])
+        i += 1
+
+
+def _closed_by(s: str, part: _Part, end_marker: str, final: bool) -> _Part:
+    """A finished part followed by its end marker; a missing marker is forgiven (text after it is
+    content again), a marker still being written keeps the calls unfinished."""
+    if part.status != DONE or not end_marker:
+        return part
+    k = _skip_ws(s, part.end)
+    st = _literal(s, k, end_marker)
+    if st == DONE:
+        return _Part(DONE, k + len(end_marker), part.calls)
+    if st == PARTIAL and not final:
+        return _Part(PARTIAL, len(s), [_unfinished(c) for c in part.calls])
+    return _Part(DONE, part.end, part.calls)
+
+
+class _Marked(_Family):
+    """Calls that begin at markers anywhere in the reply, content around them with its own
+    wrapping markers (dropped) -- read by :meth:`read` in place of tool_calls.parse's loop."""
+
+    wrappers: tuple[str, ...] = ()
+
+    def read(self, text: str, final: bool, parallel: bool, memo: Optional[_Memo], calls: bool = True) -> Snapshot:
+        markers = self.markers if calls else ()
+        pieces: list[str] = []
+        found: list[ToolCall] = []
+        pos = 0
+        while True:
+            hits = [(k, m) for k, m in ((_find(text, m, pos, memo), m) for m in markers) if k >= 0]
+            if not hits:
+                tail = text[pos:]
+                if not final:
+                    held = _held_marker_prefix(tail, markers + self.wrappers)
+                    tail = (tail[:len(tail) - held] if held else tail).rstrip()
+                pieces.append(tail)
+                break
+            k, marker = min(hits)
+            part = self.at_marker(text, k, marker, final, memo)
+            if part.status == BAD:
+                pieces.append(text[pos:])
+                break
+            pieces.append(text[pos:k].rstrip())
+            found += part.calls
+            if part.status == PARTIAL:
+                break
+            pos = part.end
+        return Snapshot(self.unwrap("".join(pieces), final), _limit(found, parallel))
+
+    def unwrap(self, content: str, final: bool) -> str:
+        if not self.wrappers:
+            return content
+        for w in self.wrappers:
+            content = content.replace(w, "")
+        return content.strip() if final else content.lstrip()
+
+
+class _JsonList(_Marked):
+    """``START [ {call}, ... ] END``: a JSON list of call objects between markers."""
+
+    end_marker = ""
+
+    def item(self, s: str, i: int, final: bool, memo: Optional[_Memo]) -> _Part:
+        return _keyed_call(s, i, final, memo, "name", "arguments")
+
+    def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
+        j = _skip_ws(s, i + len(marker))
+        if j >= len(s):
+            return _Part(BAD if final else PARTIAL, len(s), [])
+        if s[j] != "[":
+            return _Part(BAD, j, [])
+        return _closed_by(s, _json_list(s, j, final, memo, self.item), self.end_marker, final)
+
+
+class _Nemotron2(_JsonList):
+    name = "nemotron-v2"
+    markers = ("<TOOLCALL>",)
+    end_marker = "</TOOLCALL>"
+
+
+_MORE: dict[str, _Family] = {f.name: f for f in (
+    _Nemotron2(),
+)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Grammars for a required call
+
+
+def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[int]] = lambda t: None,
+                 close_thinking: bool = False) -> str:
+    """llguidance Lark grammar of a required call (or calls) in one of this module's formats;
+    as tool_calls.call_grammar, which hands these families here."""
+    tools = [t for t in spec.tools if not spec.named or t["function"]["name"] == spec.choice]
+    names = [t["function"]["name"] for t in tools]
+    lit = lambda text: _lark_literal(text, special)  # noqa: E731
+    q = lambda text: json.dumps(text, ensure_ascii=False)  # noqa: E731
+    many = spec.parallel
+    rules: list[str] = []
+
+    def json_rule(rule: str, schema: dict) -> None:
+        schema = {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}, **schema}
+        rules.append(f"{rule}: %json {json.dumps(schema, ensure_ascii=False)}")
+
+    def obj(props: dict) -> dict:
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+    def per_tool_args() -> list[str]:
+        for k, t in enumerate(tools):
+            json_rule(f"args{k}", _params(t))
+        return [f"args{k}" for k in range(len(tools))]
+
+    def json_list(start: str, end: str, item_of: Callable[[dict, str], dict]) -> None:
+        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": [item_of(t, nm) for t, nm in zip(tools, names)]},
+                                  "minItems": 1}
+        if not many:
+            schema["maxItems"] = 1
+        json_rule("calls", schema)
+        rules.insert(0, f"start: {lit(start)} calls" + (f" {lit(end)}" if end else ""))
+
+    # each family's rules, the start rule first
+    if family == "nemotron-v2":
+        json_list("<TOOLCALL>", "</TOOLCALL>", lambda t, nm: obj({"name": {"const": nm}, "arguments": _params(t)}))
+    if not rules:
+        raise ValueError(f"unknown tool-call family {family!r}")
+    if close_thinking:
+        end_tag = REASONING_TAGS.get(family, ("<think>", "</think>"))[1]
+        rules[0] = rules[0].replace("start:", "tool_calls:", 1)
+        rules.insert(0, f'start: {lit(end_tag)} "\\n\\n" tool_calls')
+    return "\n".join(rules) + "\n"

@@ -22,6 +22,10 @@ WEATHER = ("get_weather", {"city": "Paris"})
 
 # (family, model text after its thinking, expected content, expected [(name, arguments as data)])
 CASES = [
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "now", "arguments": {}}]', None, [WEATHER, ("now", {})]),
+    ("granite", "<response>It is sunny.</response>", "It is sunny.", []),
+    ("granite", "Plain <|tool_call|> words", "Plain <|tool_call|> words", []),
     ("nemotron-v2", '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>', None, [WEATHER]),
     ("nemotron-v2", 'Checking. <TOOLCALL>[{"name": "now", "arguments": {}}]</TOOLCALL>', "Checking.", [("now", {})]),
     ("nemotron-v2", "Hello there.", "Hello there.", []),
@@ -51,6 +55,7 @@ def test_parse_whole_and_streamed(family, text, content, calls):
 
 
 @pytest.mark.parametrize("family, text", [
+    ("granite", '<|tool_call|>[{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}]'),
     ("nemotron-v2", '<TOOLCALL>[{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}]</TOOLCALL>'),
 ])
 def test_arguments_stream_before_the_call_ends(family, text):
@@ -62,6 +67,7 @@ def test_arguments_stream_before_the_call_ends(family, text):
 
 
 LONG_REPLIES = [
+    ("granite", f'<|tool_call|>[{{"name": "write", "arguments": {ARGS}}}, {{"name": "now", "arguments": {{}}}}]'),
     ("nemotron-v2", "Sure. " * 30 + f'<TOOLCALL>[{{"name": "write", "arguments": {ARGS}}}]</TOOLCALL>'),
 ]
 
@@ -85,6 +91,7 @@ def test_long_reply_streams_as_a_whole_reread(family, text):
 
 
 @pytest.mark.parametrize("family, text", [
+    ("granite", "Hello <|tool_"),
     ("nemotron-v2", "Hello <TOOLC"),
 ])
 def test_partial_markers_are_held_back(family, text):
@@ -113,6 +120,7 @@ def test_detection_leaves_the_other_families_alone():
 # --- grammars: every sentence of a required call's grammar is read back as that call ------------
 
 SAMPLES = {
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "nemotron-v2": '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>',
 }
 CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -156,6 +164,8 @@ def test_parallel_grammars_take_two_calls():
 # --- the response path: reasoning, content and calls as the openai client reads them -------------
 
 FULL_OUTPUT = {  # (model text, expected content, expected reasoning)
+    "granite": ('<think>Weather lookup.</think><|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+                None, "Weather lookup."),
     # its prompt opened the thinking
     "nemotron-v2": ('Weather lookup.\n</think>\n\n<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
                     "</TOOLCALL>", None, "Weather lookup."),
@@ -187,6 +197,7 @@ def test_openai_client_reads_tool_calls(family, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("family, text, content", [
+    ("granite", "<think>Easy.</think><response>It is sunny.</response>", "It is sunny."),
 ])
 def test_replies_without_tools_lose_their_markers(family, text, content, stream):
     for body in ({}, {"tools": [TOOL], "tool_choice": "none"}):

@@ -3,6 +3,25 @@ parts that matter: the markers that identify them, how tools are listed, how an 
 and a tool's results are shown, the generation prompt), written for the tests."""
 from __future__ import annotations
 
+# Granite 3.3: tools in an available_tools turn, calls after <|tool_call|>, thinking mode with
+# <think> and <response>.
+GRANITE = """{%- if tools %}
+{{- '<|start_of_role|>available_tools<|end_of_role|>' }}{% for t in tools %}{{ t | tojson(indent=4) }}{% if not loop.last %}{{ '\\n\\n' }}{% endif %}{% endfor %}{{ '<|end_of_text|>\\n' }}
+{%- endif %}
+{%- if thinking is defined and thinking %}
+{{- '<|start_of_role|>system<|end_of_role|>You are a helpful AI assistant. Respond to every user query in a comprehensive and detailed way. You can write down your thoughts and reasoning process before responding. In the thought process, engage in a comprehensive cycle of analysis, summarization, exploration, reassessment, reflection, backtracing, and iteration to develop well-considered thinking process. In the response section, based on various attempts, explorations, and reflections from the thoughts section, systematically present the final solution that you deem correct. The response should summarize the thought process. Write your thoughts between <think></think> and write your response between <response></response> for each user query.<|end_of_text|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' }}[{% for tc in message.tool_calls %}{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson }}}{% if not loop.last %}, {% endif %}{% endfor %}]{{ '<|end_of_text|>\\n' }}
+{%- elif message.role == 'tool' %}
+{{- '<|start_of_role|>tool_response<|end_of_role|>' + message.content + '<|end_of_text|>\\n' }}
+{%- else %}
+{{- '<|start_of_role|>' + message.role + '<|end_of_role|>' + (message.content or '') + '<|end_of_text|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{% endif %}"""
+
 # Nemotron Nano v2: <SPECIAL_1x> turns, <TOOLCALL>[...]</TOOLCALL>, results in <TOOL_RESPONSE>.
 NEMOTRON_V2 = """{{- '<SPECIAL_10>System\\n' }}
 {%- if tools %}{{- 'You can use the following tools in the <AVAILABLE_TOOLS> tags:\\n<AVAILABLE_TOOLS>[' }}{% for t in tools %}{{ t | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}{{ ']</AVAILABLE_TOOLS>\\nCall them as <TOOLCALL>[{"name": "...", "arguments": {...}}]</TOOLCALL>\\n' }}{% endif %}
@@ -22,5 +41,6 @@ NEMOTRON_V2 = """{{- '<SPECIAL_10>System\\n' }}
 {%- if add_generation_prompt %}{{- '<SPECIAL_11>Assistant\\n<think>\\n' }}{% endif %}"""
 
 MORE_TEMPLATES = {
+    "granite": GRANITE,
     "nemotron-v2": NEMOTRON_V2,
 }

@@ -4,6 +4,8 @@ has one, else with the parser it derives from the template).
 ============== ========================================== =============================================
 family         recognised by (in the template source)     what the model writes
 ============== ========================================== =============================================
+granite        ``<|tool_call|>``                           ``<|tool_call|>[{"name": N, "arguments": A}]``,
+                                                          ``<think>..</think><response>..</response>``
 nemotron-v2    ``<SPECIAL_10>``, ``<SPECIAL_11>``,          ``<think>..</think>`` then
                ``<SPECIAL_12>`` and ``<TOOL_RESPONSE>``;    ``<TOOLCALL>[{"name": N, "arguments": A}]</TOOLCALL>``
                or ``<TOOLCALL>``
@@ -26,6 +28,7 @@ from ..batching.constraint import JSON_WHITESPACE
 __all__ = ["FAMILIES", "REASONING_TAGS", "detect", "reads_content", "call_grammar"]
 
 FAMILIES = (
+    "granite",
     "nemotron-v2",
 )
 
@@ -35,6 +38,8 @@ REASONING_TAGS: dict[str, tuple[str, str]] = {}
 
 def detect(src: str) -> Optional[str]:
     """The family of a template source among this module's, or None."""
+    if "<|tool_call|>" in src:
+        return "granite"
     if "<TOOLCALL>" in src or all(t in src for t in ("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>",
                                                       "<TOOL_RESPONSE>")):
         return "nemotron-v2"
@@ -46,7 +51,7 @@ def reads_content(family: Optional[str]) -> bool:
     return family in _READS_CONTENT
 
 
-_READS_CONTENT = frozenset()
+_READS_CONTENT = frozenset(("granite",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,6 +186,12 @@ class _JsonList(_Marked):
         return _closed_by(s, _json_list(s, j, final, memo, self.item), self.end_marker, final)
 
 
+class _Granite(_JsonList):
+    name = "granite"
+    markers = ("<|tool_call|>",)
+    wrappers = ("<response>", "</response>")
+
+
 class _Nemotron2(_JsonList):
     name = "nemotron-v2"
     markers = ("<TOOLCALL>",)
@@ -188,6 +199,7 @@ class _Nemotron2(_JsonList):
 
 
 _MORE: dict[str, _Family] = {f.name: f for f in (
+    _Granite(),
     _Nemotron2(),
 )}
 
@@ -230,6 +242,8 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
     # each family's rules, the start rule first
     if family == "nemotron-v2":
         json_list("<TOOLCALL>", "</TOOLCALL>", lambda t, nm: obj({"name": {"const": nm}, "arguments": _params(t)}))
+    if family == "granite":
+        json_list("<|tool_call|>", "", lambda t, nm: obj({"name": {"const": nm}, "arguments": _params(t)}))
     if not rules:
         raise ValueError(f"unknown tool-call family {family!r}")
     if close_thinking:

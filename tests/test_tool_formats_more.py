@@ -18,10 +18,16 @@ from test_tool_calls import ARGS, TOOL, _anonymous, _calls, _merge, _reparsed_de
 from tool_templates import FAMILY_TEMPLATES
 from tool_templates_more import MORE_TEMPLATES
 
+R7B_CALL = ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}'
+            ',\n    {"tool_call_id": "1", "tool_name": "now", "parameters": {}}\n]<|END_ACTION|>')
 WEATHER = ("get_weather", {"city": "Paris"})
 
 # (family, model text after its thinking, expected content, expected [(name, arguments as data)])
 CASES = [
+    ("command-r7b", R7B_CALL, None, [WEATHER, ("now", {})]),
+    ("command-r7b", "<|START_RESPONSE|>It is sunny in Paris.<|END_RESPONSE|>", "It is sunny in Paris.", []),
+    ("command-r7b", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": 3}]<|END_ACTION|>',
+     '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": 3}]<|END_ACTION|>', []),
     ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                 '{"name": "now", "arguments": {}}]', None, [WEATHER, ("now", {})]),
     ("granite", "<response>It is sunny.</response>", "It is sunny.", []),
@@ -55,6 +61,8 @@ def test_parse_whole_and_streamed(family, text, content, calls):
 
 
 @pytest.mark.parametrize("family, text", [
+    ("command-r7b", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "write", "parameters": {"text": "'
+                    + "abcdefgh" * 8 + '"}}]<|END_ACTION|>'),
     ("granite", '<|tool_call|>[{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}]'),
     ("nemotron-v2", '<TOOLCALL>[{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}]</TOOLCALL>'),
 ])
@@ -67,6 +75,9 @@ def test_arguments_stream_before_the_call_ends(family, text):
 
 
 LONG_REPLIES = [
+    ("command-r7b", "<|START_RESPONSE|>" + "Let me look. " * 40 + "<|END_RESPONSE|>"
+                    f'<|START_ACTION|>[{{"tool_call_id": "0", "tool_name": "write", "parameters": {ARGS}}}]'
+                    "<|END_ACTION|>"),
     ("granite", f'<|tool_call|>[{{"name": "write", "arguments": {ARGS}}}, {{"name": "now", "arguments": {{}}}}]'),
     ("nemotron-v2", "Sure. " * 30 + f'<TOOLCALL>[{{"name": "write", "arguments": {ARGS}}}]</TOOLCALL>'),
 ]
@@ -91,6 +102,8 @@ def test_long_reply_streams_as_a_whole_reread(family, text):
 
 
 @pytest.mark.parametrize("family, text", [
+    ("command-r7b", "Hello <|START_AC"),
+    ("command-r7b", "<|START_RESPONSE|>Hello <|END_RES"),
     ("granite", "Hello <|tool_"),
     ("nemotron-v2", "Hello <TOOLC"),
 ])
@@ -104,6 +117,11 @@ def test_no_parallel_calls_keeps_the_first():
     assert _calls(s.message()[1]) == [("a", {})]
 
 
+def test_command_r7b_keeps_the_model_ids():
+    _, s = _stream("command-r7b", [R7B_CALL])
+    assert [c["id"] for c in s.message()[1]] == ["0", "1"]  # the model's own ids, which its results cite
+
+
 @pytest.mark.parametrize("family", sorted(MORE_TEMPLATES))
 def test_detect_family_from_template(family):
     assert detect_family(MORE_TEMPLATES[family]) == family
@@ -115,11 +133,14 @@ def test_detection_leaves_the_other_families_alone():
         assert detect_family(src) == family
     # Mistral templates with [CALL_ID] and no [THINK] stay mistral; Cohere2's <|START_TEXT|> is not R7B
     assert detect_family("[SYSTEM_PROMPT][TOOL_CALLS][CALL_ID][ARGS]") == "mistral"
+    assert detect_family("<|START_TEXT|><|START_ACTION|>") != "command-r7b"
 
 
 # --- grammars: every sentence of a required call's grammar is read back as that call ------------
 
 SAMPLES = {
+    "command-r7b": '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
+                   '"parameters": {"city": "Paris"}}]<|END_ACTION|>',
     "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "nemotron-v2": '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>',
 }
@@ -164,6 +185,9 @@ def test_parallel_grammars_take_two_calls():
 # --- the response path: reasoning, content and calls as the openai client reads them -------------
 
 FULL_OUTPUT = {  # (model text, expected content, expected reasoning)
+    "command-r7b": ("<|START_THINKING|>The user wants the weather in Paris.<|END_THINKING|>"
+                    '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
+                    '"parameters": {"city": "Paris"}}]<|END_ACTION|>', None, "The user wants the weather in Paris."),
     "granite": ('<think>Weather lookup.</think><|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
                 None, "Weather lookup."),
     # its prompt opened the thinking
@@ -197,6 +221,8 @@ def test_openai_client_reads_tool_calls(family, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("family, text, content", [
+    ("command-r7b", "<|START_THINKING|>Easy.<|END_THINKING|><|START_RESPONSE|>It is sunny.<|END_RESPONSE|>",
+     "It is sunny."),
     ("granite", "<think>Easy.</think><response>It is sunny.</response>", "It is sunny."),
 ])
 def test_replies_without_tools_lose_their_markers(family, text, content, stream):

@@ -3,6 +3,36 @@ parts that matter: the markers that identify them, how tools are listed, how an 
 and a tool's results are shown, the generation prompt), written for the tests."""
 from __future__ import annotations
 
+# Command R7B: thinking, actions as a JSON list, results as a JSON list, replies wrapped.
+COMMAND_R7B = """{{- bos_token }}<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|># System Preamble
+You may use tools. Write <|START_THINKING|>your plan<|END_THINKING|>, then <|START_ACTION|>[{"tool_call_id": "0", "tool_name": ..., "parameters": {...}}]<|END_ACTION|> or <|START_RESPONSE|>your reply<|END_RESPONSE|>.
+{%- if tools %}
+## Available Tools
+```json
+[{% for t in tools %}{{ t.function | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]
+```
+{%- endif %}<|END_OF_TURN_TOKEN|>
+{%- for message in messages %}
+{%- if message.role == 'user' or message.role == 'system' %}
+{{- '<|START_OF_TURN_TOKEN|><|USER_TOKEN|>' + message.content + '<|END_OF_TURN_TOKEN|>' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}
+{%- if message.tool_calls %}
+{{- '<|START_ACTION|>[' }}
+{%- for tc in message.tool_calls %}
+{{- '{"tool_call_id": "' + tc.id + '", "tool_name": "' + tc.function.name + '", "parameters": ' + (tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson) + '}' }}{% if not loop.last %}{{ ', ' }}{% endif %}
+{%- endfor %}
+{{- ']<|END_ACTION|>' }}
+{%- else %}
+{{- '<|START_RESPONSE|>' + message.content + '<|END_RESPONSE|>' }}
+{%- endif %}
+{{- '<|END_OF_TURN_TOKEN|>' }}
+{%- elif message.role == 'tool' %}
+{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><|START_TOOL_RESULT|>[{"tool_call_id": "' + message.tool_call_id + '", "results": {"0": ' + (message.content | tojson) + '}}]<|END_TOOL_RESULT|><|END_OF_TURN_TOKEN|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{% endif %}"""
+
 # Granite 3.3: tools in an available_tools turn, calls after <|tool_call|>, thinking mode with
 # <think> and <response>.
 GRANITE = """{%- if tools %}
@@ -41,6 +71,7 @@ NEMOTRON_V2 = """{{- '<SPECIAL_10>System\\n' }}
 {%- if add_generation_prompt %}{{- '<SPECIAL_11>Assistant\\n<think>\\n' }}{% endif %}"""
 
 MORE_TEMPLATES = {
+    "command-r7b": COMMAND_R7B,
     "granite": GRANITE,
     "nemotron-v2": NEMOTRON_V2,
 }

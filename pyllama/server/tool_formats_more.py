@@ -4,6 +4,10 @@ has one, else with the parser it derives from the template).
 ============== ========================================== =============================================
 family         recognised by (in the template source)     what the model writes
 ============== ========================================== =============================================
+command-r7b    ``<|START_ACTION|>`` (no ``<|START_TEXT|>``) ``<|START_THINKING|>..<|END_THINKING|>``,
+                                                          ``<|START_ACTION|>[{"tool_call_id": I,
+                                                          "tool_name": N, "parameters": A}]<|END_ACTION|>``,
+                                                          ``<|START_RESPONSE|>text<|END_RESPONSE|>``
 granite        ``<|tool_call|>``                           ``<|tool_call|>[{"name": N, "arguments": A}]``,
                                                           ``<think>..</think><response>..</response>``
 nemotron-v2    ``<SPECIAL_10>``, ``<SPECIAL_11>``,          ``<think>..</think>`` then
@@ -28,16 +32,21 @@ from ..batching.constraint import JSON_WHITESPACE
 __all__ = ["FAMILIES", "REASONING_TAGS", "detect", "reads_content", "call_grammar"]
 
 FAMILIES = (
+    "command-r7b",
     "granite",
     "nemotron-v2",
 )
 
 # the thinking tags of each family (the others think in <think>...</think>, if at all)
-REASONING_TAGS: dict[str, tuple[str, str]] = {}
+REASONING_TAGS: dict[str, tuple[str, str]] = {
+    "command-r7b": ("<|START_THINKING|>", "<|END_THINKING|>"),
+}
 
 
 def detect(src: str) -> Optional[str]:
     """The family of a template source among this module's, or None."""
+    if "<|START_ACTION|>" in src and "<|START_TEXT|>" not in src:
+        return "command-r7b"
     if "<|tool_call|>" in src:
         return "granite"
     if "<TOOLCALL>" in src or all(t in src for t in ("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>",
@@ -51,7 +60,7 @@ def reads_content(family: Optional[str]) -> bool:
     return family in _READS_CONTENT
 
 
-_READS_CONTENT = frozenset(("granite",))
+_READS_CONTENT = frozenset(("command-r7b", "granite"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +207,18 @@ class _Nemotron2(_JsonList):
     end_marker = "</TOOLCALL>"
 
 
+class _CommandR7B(_JsonList):
+    name = "command-r7b"
+    markers = ("<|START_ACTION|>",)
+    end_marker = "<|END_ACTION|>"
+    wrappers = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")
+
+    def item(self, s: str, i: int, final: bool, memo: Optional[_Memo]) -> _Part:
+        return _keyed_call(s, i, final, memo, "tool_name", "parameters", "tool_call_id")
+
+
 _MORE: dict[str, _Family] = {f.name: f for f in (
+    _CommandR7B(),
     _Granite(),
     _Nemotron2(),
 )}
@@ -244,6 +264,10 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         json_list("<TOOLCALL>", "</TOOLCALL>", lambda t, nm: obj({"name": {"const": nm}, "arguments": _params(t)}))
     if family == "granite":
         json_list("<|tool_call|>", "", lambda t, nm: obj({"name": {"const": nm}, "arguments": _params(t)}))
+    if family == "command-r7b":
+        json_list("<|START_ACTION|>", "<|END_ACTION|>",
+                  lambda t, nm: obj({"tool_call_id": {"type": "string", "pattern": "^[0-9]{1,4}$"},
+                                     "tool_name": {"const": nm}, "parameters": _params(t)}))
     if not rules:
         raise ValueError(f"unknown tool-call family {family!r}")
     if close_thinking:

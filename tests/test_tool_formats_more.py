@@ -32,6 +32,10 @@ CASES = [
                 '{"name": "now", "arguments": {}}]', None, [WEATHER, ("now", {})]),
     ("granite", "<response>It is sunny.</response>", "It is sunny.", []),
     ("granite", "Plain <|tool_call|> words", "Plain <|tool_call|> words", []),
+    ("apertus", '<|tools_prefix|>[{"get_weather": {"city": "Paris"}}, {"now": {}}]<|tools_suffix|>', None,
+     [WEATHER, ("now", {})]),
+    ("apertus", '<|tools_prefix|>[{"get_weather": {"city": "Paris"}, "x": {}}]<|tools_suffix|>',
+     '<|tools_prefix|>[{"get_weather": {"city": "Paris"}, "x": {}}]<|tools_suffix|>', []),
     ("nemotron-v2", '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>', None, [WEATHER]),
     ("nemotron-v2", 'Checking. <TOOLCALL>[{"name": "now", "arguments": {}}]</TOOLCALL>', "Checking.", [("now", {})]),
     ("nemotron-v2", "Hello there.", "Hello there.", []),
@@ -64,6 +68,7 @@ def test_parse_whole_and_streamed(family, text, content, calls):
     ("command-r7b", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "write", "parameters": {"text": "'
                     + "abcdefgh" * 8 + '"}}]<|END_ACTION|>'),
     ("granite", '<|tool_call|>[{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}]'),
+    ("apertus", '<|tools_prefix|>[{"write": {"text": "' + "abcdefgh" * 8 + '"}}]<|tools_suffix|>'),
     ("nemotron-v2", '<TOOLCALL>[{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}]</TOOLCALL>'),
 ])
 def test_arguments_stream_before_the_call_ends(family, text):
@@ -79,6 +84,7 @@ LONG_REPLIES = [
                     f'<|START_ACTION|>[{{"tool_call_id": "0", "tool_name": "write", "parameters": {ARGS}}}]'
                     "<|END_ACTION|>"),
     ("granite", f'<|tool_call|>[{{"name": "write", "arguments": {ARGS}}}, {{"name": "now", "arguments": {{}}}}]'),
+    ("apertus", f'<|tools_prefix|>[{{"write": {ARGS}}}, {{"now": {{}}}}]<|tools_suffix|>'),
     ("nemotron-v2", "Sure. " * 30 + f'<TOOLCALL>[{{"name": "write", "arguments": {ARGS}}}]</TOOLCALL>'),
 ]
 
@@ -105,6 +111,7 @@ def test_long_reply_streams_as_a_whole_reread(family, text):
     ("command-r7b", "Hello <|START_AC"),
     ("command-r7b", "<|START_RESPONSE|>Hello <|END_RES"),
     ("granite", "Hello <|tool_"),
+    ("apertus", "Hello <|tools_pre"),
     ("nemotron-v2", "Hello <TOOLC"),
 ])
 def test_partial_markers_are_held_back(family, text):
@@ -142,6 +149,7 @@ SAMPLES = {
     "command-r7b": '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
                    '"parameters": {"city": "Paris"}}]<|END_ACTION|>',
     "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "apertus": '<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>',
     "nemotron-v2": '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>',
 }
 CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -190,6 +198,8 @@ FULL_OUTPUT = {  # (model text, expected content, expected reasoning)
                     '"parameters": {"city": "Paris"}}]<|END_ACTION|>', None, "The user wants the weather in Paris."),
     "granite": ('<think>Weather lookup.</think><|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
                 None, "Weather lookup."),
+    "apertus": ('<|inner_prefix|>Weather lookup.<|inner_suffix|><|tools_prefix|>[{"get_weather": {"city": "Paris"}}]'
+                "<|tools_suffix|>", None, "Weather lookup."),
     # its prompt opened the thinking
     "nemotron-v2": ('Weather lookup.\n</think>\n\n<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
                     "</TOOLCALL>", None, "Weather lookup."),

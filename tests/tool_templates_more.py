@@ -52,6 +52,25 @@ GRANITE = """{%- if tools %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{% endif %}"""
 
+# Apertus: inner thoughts between <|inner_prefix|> and <|inner_suffix|>, calls as [{NAME: ARGS}].
+APERTUS = """{{- bos_token }}
+{{- '<|system_start|>You are Apertus.' }}
+{%- if tools %}{{- '\\n\\n### Tools\\n\\nCall them as <|tools_prefix|>[{"name": {arguments}}]<|tools_suffix|>.\\n' }}{% for t in tools %}{{ t.function | tojson }}{{ '\\n' }}{% endfor %}{% endif %}
+{{- '<|system_end|>' }}
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{{- '<|user_start|>' + message.content + '<|user_end|>' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|assistant_start|>' + (message.content or '') }}
+{%- if message.tool_calls %}
+{{- '<|tools_prefix|>[' }}{% for tc in message.tool_calls %}{{ '{"' + tc.function.name + '": ' + (tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson) + '}' }}{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{{ ']<|tools_suffix|>' }}
+{%- endif %}
+{%- elif message.role == 'tool' %}
+{{- '[' + (message.content | tojson) + ']<|assistant_end|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant_start|>' }}{% endif %}"""
+
 # Nemotron Nano v2: <SPECIAL_1x> turns, <TOOLCALL>[...]</TOOLCALL>, results in <TOOL_RESPONSE>.
 NEMOTRON_V2 = """{{- '<SPECIAL_10>System\\n' }}
 {%- if tools %}{{- 'You can use the following tools in the <AVAILABLE_TOOLS> tags:\\n<AVAILABLE_TOOLS>[' }}{% for t in tools %}{{ t | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}{{ ']</AVAILABLE_TOOLS>\\nCall them as <TOOLCALL>[{"name": "...", "arguments": {...}}]</TOOLCALL>\\n' }}{% endif %}
@@ -73,5 +92,6 @@ NEMOTRON_V2 = """{{- '<SPECIAL_10>System\\n' }}
 MORE_TEMPLATES = {
     "command-r7b": COMMAND_R7B,
     "granite": GRANITE,
+    "apertus": APERTUS,
     "nemotron-v2": NEMOTRON_V2,
 }

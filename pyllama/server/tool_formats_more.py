@@ -10,6 +10,8 @@ command-r7b    ``<|START_ACTION|>`` (no ``<|START_TEXT|>``) ``<|START_THINKING|>
                                                           ``<|START_RESPONSE|>text<|END_RESPONSE|>``
 granite        ``<|tool_call|>``                           ``<|tool_call|>[{"name": N, "arguments": A}]``,
                                                           ``<think>..</think><response>..</response>``
+apertus        ``<|tools_prefix|>``                        ``<|inner_prefix|>..<|inner_suffix|>``, then
+                                                          ``<|tools_prefix|>[{NAME: A}]<|tools_suffix|>``
 nemotron-v2    ``<SPECIAL_10>``, ``<SPECIAL_11>``,          ``<think>..</think>`` then
                ``<SPECIAL_12>`` and ``<TOOL_RESPONSE>``;    ``<TOOLCALL>[{"name": N, "arguments": A}]</TOOLCALL>``
                or ``<TOOLCALL>``
@@ -34,12 +36,14 @@ __all__ = ["FAMILIES", "REASONING_TAGS", "detect", "reads_content", "call_gramma
 FAMILIES = (
     "command-r7b",
     "granite",
+    "apertus",
     "nemotron-v2",
 )
 
 # the thinking tags of each family (the others think in <think>...</think>, if at all)
 REASONING_TAGS: dict[str, tuple[str, str]] = {
     "command-r7b": ("<|START_THINKING|>", "<|END_THINKING|>"),
+    "apertus": ("<|inner_prefix|>", "<|inner_suffix|>"),
 }
 
 
@@ -49,6 +53,8 @@ def detect(src: str) -> Optional[str]:
         return "command-r7b"
     if "<|tool_call|>" in src:
         return "granite"
+    if "<|tools_prefix|>" in src:
+        return "apertus"
     if "<TOOLCALL>" in src or all(t in src for t in ("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>",
                                                       "<TOOL_RESPONSE>")):
         return "nemotron-v2"
@@ -96,6 +102,31 @@ def _keyed_call(s: str, i: int, final: bool, memo: Optional[_Memo], name_key: st
     if not name or (span is not None and not s.startswith("{", span[0])):
         return _Part(BAD, m.end, [])
     return _Part(DONE, m.end, [ToolCall(name, s[span[0]:span[1]] if span else "{}", cid)])
+
+
+def _named_object(s: str, i: int, final: bool, memo: Optional[_Memo]) -> _Part:
+    """Apertus: a call is an object with one member, the tool's name, whose value is its arguments."""
+    m = _scan_members(s, i, memo)
+    if m.status == BAD:
+        return _Part(BAD, m.end, [])
+    if m.status == PARTIAL:
+        if final:
+            return _Part(BAD, m.end, [])
+        if len(m.done) == 1 and m.open_key is None:  # its one member is written, the object not closed
+            (name, span), = m.done.items()
+            if s.startswith("{", span[0]):
+                return _Part(PARTIAL, m.end, [ToolCall(name, s[span[0]:span[1]], done=False)])
+        if m.done:  # a second member makes this no call
+            return _Part(PARTIAL, m.end, [])
+        if m.open_key and s.startswith("{", m.open_start):
+            return _Part(PARTIAL, m.end, [ToolCall(m.open_key, s[m.open_start:], done=False)])
+        return _Part(PARTIAL, m.end, [])
+    if len(m.done) != 1:
+        return _Part(BAD, m.end, [])
+    (name, span), = m.done.items()
+    if not name or not s.startswith("{", span[0]):
+        return _Part(BAD, m.end, [])
+    return _Part(DONE, m.end, [ToolCall(name, s[span[0]:span[1]])])
 
 
 def _json_list(s: str, j: int, final: bool, memo: Optional[_Memo], item: Callable[..., _Part]) -> _Part:
@@ -217,9 +248,19 @@ class _CommandR7B(_JsonList):
         return _keyed_call(s, i, final, memo, "tool_name", "parameters", "tool_call_id")
 
 
+class _Apertus(_JsonList):
+    name = "apertus"
+    markers = ("<|tools_prefix|>",)
+    end_marker = "<|tools_suffix|>"
+
+    def item(self, s: str, i: int, final: bool, memo: Optional[_Memo]) -> _Part:
+        return _named_object(s, i, final, memo)
+
+
 _MORE: dict[str, _Family] = {f.name: f for f in (
     _CommandR7B(),
     _Granite(),
+    _Apertus(),
     _Nemotron2(),
 )}
 
@@ -268,6 +309,8 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         json_list("<|START_ACTION|>", "<|END_ACTION|>",
                   lambda t, nm: obj({"tool_call_id": {"type": "string", "pattern": "^[0-9]{1,4}$"},
                                      "tool_name": {"const": nm}, "parameters": _params(t)}))
+    if family == "apertus":
+        json_list("<|tools_prefix|>", "<|tools_suffix|>", lambda t, nm: obj({nm: _params(t)}))
     if not rules:
         raise ValueError(f"unknown tool-call family {family!r}")
     if close_thinking:

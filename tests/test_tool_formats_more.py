@@ -32,6 +32,9 @@ CASES = [
                 '{"name": "now", "arguments": {}}]', None, [WEATHER, ("now", {})]),
     ("granite", "<response>It is sunny.</response>", "It is sunny.", []),
     ("granite", "Plain <|tool_call|> words", "Plain <|tool_call|> words", []),
+    ("magistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}', None,
+     [WEATHER, ("now", {})]),
+    ("magistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "Sure.", [WEATHER]),
     ("apertus", '<|tools_prefix|>[{"get_weather": {"city": "Paris"}}, {"now": {}}]<|tools_suffix|>', None,
      [WEATHER, ("now", {})]),
     ("apertus", '<|tools_prefix|>[{"get_weather": {"city": "Paris"}, "x": {}}]<|tools_suffix|>',
@@ -68,6 +71,7 @@ def test_parse_whole_and_streamed(family, text, content, calls):
     ("command-r7b", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "write", "parameters": {"text": "'
                     + "abcdefgh" * 8 + '"}}]<|END_ACTION|>'),
     ("granite", '<|tool_call|>[{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}]'),
+    ("magistral", '[TOOL_CALLS]write[ARGS]{"text": "' + "abcdefgh" * 8 + '"}'),
     ("apertus", '<|tools_prefix|>[{"write": {"text": "' + "abcdefgh" * 8 + '"}}]<|tools_suffix|>'),
     ("nemotron-v2", '<TOOLCALL>[{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}]</TOOLCALL>'),
 ])
@@ -84,6 +88,7 @@ LONG_REPLIES = [
                     f'<|START_ACTION|>[{{"tool_call_id": "0", "tool_name": "write", "parameters": {ARGS}}}]'
                     "<|END_ACTION|>"),
     ("granite", f'<|tool_call|>[{{"name": "write", "arguments": {ARGS}}}, {{"name": "now", "arguments": {{}}}}]'),
+    ("magistral", "Sure. " * 30 + f"[TOOL_CALLS]write[ARGS]{ARGS}[TOOL_CALLS]now[ARGS]{{}}"),
     ("apertus", f'<|tools_prefix|>[{{"write": {ARGS}}}, {{"now": {{}}}}]<|tools_suffix|>'),
     ("nemotron-v2", "Sure. " * 30 + f'<TOOLCALL>[{{"name": "write", "arguments": {ARGS}}}]</TOOLCALL>'),
 ]
@@ -111,6 +116,7 @@ def test_long_reply_streams_as_a_whole_reread(family, text):
     ("command-r7b", "Hello <|START_AC"),
     ("command-r7b", "<|START_RESPONSE|>Hello <|END_RES"),
     ("granite", "Hello <|tool_"),
+    ("magistral", "Hello [TOOL_C"),
     ("apertus", "Hello <|tools_pre"),
     ("nemotron-v2", "Hello <TOOLC"),
 ])
@@ -129,6 +135,12 @@ def test_command_r7b_keeps_the_model_ids():
     assert [c["id"] for c in s.message()[1]] == ["0", "1"]  # the model's own ids, which its results cite
 
 
+def test_magistral_ids_are_nine_characters():
+    _, s = _stream("magistral", ['[TOOL_CALLS]now[ARGS]{}'])
+    cid = s.message()[1][0]["id"]
+    assert len(cid) == 9 and cid.isalnum()
+
+
 @pytest.mark.parametrize("family", sorted(MORE_TEMPLATES))
 def test_detect_family_from_template(family):
     assert detect_family(MORE_TEMPLATES[family]) == family
@@ -141,6 +153,7 @@ def test_detection_leaves_the_other_families_alone():
     # Mistral templates with [CALL_ID] and no [THINK] stay mistral; Cohere2's <|START_TEXT|> is not R7B
     assert detect_family("[SYSTEM_PROMPT][TOOL_CALLS][CALL_ID][ARGS]") == "mistral"
     assert detect_family("<|START_TEXT|><|START_ACTION|>") != "command-r7b"
+    assert detect_family("[SYSTEM_PROMPT]x[/SYSTEM_PROMPT][TOOL_CALLS]f[ARGS]") == "magistral"
 
 
 # --- grammars: every sentence of a required call's grammar is read back as that call ------------
@@ -149,6 +162,7 @@ SAMPLES = {
     "command-r7b": '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
                    '"parameters": {"city": "Paris"}}]<|END_ACTION|>',
     "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "magistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
     "apertus": '<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>',
     "nemotron-v2": '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>',
 }
@@ -182,6 +196,7 @@ def test_parallel_grammars_take_two_calls():
     spec = parse_tool_request({"tools": [CITY_TOOL, {"type": "function", "function": {"name": "now"}}],
                                "tool_choice": "required"})
     two = {
+        "magistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}',
         "nemotron-v2": '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                        '{"name": "now", "arguments": {}}]</TOOLCALL>',
     }
@@ -198,6 +213,8 @@ FULL_OUTPUT = {  # (model text, expected content, expected reasoning)
                     '"parameters": {"city": "Paris"}}]<|END_ACTION|>', None, "The user wants the weather in Paris."),
     "granite": ('<think>Weather lookup.</think><|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
                 None, "Weather lookup."),
+    "magistral": ('[THINK]Weather lookup.[/THINK]Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+                  "Checking.", "Weather lookup."),
     "apertus": ('<|inner_prefix|>Weather lookup.<|inner_suffix|><|tools_prefix|>[{"get_weather": {"city": "Paris"}}]'
                 "<|tools_suffix|>", None, "Weather lookup."),
     # its prompt opened the thinking

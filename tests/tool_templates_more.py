@@ -52,6 +52,24 @@ GRANITE = """{%- if tools %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{% endif %}"""
 
+# Magistral: a system prompt, [THINK] reasoning, one [TOOL_CALLS]NAME[ARGS]{...} per call.
+MAGISTRAL = """{{- bos_token }}
+{{- '[SYSTEM_PROMPT]First draft your thinking process between [THINK] and [/THINK], then reply.[/SYSTEM_PROMPT]' }}
+{%- if tools %}{{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{{- '[INST]' + message.content + '[/INST]' }}
+{%- elif message.role == 'assistant' %}
+{{- message.content or '' }}
+{%- for tc in message.tool_calls or [] %}
+{{- '[TOOL_CALLS]' + tc.function.name + '[ARGS]' + (tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson) }}
+{%- endfor %}
+{{- eos_token }}
+{%- elif message.role == 'tool' %}
+{{- '[TOOL_RESULTS]' + message.content + '[/TOOL_RESULTS]' }}
+{%- endif %}
+{%- endfor %}"""
+
 # Apertus: inner thoughts between <|inner_prefix|> and <|inner_suffix|>, calls as [{NAME: ARGS}].
 APERTUS = """{{- bos_token }}
 {{- '<|system_start|>You are Apertus.' }}
@@ -92,6 +110,7 @@ NEMOTRON_V2 = """{{- '<SPECIAL_10>System\\n' }}
 MORE_TEMPLATES = {
     "command-r7b": COMMAND_R7B,
     "granite": GRANITE,
+    "magistral": MAGISTRAL,
     "apertus": APERTUS,
     "nemotron-v2": NEMOTRON_V2,
 }

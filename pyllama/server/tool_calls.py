@@ -83,7 +83,7 @@ _ALNUM = string.ascii_letters + string.digits
 def new_call_id(family: str) -> str:
     """A fresh call id: 9 letters and digits for Mistral (its templates refuse any other shape),
     ``call_`` and 24 letters and digits otherwise."""
-    if family == "mistral":
+    if family in ("mistral", "magistral"):
         return "".join(secrets.choice(_ALNUM) for _ in range(9))
     return "call_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
 

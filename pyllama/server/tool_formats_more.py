@@ -4,6 +4,9 @@ has one, else with the parser it derives from the template).
 ============== ========================================== =============================================
 family         recognised by (in the template source)     what the model writes
 ============== ========================================== =============================================
+magistral      ``[SYSTEM_PROMPT]``, ``[TOOL_CALLS]`` and   ``[THINK]..[/THINK]`` then
+               ``[ARGS]`` without ``[CALL_ID]``; or        ``[TOOL_CALLS]NAME[ARGS]{..}`` (or the JSON
+               ``[TOOL_CALLS]`` with ``[THINK]``           list of the mistral family)
 command-r7b    ``<|START_ACTION|>`` (no ``<|START_TEXT|>``) ``<|START_THINKING|>..<|END_THINKING|>``,
                                                           ``<|START_ACTION|>[{"tool_call_id": I,
                                                           "tool_name": N, "parameters": A}]<|END_ACTION|>``,
@@ -27,13 +30,14 @@ import json
 from typing import Any, Callable, Optional
 
 from .tool_calls import (BAD, DONE, PARTIAL, Snapshot, ToolCall, ToolSpec, _Family, _find, _held_marker_prefix,
-                         _lark_literal, _limit, _loads, _Memo, _params, _Part, _scan_members, _skip_ws,
+                         _lark_literal, _limit, _loads, _Memo, _Mistral, _params, _Part, _scan_members, _skip_ws,
                          _unfinished, _literal, scan_json)
 from ..batching.constraint import JSON_WHITESPACE
 
 __all__ = ["FAMILIES", "REASONING_TAGS", "detect", "reads_content", "call_grammar"]
 
 FAMILIES = (
+    "magistral",
     "command-r7b",
     "granite",
     "apertus",
@@ -42,6 +46,7 @@ FAMILIES = (
 
 # the thinking tags of each family (the others think in <think>...</think>, if at all)
 REASONING_TAGS: dict[str, tuple[str, str]] = {
+    "magistral": ("[THINK]", "[/THINK]"),
     "command-r7b": ("<|START_THINKING|>", "<|END_THINKING|>"),
     "apertus": ("<|inner_prefix|>", "<|inner_suffix|>"),
 }
@@ -49,6 +54,9 @@ REASONING_TAGS: dict[str, tuple[str, str]] = {
 
 def detect(src: str) -> Optional[str]:
     """The family of a template source among this module's, or None."""
+    if "[TOOL_CALLS]" in src and ("[THINK]" in src or (
+            "[SYSTEM_PROMPT]" in src and "[ARGS]" in src and "[CALL_ID]" not in src)):
+        return "magistral"
     if "<|START_ACTION|>" in src and "<|START_TEXT|>" not in src:
         return "command-r7b"
     if "<|tool_call|>" in src:
@@ -257,7 +265,14 @@ class _Apertus(_JsonList):
         return _named_object(s, i, final, memo)
 
 
+class _Magistral(_Mistral):
+    """The mistral family's calls, each after its own ``[TOOL_CALLS]``; its thinking in ``[THINK]``."""
+
+    name = "magistral"
+
+
 _MORE: dict[str, _Family] = {f.name: f for f in (
+    _Magistral(),
     _CommandR7B(),
     _Granite(),
     _Apertus(),
@@ -311,6 +326,10 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
                                      "tool_name": {"const": nm}, "parameters": _params(t)}))
     if family == "apertus":
         json_list("<|tools_prefix|>", "<|tools_suffix|>", lambda t, nm: obj({nm: _params(t)}))
+    if family == "magistral":
+        args = per_tool_args()
+        alts = " | ".join(f'{q(nm)} {lit("[ARGS]")} {a}' for nm, a in zip(names, args))
+        rules[:0] = [f'start: call{"+" if many else ""}', f'call: {lit("[TOOL_CALLS]")} ({alts})']
     if not rules:
         raise ValueError(f"unknown tool-call family {family!r}")
     if close_thinking:

@@ -24,6 +24,10 @@ WEATHER = ("get_weather", {"city": "Paris"})
 
 # (family, model text after its thinking, expected content, expected [(name, arguments as data)])
 CASES = [
+    ("functionary-v3.1", 'Sure.<function=get_weather>{"city": "Paris"}</function>', "Sure.", [WEATHER]),
+    ("functionary-v3.1", '<function=get_weather>{"city": "Paris"}</function>\n<function=now>{}</function>', None,
+     [WEATHER, ("now", {})]),
+    ("functionary-v3.1", "a <function=f>not json</function>", "a <function=f>not json</function>", []),
     ("command-r7b", R7B_CALL, None, [WEATHER, ("now", {})]),
     ("command-r7b", "<|START_RESPONSE|>It is sunny in Paris.<|END_RESPONSE|>", "It is sunny in Paris.", []),
     ("command-r7b", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": 3}]<|END_ACTION|>',
@@ -68,6 +72,7 @@ def test_parse_whole_and_streamed(family, text, content, calls):
 
 
 @pytest.mark.parametrize("family, text", [
+    ("functionary-v3.1", '<function=write>{"text": "' + "abcdefgh" * 8 + '"}</function>'),
     ("command-r7b", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "write", "parameters": {"text": "'
                     + "abcdefgh" * 8 + '"}}]<|END_ACTION|>'),
     ("granite", '<|tool_call|>[{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}]'),
@@ -84,6 +89,7 @@ def test_arguments_stream_before_the_call_ends(family, text):
 
 
 LONG_REPLIES = [
+    ("functionary-v3.1", "Let me look. " * 40 + f"<function=write>{ARGS}</function><function=now>{{}}</function> done"),
     ("command-r7b", "<|START_RESPONSE|>" + "Let me look. " * 40 + "<|END_RESPONSE|>"
                     f'<|START_ACTION|>[{{"tool_call_id": "0", "tool_name": "write", "parameters": {ARGS}}}]'
                     "<|END_ACTION|>"),
@@ -113,6 +119,7 @@ def test_long_reply_streams_as_a_whole_reread(family, text):
 
 
 @pytest.mark.parametrize("family, text", [
+    ("functionary-v3.1", "Hello <funct"),
     ("command-r7b", "Hello <|START_AC"),
     ("command-r7b", "<|START_RESPONSE|>Hello <|END_RES"),
     ("granite", "Hello <|tool_"),
@@ -154,11 +161,13 @@ def test_detection_leaves_the_other_families_alone():
     assert detect_family("[SYSTEM_PROMPT][TOOL_CALLS][CALL_ID][ARGS]") == "mistral"
     assert detect_family("<|START_TEXT|><|START_ACTION|>") != "command-r7b"
     assert detect_family("[SYSTEM_PROMPT]x[/SYSTEM_PROMPT][TOOL_CALLS]f[ARGS]") == "magistral"
+    assert detect_family("<tool_call><function=f><parameter=p>") != "functionary-v3.1"  # Qwen3-Coder's XML
 
 
 # --- grammars: every sentence of a required call's grammar is read back as that call ------------
 
 SAMPLES = {
+    "functionary-v3.1": '<function=get_weather>{"city": "Paris"}</function>',
     "command-r7b": '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
                    '"parameters": {"city": "Paris"}}]<|END_ACTION|>',
     "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
@@ -196,6 +205,7 @@ def test_parallel_grammars_take_two_calls():
     spec = parse_tool_request({"tools": [CITY_TOOL, {"type": "function", "function": {"name": "now"}}],
                                "tool_choice": "required"})
     two = {
+        "functionary-v3.1": '<function=get_weather>{"city": "Paris"}</function><function=now>{}</function>',
         "magistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}',
         "nemotron-v2": '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                        '{"name": "now", "arguments": {}}]</TOOLCALL>',
@@ -208,6 +218,7 @@ def test_parallel_grammars_take_two_calls():
 # --- the response path: reasoning, content and calls as the openai client reads them -------------
 
 FULL_OUTPUT = {  # (model text, expected content, expected reasoning)
+    "functionary-v3.1": ('<function=get_weather>{"city": "Paris"}</function>', None, None),
     "command-r7b": ("<|START_THINKING|>The user wants the weather in Paris.<|END_THINKING|>"
                     '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
                     '"parameters": {"city": "Paris"}}]<|END_ACTION|>', None, "The user wants the weather in Paris."),

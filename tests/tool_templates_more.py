@@ -3,6 +3,31 @@ parts that matter: the markers that identify them, how tools are listed, how an 
 and a tool's results are shown, the generation prompt), written for the tests."""
 from __future__ import annotations
 
+# Functionary v3.1 (Llama 3.1 style): <function=NAME>{...}</function>, results in ipython turns.
+FUNCTIONARY_V31 = """{{- bos_token }}
+{%- set has_code_interpreter = tools | selectattr("type", "equalto", "code_interpreter") | list | length > 0 -%}
+{%- if tools %}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython\\n\\nYou have access to the following functions:\\n\\n' }}
+{%- for t in tools %}{{- 'Use the function \\'' + t.function.name + '\\' to: ' + (t.function.description or '') + '\\n'
+    + (t.function | tojson) + '\\n\\n' }}{% endfor %}
+{{- 'Think very carefully before calling functions.\\nIf you choose to call a function ONLY reply in the following format:\\n'
+    + '<function=example_function_name>{"example_name": "example_value"}</function><|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' + (message.content or '') }}
+{%- for tc in message.tool_calls or [] %}
+{{- '<function=' + tc.function.name + '>' + (tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson) + '</function>' }}
+{%- endfor %}
+{{- '<|eom_id|>' if message.tool_calls else '<|eot_id|>' }}
+{%- elif message.role == 'tool' %}
+{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}
+{%- else %}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"""
+
 # Command R7B: thinking, actions as a JSON list, results as a JSON list, replies wrapped.
 COMMAND_R7B = """{{- bos_token }}<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|># System Preamble
 You may use tools. Write <|START_THINKING|>your plan<|END_THINKING|>, then <|START_ACTION|>[{"tool_call_id": "0", "tool_name": ..., "parameters": {...}}]<|END_ACTION|> or <|START_RESPONSE|>your reply<|END_RESPONSE|>.
@@ -108,6 +133,7 @@ NEMOTRON_V2 = """{{- '<SPECIAL_10>System\\n' }}
 {%- if add_generation_prompt %}{{- '<SPECIAL_11>Assistant\\n<think>\\n' }}{% endif %}"""
 
 MORE_TEMPLATES = {
+    "functionary-v3.1": FUNCTIONARY_V31,
     "command-r7b": COMMAND_R7B,
     "granite": GRANITE,
     "magistral": MAGISTRAL,

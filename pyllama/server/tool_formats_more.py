@@ -7,6 +7,8 @@ family         recognised by (in the template source)     what the model writes
 magistral      ``[SYSTEM_PROMPT]``, ``[TOOL_CALLS]`` and   ``[THINK]..[/THINK]`` then
                ``[ARGS]`` without ``[CALL_ID]``; or        ``[TOOL_CALLS]NAME[ARGS]{..}`` (or the JSON
                ``[TOOL_CALLS]`` with ``[THINK]``           list of the mistral family)
+functionary-   ``<function=`` and ``</function>`` with no  ``<function=NAME>{..}</function>``
+v3.1           ``<parameter=`` / ``<tool_call>``
 command-r7b    ``<|START_ACTION|>`` (no ``<|START_TEXT|>``) ``<|START_THINKING|>..<|END_THINKING|>``,
                                                           ``<|START_ACTION|>[{"tool_call_id": I,
                                                           "tool_name": N, "parameters": A}]<|END_ACTION|>``,
@@ -27,6 +29,7 @@ Nemotron v3 (Nano 3) writes Qwen3-Coder's XML calls, as llama-server reads it, a
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Callable, Optional
 
 from .tool_calls import (BAD, DONE, PARTIAL, Snapshot, ToolCall, ToolSpec, _Family, _find, _held_marker_prefix,
@@ -38,6 +41,7 @@ __all__ = ["FAMILIES", "REASONING_TAGS", "detect", "reads_content", "call_gramma
 
 FAMILIES = (
     "magistral",
+    "functionary-v3.1",
     "command-r7b",
     "granite",
     "apertus",
@@ -51,12 +55,18 @@ REASONING_TAGS: dict[str, tuple[str, str]] = {
     "apertus": ("<|inner_prefix|>", "<|inner_suffix|>"),
 }
 
+_FUNCTIONARY_V31 = ('set has_code_interpreter = tools | selectattr("type", "equalto", "code_interpreter") '
+                    '| list | length > 0')
+
 
 def detect(src: str) -> Optional[str]:
     """The family of a template source among this module's, or None."""
     if "[TOOL_CALLS]" in src and ("[THINK]" in src or (
             "[SYSTEM_PROMPT]" in src and "[ARGS]" in src and "[CALL_ID]" not in src)):
         return "magistral"
+    if _FUNCTIONARY_V31 in src or ("<function=" in src and "</function>" in src and "<parameter=" not in src
+                                   and "<tool_call>" not in src):
+        return "functionary-v3.1"
     if "<|START_ACTION|>" in src and "<|START_TEXT|>" not in src:
         return "command-r7b"
     if "<|tool_call|>" in src:
@@ -271,8 +281,44 @@ class _Magistral(_Mistral):
     name = "magistral"
 
 
+_FN_NAME = re.compile(r"[^\s<>\"{}]{1,256}")
+
+
+def _tagged_json(s: str, i: int, final: bool, memo: Optional[_Memo], close: str) -> _Part:
+    """NAME '>' {arguments} CLOSE after ``<function=`` (Functionary v3.1)."""
+    n = len(s)
+    gt = s.find(">", i, i + 258)
+    if gt < 0:
+        if not final and n - i < 257 and (i == n or _FN_NAME.fullmatch(s, i)):
+            return _Part(PARTIAL, n, [])
+        return _Part(BAD, i, [])
+    name = s[i:gt]
+    if not _FN_NAME.fullmatch(name):
+        return _Part(BAD, i, [])
+    j = _skip_ws(s, gt + 1)
+    if j >= n:
+        return _Part(BAD if final else PARTIAL, n, [])
+    if s[j] != "{":
+        return _Part(BAD, j, [])
+    st, end = scan_json(s, j, memo)
+    if st == BAD or (st == PARTIAL and final):
+        return _Part(BAD, end, [])
+    if st == PARTIAL:
+        return _Part(PARTIAL, n, [ToolCall(name, s[j:end], done=False)])
+    return _closed_by(s, _Part(DONE, end, [ToolCall(name, s[j:end])]), close, final)
+
+
+class _FunctionaryV31(_Marked):
+    name = "functionary-v3.1"
+    markers = ("<function=",)
+
+    def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
+        return _tagged_json(s, i + len(marker), final, memo, "</function>")
+
+
 _MORE: dict[str, _Family] = {f.name: f for f in (
     _Magistral(),
+    _FunctionaryV31(),
     _CommandR7B(),
     _Granite(),
     _Apertus(),
@@ -330,6 +376,10 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         args = per_tool_args()
         alts = " | ".join(f'{q(nm)} {lit("[ARGS]")} {a}' for nm, a in zip(names, args))
         rules[:0] = [f'start: call{"+" if many else ""}', f'call: {lit("[TOOL_CALLS]")} ({alts})']
+    if family == "functionary-v3.1":
+        args = per_tool_args()
+        alts = " | ".join(f'{lit("<function=")} {q(nm + ">")} {a} {lit("</function>")}' for nm, a in zip(names, args))
+        rules[:0] = ['start: call ("\\n"? call)*' if many else "start: call", f"call: {alts}"]
     if not rules:
         raise ValueError(f"unknown tool-call family {family!r}")
     if close_thinking:

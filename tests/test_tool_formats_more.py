@@ -24,6 +24,11 @@ WEATHER = ("get_weather", {"city": "Paris"})
 
 # (family, model text after its thinking, expected content, expected [(name, arguments as data)])
 CASES = [
+    ("functionary-v3.2", 'all\nLet me check.\n>>>get_weather\n{"city": "Paris"}', "Let me check.", [WEATHER]),
+    ("functionary-v3.2", 'get_weather\n{"city": "Paris"}\n>>>now\n{}', None, [WEATHER, ("now", {})]),
+    ("functionary-v3.2", "all\nIt is sunny in Paris.", "It is sunny in Paris.", []),
+    ("functionary-v3.2", "no recipient at all", "no recipient at all", []),
+    ("functionary-v3.2", "get_weather\n{oops}", "get_weather\n{oops}", []),
     ("functionary-v3.1", 'Sure.<function=get_weather>{"city": "Paris"}</function>', "Sure.", [WEATHER]),
     ("functionary-v3.1", '<function=get_weather>{"city": "Paris"}</function>\n<function=now>{}</function>', None,
      [WEATHER, ("now", {})]),
@@ -72,6 +77,7 @@ def test_parse_whole_and_streamed(family, text, content, calls):
 
 
 @pytest.mark.parametrize("family, text", [
+    ("functionary-v3.2", 'all\nSure.\n>>>write\n{"text": "' + "abcdefgh" * 8 + '"}'),
     ("functionary-v3.1", '<function=write>{"text": "' + "abcdefgh" * 8 + '"}</function>'),
     ("command-r7b", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "write", "parameters": {"text": "'
                     + "abcdefgh" * 8 + '"}}]<|END_ACTION|>'),
@@ -89,6 +95,7 @@ def test_arguments_stream_before_the_call_ends(family, text):
 
 
 LONG_REPLIES = [
+    ("functionary-v3.2", "all\n" + "Let me look. " * 40 + f"\n>>>write\n{ARGS}\n>>>now\n{{}}"),
     ("functionary-v3.1", "Let me look. " * 40 + f"<function=write>{ARGS}</function><function=now>{{}}</function> done"),
     ("command-r7b", "<|START_RESPONSE|>" + "Let me look. " * 40 + "<|END_RESPONSE|>"
                     f'<|START_ACTION|>[{{"tool_call_id": "0", "tool_name": "write", "parameters": {ARGS}}}]'
@@ -119,6 +126,7 @@ def test_long_reply_streams_as_a_whole_reread(family, text):
 
 
 @pytest.mark.parametrize("family, text", [
+    ("functionary-v3.2", "all\nHello >>"),
     ("functionary-v3.1", "Hello <funct"),
     ("command-r7b", "Hello <|START_AC"),
     ("command-r7b", "<|START_RESPONSE|>Hello <|END_RES"),
@@ -167,6 +175,7 @@ def test_detection_leaves_the_other_families_alone():
 # --- grammars: every sentence of a required call's grammar is read back as that call ------------
 
 SAMPLES = {
+    "functionary-v3.2": 'get_weather\n{"city": "Paris"}',
     "functionary-v3.1": '<function=get_weather>{"city": "Paris"}</function>',
     "command-r7b": '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
                    '"parameters": {"city": "Paris"}}]<|END_ACTION|>',
@@ -205,6 +214,7 @@ def test_parallel_grammars_take_two_calls():
     spec = parse_tool_request({"tools": [CITY_TOOL, {"type": "function", "function": {"name": "now"}}],
                                "tool_choice": "required"})
     two = {
+        "functionary-v3.2": 'get_weather\n{"city": "Paris"}\n>>>now\n{}',
         "functionary-v3.1": '<function=get_weather>{"city": "Paris"}</function><function=now>{}</function>',
         "magistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}',
         "nemotron-v2": '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
@@ -218,6 +228,7 @@ def test_parallel_grammars_take_two_calls():
 # --- the response path: reasoning, content and calls as the openai client reads them -------------
 
 FULL_OUTPUT = {  # (model text, expected content, expected reasoning)
+    "functionary-v3.2": ('all\nChecking.\n>>>get_weather\n{"city": "Paris"}', "Checking.", None),
     "functionary-v3.1": ('<function=get_weather>{"city": "Paris"}</function>', None, None),
     "command-r7b": ("<|START_THINKING|>The user wants the weather in Paris.<|END_THINKING|>"
                     '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
@@ -259,6 +270,7 @@ def test_openai_client_reads_tool_calls(family, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("family, text, content", [
+    ("functionary-v3.2", "all\nIt is sunny.", "It is sunny."),
     ("command-r7b", "<|START_THINKING|>Easy.<|END_THINKING|><|START_RESPONSE|>It is sunny.<|END_RESPONSE|>",
      "It is sunny."),
     ("granite", "<think>Easy.</think><response>It is sunny.</response>", "It is sunny."),

@@ -3,6 +3,30 @@ parts that matter: the markers that identify them, how tools are listed, how an 
 and a tool's results are shown, the generation prompt), written for the tests."""
 from __future__ import annotations
 
+# Functionary v3.2: a recipient line after ">>>" before every part, the prompt ends with ">>>".
+FUNCTIONARY_V32 = """{{- bos_token }}
+{%- if tools %}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\nYou are capable of executing available function(s) if required.\\n'
+    + 'Reply as >>>${recipient}\\n${content}; >>>all\\n is for the user.\\n'
+    + '// Supported function definitions that should be called when necessary.\\nnamespace functions {\\n' }}
+{%- for t in tools %}{{- '// ' + (t.function.description or '') + '\\ntype ' + t.function.name + ' = (_: '
+    + (t.function.parameters | tojson) + ') => any;\\n' }}{% endfor %}
+{{- '} // namespace functions<|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- if message.content %}{{- '>>>all\\n' + message.content }}{% endif %}
+{%- for tc in message.tool_calls or [] %}
+{{- '>>>' + tc.function.name + '\\n' + (tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson) }}
+{%- endfor %}
+{{- '<|eot_id|>' }}
+{%- else %}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n>>>' }}{% endif %}"""
+
 # Functionary v3.1 (Llama 3.1 style): <function=NAME>{...}</function>, results in ipython turns.
 FUNCTIONARY_V31 = """{{- bos_token }}
 {%- set has_code_interpreter = tools | selectattr("type", "equalto", "code_interpreter") | list | length > 0 -%}
@@ -133,6 +157,7 @@ NEMOTRON_V2 = """{{- '<SPECIAL_10>System\\n' }}
 {%- if add_generation_prompt %}{{- '<SPECIAL_11>Assistant\\n<think>\\n' }}{% endif %}"""
 
 MORE_TEMPLATES = {
+    "functionary-v3.2": FUNCTIONARY_V32,
     "functionary-v3.1": FUNCTIONARY_V31,
     "command-r7b": COMMAND_R7B,
     "granite": GRANITE,

@@ -7,6 +7,8 @@ family         recognised by (in the template source)     what the model writes
 magistral      ``[SYSTEM_PROMPT]``, ``[TOOL_CALLS]`` and   ``[THINK]..[/THINK]`` then
                ``[ARGS]`` without ``[CALL_ID]``; or        ``[TOOL_CALLS]NAME[ARGS]{..}`` (or the JSON
                ``[TOOL_CALLS]`` with ``[THINK]``           list of the mistral family)
+functionary-   ``>>>all`` and ``>>>${recipient}``          ``all\\ntext`` / ``NAME\\n{..}``, further parts
+v3.2                                                      after ``>>>`` (the prompt ends with ``>>>``)
 functionary-   ``<function=`` and ``</function>`` with no  ``<function=NAME>{..}</function>``
 v3.1           ``<parameter=`` / ``<tool_call>``
 command-r7b    ``<|START_ACTION|>`` (no ``<|START_TEXT|>``) ``<|START_THINKING|>..<|END_THINKING|>``,
@@ -41,6 +43,7 @@ __all__ = ["FAMILIES", "REASONING_TAGS", "detect", "reads_content", "call_gramma
 
 FAMILIES = (
     "magistral",
+    "functionary-v3.2",
     "functionary-v3.1",
     "command-r7b",
     "granite",
@@ -64,6 +67,8 @@ def detect(src: str) -> Optional[str]:
     if "[TOOL_CALLS]" in src and ("[THINK]" in src or (
             "[SYSTEM_PROMPT]" in src and "[ARGS]" in src and "[CALL_ID]" not in src)):
         return "magistral"
+    if ">>>all" in src and ">>>${recipient}" in src:
+        return "functionary-v3.2"
     if _FUNCTIONARY_V31 in src or ("<function=" in src and "</function>" in src and "<parameter=" not in src
                                    and "<tool_call>" not in src):
         return "functionary-v3.1"
@@ -84,7 +89,7 @@ def reads_content(family: Optional[str]) -> bool:
     return family in _READS_CONTENT
 
 
-_READS_CONTENT = frozenset(("command-r7b", "granite"))
+_READS_CONTENT = frozenset(("functionary-v3.2", "command-r7b", "granite"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,8 +321,80 @@ class _FunctionaryV31(_Marked):
         return _tagged_json(s, i + len(marker), final, memo, "</function>")
 
 
+class _FunctionaryV32(_Family):
+    """Parts of the reply each start with ``>>>`` and a recipient line: ``all`` for text to the
+    user, else the name of the tool whose JSON arguments follow. The generation prompt ends with
+    the first ``>>>``, so the reply begins with a recipient."""
+
+    name = "functionary-v3.2"
+    markers = (">>>",)
+
+    def read(self, text: str, final: bool, parallel: bool, memo: Optional[_Memo], calls: bool = True) -> Snapshot:
+        if text.startswith(">>>"):
+            s, off = text, 0
+        elif not final and ">>>".startswith(text):
+            return Snapshot("", [])
+        else:
+            # read as if the prompt's ">>>" were in the reply; a memo stays valid, since every
+            # reading of one stream is shifted alike
+            s, off = ">>>" + text, 3
+
+        def raw(a: int) -> str:
+            return s[max(a, off):]
+        pieces: list[str] = []
+        found: list[ToolCall] = []
+        pos, n = 0, len(s)
+        while pos < n:  # s[pos:] starts with ">>>"
+            head = pos + 3
+            nl = s.find("\n", head)
+            if nl < 0:
+                if final or n - head >= 257:
+                    pieces.append(raw(pos))
+                break  # else the recipient is still being written
+            recipient = s[head:nl].strip()
+            if recipient == "all":
+                nxt = _find(s, ">>>", nl + 1, memo) if calls else -1
+                if nxt < 0:
+                    tail = s[nl + 1:]
+                    if not final:
+                        held = _held_marker_prefix(tail, (">>>",)) if calls else 0
+                        tail = tail[:len(tail) - held].rstrip()
+                    pieces.append(tail)
+                    break
+                pieces.append(s[nl + 1:nxt].rstrip())
+                pos = nxt
+                continue
+            j = _skip_ws(s, nl + 1)
+            if not calls or not _FN_NAME.fullmatch(recipient) or (j < n and s[j] != "{"):
+                pieces.append(raw(pos))
+                break
+            if j >= n:
+                if final:
+                    pieces.append(raw(pos))
+                break
+            st, end = scan_json(s, j, memo)
+            if st == BAD or (st == PARTIAL and final):
+                pieces.append(raw(pos))
+                break
+            found.append(ToolCall(recipient, s[j:end], done=st == DONE))
+            if st == PARTIAL:
+                break
+            k = _skip_ws(s, end)
+            if k >= n:
+                break
+            if s.startswith(">>>", k):
+                pos = k
+                continue
+            if not final and ">>>".startswith(s[k:]):
+                break
+            pieces.append(s[k:])  # text after a call that no recipient line opens: content
+            break
+        return Snapshot("".join(pieces), _limit(found, parallel))
+
+
 _MORE: dict[str, _Family] = {f.name: f for f in (
     _Magistral(),
+    _FunctionaryV32(),
     _FunctionaryV31(),
     _CommandR7B(),
     _Granite(),
@@ -380,6 +457,11 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         args = per_tool_args()
         alts = " | ".join(f'{lit("<function=")} {q(nm + ">")} {a} {lit("</function>")}' for nm, a in zip(names, args))
         rules[:0] = ['start: call ("\\n"? call)*' if many else "start: call", f"call: {alts}"]
+    if family == "functionary-v3.2":
+        # the generation prompt ends with ">>>": the first recipient comes at once
+        args = per_tool_args()
+        alts = " | ".join(f'{q(nm + chr(10))} {a}' for nm, a in zip(names, args))
+        rules[:0] = [f'start: call ("\\n"? {q(">>>")} call)*' if many else "start: call", f"call: {alts}"]
     if not rules:
         raise ValueError(f"unknown tool-call family {family!r}")
     if close_thinking:

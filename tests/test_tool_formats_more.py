@@ -20,6 +20,8 @@ from tool_templates_more import MORE_TEMPLATES
 
 R7B_CALL = ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}'
             ',\n    {"tool_call_id": "1", "tool_name": "now", "parameters": {}}\n]<|END_ACTION|>')
+SEED_CALL = ('<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+             '<parameter=days>3</parameter>\n<parameter=hourly>true</parameter>\n</function>\n</seed:tool_call>')
 WEATHER = ("get_weather", {"city": "Paris"})
 
 # (family, model text after its thinking, expected content, expected [(name, arguments as data)])
@@ -44,6 +46,10 @@ CASES = [
     ("magistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}', None,
      [WEATHER, ("now", {})]),
     ("magistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "Sure.", [WEATHER]),
+    ("seed-oss", SEED_CALL, None, [("get_weather", {"city": "Paris", "days": 3, "hourly": True})]),
+    ("seed-oss", "I will look.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
+                 "</function>\n<function=now>\n</function>\n</seed:tool_call>", "I will look.", [WEATHER, ("now", {})]),
+    ("seed-oss", "<seed:tool_call>\n<oops>\n</seed:tool_call>", "<seed:tool_call>\n<oops>\n</seed:tool_call>", []),
     ("apertus", '<|tools_prefix|>[{"get_weather": {"city": "Paris"}}, {"now": {}}]<|tools_suffix|>', None,
      [WEATHER, ("now", {})]),
     ("apertus", '<|tools_prefix|>[{"get_weather": {"city": "Paris"}, "x": {}}]<|tools_suffix|>',
@@ -85,6 +91,8 @@ def test_parse_whole_and_streamed(family, text, content, calls):
     ("magistral", '[TOOL_CALLS]write[ARGS]{"text": "' + "abcdefgh" * 8 + '"}'),
     ("apertus", '<|tools_prefix|>[{"write": {"text": "' + "abcdefgh" * 8 + '"}}]<|tools_suffix|>'),
     ("nemotron-v2", '<TOOLCALL>[{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}]</TOOLCALL>'),
+    ("seed-oss", "<seed:tool_call>\n<function=write>\n"
+     + "".join(f"<parameter=p{i}>{i}</parameter>\n" for i in range(12)) + "</function>\n</seed:tool_call>"),
 ])
 def test_arguments_stream_before_the_call_ends(family, text):
     deltas, _ = _stream(family, list(text))
@@ -102,6 +110,8 @@ LONG_REPLIES = [
                     "<|END_ACTION|>"),
     ("granite", f'<|tool_call|>[{{"name": "write", "arguments": {ARGS}}}, {{"name": "now", "arguments": {{}}}}]'),
     ("magistral", "Sure. " * 30 + f"[TOOL_CALLS]write[ARGS]{ARGS}[TOOL_CALLS]now[ARGS]{{}}"),
+    ("seed-oss", "Sure. " * 30 + "<seed:tool_call>\n<function=write>\n"
+     + "".join(f"<parameter=p{i}>line {i} <b>\n</parameter>\n" for i in range(60)) + "</function>\n</seed:tool_call>"),
     ("apertus", f'<|tools_prefix|>[{{"write": {ARGS}}}, {{"now": {{}}}}]<|tools_suffix|>'),
     ("nemotron-v2", "Sure. " * 30 + f'<TOOLCALL>[{{"name": "write", "arguments": {ARGS}}}]</TOOLCALL>'),
 ]
@@ -132,6 +142,7 @@ def test_long_reply_streams_as_a_whole_reread(family, text):
     ("command-r7b", "<|START_RESPONSE|>Hello <|END_RES"),
     ("granite", "Hello <|tool_"),
     ("magistral", "Hello [TOOL_C"),
+    ("seed-oss", "Hello <seed:tool"),
     ("apertus", "Hello <|tools_pre"),
     ("nemotron-v2", "Hello <TOOLC"),
 ])
@@ -181,6 +192,8 @@ SAMPLES = {
                    '"parameters": {"city": "Paris"}}]<|END_ACTION|>',
     "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "magistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+    "seed-oss": "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n</function>\n"
+                "</seed:tool_call>",
     "apertus": '<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>',
     "nemotron-v2": '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>',
 }
@@ -237,6 +250,8 @@ FULL_OUTPUT = {  # (model text, expected content, expected reasoning)
                 None, "Weather lookup."),
     "magistral": ('[THINK]Weather lookup.[/THINK]Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
                   "Checking.", "Weather lookup."),
+    "seed-oss": ("<seed:think>Weather lookup.</seed:think>\n<seed:tool_call>\n<function=get_weather>\n"
+                 "<parameter=city>Paris</parameter>\n</function>\n</seed:tool_call>", None, "Weather lookup."),
     "apertus": ('<|inner_prefix|>Weather lookup.<|inner_suffix|><|tools_prefix|>[{"get_weather": {"city": "Paris"}}]'
                 "<|tools_suffix|>", None, "Weather lookup."),
     # its prompt opened the thinking

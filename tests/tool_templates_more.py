@@ -119,6 +119,31 @@ MAGISTRAL = """{{- bos_token }}
 {%- endif %}
 {%- endfor %}"""
 
+# Seed-OSS: <seed:bos>role ... <seed:eos>, XML-like calls in <seed:tool_call>, <seed:think> thinking.
+SEED_OSS = """{%- if tools %}
+{{- '<seed:bos>system\\nYou may call these functions:\\n' }}{% for t in tools %}{{ t | tojson }}{{ '\\n' }}{% endfor %}
+{{- 'Call one as <seed:tool_call>\\n<function=NAME>\\n<parameter=KEY>VALUE</parameter>\\n</function>\\n</seed:tool_call><seed:eos>' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- '<seed:bos>assistant\\n' + (message.content or '') }}
+{%- for tc in message.tool_calls or [] %}
+{{- '<seed:tool_call>\\n<function=' + tc.function.name + '>\\n' }}
+{%- if tc.function.arguments is mapping %}
+{%- for k, v in tc.function.arguments.items() %}{{ '<parameter=' + k + '>' + (v if v is string else v | tojson) + '</parameter>\\n' }}{% endfor %}
+{%- else %}{{ tc.function.arguments }}
+{%- endif %}
+{{- '</function>\\n</seed:tool_call>' }}
+{%- endfor %}
+{{- '<seed:eos>' }}
+{%- elif message.role == 'tool' %}
+{{- '<seed:bos>tool\\n' + message.content + '<seed:eos>' }}
+{%- else %}
+{{- '<seed:bos>' + message.role + '\\n' + message.content + '<seed:eos>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<seed:bos>assistant\\n' }}{% endif %}"""
+
 # Apertus: inner thoughts between <|inner_prefix|> and <|inner_suffix|>, calls as [{NAME: ARGS}].
 APERTUS = """{{- bos_token }}
 {{- '<|system_start|>You are Apertus.' }}
@@ -162,6 +187,7 @@ MORE_TEMPLATES = {
     "command-r7b": COMMAND_R7B,
     "granite": GRANITE,
     "magistral": MAGISTRAL,
+    "seed-oss": SEED_OSS,
     "apertus": APERTUS,
     "nemotron-v2": NEMOTRON_V2,
 }

@@ -17,6 +17,9 @@ command-r7b    ``<|START_ACTION|>`` (no ``<|START_TEXT|>``) ``<|START_THINKING|>
                                                           ``<|START_RESPONSE|>text<|END_RESPONSE|>``
 granite        ``<|tool_call|>``                           ``<|tool_call|>[{"name": N, "arguments": A}]``,
                                                           ``<think>..</think><response>..</response>``
+seed-oss       ``<seed:tool_call>``                        ``<seed:think>..</seed:think>``, ``<seed:tool_call>
+                                                          <function=N><parameter=P>V</parameter>
+                                                          </function></seed:tool_call>``
 apertus        ``<|tools_prefix|>``                        ``<|inner_prefix|>..<|inner_suffix|>``, then
                                                           ``<|tools_prefix|>[{NAME: A}]<|tools_suffix|>``
 nemotron-v2    ``<SPECIAL_10>``, ``<SPECIAL_11>``,          ``<think>..</think>`` then
@@ -27,6 +30,10 @@ nemotron-v2    ``<SPECIAL_10>``, ``<SPECIAL_11>``,          ``<think>..</think>`
 These are tested before the families of tool_calls.py, whose markers some of these templates also
 hold (Llama's ``ipython`` turns, Mistral's ``[TOOL_CALLS]``).
 Nemotron v3 (Nano 3) writes Qwen3-Coder's XML calls, as llama-server reads it, and is that family.
+
+Seed-OSS writes parameters as text: a value that reads as JSON is taken as that value, any other
+as a string. Its arguments grow one whole parameter at a time, so the streamed fragments always
+add up to the final JSON text.
 """
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ FAMILIES = (
     "functionary-v3.1",
     "command-r7b",
     "granite",
+    "seed-oss",
     "apertus",
     "nemotron-v2",
 )
@@ -55,6 +63,7 @@ FAMILIES = (
 REASONING_TAGS: dict[str, tuple[str, str]] = {
     "magistral": ("[THINK]", "[/THINK]"),
     "command-r7b": ("<|START_THINKING|>", "<|END_THINKING|>"),
+    "seed-oss": ("<seed:think>", "</seed:think>"),
     "apertus": ("<|inner_prefix|>", "<|inner_suffix|>"),
 }
 
@@ -76,6 +85,8 @@ def detect(src: str) -> Optional[str]:
         return "command-r7b"
     if "<|tool_call|>" in src:
         return "granite"
+    if "<seed:tool_call>" in src:
+        return "seed-oss"
     if "<|tools_prefix|>" in src:
         return "apertus"
     if "<TOOLCALL>" in src or all(t in src for t in ("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>",
@@ -392,12 +403,87 @@ class _FunctionaryV32(_Family):
         return Snapshot("".join(pieces), _limit(found, parallel))
 
 
+# Seed-OSS: XML-like calls
+SEED_OPEN, SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
+_PARAM_OPEN = re.compile(r"<parameter=([^>\s]{1,256})>")
+
+
+def _param_value(raw: str) -> str:
+    """A parameter's text as JSON: a JSON value as itself, anything else as a string."""
+    v = raw.strip()
+    try:
+        return json.dumps(_loads(v), ensure_ascii=False)
+    except ValueError:
+        return json.dumps(v, ensure_ascii=False)
+
+
+class _SeedOss(_Marked):
+    name = "seed-oss"
+    markers = (SEED_OPEN,)
+
+    def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
+        n = len(s)
+        k = i + len(marker)
+        calls: list[ToolCall] = []
+        while True:
+            k = _skip_ws(s, k)
+            if k >= n:
+                if final:
+                    return _Part(DONE, n, calls) if calls else _Part(BAD, k, [])
+                return _Part(PARTIAL, n, [_unfinished(c) for c in calls])
+            if s.startswith(SEED_CLOSE, k):
+                return _Part(DONE, k + len(SEED_CLOSE), calls) if calls else _Part(BAD, k, [])
+            if not final and (_literal(s, k, "<function=") == PARTIAL or _literal(s, k, SEED_CLOSE) == PARTIAL):
+                return _Part(PARTIAL, n, [_unfinished(c) for c in calls])
+            if not s.startswith("<function=", k):
+                # the block's end missing: what follows its calls is content again
+                return _Part(DONE, k, calls) if calls else _Part(BAD, k, [])
+            part = self._function(s, k + len("<function="), final)
+            if part.status == BAD:
+                return _Part(BAD, part.end, [])
+            if part.status == PARTIAL:
+                return _Part(PARTIAL, n, calls + part.calls)
+            calls += part.calls
+            k = part.end
+
+    def _function(self, s: str, i: int, final: bool) -> _Part:
+        n = len(s)
+        gt = s.find(">", i, i + 258)
+        if gt < 0:
+            return _Part(PARTIAL if not final and n - i < 257 else BAD, n, [])
+        name = s[i:gt]
+        if not _FN_NAME.fullmatch(name):
+            return _Part(BAD, i, [])
+        args: list[str] = []
+        k = gt + 1
+        while True:
+            k = _skip_ws(s, k)
+            so_far = "{" + ", ".join(args)
+            rest = s[k:k + 300]
+            if k >= n:
+                return _Part(BAD, n, []) if final else _Part(PARTIAL, n, [ToolCall(name, so_far, done=False)])
+            if s.startswith("</function>", k):
+                return _Part(DONE, k + len("</function>"), [ToolCall(name, so_far + "}")])
+            m = _PARAM_OPEN.match(s, k)
+            if m is None:
+                if not final and len(rest) < 300 and ("</function>".startswith(rest) or "<parameter=".startswith(rest)
+                                                      or rest.startswith("<parameter=") and ">" not in rest):
+                    return _Part(PARTIAL, n, [ToolCall(name, so_far, done=False)])
+                return _Part(BAD, k, [])
+            end = s.find("</parameter>", m.end())
+            if end < 0:
+                return _Part(BAD, n, []) if final else _Part(PARTIAL, n, [ToolCall(name, so_far, done=False)])
+            args.append(json.dumps(m.group(1), ensure_ascii=False) + ": " + _param_value(s[m.end():end]))
+            k = end + len("</parameter>")
+
+
 _MORE: dict[str, _Family] = {f.name: f for f in (
     _Magistral(),
     _FunctionaryV32(),
     _FunctionaryV31(),
     _CommandR7B(),
     _Granite(),
+    _SeedOss(),
     _Apertus(),
     _Nemotron2(),
 )}
@@ -462,6 +548,24 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         args = per_tool_args()
         alts = " | ".join(f'{q(nm + chr(10))} {a}' for nm, a in zip(names, args))
         rules[:0] = [f'start: call ("\\n"? {q(">>>")} call)*' if many else "start: call", f"call: {alts}"]
+    if family == "seed-oss":
+        alts = []
+        for k, (t, nm) in enumerate(zip(tools, names)):
+            params = _params(t)
+            props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+            required = set(params.get("required") or [])
+            parts = []
+            for p, (pname, pschema) in enumerate(props.items()):
+                pschema = pschema if isinstance(pschema, dict) else {}
+                if pschema.get("type") == "string":
+                    rules.append(f"v{k}_{p}: /[^<]*/")  # text as the model writes it, up to the closing tag
+                else:
+                    json_rule(f"v{k}_{p}", pschema)
+                item = f'{q("<parameter=" + pname + ">")} v{k}_{p} {q("</parameter>")} "\\n"'
+                parts.append(item if pname in required else f"({item})?")
+            alts.append(" ".join([q("<function=" + nm + ">"), '"\\n"', *parts, q("</function>")]))
+        rules[:0] = [f'start: {lit(SEED_OPEN)} "\\n" call ("\\n" call)* "\\n" {lit(SEED_CLOSE)}' if many else
+                     f'start: {lit(SEED_OPEN)} "\\n" call "\\n" {lit(SEED_CLOSE)}', "call: " + " | ".join(alts)]
     if not rules:
         raise ValueError(f"unknown tool-call family {family!r}")
     if close_thinking:

@@ -24,11 +24,14 @@ class ReasoningStream:
     returns the rest. :attr:`reasoning` and :attr:`content` accumulate what was returned.
 
     also_ends: markers that end the thinking without closing it, and stay in the content (a
-    tool call some models start straight from their thinking, as llama-server reads them)."""
+    tool call some models start straight from their thinking, as llama-server reads them);
+    start / end: the family's own thinking tags (``[THINK]``, ``<seed:think>``, ...)."""
 
-    def __init__(self, fmt: str = "deepseek", forced_open: bool = False, also_ends: tuple[str, ...] = ()) -> None:
+    def __init__(self, fmt: str = "deepseek", forced_open: bool = False, also_ends: tuple[str, ...] = (),
+                 start: str = THINK_START, end: str = THINK_END) -> None:
         self.fmt = fmt
-        self._ends = (THINK_END,) + tuple(also_ends)
+        self._start, self._end = start, end
+        self._ends = (end,) + tuple(also_ends)
         self.active = fmt != "none"
         self.legacy = fmt == "deepseek-legacy"
         self._state = "think" if forced_open and self.active else ("start" if self.active else "content")
@@ -52,11 +55,11 @@ class ReasoningStream:
         while True:
             if self._state == "start":
                 lead = self._buf.lstrip()
-                if lead.startswith(THINK_START):
-                    self._buf = lead[len(THINK_START):]
+                if lead.startswith(self._start):
+                    self._buf = lead[len(self._start):]
                     self._state = "think"
                     continue
-                if not final and THINK_START.startswith(lead):
+                if not final and self._start.startswith(lead):
                     break  # maybe a tag still being written
                 self._state = "content"
                 continue
@@ -70,7 +73,7 @@ class ReasoningStream:
                 if end >= 0:
                     r_out.append(self._buf[:end].rstrip())
                     # the end tag is dropped; another marker that ends the thinking is content
-                    self._buf = self._buf[end + len(THINK_END):] if tag == THINK_END else self._buf[end:]
+                    self._buf = self._buf[end + len(self._end):] if tag == self._end else self._buf[end:]
                     self._state = "content"
                     self._after_end = True
                     continue

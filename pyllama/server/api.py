@@ -33,9 +33,10 @@ from ..batching.prompt_cache import cache_families
 from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
 from .params import CompletionParams, get_int, parse_completion, split_prompts, tokenize_prompt
-from .reasoning import ReasoningStream, budget_end_text, check_format, prompt_opens_thinking
+from .reasoning import ReasoningStream, budget_end_text, check_format, prompt_opens_thinking, reasoning_tags
 from .tool_calls import (CALL_TRIGGERS, ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request,
                          reads_reasoning, thinking_ends)
+from .tool_formats_more import reads_content
 from . import anthropic
 from . import slot_file
 from . import responses as resp
@@ -309,10 +310,11 @@ class ChatReply:
     def __init__(self, spec: ChatOutputSpec) -> None:
         own = reads_reasoning(spec.family)  # harmony: the calls' reader also reads the thinking
         self.thoughts = ReasoningStream("none" if own else spec.reasoning_format, spec.forced_open,
-                                        thinking_ends(spec.family))
+                                        thinking_ends(spec.family), *reasoning_tags(spec.family))
+        # some families wrap plain text in markers of their own, taken out even when no call is read
         self.calls = ToolCallStream(spec.family, spec.tools.parallel, spec.tools.tools, spec.reasoning_format,
                                     spec.tools.parse_calls) \
-            if spec.family is not None and (spec.tools.parse_calls or own) else None
+            if spec.family is not None and (spec.tools.parse_calls or own or reads_content(spec.family)) else None
         self._prefill = spec.prefill  # read before the first generated text, and sent with it
 
     def feed(self, text: str) -> list[dict]:
@@ -1078,9 +1080,10 @@ class Api:
                              tokenizer=st.tokenizer, default_n_keep=_keep(st.args))
         spec = self._chat_output_spec(body)
         text, spec.prefill = self._render_chat(body)
-        opens = prompt_opens_thinking(text)  # what the generation continues from
+        opens = prompt_opens_thinking(text, spec.family)  # what the generation continues from
         # the reply is read from the generation prompt on, the prefill included, as llama-server reads it
-        spec.forced_open = prompt_opens_thinking(text[:len(text) - len(spec.prefill)]) if spec.prefill else opens
+        spec.forced_open = prompt_opens_thinking(text[:len(text) - len(spec.prefill)], spec.family) \
+            if spec.prefill else opens
         if spec.tools.required and spec.family is not None:
             # a call is required: generation follows a grammar of the family's call format (after
             # closing the thinking the prompt opened, so that the call is not read as thoughts)

@@ -10,15 +10,21 @@ reasoning. Whitespace around the reasoning and right after ``</think>`` is dropp
 - ``none``: nothing is separated; the tags stay in the content.
 - ``deepseek`` / ``auto``: reasoning in ``reasoning_content``, the tags and thoughts out of the content.
 - ``deepseek-legacy``: reasoning in ``reasoning_content`` and the reply left whole in the content.
+
+Some template families think between tags of their own (``[THINK]``..``[/THINK]`` for Magistral,
+``<|START_THINKING|>``..``<|END_THINKING|>`` for Command R7B, ``<seed:think>`` for Seed-OSS,
+``<|inner_prefix|>``..``<|inner_suffix|>`` for Apertus): :func:`reasoning_tags` names them, and
+they are read the same way.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 from ..batching.thinking import THINK_END, THINK_START, ReasoningStream
+from .tool_formats_more import REASONING_TAGS
 
 __all__ = ["REASONING_FORMATS", "ReasoningStream", "budget_end_text", "check_format", "prompt_opens_thinking",
-           "split_reasoning"]
+           "reasoning_tags", "split_reasoning"]
 
 REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
 
@@ -32,9 +38,14 @@ def check_format(value: Any, default: str) -> str:
     return value
 
 
-def prompt_opens_thinking(prompt: str) -> bool:
+def reasoning_tags(family: Optional[str]) -> tuple[str, str]:
+    """The (start, end) thinking tags of a template family."""
+    return REASONING_TAGS.get(family or "", (THINK_START, THINK_END))
+
+
+def prompt_opens_thinking(prompt: str, family: Optional[str] = None) -> bool:
     """Whether a rendered prompt ends inside an opened think tag (the reply starts thinking)."""
-    return prompt.rstrip().endswith(THINK_START)
+    return prompt.rstrip().endswith(reasoning_tags(family)[0])
 
 
 def split_reasoning(text: str, fmt: str = "deepseek", forced_open: bool = False) -> tuple[Optional[str], str]:

@@ -20,8 +20,9 @@ generic  anything else                                     one JSON object: ``{"
                                                            ``{"tool_call": {...}}`` or ``{"response": text}``
 ======== ================================================ =========================================
 
-More formats are in :mod:`.tool_formats`; they are recognised before all of the above, as
-llama-server tries its dedicated parsers first (and GLM 4.5's templates hold ``<tool_call>`` too).
+More formats are in :mod:`.tool_formats` and tool_formats_more.py; their templates are recognised
+before all of the above, as llama-server tries its dedicated parsers first (and GLM 4.5's templates
+hold ``<tool_call>`` too).
 
 Parsing is done on the whole text so far (:func:`parse`), in a partial mode while tokens still
 come: text that may be the start of a call is held back, a call is announced once its name is
@@ -48,6 +49,7 @@ __all__ = ["CALL_TRIGGERS", "FAMILIES", "ToolCall", "Snapshot", "ToolSpec", "Too
            "thinking_ends"]
 
 FAMILIES = ("hermes", "llama3", "mistral", "deepseek", "generic", "harmony", "kimi_k2", "qwen3_coder", "glm45")
+# ... and tool_formats_more.FAMILIES, added at the end of this module
 
 # DeepSeek's markers (full-width bars and "▁" as in its vocabulary).
 DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -66,7 +68,7 @@ def detect_family(source: Optional[str]) -> str:
     """The tool-call family of a Jinja chat template's source (``generic`` when none matches)."""
     src = source or ""
     from .tool_formats import detect_new_family  # noqa: PLC0415 (it builds on this module)
-    found = detect_new_family(src, "special") or detect_new_family(src, "tagged")
+    found = detect_new_family(src, "special") or _more.detect(src) or detect_new_family(src, "tagged")
     if found:
         return found
     if DS_CALLS_BEGIN in src:
@@ -86,7 +88,7 @@ _ALNUM = string.ascii_letters + string.digits
 def new_call_id(family: str) -> str:
     """A fresh call id: 9 letters and digits for Mistral (its templates refuse any other shape),
     ``call_`` and 24 letters and digits otherwise."""
-    if family == "mistral":
+    if family in ("mistral", "magistral"):
         return "".join(secrets.choice(_ALNUM) for _ in range(9))
     return "call_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
 
@@ -898,13 +900,18 @@ def parse(family: str, text: str, final: bool = True, parallel: bool = True, mem
     is. Text that starts like a call but is not a well-formed one stays in the content.
     memo: the scanners' state from reading a shorter start of the same text (ToolCallStream's).
     tools: the request's tools, for the formats whose values are typed by their schemas (None:
-    any function, values read as they look); reasoning_format and read_calls: for harmony."""
+    any function, values read as they look); reasoning_format: for harmony; read_calls=False: no
+    calls are read, only the family's markers around plain text are taken out (and harmony's
+    channels told apart)."""
     fam = memo.fam if memo is not None and memo.fam is not None else \
         _family(family).bind(tools, reasoning_format, read_calls)
     if memo is not None:
         memo.fam = fam
     if fam.parse_reply is not None:
         return fam.parse_reply(text, final, parallel, memo)
+    own = getattr(fam, "read", None)
+    if own is not None:
+        return own(text, final, parallel, memo, read_calls)
     pieces: list[str] = []
     calls: list[ToolCall] = []
     pos = 0
@@ -1062,6 +1069,8 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
     several) in the family's format, to one of the request's tools (the named one only, for a
     named tool_choice); the arguments follow each tool's JSON schema (``%json``).
     close_thinking: the prompt opened a think tag, which the reply closes first."""
+    if family in _more.FAMILIES:
+        return _more.call_grammar(family, spec, special, close_thinking)
     tools = [t for t in spec.tools if not spec.named or t["function"]["name"] == spec.choice]
     names = [t["function"]["name"] for t in tools]
     rules: list[str] = []
@@ -1083,7 +1092,7 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         return out
 
     many = spec.parallel
-    if family in FAMILIES[5:]:  # the formats of tool_formats
+    if family in ("harmony", "kimi_k2", "qwen3_coder", "glm45"):  # the formats of tool_formats
         from .tool_formats import grammar_rules  # noqa: PLC0415
         rules[:0] = grammar_rules(family, tools, many, lit, json_rule)
     elif family == "hermes":
@@ -1119,3 +1128,10 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         rules[0] = rules[0].replace("start:", "tool_calls:", 1)
         rules.insert(0, f'start: {lit("</think>")} "\\n\\n" tool_calls')
     return "\n".join(rules) + "\n"
+
+
+# the formats of tool_formats_more.py, which builds on this module's readers
+from . import tool_formats_more as _more  # noqa: E402
+
+_FAMILIES.update(_more._MORE)
+FAMILIES += _more.FAMILIES

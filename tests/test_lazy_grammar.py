@@ -189,3 +189,18 @@ def test_auto_tool_choice_is_a_lazy_call_grammar(tokenizer):
     assert p.triggers == (Trigger("word", "<tool_call>"),)
     p, _, _ = api._chat_input({**body, "tool_choice": "none"})
     assert p.constraint is None and p.triggers == ()
+
+
+def test_every_call_trigger_opens_its_familys_call_grammar(tokenizer):
+    """The lazy grammar starts at the trigger: each family's call grammar must take the trigger's text
+    as its first bytes (else every auto call would end in an error)."""
+    from pyllama.batching.constraint import ConstraintSpec, compile_constraint
+    from pyllama.server.tool_calls import CALL_TRIGGERS, ToolSpec, call_grammar
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for family, trigger in CALL_TRIGGERS.items():
+        matcher = compile_constraint(ConstraintSpec("lark", call_grammar(family, ToolSpec(tools=[tool])), "tools"),
+                                     tokenizer)
+        assert matcher.consume_tokens(tokenizer.encode(trigger, add_special=False)), (family, matcher.get_error())
+        other = compile_constraint(ConstraintSpec("lark", call_grammar(family, ToolSpec(tools=[tool])), "tools"),
+                                   tokenizer)
+        assert not other.consume_tokens(tokenizer.encode("Hi " + trigger, add_special=False)), family

@@ -1055,7 +1055,10 @@ def _lark_literal(text: str, special: Callable[[str], Optional[int]]) -> str:
 # The marker that opens a family's calls: under tool_choice "auto" the call grammar applies lazily
 # from it on (llama-server's lazy grammar for these formats); families without one stay free.
 CALL_TRIGGERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "deepseek": DS_CALLS_BEGIN,
-                 "qwen3_coder": "<tool_call>", "glm45": "<tool_call>", "kimi_k2": "<|tool_calls_section_begin|>"}
+                 "qwen3_coder": "<tool_call>", "glm45": "<tool_call>", "kimi_k2": "<|tool_calls_section_begin|>",
+                 "magistral": "[TOOL_CALLS]", "functionary-v3.1": "<function=", "command-r7b": "<|START_ACTION|>",
+                 "granite": "<|tool_call|>", "seed-oss": "<seed:tool_call>", "apertus": "<|tools_prefix|>",
+                 "nemotron-v2": "<TOOLCALL>"}
 
 
 def _params(tool: dict) -> dict:

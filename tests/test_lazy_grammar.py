@@ -204,3 +204,4 @@ def test_every_call_trigger_opens_its_familys_call_grammar(tokenizer):
         other = compile_constraint(ConstraintSpec("lark", call_grammar(family, ToolSpec(tools=[tool])), "tools"),
                                    tokenizer)
         assert not other.consume_tokens(tokenizer.encode("Hi " + trigger, add_special=False)), family
+

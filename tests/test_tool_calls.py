@@ -482,3 +482,39 @@ def test_server_tool_errors_are_400(family_server):
                         ({"tools": [TOOL], "tool_choice": "required", "grammar": "root ::= \"a\""}, "'grammar'")):
         status, doc = server.post("/v1/chat/completions", {**base, **body})
         assert status == 400 and field in doc["error"]["message"], doc
+
+
+def test_chat_replies_are_read_off_the_event_loop():
+    """Stream pieces and whole replies are parsed on the replies' thread, in order, not on the loop."""
+    import asyncio
+    import threading
+    from pyllama.server.api import Api, ChatOutputSpec, Choice
+
+    seen: list[tuple[str, str]] = []
+
+    class Reply:
+        def feed(self, text):
+            seen.append((threading.current_thread().name, text))
+            return [{"content": text}] if text else []
+
+        def finish(self):
+            seen.append((threading.current_thread().name, "<end>"))
+            return []
+
+    api = Api(types.SimpleNamespace(args=types.SimpleNamespace(webui=False)))
+
+    async def run():
+        loop_thread = threading.current_thread().name
+        reply = Reply()
+        out = [await api._read(reply, t) for t in ("a", "", "b")]
+        out.append(await api._read(reply, "c", finish=True))
+        c = Choice(0)
+        c.text = ["hello"]
+        whole = await api._whole_reply(c, ChatOutputSpec())
+        return loop_thread, out, whole
+
+    loop_thread, out, whole = asyncio.run(run())
+    assert out == [[{"content": "a"}], [], [{"content": "b"}], [{"content": "c"}]]
+    assert [t for _, t in seen] == ["a", "b", "c", "<end>"]           # in order; empty text skips the hop
+    assert all(name.startswith("chat-replies") and name != loop_thread for name, _ in seen)
+    assert whole.message()["content"] == "hello"

@@ -16,6 +16,7 @@ import secrets
 import string
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
@@ -372,6 +373,20 @@ class Api:
         # the built-in pages (--no-webui: none, and `/` answers 404 as before)
         self.webui: Optional[WebUI] = WebUI() if getattr(state.args, "webui", True) else None
         self._pipeline: Optional[PipelineStats] = None
+        # chat replies are read here (reasoning, tool calls: a long call's arguments are scanned as
+        # they grow), one thread for every stream so that each reply's pieces keep their order
+        self._replies = ThreadPoolExecutor(1, thread_name_prefix="chat-replies")
+
+    async def _read(self, reply: ChatReply, text: str, finish: bool = False) -> list[dict]:
+        """The deltas of a chat reply's next text (and of its end), read off the event loop."""
+        if not text and not finish:
+            return []
+        return await asyncio.get_running_loop().run_in_executor(
+            self._replies, lambda: reply.feed(text) + (reply.finish() if finish else []))
+
+    async def _whole_reply(self, c: Choice, spec: ChatOutputSpec) -> ChatReply:
+        """A finished choice read as a chat reply, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._replies, whole_reply, c, spec)
 
     def routes(self) -> dict:
         r = {
@@ -966,7 +981,7 @@ class Api:
             return StreamResponse(self._messages_stream(tasks, rid, spec))
         c = (await self._gather(tasks))[0]
         assert c.final is not None
-        reply = whole_reply(c, spec)
+        reply = await self._whole_reply(c, spec)
         return json_response(anthropic.message(rid, self.state.model_alias, anthropic.content_blocks(reply.message()),
                                                anthropic.final_usage(c.final),
                                                anthropic.ending(chat_finish_reason(c.final, reply), c.final)))
@@ -985,10 +1000,10 @@ class Api:
                                           anthropic.usage(n_prompt, n_prompt - n_cached, 0))
                 yield anthropic.event("message_start", message=start)
             if isinstance(ev, TokenEvent):
-                for chunk in blocks.feed(reply.feed(ev.text)):
+                for chunk in blocks.feed(await self._read(reply, ev.text)):
                     yield chunk
             elif isinstance(ev, FinalEvent):
-                for chunk in blocks.feed(reply.feed(ev.text_tail) + reply.finish()) + blocks.close():
+                for chunk in blocks.feed(await self._read(reply, ev.text_tail, finish=True)) + blocks.close():
                     yield chunk
                 yield anthropic.event("message_delta", delta=anthropic.ending(chat_finish_reason(ev, reply), ev),
                                       usage=anthropic.final_usage(ev))
@@ -1013,7 +1028,7 @@ class Api:
             return StreamResponse(self._response_stream(body, tasks, spec, rid, created))
         c = (await self._gather(tasks))[0]
         assert c.final is not None
-        reply = whole_reply(c, spec)
+        reply = await self._whole_reply(c, spec)
         return json_response(resp.response(rid, created, self.state.model_alias, body,
                                            resp.output_items(reply.message()), c.final,
                                            chat_finish_reason(c.final, reply)))
@@ -1034,10 +1049,10 @@ class Api:
         reply, items = ChatReply(spec), resp.ItemStream()
         async for _, ev in self._events(task_lists):
             if isinstance(ev, TokenEvent):
-                for name, data in items.feed(reply.feed(ev.text)):
+                for name, data in items.feed(await self._read(reply, ev.text)):
                     yield send(name, data)
             elif isinstance(ev, FinalEvent):
-                for name, data in items.feed(reply.feed(ev.text_tail) + reply.finish()) + items.close():
+                for name, data in items.feed(await self._read(reply, ev.text_tail, finish=True)) + items.close():
                     yield send(name, data)
                 done = resp.response(rid, created, model, body, items.items, ev, chat_finish_reason(ev, reply))
                 yield send("response.completed" if done["status"] == "completed" else "response.incomplete",
@@ -1154,7 +1169,7 @@ class Api:
             assert c.final is not None
             entry: dict = {"index": c.index, "finish_reason": _finish_reason(c.final)}
             if chat:
-                reply = whole_reply(c, chat_spec or ChatOutputSpec())
+                reply = await self._whole_reply(c, chat_spec or ChatOutputSpec())
                 entry["finish_reason"] = chat_finish_reason(c.final, reply)
                 entry["message"] = reply.message()
                 entry["logprobs"] = {"content": [_oai_logprob(x) for x in c.probs]} if p.n_probs else None
@@ -1219,7 +1234,7 @@ class Api:
                 if chat:
                     # the reply's reader decides what the text is (content, reasoning, a call) and
                     # may hold it back; the token's logprobs go with the first delta it yields
-                    deltas = replies[index].feed(ev.text)
+                    deltas = await self._read(replies[index], ev.text)
                     if not deltas and ev.probs is not None:
                         deltas = [{}]
                     for k, d in enumerate(deltas):
@@ -1231,7 +1246,7 @@ class Api:
                     n_cached += _cached(ev)
                 if chat:
                     reply = replies[index]
-                    for d in reply.feed(ev.text_tail) + reply.finish():
+                    for d in await self._read(reply, ev.text_tail, finish=True):
                         yield chunk(index, None, None, delta=d)
                     yield chunk(index, None, chat_finish_reason(ev, reply), final=ev)
                     continue

@@ -166,6 +166,12 @@ def chat_body(body: Any) -> dict:
     fmt = _text_format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt
+    reasoning = body.get("reasoning")
+    if reasoning is not None:  # only its effort has a meaning here, as for llama-server
+        if not isinstance(reasoning, dict):
+            raise HTTPError(400, "'reasoning' must be an object such as {\"effort\": \"low\"}")
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]
     for key in _PASSED_THROUGH:
         if key in body:
             chat[key] = body[key]

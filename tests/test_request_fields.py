@@ -1,5 +1,6 @@
 """Every request field llama-server reads is honoured here or refused with a 400 naming it, never
-accepted and ignored.
+accepted and ignored; and the token-counting endpoints, the /responses alias and the public model
+list.
 
 FIELDS is llama-server's list, written out as data: the completion schema of
 tools/server/server-schema.cpp (make_llama_cmpl_schema), the OpenAI parsers of
@@ -317,3 +318,40 @@ def test_verbose_per_request(srv):
     assert "__verbose" in chat
     with srv.settings(verbose=True):
         assert "__verbose" not in srv.post("/completion", {"prompt": PROMPT, **GREEDY, "verbose": False})[1]
+
+
+# --- endpoints ---------------------------------------------------------------------------------------
+
+def test_chat_input_tokens(srv):
+    _, reply = srv.post("/v1/chat/completions", CHAT)
+    for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+        status, doc = srv.post(path, {"messages": MSGS})
+        assert status == 200 and doc == {"object": "response.input_tokens",
+                                         "input_tokens": reply["usage"]["prompt_tokens"]}, doc
+    status, doc = srv.post("/v1/chat/completions/input_tokens", {"messages": "nope"})
+    assert status == 400
+
+
+def test_responses_input_tokens_and_alias(srv):
+    body = {"input": "Hi", "instructions": "Be brief", "max_output_tokens": 3, "temperature": 0}
+    _, reply = srv.post("/v1/responses", body)
+    status, alias = srv.post("/responses", body)
+    assert status == 200 and alias["object"] == "response"
+    text = [[c["text"] for c in item["content"]] for item in reply["output"] if item["type"] == "message"]
+    assert [[c["text"] for c in item["content"]] for item in alias["output"] if item["type"] == "message"] == text
+    assert [alias["usage"][k] for k in ("input_tokens", "output_tokens")] == \
+        [reply["usage"][k] for k in ("input_tokens", "output_tokens")]
+    for path in ("/v1/responses/input_tokens", "/responses/input_tokens"):
+        status, doc = srv.post(path, {"input": "Hi", "instructions": "Be brief"})
+        assert status == 200 and doc == {"object": "response.input_tokens",
+                                         "input_tokens": reply["usage"]["input_tokens"]}, doc
+    status, doc = srv.post("/v1/responses/input_tokens", {})
+    assert status == 400 and "'input'" in doc["error"]["message"]
+
+
+def test_models_are_public_with_an_api_key(srv):
+    with srv.settings(api_keys=["secret"]):
+        assert srv.post("/v1/chat/completions/input_tokens", {"messages": MSGS})[0] == 401
+        for path in ("/v1/models", "/models"):
+            status, doc = srv.get(path)
+            assert status == 200 and doc["object"] == "list", path

@@ -383,7 +383,11 @@ class Api:
             ("POST", "/v1/completions"): self.oai_completion,
             ("POST", "/v1/chat/completions"): self.oai_chat, ("POST", "/chat/completions"): self.oai_chat,
             ("POST", "/v1/messages"): self.messages, ("POST", "/v1/messages/count_tokens"): self.count_tokens,
-            ("POST", "/v1/responses"): self.responses,
+            ("POST", "/v1/responses"): self.responses, ("POST", "/responses"): self.responses,
+            ("POST", "/v1/chat/completions/input_tokens"): self.chat_input_tokens,
+            ("POST", "/chat/completions/input_tokens"): self.chat_input_tokens,
+            ("POST", "/v1/responses/input_tokens"): self.response_input_tokens,
+            ("POST", "/responses/input_tokens"): self.response_input_tokens,
             ("GET", "/v1/models"): self.models, ("GET", "/models"): self.models,
             ("POST", "/apply-template"): self.apply_template,
             ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
@@ -402,8 +406,10 @@ class Api:
         return r
 
     def public_paths(self) -> frozenset[str]:
-        """Paths answered without an API key: the probes and the pages with their files."""
-        return PUBLIC_PATHS | (self.webui.paths() if self.webui is not None else frozenset())
+        """Paths answered without an API key: the probes, the model list (as llama-server: a client
+        discovers the model before it authenticates) and the pages with their files."""
+        return PUBLIC_PATHS | {"/v1/models", "/models"} | (self.webui.paths() if self.webui is not None
+                                                           else frozenset())
 
     # --- simple endpoints ------------------------------------------------------------------------
     async def health(self, req: Request) -> Response:
@@ -1062,6 +1068,18 @@ class Api:
         _, prompt, _ = await _prepare(req, lambda: self._chat_input(anthropic.chat_body(req.json(),
                                                                                          count_tokens=True)))
         return json_response({"input_tokens": len(prompt)})
+
+    async def chat_input_tokens(self, req: Request) -> Response:
+        """/v1/chat/completions/input_tokens: the prompt tokens the chat request would have."""
+        _require_ready(self.state)
+        _, prompt, _ = await _prepare(req, lambda: self._chat_input(req.json()))
+        return json_response({"object": "response.input_tokens", "input_tokens": len(prompt)})
+
+    async def response_input_tokens(self, req: Request) -> Response:
+        """/v1/responses/input_tokens: the prompt tokens the Responses request would have."""
+        _require_ready(self.state)
+        _, prompt, _ = await _prepare(req, lambda: self._chat_input(resp.chat_body(req.json())))
+        return json_response({"object": "response.input_tokens", "input_tokens": len(prompt)})
 
     def _render_chat(self, body: dict) -> tuple[str, str]:
         """(prompt text, prefill) of a chat body: template, prefill, chat_template_kwargs (chat.py)."""

@@ -138,10 +138,18 @@ honoured("response_format", "/v1/chat/completions",
 honoured("id_slot", check=lambda s, d: d["id_slot"] == 1 or pytest.fail(str(d["id_slot"])), id_slot=1)
 honoured("cache_prompt", check=lambda s, d: d["timings"]["cache_n"] == 0 or pytest.fail("cached"),
          cache_prompt=False)
-honoured("timings_per_token", check=_ok, timings_per_token=True)  # its effect: test_timings_per_token_and_progress
-honoured("return_progress", check=_ok, return_progress=True)      # (streamed only, as there)
-honoured("stream", check=_ok, stream=False)                       # streams: everywhere in the API tests
-honoured("stream_options", "/v1/chat/completions", check=_ok, stream_options={"include_usage": True})
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ") and line[6:] != "[DONE]"]
+
+
+honoured("timings_per_token", check=lambda s, d: all("timings" in e for e in _events(d)[:3]),
+         stream=True, timings_per_token=True)
+honoured("return_progress", check=lambda s, d: any("prompt_progress" in e for e in _events(d)),
+         stream=True, return_progress=True)
+honoured("stream", check=lambda s, d: _events(d)[-1]["stop"] is True, stream=True)
+honoured("stream_options", "/v1/chat/completions",
+         check=lambda s, d: _events(d)[-1]["choices"] == [] and _events(d)[-1]["usage"]["completion_tokens"] == 4,
+         stream=True, stream_options={"include_usage": True})
 honoured("sse_ping_interval", check=_ok, sse_ping_interval=5)     # its effect: test_http's ping tests
 honoured("logit_bias", check=lambda s, d: d["generation_settings"]["logit_bias"] == [{"bias": 5.0, "token": 7}],
          logit_bias=[[7, 5.0]])

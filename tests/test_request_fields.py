@@ -319,6 +319,15 @@ def test_n_indent_ends_at_a_line_indented_less(srv):
     assert status == 400 and "'n_indent'" in doc["error"]["message"]
 
 
+def test_logprobs_is_n_probs_other_name_on_completion(srv):
+    _, doc = srv.post("/completion", {"prompt": PROMPT, **GREEDY, "logprobs": 2})
+    assert len(doc["completion_probabilities"]) == 6 and len(doc["completion_probabilities"][0]["top_logprobs"]) == 2
+    _, doc = srv.post("/completion", {"prompt": PROMPT, **GREEDY, "logprobs": 2, "n_probs": 3})
+    assert len(doc["completion_probabilities"][0]["top_logprobs"]) == 3  # n_probs wins
+    status, doc = srv.post("/completion", {"prompt": PROMPT, **GREEDY, "logprobs": True})
+    assert status == 400 and "'logprobs' must be an integer" in doc["error"]["message"]
+
+
 def test_verbose_per_request(srv):
     _, doc = srv.post("/completion", {"prompt": PROMPT, **GREEDY, "verbose": True})
     assert doc["__verbose"]["tokens_predicted"] == 6

@@ -237,6 +237,7 @@ class CompletionParams:
 # is the one that asks for nothing (`None` is always that: JSON null reads as an absent field).
 # name -> (the values that ask for nothing, why the others are refused)
 _INTERNAL = "is set by llama-server's own chat endpoints; pyllama derives it from the model's chat template"
+_SPECULATIVE = "only speculative.n_max and speculative.n_min can be set per request"
 UNHONOURED_FIELDS: dict[str, tuple[Any, str]] = {
     "t_max_prompt_ms": (lambda v: _number(v) and v <= 0, "a time limit on prompt processing is not supported "
                                                          "(llama-server does not implement it either)"),
@@ -259,14 +260,8 @@ UNHONOURED_FIELDS: dict[str, tuple[Any, str]] = {
                                         "a cached prompt prefix is reused"),
     "adaptive_target": (lambda v: _number(v) and v < 0, "the adaptive-p sampler is not supported"),
     "adaptive_decay": (lambda v: v == 0.9, "the adaptive-p sampler is not supported"),
-    "speculative.p_min": (lambda v: False, "only speculative.n_max and speculative.n_min can be set per request"),
-    "speculative.type": (lambda v: False, "only speculative.n_max and speculative.n_min can be set per request"),
-    "speculative.ngram_size_n": (lambda v: False, "only speculative.n_max and speculative.n_min can be set per "
-                                                  "request"),
-    "speculative.ngram_size_m": (lambda v: False, "only speculative.n_max and speculative.n_min can be set per "
-                                                  "request"),
-    "speculative.ngram_min_hits": (lambda v: False, "only speculative.n_max and speculative.n_min can be set per "
-                                                    "request"),
+    **{f"speculative.{name}": (lambda v: False, _SPECULATIVE)
+       for name in ("p_min", "type", "ngram_size_n", "ngram_size_m", "ngram_min_hits")},
     "echo": (lambda v: v is False, "echoing the prompt is not supported"),
     "best_of": (lambda v: v == 1, "best_of is not supported (use n for several completions)"),
     "suffix": (lambda v: False, "a suffix is not supported here (use /infill for fill-in-the-middle)"),
@@ -351,7 +346,8 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
             n_predict = get_int(body, name, default_n_predict, lo=-1)  # type: ignore[assignment]
     post_sampling = get_bool(body, "post_sampling_probs", False)
     hi = MAX_POST_SAMPLING_PROBS if post_sampling else MAX_N_PROBS
-    n_probs = get_int(body, "n_probs", 0, lo=0, hi=hi) or 0
+    # llama-server reads `logprobs` as n_probs's other name when n_probs is absent
+    n_probs = get_int(body, "n_probs" if oai or body.get("n_probs") is not None else "logprobs", 0, lo=0, hi=hi) or 0
     if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
         raise HTTPError(400, "'top_logprobs' requires 'logprobs' to be set to true")
     if oai:  # OpenAI's forms: completions take an int, chat takes a bool plus top_logprobs

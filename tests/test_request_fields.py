@@ -328,6 +328,14 @@ def test_logprobs_is_n_probs_other_name_on_completion(srv):
     assert status == 400 and "'logprobs' must be an integer" in doc["error"]["message"]
 
 
+def test_responses_pass_llama_server_fields_to_the_chat_path(srv):
+    body = {"input": "Hi", "max_output_tokens": 4, "temperature": 0}
+    status, doc = srv.post("/v1/responses", {**body, "lora": [{"id": 0, "scale": 1.0}]})
+    assert status == 400 and "'lora'" in doc["error"]["message"]
+    _, forced = srv.post("/v1/responses", {**body, "max_output_tokens": 10, "grammar": 'root ::= "zz"'})
+    assert forced["output"][-1]["content"][0]["text"] == "zz", forced["output"]
+
+
 def test_verbose_per_request(srv):
     _, doc = srv.post("/completion", {"prompt": PROMPT, **GREEDY, "verbose": True})
     assert doc["__verbose"]["tokens_predicted"] == 6

@@ -341,6 +341,8 @@ def test_verbose_per_request(srv):
     assert doc["__verbose"]["tokens_predicted"] == 6
     _, chat = srv.post("/v1/chat/completions", {**CHAT, "verbose": True})
     assert "__verbose" in chat
+    _, reply = srv.post("/v1/responses", {"input": "Hi", "max_output_tokens": 3, "verbose": True})
+    assert reply["__verbose"]["tokens_predicted"] == 3 and "__verbose" not in reply["__verbose"]
     with srv.settings(verbose=True):
         assert "__verbose" not in srv.post("/completion", {"prompt": PROMPT, **GREEDY, "verbose": False})[1]
 

@@ -121,7 +121,7 @@ def scripted_response(template: str, body: dict, pieces: list[str], stream: bool
     api, p, spec, task = scripted(template, rs.chat_body(body), pieces, stop_type)
 
     async def run():
-        resp = await api._response_response(body, [[task]], spec, stream)
+        resp = await api._response_response(body, [[task]], spec, p)
         if not stream:
             return Response.model_validate(json.loads(resp.body))
         assert isinstance(resp, StreamResponse)

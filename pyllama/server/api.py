@@ -247,7 +247,7 @@ def _settings(state: ServerState, p: CompletionParams) -> dict:
             "return_tokens": p.return_tokens, "return_progress": p.return_progress, "id_slot": p.id_slot,
             "n_cmpl": p.n, "grammar": p.constraint.text if p.constraint is not None else "",
             # llama-server's fields for what pyllama does not have (adaptive-p sampler, LoRA) at their
-            # "off" values, and the context shift's discard (0: half, as here)
+            # "off" values
             "adaptive_target": -1.0, "adaptive_decay": 0.9, "lora": [], "speculative.types": state.spec_type,
             "n_discard": p.n_discard, "n_indent": p.n_indent, "t_max_predict_ms": p.t_max_predict_ms,
             "backend_sampling": any(getattr(g, "backend_sampling", False) for g in state.groups)}
@@ -974,13 +974,13 @@ class Api:
         tasks = self._tasks([prompt], p)
         for t in tasks[0]:  # a stream's message_start waits for the cache's share of the prompt (its first progress event)
             t.return_progress = p.stream
-        return await self._message_response(tasks, spec, p.stream)
+        return await self._message_response(tasks, spec, p)
 
     async def _message_response(self, tasks: list[list[CompletionTask]], spec: ChatOutputSpec,
-                                stream: bool) -> Response | StreamResponse:
+                                p: CompletionParams) -> Response | StreamResponse:
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]  # llama-server's ids
-        if stream:
-            return StreamResponse(self._messages_stream(tasks, rid, spec))
+        if p.stream:
+            return _stream(p, self._messages_stream(tasks, rid, spec))
         c = (await self._gather(tasks))[0]
         assert c.final is not None
         reply = whole_reply(c, spec)
@@ -1021,19 +1021,22 @@ class Api:
             body = req.json()
             return (body, *self._chat_input(resp.chat_body(body)))
         body, p, prompt, spec = await _prepare(req, work)
-        return await self._response_response(body, self._tasks([prompt], p), spec, p.stream)
+        return await self._response_response(body, self._tasks([prompt], p), spec, p)
 
     async def _response_response(self, body: dict, tasks: list[list[CompletionTask]], spec: ChatOutputSpec,
-                                 stream: bool) -> Response | StreamResponse:
+                                 p: CompletionParams) -> Response | StreamResponse:
         rid, created = resp.new_id("resp"), int(time.time())
-        if stream:
-            return StreamResponse(self._response_stream(body, tasks, spec, rid, created))
+        if p.stream:
+            return _stream(p, self._response_stream(body, tasks, spec, rid, created))
         c = (await self._gather(tasks))[0]
         assert c.final is not None
         reply = whole_reply(c, spec)
-        return json_response(resp.response(rid, created, self.state.model_alias, body,
-                                           resp.output_items(reply.message()), c.final,
-                                           chat_finish_reason(c.final, reply)))
+        out = resp.response(rid, created, self.state.model_alias, body, resp.output_items(reply.message()), c.final,
+                            chat_finish_reason(c.final, reply))
+        if _verbose(self.state, p):  # (the request's verbose reaches here through the chat body)
+            out["__verbose"] = self._completion_json(c, replace(p, response_fields=[], verbose=False),
+                                                     tasks[0][0].prompt, "", tasks[0][0].settings)
+        return json_response(out)
 
     async def _response_stream(self, body: dict, task_lists, spec: ChatOutputSpec, rid: str,
                                created: int) -> AsyncIterator[bytes]:

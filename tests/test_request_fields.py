@@ -2,7 +2,7 @@
 accepted and ignored; and the token-counting endpoints, the /responses alias and the public model
 list.
 
-FIELDS is llama-server's list, written out as data: the completion schema of
+LLAMA_SERVER_FIELDS is llama-server's list, written out as data: the completion schema of
 tools/server/server-schema.cpp (make_llama_cmpl_schema), the OpenAI parsers of
 tools/server/server-common.cpp (oaicompat_completion_params_parse, oaicompat_chat_params_parse)
 and tools/server/server-chat.cpp's Responses conversion. Each entry is a request that uses the field
@@ -68,7 +68,8 @@ def _settings_echo(name: str, value: Any) -> Callable:
 
 
 def _ok(srv, doc):
-    pass
+    """Accepted: the effect is checked by the test named beside the entry, or the value asks for
+    nothing (the refused values are in REFUSED)."""
 
 
 # Honoured fields: (endpoint, the body's fields, a check of the result). Each check looks for the

@@ -123,7 +123,7 @@ def scripted_message(template: str, body: dict, pieces: list[str], stream: bool,
     task.return_progress = stream  # as the handler sets it for a stream
 
     async def run():
-        resp = await api._message_response([[task]], spec, p.stream)
+        resp = await api._message_response([[task]], spec, p)
         if not stream:
             return Message.model_validate(json.loads(resp.body))
         assert isinstance(resp, StreamResponse)

@@ -514,3 +514,20 @@ def test_template_caps_in_llama_servers_names():
     caps = narrow.llama_caps()
     assert caps["supports_system_role"] is False and caps["supports_parallel_tool_calls"] is False
     assert caps["supports_tool_calls"] is True
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it():
+    msgs = [{"role": "user", "content": "Hi"}]
+    tpl = ChatTemplate("{{ reasoning_effort | default('unset') }}|{{ enable_thinking | default('unset') }}|"
+                       "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert tpl.render_request({"messages": msgs}) == "unset|unset|Hi"
+    assert tpl.render_request({"messages": msgs, "reasoning_effort": "high"}) == "high|unset|Hi"
+    assert tpl.render_request({"messages": msgs, "reasoning_effort": "none"}) == "unset|False|Hi"
+    # chat_template_kwargs wins, as the variable is the template's own
+    assert tpl.render_request({"messages": msgs, "reasoning_effort": "high",
+                               "chat_template_kwargs": {"reasoning_effort": "low"}}) == "low|unset|Hi"
+    with pytest.raises(ChatTemplateError, match="'reasoning_effort' must be a string"):
+        tpl.render_request({"messages": msgs, "reasoning_effort": 3})
+    plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="'reasoning_effort' 'high' is not supported"):
+        plain.render_request({"messages": msgs, "reasoning_effort": "high"})

@@ -106,3 +106,14 @@ def test_keep_flag_is_checked(tiny_model):
     assert srv.proc.wait(60) == 1
     srv.stop()
     assert "--keep" in srv.stderr_text
+
+
+def test_n_discard_sets_what_a_shift_drops(shift_on):
+    srv = shift_on
+    before = len(shifts_logged(srv))
+    status, res = srv.post("/completion", {"prompt": PROMPT, "n_predict": 2 * N_CTX, "ignore_eos": True,
+                                           "n_keep": 4, "n_discard": 5, "temperature": 0})
+    assert status == 200 and res["tokens_predicted"] == 2 * N_CTX and res["truncated"]
+    assert res["generation_settings"]["n_discard"] == 5
+    new = shifts_logged(srv)[before:]
+    assert new and all(d == 5 for _, _, d in new), new

@@ -1065,6 +1065,26 @@ def test_event_stream_pings_while_idle(serve):
     s.close()
 
 
+def test_event_stream_ping_interval_of_its_own(serve):
+    """A stream's own interval (a request's sse_ping_interval) replaces the server's."""
+    async def slow():
+        await asyncio.sleep(1.3)
+        yield b"data: {}\n\n"
+
+    async def handler(req):
+        every = req.query.get("every")
+        return StreamResponse(slow(), ping_interval=float(every) if every is not None else None)
+
+    st = serve({("GET", "/s"): handler}, sse_ping_interval=30.0)
+
+    def body(query: str) -> bytes:
+        conn = st.http(timeout=10)
+        conn.request("GET", "/s" + query)
+        return conn.getresponse().read()
+    assert body("?every=0.5").startswith(b":\n\n:\n\n")
+    assert body("") == body("?every=-1") == b"data: {}\n\n"
+
+
 def test_api_prefix(serve):
     """As llama-server's --api-prefix: every path is served under the prefix, and only there; the
     prefix alone redirects to its '/' (pages resolve their files against it)."""

@@ -506,7 +506,9 @@ _json_value = st.recursive(_json_leaf, lambda c: st.lists(c, max_size=4) | st.di
                                                                                             max_size=4), max_leaves=10)
 _FIELDS = ["n_predict", "max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
            "n_probs", "n", "stop", "stream", "logit_bias", "repeat_last_n", "repeat_penalty", "presence_penalty",
-           "frequency_penalty", "id_slot", "cache_prompt", "ignore_eos", "logprobs", "top_logprobs", "stream_options"]
+           "frequency_penalty", "id_slot", "cache_prompt", "ignore_eos", "logprobs", "top_logprobs", "stream_options",
+           "n_indent", "t_max_predict_ms", "n_discard", "verbose", "sse_ping_interval", "backend_sampling", "lora",
+           "grammar_lazy", "t_max_prompt_ms", "adaptive_target", "adaptive_decay", "best_of", "echo"]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -523,6 +525,7 @@ def test_parse_completion_answers_400_or_valid_params(body, oai):
     assert -1 <= p.n_predict < 2**31 and 1 <= p.n <= 4 and 0 <= p.n_probs <= 1024
     assert p.n_probs <= 20 or not p.post_sampling_probs  # the sampling kernel keeps at most 20
     assert p.sampling.n_probs == min(p.n_probs, 20)
+    assert p.n_indent >= 0 and p.t_max_predict_ms >= -1 and p.n_discard >= 0
 
 
 def test_a_body_of_many_small_containers_is_refused_before_parsing(server):

@@ -41,7 +41,7 @@ class InProcessServer:
         self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.http = HTTPServer(self.api.routes(), access=self.state)
+        self.http = HTTPServer(self.api.routes(), access=self.state, public_paths=self.api.public_paths())
         self.port = asyncio.run_coroutine_threadsafe(self.http.start("127.0.0.1", 0), self.loop).result(10)
 
     def close(self) -> None:
@@ -110,9 +110,9 @@ GREEDY = {"n_predict": 6, "temperature": 0, "ignore_eos": True}
 INVALID_KEY = {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}
 
 
-def test_api_key_required_everywhere_but_health(srv):
+def test_api_key_required_everywhere_but_health_and_models(srv):
     with srv.settings(api_keys=["key-one", "key-two"]):
-        for method, path in (("GET", "/props"), ("GET", "/slots"), ("GET", "/v1/models"), ("POST", "/completion"),
+        for method, path in (("GET", "/props"), ("GET", "/slots"), ("POST", "/completion"),
                              ("POST", "/v1/chat/completions"), ("GET", "/no-such-path")):
             status, doc, _ = srv.request(method, path, {"prompt": "x"} if method == "POST" else None)
             assert (status, doc) == (401, INVALID_KEY), path
@@ -120,6 +120,8 @@ def test_api_key_required_everywhere_but_health(srv):
             assert (status, doc) == (401, INVALID_KEY), path
         assert srv.get("/health") == (200, {"status": "ok"})
         assert srv.get("/v1/health") == (200, {"status": "ok"})
+        # as llama-server: a client may list the model before it has a key
+        assert srv.get("/v1/models")[0] == srv.get("/models")[0] == 200
         assert srv.get("/props", headers={"Authorization": "Bearer key-two"})[0] == 200
         assert srv.get("/props", headers={"X-Api-Key": "key-one"})[0] == 200
         assert srv.get("/props", headers={"Authorization": "Bearer key-one-and-more"})[0] == 401

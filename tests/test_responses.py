@@ -52,6 +52,10 @@ def test_conversation_becomes_the_chat_body():
     assert (chat["tool_choice"], chat["parallel_tool_calls"], chat["max_tokens"]) == ("required", False, 20)
     assert (chat["temperature"], chat["top_p"]) == (0.2, 0.9)
     assert not {"reasoning", "metadata", "store", "instructions", "input"} & set(chat)
+    assert chat["reasoning_effort"] == "low"
+    # llama-server's own fields pass through to the chat path, which honours or refuses each
+    passed = rs.chat_body({"input": "hi", "top_k": 5, "seed": 3, "lora": [{"id": 0, "scale": 1}]})
+    assert (passed["top_k"], passed["seed"], passed["lora"]) == (5, 3, [{"id": 0, "scale": 1}])
 
 
 def test_request_forms():
@@ -117,7 +121,7 @@ def scripted_response(template: str, body: dict, pieces: list[str], stream: bool
     api, p, spec, task = scripted(template, rs.chat_body(body), pieces, stop_type)
 
     async def run():
-        resp = await api._response_response(body, [[task]], spec, stream)
+        resp = await api._response_response(body, [[task]], spec, p)
         if not stream:
             return Response.model_validate(json.loads(resp.body))
         assert isinstance(resp, StreamResponse)

@@ -112,3 +112,21 @@ def test_server_bad_budget_is_400(thinking_server):
     status, doc = thinking_server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                                 "thinking_budget_tokens": -2})
     assert status == 400 and "thinking_budget_tokens" in doc["error"]["message"]
+
+
+def test_server_reasoning_budget_tokens_and_message(thinking_server):
+    """llama-server's own names: reasoning_budget_tokens (over thinking_budget_tokens) and
+    reasoning_budget_message, put before the end of a spent budget."""
+    def content(**fields) -> tuple[str, list[str]]:
+        c = chat(thinking_server, reasoning_format="none", **fields)
+        return c["message"]["content"], [e["token"] for e in c["logprobs"]["content"]]
+    by_old, sampled = content(thinking_budget_tokens=3)
+    assert content(reasoning_budget_tokens=3)[0] == by_old
+    assert content(reasoning_budget_tokens=3, thinking_budget_tokens=8)[0] == by_old
+    assert "</think>" not in content(reasoning_budget_tokens=-1, thinking_budget_tokens=3)[0]  # -1 lifts it
+    told, told_sampled = content(reasoning_budget_tokens=3, reasoning_budget_message="Enough.", max_tokens=40)
+    thought = "".join(told_sampled[:3])
+    assert told.startswith(thought + budget_end_text("Enough.")), told
+    status, doc = thinking_server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                "reasoning_budget_message": 3})
+    assert status == 400 and "'reasoning_budget_message' must be a string" in doc["error"]["message"]

@@ -253,8 +253,9 @@ class Scheduler:
 
     def _shift(self, slot: Slot) -> None:
         """A generating slot whose next token has no position left: with --context-shift keeps the
-        first n_keep tokens, drops half of the rest and recomputes what follows the kept ones at
-        their new positions (as llama-server does, but by recomputation instead of rotating K);
+        first n_keep tokens, drops the request's n_discard of the rest (0: half) and recomputes what
+        follows the kept ones at their new positions (as llama-server does, but by recomputation
+        instead of rotating K);
         else, or when nothing can be dropped, the request ends."""
         task = slot.task
         assert task is not None
@@ -262,7 +263,7 @@ class Scheduler:
         n_keep = len(slot.prompt) if task.n_keep < 0 else task.n_keep
         n_keep = max(0, min(n_keep + int(self.tokenizer.add_bos), slot.n_ctx - 4))
         n_left = n_past - n_keep
-        n_discard = max(0, min(n_left // 2, n_left - 1))
+        n_discard = max(0, min(task.n_discard or n_left // 2, n_left - 1))
         if not slot.context_shift or n_discard <= 0:
             self.end(slot, slot.end_at_limit())
             return

@@ -98,6 +98,8 @@ class Slot:
         self.thinking: Optional[ThinkingBudget] = None  # the reply's thinking held to a budget of tokens
         self.text = ""
         self.n_sent = 0                 # characters of self.text already sent
+        self.i_indent = 0               # n_indent: characters of self.text already looked at
+        self.line_start = -1            # n_indent: where the line whose indentation is being read starts
         self.t_start = self.t_prompt_done = self.t_last = 0.0
         self.t_detok = self.t_stop = 0.0  # accumulated for PYLLAMA_PIPE_PROF
         # scheduling under a full KV pool (see group.py)
@@ -193,6 +195,17 @@ class Slot:
                 stop_type = "word"
         self.t_detok += t1 - t0
         self.t_stop += time.perf_counter() - t1
+        cut = False
+        if not stop_type and task.n_indent > 0:
+            at = self._under_indented(task.n_indent)
+            if at >= 0:  # as llama-server: the line's indentation stays, the rest of the text goes
+                self.text, stop_type, cut = self.text[:at], "limit", True
+        if not stop_type and task.t_max_predict_ms > 0 and (now - self.t_prompt_done) * 1e3 > task.t_max_predict_ms:
+            # llama-server's rule for code completion: out of time, end at a line's end (a newline
+            # in the text this token releases)
+            hold = self.stopper.held(self.text) if self.stopper.stops else 0
+            if "\n" in self.text[self.n_sent:len(self.text) - hold]:
+                stop_type = "limit"
         if not stop_type and task.n_predict >= 0 and self.n_decoded >= task.n_predict:
             stop_type = "limit"
         if not stop_type and self.n_past >= self.n_ctx and not self.context_shift:
@@ -201,7 +214,7 @@ class Slot:
         if not stop_type and self.constraint is not None and self.constraint.done and not self.constraint.failed:
             stop_type = "eos"  # the grammar allows nothing more but the end: the model's EOS is all that could follow
         if stop_type:
-            if stop_type != "word":
+            if stop_type != "word" and not cut:
                 self.text += self.detok.flush()
             event = TokenEvent(self._take_text(hold=0), token, probs, self.id)
             return event, self._final(stop_type, word)
@@ -223,6 +236,24 @@ class Slot:
         if not self.constraint.matcher.consume_tokens(start):
             self.constraint.failed = (self.constraint.error or "the grammar does not accept the text its trigger "
                                       "started") + f" (from {self.tokenizer.decode(start)!r})"
+
+    def _under_indented(self, n_indent: int) -> int:
+        """Where the first line after a newline that is indented by fewer than n_indent spaces or
+        tabs shows its first other character (a newline included, as llama-server counts it), or
+        -1. The text before the first newline continues the prompt's line and is never checked."""
+        text = self.text
+        for i in range(min(self.i_indent, len(text)), len(text)):
+            c = text[i]
+            if self.line_start >= 0:
+                if c in " \t":
+                    continue
+                if i - self.line_start < n_indent:
+                    return i
+                self.line_start = -1
+            if c == "\n":
+                self.line_start = i + 1
+        self.i_indent = len(text)
+        return -1
 
     def draft_room(self) -> int:
         """Draft tokens the slot can verify: its context keeps room for the sampled token and one

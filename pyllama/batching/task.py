@@ -39,6 +39,9 @@ class CompletionTask:
     id_slot: int = -1
     spec_n_max: int = -1                    # speculative.n_max: at most this many draft tokens a step (-1: no cap)
     spec_n_min: int = 0                     # speculative.n_min: a shorter draft is not verified
+    n_indent: int = 0                       # > 0: a generated line indented less than this ends the generation
+    t_max_predict_ms: int = -1              # > 0: the first newline after this long generating ends it
+    n_discard: int = 0                      # tokens a context shift drops after n_keep (0: half of the rest)
     settings: dict = field(default_factory=dict)  # the request's generation_settings, which /slots shows
     index: int = 0                          # choice index within a request with n > 1
     siblings: list["CompletionTask"] = field(default_factory=list)  # the other choices, to be placed together

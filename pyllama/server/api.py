@@ -33,7 +33,8 @@ from ..obs.metrics import Metrics, pipeline_families, render_families
 from ..batching.prompt_cache import cache_families
 from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
-from .params import CompletionParams, get_int, parse_completion, split_prompts, tokenize_prompt
+from .params import (CompletionParams, check_not_chat, get_int, parse_completion, split_prompts,
+                     tokenize_prompt)
 from .reasoning import ReasoningStream, budget_end_text, check_format, prompt_opens_thinking, reasoning_tags
 from .tool_calls import (CALL_TRIGGERS, ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request,
                          reads_reasoning, thinking_ends)
@@ -250,10 +251,20 @@ def _settings(state: ServerState, p: CompletionParams) -> dict:
             "return_tokens": p.return_tokens, "return_progress": p.return_progress, "id_slot": p.id_slot,
             "n_cmpl": p.n, "grammar": p.constraint.text if p.constraint is not None else "",
             # llama-server's fields for what pyllama does not have (adaptive-p sampler, LoRA) at their
-            # "off" values, and the context shift's discard (0: half, as here)
+            # "off" values
             "adaptive_target": -1.0, "adaptive_decay": 0.9, "lora": [], "speculative.types": state.spec_type,
-            "n_discard": 0,
+            "n_discard": p.n_discard, "n_indent": p.n_indent, "t_max_predict_ms": p.t_max_predict_ms,
             "backend_sampling": any(getattr(g, "backend_sampling", False) for g in state.groups)}
+
+
+def _verbose(state: ServerState, p: CompletionParams) -> bool:
+    """Whether a result carries __verbose: the request's `verbose`, else the server's -v."""
+    return state.verbose if p.verbose is None else p.verbose
+
+
+def _stream(p: CompletionParams, chunks: AsyncIterator[bytes]) -> StreamResponse:
+    """A completion's event stream, pinged while silent at the request's sse_ping_interval (if any)."""
+    return StreamResponse(chunks, ping_interval=p.sse_ping_interval)
 
 
 def nested_fields(paths: list[str], obj: dict) -> dict:
@@ -395,7 +406,11 @@ class Api:
             ("POST", "/v1/completions"): self.oai_completion,
             ("POST", "/v1/chat/completions"): self.oai_chat, ("POST", "/chat/completions"): self.oai_chat,
             ("POST", "/v1/messages"): self.messages, ("POST", "/v1/messages/count_tokens"): self.count_tokens,
-            ("POST", "/v1/responses"): self.responses,
+            ("POST", "/v1/responses"): self.responses, ("POST", "/responses"): self.responses,
+            ("POST", "/v1/chat/completions/input_tokens"): self.chat_input_tokens,
+            ("POST", "/chat/completions/input_tokens"): self.chat_input_tokens,
+            ("POST", "/v1/responses/input_tokens"): self.response_input_tokens,
+            ("POST", "/responses/input_tokens"): self.response_input_tokens,
             ("GET", "/v1/models"): self.models, ("GET", "/models"): self.models,
             ("POST", "/apply-template"): self.apply_template,
             ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
@@ -414,8 +429,10 @@ class Api:
         return r
 
     def public_paths(self) -> frozenset[str]:
-        """Paths answered without an API key: the probes and the pages with their files."""
-        return PUBLIC_PATHS | (self.webui.paths() if self.webui is not None else frozenset())
+        """Paths answered without an API key: the probes, the model list (as llama-server: a client
+        discovers the model before it authenticates) and the pages with their files."""
+        return PUBLIC_PATHS | {"/v1/models", "/models"} | (self.webui.paths() if self.webui is not None
+                                                           else frozenset())
 
     # --- simple endpoints ------------------------------------------------------------------------
     async def health(self, req: Request) -> Response:
@@ -796,6 +813,11 @@ class Api:
         st = self.state
         if p.id_slot >= sum(len(g.slots) for g in st.groups):
             raise HTTPError(400, f"'id_slot' {p.id_slot} does not exist")
+        on_device = any(getattr(g, "backend_sampling", False) for g in st.groups)
+        if p.backend_sampling is not None and p.backend_sampling != on_device:
+            # where a token is sampled is the server's choice (--backend-sampling and what its devices can do)
+            raise HTTPError(400, f"'backend_sampling' {str(p.backend_sampling).lower()} is not supported: this "
+                                 f"server samples {'on the device' if on_device else 'on the host'} for every request")
         out = []
         settings = _settings(st, p)  # once per request: its results and /slots show them
         for k, prompt in enumerate(prompts):
@@ -817,7 +839,8 @@ class Api:
                     timings_per_token=p.timings_per_token, return_progress=p.return_progress and p.stream,
                     cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=k * p.n + i, matcher=matcher, triggers=p.triggers,
                     thinking_budget=p.thinking_budget, thinking_end=p.thinking_end, thinking_open=p.thinking_open,
-                    spec_n_max=p.spec_n_max, spec_n_min=p.spec_n_min, settings=settings))
+                    spec_n_max=p.spec_n_max, spec_n_min=p.spec_n_min, n_indent=p.n_indent,
+                    t_max_predict_ms=p.t_max_predict_ms, n_discard=p.n_discard, settings=settings))
             out.append(tasks)
         return out
 
@@ -862,6 +885,7 @@ class Api:
         body = req.json()
         p = parse_completion(body, st.args.n_predict, st.slots_per_group, oai=oai, n_vocab=st.tokenizer.n_vocab,
                              tokenizer=st.tokenizer, default_n_keep=_keep(st.args))
+        check_not_chat(body, "/v1/completions" if oai else "/completion")
         if "prompt" not in body:
             raise HTTPError(400, "'prompt' is required")
         given = split_prompts(body["prompt"])
@@ -881,7 +905,7 @@ class Api:
         task_lists = self._tasks(prompts, p)
         texts = [g if isinstance(g, str) else self.state.tokenizer.decode(t) for g, t in zip(given, prompts)]
         if p.stream:
-            return StreamResponse(self._completion_stream(task_lists, p, prompts, texts))
+            return _stream(p, self._completion_stream(task_lists, p, prompts, texts))
         choices = await self._gather(task_lists)
         settings = task_lists[0][0].settings
         out = [self._completion_json(c, p, prompts[c.index // p.n], texts[c.index // p.n], settings) for c in choices]
@@ -904,7 +928,7 @@ class Api:
         full = out
         if p.response_fields:
             out = nested_fields(p.response_fields, out)
-        if self.state.verbose:
+        if _verbose(self.state, p):
             out["__verbose"] = dict(full)
         return out
 
@@ -946,6 +970,7 @@ class Api:
             body = req.json()
             p = parse_completion(body, st.args.n_predict, st.slots_per_group, n_vocab=st.tokenizer.n_vocab,
                                  tokenizer=st.tokenizer, default_n_keep=_keep(st.args))
+            check_not_chat(body, "/infill")
             for value in infill_fields(body).values():
                 st.check_prompt_fits(*_prompt_size(value))
             _check_constraint(st, p)
@@ -972,13 +997,13 @@ class Api:
         tasks = self._tasks([prompt], p)
         for t in tasks[0]:  # a stream's message_start waits for the cache's share of the prompt (its first progress event)
             t.return_progress = p.stream
-        return await self._message_response(tasks, spec, p.stream)
+        return await self._message_response(tasks, spec, p)
 
     async def _message_response(self, tasks: list[list[CompletionTask]], spec: ChatOutputSpec,
-                                stream: bool) -> Response | StreamResponse:
+                                p: CompletionParams) -> Response | StreamResponse:
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]  # llama-server's ids
-        if stream:
-            return StreamResponse(self._messages_stream(tasks, rid, spec))
+        if p.stream:
+            return _stream(p, self._messages_stream(tasks, rid, spec))
         c = (await self._gather(tasks))[0]
         assert c.final is not None
         reply = await self._whole_reply(c, spec)
@@ -1019,19 +1044,22 @@ class Api:
             body = req.json()
             return (body, *self._chat_input(resp.chat_body(body)))
         body, p, prompt, spec = await _prepare(req, work)
-        return await self._response_response(body, self._tasks([prompt], p), spec, p.stream)
+        return await self._response_response(body, self._tasks([prompt], p), spec, p)
 
     async def _response_response(self, body: dict, tasks: list[list[CompletionTask]], spec: ChatOutputSpec,
-                                 stream: bool) -> Response | StreamResponse:
+                                 p: CompletionParams) -> Response | StreamResponse:
         rid, created = resp.new_id("resp"), int(time.time())
-        if stream:
-            return StreamResponse(self._response_stream(body, tasks, spec, rid, created))
+        if p.stream:
+            return _stream(p, self._response_stream(body, tasks, spec, rid, created))
         c = (await self._gather(tasks))[0]
         assert c.final is not None
         reply = await self._whole_reply(c, spec)
-        return json_response(resp.response(rid, created, self.state.model_alias, body,
-                                           resp.output_items(reply.message()), c.final,
-                                           chat_finish_reason(c.final, reply)))
+        out = resp.response(rid, created, self.state.model_alias, body, resp.output_items(reply.message()), c.final,
+                            chat_finish_reason(c.final, reply))
+        if _verbose(self.state, p):  # (the request's verbose reaches here through the chat body)
+            out["__verbose"] = self._completion_json(c, replace(p, response_fields=[], verbose=False),
+                                                     tasks[0][0].prompt, "", tasks[0][0].settings)
+        return json_response(out)
 
     async def _response_stream(self, body: dict, task_lists, spec: ChatOutputSpec, rid: str,
                                created: int) -> AsyncIterator[bytes]:
@@ -1066,6 +1094,18 @@ class Api:
         _, prompt, _ = await _prepare(req, lambda: self._chat_input(anthropic.chat_body(req.json(),
                                                                                          count_tokens=True)))
         return json_response({"input_tokens": len(prompt)})
+
+    async def chat_input_tokens(self, req: Request) -> Response:
+        """/v1/chat/completions/input_tokens: the prompt tokens the chat request would have."""
+        _require_ready(self.state)
+        _, prompt, _ = await _prepare(req, lambda: self._chat_input(req.json()))
+        return json_response({"object": "response.input_tokens", "input_tokens": len(prompt)})
+
+    async def response_input_tokens(self, req: Request) -> Response:
+        """/v1/responses/input_tokens: the prompt tokens the Responses request would have."""
+        _require_ready(self.state)
+        _, prompt, _ = await _prepare(req, lambda: self._chat_input(resp.chat_body(req.json())))
+        return json_response({"object": "response.input_tokens", "input_tokens": len(prompt)})
 
     def _render_chat(self, body: dict) -> tuple[str, str]:
         """(prompt text, prefill) of a chat body: template, prefill, chat_template_kwargs (chat.py)."""
@@ -1124,12 +1164,18 @@ class Api:
         return p, tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True), spec
 
     def _thinking_budget(self, body: dict, p: CompletionParams, opened: bool) -> None:
-        """The request's thinking_budget_tokens (else --reasoning-budget) and what ends a spent budget."""
+        """The request's reasoning_budget_tokens (else its thinking_budget_tokens, else --reasoning-budget;
+        a request's -1 lifts the server's budget) and what ends a spent budget: its
+        reasoning_budget_message (else --reasoning-budget-message) before the end of the thinking."""
         args = self.state.args
-        budget = get_int(body, "thinking_budget_tokens", getattr(args, "reasoning_budget", -1), lo=-1)
+        name = "reasoning_budget_tokens" if body.get("reasoning_budget_tokens") is not None else "thinking_budget_tokens"
+        budget = get_int(body, name, getattr(args, "reasoning_budget", -1), lo=-1)
+        message = body.get("reasoning_budget_message")
+        if message is not None and not isinstance(message, str):
+            raise HTTPError(400, "'reasoning_budget_message' must be a string")
         if budget is None or budget < 0:
             return
-        end = budget_end_text(getattr(args, "reasoning_budget_message", ""))
+        end = budget_end_text(getattr(args, "reasoning_budget_message", "") if message is None else message)
         p.thinking_budget, p.thinking_open = budget, opened
         p.thinking_end = self.state.tokenizer.encode(end, add_special=False, parse_special=True)
 
@@ -1161,8 +1207,8 @@ class Api:
         obj = "chat.completion" if chat else "text_completion"
         model = self.state.model_alias
         if p.stream:
-            return StreamResponse(self._oai_stream(task_lists, p, n_prompt, chat, rid, created, model,
-                                                   chat_spec or ChatOutputSpec()))
+            return _stream(p, self._oai_stream(task_lists, p, n_prompt, chat, rid, created, model,
+                                               chat_spec or ChatOutputSpec()))
         choices = await self._gather(task_lists)
         out_choices = []
         for c in choices:
@@ -1186,7 +1232,7 @@ class Api:
             "usage": _usage(n_prompt, n_gen, n_cached),
             "timings": _timings(choices[0].final) if choices[0].final else {},
         }
-        if self.state.verbose:
+        if _verbose(self.state, p):
             first = choices[0]
             out["__verbose"] = self._completion_json(first, replace(p, response_fields=[]), task_lists[0][0].prompt,
                                                      "", task_lists[0][0].settings) if first.final else {}

@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import Any, Optional
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -240,6 +240,7 @@ class ChatTemplate:
         self.builtin = builtin
         self._format = BUILTIN[builtin] if builtin else None
         self._caps: Optional[dict[str, bool]] = None
+        self._variables: Optional[frozenset[str]] = None
         self._env = _make_environment()
         if builtin:
             self.is_fallback = False
@@ -266,6 +267,14 @@ class ChatTemplate:
 
     def _label(self) -> str:
         return f" of {self.name}" if self.name else ""
+
+    def reads(self, name: str) -> bool:
+        """Whether the template reads the variable `name` (a built-in layout reads none)."""
+        if self._format is not None:
+            return False
+        if self._variables is None:
+            self._variables = frozenset(meta.find_undeclared_variables(self._env.parse(self._source)))
+        return name in self._variables
 
     @property
     def family(self) -> Optional[str]:
@@ -411,6 +420,7 @@ class ChatTemplate:
         kwargs = {**self.kwargs, **(extra or {})}
         for reserved in ("messages", "add_generation_prompt", "tools"):
             kwargs.pop(reserved, None)
+        self._reasoning_effort(body.get("reasoning_effort"), kwargs, extra or {})
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise ChatTemplateError("'tools' must be an array of tools")
@@ -421,6 +431,24 @@ class ChatTemplate:
             head = self.render(messages[:-1], add_generation_prompt=True, tools=tools, **kwargs)
             return head + messages[-1]["content"], messages[-1]["content"]
         return self.render(messages, add_generation_prompt=add_gen, tools=tools, **kwargs), ""
+
+    def _reasoning_effort(self, effort: Any, kwargs: dict, extra: dict) -> None:
+        """OpenAI's reasoning_effort: "none" turns thinking off (enable_thinking false, as
+        llama-server); another level reaches a template that reads ``reasoning_effort`` (gpt-oss's
+        harmony templates do), unless chat_template_kwargs sets it; a template without levels
+        cannot honour one, which is an error rather than a level silently dropped."""
+        if effort is None:
+            return
+        if not isinstance(effort, str) or not effort:
+            raise ChatTemplateError("'reasoning_effort' must be a string such as \"low\", \"medium\", \"high\" "
+                                    "or \"none\"")
+        if effort == "none":
+            kwargs["enable_thinking"] = False
+        elif "reasoning_effort" not in extra:
+            if not self.reads("reasoning_effort"):
+                raise ChatTemplateError(f"'reasoning_effort' {effort!r} is not supported: this model's chat template "
+                                        "has no reasoning effort levels (\"none\" turns its thinking off)")
+            kwargs["reasoning_effort"] = effort
 
     def _tool_messages(self, messages: list[dict], tools: Optional[list], use_tools: bool) -> list[dict]:
         """Messages shaped for what this template understands, as llama.cpp adapts them:

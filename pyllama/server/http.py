@@ -184,14 +184,18 @@ class Response:
 class StreamResponse:
     """A body produced piece by piece (SSE): sent chunked, each chunk flushed as it comes."""
 
-    __slots__ = ("chunks", "content_type", "headers", "status")
+    __slots__ = ("chunks", "content_type", "headers", "status", "ping_interval")
 
     def __init__(self, chunks: AsyncIterator[bytes], content_type: str = "text/event-stream",
-                 headers: Optional[list[tuple[str, str]]] = None, status: int = 200) -> None:
+                 headers: Optional[list[tuple[str, str]]] = None, status: int = 200,
+                 ping_interval: Optional[float] = None) -> None:
+        """`ping_interval`: seconds of silence before an SSE comment is sent (<= 0: never), for
+        this stream; None: the server's --sse-ping-interval."""
         self.chunks = chunks
         self.content_type = content_type
         self.headers = headers
         self.status = status
+        self.ping_interval = ping_interval
 
 
 Handler = Callable[[Request], Awaitable[Union[Response, StreamResponse]]]
@@ -394,7 +398,7 @@ class _Connection(asyncio.Protocol):
         "_srv", "_loop", "_parser", "_transport", "_peer", "_queue", "_task", "_closed", "_discard",
         "_url", "_headers", "_body", "_body_size", "_hdr_bytes", "_hdr_raw", "_body_raw", "_in_headers",
         "_in_body", "_deadline", "_write_paused", "_drain_waiter", "_read_paused", "_reject",
-        "_counted", "_n_requests", "_queued_bytes", "_held", "_feeding", "_n_chunks", "_ping_handle",
+        "_counted", "_n_requests", "_queued_bytes", "_held", "_feeding", "_n_chunks", "_ping_handle", "_ping_interval",
         "_last_chunk", "_running_bytes", "_buffered",
     )
 
@@ -427,6 +431,7 @@ class _Connection(asyncio.Protocol):
         self._drain_waiter: Optional[asyncio.Future] = None
         self._ping_handle: Optional[asyncio.TimerHandle] = None  # an event stream's idle ping (_ping)
         self._last_chunk = 0.0
+        self._ping_interval = 0.0  # the current stream's (its own, else the server's)
         self._read_paused = False
         self._reject: Optional[_Reject] = None
         self._counted = False
@@ -869,9 +874,11 @@ class _Connection(asyncio.Protocol):
             t.write(b"".join(parts))
             if head_only:
                 return keep_alive
-            if self._srv._sse_ping > 0 and resp.content_type.startswith("text/event-stream"):
+            interval = self._srv._sse_ping if resp.ping_interval is None else resp.ping_interval
+            if interval > 0 and resp.content_type.startswith("text/event-stream"):
                 self._last_chunk = self._loop.time()
-                self._ping_handle = self._loop.call_later(self._srv._sse_ping, self._ping, chunked)
+                self._ping_interval = interval
+                self._ping_handle = self._loop.call_later(interval, self._ping, chunked)
             try:
                 async for chunk in chunks:
                     if not chunk:
@@ -915,7 +922,7 @@ class _Connection(asyncio.Protocol):
         self._ping_handle = None
         if self._closed:
             return
-        now, interval = self._loop.time(), self._srv._sse_ping
+        now, interval = self._loop.time(), self._ping_interval
         if now - self._last_chunk >= interval * 0.999 and not self._write_paused:
             self._transport.write(b"3\r\n:\n\n\r\n" if chunked else _SSE_PING)
             self._last_chunk = now

@@ -227,6 +227,71 @@ class CompletionParams:
     thinking_open: bool = False
     spec_n_max: int = -1    # speculative.n_max: draft tokens per step at most (-1: the server's)
     spec_n_min: int = 0     # speculative.n_min: a shorter draft is not verified
+    n_indent: int = 0       # > 0: a generated line indented less than this ends the generation
+    t_max_predict_ms: int = -1  # > 0: generation ends at the first newline after this long
+    n_discard: int = 0      # tokens a context shift drops after n_keep (0: half of the rest)
+    verbose: Optional[bool] = None  # the result's __verbose (None: the server's -v)
+    sse_ping_interval: Optional[int] = None  # seconds between pings of a silent stream (None: the server's)
+    backend_sampling: Optional[bool] = None  # asked for, checked against what the server does (None: any)
+
+
+# llama-server's request fields that pyllama does not honour (tools/server/server-schema.cpp's
+# completion schema, server-common.cpp's OpenAI parsers): each is a 400 naming it, unless its value
+# is the one that asks for nothing (`None` is always that: JSON null reads as an absent field).
+# name -> (the values that ask for nothing, why the others are refused)
+_INTERNAL = "is set by llama-server's own chat endpoints; pyllama derives it from the model's chat template"
+_SPECULATIVE = "only speculative.n_max and speculative.n_min can be set per request"
+UNHONOURED_FIELDS: dict[str, tuple[Any, str]] = {
+    "t_max_prompt_ms": (lambda v: _number(v) and v <= 0, "a time limit on prompt processing is not supported "
+                                                         "(llama-server does not implement it either)"),
+    "lora": (lambda v: v == [], "LoRA adapters are not supported"),
+    "grammar_type": (lambda v: False, _INTERNAL),
+    "chat_format": (lambda v: False, _INTERNAL),
+    "chat_parser": (lambda v: False, _INTERNAL),
+    "generation_prompt": (lambda v: False, _INTERNAL),
+    "message_delimiters": (lambda v: False, _INTERNAL),
+    "parse_tool_calls": (lambda v: False, _INTERNAL + " (tool calls are read when the request gives 'tools')"),
+    "reasoning_budget_start_tag": (lambda v: False, _INTERNAL),
+    "reasoning_budget_end_tags": (lambda v: False, _INTERNAL),
+    "reasoning_budget_end_tag": (lambda v: False, _INTERNAL),
+    "reasoning_control": (lambda v: v is False, "ending the reasoning at run time "
+                                                 "(/v1/chat/completions/control) is not supported"),
+    "n_cache_reuse": (lambda v: v == 0, "reusing cached chunks by shifting them (--cache-reuse) is not supported; "
+                                        "a cached prompt prefix is reused"),
+    "adaptive_target": (lambda v: _number(v) and v < 0, "the adaptive-p sampler is not supported"),
+    "adaptive_decay": (lambda v: v == 0.9, "the adaptive-p sampler is not supported"),
+    **{f"speculative.{name}": (lambda v: False, _SPECULATIVE)
+       for name in ("p_min", "type", "ngram_size_n", "ngram_size_m", "ngram_min_hits")},
+    "echo": (lambda v: v is False, "echoing the prompt is not supported"),
+    "best_of": (lambda v: v == 1, "best_of is not supported (use n for several completions)"),
+    "suffix": (lambda v: False, "a suffix is not supported here (use /infill for fill-in-the-middle)"),
+}
+
+# Fields that only a chat request (/v1/chat/completions, /v1/messages, /v1/responses) reads: on
+# /completion, /v1/completions and /infill, a 400 naming them.
+CHAT_ONLY_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
+                    "continue_final_message", "chat_template_kwargs", "reasoning_format", "reasoning_effort",
+                    "thinking_budget_tokens", "reasoning_budget_tokens", "reasoning_budget_message")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_unhonoured(body: dict) -> None:
+    """A 400 naming the first llama-server field of the body that pyllama does not honour."""
+    for name, (asks_nothing, why) in UNHONOURED_FIELDS.items():
+        v = body.get(name)
+        if v is not None and not asks_nothing(v):
+            raise HTTPError(400, f"'{name}' is not supported: {why}")
+
+
+def check_not_chat(body: dict, endpoint: str) -> None:
+    """A 400 naming a chat-only field given to a text completion endpoint."""
+    for name in CHAT_ONLY_FIELDS:
+        if body.get(name) is not None:
+            raise HTTPError(400, f"'{name}' applies to chat requests (/v1/chat/completions, /v1/messages, "
+                                 f"/v1/responses), not to {endpoint}")
 
 
 def get_fields(body: dict) -> list[str]:
@@ -274,13 +339,17 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
                      default_n_keep: int = 0) -> CompletionParams:
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object")
+    check_unhonoured(body)
     n_predict = default_n_predict
     for name in ("n_predict", "max_tokens", "max_completion_tokens"):
         if body.get(name) is not None:
             n_predict = get_int(body, name, default_n_predict, lo=-1)  # type: ignore[assignment]
     post_sampling = get_bool(body, "post_sampling_probs", False)
     hi = MAX_POST_SAMPLING_PROBS if post_sampling else MAX_N_PROBS
-    n_probs = get_int(body, "n_probs", 0, lo=0, hi=hi) or 0
+    # llama-server reads `logprobs` as n_probs's other name when n_probs is absent
+    n_probs = get_int(body, "n_probs" if oai or body.get("n_probs") is not None else "logprobs", 0, lo=0, hi=hi) or 0
+    if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
+        raise HTTPError(400, "'top_logprobs' requires 'logprobs' to be set to true")
     if oai:  # OpenAI's forms: completions take an int, chat takes a bool plus top_logprobs
         lp = body.get("logprobs")
         if isinstance(lp, bool):
@@ -346,7 +415,14 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         constraint=(constraint := parse_constraint(body)),
         triggers=parse_triggers(body, tokenizer, n_vocab) if constraint is not None else (),
         spec_n_max=get_int(body, "speculative.n_max", -1, lo=-1),  # type: ignore[arg-type]
-        spec_n_min=get_int(body, "speculative.n_min", 0, lo=0))  # type: ignore[arg-type]
+        spec_n_min=get_int(body, "speculative.n_min", 0, lo=0),  # type: ignore[arg-type]
+        n_indent=get_int(body, "n_indent", 0, lo=0),  # type: ignore[arg-type]
+        t_max_predict_ms=get_int(body, "t_max_predict_ms", -1, lo=-1, hi=2**63 - 1),  # type: ignore[arg-type]
+        n_discard=get_int(body, "n_discard", 0, lo=0),  # type: ignore[arg-type]
+        verbose=body.get("verbose") if body.get("verbose") is None else get_bool(body, "verbose", False),
+        sse_ping_interval=get_int(body, "sse_ping_interval", None, lo=-1),
+        backend_sampling=body.get("backend_sampling") if body.get("backend_sampling") is None
+        else get_bool(body, "backend_sampling", False))
 
 
 def parse_triggers(body: dict, tokenizer: Optional[Tokenizer], n_vocab: Optional[int]) -> tuple[Trigger, ...]:

@@ -16,7 +16,13 @@ from typing import Any, Optional
 from .http import HTTPError
 from ..batching.task import FinalEvent
 
-_PASSED_THROUGH = ("temperature", "top_p", "stream", "parallel_tool_calls", "chat_template_kwargs")
+# The Responses API's own fields, turned into chat fields here or without a meaning in a chat body;
+# every other field passes through as llama-server passes it (temperature, stream, and llama-server's
+# own: top_k, seed, grammar, ...), so that the chat path honours it or refuses it by name.
+_RESPONSES_ONLY = frozenset(("input", "instructions", "tools", "tool_choice", "max_output_tokens", "text",
+                             "reasoning", "previous_response_id", "conversation", "store", "metadata", "include",
+                             "truncation", "background", "service_tier", "prompt", "prompt_cache_key",
+                             "safety_identifier", "user", "max_tool_calls"))
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -154,7 +160,8 @@ def chat_body(body: Any) -> dict:
             _item(item, i, messages)
     else:
         raise HTTPError(400, "'input' is required (a string or a non-empty list of items)")
-    chat: dict = {"messages": messages}
+    chat: dict = {k: v for k, v in body.items() if k not in _RESPONSES_ONLY}
+    chat["messages"] = messages
     if body.get("tools"):
         tools = _tools(body["tools"])
         if tools:
@@ -166,9 +173,12 @@ def chat_body(body: Any) -> dict:
     fmt = _text_format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt
-    for key in _PASSED_THROUGH:
-        if key in body:
-            chat[key] = body[key]
+    reasoning = body.get("reasoning")
+    if reasoning is not None:  # only its effort has a meaning here, as for llama-server
+        if not isinstance(reasoning, dict):
+            raise HTTPError(400, "'reasoning' must be an object such as {\"effort\": \"low\"}")
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]
     return chat
 
 

@@ -253,11 +253,12 @@
     $("stop").onclick = () => { if (controller) controller.abort(); };
     setBusy(false);
     renderAll();
-    // the model's name; on a server with --api-key this is where the key is first asked for
-    Pyllama.apiFetch("v1/models", {}, askKey).then(async (resp) => {
+    // the model's name; on a server with --api-key this is where the key is first asked for (from
+    // /props: the model list is answered without a key, as llama-server's)
+    Pyllama.apiFetch("props", {}, askKey).then(async (resp) => {
       if (!resp.ok) return;
       const data = await resp.json();
-      if (data.data && data.data[0]) $("model").textContent = data.data[0].id;
+      if (data.model_alias) $("model").textContent = data.model_alias;
       document.body.dataset.ready = "1";
     }).catch((e) => status(e.message, true));
   });

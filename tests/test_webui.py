@@ -1,6 +1,7 @@
 """The built-in pages in a real headless browser (Debian's chromium and chromium-driver, through
-Selenium): the chat page at / against a real server, and the pipeline view of a real RPC0,CPU split
-checked against what trace_tools/merge.py computes from a trace of the same run.
+Selenium): the chat page at / against a real server, feature by feature, and the pipeline view of a
+real RPC0,CPU split checked against what trace_tools/merge.py computes from a trace of the same run.
+The chat page's logic without a browser is tested by test_webui_logic.py.
 
 With PYLLAMA_SCREENSHOTS=DIR the tests save the screenshots shown in docs/server.md there
 (`PYLLAMA_SCREENSHOTS=docs python -m pytest tests/test_webui.py`).
@@ -29,6 +30,7 @@ try:
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
     HAVE_SELENIUM = True
 except ImportError:  # pragma: no cover - depends on the machine
@@ -44,6 +46,19 @@ KEY = "webui-test-key-0123456789"
 # a template whose generation prompt opens a think tag: everything the model writes is reasoning
 THINK_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}")
+
+
+# a template with a Hermes tool-call format: with tool_choice required the server's grammar makes
+# even the tiny random model write a call
+TOOL_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "{% if tools %}<tools>{{ tools | tojson }}</tools> answer with <tool_call>{% endif %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city"], "additionalProperties": False,
+    "properties": {"city": {"enum": ["paris", "oslo"]}}}}}
+# --ui-config: settings the page honours, and keys of llama.cpp's page it has no feature for
+UI_CONFIG = {"systemMessage": "Be brief.", "temperature": 0, "top_k": 5, "max_tokens": 12, "seed": 3,
+             "theme": "dark", "showThoughtInProgress": True, "mcpServers": [], "pyInterpreterEnabled": True}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +92,14 @@ def chat_server(tiny_model):
 def key_server(tiny_model):
     srv = ServerProcess(tiny_model, "-np", "1", "-c", "1024", "--api-key", KEY,
                         "--chat-template", THINK_TEMPLATE).wait_ready()
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_model):
+    srv = ServerProcess(tiny_model, "-np", "1", "-c", "2048", "--jinja", "--chat-template", TOOL_TEMPLATE,
+                        "--ui-config", json.dumps(UI_CONFIG)).wait_ready()
     yield srv
     assert srv.stop() == 0
 
@@ -135,6 +158,48 @@ def last_reply(driver):
 def stored_reply(driver) -> dict:
     convs = json.loads(driver.execute_script("return localStorage.getItem('pyllama.conversations')"))
     return convs[-1]["messages"][-1]
+
+
+def chat_bodies(driver) -> list[dict]:
+    """The bodies the page POSTed to /v1/chat/completions since the logs were last drained."""
+    bodies = []
+    for entry in driver.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        if msg["method"] == "Network.requestWillBeSent":
+            req = msg["params"]["request"]
+            if req["url"].endswith("/v1/chat/completions") and req.get("postData"):
+                bodies.append(json.loads(req["postData"]))
+    return bodies
+
+
+def ready(driver) -> None:
+    wait(driver, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+
+
+def messages(driver) -> list:
+    return driver.find_elements(By.CSS_SELECTOR, "#messages .msg")
+
+
+def stored_conversation(driver) -> dict:
+    return json.loads(driver.execute_script("return localStorage.getItem('pyllama.conversations')"))[-1]
+
+
+def wait_reply_done(driver, n_messages: int) -> None:
+    wait(driver, lambda d: len(messages(d)) == n_messages and last_reply(d).get_attribute("data-state") == "done")
+
+
+def choose_files(driver, input_id: str, *paths: Path) -> None:
+    field = driver.find_element(By.ID, input_id)
+    driver.execute_script("arguments[0].hidden = false", field)  # a hidden input takes no keys
+    field.send_keys("\n".join(str(p) for p in paths))
+    driver.execute_script("arguments[0].hidden = true", field)
+
+
+def direct_reply(srv: ServerProcess, body: dict) -> dict:
+    """The message the API answers for the body the page sent, asked without streaming."""
+    status, res = srv.post("/v1/chat/completions", {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+    assert status == 200, res
+    return res["choices"][0]["message"]
 
 
 def shot(driver, name: str, height: int = 860) -> None:
@@ -273,6 +338,38 @@ def test_api_key_prompt_and_reasoning(browser, key_server):
     assert not reply.find_element(By.CLASS_NAME, "reasoning-text").is_displayed()
     # the refused key and the first unauthenticated call are the only errors
     assert console_errors(browser, allow=("401",)) == []
+    assert_local_only(requests_seen(browser), srv)
+
+
+def test_ui_config_settings_reach_the_page_and_its_requests(browser, tool_server):
+    srv = tool_server
+    fresh(browser, srv.url + "/")
+    ready(browser)
+    assert browser.find_element(By.ID, "system").get_attribute("value") == "Be brief."
+    assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0"
+    assert browser.find_element(By.ID, "max_tokens").get_attribute("value") == "12"
+    assert browser.find_element(By.ID, "showThoughtInProgress").is_selected()
+    assert browser.execute_script("return document.documentElement.dataset.theme") == "dark"
+    applied = browser.find_element(By.TAG_NAME, "body").get_attribute("data-ui-applied").split(",")
+    assert sorted(applied) == sorted(["systemMessage", "temperature", "top_k", "max_tokens", "seed", "theme",
+                                      "showThoughtInProgress"])  # mcpServers, pyInterpreterEnabled: no feature here
+    send_message(browser, "Hello")
+    wait_reply_done(browser, 2)
+    [body] = chat_bodies(browser)
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    assert (body["temperature"], body["top_k"], body["max_tokens"], body["seed"]) == (0, 5, 12, 3)
+    assert "mcpServers" not in body and "pyInterpreterEnabled" not in body
+    assert stored_reply(browser)["content"] == direct_reply(srv, body)["content"]
+    # what the user changes wins over the server's settings, in this browser, until Defaults
+    set_field(browser, "temperature", "0.5")
+    browser.find_element(By.ID, "input").click()  # the field's change event
+    browser.refresh()
+    ready(browser)
+    assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0.5"
+    assert browser.find_element(By.ID, "system").get_attribute("value") == "Be brief."
+    browser.find_element(By.ID, "reset-settings").click()
+    assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0"
+    assert console_errors(browser) == []
     assert_local_only(requests_seen(browser), srv)
 
 

@@ -7,6 +7,7 @@ body the page builds from them being one the server accepts.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -255,6 +256,17 @@ def test_the_module_is_a_browser_global_too():
     assert out.stdout == "function", out.stderr
 
 
+def test_the_page_reads_the_servers_ui_settings():
+    """chat.js asks /props for ui_settings and lays the user's settings over them (the browser
+    test in test_webui.py checks the effect; this one fails fast where there is no browser)."""
+    src = (WEBUI / "chat.js").read_text()
+    assert re.search(r'apiFetch\("props"', src)
+    assert "p.ui_settings" in src and "L.effectiveSettings(uiSettings, userSettings)" in src
+    html = (WEBUI / "index.html").read_text()
+    # the logic module loads before the page's script that uses it
+    assert html.index('src="webui/chatlogic.js"') < html.index('src="webui/chat.js"')
+
+
 # --- against a server ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ui_server(tiny_model):
@@ -263,8 +275,10 @@ def ui_server(tiny_model):
     assert srv.stop() == 0
 
 
-def test_the_module_is_served(ui_server):
-    for name in ("chatlogic.js",):
+def test_page_and_scripts_are_served(ui_server):
+    status, page = ui_server.request("GET", "/")
+    assert status == 200 and page == (WEBUI / "index.html").read_text()
+    for name in ("chatlogic.js", "chat.js", "common.js", "markdown.js", "style.css"):
         status, text = ui_server.request("GET", "/webui/" + name)
         assert status == 200 and text == (WEBUI / name).read_text(), name
 

@@ -373,6 +373,33 @@ def test_ui_config_settings_reach_the_page_and_its_requests(browser, tool_server
     assert_local_only(requests_seen(browser), srv)
 
 
+def test_tool_calls_are_shown_as_they_stream(browser, tool_server):
+    srv = tool_server
+    fresh(browser, srv.url + "/")
+    ready(browser)
+    browser.find_element(By.CSS_SELECTOR, "details.more summary").click()  # "More samplers"
+    set_field(browser, "custom", json.dumps({"tools": [WEATHER], "tool_choice": "required",
+                                             "parallel_tool_calls": False}))
+    set_field(browser, "max_tokens", "300")  # room for the whole call (the grammar allows spaces)
+    chat_bodies(browser)
+    send_message(browser, "Weather in Paris?")
+    wait_reply_done(browser, 2)
+    [body] = chat_bodies(browser)
+    assert body["tools"] == [WEATHER] and body["tool_choice"] == "required"
+    reply = last_reply(browser)
+    assert int(reply.get_attribute("data-chunks")) > 3  # the arguments came in pieces
+    [call] = reply.find_elements(By.CSS_SELECTOR, ".tool-call")
+    assert call.find_element(By.CLASS_NAME, "tool-name").text == "get_weather"
+    shown = json.loads(call.find_element(By.CLASS_NAME, "tool-args").text)
+    want = direct_reply(srv, body)["tool_calls"][0]["function"]
+    assert want["name"] == "get_weather" and shown == json.loads(want["arguments"])
+    stored = stored_reply(browser)["tool_calls"]
+    assert [c["function"]["name"] for c in stored] == ["get_weather"]
+    assert json.loads(stored[0]["function"]["arguments"]) == shown and stored[0]["id"].startswith("call_")
+    assert stored_reply(browser)["finish_reason"] == "tool_calls"
+    assert console_errors(browser) == []
+
+
 def test_pages_under_an_api_prefix(browser, tiny_model):
     """--api-prefix: the pages, their files and the calls they make all live under the prefix."""
     srv = ServerProcess(tiny_model, "-np", "1", "-c", "1024", "--ignore-eos", "--api-prefix", "/llama")

@@ -1,8 +1,8 @@
 // The chat page: conversations kept in this browser's localStorage, replies streamed from
 // /v1/chat/completions (Server-Sent Events read from fetch's body), a stop button that aborts the
-// request (the server then cancels the generation), the reasoning folded away. The logic without a
-// DOM lives in chatlogic.js; the server's --ui-config settings (/props ui_settings) are the
-// defaults the user's changes sit on.
+// request (the server then cancels the generation), the reasoning folded away, tool calls shown as
+// they stream. The logic without a DOM lives in chatlogic.js; the server's --ui-config settings
+// (/props ui_settings) are the defaults the user's changes sit on.
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
@@ -139,7 +139,7 @@
       details.append(el("summary", { text: "Reasoning" }), el("div", { class: "reasoning-text" }));
       // llama.cpp's showThoughtInProgress: the reasoning shows while it is being written
       if (m.state === "streaming" && settings.showThoughtInProgress) details.open = true;
-      node.append(details);
+      node.append(details, el("div", { class: "tool-calls" }));
     }
     node.append(el("div", { class: "content" }));
     fill(node, m);
@@ -155,6 +155,15 @@
       const details = node.querySelector(".reasoning");
       details.hidden = !m.reasoning;
       details.querySelector(".reasoning-text").textContent = m.reasoning || "";
+      const calls = node.querySelector(".tool-calls");
+      calls.textContent = "";
+      for (const c of m.tool_calls || []) {
+        const fn = c.function || {};
+        calls.append(el("div", { class: "tool-call", "data-name": fn.name || "" },
+          el("div", { class: "tool-head" }, el("span", { class: "muted", text: "Tool call " }),
+            el("code", { class: "tool-name", text: fn.name || "\u2026" })),
+          el("pre", { class: "tool-args" }, el("code", { text: L.formatArguments(fn.arguments) }))));
+      }
       const note = m.state === "stopped" ? "stopped" : m.state === "error" ? (m.error || "error") : "";
       if (note) content.append(el("p", { class: m.state === "error" ? "error note" : "muted note", text: "(" + note + ")" }));
     } else {

@@ -341,6 +341,43 @@ def test_api_key_prompt_and_reasoning(browser, key_server):
     assert_local_only(requests_seen(browser), srv)
 
 
+def test_attach_a_text_file(browser, chat_server, tmp_path):
+    srv = chat_server
+    fresh(browser, srv.url + "/")
+    ready(browser)
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max_tokens", "6")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The secret word is swordfish.\n")
+    binary = tmp_path / "image.png"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    big = tmp_path / "big.log"
+    big.write_bytes(b"x" * (600 * 1024))
+    choose_files(browser, "file", binary)
+    wait(browser, lambda d: "image.png is not a text file" in d.find_element(By.ID, "status").text)
+    choose_files(browser, "file", big)
+    wait(browser, lambda d: "big.log is too large to attach" in d.find_element(By.ID, "status").text)
+    choose_files(browser, "file", notes)
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#pending .attachment"))
+    assert [a.get_attribute("data-name") for a in browser.find_elements(By.CSS_SELECTOR, "#pending .attachment")] == \
+        ["notes.txt"]  # the refused files are not attached
+    chat_bodies(browser)
+    send_message(browser, "What is the secret word?")
+    wait_reply_done(browser, 2)
+    [body] = chat_bodies(browser)
+    assert body["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "What is the secret word?"},
+        {"type": "text", "text": "\n\n--- File: notes.txt ---\nThe secret word is swordfish.\n"}]}]
+    assert browser.find_elements(By.CSS_SELECTOR, "#pending .attachment") == []
+    user = messages(browser)[0]
+    assert user.find_element(By.CSS_SELECTOR, ".attachments .attachment").get_attribute("data-name") == "notes.txt"
+    conv = stored_conversation(browser)
+    assert conv["messages"][0]["attachments"] == [{"name": "notes.txt", "size": 30,
+                                                   "text": "The secret word is swordfish.\n"}]
+    assert conv["messages"][1]["content"] == direct_reply(srv, body)["content"]
+    assert console_errors(browser) == []
+
+
 def test_ui_config_settings_reach_the_page_and_its_requests(browser, tool_server):
     srv = tool_server
     fresh(browser, srv.url + "/")
@@ -397,6 +434,41 @@ def test_tool_calls_are_shown_as_they_stream(browser, tool_server):
     assert [c["function"]["name"] for c in stored] == ["get_weather"]
     assert json.loads(stored[0]["function"]["arguments"]) == shown and stored[0]["id"].startswith("call_")
     assert stored_reply(browser)["finish_reason"] == "tool_calls"
+    assert console_errors(browser) == []
+
+
+def test_display_settings(browser, key_server):
+    """Settings a --ui-config can set too (the page reads both the same way): reasoning shown while
+    it is written, Enter that does not send, long pastes as attachments, Markdown in user messages."""
+    srv = key_server
+    fresh(browser, srv.url + "/")
+    browser.execute_script("localStorage.setItem('pyllama.apiKey', arguments[0]);"
+                           "localStorage.setItem('pyllama.settings', arguments[1])", KEY,
+                           json.dumps({"showThoughtInProgress": True, "sendOnEnter": False, "max_tokens": 8,
+                                       "temperature": 0, "pasteLongTextToFileLen": 20,
+                                       "renderUserContentAsMarkdown": True, "theme": "light"}))
+    browser.refresh()
+    ready(browser)
+    assert browser.execute_script("return document.documentElement.dataset.theme") == "light"
+    assert not browser.find_element(By.ID, "sendOnEnter").is_selected()
+    box = browser.find_element(By.ID, "input")
+    box.send_keys("Think **hard**\n")  # Enter: a new line, nothing sent
+    assert messages(browser) == [] and box.get_attribute("value") == "Think **hard**\n"
+    # a paste longer than pasteLongTextToFileLen becomes a text attachment
+    browser.execute_script("const dt = new DataTransfer(); dt.setData('text/plain', arguments[1]);"
+                           "arguments[0].dispatchEvent(new ClipboardEvent('paste', {clipboardData: dt, bubbles: true,"
+                           " cancelable: true}))", box, "a long pasted text, longer than twenty characters")
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#pending .attachment"))
+    assert box.get_attribute("value") == "Think **hard**\n"
+    box.send_keys(Keys.CONTROL, Keys.ENTER)  # Ctrl+Enter sends
+    wait_reply_done(browser, 2)
+    user = messages(browser)[0]
+    assert user.find_element(By.CSS_SELECTOR, ".content strong").text == "hard"
+    assert user.find_element(By.CSS_SELECTOR, ".attachment").get_attribute("data-name") == "pasted.txt"
+    reply = last_reply(browser)
+    assert stored_reply(browser)["reasoning"]  # the template opened <think>: all of it is reasoning
+    assert reply.find_element(By.CSS_SELECTOR, "details.reasoning").get_attribute("open") is not None
+    assert reply.find_element(By.CLASS_NAME, "reasoning-text").is_displayed()
     assert console_errors(browser) == []
 
 

@@ -256,6 +256,15 @@ def test_the_module_is_a_browser_global_too():
     assert out.stdout == "function", out.stderr
 
 
+@need_node
+def test_every_setting_has_a_field_on_the_page():
+    html = (WEBUI / "index.html").read_text()
+    ids = set(re.findall(r'id="([^"]+)"', html))
+    keys = js("Object.keys(L.SCHEMA)")
+    field = {"systemMessage": "system"}
+    assert [k for k in keys if field.get(k, k) not in ids] == []
+
+
 def test_the_page_reads_the_servers_ui_settings():
     """chat.js asks /props for ui_settings and lays the user's settings over them (the browser
     test in test_webui.py checks the effect; this one fails fast where there is no browser)."""

@@ -1,8 +1,8 @@
 // The chat page: conversations kept in this browser's localStorage, replies streamed from
 // /v1/chat/completions (Server-Sent Events read from fetch's body), a stop button that aborts the
 // request (the server then cancels the generation), the reasoning folded away, tool calls shown as
-// they stream. The logic without a DOM lives in chatlogic.js; the server's --ui-config settings
-// (/props ui_settings) are the defaults the user's changes sit on.
+// they stream, text files attached. The logic without a DOM lives in chatlogic.js; the server's
+// --ui-config settings (/props ui_settings) are the defaults the user's changes sit on.
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
@@ -21,6 +21,7 @@
   let uiSettings = {}; // the server's --ui-config, from /props
   let userSettings = migrate(load(SETTINGS, {}));
   let settings = L.effectiveSettings(uiSettings, userSettings);
+  let pending = []; // attachments of the message being written
 
   function load(key, fallback) {
     try { const v = JSON.parse(localStorage.getItem(key)); return v == null ? fallback : v; } catch (e) { return fallback; }
@@ -130,6 +131,17 @@
     }
   }
 
+  function attachmentChip(a, onRemove) {
+    const chip = el("span", { class: "attachment", title: a.name, "data-name": a.name },
+      el("span", { class: "name", text: a.name }), el("span", { class: "muted small", text: " " + L.sizeText(a.size) }));
+    if (onRemove) {
+      const x = el("button", { type: "button", class: "remove", title: "Remove", "aria-label": "Remove " + a.name, text: "\u00d7" });
+      x.onclick = onRemove;
+      chip.append(x);
+    }
+    return chip;
+  }
+
   function messageNode(m, index) {
     const node = el("div", { class: "msg " + m.role, "data-index": String(index), "data-state": m.state || "done" });
     const head = el("div", { class: "head" }, el("span", { class: "role", text: m.role === "user" ? "You" : "Assistant" }));
@@ -140,6 +152,8 @@
       // llama.cpp's showThoughtInProgress: the reasoning shows while it is being written
       if (m.state === "streaming" && settings.showThoughtInProgress) details.open = true;
       node.append(details, el("div", { class: "tool-calls" }));
+    } else {
+      node.append(el("div", { class: "attachments" }));
     }
     node.append(el("div", { class: "content" }));
     fill(node, m);
@@ -169,6 +183,9 @@
     } else {
       if (settings.renderUserContentAsMarkdown) content.append(Markdown.render(m.content || ""));
       else content.textContent = m.content;
+      const box = node.querySelector(".attachments");
+      box.textContent = "";
+      for (const a of m.attachments || []) box.append(attachmentChip(a));
     }
   }
 
@@ -181,6 +198,12 @@
     box.scrollTop = box.scrollHeight;
   }
 
+  function renderPending() {
+    const box = $("pending");
+    box.textContent = "";
+    pending.forEach((a, i) => box.append(attachmentChip(a, () => { pending.splice(i, 1); renderPending(); })));
+  }
+
   function renderAll() { renderList(); renderMessages(); }
 
   function setBusy(busy) {
@@ -190,15 +213,17 @@
   }
 
   // --- sending and streaming ----------------------------------------------------------------------
-  function send(text) {
+  function send(text, attachments) {
     let c = conversation();
     if (!c) {
       c = { id: newId(), title: "", messages: [], created: Date.now() };
       conversations.push(c);
       current = c.id;
     }
-    if (!c.title) c.title = L.titleFor(text);
-    c.messages.push({ role: "user", content: text });
+    if (!c.title) c.title = L.titleFor(text, attachments);
+    const m = { role: "user", content: text };
+    if (attachments.length) m.attachments = attachments;
+    c.messages.push(m);
     generate(c);
   }
 
@@ -263,6 +288,30 @@
     }
   }
 
+  // --- attachments --------------------------------------------------------------------------------
+  function readFile(file) {
+    return new Promise((resolve, reject) => {
+      try { L.checkAttachmentSize(file.name, file.size); } catch (e) { reject(e); return; }
+      const r = new FileReader();
+      r.onload = () => {
+        try { resolve(L.textAttachment(file.name, new Uint8Array(r.result))); } catch (e) { reject(e); }
+      };
+      r.onerror = () => reject(new Error("could not read " + file.name));
+      r.readAsArrayBuffer(file);
+    });
+  }
+  async function attachFiles(files) {
+    for (const f of files) {
+      try {
+        pending.push(await readFile(f));
+        status("");
+      } catch (e) {
+        status(e.message, true);
+      }
+    }
+    renderPending();
+  }
+
   // --- wiring ---------------------------------------------------------------------------------------
   document.addEventListener("DOMContentLoaded", () => {
     showSettings();
@@ -273,18 +322,36 @@
     $("reset-settings").onclick = () => { userSettings = {}; localStorage.removeItem(SETTINGS); recompute(); renderMessages(); };
     $("forget-key").onclick = () => { Pyllama.setApiKey(""); status("API key forgotten"); };
     $("new-chat").onclick = () => { if (!controller) { current = null; save(); renderAll(); $("input").focus(); } };
+    $("attach").onclick = () => $("file").click();
+    $("file").onchange = async () => { await attachFiles(Array.from($("file").files)); $("file").value = ""; };
     $("composer").onsubmit = (ev) => {
       ev.preventDefault();
       const text = $("input").value.trim();
-      if (!text || controller) return;
+      if ((!text && !pending.length) || controller) return;
       $("input").value = "";
-      send(text);
+      const attachments = pending;
+      pending = [];
+      renderPending();
+      send(text, attachments);
     };
     $("input").addEventListener("keydown", (ev) => {
       if (ev.key !== "Enter" || ev.isComposing) return;
       // sendOnEnter off: Enter is a new line and Ctrl/Cmd+Enter sends
       const sends = settings.sendOnEnter ? !ev.shiftKey : (ev.ctrlKey || ev.metaKey);
       if (sends) { ev.preventDefault(); $("composer").requestSubmit(); }
+    });
+    // llama.cpp's pasteLongTextToFileLen: a long paste becomes a text attachment (0: never)
+    $("input").addEventListener("paste", (ev) => {
+      const text = ev.clipboardData && ev.clipboardData.getData("text/plain");
+      const limit = settings.pasteLongTextToFileLen;
+      if (!text || !(limit > 0) || text.length <= limit) return;
+      ev.preventDefault();
+      try {
+        pending.push(L.textAttachment("pasted.txt", new TextEncoder().encode(text)));
+      } catch (e) {
+        status(e.message, true);
+      }
+      renderPending();
     });
     $("stop").onclick = () => { if (controller) controller.abort(); };
     setBusy(false);

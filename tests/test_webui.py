@@ -341,6 +341,43 @@ def test_api_key_prompt_and_reasoning(browser, key_server):
     assert_local_only(requests_seen(browser), srv)
 
 
+def test_edit_a_message_and_regenerate_a_reply(browser, chat_server):
+    srv = chat_server
+    fresh(browser, srv.url + "/")
+    ready(browser)
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max_tokens", "8")
+    send_message(browser, "Hello")
+    wait_reply_done(browser, 2)
+    send_message(browser, "Second question")
+    wait_reply_done(browser, 4)
+    chat_bodies(browser)
+    # edit the first message: what followed it goes, a new reply to the edited text comes
+    messages(browser)[0].find_element(By.CSS_SELECTOR, "button.edit").click()
+    area = messages(browser)[0].find_element(By.CSS_SELECTOR, "textarea.edit-input")
+    assert area.get_attribute("value") == "Hello"
+    area.clear()
+    area.send_keys("Changed")
+    messages(browser)[0].find_element(By.CSS_SELECTOR, "button.save-edit").click()
+    wait_reply_done(browser, 2)
+    [body] = chat_bodies(browser)
+    assert body["messages"] == [{"role": "user", "content": "Changed"}]
+    conv = stored_conversation(browser)
+    assert [m["role"] for m in conv["messages"]] == ["user", "assistant"]
+    assert conv["messages"][0]["content"] == "Changed" and conv["title"] == "Changed"
+    first = conv["messages"][1]["content"]
+    assert first == direct_reply(srv, body)["content"]
+    # regenerate the last reply: asked again with the same messages, the reply replaced (the
+    # click's handler swaps in the new streaming reply before it returns)
+    last_reply(browser).find_element(By.CSS_SELECTOR, "button.regenerate").click()
+    wait_reply_done(browser, 2)
+    [again] = chat_bodies(browser)
+    assert again["messages"] == [{"role": "user", "content": "Changed"}]
+    conv = stored_conversation(browser)
+    assert len(conv["messages"]) == 2 and conv["messages"][1]["content"] == first  # greedy: the same text
+    assert console_errors(browser) == []
+
+
 def test_attach_a_text_file(browser, chat_server, tmp_path):
     srv = chat_server
     fresh(browser, srv.url + "/")

@@ -1,8 +1,9 @@
 // The chat page: conversations kept in this browser's localStorage, replies streamed from
 // /v1/chat/completions (Server-Sent Events read from fetch's body), a stop button that aborts the
 // request (the server then cancels the generation), the reasoning folded away, tool calls shown as
-// they stream, text files attached. The logic without a DOM lives in chatlogic.js; the server's
-// --ui-config settings (/props ui_settings) are the defaults the user's changes sit on.
+// they stream, user messages that can be edited and replies regenerated, text files attached. The
+// logic without a DOM lives in chatlogic.js; the server's --ui-config settings (/props
+// ui_settings) are the defaults the user's changes sit on.
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
@@ -48,6 +49,7 @@
     if (current) localStorage.setItem(CURRENT, current); else localStorage.removeItem(CURRENT);
   }
   function conversation() { return conversations.find((c) => c.id === current) || null; }
+  function replaceConversation(c) { conversations = conversations.map((x) => (x.id === c.id ? c : x)); }
   function newId() { return String(Date.now()) + Math.random().toString(16).slice(2, 8); }
   function status(text, isError) {
     const s = $("status");
@@ -145,6 +147,17 @@
   function messageNode(m, index) {
     const node = el("div", { class: "msg " + m.role, "data-index": String(index), "data-state": m.state || "done" });
     const head = el("div", { class: "head" }, el("span", { class: "role", text: m.role === "user" ? "You" : "Assistant" }));
+    const actions = el("span", { class: "actions" });
+    if (m.role === "user") {
+      const edit = el("button", { type: "button", class: "edit", text: "Edit" });
+      edit.onclick = () => startEdit(node, index);
+      actions.append(edit);
+    } else {
+      const again = el("button", { type: "button", class: "regenerate", text: "Regenerate" });
+      again.onclick = () => regenerate(index);
+      actions.append(again);
+    }
+    head.append(actions);
     node.append(head);
     if (m.role === "assistant") {
       const details = el("details", { class: "reasoning" });
@@ -210,6 +223,38 @@
     $("send").disabled = busy;
     $("stop").disabled = !busy;
     document.body.dataset.busy = busy ? "1" : "0";
+  }
+
+  // --- editing and regenerating ---------------------------------------------------------------------
+  function startEdit(node, index) {
+    if (controller) return;
+    const c = conversation();
+    const m = c.messages[index];
+    const content = node.querySelector(".content");
+    content.textContent = "";
+    const area = el("textarea", { class: "edit-input", rows: "3" });
+    area.value = m.content;
+    const saveBtn = el("button", { type: "button", class: "save-edit", text: "Send" });
+    const cancel = el("button", { type: "button", class: "cancel-edit", text: "Cancel" });
+    content.append(area, el("div", { class: "edit-buttons" }, saveBtn, cancel));
+    node.dataset.editing = "1";
+    area.focus();
+    cancel.onclick = () => { delete node.dataset.editing; fill(node, m); };
+    saveBtn.onclick = () => {
+      const text = area.value.trim();
+      if (!text && !(m.attachments && m.attachments.length)) return;
+      if (controller) return;
+      const edited = L.editMessage(c, index, text);
+      replaceConversation(edited);
+      generate(edited);
+    };
+  }
+
+  function regenerate(index) {
+    if (controller) return;
+    const c = L.regenerateAt(conversation(), index);
+    replaceConversation(c);
+    generate(c);
   }
 
   // --- sending and streaming ----------------------------------------------------------------------

@@ -474,6 +474,49 @@ def test_tool_calls_are_shown_as_they_stream(browser, tool_server):
     assert console_errors(browser) == []
 
 
+def test_export_and_import_a_conversation(browser, chat_server, tmp_path):
+    srv = chat_server
+    fresh(browser, srv.url + "/")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"oslo"}'}}
+    conv = [{"id": "c1", "title": "Weather", "created": 7, "messages": [
+        {"role": "user", "content": "Weather?", "attachments": [{"name": "a.txt", "size": 2, "text": "hi"}]},
+        {"role": "assistant", "content": "Let me look.", "reasoning": "a tool knows", "tool_calls": [call],
+         "state": "done"}]}]
+    browser.execute_script("localStorage.setItem('pyllama.conversations', arguments[0]);"
+                           "localStorage.setItem('pyllama.current', 'c1')", json.dumps(conv))
+    browser.refresh()
+    ready(browser)
+    reply = last_reply(browser)
+    assert reply.find_element(By.CLASS_NAME, "tool-name").text == "get_weather"
+    assert json.loads(reply.find_element(By.CLASS_NAME, "tool-args").text) == {"city": "oslo"}
+    assert reply.find_element(By.CSS_SELECTOR, "details.reasoning").get_attribute("open") is None
+    browser.execute_script("window.exported = []; const make = URL.createObjectURL;"
+                           "URL.createObjectURL = (b) => { window.exported.push(b); return make.call(URL, b); }")
+    browser.find_element(By.ID, "export").click()
+    text = browser.execute_async_script("const done = arguments[arguments.length - 1];"
+                                        "window.exported[0].text().then(done)")
+    doc = json.loads(text)
+    assert doc["format"] == "pyllama.conversation" and doc["version"] == 1
+    assert doc["conversation"]["title"] == "Weather"
+    assert doc["conversation"]["messages"] == [
+        {"role": "user", "content": "Weather?", "attachments": [{"name": "a.txt", "size": 2, "text": "hi"}]},
+        {"role": "assistant", "content": "Let me look.", "reasoning": "a tool knows", "tool_calls": [call]}]
+    path = tmp_path / "Weather.json"
+    path.write_text(text)
+    choose_files(browser, "import-file", path)
+    wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#conversations li")) == 2)
+    convs = json.loads(browser.execute_script("return localStorage.getItem('pyllama.conversations')"))
+    assert convs[1]["id"] != "c1" and convs[1]["messages"] == convs[0]["messages"]
+    assert browser.find_element(By.CSS_SELECTOR, "#conversations li.active").get_attribute("data-id") == convs[1]["id"]
+    assert last_reply(browser).find_element(By.CLASS_NAME, "tool-name").text == "get_weather"
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"messages": [{"role": "tool", "content": "x"}]}')
+    choose_files(browser, "import-file", bad)
+    wait(browser, lambda d: "could not import bad.json: message 0: role must be user or assistant"
+         in d.find_element(By.ID, "status").text)
+    assert console_errors(browser) == []
+
+
 def test_display_settings(browser, key_server):
     """Settings a --ui-config can set too (the page reads both the same way): reasoning shown while
     it is written, Enter that does not send, long pastes as attachments, Markdown in user messages."""

@@ -1,9 +1,9 @@
 // The chat page: conversations kept in this browser's localStorage, replies streamed from
 // /v1/chat/completions (Server-Sent Events read from fetch's body), a stop button that aborts the
 // request (the server then cancels the generation), the reasoning folded away, tool calls shown as
-// they stream, user messages that can be edited and replies regenerated, text files attached. The
-// logic without a DOM lives in chatlogic.js; the server's --ui-config settings (/props
-// ui_settings) are the defaults the user's changes sit on.
+// they stream, user messages that can be edited and replies regenerated, text files attached,
+// conversations exported and imported as JSON. The logic without a DOM lives in chatlogic.js; the
+// server's --ui-config settings (/props ui_settings) are the defaults the user's changes sit on.
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
@@ -131,6 +131,7 @@
       li.append(open, del);
       ul.append(li);
     }
+    $("export").disabled = !conversation();
   }
 
   function attachmentChip(a, onRemove) {
@@ -357,6 +358,36 @@
     renderPending();
   }
 
+  // --- export and import --------------------------------------------------------------------------
+  function exportCurrent() {
+    const c = conversation();
+    if (!c) return;
+    const blob = new Blob([JSON.stringify(L.exportConversation(c), null, 2)], { type: "application/json" });
+    const url = URL.createObjectURL(blob);
+    const a = el("a", { href: url, download: L.exportFileName(c) });
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 1000);
+  }
+  function importFile(file) {
+    const r = new FileReader();
+    r.onload = () => {
+      try {
+        const c = L.importConversation(JSON.parse(r.result), newId());
+        conversations.push(c);
+        current = c.id;
+        save();
+        renderAll();
+        status("imported " + file.name);
+      } catch (e) {
+        status("could not import " + file.name + ": " + e.message, true);
+      }
+    };
+    r.onerror = () => status("could not read " + file.name, true);
+    r.readAsText(file);
+  }
+
   // --- wiring ---------------------------------------------------------------------------------------
   document.addEventListener("DOMContentLoaded", () => {
     showSettings();
@@ -367,6 +398,9 @@
     $("reset-settings").onclick = () => { userSettings = {}; localStorage.removeItem(SETTINGS); recompute(); renderMessages(); };
     $("forget-key").onclick = () => { Pyllama.setApiKey(""); status("API key forgotten"); };
     $("new-chat").onclick = () => { if (!controller) { current = null; save(); renderAll(); $("input").focus(); } };
+    $("export").onclick = exportCurrent;
+    $("import").onclick = () => $("import-file").click();
+    $("import-file").onchange = () => { const f = $("import-file").files[0]; if (f) importFile(f); $("import-file").value = ""; };
     $("attach").onclick = () => $("file").click();
     $("file").onchange = async () => { await attachFiles(Array.from($("file").files)); $("file").value = ""; };
     $("composer").onsubmit = (ev) => {

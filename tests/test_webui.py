@@ -1,6 +1,7 @@
 """The built-in pages in a real headless browser (Debian's chromium and chromium-driver, through
-Selenium): the chat page at / against a real server, and the pipeline view of a real RPC0,CPU split
-checked against what trace_tools/merge.py computes from a trace of the same run.
+Selenium): the chat page at / against a real server, feature by feature, and the pipeline view of a
+real RPC0,CPU split checked against what trace_tools/merge.py computes from a trace of the same run.
+The chat page's logic without a browser is tested by test_webui_logic.py.
 
 With PYLLAMA_SCREENSHOTS=DIR the tests save the screenshots shown in docs/server.md there
 (`PYLLAMA_SCREENSHOTS=docs python -m pytest tests/test_webui.py`).
@@ -29,6 +30,7 @@ try:
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
     HAVE_SELENIUM = True
 except ImportError:  # pragma: no cover - depends on the machine
@@ -44,6 +46,19 @@ KEY = "webui-test-key-0123456789"
 # a template whose generation prompt opens a think tag: everything the model writes is reasoning
 THINK_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}")
+
+
+# a template with a Hermes tool-call format: with tool_choice required the server's grammar makes
+# even the tiny random model write a call
+TOOL_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "{% if tools %}<tools>{{ tools | tojson }}</tools> answer with <tool_call>{% endif %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city"], "additionalProperties": False,
+    "properties": {"city": {"enum": ["paris", "oslo"]}}}}}
+# --ui-config: settings the page honours, and keys of llama.cpp's page it has no feature for
+UI_CONFIG = {"systemMessage": "Be brief.", "temperature": 0, "top_k": 5, "max_tokens": 12, "seed": 3,
+             "theme": "dark", "showThoughtInProgress": True, "mcpServers": [], "pyInterpreterEnabled": True}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +92,14 @@ def chat_server(tiny_model):
 def key_server(tiny_model):
     srv = ServerProcess(tiny_model, "-np", "1", "-c", "1024", "--api-key", KEY,
                         "--chat-template", THINK_TEMPLATE).wait_ready()
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_model):
+    srv = ServerProcess(tiny_model, "-np", "1", "-c", "2048", "--jinja", "--chat-template", TOOL_TEMPLATE,
+                        "--ui-config", json.dumps(UI_CONFIG)).wait_ready()
     yield srv
     assert srv.stop() == 0
 
@@ -135,6 +158,48 @@ def last_reply(driver):
 def stored_reply(driver) -> dict:
     convs = json.loads(driver.execute_script("return localStorage.getItem('pyllama.conversations')"))
     return convs[-1]["messages"][-1]
+
+
+def chat_bodies(driver) -> list[dict]:
+    """The bodies the page POSTed to /v1/chat/completions since the logs were last drained."""
+    bodies = []
+    for entry in driver.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        if msg["method"] == "Network.requestWillBeSent":
+            req = msg["params"]["request"]
+            if req["url"].endswith("/v1/chat/completions") and req.get("postData"):
+                bodies.append(json.loads(req["postData"]))
+    return bodies
+
+
+def ready(driver) -> None:
+    wait(driver, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+
+
+def messages(driver) -> list:
+    return driver.find_elements(By.CSS_SELECTOR, "#messages .msg")
+
+
+def stored_conversation(driver) -> dict:
+    return json.loads(driver.execute_script("return localStorage.getItem('pyllama.conversations')"))[-1]
+
+
+def wait_reply_done(driver, n_messages: int) -> None:
+    wait(driver, lambda d: len(messages(d)) == n_messages and last_reply(d).get_attribute("data-state") == "done")
+
+
+def choose_files(driver, input_id: str, *paths: Path) -> None:
+    field = driver.find_element(By.ID, input_id)
+    driver.execute_script("arguments[0].hidden = false", field)  # a hidden input takes no keys
+    field.send_keys("\n".join(str(p) for p in paths))
+    driver.execute_script("arguments[0].hidden = true", field)
+
+
+def direct_reply(srv: ServerProcess, body: dict) -> dict:
+    """The message the API answers for the body the page sent, asked without streaming."""
+    status, res = srv.post("/v1/chat/completions", {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+    assert status == 200, res
+    return res["choices"][0]["message"]
 
 
 def shot(driver, name: str, height: int = 860) -> None:
@@ -274,6 +339,217 @@ def test_api_key_prompt_and_reasoning(browser, key_server):
     # the refused key and the first unauthenticated call are the only errors
     assert console_errors(browser, allow=("401",)) == []
     assert_local_only(requests_seen(browser), srv)
+
+
+def test_edit_a_message_and_regenerate_a_reply(browser, chat_server):
+    srv = chat_server
+    fresh(browser, srv.url + "/")
+    ready(browser)
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max_tokens", "8")
+    send_message(browser, "Hello")
+    wait_reply_done(browser, 2)
+    send_message(browser, "Second question")
+    wait_reply_done(browser, 4)
+    chat_bodies(browser)
+    # edit the first message: what followed it goes, a new reply to the edited text comes
+    messages(browser)[0].find_element(By.CSS_SELECTOR, "button.edit").click()
+    area = messages(browser)[0].find_element(By.CSS_SELECTOR, "textarea.edit-input")
+    assert area.get_attribute("value") == "Hello"
+    area.clear()
+    area.send_keys("Changed")
+    messages(browser)[0].find_element(By.CSS_SELECTOR, "button.save-edit").click()
+    wait_reply_done(browser, 2)
+    [body] = chat_bodies(browser)
+    assert body["messages"] == [{"role": "user", "content": "Changed"}]
+    conv = stored_conversation(browser)
+    assert [m["role"] for m in conv["messages"]] == ["user", "assistant"]
+    assert conv["messages"][0]["content"] == "Changed" and conv["title"] == "Changed"
+    first = conv["messages"][1]["content"]
+    assert first == direct_reply(srv, body)["content"]
+    # regenerate the last reply: asked again with the same messages, the reply replaced (the
+    # click's handler swaps in the new streaming reply before it returns)
+    last_reply(browser).find_element(By.CSS_SELECTOR, "button.regenerate").click()
+    wait_reply_done(browser, 2)
+    [again] = chat_bodies(browser)
+    assert again["messages"] == [{"role": "user", "content": "Changed"}]
+    conv = stored_conversation(browser)
+    assert len(conv["messages"]) == 2 and conv["messages"][1]["content"] == first  # greedy: the same text
+    assert console_errors(browser) == []
+
+
+def test_attach_a_text_file(browser, chat_server, tmp_path):
+    srv = chat_server
+    fresh(browser, srv.url + "/")
+    ready(browser)
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max_tokens", "6")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The secret word is swordfish.\n")
+    binary = tmp_path / "image.png"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    big = tmp_path / "big.log"
+    big.write_bytes(b"x" * (600 * 1024))
+    choose_files(browser, "file", binary)
+    wait(browser, lambda d: "image.png is not a text file" in d.find_element(By.ID, "status").text)
+    choose_files(browser, "file", big)
+    wait(browser, lambda d: "big.log is too large to attach" in d.find_element(By.ID, "status").text)
+    choose_files(browser, "file", notes)
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#pending .attachment"))
+    assert [a.get_attribute("data-name") for a in browser.find_elements(By.CSS_SELECTOR, "#pending .attachment")] == \
+        ["notes.txt"]  # the refused files are not attached
+    chat_bodies(browser)
+    send_message(browser, "What is the secret word?")
+    wait_reply_done(browser, 2)
+    [body] = chat_bodies(browser)
+    assert body["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "What is the secret word?"},
+        {"type": "text", "text": "\n\n--- File: notes.txt ---\nThe secret word is swordfish.\n"}]}]
+    assert browser.find_elements(By.CSS_SELECTOR, "#pending .attachment") == []
+    user = messages(browser)[0]
+    assert user.find_element(By.CSS_SELECTOR, ".attachments .attachment").get_attribute("data-name") == "notes.txt"
+    conv = stored_conversation(browser)
+    assert conv["messages"][0]["attachments"] == [{"name": "notes.txt", "size": 30,
+                                                   "text": "The secret word is swordfish.\n"}]
+    assert conv["messages"][1]["content"] == direct_reply(srv, body)["content"]
+    assert console_errors(browser) == []
+
+
+def test_ui_config_settings_reach_the_page_and_its_requests(browser, tool_server):
+    srv = tool_server
+    fresh(browser, srv.url + "/")
+    ready(browser)
+    assert browser.find_element(By.ID, "system").get_attribute("value") == "Be brief."
+    assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0"
+    assert browser.find_element(By.ID, "max_tokens").get_attribute("value") == "12"
+    assert browser.find_element(By.ID, "showThoughtInProgress").is_selected()
+    assert browser.execute_script("return document.documentElement.dataset.theme") == "dark"
+    applied = browser.find_element(By.TAG_NAME, "body").get_attribute("data-ui-applied").split(",")
+    assert sorted(applied) == sorted(["systemMessage", "temperature", "top_k", "max_tokens", "seed", "theme",
+                                      "showThoughtInProgress"])  # mcpServers, pyInterpreterEnabled: no feature here
+    send_message(browser, "Hello")
+    wait_reply_done(browser, 2)
+    [body] = chat_bodies(browser)
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    assert (body["temperature"], body["top_k"], body["max_tokens"], body["seed"]) == (0, 5, 12, 3)
+    assert "mcpServers" not in body and "pyInterpreterEnabled" not in body
+    assert stored_reply(browser)["content"] == direct_reply(srv, body)["content"]
+    # what the user changes wins over the server's settings, in this browser, until Defaults
+    set_field(browser, "temperature", "0.5")
+    browser.find_element(By.ID, "input").click()  # the field's change event
+    browser.refresh()
+    ready(browser)
+    assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0.5"
+    assert browser.find_element(By.ID, "system").get_attribute("value") == "Be brief."
+    browser.find_element(By.ID, "reset-settings").click()
+    assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0"
+    assert console_errors(browser) == []
+    assert_local_only(requests_seen(browser), srv)
+
+
+def test_tool_calls_are_shown_as_they_stream(browser, tool_server):
+    srv = tool_server
+    fresh(browser, srv.url + "/")
+    ready(browser)
+    browser.find_element(By.CSS_SELECTOR, "details.more summary").click()  # "More samplers"
+    set_field(browser, "custom", json.dumps({"tools": [WEATHER], "tool_choice": "required",
+                                             "parallel_tool_calls": False}))
+    set_field(browser, "max_tokens", "300")  # room for the whole call (the grammar allows spaces)
+    chat_bodies(browser)
+    send_message(browser, "Weather in Paris?")
+    wait_reply_done(browser, 2)
+    [body] = chat_bodies(browser)
+    assert body["tools"] == [WEATHER] and body["tool_choice"] == "required"
+    reply = last_reply(browser)
+    assert int(reply.get_attribute("data-chunks")) > 3  # the arguments came in pieces
+    [call] = reply.find_elements(By.CSS_SELECTOR, ".tool-call")
+    assert call.find_element(By.CLASS_NAME, "tool-name").text == "get_weather"
+    shown = json.loads(call.find_element(By.CLASS_NAME, "tool-args").text)
+    want = direct_reply(srv, body)["tool_calls"][0]["function"]
+    assert want["name"] == "get_weather" and shown == json.loads(want["arguments"])
+    stored = stored_reply(browser)["tool_calls"]
+    assert [c["function"]["name"] for c in stored] == ["get_weather"]
+    assert json.loads(stored[0]["function"]["arguments"]) == shown and stored[0]["id"].startswith("call_")
+    assert stored_reply(browser)["finish_reason"] == "tool_calls"
+    assert console_errors(browser) == []
+
+
+def test_export_and_import_a_conversation(browser, chat_server, tmp_path):
+    srv = chat_server
+    fresh(browser, srv.url + "/")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"oslo"}'}}
+    conv = [{"id": "c1", "title": "Weather", "created": 7, "messages": [
+        {"role": "user", "content": "Weather?", "attachments": [{"name": "a.txt", "size": 2, "text": "hi"}]},
+        {"role": "assistant", "content": "Let me look.", "reasoning": "a tool knows", "tool_calls": [call],
+         "state": "done"}]}]
+    browser.execute_script("localStorage.setItem('pyllama.conversations', arguments[0]);"
+                           "localStorage.setItem('pyllama.current', 'c1')", json.dumps(conv))
+    browser.refresh()
+    ready(browser)
+    reply = last_reply(browser)
+    assert reply.find_element(By.CLASS_NAME, "tool-name").text == "get_weather"
+    assert json.loads(reply.find_element(By.CLASS_NAME, "tool-args").text) == {"city": "oslo"}
+    assert reply.find_element(By.CSS_SELECTOR, "details.reasoning").get_attribute("open") is None
+    browser.execute_script("window.exported = []; const make = URL.createObjectURL;"
+                           "URL.createObjectURL = (b) => { window.exported.push(b); return make.call(URL, b); }")
+    browser.find_element(By.ID, "export").click()
+    text = browser.execute_async_script("const done = arguments[arguments.length - 1];"
+                                        "window.exported[0].text().then(done)")
+    doc = json.loads(text)
+    assert doc["format"] == "pyllama.conversation" and doc["version"] == 1
+    assert doc["conversation"]["title"] == "Weather"
+    assert doc["conversation"]["messages"] == [
+        {"role": "user", "content": "Weather?", "attachments": [{"name": "a.txt", "size": 2, "text": "hi"}]},
+        {"role": "assistant", "content": "Let me look.", "reasoning": "a tool knows", "tool_calls": [call]}]
+    path = tmp_path / "Weather.json"
+    path.write_text(text)
+    choose_files(browser, "import-file", path)
+    wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#conversations li")) == 2)
+    convs = json.loads(browser.execute_script("return localStorage.getItem('pyllama.conversations')"))
+    assert convs[1]["id"] != "c1" and convs[1]["messages"] == convs[0]["messages"]
+    assert browser.find_element(By.CSS_SELECTOR, "#conversations li.active").get_attribute("data-id") == convs[1]["id"]
+    assert last_reply(browser).find_element(By.CLASS_NAME, "tool-name").text == "get_weather"
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"messages": [{"role": "tool", "content": "x"}]}')
+    choose_files(browser, "import-file", bad)
+    wait(browser, lambda d: "could not import bad.json: message 0: role must be user or assistant"
+         in d.find_element(By.ID, "status").text)
+    assert console_errors(browser) == []
+
+
+def test_display_settings(browser, key_server):
+    """Settings a --ui-config can set too (the page reads both the same way): reasoning shown while
+    it is written, Enter that does not send, long pastes as attachments, Markdown in user messages."""
+    srv = key_server
+    fresh(browser, srv.url + "/")
+    browser.execute_script("localStorage.setItem('pyllama.apiKey', arguments[0]);"
+                           "localStorage.setItem('pyllama.settings', arguments[1])", KEY,
+                           json.dumps({"showThoughtInProgress": True, "sendOnEnter": False, "max_tokens": 8,
+                                       "temperature": 0, "pasteLongTextToFileLen": 20,
+                                       "renderUserContentAsMarkdown": True, "theme": "light"}))
+    browser.refresh()
+    ready(browser)
+    assert browser.execute_script("return document.documentElement.dataset.theme") == "light"
+    assert not browser.find_element(By.ID, "sendOnEnter").is_selected()
+    box = browser.find_element(By.ID, "input")
+    box.send_keys("Think **hard**\n")  # Enter: a new line, nothing sent
+    assert messages(browser) == [] and box.get_attribute("value") == "Think **hard**\n"
+    # a paste longer than pasteLongTextToFileLen becomes a text attachment
+    browser.execute_script("const dt = new DataTransfer(); dt.setData('text/plain', arguments[1]);"
+                           "arguments[0].dispatchEvent(new ClipboardEvent('paste', {clipboardData: dt, bubbles: true,"
+                           " cancelable: true}))", box, "a long pasted text, longer than twenty characters")
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#pending .attachment"))
+    assert box.get_attribute("value") == "Think **hard**\n"
+    box.send_keys(Keys.CONTROL, Keys.ENTER)  # Ctrl+Enter sends
+    wait_reply_done(browser, 2)
+    user = messages(browser)[0]
+    assert user.find_element(By.CSS_SELECTOR, ".content strong").text == "hard"
+    assert user.find_element(By.CSS_SELECTOR, ".attachment").get_attribute("data-name") == "pasted.txt"
+    reply = last_reply(browser)
+    assert stored_reply(browser)["reasoning"]  # the template opened <think>: all of it is reasoning
+    assert reply.find_element(By.CSS_SELECTOR, "details.reasoning").get_attribute("open") is not None
+    assert reply.find_element(By.CLASS_NAME, "reasoning-text").is_displayed()
+    assert console_errors(browser) == []
 
 
 def test_pages_under_an_api_prefix(browser, tiny_model):

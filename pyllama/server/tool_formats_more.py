@@ -408,9 +408,12 @@ SEED_OPEN, SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
 _PARAM_OPEN = re.compile(r"<parameter=([^>\s]{1,256})>")
 
 
-def _param_value(raw: str) -> str:
-    """A parameter's text as JSON: a JSON value as itself, anything else as a string."""
+def _param_value(raw: str, is_str: Optional[bool] = None) -> str:
+    """A parameter's text as JSON: a string for a parameter whose schema takes one, else a JSON
+    value as itself and anything else as a string (is_str None: no schema to go by)."""
     v = raw.strip()
+    if is_str:
+        return json.dumps(v, ensure_ascii=False)
     try:
         return json.dumps(_loads(v), ensure_ascii=False)
     except ValueError:
@@ -420,6 +423,23 @@ def _param_value(raw: str) -> str:
 class _SeedOss(_Marked):
     name = "seed-oss"
     markers = (SEED_OPEN,)
+
+    def __init__(self, tools: Optional[list[dict]] = None) -> None:
+        # which parameters take strings, per listed function: their text is the string, even one
+        # that reads as a number, as llama-server types values by the tool's schema
+        self.strings: Optional[dict[str, dict[str, bool]]] = None
+        if tools is not None:
+            from .tool_formats.tagged import schema_is_string  # noqa: PLC0415 (it builds on tool_calls)
+            self.strings = {}
+            for t in tools:
+                params = _params(t)
+                props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+                defs = params.get("$defs") or params.get("definitions") or {}
+                self.strings[t["function"]["name"]] = {
+                    k: schema_is_string(v, defs if isinstance(defs, dict) else {}) for k, v in props.items()}
+
+    def bind(self, tools: Optional[list[dict]], reasoning_format: str, read_calls: bool) -> _Family:
+        return type(self)(tools)
 
     def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
         n = len(s)
@@ -455,6 +475,7 @@ class _SeedOss(_Marked):
         if not _FN_NAME.fullmatch(name):
             return _Part(BAD, i, [])
         args: list[str] = []
+        strings = (self.strings or {}).get(name, {})
         k = gt + 1
         while True:
             k = _skip_ws(s, k)
@@ -473,7 +494,8 @@ class _SeedOss(_Marked):
             end = s.find("</parameter>", m.end())
             if end < 0:
                 return _Part(BAD, n, []) if final else _Part(PARTIAL, n, [ToolCall(name, so_far, done=False)])
-            args.append(json.dumps(m.group(1), ensure_ascii=False) + ": " + _param_value(s[m.end():end]))
+            args.append(json.dumps(m.group(1), ensure_ascii=False) + ": "
+                        + _param_value(s[m.end():end], strings.get(m.group(1))))
             k = end + len("</parameter>")
 
 
@@ -549,19 +571,24 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         alts = " | ".join(f'{q(nm + chr(10))} {a}' for nm, a in zip(names, args))
         rules[:0] = [f'start: call ("\\n"? {q(">>>")} call)*' if many else "start: call", f"call: {alts}"]
     if family == "seed-oss":
+        from .tool_formats.tagged import _string_value, schema_is_string  # noqa: PLC0415
         alts = []
         for k, (t, nm) in enumerate(zip(tools, names)):
             params = _params(t)
             props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
             required = set(params.get("required") or [])
+            defs = params.get("$defs") or params.get("definitions") or {}
             parts = []
             for p, (pname, pschema) in enumerate(props.items()):
                 pschema = pschema if isinstance(pschema, dict) else {}
-                if pschema.get("type") == "string":
-                    rules.append(f"v{k}_{p}: /[^<]*/")  # text as the model writes it, up to the closing tag
+                # a value the reader takes as text is written bare, up to its closing tag
+                if schema_is_string(pschema, defs if isinstance(defs, dict) else {}):
+                    rules.append(f"v{k}_{p}: {_string_value(pschema, '</parameter>')}")
+                    value = f"v{k}_{p}"
                 else:
                     json_rule(f"v{k}_{p}", pschema)
-                item = f'{q("<parameter=" + pname + ">")} v{k}_{p} {q("</parameter>")} "\\n"'
+                    value = f'v{k}_{p} {q("</parameter>")}'
+                item = f'{q("<parameter=" + pname + ">")} {value} "\\n"'
                 parts.append(item if pname in required else f"({item})?")
             alts.append(" ".join([q("<function=" + nm + ">"), '"\\n"', *parts, q("</function>")]))
         rules[:0] = [f'start: {lit(SEED_OPEN)} "\\n" call ("\\n" call)* "\\n" {lit(SEED_CLOSE)}' if many else

@@ -184,6 +184,15 @@ def test_seed_oss_values_follow_the_schema(stream):
     assert json.loads(parse("seed-oss", text).calls[0].arguments) == {"city": 42, "days": 3}
 
 
+def test_seed_oss_string_values_keep_their_whitespace():
+    # the format has no newlines around a value: a string's text is the string, every character
+    # of it (a file's last newline included), as llama-server reads it
+    text = ("<seed:tool_call>\n<function=get_weather>\n<parameter=city>\n  New\nYork\n</parameter>\n"
+            "<parameter=days> 3\n</parameter>\n</function>\n</seed:tool_call>")
+    calls = [(c.name, json.loads(c.arguments)) for c in parse("seed-oss", text, tools=[SEED_TOOL]).calls]
+    assert calls == [("get_weather", {"city": "\n  New\nYork\n", "days": 3})]
+
+
 def test_magistral_ids_are_nine_characters():
     _, s = _stream("magistral", ['[TOOL_CALLS]now[ARGS]{}'])
     cid = s.message()[1][0]["id"]

@@ -31,8 +31,9 @@ These are tested before the families of tool_calls.py, whose markers some of the
 hold (Llama's ``ipython`` turns, Mistral's ``[TOOL_CALLS]``).
 Nemotron v3 (Nano 3) writes Qwen3-Coder's XML calls, as llama-server reads it, and is that family.
 
-Seed-OSS writes parameters as text: a value that reads as JSON is taken as that value, any other
-as a string. Its arguments grow one whole parameter at a time, so the streamed fragments always
+Seed-OSS writes parameters as text: a parameter whose schema takes a string gets all of its text,
+any other the JSON value its text reads as (without the request's tools: a value that reads as
+JSON is taken as that value, any other as a string). Its arguments grow one whole parameter at a time, so the streamed fragments always
 add up to the final JSON text.
 """
 from __future__ import annotations
@@ -409,11 +410,12 @@ _PARAM_OPEN = re.compile(r"<parameter=([^>\s]{1,256})>")
 
 
 def _param_value(raw: str, is_str: Optional[bool] = None) -> str:
-    """A parameter's text as JSON: a string for a parameter whose schema takes one, else a JSON
-    value as itself and anything else as a string (is_str None: no schema to go by)."""
-    v = raw.strip()
+    """A parameter's text as JSON: a string for a parameter whose schema takes one (all of its
+    text: the format puts no whitespace around a value), else a JSON value as itself and anything
+    else as a string (is_str None: no schema to go by)."""
     if is_str:
-        return json.dumps(v, ensure_ascii=False)
+        return json.dumps(raw, ensure_ascii=False)
+    v = raw.strip()
     try:
         return json.dumps(_loads(v), ensure_ascii=False)
     except ValueError:

@@ -98,6 +98,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("parallel", _hermes_call(_TWO[0]) + "\n" + _hermes_call(_TWO[1])),
         ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n" + _hermes_call(_CITY)),
         ("text, call", "Let me check.\n" + _hermes_call(_CITY)),
+        ("call, text", _hermes_call(_CITY) + "\nDone."),
     ],
     "llama3": [
         ("plain", "It is sunny in Paris."),
@@ -105,6 +106,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("parallel", _named("parameters", _TWO[0]) + "; " + _named("parameters", _TWO[1])),
         ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n" + _named("parameters", _CITY)),
         ("text, call", "Let me check.<|python_tag|>" + _named("parameters", _CITY)),
+        ("call, text", _named("parameters", _CITY) + "\nDone."),
     ],
     "mistral": [
         ("plain", "It is sunny in Paris."),
@@ -114,6 +116,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n[TOOL_CALLS]["
          + _named("arguments", _CITY, ', "id": "abc123XYZ"') + "]"),
         ("text, call", "Let me check.[TOOL_CALLS][" + _named("arguments", _CITY, ', "id": "abc123XYZ"') + "]"),
+        ("call, text", "[TOOL_CALLS][" + _named("arguments", _CITY, ', "id": "abc123XYZ"') + "] Done."),
     ],
     # the generation prompt opens the thinking
     "deepseek": [
@@ -143,6 +146,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("parallel", f"<function=get_weather>{_TWO[0]}</function>\n<function=get_weather>{_TWO[1]}</function>"),
         ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n<function=get_weather>{_CITY}</function>"),
         ("text, call", f"Let me check.<function=get_weather>{_CITY}</function>"),
+        ("call, text", f"<function=get_weather>{_CITY}</function>\nDone."),
     ],
     "command-r7b": [
         ("plain", "<|START_RESPONSE|>It is sunny in Paris.<|END_RESPONSE|>"),
@@ -156,6 +160,8 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
          + _CITY + "}\n]<|END_ACTION|>"),
         ("think, text", f"<|START_THINKING|>{_THOUGHT}<|END_THINKING|>"
          "<|START_RESPONSE|>It is sunny in Paris.<|END_RESPONSE|>"),
+        ("text, call", "Let me check.<|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", "
+         "\"parameters\": " + _CITY + "}\n]<|END_ACTION|>"),
     ],
     "granite": [
         ("plain", "It is sunny in Paris."),
@@ -164,6 +170,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("think, call", f"<think>{_THOUGHT}</think><|tool_call|>[" + _named("arguments", _CITY) + "]"),
         ("think, text", f"<think>{_THOUGHT}</think><response>It is sunny in Paris.</response>"),
         ("text, call", "Let me check.<|tool_call|>[" + _named("arguments", _CITY) + "]"),
+        ("call, text", "<|tool_call|>[" + _named("arguments", _CITY) + "]\nDone."),
     ],
     "magistral": [
         ("plain", "It is sunny in Paris."),
@@ -171,6 +178,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("parallel", f"[TOOL_CALLS]get_weather[ARGS]{_TWO[0]}[TOOL_CALLS]get_weather[ARGS]{_TWO[1]}"),
         ("think, call", f"[THINK]{_THOUGHT}[/THINK][TOOL_CALLS]get_weather[ARGS]{_CITY}"),
         ("text, call", f"Let me check.[TOOL_CALLS]get_weather[ARGS]{_CITY}"),
+        ("call, text", f"[TOOL_CALLS]get_weather[ARGS]{_CITY}\nDone."),
     ],
     "seed-oss": [
         ("plain", "It is sunny in Paris."),
@@ -183,6 +191,13 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
          "<parameter=city>Paris</parameter>\n</function>\n</seed:tool_call>"),
         ("text, call", "Let me check.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
          "</function>\n</seed:tool_call>"),
+        ("call, text", "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n</function>\n"
+         "</seed:tool_call>\nDone."),
+        # a string parameter whose text reads as a number, one that spans lines, a typed one
+        ("typed values", "<seed:tool_call>\n<function=get_weather>\n<parameter=city>42</parameter>\n"
+         "<parameter=days>3</parameter>\n</function>\n</seed:tool_call>"),
+        ("multi-line value", "<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nNew\nYork\n</parameter>\n"
+         "</function>\n</seed:tool_call>"),
     ],
     "apertus": [
         ("plain", "It is sunny in Paris."),
@@ -192,6 +207,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("think, call", f'<|inner_prefix|>{_THOUGHT}<|inner_suffix|><|tools_prefix|>[{{"get_weather": {_CITY}}}]'
          "<|tools_suffix|>"),
         ("text, call", 'Let me check.<|tools_prefix|>[{"get_weather": ' + _CITY + "}]<|tools_suffix|>"),
+        ("call, text", '<|tools_prefix|>[{"get_weather": ' + _CITY + "}]<|tools_suffix|>Done."),
     ],
     # the generation prompt opens the thinking
     "nemotron-v2": [
@@ -202,6 +218,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("think, call", f"{_THOUGHT}</think><TOOLCALL>[" + _named("arguments", _CITY) + "]</TOOLCALL>"),
         ("text, call", f"{_THOUGHT}\n</think>\nLet me check. <TOOLCALL>[" + _named("arguments", _CITY)
          + "]</TOOLCALL>"),
+        ("call, text", f"{_THOUGHT}\n</think>\n<TOOLCALL>[" + _named("arguments", _CITY) + "]</TOOLCALL>\nDone."),
     ],
     "qwen3_coder": [
         ("one call", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"

@@ -10,8 +10,14 @@ two kinds of reply are read by both servers' parsers:
 
 - known replies: llama-server cannot take a grammar together with tools, so the reply is put in
   as a prefilled assistant message (which llama-server reads as the start of its reply) and the
-  one token it then generates is forced to be the end of generation (for gpt-oss the prefill is
-  the message's reasoning, which llama-server continues in the analysis channel).
+  one token it then generates is forced to be the end of generation. llama-server continues a
+  prefill after a thinking it closes itself, so a reply's thinking goes in as the message's
+  reasoning_content (put back between the thinking markers it found in the template; where it
+  found none it drops it, and the whole reply goes in as content instead); gpt-oss's prefill is
+  the message's reasoning, which it continues in the analysis channel, and Functionary v3.2's is
+  continued after a recipient "all" of its own, so a reply that starts with a call cannot be put
+  in (shown as "n/a"). Each family has a plain answer, one call, parallel calls, thinking then a
+  call, text then a call and text after a call, and some replies of its own.
 - a required call: llama-server generates under its own call grammar (tool_choice "required");
   its raw text (`__verbose`) is read by pyllama as well.
 
@@ -19,7 +25,8 @@ pyllama reads the same text through its chat reply reader (the one its server us
 thinking left open when its rendering of the same conversation ends in an opened think tag. Printed
 per reply: agree, or differ with both readings (content and reasoning compared without surrounding
 whitespace, arguments as JSON values; the exact argument strings are reported apart), or refused
-when llama-server answers with an error; then a table per family.
+when llama-server answers with an error; then a table per family: agree when every reply agrees,
+else differ when one does, else refused.
 
 Most of llama-server's formats are derived from the template's text, not recognised by name, so its
 reading depends on how the template shows calls and thinking: the templates follow the published
@@ -424,7 +431,7 @@ def check_family(peers: Peers, model: str, family: str, workdir: str) -> list[tu
                     continue
                 break
             if len(tries) > 1 and prefill is tries[-1][0]:
-                label += " (no thinking in llama-server's reading of the template)"
+                label += "*"
             if status != 200:
                 print(f"  {label}: llama-server refused ({status}): {str(doc)[:300]}")
                 print(f"    pyllama reads content {ours['content']!r}, reasoning {ours['reasoning']!r}, "
@@ -459,9 +466,11 @@ def check_family(peers: Peers, model: str, family: str, workdir: str) -> list[tu
 
 
 def summary(results: dict[str, list[tuple[str, str, list[str]]]]) -> None:
-    """One row per family: how many replies agree, differ (naming them and their fields) or were refused."""
+    """One row per family: how many replies agree, differ (naming them and their fields), were
+    refused or could not be put in."""
     print("\nsummary")
-    head = f"{'family':<17} {'verdict':<8} {'agree':>5} {'differ':>6} {'refused':>7}  replies that differ / refused"
+    head = (f"{'family':<17} {'verdict':<8} {'agree':>5} {'differ':>6} {'refused':>7} {'n/a':>3}  "
+            "replies that differ [fields] / refused / n/a")
     print(head)
     print("-" * len(head))
     for family, rows in results.items():
@@ -469,8 +478,10 @@ def summary(results: dict[str, list[tuple[str, str, list[str]]]]) -> None:
         verdict = "differ" if n["differ"] else "refused" if n["refused"] else "agree"
         notes = [f"{label} [{', '.join(fields)}]" for label, v, fields in rows if v == "differ"]
         notes += [f"{label} (refused)" for label, v, _ in rows if v == "refused"]
-        notes += [f"{label} (no prefill)" for label, v, _ in rows if v == "n/a"]
-        print(f"{family:<17} {verdict:<8} {n['agree']:>5} {n['differ']:>6} {n['refused']:>7}  {'; '.join(notes)}")
+        notes += [f"{label} (n/a)" for label, v, _ in rows if v == "n/a"]
+        print(f"{family:<17} {verdict:<8} {n['agree']:>5} {n['differ']:>6} {n['refused']:>7} {n['n/a']:>3}  "
+              + "; ".join(notes))
+    print("* the whole reply put in as content: llama-server finds no thinking in the template")
 
 
 def main() -> int:

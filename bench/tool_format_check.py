@@ -106,6 +106,8 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n" + _hermes_call(_CITY)),
         ("text, call", "Let me check.\n" + _hermes_call(_CITY)),
         ("call, text", _hermes_call(_CITY) + "\nDone."),
+        ("parallel, no newlines", _hermes_call(_TWO[0]).replace("\n", "") + _hermes_call(_TWO[1]).replace("\n", "")),
+        ("unlisted tool", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
     ],
     "llama3": [
         ("plain", "It is sunny in Paris."),
@@ -114,6 +116,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n" + _named("parameters", _CITY)),
         ("text, call", "Let me check.<|python_tag|>" + _named("parameters", _CITY)),
         ("call, text", _named("parameters", _CITY) + "\nDone."),
+        ("text, bare call", "Let me check. " + _named("parameters", _CITY)),
     ],
     "mistral": [
         ("plain", "It is sunny in Paris."),
@@ -124,6 +127,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
          + _named("arguments", _CITY, ', "id": "abc123XYZ"') + "]"),
         ("text, call", "Let me check.[TOOL_CALLS][" + _named("arguments", _CITY, ', "id": "abc123XYZ"') + "]"),
         ("call, text", "[TOOL_CALLS][" + _named("arguments", _CITY, ', "id": "abc123XYZ"') + "] Done."),
+        ("call without id", "[TOOL_CALLS][" + _named("arguments", _CITY) + "]"),
     ],
     # the generation prompt opens the thinking
     "deepseek": [
@@ -154,6 +158,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n<function=get_weather>{_CITY}</function>"),
         ("text, call", f"Let me check.<function=get_weather>{_CITY}</function>"),
         ("call, text", f"<function=get_weather>{_CITY}</function>\nDone."),
+        ("unlisted tool", "<function=get_time>{}</function>"),
     ],
     "command-r7b": [
         ("plain", "<|START_RESPONSE|>It is sunny in Paris.<|END_RESPONSE|>"),
@@ -178,6 +183,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("think, text", f"<think>{_THOUGHT}</think><response>It is sunny in Paris.</response>"),
         ("text, call", "Let me check.<|tool_call|>[" + _named("arguments", _CITY) + "]"),
         ("call, text", "<|tool_call|>[" + _named("arguments", _CITY) + "]\nDone."),
+        ("unlisted tool", '<|tool_call|>[{"name": "get_time", "arguments": {}}]'),
     ],
     "magistral": [
         ("plain", "It is sunny in Paris."),
@@ -186,6 +192,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("think, call", f"[THINK]{_THOUGHT}[/THINK][TOOL_CALLS]get_weather[ARGS]{_CITY}"),
         ("text, call", f"Let me check.[TOOL_CALLS]get_weather[ARGS]{_CITY}"),
         ("call, text", f"[TOOL_CALLS]get_weather[ARGS]{_CITY}\nDone."),
+        ("unlisted tool", "[TOOL_CALLS]get_time[ARGS]{}"),
     ],
     "seed-oss": [
         ("plain", "It is sunny in Paris."),
@@ -215,6 +222,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
          "<|tools_suffix|>"),
         ("text, call", 'Let me check.<|tools_prefix|>[{"get_weather": ' + _CITY + "}]<|tools_suffix|>"),
         ("call, text", '<|tools_prefix|>[{"get_weather": ' + _CITY + "}]<|tools_suffix|>Done."),
+        ("unlisted tool", '<|tools_prefix|>[{"get_time": {}}]<|tools_suffix|>'),
     ],
     # the generation prompt opens the thinking
     "nemotron-v2": [
@@ -226,6 +234,7 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("text, call", f"{_THOUGHT}\n</think>\nLet me check. <TOOLCALL>[" + _named("arguments", _CITY)
          + "]</TOOLCALL>"),
         ("call, text", f"{_THOUGHT}\n</think>\n<TOOLCALL>[" + _named("arguments", _CITY) + "]</TOOLCALL>\nDone."),
+        ("unlisted tool", f"{_THOUGHT}\n</think>\n<TOOLCALL>[{{\"name\": \"get_time\", \"arguments\": {{}}}}]</TOOLCALL>"),
     ],
     "qwen3_coder": [
         ("one call", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"

@@ -193,6 +193,23 @@ def test_seed_oss_string_values_keep_their_whitespace():
     assert calls == [("get_weather", {"city": "\n  New\nYork\n", "days": 3})]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_kept_in_the_content_starts_where_the_prompt_opened_it(stream):
+    # Nemotron v2's prompt opens the thinking; left in the content, the thinking is shown whole,
+    # its opening tag as the prompt wrote it, as llama-server shows it
+    text = 'Need the weather.\n</think>\n<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>'
+    for body in ({"reasoning_format": "none"}, {"reasoning_format": "none", "tools": [TOOL]}):
+        msg = scripted_reply(MORE_TEMPLATES["nemotron-v2"], body, list(text), stream).choices[0].message
+        assert msg.model_extra.get("reasoning_content") is None
+        if "tools" in body:
+            assert msg.content == "<think>\nNeed the weather.\n</think>" and _calls(
+                [c.model_dump() for c in msg.tool_calls]) == [WEATHER]
+        else:
+            assert msg.content == "<think>\n" + text
+    msg = scripted_reply(MORE_TEMPLATES["nemotron-v2"], {}, list(text), stream).choices[0].message
+    assert msg.model_extra.get("reasoning_content") == "Need the weather."
+
+
 def test_magistral_ids_are_nine_characters():
     _, s = _stream("magistral", ['[TOOL_CALLS]now[ARGS]{}'])
     cid = s.message()[1][0]["id"]

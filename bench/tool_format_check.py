@@ -56,7 +56,7 @@ from peers import Peers  # noqa: E402
 from pyllama.server.api import ChatOutputSpec, ChatReply  # noqa: E402
 from pyllama.server.tool_calls import detect_family, parse_tool_request  # noqa: E402
 from pyllama.server.chat import ChatTemplate  # noqa: E402
-from pyllama.server.reasoning import prompt_opens_thinking, reasoning_tags  # noqa: E402
+from pyllama.server.reasoning import reasoning_tags, thinking_opener  # noqa: E402
 from tool_format_templates import TEMPLATES as FORMAT_TEMPLATES  # noqa: E402
 from tool_templates import FAMILY_TEMPLATES  # noqa: E402
 from tool_templates_more import MORE_TEMPLATES  # noqa: E402
@@ -321,9 +321,9 @@ def reading(content: Optional[str], reasoning: Optional[str], calls: list[dict])
 
 
 def pyllama_reading(family: str, text: str, tools: list[dict], reasoning_format: str = "auto",
-                    opens_thinking: bool = False) -> dict:
+                    opener: str = "") -> dict:
     spec = ChatOutputSpec(family=family, tools=parse_tool_request({"tools": tools}), reasoning_format=reasoning_format,
-                          forced_open=opens_thinking)
+                          forced_open=bool(opener), opener=opener)
     reply = ChatReply(spec)
     reply.feed(text)
     reply.finish()
@@ -335,7 +335,7 @@ def pyllama_reading(family: str, text: str, tools: list[dict], reasoning_format:
 _V32_PREFIX = "all\n"
 
 
-def prefills(family: str, text: str, opened: bool) -> list[tuple[dict, str]]:
+def prefills(family: str, text: str, opened: str) -> list[tuple[dict, str]]:
     """The assistant messages that have llama-server read `text` as its reply, each with the
     thinking it holds ("" when none), the one to try first first.
 
@@ -358,15 +358,15 @@ def prefills(family: str, text: str, opened: bool) -> list[tuple[dict, str]]:
         thought, rest = text[len(start):].split(end, 1)
     else:
         return [whole]
-    thought = thought.strip()
-    return [({"role": "assistant", "content": rest.lstrip(), "reasoning_content": thought}, thought), whole]
+    # as written, so that llama-server's text is the model's to the character
+    return [({"role": "assistant", "content": rest, "reasoning_content": thought}, thought.strip()), whole]
 
 
-def opens_thinking(family: str, messages: list[dict], tools: list[dict]) -> bool:
-    """Whether pyllama's rendering of the conversation before the reply leaves a think tag open
-    (as its server decides it for a prefilled reply)."""
+def opens_thinking(family: str, messages: list[dict], tools: list[dict]) -> str:
+    """How pyllama's rendering of the conversation before the reply opens a thinking it leaves
+    open ("" when none; as its server decides it for a prefilled reply)."""
     prompt, _ = ChatTemplate(TEMPLATES[family]).render_with_prefill({"messages": messages, "tools": tools})
-    return prompt_opens_thinking(prompt, family)
+    return thinking_opener(prompt, family)
 
 
 def llama_reading(doc: dict) -> dict:
@@ -416,9 +416,12 @@ def check_family(peers: Peers, model: str, family: str, workdir: str) -> list[tu
         user = [{"role": "user", "content": "Weather in Paris?"}]
         eos = eos_id(model)
         opened = opens_thinking(family, user, [WEATHER])
-        # gpt-oss's reasoning is read by the call format itself: also without separating it
-        formats = ("auto", "none") if family == "harmony" else ("auto",)
-        for (label, text), fmt in ((c, f) for f in formats for c in KNOWN[family]):
+        # the replies with thinking also without separating it (gpt-oss's: all of them, as its
+        # reasoning is read by the call format itself)
+        cases = [(c, "auto") for c in KNOWN[family]]
+        cases += [(c, "none") for c in KNOWN[family] if family == "harmony" or c[0].startswith("think")
+                  or (opened and family != "functionary-v3.2")]
+        for (label, text), fmt in cases:
             label += f" (reasoning_format {fmt})" if fmt != "auto" else ""
             ours = pyllama_reading(family, text, [WEATHER], fmt, opened)
             tries = prefills(family, text, opened)
@@ -435,8 +438,9 @@ def check_family(peers: Peers, model: str, family: str, workdir: str) -> list[tu
                                           "temperature": 0})
                 # a thinking that llama-server dropped (no reasoning markers found in the
                 # template) is put in again as plain content, as the model would have written it
+                msg = doc["choices"][0]["message"] if status == 200 else {}
                 if thought and k + 1 < len(tries) and status == 200 and \
-                        not (doc["choices"][0]["message"].get("reasoning_content") or "").strip():
+                        thought not in (msg.get("reasoning_content") or "") + (msg.get("content") or ""):
                     continue
                 break
             if len(tries) > 1 and prefill is tries[-1][0]:
@@ -462,7 +466,7 @@ def check_family(peers: Peers, model: str, family: str, workdir: str) -> list[tu
             else:
                 print(f"  required call, as generated: {raw!r}")
                 diff = compare("required call", llama_reading(doc), pyllama_reading(family, raw, [FIXED],
-                                                                                      opens_thinking=opened))
+                                                                                      opener=opened))
                 results.append(("required call", "differ" if diff else "agree", diff))
     finally:
         proc.terminate()

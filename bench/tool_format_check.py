@@ -2,21 +2,35 @@
 
     python bench/tool_format_check.py --peers DIR [--model PATH] [--families qwen3_coder,glm45,...]
 
-For each family of pyllama/server/tool_formats (Qwen3-Coder, GLM 4.5, Kimi K2, gpt-oss), the
-peers' `llama-server --jinja` is started on a test model (made with pyllama.models.make unless
---model names one) with that family's template (tests/tool_format_templates.py), and two kinds of
-reply are read by both servers' parsers:
+For each tool-call family pyllama has (those of tool_calls.py, tool_formats and
+tool_formats_more.py), the peers' `llama-server --jinja` is started on a test model (made with
+pyllama.models.make unless --model names one) with a template in the shape of that family's
+published one (tests/tool_templates.py, tool_templates_more.py and tool_format_templates.py), and
+two kinds of reply are read by both servers' parsers:
 
 - known replies: llama-server cannot take a grammar together with tools, so the reply is put in
   as a prefilled assistant message (which llama-server reads as the start of its reply) and the
-  one token it then generates is forced to be the end of generation (for gpt-oss the prefill is
-  the message's reasoning, which llama-server continues in the analysis channel).
+  one token it then generates is forced to be the end of generation. llama-server continues a
+  prefill after a thinking it closes itself, so a reply's thinking goes in as the message's
+  reasoning_content (put back between the thinking markers it found in the template; where it
+  found none it drops it, and the whole reply goes in as content instead); gpt-oss's prefill is
+  the message's reasoning, which it continues in the analysis channel, and Functionary v3.2's is
+  continued after a recipient "all" of its own, so a reply that starts with a call cannot be put
+  in (shown as "n/a"). Each family has a plain answer, one call, parallel calls, thinking then a
+  call, text then a call and text after a call, and some replies of its own.
 - a required call: llama-server generates under its own call grammar (tool_choice "required");
   its raw text (`__verbose`) is read by pyllama as well.
 
-pyllama reads the same text through its chat reply reader (the one its server uses). Printed per
-reply: agree, or differ with both readings (content and reasoning compared without surrounding
-whitespace, arguments as JSON values; the exact argument strings are reported apart).
+pyllama reads the same text through its chat reply reader (the one its server uses), with the
+thinking left open when its rendering of the same conversation ends in an opened think tag. Printed
+per reply: agree, or differ with both readings (content and reasoning compared without surrounding
+whitespace, arguments as JSON values; the exact argument strings are reported apart), or refused
+when llama-server answers with an error; then a table per family: agree when every reply agrees,
+else differ when one does, else refused.
+
+Most of llama-server's formats are derived from the template's text, not recognised by name, so its
+reading depends on how the template shows calls and thinking: the templates follow the published
+ones in what they render.
 """
 from __future__ import annotations
 
@@ -41,7 +55,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import Peers  # noqa: E402
 from pyllama.server.api import ChatOutputSpec, ChatReply  # noqa: E402
 from pyllama.server.tool_calls import detect_family, parse_tool_request  # noqa: E402
-from tool_format_templates import TEMPLATES  # noqa: E402
+from pyllama.server.chat import ChatTemplate  # noqa: E402
+from pyllama.server.reasoning import reasoning_tags, thinking_opener  # noqa: E402
+from tool_format_templates import TEMPLATES as FORMAT_TEMPLATES  # noqa: E402
+from tool_templates import FAMILY_TEMPLATES  # noqa: E402
+from tool_templates_more import MORE_TEMPLATES  # noqa: E402
+
+TEMPLATES = {**FAMILY_TEMPLATES, **MORE_TEMPLATES, **FORMAT_TEMPLATES}
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather of a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
@@ -58,42 +78,210 @@ _A = "<|channel|>analysis<|message|>The user wants the weather. Use get_weather.
 # continues the analysis: a known reply that starts there is put in as that reasoning
 _H_PREFILL = "<|channel|>analysis<|message|>"
 
-KNOWN: dict[str, list[str]] = {
+# (what the reply shows, the reply): for each family a plain answer, one call, parallel calls,
+# thinking then a call, and text then a call, as its models write them
+_CITY = '{"city": "Paris"}'
+_TWO = ('{"city": "Paris"}', '{"city": "Oslo", "days": 2}')
+_THOUGHT = "The user wants the weather. Use get_weather."
+_DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
+
+
+def _ds_call(args: str) -> str:
+    return f"{_DS[1]}function{_DS[2]}get_weather\n```json\n{args}\n```{_DS[3]}"
+
+
+def _hermes_call(args: str) -> str:
+    return f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
+
+
+def _named(key: str, args: str, extra: str = "") -> str:
+    return f'{{"name": "get_weather", "{key}": {args}{extra}}}'
+
+
+KNOWN: dict[str, list[tuple[str, str]]] = {
+    "hermes": [
+        ("plain", "It is sunny in Paris."),
+        ("one call", _hermes_call(_CITY)),
+        ("parallel", _hermes_call(_TWO[0]) + "\n" + _hermes_call(_TWO[1])),
+        ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n" + _hermes_call(_CITY)),
+        ("text, call", "Let me check.\n" + _hermes_call(_CITY)),
+        ("call, text", _hermes_call(_CITY) + "\nDone."),
+        ("parallel, no newlines", _hermes_call(_TWO[0]).replace("\n", "") + _hermes_call(_TWO[1]).replace("\n", "")),
+        ("unlisted tool", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
+    ],
+    "llama3": [
+        ("plain", "It is sunny in Paris."),
+        ("one call", _named("parameters", _CITY)),
+        ("parallel", _named("parameters", _TWO[0]) + "; " + _named("parameters", _TWO[1])),
+        ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n" + _named("parameters", _CITY)),
+        ("text, call", "Let me check.<|python_tag|>" + _named("parameters", _CITY)),
+        ("call, text", _named("parameters", _CITY) + "\nDone."),
+        ("text, bare call", "Let me check. " + _named("parameters", _CITY)),
+    ],
+    "mistral": [
+        ("plain", "It is sunny in Paris."),
+        ("one call", "[TOOL_CALLS][" + _named("arguments", _CITY, ', "id": "abc123XYZ"') + "]"),
+        ("parallel", "[TOOL_CALLS][" + _named("arguments", _TWO[0], ', "id": "abc123XYZ"') + ", "
+         + _named("arguments", _TWO[1], ', "id": "def456UVW"') + "]"),
+        ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n[TOOL_CALLS]["
+         + _named("arguments", _CITY, ', "id": "abc123XYZ"') + "]"),
+        ("text, call", "Let me check.[TOOL_CALLS][" + _named("arguments", _CITY, ', "id": "abc123XYZ"') + "]"),
+        ("call, text", "[TOOL_CALLS][" + _named("arguments", _CITY, ', "id": "abc123XYZ"') + "] Done."),
+        ("call without id", "[TOOL_CALLS][" + _named("arguments", _CITY) + "]"),
+    ],
+    # the generation prompt opens the thinking
+    "deepseek": [
+        ("plain", f"{_THOUGHT}\n</think>\n\nIt is sunny in Paris."),
+        ("one call", f"{_THOUGHT}\n</think>\n\n{_DS[0]}{_ds_call(_CITY)}{_DS[4]}"),
+        ("parallel", f"{_THOUGHT}\n</think>\n\n{_DS[0]}{_ds_call(_TWO[0])}\n{_ds_call(_TWO[1])}{_DS[4]}"),
+        ("think, call", f"{_THOUGHT}</think>{_DS[0]}{_ds_call(_CITY)}{_DS[4]}"),
+        ("text, call", f"{_THOUGHT}\n</think>\n\nLet me check.{_DS[0]}{_ds_call(_CITY)}{_DS[4]}"),
+    ],
+    "generic": [
+        ("plain", '{"response": "It is sunny in Paris."}'),
+        ("one call", '{"tool_call": ' + _named("arguments", _CITY) + "}"),
+        ("parallel", '{"tool_calls": [' + _named("arguments", _TWO[0]) + ", " + _named("arguments", _TWO[1]) + "]}"),
+        ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n" + '{"tool_calls": [' + _named("arguments", _CITY) + "]}"),
+        ("bare text", "It is sunny in Paris."),
+    ],
+    "functionary-v3.2": [
+        ("plain", "all\nIt is sunny in Paris."),
+        ("one call", "get_weather\n" + _CITY),
+        ("parallel", f"get_weather\n{_TWO[0]}\n>>>get_weather\n{_TWO[1]}"),
+        ("think, call", f"all\n<think>{_THOUGHT}</think>\n>>>get_weather\n{_CITY}"),
+        ("text, call", f"all\nLet me check.\n>>>get_weather\n{_CITY}"),
+    ],
+    "functionary-v3.1": [
+        ("plain", "It is sunny in Paris."),
+        ("one call", f"<function=get_weather>{_CITY}</function>"),
+        ("parallel", f"<function=get_weather>{_TWO[0]}</function>\n<function=get_weather>{_TWO[1]}</function>"),
+        ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n<function=get_weather>{_CITY}</function>"),
+        ("text, call", f"Let me check.<function=get_weather>{_CITY}</function>"),
+        ("call, text", f"<function=get_weather>{_CITY}</function>\nDone."),
+        ("unlisted tool", "<function=get_time>{}</function>"),
+    ],
+    "command-r7b": [
+        ("plain", "<|START_RESPONSE|>It is sunny in Paris.<|END_RESPONSE|>"),
+        ("one call", '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": '
+         + _CITY + "}\n]<|END_ACTION|>"),
+        ("parallel", '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": '
+         + _TWO[0] + '},\n    {"tool_call_id": "1", "tool_name": "get_weather", "parameters": ' + _TWO[1]
+         + "}\n]<|END_ACTION|>"),
+        ("think, call", f"<|START_THINKING|>{_THOUGHT}<|END_THINKING|>"
+         '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": '
+         + _CITY + "}\n]<|END_ACTION|>"),
+        ("think, text", f"<|START_THINKING|>{_THOUGHT}<|END_THINKING|>"
+         "<|START_RESPONSE|>It is sunny in Paris.<|END_RESPONSE|>"),
+        ("text, call", "Let me check.<|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", "
+         "\"parameters\": " + _CITY + "}\n]<|END_ACTION|>"),
+    ],
+    "granite": [
+        ("plain", "It is sunny in Paris."),
+        ("one call", "<|tool_call|>[" + _named("arguments", _CITY) + "]"),
+        ("parallel", "<|tool_call|>[" + _named("arguments", _TWO[0]) + ", " + _named("arguments", _TWO[1]) + "]"),
+        ("think, call", f"<think>{_THOUGHT}</think><|tool_call|>[" + _named("arguments", _CITY) + "]"),
+        ("think, text", f"<think>{_THOUGHT}</think><response>It is sunny in Paris.</response>"),
+        ("text, call", "Let me check.<|tool_call|>[" + _named("arguments", _CITY) + "]"),
+        ("call, text", "<|tool_call|>[" + _named("arguments", _CITY) + "]\nDone."),
+        ("unlisted tool", '<|tool_call|>[{"name": "get_time", "arguments": {}}]'),
+    ],
+    "magistral": [
+        ("plain", "It is sunny in Paris."),
+        ("one call", "[TOOL_CALLS]get_weather[ARGS]" + _CITY),
+        ("parallel", f"[TOOL_CALLS]get_weather[ARGS]{_TWO[0]}[TOOL_CALLS]get_weather[ARGS]{_TWO[1]}"),
+        ("think, call", f"[THINK]{_THOUGHT}[/THINK][TOOL_CALLS]get_weather[ARGS]{_CITY}"),
+        ("text, call", f"Let me check.[TOOL_CALLS]get_weather[ARGS]{_CITY}"),
+        ("call, text", f"[TOOL_CALLS]get_weather[ARGS]{_CITY}\nDone."),
+        ("unlisted tool", "[TOOL_CALLS]get_time[ARGS]{}"),
+    ],
+    "seed-oss": [
+        ("plain", "It is sunny in Paris."),
+        ("one call", "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n</function>\n"
+         "</seed:tool_call>"),
+        ("parallel", "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n</function>\n"
+         "</seed:tool_call><seed:tool_call>\n<function=get_weather>\n<parameter=city>Oslo</parameter>\n"
+         "<parameter=days>2</parameter>\n</function>\n</seed:tool_call>"),
+        ("think, call", f"<seed:think>{_THOUGHT}</seed:think><seed:tool_call>\n<function=get_weather>\n"
+         "<parameter=city>Paris</parameter>\n</function>\n</seed:tool_call>"),
+        ("text, call", "Let me check.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
+         "</function>\n</seed:tool_call>"),
+        ("call, text", "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n</function>\n"
+         "</seed:tool_call>\nDone."),
+        # a string parameter whose text reads as a number, one that spans lines, a typed one
+        ("typed values", "<seed:tool_call>\n<function=get_weather>\n<parameter=city>42</parameter>\n"
+         "<parameter=days>3</parameter>\n</function>\n</seed:tool_call>"),
+        ("multi-line value", "<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nNew\nYork\n</parameter>\n"
+         "</function>\n</seed:tool_call>"),
+    ],
+    "apertus": [
+        ("plain", "It is sunny in Paris."),
+        ("one call", '<|tools_prefix|>[{"get_weather": ' + _CITY + "}]<|tools_suffix|>"),
+        ("parallel", '<|tools_prefix|>[{"get_weather": ' + _TWO[0] + '}, {"get_weather": ' + _TWO[1]
+         + "}]<|tools_suffix|>"),
+        ("think, call", f'<|inner_prefix|>{_THOUGHT}<|inner_suffix|><|tools_prefix|>[{{"get_weather": {_CITY}}}]'
+         "<|tools_suffix|>"),
+        ("text, call", 'Let me check.<|tools_prefix|>[{"get_weather": ' + _CITY + "}]<|tools_suffix|>"),
+        ("call, text", '<|tools_prefix|>[{"get_weather": ' + _CITY + "}]<|tools_suffix|>Done."),
+        ("unlisted tool", '<|tools_prefix|>[{"get_time": {}}]<|tools_suffix|>'),
+    ],
+    # the generation prompt opens the thinking
+    "nemotron-v2": [
+        ("plain", f"{_THOUGHT}\n</think>\nIt is sunny in Paris."),
+        ("one call", f"{_THOUGHT}\n</think>\n<TOOLCALL>[" + _named("arguments", _CITY) + "]</TOOLCALL>"),
+        ("parallel", f"{_THOUGHT}\n</think>\n<TOOLCALL>[" + _named("arguments", _TWO[0]) + ", "
+         + _named("arguments", _TWO[1]) + "]</TOOLCALL>"),
+        ("think, call", f"{_THOUGHT}</think><TOOLCALL>[" + _named("arguments", _CITY) + "]</TOOLCALL>"),
+        ("text, call", f"{_THOUGHT}\n</think>\nLet me check. <TOOLCALL>[" + _named("arguments", _CITY)
+         + "]</TOOLCALL>"),
+        ("call, text", f"{_THOUGHT}\n</think>\n<TOOLCALL>[" + _named("arguments", _CITY) + "]</TOOLCALL>\nDone."),
+        ("unlisted tool", f"{_THOUGHT}\n</think>\n<TOOLCALL>[{{\"name\": \"get_time\", \"arguments\": {{}}}}]</TOOLCALL>"),
+    ],
     "qwen3_coder": [
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
-        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew \"York\"\n</parameter>\n"
-        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
-        "<function=get_weather>\n<parameter=city>\n42\n</parameter>\n</function>\n</tool_call>",
-        "Two.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nline 1\nline <2>\n</parameter>\n</function>\n"
-        "</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=days>\n7\n</parameter>\n<parameter=city>\n"
-        "Oslo\n</parameter>\n</function>\n</tool_call>",
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n"
-        "Done.",
-        "No call.",
+        ("one call", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+         "</tool_call>"),
+        ("text, call", "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew \"York\"\n"
+         "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"),
+        ("no opening tag", "<function=get_weather>\n<parameter=city>\n42\n</parameter>\n</function>\n</tool_call>"),
+        ("text, parallel", "Two.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nline 1\nline <2>\n"
+         "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=days>\n7\n"
+         "</parameter>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"),
+        ("call, text", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+         "</tool_call>\nDone."),
+        ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+         "Paris\n</parameter>\n</function>\n</tool_call>"),
+        ("plain", "No call."),
     ],
     "glm45": [
-        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
-        "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
-        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
-        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>a\nb</arg_value>\n</tool_call>\n"
-        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>",
-        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>\nDone.",
-        "No call.",
+        ("one call", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"),
+        ("text, call", "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+         "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"),
+        ("parallel", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>a\nb</arg_value>\n</tool_call>\n"
+         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>"),
+        ("call, text", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>\n"
+         "Done."),
+        ("think, call", f"<think>{_THOUGHT}</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+         "<arg_value>Paris</arg_value>\n</tool_call>"),
+        ("plain", "No call."),
     ],
     "kimi_k2": [
-        f'{KIMI[0]}{KIMI[1]}functions.get_weather:0{KIMI[2]}{{"city": "Paris"}}{KIMI[3]}{KIMI[4]}',
-        f'Checking.{KIMI[0]}{KIMI[1]}functions.get_weather:0{KIMI[2]}{{"city": "Paris"}}{KIMI[3]}'
-        f'{KIMI[1]}functions.get_weather:1{KIMI[2]}{{"city": "Oslo", "days": 2}}{KIMI[3]}{KIMI[4]}',
-        f'{KIMI[0]}{KIMI[1]}functions.get_weather:0{KIMI[2]}{{"city": "Paris"}}{KIMI[3]}{KIMI[4]}Done.',
-        "No call.",
+        ("one call", f'{KIMI[0]}{KIMI[1]}functions.get_weather:0{KIMI[2]}{{"city": "Paris"}}{KIMI[3]}{KIMI[4]}'),
+        ("text, parallel", f'Checking.{KIMI[0]}{KIMI[1]}functions.get_weather:0{KIMI[2]}{{"city": "Paris"}}{KIMI[3]}'
+         f'{KIMI[1]}functions.get_weather:1{KIMI[2]}{{"city": "Oslo", "days": 2}}{KIMI[3]}{KIMI[4]}'),
+        ("call, text", f'{KIMI[0]}{KIMI[1]}functions.get_weather:0{KIMI[2]}{{"city": "Paris"}}{KIMI[3]}{KIMI[4]}'
+         "Done."),
+        ("think, call", f'<think>{_THOUGHT}</think>{KIMI[0]}{KIMI[1]}functions.get_weather:0{KIMI[2]}'
+         f'{{"city": "Paris"}}{KIMI[3]}{KIMI[4]}'),
+        ("plain", "No call."),
     ],
     "harmony": [
-        _A + '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
-        '{"city":"Paris"}',
-        _A + '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}',
-        _A + "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant"
-        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris","days":2}',
-        _A + "<|start|>assistant<|channel|>final<|message|>It is sunny.",
+        ("think, call", _A + '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+         '<|message|>{"city":"Paris"}'),
+        ("think, call (recipient first)", _A + '<|start|>assistant to=functions.get_weather<|channel|>commentary json'
+         '<|message|>{"city": "Paris"}'),
+        ("think, text, call", _A + "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
+         '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+         '{"city":"Paris","days":2}'),
+        ("think, plain", _A + "<|start|>assistant<|channel|>final<|message|>It is sunny."),
     ],
 }
 
@@ -132,8 +320,10 @@ def reading(content: Optional[str], reasoning: Optional[str], calls: list[dict])
             "ids": [c.get("id") for c in calls]}
 
 
-def pyllama_reading(family: str, text: str, tools: list[dict], reasoning_format: str = "auto") -> dict:
-    spec = ChatOutputSpec(family=family, tools=parse_tool_request({"tools": tools}), reasoning_format=reasoning_format)
+def pyllama_reading(family: str, text: str, tools: list[dict], reasoning_format: str = "auto",
+                    opener: str = "") -> dict:
+    spec = ChatOutputSpec(family=family, tools=parse_tool_request({"tools": tools}), reasoning_format=reasoning_format,
+                          forced_open=bool(opener), opener=opener)
     reply = ChatReply(spec)
     reply.feed(text)
     reply.finish()
@@ -141,26 +331,67 @@ def pyllama_reading(family: str, text: str, tools: list[dict], reasoning_format:
     return reading(msg.get("content"), msg.get("reasoning_content"), msg.get("tool_calls", []))
 
 
+# llama-server continues a Functionary v3.2 prefill after a recipient "all" of its own
+_V32_PREFIX = "all\n"
+
+
+def prefills(family: str, text: str, opened: str) -> list[tuple[dict, str]]:
+    """The assistant messages that have llama-server read `text` as its reply, each with the
+    thinking it holds ("" when none), the one to try first first.
+
+    A prefilled message continues the content after a thinking that llama-server closes itself
+    (when the template shows one), so the thinking goes in as reasoning_content, and the whole
+    reply as content after it for a template where llama-server finds no thinking."""
+    if family == "harmony":
+        # the prefill goes into the final channel unless the message has only reasoning, which
+        # continues the analysis
+        return [({"role": "assistant", "content": "", "reasoning_content": text[len(_H_PREFILL):]}, "")]
+    if family == "functionary-v3.2":
+        if not text.startswith(_V32_PREFIX):
+            return []
+        return [({"role": "assistant", "content": text[len(_V32_PREFIX):]}, "")]
+    start, end = reasoning_tags(family)
+    whole = ({"role": "assistant", "content": text}, "")
+    if opened and end in text:
+        thought, rest = text.split(end, 1)
+    elif text.startswith(start) and end in text:
+        thought, rest = text[len(start):].split(end, 1)
+    else:
+        return [whole]
+    # as written, so that llama-server's text is the model's to the character
+    return [({"role": "assistant", "content": rest, "reasoning_content": thought}, thought.strip()), whole]
+
+
+def opens_thinking(family: str, messages: list[dict], tools: list[dict]) -> str:
+    """How pyllama's rendering of the conversation before the reply opens a thinking it leaves
+    open ("" when none; as its server decides it for a prefilled reply)."""
+    prompt, _ = ChatTemplate(TEMPLATES[family]).render_with_prefill({"messages": messages, "tools": tools})
+    return thinking_opener(prompt, family)
+
+
 def llama_reading(doc: dict) -> dict:
     msg = doc["choices"][0]["message"]
     return reading(msg.get("content"), msg.get("reasoning_content"), msg.get("tool_calls") or [])
 
 
-def compare(label: str, theirs: dict, ours: dict) -> bool:
-    same = all(theirs[k] == ours[k] for k in ("content", "reasoning", "calls"))
-    print(f"  {label}: {'agree' if same else 'differ'}")
-    if not same:
-        for k in ("content", "reasoning", "calls"):
-            if theirs[k] != ours[k]:
-                print(f"    {k}: llama-server {theirs[k]!r}\n    {' ' * len(k)}  pyllama      {ours[k]!r}")
-    if same and theirs["raw_content"] != ours["raw_content"]:
+FIELDS = ("content", "reasoning", "calls")
+
+
+def compare(label: str, theirs: dict, ours: dict) -> list[str]:
+    """The fields read differently (printed with both readings)."""
+    diff = [k for k in FIELDS if theirs[k] != ours[k]]
+    print(f"  {label}: {'differ' if diff else 'agree'}")
+    for k in diff:
+        print(f"    {k}: llama-server {theirs[k]!r}\n    {' ' * len(k)}  pyllama      {ours[k]!r}")
+    if not diff and theirs["raw_content"] != ours["raw_content"]:
         print(f"    content as sent: llama-server {theirs['raw_content']!r}, pyllama {ours['raw_content']!r}")
     if theirs["raw_args"] != ours["raw_args"]:
         print(f"    argument strings: llama-server {theirs['raw_args']!r}, pyllama {ours['raw_args']!r}")
-    return same
+    return diff
 
 
-def check_family(peers: Peers, model: str, family: str, workdir: str) -> tuple[int, int]:
+def check_family(peers: Peers, model: str, family: str, workdir: str) -> list[tuple[str, str, list[str]]]:
+    """(reply, "agree" / "differ" / "refused", the fields that differ) per reply of the family."""
     tpl = os.path.join(workdir, f"{family}.jinja")
     with open(tpl, "w") as fh:
         fh.write(TEMPLATES[family])
@@ -170,7 +401,7 @@ def check_family(peers: Peers, model: str, family: str, workdir: str) -> tuple[i
     proc = peers.popen("llama-server", "-m", model, "--jinja", "--chat-template-file", tpl, "--port", str(port),
                        "-c", "4096", "--override-kv", "llama.context_length=int:131072", "-np", "1",
                        stdout=log, stderr=subprocess.STDOUT)
-    agree = total = refused = 0
+    results: list[tuple[str, str, list[str]]] = []
     try:
         deadline = time.time() + 60
         while True:
@@ -180,44 +411,63 @@ def check_family(peers: Peers, model: str, family: str, workdir: str) -> tuple[i
             except (urllib.error.URLError, ConnectionError, OSError):
                 if time.time() > deadline or proc.poll() is not None:
                     print("  llama-server did not start (see", log.name + ")")
-                    return 0, 1, 0
+                    return [("(server)", "refused", [])]
                 time.sleep(0.3)
         user = [{"role": "user", "content": "Weather in Paris?"}]
         eos = eos_id(model)
-        # gpt-oss's reasoning is read by the call format itself: also without separating it
-        formats = ("auto", "none") if family == "harmony" else ("auto",)
-        for k, (text, fmt) in enumerate((t, f) for f in formats for t in KNOWN[family]):
-            prefill = {"role": "assistant", "content": text}
-            if family == "harmony":
-                prefill = {"role": "assistant", "content": "", "reasoning_content": text[len(_H_PREFILL):]}
-            status, doc = post(port, {"messages": user + [prefill], "reasoning_format": fmt,
-                                      # llama-server's default follows the template's probed
-                                      # capabilities; pyllama's is true
-                                      "tools": [WEATHER], "parallel_tool_calls": True,
-                                      "n_predict": 1, "logit_bias": [[eos, 1000]],
-                                      "temperature": 0})
-            if status != 200:
-                print(f"  known reply {k}: llama-server refused ({status}): {str(doc)[:300]}")
-                ours = pyllama_reading(family, text, [WEATHER], fmt)
-                print(f"    pyllama reads content {ours['content']!r}, calls {ours['calls']!r}")
-                refused += 1
+        opened = opens_thinking(family, user, [WEATHER])
+        # the replies with thinking also without separating it (gpt-oss's: all of them, as its
+        # reasoning is read by the call format itself)
+        cases = [(c, "auto") for c in KNOWN[family]]
+        cases += [(c, "none") for c in KNOWN[family] if family == "harmony" or c[0].startswith("think")
+                  or (opened and family != "functionary-v3.2")]
+        for (label, text), fmt in cases:
+            label += f" (reasoning_format {fmt})" if fmt != "auto" else ""
+            ours = pyllama_reading(family, text, [WEATHER], fmt, opened)
+            tries = prefills(family, text, opened)
+            if not tries:
+                print(f"  {label}: cannot be put in as a prefill (llama-server continues after {_V32_PREFIX!r})")
+                results.append((label, "n/a", []))
                 continue
-            total += 1
-            agree += compare(f"known reply {k}" + (f" (reasoning_format {fmt})" if fmt != "auto" else ""),
-                             llama_reading(doc), pyllama_reading(family, text, [WEATHER], fmt))
+            for k, (prefill, thought) in enumerate(tries):
+                status, doc = post(port, {"messages": user + [prefill], "reasoning_format": fmt,
+                                          # llama-server's default follows the template's probed
+                                          # capabilities; pyllama's is true
+                                          "tools": [WEATHER], "parallel_tool_calls": True,
+                                          "n_predict": 1, "logit_bias": [[eos, 1000]],
+                                          "temperature": 0})
+                # a thinking that llama-server dropped (no reasoning markers found in the
+                # template) is put in again as plain content, as the model would have written it
+                msg = doc["choices"][0]["message"] if status == 200 else {}
+                if thought and k + 1 < len(tries) and status == 200 and \
+                        thought not in (msg.get("reasoning_content") or "") + (msg.get("content") or ""):
+                    continue
+                break
+            if len(tries) > 1 and prefill is tries[-1][0]:
+                label += "*"
+            if status != 200:
+                print(f"  {label}: llama-server refused ({status}): {str(doc)[:300]}")
+                print(f"    pyllama reads content {ours['content']!r}, reasoning {ours['reasoning']!r}, "
+                      f"calls {ours['calls']!r}")
+                results.append((label, "refused", []))
+                continue
+            diff = compare(label, llama_reading(doc), ours)
+            results.append((label, "differ" if diff else "agree", diff))
         status, doc = post(port, {"messages": user, "tools": [FIXED], "tool_choice": "required",
                                   "parallel_tool_calls": False, "max_tokens": 200, "seed": 1, "verbose": True})
         if status != 200:
             print(f"  required call: llama-server refused ({status}): {str(doc)[:300]}")
-            refused += 1
+            results.append(("required call", "refused", []))
         else:
             raw = (doc.get("__verbose") or {}).get("content")
-            total += 1
             if raw is None:
                 print("  required call: llama-server gave no raw text (__verbose)")
+                results.append(("required call", "differ", ["raw text"]))
             else:
                 print(f"  required call, as generated: {raw!r}")
-                agree += compare("required call", llama_reading(doc), pyllama_reading(family, raw, [FIXED]))
+                diff = compare("required call", llama_reading(doc), pyllama_reading(family, raw, [FIXED],
+                                                                                      opener=opened))
+                results.append(("required call", "differ" if diff else "agree", diff))
     finally:
         proc.terminate()
         try:
@@ -225,7 +475,26 @@ def check_family(peers: Peers, model: str, family: str, workdir: str) -> tuple[i
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-    return agree, total, refused
+    return results
+
+
+def summary(results: dict[str, list[tuple[str, str, list[str]]]]) -> None:
+    """One row per family: how many replies agree, differ (naming them and their fields), were
+    refused or could not be put in."""
+    print("\nsummary")
+    head = (f"{'family':<17} {'verdict':<8} {'agree':>5} {'differ':>6} {'refused':>7} {'n/a':>3}  "
+            "replies that differ [fields] / refused / n/a")
+    print(head)
+    print("-" * len(head))
+    for family, rows in results.items():
+        n = {k: sum(1 for _, v, _ in rows if v == k) for k in ("agree", "differ", "refused", "n/a")}
+        verdict = "differ" if n["differ"] else "refused" if n["refused"] else "agree"
+        notes = [f"{label} [{', '.join(fields)}]" for label, v, fields in rows if v == "differ"]
+        notes += [f"{label} (refused)" for label, v, _ in rows if v == "refused"]
+        notes += [f"{label} (n/a)" for label, v, _ in rows if v == "n/a"]
+        print(f"{family:<17} {verdict:<8} {n['agree']:>5} {n['differ']:>6} {n['refused']:>7} {n['n/a']:>3}  "
+              + "; ".join(notes))
+    print("* the whole reply put in as content: llama-server finds no thinking in the template")
 
 
 def main() -> int:
@@ -252,11 +521,8 @@ def main() -> int:
             results[family] = check_family(peers, model, family, workdir)
     finally:
         peers.close()
-    print("\nsummary")
-    for family, (agree, total, refused) in results.items():
-        print(f"  {family}: {'agree' if agree == total else 'differ'} ({agree}/{total} replies read alike"
-              + (f"; {refused} that llama-server refused to read" if refused else "") + ")")
-    return 0 if all(a == t for a, t, _ in results.values()) else 1
+    summary(results)
+    return 0 if all(v in ("agree", "n/a") for rows in results.values() for _, v, _ in rows) else 1
 
 
 if __name__ == "__main__":

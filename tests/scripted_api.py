@@ -9,7 +9,7 @@ from pyllama.batching.sampling import SamplingParams
 from pyllama.server.api import Api, ChatOutputSpec, ServerState
 from pyllama.server.chat import ChatTemplate
 from pyllama.server.params import CompletionParams, parse_completion
-from pyllama.server.reasoning import prompt_opens_thinking
+from pyllama.server.reasoning import prompt_opens_thinking, thinking_opener
 from pyllama.batching.task import CompletionTask, FinalEvent, ProgressEvent, TokenEvent
 
 N_PROMPT, N_EVALUATED = 10, 4  # every scripted prompt: 10 tokens, 6 of them from the prompt cache
@@ -49,4 +49,5 @@ def scripted(template: str, chat: dict, pieces: list[str], stop_type: str = "eos
     spec = api._chat_output_spec(chat)
     text, spec.prefill = api._render_chat(chat)
     spec.forced_open = prompt_opens_thinking(text)
+    spec.opener = thinking_opener(text)
     return api, p, spec, CompletionTask(prompt=list(range(N_PROMPT)), params=SamplingParams())

@@ -92,14 +92,15 @@ def test_server_budget_from_request_and_flag(thinking_server):
     raw = chat(thinking_server, thinking_budget_tokens=3, reasoning_format="none")
     sampled = [e["token"] for e in raw["logprobs"]["content"]]  # tokens put in have no probabilities
     thought = "".join(sampled[:3])
-    assert raw["message"]["content"].startswith(thought + end), raw["message"]["content"]
+    opened = "<think>\n"  # kept in the content, the thinking starts as the prompt opened it
+    assert raw["message"]["content"].startswith(opened + thought + end), raw["message"]["content"]
     assert len(sampled) < 12  # the end's tokens count toward max_tokens
     read = chat(thinking_server, thinking_budget_tokens=3)
     assert read["message"]["reasoning_content"] == thought.strip()
-    assert read["message"]["content"] == raw["message"]["content"][len(thought + end):].lstrip(), raw
+    assert read["message"]["content"] == raw["message"]["content"][len(opened + thought + end):].lstrip(), raw
     # the server's --reasoning-budget 0: the thinking ends before any token of it
     now = chat(thinking_server, reasoning_format="none")
-    assert now["message"]["content"].startswith(end)
+    assert now["message"]["content"].startswith(opened + end)
     # -1 lifts it: the reply thinks for all its tokens
     free = chat(thinking_server, thinking_budget_tokens=-1, reasoning_format="none")
     assert "</think>" not in free["message"]["content"] and len(free["logprobs"]["content"]) == 12
@@ -126,7 +127,8 @@ def test_server_reasoning_budget_tokens_and_message(thinking_server):
     assert "</think>" not in content(reasoning_budget_tokens=-1, thinking_budget_tokens=3)[0]  # -1 lifts it
     told, told_sampled = content(reasoning_budget_tokens=3, reasoning_budget_message="Enough.", max_tokens=40)
     thought = "".join(told_sampled[:3])
-    assert told.startswith(thought + budget_end_text("Enough.")), told
+    # (with reasoning_format none the content starts as the prompt opened the thinking)
+    assert told.startswith("<think>\n" + thought + budget_end_text("Enough.")), told
     status, doc = thinking_server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                                 "reasoning_budget_message": 3})
     assert status == 400 and "'reasoning_budget_message' must be a string" in doc["error"]["message"]

@@ -50,7 +50,13 @@ CASES = [
      [("brave_search", {"query": "weather in Paris"})]),
     ("llama3", '<|python_tag|>print(6 * 7)', None, [("python", {"code": "print(6 * 7)"})]),
     ("llama3", '{"answer": 42}', '{"answer": 42}', []),
-    ("llama3", 'Hello {"name": "f", "parameters": {}}', 'Hello {"name": "f", "parameters": {}}', []),
+    # a call after text, when the calls end the reply (llama-server reads the text up to the
+    # first object as content, and the calls from there)
+    ("llama3", 'Hello {"name": "f", "parameters": {}}', "Hello", [("f", {})]),
+    ("llama3", 'Two: {"name": "f", "parameters": {"a": 1}}; {"type": "function", "name": "g", "parameters": {}}',
+     "Two:", [("f", {"a": 1}), ("g", {})]),
+    ("llama3", 'Write {"name": "f", "parameters": {}} to call f.', 'Write {"name": "f", "parameters": {}} to call f.',
+     []),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}, '
                 '{"name": "now", "arguments": {}}]', None, [("get_weather", {"city": "Paris"}), ("now", {})]),
     ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "Sure.", [("get_weather", {"city": "Paris"})]),

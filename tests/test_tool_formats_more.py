@@ -13,7 +13,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from pyllama.server.chat import ChatTemplate
-from pyllama.server.tool_calls import call_grammar, detect_family, parse, parse_tool_request
+from pyllama.server.tool_calls import ToolCallStream, call_grammar, detect_family, parse, parse_tool_request
 from test_tool_calls import ARGS, TOOL, _anonymous, _calls, _merge, _reparsed_deltas, _stream, scripted_reply
 from tool_templates import FAMILY_TEMPLATES
 from tool_templates_more import MORE_TEMPLATES
@@ -159,6 +159,55 @@ def test_no_parallel_calls_keeps_the_first():
 def test_command_r7b_keeps_the_model_ids():
     _, s = _stream("command-r7b", [R7B_CALL])
     assert [c["id"] for c in s.message()[1]] == ["0", "1"]  # the model's own ids, which its results cite
+
+
+SEED_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_seed_oss_values_follow_the_schema(stream):
+    # a string parameter stays text even when it reads as JSON (llama-server types each value by
+    # its schema); the others are JSON
+    text = ("<seed:tool_call>\n<function=get_weather>\n<parameter=city>42</parameter>\n"
+            "<parameter=days>3</parameter>\n</function>\n</seed:tool_call>")
+    if stream:
+        s = ToolCallStream("seed-oss", tools=[SEED_TOOL])
+        for c in text:
+            s.feed(c)
+        s.finish()
+        calls = _calls(s.message()[1])
+    else:
+        calls = [(c.name, json.loads(c.arguments)) for c in parse("seed-oss", text, tools=[SEED_TOOL]).calls]
+    assert calls == [("get_weather", {"city": "42", "days": 3})]
+    # without a schema to go by, a value that reads as JSON is that value
+    assert json.loads(parse("seed-oss", text).calls[0].arguments) == {"city": 42, "days": 3}
+
+
+def test_seed_oss_string_values_keep_their_whitespace():
+    # the format has no newlines around a value: a string's text is the string, every character
+    # of it (a file's last newline included), as llama-server reads it
+    text = ("<seed:tool_call>\n<function=get_weather>\n<parameter=city>\n  New\nYork\n</parameter>\n"
+            "<parameter=days> 3\n</parameter>\n</function>\n</seed:tool_call>")
+    calls = [(c.name, json.loads(c.arguments)) for c in parse("seed-oss", text, tools=[SEED_TOOL]).calls]
+    assert calls == [("get_weather", {"city": "\n  New\nYork\n", "days": 3})]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_kept_in_the_content_starts_where_the_prompt_opened_it(stream):
+    # Nemotron v2's prompt opens the thinking; left in the content, the thinking is shown whole,
+    # its opening tag as the prompt wrote it, as llama-server shows it
+    text = 'Need the weather.\n</think>\n<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</TOOLCALL>'
+    for body in ({"reasoning_format": "none"}, {"reasoning_format": "none", "tools": [TOOL]}):
+        msg = scripted_reply(MORE_TEMPLATES["nemotron-v2"], body, list(text), stream).choices[0].message
+        assert msg.model_extra.get("reasoning_content") is None
+        if "tools" in body:
+            assert msg.content == "<think>\nNeed the weather.\n</think>" and _calls(
+                [c.model_dump() for c in msg.tool_calls]) == [WEATHER]
+        else:
+            assert msg.content == "<think>\n" + text
+    msg = scripted_reply(MORE_TEMPLATES["nemotron-v2"], {}, list(text), stream).choices[0].message
+    assert msg.model_extra.get("reasoning_content") == "Need the weather."
 
 
 def test_magistral_ids_are_nine_characters():

@@ -75,21 +75,32 @@ MISTRAL = """{{- bos_token }}
 {%- endif %}
 {%- endfor %}"""
 
-# DeepSeek R1: calls in <｜tool▁calls▁begin｜> blocks with arguments as text, results in
-# <｜tool▁outputs▁begin｜>, and a generation prompt that opens the thinking.
+# DeepSeek R1: calls in <｜tool▁calls▁begin｜> blocks with arguments as text (each written with
+# the expressions of the published template, which llama-server recognises), results in
+# <｜tool▁outputs▁begin｜>, earlier thinking cut from the history, and a generation prompt that
+# opens the thinking.
 DEEPSEEK = """{{- bos_token }}
+{%- set ns = namespace(is_first=false) %}
 {%- for message in messages %}
-{%- if message.role == 'system' %}{{- message.content }}
-{%- elif message.role == 'user' %}{{- '<｜User｜>' + message.content }}
-{%- elif message.role == 'assistant' and message.tool_calls %}
-{{- '<｜Assistant｜><｜tool▁calls▁begin｜>' }}
-{%- for tc in message.tool_calls %}
-{{- '<｜tool▁call▁begin｜>' + tc.type + '<｜tool▁sep｜>' + tc.function.name + '\\n```json\\n' + tc.function.arguments + '\\n```<｜tool▁call▁end｜>' }}
+{%- if message['role'] == 'system' %}{{- message['content'] }}
+{%- elif message['role'] == 'user' %}{{- '<｜User｜>' + message['content'] }}
+{%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+{%- set ns.is_first = false %}
+{%- for tool in message['tool_calls'] %}
+{%- if not ns.is_first -%}
+{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}
+{%- set ns.is_first = true %}
+{%- else %}
+{{- '\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>' }}
+{%- endif %}
 {%- endfor %}
 {{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}
-{%- elif message.role == 'assistant' %}{{- '<｜Assistant｜>' + message.content + '<｜end▁of▁sentence｜>' }}
-{%- elif message.role == 'tool' %}
-{{- '<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message.content + '<｜tool▁output▁end｜><｜tool▁outputs▁end｜>' }}
+{%- elif message['role'] == 'assistant' %}
+{%- set content = message['content'] %}
+{%- if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}
+{{- '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}
+{%- elif message['role'] == 'tool' %}
+{{- '<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜><｜tool▁outputs▁end｜>' }}
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<｜Assistant｜><think>\\n' }}{% endif %}"""

@@ -52,7 +52,8 @@ FUNCTIONARY_V31 = """{{- bos_token }}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"""
 
-# Command R7B: thinking, actions as a JSON list, results as a JSON list, replies wrapped.
+# Command R7B: thinking (shown before an assistant's actions), actions as a JSON list, results as a
+# JSON list, replies wrapped.
 COMMAND_R7B = """{{- bos_token }}<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|># System Preamble
 You may use tools. Write <|START_THINKING|>your plan<|END_THINKING|>, then <|START_ACTION|>[{"tool_call_id": "0", "tool_name": ..., "parameters": {...}}]<|END_ACTION|> or <|START_RESPONSE|>your reply<|END_RESPONSE|>.
 {%- if tools %}
@@ -67,7 +68,7 @@ You may use tools. Write <|START_THINKING|>your plan<|END_THINKING|>, then <|STA
 {%- elif message.role == 'assistant' %}
 {{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}
 {%- if message.tool_calls %}
-{{- '<|START_ACTION|>[' }}
+{{- '<|START_THINKING|>' + (message.reasoning_content or '') + '<|END_THINKING|><|START_ACTION|>[' }}
 {%- for tc in message.tool_calls %}
 {{- '{"tool_call_id": "' + tc.id + '", "tool_name": "' + tc.function.name + '", "parameters": ' + (tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson) + '}' }}{% if not loop.last %}{{ ', ' }}{% endif %}
 {%- endfor %}
@@ -119,14 +120,17 @@ MAGISTRAL = """{{- bos_token }}
 {%- endif %}
 {%- endfor %}"""
 
-# Seed-OSS: <seed:bos>role ... <seed:eos>, XML-like calls in <seed:tool_call>, <seed:think> thinking.
+# Seed-OSS: <seed:bos>role ... <seed:eos>, XML-like calls in <seed:tool_call>, <seed:think> thinking
+# (an assistant's shown again).
 SEED_OSS = """{%- if tools %}
 {{- '<seed:bos>system\\nYou may call these functions:\\n' }}{% for t in tools %}{{ t | tojson }}{{ '\\n' }}{% endfor %}
 {{- 'Call one as <seed:tool_call>\\n<function=NAME>\\n<parameter=KEY>VALUE</parameter>\\n</function>\\n</seed:tool_call><seed:eos>' }}
 {%- endif %}
 {%- for message in messages %}
 {%- if message.role == 'assistant' %}
-{{- '<seed:bos>assistant\\n' + (message.content or '') }}
+{{- '<seed:bos>assistant\\n' }}
+{%- if message.reasoning_content %}{{ '<seed:think>' + message.reasoning_content | trim + '</seed:think>' }}{% endif %}
+{{- message.content or '' }}
 {%- for tc in message.tool_calls or [] %}
 {{- '<seed:tool_call>\\n<function=' + tc.function.name + '>\\n' }}
 {%- if tc.function.arguments is mapping %}

@@ -35,7 +35,8 @@ from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
 from .params import (CompletionParams, check_not_chat, get_int, parse_completion, split_prompts,
                      tokenize_prompt)
-from .reasoning import ReasoningStream, budget_end_text, check_format, prompt_opens_thinking, reasoning_tags
+from .reasoning import (ReasoningStream, budget_end_text, check_format, prompt_opens_thinking, reasoning_tags,
+                        thinking_opener)
 from .tool_calls import (CALL_TRIGGERS, ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request,
                          reads_reasoning, thinking_ends)
 from .tool_formats_more import reads_content
@@ -307,6 +308,7 @@ class ChatOutputSpec:
     tools: ToolSpec = field(default_factory=ToolSpec)
     reasoning_format: str = "auto"
     forced_open: bool = False
+    opener: str = ""  # how the prompt opened that thinking (its start tag on), see thinking_opener
     prefill: str = ""  # the continued assistant message's content: the reply starts with it (llama-server)
 
 
@@ -328,6 +330,10 @@ class ChatReply:
                                     spec.tools.parse_calls) \
             if spec.family is not None and (spec.tools.parse_calls or own or reads_content(spec.family)) else None
         self._prefill = spec.prefill  # read before the first generated text, and sent with it
+        if spec.forced_open and spec.reasoning_format == "none" and spec.family is not None and not own:
+            # a thinking left in the content is shown whole, opened as the prompt opened it, as
+            # llama-server shows it (not when the reply is not read at all: --skip-chat-parsing)
+            self._prefill = spec.opener + self._prefill
 
     def feed(self, text: str) -> list[dict]:
         if self._prefill:
@@ -1139,6 +1145,7 @@ class Api:
         # the reply is read from the generation prompt on, the prefill included, as llama-server reads it
         spec.forced_open = prompt_opens_thinking(text[:len(text) - len(spec.prefill)], spec.family) \
             if spec.prefill else opens
+        spec.opener = thinking_opener(text[:len(text) - len(spec.prefill)], spec.family) if spec.forced_open else ""
         if spec.tools.required and spec.family is not None:
             # a call is required: generation follows a grammar of the family's call format (after
             # closing the thinking the prompt opened, so that the call is not read as thoughts)

@@ -21,10 +21,18 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..batching.thinking import THINK_END, THINK_START, ReasoningStream
-from .tool_formats_more import REASONING_TAGS
+
+# the thinking tags of the template families that think in tags of their own (tool_formats_more) (the others think in <think>...</think>, if at all)
+REASONING_TAGS: dict[str, tuple[str, str]] = {
+    "magistral": ("[THINK]", "[/THINK]"),
+    "command-r7b": ("<|START_THINKING|>", "<|END_THINKING|>"),
+    "seed-oss": ("<seed:think>", "</seed:think>"),
+    "apertus": ("<|inner_prefix|>", "<|inner_suffix|>"),
+}
+
 
 __all__ = ["REASONING_FORMATS", "ReasoningStream", "budget_end_text", "check_format", "prompt_opens_thinking",
-           "reasoning_tags", "split_reasoning"]
+           "reasoning_tags", "split_reasoning", "thinking_opener"]
 
 REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
 
@@ -46,6 +54,14 @@ def reasoning_tags(family: Optional[str]) -> tuple[str, str]:
 def prompt_opens_thinking(prompt: str, family: Optional[str] = None) -> bool:
     """Whether a rendered prompt ends inside an opened think tag (the reply starts thinking)."""
     return prompt.rstrip().endswith(reasoning_tags(family)[0])
+
+
+def thinking_opener(prompt: str, family: Optional[str] = None) -> str:
+    """The text with which a rendered prompt opens the thinking it leaves open (its start tag and
+    what follows), or "" when it leaves none open."""
+    if not prompt_opens_thinking(prompt, family):
+        return ""
+    return prompt[prompt.rstrip().rfind(reasoning_tags(family)[0]):]
 
 
 def split_reasoning(text: str, fmt: str = "deepseek", forced_open: bool = False) -> tuple[Optional[str], str]:

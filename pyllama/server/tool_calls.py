@@ -14,7 +14,8 @@ hermes   ``<tool_call>`` (Hermes 2/3, Qwen 2.5/3, ...)     ``<tool_call>{"name":
 mistral  ``[TOOL_CALLS]``                                  ``[TOOL_CALLS][{"name": N, "arguments": A, "id": I}]``
                                                            or ``[TOOL_CALLS]NAME[ARGS]ARGS``
 llama3   ``<|start_header_id|>ipython<|end_header_id|>``   ``{"name": N, "parameters": A}`` at the start of
-                                                           the reply, or after ``<|python_tag|>`` (also
+                                                           the reply, after text when the calls end the
+                                                           reply, or after ``<|python_tag|>`` (also
                                                            ``tool.call(key="v")`` and bare code there)
 generic  anything else                                     one JSON object: ``{"tool_calls": [...]}``,
                                                            ``{"tool_call": {...}}`` or ``{"response": text}``
@@ -39,6 +40,7 @@ import json
 import re
 import secrets
 import string
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -614,9 +616,13 @@ _BUILTIN_CALL = re.compile(r"(\w+)\.call\((.*)\)\s*$", re.S)
 _KWARG = re.compile(r'\s*(\w+)\s*=\s*("(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?|true|false|True|False|None|null)\s*(?:,|$)')
 
 
+# where a call object may begin after text (llama-server reads the text up to it as content)
+_LLAMA3_OBJECTS = ('{"name"', '{"type"')
+
+
 class _Llama3(_Family):
     name = "llama3"
-    markers = (PYTHON_TAG,)
+    markers = (PYTHON_TAG, *_LLAMA3_OBJECTS)
     json_at_start = True
 
     def _objects(self, s: str, i: int, final: bool, memo: Optional[_Memo]) -> _Part:
@@ -645,6 +651,15 @@ class _Llama3(_Family):
         return self._objects(s, i, final, memo)
 
     def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
+        if marker in _LLAMA3_OBJECTS:
+            # calls after text count only when they end the reply, so a call shown inside prose
+            # stays prose; which it is is known at the end, and the call is announced only then
+            part = self._objects(s, i, final, memo)
+            if part.status == BAD or (part.status == DONE and _skip_ws(s, part.end) < len(s)):
+                return _Part(BAD, part.end, [])
+            if not final:
+                return _Part(PARTIAL, len(s), [])
+            return part
         j = _skip_ws(s, i + len(marker))
         if j < len(s) and s[j] == "{":
             return self._objects(s, j, final, memo)
@@ -1133,8 +1148,16 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
     return "\n".join(rules) + "\n"
 
 
-# the formats of tool_formats_more.py, which builds on this module's readers
+def join_more_families() -> None:
+    """Registers the formats of tool_formats_more.py, which builds on this module's readers: called
+    here once that module is loaded, or by it when it was imported first (either order of import)."""
+    global FAMILIES
+    more = sys.modules[__name__.rsplit(".", 1)[0] + ".tool_formats_more"]
+    _FAMILIES.update(more._MORE)
+    FAMILIES += tuple(f for f in more.FAMILIES if f not in FAMILIES)
+
+
 from . import tool_formats_more as _more  # noqa: E402
 
-_FAMILIES.update(_more._MORE)
-FAMILIES += _more.FAMILIES
+if hasattr(_more, "_MORE"):   # (else it is being imported first, and registers itself at its end)
+    join_more_families()

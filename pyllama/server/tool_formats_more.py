@@ -31,8 +31,9 @@ These are tested before the families of tool_calls.py, whose markers some of the
 hold (Llama's ``ipython`` turns, Mistral's ``[TOOL_CALLS]``).
 Nemotron v3 (Nano 3) writes Qwen3-Coder's XML calls, as llama-server reads it, and is that family.
 
-Seed-OSS writes parameters as text: a value that reads as JSON is taken as that value, any other
-as a string. Its arguments grow one whole parameter at a time, so the streamed fragments always
+Seed-OSS writes parameters as text: a parameter whose schema takes a string gets all of its text,
+any other the JSON value its text reads as (without the request's tools: a value that reads as
+JSON is taken as that value, any other as a string). Its arguments grow one whole parameter at a time, so the streamed fragments always
 add up to the final JSON text.
 """
 from __future__ import annotations
@@ -45,8 +46,9 @@ from .tool_calls import (BAD, DONE, PARTIAL, Snapshot, ToolCall, ToolSpec, _Fami
                          _lark_literal, _limit, _loads, _Memo, _Mistral, _params, _Part, _scan_members, _skip_ws,
                          _unfinished, _literal, scan_json)
 from ..batching.constraint import JSON_WHITESPACE
+from .reasoning import REASONING_TAGS
 
-__all__ = ["FAMILIES", "REASONING_TAGS", "detect", "reads_content", "call_grammar"]
+__all__ = ["FAMILIES", "detect", "reads_content", "call_grammar"]
 
 FAMILIES = (
     "magistral",
@@ -59,13 +61,6 @@ FAMILIES = (
     "nemotron-v2",
 )
 
-# the thinking tags of each family (the others think in <think>...</think>, if at all)
-REASONING_TAGS: dict[str, tuple[str, str]] = {
-    "magistral": ("[THINK]", "[/THINK]"),
-    "command-r7b": ("<|START_THINKING|>", "<|END_THINKING|>"),
-    "seed-oss": ("<seed:think>", "</seed:think>"),
-    "apertus": ("<|inner_prefix|>", "<|inner_suffix|>"),
-}
 
 _FUNCTIONARY_V31 = ('set has_code_interpreter = tools | selectattr("type", "equalto", "code_interpreter") '
                     '| list | length > 0')
@@ -408,8 +403,12 @@ SEED_OPEN, SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
 _PARAM_OPEN = re.compile(r"<parameter=([^>\s]{1,256})>")
 
 
-def _param_value(raw: str) -> str:
-    """A parameter's text as JSON: a JSON value as itself, anything else as a string."""
+def _param_value(raw: str, is_str: Optional[bool] = None) -> str:
+    """A parameter's text as JSON: a string for a parameter whose schema takes one (all of its
+    text: the format puts no whitespace around a value), else a JSON value as itself and anything
+    else as a string (is_str None: no schema to go by)."""
+    if is_str:
+        return json.dumps(raw, ensure_ascii=False)
     v = raw.strip()
     try:
         return json.dumps(_loads(v), ensure_ascii=False)
@@ -420,6 +419,23 @@ def _param_value(raw: str) -> str:
 class _SeedOss(_Marked):
     name = "seed-oss"
     markers = (SEED_OPEN,)
+
+    def __init__(self, tools: Optional[list[dict]] = None) -> None:
+        # which parameters take strings, per listed function: their text is the string, even one
+        # that reads as a number, as llama-server types values by the tool's schema
+        self.strings: Optional[dict[str, dict[str, bool]]] = None
+        if tools is not None:
+            from .tool_formats.tagged import schema_is_string  # noqa: PLC0415 (it builds on tool_calls)
+            self.strings = {}
+            for t in tools:
+                params = _params(t)
+                props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+                defs = params.get("$defs") or params.get("definitions") or {}
+                self.strings[t["function"]["name"]] = {
+                    k: schema_is_string(v, defs if isinstance(defs, dict) else {}) for k, v in props.items()}
+
+    def bind(self, tools: Optional[list[dict]], reasoning_format: str, read_calls: bool) -> _Family:
+        return type(self)(tools)
 
     def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
         n = len(s)
@@ -455,6 +471,7 @@ class _SeedOss(_Marked):
         if not _FN_NAME.fullmatch(name):
             return _Part(BAD, i, [])
         args: list[str] = []
+        strings = (self.strings or {}).get(name, {})
         k = gt + 1
         while True:
             k = _skip_ws(s, k)
@@ -473,7 +490,8 @@ class _SeedOss(_Marked):
             end = s.find("</parameter>", m.end())
             if end < 0:
                 return _Part(BAD, n, []) if final else _Part(PARTIAL, n, [ToolCall(name, so_far, done=False)])
-            args.append(json.dumps(m.group(1), ensure_ascii=False) + ": " + _param_value(s[m.end():end]))
+            args.append(json.dumps(m.group(1), ensure_ascii=False) + ": "
+                        + _param_value(s[m.end():end], strings.get(m.group(1))))
             k = end + len("</parameter>")
 
 
@@ -549,19 +567,24 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         alts = " | ".join(f'{q(nm + chr(10))} {a}' for nm, a in zip(names, args))
         rules[:0] = [f'start: call ("\\n"? {q(">>>")} call)*' if many else "start: call", f"call: {alts}"]
     if family == "seed-oss":
+        from .tool_formats.tagged import _string_value, schema_is_string  # noqa: PLC0415
         alts = []
         for k, (t, nm) in enumerate(zip(tools, names)):
             params = _params(t)
             props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
             required = set(params.get("required") or [])
+            defs = params.get("$defs") or params.get("definitions") or {}
             parts = []
             for p, (pname, pschema) in enumerate(props.items()):
                 pschema = pschema if isinstance(pschema, dict) else {}
-                if pschema.get("type") == "string":
-                    rules.append(f"v{k}_{p}: /[^<]*/")  # text as the model writes it, up to the closing tag
+                # a value the reader takes as text is written bare, up to its closing tag
+                if schema_is_string(pschema, defs if isinstance(defs, dict) else {}):
+                    rules.append(f"v{k}_{p}: {_string_value(pschema, '</parameter>')}")
+                    value = f"v{k}_{p}"
                 else:
                     json_rule(f"v{k}_{p}", pschema)
-                item = f'{q("<parameter=" + pname + ">")} v{k}_{p} {q("</parameter>")} "\\n"'
+                    value = f'v{k}_{p} {q("</parameter>")}'
+                item = f'{q("<parameter=" + pname + ">")} {value} "\\n"'
                 parts.append(item if pname in required else f"({item})?")
             alts.append(" ".join([q("<function=" + nm + ">"), '"\\n"', *parts, q("</function>")]))
         rules[:0] = [f'start: {lit(SEED_OPEN)} "\\n" call ("\\n" call)* "\\n" {lit(SEED_CLOSE)}' if many else
@@ -573,3 +596,9 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
         rules[0] = rules[0].replace("start:", "tool_calls:", 1)
         rules.insert(0, f'start: {lit(end_tag)} "\\n\\n" tool_calls')
     return "\n".join(rules) + "\n"
+
+
+# imported before tool_calls, this module was only partly loaded when tool_calls looked for it
+from . import tool_calls as _tool_calls  # noqa: E402
+
+_tool_calls.join_more_families()

@@ -750,36 +750,44 @@ class _Mistral(_Family):
             i += 1
 
 
+def call_section(s: str, i: int, marker: str, final: bool, memo: Optional[_Memo], begin: str, end: str,
+                 call_begin: str, read_call: Callable[[str, int, bool, Optional[_Memo]], _Part]) -> _Part:
+    """A section of calls, `begin` (call_begin ... )+ `end`, read from a marker at i that is either
+    the section's `begin` or a call's own `call_begin` (models that leave the section marker out);
+    read_call reads one call from just after its call_begin. Text after the calls whose section end
+    is missing is content again (DeepSeek's and Kimi K2's sections)."""
+    n = len(s)
+    calls: list[ToolCall] = []
+    k = i + len(marker) if marker == begin else i
+    while True:
+        k = _skip_ws(s, k)
+        if k >= n:
+            if final:
+                return _Part(DONE if calls else BAD, k, calls)
+            return _Part(PARTIAL, n, calls)
+        if s.startswith(end, k):
+            return _Part(DONE if calls else BAD, k + len(end), calls)
+        if s.startswith(call_begin, k):
+            part = read_call(s, k + len(call_begin), final, memo)
+            if part.status == DONE:
+                calls += part.calls
+                k = part.end
+                continue
+            if part.status == PARTIAL:
+                return _Part(PARTIAL, n, calls + part.calls)
+            return _Part(BAD, part.end, [])
+        if not final and n - k < max(len(end), len(call_begin)) and (
+                end.startswith(s[k:]) or call_begin.startswith(s[k:])):
+            return _Part(PARTIAL, n, calls)
+        return _Part(DONE, k, calls) if calls else _Part(BAD, k, [])
+
+
 class _DeepSeek(_Family):
     name = "deepseek"
     markers = (DS_CALLS_BEGIN, DS_CALL_BEGIN)
 
     def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
-        n = len(s)
-        calls: list[ToolCall] = []
-        k = i + len(marker) if marker == DS_CALLS_BEGIN else i
-        while True:
-            k = _skip_ws(s, k)
-            if k >= n:
-                if final:
-                    return _Part(DONE if calls else BAD, k, calls)
-                return _Part(PARTIAL, n, calls)
-            if s.startswith(DS_CALLS_END, k):
-                return _Part(DONE if calls else BAD, k + len(DS_CALLS_END), calls)
-            if s.startswith(DS_CALL_BEGIN, k):
-                part = self._call(s, k + len(DS_CALL_BEGIN), final, memo)
-                if part.status == DONE:
-                    calls += part.calls
-                    k = part.end
-                    continue
-                if part.status == PARTIAL:
-                    return _Part(PARTIAL, n, calls + part.calls)
-                return _Part(BAD, part.end, [])
-            if not final and n - k < max(len(DS_CALLS_END), len(DS_CALL_BEGIN)) and (
-                    DS_CALLS_END.startswith(s[k:]) or DS_CALL_BEGIN.startswith(s[k:])):
-                return _Part(PARTIAL, n, calls)
-            # text after the calls (the section's end marker missing) is content again
-            return _Part(DONE, k, calls) if calls else _Part(BAD, k, [])
+        return call_section(s, i, marker, final, memo, DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, self._call)
 
     def _call(self, s: str, k: int, final: bool, memo: Optional[_Memo]) -> _Part:
         n = len(s)

@@ -13,7 +13,8 @@ import json
 import re
 from typing import Callable, Optional
 
-from ..tool_calls import BAD, DONE, PARTIAL, ToolCall, _Family, _literal, _Memo, _params, _Part, _skip_ws, scan_json
+from ..tool_calls import (BAD, DONE, PARTIAL, ToolCall, _Family, _literal, _Memo, _params, _Part, _skip_ws,
+                          call_section, scan_json)
 
 __all__ = ["KimiK2", "KIMI_ARGS_BEGIN", "KIMI_CALL_BEGIN", "KIMI_CALL_END", "KIMI_SECTION_BEGIN",
            "KIMI_SECTION_END"]
@@ -40,31 +41,8 @@ class KimiK2(_Family):
         return KimiK2(tools)
 
     def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
-        n = len(s)
-        calls: list[ToolCall] = []
-        k = i + len(marker) if marker == KIMI_SECTION_BEGIN else i
-        while True:
-            k = _skip_ws(s, k)
-            if k >= n:
-                if final:
-                    return _Part(DONE if calls else BAD, k, calls)
-                return _Part(PARTIAL, n, calls)
-            if s.startswith(KIMI_SECTION_END, k):
-                return _Part(DONE if calls else BAD, k + len(KIMI_SECTION_END), calls)
-            if s.startswith(KIMI_CALL_BEGIN, k):
-                part = self._call(s, k + len(KIMI_CALL_BEGIN), final, memo)
-                if part.status == DONE:
-                    calls += part.calls
-                    k = part.end
-                    continue
-                if part.status == PARTIAL:
-                    return _Part(PARTIAL, n, calls + part.calls)
-                return _Part(BAD, part.end, [])
-            if not final and n - k < len(KIMI_SECTION_END) and (
-                    KIMI_SECTION_END.startswith(s[k:]) or KIMI_CALL_BEGIN.startswith(s[k:])):
-                return _Part(PARTIAL, n, calls)
-            # text after the calls (the section's end marker missing) is content again
-            return _Part(DONE, k, calls) if calls else _Part(BAD, k, [])
+        return call_section(s, i, marker, final, memo, KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN,
+                            self._call)
 
     def _call(self, s: str, k: int, final: bool, memo: Optional[_Memo]) -> _Part:
         n = len(s)

@@ -475,8 +475,59 @@ def _gpt_oss_hidden(meta: dict, W: dict, tokens: list[int], n_layer: int, eps: f
 
 def reference_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
     """The final hidden states after the output norm [len(tokens), n_embd] (float64): llama.cpp's
-    `result_norm`, what it returns as embeddings."""
+    `result_norm`, what it returns as embeddings (an encoder's: its last layer's output)."""
+    meta, _ = load_model(model_path)
+    if meta["general.architecture"] == "bert":
+        return bert_hidden(model_path, tokens)
     return _final_hidden(model_path, tokens)[0]
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
+def bert_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
+    """BERT as transformers' modeling_bert defines it (post-LayerNorm layers, every token of the
+    sequence seen by every other, learned absolute positions, token type 0, GELU in its tanh form
+    as llama.cpp computes it), one sequence: the last layer's output [len(tokens), n_embd]."""
+    meta, W = load_model(model_path)
+    n_layer, n_head = meta["bert.block_count"], meta["bert.attention.head_count"]
+    e = meta["bert.embedding_length"]
+    hd, eps, n = e // n_head, float(meta["bert.attention.layer_norm_epsilon"]), len(tokens)
+    x = np.asarray(W["token_embd.weight"])[np.asarray(tokens)] + np.asarray(W["position_embd.weight"])[:n]
+    if "token_types.weight" in W:
+        x = x + np.asarray(W["token_types.weight"])[0]
+    x = layer_norm(x, W["token_embd_norm.weight"], W["token_embd_norm.bias"], eps)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        q = (matmul(x, W[p + "attn_q.weight"]) + W[p + "attn_q.bias"]).reshape(n, n_head, hd)
+        k = (matmul(x, W[p + "attn_k.weight"]) + W[p + "attn_k.bias"]).reshape(n, n_head, hd)
+        v = (matmul(x, W[p + "attn_v.weight"]) + W[p + "attn_v.bias"]).reshape(n, n_head, hd)
+        att = np.empty((n, n_head, hd))
+        for h in range(n_head):
+            scores = q[:, h] @ k[:, h].T / np.sqrt(hd)
+            probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+            att[:, h] = (probs / probs.sum(axis=1, keepdims=True)) @ v[:, h]
+        o = matmul(att.reshape(n, e), W[p + "attn_output.weight"]) + W.get(p + "attn_output.bias", 0.0)
+        x = layer_norm(x + o, W[p + "attn_output_norm.weight"], W[p + "attn_output_norm.bias"], eps)
+        u = gelu_tanh(matmul(x, W[p + "ffn_up.weight"]) + W.get(p + "ffn_up.bias", 0.0))
+        d = matmul(u, W[p + "ffn_down.weight"]) + W.get(p + "ffn_down.bias", 0.0)
+        x = layer_norm(x + d, W[p + "layer_output_norm.weight"], W[p + "layer_output_norm.bias"], eps)
+    return x
+
+
+def bert_rank_score(model_path: str, tokens: list[int]) -> np.ndarray:
+    """A BERT reranker's scores for one sequence: the first token's hidden state through the
+    classification head (tanh(cls x + b), then cls.output)."""
+    meta, W = load_model(model_path)
+    h = bert_hidden(model_path, tokens)[0]
+    if "cls.weight" in W:
+        h = np.tanh(np.asarray(W["cls.weight"]) @ h + W["cls.bias"])
+    if "cls.output.weight" in W:
+        h = np.asarray(W["cls.output.weight"]) @ h + W["cls.output.bias"]
+    return h
 
 
 def _final_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -183,6 +183,11 @@ class Op(IntEnum):
     # output. RoPE is ggml's rope_ext in the normal (adjacent pairs) mode with its YaRN
     # parameters. The cache holds lora + rope values per token and layer, as llama.cpp's.
     MLA_ATTENTION = 14
+    # srcs (x [n, d], w [d], b [d]); params (eps,) -> out [n, d] = (x - mean) / sqrt(var + eps) * w + b
+    # (the encoders' LayerNorm: BERT and its family)
+    LAYER_NORM = 15
+    # srcs (x); -> out = gelu(x), in its tanh form (the encoders' ungated FFN)
+    GELU = 16
 
 
 MAX_SRCS = 10  # sources a node may have (the wire's fixed node layout)
@@ -357,6 +362,8 @@ OP_TABLE: dict[Op, OpSpec] = {
                     (10,), F32, 11),
     Op.SCALE: OpSpec((_s("x", F32),), (1,), F32, 1),
     Op.SOFTCAP: OpSpec((_s("x", F32),), (1,), F32, 1),
+    Op.LAYER_NORM: OpSpec((_s("x", F32), _s("w", F32), _s("b", F32)), (3,), F32, 1),
+    Op.GELU: OpSpec((_s("x", F32),), (1,), F32, 0),
 }
 assert set(OP_TABLE) == set(Op), "every op needs its row in OP_TABLE"
 

@@ -33,7 +33,12 @@ ARCHITECTURES = {
     # gpt-oss: NeoX RoPE (YaRN in the published files), q/k/v and output biases, attention sinks,
     # every other layer in a sliding window, and Mixture-of-Experts layers with biased experts
     "gpt-oss": (ROPE_NEOX, True, False),
+    # BERT: an encoder (every token sees its whole sequence), learned positions instead of RoPE,
+    # LayerNorm with biases after attention and after the FFN, an ungated GELU FFN with biases
+    "bert": (ROPE_NORMAL, True, False),
 }
+# encoders: no output layer, embeddings (and a classification head's scores) only
+ENCODER_ARCHS = ("bert",)
 # architectures whose q/k/v biases and q/k norms are optional: present where the file has them
 OPTIONAL_ATTN_TENSORS = ("glm4moe", "glm4")
 # architectures whose last `nextn_predict_layers` blocks only predict further tokens (multi-token
@@ -118,6 +123,9 @@ class HParams:
     post_norms: bool = False      # gemma2/3, glm4: RMS norms after attention and after the FFN
     qkv_fused: bool = False       # q|k|v in the file as one attn_qkv tensor (phi3; glm4 where so written)
     ffn_gelu: bool = False        # gemma: GeGLU (gelu tanh) instead of SwiGLU
+    # encoders (ENCODER_ARCHS): rms_eps above is their LayerNorm's epsilon
+    encoder: bool = False         # no output layer: the last layer's output is the embedding
+    causal: bool = True           # False: every token attends to every token of its sequence
 
     @property
     def is_swa(self) -> tuple:
@@ -280,8 +288,8 @@ def read_hparams(gf: GGUFFile) -> HParams:
     value_dim = _int(gf, f"{arch}.attention.value_length", head_dim)
     if value_dim != head_dim and arch != "deepseek2":
         raise ModelFileError(f"{gf.path}: key_length {head_dim} != value_length {value_dim} is not supported")
-    n_rot = _int(gf, f"{arch}.rope.dimension_count", head_dim)
-    if n_rot > head_dim or n_rot % 2:
+    n_rot = 0 if arch == "bert" else _int(gf, f"{arch}.rope.dimension_count", head_dim)
+    if n_rot > head_dim or n_rot % 2:  # (an encoder's 0: no RoPE)
         raise ModelFileError(f"{gf.path}: rope.dimension_count {n_rot} must be even and at most the head size {head_dim}")
     tokens = gf.get("tokenizer.ggml.tokens")
     n_vocab = gf.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
@@ -297,6 +305,11 @@ def read_hparams(gf: GGUFFile) -> HParams:
     n_layer -= n_layer_nextn
     dense = _dense_family_hparams(gf, arch, n_layer, n_embd, n_head, head_dim)
     mla = _mla_hparams(gf, head_dim, value_dim, n_head_kv, n_rot) if arch == "deepseek2" else {}
+    if arch in ENCODER_ARCHS:  # llama.cpp's default is causal; BERT's converter writes false
+        causal = gf.get(f"{arch}.attention.causal", True)
+        if not isinstance(causal, bool):
+            raise ModelFileError(f"{gf.path}: metadata key '{arch}.attention.causal' must be a bool, got {causal!r}")
+        dense = dict(encoder=True, causal=causal)
     qkv_fused = arch == "phi3" or (arch == "glm4" and "blk.0.attn_qkv.weight" in gf.tensors)
     if arch in OPTIONAL_ATTN_TENSORS:
         qkv_bias = f"blk.0.attn_{'qkv' if qkv_fused else 'q'}.bias" in gf.tensors
@@ -311,7 +324,7 @@ def read_hparams(gf: GGUFFile) -> HParams:
         head_dim=head_dim,
         n_ff=n_ff,
         n_ctx_train=_int(gf, f"{arch}.context_length", 2048),
-        rms_eps=_float(gf, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        rms_eps=_float(gf, f"{arch}.attention.layer_norm_{'' if arch in ENCODER_ARCHS else 'rms_'}epsilon", 1e-5 if arch not in ENCODER_ARCHS else 1e-12),
         rope_base=_float(gf, f"{arch}.rope.freq_base", 10000.0),
         rope_scale=rope_scale,
         n_rot=n_rot,

@@ -27,6 +27,8 @@ FUSED_FFN_ARCHS = ("phi3", "glm4")
 
 def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
     """File tensor name -> numpy shape, for every tensor the graph needs (output.weight optional)."""
+    if hp.encoder:
+        return _encoder_tensors(hp)
     e, q, kv = hp.n_embd, hp.n_embd_q, hp.n_embd_kv
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (hp.n_vocab, e),
@@ -52,6 +54,54 @@ def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
         if hp.qk_norm:
             shapes.update({b + "attn_q_norm.weight": (hp.head_dim,), b + "attn_k_norm.weight": (hp.head_dim,)})
     return _dense_family_tensors(hp, shapes)
+
+
+# an encoder's biases that llama.cpp reads where the file has them
+ENCODER_OPTIONAL_BIASES = ("attn_output.bias", "ffn_up.bias", "ffn_down.bias")
+
+
+def _encoder_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
+    """BERT's required tensors as llama.cpp names them (learned positions, LayerNorms with biases,
+    q/k/v with biases); the optional ones are added by Model where the file has them."""
+    e, q, kv, ff = hp.n_embd, hp.n_embd_q, hp.n_embd_kv, hp.n_ff
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (hp.n_vocab, e), "position_embd.weight": (hp.n_ctx_train, e),
+        "token_embd_norm.weight": (e,), "token_embd_norm.bias": (e,),
+    }
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        shapes.update({
+            b + "attn_q.weight": (q, e), b + "attn_k.weight": (kv, e), b + "attn_v.weight": (kv, e),
+            b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,),
+            b + "attn_output.weight": (e, q),
+            b + "attn_output_norm.weight": (e,), b + "attn_output_norm.bias": (e,),
+            b + "ffn_up.weight": (ff, e), b + "ffn_down.weight": (e, ff),
+            b + "layer_output_norm.weight": (e,), b + "layer_output_norm.bias": (e,),
+        })
+    return shapes
+
+
+def _encoder_weights(hp: HParams, present: set) -> dict[str, tuple[list[str], int]]:
+    """An encoder's logical weights: q|k|v fused with their biases, the rest one file tensor each
+    (the position table is computed at load: weights.computed_weights)."""
+    out: dict[str, tuple[list[str], int]] = {
+        "token_embd": (["token_embd.weight"], -1),
+        "token_embd_norm": (["token_embd_norm.weight"], -1),
+        "token_embd_norm_bias": (["token_embd_norm.bias"], -1),
+    }
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        out[b + "attn_qkv"] = ([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"], i)
+        out[b + "attn_qkv_bias"] = ([b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"], i)
+        for name in ("attn_output", "ffn_up", "ffn_down"):
+            out[b + name] = ([b + name + ".weight"], i)
+        for name in ("attn_output_norm", "layer_output_norm"):
+            out[b + name] = ([b + name + ".weight"], i)
+            out[b + name + "_bias"] = ([b + name + ".bias"], i)
+        for name in ENCODER_OPTIONAL_BIASES:
+            if b + name in present:
+                out[b + name.replace(".", "_")] = ([b + name], i)
+    return out
 
 
 def _dense_family_tensors(hp: HParams, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -182,6 +232,8 @@ class Model:
             want["output.weight"] = (hp.n_vocab, hp.n_embd)
         if self.output_bias:
             want["output.bias"] = (hp.n_vocab,)
+        if hp.encoder:
+            want.update(self._encoder_optional())
         for name, shape in want.items():
             info = self.file.tensors.get(name)
             if info is None:
@@ -193,6 +245,30 @@ class Model:
                                      f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")
             if len(shape) == 1 and info.qtype != QT.F32:
                 raise ModelFileError(f"{self.path}: tensor '{name}' must be F32, is {info.qtype.name}")
+
+    def _encoder_optional(self) -> dict[str, tuple[int, ...]]:
+        """The shapes of an encoder's optional tensors that the file has (the type embedding, the
+        classification head of a reranker, the output and FFN biases)."""
+        hp, e = self.hparams, self.hparams.n_embd
+        have = self.file.tensors
+        out: dict[str, tuple[int, ...]] = {}
+        if "token_types.weight" in have:
+            out["token_types.weight"] = (have["token_types.weight"].shape[0], e)
+        if "cls.weight" in have:
+            out.update({"cls.weight": (e, e), "cls.bias": (e,)})
+        if "cls.output.weight" in have:
+            n_cls = have["cls.output.weight"].shape[0]
+            out.update({"cls.output.weight": (n_cls, e), "cls.output.bias": (n_cls,)})
+        for i in range(hp.n_layer):
+            for name in ENCODER_OPTIONAL_BIASES:
+                if f"blk.{i}.{name}" in have:
+                    out[f"blk.{i}.{name}"] = (hp.n_ff if name == "ffn_up.bias" else e,)
+        return out
+
+    @property
+    def has_rank_head(self) -> bool:
+        """Whether the file has a classification head for rank pooling (cls and or cls.output)."""
+        return self.hparams.encoder and ("cls.output.weight" in self.file.tensors or "cls.weight" in self.file.tensors)
 
     def n_params(self) -> int:
         return sum(t.n_elements for t in self.file.tensors.values())
@@ -218,6 +294,8 @@ class Model:
     def logical_weights(self) -> dict[str, tuple[list[str], int]]:
         """Logical weight name -> (file tensors concatenated by rows, layer)."""
         hp = self.hparams
+        if hp.encoder:
+            return _encoder_weights(hp, set(self.file.tensors))
         out: dict[str, tuple[list[str], int]] = {
             "token_embd": (["token_embd.weight"], -1),
             "output_norm": (["output_norm.weight"], hp.n_layer),

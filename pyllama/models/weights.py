@@ -310,7 +310,7 @@ _NODE_WHAT = {Op.GET_ROWS: "row lookup", Op.RMS_NORM: "RMS norm", Op.MUL_MAT: "m
               Op.SWIGLU: "SwiGLU FFN", Op.ATTENTION: "attention", Op.SAMPLE: "sampling",
               Op.MUL_MAT_CAT: "product over weight parts of mixed types", Op.MOE_FFN: "Mixture-of-Experts FFN",
               Op.GEGLU: "GeGLU FFN", Op.SCALE: "embedding scale", Op.SOFTCAP: "logit soft-capping",
-              Op.MLA_ATTENTION: "multi-head latent attention"}
+              Op.MLA_ATTENTION: "multi-head latent attention", Op.LAYER_NORM: "layer norm", Op.GELU: "GELU FFN"}
 
 
 def check_placement(model: Model, placement: Placement) -> None:
@@ -431,6 +431,8 @@ def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
     its sequences' length calls for (models/build/llama.py), as llama.cpp; rope_freqs.weight, where
     a file has it, wins over them."""
     hp = model.hparams
+    if hp.encoder:
+        return {"position_embd": (_position_table(model), -1)}
     if hp.mla_lora_kv:  # MLA_ATTENTION computes its YaRN angles itself, as ggml's rope_ext does
         return {}
     names = {"rope_freqs": "rope_freqs.weight"}
@@ -445,6 +447,17 @@ def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
         out.update({f"blk.{il}.{logical}": (info, il) for il in range(hp.n_layer)
                     if not (hp.is_swa[il] and hp.rope_base_swa > 0)})  # gemma3's local layers never scale
     return out
+
+
+def _position_table(model: Model) -> TensorInfo:
+    """An encoder's position embeddings with the first token type's row added (F32 [n_ctx_train,
+    n_embd]): every token is of type 0, as llama.cpp's graph has it, so one table and one addition
+    per token serve both."""
+    table = _f32(model, [model.file.tensors["position_embd.weight"]]).astype(np.float32, copy=True)
+    types = model.file.tensors.get("token_types.weight")
+    if types is not None:
+        table += _f32(model, [types])[0]
+    return TensorInfo("position_embd (computed)", DType.F32, table.shape, table.size, table.view(np.uint8).reshape(-1), -1)
 
 
 def _upload(backend: Backend, model: Model, t: Tensor, infos: list[TensorInfo]) -> None:

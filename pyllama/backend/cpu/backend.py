@@ -287,6 +287,10 @@ class CPUBackend(Backend):
                 steps.append(_bind(kx.scale, s[0], out, float(nd.params[0])))
             elif op == Op.SOFTCAP:
                 steps.append(_bind(kx.softcap, s[0], out, float(nd.params[0])))
+            elif op == Op.LAYER_NORM:
+                steps.append(_bind(layer_norm, s[0], s[1], s[2], out, float(nd.params[0])))
+            elif op == Op.GELU:
+                steps.append(_bind(gelu, s[0], out))
             elif op == Op.SAMPLE:
                 steps.append(bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             elif op == Op.MOE_FFN:
@@ -313,6 +317,33 @@ class _Plan(list):
     """A bound graph's steps, with the working memory they need (`work`, bytes)."""
 
     work = 0
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray, eps: float) -> None:
+    """out = (x - mean) / sqrt(var + eps) * w + b per row. The mean and variance are summed in
+    float64, as ggml_norm sums them, so that a row's statistics follow llama.cpp's."""
+    mean = x.mean(axis=1, dtype=np.float64, keepdims=True).astype(np.float32)
+    np.subtract(x, mean, out=out)
+    var = np.square(out, dtype=np.float64).mean(axis=1, keepdims=True)
+    out *= (1.0 / np.sqrt(var + eps)).astype(np.float32)
+    out *= w
+    out += b
+
+
+_GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+
+
+def gelu(x: np.ndarray, out: np.ndarray) -> None:
+    """out = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in float32 (GeGLU's gelu)."""
+    t = x * x
+    t *= np.float32(0.044715)
+    t += np.float32(1.0)
+    t *= x
+    t *= _GELU_C
+    np.tanh(t, out=t)
+    t += np.float32(1.0)
+    t *= x
+    np.multiply(t, np.float32(0.5), out=out)
 
 
 def _bound_bytes(graph: Graph) -> int:

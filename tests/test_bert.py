@@ -119,3 +119,120 @@ def test_devices_without_the_encoder_ops_refuse_it(bert):
     model = Model(bert)
     with pytest.raises(UnsupportedOpError, match="LAYER_NORM"):
         check_placement(model, Placement([NoEncoderOps(1, "DEV0")], [0] * model.hparams.n_layer))
+
+
+# --- through a real server --------------------------------------------------------------------
+from reference_forward import bert_rank_score  # noqa: E402
+from server_util import ServerProcess  # noqa: E402
+
+from pyllama.server.embedding import rerank_tokens  # noqa: E402
+
+SERVER_TOL = dict(rtol=1e-4, atol=2e-5)
+DOCS = ["paris is the capital of france", "the cat sat on the mat", "hello world", "where is the river"]
+QUERY = "what is the capital of france"
+
+
+def start(model: str, *args: str) -> ServerProcess:
+    return ServerProcess(model, "-np", "2", "-c", "256", "-b", "64", "-ub", "32", *args).wait_ready()
+
+
+def normalized(v: np.ndarray) -> np.ndarray:
+    return v / np.linalg.norm(v)
+
+
+@pytest.fixture(scope="module")
+def embedder(bert):
+    srv = start(bert, "--embedding")  # the file's pooling: mean
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def rerank_server(reranker):
+    srv = start(reranker, "--rerank")
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_embedding_endpoints_pool_as_the_file_says(bert, embedder):
+    texts = [TEXT, "what is the capital of france"]
+    status, body = embedder.post("/v1/embeddings", {"input": texts})
+    assert status == 200 and [d["index"] for d in body["data"]] == [0, 1]
+    for d, text in zip(body["data"], texts):
+        want = normalized(bert_hidden(bert, tokens_of(bert, text)).mean(axis=0))
+        np.testing.assert_allclose(d["embedding"], want, **SERVER_TOL)
+    assert body["usage"]["prompt_tokens"] == sum(len(tokens_of(bert, t)) for t in texts)
+    status, body = embedder.post("/embedding", {"content": TEXT})
+    assert status == 200
+    np.testing.assert_allclose(body[0]["embedding"][0], normalized(bert_hidden(bert, tokens_of(bert)).mean(axis=0)),
+                               **SERVER_TOL)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "last", "none"])
+def test_other_poolings(bert, pooling):
+    srv = start(bert, "--embedding", "--pooling", pooling)
+    try:
+        status, body = srv.post("/embedding", {"content": TEXT, "embd_normalize": -1})
+        assert status == 200
+        h = bert_hidden(bert, tokens_of(bert))
+        want = {"cls": h[:1], "last": h[-1:], "none": h}[pooling]
+        np.testing.assert_allclose(body[0]["embedding"], want, **SERVER_TOL)
+    finally:
+        assert srv.stop() == 0
+
+
+def test_an_encoder_generates_nothing_and_takes_no_input_over_the_micro_batch(embedder):
+    status, body = embedder.post("/completion", {"prompt": "hello", "n_predict": 2})
+    assert status == 501 and "embeddings only" in body["error"]["message"]
+    status, body = embedder.post("/v1/embeddings", {"input": "the cat " * 40})
+    assert status == 400 and "'input'" in body["error"]["message"] and "too large" in body["error"]["message"]
+    status, body = embedder.post("/rerank", {"query": "a", "documents": ["b"]})
+    assert status == 501 and "--reranking" in body["error"]["message"]
+
+
+def test_rerank_scores_are_the_rank_head_of_each_pair(reranker, rerank_server):
+    from pyllama.models.gguf_file import GGUFFile
+    tok, gf = load_tokenizer(read_metadata(reranker)), GGUFFile(reranker)
+    pairs = [rerank_tokens(tok, gf, QUERY, d) for d in DOCS]
+    # [CLS] query [SEP] document: WordPiece adds SEP, and BOS as the file asks; no EOS
+    assert pairs[0][0] == tok.bos_id and pairs[0].count(tok.sep_id) == 1 and pairs[0][-1] != tok.sep_id
+    want = [float(bert_rank_score(reranker, p)[0]) for p in pairs]
+    for path in ("/rerank", "/v1/rerank"):
+        status, body = rerank_server.post(path, {"query": QUERY, "documents": DOCS, "model": "m"})
+        assert status == 200 and body["object"] == "list" and body["model"] == "m"
+        assert body["usage"]["prompt_tokens"] == sum(len(p) for p in pairs)
+        got = {r["index"]: r["relevance_score"] for r in body["results"]}
+        assert [r["index"] for r in body["results"]] == sorted(range(len(DOCS)), key=lambda i: -want[i])
+        np.testing.assert_allclose([got[i] for i in range(len(DOCS))], want, rtol=1e-4, atol=1e-5)
+    status, body = rerank_server.post("/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 2})
+    assert status == 200 and len(body["results"]) == 2
+    # TEI's form: a list, `score`, the texts on request
+    status, body = rerank_server.post("/rerank", {"query": QUERY, "texts": DOCS[:2], "return_text": True})
+    assert status == 200 and isinstance(body, list)
+    assert {(r["index"], r["text"]) for r in body} == {(0, DOCS[0]), (1, DOCS[1])} and "score" in body[0]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"documents": ["a"]}, '"query"'), ({"query": 3, "documents": ["a"]}, '"query"'),
+    ({"query": "q", "documents": []}, '"documents"'), ({"query": "q", "documents": ["a", 2]}, '"documents"'),
+    ({"query": "q", "documents": "a"}, '"documents"'), ({"query": "q", "texts": []}, '"texts"'),
+    ({"query": "q", "documents": ["a"], "top_n": "2"}, '"top_n"'),
+    ({"query": "q", "documents": ["a"], "top_n": -1}, '"top_n"'),
+    ({"query": "q", "documents": ["a"], "return_text": 1}, '"return_text"'),
+    ({"query": "q", "documents": ["the cat " * 40]}, "'documents'"),
+])
+def test_bad_rerank_requests_are_a_400_naming_the_field(rerank_server, body, field):
+    status, out = rerank_server.post("/v1/rerank", body)
+    assert status == 400 and field in out["error"]["message"], out
+
+
+def test_rank_pooling_needs_a_head_and_an_encoder_needs_embeddings(bert, tiny_model):
+    for model, flags, words in ((bert, ["--rerank"], "rank pooling"), (tiny_model, ["--rerank"], "rank pooling"),
+                                (bert, [], "--embedding")):
+        srv = ServerProcess(model, "-np", "1", "-c", "64", *flags)
+        with pytest.raises(RuntimeError) as info:
+            srv.wait_ready()
+        srv.stop()
+        assert words in str(info.value)
+        lines = [ln for ln in srv.stderr_text.splitlines() if "error" in ln.lower()]
+        assert lines, srv.stderr_text

@@ -1,11 +1,12 @@
 """Embeddings and reranking of a BERT model: pyllama's vectors and scores against llama.cpp's, and
 the throughput of both on the same file.
 
-    python bench/bench_embed.py [--peers DIR] [--preset small] [--inputs 32] [--rounds 5] [-t 2]
-                                [--ub 512] [--json OUT]
+    python bench/bench_embed.py [--peers DIR] [--arch bert|nomic-bert] [--preset small] [--inputs 32]
+                                [--rounds 5] [-t 2] [--ub 512] [--json OUT]
 
 Two files are made with pyllama.models.make under bench/out/models: `--arch bert` (mean pooling) and
-`--arch bert --rerank-head` (rank pooling). Each is served by pyllama's server (`--embedding`, and
+`--arch bert --rerank-head` (rank pooling); with `--arch nomic-bert` the first alone (llama.cpp
+reads a reranker's head for bert only). Each is served by pyllama's server (`--embedding`, and
 `--rerank` for the reranker) and, with `--peers`, by llama.cpp's llama-server with the same flags.
 Printed: per input the cosine of pyllama's /v1/embeddings vector with llama.cpp's (the smallest
 over the inputs, and the largest absolute difference of the normalized values), the largest
@@ -44,13 +45,13 @@ def texts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=int(rng.integers(6, 41)))) + "." for _ in range(n)]
 
 
-def make(preset: str, rerank: bool) -> str:
+def make(arch: str, preset: str, rerank: bool) -> str:
     from pyllama.models.make import FamilyOptions, make_model  # noqa: PLC0415
     folder = os.path.join(HERE, "out", "models")
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"bert-{preset}{'-rerank' if rerank else ''}.gguf")
+    path = os.path.join(folder, f"{arch}-{preset}{'-rerank' if rerank else ''}.gguf")
     if not os.path.exists(path):
-        make_model(preset, path, arch="bert", opts=FamilyOptions(rerank_head=rerank))
+        make_model(preset, path, arch=arch, opts=FamilyOptions(rerank_head=rerank))
     return path
 
 
@@ -83,12 +84,12 @@ def run(args: argparse.Namespace, peers: Any) -> dict:
              "-ub", str(args.ub)]
     inputs = texts(args.inputs)
     query, docs = "what is the capital of france", texts(8, seed=1)
-    out: dict = {"preset": args.preset, "inputs": args.inputs, "threads": args.threads}
+    out: dict = {"arch": args.arch, "preset": args.preset, "inputs": args.inputs, "threads": args.threads}
     sides: dict[str, dict] = {}
     for side in ("pyllama", "llama.cpp") if peers is not None else ("pyllama",):
         got: dict = {}
-        for rerank in (False, True):
-            path = make(args.preset, rerank)
+        for rerank in (False, True) if args.arch == "bert" else (False,):
+            path = make(args.arch, args.preset, rerank)
             mode = ["--rerank"] if rerank else ["--embedding"]
             srv = (ServerProcess(path, *flags, *mode).wait_ready(300) if side == "pyllama"
                    else LlamaServer(peers, path, [*flags, *mode], 300))
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace, peers: Any) -> dict:
         sides[side] = got
     py = sides["pyllama"]
     out["pyllama_inputs_per_s"] = round(py["per_s"], 2)
-    print(f"bert {args.preset}: {args.inputs} inputs of 6-40 words, -t {args.threads}")
+    print(f"{args.arch} {args.preset}: {args.inputs} inputs of 6-40 words, -t {args.threads}")
     print(f"pyllama    /v1/embeddings {py['per_s']:8.1f} inputs/s")
     if peers is None:
         return out
@@ -111,19 +112,21 @@ def run(args: argparse.Namespace, peers: Any) -> dict:
     a, b = py["vectors"], cpp["vectors"]
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     out.update(min_cosine=float(cos.min()), max_abs_diff=float(np.abs(a - b).max()),
-               rerank_max_abs_diff=float(np.abs(py["scores"] - cpp["scores"]).max()),
                llama_cpp_inputs_per_s=round(cpp["per_s"], 2), ratio=round(py["per_s"] / cpp["per_s"], 3))
     print(f"llama.cpp  /v1/embeddings {cpp['per_s']:8.1f} inputs/s   pyllama / llama.cpp {out['ratio']:.3f}")
     print(f"vectors: min cosine {cos.min():.9f} (1 - cos {1 - cos.min():.2e}, target <= {COS_TOL:g}), "
           f"max |diff| {out['max_abs_diff']:.2e}")
-    print(f"rerank:  {len(docs)} scores, max |diff| {out['rerank_max_abs_diff']:.2e} "
-          f"(pyllama {np.round(py['scores'], 5).tolist()})")
+    if "scores" in py:
+        out["rerank_max_abs_diff"] = float(np.abs(py["scores"] - cpp["scores"]).max())
+        print(f"rerank:  {len(docs)} scores, max |diff| {out['rerank_max_abs_diff']:.2e} "
+              f"(pyllama {np.round(py['scores'], 5).tolist()})")
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", help="llama.cpp's folder (bin/llama-server)")
+    ap.add_argument("--arch", default="bert", choices=["bert", "nomic-bert"])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--inputs", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)

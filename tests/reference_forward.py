@@ -477,7 +477,7 @@ def reference_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
     """The final hidden states after the output norm [len(tokens), n_embd] (float64): llama.cpp's
     `result_norm`, what it returns as embeddings (an encoder's: its last layer's output)."""
     meta, _ = load_model(model_path)
-    if meta["general.architecture"] == "bert":
+    if meta["general.architecture"] in ("bert", "nomic-bert"):
         return bert_hidden(model_path, tokens)
     return _final_hidden(model_path, tokens)[0]
 
@@ -491,20 +491,33 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.nd
 def bert_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
     """BERT as transformers' modeling_bert defines it (post-LayerNorm layers, every token of the
     sequence seen by every other, learned absolute positions, token type 0, GELU in its tanh form
-    as llama.cpp computes it), one sequence: the last layer's output [len(tokens), n_embd]."""
+    as llama.cpp computes it), one sequence: the last layer's output [len(tokens), n_embd].
+    nomic-bert (nomic-embed-text's NomicBertModel): the same layer with NeoX RoPE instead of
+    learned positions, q|k|v in one matrix and a SwiGLU FFN without biases."""
     meta, W = load_model(model_path)
-    n_layer, n_head = meta["bert.block_count"], meta["bert.attention.head_count"]
-    e = meta["bert.embedding_length"]
-    hd, eps, n = e // n_head, float(meta["bert.attention.layer_norm_epsilon"]), len(tokens)
-    x = np.asarray(W["token_embd.weight"])[np.asarray(tokens)] + np.asarray(W["position_embd.weight"])[:n]
+    arch = meta["general.architecture"]
+    n_layer, n_head = meta[f"{arch}.block_count"], meta[f"{arch}.attention.head_count"]
+    e = meta[f"{arch}.embedding_length"]
+    hd, eps, n = e // n_head, float(meta[f"{arch}.attention.layer_norm_epsilon"]), len(tokens)
+    x = np.asarray(W["token_embd.weight"])[np.asarray(tokens)]
+    if arch == "bert":
+        x = x + np.asarray(W["position_embd.weight"])[:n]
     if "token_types.weight" in W:
         x = x + np.asarray(W["token_types.weight"])[0]
     x = layer_norm(x, W["token_embd_norm.weight"], W["token_embd_norm.bias"], eps)
     for i in range(n_layer):
         p = f"blk.{i}."
-        q = (matmul(x, W[p + "attn_q.weight"]) + W[p + "attn_q.bias"]).reshape(n, n_head, hd)
-        k = (matmul(x, W[p + "attn_k.weight"]) + W[p + "attn_k.bias"]).reshape(n, n_head, hd)
-        v = (matmul(x, W[p + "attn_v.weight"]) + W[p + "attn_v.bias"]).reshape(n, n_head, hd)
+        if p + "attn_qkv.weight" in W:
+            qkv = matmul(x, W[p + "attn_qkv.weight"]) + W.get(p + "attn_qkv.bias", 0.0)
+            q, k, v = qkv[:, :e], qkv[:, e:2 * e], qkv[:, 2 * e:]
+        else:
+            q = matmul(x, W[p + "attn_q.weight"]) + W.get(p + "attn_q.bias", 0.0)
+            k = matmul(x, W[p + "attn_k.weight"]) + W.get(p + "attn_k.bias", 0.0)
+            v = matmul(x, W[p + "attn_v.weight"]) + W.get(p + "attn_v.bias", 0.0)
+        q, k, v = q.reshape(n, n_head, hd), k.reshape(n, n_head, hd), v.reshape(n, n_head, hd)
+        if arch == "nomic-bert":
+            base, n_rot = float(meta[f"{arch}.rope.freq_base"]), meta.get(f"{arch}.rope.dimension_count", hd)
+            q, k = rope(q, base, n_rot, True), rope(k, base, n_rot, True)
         att = np.empty((n, n_head, hd))
         for h in range(n_head):
             scores = q[:, h] @ k[:, h].T / np.sqrt(hd)
@@ -512,8 +525,12 @@ def bert_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
             att[:, h] = (probs / probs.sum(axis=1, keepdims=True)) @ v[:, h]
         o = matmul(att.reshape(n, e), W[p + "attn_output.weight"]) + W.get(p + "attn_output.bias", 0.0)
         x = layer_norm(x + o, W[p + "attn_output_norm.weight"], W[p + "attn_output_norm.bias"], eps)
-        u = gelu_tanh(matmul(x, W[p + "ffn_up.weight"]) + W.get(p + "ffn_up.bias", 0.0))
-        d = matmul(u, W[p + "ffn_down.weight"]) + W.get(p + "ffn_down.bias", 0.0)
+        if arch == "nomic-bert":
+            u = silu(matmul(x, W[p + "ffn_gate.weight"])) * matmul(x, W[p + "ffn_up.weight"])
+            d = matmul(u, W[p + "ffn_down.weight"])
+        else:
+            u = gelu_tanh(matmul(x, W[p + "ffn_up.weight"]) + W.get(p + "ffn_up.bias", 0.0))
+            d = matmul(u, W[p + "ffn_down.weight"]) + W.get(p + "ffn_down.bias", 0.0)
         x = layer_norm(x + d, W[p + "layer_output_norm.weight"], W[p + "layer_output_norm.bias"], eps)
     return x
 

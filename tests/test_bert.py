@@ -1,5 +1,5 @@
-"""The BERT encoder: its graph against the float64 reference (one device, a layer split, several
-sequences in one batch), non-causal micro-batching, the LAYER_NORM and GELU ops, the files
+"""The BERT encoders (bert, nomic-bert): the graph against the float64 reference (one device, a
+layer split, several sequences in one batch, selected rows), non-causal micro-batching, the LAYER_NORM and GELU ops, the files
 `models.make --arch bert` writes, and devices without the encoder ops refusing it at load."""
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ TEXT = "Hello world, the cats sat on the mat!"
 @pytest.fixture(scope="module")
 def bert(model_factory) -> str:
     return model_factory("tiny", arch="bert")
+
+
+@pytest.fixture(scope="module")
+def nomic(model_factory) -> str:
+    return model_factory("tiny", arch="nomic-bert")
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +81,31 @@ def test_make_refuses_what_an_encoder_lacks(tmp_path, capsys):
     assert make_main(["--preset", "tiny", "--arch", "bert", "--rope-freqs", "--out", str(tmp_path / "b")]) == 1
 
 
-@pytest.mark.parametrize("n_backends", [1, 2])
-def test_hidden_states_match_the_reference(bert, n_backends):
-    toks = tokens_of(bert)
-    ref = reference_hidden(bert, toks)
-    ctx = make_context(bert, n_backends=n_backends, n_ubatch=16)
+def test_make_nomic_bert(nomic, tmp_path):
+    gf = GGUFFile(nomic)
+    assert gf.get("general.architecture") == "nomic-bert" and gf.get("nomic-bert.rope.freq_base") == 1000.0
+    assert "blk.0.attn_qkv.weight" in gf.tensors and "blk.0.ffn_gate.weight" in gf.tensors
+    assert "position_embd.weight" not in gf.tensors and "blk.0.attn_q.bias" not in gf.tensors
+    hp = Model(nomic).hparams
+    assert hp.encoder and not hp.causal and hp.n_rot == hp.head_dim and hp.qkv_fused
+    # llama.cpp reads a classification head for bert alone
+    assert make_main(["--preset", "tiny", "--arch", "nomic-bert", "--rerank-head", "--out", str(tmp_path / "n")]) == 1
+
+
+@pytest.mark.parametrize("arch, n_backends", [("bert", 1), ("bert", 2), ("nomic-bert", 1), ("nomic-bert", 2)])
+def test_hidden_states_match_the_reference(bert, nomic, arch, n_backends):
+    path = bert if arch == "bert" else nomic
+    toks = tokens_of(path)
+    ref = reference_hidden(path, toks)
+    ctx = make_context(path, n_backends=n_backends, n_ubatch=16)
     out = ctx.decode(Batch.for_sequence(toks, 0, all_logits=True))  # an encoder's rows are hidden states
     assert out.embd.shape == ref.shape
     np.testing.assert_allclose(out.embd, ref, **TOL)
+    # only the rows a pooling reads (the first token's) go through the last layer's FFN
+    want = np.zeros(len(toks), dtype=bool)
+    want[0] = True
+    out = ctx.decode(Batch(np.asarray(toks), np.arange(len(toks)), np.zeros(len(toks), dtype=np.int32), want))
+    np.testing.assert_allclose(out.embd, ref[:1], **TOL)
 
 
 def test_sequences_share_a_batch_but_never_attend_across(bert):
@@ -177,6 +199,17 @@ def test_other_poolings(bert, pooling):
         h = bert_hidden(bert, tokens_of(bert))
         want = {"cls": h[:1], "last": h[-1:], "none": h}[pooling]
         np.testing.assert_allclose(body[0]["embedding"], want, **SERVER_TOL)
+    finally:
+        assert srv.stop() == 0
+
+
+def test_nomic_bert_embeddings_through_the_server(nomic):
+    srv = start(nomic, "--embedding")
+    try:
+        status, body = srv.post("/v1/embeddings", {"input": TEXT})
+        assert status == 200
+        want = normalized(bert_hidden(nomic, tokens_of(nomic)).mean(axis=0))
+        np.testing.assert_allclose(body["data"][0]["embedding"], want, **SERVER_TOL)
     finally:
         assert srv.stop() == 0
 

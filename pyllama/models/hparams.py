@@ -36,9 +36,12 @@ ARCHITECTURES = {
     # BERT: an encoder (every token sees its whole sequence), learned positions instead of RoPE,
     # LayerNorm with biases after attention and after the FFN, an ungated GELU FFN with biases
     "bert": (ROPE_NORMAL, True, False),
+    # nomic-bert: BERT's layer with NeoX RoPE instead of learned positions and a SwiGLU FFN; q|k|v
+    # fused in the file, biases where it has them
+    "nomic-bert": (ROPE_NEOX, False, False),
 }
 # encoders: no output layer, embeddings (and a classification head's scores) only
-ENCODER_ARCHS = ("bert",)
+ENCODER_ARCHS = ("bert", "nomic-bert")
 # architectures whose q/k/v biases and q/k norms are optional: present where the file has them
 OPTIONAL_ATTN_TENSORS = ("glm4moe", "glm4")
 # architectures whose last `nextn_predict_layers` blocks only predict further tokens (multi-token
@@ -310,8 +313,8 @@ def read_hparams(gf: GGUFFile) -> HParams:
         if not isinstance(causal, bool):
             raise ModelFileError(f"{gf.path}: metadata key '{arch}.attention.causal' must be a bool, got {causal!r}")
         dense = dict(encoder=True, causal=causal)
-    qkv_fused = arch == "phi3" or (arch == "glm4" and "blk.0.attn_qkv.weight" in gf.tensors)
-    if arch in OPTIONAL_ATTN_TENSORS:
+    qkv_fused = arch == "phi3" or (arch in ("glm4", "nomic-bert") and "blk.0.attn_qkv.weight" in gf.tensors)
+    if arch in OPTIONAL_ATTN_TENSORS or arch == "nomic-bert":
         qkv_bias = f"blk.0.attn_{'qkv' if qkv_fused else 'q'}.bias" in gf.tensors
         qk_norm = "blk.0.attn_q_norm.weight" in gf.tensors
     return HParams(

@@ -4,7 +4,7 @@
         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|iq4_nl|iq4_xs|mxfp4
                 |tq1_0|tq2_0|q4_k_m|q5_k_m|iq4_nl_mix|iq4_xs_mix|mxfp4_moe]
         [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3|glm4|glm4moe|deepseek2|
-                gpt-oss|bert]
+                gpt-oss|bert|nomic-bert]
         [--tied|--untied] [--rerank-head]
         [--rope-scaling none|linear|yarn --rope-factor F] [--rope-freqs] [--n-rot N]
         [--sliding-window N] [--attn-softcap C] [--final-softcap C] [--longrope] [--output-bias]
@@ -101,9 +101,10 @@ PRESETS: dict[str, Preset] = {
     "deep": Preset(64, 24, 4, 2, 192, 512, 512, False),
 }
 ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "glm4",
-         "glm4moe", "deepseek2", "gpt-oss", "bert")
-ENCODER_ARCHS = ("bert",)  # embedding models: no output layer, a WordPiece vocabulary by default
+         "glm4moe", "deepseek2", "gpt-oss", "bert", "nomic-bert")
+ENCODER_ARCHS = ("bert", "nomic-bert")  # embedding models: no output layer, a WordPiece vocabulary by default
 BERT_NORM_EPS = 1e-12
+NOMIC_ROPE_BASE = 1000.0  # nomic-embed-text's rotary base
 POOLING_MEAN, POOLING_RANK = 1, 4  # llama.cpp's llama_pooling_type values
 PARTIAL_ROPE_ARCHS = ("glm4", "glm4moe")  # RoPE on half of each head, as GLM's files have it
 # Mixture-of-Experts shapes per preset: (experts, experts used per token, expert FFN width, shared
@@ -224,7 +225,7 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
     """Every tensor of a model, in file (and random generation) order. tied=None: the preset's default."""
     p = PRESETS[preset] if isinstance(preset, str) else preset
     if arch in ENCODER_ARCHS:
-        return _bert_plan(p, p.n_vocab if n_vocab is None else n_vocab, opts.rerank_head)
+        return _bert_plan(p, p.n_vocab if n_vocab is None else n_vocab, opts.rerank_head, arch)
     if arch in GEMMA_ARCHS:
         if tied is False:
             raise ValueError(f"{arch} ties its output layer to token_embd (no --untied)")
@@ -315,10 +316,13 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
     return plan
 
 
-def _bert_plan(p: Preset, n_vocab: int, rerank_head: bool) -> list[TensorSpec]:
+def _bert_plan(p: Preset, n_vocab: int, rerank_head: bool, arch: str = "bert") -> list[TensorSpec]:
     """BERT's tensors as llama.cpp's converter names them: token, type and position embeddings and
     their LayerNorm; per layer q/k/v and the output with biases, LayerNorms after attention and
-    after the FFN, an ungated FFN with biases; a reranker's head last."""
+    after the FFN, an ungated FFN with biases; a reranker's head last. nomic-bert's: no position
+    embeddings (RoPE), q|k|v fused in attn_qkv and no biases, a gated FFN (ffn_gate)."""
+    if arch == "nomic-bert":
+        return _nomic_bert_plan(p, n_vocab)
     e, ff = p.n_embd, p.n_ff
     nq = nkv = p.n_head * p.head_dim
 
@@ -344,6 +348,26 @@ def _bert_plan(p: Preset, n_vocab: int, rerank_head: bool) -> list[TensorSpec]:
     if rerank_head:
         plan += [w("cls.weight", e, e), TensorSpec("cls.bias", (e,), "bias"),
                  w("cls.output.weight", 1, e, 2.5), TensorSpec("cls.output.bias", (1,), "bias")]
+    return plan
+
+
+def _nomic_bert_plan(p: Preset, n_vocab: int) -> list[TensorSpec]:
+    e, ff, nq = p.n_embd, p.n_ff, p.n_head * p.head_dim
+
+    def w(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
+        return TensorSpec(name, (rows, cols), "normal", gain / math.sqrt(cols))
+
+    plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 1.0),
+            TensorSpec("token_types.weight", (2, e), "bias"),
+            TensorSpec("token_embd_norm.weight", (e,), "norm"), TensorSpec("token_embd_norm.bias", (e,), "bias")]
+    for i in range(p.n_layer):
+        b = f"blk.{i}."
+        plan += [w(b + "attn_qkv.weight", 3 * nq, e), w(b + "attn_output.weight", e, nq, 0.5),
+                 TensorSpec(b + "attn_output_norm.weight", (e,), "norm"),
+                 TensorSpec(b + "attn_output_norm.bias", (e,), "bias"),
+                 w(b + "ffn_up.weight", ff, e), w(b + "ffn_gate.weight", ff, e), w(b + "ffn_down.weight", e, ff, 0.5),
+                 TensorSpec(b + "layer_output_norm.weight", (e,), "norm"),
+                 TensorSpec(b + "layer_output_norm.bias", (e,), "bias")]
     return plan
 
 
@@ -739,8 +763,8 @@ def _wordpiece_vocab_entries() -> list[tuple[str, Any, GGUFValueType, GGUFValueT
 
 
 def _check_family(p: Preset, arch: str, opts: FamilyOptions) -> None:
-    if opts.rerank_head and arch not in ENCODER_ARCHS:
-        raise ValueError(f"--rerank-head is for the encoders ({', '.join(ENCODER_ARCHS)}), not {arch}")
+    if opts.rerank_head and arch != "bert":
+        raise ValueError(f"--rerank-head is for bert (llama.cpp reads a classification head for it alone), not {arch}")
     if arch in ENCODER_ARCHS and (opts.rope_scaling != "none" or opts.rope_freqs or opts.n_rot or opts.longrope
                                   or opts.output_bias or opts.sliding_window or opts.attn_softcap
                                   or opts.final_softcap):
@@ -768,6 +792,9 @@ def _add_family_metadata(w: GGUFWriter, p: Preset, arch_name: str, opts: FamilyO
     arch = GGUF_ARCH.get(arch_name, arch_name)
     if arch in ENCODER_ARCHS:
         w.add_uint32(f"{arch}.pooling_type", POOLING_RANK if opts.rerank_head else POOLING_MEAN)
+        if arch == "nomic-bert":
+            w.add_float32(f"{arch}.rope.freq_base", NOMIC_ROPE_BASE)
+            w.add_uint32(f"{arch}.rope.dimension_count", p.head_dim)
         return
     n_rot = mla_shape(p)[3] if arch == "deepseek2" else p.head_dim // 2 if arch in PARTIAL_ROPE_ARCHS else p.head_dim
     w.add_uint32(f"{arch}.rope.dimension_count", opts.n_rot or n_rot)

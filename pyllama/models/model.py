@@ -60,30 +60,46 @@ def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
 ENCODER_OPTIONAL_BIASES = ("attn_output.bias", "ffn_up.bias", "ffn_down.bias")
 
 
+def encoder_optional_biases(hp: HParams) -> tuple[str, ...]:
+    """An encoder's biases that llama.cpp's graph adds where the file has them (nomic-bert's FFN
+    has none: its SwiGLU ignores any)."""
+    return ENCODER_OPTIONAL_BIASES if hp.arch == "bert" else ("attn_output.bias",)
+
+
 def _encoder_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
-    """BERT's required tensors as llama.cpp names them (learned positions, LayerNorms with biases,
-    q/k/v with biases); the optional ones are added by Model where the file has them."""
+    """The BERT family's required tensors as llama.cpp names them (bert: learned positions, q/k/v
+    with biases, an ungated FFN; nomic-bert: RoPE, q|k|v fused, a gated FFN); LayerNorms with
+    biases. The optional ones are added by Model where the file has them."""
     e, q, kv, ff = hp.n_embd, hp.n_embd_q, hp.n_embd_kv, hp.n_ff
-    shapes: dict[str, tuple[int, ...]] = {
-        "token_embd.weight": (hp.n_vocab, e), "position_embd.weight": (hp.n_ctx_train, e),
-        "token_embd_norm.weight": (e,), "token_embd_norm.bias": (e,),
-    }
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (hp.n_vocab, e), "token_embd_norm.weight": (e,),
+                                          "token_embd_norm.bias": (e,)}
+    if hp.arch == "bert":
+        shapes["position_embd.weight"] = (hp.n_ctx_train, e)
     for i in range(hp.n_layer):
         b = f"blk.{i}."
+        if hp.qkv_fused:
+            shapes[b + "attn_qkv.weight"] = (q + 2 * kv, e)
+            if hp.qkv_bias:
+                shapes[b + "attn_qkv.bias"] = (q + 2 * kv,)
+        else:
+            shapes.update({b + "attn_q.weight": (q, e), b + "attn_k.weight": (kv, e), b + "attn_v.weight": (kv, e)})
+            if hp.qkv_bias:
+                shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
         shapes.update({
-            b + "attn_q.weight": (q, e), b + "attn_k.weight": (kv, e), b + "attn_v.weight": (kv, e),
-            b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,),
             b + "attn_output.weight": (e, q),
             b + "attn_output_norm.weight": (e,), b + "attn_output_norm.bias": (e,),
             b + "ffn_up.weight": (ff, e), b + "ffn_down.weight": (e, ff),
             b + "layer_output_norm.weight": (e,), b + "layer_output_norm.bias": (e,),
         })
+        if hp.arch != "bert":
+            shapes[b + "ffn_gate.weight"] = (ff, e)
     return shapes
 
 
 def _encoder_weights(hp: HParams, present: set) -> dict[str, tuple[list[str], int]]:
-    """An encoder's logical weights: q|k|v fused with their biases, the rest one file tensor each
-    (the position table is computed at load: weights.computed_weights)."""
+    """An encoder's logical weights: q|k|v fused (with their biases), gate|up fused where gated,
+    the rest one file tensor each (the additive position table is computed at load:
+    weights.computed_weights)."""
     out: dict[str, tuple[list[str], int]] = {
         "token_embd": (["token_embd.weight"], -1),
         "token_embd_norm": (["token_embd_norm.weight"], -1),
@@ -91,14 +107,24 @@ def _encoder_weights(hp: HParams, present: set) -> dict[str, tuple[list[str], in
     }
     for i in range(hp.n_layer):
         b = f"blk.{i}."
-        out[b + "attn_qkv"] = ([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"], i)
-        out[b + "attn_qkv_bias"] = ([b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"], i)
-        for name in ("attn_output", "ffn_up", "ffn_down"):
+        if hp.qkv_fused:
+            out[b + "attn_qkv"] = ([b + "attn_qkv.weight"], i)
+            if hp.qkv_bias:
+                out[b + "attn_qkv_bias"] = ([b + "attn_qkv.bias"], i)
+        else:
+            out[b + "attn_qkv"] = ([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"], i)
+            if hp.qkv_bias:
+                out[b + "attn_qkv_bias"] = ([b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"], i)
+        for name in ("attn_output", "ffn_down"):
             out[b + name] = ([b + name + ".weight"], i)
+        if hp.arch == "bert":
+            out[b + "ffn_up"] = ([b + "ffn_up.weight"], i)
+        else:  # SwiGLU: gate|up as SWIGLU reads them
+            out[b + "ffn_gate_up"] = ([b + "ffn_gate.weight", b + "ffn_up.weight"], i)
         for name in ("attn_output_norm", "layer_output_norm"):
             out[b + name] = ([b + name + ".weight"], i)
             out[b + name + "_bias"] = ([b + name + ".bias"], i)
-        for name in ENCODER_OPTIONAL_BIASES:
+        for name in encoder_optional_biases(hp):
             if b + name in present:
                 out[b + name.replace(".", "_")] = ([b + name], i)
     return out
@@ -254,21 +280,24 @@ class Model:
         out: dict[str, tuple[int, ...]] = {}
         if "token_types.weight" in have:
             out["token_types.weight"] = (have["token_types.weight"].shape[0], e)
+        if hp.arch != "bert":
+            have = {k: v for k, v in have.items() if not k.startswith("cls.")}
         if "cls.weight" in have:
             out.update({"cls.weight": (e, e), "cls.bias": (e,)})
         if "cls.output.weight" in have:
             n_cls = have["cls.output.weight"].shape[0]
             out.update({"cls.output.weight": (n_cls, e), "cls.output.bias": (n_cls,)})
         for i in range(hp.n_layer):
-            for name in ENCODER_OPTIONAL_BIASES:
+            for name in encoder_optional_biases(hp):
                 if f"blk.{i}.{name}" in have:
                     out[f"blk.{i}.{name}"] = (hp.n_ff if name == "ffn_up.bias" else e,)
         return out
 
     @property
     def has_rank_head(self) -> bool:
-        """Whether the file has a classification head for rank pooling (cls and or cls.output)."""
-        return self.hparams.encoder and ("cls.output.weight" in self.file.tensors or "cls.weight" in self.file.tensors)
+        """Whether the file has a classification head for rank pooling (cls and or cls.output;
+        llama.cpp reads one for bert only)."""
+        return self.hparams.arch == "bert" and ("cls.output.weight" in self.file.tensors or "cls.weight" in self.file.tensors)
 
     def n_params(self) -> int:
         return sum(t.n_elements for t in self.file.tensors.values())

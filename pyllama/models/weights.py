@@ -432,7 +432,8 @@ def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
     a file has it, wins over them."""
     hp = model.hparams
     if hp.encoder:
-        return {"position_embd": (_position_table(model), -1)}
+        table = _position_table(model)
+        return {"position_embd": (table, -1)} if table is not None else {}
     if hp.mla_lora_kv:  # MLA_ATTENTION computes its YaRN angles itself, as ggml's rope_ext does
         return {}
     names = {"rope_freqs": "rope_freqs.weight"}
@@ -449,12 +450,19 @@ def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
     return out
 
 
-def _position_table(model: Model) -> TensorInfo:
-    """An encoder's position embeddings with the first token type's row added (F32 [n_ctx_train,
-    n_embd]): every token is of type 0, as llama.cpp's graph has it, so one table and one addition
-    per token serve both."""
-    table = _f32(model, [model.file.tensors["position_embd.weight"]]).astype(np.float32, copy=True)
+def _position_table(model: Model) -> Optional[TensorInfo]:
+    """What an encoder adds to each token's embedding by its position (F32 [n_ctx_train, n_embd]):
+    the learned position embeddings (bert) plus the first token type's row (every token is of
+    type 0, as llama.cpp's graph has it), so that one lookup and one addition serve both; for a
+    RoPE encoder the type row alone on every row, or None without one."""
+    hp = model.hparams
     types = model.file.tensors.get("token_types.weight")
+    if "position_embd.weight" in model.file.tensors and hp.arch == "bert":
+        table = _f32(model, [model.file.tensors["position_embd.weight"]]).astype(np.float32, copy=True)
+    elif types is not None:
+        table = np.zeros((hp.n_ctx_train, hp.n_embd), dtype=np.float32)
+    else:
+        return None
     if types is not None:
         table += _f32(model, [types])[0]
     return TensorInfo("position_embd (computed)", DType.F32, table.shape, table.size, table.view(np.uint8).reshape(-1), -1)

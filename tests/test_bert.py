@@ -108,6 +108,17 @@ def test_hidden_states_match_the_reference(bert, nomic, arch, n_backends):
     np.testing.assert_allclose(out.embd, ref[:1], **TOL)
 
 
+@pytest.mark.parametrize("wtype", ["f16", "q8_0"])
+def test_stored_types_match_the_reference(model_factory, wtype):
+    """Weights as the file stores them (the position table of an F16 / Q8_0 file dequantized at load)."""
+    path = model_factory("tiny", arch="bert", wtype=wtype)
+    toks = tokens_of(path)
+    ref = reference_hidden(path, toks)
+    got = make_context(path, n_ubatch=16).decode(Batch.for_sequence(toks, 0, all_logits=True)).embd
+    # activations rounded to F16 / Q8_0 (as ggml, and as the reference): one ulp upstream may move one rounding
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-3
+
+
 def test_sequences_share_a_batch_but_never_attend_across(bert):
     a, b = tokens_of(bert), tokens_of(bert, "what is the capital of france")
     ctx = make_context(bert, n_ubatch=max(len(a), len(b)) + 2)  # two micro-batches, each sequence whole
@@ -269,3 +280,18 @@ def test_rank_pooling_needs_a_head_and_an_encoder_needs_embeddings(bert, tiny_mo
         assert words in str(info.value)
         lines = [ln for ln in srv.stderr_text.splitlines() if "error" in ln.lower()]
         assert lines, srv.stderr_text
+
+
+def test_a_reranker_file_with_embedding_alone(reranker):
+    """As llama-server: the file's rank pooling gives the embedding endpoints the head's scores,
+    and /rerank stays closed without --rerank (or --pooling rank)."""
+    srv = start(reranker, "--embedding")
+    try:
+        status, body = srv.post("/embedding", {"content": TEXT, "embd_normalize": -1})
+        assert status == 200
+        np.testing.assert_allclose(body[0]["embedding"][0], bert_rank_score(reranker, tokens_of(reranker)),
+                                   rtol=1e-4, atol=1e-5)
+        status, body = srv.post("/v1/rerank", {"query": "q", "documents": ["d"]})
+        assert status == 501
+    finally:
+        assert srv.stop() == 0

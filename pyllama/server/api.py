@@ -717,7 +717,8 @@ class Api:
         """/rerank, /v1/rerank (and /reranking): each document scored against the query by the
         reranker's head, in llama-server's Jina form (or TEI's for a body with `texts`)."""
         st = self.state
-        if not getattr(st.args, "embedding", False) or st.pooling != "rank":
+        # as llama-server: the command line's pooling, not the file's, opens the endpoint
+        if not getattr(st.args, "embedding", False) or getattr(st.args, "pooling", None) != "rank":
             raise _not_enabled("reranking", "--reranking")
         _require_ready(st)
         body, prompts, documents, top_n = await _prepare(req, lambda: self._rerank_input(req))

@@ -226,8 +226,12 @@ def test_nomic_bert_embeddings_through_the_server(nomic):
 
 
 def test_an_encoder_generates_nothing_and_takes_no_input_over_the_micro_batch(embedder):
-    status, body = embedder.post("/completion", {"prompt": "hello", "n_predict": 2})
-    assert status == 501 and "embeddings only" in body["error"]["message"]
+    for path, body in (("/completion", {"prompt": "hello", "n_predict": 2}),
+                       ("/completion", {"prompt": "hello", "stream": True}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+                       ("/v1/responses", {"input": "hi"}), ("/infill", {"input_prefix": "a", "input_suffix": "b"})):
+        status, out = embedder.post(path, body)  # refused before a stream starts
+        assert status == 501 and "embeddings only" in out["error"]["message"], (path, out)
     status, body = embedder.post("/v1/embeddings", {"input": "the cat " * 40})
     assert status == 400 and "'input'" in body["error"]["message"] and "too large" in body["error"]["message"]
     status, body = embedder.post("/rerank", {"query": "a", "documents": ["b"]})

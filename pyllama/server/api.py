@@ -18,7 +18,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Callable, Optional, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from .. import __version__
 from ..models.gguf_file import file_type_name
@@ -155,6 +155,13 @@ NOT_SUPPORTED = "not_supported_error"
 def _not_enabled(what: str, flag: str) -> HTTPError:
     """llama-server's 501 for an endpoint that its command line left off."""
     return HTTPError(501, f"This server does not support {what}. Start it with `{flag}`", NOT_SUPPORTED)
+
+
+def _refuse_encoder(st: "ServerState") -> None:
+    """The 501 of a text-generation request to an encoder, which has no output layer."""
+    if st.engine is not None and st.engine.model.hparams.encoder:
+        raise HTTPError(501, f"This model ({st.engine.model.hparams.arch}) computes embeddings only: it cannot "
+                             "generate text", NOT_SUPPORTED)
 
 
 def _check_whole_input(st: "ServerState", n_tokens: int, field_name: str) -> None:
@@ -404,14 +411,22 @@ class Api:
         """A finished choice read as a chat reply, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._replies, whole_reply, c, spec)
 
+    def _generates(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """`handler`, refused with a 501 for an encoder before anything is read or streamed."""
+        async def run(req: Request) -> Response:
+            _refuse_encoder(self.state)
+            return await handler(req)
+        return run
+
     def routes(self) -> dict:
+        gen = self._generates
         r = {
             ("GET", "/health"): self.health, ("GET", "/v1/health"): self.health,
-            ("POST", "/completion"): self.completion, ("POST", "/completions"): self.completion,
-            ("POST", "/v1/completions"): self.oai_completion,
-            ("POST", "/v1/chat/completions"): self.oai_chat, ("POST", "/chat/completions"): self.oai_chat,
-            ("POST", "/v1/messages"): self.messages, ("POST", "/v1/messages/count_tokens"): self.count_tokens,
-            ("POST", "/v1/responses"): self.responses,
+            ("POST", "/completion"): gen(self.completion), ("POST", "/completions"): gen(self.completion),
+            ("POST", "/v1/completions"): gen(self.oai_completion),
+            ("POST", "/v1/chat/completions"): gen(self.oai_chat), ("POST", "/chat/completions"): gen(self.oai_chat),
+            ("POST", "/v1/messages"): gen(self.messages), ("POST", "/v1/messages/count_tokens"): self.count_tokens,
+            ("POST", "/v1/responses"): gen(self.responses),
             ("GET", "/v1/models"): self.models, ("GET", "/models"): self.models,
             ("POST", "/apply-template"): self.apply_template,
             ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
@@ -419,7 +434,7 @@ class Api:
             ("GET", "/slots"): self.slots, ("POST", "/slots/*"): self.slot_action,
             ("GET", "/metrics"): self.metrics,
             ("GET", "/lora-adapters"): self.lora_adapters, ("POST", "/lora-adapters"): self.lora_adapters,
-            ("POST", "/infill"): self.infill,
+            ("POST", "/infill"): gen(self.infill),
             ("POST", "/embedding"): self.embeddings, ("POST", "/embeddings"): self.embeddings,
             ("POST", "/v1/embeddings"): self.oai_embeddings,
             ("POST", "/rerank"): self.rerank, ("POST", "/reranking"): self.rerank,
@@ -904,9 +919,8 @@ class Api:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         tasks = [t for ts in task_lists for t in ts]
-        if self.state.engine.model.hparams.encoder and not all(t.embedding for t in tasks):
-            raise HTTPError(501, f"This model ({self.state.engine.model.hparams.arch}) computes embeddings only: it "
-                                 "cannot generate text", NOT_SUPPORTED)
+        if not all(t.embedding for t in tasks):
+            _refuse_encoder(self.state)
         for t in tasks:
             t.queue, t.loop = q, loop
         self.state.router.submit_request(task_lists)  # one request: its prompts take turns with others'

@@ -1,11 +1,11 @@
 """Embeddings and reranking of a BERT model: pyllama's vectors and scores against llama.cpp's, and
 the throughput of both on the same file.
 
-    python bench/bench_embed.py [--peers DIR] [--arch bert|nomic-bert] [--preset small] [--inputs 32]
+    python bench/bench_embed.py [--peers DIR] [--arch bert|nomic-bert|jina-bert-v2] [--preset small] [--inputs 32]
                                 [--rounds 5] [-t 2] [--ub 512] [--json OUT]
 
 Two files are made with pyllama.models.make under bench/out/models: `--arch bert` (mean pooling) and
-`--arch bert --rerank-head` (rank pooling); with `--arch nomic-bert` the first alone (llama.cpp
+`--arch bert --rerank-head` (rank pooling); with `--arch nomic-bert` or `jina-bert-v2` the first alone (llama.cpp
 reads a reranker's head for bert only). Each is served by pyllama's server (`--embedding`, and
 `--rerank` for the reranker) and, with `--peers`, by llama.cpp's llama-server with the same flags.
 Printed: per input the cosine of pyllama's /v1/embeddings vector with llama.cpp's (the smallest
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace, peers: Any) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", help="llama.cpp's folder (bin/llama-server)")
-    ap.add_argument("--arch", default="bert", choices=["bert", "nomic-bert"])
+    ap.add_argument("--arch", default="bert", choices=["bert", "nomic-bert", "jina-bert-v2"])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--inputs", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)

@@ -477,7 +477,7 @@ def reference_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
     """The final hidden states after the output norm [len(tokens), n_embd] (float64): llama.cpp's
     `result_norm`, what it returns as embeddings (an encoder's: its last layer's output)."""
     meta, _ = load_model(model_path)
-    if meta["general.architecture"] in ("bert", "nomic-bert"):
+    if meta["general.architecture"] in ("bert", "nomic-bert", "jina-bert-v2"):
         return bert_hidden(model_path, tokens)
     return _final_hidden(model_path, tokens)[0]
 
@@ -493,7 +493,9 @@ def bert_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
     sequence seen by every other, learned absolute positions, token type 0, GELU in its tanh form
     as llama.cpp computes it), one sequence: the last layer's output [len(tokens), n_embd].
     nomic-bert (nomic-embed-text's NomicBertModel): the same layer with NeoX RoPE instead of
-    learned positions, q|k|v in one matrix and a SwiGLU FFN without biases."""
+    learned positions, q|k|v in one matrix and a SwiGLU FFN without biases. jina-bert-v2
+    (JinaBertModel): ALiBi (Press et al.: head h's scores minus slope_h |i - j|, the slopes of
+    max bias 8) instead of positions, and GeGLU over gate|up in ffn_up."""
     meta, W = load_model(model_path)
     arch = meta["general.architecture"]
     n_layer, n_head = meta[f"{arch}.block_count"], meta[f"{arch}.attention.head_count"]
@@ -519,8 +521,11 @@ def bert_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
             base, n_rot = float(meta[f"{arch}.rope.freq_base"]), meta.get(f"{arch}.rope.dimension_count", hd)
             q, k = rope(q, base, n_rot, True), rope(k, base, n_rot, True)
         att = np.empty((n, n_head, hd))
+        dist = np.abs(np.arange(n)[:, None] - np.arange(n)[None, :])
         for h in range(n_head):
             scores = q[:, h] @ k[:, h].T / np.sqrt(hd)
+            if arch == "jina-bert-v2":
+                scores = scores - alibi_slope(h, n_head, 8.0) * dist
             probs = np.exp(scores - scores.max(axis=1, keepdims=True))
             att[:, h] = (probs / probs.sum(axis=1, keepdims=True)) @ v[:, h]
         o = matmul(att.reshape(n, e), W[p + "attn_output.weight"]) + W.get(p + "attn_output.bias", 0.0)
@@ -528,11 +533,24 @@ def bert_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
         if arch == "nomic-bert":
             u = silu(matmul(x, W[p + "ffn_gate.weight"])) * matmul(x, W[p + "ffn_up.weight"])
             d = matmul(u, W[p + "ffn_down.weight"])
+        elif arch == "jina-bert-v2":
+            gu = matmul(x, W[p + "ffn_up.weight"]) + W.get(p + "ffn_up.bias", 0.0)
+            f = gu.shape[1] // 2
+            d = matmul(gelu_tanh(gu[:, :f]) * gu[:, f:], W[p + "ffn_down.weight"]) + W[p + "ffn_down.bias"]
         else:
             u = gelu_tanh(matmul(x, W[p + "ffn_up.weight"]) + W.get(p + "ffn_up.bias", 0.0))
             d = matmul(u, W[p + "ffn_down.weight"]) + W.get(p + "ffn_down.bias", 0.0)
         x = layer_norm(x + d, W[p + "layer_output_norm.weight"], W[p + "layer_output_norm.bias"], eps)
     return x
+
+
+def alibi_slope(h: int, n_head: int, max_bias: float) -> float:
+    """ALiBi's slope of head h: the geometric sequence of the paper, extended past the largest
+    power of two of heads by the odd powers of the half-bias ratio (as ggml computes it)."""
+    n_log2 = 2 ** int(np.floor(np.log2(n_head)))
+    if h < n_log2:
+        return (2.0 ** (-max_bias / n_log2)) ** (h + 1)
+    return (2.0 ** (-max_bias / 2.0 / n_log2)) ** (2 * (h - n_log2) + 1)
 
 
 def bert_rank_score(model_path: str, tokens: list[int]) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""The BERT encoders (bert, nomic-bert): the graph against the float64 reference (one device, a
-layer split, several sequences in one batch, selected rows), non-causal micro-batching, the LAYER_NORM and GELU ops, the files
+"""The BERT encoders (bert, nomic-bert, jina-bert-v2): the graph against the float64 reference (one device, a
+layer split, several sequences in one batch, selected rows), non-causal micro-batching, the LAYER_NORM and GELU ops and ATTENTION's ALiBi, the files
 `models.make --arch bert` writes, and devices without the encoder ops refusing it at load."""
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ def bert(model_factory) -> str:
 @pytest.fixture(scope="module")
 def nomic(model_factory) -> str:
     return model_factory("tiny", arch="nomic-bert")
+
+
+@pytest.fixture(scope="module")
+def jina(model_factory) -> str:
+    return model_factory("tiny", arch="jina-bert-v2")
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +97,10 @@ def test_make_nomic_bert(nomic, tmp_path):
     assert make_main(["--preset", "tiny", "--arch", "nomic-bert", "--rerank-head", "--out", str(tmp_path / "n")]) == 1
 
 
-@pytest.mark.parametrize("arch, n_backends", [("bert", 1), ("bert", 2), ("nomic-bert", 1), ("nomic-bert", 2)])
-def test_hidden_states_match_the_reference(bert, nomic, arch, n_backends):
-    path = bert if arch == "bert" else nomic
+@pytest.mark.parametrize("arch, n_backends", [("bert", 1), ("bert", 2), ("nomic-bert", 1), ("nomic-bert", 2),
+                                             ("jina-bert-v2", 1), ("jina-bert-v2", 2)])
+def test_hidden_states_match_the_reference(bert, nomic, jina, arch, n_backends):
+    path = {"bert": bert, "nomic-bert": nomic, "jina-bert-v2": jina}[arch]
     toks = tokens_of(path)
     ref = reference_hidden(path, toks)
     ctx = make_context(path, n_backends=n_backends, n_ubatch=16)
@@ -106,6 +112,37 @@ def test_hidden_states_match_the_reference(bert, nomic, arch, n_backends):
     want[0] = True
     out = ctx.decode(Batch(np.asarray(toks), np.arange(len(toks)), np.zeros(len(toks), dtype=np.int32), want))
     np.testing.assert_allclose(out.embd, ref[:1], **TOL)
+
+
+def test_make_jina_bert_v2(jina):
+    gf = GGUFFile(jina)
+    assert gf.tensors["blk.0.ffn_up.weight"].shape == (2 * 192, 64) and "position_embd.weight" not in gf.tensors
+    hp = Model(jina).hparams
+    assert hp.alibi_max_bias == 8.0 and hp.ffn_gelu and hp.n_rot == 0 and not hp.causal
+
+
+def test_alibi_is_an_attention_extension_that_only_the_cpu_computes(jina):
+    from pyllama.backend.cpu.backend import CPUBackend
+    from pyllama.ir.tensor import ATTN_ALIBI, AttentionParams, src_roles
+    from pyllama.models.weights import Placement, alibi_slopes, check_placement
+    from pyllama.util.errors import UnsupportedOpError
+
+    params = AttentionParams(4, 4, 16, 0, 0, 10000.0, 1.0, 1e-12, 0.25, alibi=True).params()
+    assert int(params[4]) & ATTN_ALIBI and AttentionParams.of(params, 8).alibi
+    assert [r.name for r in src_roles(Op.ATTENTION, 8, params)][-1] == "alibi"
+    both = AttentionParams(4, 4, 16, 0, 0, 10000.0, 1.0, 1e-12, 0.25, sinks=True, alibi=True).params()
+    assert [r.name for r in src_roles(Op.ATTENTION, 9, both)][-2:] == ["sinks", "alibi"]
+    assert check_node(Op.ATTENTION, DType.F32, [DType.F32] * 3 + [DType.I32] * 4 + [DType.F32], params, ()) is None
+    # ggml's slopes: 8 heads of max bias 8 are 1/2, 1/4, ... 1/256; 12 heads go on with odd powers of 2^-0.5
+    np.testing.assert_allclose(alibi_slopes(8, 8.0), 2.0 ** -np.arange(1, 9), rtol=1e-6)
+    np.testing.assert_allclose(alibi_slopes(12, 8.0)[8:], 2.0 ** (-0.5 * np.array([1, 3, 5, 7])), rtol=1e-6)
+
+    class NoAlibi(CPUBackend):
+        alibi_ok = False
+
+    model = Model(jina)
+    with pytest.raises(UnsupportedOpError, match="ATTENTION"):
+        check_placement(model, Placement([NoAlibi(1, "DEV0")], [0] * model.hparams.n_layer))
 
 
 @pytest.mark.parametrize("wtype", ["f16", "q8_0"])
@@ -214,12 +251,14 @@ def test_other_poolings(bert, pooling):
         assert srv.stop() == 0
 
 
-def test_nomic_bert_embeddings_through_the_server(nomic):
-    srv = start(nomic, "--embedding")
+@pytest.mark.parametrize("arch", ["nomic-bert", "jina-bert-v2"])
+def test_other_encoders_through_the_server(nomic, jina, arch):
+    path = nomic if arch == "nomic-bert" else jina
+    srv = start(path, "--embedding")
     try:
         status, body = srv.post("/v1/embeddings", {"input": TEXT})
         assert status == 200
-        want = normalized(bert_hidden(nomic, tokens_of(nomic)).mean(axis=0))
+        want = normalized(bert_hidden(path, tokens_of(path)).mean(axis=0))
         np.testing.assert_allclose(body["data"][0]["embedding"], want, **SERVER_TOL)
     finally:
         assert srv.stop() == 0

@@ -39,9 +39,13 @@ ARCHITECTURES = {
     # nomic-bert: BERT's layer with NeoX RoPE instead of learned positions and a SwiGLU FFN; q|k|v
     # fused in the file, biases where it has them
     "nomic-bert": (ROPE_NEOX, False, False),
+    # jina-bert-v2: BERT's layer with ALiBi instead of positions (no RoPE) and a GeGLU FFN over
+    # gate|up fused in the file's ffn_up (or an ungated GELU where ffn_up is n_ff wide)
+    "jina-bert-v2": (ROPE_NORMAL, True, False),
 }
 # encoders: no output layer, embeddings (and a classification head's scores) only
-ENCODER_ARCHS = ("bert", "nomic-bert")
+ENCODER_ARCHS = ("bert", "nomic-bert", "jina-bert-v2")
+JINA_ALIBI_MAX_BIAS = 8.0  # llama.cpp's fixed ALiBi bias for jina-bert-v2
 # architectures whose q/k/v biases and q/k norms are optional: present where the file has them
 OPTIONAL_ATTN_TENSORS = ("glm4moe", "glm4")
 # architectures whose last `nextn_predict_layers` blocks only predict further tokens (multi-token
@@ -129,6 +133,7 @@ class HParams:
     # encoders (ENCODER_ARCHS): rms_eps above is their LayerNorm's epsilon
     encoder: bool = False         # no output layer: the last layer's output is the embedding
     causal: bool = True           # False: every token attends to every token of its sequence
+    alibi_max_bias: float = 0.0   # ALiBi's max bias (jina-bert-v2: 8), 0: none
 
     @property
     def is_swa(self) -> tuple:
@@ -291,7 +296,7 @@ def read_hparams(gf: GGUFFile) -> HParams:
     value_dim = _int(gf, f"{arch}.attention.value_length", head_dim)
     if value_dim != head_dim and arch != "deepseek2":
         raise ModelFileError(f"{gf.path}: key_length {head_dim} != value_length {value_dim} is not supported")
-    n_rot = 0 if arch == "bert" else _int(gf, f"{arch}.rope.dimension_count", head_dim)
+    n_rot = 0 if arch in ("bert", "jina-bert-v2") else _int(gf, f"{arch}.rope.dimension_count", head_dim)
     if n_rot > head_dim or n_rot % 2:  # (an encoder's 0: no RoPE)
         raise ModelFileError(f"{gf.path}: rope.dimension_count {n_rot} must be even and at most the head size {head_dim}")
     tokens = gf.get("tokenizer.ggml.tokens")
@@ -313,8 +318,11 @@ def read_hparams(gf: GGUFFile) -> HParams:
         if not isinstance(causal, bool):
             raise ModelFileError(f"{gf.path}: metadata key '{arch}.attention.causal' must be a bool, got {causal!r}")
         dense = dict(encoder=True, causal=causal)
-    qkv_fused = arch == "phi3" or (arch in ("glm4", "nomic-bert") and "blk.0.attn_qkv.weight" in gf.tensors)
-    if arch in OPTIONAL_ATTN_TENSORS or arch == "nomic-bert":
+        if arch == "jina-bert-v2":
+            dense.update(_jina_hparams(gf))
+    qkv_fused = arch == "phi3" or (arch in ("glm4", "nomic-bert", "jina-bert-v2")
+                                   and "blk.0.attn_qkv.weight" in gf.tensors)
+    if arch in OPTIONAL_ATTN_TENSORS or arch in ("nomic-bert", "jina-bert-v2"):
         qkv_bias = f"blk.0.attn_{'qkv' if qkv_fused else 'q'}.bias" in gf.tensors
         qk_norm = "blk.0.attn_q_norm.weight" in gf.tensors
     return HParams(
@@ -341,6 +349,17 @@ def read_hparams(gf: GGUFFile) -> HParams:
         **rope,
         **dense,
     )
+
+
+def _jina_hparams(gf: GGUFFile) -> dict:
+    """jina-bert-v2's fields: ALiBi, and GeGLU where ffn_up holds gate|up (2 n_ff rows). The
+    optional parts of llama.cpp's graph that pyllama lacks are refused by name."""
+    for name in ("attn_q_norm.weight", "attn_norm_2.weight", "ffn_gate.weight"):
+        if f"blk.0.{name}" in gf.tensors:
+            raise ModelFileError(f"{gf.path}: jina-bert-v2 files with '{name.split('.')[0]}' tensors are not supported")
+    n_ff = _int(gf, "jina-bert-v2.feed_forward_length")
+    up = gf.tensors.get("blk.0.ffn_up.weight")
+    return dict(alibi_max_bias=JINA_ALIBI_MAX_BIAS, ffn_gelu=up is not None and up.shape[0] == 2 * n_ff)
 
 
 def _rope_scaling(gf: GGUFFile, arch: str) -> dict:

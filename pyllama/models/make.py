@@ -4,7 +4,7 @@
         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|iq4_nl|iq4_xs|mxfp4
                 |tq1_0|tq2_0|q4_k_m|q5_k_m|iq4_nl_mix|iq4_xs_mix|mxfp4_moe]
         [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3|glm4|glm4moe|deepseek2|
-                gpt-oss|bert|nomic-bert]
+                gpt-oss|bert|nomic-bert|jina-bert-v2]
         [--tied|--untied] [--rerank-head]
         [--rope-scaling none|linear|yarn --rope-factor F] [--rope-freqs] [--n-rot N]
         [--sliding-window N] [--attn-softcap C] [--final-softcap C] [--longrope] [--output-bias]
@@ -101,8 +101,8 @@ PRESETS: dict[str, Preset] = {
     "deep": Preset(64, 24, 4, 2, 192, 512, 512, False),
 }
 ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "glm4",
-         "glm4moe", "deepseek2", "gpt-oss", "bert", "nomic-bert")
-ENCODER_ARCHS = ("bert", "nomic-bert")  # embedding models: no output layer, a WordPiece vocabulary by default
+         "glm4moe", "deepseek2", "gpt-oss", "bert", "nomic-bert", "jina-bert-v2")
+ENCODER_ARCHS = ("bert", "nomic-bert", "jina-bert-v2")  # embedding models: no output layer, a WordPiece vocabulary by default
 BERT_NORM_EPS = 1e-12
 NOMIC_ROPE_BASE = 1000.0  # nomic-embed-text's rotary base
 POOLING_MEAN, POOLING_RANK = 1, 4  # llama.cpp's llama_pooling_type values
@@ -323,6 +323,8 @@ def _bert_plan(p: Preset, n_vocab: int, rerank_head: bool, arch: str = "bert") -
     embeddings (RoPE), q|k|v fused in attn_qkv and no biases, a gated FFN (ffn_gate)."""
     if arch == "nomic-bert":
         return _nomic_bert_plan(p, n_vocab)
+    if arch == "jina-bert-v2":
+        return _jina_bert_v2_plan(p, n_vocab)
     e, ff = p.n_embd, p.n_ff
     nq = nkv = p.n_head * p.head_dim
 
@@ -348,6 +350,32 @@ def _bert_plan(p: Preset, n_vocab: int, rerank_head: bool, arch: str = "bert") -
     if rerank_head:
         plan += [w("cls.weight", e, e), TensorSpec("cls.bias", (e,), "bias"),
                  w("cls.output.weight", 1, e, 2.5), TensorSpec("cls.output.bias", (1,), "bias")]
+    return plan
+
+
+def _jina_bert_v2_plan(p: Preset, n_vocab: int) -> list[TensorSpec]:
+    """jina-bert-v2's tensors: bert's without position embeddings (ALiBi), gate|up fused in ffn_up
+    (GeGLU) with its bias."""
+    e, ff, nq = p.n_embd, p.n_ff, p.n_head * p.head_dim
+
+    def w(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
+        return TensorSpec(name, (rows, cols), "normal", gain / math.sqrt(cols))
+
+    plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 1.0),
+            TensorSpec("token_types.weight", (2, e), "bias"),
+            TensorSpec("token_embd_norm.weight", (e,), "norm"), TensorSpec("token_embd_norm.bias", (e,), "bias")]
+    for i in range(p.n_layer):
+        b = f"blk.{i}."
+        plan += [w(b + "attn_q.weight", nq, e), TensorSpec(b + "attn_q.bias", (nq,), "bias"),
+                 w(b + "attn_k.weight", nq, e), TensorSpec(b + "attn_k.bias", (nq,), "bias"),
+                 w(b + "attn_v.weight", nq, e), TensorSpec(b + "attn_v.bias", (nq,), "bias"),
+                 w(b + "attn_output.weight", e, nq, 0.5), TensorSpec(b + "attn_output.bias", (e,), "bias"),
+                 TensorSpec(b + "attn_output_norm.weight", (e,), "norm"),
+                 TensorSpec(b + "attn_output_norm.bias", (e,), "bias"),
+                 w(b + "ffn_up.weight", 2 * ff, e), TensorSpec(b + "ffn_up.bias", (2 * ff,), "bias"),
+                 w(b + "ffn_down.weight", e, ff, 0.5), TensorSpec(b + "ffn_down.bias", (e,), "bias"),
+                 TensorSpec(b + "layer_output_norm.weight", (e,), "norm"),
+                 TensorSpec(b + "layer_output_norm.bias", (e,), "bias")]
     return plan
 
 

@@ -62,7 +62,9 @@ ENCODER_OPTIONAL_BIASES = ("attn_output.bias", "ffn_up.bias", "ffn_down.bias")
 
 def encoder_optional_biases(hp: HParams) -> tuple[str, ...]:
     """An encoder's biases that llama.cpp's graph adds where the file has them (nomic-bert's FFN
-    has none: its SwiGLU ignores any)."""
+    has none: its SwiGLU ignores any; jina-bert-v2 requires the others)."""
+    if hp.arch == "jina-bert-v2":
+        return ("ffn_up.bias",)
     return ENCODER_OPTIONAL_BIASES if hp.arch == "bert" else ("attn_output.bias",)
 
 
@@ -91,8 +93,11 @@ def _encoder_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
             b + "ffn_up.weight": (ff, e), b + "ffn_down.weight": (e, ff),
             b + "layer_output_norm.weight": (e,), b + "layer_output_norm.bias": (e,),
         })
-        if hp.arch != "bert":
+        if hp.arch == "nomic-bert":
             shapes[b + "ffn_gate.weight"] = (ff, e)
+        if hp.arch == "jina-bert-v2":  # gate|up in ffn_up where GeGLU; output and down biases required
+            shapes.update({b + "ffn_up.weight": ((2 if hp.ffn_gelu else 1) * ff, e), b + "attn_output.bias": (e,),
+                           b + "ffn_down.bias": (e,)})
     return shapes
 
 
@@ -117,7 +122,10 @@ def _encoder_weights(hp: HParams, present: set) -> dict[str, tuple[list[str], in
                 out[b + "attn_qkv_bias"] = ([b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"], i)
         for name in ("attn_output", "ffn_down"):
             out[b + name] = ([b + name + ".weight"], i)
-        if hp.arch == "bert":
+        if hp.arch == "jina-bert-v2":
+            out[b + "attn_output_bias"] = ([b + "attn_output.bias"], i)
+            out[b + "ffn_down_bias"] = ([b + "ffn_down.bias"], i)
+        if hp.arch != "nomic-bert":  # (jina-bert-v2's GeGLU: gate|up as GEGLU reads them)
             out[b + "ffn_up"] = ([b + "ffn_up.weight"], i)
         else:  # SwiGLU: gate|up as SWIGLU reads them
             out[b + "ffn_gate_up"] = ([b + "ffn_gate.weight", b + "ffn_up.weight"], i)
@@ -278,6 +286,8 @@ class Model:
         hp, e = self.hparams, self.hparams.n_embd
         have = self.file.tensors
         out: dict[str, tuple[int, ...]] = {}
+        if hp.arch == "jina-bert-v2" and "token_types.weight" not in have:  # required by llama.cpp's loader
+            raise ModelFileError(f"{self.path}: missing tensor 'token_types.weight'")
         if "token_types.weight" in have:
             out["token_types.weight"] = (have["token_types.weight"].shape[0], e)
         if hp.arch != "bert":
@@ -290,8 +300,12 @@ class Model:
         for i in range(hp.n_layer):
             for name in encoder_optional_biases(hp):
                 if f"blk.{i}.{name}" in have:
-                    out[f"blk.{i}.{name}"] = (hp.n_ff if name == "ffn_up.bias" else e,)
+                    out[f"blk.{i}.{name}"] = (self._ffn_up_rows() if name == "ffn_up.bias" else e,)
         return out
+
+    def _ffn_up_rows(self) -> int:
+        """Rows of an encoder's ffn_up: n_ff, or gate|up (2 n_ff) for jina-bert-v2's GeGLU."""
+        return (2 if self.hparams.arch == "jina-bert-v2" and self.hparams.ffn_gelu else 1) * self.hparams.n_ff
 
     @property
     def has_rank_head(self) -> bool:

@@ -433,7 +433,12 @@ def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
     hp = model.hparams
     if hp.encoder:
         table = _position_table(model)
-        return {"position_embd": (table, -1)} if table is not None else {}
+        out = {"position_embd": (table, -1)} if table is not None else {}
+        if hp.alibi_max_bias > 0:
+            slopes = alibi_slopes(hp.n_head, hp.alibi_max_bias)
+            info = TensorInfo("attn_alibi (computed)", DType.F32, slopes.shape, slopes.size, slopes.view(np.uint8), -1)
+            out.update({f"blk.{il}.attn_alibi": (info, il) for il in range(hp.n_layer)})
+        return out
     if hp.mla_lora_kv:  # MLA_ATTENTION computes its YaRN angles itself, as ggml's rope_ext does
         return {}
     names = {"rope_freqs": "rope_freqs.weight"}
@@ -448,6 +453,16 @@ def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
         out.update({f"blk.{il}.{logical}": (info, il) for il in range(hp.n_layer)
                     if not (hp.is_swa[il] and hp.rope_base_swa > 0)})  # gemma3's local layers never scale
     return out
+
+
+def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """ALiBi's slope per head (float32 [n_head]) as ggml's soft_max computes them from max_bias:
+    the first 2^floor(log2(n_head)) heads powers of m0, the rest odd powers of m1."""
+    n_log2 = 1 << int(math.floor(math.log2(n_head)))
+    m0 = np.float32(2.0) ** np.float32(-max_bias / n_log2)
+    m1 = np.float32(2.0) ** np.float32(-(max_bias / 2.0) / n_log2)
+    h = np.arange(n_head)
+    return np.where(h < n_log2, m0 ** (h + 1.0), m1 ** (2.0 * (h - n_log2) + 1.0)).astype(np.float32)
 
 
 def _position_table(model: Model) -> Optional[TensorInfo]:

@@ -87,6 +87,7 @@ class CPUBackend(Backend):
 
     weight_types = CPU_WEIGHT_TYPES
     kv_types = KV_CACHE_TYPES  # F32, F16, BF16, Q8_0: the attention kernel reads each in its own type
+    alibi_ok = True  # the attention kernel adds ALiBi's slopes
 
     def __init__(self, n_threads: int = 0, name: str = "CPU", settings: Optional[CpuSettings] = None):
         self.name = name
@@ -270,16 +271,19 @@ class CPUBackend(Backend):
                 steps.append(_native(opts, k.bind_glu, _bind(k.swiglu, s[0], out, nt), s[0], out, nt, False))
             elif op == Op.ATTENTION:
                 a = AttentionParams.of(nd.params, len(s))
-                qn, kn = (s[7], s[8]) if len(s) - a.sinks >= 9 else (empty, empty)
-                sinks = s[-1] if a.sinks else None
-                freqs = s[-2 if a.sinks else -1] if a.rope_freqs else None
+                tail = list(s[7:])  # the optional sources, in their order (src_roles)
+                alibi = tail.pop() if a.alibi else None
+                sinks = tail.pop() if a.sinks else None
+                freqs = tail.pop() if a.rope_freqs else None
+                qn, kn = (tail[0], tail[1]) if len(tail) == 2 else (empty, empty)
                 if a.n_swa != int(a.n_swa):
                     raise ValueError(f"ATTENTION {nd.out.name}: n_swa {a.n_swa} is not an integer")
                 kc, vc = nd.srcs[1], nd.srcs[2]  # the caches as rows of bytes in their cache types
                 args = (s[0], _rows(kc), _rows(vc), s[3], s[4], s[5], s[6], qn, kn, out,
                         int(a.n_head), int(a.n_head_kv), int(a.head_dim), int(a.n_rot), int(a.rope_mode),
                         float(a.freq_base), float(a.freq_scale), float(a.norm_eps), float(a.scale), nt,
-                        int(kc.dtype), int(vc.dtype), float(a.softcap), int(a.n_swa), float(a.rope_mscale), freqs, sinks)
+                        int(kc.dtype), int(vc.dtype), float(a.softcap), int(a.n_swa), float(a.rope_mscale), freqs, sinks,
+                        alibi)
                 steps.append(_native(opts, k.bind_attention, _bind(k.attention, *args), *args))
             elif op == Op.GEGLU:
                 steps.append(_native(opts, k.bind_glu, _bind(k.geglu, s[0], out, nt), s[0], out, nt, True))

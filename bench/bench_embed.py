@@ -5,8 +5,8 @@ the throughput of both on the same file.
                                 [--rounds 5] [-t 2] [--ub 512] [--json OUT]
 
 Two files are made with pyllama.models.make under bench/out/models: `--arch bert` (mean pooling) and
-`--arch bert --rerank-head` (rank pooling); with `--arch nomic-bert` or `jina-bert-v2` the first alone (llama.cpp
-reads a reranker's head for bert only). Each is served by pyllama's server (`--embedding`, and
+`--arch bert --rerank-head` (rank pooling); likewise for `--arch jina-bert-v2`; with `--arch nomic-bert`
+the first alone (llama.cpp reads no reranker's head for it). Each is served by pyllama's server (`--embedding`, and
 `--rerank` for the reranker) and, with `--peers`, by llama.cpp's llama-server with the same flags.
 Printed: per input the cosine of pyllama's /v1/embeddings vector with llama.cpp's (the smallest
 over the inputs, and the largest absolute difference of the normalized values), the largest
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, peers: Any) -> dict:
     sides: dict[str, dict] = {}
     for side in ("pyllama", "llama.cpp") if peers is not None else ("pyllama",):
         got: dict = {}
-        for rerank in (False, True) if args.arch == "bert" else (False,):
+        for rerank in (False, True) if args.arch != "nomic-bert" else (False,):
             path = make(args.arch, args.preset, rerank)
             mode = ["--rerank"] if rerank else ["--embedding"]
             srv = (ServerProcess(path, *flags, *mode).wait_ready(300) if side == "pyllama"

@@ -277,6 +277,23 @@ def test_an_encoder_generates_nothing_and_takes_no_input_over_the_micro_batch(em
     assert status == 501 and "--reranking" in body["error"]["message"]
 
 
+def test_a_jina_reranker_scores_with_its_one_score_head(model_factory):
+    path = model_factory("tiny", arch="jina-bert-v2", opts=FamilyOptions(rerank_head=True))
+    assert GGUFFile(path).tensors["cls.weight"].shape == (1, 64) and Model(path).has_rank_head
+    from pyllama.models.gguf_file import GGUFFile as G
+    tok, gf = load_tokenizer(read_metadata(path)), G(path)
+    want = [float(bert_rank_score(path, rerank_tokens(tok, gf, QUERY, d))[0]) for d in DOCS]
+    assert all(-1 < v < 1 for v in want)  # tanh(cls x + b) alone
+    srv = start(path, "--rerank")
+    try:
+        status, body = srv.post("/v1/rerank", {"query": QUERY, "documents": DOCS})
+        assert status == 200
+        got = {r["index"]: r["relevance_score"] for r in body["results"]}
+        np.testing.assert_allclose([got[i] for i in range(len(DOCS))], want, rtol=1e-4, atol=1e-5)
+    finally:
+        assert srv.stop() == 0
+
+
 def test_rerank_scores_are_the_rank_head_of_each_pair(reranker, rerank_server):
     from pyllama.models.gguf_file import GGUFFile
     tok, gf = load_tokenizer(read_metadata(reranker)), GGUFFile(reranker)

@@ -191,7 +191,8 @@ class FamilyOptions:
     n_ctx / 4 and rope.scaling.attn_factor sqrt(1 + ln 4 / ln(that)), as the phi3 converter writes
     a 128k model; output_bias (qwen2, phi3): output.bias [n_vocab]. Both come after every other
     tensor, so that the other weights do not change. rerank_head (bert): a reranker's classification
-    head (cls.weight, cls.bias, cls.output.weight, cls.output.bias: one score) and pooling_type rank.
+    head (cls.weight, cls.bias, cls.output.weight, cls.output.bias: one score) and pooling_type rank;
+    (jina-bert-v2) a one-score cls.weight [1, n_embd] and cls.bias.
     """
 
     rope_scaling: str = "none"
@@ -324,7 +325,7 @@ def _bert_plan(p: Preset, n_vocab: int, rerank_head: bool, arch: str = "bert") -
     if arch == "nomic-bert":
         return _nomic_bert_plan(p, n_vocab)
     if arch == "jina-bert-v2":
-        return _jina_bert_v2_plan(p, n_vocab)
+        return _jina_bert_v2_plan(p, n_vocab, rerank_head)
     e, ff = p.n_embd, p.n_ff
     nq = nkv = p.n_head * p.head_dim
 
@@ -353,9 +354,9 @@ def _bert_plan(p: Preset, n_vocab: int, rerank_head: bool, arch: str = "bert") -
     return plan
 
 
-def _jina_bert_v2_plan(p: Preset, n_vocab: int) -> list[TensorSpec]:
+def _jina_bert_v2_plan(p: Preset, n_vocab: int, rerank_head: bool = False) -> list[TensorSpec]:
     """jina-bert-v2's tensors: bert's without position embeddings (ALiBi), gate|up fused in ffn_up
-    (GeGLU) with its bias."""
+    (GeGLU) with its bias; a reranker's one-score head (cls [1, n_embd]) last."""
     e, ff, nq = p.n_embd, p.n_ff, p.n_head * p.head_dim
 
     def w(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
@@ -376,6 +377,8 @@ def _jina_bert_v2_plan(p: Preset, n_vocab: int) -> list[TensorSpec]:
                  w(b + "ffn_down.weight", e, ff, 0.5), TensorSpec(b + "ffn_down.bias", (e,), "bias"),
                  TensorSpec(b + "layer_output_norm.weight", (e,), "norm"),
                  TensorSpec(b + "layer_output_norm.bias", (e,), "bias")]
+    if rerank_head:
+        plan += [w("cls.weight", 1, e, 2.5), TensorSpec("cls.bias", (1,), "bias")]
     return plan
 
 
@@ -791,8 +794,9 @@ def _wordpiece_vocab_entries() -> list[tuple[str, Any, GGUFValueType, GGUFValueT
 
 
 def _check_family(p: Preset, arch: str, opts: FamilyOptions) -> None:
-    if opts.rerank_head and arch != "bert":
-        raise ValueError(f"--rerank-head is for bert (llama.cpp reads a classification head for it alone), not {arch}")
+    if opts.rerank_head and arch not in ("bert", "jina-bert-v2"):
+        raise ValueError(f"--rerank-head is for bert and jina-bert-v2 (llama.cpp reads a classification head for "
+                         f"them), not {arch}")
     if arch in ENCODER_ARCHS and (opts.rope_scaling != "none" or opts.rope_freqs or opts.n_rot or opts.longrope
                                   or opts.output_bias or opts.sliding_window or opts.attn_softcap
                                   or opts.final_softcap):
@@ -889,7 +893,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="phi3: LongRoPE factors (rope_factors_long/short.weight), original context n_ctx / 4")
     ap.add_argument("--output-bias", action="store_true", help="qwen2, phi3: add output.bias")
     ap.add_argument("--rerank-head", action="store_true",
-                    help="bert: a reranker's classification head (cls, cls.output) and pooling_type rank")
+                    help="bert, jina-bert-v2: a reranker's classification head (bert: cls and cls.output; "
+                         "jina-bert-v2: a one-score cls) and pooling_type rank")
     args = ap.parse_args(argv)
     opts = FamilyOptions(args.rope_scaling, args.rope_factor, args.rope_freqs, args.sliding_window,
                          args.attn_softcap, args.final_softcap, args.n_rot, args.longrope, args.output_bias,

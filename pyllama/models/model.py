@@ -56,6 +56,8 @@ def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
     return _dense_family_tensors(hp, shapes)
 
 
+# the encoders whose classification head llama.cpp reads (rank pooling)
+RANK_HEAD_ARCHS = ("bert", "jina-bert-v2")
 # an encoder's biases that llama.cpp reads where the file has them
 ENCODER_OPTIONAL_BIASES = ("attn_output.bias", "ffn_up.bias", "ffn_down.bias")
 
@@ -290,9 +292,12 @@ class Model:
             raise ModelFileError(f"{self.path}: missing tensor 'token_types.weight'")
         if "token_types.weight" in have:
             out["token_types.weight"] = (have["token_types.weight"].shape[0], e)
-        if hp.arch != "bert":
+        if hp.arch not in RANK_HEAD_ARCHS:
             have = {k: v for k, v in have.items() if not k.startswith("cls.")}
-        if "cls.weight" in have:
+        if "cls.weight" in have and hp.arch == "jina-bert-v2":  # a one-score head (jina's rerankers)
+            out.update({"cls.weight": (1, e), "cls.bias": (1,)})
+            have = {k: v for k, v in have.items() if not k.startswith("cls.output")}
+        elif "cls.weight" in have:
             out.update({"cls.weight": (e, e), "cls.bias": (e,)})
         if "cls.output.weight" in have:
             n_cls = have["cls.output.weight"].shape[0]
@@ -309,9 +314,10 @@ class Model:
 
     @property
     def has_rank_head(self) -> bool:
-        """Whether the file has a classification head for rank pooling (cls and or cls.output;
-        llama.cpp reads one for bert only)."""
-        return self.hparams.arch == "bert" and ("cls.output.weight" in self.file.tensors or "cls.weight" in self.file.tensors)
+        """Whether the file has a classification head for rank pooling (bert: cls and or
+        cls.output; jina-bert-v2: a one-score cls), the encoders llama.cpp reads one for."""
+        return self.hparams.arch in RANK_HEAD_ARCHS and ("cls.output.weight" in self.file.tensors
+                                                         or "cls.weight" in self.file.tensors)
 
     def n_params(self) -> int:
         return sum(t.n_elements for t in self.file.tensors.values())

@@ -1,6 +1,6 @@
 """A reranker's classification head, as llama.cpp's rank pooling applies it: the first token's
 hidden state x, then tanh(cls x + cls_b) where the file has `cls.weight`, then cls.output x +
-cls.output_b where it has `cls.output.weight`; the first value is the relevance score.
+cls.output_b where it has `cls.output.weight` (bert); the first value is the relevance score.
 
 It runs on the host in float32 over one pooled vector per document: a few n_embd x n_embd
 products per request, nothing a device would save.
@@ -41,7 +41,8 @@ class RankHead:
             b = model.file.tensors.get(name + ".bias")
             return w, (b.raw.view(np.float32).copy() if b is not None else None)
 
-        return cls(pair("cls"), pair("cls.output"))
+        # jina-bert-v2's rerankers score with cls alone (llama.cpp reads no cls.output for them)
+        return cls(pair("cls"), pair("cls.output") if model.hparams.arch == "bert" else None)
 
     def scores(self, x: np.ndarray) -> np.ndarray:
         """The head's output for one pooled vector [n_embd]: [n_classes] (the score is [0])."""

@@ -32,8 +32,9 @@ def model_pooling(gguf: Any, option: Optional[str], rank_head: bool = False) -> 
 def check_rank_pooling(pooling: str, model_name: str, rank_head: bool) -> None:
     """One line refusing rank pooling (--rerank, --pooling rank) for a model without a reranker's head."""
     if pooling == "rank" and not rank_head:
-        raise PyllamaError(f"{model_name}: rank pooling (--rerank, --pooling rank) needs a reranker: an encoder "
-                           "with a classification head (cls.weight or cls.output.weight), which this model lacks")
+        raise PyllamaError(f"{model_name}: rank pooling (--rerank, --pooling rank) needs a reranker: a bert or "
+                           "jina-bert-v2 model with a classification head (cls.weight or cls.output.weight), which "
+                           "this model lacks")
 
 
 def rerank_tokens(tok: Any, metadata: Any, query: str, doc: str) -> list[int]:

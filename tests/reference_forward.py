@@ -475,8 +475,94 @@ def _gpt_oss_hidden(meta: dict, W: dict, tokens: list[int], n_layer: int, eps: f
 
 def reference_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
     """The final hidden states after the output norm [len(tokens), n_embd] (float64): llama.cpp's
-    `result_norm`, what it returns as embeddings."""
+    `result_norm`, what it returns as embeddings (an encoder's: its last layer's output)."""
+    meta, _ = load_model(model_path)
+    if meta["general.architecture"] in ("bert", "nomic-bert", "jina-bert-v2"):
+        return bert_hidden(model_path, tokens)
     return _final_hidden(model_path, tokens)[0]
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
+def bert_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
+    """BERT as transformers' modeling_bert defines it (post-LayerNorm layers, every token of the
+    sequence seen by every other, learned absolute positions, token type 0, GELU in its tanh form
+    as llama.cpp computes it), one sequence: the last layer's output [len(tokens), n_embd].
+    nomic-bert (nomic-embed-text's NomicBertModel): the same layer with NeoX RoPE instead of
+    learned positions, q|k|v in one matrix and a SwiGLU FFN without biases. jina-bert-v2
+    (JinaBertModel): ALiBi (Press et al.: head h's scores minus slope_h |i - j|, the slopes of
+    max bias 8) instead of positions, and GeGLU over gate|up in ffn_up."""
+    meta, W = load_model(model_path)
+    arch = meta["general.architecture"]
+    n_layer, n_head = meta[f"{arch}.block_count"], meta[f"{arch}.attention.head_count"]
+    e = meta[f"{arch}.embedding_length"]
+    hd, eps, n = e // n_head, float(meta[f"{arch}.attention.layer_norm_epsilon"]), len(tokens)
+    x = np.asarray(W["token_embd.weight"])[np.asarray(tokens)]
+    if arch == "bert":
+        x = x + np.asarray(W["position_embd.weight"])[:n]
+    if "token_types.weight" in W:
+        x = x + np.asarray(W["token_types.weight"])[0]
+    x = layer_norm(x, W["token_embd_norm.weight"], W["token_embd_norm.bias"], eps)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        if p + "attn_qkv.weight" in W:
+            qkv = matmul(x, W[p + "attn_qkv.weight"]) + W.get(p + "attn_qkv.bias", 0.0)
+            q, k, v = qkv[:, :e], qkv[:, e:2 * e], qkv[:, 2 * e:]
+        else:
+            q = matmul(x, W[p + "attn_q.weight"]) + W.get(p + "attn_q.bias", 0.0)
+            k = matmul(x, W[p + "attn_k.weight"]) + W.get(p + "attn_k.bias", 0.0)
+            v = matmul(x, W[p + "attn_v.weight"]) + W.get(p + "attn_v.bias", 0.0)
+        q, k, v = q.reshape(n, n_head, hd), k.reshape(n, n_head, hd), v.reshape(n, n_head, hd)
+        if arch == "nomic-bert":
+            base, n_rot = float(meta[f"{arch}.rope.freq_base"]), meta.get(f"{arch}.rope.dimension_count", hd)
+            q, k = rope(q, base, n_rot, True), rope(k, base, n_rot, True)
+        att = np.empty((n, n_head, hd))
+        dist = np.abs(np.arange(n)[:, None] - np.arange(n)[None, :])
+        for h in range(n_head):
+            scores = q[:, h] @ k[:, h].T / np.sqrt(hd)
+            if arch == "jina-bert-v2":
+                scores = scores - alibi_slope(h, n_head, 8.0) * dist
+            probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+            att[:, h] = (probs / probs.sum(axis=1, keepdims=True)) @ v[:, h]
+        o = matmul(att.reshape(n, e), W[p + "attn_output.weight"]) + W.get(p + "attn_output.bias", 0.0)
+        x = layer_norm(x + o, W[p + "attn_output_norm.weight"], W[p + "attn_output_norm.bias"], eps)
+        if arch == "nomic-bert":
+            u = silu(matmul(x, W[p + "ffn_gate.weight"])) * matmul(x, W[p + "ffn_up.weight"])
+            d = matmul(u, W[p + "ffn_down.weight"])
+        elif arch == "jina-bert-v2":
+            gu = matmul(x, W[p + "ffn_up.weight"]) + W.get(p + "ffn_up.bias", 0.0)
+            f = gu.shape[1] // 2
+            d = matmul(gelu_tanh(gu[:, :f]) * gu[:, f:], W[p + "ffn_down.weight"]) + W[p + "ffn_down.bias"]
+        else:
+            u = gelu_tanh(matmul(x, W[p + "ffn_up.weight"]) + W.get(p + "ffn_up.bias", 0.0))
+            d = matmul(u, W[p + "ffn_down.weight"]) + W.get(p + "ffn_down.bias", 0.0)
+        x = layer_norm(x + d, W[p + "layer_output_norm.weight"], W[p + "layer_output_norm.bias"], eps)
+    return x
+
+
+def alibi_slope(h: int, n_head: int, max_bias: float) -> float:
+    """ALiBi's slope of head h: the geometric sequence of the paper, extended past the largest
+    power of two of heads by the odd powers of the half-bias ratio (as ggml computes it)."""
+    n_log2 = 2 ** int(np.floor(np.log2(n_head)))
+    if h < n_log2:
+        return (2.0 ** (-max_bias / n_log2)) ** (h + 1)
+    return (2.0 ** (-max_bias / 2.0 / n_log2)) ** (2 * (h - n_log2) + 1)
+
+
+def bert_rank_score(model_path: str, tokens: list[int]) -> np.ndarray:
+    """A BERT reranker's scores for one sequence: the first token's hidden state through the
+    classification head (tanh(cls x + b), then cls.output)."""
+    meta, W = load_model(model_path)
+    h = bert_hidden(model_path, tokens)[0]
+    if "cls.weight" in W:
+        h = np.tanh(np.asarray(W["cls.weight"]) @ h + W["cls.bias"])
+    if "cls.output.weight" in W:
+        h = np.asarray(W["cls.output.weight"]) @ h + W["cls.output.bias"]
+    return h
 
 
 def _final_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:

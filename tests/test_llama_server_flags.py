@@ -237,7 +237,7 @@ def test_bad_values_are_one_line(capsys):
     assert "--chat-template-kwargs" in exits(["--chat-template-kwargs", "{not json"], capsys)
     assert "--chat-template-kwargs" in exits(["--chat-template-kwargs", "[1]"], capsys)
     assert "-ngl" in exits(["-ngl", "lots"], capsys)
-    assert "--pooling" in exits(["--pooling", "rank"], capsys)
+    assert "--pooling" in exits(["--pooling", "bogus"], capsys)
 
 
 def test_checks_of_values():

@@ -12,7 +12,7 @@ nobody up (no barrier). Which thread computes an item never changes its result.
 kernel as a NativeStep (plan.pyx) for a bound graph; attention's per-step data (the cells, the
 lists, the ids) is still checked at every run.
 """
-from libc.math cimport fmaf, powf, sqrt, sqrtf, tanh
+from libc.math cimport fabs, fmaf, powf, sqrt, sqrtf, tanh
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 
@@ -297,6 +297,7 @@ cdef struct AttnArgs:
     const float* k_norm
     const float* freq_factors  # NULL, or n_rot / 2 divisors of the rotation angles (ggml's freq factors)
     const float* sinks         # NULL, or one logit per query head joining each softmax's denominator
+    const float* alibi         # NULL, or one slope per query head: each score gets slope * -|p_q - p_k|
     float* out
     int H, Hkv, hd, n_rot, rope_mode
     int rot_k, rot_v    # Hadamard rotation sizes of a quantized K / V cache (0: none; see _rotation_sizes)
@@ -369,7 +370,9 @@ cdef void _attend_heads(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogi
     cdef Py_ssize_t t = i // a.Hkv, j
     cdef int kvh = <int>(i % a.Hkv)
     cdef Py_ssize_t r0 = a.ranges[2 * t], r1 = a.ranges[2 * t + 1], L = a.max_len + 1  # scores per head
+    cdef Py_ssize_t skipped = 0  # cells of the list before the window (ALiBi reads positions off the list)
     if a.n_swa > 0 and r1 > a.n_swa:  # a sliding window: the list's last n_swa cells
+        skipped = r1 - a.n_swa
         r0 = r0 + r1 - a.n_swa
         r1 = a.n_swa
     cdef Py_ssize_t head = <Py_ssize_t>kvh * hd
@@ -387,13 +390,13 @@ cdef void _attend_heads(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogi
     cdef float sc, total, p
     for d in range(G * hd):
         q[d] = o[d]
-    if a.softcap <= 0 and a.sinks == NULL and pv_ggml_attend_ok(hd, a.k_type, a.v_type):
+    if a.softcap <= 0 and a.sinks == NULL and a.alibi == NULL and pv_ggml_attend_ok(hd, a.k_type, a.v_type):
         # F32 caches: ggml's own float steps (see vec_math.h); scratch: q, then G * exact_len
         # scores, then kqv_lanes rows of hd sums
         pv_ggml_attend(q, G, hd, a.k_cache, a.k_row, head * 4, a.v_cache, a.v_row, head * 4, a.cells + r0, r1,
                        a.scale, a.kqv_lanes, q + G * hd, a.exact_len, q + G * hd + G * a.exact_len, o)
         return
-    if a.softcap <= 0 and a.sinks == NULL and pv_attend_ok(G, hd, a.k_type, a.v_type):
+    if a.softcap <= 0 and a.sinks == NULL and a.alibi == NULL and pv_attend_ok(G, hd, a.k_type, a.v_type):
         # F32 / F16 caches: every cache row read once for the G heads, straight from the cache
         pv_attend_qk(q, G, hd, a.k_cache, a.k_row, head * (4 if k_f32 else 2), a.k_type, a.cells + r0, r1,
                      a.scale, scores, L, a.v_cache, a.v_row, head * (4 if v_f32 else 2), a.v_type)
@@ -417,6 +420,9 @@ cdef void _attend_heads(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogi
                 scores[g * L + j] = a.softcap * <float>tanh(sc * a.scale / a.softcap)
             else:
                 scores[g * L + j] = sc * a.scale
+            if a.alibi != NULL:  # the list holds the sequence's positions in order, from 0
+                scores[g * L + j] = scores[g * L + j] + a.alibi[kvh * G + g] * (
+                    -<float>fabs(<double>(a.pos[t] - (j + skipped))))
     for g in range(G):  # (room for the total: r1 <= max_len)
         if a.sinks != NULL:
             scores[g * L + r1] = pv_softmax_unnormed_sink(scores + g * L, r1, a.sinks[kvh * G + g])
@@ -506,7 +512,7 @@ cdef int _attn_setup(AttnArgs* a, const float[:, ::1] qkv, unsigned char[:, ::1]
                      int n_head, int n_head_kv, int head_dim, int n_rot, int rope_mode,
                      double freq_base, double freq_scale, float norm_eps, float scale, int n_threads,
                      int k_type, int v_type, float softcap, Py_ssize_t n_swa, double rope_mscale,
-                     rope_freqs, list keep, sinks=None) except -1:
+                     rope_freqs, list keep, sinks=None, alibi=None) except -1:
     """Checks everything but the per-step data (kv_idx, ranges and cells, rope_freqs' values: see
     _attn_scan) and fills a; the arrays a points into are appended to keep. 0: no tokens."""
     cdef Py_ssize_t n = qkv.shape[0], n_cells = kc.shape[0], n_listed = cells.shape[0]
@@ -569,6 +575,14 @@ cdef int _attn_setup(AttnArgs* a, const float[:, ::1] qkv, unsigned char[:, ::1]
             raise ValueError(f"attention: {sv.shape[0]} sinks for {H} heads")
         a.sinks = &sv[0]
         keep.append(sv)
+    cdef const float[::1] av
+    a.alibi = NULL
+    if alibi is not None:
+        av = alibi
+        if av.shape[0] != H:
+            raise ValueError(f"attention: {av.shape[0]} ALiBi slopes for {H} heads")
+        a.alibi = &av[0]
+        keep.append(av)
     a.mscale = <float>rope_mscale
     a.softcap = softcap
     a.n_swa = n_swa
@@ -681,12 +695,12 @@ def attention(const float[:, ::1] qkv, k_cache, v_cache,
               int n_head, int n_head_kv, int head_dim, int n_rot, int rope_mode,
               double freq_base, double freq_scale, float norm_eps, float scale, int n_threads=1,
               int k_type=0, int v_type=0, float softcap=0.0, Py_ssize_t n_swa=0, double rope_mscale=1.0,
-              rope_freqs=None, sinks=None):
+              rope_freqs=None, sinks=None, alibi=None):
     """One layer's self-attention for a micro-batch (see Op.ATTENTION). k_cache and v_cache are
     [n_cells, row] arrays holding rows of k_type and v_type (ggml type ids: F32 0, F16 1, Q8_0 8,
     BF16 30, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, IQ4_NL 20), as uint8 bytes or, for F32, as float32. softcap, n_swa, rope_mscale and rope_freqs
-    (float32 [n_rot / 2] or None) and sinks (float32 [n_head] or None) are Op.ATTENTION's optional
-    parameters and sources."""
+    (float32 [n_rot / 2] or None), sinks and alibi (float32 [n_head] or None) are Op.ATTENTION's
+    optional parameters and sources."""
     cdef unsigned char[:, ::1] kc = _cache_bytes(k_cache)
     cdef unsigned char[:, ::1] vc = _cache_bytes(v_cache)
     cdef AttnArgs a
@@ -694,7 +708,7 @@ def attention(const float[:, ::1] qkv, k_cache, v_cache,
     cdef int failed
     if not _attn_setup(&a, qkv, kc, vc, pos, kv_idx, cells, ranges, q_norm, k_norm, out, n_head, n_head_kv,
                        head_dim, n_rot, rope_mode, freq_base, freq_scale, norm_eps, scale, n_threads, k_type,
-                       v_type, softcap, n_swa, rope_mscale, rope_freqs, keep, sinks):
+                       v_type, softcap, n_swa, rope_mscale, rope_freqs, keep, sinks, alibi):
         _check_freqs(n_rot, rope_freqs)  # no tokens: only the factors can be wrong
         return
     if _attn_scan(&a):
@@ -711,7 +725,7 @@ def bind_attention(checked, const float[:, ::1] qkv, k_cache, v_cache,
                    int n_head, int n_head_kv, int head_dim, int n_rot, int rope_mode,
                    double freq_base, double freq_scale, float norm_eps, float scale, int n_threads=1,
                    int k_type=0, int v_type=0, float softcap=0.0, Py_ssize_t n_swa=0, double rope_mscale=1.0,
-                   rope_freqs=None, sinks=None):
+                   rope_freqs=None, sinks=None, alibi=None):
     """attention (same arguments) bound as a NativeStep, or None for no tokens. The per-step data
     (cells, ranges, ids) is checked at every run."""
     cdef unsigned char[:, ::1] kc = _cache_bytes(k_cache)
@@ -720,6 +734,6 @@ def bind_attention(checked, const float[:, ::1] qkv, k_cache, v_cache,
     cdef list keep = []
     if not _attn_setup(<AttnArgs *>s.ctx, qkv, kc, vc, pos, kv_idx, cells, ranges, q_norm, k_norm, out, n_head,
                        n_head_kv, head_dim, n_rot, rope_mode, freq_base, freq_scale, norm_eps, scale, n_threads,
-                       k_type, v_type, softcap, n_swa, rope_mscale, rope_freqs, keep, sinks):
+                       k_type, v_type, softcap, n_swa, rope_mscale, rope_freqs, keep, sinks, alibi):
         return None
     return bound(s, _attn_step, keep)

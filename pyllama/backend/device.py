@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from ..ir.tensor import FAMILY_OPS, DType, Node, family_node
+from ..ir.tensor import FAMILY_OPS, AttentionParams, DType, Node, Op, family_node
 
 __all__ = ["Device", "DeviceInfo"]
 
@@ -66,7 +66,12 @@ class Device(ABC):
         node of its graph (models/weights.py, check_placement), the scheduler of every plan's."""
         if not self.supports(node.op):
             return False
+        if node.op == Op.ATTENTION and not self.alibi_ok and AttentionParams.of(node.params, len(node.srcs)).alibi:
+            return False
         return not family_node(node.op, node.params, len(node.srcs)) or all(self.supports(op) for op in FAMILY_OPS)
+
+    # whether ATTENTION's ALiBi slopes are computed here (the CPU's kernel; no peer announces them)
+    alibi_ok = False
 
     def refusal_hint(self) -> str:
         """What to say of this device when a model's node cannot run on it (a peer names itself

@@ -137,12 +137,17 @@ class Scheduler:
                 n = min(n, slot.exact_from - start)  # the prompt part, as a prompt
             if n <= 0:
                 continue
+            # a model whose tokens see their whole sequence computes a prompt in one piece: one
+            # that does not fit what is left of this step waits for the next
+            whole = not self.ctx.hparams.causal
+            if whole and n < len(feed) - start:
+                continue
             need = kv.blocks_to_grow(slot.seq, start + n)
             while need > self._free() and self._evict_for(slot, order, self_ok=False):
                 pass
             if need > self._free():
                 n = kv.room(slot.seq, self._free()) - start
-                if n <= 0:
+                if n <= 0 or whole:
                     continue
                 need = kv.blocks_to_grow(slot.seq, start + n)
             self._reserved += need

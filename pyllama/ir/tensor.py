@@ -22,7 +22,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as DType
 
-__all__ = ["AttentionParams", "MlaParams", "MoeParams", "family_node", "DType", "Buffer", "Tensor", "nbytes_of", "NP_DTYPES", "WEIGHT_TYPES", "QUANT_TYPES", "KV_CACHE_TYPES",
+__all__ = ["ATTN_ALIBI", "AttentionParams", "MlaParams", "MoeParams", "family_node", "DType", "Buffer", "Tensor", "nbytes_of", "NP_DTYPES", "WEIGHT_TYPES", "QUANT_TYPES", "KV_CACHE_TYPES",
            "Op", "Node", "Graph", "node", "input_tensor", "Src", "OpSpec", "OP_TABLE", "src_roles", "check_node",
            "sample_in_cols", "sample_out_cols", "SAMPLE_PARAM_COLS", "MAX_SRCS"]
 
@@ -134,6 +134,9 @@ class Op(IntEnum):
     # graphs that use none of them (9-parameter graphs stay valid); rope_mscale 0 reads as 1.
     # rope_mode + ATTN_SINKS (16): a sinks source comes last, one logit per query head that joins
     # each softmax's denominator (gpt-oss's attention sinks, ggml's soft_max with sinks).
+    # rope_mode + ATTN_ALIBI (32): an alibi source comes last (after any sinks), one slope per
+    # query head: each score gets slope * -|p_q - p_k| (ALiBi, ggml's soft_max with max_bias), the
+    # key's position read as its place in the token's list (the cache lists positions 0.. in order).
     ATTENTION = 6
     # The sampler chain of every output row, run where the logits are (backend sampling):
     # srcs (logits [r, n_vocab], sampling i32 [r, 12 + L]); params (n_probs N, window L)
@@ -183,6 +186,11 @@ class Op(IntEnum):
     # output. RoPE is ggml's rope_ext in the normal (adjacent pairs) mode with its YaRN
     # parameters. The cache holds lora + rope values per token and layer, as llama.cpp's.
     MLA_ATTENTION = 14
+    # srcs (x [n, d], w [d], b [d]); params (eps,) -> out [n, d] = (x - mean) / sqrt(var + eps) * w + b
+    # (the encoders' LayerNorm: BERT and its family)
+    LAYER_NORM = 15
+    # srcs (x); -> out = gelu(x), in its tanh form (the encoders' ungated FFN)
+    GELU = 16
 
 
 MAX_SRCS = 10  # sources a node may have (the wire's fixed node layout)
@@ -205,6 +213,7 @@ FAMILY_OPS = (Op.GEGLU, Op.SCALE, Op.SOFTCAP)
 
 
 ATTN_SINKS = 16  # a flag on ATTENTION's rope_mode: the last source is the per-head sink logits
+ATTN_ALIBI = 32  # a flag on ATTENTION's rope_mode: the last source is the per-head ALiBi slopes
 
 
 class AttentionParams(NamedTuple):
@@ -226,30 +235,35 @@ class AttentionParams(NamedTuple):
     rope_mscale: float = 1.0
     rope_freqs: bool = False  # a rope_freqs source follows (it is a source, not a parameter)
     sinks: bool = False       # a sinks source comes last (ATTN_SINKS on rope_mode on the wire)
+    alibi: bool = False       # an alibi source comes last (ATTN_ALIBI on rope_mode on the wire)
 
     @classmethod
     def of(cls, params: Sequence[float], n_srcs: int) -> "AttentionParams":
         """From a node's parameters (9 or 12) and its source count (8 or 10: rope_freqs last, then
-        the sinks where rope_mode carries ATTN_SINKS)."""
+        the sinks where rope_mode carries ATTN_SINKS, then the slopes where it carries ATTN_ALIBI)."""
         p = tuple(params) + (0.0,) * (12 - len(params))
         mode = p[4]
-        sinks = mode == int(mode) and int(mode) & ATTN_SINKS != 0
-        if sinks:
-            p = p[:4] + (int(mode) & ~ATTN_SINKS,) + p[5:]
-        rest = n_srcs - (1 if sinks else 0)
+        whole = mode == int(mode)
+        sinks = whole and int(mode) & ATTN_SINKS != 0
+        alibi = whole and int(mode) & ATTN_ALIBI != 0
+        if sinks or alibi:
+            p = p[:4] + (int(mode) & ~(ATTN_SINKS | ATTN_ALIBI),) + p[5:]
+        rest = n_srcs - (1 if sinks else 0) - (1 if alibi else 0)
         return cls(*p[:9], softcap=p[9], n_swa=p[10], rope_mscale=p[11] or 1.0, rope_freqs=rest % 2 == 0,
-                   sinks=sinks)
+                   sinks=sinks, alibi=alibi)
 
     @property
     def extended(self) -> bool:
         """Whether it uses an extension (devices without FAMILY_OPS run none)."""
-        return self.softcap != 0 or self.n_swa != 0 or self.rope_mscale != 1.0 or self.rope_freqs or self.sinks
+        return (self.softcap != 0 or self.n_swa != 0 or self.rope_mscale != 1.0 or self.rope_freqs or self.sinks
+                or self.alibi)
 
     def params(self) -> tuple:
         """The node's parameters: the 9 base ones, the 3 extensions only where one is used."""
         base = tuple(self[:9])
-        if self.sinks:
-            base = base[:4] + (int(self.rope_mode) | ATTN_SINKS,) + base[5:]
+        if self.sinks or self.alibi:
+            flags = (ATTN_SINKS if self.sinks else 0) | (ATTN_ALIBI if self.alibi else 0)
+            base = base[:4] + (int(self.rope_mode) | flags,) + base[5:]
         if self.softcap or self.n_swa or self.rope_mscale != 1.0:
             return base + (self.softcap, self.n_swa, self.rope_mscale)
         return base
@@ -339,7 +353,8 @@ OP_TABLE: dict[Op, OpSpec] = {
     Op.SWIGLU: OpSpec((_s("gu", F32),), (1,), F32, 0),
     Op.ATTENTION: OpSpec((_s("qkv", F32), Src("k_cache", KV_CACHE_TYPES), Src("v_cache", KV_CACHE_TYPES),
                           _s("pos", I32), _s("kv_idx", I32), _s("attn_cells", I32), _s("attn_ranges", I32),
-                          _s("q_norm", F32), _s("k_norm", F32), _s("rope_freqs", F32), _s("sinks", F32)),
+                          _s("q_norm", F32), _s("k_norm", F32), _s("rope_freqs", F32), _s("sinks", F32),
+                          _s("alibi", F32)),
                          (7, 8, 9, 10), F32, 12),
     Op.SAMPLE: OpSpec((_s("logits", F32), _s("sampling", I32)), (2,), I32, 2),
     # sources are laid out by src_roles (x, p weights, optional bias)
@@ -357,6 +372,8 @@ OP_TABLE: dict[Op, OpSpec] = {
                     (10,), F32, 11),
     Op.SCALE: OpSpec((_s("x", F32),), (1,), F32, 1),
     Op.SOFTCAP: OpSpec((_s("x", F32),), (1,), F32, 1),
+    Op.LAYER_NORM: OpSpec((_s("x", F32), _s("w", F32), _s("b", F32)), (3,), F32, 1),
+    Op.GELU: OpSpec((_s("x", F32),), (1,), F32, 0),
 }
 assert set(OP_TABLE) == set(Op), "every op needs its row in OP_TABLE"
 
@@ -384,13 +401,15 @@ def src_roles(op: Op, n_srcs: int, params: Sequence[float] = ()) -> Optional[lis
             return None
         return (list(spec.srcs[:5]) + list(spec.srcs[8:12])[:biases] + list(spec.srcs[5:5 + shared])
                 + [spec.srcs[7]] * bias)
-    if op == Op.ATTENTION:  # 7 fixed, then q_norm and k_norm as a pair, then rope_freqs, then sinks
+    if op == Op.ATTENTION:  # 7 fixed, then q_norm and k_norm as a pair, then rope_freqs, sinks, alibi
         base, pair, freqs, sinks = list(spec.srcs[:7]), list(spec.srcs[7:9]), [spec.srcs[9]], [spec.srcs[10]]
-        has_sinks = AttentionParams.of(params, n_srcs).sinks if params else False
-        rest = n_srcs - (1 if has_sinks else 0)
+        ap = AttentionParams.of(params, n_srcs) if params else None
+        has_sinks, has_alibi = (ap.sinks, ap.alibi) if ap is not None else (False, False)
+        rest = n_srcs - (1 if has_sinks else 0) - (1 if has_alibi else 0)
         if rest < 7:
             return None
-        return base + (pair if rest >= 9 else []) + (freqs if rest % 2 == 0 else []) + (sinks if has_sinks else [])
+        return (base + (pair if rest >= 9 else []) + (freqs if rest % 2 == 0 else []) + (sinks if has_sinks else [])
+                + ([spec.srcs[11]] if has_alibi else []))
     return list(spec.srcs[:n_srcs])
 
 

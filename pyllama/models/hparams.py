@@ -33,7 +33,19 @@ ARCHITECTURES = {
     # gpt-oss: NeoX RoPE (YaRN in the published files), q/k/v and output biases, attention sinks,
     # every other layer in a sliding window, and Mixture-of-Experts layers with biased experts
     "gpt-oss": (ROPE_NEOX, True, False),
+    # BERT: an encoder (every token sees its whole sequence), learned positions instead of RoPE,
+    # LayerNorm with biases after attention and after the FFN, an ungated GELU FFN with biases
+    "bert": (ROPE_NORMAL, True, False),
+    # nomic-bert: BERT's layer with NeoX RoPE instead of learned positions and a SwiGLU FFN; q|k|v
+    # fused in the file, biases where it has them
+    "nomic-bert": (ROPE_NEOX, False, False),
+    # jina-bert-v2: BERT's layer with ALiBi instead of positions (no RoPE) and a GeGLU FFN over
+    # gate|up fused in the file's ffn_up (or an ungated GELU where ffn_up is n_ff wide)
+    "jina-bert-v2": (ROPE_NORMAL, True, False),
 }
+# encoders: no output layer, embeddings (and a classification head's scores) only
+ENCODER_ARCHS = ("bert", "nomic-bert", "jina-bert-v2")
+JINA_ALIBI_MAX_BIAS = 8.0  # llama.cpp's fixed ALiBi bias for jina-bert-v2
 # architectures whose q/k/v biases and q/k norms are optional: present where the file has them
 OPTIONAL_ATTN_TENSORS = ("glm4moe", "glm4")
 # architectures whose last `nextn_predict_layers` blocks only predict further tokens (multi-token
@@ -118,6 +130,10 @@ class HParams:
     post_norms: bool = False      # gemma2/3, glm4: RMS norms after attention and after the FFN
     qkv_fused: bool = False       # q|k|v in the file as one attn_qkv tensor (phi3; glm4 where so written)
     ffn_gelu: bool = False        # gemma: GeGLU (gelu tanh) instead of SwiGLU
+    # encoders (ENCODER_ARCHS): rms_eps above is their LayerNorm's epsilon
+    encoder: bool = False         # no output layer: the last layer's output is the embedding
+    causal: bool = True           # False: every token attends to every token of its sequence
+    alibi_max_bias: float = 0.0   # ALiBi's max bias (jina-bert-v2: 8), 0: none
 
     @property
     def is_swa(self) -> tuple:
@@ -280,8 +296,8 @@ def read_hparams(gf: GGUFFile) -> HParams:
     value_dim = _int(gf, f"{arch}.attention.value_length", head_dim)
     if value_dim != head_dim and arch != "deepseek2":
         raise ModelFileError(f"{gf.path}: key_length {head_dim} != value_length {value_dim} is not supported")
-    n_rot = _int(gf, f"{arch}.rope.dimension_count", head_dim)
-    if n_rot > head_dim or n_rot % 2:
+    n_rot = 0 if arch in ("bert", "jina-bert-v2") else _int(gf, f"{arch}.rope.dimension_count", head_dim)
+    if n_rot > head_dim or n_rot % 2:  # (an encoder's 0: no RoPE)
         raise ModelFileError(f"{gf.path}: rope.dimension_count {n_rot} must be even and at most the head size {head_dim}")
     tokens = gf.get("tokenizer.ggml.tokens")
     n_vocab = gf.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
@@ -297,8 +313,16 @@ def read_hparams(gf: GGUFFile) -> HParams:
     n_layer -= n_layer_nextn
     dense = _dense_family_hparams(gf, arch, n_layer, n_embd, n_head, head_dim)
     mla = _mla_hparams(gf, head_dim, value_dim, n_head_kv, n_rot) if arch == "deepseek2" else {}
-    qkv_fused = arch == "phi3" or (arch == "glm4" and "blk.0.attn_qkv.weight" in gf.tensors)
-    if arch in OPTIONAL_ATTN_TENSORS:
+    if arch in ENCODER_ARCHS:  # llama.cpp's default is causal; BERT's converter writes false
+        causal = gf.get(f"{arch}.attention.causal", True)
+        if not isinstance(causal, bool):
+            raise ModelFileError(f"{gf.path}: metadata key '{arch}.attention.causal' must be a bool, got {causal!r}")
+        dense = dict(encoder=True, causal=causal)
+        if arch == "jina-bert-v2":
+            dense.update(_jina_hparams(gf))
+    qkv_fused = arch == "phi3" or (arch in ("glm4", "nomic-bert", "jina-bert-v2")
+                                   and "blk.0.attn_qkv.weight" in gf.tensors)
+    if arch in OPTIONAL_ATTN_TENSORS or arch in ("nomic-bert", "jina-bert-v2"):
         qkv_bias = f"blk.0.attn_{'qkv' if qkv_fused else 'q'}.bias" in gf.tensors
         qk_norm = "blk.0.attn_q_norm.weight" in gf.tensors
     return HParams(
@@ -311,7 +335,7 @@ def read_hparams(gf: GGUFFile) -> HParams:
         head_dim=head_dim,
         n_ff=n_ff,
         n_ctx_train=_int(gf, f"{arch}.context_length", 2048),
-        rms_eps=_float(gf, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        rms_eps=_float(gf, f"{arch}.attention.layer_norm_{'' if arch in ENCODER_ARCHS else 'rms_'}epsilon", 1e-5 if arch not in ENCODER_ARCHS else 1e-12),
         rope_base=_float(gf, f"{arch}.rope.freq_base", 10000.0),
         rope_scale=rope_scale,
         n_rot=n_rot,
@@ -325,6 +349,17 @@ def read_hparams(gf: GGUFFile) -> HParams:
         **rope,
         **dense,
     )
+
+
+def _jina_hparams(gf: GGUFFile) -> dict:
+    """jina-bert-v2's fields: ALiBi, and GeGLU where ffn_up holds gate|up (2 n_ff rows). The
+    optional parts of llama.cpp's graph that pyllama lacks are refused by name."""
+    for name in ("attn_q_norm.weight", "attn_norm_2.weight", "ffn_gate.weight"):
+        if f"blk.0.{name}" in gf.tensors:
+            raise ModelFileError(f"{gf.path}: jina-bert-v2 files with '{name.split('.')[0]}' tensors are not supported")
+    n_ff = _int(gf, "jina-bert-v2.feed_forward_length")
+    up = gf.tensors.get("blk.0.ffn_up.weight")
+    return dict(alibi_max_bias=JINA_ALIBI_MAX_BIAS, ffn_gelu=up is not None and up.shape[0] == 2 * n_ff)
 
 
 def _rope_scaling(gf: GGUFFile, arch: str) -> dict:

@@ -4,8 +4,8 @@
         [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q2_k|q3_k|q4_k|q5_k|q6_k|iq4_nl|iq4_xs|mxfp4
                 |tq1_0|tq2_0|q4_k_m|q5_k_m|iq4_nl_mix|iq4_xs_mix|mxfp4_moe]
         [--seed N] [--arch llama|qwen2|qwen3|qwen2moe|qwen3moe|mixtral|gemma2|gemma3|phi3|glm4|glm4moe|deepseek2|
-                gpt-oss]
-        [--tied|--untied]
+                gpt-oss|bert|nomic-bert|jina-bert-v2]
+        [--tied|--untied] [--rerank-head]
         [--rope-scaling none|linear|yarn --rope-factor F] [--rope-freqs] [--n-rot N]
         [--sliding-window N] [--attn-softcap C] [--final-softcap C] [--longrope] [--output-bias]
         (FamilyOptions)
@@ -101,7 +101,11 @@ PRESETS: dict[str, Preset] = {
     "deep": Preset(64, 24, 4, 2, 192, 512, 512, False),
 }
 ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "glm4",
-         "glm4moe", "deepseek2", "gpt-oss")
+         "glm4moe", "deepseek2", "gpt-oss", "bert", "nomic-bert", "jina-bert-v2")
+ENCODER_ARCHS = ("bert", "nomic-bert", "jina-bert-v2")  # embedding models: no output layer, a WordPiece vocabulary by default
+BERT_NORM_EPS = 1e-12
+NOMIC_ROPE_BASE = 1000.0  # nomic-embed-text's rotary base
+POOLING_MEAN, POOLING_RANK = 1, 4  # llama.cpp's llama_pooling_type values
 PARTIAL_ROPE_ARCHS = ("glm4", "glm4moe")  # RoPE on half of each head, as GLM's files have it
 # Mixture-of-Experts shapes per preset: (experts, experts used per token, expert FFN width, shared
 # expert FFN width (qwen2moe only)). The small qwen3moe model's active FFN (3 x 256) is the small
@@ -186,7 +190,9 @@ class FamilyOptions:
     divisors, random in [1, 8] and [1, 2]) with rope.scaling.original_context_length = the preset's
     n_ctx / 4 and rope.scaling.attn_factor sqrt(1 + ln 4 / ln(that)), as the phi3 converter writes
     a 128k model; output_bias (qwen2, phi3): output.bias [n_vocab]. Both come after every other
-    tensor, so that the other weights do not change.
+    tensor, so that the other weights do not change. rerank_head (bert): a reranker's classification
+    head (cls.weight, cls.bias, cls.output.weight, cls.output.bias: one score) and pooling_type rank;
+    (jina-bert-v2) a one-score cls.weight [1, n_embd] and cls.bias.
     """
 
     rope_scaling: str = "none"
@@ -198,6 +204,7 @@ class FamilyOptions:
     n_rot: int = 0
     longrope: bool = False
     output_bias: bool = False
+    rerank_head: bool = False
 RMS_EPS = 1e-5
 QUANTIZATION_VERSION = 2
 
@@ -218,6 +225,8 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
                 n_vocab: int | None = None, opts: FamilyOptions = FamilyOptions()) -> list[TensorSpec]:
     """Every tensor of a model, in file (and random generation) order. tied=None: the preset's default."""
     p = PRESETS[preset] if isinstance(preset, str) else preset
+    if arch in ENCODER_ARCHS:
+        return _bert_plan(p, p.n_vocab if n_vocab is None else n_vocab, opts.rerank_head, arch)
     if arch in GEMMA_ARCHS:
         if tied is False:
             raise ValueError(f"{arch} ties its output layer to token_embd (no --untied)")
@@ -305,6 +314,91 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
         plan.append(TensorSpec("rope_factors_short.weight", ((opts.n_rot or hd) // 2,), "rope_freqs", 2.0))
     if opts.output_bias:
         plan.append(TensorSpec("output.bias", (n_vocab,), "bias"))
+    return plan
+
+
+def _bert_plan(p: Preset, n_vocab: int, rerank_head: bool, arch: str = "bert") -> list[TensorSpec]:
+    """BERT's tensors as llama.cpp's converter names them: token, type and position embeddings and
+    their LayerNorm; per layer q/k/v and the output with biases, LayerNorms after attention and
+    after the FFN, an ungated FFN with biases; a reranker's head last. nomic-bert's: no position
+    embeddings (RoPE), q|k|v fused in attn_qkv and no biases, a gated FFN (ffn_gate)."""
+    if arch == "nomic-bert":
+        return _nomic_bert_plan(p, n_vocab)
+    if arch == "jina-bert-v2":
+        return _jina_bert_v2_plan(p, n_vocab, rerank_head)
+    e, ff = p.n_embd, p.n_ff
+    nq = nkv = p.n_head * p.head_dim
+
+    def w(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
+        return TensorSpec(name, (rows, cols), "normal", gain / math.sqrt(cols))
+
+    plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 1.0),
+            TensorSpec("token_types.weight", (2, e), "bias"),
+            TensorSpec("position_embd.weight", (p.n_ctx, e), "bias"),
+            TensorSpec("token_embd_norm.weight", (e,), "norm"), TensorSpec("token_embd_norm.bias", (e,), "bias")]
+    for i in range(p.n_layer):
+        b = f"blk.{i}."
+        plan += [w(b + "attn_q.weight", nq, e), TensorSpec(b + "attn_q.bias", (nq,), "bias"),
+                 w(b + "attn_k.weight", nkv, e), TensorSpec(b + "attn_k.bias", (nkv,), "bias"),
+                 w(b + "attn_v.weight", nkv, e), TensorSpec(b + "attn_v.bias", (nkv,), "bias"),
+                 w(b + "attn_output.weight", e, nq, 0.5), TensorSpec(b + "attn_output.bias", (e,), "bias"),
+                 TensorSpec(b + "attn_output_norm.weight", (e,), "norm"),
+                 TensorSpec(b + "attn_output_norm.bias", (e,), "bias"),
+                 w(b + "ffn_up.weight", ff, e), TensorSpec(b + "ffn_up.bias", (ff,), "bias"),
+                 w(b + "ffn_down.weight", e, ff, 0.5), TensorSpec(b + "ffn_down.bias", (e,), "bias"),
+                 TensorSpec(b + "layer_output_norm.weight", (e,), "norm"),
+                 TensorSpec(b + "layer_output_norm.bias", (e,), "bias")]
+    if rerank_head:
+        plan += [w("cls.weight", e, e), TensorSpec("cls.bias", (e,), "bias"),
+                 w("cls.output.weight", 1, e, 2.5), TensorSpec("cls.output.bias", (1,), "bias")]
+    return plan
+
+
+def _jina_bert_v2_plan(p: Preset, n_vocab: int, rerank_head: bool = False) -> list[TensorSpec]:
+    """jina-bert-v2's tensors: bert's without position embeddings (ALiBi), gate|up fused in ffn_up
+    (GeGLU) with its bias; a reranker's one-score head (cls [1, n_embd]) last."""
+    e, ff, nq = p.n_embd, p.n_ff, p.n_head * p.head_dim
+
+    def w(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
+        return TensorSpec(name, (rows, cols), "normal", gain / math.sqrt(cols))
+
+    plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 1.0),
+            TensorSpec("token_types.weight", (2, e), "bias"),
+            TensorSpec("token_embd_norm.weight", (e,), "norm"), TensorSpec("token_embd_norm.bias", (e,), "bias")]
+    for i in range(p.n_layer):
+        b = f"blk.{i}."
+        plan += [w(b + "attn_q.weight", nq, e), TensorSpec(b + "attn_q.bias", (nq,), "bias"),
+                 w(b + "attn_k.weight", nq, e), TensorSpec(b + "attn_k.bias", (nq,), "bias"),
+                 w(b + "attn_v.weight", nq, e), TensorSpec(b + "attn_v.bias", (nq,), "bias"),
+                 w(b + "attn_output.weight", e, nq, 0.5), TensorSpec(b + "attn_output.bias", (e,), "bias"),
+                 TensorSpec(b + "attn_output_norm.weight", (e,), "norm"),
+                 TensorSpec(b + "attn_output_norm.bias", (e,), "bias"),
+                 w(b + "ffn_up.weight", 2 * ff, e), TensorSpec(b + "ffn_up.bias", (2 * ff,), "bias"),
+                 w(b + "ffn_down.weight", e, ff, 0.5), TensorSpec(b + "ffn_down.bias", (e,), "bias"),
+                 TensorSpec(b + "layer_output_norm.weight", (e,), "norm"),
+                 TensorSpec(b + "layer_output_norm.bias", (e,), "bias")]
+    if rerank_head:
+        plan += [w("cls.weight", 1, e, 2.5), TensorSpec("cls.bias", (1,), "bias")]
+    return plan
+
+
+def _nomic_bert_plan(p: Preset, n_vocab: int) -> list[TensorSpec]:
+    e, ff, nq = p.n_embd, p.n_ff, p.n_head * p.head_dim
+
+    def w(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
+        return TensorSpec(name, (rows, cols), "normal", gain / math.sqrt(cols))
+
+    plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 1.0),
+            TensorSpec("token_types.weight", (2, e), "bias"),
+            TensorSpec("token_embd_norm.weight", (e,), "norm"), TensorSpec("token_embd_norm.bias", (e,), "bias")]
+    for i in range(p.n_layer):
+        b = f"blk.{i}."
+        plan += [w(b + "attn_qkv.weight", 3 * nq, e), w(b + "attn_output.weight", e, nq, 0.5),
+                 TensorSpec(b + "attn_output_norm.weight", (e,), "norm"),
+                 TensorSpec(b + "attn_output_norm.bias", (e,), "bias"),
+                 w(b + "ffn_up.weight", ff, e), w(b + "ffn_gate.weight", ff, e), w(b + "ffn_down.weight", e, ff, 0.5),
+                 TensorSpec(b + "layer_output_norm.weight", (e,), "norm"),
+                 TensorSpec(b + "layer_output_norm.bias", (e,), "bias")]
     return plan
 
 
@@ -566,6 +660,9 @@ def make_model(preset: str, out: str, vocab: str | None = None, wtype: str = "f3
     ftype = WTYPES[wtype][1]
     if vocab is not None:
         vocab_entries, n_vocab = _vocab_from_file(os.fspath(vocab))
+    elif arch in ENCODER_ARCHS:
+        vocab_entries = _wordpiece_vocab_entries()
+        n_vocab = len(vocab_entries[1][1])
     else:
         n_vocab = p.n_vocab
         vocab_entries = _default_vocab_entries(n_vocab)
@@ -611,7 +708,11 @@ def _add_metadata(w: GGUFWriter, preset: str, p: Preset, arch_name: str, ftype: 
                  p.n_layer + (GLM4MOE["nextn_predict_layers"] if arch in ("glm4moe", "deepseek2") else 0))
     w.add_uint32(f"{arch}.feed_forward_length", p.n_ff)
     w.add_uint32(f"{arch}.attention.head_count", p.n_head)
-    w.add_uint32(f"{arch}.attention.head_count_kv", 1 if arch == "deepseek2" else p.n_head_kv)
+    w.add_uint32(f"{arch}.attention.head_count_kv",
+                 1 if arch == "deepseek2" else p.n_head if arch in ENCODER_ARCHS else p.n_head_kv)
+    if arch in ENCODER_ARCHS:
+        _add_encoder_metadata(w, arch, n_vocab, vocab_entries)
+        return
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", RMS_EPS)
     if arch in QK_NORM_ARCHS:
         w.add_uint32(f"{arch}.attention.key_length", p.head_dim)
@@ -650,7 +751,57 @@ def _add_metadata(w: GGUFWriter, preset: str, p: Preset, arch_name: str, ftype: 
         w.add_key_value(key, value, vtype, sub)
 
 
+def _add_encoder_metadata(w: GGUFWriter, arch: str, n_vocab: int,
+                          vocab_entries: list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]) -> None:
+    """An encoder's keys as llama.cpp's BERT converter writes them (non-causal attention, the
+    LayerNorm epsilon, the pooling type: mean, or rank with a classification head; the rank
+    option rewrites it in _add_family_metadata) and its vocabulary with a token type count."""
+    w.add_float32(f"{arch}.attention.layer_norm_epsilon", BERT_NORM_EPS)
+    w.add_bool(f"{arch}.attention.causal", False)
+    w.add_uint32(f"{arch}.vocab_size", n_vocab)
+    for key, value, vtype, sub in vocab_entries:
+        w.add_key_value(key, value, vtype, sub)
+    if not any(key == "tokenizer.ggml.token_type_count" for key, *_ in vocab_entries):
+        w.add_uint32("tokenizer.ggml.token_type_count", 2)
+
+
+# WordPiece: the specials, every printable ASCII character as a word start and as a continuation,
+# and a few whole words, so that plain English text tokenizes into more than characters
+WPM_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+WPM_WORDS = ("the", "of", "and", "to", "in", "is", "it", "that", "for", "on", "with", "as", "was", "at", "by",
+             "this", "be", "are", "from", "or", "an", "which", "one", "all", "cat", "dog", "sat", "mat", "what",
+             "how", "where", "paris", "france", "capital", "city", "river", "weather", "today", "hello", "world")
+WPM_PIECES = ("ing", "ed", "er", "es", "ly", "tion", "th", "he", "an", "re", "on", "at", "en", "nd", "st")
+
+
+def _wordpiece_vocab_entries() -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
+    """A small WordPiece vocabulary as llama.cpp's converter stores one (word starts with the
+    U+2581 prefix, continuations bare; [CLS] / [SEP] framing each text)."""
+    chars = [chr(c) for c in range(33, 127)]
+    tokens = list(WPM_SPECIALS) + ["\u2581" + c for c in chars] + chars + ["\u2581" + x for x in WPM_WORDS] \
+        + list(WPM_PIECES)
+    types = [3] * len(WPM_SPECIALS) + [1] * (len(tokens) - len(WPM_SPECIALS))  # control, then normal
+    A, S, U, B = GGUFValueType.ARRAY, GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.BOOL
+    ids = {name: WPM_SPECIALS.index(tok) for name, tok in (("padding", "[PAD]"), ("unknown", "[UNK]"),
+                                                             ("bos", "[CLS]"), ("seperator", "[SEP]"),
+                                                             ("mask", "[MASK]"))}
+    return [("tokenizer.ggml.model", "bert", S, None),
+            ("tokenizer.ggml.tokens", tokens, A, S),
+            ("tokenizer.ggml.token_type", types, A, GGUFValueType.INT32)] + \
+        [(f"tokenizer.ggml.{name}_token_id", i, U, None) for name, i in ids.items()] + \
+        [("tokenizer.ggml.add_bos_token", True, B, None), ("tokenizer.ggml.add_eos_token", False, B, None),
+         ("tokenizer.ggml.token_type_count", 2, U, None)]
+
+
 def _check_family(p: Preset, arch: str, opts: FamilyOptions) -> None:
+    if opts.rerank_head and arch not in ("bert", "jina-bert-v2"):
+        raise ValueError(f"--rerank-head is for bert and jina-bert-v2 (llama.cpp reads a classification head for "
+                         f"them), not {arch}")
+    if arch in ENCODER_ARCHS and (opts.rope_scaling != "none" or opts.rope_freqs or opts.n_rot or opts.longrope
+                                  or opts.output_bias or opts.sliding_window or opts.attn_softcap
+                                  or opts.final_softcap):
+        raise ValueError(f"{arch} takes no RoPE, window, soft-cap or output options (it has learned positions "
+                         "and no output layer)")
     if opts.rope_scaling not in ("none", "linear", "yarn"):
         raise ValueError(f"unknown rope scaling {opts.rope_scaling!r} (choose from none, linear, yarn)")
     if not opts.rope_factor >= 1.0:
@@ -671,6 +822,12 @@ def _check_family(p: Preset, arch: str, opts: FamilyOptions) -> None:
 def _add_family_metadata(w: GGUFWriter, p: Preset, arch_name: str, opts: FamilyOptions) -> None:
     """RoPE dimensions and scaling, and the gemma keys, as llama.cpp's converters write them."""
     arch = GGUF_ARCH.get(arch_name, arch_name)
+    if arch in ENCODER_ARCHS:
+        w.add_uint32(f"{arch}.pooling_type", POOLING_RANK if opts.rerank_head else POOLING_MEAN)
+        if arch == "nomic-bert":
+            w.add_float32(f"{arch}.rope.freq_base", NOMIC_ROPE_BASE)
+            w.add_uint32(f"{arch}.rope.dimension_count", p.head_dim)
+        return
     n_rot = mla_shape(p)[3] if arch == "deepseek2" else p.head_dim // 2 if arch in PARTIAL_ROPE_ARCHS else p.head_dim
     w.add_uint32(f"{arch}.rope.dimension_count", opts.n_rot or n_rot)
     if opts.rope_scaling != "none":
@@ -735,9 +892,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--longrope", action="store_true",
                     help="phi3: LongRoPE factors (rope_factors_long/short.weight), original context n_ctx / 4")
     ap.add_argument("--output-bias", action="store_true", help="qwen2, phi3: add output.bias")
+    ap.add_argument("--rerank-head", action="store_true",
+                    help="bert, jina-bert-v2: a reranker's classification head (bert: cls and cls.output; "
+                         "jina-bert-v2: a one-score cls) and pooling_type rank")
     args = ap.parse_args(argv)
     opts = FamilyOptions(args.rope_scaling, args.rope_factor, args.rope_freqs, args.sliding_window,
-                         args.attn_softcap, args.final_softcap, args.n_rot, args.longrope, args.output_bias)
+                         args.attn_softcap, args.final_softcap, args.n_rot, args.longrope, args.output_bias,
+                         args.rerank_head)
     try:
         path = make_model(args.preset, args.out, vocab=args.vocab, wtype=args.wtype, seed=args.seed,
                           arch=args.arch, tied=args.tied, opts=opts)
@@ -748,6 +909,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     n_vocab = None if args.vocab is None else GGUFFile(path).get(f"{GGUF_ARCH.get(args.arch, args.arch)}.vocab_size")
+    if args.arch in ENCODER_ARCHS:
+        n_vocab = GGUFFile(path).get(f"{args.arch}.vocab_size")
     n_params = count_parameters(args.preset, args.arch, args.tied, n_vocab)
     print(f"wrote {path}: {args.arch} {args.preset}, {n_params / 1e6:.2f}M parameters, {args.wtype}, "
           f"{os.path.getsize(path) / 2**20:.1f} MiB")

@@ -27,6 +27,8 @@ FUSED_FFN_ARCHS = ("phi3", "glm4")
 
 def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
     """File tensor name -> numpy shape, for every tensor the graph needs (output.weight optional)."""
+    if hp.encoder:
+        return _encoder_tensors(hp)
     e, q, kv = hp.n_embd, hp.n_embd_q, hp.n_embd_kv
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (hp.n_vocab, e),
@@ -52,6 +54,90 @@ def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
         if hp.qk_norm:
             shapes.update({b + "attn_q_norm.weight": (hp.head_dim,), b + "attn_k_norm.weight": (hp.head_dim,)})
     return _dense_family_tensors(hp, shapes)
+
+
+# the encoders whose classification head llama.cpp reads (rank pooling)
+RANK_HEAD_ARCHS = ("bert", "jina-bert-v2")
+# an encoder's biases that llama.cpp reads where the file has them
+ENCODER_OPTIONAL_BIASES = ("attn_output.bias", "ffn_up.bias", "ffn_down.bias")
+
+
+def encoder_optional_biases(hp: HParams) -> tuple[str, ...]:
+    """An encoder's biases that llama.cpp's graph adds where the file has them (nomic-bert's FFN
+    has none: its SwiGLU ignores any; jina-bert-v2 requires the others)."""
+    if hp.arch == "jina-bert-v2":
+        return ("ffn_up.bias",)
+    return ENCODER_OPTIONAL_BIASES if hp.arch == "bert" else ("attn_output.bias",)
+
+
+def _encoder_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
+    """The BERT family's required tensors as llama.cpp names them (bert: learned positions, q/k/v
+    with biases, an ungated FFN; nomic-bert: RoPE, q|k|v fused, a gated FFN); LayerNorms with
+    biases. The optional ones are added by Model where the file has them."""
+    e, q, kv, ff = hp.n_embd, hp.n_embd_q, hp.n_embd_kv, hp.n_ff
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (hp.n_vocab, e), "token_embd_norm.weight": (e,),
+                                          "token_embd_norm.bias": (e,)}
+    if hp.arch == "bert":
+        shapes["position_embd.weight"] = (hp.n_ctx_train, e)
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        if hp.qkv_fused:
+            shapes[b + "attn_qkv.weight"] = (q + 2 * kv, e)
+            if hp.qkv_bias:
+                shapes[b + "attn_qkv.bias"] = (q + 2 * kv,)
+        else:
+            shapes.update({b + "attn_q.weight": (q, e), b + "attn_k.weight": (kv, e), b + "attn_v.weight": (kv, e)})
+            if hp.qkv_bias:
+                shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
+        shapes.update({
+            b + "attn_output.weight": (e, q),
+            b + "attn_output_norm.weight": (e,), b + "attn_output_norm.bias": (e,),
+            b + "ffn_up.weight": (ff, e), b + "ffn_down.weight": (e, ff),
+            b + "layer_output_norm.weight": (e,), b + "layer_output_norm.bias": (e,),
+        })
+        if hp.arch == "nomic-bert":
+            shapes[b + "ffn_gate.weight"] = (ff, e)
+        if hp.arch == "jina-bert-v2":  # gate|up in ffn_up where GeGLU; output and down biases required
+            shapes.update({b + "ffn_up.weight": ((2 if hp.ffn_gelu else 1) * ff, e), b + "attn_output.bias": (e,),
+                           b + "ffn_down.bias": (e,)})
+    return shapes
+
+
+def _encoder_weights(hp: HParams, present: set) -> dict[str, tuple[list[str], int]]:
+    """An encoder's logical weights: q|k|v fused (with their biases), gate|up fused where gated,
+    the rest one file tensor each (the additive position table is computed at load:
+    weights.computed_weights)."""
+    out: dict[str, tuple[list[str], int]] = {
+        "token_embd": (["token_embd.weight"], -1),
+        "token_embd_norm": (["token_embd_norm.weight"], -1),
+        "token_embd_norm_bias": (["token_embd_norm.bias"], -1),
+    }
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        if hp.qkv_fused:
+            out[b + "attn_qkv"] = ([b + "attn_qkv.weight"], i)
+            if hp.qkv_bias:
+                out[b + "attn_qkv_bias"] = ([b + "attn_qkv.bias"], i)
+        else:
+            out[b + "attn_qkv"] = ([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"], i)
+            if hp.qkv_bias:
+                out[b + "attn_qkv_bias"] = ([b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"], i)
+        for name in ("attn_output", "ffn_down"):
+            out[b + name] = ([b + name + ".weight"], i)
+        if hp.arch == "jina-bert-v2":
+            out[b + "attn_output_bias"] = ([b + "attn_output.bias"], i)
+            out[b + "ffn_down_bias"] = ([b + "ffn_down.bias"], i)
+        if hp.arch != "nomic-bert":  # (jina-bert-v2's GeGLU: gate|up as GEGLU reads them)
+            out[b + "ffn_up"] = ([b + "ffn_up.weight"], i)
+        else:  # SwiGLU: gate|up as SWIGLU reads them
+            out[b + "ffn_gate_up"] = ([b + "ffn_gate.weight", b + "ffn_up.weight"], i)
+        for name in ("attn_output_norm", "layer_output_norm"):
+            out[b + name] = ([b + name + ".weight"], i)
+            out[b + name + "_bias"] = ([b + name + ".bias"], i)
+        for name in encoder_optional_biases(hp):
+            if b + name in present:
+                out[b + name.replace(".", "_")] = ([b + name], i)
+    return out
 
 
 def _dense_family_tensors(hp: HParams, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -182,6 +268,8 @@ class Model:
             want["output.weight"] = (hp.n_vocab, hp.n_embd)
         if self.output_bias:
             want["output.bias"] = (hp.n_vocab,)
+        if hp.encoder:
+            want.update(self._encoder_optional())
         for name, shape in want.items():
             info = self.file.tensors.get(name)
             if info is None:
@@ -193,6 +281,43 @@ class Model:
                                      f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")
             if len(shape) == 1 and info.qtype != QT.F32:
                 raise ModelFileError(f"{self.path}: tensor '{name}' must be F32, is {info.qtype.name}")
+
+    def _encoder_optional(self) -> dict[str, tuple[int, ...]]:
+        """The shapes of an encoder's optional tensors that the file has (the type embedding, the
+        classification head of a reranker, the output and FFN biases)."""
+        hp, e = self.hparams, self.hparams.n_embd
+        have = self.file.tensors
+        out: dict[str, tuple[int, ...]] = {}
+        if hp.arch == "jina-bert-v2" and "token_types.weight" not in have:  # required by llama.cpp's loader
+            raise ModelFileError(f"{self.path}: missing tensor 'token_types.weight'")
+        if "token_types.weight" in have:
+            out["token_types.weight"] = (have["token_types.weight"].shape[0], e)
+        if hp.arch not in RANK_HEAD_ARCHS:
+            have = {k: v for k, v in have.items() if not k.startswith("cls.")}
+        if "cls.weight" in have and hp.arch == "jina-bert-v2":  # a one-score head (jina's rerankers)
+            out.update({"cls.weight": (1, e), "cls.bias": (1,)})
+            have = {k: v for k, v in have.items() if not k.startswith("cls.output")}
+        elif "cls.weight" in have:
+            out.update({"cls.weight": (e, e), "cls.bias": (e,)})
+        if "cls.output.weight" in have:
+            n_cls = have["cls.output.weight"].shape[0]
+            out.update({"cls.output.weight": (n_cls, e), "cls.output.bias": (n_cls,)})
+        for i in range(hp.n_layer):
+            for name in encoder_optional_biases(hp):
+                if f"blk.{i}.{name}" in have:
+                    out[f"blk.{i}.{name}"] = (self._ffn_up_rows() if name == "ffn_up.bias" else e,)
+        return out
+
+    def _ffn_up_rows(self) -> int:
+        """Rows of an encoder's ffn_up: n_ff, or gate|up (2 n_ff) for jina-bert-v2's GeGLU."""
+        return (2 if self.hparams.arch == "jina-bert-v2" and self.hparams.ffn_gelu else 1) * self.hparams.n_ff
+
+    @property
+    def has_rank_head(self) -> bool:
+        """Whether the file has a classification head for rank pooling (bert: cls and or
+        cls.output; jina-bert-v2: a one-score cls), the encoders llama.cpp reads one for."""
+        return self.hparams.arch in RANK_HEAD_ARCHS and ("cls.output.weight" in self.file.tensors
+                                                         or "cls.weight" in self.file.tensors)
 
     def n_params(self) -> int:
         return sum(t.n_elements for t in self.file.tensors.values())
@@ -218,6 +343,8 @@ class Model:
     def logical_weights(self) -> dict[str, tuple[list[str], int]]:
         """Logical weight name -> (file tensors concatenated by rows, layer)."""
         hp = self.hparams
+        if hp.encoder:
+            return _encoder_weights(hp, set(self.file.tensors))
         out: dict[str, tuple[list[str], int]] = {
             "token_embd": (["token_embd.weight"], -1),
             "output_norm": (["output_norm.weight"], hp.n_layer),

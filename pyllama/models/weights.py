@@ -310,7 +310,7 @@ _NODE_WHAT = {Op.GET_ROWS: "row lookup", Op.RMS_NORM: "RMS norm", Op.MUL_MAT: "m
               Op.SWIGLU: "SwiGLU FFN", Op.ATTENTION: "attention", Op.SAMPLE: "sampling",
               Op.MUL_MAT_CAT: "product over weight parts of mixed types", Op.MOE_FFN: "Mixture-of-Experts FFN",
               Op.GEGLU: "GeGLU FFN", Op.SCALE: "embedding scale", Op.SOFTCAP: "logit soft-capping",
-              Op.MLA_ATTENTION: "multi-head latent attention"}
+              Op.MLA_ATTENTION: "multi-head latent attention", Op.LAYER_NORM: "layer norm", Op.GELU: "GELU FFN"}
 
 
 def check_placement(model: Model, placement: Placement) -> None:
@@ -431,6 +431,14 @@ def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
     its sequences' length calls for (models/build/llama.py), as llama.cpp; rope_freqs.weight, where
     a file has it, wins over them."""
     hp = model.hparams
+    if hp.encoder:
+        table = _position_table(model)
+        out = {"position_embd": (table, -1)} if table is not None else {}
+        if hp.alibi_max_bias > 0:
+            slopes = alibi_slopes(hp.n_head, hp.alibi_max_bias)
+            info = TensorInfo("attn_alibi (computed)", DType.F32, slopes.shape, slopes.size, slopes.view(np.uint8), -1)
+            out.update({f"blk.{il}.attn_alibi": (info, il) for il in range(hp.n_layer)})
+        return out
     if hp.mla_lora_kv:  # MLA_ATTENTION computes its YaRN angles itself, as ggml's rope_ext does
         return {}
     names = {"rope_freqs": "rope_freqs.weight"}
@@ -445,6 +453,34 @@ def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
         out.update({f"blk.{il}.{logical}": (info, il) for il in range(hp.n_layer)
                     if not (hp.is_swa[il] and hp.rope_base_swa > 0)})  # gemma3's local layers never scale
     return out
+
+
+def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """ALiBi's slope per head (float32 [n_head]) as ggml's soft_max computes them from max_bias:
+    the first 2^floor(log2(n_head)) heads powers of m0, the rest odd powers of m1."""
+    n_log2 = 1 << int(math.floor(math.log2(n_head)))
+    m0 = np.float32(2.0) ** np.float32(-max_bias / n_log2)
+    m1 = np.float32(2.0) ** np.float32(-(max_bias / 2.0) / n_log2)
+    h = np.arange(n_head)
+    return np.where(h < n_log2, m0 ** (h + 1.0), m1 ** (2.0 * (h - n_log2) + 1.0)).astype(np.float32)
+
+
+def _position_table(model: Model) -> Optional[TensorInfo]:
+    """What an encoder adds to each token's embedding by its position (F32 [n_ctx_train, n_embd]):
+    the learned position embeddings (bert) plus the first token type's row (every token is of
+    type 0, as llama.cpp's graph has it), so that one lookup and one addition serve both; for a
+    RoPE encoder the type row alone on every row, or None without one."""
+    hp = model.hparams
+    types = model.file.tensors.get("token_types.weight")
+    if "position_embd.weight" in model.file.tensors and hp.arch == "bert":
+        table = _f32(model, [model.file.tensors["position_embd.weight"]]).astype(np.float32, copy=True)
+    elif types is not None:
+        table = np.zeros((hp.n_ctx_train, hp.n_embd), dtype=np.float32)
+    else:
+        return None
+    if types is not None:
+        table += _f32(model, [types])[0]
+    return TensorInfo("position_embd (computed)", DType.F32, table.shape, table.size, table.view(np.uint8).reshape(-1), -1)
 
 
 def _upload(backend: Backend, model: Model, t: Tensor, infos: list[TensorInfo]) -> None:

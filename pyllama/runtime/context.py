@@ -103,6 +103,8 @@ class Context:
         self.freed = False
         self.kv_tensors: list[tuple[Tensor, Tensor]] = []
         self.kv_bytes: dict[str, int] = {}
+        if hp.encoder:  # the cache only holds one step's keys and values: F32 loses nothing to rounding
+            type_k = type_v = DType.F32
         self.type_k, self.type_v = cache_type(type_k), cache_type(type_v)
         if hp.mla_lora_kv and self.type_v != self.type_k:  # (as llama.cpp refuses it)
             raise PyllamaError(f"{model.name}: latent attention (MLA) keeps one cache, its values a view of its "
@@ -230,6 +232,10 @@ class Context:
         if batch.tokens.min() < 0 or batch.tokens.max() >= self.hparams.n_vocab:
             raise ValueError(f"token ids must lie in [0, {self.hparams.n_vocab})")
         rows = np.flatnonzero(batch.logits)
+        if self.hparams.encoder:  # no output layer: an encoder's rows are its hidden states
+            if sampling is not None:
+                raise ValueError("an encoder model returns embeddings, it samples nothing")
+            embeddings = True
         if embeddings and sampling is not None:
             raise ValueError("a decode returns either embeddings or sampled tokens")
         if embeddings:
@@ -251,8 +257,7 @@ class Context:
         self._logits_in_place = None
         try:
             keys, jobs = [], []
-            for u0 in range(0, n, self.n_ubatch):
-                u1 = min(n, u0 + self.n_ubatch)
+            for u0, u1 in self._ubatches(batch):
                 key, job, k, stream = self._ubatch_job(batch, u0, u1, done, sampling, sample, embeddings)
                 keys.append(key)
                 jobs.append(job)
@@ -283,6 +288,33 @@ class Context:
             return DecodeOutput(self._logits_in_place, rows)
         return DecodeOutput(self._logits[:len(rows)], rows)
 
+    def _ubatches(self, batch: Batch) -> list[tuple[int, int]]:
+        """The batch's micro-batches: runs of n_ubatch tokens; for a model whose tokens see their
+        whole sequence, runs of whole sequences (each given whole, from position 0), since one
+        split over two micro-batches would have its first tokens miss the later ones; what the
+        cache held for those sequences is forgotten (a sequence starts anew each time)."""
+        n = len(batch)
+        if self.hparams.causal:
+            return [(u0, min(n, u0 + self.n_ubatch)) for u0 in range(0, n, self.n_ubatch)]
+        starts = np.flatnonzero(np.r_[True, batch.seq_id[1:] != batch.seq_id[:-1]])
+        ends = np.r_[starts[1:], n]
+        out: list[tuple[int, int]] = []
+        for s0, s1 in zip(starts.tolist(), ends.tolist()):
+            if s1 - s0 > self.n_ubatch:
+                raise ValueError(f"input of {s1 - s0} tokens is too large to process: a sequence of a non-causal model "
+                                 f"must fit one micro-batch of {self.n_ubatch} (increase the physical batch size)")
+            if s1 - s0 > self.hparams.n_ctx_train:  # the learned positions end there
+                raise ValueError(f"input of {s1 - s0} tokens is longer than the model's {self.hparams.n_ctx_train} "
+                                 "positions")
+            if not np.array_equal(batch.pos[s0:s1], np.arange(s1 - s0)):
+                raise ValueError("a sequence of a non-causal model must come whole, positions 0..n-1, in one batch")
+            self.kv.seq_rm(int(batch.seq_id[s0]), 0)
+            if out and s1 - out[-1][0] <= self.n_ubatch:
+                out[-1] = (out[-1][0], s1)
+            else:
+                out.append((s0, s1))
+        return out
+
     def _collect_pending(self) -> None:
         """After a failed micro-batch: collects every reply this thread still has queued on any
         device of the step (the logits of earlier micro-batches, a split's outgoing read). A
@@ -302,7 +334,7 @@ class Context:
         want = batch.logits[u0:u1]
         n_out = int(want.sum())
         kv_idx = self.kv.prepare(seq, pos)
-        cells, ranges = self.kv.attention_lists(seq, pos)
+        cells, ranges = self.kv.attention_lists(seq, pos, self.hparams.causal)
         sampled = sampling is not None and n_out > 0
         key = (u1 - u0, n_out, sample if sampled else None, embeddings and n_out > 0)
         plan = self._plan(*key)

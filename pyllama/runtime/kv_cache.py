@@ -127,8 +127,9 @@ class KVCache:
         self.lengths[seq_ids] = pos + 1
         return self._cells[seq_ids, pos]
 
-    def attention_lists(self, seq_ids: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(cells, ranges): token t attends cells[ranges[t,0] : ranges[t,0] + ranges[t,1]]."""
+    def attention_lists(self, seq_ids: np.ndarray, pos: np.ndarray, causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(cells, ranges): token t attends cells[ranges[t,0] : ranges[t,0] + ranges[t,1]]: the cells of
+        its sequence up to its own, or (not causal) all of them."""
         uniq, inverse = np.unique(seq_ids, return_inverse=True)
         lens = self.lengths[uniq]
         starts = np.zeros(len(uniq), dtype=np.int64)
@@ -136,7 +137,7 @@ class KVCache:
         cells = np.concatenate([self._cells[s, :int(n)] for s, n in zip(uniq.tolist(), lens.tolist())])
         ranges = np.empty((len(seq_ids), 2), dtype=np.int32)
         ranges[:, 0] = starts[inverse]
-        ranges[:, 1] = pos + 1
+        ranges[:, 1] = pos + 1 if causal else lens[inverse]
         return cells, ranges
 
     def cell_runs(self, seq: int, n: int) -> list[tuple[int, int, int]]:

@@ -31,7 +31,8 @@ from ..util.affinity import apply_affinity
 from ..util.priority import apply_priority
 from .api import Api, ServerState
 from .chat import ChatTemplateError, template_from_option
-from .embedding import model_pooling
+from .embedding import check_rank_pooling, model_pooling
+from ..models.rank_head import RankHead
 from ..batching.group import PipelineGroup, groups_stopped, share_stages
 from ..runtime.placement.chunk import pipeline_chunk
 from .http import HTTPServer
@@ -79,6 +80,13 @@ def load(state: ServerState) -> None:
                     map_weights=args.mmap, kv_overrides=model_overrides(args),
                     repack=getattr(args, "repack", True), check_tensors=getattr(args, "check_tensors", False))
     hp = engine.model.hparams
+    if hp.encoder and not args.embedding:
+        raise PyllamaError(f"{engine.model.name}: a {hp.arch} model computes embeddings only; start the server with "
+                           "--embedding (or --rerank)")
+    state.rank_head = RankHead.of(engine.model)
+    state.pooling = model_pooling(engine.model.file, args.pooling, state.rank_head is not None)
+    if args.embedding:
+        check_rank_pooling(state.pooling, engine.model.name, state.rank_head is not None)
     check_generation_defaults(hp.n_vocab)
     names = [b.name for b in engine.backends]
     check_cpu_moe(names, engine.placement.layer_backend, hp.is_moe, hp.n_layer if args.cpu_moe else args.n_cpu_moe)
@@ -97,7 +105,6 @@ def load(state: ServerState) -> None:
     need = engine.check_memory(n_groups, ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified,
                                type_k, type_v)
     engine.load()
-    state.pooling = model_pooling(engine.model.file, args.pooling)
     if args.embedding:
         log.info("embeddings: pooling %s", state.pooling)
     state.groups = []

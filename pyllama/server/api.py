@@ -18,7 +18,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Callable, Optional, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from .. import __version__
 from ..models.gguf_file import file_type_name
@@ -80,6 +80,7 @@ class ServerState:
     aliases: list[str] = field(default_factory=list)
     embd_normalize: int = 2  # of embeddings whose request gives none
     pooling: str = "none"  # of embeddings: --pooling, else the model's (set when it loads)
+    rank_head: Any = None  # a reranker's classification head (models/rank_head.RankHead), or None
     spec_type: str = "none"  # speculative decoding: draft-simple (-md), ngram-simple, ngram-mod or none
     draft_engine: Any = None  # -md: the draft model
     split_chosen: bool = False  # the layer split is the server's own choice (no -ts, -ngl): it may move
@@ -156,6 +157,28 @@ NOT_SUPPORTED = "not_supported_error"
 def _not_enabled(what: str, flag: str) -> HTTPError:
     """llama-server's 501 for an endpoint that its command line left off."""
     return HTTPError(501, f"This server does not support {what}. Start it with `{flag}`", NOT_SUPPORTED)
+
+
+def _refuse_encoder(st: "ServerState") -> None:
+    """The 501 of a text-generation request to an encoder, which has no output layer."""
+    if st.engine is not None and st.engine.model.hparams.encoder:
+        raise HTTPError(501, f"This model ({st.engine.model.hparams.arch}) computes embeddings only: it cannot "
+                             "generate text", NOT_SUPPORTED)
+
+
+def _check_whole_input(st: "ServerState", n_tokens: int, field_name: str) -> None:
+    """A 400 for an input that a model whose tokens see their whole sequence cannot take: such a
+    sequence is computed in one micro-batch (-ub), within the model's learned positions."""
+    hp = st.engine.model.hparams
+    if hp.causal:
+        return
+    n_ubatch = min(st.args.ubatch_size, st.args.batch_size)
+    if n_tokens > n_ubatch:
+        raise HTTPError(400, f"'{field_name}': input ({n_tokens} tokens) is too large to process. increase the "
+                             f"physical batch size (current batch size: {n_ubatch})")
+    if n_tokens > hp.n_ctx_train:
+        raise HTTPError(400, f"'{field_name}': input ({n_tokens} tokens) is longer than the model's "
+                             f"{hp.n_ctx_train} positions")
 
 
 def _exceeds_context(n_prompt: int, n_ctx: int, at_least: bool = False) -> HTTPError:
@@ -405,14 +428,22 @@ class Api:
         """A finished choice read as a chat reply, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._replies, whole_reply, c, spec)
 
+    def _generates(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """`handler`, refused with a 501 for an encoder before anything is read or streamed."""
+        async def run(req: Request) -> Response:
+            _refuse_encoder(self.state)
+            return await handler(req)
+        return run
+
     def routes(self) -> dict:
+        gen = self._generates
         r = {
             ("GET", "/health"): self.health, ("GET", "/v1/health"): self.health,
-            ("POST", "/completion"): self.completion, ("POST", "/completions"): self.completion,
-            ("POST", "/v1/completions"): self.oai_completion,
-            ("POST", "/v1/chat/completions"): self.oai_chat, ("POST", "/chat/completions"): self.oai_chat,
-            ("POST", "/v1/messages"): self.messages, ("POST", "/v1/messages/count_tokens"): self.count_tokens,
-            ("POST", "/v1/responses"): self.responses, ("POST", "/responses"): self.responses,
+            ("POST", "/completion"): gen(self.completion), ("POST", "/completions"): gen(self.completion),
+            ("POST", "/v1/completions"): gen(self.oai_completion),
+            ("POST", "/v1/chat/completions"): gen(self.oai_chat), ("POST", "/chat/completions"): gen(self.oai_chat),
+            ("POST", "/v1/messages"): gen(self.messages), ("POST", "/v1/messages/count_tokens"): self.count_tokens,
+            ("POST", "/v1/responses"): gen(self.responses), ("POST", "/responses"): gen(self.responses),
             ("POST", "/v1/chat/completions/input_tokens"): self.chat_input_tokens,
             ("POST", "/chat/completions/input_tokens"): self.chat_input_tokens,
             ("POST", "/v1/responses/input_tokens"): self.response_input_tokens,
@@ -424,9 +455,11 @@ class Api:
             ("GET", "/slots"): self.slots, ("POST", "/slots/*"): self.slot_action,
             ("GET", "/metrics"): self.metrics,
             ("GET", "/lora-adapters"): self.lora_adapters, ("POST", "/lora-adapters"): self.lora_adapters,
-            ("POST", "/infill"): self.infill,
+            ("POST", "/infill"): gen(self.infill),
             ("POST", "/embedding"): self.embeddings, ("POST", "/embeddings"): self.embeddings,
             ("POST", "/v1/embeddings"): self.oai_embeddings,
+            ("POST", "/rerank"): self.rerank, ("POST", "/reranking"): self.rerank,
+            ("POST", "/v1/rerank"): self.rerank, ("POST", "/v1/reranking"): self.rerank,
             ("GET", "/pipeline/stats"): self.pipeline_stats,
         }
         if self.webui is not None:
@@ -671,6 +704,8 @@ class Api:
         for ev in results:
             assert ev is not None
             v = embd.pool(ev.hidden, st.pooling)
+            if st.pooling == "rank":  # the reranker's scores, as llama-server returns them
+                v = st.rank_head.scores(v)
             vectors.append(v if st.pooling == "none" else embd.normalize(v, norm))  # as llama-server
         if oai:
             model = body.get("model") if isinstance(body.get("model"), str) else st.model_alias
@@ -711,8 +746,67 @@ class Api:
                 raise HTTPError(400, "Input content cannot be empty")
             if len(tokens) > st.n_ctx_slot:
                 raise _exceeds_context(len(tokens), st.n_ctx_slot)
+            _check_whole_input(st, len(tokens), "input")
             prompts.append(tokens)
         return body, oai, prompts, norm, use_base64
+
+    # --- reranking ----------------------------------------------------------------------------
+    async def rerank(self, req: Request) -> Response:
+        """/rerank, /v1/rerank (and /reranking): each document scored against the query by the
+        reranker's head, in llama-server's Jina form (or TEI's for a body with `texts`)."""
+        st = self.state
+        # as llama-server: the command line's pooling, not the file's, opens the endpoint
+        if not getattr(st.args, "embedding", False) or getattr(st.args, "pooling", None) != "rank":
+            raise _not_enabled("reranking", "--reranking")
+        _require_ready(st)
+        body, prompts, documents, top_n = await _prepare(req, lambda: self._rerank_input(req))
+        tasks = [[CompletionTask(prompt=p, params=SamplingParams(), n_predict=0, cache_prompt=False, embedding=True,
+                                 index=i)] for i, p in enumerate(prompts)]
+        results: list[Optional[EmbeddingEvent]] = [None] * len(prompts)
+        async for index, ev in self._events(tasks):
+            if isinstance(ev, EmbeddingEvent):
+                results[index] = ev
+            elif isinstance(ev, ErrorEvent):
+                raise HTTPError(ev.status, ev.message, ev.type)
+        scores = []
+        for ev, tokens in zip(results, prompts):
+            assert ev is not None
+            scores.append((float(st.rank_head.scores(embd.pool(ev.hidden, "rank"))[0]), len(tokens)))
+        model = body.get("model") if isinstance(body.get("model"), str) else st.model_alias
+        return json_response(embd.rerank_response(body, model, scores, documents, top_n))
+
+    def _rerank_input(self, req: Request) -> tuple[dict, list[list[int]], list[str], int]:
+        """(body, each query-document pair as tokens, the documents, top_n) of a rerank request."""
+        st = self.state
+        body = req.json()
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the request body must be a JSON object")
+        if "query" not in body:
+            raise HTTPError(400, '"query" must be provided')
+        query = body["query"]
+        if not isinstance(query, str):
+            raise HTTPError(400, '"query" must be a string')
+        field_name = "documents" if "documents" in body else "texts"
+        documents = body.get(field_name, [])
+        if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
+            raise HTTPError(400, f'"{field_name}" must be a non-empty string array')
+        top_n = body.get("top_n", len(documents))
+        if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
+            raise HTTPError(400, '"top_n" must be a non-negative integer')
+        if not isinstance(body.get("return_text", False), bool):
+            raise HTTPError(400, '"return_text" must be a boolean')
+        _check_fan_out(st, len(documents))
+        prompts = []
+        for doc in documents:
+            st.check_prompt_fits(len(query) + len(doc), 0)
+            tokens = embd.rerank_tokens(st.tokenizer, st.engine.model.file, query, doc)
+            if not tokens:
+                raise HTTPError(400, "Input content cannot be empty")
+            if len(tokens) > st.n_ctx_slot:
+                raise _exceeds_context(len(tokens), st.n_ctx_slot)
+            _check_whole_input(st, len(tokens), field_name)
+            prompts.append(tokens)
+        return body, prompts, documents, top_n
 
     # --- slot save / restore / erase ----------------------------------------------------------
     async def slot_action(self, req: Request) -> Response:
@@ -854,6 +948,8 @@ class Api:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         tasks = [t for ts in task_lists for t in ts]
+        if not all(t.embedding for t in tasks):
+            _refuse_encoder(self.state)
         for t in tasks:
             t.queue, t.loop = q, loop
         self.state.router.submit_request(task_lists)  # one request: its prompts take turns with others'

@@ -44,7 +44,7 @@ PROG = "python -m pyllama.server"
 # llama-server's -np -1: 4 slots sharing one unified KV cache
 AUTO_PARALLEL = 4
 REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
-POOLING_TYPES = ("none", "mean", "cls", "last")
+POOLING_TYPES = ("none", "mean", "cls", "last", "rank")
 
 # llama-server flags pyllama does not have, and why: each is refused in one line (a server that
 # silently ignored --lora or --mmproj would answer with another model than the one asked for)
@@ -83,7 +83,6 @@ UNSUPPORTED: dict[str, str] = {
     **{f: "the router mode (several models) is not supported" for f in ("--models-dir", "--models-preset",
                                                                          "--models-max", "--models-autoload",
                                                                          "--no-models-autoload")},
-    **{f: "reranking is not supported" for f in ("--rerank", "--reranking")},
     **{f: "agent tools and MCP are not supported" for f in ("--tools", "--mcp-servers-config", "--mcp-servers-json",
                                                             "-ag", "--agent", "-no-ag", "--no-agent", "--ui-mcp-proxy",
                                                             "--webui-mcp-proxy", "--no-ui-mcp-proxy",
@@ -108,7 +107,7 @@ UNSUPPORTED_ENV = {"LLAMA_ARG_HF_REPO": "--hf-repo", "LLAMA_ARG_HF_FILE": "--hf-
                    "LLAMA_ARG_MODEL_URL": "--model-url", "LLAMA_ARG_DOCKER_REPO": "--docker-repo",
                    "LLAMA_ARG_MMPROJ": "--mmproj", "LLAMA_ARG_MMPROJ_URL": "--mmproj-url",
                    "LLAMA_ARG_OVERRIDE_TENSOR": "--override-tensor",
-                   "LLAMA_ARG_RERANKING": "--reranking", "LLAMA_ARG_SSL_KEY_FILE": "--ssl-key-file",
+                   "LLAMA_ARG_SSL_KEY_FILE": "--ssl-key-file",
                    "LLAMA_ARG_SSL_CERT_FILE": "--ssl-cert-file", "LLAMA_ARG_MODELS_DIR": "--models-dir"}
 
 
@@ -380,7 +379,10 @@ def build_parser() -> Parser:
     a("--embedding", "--embeddings", dest="embedding", action="store_true", llama_env="LLAMA_ARG_EMBEDDINGS",
       help="serve the embedding endpoints")
     a("--pooling", choices=list(POOLING_TYPES), default=None, llama_env="LLAMA_ARG_POOLING",
-      help="pooling of embeddings: none, mean, cls or last (default: the model's, else none)")
+      help="pooling of embeddings: none, mean, cls, last or rank (a reranker's head; default: the model's, "
+           "else none)")
+    a("--rerank", "--reranking", dest="rerank", action="store_true", llama_env="LLAMA_ARG_RERANKING",
+      help="serve /rerank (and the embedding endpoints) with rank pooling: needs a model with a reranker's head")
     a("--embd-normalize", type=int, default=2, llama_env=None,
       help="normalisation of embeddings when a request gives no embd_normalize: -1 none, 0 max absolute "
            "scaled to int16, 1 taxicab, 2 Euclidean, > 2 p-norm")
@@ -616,6 +618,8 @@ def resolve(args: argparse.Namespace) -> None:
             args.kv_unified = True
     if args.kv_unified is None:
         args.kv_unified = False
+    if getattr(args, "rerank", False):  # as llama-server: reranking is embeddings with rank pooling
+        args.embedding, args.pooling = True, "rank"
     # An option that names no key (`--api-key "$UNSET"`, a file of comments) is refused: read as
     # "no keys" it would start a server that anyone may use, the opposite of what was asked.
     keys = list(args.api_key or [])

@@ -87,6 +87,7 @@ class CPUBackend(Backend):
 
     weight_types = CPU_WEIGHT_TYPES
     kv_types = KV_CACHE_TYPES  # F32, F16, BF16, Q8_0: the attention kernel reads each in its own type
+    alibi_ok = True  # the attention kernel adds ALiBi's slopes
 
     def __init__(self, n_threads: int = 0, name: str = "CPU", settings: Optional[CpuSettings] = None):
         self.name = name
@@ -270,16 +271,19 @@ class CPUBackend(Backend):
                 steps.append(_native(opts, k.bind_glu, _bind(k.swiglu, s[0], out, nt), s[0], out, nt, False))
             elif op == Op.ATTENTION:
                 a = AttentionParams.of(nd.params, len(s))
-                qn, kn = (s[7], s[8]) if len(s) - a.sinks >= 9 else (empty, empty)
-                sinks = s[-1] if a.sinks else None
-                freqs = s[-2 if a.sinks else -1] if a.rope_freqs else None
+                tail = list(s[7:])  # the optional sources, in their order (src_roles)
+                alibi = tail.pop() if a.alibi else None
+                sinks = tail.pop() if a.sinks else None
+                freqs = tail.pop() if a.rope_freqs else None
+                qn, kn = (tail[0], tail[1]) if len(tail) == 2 else (empty, empty)
                 if a.n_swa != int(a.n_swa):
                     raise ValueError(f"ATTENTION {nd.out.name}: n_swa {a.n_swa} is not an integer")
                 kc, vc = nd.srcs[1], nd.srcs[2]  # the caches as rows of bytes in their cache types
                 args = (s[0], _rows(kc), _rows(vc), s[3], s[4], s[5], s[6], qn, kn, out,
                         int(a.n_head), int(a.n_head_kv), int(a.head_dim), int(a.n_rot), int(a.rope_mode),
                         float(a.freq_base), float(a.freq_scale), float(a.norm_eps), float(a.scale), nt,
-                        int(kc.dtype), int(vc.dtype), float(a.softcap), int(a.n_swa), float(a.rope_mscale), freqs, sinks)
+                        int(kc.dtype), int(vc.dtype), float(a.softcap), int(a.n_swa), float(a.rope_mscale), freqs, sinks,
+                        alibi)
                 steps.append(_native(opts, k.bind_attention, _bind(k.attention, *args), *args))
             elif op == Op.GEGLU:
                 steps.append(_native(opts, k.bind_glu, _bind(k.geglu, s[0], out, nt), s[0], out, nt, True))
@@ -287,6 +291,10 @@ class CPUBackend(Backend):
                 steps.append(_bind(kx.scale, s[0], out, float(nd.params[0])))
             elif op == Op.SOFTCAP:
                 steps.append(_bind(kx.softcap, s[0], out, float(nd.params[0])))
+            elif op == Op.LAYER_NORM:
+                steps.append(_bind(layer_norm, s[0], s[1], s[2], out, float(nd.params[0])))
+            elif op == Op.GELU:
+                steps.append(_bind(gelu, s[0], out))
             elif op == Op.SAMPLE:
                 steps.append(bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             elif op == Op.MOE_FFN:
@@ -313,6 +321,33 @@ class _Plan(list):
     """A bound graph's steps, with the working memory they need (`work`, bytes)."""
 
     work = 0
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray, eps: float) -> None:
+    """out = (x - mean) / sqrt(var + eps) * w + b per row. The mean and variance are summed in
+    float64, as ggml_norm sums them, so that a row's statistics follow llama.cpp's."""
+    mean = x.mean(axis=1, dtype=np.float64, keepdims=True).astype(np.float32)
+    np.subtract(x, mean, out=out)
+    var = np.square(out, dtype=np.float64).mean(axis=1, keepdims=True)
+    out *= (1.0 / np.sqrt(var + eps)).astype(np.float32)
+    out *= w
+    out += b
+
+
+_GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+
+
+def gelu(x: np.ndarray, out: np.ndarray) -> None:
+    """out = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in float32 (GeGLU's gelu)."""
+    t = x * x
+    t *= np.float32(0.044715)
+    t += np.float32(1.0)
+    t *= x
+    t *= _GELU_C
+    np.tanh(t, out=t)
+    t += np.float32(1.0)
+    t *= x
+    np.multiply(t, np.float32(0.5), out=out)
 
 
 def _bound_bytes(graph: Graph) -> int:

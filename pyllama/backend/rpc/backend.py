@@ -370,6 +370,8 @@ class RPCBackend(_Commands, RemoteDevice, Backend):
         return f"the RPC server at {self.conn.endpoint}; update that server"
 
     def supports(self, op: int) -> bool:
+        if op in (Op.LAYER_NORM, Op.GELU):  # no capability announces them yet: a peer may predate them
+            return False
         if op == Op.MUL_MAT_CAT:  # servers that negotiate weight types run it, on a CPU device
             return self.conn.has(Cap.DEVICE_TYPES) and self.device_kind() == KIND["cpu"]
         if op == Op.MOE_FFN:  # servers that advertise it run it, on a CPU device

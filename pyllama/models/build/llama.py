@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from ...ir.tensor import AttentionParams, DType, Tensor
 from ..hparams import HParams
 from .ops import Graph, Node, Op, input_tensor, node, sample_in_cols, sample_out_cols
+from .bert import build_encoder
 from .mla import build_mla_attention
 from .moe import build_moe_ffn
 
@@ -52,6 +53,8 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
     n_ctx_seq: the context's positions per sequence, which pick phi3's LongRoPE factors (the long
     ones beyond the original context length, as llama.cpp).
     """
+    if hp.encoder:
+        return build_encoder(hp, w, kv, n_tokens, n_outputs, n_cells_listed)
     n, e = n_tokens, hp.n_embd
     inputs = {
         "inp_tokens": input_tensor("inp_tokens", I32, (n,)),

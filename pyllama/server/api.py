@@ -435,6 +435,19 @@ class Api:
             return await handler(req)
         return run
 
+    async def _embed_all(self, prompts: list[list[int]]) -> list[EmbeddingEvent]:
+        """Each prompt's pooled hidden state (embeddings, rerank scores), computed as one request."""
+        tasks = [[CompletionTask(prompt=p, params=SamplingParams(), n_predict=0, cache_prompt=False, embedding=True,
+                                 index=i)] for i, p in enumerate(prompts)]
+        results: list[Optional[EmbeddingEvent]] = [None] * len(prompts)
+        async for index, ev in self._events(tasks):
+            if isinstance(ev, EmbeddingEvent):
+                results[index] = ev
+            elif isinstance(ev, ErrorEvent):
+                raise HTTPError(ev.status, ev.message, ev.type)
+        assert all(ev is not None for ev in results)
+        return results  # type: ignore[return-value]
+
     def routes(self) -> dict:
         gen = self._generates
         r = {
@@ -692,17 +705,9 @@ class Api:
             raise _not_enabled("embeddings", "--embeddings")
         _require_ready(st)
         body, oai, prompts, norm, use_base64 = await _prepare(req, lambda: self._embedding_input(req, oai))
-        tasks = [[CompletionTask(prompt=p, params=SamplingParams(), n_predict=0, cache_prompt=False, embedding=True,
-                                 index=i)] for i, p in enumerate(prompts)]
-        results: list[Optional[EmbeddingEvent]] = [None] * len(prompts)
-        async for index, ev in self._events(tasks):
-            if isinstance(ev, EmbeddingEvent):
-                results[index] = ev
-            elif isinstance(ev, ErrorEvent):
-                raise HTTPError(ev.status, ev.message, ev.type)
+        results = await self._embed_all(prompts)
         vectors = []
         for ev in results:
-            assert ev is not None
             v = embd.pool(ev.hidden, st.pooling)
             if st.pooling == "rank":  # the reranker's scores, as llama-server returns them
                 v = st.rank_head.scores(v)
@@ -760,17 +765,9 @@ class Api:
             raise _not_enabled("reranking", "--reranking")
         _require_ready(st)
         body, prompts, documents, top_n = await _prepare(req, lambda: self._rerank_input(req))
-        tasks = [[CompletionTask(prompt=p, params=SamplingParams(), n_predict=0, cache_prompt=False, embedding=True,
-                                 index=i)] for i, p in enumerate(prompts)]
-        results: list[Optional[EmbeddingEvent]] = [None] * len(prompts)
-        async for index, ev in self._events(tasks):
-            if isinstance(ev, EmbeddingEvent):
-                results[index] = ev
-            elif isinstance(ev, ErrorEvent):
-                raise HTTPError(ev.status, ev.message, ev.type)
+        results = await self._embed_all(prompts)
         scores = []
         for ev, tokens in zip(results, prompts):
-            assert ev is not None
             scores.append((float(st.rank_head.scores(embd.pool(ev.hidden, "rank"))[0]), len(tokens)))
         model = body.get("model") if isinstance(body.get("model"), str) else st.model_alias
         return json_response(embd.rerank_response(body, model, scores, documents, top_n))

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 from ...ir.tensor import AttentionParams, DType, Tensor
 from ..hparams import HParams
-from .ops import Node, Op, input_tensor, node
+from .ops import Node, Op, node, step_inputs
 
 if TYPE_CHECKING:
     from ..weights import Weights
     from .llama import ForwardGraph
 
-F32, I32 = DType.F32, DType.I32
+F32 = DType.F32
 EMBD_NAME = "result_embd"
 
 
@@ -28,16 +28,7 @@ def build_encoder(hp: HParams, w: "Weights", kv: list[tuple[Tensor, Tensor]], n_
     """Nodes for `n_tokens` tokens of which `n_outputs` rows come back (their last hidden states)."""
     from .llama import ForwardGraph  # (llama.py dispatches here)
     n, e = n_tokens, hp.n_embd
-    inputs = {
-        "inp_tokens": input_tensor("inp_tokens", I32, (n,)),
-        "inp_pos": input_tensor("inp_pos", I32, (n,)),
-        "inp_kv_idx": input_tensor("inp_kv_idx", I32, (n,)),
-        "inp_attn_cells": input_tensor("inp_attn_cells", I32, (max(n_cells_listed, 1),)),
-        "inp_attn_ranges": input_tensor("inp_attn_ranges", I32, (n, 2)),
-    }
-    select_rows = 0 < n_outputs < n
-    if select_rows:
-        inputs["inp_out_ids"] = input_tensor("inp_out_ids", I32, (n_outputs,))
+    inputs, select_rows = step_inputs(n, n_outputs, n_cells_listed)
     nodes: list[Node] = []
 
     def add(op: Op, shape: tuple[int, ...], name: str, *srcs, params: tuple = (), layer: int) -> Tensor:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ...ir.tensor import AttentionParams, DType, Tensor
 from ..hparams import HParams
-from .ops import Graph, Node, Op, input_tensor, node, sample_in_cols, sample_out_cols
+from .ops import Graph, Node, Op, input_tensor, node, sample_in_cols, sample_out_cols, step_inputs
 from .bert import build_encoder
 from .mla import build_mla_attention
 from .moe import build_moe_ffn
@@ -56,16 +56,7 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
     if hp.encoder:
         return build_encoder(hp, w, kv, n_tokens, n_outputs, n_cells_listed)
     n, e = n_tokens, hp.n_embd
-    inputs = {
-        "inp_tokens": input_tensor("inp_tokens", I32, (n,)),
-        "inp_pos": input_tensor("inp_pos", I32, (n,)),
-        "inp_kv_idx": input_tensor("inp_kv_idx", I32, (n,)),
-        "inp_attn_cells": input_tensor("inp_attn_cells", I32, (max(n_cells_listed, 1),)),
-        "inp_attn_ranges": input_tensor("inp_attn_ranges", I32, (n, 2)),
-    }
-    select_rows = 0 < n_outputs < n
-    if select_rows:
-        inputs["inp_out_ids"] = input_tensor("inp_out_ids", I32, (n_outputs,))
+    inputs, select_rows = step_inputs(n, n_outputs, n_cells_listed)
     nodes: list[Node] = []
 
     def add(op: Op, shape: tuple[int, ...], name: str, *srcs, params: tuple = (), layer: int) -> Tensor:

@@ -7,8 +7,25 @@ they need.
 from __future__ import annotations
 
 from ..hparams import ROPE_NEOX, ROPE_NORMAL  # noqa: F401 - the ATTENTION op's rope modes
-from ...ir.tensor import (OP_TABLE, SAMPLE_PARAM_COLS, Graph, Node, Op, OpSpec, check_node, input_tensor,  # noqa: F401
-                      node, sample_in_cols, sample_out_cols, src_roles)
+from ...ir.tensor import (OP_TABLE, SAMPLE_PARAM_COLS, DType, Graph, Node, Op, OpSpec, Tensor, check_node,  # noqa: F401
+                          input_tensor, node, sample_in_cols, sample_out_cols, src_roles)
 
 __all__ = ["Op", "Node", "Graph", "OP_TABLE", "OpSpec", "check_node", "src_roles", "input_tensor", "node",
-           "sample_in_cols", "sample_out_cols", "SAMPLE_PARAM_COLS", "ROPE_NEOX", "ROPE_NORMAL"]
+           "sample_in_cols", "sample_out_cols", "SAMPLE_PARAM_COLS", "ROPE_NEOX", "ROPE_NORMAL", "step_inputs"]
+
+
+def step_inputs(n: int, n_outputs: int, n_cells_listed: int) -> tuple[dict[str, Tensor], bool]:
+    """A forward step's host inputs for n tokens (ids, positions, cache cells, the attention's cell
+    lists and ranges) and whether only n_outputs of its rows come back (then their ids, inp_out_ids)."""
+    i32 = DType.I32
+    inputs = {
+        "inp_tokens": input_tensor("inp_tokens", i32, (n,)),
+        "inp_pos": input_tensor("inp_pos", i32, (n,)),
+        "inp_kv_idx": input_tensor("inp_kv_idx", i32, (n,)),
+        "inp_attn_cells": input_tensor("inp_attn_cells", i32, (max(n_cells_listed, 1),)),
+        "inp_attn_ranges": input_tensor("inp_attn_ranges", i32, (n, 2)),
+    }
+    select_rows = 0 < n_outputs < n
+    if select_rows:
+        inputs["inp_out_ids"] = input_tensor("inp_out_ids", i32, (n_outputs,))
+    return inputs, select_rows

@@ -322,6 +322,14 @@ def test_n_indent_ends_at_a_line_indented_less(srv):
     assert status == 400 and "'n_indent'" in doc["error"]["message"]
 
 
+def test_chat_logprobs_without_top_logprobs_gives_llama_servers_20(srv):
+    _, doc = srv.post("/v1/chat/completions", {**CHAT, "logprobs": True})
+    content = doc["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(t["top_logprobs"]) == 20 for t in content), content[0]
+    _, doc = srv.post("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3})
+    assert all(len(t["top_logprobs"]) == 3 for t in doc["choices"][0]["logprobs"]["content"])
+
+
 def test_logprobs_is_n_probs_other_name_on_completion(srv):
     _, doc = srv.post("/completion", {"prompt": PROMPT, **GREEDY, "logprobs": 2})
     assert len(doc["completion_probabilities"]) == 6 and len(doc["completion_probabilities"][0]["top_logprobs"]) == 2

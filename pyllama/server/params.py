@@ -352,8 +352,8 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         raise HTTPError(400, "'top_logprobs' requires 'logprobs' to be set to true")
     if oai:  # OpenAI's forms: completions take an int, chat takes a bool plus top_logprobs
         lp = body.get("logprobs")
-        if isinstance(lp, bool):
-            n_probs = get_int(body, "top_logprobs", 1 if lp else 0, lo=0, hi=hi) if lp else 0  # type: ignore[assignment]
+        if isinstance(lp, bool):  # without top_logprobs, llama-server's 20 alternatives per token
+            n_probs = get_int(body, "top_logprobs", 20, lo=0, hi=hi) if lp else 0  # type: ignore[assignment]
         elif lp is not None:
             n_probs = get_int(body, "logprobs", 0, lo=0, hi=hi)  # type: ignore[assignment]
     given = _GENERATION_DEFAULTS

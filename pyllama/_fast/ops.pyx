@@ -506,6 +506,17 @@ def kv_load_rows(int cache_type, const unsigned char[:, ::1] rows, float[:, ::1]
             kv_load(cache_type, &rows[i, 0], 0, w, &out[i, 0])
 
 
+cdef const float *_per_head(object values, Py_ssize_t H, str what, list keep) except? NULL:
+    """One float per head (attention sinks, ALiBi slopes), kept alive in `keep`; NULL when none."""
+    if values is None:
+        return NULL
+    cdef const float[::1] v = values
+    if v.shape[0] != H:
+        raise ValueError(f"attention: {v.shape[0]} {what} for {H} heads")
+    keep.append(v)
+    return &v[0]
+
+
 cdef int _attn_setup(AttnArgs* a, const float[:, ::1] qkv, unsigned char[:, ::1] kc, unsigned char[:, ::1] vc,
                      const int[::1] pos, const int[::1] kv_idx, const int[::1] cells, const int[:, ::1] ranges,
                      const float[::1] q_norm, const float[::1] k_norm, float[:, ::1] out,
@@ -567,22 +578,8 @@ cdef int _attn_setup(AttnArgs* a, const float[:, ::1] qkv, unsigned char[:, ::1]
     a.q_norm = &q_norm[0] if use_norm else NULL
     a.k_norm = &k_norm[0] if use_norm else NULL
     a.freq_factors = &ff[0] if rope_freqs is not None and n_rot > 0 else NULL
-    cdef const float[::1] sv
-    a.sinks = NULL
-    if sinks is not None:
-        sv = sinks
-        if sv.shape[0] != H:
-            raise ValueError(f"attention: {sv.shape[0]} sinks for {H} heads")
-        a.sinks = &sv[0]
-        keep.append(sv)
-    cdef const float[::1] av
-    a.alibi = NULL
-    if alibi is not None:
-        av = alibi
-        if av.shape[0] != H:
-            raise ValueError(f"attention: {av.shape[0]} ALiBi slopes for {H} heads")
-        a.alibi = &av[0]
-        keep.append(av)
+    a.sinks = _per_head(sinks, H, "sinks", keep)
+    a.alibi = _per_head(alibi, H, "ALiBi slopes", keep)
     a.mscale = <float>rope_mscale
     a.softcap = softcap
     a.n_swa = n_swa

@@ -221,6 +221,21 @@ class TensorSpec:
         return math.prod(self.shape)
 
 
+def _matrix(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
+    """A weight matrix [rows, cols] drawn N(0, gain / sqrt(cols)) (see the module docstring)."""
+    return TensorSpec(name, (rows, cols), "normal", gain / math.sqrt(cols))
+
+
+def _encoder_embeddings(n_vocab: int, e: int, n_positions: int = 0) -> list[TensorSpec]:
+    """An encoder's token and token-type embeddings, learned positions where it has them (bert), and
+    the embeddings' LayerNorm, in llama.cpp's names."""
+    plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 1.0),
+            TensorSpec("token_types.weight", (2, e), "bias")]
+    if n_positions:
+        plan.append(TensorSpec("position_embd.weight", (n_positions, e), "bias"))
+    return plan + [TensorSpec("token_embd_norm.weight", (e,), "norm"), TensorSpec("token_embd_norm.bias", (e,), "bias")]
+
+
 def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = None,
                 n_vocab: int | None = None, opts: FamilyOptions = FamilyOptions()) -> list[TensorSpec]:
     """Every tensor of a model, in file (and random generation) order. tied=None: the preset's default."""
@@ -240,8 +255,7 @@ def tensor_plan(preset: str | Preset, arch: str = "llama", tied: bool | None = N
     e, hd, ff = p.n_embd, p.head_dim, p.n_ff
     nq, nkv = p.n_head * hd, p.n_head_kv * hd
 
-    def w(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
-        return TensorSpec(name, (rows, cols), "normal", gain / math.sqrt(cols))
+    w = _matrix
 
     def experts(name: str, n: int, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
         return TensorSpec(name, (n, rows, cols), "normal", gain / math.sqrt(cols))
@@ -329,13 +343,9 @@ def _bert_plan(p: Preset, n_vocab: int, rerank_head: bool, arch: str = "bert") -
     e, ff = p.n_embd, p.n_ff
     nq = nkv = p.n_head * p.head_dim
 
-    def w(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
-        return TensorSpec(name, (rows, cols), "normal", gain / math.sqrt(cols))
+    w = _matrix
 
-    plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 1.0),
-            TensorSpec("token_types.weight", (2, e), "bias"),
-            TensorSpec("position_embd.weight", (p.n_ctx, e), "bias"),
-            TensorSpec("token_embd_norm.weight", (e,), "norm"), TensorSpec("token_embd_norm.bias", (e,), "bias")]
+    plan = _encoder_embeddings(n_vocab, e, p.n_ctx)
     for i in range(p.n_layer):
         b = f"blk.{i}."
         plan += [w(b + "attn_q.weight", nq, e), TensorSpec(b + "attn_q.bias", (nq,), "bias"),
@@ -359,12 +369,9 @@ def _jina_bert_v2_plan(p: Preset, n_vocab: int, rerank_head: bool = False) -> li
     (GeGLU) with its bias; a reranker's one-score head (cls [1, n_embd]) last."""
     e, ff, nq = p.n_embd, p.n_ff, p.n_head * p.head_dim
 
-    def w(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
-        return TensorSpec(name, (rows, cols), "normal", gain / math.sqrt(cols))
+    w = _matrix
 
-    plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 1.0),
-            TensorSpec("token_types.weight", (2, e), "bias"),
-            TensorSpec("token_embd_norm.weight", (e,), "norm"), TensorSpec("token_embd_norm.bias", (e,), "bias")]
+    plan = _encoder_embeddings(n_vocab, e)
     for i in range(p.n_layer):
         b = f"blk.{i}."
         plan += [w(b + "attn_q.weight", nq, e), TensorSpec(b + "attn_q.bias", (nq,), "bias"),
@@ -385,12 +392,9 @@ def _jina_bert_v2_plan(p: Preset, n_vocab: int, rerank_head: bool = False) -> li
 def _nomic_bert_plan(p: Preset, n_vocab: int) -> list[TensorSpec]:
     e, ff, nq = p.n_embd, p.n_ff, p.n_head * p.head_dim
 
-    def w(name: str, rows: int, cols: int, gain: float = 1.0) -> TensorSpec:
-        return TensorSpec(name, (rows, cols), "normal", gain / math.sqrt(cols))
+    w = _matrix
 
-    plan = [TensorSpec("token_embd.weight", (n_vocab, e), "normal", 1.0),
-            TensorSpec("token_types.weight", (2, e), "bias"),
-            TensorSpec("token_embd_norm.weight", (e,), "norm"), TensorSpec("token_embd_norm.bias", (e,), "bias")]
+    plan = _encoder_embeddings(n_vocab, e)
     for i in range(p.n_layer):
         b = f"blk.{i}."
         plan += [w(b + "attn_qkv.weight", 3 * nq, e), w(b + "attn_output.weight", e, nq, 0.5),

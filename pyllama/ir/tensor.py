@@ -191,6 +191,11 @@ class Op(IntEnum):
     LAYER_NORM = 15
     # srcs (x); -> out = gelu(x), in its tanh form (the encoders' ungated FFN)
     GELU = 16
+    # LoRA adapters on a product (models/lora.py): srcs (y [n, m], x [n, k], a [R, k], b [m, R],
+    # scale [n, A]); params (w_1, ..., w_A), the widths of the A adapters' blocks of a's rows (and
+    # b's columns), summing to R -> out [n, m] = y + ((x @ a.T) * s) @ b.T, where s [n, R] repeats
+    # column j of scale over adapter j's block: each token gets its own adapters and scales.
+    LORA = 17
 
 
 MAX_SRCS = 10  # sources a node may have (the wire's fixed node layout)
@@ -374,6 +379,8 @@ OP_TABLE: dict[Op, OpSpec] = {
     Op.SOFTCAP: OpSpec((_s("x", F32),), (1,), F32, 1),
     Op.LAYER_NORM: OpSpec((_s("x", F32), _s("w", F32), _s("b", F32)), (3,), F32, 1),
     Op.GELU: OpSpec((_s("x", F32),), (1,), F32, 0),
+    Op.LORA: OpSpec((_s("y", F32), _s("x", F32), _s("a", F32, weight=True), _s("b", F32, weight=True),
+                     _s("scale", F32)), (5,), F32, 12),
 }
 assert set(OP_TABLE) == set(Op), "every op needs its row in OP_TABLE"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from gguf import GGMLQuantizationType as QT
 
@@ -15,6 +15,9 @@ from ..util.errors import ModelFileError
 from ..ir.tensor import WEIGHT_TYPES
 from .gguf_file import GGUFFile, TensorInfo
 from .hparams import HParams, read_hparams
+
+if TYPE_CHECKING:
+    from .lora import LoraSet
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +246,7 @@ class Model:
             f"blk.{i}.{name}" for i in range(self.hparams.n_layer) if self.split_experts
             for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
         self._check_tensors()
+        self.lora: "Optional[LoraSet]" = None  # the LoRA adapters loaded with it (Engine; models/lora.py)
 
     @property
     def tied_output(self) -> bool:

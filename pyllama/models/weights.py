@@ -13,6 +13,7 @@ from ..backend.layout import dequantize_f32
 from ..util.errors import ModelFileError, PyllamaError, UnsupportedOpError
 from ..ir.tensor import FAMILY_OPS, AttentionParams, Node, Op, family_node
 from .build.llama import build_forward
+from .lora import lora_weights
 from .model import Model
 from .gguf_file import TensorInfo
 
@@ -94,6 +95,10 @@ class Weights:
     # by layer (-1 the embedding, n_layer the output layer): its logical names and own buffers
     layer_names: dict[int, list[str]] = field(default_factory=dict)
     layer_buffers: dict[int, list[Buffer]] = field(default_factory=dict)
+    # LoRA adapters (models/lora.py): adapted logical weight -> each adapter's rank block width;
+    # its matrices are the weights `<name>.lora_a` and `<name>.lora_b`
+    lora: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    n_lora: int = 0
 
     def __getitem__(self, name: str) -> WeightRef:
         return self.tensors[name]
@@ -227,6 +232,7 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
                 sizes[(bi, layer)] = sizes.get((bi, layer), 0) + _aligned(nbytes_of(p.dtype, p.shape))
         plan.append((lname, bi, layer, parts))
     weights = Weights()
+    _set_lora(weights, model)
     buffers: dict[tuple[int, int], Buffer] = {}
     offsets: dict[tuple[int, int], int] = {}
     copied: list[TensorInfo] = []
@@ -272,6 +278,7 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
         # the token embedding is only looked up, by rows in the file's layout, unless the output
         # layer multiplies by it too (tied): a copy for products would go unused
         lookup_only = {"token_embd"} - set(aliases.values())
+        lookup_only |= {n + suffix for n in weights.lora for suffix in (".lora_a", ".lora_b")}  # (read as they are)
         for bi, backend in enumerate(placement.backends):
             own = backend.layout.prepare_weights([t for lname, tb, _, _ in plan
                                                   if tb == bi and lname not in lookup_only
@@ -289,6 +296,12 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
                      "".join(f" ({placement.backends[bi].name}: {m / 2**20:.1f} MiB read in place from the file)"
                              for bi, m in enumerate(mapped_sizes) if m and upload))
     return weights
+
+
+def _set_lora(weights: Weights, model: Model) -> None:
+    lora = model.lora
+    if lora is not None:
+        weights.lora, weights.n_lora = lora.widths(), lora.n
 
 
 def _logical_weights(model: Model) -> dict[str, tuple[list[TensorInfo], int]]:
@@ -310,7 +323,8 @@ _NODE_WHAT = {Op.GET_ROWS: "row lookup", Op.RMS_NORM: "RMS norm", Op.MUL_MAT: "m
               Op.SWIGLU: "SwiGLU FFN", Op.ATTENTION: "attention", Op.SAMPLE: "sampling",
               Op.MUL_MAT_CAT: "product over weight parts of mixed types", Op.MOE_FFN: "Mixture-of-Experts FFN",
               Op.GEGLU: "GeGLU FFN", Op.SCALE: "embedding scale", Op.SOFTCAP: "logit soft-capping",
-              Op.MLA_ATTENTION: "multi-head latent attention", Op.LAYER_NORM: "layer norm", Op.GELU: "GELU FFN"}
+              Op.MLA_ATTENTION: "multi-head latent attention", Op.LAYER_NORM: "layer norm", Op.GELU: "GELU FFN",
+              Op.LORA: "LoRA adapters' product"}
 
 
 def check_placement(model: Model, placement: Placement) -> None:
@@ -322,6 +336,7 @@ def check_placement(model: Model, placement: Placement) -> None:
     the refused nodes do, the ops the device lacks for them, and their layers."""
     hp = model.hparams
     paper = Weights()
+    _set_lora(paper, model)
     for lname, (infos, layer) in _logical_weights(model).items():
         parts = _parts(infos, placement.backends[placement.backend_of_layer(layer)], can_map=False,
                        stack=lname in model.expert_stacks)
@@ -429,7 +444,13 @@ def computed_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
     (one tensor, stored once per device), by logical name -> (its TensorInfo, its layer). A phi3
     LongRoPE file gives two, rope_freqs_long and rope_freqs_short, and each context takes the one
     its sequences' length calls for (models/build/llama.py), as llama.cpp; rope_freqs.weight, where
-    a file has it, wins over them."""
+    a file has it, wins over them; and the LoRA adapters' matrices (models/lora.py)."""
+    out = _rope_and_encoder_weights(model)
+    out.update(lora_weights(model))
+    return out
+
+
+def _rope_and_encoder_weights(model: Model) -> dict[str, tuple[TensorInfo, int]]:
     hp = model.hparams
     if hp.encoder:
         table = _position_table(model)

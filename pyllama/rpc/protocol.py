@@ -51,6 +51,7 @@ class Cap(enum.IntFlag):
     DEVICE_BUSY = 1 << 7       # DEVICE_BUSY: when a device computed (the live pipeline view)
     FAMILY_OPS = 1 << 8        # graphs may hold GEGLU, SCALE, SOFTCAP and ATTENTION's extensions (CPU devices)
     LANES = 1 << 9             # SESSION_KEY, BIND_SESSION: further connections (lanes) share a session's buffers
+    LORA = 1 << 10             # graphs may hold the LORA op (LoRA adapters' products, CPU devices)
 
 
 STATUS_OK = 0

@@ -83,7 +83,7 @@ class RPCServer:
         self.max_read = min(P.DEFAULT_MAX_READ, max_frame)
         self.cache = TensorCache(cache_dir) if cache_dir else None
         caps = (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.DEVICE_TYPES | Cap.MOE_FFN
-                | Cap.DEVICE_BUSY | Cap.FAMILY_OPS | Cap.LANES | (Cap.SET_TENSOR_HASH if self.cache else 0))
+                | Cap.DEVICE_BUSY | Cap.FAMILY_OPS | Cap.LANES | Cap.LORA | (Cap.SET_TENSOR_HASH if self.cache else 0))
         mask = caps_mask if caps_mask is not None else current().rpc.server_caps
         if mask is not None:
             caps &= mask

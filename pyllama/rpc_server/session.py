@@ -574,6 +574,8 @@ class Session:
                 raise CommandError(f"graph node {j}: SAMPLE needs the BACKEND_SAMPLING capability, not advertised here")
             if op == Op.MOE_FFN and not self.server.capabilities & Cap.MOE_FFN:
                 raise CommandError(f"graph node {j}: MOE_FFN needs the MOE_FFN capability, not advertised here")
+            if op == Op.LORA and not self.server.capabilities & Cap.LORA:
+                raise CommandError(f"graph node {j}: LORA needs the LORA capability, not advertised here")
             if not self.server.capabilities & Cap.FAMILY_OPS and family_node(op, params[j], n):
                 raise CommandError(f"graph node {j}: {op.name} (or ATTENTION's soft-cap, window or scaled RoPE) "
                                    "needs the FAMILY_OPS capability, not advertised here")

@@ -19,7 +19,7 @@ from ..backend.base import Backend, Buffer, DType, Tensor, nbytes_of
 from ..backend.remote import lost_devices
 from .cache_types import cache_type, cache_type_name, check_cache_row
 from ..util.errors import ContextLimitError, PyllamaError
-from ..models.build.llama import SAMPLING_INPUT, build_forward
+from ..models.build.llama import LORA_INPUT, SAMPLING_INPUT, build_forward
 from ..models.build.ops import Op, sample_in_cols, sample_out_cols
 from .kv_cache import KVCache
 from ..models.model import Model
@@ -140,6 +140,8 @@ class Context:
         self._n_splits = 0
         self._sampled = np.zeros((0, 0), dtype=np.int32)
         self._embd = np.zeros((0, hp.n_embd), dtype=np.float32)
+        # each sequence's scale of each LoRA adapter (set_lora): what its tokens' products add
+        self.lora_scales = np.zeros((self.kv.n_seq_max, weights.n_lora), dtype=np.float32)
         self._plan(self.n_ubatch, self.n_ubatch)  # sizes the compute buffers for the worst case
 
     # ------------------------------------------------------------------------------------------
@@ -348,6 +350,8 @@ class Context:
         }
         if "inp_out_ids" in plan.input_names:
             values["inp_out_ids"] = np.flatnonzero(want).astype(np.int32)
+        if self.lora_scales.shape[1]:
+            values[LORA_INPUT] = self.lora_scales[seq]
         if not n_out:
             return key, Job(plan, values), 0, None
         if sampled:
@@ -373,6 +377,13 @@ class Context:
                     job.plan = self._plan(*key)
 
     # ------------------------------------------------------------------------------------------
+    def set_lora(self, seq: int, scales: Sequence[float]) -> None:
+        """The LoRA adapters' scales (one per adapter the model loaded, 0 for none) of sequence
+        `seq`'s next tokens. What its cache holds was computed with the scales of its time."""
+        if len(scales) != self.lora_scales.shape[1]:
+            raise ValueError(f"{len(scales)} LoRA scales for {self.lora_scales.shape[1]} adapters")
+        self.lora_scales[seq] = scales
+
     def seq_rm(self, seq: int, p0: int = 0) -> int:
         """Forgets positions p0.. of a sequence; returns the length actually kept (see KVCache.seq_rm)."""
         return self.kv.seq_rm(seq, p0)

@@ -21,6 +21,7 @@ from .context import Context
 from .placement.devices import default_split
 from ..util.errors import ModelFileError, PyllamaError
 from ..models.check_tensors import check_tensors as check_model_tensors
+from ..models.lora import load_lora_set
 from ..models.model import Model
 from ..tokenizer import Tokenizer, load_tokenizer
 from ..models.weights import Placement, Weights, load_weights, split_layers
@@ -31,13 +32,16 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model_path: str, n_threads: int = 0, backends: Optional[Sequence[Backend]] = None,
                  tensor_split: Optional[Sequence[float]] = None, load: bool = True, map_weights: bool = True,
-                 kv_overrides: Optional[dict] = None, repack: bool = True, check_tensors: bool = False):
+                 kv_overrides: Optional[dict] = None, repack: bool = True, check_tensors: bool = False,
+                 lora: Sequence[str] = ()):
         """Opens the model and places its layers; with load=False the weights are not uploaded yet
         (check_memory first, then load()). map_weights=False (--no-mmap) copies the weights a CPU
         would use in place in the file's memory map. kv_overrides (--override-kv) replace metadata
         values before anything reads them. repack=False (--no-repack) keeps the local CPU's quantized
         weights in the file's layout only (no repacked copies, backend/cpu/). check_tensors
-        (--check-tensors) reads every tensor for values that are not finite before anything else."""
+        (--check-tensors) reads every tensor for values that are not finite before anything else.
+        lora: LoRA adapter files (--lora), loaded beside the weights, none applied until a
+        context's sequence asks for it (Context.set_lora)."""
         self.map_weights = map_weights
         self.n_threads = set_compute_threads(n_threads)
         self.model = Model(model_path, kv_overrides=kv_overrides)
@@ -49,6 +53,10 @@ class Engine:
         if self.tokenizer.n_vocab != hp.n_vocab:
             raise ModelFileError(f"{model_path}: the vocabulary has {self.tokenizer.n_vocab} tokens "
                                  f"but the model has {hp.n_vocab} embedding rows")
+        self.model.lora = load_lora_set(lora, self.model)
+        if self.model.lora is not None:
+            for ad in self.model.lora.adapters:
+                log.info("LoRA adapter %s: %d matrices, alpha %g", ad.path, len(ad.pairs), ad.alpha)
         self.backends = list(backends) if backends else [CPUBackend(self.n_threads)]
         for b in self.backends:
             if isinstance(b, CPUBackend):

@@ -40,7 +40,7 @@ from ..._fast import gemm, moe, qmatmul
 from ..._fast import ops as k
 from ..._fast import ops_extra as kx
 from ..._fast.plan import NativeRun, NativeStep
-from ...ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, MlaParams, MoeParams, Op, check_node
+from ...ir.tensor import KV_CACHE_TYPES, AttentionParams, Graph, MlaParams, MoeParams, Node, Op, check_node
 from ..base import NP_DTYPES, Backend, Buffer, DeviceInfo, DType, Tensor
 from ..host_sample import bind_sample
 from ...util.settings import CpuSettings
@@ -295,6 +295,8 @@ class CPUBackend(Backend):
                 steps.append(_bind(layer_norm, s[0], s[1], s[2], out, float(nd.params[0])))
             elif op == Op.GELU:
                 steps.append(_bind(gelu, s[0], out))
+            elif op == Op.LORA:
+                steps.append(_bind(lora_add, s[0], s[1], s[2], s[3], s[4], out, lora_widths(nd)))
             elif op == Op.SAMPLE:
                 steps.append(bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             elif op == Op.MOE_FFN:
@@ -335,6 +337,32 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray, eps
 
 
 _GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+
+
+def lora_widths(nd: Node) -> np.ndarray:
+    """A LORA node's adapter block widths (its parameters, one per column of its scale source),
+    checked against its sources' shapes (pyllama.ir.tensor, Op.LORA)."""
+    y, x, a, b, scale = nd.srcs
+    n_ad = scale.shape[1] if len(scale.shape) == 2 else -1
+    widths = list(nd.params)
+    if not 1 <= n_ad <= len(widths) or any(w != int(w) or w < 0 for w in widths) or any(widths[n_ad:]):
+        raise ValueError(f"LORA {nd.out.name}: parameters {widths} do not give {n_ad} adapter widths")
+    n, m = y.shape
+    r, k = a.shape
+    if x.shape != (n, k) or b.shape != (m, r) or scale.shape[0] != n or nd.out.shape != (n, m) \
+            or sum(widths) != r:
+        raise ValueError(f"LORA {nd.out.name}: shapes y {list(y.shape)}, x {list(x.shape)}, a {list(a.shape)}, "
+                         f"b {list(b.shape)}, scale {list(scale.shape)} and widths {widths[:n_ad]} disagree")
+    return np.asarray(widths[:n_ad], dtype=np.int64)
+
+
+def lora_add(y: np.ndarray, x: np.ndarray, a: np.ndarray, b: np.ndarray, scale: np.ndarray, out: np.ndarray,
+             widths: np.ndarray) -> None:
+    """out = y + ((x @ a.T) * s) @ b.T, s repeating scale's column j over adapter j's block."""
+    t = x @ a.T
+    t *= np.repeat(scale, widths, axis=1)
+    np.matmul(t, b.T, out=out)
+    out += y
 
 
 def gelu(x: np.ndarray, out: np.ndarray) -> None:

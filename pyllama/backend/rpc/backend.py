@@ -376,6 +376,8 @@ class RPCBackend(_Commands, RemoteDevice, Backend):
             return self.conn.has(Cap.DEVICE_TYPES) and self.device_kind() == KIND["cpu"]
         if op == Op.MOE_FFN:  # servers that advertise it run it, on a CPU device
             return self.conn.has(Cap.MOE_FFN) and self.device_kind() == KIND["cpu"]
+        if op == Op.LORA:  # likewise
+            return self.conn.has(Cap.LORA) and self.device_kind() == KIND["cpu"]
         if op in FAMILY_OPS or op == Op.MLA_ATTENTION:  # likewise (ATTENTION's and MOE_FFN's extensions too)
             return self.conn.has(Cap.FAMILY_OPS) and self.device_kind() == KIND["cpu"]
         return op != Op.SAMPLE or self.conn.has(Cap.BACKEND_SAMPLING)

@@ -23,10 +23,11 @@ if TYPE_CHECKING:  # the loader builds a graph to check a placement, so it impor
 
 F32, I32 = DType.F32, DType.I32
 
-INPUT_NAMES = ("inp_tokens", "inp_pos", "inp_kv_idx", "inp_attn_cells", "inp_attn_ranges", "inp_out_ids")
+INPUT_NAMES = ("inp_tokens", "inp_pos", "inp_kv_idx", "inp_attn_cells", "inp_attn_ranges", "inp_out_ids", "inp_lora")
 OUTPUT_NAME = "result_output"
 SAMPLED_NAME = "result_sampled"
 SAMPLING_INPUT = "inp_sampling"
+LORA_INPUT = "inp_lora"
 
 
 @dataclass
@@ -72,6 +73,20 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
             return add(Op.MUL_MAT_CAT, shape, name, x, *wt, bias, params=(len(wt),), layer=layer)
         return add(Op.MUL_MAT, shape, name, x, wt, bias, layer=layer)
 
+    def adapted_mul_mat(shape: tuple[int, ...], name: str, x: Tensor, wname: str, bias: Optional[Tensor] = None, *,
+                        layer: int) -> Tensor:
+        """mul_mat by the logical weight `wname`, plus its LoRA adapters' product where it has any
+        (models/lora.py): a LORA node taking each token's adapter scales."""
+        widths = w.lora.get(wname)
+        if not widths:
+            return mul_mat(shape, name, x, w[wname], bias, layer=layer)
+        y = mul_mat(shape, name + "_base", x, w[wname], bias, layer=layer)
+        return add(Op.LORA, shape, name, y, x, w[wname + ".lora_a"], w[wname + ".lora_b"], lora_rows,
+                   params=widths, layer=layer)
+
+    lora_rows = None  # each token's scale of each LoRA adapter, its request's
+    if w.lora:
+        lora_rows = inputs[LORA_INPUT] = input_tensor(LORA_INPUT, F32, (n, w.n_lora))
     x = add(Op.GET_ROWS, (n, e), "inp_embd", w["token_embd"], inputs["inp_tokens"], layer=-1)
     if hp.embd_scale:  # gemma scales its input embeddings by sqrt(n_embd)
         x = add(Op.SCALE, (n, e), "inp_scaled", x, params=(hp.embd_scale,), layer=-1)
@@ -87,8 +102,8 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
         if hp.mla_lora_kv:
             a = build_mla_attention(add, mul_mat, hp, w, il, h, k_cache, inputs)
         else:
-            qkv = mul_mat((n, hp.n_embd_q + 2 * hp.n_embd_kv), f"qkv-{il}", h, w[b + "attn_qkv"],
-                          w.get(b + "attn_qkv_bias"), layer=il)
+            qkv = adapted_mul_mat((n, hp.n_embd_q + 2 * hp.n_embd_kv), f"qkv-{il}", h, b + "attn_qkv",
+                                  w.get(b + "attn_qkv_bias"), layer=il)
             a = add(Op.ATTENTION, (n, hp.n_embd_q), f"kqv_out-{il}", qkv, k_cache, v_cache, inputs["inp_pos"],
                     inputs["inp_kv_idx"], inputs["inp_attn_cells"], inputs["inp_attn_ranges"],
                     w.get(b + "attn_q_norm"), w.get(b + "attn_k_norm"), freqs, w.get(b + "attn_sinks"),
@@ -99,8 +114,12 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
             if select_rows:  # only rows that want logits go through the last FFN and the output layer
                 a = add(Op.GET_ROWS, (n_outputs, a.shape[1]), f"kqv_out_sel-{il}", a, inputs["inp_out_ids"], layer=il)
                 x = add(Op.GET_ROWS, (n_outputs, e), f"inp_sel-{il}", x, inputs["inp_out_ids"], layer=il)
+                if lora_rows is not None:
+                    lora_rows = add(Op.GET_ROWS, (n_outputs, w.n_lora), f"lora_sel-{il}", lora_rows,
+                                    inputs["inp_out_ids"], layer=il)
         rows = a.shape[0]
-        o = mul_mat((rows, e), f"attn_out-{il}", a, w[b + "attn_output"], w.get(b + "attn_output_bias"), layer=il)
+        o = adapted_mul_mat((rows, e), f"attn_out-{il}", a, b + "attn_output", w.get(b + "attn_output_bias"),
+                            layer=il)
         if hp.post_norms:
             o = add(Op.RMS_NORM, (rows, e), f"attn_post_norm-{il}", o, w[b + "attn_post_norm"],
                     params=(hp.rms_eps,), layer=il)
@@ -109,9 +128,9 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
         if hp.moe_layer(il):
             d = build_moe_ffn(add, mul_mat, hp, w, il, h2)
         else:
-            gu = mul_mat((rows, 2 * hp.n_ff), f"ffn_gate_up-{il}", h2, w[b + "ffn_gate_up"], layer=il)
+            gu = adapted_mul_mat((rows, 2 * hp.n_ff), f"ffn_gate_up-{il}", h2, b + "ffn_gate_up", layer=il)
             s = add(Op.GEGLU if hp.ffn_gelu else Op.SWIGLU, (rows, hp.n_ff), f"ffn_act-{il}", gu, layer=il)
-            d = mul_mat((rows, e), f"ffn_out-{il}", s, w[b + "ffn_down"], layer=il)
+            d = adapted_mul_mat((rows, e), f"ffn_out-{il}", s, b + "ffn_down", layer=il)
         if hp.post_norms:
             d = add(Op.RMS_NORM, (rows, e), f"ffn_post_norm-{il}", d, w[b + "ffn_post_norm"],
                     params=(hp.rms_eps,), layer=il)
@@ -123,12 +142,12 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
         if embd:
             return ForwardGraph(nodes, inputs, hn, n_tokens, n_outputs)
         if hp.final_softcap:  # gemma2: logits = c * tanh(logits / c)
-            raw = mul_mat((n_outputs, hp.n_vocab), "result_output_raw", hn, w["output"], layer=hp.n_layer)
+            raw = adapted_mul_mat((n_outputs, hp.n_vocab), "result_output_raw", hn, "output", layer=hp.n_layer)
             output = add(Op.SOFTCAP, (n_outputs, hp.n_vocab), OUTPUT_NAME, raw, params=(hp.final_softcap,),
                          layer=hp.n_layer)
         else:
-            output = mul_mat((n_outputs, hp.n_vocab), OUTPUT_NAME, hn, w["output"], w.get("output_bias"),
-                             layer=hp.n_layer)
+            output = adapted_mul_mat((n_outputs, hp.n_vocab), OUTPUT_NAME, hn, "output", w.get("output_bias"),
+                                     layer=hp.n_layer)
         if sample is not None:
             n_probs, window = sample
             inputs[SAMPLING_INPUT] = input_tensor(SAMPLING_INPUT, I32, (n_outputs, sample_in_cols(window)))

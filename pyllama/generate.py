@@ -22,6 +22,7 @@ from .util.errors import PyllamaError
 from .util.settings import load as load_settings
 from .models.gguf_file import kv_override_arg
 from .models.hparams import add_rope_args, model_overrides
+from .models.lora import add_lora_args, lora_adapters
 from .batching.core import BatchCore
 from .batching.sampling import SamplingParams
 from .batching.slot import Slot
@@ -66,6 +67,7 @@ def build_parser() -> Parser:
                    metavar="KEY=TYPE:VALUE,...",
                    help="override model metadata (types int, float, bool, str; comma-separated or repeated)")
     add_rope_args(p)
+    add_lora_args(p)
     p.add_argument("--check-tensors", action="store_true",
                    help="check every tensor's data for values that are not finite before loading (reads the file)")
     p.add_argument("--tokens", action="store_true", help="print the generated token ids, one line, instead of text")
@@ -76,15 +78,17 @@ def build_parser() -> Parser:
 
 
 def generate_tokens(ctx: Context, tokenizer: Tokenizer, prompt: Sequence[int], n_predict: int,
-                    params: SamplingParams, ignore_eos: bool = False, seq: int = 0) -> Iterator[int]:
+                    params: SamplingParams, ignore_eos: bool = False, seq: int = 0,
+                    lora: Sequence[float] = ()) -> Iterator[int]:
     """Decodes the prompt, then yields sampled tokens until n_predict, end of text or a full
-    context: one request on one slot of the batching core the server runs, stepped here."""
+    context: one request on one slot of the batching core the server runs, stepped here (with
+    `lora`, each LoRA adapter's scale)."""
     check_prompt_fits(len(prompt), ctx.seq_cap)
     slot = Slot(0, 0, seq, ctx.seq_cap, tokenizer)
     events = EventList()
     core = BatchCore(ctx, [slot], tokenizer, Metrics(), events, on_free=lambda s: None, probe=StepProbe(0))
     task = CompletionTask(prompt=list(prompt), params=params, n_predict=n_predict, ignore_eos=ignore_eos,
-                          cache_prompt=False)
+                          cache_prompt=False, lora=tuple(lora))
     try:
         core.place([(slot, task)])
         while True:
@@ -149,7 +153,7 @@ def _run(args, params: SamplingParams, prompt_text: str, model_path: str) -> int
     backends, proportions = open_devices(args, model_path)
     engine = Engine(model_path, n_threads=args.threads, backends=backends, tensor_split=proportions,
                     map_weights=args.mmap, kv_overrides=model_overrides(args), repack=args.repack,
-                    check_tensors=args.check_tensors)
+                    check_tensors=args.check_tensors, lora=[path for path, _ in lora_adapters(args)])
     hp = engine.model.hparams
     n_ctx = args.ctx_size or min(hp.n_ctx_train, 4096)
     ctx = engine.new_context(n_ctx, 1, args.batch_size, args.ubatch_size,
@@ -162,7 +166,8 @@ def _run(args, params: SamplingParams, prompt_text: str, model_path: str) -> int
     detok = IncrementalDetokenizer(engine.tokenizer)
     generated: list[int] = []
     t1 = time.perf_counter()
-    for token in generate_tokens(ctx, engine.tokenizer, prompt, args.n_predict, params, args.ignore_eos):
+    lora = tuple(scale for _, scale in lora_adapters(args))
+    for token in generate_tokens(ctx, engine.tokenizer, prompt, args.n_predict, params, args.ignore_eos, lora=lora):
         generated.append(token)
         if not args.tokens:
             sys.stdout.write(detok.feed(token))

@@ -85,9 +85,10 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return quantize_activations(x, act) @ np.asarray(w).T
 
 
-def load_model(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+def load_model(path: str, lora: tuple = ()) -> tuple[dict, dict[str, np.ndarray]]:
     """(metadata as Python values, weights as float64 arrays in numpy row-major shape; 2-D ones
-    carry their file type as `.qtype`)."""
+    carry their file type as `.qtype`). lora: (adapter file, scale) pairs merged into the weights,
+    W + scale * alpha / r * lora_b @ lora_a (the product llama.cpp adds, by its definition)."""
     reader = GGUFReader(path)
     meta = {key: field.contents() for key, field in reader.fields.items()}
     weights = {}
@@ -95,6 +96,14 @@ def load_model(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         shape = tuple(int(d) for d in reversed(t.shape))  # t.shape is ggml's ne order
         values = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(shape)
         weights[t.name] = _weight(values, QT(t.tensor_type)) if len(shape) >= 2 else values
+    for adapter, scale in lora:
+        ameta, aw = load_model(adapter)
+        alpha = float(ameta.get("adapter.lora.alpha", 0.0))
+        for name in [n[:-7] for n in aw if n.endswith(".lora_a")]:
+            a, b = np.asarray(aw[name + ".lora_a"]), np.asarray(aw[name + ".lora_b"])
+            factor = alpha / a.shape[0] if alpha else 1.0
+            w = weights[name]
+            weights[name] = _weight(np.asarray(w) + scale * factor * (b @ a), w.qtype)
     return meta, weights
 
 
@@ -285,12 +294,13 @@ def _shape(meta: dict) -> tuple:
             e, hd, meta.get(f"{arch}.rope.dimension_count", hd))
 
 
-def _dense_family_hidden(model_path: str, tokens: list[int], n_ctx_seq: int = 0) -> tuple[np.ndarray, dict, dict]:
+def _dense_family_hidden(model_path: str, tokens: list[int], n_ctx_seq: int = 0,
+                         lora: tuple = ()) -> tuple[np.ndarray, dict, dict]:
     """Gemma2 / Gemma3 / Phi3 / GLM-4 as transformers' modeling_gemma2, modeling_gemma3 (text
     model), modeling_phi3 and modeling_glm4 define them, with the hyper-parameters llama.cpp
     derives from GGUF metadata (GLM-4: post-norms as gemma's but plain RMS norms, interleaved
     RoPE on the first rope.dimension_count dimensions, gate|up fused as phi3's)."""
-    meta, W = load_model(model_path)
+    meta, W = load_model(model_path, lora)
     arch, n_layer, n_head, n_kv, eps, base, e, hd, n_rot = _shape(meta)
     gemma = arch in ("gemma2", "gemma3")
     post_norms = gemma or arch == "glm4"
@@ -363,17 +373,17 @@ def _dense_family_hidden(model_path: str, tokens: list[int], n_ctx_seq: int = 0)
     return norm(x, W["output_norm.weight"]), W, meta
 
 
-def reference_logits(model_path: str, tokens: list[int], n_ctx_seq: int = 0) -> np.ndarray:
+def reference_logits(model_path: str, tokens: list[int], n_ctx_seq: int = 0, lora: tuple = ()) -> np.ndarray:
     """Logits [len(tokens), n_vocab] (float64) of one sequence at positions 0..n-1 (n_ctx_seq: the
     context's positions per sequence, which pick phi3's LongRoPE factors); output.bias added where
-    the file has one."""
+    the file has one. lora: (adapter file, scale) pairs merged into the weights (load_model)."""
     if GGUFReader(model_path).fields["general.architecture"].contents() in DENSE_FAMILIES:
-        h, W, meta = _dense_family_hidden(model_path, tokens, n_ctx_seq)
+        h, W, meta = _dense_family_hidden(model_path, tokens, n_ctx_seq, lora)
         logits = matmul(h, W.get("output.weight", W["token_embd.weight"]))
         cap = float(meta.get(f"{meta['general.architecture']}.final_logit_softcapping", 0.0))
         logits = np.tanh(logits / cap) * cap if cap else logits
     else:
-        h, W = _final_hidden(model_path, tokens)
+        h, W = _final_hidden(model_path, tokens, lora)
         logits = matmul(h, W.get("output.weight", W["token_embd.weight"]))
     return logits + np.asarray(W["output.bias"], dtype=np.float64) if "output.bias" in W else logits
 
@@ -565,8 +575,8 @@ def bert_rank_score(model_path: str, tokens: list[int]) -> np.ndarray:
     return h
 
 
-def _final_hidden(model_path: str, tokens: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    meta, W = load_model(model_path)
+def _final_hidden(model_path: str, tokens: list[int], lora: tuple = ()) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    meta, W = load_model(model_path, lora)
     arch, n_layer, n_head, n_kv, eps, base, n_embd, hd, n_rot = _shape(meta)
     neox = arch in NEOX_ARCHS
     n = len(tokens)

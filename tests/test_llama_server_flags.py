@@ -17,6 +17,7 @@ import pytest
 from pyllama.runtime.placement.devices import ALL_LAYERS, device_names, plan_devices
 from pyllama.util.errors import PyllamaError
 from pyllama.models.hparams import model_overrides
+from pyllama.models.lora import lora_adapters
 from pyllama.batching.sampling import SamplingParams
 from pyllama.server import params
 from pyllama.server.options import (UNSUPPORTED, build_parser, default_stop, log_level, parse_args, process_escapes,
@@ -175,6 +176,9 @@ def test_guide_command_line_kv_types_and_threads():
                 a.ctx_size_draft) == ("d.gguf", 0.5, "none", 2, "q8_0", 512)),
     ("-m M --spec-type none,ngram-simple --spec-draft-n-max 4 --spec-draft-n-min 2",
      lambda a: (a.spec_type, a.spec_draft_n_max, a.spec_draft_n_min) == ("ngram-simple", 4, 2)),
+    ("-m M --lora a.gguf,b.gguf --lora-scaled c.gguf:0.5 --lora d.gguf",
+     lambda a: lora_adapters(a) == [("a.gguf", 1.0), ("b.gguf", 1.0), ("c.gguf", 0.5), ("d.gguf", 1.0)]),
+    ("-m M --lora a.gguf --lora-init-without-apply", lambda a: lora_adapters(a) == [("a.gguf", 0.0)]),
 ])
 def test_llama_server_command_lines(line, check):
     assert check(parse_args(line.split()))
@@ -184,7 +188,7 @@ def test_llama_server_command_lines(line, check):
     ("-m M -hf ggml-org/gemma-3-1b-it-GGUF", "-hf"),
     ("-hf x", "-hf"),
     ("--hf-repo x/y --hf-file z.gguf", "--hf-repo"),
-    ("-m M --lora a.gguf", "--lora"),
+    ("-m M --control-vector v.gguf", "--control-vector"),
     ("-m M -md d.gguf -otd x=CPU", "-otd"),
     ("-m M --mmproj mm.gguf", "--mmproj"),
     ("-m M -ot exps=CPU", "-ot"),
@@ -225,7 +229,7 @@ def test_every_llama_server_flag_is_read_or_refused_by_name():
 
 
 def test_unsupported_flag_with_equals_value():
-    assert refused(["-m", "M", "--lora=a.gguf"]).startswith("--lora:")
+    assert refused(["-m", "M", "--control-vector=a.gguf"]).startswith("--control-vector:")
 
 
 def test_unknown_value_of_flash_attn(capsys):
@@ -298,7 +302,7 @@ def test_help_lists_defaults_and_variables():
     assert "-1 = auto: 4 slots" in flat and "LLAMA_ARG_N_PARALLEL" in flat
     assert "LLAMA_ARG_N_GPU_LAYERS" in flat and "LLAMA_API_KEY" in flat and "LLAMA_ARG_CTX_SIZE" in flat
     assert "--metrics" in flat and "(default: off)" in flat
-    assert "--lora" in flat  # the refused llama-server flags are listed
+    assert "--control-vector" in flat  # the refused llama-server flags are listed
 
 
 def test_version_exits_zero():
@@ -308,10 +312,10 @@ def test_version_exits_zero():
 
 
 def test_unsupported_flag_from_the_program_is_one_line_exit_1():
-    proc = subprocess.run([sys.executable, "-m", "pyllama.server", "-m", "x.gguf", "--lora", "a.gguf"],
+    proc = subprocess.run([sys.executable, "-m", "pyllama.server", "-m", "x.gguf", "--control-vector", "a.gguf"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    assert proc.stderr.strip().count("\n") == 0 and "--lora" in proc.stderr, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "--control-vector" in proc.stderr, proc.stderr
 
 
 # --- environment ------------------------------------------------------------------------------

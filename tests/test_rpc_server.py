@@ -127,7 +127,7 @@ def test_hello_fields_and_capabilities(healthy, tmp_path, monkeypatch, env_setti
         major, minor, patch, reserved, caps, sid = a.hello_reply
         assert (major, minor, patch, reserved) == (*P.VERSION, 0)
         assert caps == (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.DEVICE_TYPES | Cap.MOE_FFN
-                        | Cap.DEVICE_BUSY | Cap.FAMILY_OPS | Cap.LANES)
+                        | Cap.DEVICE_BUSY | Cap.FAMILY_OPS | Cap.LANES | Cap.LORA)
         assert sid != 0 and b.hello_reply[5] == sid  # one id per server
     # another minor is compatible; a second HELLO is refused but the connection stays
     with Client(healthy.port, hello=False) as c:
@@ -137,7 +137,7 @@ def test_hello_fields_and_capabilities(healthy, tmp_path, monkeypatch, env_setti
     with start_server(cache_dir=str(tmp_path)) as st, Client(st.port) as c:
         assert c.hello_reply[4] == (Cap.GET_TENSORS | Cap.TRACE_SYNC | Cap.BACKEND_SAMPLING | Cap.DEVICE_TYPES
                                         | Cap.SET_TENSOR_HASH | Cap.MOE_FFN | Cap.DEVICE_BUSY | Cap.FAMILY_OPS
-                                        | Cap.LANES)
+                                        | Cap.LANES | Cap.LORA)
         assert c.hello_reply[5] != sid
     env_settings(PYLLAMA_RPC_SERVER_CAPS="0")
     with start_server(cache_dir=str(tmp_path)) as st, Client(st.port) as c:

@@ -75,9 +75,10 @@ class BatchCore:
         parent: Optional[Slot] = None
         self._arrivals += 1
         for slot, task in placements:
+            same_lora = self._set_lora(slot, task)
             if parent is None:
                 n_keep = 0
-                if task.cache_prompt:
+                if task.cache_prompt and same_lora:  # (a cache computed with other adapters is not reused)
                     n_keep = min(common_prefix(slot.cache_tokens, task.prompt), len(task.prompt) - 1)
                 n_keep = self.cache.start(slot, task, n_keep)
                 n_keep = self.ctx.seq_rm(slot.seq, n_keep)
@@ -92,6 +93,17 @@ class BatchCore:
         self.cache.save_idle(self.slots)
         # the first token's mask is computed while the prompt is
         self.runner.request_masks([slot for slot, _ in placements if slot.constraint is not None])
+
+    def _set_lora(self, slot: Slot, task: CompletionTask) -> bool:
+        """The task's LoRA scales on its slot's sequence; whether its cache was computed with them."""
+        n = self.ctx.lora_scales.shape[1]
+        if not n:
+            return True
+        scales = tuple(task.lora) if len(task.lora) == n else (0.0,) * n
+        same = scales == slot.lora
+        self.ctx.set_lora(slot.seq, scales)
+        slot.lora = scales
+        return same
 
     def step(self) -> bool:
         """One step: plan, build, decode, sample, events. False when no slot had work (no step)."""

@@ -75,6 +75,7 @@ class Slot:
         self.state = SlotState.IDLE
         self.task: Optional[CompletionTask] = None
         self.cache_tokens: list[int] = []  # tokens whose K/V are in the cache, in order
+        self.lora: tuple = ()           # the LoRA scales those K/V were computed with
         self.last_used = 0.0
         self.parent: Optional["Slot"] = None
         self.context_shift = False      # at the context limit: shift (True) or end the request (False)

@@ -43,6 +43,7 @@ class CompletionTask:
     t_max_predict_ms: int = -1              # > 0: the first newline after this long generating ends it
     n_discard: int = 0                      # tokens a context shift drops after n_keep (0: half of the rest)
     settings: dict = field(default_factory=dict)  # the request's generation_settings, which /slots shows
+    lora: tuple = ()                        # each loaded LoRA adapter's scale for this request
     index: int = 0                          # choice index within a request with n > 1
     siblings: list["CompletionTask"] = field(default_factory=list)  # the other choices, to be placed together
     id: int = field(default_factory=lambda: next(_task_ids))

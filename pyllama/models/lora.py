@@ -15,7 +15,9 @@ LORA node then adds ((x @ A.T) * scale) @ B.T, where scale holds each token's sc
 """
 from __future__ import annotations
 
+import argparse
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -211,3 +213,44 @@ def lora_weights(model: "Model") -> dict[str, tuple[TensorInfo, int]]:
             info = TensorInfo(f"{lname}{suffix} (adapters)", DType.F32, x.shape, x.size, x.view(np.uint8).reshape(-1), -1)
             out[lname + suffix] = (info, layers[lname])
     return out
+
+
+# --- the programs' flags (llama.cpp's names) -----------------------------------------------------
+def _files_arg(text: str) -> list[tuple[str, float]]:
+    return [(path.strip(), 1.0) for path in text.split(",") if path.strip()]
+
+
+def _scaled_arg(text: str) -> list[tuple[str, float]]:
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        path, sep, scale = item.rpartition(":")
+        try:
+            value = float(scale)
+        except ValueError:
+            value = math.nan
+        if not sep or not path or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{item!r} is not FNAME:SCALE (a file and a finite number)")
+        out.append((path, value))
+    return out
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """--lora, --lora-scaled and --lora-init-without-apply, as llama.cpp's programs take them."""
+    p.add_argument("--lora", dest="lora", type=_files_arg, action="append", default=[], metavar="FNAME",
+                   llama_env=None,
+                   help="LoRA adapter file(s), comma-separated (the flag may repeat), at scale 1 (the server: for every "
+                        "request that does not ask otherwise with its 'lora' field or POST /lora-adapters)")
+    p.add_argument("--lora-scaled", dest="lora", type=_scaled_arg, action="append", metavar="FNAME:SCALE,...",
+                   llama_env=None, help="LoRA adapter file(s) with their scale, FNAME:SCALE comma-separated")
+    p.add_argument("--lora-init-without-apply", dest="lora_init_without_apply", action="store_true", llama_env=None,
+                   help="load the LoRA adapters at scale 0 (the server: applied later by POST /lora-adapters or a "
+                        "request's 'lora')")
+
+
+def lora_adapters(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """--lora and --lora-scaled as (file, scale) in the order given (the adapters' ids); scale 0
+    for each with --lora-init-without-apply."""
+    adapters = [pair for group in getattr(args, "lora", None) or [] for pair in group]
+    if getattr(args, "lora_init_without_apply", False):
+        adapters = [(path, 0.0) for path, _ in adapters]
+    return adapters

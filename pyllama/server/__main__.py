@@ -38,7 +38,7 @@ from ..runtime.placement.chunk import pipeline_chunk
 from .http import HTTPServer
 from ..util.loop import install_uvloop
 from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401
-                      default_stop, log_accepted, log_level, parse_args, resolve, sampling_defaults,
+                      default_stop, log_accepted, log_level, lora_adapters, parse_args, resolve, sampling_defaults,
                       spec_config, template_kwargs)
 from ..batching.scheduler import EXACT_ROWS
 from ..batching.draft_model import ModelDrafter, open_draft_model
@@ -78,7 +78,10 @@ def load(state: ServerState) -> None:
     state.split_chosen = proportions is None
     engine = Engine(path, n_threads=args.threads, backends=backends, tensor_split=proportions, load=False,
                     map_weights=args.mmap, kv_overrides=model_overrides(args),
-                    repack=getattr(args, "repack", True), check_tensors=getattr(args, "check_tensors", False))
+                    repack=getattr(args, "repack", True), check_tensors=getattr(args, "check_tensors", False),
+                    lora=[path for path, _ in lora_adapters(args)])
+    state.lora_paths = [path for path, _ in lora_adapters(args)]
+    state.lora_scales = [scale for _, scale in lora_adapters(args)]
     hp = engine.model.hparams
     if hp.encoder and not args.embedding:
         raise PyllamaError(f"{engine.model.name}: a {hp.arch} model computes embeddings only; start the server with "
@@ -143,7 +146,10 @@ def load(state: ServerState) -> None:
 
     if args.warmup:
         warm_up(state.groups, engine.tokenizer)
-    if args.cache_ram:
+    if args.cache_ram and state.lora_paths:
+        log.info("prompt cache in host memory: off with LoRA adapters (its entries do not record the adapters "
+                 "they were computed with)")
+    elif args.cache_ram:
         prompt_cache = PromptCache(-1 if args.cache_ram < 0 else args.cache_ram << 20)
         for group in state.groups:
             group.prompt_cache, group.cache_idle_slots = prompt_cache, args.cache_idle_slots

@@ -33,7 +33,7 @@ from ..obs.metrics import Metrics, pipeline_families, render_families
 from ..batching.prompt_cache import cache_families
 from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
-from .params import (CompletionParams, check_not_chat, get_int, parse_completion, split_prompts,
+from .params import (CompletionParams, check_not_chat, get_int, parse_completion, parse_lora, split_prompts,
                      tokenize_prompt)
 from .reasoning import (ReasoningStream, budget_end_text, check_format, prompt_opens_thinking, reasoning_tags,
                         thinking_opener)
@@ -84,6 +84,10 @@ class ServerState:
     spec_type: str = "none"  # speculative decoding: draft-simple (-md), ngram-simple, ngram-mod or none
     draft_engine: Any = None  # -md: the draft model
     split_chosen: bool = False  # the layer split is the server's own choice (no -ts, -ngl): it may move
+    # LoRA adapters (--lora, --lora-scaled): each one's file and its scale for requests that give
+    # no 'lora' (POST /lora-adapters changes them), by id
+    lora_paths: list[str] = field(default_factory=list)
+    lora_scales: list[float] = field(default_factory=list)
     # llama-server's marker of media in a multimodal prompt, random per server; a text model never expands it
     media_marker: str = field(default_factory=lambda: "<__media_" + "".join(
         secrets.choice(string.ascii_letters + string.digits) for _ in range(32)) + "__>")
@@ -274,11 +278,22 @@ def _settings(state: ServerState, p: CompletionParams) -> dict:
             "logit_bias": bias, "samplers": list(s.samplers), "timings_per_token": p.timings_per_token,
             "return_tokens": p.return_tokens, "return_progress": p.return_progress, "id_slot": p.id_slot,
             "n_cmpl": p.n, "grammar": p.constraint.text if p.constraint is not None else "",
-            # llama-server's fields for what pyllama does not have (adaptive-p sampler, LoRA) at their
-            # "off" values
-            "adaptive_target": -1.0, "adaptive_decay": 0.9, "lora": [], "speculative.types": state.spec_type,
+            # llama-server's fields for what pyllama does not have (the adaptive-p sampler) at their
+            # "off" values; 'lora' as the request gave it
+            "adaptive_target": -1.0, "adaptive_decay": 0.9,
+            "lora": [{"id": i, "scale": v} for i, v in parse_lora(p.lora or [], len(state.lora_paths)).items()],
+            "speculative.types": state.spec_type,
             "n_discard": p.n_discard, "n_indent": p.n_indent, "t_max_predict_ms": p.t_max_predict_ms,
             "backend_sampling": any(getattr(g, "backend_sampling", False) for g in state.groups)}
+
+
+def _request_lora(state: ServerState, p: CompletionParams) -> tuple[float, ...]:
+    """Each loaded adapter's scale for a request: its 'lora' (an adapter it does not list at 0, as
+    llama-server), else the server's (--lora, POST /lora-adapters)."""
+    if not p.lora:
+        return tuple(state.lora_scales)
+    asked = parse_lora(p.lora, len(state.lora_paths))
+    return tuple(asked.get(i, 0.0) for i in range(len(state.lora_paths)))
 
 
 def _verbose(state: ServerState, p: CompletionParams) -> bool:
@@ -437,8 +452,9 @@ class Api:
 
     async def _embed_all(self, prompts: list[list[int]]) -> list[EmbeddingEvent]:
         """Each prompt's pooled hidden state (embeddings, rerank scores), computed as one request."""
+        lora = tuple(self.state.lora_scales)
         tasks = [[CompletionTask(prompt=p, params=SamplingParams(), n_predict=0, cache_prompt=False, embedding=True,
-                                 index=i)] for i, p in enumerate(prompts)]
+                                 index=i, lora=lora)] for i, p in enumerate(prompts)]
         results: list[Optional[EmbeddingEvent]] = [None] * len(prompts)
         async for index, ev in self._events(tasks):
             if isinstance(ev, EmbeddingEvent):
@@ -610,15 +626,21 @@ class Api:
         return json_response({"success": True})
 
     async def lora_adapters(self, req: Request) -> Response:
-        """llama-server's /lora-adapters with none loaded (--lora is refused): GET lists none, POST
-        takes the empty list and refuses any adapter id, as llama-server does for an unknown id."""
+        """llama-server's /lora-adapters: GET lists the adapters with the scale requests get when
+        they name none; POST sets those scales, an adapter it does not list to 0 (as llama-server).
+        An id that names no adapter is a 400, where llama-server would ignore it."""
+        st = self.state
+        _require_ready(st)
         if req.method == "GET":
-            return json_response([])
+            adapters = st.engine.model.lora.adapters if st.lora_paths else []
+            return json_response([{"id": i, "path": st.lora_paths[i], "scale": st.lora_scales[i],
+                                   "task_name": ad.task_name, "prompt_prefix": ad.prompt_prefix}
+                                  for i, ad in enumerate(adapters)])
         body = req.json()
         if not isinstance(body, list):
-            raise HTTPError(400, "the request body must be an array of {\"id\", \"scale\"} objects")
-        if body:
-            raise HTTPError(400, "invalid adapter id: no LoRA adapters are loaded (pyllama does not support them)")
+            raise HTTPError(400, "Request body must be an array")
+        asked = parse_lora(body, len(st.lora_paths))
+        st.lora_scales = [asked.get(i, 0.0) for i in range(len(st.lora_paths))]
         return json_response({"success": True})
 
     async def slots(self, req: Request) -> Response:
@@ -897,7 +919,7 @@ class Api:
                 log.warning("slot %d: writing the KV rows of %s failed (%s): computing them", slot.id, filename, exc)
         if tokens and not written:  # computed into the slot like a prompt that wants no token
             task = CompletionTask(prompt=tokens, params=SamplingParams(), n_predict=0, cache_prompt=True,
-                                  id_slot=slot.id)
+                                  id_slot=slot.id, lora=tuple(st.lora_scales))
             await self._gather([[task]])
         elif not tokens:
             await self._slot_erase(slot)
@@ -916,6 +938,7 @@ class Api:
             raise HTTPError(400, f"'backend_sampling' {str(p.backend_sampling).lower()} is not supported: this "
                                  f"server samples {'on the device' if on_device else 'on the host'} for every request")
         out = []
+        lora = _request_lora(st, p)
         settings = _settings(st, p)  # once per request: its results and /slots show them
         for k, prompt in enumerate(prompts):
             if not prompt:
@@ -937,7 +960,7 @@ class Api:
                     cache_prompt=p.cache_prompt, id_slot=p.id_slot, index=k * p.n + i, matcher=matcher, triggers=p.triggers,
                     thinking_budget=p.thinking_budget, thinking_end=p.thinking_end, thinking_open=p.thinking_open,
                     spec_n_max=p.spec_n_max, spec_n_min=p.spec_n_min, n_indent=p.n_indent,
-                    t_max_predict_ms=p.t_max_predict_ms, n_discard=p.n_discard, settings=settings))
+                    t_max_predict_ms=p.t_max_predict_ms, n_discard=p.n_discard, settings=settings, lora=lora))
             out.append(tasks)
         return out
 

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .. import __version__
+from ..models.lora import add_lora_args, lora_adapters  # noqa: F401 - lora_adapters: the server reads it here
 from ..util import priority
 from ..runtime.cache_types import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from ..util.affinity import cpu_set
@@ -48,7 +49,6 @@ POOLING_TYPES = ("none", "mean", "cls", "last", "rank")
 
 # llama-server flags pyllama does not have, and why: each is refused in one line (a server that
 # silently ignored --lora or --mmproj would answer with another model than the one asked for)
-_LORA = "LoRA adapters are not supported"
 _DRAFT = "not supported for the draft model (it runs on the local CPU; see -md)"
 _SPEC = ("pyllama drafts with a draft model (-md) or n-grams (--spec-type ngram-simple or ngram-mod); this flag of "
          "another draft type or setting is not supported")
@@ -57,7 +57,6 @@ _DL = "pyllama does not download models; pass a local GGUF file with -m"
 _SAMPLER = "this sampler is not supported (adaptive-p is not in pyllama's sampler set)"
 _FIT = "fitting to device memory is not supported (pyllama checks memory and refuses what does not fit)"
 UNSUPPORTED: dict[str, str] = {
-    **{f: _LORA for f in ("--lora", "--lora-scaled", "--lora-init-without-apply")},
     **{f: "control vectors are not supported" for f in ("--control-vector", "--control-vector-scaled",
                                                         "--control-vector-layer-range")},
     "--spec-replace": "pyllama does not translate between vocabularies: the draft model must share the target's",
@@ -352,6 +351,7 @@ def build_parser() -> Parser:
       help="tokens the draft model drafts per step (default 3); with n-gram drafts, a cap (default none)")
     a("--spec-draft-n-min", "--draft-min", "--draft-n-min", dest="spec_draft_n_min", type=int_at_least(0), default=0,
       llama_env="LLAMA_ARG_SPEC_DRAFT_N_MIN", help="a shorter draft is not verified")
+    add_lora_args(p)
     a("-md", "--model-draft", "--spec-draft-model", dest="model_draft", default=None, metavar="FNAME",
       llama_env="LLAMA_ARG_SPEC_DRAFT_MODEL",
       help="draft model for speculative decoding: a small model of the same vocabulary, run on the local CPU; it "

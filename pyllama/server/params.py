@@ -233,6 +233,7 @@ class CompletionParams:
     verbose: Optional[bool] = None  # the result's __verbose (None: the server's -v)
     sse_ping_interval: Optional[int] = None  # seconds between pings of a silent stream (None: the server's)
     backend_sampling: Optional[bool] = None  # asked for, checked against what the server does (None: any)
+    lora: Optional[list] = None  # the request's 'lora' entries as given (checked against the adapters by parse_lora)
 
 
 # llama-server's request fields that pyllama does not honour (tools/server/server-schema.cpp's
@@ -244,7 +245,6 @@ _SPECULATIVE = "only speculative.n_max and speculative.n_min can be set per requ
 UNHONOURED_FIELDS: dict[str, tuple[Any, str]] = {
     "t_max_prompt_ms": (lambda v: _number(v) and v <= 0, "a time limit on prompt processing is not supported "
                                                          "(llama-server does not implement it either)"),
-    "lora": (lambda v: v == [], "LoRA adapters are not supported"),
     "grammar_type": (lambda v: False, _INTERNAL),
     "chat_format": (lambda v: False, _INTERNAL),
     "chat_parser": (lambda v: False, _INTERNAL),
@@ -422,7 +422,32 @@ def parse_completion(body: Any, default_n_predict: int, n_slots: int, oai: bool 
         verbose=body.get("verbose") if body.get("verbose") is None else get_bool(body, "verbose", False),
         sse_ping_interval=get_int(body, "sse_ping_interval", None, lo=-1),
         backend_sampling=body.get("backend_sampling") if body.get("backend_sampling") is None
-        else get_bool(body, "backend_sampling", False))
+        else get_bool(body, "backend_sampling", False),
+        lora=_lora_field(body))
+
+
+def _lora_field(body: dict) -> Optional[list]:
+    v = body.get("lora")
+    if v is not None and not isinstance(v, list):
+        raise _bad("lora", 'an array of {"id": ..., "scale": ...} objects')
+    return v or None
+
+
+def parse_lora(entries: list, n_adapters: int) -> dict[int, float]:
+    """A list of {"id", "scale"} (a request's 'lora', POST /lora-adapters' body) as id -> scale;
+    a 400 for an entry that is not such an object or names no loaded adapter."""
+    out: dict[int, float] = {}
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise _bad("lora", 'an array of {"id": ..., "scale": ...} objects')
+        i, scale = entry.get("id"), entry.get("scale", 0.0)
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_adapters:
+            loaded = f"ids 0 to {n_adapters - 1}" if n_adapters else "none (start the server with --lora)"
+            raise HTTPError(400, f"invalid adapter id {i!r}: the LoRA adapters loaded are {loaded}")
+        if not _number(scale) or not math.isfinite(scale):
+            raise HTTPError(400, f"the scale of LoRA adapter {i} must be a finite number, not {scale!r}")
+        out[i] = float(scale)
+    return out
 
 
 def parse_triggers(body: dict, tokenizer: Optional[Tokenizer], n_vocab: Optional[int]) -> tuple[Trigger, ...]:

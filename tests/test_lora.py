@@ -87,23 +87,69 @@ def test_scale_zero_is_the_base_model_exactly(base, adapters):
         adapted.close()
 
 
-def test_sequences_with_other_adapters_share_a_batch(base, adapters):
-    """Three sequences with three adapter settings decoded in one batch: each row equals that
-    sequence decoded alone with its own scales."""
+def test_sequences_with_other_adapters_share_a_batch(model_factory, tmp_path):
+    """Three sequences with three adapter settings (an F16 adapter and an F32 one) decoded in one
+    batch, prompts then greedy steps, on a Q8_0 model: each gets, bit for bit, what it gets decoded
+    alone with its own scales (its activations are then quantized: an ulp of difference would show)."""
+    base = model_factory("tiny", seed=5, wtype="q8_0")
+    adapters = [make_lora(base, str(tmp_path / "a16.gguf"), rank=4, alpha=8.0, seed=1, gain=0.25, wtype="f16"),
+                make_lora(base, str(tmp_path / "b32.gguf"), rank=2, alpha=0.0, targets=["attn_q", "attn_v", "output"],
+                          seed=2, gain=0.5)]
     engine = Engine(base, n_threads=2, lora=adapters)
     settings = [(1.0, 0.0), (0.0, 0.7), (0.3, 1.0)]
     prompts = [PROMPT_IDS, PROMPT_IDS[:5], PROMPT_IDS[2:]]
+    steps = 12
+
+    def greedy(ctx, seqs: list[int], first) -> list[list[int]]:
+        out, toks = first, [[] for _ in seqs]
+        for i in range(steps):
+            last = [int(out.logits[k].argmax()) for k in range(len(seqs))]
+            for k, t in enumerate(last):
+                toks[k].append(t)
+            out = ctx.decode(Batch.concat([Batch.for_sequence([t], len(prompts[s]) + i, s)
+                                           for s, t in zip(seqs, last)]))
+        return toks
     try:
-        alone = [all_logits(engine, p, s)[-1] for p, s in zip(prompts, settings)]
+        alone = []
+        for seq, (p, s) in enumerate(zip(prompts, settings)):
+            ctx = engine.new_context(384, 3)
+            ctx.set_lora(seq, s)
+            alone.append(greedy(ctx, [seq], ctx.decode(Batch.for_sequence(p, 0, seq)))[0])
         ctx = engine.new_context(384, 3)
         for seq, s in enumerate(settings):
             ctx.set_lora(seq, s)
-        out = ctx.decode(Batch.concat([Batch.for_sequence(p, 0, seq) for seq, p in enumerate(prompts)]))
-        for seq in range(3):
-            np.testing.assert_allclose(out.logits[seq], alone[seq], rtol=0, atol=2e-5 * np.abs(alone[seq]).max())
-        assert np.abs(alone[0] - alone[2]).max() > 1e-2
+        first = ctx.decode(Batch.concat([Batch.for_sequence(p, 0, seq) for seq, p in enumerate(prompts)]))
+        assert greedy(ctx, [0, 1, 2], first) == alone
+        assert len({tuple(t) for t in alone}) == 3
     finally:
         engine.close()
+
+
+def test_an_f16_adapter_rounds_its_activations_as_ggml(base, tmp_path):
+    """A block of an adapter stored as F16 (a negative width) takes x and x @ a.T rounded to F16
+    before the products, as ggml's products against F16 matrices round them."""
+    from pyllama.backend.cpu.backend import _lora_steps
+    from pyllama.backend.base import Tensor
+    from pyllama.ir.tensor import DType, Node
+    from pyllama.util.settings import current
+    rng = np.random.default_rng(0)
+    n, k, m, widths = 3, 64, 40, (-4, 2)
+    r = sum(abs(w) for w in widths)
+    x, y = rng.standard_normal((n, k)).astype(np.float32), rng.standard_normal((n, m)).astype(np.float32)
+    a = rng.standard_normal((r, k)).astype(np.float16).astype(np.float32)
+    b = rng.standard_normal((m, r)).astype(np.float32)
+    scale = np.array([[1.0, 0.5], [0.0, 2.0], [0.25, 0.0]], np.float32)
+    out = np.zeros((n, m), np.float32)
+    srcs = [Tensor(DType.F32, v.shape, f"s{i}") for i, v in enumerate((y, x, a, b, scale))]
+    nd = Node(Op.LORA, Tensor(DType.F32, out.shape, "out"), tuple(srcs), widths)
+    for step in _lora_steps(current().cpu, nd, [y, x, a, b, scale], out, 1):
+        step()
+    f16 = lambda v: v.astype(np.float16).astype(np.float32)  # noqa: E731
+    t = np.concatenate([f16(f16(x) @ a[:4].T), x @ a[4:].T], axis=1)
+    want = y + (t * np.repeat(scale, [4, 2], axis=1)) @ b.T
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    plain = y + (np.concatenate([x @ a[:4].T, x @ a[4:].T], axis=1) * np.repeat(scale, [4, 2], axis=1)) @ b.T
+    assert np.abs(out - plain).max() > 1e-4  # (the rounding shows)
 
 
 def test_the_graph_adds_one_lora_node_per_adapted_product(base, adapters):

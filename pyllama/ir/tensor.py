@@ -193,8 +193,10 @@ class Op(IntEnum):
     GELU = 16
     # LoRA adapters on a product (models/lora.py): srcs (y [n, m], x [n, k], a [R, k], b [m, R],
     # scale [n, A]); params (w_1, ..., w_A), the widths of the A adapters' blocks of a's rows (and
-    # b's columns), summing to R -> out [n, m] = y + ((x @ a.T) * s) @ b.T, where s [n, R] repeats
-    # column j of scale over adapter j's block: each token gets its own adapters and scales.
+    # b's columns), |w| summing to R -> out [n, m] = y + ((x @ a.T) * s) @ b.T, where s [n, R]
+    # repeats column j of scale over adapter j's block: each token gets its own adapters and scales.
+    # A negative width marks an adapter stored as F16: its block takes x and x @ a.T rounded to F16
+    # before the products (as ggml's products against F16 matrices round their activations).
     LORA = 17
 
 

@@ -58,10 +58,17 @@ class LoraAdapter:
     pairs: dict[str, tuple[np.ndarray, np.ndarray]]
     task_name: str = ""
     prompt_prefix: str = ""
+    half: bool = False  # every matrix is F16 in the file (llama.cpp's converter's default): products round to F16
 
     def factor(self, rank: int) -> float:
         """The scale of a pair of rank `rank` at adapter scale 1 (as llama.cpp's get_scale)."""
         return self.alpha / rank if self.alpha else 1.0
+
+    @property
+    def uniform_factor(self) -> Optional[float]:
+        """factor() of every pair when all have one rank (the usual adapter), else None."""
+        ranks = {a.shape[0] for a, _ in self.pairs.values()}
+        return self.factor(ranks.pop()) if len(ranks) == 1 else None
 
 
 @dataclass
@@ -74,6 +81,11 @@ class LoraSet:
     @property
     def n(self) -> int:
         return len(self.adapters)
+
+    def factors(self) -> np.ndarray:
+        """Each adapter's alpha / r where it is the same for all its pairs (its tokens' scales are
+        multiplied by it: the matrices stay as the file has them), else 1 (folded into B)."""
+        return np.asarray([ad.uniform_factor or 1.0 for ad in self.adapters], dtype=np.float32)
 
     def widths(self) -> dict[str, tuple[int, ...]]:
         """Adapted logical weight -> each adapter's rank block width (0 where it leaves it alone)."""
@@ -122,8 +134,9 @@ def load_adapter(path: str, model: "Model") -> LoraAdapter:
             raise LoraError(f"{where}: '{base}' is [{m}, {k}] (rows, columns) but its lora_a is {list(a.shape)} "
                             f"and lora_b {list(b.shape)}; expected [r, {k}] and [{m}, r] (made for another model?)")
         pairs[base] = (_f32(a, where), _f32(b, where))
+    half = all(ab[x].qtype == DType.F16 for ab in halves.values() for x in "ab")
     return LoraAdapter(path, float(alpha), pairs, str(f.get("adapter.lora.task_name", "") or ""),
-                       str(f.get("adapter.lora.prompt_prefix", "") or ""))
+                       str(f.get("adapter.lora.prompt_prefix", "") or ""), half)
 
 
 def _f32(info: TensorInfo, where: str) -> np.ndarray:
@@ -151,7 +164,11 @@ def load_lora_set(paths: Sequence[str], model: "Model") -> Optional[LoraSet]:
 
 
 def _fuse(model: "Model", adapters: list[LoraAdapter]) -> dict[str, tuple[np.ndarray, np.ndarray, tuple[int, ...]]]:
-    """Per adapted logical weight: A [R, k], B [m, R] (alpha / r folded in) and the block widths."""
+    """Per adapted logical weight: A [R, k], B [m, R] (float32) and the block widths. alpha / r is
+    folded into B only for an adapter whose pairs differ in rank (else its tokens' scales carry it,
+    LoraSet.factors). The width of an adapter stored as F16 in its file is negative: the LORA node
+    rounds that block's activations to F16 before each product, as ggml's products against F16
+    matrices do (its values are F16 values, exact in float32)."""
     hp = model.hparams
     adaptable = {f"blk.{il}.{n}" for il in range(hp.n_layer) if not hp.moe_layer(il) for n in ADAPTED}
     adaptable.update(ADAPTED_GLOBAL)
@@ -182,15 +199,16 @@ def _fuse(model: "Model", adapters: list[LoraAdapter]) -> dict[str, tuple[np.nda
         for ad in adapters:
             parts = [(f, ad.pairs[f]) for f in fnames if f in ad.pairs]
             width = sum(a.shape[0] for _, (a, _) in parts)
-            widths.append(width)
+            widths.append(-width if ad.half else width)
             if not width:
                 continue
+            uniform = ad.uniform_factor
             bb = np.zeros((m, width), dtype=np.float32)
             col = 0
             for fname, (a, b) in parts:
                 row = rows_of[fname][1]
                 r = a.shape[0]
-                bb[row:row + b.shape[0], col:col + r] = b * np.float32(ad.factor(r))
+                bb[row:row + b.shape[0], col:col + r] = b if uniform is not None else b * np.float32(ad.factor(r))
                 col += r
             a_blocks.append(np.concatenate([a for _, (a, _) in parts], axis=0))
             b_blocks.append(bb)

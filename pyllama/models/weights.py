@@ -99,6 +99,7 @@ class Weights:
     # its matrices are the weights `<name>.lora_a` and `<name>.lora_b`
     lora: dict[str, tuple[int, ...]] = field(default_factory=dict)
     n_lora: int = 0
+    lora_factors: Optional[np.ndarray] = None  # each adapter's alpha / r, which its tokens' scales carry
 
     def __getitem__(self, name: str) -> WeightRef:
         return self.tensors[name]
@@ -301,7 +302,7 @@ def load_weights(model: Model, placement: Placement, upload: bool = True, map_we
 def _set_lora(weights: Weights, model: Model) -> None:
     lora = model.lora
     if lora is not None:
-        weights.lora, weights.n_lora = lora.widths(), lora.n
+        weights.lora, weights.n_lora, weights.lora_factors = lora.widths(), lora.n, lora.factors()
 
 
 def _logical_weights(model: Model) -> dict[str, tuple[list[TensorInfo], int]]:

@@ -382,7 +382,7 @@ class Context:
         `seq`'s next tokens. What its cache holds was computed with the scales of its time."""
         if len(scales) != self.lora_scales.shape[1]:
             raise ValueError(f"{len(scales)} LoRA scales for {self.lora_scales.shape[1]} adapters")
-        self.lora_scales[seq] = scales
+        self.lora_scales[seq] = np.asarray(scales, dtype=np.float32) * self.weights.lora_factors
 
     def seq_rm(self, seq: int, p0: int = 0) -> int:
         """Forgets positions p0.. of a sequence; returns the length actually kept (see KVCache.seq_rm)."""

@@ -296,7 +296,7 @@ class CPUBackend(Backend):
             elif op == Op.GELU:
                 steps.append(_bind(gelu, s[0], out))
             elif op == Op.LORA:
-                steps.append(_bind(lora_add, s[0], s[1], s[2], s[3], s[4], out, lora_widths(nd)))
+                steps.extend(_lora_steps(opts, nd, s, out, nt))
             elif op == Op.SAMPLE:
                 steps.append(bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             elif op == Op.MOE_FFN:
@@ -340,29 +340,59 @@ _GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
 
 
 def lora_widths(nd: Node) -> np.ndarray:
-    """A LORA node's adapter block widths (its parameters, one per column of its scale source),
-    checked against its sources' shapes (pyllama.ir.tensor, Op.LORA)."""
+    """A LORA node's adapter block widths (its parameters, one per column of its scale source;
+    negative: the block rounds its activations to F16), checked against its sources' shapes
+    (pyllama.ir.tensor, Op.LORA)."""
     y, x, a, b, scale = nd.srcs
     n_ad = scale.shape[1] if len(scale.shape) == 2 else -1
     widths = list(nd.params)
-    if not 1 <= n_ad <= len(widths) or any(w != int(w) or w < 0 for w in widths) or any(widths[n_ad:]):
+    if not 1 <= n_ad <= len(widths) or any(w != int(w) for w in widths) or any(widths[n_ad:]):
         raise ValueError(f"LORA {nd.out.name}: parameters {widths} do not give {n_ad} adapter widths")
     n, m = y.shape
     r, k = a.shape
     if x.shape != (n, k) or b.shape != (m, r) or scale.shape[0] != n or nd.out.shape != (n, m) \
-            or sum(widths) != r:
+            or sum(abs(w) for w in widths) != r:
         raise ValueError(f"LORA {nd.out.name}: shapes y {list(y.shape)}, x {list(x.shape)}, a {list(a.shape)}, "
                          f"b {list(b.shape)}, scale {list(scale.shape)} and widths {widths[:n_ad]} disagree")
     return np.asarray(widths[:n_ad], dtype=np.int64)
 
 
-def lora_add(y: np.ndarray, x: np.ndarray, a: np.ndarray, b: np.ndarray, scale: np.ndarray, out: np.ndarray,
-             widths: np.ndarray) -> None:
-    """out = y + ((x @ a.T) * s) @ b.T, s repeating scale's column j over adapter j's block."""
-    t = x @ a.T
-    t *= np.repeat(scale, widths, axis=1)
-    np.matmul(t, b.T, out=out)
-    out += y
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _lora_steps(opts: CpuSettings, nd: Node, s: Sequence[np.ndarray], out: np.ndarray,
+                nt: int) -> list[Callable[[], None]]:
+    """LORA: out = y + ((x @ a.T) * s) @ b.T. Both products are MUL_MAT's F32 kernels, so that a
+    row's result does not depend on its batch mates (up to their row bound: activations that are
+    then quantized would turn an ulp into another value). A block of an F16 adapter takes x and
+    its part of x @ a.T rounded to F16, as ggml's products against F16 matrices round them."""
+    y, x, a, b, scale = s
+    signed = lora_widths(nd)
+    widths = np.abs(signed)
+    half = np.repeat(signed < 0, widths)  # per column of a.T: its adapter is F16
+    t = np.zeros((x.shape[0], int(widths.sum())), dtype=np.float32)
+    products = []
+    if half.any():  # the F16 blocks' activations rounded: x16 @ a.T for those columns
+        x16 = np.zeros_like(x)
+        t16 = t if half.all() else np.zeros_like(t)
+        products.append(lambda: np.copyto(x16, _f16(x)))
+        products.append(_bind_mul_mat(opts, x16, a, DType.F32, t16, None, nt))
+    if not half.all():
+        products.append(_bind_mul_mat(opts, x, a, DType.F32, t, None, nt))
+    second = _bind_mul_mat(opts, t, b, DType.F32, out, None, nt)
+
+    def run() -> None:
+        for step in products:
+            step()
+        if half.any():
+            if not half.all():
+                t[:, half] = t16[:, half]
+            t[:, half] = _f16(t[:, half])
+        np.multiply(t, np.repeat(scale, widths, axis=1), out=t)
+        second()
+        np.add(out, y, out=out)
+    return [run]
 
 
 def gelu(x: np.ndarray, out: np.ndarray) -> None:

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -20,6 +21,7 @@ import pytest
 from server_util import ServerProcess
 
 from pyllama.server.http import Request
+from pyllama.server.models.process import ModelProcess
 from pyllama.server.models.proxy import forward
 from pyllama.server.models.registry import ModelRegistry, estimate_memory, parse_ini, passthrough_args
 from pyllama.util.errors import PyllamaError
@@ -244,6 +246,21 @@ def test_forward_relays_each_piece_as_it_arrives():
     head = seen[0].split(b"\r\n\r\n")[0].lower()
     assert head.startswith(b"post /v1/completions?model=a http/1.1") and b"authorization: bearer k" in head
     assert b"host: x" not in head
+
+
+def test_model_output_is_drained_and_prefixed(capfd):
+    """A model server's output reaches the router's stderr line by line after its name, a line
+    longer than any read buffer included (an undrained pipe would block the model server)."""
+    code = "import sys; sys.stdout.write('x' * 200000 + '\\n'); print('done'); print('tail', end='')"
+
+    async def run() -> int:
+        p = ModelProcess("m", [sys.executable, "-c", code], 0, dict(os.environ), 5.0)
+        await p.start()
+        return await asyncio.wait_for(p.wait(), 30)
+
+    assert asyncio.run(run()) == 0
+    err = capfd.readouterr().err
+    assert "[m] done\n" in err and "[m] tail\n" in err and err.count("x") >= 200000
 
 
 # --- one router for most checks ---------------------------------------------------------------

@@ -79,18 +79,28 @@ class ModelProcess:
         self._pump = asyncio.ensure_future(self._forward_output())
 
     async def _forward_output(self) -> None:
+        # read in blocks, not lines: a line longer than the reader's limit (a -v dump) must not end
+        # the draining, or the child would block on a full pipe
         assert self.proc is not None and self.proc.stdout is not None
         prefix = f"[{self.name}] ".encode()
         out = sys.stderr.buffer
+        pending = b""
         while True:
-            line = await self.proc.stdout.readline()
-            if not line:
+            data = await self.proc.stdout.read(1 << 16)
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            if not data and pending:
+                lines, pending = lines + [pending], b""
+            elif len(pending) > 1 << 16:
+                lines, pending = lines + [pending], b""
+            if lines:
+                try:
+                    out.write(b"".join(prefix + line + b"\n" for line in lines))
+                    out.flush()
+                except (OSError, ValueError):  # the router's stderr is gone: keep draining the pipe
+                    pass
+            if not data:
                 break
-            try:
-                out.write(prefix + line)
-                out.flush()
-            except (OSError, ValueError):  # the router's stderr is gone: keep draining the pipe
-                pass
 
     async def wait_ready(self, poll_s: float = 0.1) -> bool:
         """True once /health answers 200; False if the child exits first."""

@@ -325,7 +325,8 @@ class RouterApi:
 
         try:
             m.last_used = time.monotonic()
-            if autoload or m.status == SLEEPING:
+            # a loading model is waited for even without autoload: its server does not listen yet
+            if autoload or m.status in (SLEEPING, LOADING):
                 await self.router.ensure_ready(m)
             proc = m.process
             if proc is None:

@@ -266,7 +266,7 @@ class RouterApi:
             return await self.proxy_get(req)
         return json_response({"role": "router", "max_instances": self.router.models_max,
                               "models_autoload": self.autoload, "model_alias": "pyllama", "model_path": "none",
-                              "default_generation_settings": {"params": {}, "n_ctx": 0},
+                              "default_generation_settings": {"params": None, "n_ctx": 0},
                               "ui_settings": dict(self.args.ui_config or {})})
 
     @staticmethod

@@ -244,7 +244,7 @@ class ModelRegistry:
 
     def _entry(self, name: str, found: Optional[tuple[str, str]], common: dict[str, str],
                own: Optional[dict[str, str]], cli_dests: set[str], preset_path: Optional[str]) -> ModelEntry:
-        where = f"{preset_path} [{name}]"
+        where = f"{preset_path} [{name}]" if preset_path else f"model '{name}'"
         merged: dict[str, tuple[str, str, str]] = {}  # dest -> (key, value, section) of the last to set it
         special: dict[str, str] = {}
         for section, options in (("*", common), (name, own or {})):

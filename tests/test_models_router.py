@@ -382,6 +382,10 @@ def test_no_autoload_api_key_and_idle_sleep(models_dir):
         code, body = r.post("/v1/completions", {**PROMPT, "model": "a"}, headers=key)
         assert code == 200 and body["model"] == "a"
         assert statuses(r)["a"]["value"] == "loaded"
+        # a request for a model that is still loading waits for it
+        assert r.post("/models/load", {"model": "b"}, headers=key) == (200, {"success": True})
+        code, body = r.post("/v1/completions", {**PROMPT, "model": "b"}, headers=key)
+        assert code == 200 and body["model"] == "b"
     finally:
         stop_router(r)
 

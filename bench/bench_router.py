@@ -1,6 +1,6 @@
 """Router mode under load: several models behind one server, each in its own process.
 
-    python bench/bench_router.py [--preset small] [--users 32] [--requests 4] [--ntg 16] [--idle 3]
+    python bench/bench_router.py [--preset small] [--users 32] [--requests 8] [--ntg 16] [--idle 3]
 
 Makes four models (a, b, c, d) in a temporary folder and starts `python -m pyllama.server
 --models-dir DIR --models-max 3 --sleep-idle-seconds IDLE --models-memory BUDGET`, the budget being
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small", help="pyllama.models.make preset of the four models")
     ap.add_argument("--users", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=4, help="requests per user and phase")
+    ap.add_argument("--requests", type=int, default=8, help="requests per user and phase")
     ap.add_argument("--ntg", type=int, default=16, help="tokens generated per request")
     ap.add_argument("--idle", type=int, default=3, help="--sleep-idle-seconds of the router")
     opts = ap.parse_args(argv)
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         for seed, name in enumerate(MODELS, 1):
             subprocess.run([sys.executable, "-m", "pyllama.models.make", "--preset", opts.preset, "--out",
                             os.path.join(tmp, f"{name}.gguf"), "--seed", str(seed)], check=True, capture_output=True)
-        sizes = ["-c", "4096", "-np", "8"]
+        # as many slots as users: a model alone serves every user at once, as the mix does
+        sizes = ["-c", str(256 * opts.users), "-np", str(opts.users)]
         estimate = estimate_memory(os.path.join(tmp, "a.gguf"), sizes)
         budget = 3 * estimate + ROUTER_ROOM
         router = ServerProcess("", "--models-dir", tmp, "--models-max", "3", "--sleep-idle-seconds", str(opts.idle),
@@ -172,13 +173,19 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"models not loaded: {status(router)}")
             time.sleep(0.1)
         d_loaded = time.monotonic()
+        d_slept: list[float] = []
+
+        def watch_d() -> None:  # when d's status turns sleeping, seen by a client of /models
+            while not d_slept and time.monotonic() < d_loaded + opts.idle + 120:
+                if status(router)["d"] == "sleeping":
+                    d_slept.append(time.monotonic() - d_loaded)
+                time.sleep(0.2)
+
+        watcher = threading.Thread(target=watch_d, daemon=True)
+        watcher.start()
         U, R, N = opts.users, opts.requests, opts.ntg
         alone = {m: run_phase(router.port, U, R, N, lambda u, i, m=m: m) for m in ("a", "b")}
-        while status(router)["d"] != "sleeping":  # d had no request since its load
-            if time.monotonic() > d_loaded + opts.idle + 30:
-                break
-            time.sleep(0.1)
-        d_slept = time.monotonic() - d_loaded
+        watcher.join()
         d_status = status(router)["d"]
         assert status(router)["c"] == "unloaded"
         t_mix = time.monotonic()
@@ -215,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"on demand: c was loaded by its first request in the mix, which took {c_first * 1e3:.0f} ms (the load "
               f"included); {n_waited} c request(s) sent during the load are left out of the mix row; mix phase "
               f"{mix_s:.1f} s")
-        print(f"idle: d loaded, then no request: status '{d_status}' {d_slept:.1f} s after its load")
+        print("idle: d loaded, then no request: " + (f"sleeping (its process stopped) {d_slept[0]:.1f} s after its "
+                                                     "load" if d_slept else "never put to sleep")
+              + f"; its status at the end '{d_status}'")
         print(f"failures: {len(failures)}" + (f" (first: {failures[0]['error']})" if failures else ""))
         print(f"peak RSS, router + model processes: {peak.peak / MiB:.0f} MiB; budget {budget / MiB:.0f} MiB "
               f"(--models-memory: 3 models of an estimated {estimate / MiB:.0f} MiB each, plus "

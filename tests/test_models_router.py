@@ -248,6 +248,7 @@ def test_forward_relays_each_piece_as_it_arrives():
     assert b"host: x" not in head
 
 
+@pytest.mark.integration  # a model server process, started by the fixture or the test
 def test_model_output_is_drained_and_prefixed(capfd):
     """A model server's output reaches the router's stderr line by line after its name, a line
     longer than any read buffer included (an undrained pipe would block the model server)."""
@@ -264,6 +265,7 @@ def test_model_output_is_drained_and_prefixed(capfd):
 
 
 # --- one router for most checks ---------------------------------------------------------------
+@pytest.mark.integration  # a model server process, started by the fixture or the test
 def test_listing_shows_every_model_unloaded_first(router):
     code, body = router.request("GET", "/v1/models")
     assert code == 200 and body["object"] == "list"
@@ -274,6 +276,7 @@ def test_listing_shows_every_model_unloaded_first(router):
         assert m["status"]["args"][1:3] == ["-m", "pyllama.server"] and "--alias" in m["status"]["args"]
 
 
+@pytest.mark.integration  # a model server process, started by the fixture or the test
 def test_routing_errors_as_llama_server(router):
     code, body = router.post("/v1/completions", PROMPT)
     assert code == 400 and body["error"]["message"] == "model name is missing from the request"
@@ -287,6 +290,7 @@ def test_routing_errors_as_llama_server(router):
     assert code == 200 and body["role"] == "router" and body["max_instances"] == 2
 
 
+@pytest.mark.integration  # a model server process, started by the fixture or the test
 def test_autoload_and_routing_by_body_and_query(router):
     code, body = complete(router, "a")
     assert code == 200 and body["model"] == "a" and body["usage"]["completion_tokens"] == 4
@@ -298,6 +302,7 @@ def test_autoload_and_routing_by_body_and_query(router):
     assert code == 200 and body["model"] == "a"
 
 
+@pytest.mark.integration  # a model server process, started by the fixture or the test
 def test_load_and_unload_endpoints(router):
     code, body = router.post("/models/load", {"model": "nosuch"})
     assert code == 404 and body["error"]["message"] == "model is not found"
@@ -313,6 +318,7 @@ def test_load_and_unload_endpoints(router):
     assert wait_status(router, "b", "unloaded") == {"value": "unloaded", "args": statuses(router)["b"]["args"]}
 
 
+@pytest.mark.integration  # a model server process, started by the fixture or the test
 def test_models_max_unloads_the_least_recently_used(router):
     assert complete(router, "a")[0] == 200
     assert complete(router, "b")[0] == 200
@@ -325,6 +331,7 @@ def test_models_max_unloads_the_least_recently_used(router):
     assert len(children(router.proc.pid)) == 2
 
 
+@pytest.mark.integration  # a model server process, started by the fixture or the test
 def test_a_model_that_fails_to_load_does_not_affect_the_others(router):
     code, body = complete(router, "broken")
     assert code == 500 and body["error"]["message"] == "model name=broken failed to load"
@@ -334,6 +341,7 @@ def test_a_model_that_fails_to_load_does_not_affect_the_others(router):
     assert code == 200 and body["model"] == "a"
 
 
+@pytest.mark.integration  # a model server process, started by the fixture or the test
 def test_streams_pass_through_as_they_come(router):
     conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=60)
     try:
@@ -353,6 +361,7 @@ def test_streams_pass_through_as_they_come(router):
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.integration  # a model server process, started by the fixture or the test
 def test_streamed_chat_through_the_router(router):
     events = router.stream("/v1/chat/completions", {"model": "a", "max_tokens": 3,
                                                     "messages": [{"role": "user", "content": "hi"}]})

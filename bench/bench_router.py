@@ -3,8 +3,8 @@
     python bench/bench_router.py [--preset small] [--users 32] [--requests 8] [--ntg 16] [--idle 3]
 
 Makes four models (a, b, c, d) in a temporary folder and starts `python -m pyllama.server
---models-dir DIR --models-max 3 --sleep-idle-seconds IDLE --models-memory BUDGET`, the budget being
-three models' estimates plus room for the router itself. Models a, b and d are loaded first; d then
+--models-dir DIR --models-max 3 --sleep-idle-seconds IDLE --models-memory BUDGET` (each model with as
+many slots as users), the budget being three models' estimates plus room for the router itself. Models a, b and d are loaded first; d then
 gets no request and must be put to sleep (its process stopped) after IDLE seconds. Phases, each a
 closed loop of U users (one keep-alive connection each, R streamed /completion requests one after
 the other, n_predict NTG, ignore_eos):

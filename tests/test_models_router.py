@@ -422,7 +422,7 @@ def test_memory_budget_refuses_and_evicts(models_dir, tmp_path):
         stop_router(r)
 
 
-def test_children_stop_with_the_router(models_dir):
+def test_children_stop_with_the_router(models_dir, tmp_path):
     r = start_router("--models-dir", str(models_dir))
     kids: list[int] = []
     try:
@@ -436,11 +436,13 @@ def test_children_stop_with_the_router(models_dir):
         r.stop()
         for k in wait_gone(kids, 0):
             os.kill(k, signal.SIGKILL)
-    # a router killed outright: the kernel sends its children SIGTERM
-    r = start_router("--models-dir", str(models_dir))
+    # a router killed outright: the kernel sends its children SIGTERM (a, loaded at start-up)
+    ini = tmp_path / "startup.ini"
+    ini.write_text("[a]\nload-on-startup = true\n")
+    r = start_router("--models-dir", str(models_dir), "--models-preset", str(ini))
     kids = []
     try:
-        assert complete(r, "a")[0] == 200
+        wait_status(r, "a", "loaded")
         kids = children(r.proc.pid)
         assert len(kids) == 1
         r.proc.kill()

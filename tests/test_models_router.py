@@ -295,6 +295,8 @@ def test_autoload_and_routing_by_body_and_query(router):
     code, body = complete(router, "a")
     assert code == 200 and body["model"] == "a" and body["usage"]["completion_tokens"] == 4
     assert statuses(router)["a"]["value"] == "loaded"
+    listed = {m["id"]: m for m in router.request("GET", "/models")[1]["data"]}
+    assert listed["a"]["meta"]["n_vocab"] > 0 and listed["a"]["owned_by"] == "pyllama"  # the model server's own
     code, props = router.request("GET", "/props?model=a")
     assert code == 200 and props["model_alias"] == "a"
     code, body = router.post("/v1/chat/completions", {"model": "a", "max_tokens": 2,

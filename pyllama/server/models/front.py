@@ -9,6 +9,7 @@ request on to the model named by the body's `model` (POST) or the `?model=` para
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -61,6 +62,7 @@ class ModelState:
         self.in_flight = 0              # requests passed on (or waiting for the load), not yet answered
         self.last_used = 0.0
         self.loaded: Optional[asyncio.Future] = None  # done when a load ends, True if the model is ready
+        self.info: dict[str, Any] = {}  # the model server's own /v1/models entry, while it runs
 
     @property
     def running(self) -> bool:
@@ -148,7 +150,9 @@ class ModelRouter:
 
     async def _watch(self, m: ModelState, proc: ModelProcess) -> None:
         ready = await proc.wait_ready()
+        info = await _model_info(proc.port) if ready else {}
         if ready and m.process is proc and m.status == LOADING:
+            m.info = info
             m.status = LOADED
             m.last_used = time.monotonic()
             log.info("model %s loaded (server process %s, port %d)", m.entry.name, proc.pid, proc.port)
@@ -161,6 +165,7 @@ class ModelRouter:
         if m.process is not proc:
             return
         m.process = None
+        m.info = {}
         if m.status != SLEEPING:
             m.status = UNLOADED
         m.failed = not proc.stopping and code != 0
@@ -232,8 +237,21 @@ class ModelRouter:
             item["created"] = created
             item["status"] = status
             item["memory_estimate"] = m.entry.memory  # pyllama's own: bytes counted against --models-memory
+            if m.running:  # what the model's server says of itself (its metadata), as llama-server merges it
+                for key, value in m.info.items():
+                    item.setdefault(key, value)
             data.append(item)
         return {"data": data, "object": "list"}
+
+
+async def _model_info(port: int) -> dict[str, Any]:
+    """The first entry of a model server's /v1/models, {} when it cannot be read."""
+    try:
+        resp = await forward(Request("GET", "/v1/models"), port, 10.0, lambda: None)
+        data = json.loads(resp.body)["data"][0] if isinstance(resp, Response) and resp.status == 200 else {}
+        return data if isinstance(data, dict) else {}
+    except (HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return {}
 
 
 class RouterApi:

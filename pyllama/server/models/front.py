@@ -393,7 +393,10 @@ async def serve_router(args, argv: list[str]) -> int:
     router.start()
     try:
         for m in starting:
-            await router.load(m)
+            try:
+                await router.load(m)
+            except RouterError as exc:
+                raise PyllamaError(f"model {m.entry.name} (load-on-startup): {exc.message}") from None
         log.info("listening on http://%s:%d%s", args.host, port, args.api_prefix)
         await stop.wait()
     finally:

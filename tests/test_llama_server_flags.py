@@ -179,6 +179,10 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M --lora a.gguf,b.gguf --lora-scaled c.gguf:0.5 --lora d.gguf",
      lambda a: lora_adapters(a) == [("a.gguf", 1.0), ("b.gguf", 1.0), ("c.gguf", 0.5), ("d.gguf", 1.0)]),
     ("-m M --lora a.gguf --lora-init-without-apply", lambda a: lora_adapters(a) == [("a.gguf", 0.0)]),
+    ("--models-dir d --models-max 0 --no-models-autoload --sleep-idle-seconds 30",
+     lambda a: (a.models_dir, a.models_max, a.models_autoload, a.sleep_idle_seconds) == ("d", 0, False, 30)),
+    ("--models-preset p.ini --models-memory 512",
+     lambda a: (a.models_preset, a.models_max, a.models_autoload, a.models_memory) == ("p.ini", 4, True, 512)),
 ])
 def test_llama_server_command_lines(line, check):
     assert check(parse_args(line.split()))
@@ -226,6 +230,11 @@ def test_every_llama_server_flag_is_read_or_refused_by_name():
             pass
         unknown.append(flag)
     assert len(LLAMA_SERVER_FLAGS) > 300 and not unknown, unknown
+
+
+def test_sleep_idle_seconds_is_for_the_router_only():
+    assert "router mode only" in refused(["-m", "M", "--sleep-idle-seconds", "60"])
+    assert parse_args(["--models-dir", "d", "--sleep-idle-seconds", "60"]).sleep_idle_seconds == 60
 
 
 def test_unsupported_flag_with_equals_value():
@@ -362,6 +371,10 @@ def test_unsupported_flag_from_the_program_is_one_line_exit_1():
     ("LLAMA_ARG_CACHE_PROMPT", "0", "cache_prompt", False),
     ("LLAMA_ARG_PERF", "1", "perf", True),
     ("LLAMA_ARG_FIT", "off", "fit", "off"),
+    ("LLAMA_ARG_MODELS_DIR", "/models", "models_dir", "/models"),
+    ("LLAMA_ARG_MODELS_PRESET", "/p.ini", "models_preset", "/p.ini"),
+    ("LLAMA_ARG_MODELS_MAX", "2", "models_max", 2),
+    ("LLAMA_ARG_MODELS_AUTOLOAD", "0", "models_autoload", False),
 ])
 def test_llama_arg_variables(monkeypatch, var, raw, dest, value):
     monkeypatch.setenv(var, raw)

@@ -38,7 +38,8 @@ from ..runtime.placement.chunk import pipeline_chunk
 from .http import HTTPServer
 from ..util.loop import install_uvloop
 from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401
-                      default_stop, log_accepted, log_level, lora_adapters, parse_args, resolve, sampling_defaults,
+                      default_stop, log_accepted, log_level, lora_adapters, parse_args, resolve, router_mode,
+                      sampling_defaults,
                       spec_config, template_kwargs)
 from ..batching.scheduler import EXACT_ROWS
 from ..batching.draft_model import ModelDrafter, open_draft_model
@@ -350,6 +351,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise PyllamaError(f"--log-file {args.log_file}: {exc.strerror or exc}") from None
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger().addHandler(handler)
+    if router_mode(args):  # several models, each in its own server process: the router only routes
+        from .models.front import run_router  # noqa: PLC0415
+        return run_router(args, list(sys.argv[1:] if argv is None else argv))
     log_accepted(args)
     if args.mlock:
         lock_memory()

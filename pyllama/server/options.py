@@ -79,9 +79,6 @@ UNSUPPORTED: dict[str, str] = {
        for f in ("-ot", "--override-tensor")},
     **{f: "TLS is not supported; put a reverse proxy in front for HTTPS" for f in ("--ssl-key-file",
                                                                                     "--ssl-cert-file")},
-    **{f: "the router mode (several models) is not supported" for f in ("--models-dir", "--models-preset",
-                                                                         "--models-max", "--models-autoload",
-                                                                         "--no-models-autoload")},
     **{f: "agent tools and MCP are not supported" for f in ("--tools", "--mcp-servers-config", "--mcp-servers-json",
                                                             "-ag", "--agent", "-no-ag", "--no-agent", "--ui-mcp-proxy",
                                                             "--webui-mcp-proxy", "--no-ui-mcp-proxy",
@@ -90,8 +87,7 @@ UNSUPPORTED: dict[str, str] = {
        for f in ("--reasoning-preserve", "--no-reasoning-preserve")},
     **{f: _FIT for f in ("-fitt", "--fit-target", "-fitc", "--fit-ctx", "-fitp", "--fit-print")},
     **{f: "this loading or memory option is not supported" for f in (
-        "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "--no-host",
-        "--sleep-idle-seconds")},
+        "-lm", "--load-mode", "-dio", "--direct-io", "-ndio", "--no-direct-io", "--no-host")},
     **{f: "not supported" for f in ("-sys", "--system-prompt", "--system-prompt-file",
                                     "-sysf",
                                     "--log-prompts-dir",
@@ -107,7 +103,7 @@ UNSUPPORTED_ENV = {"LLAMA_ARG_HF_REPO": "--hf-repo", "LLAMA_ARG_HF_FILE": "--hf-
                    "LLAMA_ARG_MMPROJ": "--mmproj", "LLAMA_ARG_MMPROJ_URL": "--mmproj-url",
                    "LLAMA_ARG_OVERRIDE_TENSOR": "--override-tensor",
                    "LLAMA_ARG_SSL_KEY_FILE": "--ssl-key-file",
-                   "LLAMA_ARG_SSL_CERT_FILE": "--ssl-cert-file", "LLAMA_ARG_MODELS_DIR": "--models-dir"}
+                   "LLAMA_ARG_SSL_CERT_FILE": "--ssl-cert-file"}
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -441,6 +437,24 @@ def build_parser() -> Parser:
     a("-j", "--json-schema", default=None, metavar="SCHEMA",
       help="JSON schema every output follows by default (e.g. '{}' for any JSON value)")
     a("-jf", "--json-schema-file", default=None, metavar="PATH", help="read --json-schema from a file")
+    # --- router mode (several models, each in its own server process): docs/server.md, "Router mode"
+    a("--models-dir", default=None, metavar="PATH", llama_env="LLAMA_ARG_MODELS_DIR",
+      help="router mode: serve the GGUF models of this folder (each *.gguf, and each subfolder holding one)")
+    a("--models-preset", default=None, metavar="PATH", llama_env="LLAMA_ARG_MODELS_PRESET",
+      help="router mode: an INI file of models and their options ([*] for every model)")
+    a("--models-max", type=int_at_least(0), default=4, metavar="N", llama_env="LLAMA_ARG_MODELS_MAX",
+      help="router mode: models loaded at once at most, 0 = unlimited; loading one more unloads the least "
+           "recently used idle one")
+    a("--models-autoload", "--no-models-autoload", dest="models_autoload", action=Toggle,
+      negatives=("--no-models-autoload",), default=True, llama_env="LLAMA_ARG_MODELS_AUTOLOAD",
+      help="router mode: load a model on its first request (a request may say ?autoload=false)")
+    a("--sleep-idle-seconds", type=int_at_least(-1), default=-1, metavar="SECONDS",
+      llama_env="LLAMA_ARG_SLEEP_IDLE_SECONDS",
+      help="router mode: stop a model's server after this many seconds without requests (status sleeping; its "
+           "next request loads it again), -1 = never")
+    a("--models-memory", type=int_at_least(0), default=0, metavar="MiB", llama_env=None,
+      help="router mode (pyllama's own): the memory the loaded models may take together, by their estimate "
+           "(file size, KV cache, process); a load beyond it is refused; 0 = the memory available at start")
     # --- HTTP
     a("--host", default="127.0.0.1", llama_env="LLAMA_ARG_HOST", help="address to listen on")
     a("--port", type=int, default=8080, llama_env="LLAMA_ARG_PORT", help="port to listen on (0 = any free port)")
@@ -722,9 +736,20 @@ def check_spec_args(args) -> None:
         raise PyllamaError("--spec-type draft-simple needs a draft model (-md FILE)")
 
 
+def router_mode(args) -> bool:
+    """Whether the server is the router of several models: --models-dir or --models-preset without -m
+    (as llama-server, which routes when it is given no model)."""
+    return bool((getattr(args, "models_dir", None) or getattr(args, "models_preset", None))
+                and not getattr(args, "model", None))
+
+
 def check_args(args) -> None:
     if not hasattr(args, "api_keys"):  # straight from build_parser().parse_args()
         resolve(args)
+    if getattr(args, "sleep_idle_seconds", -1) >= 0 and not router_mode(args):
+        # one model's server does not free its model while it waits; only the router stops idle models
+        raise PyllamaError(f"--sleep-idle-seconds {args.sleep_idle_seconds}: supported in router mode only "
+                           "(--models-dir or --models-preset, without -m)")
     check_spec_args(args)
     if args.parallel < 1:
         raise PyllamaError(f"--parallel {args.parallel}: must be -1 (auto) or at least 1")

@@ -154,7 +154,7 @@ def test_preset_options_precedence_and_spellings(models_dir, tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("[a]\nnot-a-flag = 1\n", "option 'not-a-flag' not recognized"),
-    ("[a]\nlora = x.gguf\n", "not supported by pyllama"),
+    ("[a]\ncontrol-vector = x.gguf\n", "not supported by pyllama"),
     ("[a]\nc = many\n", "'many'"),
     ("[a]\nwarmup = perhaps\n", "not a boolean"),
     ("[a\nc = 1\n", "a section header"),

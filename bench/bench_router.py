@@ -35,26 +35,12 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_util import ServerProcess  # noqa: E402
+from server_util import ServerProcess, child_pids  # noqa: E402
 
 MODELS = ("a", "b", "c", "d")
 TARGET_RATIO = 1.5
 ROUTER_ROOM = 100 << 20  # the router process itself (interpreter, HTTP layer), beyond the models
 MiB = 1 << 20
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
 
 
 def rss(pid: int) -> int:
@@ -77,7 +63,7 @@ class PeakRSS(threading.Thread):
 
     def run(self) -> None:
         while not self.done.is_set():
-            self.peak = max(self.peak, rss(self.pid) + sum(rss(c) for c in children(self.pid)))
+            self.peak = max(self.peak, rss(self.pid) + sum(rss(c) for c in child_pids(self.pid)))
             self.done.wait(0.05)
 
 

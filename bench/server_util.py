@@ -22,6 +22,22 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (a zombie waiting for its parent does not count)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from server_util import ServerProcess
+from server_util import ServerProcess, child_pids
 
 from pyllama.server.http import Request
 from pyllama.server.models.process import ModelProcess
@@ -27,22 +27,6 @@ from pyllama.server.models.registry import ModelRegistry, estimate_memory, parse
 from pyllama.util.errors import PyllamaError
 
 PROMPT = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0}
-
-
-def children(pid: int) -> list[int]:
-    """The live processes whose parent is `pid`."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(entry))
-    return out
 
 
 def alive(pid: int) -> bool:
@@ -89,7 +73,7 @@ def start_router(*args: str, sizes: tuple[str, ...] = ("-c", "512", "-np", "1"))
 
 def stop_router(router: ServerProcess) -> None:
     """Stops the router and checks that no model process outlives it."""
-    kids = children(router.proc.pid)
+    kids = child_pids(router.proc.pid)
     code = router.stop()
     left = wait_gone(kids)
     for k in left:
@@ -325,12 +309,12 @@ def test_models_max_unloads_the_least_recently_used(router):
     assert complete(router, "a")[0] == 200
     assert complete(router, "b")[0] == 200
     assert complete(router, "a")[0] == 200  # b is now the least recently used
-    assert len(children(router.proc.pid)) == 2
+    assert len(child_pids(router.proc.pid)) == 2
     code, body = complete(router, "c")
     assert code == 200 and body["model"] == "c"
     st = statuses(router)
     assert (st["a"]["value"], st["b"]["value"], st["c"]["value"]) == ("loaded", "unloaded", "loaded")
-    assert len(children(router.proc.pid)) == 2
+    assert len(child_pids(router.proc.pid)) == 2
 
 
 @pytest.mark.integration  # a model server process, started by the fixture or the test
@@ -383,12 +367,12 @@ def test_no_autoload_api_key_and_idle_sleep(models_dir):
         assert code == 400 and body["error"]["message"] == "model is not loaded"
         code, body = r.post("/v1/completions?autoload=true", {**PROMPT, "model": "a"}, headers=key)
         assert code == 200 and body["model"] == "a"
-        assert len(children(r.proc.pid)) == 1
+        assert len(child_pids(r.proc.pid)) == 1
         wait_status(r, "a", "sleeping", timeout=15)
         deadline = time.monotonic() + 10
-        while children(r.proc.pid) and time.monotonic() < deadline:
+        while child_pids(r.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert children(r.proc.pid) == []
+        assert child_pids(r.proc.pid) == []
         # a sleeping model wakes on its next request, autoload or not
         code, body = r.post("/v1/completions", {**PROMPT, "model": "a"}, headers=key)
         assert code == 200 and body["model"] == "a"
@@ -429,7 +413,7 @@ def test_children_stop_with_the_router(models_dir, tmp_path):
     kids: list[int] = []
     try:
         assert complete(r, "a")[0] == 200 and complete(r, "b")[0] == 200
-        kids = children(r.proc.pid)
+        kids = child_pids(r.proc.pid)
         assert len(kids) == 2
         r.proc.send_signal(signal.SIGINT)
         assert r.proc.wait(30) == 0
@@ -445,7 +429,7 @@ def test_children_stop_with_the_router(models_dir, tmp_path):
     kids = []
     try:
         wait_status(r, "a", "loaded")
-        kids = children(r.proc.pid)
+        kids = child_pids(r.proc.pid)
         assert len(kids) == 1
         r.proc.kill()
         r.proc.wait(10)

@@ -58,12 +58,13 @@ Tensors are generated and written one at a time, so memory stays at about one te
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter, LlamaFileType
@@ -650,6 +651,23 @@ def _check_args(preset: str, wtype: str, seed: int, arch: str) -> None:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
 
 
+@contextlib.contextmanager
+def gguf_file_writer(out: str, arch: str) -> Iterator[GGUFWriter]:
+    """A GGUFWriter on a temporary file beside `out` that becomes `out` when the block ends
+    without an error, and is removed when it raises: the file appears complete or not at all."""
+    tmp = f"{out}.{os.getpid()}.{threading.get_ident()}.tmp"
+    writer = GGUFWriter(tmp, arch)
+    try:
+        yield writer
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def make_model(preset: str, out: str, vocab: str | None = None, wtype: str = "f32", seed: int = 0,
                arch: str = "llama", tied: bool | None = None, opts: FamilyOptions = FamilyOptions()) -> str:
     """Writes a deterministic random-weight model to `out` and returns `out`.
@@ -673,9 +691,7 @@ def make_model(preset: str, out: str, vocab: str | None = None, wtype: str = "f3
     plan = tensor_plan(p, arch, tied, n_vocab, opts)
     types = tensor_types(plan, wtype)
 
-    tmp = f"{out}.{os.getpid()}.{threading.get_ident()}.tmp"
-    writer = GGUFWriter(tmp, GGUF_ARCH.get(arch, arch))  # general.architecture
-    try:
+    with gguf_file_writer(out, GGUF_ARCH.get(arch, arch)) as writer:  # general.architecture
         _add_metadata(writer, preset, p, arch, ftype, n_vocab, vocab_entries)
         _add_family_metadata(writer, p, arch, opts)
         for spec in plan:
@@ -690,13 +706,6 @@ def make_model(preset: str, out: str, vocab: str | None = None, wtype: str = "f3
             x = _generate(rng, spec)
             writer.write_tensor_data(quantize(x, types[spec.name]))
             del x
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return out
 
 
@@ -868,6 +877,18 @@ def _seed(text: str) -> int:
     return value
 
 
+def written_or_reported(prog: str, out: str, write: Callable[[], str]) -> str | None:
+    """write()'s path, or None once one error line is on stderr (bad arguments, an unusable
+    input file, an output that cannot be written)."""
+    try:
+        return write()
+    except (PyllamaError, ValueError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"{prog}: error: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _Parser(prog="python -m pyllama.models.make",
                  description="Write a deterministic random-weight test model as a GGUF file.")
@@ -903,14 +924,10 @@ def main(argv: list[str] | None = None) -> int:
     opts = FamilyOptions(args.rope_scaling, args.rope_factor, args.rope_freqs, args.sliding_window,
                          args.attn_softcap, args.final_softcap, args.n_rot, args.longrope, args.output_bias,
                          args.rerank_head)
-    try:
-        path = make_model(args.preset, args.out, vocab=args.vocab, wtype=args.wtype, seed=args.seed,
-                          arch=args.arch, tied=args.tied, opts=opts)
-    except (PyllamaError, ValueError) as exc:
-        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"{ap.prog}: error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+    path = written_or_reported(ap.prog, args.out, lambda: make_model(
+        args.preset, args.out, vocab=args.vocab, wtype=args.wtype, seed=args.seed, arch=args.arch, tied=args.tied,
+        opts=opts))
+    if path is None:
         return 1
     n_vocab = None if args.vocab is None else GGUFFile(path).get(f"{GGUF_ARCH.get(args.arch, args.arch)}.vocab_size")
     if args.arch in ENCODER_ARCHS:

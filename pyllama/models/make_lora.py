@@ -8,14 +8,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 from typing import Optional, Sequence
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
 
-from ..util.errors import PyllamaError
 from .gguf_file import GGUFFile
+from .make import gguf_file_writer, written_or_reported
 
 # the matrices PEFT adapters usually target, by their GGUF names within a block
 DEFAULT_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -46,9 +45,7 @@ def make_lora(base: str, out: str, rank: int = 8, alpha: float = 16.0, targets: 
         names.extend(found)
     rng = np.random.default_rng(seed)
     dtype, qtype = TYPES[wtype]
-    tmp = f"{out}.{os.getpid()}.{threading.get_ident()}.tmp"
-    writer = GGUFWriter(tmp, arch)
-    try:
+    with gguf_file_writer(out, arch) as writer:
         writer.add_string("general.type", "adapter")
         writer.add_string("adapter.type", "lora")
         writer.add_float32("adapter.lora.alpha", float(alpha))
@@ -65,13 +62,6 @@ def make_lora(base: str, out: str, rank: int = 8, alpha: float = 16.0, targets: 
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return out
 
 
@@ -95,14 +85,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--task-name", default="", help="adapter.lora.task_name")
     ap.add_argument("--prompt-prefix", default="", help="adapter.lora.prompt_prefix")
     args = ap.parse_args(argv)
-    try:
-        path = make_lora(args.base, args.out, args.rank, args.alpha, [t for t in args.targets.split(",") if t],
-                         args.seed, args.wtype, args.gain, args.task_name, args.prompt_prefix)
-    except (PyllamaError, ValueError) as exc:
-        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"{ap.prog}: error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+    path = written_or_reported(ap.prog, args.out, lambda: make_lora(
+        args.base, args.out, args.rank, args.alpha, [t for t in args.targets.split(",") if t], args.seed, args.wtype,
+        args.gain, args.task_name, args.prompt_prefix))
+    if path is None:
         return 1
     print(f"wrote {path}: rank {args.rank}, alpha {args.alpha:g}, {os.path.getsize(path) / 2**20:.2f} MiB")
     return 0

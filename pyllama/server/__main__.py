@@ -35,7 +35,7 @@ from .embedding import check_rank_pooling, model_pooling
 from ..models.rank_head import RankHead
 from ..batching.group import PipelineGroup, groups_stopped, share_stages
 from ..runtime.placement.chunk import pipeline_chunk
-from .http import HTTPServer
+from .listen import listen
 from ..util.loop import install_uvloop
 from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401
                       default_stop, log_accepted, log_level, lora_adapters, parse_args, resolve, router_mode,
@@ -265,18 +265,7 @@ async def serve(args) -> int:
     set_default_constraint(default_constraint(args))
     state.metrics_enabled = bool(getattr(args, "metrics", False))
     api = Api(state)
-    server = HTTPServer(api.routes(), max_body=args.max_body, max_header_bytes=args.max_header_bytes,
-                        keepalive_timeout=args.timeout, header_timeout=args.header_timeout,
-                        body_timeout=args.body_timeout, max_connections=args.max_connections,
-                        max_pipelined=args.max_pipelined, access=state, public_paths=api.public_paths(),
-                        sse_ping_interval=args.sse_ping_interval, api_prefix=args.api_prefix,
-                        allow_any_host=args.allow_any_host, max_buffered=args.max_body_buffered)
-    try:
-        port = await server.start(args.host, args.port, reuse_port=args.reuse_port)
-    except OSError as exc:
-        raise PyllamaError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_keys:
-        log.warning("listening on %s: the server has no authentication; anyone who reaches it can use it", args.host)
+    server, port = await listen(api.routes(), args, state, api.public_paths())
     try:
         traced = trace.start(args.trace, "server", endpoint=f"{args.host}:{port}")
     except OSError as exc:

@@ -19,7 +19,8 @@ from typing import Any, Optional, Union
 from ...backend.cpu.memory import available_memory
 from ...util.cli import install_stop_signals
 from ...util.errors import PyllamaError
-from ..http import (PUBLIC_PATHS, HTTPError, HTTPServer, Request, Response, StreamResponse, error_response,
+from ..listen import listen
+from ..http import (PUBLIC_PATHS, HTTPError, Request, Response, StreamResponse, error_response,
                     json_response)
 from ..options import settings
 from .process import ModelProcess, free_port
@@ -374,19 +375,7 @@ async def serve_router(args, argv: list[str]) -> int:
              "" if args.models_autoload else "; models load on /models/load only (--no-models-autoload)")
     api = RouterApi(router, args)
     access = settings(args)
-    server = HTTPServer(api.routes(), max_body=args.max_body, max_header_bytes=args.max_header_bytes,
-                        keepalive_timeout=args.timeout, header_timeout=args.header_timeout,
-                        body_timeout=args.body_timeout, max_connections=args.max_connections,
-                        max_pipelined=args.max_pipelined, access=access,
-                        public_paths=PUBLIC_PATHS | {"/models", "/v1/models"},
-                        sse_ping_interval=args.sse_ping_interval, api_prefix=args.api_prefix,
-                        allow_any_host=args.allow_any_host, max_buffered=args.max_body_buffered)
-    try:
-        port = await server.start(args.host, args.port, reuse_port=args.reuse_port)
-    except OSError as exc:
-        raise PyllamaError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_keys:
-        log.warning("listening on %s: the server has no authentication; anyone who reaches it can use it", args.host)
+    server, port = await listen(api.routes(), args, access, PUBLIC_PATHS | {"/models", "/v1/models"})
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     install_stop_signals(loop, stop.set)

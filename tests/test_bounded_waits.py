@@ -69,6 +69,17 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "wait in it is bounded by the RPC timeout) - a second signal exits at once",
     ("pyllama/rpc_server/__main__.py", "serve", "stop.wait"):
         "the main coroutine's wait for SIGINT/SIGTERM: woken by shutdown by definition",
+    ("pyllama/server/models/front.py", "serve_router", "stop.wait"):
+        "the router's main coroutine's wait for SIGINT/SIGTERM: woken by shutdown by definition",
+    ("pyllama/server/models/front.py", "ModelRouter._watch", "proc.wait"):
+        "a model's watcher coroutine awaiting its server process's exit, which is the model's whole life: it "
+        "holds nothing, and unloading or shutting down stops the process (SIGTERM, SIGKILL after the stop "
+        "timeout)",
+    ("pyllama/server/models/process.py", "ModelProcess.wait", "self.proc.wait"):
+        "a model server process's exit, awaited by its watcher (above) and by stop() after SIGKILL, which "
+        "ends any process",
+    ("pyllama/server/models/process.py", "ModelProcess.stop", "self.wait"):
+        "after SIGTERM and, past the stop timeout, SIGKILL: the process exits",
 }
 
 
@@ -132,6 +143,8 @@ def unbounded(call: ast.Call) -> Optional[str]:
 
 def _bounded_by_wait_for(call: ast.Call, parents: dict[ast.AST, ast.AST]) -> bool:
     parent = parents.get(call)
+    if isinstance(parent, ast.Call) and _dotted(parent.func) == "asyncio.shield":  # wait_for(shield(x), t)
+        call, parent = parent, parents.get(parent)
     return (isinstance(parent, ast.Call) and _dotted(parent.func) == "asyncio.wait_for" and call in parent.args
             and (len(parent.args) >= 2 and not _is_none(parent.args[1]) or _has_timeout(parent)))
 

@@ -52,6 +52,39 @@ def test_glu_is_the_same_on_any_thread_count(name, act, n, f):
     np.testing.assert_allclose(outs[0], act(g) * u, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n,d", [(1, 288), (37, 288), (64, 768), (5, 9000)])
+def test_layer_norm_is_the_same_on_any_thread_count(n, d):
+    rng = np.random.default_rng(n + d)
+    x = (rng.standard_normal((n, d)) * 3 + 1).astype(np.float32)
+    w, b = rng.standard_normal(d).astype(np.float32), rng.standard_normal(d).astype(np.float32)
+    outs = []
+    for nt in THREADS:
+        out = np.full_like(x, np.nan)
+        ops.layer_norm(x, w, b, out, 1e-12, nt)
+        outs.append(out)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    x64 = x.astype(np.float64)
+    want = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-12) * w + b
+    np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,d", [(1, 7), (3, 768), (37, 768), (2, 5000)])
+def test_gelu_is_the_same_on_any_thread_count(n, d):
+    """Also far out on both sides, where the logistic form's exp overflows or vanishes."""
+    rng = np.random.default_rng(n * d)
+    x = (rng.standard_normal((n, d)) * 4).astype(np.float32)
+    x.reshape(-1)[:4] = [-100.0, 100.0, -12.0, 0.0][:x.size]
+    outs = []
+    for nt in THREADS:
+        out = np.full_like(x, np.nan)
+        ops.gelu(x, out, nt)
+        outs.append(out)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    np.testing.assert_allclose(outs[0], _gelu_tanh(x.astype(np.float64)), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("n,L,H,Hkv,k_type", [(1, 70, 12, 4, 1), (32, 70, 12, 4, 1), (8, 300, 8, 8, 0),
                                               (16, 40, 6, 2, 8)])
 def test_attention_is_the_same_on_any_thread_count(n, L, H, Hkv, k_type):

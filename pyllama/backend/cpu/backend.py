@@ -12,7 +12,7 @@ Quantized weights are also repacked in groups of 8 rows, and the products run on
 CPU's weight layout (layout.py, `CPUBackend.layout`) makes, finds and drops those copies.
 
 A graph is bound once (`_prepare`): each node becomes its kernel with its arrays. Where the kernel
-has a C form (the products, norms, GLUs, attention, ADD, GET_ROWS, MOE_FFN: `bind_*` in `_fast`)
+has a C form (the products, norms, GELU, GLUs, attention, ADD, GET_ROWS, MOE_FFN: `bind_*` in `_fast`)
 the node becomes a NativeStep, and consecutive ones run as one NativeRun (`_fast/plan.pyx`), which
 releases the GIL once for all of them: the thread never waits for the GIL between two kernels,
 where it would wait for whoever holds it (the event loop streaming tokens, another group's decode
@@ -292,9 +292,11 @@ class CPUBackend(Backend):
             elif op == Op.SOFTCAP:
                 steps.append(_bind(kx.softcap, s[0], out, float(nd.params[0])))
             elif op == Op.LAYER_NORM:
-                steps.append(_bind(layer_norm, s[0], s[1], s[2], out, float(nd.params[0])))
+                eps = float(nd.params[0])
+                steps.append(_native(opts, k.bind_layer_norm, _bind(layer_norm, s[0], s[1], s[2], out, eps),
+                                     s[0], s[1], s[2], out, eps, nt))
             elif op == Op.GELU:
-                steps.append(_bind(gelu, s[0], out))
+                steps.append(_native(opts, k.bind_gelu, _bind(gelu, s[0], out), s[0], out, nt))
             elif op == Op.SAMPLE:
                 steps.append(bind_sample(s[0], s[1], out, int(nd.params[0]), int(nd.params[1]), nt))
             elif op == Op.MOE_FFN:

@@ -118,3 +118,48 @@ def test_attention_is_the_same_on_any_thread_count(n, L, H, Hkv, k_type):
         np.testing.assert_array_equal(kc, outs[0][1])
         np.testing.assert_array_equal(vc, outs[0][2])
     assert np.isfinite(outs[0][0]).all()
+
+
+@pytest.mark.parametrize("k_type", [0, 1])
+@pytest.mark.parametrize("alibi", [False, True])
+def test_encoder_attention_with_alibi_matches_numpy(k_type, alibi):
+    """Sequences whose tokens each attend to the whole sequence (an encoder's micro-batch), with
+    and without ALiBi's per-head slopes, GQA groups of 2, over F32 and F16 caches."""
+    rng = np.random.default_rng(k_type + 2 * alibi)
+    lens, H, Hkv, hd = [7, 3, 9], 4, 2, 16
+    n = sum(lens)
+    slopes = np.asarray([2.0 ** (-8 * (i + 1) / H) for i in range(H)], np.float32) if alibi else None
+    qkv = rng.standard_normal((n, (H + 2 * Hkv) * hd)).astype(np.float32)
+    row = ops.kv_row_nbytes(k_type, Hkv * hd)
+    kc, vc = np.zeros((64, row), np.uint8), np.zeros((64, row), np.uint8)
+    pos, ranges = [], []
+    for start, L in zip(np.cumsum([0] + lens[:-1]), lens):
+        pos += range(L)
+        ranges += [(start, L)] * L
+    pos = np.asarray(pos, np.int32)
+    cells = np.arange(n, dtype=np.int32)
+    empty = np.zeros(0, np.float32)
+    outs = []
+    for nt in THREADS:
+        out = np.full((n, H * hd), np.nan, np.float32)
+        ops.attention(qkv, kc, vc, pos, cells, cells, np.asarray(ranges, np.int32), empty, empty, out, H, Hkv, hd, 0,
+                      2, 10000.0, 1.0, 1e-6, 1 / np.sqrt(hd), nt, k_type, k_type, alibi=slopes)
+        outs.append(out)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    q = qkv[:, :H * hd].astype(np.float64).reshape(n, H, hd)
+    k, v = (np.repeat(qkv[:, a * hd:b * hd].reshape(n, Hkv, hd), H // Hkv, axis=1)
+            for a, b in ((H, H + Hkv), (H + Hkv, H + 2 * Hkv)))
+    if k_type == 1:
+        k, v = k.astype(np.float16), v.astype(np.float16)
+    k, v = k.astype(np.float64), v.astype(np.float64)
+    want = np.zeros((n, H, hd))
+    for start, L in zip(np.cumsum([0] + lens[:-1]), lens):
+        s = slice(start, start + L)
+        for h in range(H):
+            scores = q[s, h] @ k[s, h].T / np.sqrt(hd)
+            if alibi:
+                scores -= slopes[h] * np.abs(np.arange(L)[:, None] - np.arange(L)[None, :])
+            p = np.exp(scores - scores.max(1, keepdims=True))
+            want[s, h] = p / p.sum(1, keepdims=True) @ v[s, h]
+    np.testing.assert_allclose(outs[0], want.reshape(n, -1), rtol=1e-5, atol=2e-6)

@@ -490,10 +490,15 @@ cdef void _attend_heads(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogi
         pv_ggml_attend(q, G, hd, a.k_cache, a.k_row, head * 4, a.v_cache, a.v_row, head * 4, a.cells + r0, r1,
                        a.scale, a.kqv_lanes, q + G * hd, a.exact_len, q + G * hd + G * a.exact_len, o)
         return
-    if a.softcap <= 0 and a.sinks == NULL and a.alibi == NULL and pv_attend_ok(G, hd, a.k_type, a.v_type):
+    if a.softcap <= 0 and a.sinks == NULL and pv_attend_ok(G, hd, a.k_type, a.v_type):
         # F32 / F16 caches: every cache row read once for the G heads, straight from the cache
         pv_attend_qk(q, G, hd, a.k_cache, a.k_row, head * (4 if k_f32 else 2), a.k_type, a.cells + r0, r1,
                      a.scale, scores, L, a.v_cache, a.v_row, head * (4 if v_f32 else 2), a.v_type)
+        if a.alibi != NULL:  # as below: the list holds the sequence's positions in order, from 0
+            for g in range(G):
+                sc = a.alibi[kvh * G + g]
+                for j in range(r1):
+                    scores[g * L + j] = scores[g * L + j] + sc * (-<float>fabs(<double>(a.pos[t] - (j + skipped))))
         for g in range(G):
             acc[g] = pv_softmax_unnormed(scores + g * L, r1)  # acc holds the G totals here
         pv_attend_pv(scores, acc, G, hd, a.v_cache, a.v_row, head * (4 if v_f32 else 2), a.v_type, a.cells + r0,

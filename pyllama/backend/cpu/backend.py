@@ -417,6 +417,8 @@ def _mul_mat_step(opts: CpuSettings, x: np.ndarray, w: np.ndarray, dtype: DType,
         return _native(opts, qmatmul.bind_mul_mat_q, py, x, w, int(dtype), out, bias, nt)
     if x.shape[0] <= gemm.small_rows_max() and not opts.blas_only:
         return _native(opts, gemm.bind_mul_mat_t, py, x, w, out, bias, nt)
+    if gemm.packed_fits(x.shape[0], x.shape[1]) and not opts.blas_only:  # BLAS's speed without its threads
+        return _native(opts, gemm.bind_mul_mat_packed, py, x, w, out, bias, nt)
     return py
 
 

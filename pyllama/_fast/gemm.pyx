@@ -54,8 +54,8 @@ cdef void _mm_item(void* ctx, int64_t c) noexcept nogil:
 # this K (the panel stays in L2); elsewhere the caller keeps BLAS.
 DEF PACKED_ROWS_MIN = 128
 DEF PACKED_K_MAX = 1024
-# mul_mat_packed: rows of x per item (a panel's rows split in parts of about this many, so that
-# a product of few panels still spreads over the threads; each part packs its panel again)
+# mul_mat_packed: rows of x per item where a product has few panels (split in parts of about this
+# many rows, so that it still spreads over the threads)
 DEF PACKED_ROWS = 128
 
 
@@ -114,7 +114,9 @@ cdef int _packed_setup(PackedJob* job, const float[:, :] x, const float[:, ::1] 
     job.out = &out[0, 0]
     job.ldo = out.strides[0] // 4
     job.panels = (N + pl_panel_width() - 1) // pl_panel_width()
-    job.parts = (M + PACKED_ROWS - 1) // PACKED_ROWS
+    # split the rows only where the panels alone leave threads idle: each part reads and packs
+    # its panel again
+    job.parts = 1 if job.panels >= 8 * n_threads else (M + PACKED_ROWS - 1) // PACKED_ROWS
     job.nt = n_threads if job.panels * job.parts >= 2 else 1
     keep.extend((x, w, out))
     return 1

@@ -146,15 +146,21 @@ static inline pl_v16 pl_splat(float v) {
 #endif
 }
 
-/* Weight rows [n, n + PL_NR) into pack (rows past N as zeros). */
+/* Weight rows [n, n + PL_NR) into pack (rows past N as zeros), 16 columns of k at a time so that
+   the block being written (16 x PL_NR floats) stays in L1: written row by row down the whole
+   panel, a panel wider than L1 went to L2 and back for every one of its PL_NR rows (the packing
+   then took a third of the product). */
 static void pl_pack_panel(const float* w, long K, long N, long n, float* pack) {
     const long nr = N - n < PL_NR ? N - n : PL_NR;
-    for (long j = 0; j < nr; ++j) {
-        const float* wr = w + (n + j) * K;
-        for (long k = 0; k < K; ++k) pack[k * PL_NR + j] = wr[k];
+    for (long k0 = 0; k0 < K; k0 += 16) {
+        const long k1 = k0 + 16 < K ? k0 + 16 : K;
+        for (long j = 0; j < nr; ++j) {
+            const float* wr = w + (n + j) * K;
+            for (long k = k0; k < k1; ++k) pack[k * PL_NR + j] = wr[k];
+        }
+        for (long j = nr; j < PL_NR; ++j)
+            for (long k = k0; k < k1; ++k) pack[k * PL_NR + j] = 0.0f;
     }
-    for (long j = nr; j < PL_NR; ++j)
-        for (long k = 0; k < K; ++k) pack[k * PL_NR + j] = 0.0f;
 }
 
 /* MB rows of x times one packed panel: out[i][0, nr) (+ bias). */

@@ -4,7 +4,8 @@ Weights stay in the type the model file stores them in (F32, F16, BF16 and ggml'
 `weight_types`), memory-mapped from the file where a weight is one file tensor (`map_host`).
 Products against F32 weights of at most `gemm.small_rows_max()` rows (decode batches) run on the
 streaming kernel of `_fast/gemm.pyx`, which reads each weight once; larger ones (prompts) go to
-BLAS. PYLLAMA_CPU_BLAS_ONLY=1 sends every F32 product to BLAS (for A/B runs). Products against
+BLAS, but for those of 128 rows or more with K up to 1024 (`gemm.packed_fits`), which go to the
+packed kernel of the same file, on the kernels' pool. PYLLAMA_CPU_BLAS_ONLY=1 sends every F32 product to BLAS (for A/B runs). Products against
 every other type run on `_fast/qmatmul.pyx` with ggml's arithmetic (activations quantized to the
 weight type's dot-product type), and embedding rows of those types are dequantized when looked up.
 

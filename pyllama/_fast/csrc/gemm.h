@@ -156,6 +156,9 @@ static void pl_pack_panel(const float* w, long K, long N, long n, float* pack) {
         const long k1 = k0 + 16 < K ? k0 + 16 : K;
         for (long j = 0; j < nr; ++j) {
             const float* wr = w + (n + j) * K;
+            /* the row's line 4 blocks on: 32 rows read a line at a time are more streams than the
+               hardware prefetcher follows, and the weights come from memory at every step */
+            if (k0 + 64 < K) __builtin_prefetch(wr + k0 + 64, 0, 0);
             for (long k = k0; k < k1; ++k) pack[k * PL_NR + j] = wr[k];
         }
         for (long j = nr; j < PL_NR; ++j)

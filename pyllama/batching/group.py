@@ -1,8 +1,9 @@
 """A pipeline group: one context, its slots, and the decode thread that runs them.
 
 The thread runs the batching core (`BatchCore`) in a loop: each iteration takes newly assigned
-tasks, runs one step (every generating slot's next token plus prompt chunks up to n_batch, decoded
-and sampled at once) and publishes the step's events in one hand-off to the event loop. The task
+tasks (while placements keep coming for its free slots, it waits for them: `_gather`), runs one
+step (every generating slot's next token plus prompt chunks up to n_batch, decoded and sampled at
+once) and publishes the step's events in one hand-off to the event loop. The task
 thread never touches the context: it hands tasks over through `submit` and hears of freed slots
 through `on_free`; other threads act on a slot through `when_idle` and read the KV cache's use
 from `kv_use`, which the thread publishes after each step.

@@ -505,7 +505,8 @@ def bert_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
     nomic-bert (nomic-embed-text's NomicBertModel): the same layer with NeoX RoPE instead of
     learned positions, q|k|v in one matrix and a SwiGLU FFN without biases. jina-bert-v2
     (JinaBertModel): ALiBi (Press et al.: head h's scores minus slope_h |i - j|, the slopes of
-    max bias 8) instead of positions, and GeGLU over gate|up in ffn_up."""
+    max bias 8) instead of positions, and GeGLU over gate|up in ffn_up. Keys and values are
+    rounded to F16 as llama.cpp's flash attention rounds them."""
     meta, W = load_model(model_path)
     arch = meta["general.architecture"]
     n_layer, n_head = meta[f"{arch}.block_count"], meta[f"{arch}.attention.head_count"]
@@ -530,6 +531,8 @@ def bert_hidden(model_path: str, tokens: list[int]) -> np.ndarray:
         if arch == "nomic-bert":
             base, n_rot = float(meta[f"{arch}.rope.freq_base"]), meta.get(f"{arch}.rope.dimension_count", hd)
             q, k = rope(q, base, n_rot, True), rope(k, base, n_rot, True)
+        # K and V rounded to F16 (from float32), as llama.cpp's flash attention casts an encoder's
+        k, v = (t.astype(np.float32).astype(np.float16).astype(np.float64) for t in (k, v))
         att = np.empty((n, n_head, hd))
         dist = np.abs(np.arange(n)[:, None] - np.arange(n)[None, :])
         for h in range(n_head):

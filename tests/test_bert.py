@@ -17,7 +17,10 @@ from pyllama.models.model import Model
 from pyllama.runtime.context import Batch
 from pyllama.tokenizer import load_tokenizer
 
-TOL = dict(rtol=1e-5, atol=5e-6)
+# K and V are rounded to F16 here and in the reference alike; where pyllama's float32 value and the
+# reference's float64 one round to neighbouring F16 values, that element differs by an F16 ulp,
+# which moves the outputs by up to about 1e-4 (elsewhere they agree to about 1e-6)
+TOL = dict(rtol=1e-5, atol=1e-4)
 TEXT = "Hello world, the cats sat on the mat!"
 
 

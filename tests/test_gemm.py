@@ -72,3 +72,43 @@ def test_empty_and_bad_shapes():
         gemm.mul_mat_t(np.ones((2, 16), np.float32)[:, ::2], w, np.ones((2, 4), np.float32))
     with pytest.raises(ValueError):
         gemm.mul_mat_t(np.ones((2, 8), np.float32), np.ones((8, 4), np.float32).T, np.ones((2, 4), np.float32))
+
+
+# ---- the packed kernel for many rows (mul_mat_packed) ----------------------------------------------
+
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 129, 235])
+@pytest.mark.parametrize("n,k", [(1, 1), (31, 17), (32, 288), (33, 64), (288, 288), (100, 768)])
+def test_packed_matches_reference(m, n, k):
+    rng = np.random.default_rng(m * 1000 + n * 10 + k)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    b = rng.standard_normal(n, dtype=np.float32)
+    out = np.full((m, n), np.nan, dtype=np.float32)
+    gemm.mul_mat_packed(x, w, out, b, 2)
+    np.testing.assert_allclose(out, _ref(x, w, b), rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_packed_threads_strides_and_row_independence():
+    """Any thread count gives the same bits; a row's result does not depend on the rows beside it
+    (nor on its place in a block of rows); strided rows of x and out are read and written in place."""
+    rng = np.random.default_rng(5)
+    big_x = rng.standard_normal((300, 200), dtype=np.float32)
+    x = big_x[:, 10:106]  # strided rows
+    w = rng.standard_normal((70, 96), dtype=np.float32)
+    b = rng.standard_normal(70, dtype=np.float32)
+    outs = []
+    for nt in (1, 2, 3):
+        big_out = np.full((300, 100), np.nan, dtype=np.float32)
+        gemm.mul_mat_packed(x, w, big_out[:, 5:75], b, nt)
+        assert np.isnan(big_out[:, :5]).all() and np.isnan(big_out[:, 75:]).all()
+        outs.append(big_out[:, 5:75].copy())
+    for out in outs[1:]:
+        assert np.array_equal(out, outs[0])
+    np.testing.assert_allclose(outs[0], _ref(x, w, b), rtol=1e-4, atol=1e-3)
+    alone = np.empty((1, 70), dtype=np.float32)
+    for r in (0, 7, 8, 150, 299):
+        gemm.mul_mat_packed(np.ascontiguousarray(x[r:r + 1]), w, alone, b, 1)
+        assert np.array_equal(alone[0], outs[0][r])
+    with pytest.raises(ValueError):
+        gemm.mul_mat_packed(x, w[:, :95], outs[0], b)
+    assert gemm.packed_fits(235, 768) and not gemm.packed_fits(64, 768) and not gemm.packed_fits(235, 4096)

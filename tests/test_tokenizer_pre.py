@@ -79,6 +79,19 @@ def test_wpm_frames_with_cls_and_sep(vocab_path):
     assert [tok.token_text(i) for i in body] == ["\u2581hello", "\u2581,", "\u2581world", "\u2581!"]
 
 
+def test_wpm_ascii_words_match_the_character_path(vocab_path):
+    """ASCII text takes the str-method path: the same words as the character-by-character one,
+    which a trailing CJK ideograph (a word of its own) forces."""
+    import random  # noqa: PLC0415
+    tok = load_tokenizer(read_metadata(vocab_path("ggml-vocab-bert-bge.gguf")))
+    rng = random.Random(0)
+    for lowercase in (True, False):
+        tok.lowercase = tok.strip_accents = lowercase
+        for _ in range(3000):
+            text = "".join(chr(rng.randrange(128)) if rng.random() < 0.5 else rng.choice("aB c.") for _ in range(20))
+            assert tok.words(text) + ["\u6211"] == tok.words(text + " \u6211"), repr(text)
+
+
 # ---- each pre-tokenizer's split against the tokenizers library ---------------------------------
 
 TEXT = ("Hello, y'all! I'M here: 1234567 ½ 3.14\n\n  \t tabs   spaces 我想在apple工作1314151天～ "

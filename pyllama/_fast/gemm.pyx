@@ -10,6 +10,7 @@ what else shares its batch. Above `small_rows_max()` rows BLAS is faster and the
 `bind_mul_mat_t` returns the product as a NativeStep (plan.pyx) for a bound graph.
 """
 from libc.stdint cimport int64_t
+from libc.stdlib cimport free, malloc
 
 from pyllama._fast.plan cimport NativeStep, bound, step_for
 from pyllama._fast.qmatmul cimport pool_run
@@ -17,6 +18,9 @@ from pyllama._fast.qmatmul cimport pool_run
 cdef extern from "gemm.h" nogil:
     void pl_mm_t_range(const float* x, long M, long K, long ldx, const float* w, long N,
                        float* out, long ldo, const float* bias, long b0, long b1)
+    void pl_mm_panel(const float* x, long K, long ldx, const float* w, long N, float* out, long ldo,
+                     const float* bias, long n, long m0, long m1, float* pack)
+    long pl_panel_width()
 
 # Up to this many rows the kernel beat OpenBLAS on one thread on the AVX-512 machine it was tuned
 # on; above it BLAS's packed micro-kernels win. The crossover depends on the vector width and the
@@ -43,6 +47,114 @@ cdef void _mm_item(void* ctx, int64_t c) noexcept nogil:
     cdef long b0 = c * CHUNK_BLOCKS
     cdef long b1 = b0 + CHUNK_BLOCKS if b0 + CHUNK_BLOCKS < j.blocks else j.blocks
     pl_mm_t_range(j.x, j.M, j.K, j.ldx, j.w, j.N, j.out, j.ldo, j.bias, b0, b1)
+
+
+# Where mul_mat_packed matched OpenBLAS on two threads (AVX-512, 170 GFLOP/s at 235 rows, K 288 and
+# 768): from this many rows (below, packing each panel costs more than its product gains) and up to
+# this K (the panel stays in L2); elsewhere the caller keeps BLAS.
+DEF PACKED_ROWS_MIN = 128
+DEF PACKED_K_MAX = 1024
+# mul_mat_packed: rows of x per item where a product has few panels (split in parts of about this
+# many rows, so that it still spreads over the threads)
+DEF PACKED_ROWS = 128
+
+
+cdef struct PackedJob:
+    const float* x
+    long M, K, ldx
+    const float* w
+    long N
+    float* out
+    long ldo
+    const float* bias
+    long panels, parts
+    int nt
+    int failed
+
+
+cdef void _packed_item(void* ctx, int64_t i) noexcept nogil:
+    cdef PackedJob* j = <PackedJob*>ctx
+    cdef long p = i // j.parts, part = i % j.parts
+    cdef long m0 = j.M * part // j.parts, m1 = j.M * (part + 1) // j.parts
+    # the panel's copy: K x panel width floats, the item's own (the pool's threads share nothing)
+    cdef float* pack = <float*>malloc(sizeof(float) * j.K * pl_panel_width())
+    if pack == NULL:
+        j.failed = 1
+        return
+    pl_mm_panel(j.x, j.K, j.ldx, j.w, j.N, j.out, j.ldo, j.bias, p * pl_panel_width(), m0, m1, pack)
+    free(pack)
+
+
+cdef int _packed_setup(PackedJob* job, const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias,
+                       int n_threads, list keep) except -1:
+    """Checks the shapes and fills job; 0 when there is nothing to compute."""
+    cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"mul_mat_packed: x has {K} columns, w has {w.shape[1]}")
+    if out.shape[0] != M or out.shape[1] != N:
+        raise ValueError(f"mul_mat_packed: out is {out.shape[0]}x{out.shape[1]}, expected {M}x{N}")
+    if (K > 1 and x.strides[1] != 4) or (N > 1 and out.strides[1] != 4):
+        raise ValueError("mul_mat_packed: rows of x and out must be contiguous")
+    cdef const float[::1] b
+    job.bias = NULL
+    if bias is not None:
+        b = bias
+        if b.shape[0] != N:
+            raise ValueError(f"mul_mat_packed: bias has {b.shape[0]} elements, expected {N}")
+        job.bias = &b[0]
+        keep.append(b)
+    if M == 0 or N == 0 or K == 0:
+        return 0
+    job.x = &x[0, 0]
+    job.M = M
+    job.K = K
+    job.ldx = x.strides[0] // 4
+    job.w = &w[0, 0]
+    job.N = N
+    job.out = &out[0, 0]
+    job.ldo = out.strides[0] // 4
+    job.panels = (N + pl_panel_width() - 1) // pl_panel_width()
+    # split the rows only where the panels alone leave threads idle: each part reads and packs
+    # its panel again
+    job.parts = 1 if job.panels >= 8 * n_threads else (M + PACKED_ROWS - 1) // PACKED_ROWS
+    job.nt = n_threads if job.panels * job.parts >= 2 else 1
+    keep.extend((x, w, out))
+    return 1
+
+
+cdef int _packed_run(void* ctx, unsigned char* scratch) noexcept nogil:
+    cdef PackedJob* job = <PackedJob*>ctx
+    job.failed = 0
+    pool_run(job.nt, job.panels * job.parts, _packed_item, job)
+    return job.failed
+
+
+def packed_fits(Py_ssize_t rows, Py_ssize_t k) -> bool:
+    """Whether mul_mat_packed is the kernel for a product of `rows` rows of x with K = k."""
+    return rows >= PACKED_ROWS_MIN and k <= PACKED_K_MAX
+
+
+def mul_mat_packed(const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias=None, int n_threads=1):
+    """out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]) for many rows of x: the weight in packed panels
+    (gemm.h), on the products' pool. Rows of x and out may be strided; their elements must be
+    contiguous."""
+    cdef PackedJob job
+    cdef int failed = 0
+    if _packed_setup(&job, x, w, out, bias, n_threads, []):
+        with nogil:
+            failed = _packed_run(&job, NULL)
+    if failed:
+        raise MemoryError("mul_mat_packed: cannot allocate a panel")
+
+
+def bind_mul_mat_packed(checked, const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias=None,
+                        int n_threads=1):
+    """mul_mat_packed bound as a NativeStep (plan.pyx), or None for an empty product."""
+    cdef NativeStep s = step_for(sizeof(PackedJob), checked)
+    cdef list keep = []
+    if not _packed_setup(<PackedJob *>s.ctx, x, w, out, bias, n_threads, keep):
+        return None
+    return bound(s, _packed_run, keep)
 
 
 def small_rows_max() -> int:

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""CPU kernels for the coarse graph ops: RMS norm, SwiGLU and GeGLU, and attention with RoPE and the KV
+"""CPU kernels for the coarse graph ops: RMS norm, LayerNorm, GELU, SwiGLU and GeGLU, and attention with RoPE and the KV
 write, over a cache of any KV cache type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; conversions in
 kv_types.h).
 
@@ -8,7 +8,7 @@ then runs without it, split into items on the products' worker pool (qmatmul.pxd
 helper threads serves every kernel of a step, and a helper the OS is late to schedule holds
 nobody up (no barrier). Which thread computes an item never changes its result.
 
-`bind_rms_norm`, `bind_glu` and `bind_attention` check the same arguments once and return the
+`bind_rms_norm`, `bind_layer_norm`, `bind_gelu`, `bind_glu` and `bind_attention` check the same arguments once and return the
 kernel as a NativeStep (plan.pyx) for a bound graph; attention's per-step data (the cells, the
 lists, the ids) is still checked at every run.
 """
@@ -39,6 +39,8 @@ DEF GGML_KQV_LANES_ONE_ROW = 64
 
 cdef extern from "vec_math.h" nogil:
     void pv_rms_row(const float *x, const float *w, float *out, int64_t d, float eps)
+    void pv_layer_norm_row(const float *x, const float *w, const float *b, float *out, int64_t d, float eps)
+    void pv_gelu_mul(const float *g, const float *u, float *out, int64_t n)
 
 
 cdef inline void _rms_row(const float* x, const float* w, float* out, Py_ssize_t d, float eps) noexcept nogil:
@@ -48,6 +50,7 @@ cdef inline void _rms_row(const float* x, const float* w, float* out, Py_ssize_t
 cdef struct RowsJob:
     const float* x
     const float* w
+    const float* b  # layer_norm's bias
     float* out
     Py_ssize_t n, d, chunks  # rms_norm: chunks = rows per item; GLU: column chunks per row
     float eps
@@ -108,9 +111,101 @@ def bind_rms_norm(checked, const float[:, ::1] x, const float[::1] w, float[:, :
     return bound(s, _rms_run, (x, w, out))
 
 
-cdef inline float _gelu(float x) noexcept nogil:
-    # gelu's tanh form: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-    return 0.5 * x * (1.0 + tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
+cdef void _ln_item(void* ctx, int64_t i) noexcept nogil:
+    # whole rows per item, as _rms_item
+    cdef RowsJob* j = <RowsJob*>ctx
+    cdef Py_ssize_t r = i * j.chunks, r1 = r + j.chunks if r + j.chunks < j.n else j.n
+    while r < r1:
+        pv_layer_norm_row(j.x + r * j.d, j.w, j.b, j.out + r * j.d, j.d, j.eps)
+        r += 1
+
+
+cdef int _ln_setup(RowsJob* job, const float[:, ::1] x, const float[::1] w, const float[::1] b, float[:, ::1] out,
+                   float eps, int n_threads) except -1:
+    """Checks the shapes and fills job; 0 when there is nothing to compute."""
+    cdef Py_ssize_t n = x.shape[0], d = x.shape[1]
+    if w.shape[0] != d or b.shape[0] != d or out.shape[0] != n or out.shape[1] != d:
+        raise ValueError(f"layer_norm: shapes x {(n, d)}, w {w.shape[0]}, b {b.shape[0]}, "
+                         f"out {(out.shape[0], out.shape[1])} disagree")
+    if n == 0 or d == 0:
+        return 0
+    job.x = &x[0, 0]
+    job.w = &w[0]
+    job.b = &b[0]
+    job.out = &out[0, 0]
+    job.n = n
+    job.d = d
+    job.chunks = max(1, RMS_ITEM_ELEMENTS // d)
+    job.eps = eps
+    job.nt = n_threads if n * d >= PARALLEL_MIN_ELEMENTS else 1
+    return 1
+
+
+cdef int _ln_run(void* ctx, unsigned char* scratch) noexcept nogil:
+    cdef RowsJob* job = <RowsJob*>ctx
+    pool_run(job.nt, (job.n + job.chunks - 1) // job.chunks, _ln_item, job)
+    return 0
+
+
+def layer_norm(const float[:, ::1] x, const float[::1] w, const float[::1] b, float[:, ::1] out, float eps,
+               int n_threads=1):
+    """out[i] = (x[i] - mean(x[i])) / sqrt(var(x[i]) + eps) * w + b (BERT's LayerNorm)"""
+    cdef RowsJob job
+    if _ln_setup(&job, x, w, b, out, eps, n_threads):
+        with nogil:
+            _ln_run(&job, NULL)
+
+
+def bind_layer_norm(checked, const float[:, ::1] x, const float[::1] w, const float[::1] b, float[:, ::1] out,
+                    float eps, int n_threads=1):
+    """layer_norm bound as a NativeStep, or None when there is nothing to compute."""
+    cdef NativeStep s = step_for(sizeof(RowsJob), checked)
+    if not _ln_setup(<RowsJob*>s.ctx, x, w, b, out, eps, n_threads):
+        return None
+    return bound(s, _ln_run, (x, w, b, out))
+
+
+cdef void _gelu_item(void* ctx, int64_t item) noexcept nogil:
+    # GLU_CHUNK elements of the flattened array per item
+    cdef RowsJob* j = <RowsJob*>ctx
+    cdef Py_ssize_t c0 = item * GLU_CHUNK, total = j.n * j.d
+    pv_gelu_mul(j.x + c0, NULL, j.out + c0, GLU_CHUNK if c0 + GLU_CHUNK < total else total - c0)
+
+
+cdef int _gelu_setup(RowsJob* job, const float[:, ::1] x, float[:, ::1] out, int n_threads) except -1:
+    cdef Py_ssize_t n = x.shape[0], d = x.shape[1]
+    if out.shape[0] != n or out.shape[1] != d:
+        raise ValueError(f"gelu: input {(n, d)} and output {(out.shape[0], out.shape[1])} disagree")
+    if n == 0 or d == 0:
+        return 0
+    job.x = &x[0, 0]
+    job.out = &out[0, 0]
+    job.n = n
+    job.d = d
+    job.nt = n_threads if n * d >= PARALLEL_MIN_ELEMENTS else 1
+    return 1
+
+
+cdef int _gelu_run(void* ctx, unsigned char* scratch) noexcept nogil:
+    cdef RowsJob* job = <RowsJob*>ctx
+    pool_run(job.nt, (job.n * job.d + GLU_CHUNK - 1) // GLU_CHUNK, _gelu_item, job)
+    return 0
+
+
+def gelu(const float[:, ::1] x, float[:, ::1] out, int n_threads=1):
+    """out = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (BERT's FFN activation)"""
+    cdef RowsJob job
+    if _gelu_setup(&job, x, out, n_threads):
+        with nogil:
+            _gelu_run(&job, NULL)
+
+
+def bind_gelu(checked, const float[:, ::1] x, float[:, ::1] out, int n_threads=1):
+    """gelu bound as a NativeStep, or None when there is nothing to compute."""
+    cdef NativeStep s = step_for(sizeof(RowsJob), checked)
+    if not _gelu_setup(<RowsJob*>s.ctx, x, out, n_threads):
+        return None
+    return bound(s, _gelu_run, (x, out))
 
 
 cdef extern from "vec_math.h" nogil:
@@ -135,13 +230,12 @@ cdef extern from "vec_math.h" nogil:
 cdef void _glu_item(void* ctx, int64_t item) noexcept nogil:
     # item: (row, chunk of GLU_CHUNK columns), so that one long row spreads over the threads too
     cdef RowsJob* j = <RowsJob*>ctx
-    cdef Py_ssize_t r = item // j.chunks, c0 = item % j.chunks * GLU_CHUNK, c
+    cdef Py_ssize_t r = item // j.chunks, c0 = item % j.chunks * GLU_CHUNK
     cdef Py_ssize_t c1 = c0 + GLU_CHUNK if c0 + GLU_CHUNK < j.d else j.d
     cdef const float* gu = j.x + r * 2 * j.d
     cdef float* out = j.out + r * j.d
     if j.gelu:
-        for c in range(c0, c1):
-            out[c] = _gelu(gu[c]) * gu[j.d + c]
+        pv_gelu_mul(gu + c0, gu + j.d + c0, out + c0, c1 - c0)
     else:
         pv_silu_mul(gu + c0, gu + j.d + c0, out + c0, c1 - c0)
 
@@ -396,10 +490,15 @@ cdef void _attend_heads(AttnArgs* a, Py_ssize_t i, float* scratch) noexcept nogi
         pv_ggml_attend(q, G, hd, a.k_cache, a.k_row, head * 4, a.v_cache, a.v_row, head * 4, a.cells + r0, r1,
                        a.scale, a.kqv_lanes, q + G * hd, a.exact_len, q + G * hd + G * a.exact_len, o)
         return
-    if a.softcap <= 0 and a.sinks == NULL and a.alibi == NULL and pv_attend_ok(G, hd, a.k_type, a.v_type):
+    if a.softcap <= 0 and a.sinks == NULL and pv_attend_ok(G, hd, a.k_type, a.v_type):
         # F32 / F16 caches: every cache row read once for the G heads, straight from the cache
         pv_attend_qk(q, G, hd, a.k_cache, a.k_row, head * (4 if k_f32 else 2), a.k_type, a.cells + r0, r1,
                      a.scale, scores, L, a.v_cache, a.v_row, head * (4 if v_f32 else 2), a.v_type)
+        if a.alibi != NULL:  # as below: the list holds the sequence's positions in order, from 0
+            for g in range(G):
+                sc = a.alibi[kvh * G + g]
+                for j in range(r1):
+                    scores[g * L + j] = scores[g * L + j] + sc * (-<float>fabs(<double>(a.pos[t] - (j + skipped))))
         for g in range(G):
             acc[g] = pv_softmax_unnormed(scores + g * L, r1)  # acc holds the G totals here
         pv_attend_pv(scores, acc, G, hd, a.v_cache, a.v_row, head * (4 if v_f32 else 2), a.v_type, a.cells + r0,

@@ -103,8 +103,9 @@ class Context:
         self.freed = False
         self.kv_tensors: list[tuple[Tensor, Tensor]] = []
         self.kv_bytes: dict[str, int] = {}
-        if hp.encoder:  # the cache only holds one step's keys and values: F32 loses nothing to rounding
-            type_k = type_v = DType.F32
+        if hp.encoder:  # the cache only holds one step's keys and values, in F16 as llama.cpp's flash
+            # attention casts an encoder's K and V (and the F16 kernel reads them 4x faster than F32's)
+            type_k = type_v = DType.F16
         self.type_k, self.type_v = cache_type(type_k), cache_type(type_v)
         if hp.mla_lora_kv and self.type_v != self.type_k:  # (as llama.cpp refuses it)
             raise PyllamaError(f"{model.name}: latent attention (MLA) keeps one cache, its values a view of its "

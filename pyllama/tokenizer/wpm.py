@@ -26,6 +26,14 @@ _CJK = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73
         (0x2B920, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
 
 
+# ASCII text (most requests) is normalized by str methods instead of character by character:
+# control characters go, whitespace stays a separator, every punctuation mark and symbol (all of
+# ASCII's are categories P or S) becomes a word of its own; NFD and the lowercase mapping change
+# no other ASCII character.
+_ASCII_WORDS = {cp: None for cp in (*range(0x00, 0x09), *range(0x0E, 0x20), 0x7F)}
+_ASCII_WORDS.update({cp: f" {chr(cp)} " for cp in range(0x21, 0x7F) if not chr(cp).isalnum()})
+
+
 def _is_cjk(cp: int) -> bool:
     return any(lo <= cp <= hi for lo, hi in _CJK)
 
@@ -66,6 +74,9 @@ class WPMTokenizer(Tokenizer):
 
     def words(self, text: str) -> list[str]:
         """The normalized words of `text` (llama.cpp's WPM preprocess)."""
+        if text.isascii():
+            text = text.translate(_ASCII_WORDS)
+            return (text.lower() if self.lowercase else text).split()
         if self.strip_accents:
             text = unicodedata.normalize("NFD", text)
         words: list[str] = []

@@ -120,6 +120,102 @@ static void pl_mm_t_range(const float* x, long M, long K, long ldx, const float*
         }
     }
 }
+/* Products of many rows (prompts, an encoder's micro-batch): out = x @ w.T (+ bias) with the
+   weight rows taken PL_NR at a time into a panel stored k-major (pack[k * PL_NR + j] = w[n + j][k]),
+   which every PL_PMR rows of x then multiply as broadcasts of x[i][k] against two vectors of the
+   panel: PL_PMR x PL_NR sums in registers and no lane sums at the end (BLAS's packed form, on the
+   products' pool: OpenBLAS's own threads spin beside the pool's after every call, each set
+   taking a core the other wanted). Each output sums its products in k order, one fused
+   multiply-add chain, whatever the block: a row's result never depends on the rows beside it. */
+#define PL_NR (2 * PL_LANES)
+#if PL_LANES == 16
+#define PL_PMR 8
+#else
+#define PL_PMR 4
+#endif
+
+static inline pl_v16 pl_splat(float v) {
+#if defined(__AVX512F__)
+    return (pl_v16) _mm512_set1_ps(v);
+#elif defined(__AVX__)
+    return (pl_v16) _mm256_set1_ps(v);
+#else
+    pl_v16 r;
+    for (int i = 0; i < PL_LANES; ++i) r[i] = v;
+    return r;
+#endif
+}
+
+/* Weight rows [n, n + PL_NR) into pack (rows past N as zeros), 16 columns of k at a time so that
+   the block being written (16 x PL_NR floats) stays in L1: written row by row down the whole
+   panel, a panel wider than L1 went to L2 and back for every one of its PL_NR rows (the packing
+   then took a third of the product). */
+static void pl_pack_panel(const float* w, long K, long N, long n, float* pack) {
+    const long nr = N - n < PL_NR ? N - n : PL_NR;
+    for (long k0 = 0; k0 < K; k0 += 16) {
+        const long k1 = k0 + 16 < K ? k0 + 16 : K;
+        for (long j = 0; j < nr; ++j) {
+            const float* wr = w + (n + j) * K;
+            /* the row's line 4 blocks on: 32 rows read a line at a time are more streams than the
+               hardware prefetcher follows, and the weights come from memory at every step */
+            if (k0 + 64 < K) __builtin_prefetch(wr + k0 + 64, 0, 0);
+            for (long k = k0; k < k1; ++k) pack[k * PL_NR + j] = wr[k];
+        }
+        for (long j = nr; j < PL_NR; ++j)
+            for (long k = k0; k < k1; ++k) pack[k * PL_NR + j] = 0.0f;
+    }
+}
+
+/* MB rows of x times one packed panel: out[i][0, nr) (+ bias). */
+template <int MB>
+static inline void pl_panel_rows(const float* x, long ldx, const float* pack, long K, float* out, long ldo,
+                                 const float* bias, long nr) {
+    pl_v16 acc[MB][2];
+    for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = (pl_v16){0};
+    for (long k = 0; k < K; ++k) {
+        const pl_v16 w0 = pl_load(pack + k * PL_NR), w1 = pl_load(pack + k * PL_NR + PL_LANES);
+        for (int i = 0; i < MB; ++i) {
+            const pl_v16 xb = pl_splat(x[i * ldx + k]);
+            acc[i][0] = pl_fma(xb, w0, acc[i][0]);
+            acc[i][1] = pl_fma(xb, w1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < MB; ++i) {
+        float t[PL_NR];
+        memcpy(t, acc[i], sizeof t);
+        float* o = out + i * ldo;
+        if (bias)
+            for (long j = 0; j < nr; ++j) o[j] = t[j] + bias[j];
+        else
+            memcpy(o, t, sizeof(float) * nr);
+    }
+}
+
+/* Rows [m0, m1) of x against weight rows [n, n + PL_NR) (one panel, packed into `pack`, K * PL_NR
+   floats). */
+static void pl_mm_panel(const float* x, long K, long ldx, const float* w, long N, float* out, long ldo,
+                        const float* bias, long n, long m0, long m1, float* pack) {
+    const long nr = N - n < PL_NR ? N - n : PL_NR;
+    const float* bb = bias ? bias + n : 0;
+    pl_pack_panel(w, K, N, n, pack);
+    long m = m0;
+    for (; m + PL_PMR <= m1; m += PL_PMR)
+        pl_panel_rows<PL_PMR>(x + m * ldx, ldx, pack, K, out + m * ldo + n, ldo, bb, nr);
+    switch (m1 - m) {
+#if PL_PMR == 8
+        case 7: pl_panel_rows<7>(x + m * ldx, ldx, pack, K, out + m * ldo + n, ldo, bb, nr); break;
+        case 6: pl_panel_rows<6>(x + m * ldx, ldx, pack, K, out + m * ldo + n, ldo, bb, nr); break;
+        case 5: pl_panel_rows<5>(x + m * ldx, ldx, pack, K, out + m * ldo + n, ldo, bb, nr); break;
+        case 4: pl_panel_rows<4>(x + m * ldx, ldx, pack, K, out + m * ldo + n, ldo, bb, nr); break;
+#endif
+        case 3: pl_panel_rows<3>(x + m * ldx, ldx, pack, K, out + m * ldo + n, ldo, bb, nr); break;
+        case 2: pl_panel_rows<2>(x + m * ldx, ldx, pack, K, out + m * ldo + n, ldo, bb, nr); break;
+        case 1: pl_panel_rows<1>(x + m * ldx, ldx, pack, K, out + m * ldo + n, ldo, bb, nr); break;
+        default: break;
+    }
+}
+static inline long pl_panel_width(void) { return PL_NR; }
+
 #pragma GCC pop_options
 
 #endif /* PYLLAMA_GEMM_H */

@@ -331,6 +331,55 @@ static inline void pv_silu_mul(const float *g, const float *u, float *out, int64
     for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* out = gelu(g) * u, or gelu(g) where u is NULL, gelu in its tanh form written as a logistic:
+ * 0.5 (1 + tanh(z)) = 1 / (1 + exp(-2 z)), z = sqrt(2 / pi) (g + 0.044715 g^3), so that it takes
+ * ggml's vector exp (a libm tanh per element was a third of a GeGLU encoder's step) and 1 + tanh(z)
+ * never cancels where z is very negative. Within a few float ulp of the tanh form. */
+static inline void pv_gelu_mul(const float *g, const float *u, float *out, int64_t n) {
+    const float k1 = -1.5957691216057308f, k3 = -1.5957691216057308f * 0.044715f;  /* -2 sqrt(2 / pi) (1, 0.044715) */
+    int64_t i = 0;
+#if PV_GGML_EXP_LANES == 16
+    const __m512 one = _mm512_set1_ps(1.0f), v1 = _mm512_set1_ps(k1), v3 = _mm512_set1_ps(k3);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 e = pv_ggml_exp16(_mm512_mul_ps(gv, _mm512_fmadd_ps(_mm512_mul_ps(gv, gv), v3, v1)));
+        __m512 r = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+        if (u) r = _mm512_mul_ps(r, _mm512_loadu_ps(u + i));
+        _mm512_storeu_ps(out + i, r);
+    }
+#elif PV_GGML_EXP_LANES == 8
+    const __m256 one = _mm256_set1_ps(1.0f), v1 = _mm256_set1_ps(k1), v3 = _mm256_set1_ps(k3);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = pv_ggml_exp8(_mm256_mul_ps(gv, _mm256_fmadd_ps(_mm256_mul_ps(gv, gv), v3, v1)));
+        __m256 r = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+        if (u) r = _mm256_mul_ps(r, _mm256_loadu_ps(u + i));
+        _mm256_storeu_ps(out + i, r);
+    }
+#endif
+    for (; i < n; i++) {
+        const float r = g[i] / (1.0f + expf(g[i] * (k1 + k3 * g[i] * g[i])));
+        out[i] = u ? r * u[i] : r;
+    }
+}
+
+/* One row of LayerNorm as ggml's norm, then its mul by w and add of b: the mean of a double sum,
+ * x - mean in float, the variance from the squares summed in double, scale = 1 / sqrtf(variance
+ * + eps) in float. */
+static void pv_layer_norm_row(const float *x, const float *w, const float *b, float *out, int64_t d, float eps) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < d; j++) sum += (double)x[j];
+    const float mean = (float)(sum / (double)d);
+    double sq = 0.0;
+    for (int64_t j = 0; j < d; j++) {
+        const float y = x[j] - mean;
+        out[j] = y;
+        sq += (double)(y * y);
+    }
+    const float scale = 1.0f / sqrtf((float)(sq / (double)d) + eps);
+    for (int64_t j = 0; j < d; j++) out[j] = out[j] * scale * w[j] + b[j];
+}
+
 /* One row of RMS norm times w as ggml's rms_norm (+ mul): the squares rounded to float and added
  * in double one by one, the mean rounded to float, scale = 1 / sqrtf(mean + eps) in float, then
  * x * scale * w. No reassociation (the module is built with -fassociative-math), so the double

@@ -4,7 +4,8 @@ Weights stay in the type the model file stores them in (F32, F16, BF16 and ggml'
 `weight_types`), memory-mapped from the file where a weight is one file tensor (`map_host`).
 Products against F32 weights of at most `gemm.small_rows_max()` rows (decode batches) run on the
 streaming kernel of `_fast/gemm.pyx`, which reads each weight once; larger ones (prompts) go to
-BLAS. PYLLAMA_CPU_BLAS_ONLY=1 sends every F32 product to BLAS (for A/B runs). Products against
+BLAS, but for those of 128 rows or more with K up to 1024 (`gemm.packed_fits`), which go to the
+packed kernel of the same file, on the kernels' pool. PYLLAMA_CPU_BLAS_ONLY=1 sends every F32 product to BLAS (for A/B runs). Products against
 every other type run on `_fast/qmatmul.pyx` with ggml's arithmetic (activations quantized to the
 weight type's dot-product type), and embedding rows of those types are dequantized when looked up.
 
@@ -12,7 +13,7 @@ Quantized weights are also repacked in groups of 8 rows, and the products run on
 CPU's weight layout (layout.py, `CPUBackend.layout`) makes, finds and drops those copies.
 
 A graph is bound once (`_prepare`): each node becomes its kernel with its arrays. Where the kernel
-has a C form (the products, norms, GLUs, attention, ADD, GET_ROWS, MOE_FFN: `bind_*` in `_fast`)
+has a C form (the products, norms, GELU, GLUs, attention, ADD, GET_ROWS, MOE_FFN: `bind_*` in `_fast`)
 the node becomes a NativeStep, and consecutive ones run as one NativeRun (`_fast/plan.pyx`), which
 releases the GIL once for all of them: the thread never waits for the GIL between two kernels,
 where it would wait for whoever holds it (the event loop streaming tokens, another group's decode
@@ -292,9 +293,11 @@ class CPUBackend(Backend):
             elif op == Op.SOFTCAP:
                 steps.append(_bind(kx.softcap, s[0], out, float(nd.params[0])))
             elif op == Op.LAYER_NORM:
-                steps.append(_bind(layer_norm, s[0], s[1], s[2], out, float(nd.params[0])))
+                eps = float(nd.params[0])
+                steps.append(_native(opts, k.bind_layer_norm, _bind(layer_norm, s[0], s[1], s[2], out, eps),
+                                     s[0], s[1], s[2], out, eps, nt))
             elif op == Op.GELU:
-                steps.append(_bind(gelu, s[0], out))
+                steps.append(_native(opts, k.bind_gelu, _bind(gelu, s[0], out), s[0], out, nt))
             elif op == Op.LORA:
                 steps.extend(_lora_steps(opts, nd, s, out, nt))
             elif op == Op.SAMPLE:
@@ -473,6 +476,8 @@ def _mul_mat_step(opts: CpuSettings, x: np.ndarray, w: np.ndarray, dtype: DType,
         return _native(opts, qmatmul.bind_mul_mat_q, py, x, w, int(dtype), out, bias, nt)
     if x.shape[0] <= gemm.small_rows_max() and not opts.blas_only:
         return _native(opts, gemm.bind_mul_mat_t, py, x, w, out, bias, nt)
+    if gemm.packed_fits(x.shape[0], x.shape[1]) and not opts.blas_only:  # BLAS's speed without its threads
+        return _native(opts, gemm.bind_mul_mat_packed, py, x, w, out, bias, nt)
     return py
 
 

@@ -121,9 +121,10 @@ def test_every_op_has_cuda_kernels_that_exist_with_the_packed_arguments():
     # this one stores every matrix in one half type (and says so through supports())
     # the gemma ops GEGLU, SCALE and SOFTCAP have none: a model needing them is refused at load
     # (weights.check_placement asks supports_node about each node of the model's graph); so is a
-    # deepseek2 model, whose MLA_ATTENTION has no CUDA kernel yet, and an encoder (LAYER_NORM, GELU)
+    # deepseek2 model, whose MLA_ATTENTION has no CUDA kernel yet, an encoder (LAYER_NORM, GELU) and
+    # a layer with LoRA adapters (LORA)
     assert set(cuda.OP_KERNELS) == set(Op) - {Op.MUL_MAT_CAT, Op.GEGLU, Op.SCALE, Op.SOFTCAP, Op.MOE_FFN,
-                                              Op.MLA_ATTENTION, Op.LAYER_NORM, Op.GELU}, \
+                                              Op.MLA_ATTENTION, Op.LAYER_NORM, Op.GELU, Op.LORA}, \
         "ops without a CUDA implementation"
     declared = _declared_kernels()
     used = {k for names in cuda.OP_KERNELS.values() for k in names} | set(cuda.DEQUANT_KERNELS.values())

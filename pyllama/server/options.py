@@ -195,6 +195,20 @@ class _Usage(argparse.Action):
         parser.exit(0)
 
 
+# the variables of the flags a router keeps: a model server that read them would route, or want a key
+_ROUTER_ENV = ("MODELS_DIR", "MODELS_PRESET", "MODELS_MAX", "MODELS_AUTOLOAD", "NO_MODELS_AUTOLOAD",
+               "SLEEP_IDLE_SECONDS", "MODELS_MEMORY", "API_KEY", "API_KEY_FILE", "API_PREFIX", "HOST", "PORT",
+               "MODEL", "ALIAS")
+
+
+def model_server_environment() -> dict[str, str]:
+    """The environment a router gives its model servers: its own, less the variables of the flags
+    the router keeps (as llama-server's router does)."""
+    return {k: v for k, v in os.environ.items()
+            if not any(k in (p + n, p + "NO_" + n) for p in ("LLAMA_ARG_", "PYLLAMA_ARG_") for n in _ROUTER_ENV)
+            and k != "LLAMA_API_KEY"}
+
+
 def build_parser() -> Parser:
     unsupported = sorted({f for f in UNSUPPORTED if f.startswith("--")})
     p = Parser(prog=PROG,

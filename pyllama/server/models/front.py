@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import sys
 import time
 from typing import Any, Optional, Union
@@ -22,7 +21,7 @@ from ...util.errors import PyllamaError
 from ..listen import listen
 from ..http import (PUBLIC_PATHS, HTTPError, Request, Response, StreamResponse, error_response,
                     json_response)
-from ..options import settings
+from ..options import model_server_environment, settings
 from .process import ModelProcess, free_port
 from .proxy import forward
 from .registry import ModelEntry, ModelRegistry, describe
@@ -31,10 +30,6 @@ log = logging.getLogger("pyllama.server")
 
 UNLOADED, LOADING, LOADED, SLEEPING = "unloaded", "loading", "loaded", "sleeping"
 MiB = 1 << 20
-# the variables of the flags the router keeps: a child that read them would route, or want a key
-_ROUTER_ENV = ("MODELS_DIR", "MODELS_PRESET", "MODELS_MAX", "MODELS_AUTOLOAD", "NO_MODELS_AUTOLOAD",
-               "SLEEP_IDLE_SECONDS", "MODELS_MEMORY", "API_KEY", "API_KEY_FILE", "API_PREFIX", "HOST", "PORT",
-               "MODEL", "ALIAS")
 
 # llama-server's router passes on these endpoints (and pyllama's own /pipeline/stats)
 PROXY_GET = ("/metrics", "/slots", "/lora-adapters", "/pipeline/stats")
@@ -82,9 +77,7 @@ class ModelRouter:
         self.memory_budget = memory_budget
         self.idle_s = idle_s
         self.read_timeout = read_timeout
-        self.env = {k: v for k, v in os.environ.items()
-                    if not any(k in (p + n, p + "NO_" + n) for p in ("LLAMA_ARG_", "PYLLAMA_ARG_") for n in _ROUTER_ENV)
-                    and k != "LLAMA_API_KEY"}
+        self.env = model_server_environment()
         self._idle_task: Optional[asyncio.Task] = None
         self._closing = False
 

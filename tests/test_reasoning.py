@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from pyllama.server.chat import ChatTemplate
+from pyllama.server.template_thinking import Thinking
 from pyllama.server.reasoning import ReasoningStream, check_format, prompt_opens_thinking, split_reasoning
 from server_util import ServerProcess
 from test_tool_calls import scripted_reply
-from tool_templates import DEEPSEEK, HERMES
+from tool_templates import DEEPSEEK, GENERIC, HERMES, LLAMA3, QWEN3
 
 # (reply, prompt opened <think>, format) -> (reasoning, content)
 CASES = [
@@ -52,7 +53,7 @@ def test_format_checks_and_open_prompts():
 @pytest.mark.parametrize("fmt", ["deepseek", "auto", "none"])
 def test_response_path(stream, fmt):
     text = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
-    out = scripted_reply(HERMES, {}, [text[i:i + 4] for i in range(0, len(text), 4)], stream, reasoning_format=fmt)
+    out = scripted_reply(QWEN3, {}, [text[i:i + 4] for i in range(0, len(text), 4)], stream, reasoning_format=fmt)
     msg = out.choices[0].message
     reasoning = (msg.model_extra or {}).get("reasoning_content")
     if fmt == "none":
@@ -60,8 +61,28 @@ def test_response_path(stream, fmt):
     else:
         assert msg.content == "It is sunny." and reasoning == "The user asks about Paris."
     # the request field overrides the server's format
-    out = scripted_reply(HERMES, {"reasoning_format": "none"}, [text], stream, reasoning_format=fmt)
+    out = scripted_reply(QWEN3, {"reasoning_format": "none"}, [text], stream, reasoning_format=fmt)
     assert out.choices[0].message.content == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fmt", ["deepseek", "auto", "deepseek-legacy"])
+@pytest.mark.parametrize("template", [HERMES, LLAMA3, GENERIC, None], ids=["hermes", "llama3", "generic", "chatml"])
+def test_content_only_templates_keep_the_thinking_in_the_content(template, fmt, stream):
+    # a template that shows no thinking (llama-server's content-only formats): whatever the format,
+    # the <think> the model writes is content, whole and streamed
+    text = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
+    out = scripted_reply(template, {}, [text[i:i + 4] for i in range(0, len(text), 4)], stream, reasoning_format=fmt)
+    msg = out.choices[0].message
+    assert msg.content == text and (msg.model_extra or {}).get("reasoning_content") is None
+
+
+def test_which_templates_think():
+    assert ChatTemplate(QWEN3).thinking == Thinking("<think>", "</think>")
+    assert ChatTemplate(DEEPSEEK).thinking == Thinking("<think>", "</think>")  # drops </think>'s text: patched
+    for template in (HERMES, LLAMA3, GENERIC, None):
+        assert ChatTemplate(template).thinking is None
+    assert ChatTemplate(None, builtin="chatml").thinking is None  # a built-in layout (no --jinja)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -88,8 +109,8 @@ def test_enable_thinking_reaches_the_template():
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tpl") / "hermes.jinja"
-    path.write_text(HERMES)
+    path = tmp_path_factory.mktemp("tpl") / "qwen3.jinja"
+    path.write_text(QWEN3)  # a template that thinks: the reply's thinking is read out of it
     s = ServerProcess(tiny_model, "-c", "1024", "--reasoning-format", "none", "--chat-template-file", str(path),
                       "--chat-template-kwargs", '{"enable_thinking": false}')
     try:

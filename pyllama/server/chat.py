@@ -28,6 +28,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .chat_builtin import BUILTIN, UNSUPPORTED_BUILTIN, detect
+from .template_thinking import Thinking, template_thinking
 from .tool_calls import detect_family
 
 log = logging.getLogger(__name__)
@@ -240,6 +241,7 @@ class ChatTemplate:
         self.builtin = builtin
         self._format = BUILTIN[builtin] if builtin else None
         self._caps: Optional[dict[str, bool]] = None
+        self._thinking: Optional[tuple[Optional[Thinking]]] = None  # learnt once, see thinking
         self._variables: Optional[frozenset[str]] = None
         self._env = _make_environment()
         if builtin:
@@ -283,6 +285,19 @@ class ChatTemplate:
         if self._format is not None:
             return None
         return detect_family(self._source)
+
+    @property
+    def thinking(self) -> Optional[Thinking]:
+        """The template's thinking tags, or None where llama-server reads its replies as content
+        only (template_thinking.py): a built-in layout, or a template that does not think."""
+        if self._thinking is None:
+            if self._format is not None:
+                self._thinking = (None,)
+            else:
+                def render(messages: list[dict], gen: bool, **kw: Any) -> str:
+                    return self.render(messages, add_generation_prompt=gen, **kw)
+                self._thinking = (template_thinking(self._source, render, self.caps["tool_calls"]),)
+        return self._thinking[0]
 
     @property
     def caps(self) -> dict[str, bool]:

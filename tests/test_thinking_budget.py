@@ -132,3 +132,39 @@ def test_server_reasoning_budget_tokens_and_message(thinking_server):
     status, doc = thinking_server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                                 "reasoning_budget_message": 3})
     assert status == 400 and "'reasoning_budget_message' must be a string" in doc["error"]["message"]
+
+
+# --- the budget follows the template: only a template that thinks has one -----------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from pyllama.runtime.engine import Engine
+    engine = Engine(tiny_model, n_threads=1)
+    try:
+        yield engine.tokenizer
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name, thinks, opened", [("qwen3", True, False), ("deepseek", True, True),
+                                                  ("hermes", False, False), ("llama3", False, False),
+                                                  ("generic", False, False)])
+def test_budget_only_under_a_thinking_template(tokenizer, name, thinks, opened):
+    """llama-server hands a budget to the sampler only where its chat format has thinking end
+    tags: under a content-only template --reasoning-budget and a request's budget do nothing."""
+    import types
+    from pyllama.server.api import Api
+    from pyllama.server.chat import ChatTemplate
+    from tool_templates import QWEN3
+    source = QWEN3 if name == "qwen3" else FAMILY_TEMPLATES[name]
+    api = Api.__new__(Api)
+    api.state = types.SimpleNamespace(
+        args=types.SimpleNamespace(n_predict=-1, reasoning_format="auto", reasoning_budget=0, n_keep=0),
+        tokenizer=tokenizer, slots_per_group=1, chat=ChatTemplate(source), check_prompt_fits=lambda *a: None)
+    body = {"messages": [{"role": "user", "content": "Why?"}]}
+    for fields in ({}, {"thinking_budget_tokens": 5}):
+        p, _, spec = api._chat_input({**body, **fields})
+        assert spec.thinks is thinks and spec.forced_open is opened
+        want = (5 if fields else 0) if thinks else -1
+        assert (p.thinking_budget, p.thinking_open) == (want, opened and thinks)
+        assert bool(p.thinking_end) is thinks

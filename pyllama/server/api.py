@@ -368,6 +368,10 @@ class ChatReply:
         # a template that does not think leaves a <think> the model writes in the content, as
         # llama-server's content-only formats do
         fmt = spec.reasoning_format if spec.thinks else "none"
+        if fmt == "deepseek-legacy":
+            # llama-server sets reasoning_in_content for it (server-schema.cpp) but no parser reads
+            # that flag: its replies are those of deepseek, whole and streamed
+            fmt = "deepseek"
         self.thoughts = ReasoningStream("none" if own else fmt, spec.forced_open and spec.thinks,
                                         thinking_ends(spec.family), *reasoning_tags(spec.family))
         # some families wrap plain text in markers of their own, taken out even when no call is read

@@ -551,9 +551,9 @@ def build_parser() -> Parser:
       negatives=("--no-prefill-assistant",), default=True, llama_env="LLAMA_ARG_PREFILL_ASSISTANT",
       help="continue a final assistant message instead of starting a new one")
     a("--reasoning-format", choices=list(REASONING_FORMATS), default="auto", llama_env="LLAMA_ARG_THINK",
-      help="where the model's thinking (<think>...</think>) goes: 'deepseek' and 'auto' put it in "
-           "reasoning_content, 'deepseek-legacy' there and in the content too, 'none' leaves it in the content; "
-           "a request's reasoning_format overrides it")
+      help="where the model's thinking (<think>...</think>) goes under a template that thinks: 'deepseek', "
+           "'auto' and 'deepseek-legacy' put it in reasoning_content, 'none' leaves it in the content (under "
+           "any other template it is content); a request's reasoning_format overrides it")
     a("--skip-chat-parsing", "--no-skip-chat-parsing", dest="skip_chat_parsing", action=Toggle,
       negatives=("--no-skip-chat-parsing",), default=False, llama_env="LLAMA_ARG_SKIP_CHAT_PARSING",
       help="read no tool calls and no reasoning out of chat replies: everything stays in the content")

@@ -96,12 +96,12 @@ def test_opened_by_the_prompt_with_a_tool_call(stream):
 
 
 def test_enable_thinking_reaches_the_template():
-    t = ChatTemplate(HERMES)
+    t = ChatTemplate(QWEN3)
     body = {"messages": [{"role": "user", "content": "hi"}]}
     assert t.render_request(body).endswith("<|im_start|>assistant\n")
     off = t.render_request({**body, "chat_template_kwargs": {"enable_thinking": False}})
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and not prompt_opens_thinking(off)
-    server_off = ChatTemplate(HERMES, kwargs={"enable_thinking": False})  # --chat-template-kwargs
+    server_off = ChatTemplate(QWEN3, kwargs={"enable_thinking": False})  # --chat-template-kwargs
     assert server_off.render_request(body) == off
     assert server_off.render_request({**body, "chat_template_kwargs": {"enable_thinking": True}}).endswith(
         "assistant\n")

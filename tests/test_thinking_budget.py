@@ -51,8 +51,7 @@ def test_end_text_and_flags():
     assert budget_end_text() == "\n</think>\n\n"
     assert budget_end_text("Enough.") == "\nEnough.\n</think>\n\n"
     assert template_kwargs(parse_args("-m M".split())) is None
-    assert template_kwargs(parse_args("-m M --reasoning off".split())) == {"enable_thinking": False}
-    assert template_kwargs(parse_args("-m M -rea on".split())) == {"enable_thinking": True}
+    assert template_kwargs(parse_args("-m M --reasoning off".split())) is None  # the template's default, below
     given = parse_args(["-m", "M", "--reasoning", "off", "--chat-template-kwargs", '{"enable_thinking": true, "x": 1}'])
     assert template_kwargs(given) == {"enable_thinking": True, "x": 1}
     a = parse_args("-m M --reasoning-budget 0 --reasoning-budget-message Enough.".split())
@@ -168,3 +167,19 @@ def test_budget_only_under_a_thinking_template(tokenizer, name, thinks, opened):
         want = (5 if fields else 0) if thinks else -1
         assert (p.thinking_budget, p.thinking_open) == (want, opened and thinks)
         assert bool(p.thinking_end) is thinks
+
+
+def test_enable_thinking_follows_the_template_and_reasoning():
+    """llama-server gives the template enable_thinking true where it thinks (unless --reasoning
+    off), false where it does not; --chat-template-kwargs and the request's override that."""
+    from pyllama.server.chat import ChatTemplate
+    from tool_templates import QWEN3
+    body = {"messages": [{"role": "user", "content": "Why?"}]}
+    closed = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # enable_thinking false
+    for reasoning in ("auto", "on"):
+        assert ChatTemplate(QWEN3, reasoning=reasoning).render_request(body).endswith("<|im_start|>assistant\n")
+        assert ChatTemplate(FAMILY_TEMPLATES["hermes"], reasoning=reasoning).render_request(body).endswith(closed)
+    assert ChatTemplate(QWEN3, reasoning="off").render_request(body).endswith(closed)
+    server_on = ChatTemplate(QWEN3, reasoning="off", kwargs={"enable_thinking": True})
+    assert server_on.render_request(body).endswith("<|im_start|>assistant\n")
+    assert server_on.render_request({**body, "chat_template_kwargs": {"enable_thinking": False}}).endswith(closed)

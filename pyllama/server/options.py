@@ -558,8 +558,9 @@ def build_parser() -> Parser:
       negatives=("--no-skip-chat-parsing",), default=False, llama_env="LLAMA_ARG_SKIP_CHAT_PARSING",
       help="read no tool calls and no reasoning out of chat replies: everything stays in the content")
     a("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto", llama_env="LLAMA_ARG_REASONING",
-      help="thinking in chat replies: 'on' / 'off' render the template with enable_thinking true / false "
-           "(a request's chat_template_kwargs override it), 'auto' leaves the template's default")
+      help="thinking in chat replies: the template gets enable_thinking true where it thinks ('on', "
+           "'auto'), false where it does not or with 'off' (--chat-template-kwargs and a request's "
+           "chat_template_kwargs override it)")
     a("--reasoning-budget", type=int, default=-1, metavar="N", llama_env="LLAMA_ARG_THINK_BUDGET",
       help="tokens a chat reply may spend thinking, after which its end tag is put in: -1 unrestricted, "
            "0 ends it at once; a request's thinking_budget_tokens overrides it")
@@ -668,12 +669,9 @@ def resolve(args: argparse.Namespace) -> None:
 
 
 def template_kwargs(args) -> Optional[dict]:
-    """The chat template's extra variables: --chat-template-kwargs, with enable_thinking set by
-    --reasoning on / off where those do not set it."""
-    kwargs = dict(args.chat_template_kwargs or {})
-    if args.reasoning != "auto":
-        kwargs.setdefault("enable_thinking", args.reasoning == "on")
-    return kwargs or None
+    """The chat template's extra variables: --chat-template-kwargs (--reasoning's enable_thinking
+    is the template's own default, ChatTemplate.render_with_prefill)."""
+    return dict(args.chat_template_kwargs) if args.chat_template_kwargs else None
 
 
 def default_constraint(args) -> Optional["ConstraintSpec"]:

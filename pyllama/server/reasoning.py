@@ -1,6 +1,9 @@
 """Reasoning ("thinking") text of a chat reply: what the model writes between ``<think>`` and
 ``</think>`` goes to ``reasoning_content``, the rest to ``content``, as llama-server does with
-``--reasoning-format deepseek`` (and ``auto``, its default).
+``--reasoning-format deepseek`` (and ``auto``, its default). The server reads it so only under a
+template that thinks (template_thinking.py, as llama-server decides it); under any other the reply
+is read with ``none``, and the server reads ``deepseek-legacy`` as ``deepseek``, as llama-server's
+parsers do.
 
 A reply is read as thinking when it opens with ``<think>`` (whitespace before it allowed), or when
 the prompt already opened the tag (templates such as DeepSeek R1's and Qwen3's end their generation

@@ -1,6 +1,7 @@
 """Reasoning against llama.cpp's llama-server: which templates have a reply's thinking read out.
 
     python bench/reasoning_template_check.py --peers DIR [--model PATH] [--templates chatml,qwen3,...]
+                                             [--template-file PATH ...]
 
 llama-server reads a reply's ``<think>`` into ``reasoning_content`` only under a template whose
 chat format thinks; under any other the tags stay in ``content``. For each template (the test
@@ -48,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peers import Peers  # noqa: E402
 from tool_format_check import eos_id, free_port, post  # noqa: E402
-from pyllama.server.chat import CHATML_TEMPLATE, ChatTemplate  # noqa: E402
+from pyllama.server.chat import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError  # noqa: E402
 from pyllama.server.reasoning import prompt_opens_thinking  # noqa: E402
 from test_tool_calls import scripted_reply  # noqa: E402
 from tool_format_templates import QWEN35, TEMPLATES as FORMAT_TEMPLATES  # noqa: E402
@@ -159,6 +160,11 @@ def check(peers: Peers, model: str, name: str, workdir: str) -> list[tuple[str, 
     Path(tpl).write_text(TEMPLATES[name])
     thinks = ChatTemplate(TEMPLATES[name]).thinking
     print(f"{name}: pyllama finds {'thinking ' + repr((thinks.start, thinks.end)) if thinks else 'no thinking'}")
+    try:
+        ChatTemplate(TEMPLATES[name]).render_request({"messages": USER})
+    except ChatTemplateError as exc:
+        print(f"  pyllama cannot render it: {exc}")
+        return [("(render)", "refused")]
     port = free_port()
     log = open(os.path.join(workdir, f"{name}.log"), "w")
     proc = peers.popen("llama-server", "-m", model, "--jinja", "--chat-template-file", tpl, "--port", str(port),
@@ -212,7 +218,14 @@ def main() -> int:
     ap.add_argument("--peers", required=True, help="folder with llama.cpp's bin/ (llama-server)")
     ap.add_argument("--model", help="GGUF model (default: a tiny test model made here)")
     ap.add_argument("--templates", default=",".join(TEMPLATES), help="comma-separated templates to check")
+    ap.add_argument("--template-file", action="append", default=[], metavar="PATH",
+                    help="a Jinja template file to check too (named by its file name; repeatable)")
     args = ap.parse_args()
+    names = args.templates.split(",") if args.templates else []
+    for path in args.template_file:
+        name = Path(path).stem
+        TEMPLATES[name] = Path(path).read_text()
+        names.append(name)
     peers = Peers.find(args.peers)
     if peers is None or not os.path.isfile(peers.path("llama-server")):
         print(f"no llama-server under {args.peers}/bin", file=sys.stderr)
@@ -224,7 +237,7 @@ def main() -> int:
         model = make_model("tiny", os.path.join(workdir, "tiny.gguf"))
     results = {}
     try:
-        for name in args.templates.split(","):
+        for name in names:
             if name not in TEMPLATES:
                 print(f"unknown template {name!r} (known: {', '.join(TEMPLATES)})", file=sys.stderr)
                 return 2

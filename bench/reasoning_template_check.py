@@ -84,7 +84,7 @@ def replies(name: str) -> list[tuple[str, str, tuple[str, str]]]:
     one that closes it at once)."""
     start, end = tags(name)
     answer = ANSWERS.get(name, ANSWER)
-    prompt = ChatTemplate(TEMPLATES[name]).render(USER)
+    prompt = ChatTemplate(TEMPLATES[name]).render_request({"messages": USER})
     opened = prompt.rstrip().endswith(start) or prompt_opens_thinking(prompt)
     thought, rest = f"\n{THOUGHT}\n", f"\n\n{answer}"
     if opened:  # the prompt's tag is followed by a newline already

@@ -85,6 +85,38 @@ def test_which_templates_think():
     assert ChatTemplate(None, builtin="chatml").thinking is None  # a built-in layout (no --jinja)
 
 
+CHATML_TURNS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("source, expected", [
+    # llama-server's own parsers decide by family
+    (CHATML_TURNS + "{# <|channel|> #}", ("<|channel|>analysis<|message|>", "<|end|>")),
+    (CHATML_TURNS + "{# <|tool_calls_section_begin|> <|tool_call_begin|> #}", ("<think>", "</think>")),
+    (CHATML_TURNS + "{# <tool_call> <function= <parameter= #}", None),  # Qwen3-Coder without <think>
+    (CHATML_TURNS + "{# <tool_call> <function= <parameter= <think> #}", ("<think>", "</think>")),
+    (CHATML_TURNS + "{# >>>all >>>${recipient} #}", None),  # Functionary v3.2
+    (CHATML_TURNS + "{# [SYSTEM_PROMPT] [TOOL_CALLS] [ARGS] #}", ("[THINK]", "[/THINK]")),
+    # the analysis: an earlier reply's reasoning shown between tags of the template's own
+    (CHATML_TURNS.replace("{{ m.content }}", "{% if m.reasoning_content %}<thought>{{ m.reasoning_content }}"
+                                             "</thought>{% endif %}{{ m.content }}"), ("<thought>", "</thought>")),
+    # a generation prompt that opens the thinking unless enable_thinking is false, where it closes it
+    (CHATML_TURNS.replace("<|im_start|>assistant\n{% endif %}",
+                          "<|im_start|>assistant\n{% if enable_thinking %}<think>{% else %}<think></think>{% endif %}"
+                          "{% endif %}"), ("<think>", "</think>")),
+    # one that only opens it (no end to read the thinking up to): content only
+    (CHATML_TURNS.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}"),
+     None),
+    # an old Qwen / DeepSeek distill template that cuts the thinking out of the history
+    (CHATML_TURNS.replace("{{ m.content }}", "{{ m.content.split('</think>')[-1] }}"), ("<think>", "</think>")),
+    # a template that fails to render the probes is content only
+    ("{{ raise_exception('no') }}", None),
+])
+def test_thinking_as_llama_server_finds_it(source, expected):
+    found = ChatTemplate(source).thinking
+    assert (found.start, found.end) == expected if expected else found is None
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_opened_by_the_prompt_with_a_tool_call(stream):
     text = "Need the weather.</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
@@ -146,3 +178,16 @@ def test_server_chat_template_kwargs(server):
     assert status == 200 and doc["prompt"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     status, doc = server.post("/apply-template", {**msgs, "chat_template_kwargs": {"enable_thinking": True}})
     assert status == 200 and doc["prompt"].endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_template_of_its_own_tags_is_read_in_them(stream):
+    # the analysis finds <thought>...</thought> in the template: the reply's thinking is read in those
+    source = CHATML_TURNS.replace("{{ m.content }}", "{% if m.reasoning_content %}<thought>{{ m.reasoning_content }}"
+                                                     "</thought>{% endif %}{{ m.content }}")
+    text = "<thought>\nPlan.\n</thought>\n\nHello."
+    msg = scripted_reply(source, {}, [text[i:i + 3] for i in range(0, len(text), 3)], stream).choices[0].message
+    assert ((msg.model_extra or {}).get("reasoning_content"), msg.content) == ("Plan.", "Hello.")
+    text = "<think>\nPlan.\n</think>\n\nHello."  # another tag is text there
+    msg = scripted_reply(source, {}, [text], stream).choices[0].message
+    assert ((msg.model_extra or {}).get("reasoning_content"), msg.content) == (None, text)

@@ -35,8 +35,8 @@ from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
 from .params import (CompletionParams, check_not_chat, get_int, parse_completion, parse_lora, split_prompts,
                      tokenize_prompt)
-from .reasoning import (ReasoningStream, budget_end_text, check_format, prompt_opens_thinking, reasoning_tags,
-                        thinking_opener)
+from .reasoning import (REASONING_TAGS, ReasoningStream, budget_end_text, check_format, prompt_opens_thinking,
+                        reasoning_tags, thinking_opener)
 from .tool_calls import (CALL_TRIGGERS, ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request,
                          reads_reasoning, thinking_ends)
 from .tool_formats_more import reads_content
@@ -349,6 +349,8 @@ class ChatOutputSpec:
     # the template thinks (ChatTemplate.thinking): only then is a thinking read out of the reply,
     # as llama-server reads one only where the chat format it made of the template supports it
     thinks: bool = True
+    # the template's own thinking tags, where its family has none of its own (None: the family's)
+    tags: Optional[tuple[str, str]] = None
     forced_open: bool = False
     opener: str = ""  # how the prompt opened that thinking (its start tag on), see thinking_opener
     prefill: str = ""  # the continued assistant message's content: the reply starts with it (llama-server)
@@ -373,7 +375,7 @@ class ChatReply:
             # that flag: its replies are those of deepseek, whole and streamed
             fmt = "deepseek"
         self.thoughts = ReasoningStream("none" if own else fmt, spec.forced_open and spec.thinks,
-                                        thinking_ends(spec.family), *reasoning_tags(spec.family))
+                                        thinking_ends(spec.family), *(spec.tags or reasoning_tags(spec.family)))
         # some families wrap plain text in markers of their own, taken out even when no call is read
         self.calls = ToolCallStream(spec.family, spec.tools.parallel, spec.tools.tools, fmt,
                                     spec.tools.parse_calls) \
@@ -1270,11 +1272,12 @@ class Api:
         spec = self._chat_output_spec(body)
         text, spec.prefill = self._render_chat(body)
         # what the generation continues from (a template that does not think opens no thinking)
-        opens = spec.thinks and prompt_opens_thinking(text, spec.family)
+        opens = spec.thinks and prompt_opens_thinking(text, spec.family, spec.tags)
         # the reply is read from the generation prompt on, the prefill included, as llama-server reads it
-        spec.forced_open = spec.thinks and prompt_opens_thinking(text[:len(text) - len(spec.prefill)], spec.family) \
+        head = text[:len(text) - len(spec.prefill)]
+        spec.forced_open = spec.thinks and prompt_opens_thinking(head, spec.family, spec.tags) \
             if spec.prefill else opens
-        spec.opener = thinking_opener(text[:len(text) - len(spec.prefill)], spec.family) if spec.forced_open else ""
+        spec.opener = thinking_opener(head, spec.family, spec.tags) if spec.forced_open else ""
         if spec.tools.required and spec.family is not None:
             # a call is required: generation follows a grammar of the family's call format (after
             # closing the thinking the prompt opened, so that the call is not read as thoughts)
@@ -1337,7 +1340,12 @@ class Api:
         chat = self.state.chat
         if chat is None:
             return ChatOutputSpec(family=None, tools=tools, reasoning_format=fmt, thinks=False)
-        return ChatOutputSpec(family=chat.family, tools=tools, reasoning_format=fmt, thinks=chat.thinking is not None)
+        family, thinking = chat.family, chat.thinking
+        # a template that thinks in tags of its own (as llama-server's analysis finds them) is read
+        # in those, unless its family has tags of its own or reads its thinking itself (gpt-oss)
+        tags = (thinking.start, thinking.end) if thinking is not None and thinking.start and thinking.end and \
+            (family or "") not in REASONING_TAGS and not reads_reasoning(family) else None
+        return ChatOutputSpec(family=family, tools=tools, reasoning_format=fmt, thinks=thinking is not None, tags=tags)
 
     async def _oai(self, task_lists, p: CompletionParams, n_prompt: int, chat: bool,
                    chat_spec: Optional[ChatOutputSpec] = None) -> Response | StreamResponse:

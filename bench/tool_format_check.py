@@ -322,8 +322,9 @@ def reading(content: Optional[str], reasoning: Optional[str], calls: list[dict])
 
 def pyllama_reading(family: str, text: str, tools: list[dict], reasoning_format: str = "auto",
                     opener: str = "") -> dict:
+    thinks = ChatTemplate(TEMPLATES[family]).thinking is not None  # as the server decides it
     spec = ChatOutputSpec(family=family, tools=parse_tool_request({"tools": tools}), reasoning_format=reasoning_format,
-                          forced_open=bool(opener), opener=opener)
+                          forced_open=bool(opener) and thinks, opener=opener if thinks else "", thinks=thinks)
     reply = ChatReply(spec)
     reply.feed(text)
     reply.finish()

@@ -48,6 +48,6 @@ def scripted(template: str, chat: dict, pieces: list[str], stop_type: str = "eos
     p = parse_completion(chat, -1, 1, oai=True)
     spec = api._chat_output_spec(chat)
     text, spec.prefill = api._render_chat(chat)
-    spec.forced_open = prompt_opens_thinking(text)
-    spec.opener = thinking_opener(text)
+    spec.forced_open = spec.thinks and prompt_opens_thinking(text, spec.family, spec.tags)  # as the server decides it
+    spec.opener = thinking_opener(text, spec.family, spec.tags) if spec.forced_open else ""
     return api, p, spec, CompletionTask(prompt=list(range(N_PROMPT)), params=SamplingParams())

@@ -163,6 +163,14 @@ def test_thinking_then_text(stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_thinking_under_a_content_only_template_is_text(stream):
+    # Hermes' template shows no thinking: a <think> the model writes is text
+    pieces = ["<think>Warm", "?</think>", "\n\nSunny", "."]
+    msg = scripted_message(FAMILY_TEMPLATES["hermes"], {}, pieces, stream)
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "".join(pieces)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_stop_reasons(stream):
     chatml = FAMILY_TEMPLATES["hermes"]
     cut = scripted_message(chatml, {}, ["a", "b"], stream, stop_type="limit")

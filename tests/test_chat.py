@@ -520,12 +520,13 @@ def test_reasoning_effort_reaches_a_template_that_reads_it():
     msgs = [{"role": "user", "content": "Hi"}]
     tpl = ChatTemplate("{{ reasoning_effort | default('unset') }}|{{ enable_thinking | default('unset') }}|"
                        "{% for m in messages %}{{ m.content }}{% endfor %}")
-    assert tpl.render_request({"messages": msgs}) == "unset|unset|Hi"
-    assert tpl.render_request({"messages": msgs, "reasoning_effort": "high"}) == "high|unset|Hi"
+    # (enable_thinking: false, as llama-server gives it to a template that does not think)
+    assert tpl.render_request({"messages": msgs}) == "unset|False|Hi"
+    assert tpl.render_request({"messages": msgs, "reasoning_effort": "high"}) == "high|False|Hi"
     assert tpl.render_request({"messages": msgs, "reasoning_effort": "none"}) == "unset|False|Hi"
     # chat_template_kwargs wins, as the variable is the template's own
     assert tpl.render_request({"messages": msgs, "reasoning_effort": "high",
-                               "chat_template_kwargs": {"reasoning_effort": "low"}}) == "low|unset|Hi"
+                               "chat_template_kwargs": {"reasoning_effort": "low"}}) == "low|False|Hi"
     with pytest.raises(ChatTemplateError, match="'reasoning_effort' must be a string"):
         tpl.render_request({"messages": msgs, "reasoning_effort": 3})
     plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from pyllama.server.chat import ChatTemplate
+from pyllama.server.template_thinking import Thinking
 from pyllama.server.reasoning import ReasoningStream, check_format, prompt_opens_thinking, split_reasoning
 from server_util import ServerProcess
 from test_tool_calls import scripted_reply
-from tool_templates import DEEPSEEK, HERMES
+from tool_templates import DEEPSEEK, GENERIC, HERMES, LLAMA3, QWEN3
 
 # (reply, prompt opened <think>, format) -> (reasoning, content)
 CASES = [
@@ -52,7 +53,7 @@ def test_format_checks_and_open_prompts():
 @pytest.mark.parametrize("fmt", ["deepseek", "auto", "none"])
 def test_response_path(stream, fmt):
     text = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
-    out = scripted_reply(HERMES, {}, [text[i:i + 4] for i in range(0, len(text), 4)], stream, reasoning_format=fmt)
+    out = scripted_reply(QWEN3, {}, [text[i:i + 4] for i in range(0, len(text), 4)], stream, reasoning_format=fmt)
     msg = out.choices[0].message
     reasoning = (msg.model_extra or {}).get("reasoning_content")
     if fmt == "none":
@@ -60,8 +61,60 @@ def test_response_path(stream, fmt):
     else:
         assert msg.content == "It is sunny." and reasoning == "The user asks about Paris."
     # the request field overrides the server's format
-    out = scripted_reply(HERMES, {"reasoning_format": "none"}, [text], stream, reasoning_format=fmt)
+    out = scripted_reply(QWEN3, {"reasoning_format": "none"}, [text], stream, reasoning_format=fmt)
     assert out.choices[0].message.content == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fmt", ["deepseek", "auto", "deepseek-legacy"])
+@pytest.mark.parametrize("template", [HERMES, LLAMA3, GENERIC, None], ids=["hermes", "llama3", "generic", "chatml"])
+def test_content_only_templates_keep_the_thinking_in_the_content(template, fmt, stream):
+    # a template that shows no thinking (llama-server's content-only formats): whatever the format,
+    # the <think> the model writes is content, whole and streamed
+    text = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
+    out = scripted_reply(template, {}, [text[i:i + 4] for i in range(0, len(text), 4)], stream, reasoning_format=fmt)
+    msg = out.choices[0].message
+    assert msg.content == text and (msg.model_extra or {}).get("reasoning_content") is None
+
+
+def test_which_templates_think():
+    assert ChatTemplate(QWEN3).thinking == Thinking("<think>", "</think>")
+    assert ChatTemplate(DEEPSEEK).thinking == Thinking("<think>", "</think>")  # drops </think>'s text: patched
+    for template in (HERMES, LLAMA3, GENERIC, None):
+        assert ChatTemplate(template).thinking is None
+    assert ChatTemplate(None, builtin="chatml").thinking is None  # a built-in layout (no --jinja)
+
+
+CHATML_TURNS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("source, expected", [
+    # llama-server's own parsers decide by family
+    (CHATML_TURNS + "{# <|channel|> #}", ("<|channel|>analysis<|message|>", "<|end|>")),
+    (CHATML_TURNS + "{# <|tool_calls_section_begin|> <|tool_call_begin|> #}", ("<think>", "</think>")),
+    (CHATML_TURNS + "{# <tool_call> <function= <parameter= #}", None),  # Qwen3-Coder without <think>
+    (CHATML_TURNS + "{# <tool_call> <function= <parameter= <think> #}", ("<think>", "</think>")),
+    (CHATML_TURNS + "{# >>>all >>>${recipient} #}", None),  # Functionary v3.2
+    (CHATML_TURNS + "{# [SYSTEM_PROMPT] [TOOL_CALLS] [ARGS] #}", ("[THINK]", "[/THINK]")),
+    # the analysis: an earlier reply's reasoning shown between tags of the template's own
+    (CHATML_TURNS.replace("{{ m.content }}", "{% if m.reasoning_content %}<thought>{{ m.reasoning_content }}"
+                                             "</thought>{% endif %}{{ m.content }}"), ("<thought>", "</thought>")),
+    # a generation prompt that opens the thinking unless enable_thinking is false, where it closes it
+    (CHATML_TURNS.replace("<|im_start|>assistant\n{% endif %}",
+                          "<|im_start|>assistant\n{% if enable_thinking %}<think>{% else %}<think></think>{% endif %}"
+                          "{% endif %}"), ("<think>", "</think>")),
+    # one that only opens it (no end to read the thinking up to): content only
+    (CHATML_TURNS.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}"),
+     None),
+    # an old Qwen / DeepSeek distill template that cuts the thinking out of the history
+    (CHATML_TURNS.replace("{{ m.content }}", "{{ m.content.split('</think>')[-1] }}"), ("<think>", "</think>")),
+    # a template that fails to render the probes is content only
+    ("{{ raise_exception('no') }}", None),
+])
+def test_thinking_as_llama_server_finds_it(source, expected):
+    found = ChatTemplate(source).thinking
+    assert (found.start, found.end) == expected if expected else found is None
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -75,12 +128,12 @@ def test_opened_by_the_prompt_with_a_tool_call(stream):
 
 
 def test_enable_thinking_reaches_the_template():
-    t = ChatTemplate(HERMES)
+    t = ChatTemplate(QWEN3)
     body = {"messages": [{"role": "user", "content": "hi"}]}
     assert t.render_request(body).endswith("<|im_start|>assistant\n")
     off = t.render_request({**body, "chat_template_kwargs": {"enable_thinking": False}})
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and not prompt_opens_thinking(off)
-    server_off = ChatTemplate(HERMES, kwargs={"enable_thinking": False})  # --chat-template-kwargs
+    server_off = ChatTemplate(QWEN3, kwargs={"enable_thinking": False})  # --chat-template-kwargs
     assert server_off.render_request(body) == off
     assert server_off.render_request({**body, "chat_template_kwargs": {"enable_thinking": True}}).endswith(
         "assistant\n")
@@ -88,8 +141,8 @@ def test_enable_thinking_reaches_the_template():
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tpl") / "hermes.jinja"
-    path.write_text(HERMES)
+    path = tmp_path_factory.mktemp("tpl") / "qwen3.jinja"
+    path.write_text(QWEN3)  # a template that thinks: the reply's thinking is read out of it
     s = ServerProcess(tiny_model, "-c", "1024", "--reasoning-format", "none", "--chat-template-file", str(path),
                       "--chat-template-kwargs", '{"enable_thinking": false}')
     try:
@@ -125,3 +178,16 @@ def test_server_chat_template_kwargs(server):
     assert status == 200 and doc["prompt"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     status, doc = server.post("/apply-template", {**msgs, "chat_template_kwargs": {"enable_thinking": True}})
     assert status == 200 and doc["prompt"].endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_template_of_its_own_tags_is_read_in_them(stream):
+    # the analysis finds <thought>...</thought> in the template: the reply's thinking is read in those
+    source = CHATML_TURNS.replace("{{ m.content }}", "{% if m.reasoning_content %}<thought>{{ m.reasoning_content }}"
+                                                     "</thought>{% endif %}{{ m.content }}")
+    text = "<thought>\nPlan.\n</thought>\n\nHello."
+    msg = scripted_reply(source, {}, [text[i:i + 3] for i in range(0, len(text), 3)], stream).choices[0].message
+    assert ((msg.model_extra or {}).get("reasoning_content"), msg.content) == ("Plan.", "Hello.")
+    text = "<think>\nPlan.\n</think>\n\nHello."  # another tag is text there
+    msg = scripted_reply(source, {}, [text], stream).choices[0].message
+    assert ((msg.model_extra or {}).get("reasoning_content"), msg.content) == (None, text)

@@ -179,7 +179,8 @@ honoured("continue_final_message", "/v1/chat/completions",
          messages=MSGS + [{"role": "assistant", "content": "Once"}], continue_final_message=True,
          add_generation_prompt=False)
 def _with_template(field: str, value: Any, expected: str) -> Check:
-    """The field, given to a template that shows the variables it may set, renders `expected`."""
+    """The field, given to a template that shows the variables it may set, renders `expected`
+    (enable_thinking is false there: the template does not think)."""
     def check(srv, doc):
         tpl = ChatTemplate("{{ greeting | default('-') }} {{ reasoning_effort | default('-') }} "
                            "{{ enable_thinking | default('-') }}")
@@ -190,10 +191,10 @@ def _with_template(field: str, value: Any, expected: str) -> Check:
 
 
 honoured("chat_template_kwargs", "/v1/chat/completions", check=_with_template(
-    "chat_template_kwargs", {"greeting": "hello"}, "hello - -"), chat_template_kwargs={"greeting": "hello"})
+    "chat_template_kwargs", {"greeting": "hello"}, "hello - False"), chat_template_kwargs={"greeting": "hello"})
 honoured("reasoning_format", "/v1/chat/completions", check=_ok, reasoning_format="none")  # test_reasoning
 # (and test_chat's test_reasoning_effort_reaches_a_template_that_reads_it)
-honoured("reasoning_effort", "/v1/chat/completions", check=_with_template("reasoning_effort", "high", "- high -"),
+honoured("reasoning_effort", "/v1/chat/completions", check=_with_template("reasoning_effort", "high", "- high False"),
          reasoning_effort="none")
 honoured("thinking_budget_tokens", "/v1/chat/completions", check=_ok, thinking_budget_tokens=5)  # test_thinking_budget
 honoured("reasoning_budget_tokens", "/v1/chat/completions", check=_ok, reasoning_budget_tokens=5)

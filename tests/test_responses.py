@@ -161,6 +161,14 @@ def test_reasoning_then_text(stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_thinking_under_a_content_only_template_is_text(stream):
+    # Hermes' template shows no thinking: a <think> the model writes is the message's text
+    pieces = ["<think>Warm", "?</think>", "\n\nSunny", "."]
+    out = scripted_response(FAMILY_TEMPLATES["hermes"], {}, pieces, stream)
+    assert [o.type for o in out.output] == ["message"] and out.output_text == "".join(pieces)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_cut_short_is_incomplete(stream):
     out = scripted_response(FAMILY_TEMPLATES["hermes"], {}, ["a", "b"], stream, stop_type="limit")
     assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"

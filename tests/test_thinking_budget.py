@@ -51,8 +51,7 @@ def test_end_text_and_flags():
     assert budget_end_text() == "\n</think>\n\n"
     assert budget_end_text("Enough.") == "\nEnough.\n</think>\n\n"
     assert template_kwargs(parse_args("-m M".split())) is None
-    assert template_kwargs(parse_args("-m M --reasoning off".split())) == {"enable_thinking": False}
-    assert template_kwargs(parse_args("-m M -rea on".split())) == {"enable_thinking": True}
+    assert template_kwargs(parse_args("-m M --reasoning off".split())) is None  # the template's default, below
     given = parse_args(["-m", "M", "--reasoning", "off", "--chat-template-kwargs", '{"enable_thinking": true, "x": 1}'])
     assert template_kwargs(given) == {"enable_thinking": True, "x": 1}
     a = parse_args("-m M --reasoning-budget 0 --reasoning-budget-message Enough.".split())
@@ -132,3 +131,55 @@ def test_server_reasoning_budget_tokens_and_message(thinking_server):
     status, doc = thinking_server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                                 "reasoning_budget_message": 3})
     assert status == 400 and "'reasoning_budget_message' must be a string" in doc["error"]["message"]
+
+
+# --- the budget follows the template: only a template that thinks has one -----------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from pyllama.runtime.engine import Engine
+    engine = Engine(tiny_model, n_threads=1)
+    try:
+        yield engine.tokenizer
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name, thinks, opened", [("qwen3", True, False), ("deepseek", True, True),
+                                                  ("hermes", False, False), ("llama3", False, False),
+                                                  ("generic", False, False)])
+def test_budget_only_under_a_thinking_template(tokenizer, name, thinks, opened):
+    """llama-server hands a budget to the sampler only where its chat format has thinking end
+    tags: under a content-only template --reasoning-budget and a request's budget do nothing."""
+    import types
+    from pyllama.server.api import Api
+    from pyllama.server.chat import ChatTemplate
+    from tool_templates import QWEN3
+    source = QWEN3 if name == "qwen3" else FAMILY_TEMPLATES[name]
+    api = Api.__new__(Api)
+    api.state = types.SimpleNamespace(
+        args=types.SimpleNamespace(n_predict=-1, reasoning_format="auto", reasoning_budget=0, n_keep=0),
+        tokenizer=tokenizer, slots_per_group=1, chat=ChatTemplate(source), check_prompt_fits=lambda *a: None)
+    body = {"messages": [{"role": "user", "content": "Why?"}]}
+    for fields in ({}, {"thinking_budget_tokens": 5}):
+        p, _, spec = api._chat_input({**body, **fields})
+        assert spec.thinks is thinks and spec.forced_open is opened
+        want = (5 if fields else 0) if thinks else -1
+        assert (p.thinking_budget, p.thinking_open) == (want, opened and thinks)
+        assert bool(p.thinking_end) is thinks
+
+
+def test_enable_thinking_follows_the_template_and_reasoning():
+    """llama-server gives the template enable_thinking true where it thinks (unless --reasoning
+    off), false where it does not; --chat-template-kwargs and the request's override that."""
+    from pyllama.server.chat import ChatTemplate
+    from tool_templates import QWEN3
+    body = {"messages": [{"role": "user", "content": "Why?"}]}
+    closed = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # enable_thinking false
+    for reasoning in ("auto", "on"):
+        assert ChatTemplate(QWEN3, reasoning=reasoning).render_request(body).endswith("<|im_start|>assistant\n")
+        assert ChatTemplate(FAMILY_TEMPLATES["hermes"], reasoning=reasoning).render_request(body).endswith(closed)
+    assert ChatTemplate(QWEN3, reasoning="off").render_request(body).endswith(closed)
+    server_on = ChatTemplate(QWEN3, reasoning="off", kwargs={"enable_thinking": True})
+    assert server_on.render_request(body).endswith("<|im_start|>assistant\n")
+    assert server_on.render_request({**body, "chat_template_kwargs": {"enable_thinking": False}}).endswith(closed)

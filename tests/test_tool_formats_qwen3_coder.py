@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pyllama.server.tool_calls import detect_family, parse
-from tool_format_templates import QWEN3_CODER
+from test_tool_calls import scripted_reply
+from tool_format_templates import QWEN3_CODER, QWEN35
 from tool_format_util import (TOOLS, check_family_detected, check_grammar, check_reply, check_round_trip_prompt,
                               family_server, reasoning_of, scripted, server_checks)
 from tool_templates import HERMES
@@ -101,17 +102,30 @@ def test_partial_markers_are_held_back():
     assert s2.feed("is\n</para") == [{"tool_calls": [{"index": 0, "function": {"arguments": "is"}}]}]
 
 
+def qwen35(body: dict, text: str, stream: bool):
+    """The reply read under a Qwen3.5-style template, whose prompt opens the thinking."""
+    return scripted_reply(QWEN35, body, [text[i:i + 3] for i in range(0, len(text), 3)], stream)
+
+
 def test_thinking_before_the_call():
     """Qwen3.5-style templates (with <think>) put the thinking before the calls."""
-    out = scripted("qwen3_coder", {"tools": TOOLS}, "<think>\nParis, then.\n</think>\n\n" + WEATHER, True)
+    out = qwen35({"tools": TOOLS}, "Paris, then.\n</think>\n\n" + WEATHER, True)
     msg = out.choices[0].message
     assert reasoning_of(msg) == "Paris, then." and msg.tool_calls[0].function.name == "get_weather"
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_no_thinking_without_think_in_the_template(stream):
+    """Qwen3-Coder's own template has no <think>: llama-server reads no thinking under it."""
+    text = "<think>\nParis, then.\n</think>\n\nIt is sunny."
+    msg = scripted("qwen3_coder", {"tools": TOOLS}, text, stream).choices[0].message
+    assert reasoning_of(msg) is None and msg.content == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_call_ends_an_unclosed_thinking(stream):
     """Qwen3.5 may start a call straight from its thinking: <tool_call> ends it, as in llama-server."""
-    out = scripted("qwen3_coder", {"tools": TOOLS}, "<think>\nParis, then.\n" + WEATHER, stream)
+    out = qwen35({"tools": TOOLS}, "Paris, then.\n" + WEATHER, stream)
     msg = out.choices[0].message
     assert reasoning_of(msg) == "Paris, then." and not msg.content
     assert [c.function.name for c in msg.tool_calls] == ["get_weather"]

@@ -43,8 +43,11 @@ pytestmark = pytest.mark.skipif(
 
 SHOTS = os.environ.get("PYLLAMA_SCREENSHOTS")
 KEY = "webui-test-key-0123456789"
-# a template whose generation prompt opens a think tag: everything the model writes is reasoning
-THINK_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+# a template that thinks (it shows an earlier reply's reasoning_content between think tags) and
+# whose generation prompt opens a think tag: everything the model writes is reasoning
+THINK_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>"
+                  "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n{% endif %}"
+                  "{{ m.content }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}")
 
 

@@ -49,6 +49,15 @@ QWEN3_CODER = """{%- if messages[0].role == 'system' %}{%- set system_message = 
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{% endif %}"""
 
+# Qwen3.5 / Nemotron Nano 3: Qwen3-Coder's calls with a thinking, which the generation prompt
+# opens (closed at once when enable_thinking is false). llama-server reads thinking under the
+# Qwen3-Coder format only where the template has <think>: QWEN3_CODER's replies are content only.
+QWEN35 = QWEN3_CODER.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{% endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{% endif %}{% endif %}")
+
 # GLM 4.5: [gMASK]<sop>, tools as JSON lines, calls as <tool_call>NAME with <arg_key>/<arg_value>
 # pairs, results in an <|observation|> turn, thinking in <think> tags.
 GLM45 = """[gMASK]<sop>

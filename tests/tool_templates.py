@@ -30,6 +30,16 @@ HERMES = """{%- if tools %}
 {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{% endif %}
 {%- endif %}"""
 
+# Qwen3: the Hermes layout of calls, with a thinking: an assistant's reasoning_content shown between
+# <think> tags before its content, and an empty thinking closed in the generation prompt when
+# enable_thinking is false. The template llama-server (and pyllama) reads thinking under; HERMES,
+# which shows no reasoning, is read as content only.
+QWEN3 = HERMES.replace(
+    "{{- '<|im_start|>assistant\\n' + message.content }}",
+    "{{- '<|im_start|>assistant\\n' }}{% if message.reasoning_content %}"
+    "{{- '<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' }}{% endif %}"
+    "{{- message.content }}")
+
 # Llama 3.1 / 3.2: "Environment: ipython", calls as {"name", "parameters"}, results in ipython turns.
 LLAMA3 = """{{- bos_token }}
 {%- if tools %}

@@ -157,7 +157,8 @@ APERTUS = """{{- bos_token }}
 {%- if message.role == 'user' %}
 {{- '<|user_start|>' + message.content + '<|user_end|>' }}
 {%- elif message.role == 'assistant' %}
-{{- '<|assistant_start|>' + (message.content or '') }}
+{{- '<|assistant_start|>' }}{% if message.reasoning_content %}{{- '<|inner_prefix|>' + message.reasoning_content + '<|inner_suffix|>' }}{% endif %}
+{{- message.content or '' }}
 {%- if message.tool_calls %}
 {{- '<|tools_prefix|>[' }}{% for tc in message.tool_calls %}{{ '{"' + tc.function.name + '": ' + (tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson) + '}' }}{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{{ ']<|tools_suffix|>' }}
 {%- endif %}

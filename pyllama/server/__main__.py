@@ -169,7 +169,7 @@ def load(state: ServerState) -> None:
             args.chat_template, engine.model.file.get("tokenizer.chat_template"), jinja=args.jinja,
             bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
             eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
-            kwargs=template_kwargs(args), prefill_assistant=args.prefill_assistant)
+            kwargs=template_kwargs(args), prefill_assistant=args.prefill_assistant, reasoning=args.reasoning)
     except ChatTemplateError as exc:
         raise PyllamaError(f"--chat-template: {exc}") from None
     state.model_path = path

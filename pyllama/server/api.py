@@ -35,8 +35,8 @@ from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
 from .params import (CompletionParams, check_not_chat, get_int, parse_completion, parse_lora, split_prompts,
                      tokenize_prompt)
-from .reasoning import (ReasoningStream, budget_end_text, check_format, prompt_opens_thinking, reasoning_tags,
-                        thinking_opener)
+from .reasoning import (REASONING_TAGS, ReasoningStream, budget_end_text, check_format, prompt_opens_thinking,
+                        reasoning_tags, thinking_opener)
 from .tool_calls import (CALL_TRIGGERS, ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request,
                          reads_reasoning, thinking_ends)
 from .tool_formats_more import reads_content
@@ -340,11 +340,17 @@ class Choice:
 @dataclass
 class ChatOutputSpec:
     """How a chat reply is read: the template's tool-call family (None: no call parsing), the
-    request's tools, its reasoning format, and whether the prompt left a think tag open."""
+    request's tools, its reasoning format, whether the template thinks, and whether the prompt
+    left a think tag open."""
 
     family: Optional[str] = None
     tools: ToolSpec = field(default_factory=ToolSpec)
     reasoning_format: str = "auto"
+    # the template thinks (ChatTemplate.thinking): only then is a thinking read out of the reply,
+    # as llama-server reads one only where the chat format it made of the template supports it
+    thinks: bool = True
+    # the template's own thinking tags, where its family has none of its own (None: the family's)
+    tags: Optional[tuple[str, str]] = None
     forced_open: bool = False
     opener: str = ""  # how the prompt opened that thinking (its start tag on), see thinking_opener
     prefill: str = ""  # the continued assistant message's content: the reply starts with it (llama-server)
@@ -361,14 +367,22 @@ class ChatReply:
 
     def __init__(self, spec: ChatOutputSpec) -> None:
         own = reads_reasoning(spec.family)  # harmony: the calls' reader also reads the thinking
-        self.thoughts = ReasoningStream("none" if own else spec.reasoning_format, spec.forced_open,
-                                        thinking_ends(spec.family), *reasoning_tags(spec.family))
+        # a template that does not think leaves a <think> the model writes in the content, as
+        # llama-server's content-only formats do
+        fmt = spec.reasoning_format if spec.thinks else "none"
+        if fmt == "deepseek-legacy":
+            # llama-server sets reasoning_in_content for it (server-schema.cpp) but no parser reads
+            # that flag: its replies are those of deepseek, whole and streamed
+            fmt = "deepseek"
+        self.thoughts = ReasoningStream("none" if own else fmt, spec.forced_open and spec.thinks,
+                                        thinking_ends(spec.family), *(spec.tags or reasoning_tags(spec.family)))
         # some families wrap plain text in markers of their own, taken out even when no call is read
-        self.calls = ToolCallStream(spec.family, spec.tools.parallel, spec.tools.tools, spec.reasoning_format,
+        self.calls = ToolCallStream(spec.family, spec.tools.parallel, spec.tools.tools, fmt,
                                     spec.tools.parse_calls) \
             if spec.family is not None and (spec.tools.parse_calls or own or reads_content(spec.family)) else None
         self._prefill = spec.prefill  # read before the first generated text, and sent with it
-        if spec.forced_open and spec.reasoning_format == "none" and spec.family is not None and not own:
+        if spec.forced_open and spec.thinks and spec.reasoning_format == "none" and spec.family is not None \
+                and not own:
             # a thinking left in the content is shown whole, opened as the prompt opened it, as
             # llama-server shows it (not when the reply is not read at all: --skip-chat-parsing)
             self._prefill = spec.opener + self._prefill
@@ -1257,11 +1271,13 @@ class Api:
                              tokenizer=st.tokenizer, default_n_keep=_keep(st.args))
         spec = self._chat_output_spec(body)
         text, spec.prefill = self._render_chat(body)
-        opens = prompt_opens_thinking(text, spec.family)  # what the generation continues from
+        # what the generation continues from (a template that does not think opens no thinking)
+        opens = spec.thinks and prompt_opens_thinking(text, spec.family, spec.tags)
         # the reply is read from the generation prompt on, the prefill included, as llama-server reads it
-        spec.forced_open = prompt_opens_thinking(text[:len(text) - len(spec.prefill)], spec.family) \
+        head = text[:len(text) - len(spec.prefill)]
+        spec.forced_open = spec.thinks and prompt_opens_thinking(head, spec.family, spec.tags) \
             if spec.prefill else opens
-        spec.opener = thinking_opener(text[:len(text) - len(spec.prefill)], spec.family) if spec.forced_open else ""
+        spec.opener = thinking_opener(head, spec.family, spec.tags) if spec.forced_open else ""
         if spec.tools.required and spec.family is not None:
             # a call is required: generation follows a grammar of the family's call format (after
             # closing the thinking the prompt opened, so that the call is not read as thoughts)
@@ -1281,22 +1297,24 @@ class Api:
             p.triggers = (Trigger("token", trigger, tid) if tid is not None else Trigger("word", trigger),)
         st.check_prompt_fits(len(text), 0)
         _check_constraint(st, p)
-        self._thinking_budget(body, p, spec.forced_open)
+        self._thinking_budget(body, p, spec.forced_open, spec.thinks)
         tok = st.tokenizer
         bos = _token_text(tok, tok.bos_id)
         return p, tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True), spec
 
-    def _thinking_budget(self, body: dict, p: CompletionParams, opened: bool) -> None:
+    def _thinking_budget(self, body: dict, p: CompletionParams, opened: bool, thinks: bool = True) -> None:
         """The request's reasoning_budget_tokens (else its thinking_budget_tokens, else --reasoning-budget;
         a request's -1 lifts the server's budget) and what ends a spent budget: its
-        reasoning_budget_message (else --reasoning-budget-message) before the end of the thinking."""
+        reasoning_budget_message (else --reasoning-budget-message) before the end of the thinking.
+        Under a template that does not think there is no budget (the fields are still checked), as
+        llama-server passes one on only where its chat format has thinking end tags."""
         args = self.state.args
         name = "reasoning_budget_tokens" if body.get("reasoning_budget_tokens") is not None else "thinking_budget_tokens"
         budget = get_int(body, name, getattr(args, "reasoning_budget", -1), lo=-1)
         message = body.get("reasoning_budget_message")
         if message is not None and not isinstance(message, str):
             raise HTTPError(400, "'reasoning_budget_message' must be a string")
-        if budget is None or budget < 0:
+        if budget is None or budget < 0 or not thinks:
             return
         end = budget_end_text(getattr(args, "reasoning_budget_message", "") if message is None else message)
         p.thinking_budget, p.thinking_open = budget, opened
@@ -1318,9 +1336,16 @@ class Api:
         except (ToolChoiceError, ValueError) as exc:
             raise HTTPError(400, str(exc)) from None
         if getattr(self.state.args, "skip_chat_parsing", False):  # the reply is all content
-            return ChatOutputSpec(family=None, tools=tools, reasoning_format="none")
+            return ChatOutputSpec(family=None, tools=tools, reasoning_format="none", thinks=False)
         chat = self.state.chat
-        return ChatOutputSpec(family=chat.family if chat is not None else None, tools=tools, reasoning_format=fmt)
+        if chat is None:
+            return ChatOutputSpec(family=None, tools=tools, reasoning_format=fmt, thinks=False)
+        family, thinking = chat.family, chat.thinking
+        # a template that thinks in tags of its own (as llama-server's analysis finds them) is read
+        # in those, unless its family has tags of its own or reads its thinking itself (gpt-oss)
+        tags = (thinking.start, thinking.end) if thinking is not None and thinking.start and thinking.end and \
+            (family or "") not in REASONING_TAGS and not reads_reasoning(family) else None
+        return ChatOutputSpec(family=family, tools=tools, reasoning_format=fmt, thinks=thinking is not None, tags=tags)
 
     async def _oai(self, task_lists, p: CompletionParams, n_prompt: int, chat: bool,
                    chat_spec: Optional[ChatOutputSpec] = None) -> Response | StreamResponse:

@@ -28,6 +28,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .chat_builtin import BUILTIN, UNSUPPORTED_BUILTIN, detect
+from .template_thinking import Thinking, template_thinking
 from .tool_calls import detect_family
 
 log = logging.getLogger(__name__)
@@ -228,18 +229,21 @@ class ChatTemplate:
 
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "",
                  name: str | None = None, builtin: str | None = None, kwargs: dict | None = None,
-                 prefill_assistant: bool = True) -> None:
+                 prefill_assistant: bool = True, reasoning: str = "auto") -> None:
         """source: Jinja text (None or unusable: ChatML); builtin: a name of BUILTIN instead;
         kwargs: template variables every request gets (--chat-template-kwargs); prefill_assistant:
-        a final assistant message is continued rather than closed (llama-server's default)."""
+        a final assistant message is continued rather than closed (llama-server's default);
+        reasoning: --reasoning ("on", "off" or "auto"), see :meth:`render_with_prefill`."""
         self.name = name
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
         self.kwargs = dict(kwargs or {})
         self.prefill_assistant = prefill_assistant
+        self.reasoning = reasoning
         self.builtin = builtin
         self._format = BUILTIN[builtin] if builtin else None
         self._caps: Optional[dict[str, bool]] = None
+        self._thinking: Optional[tuple[Optional[Thinking]]] = None  # learnt once, see thinking
         self._variables: Optional[frozenset[str]] = None
         self._env = _make_environment()
         if builtin:
@@ -283,6 +287,19 @@ class ChatTemplate:
         if self._format is not None:
             return None
         return detect_family(self._source)
+
+    @property
+    def thinking(self) -> Optional[Thinking]:
+        """The template's thinking tags, or None where llama-server reads its replies as content
+        only (template_thinking.py): a built-in layout, or a template that does not think."""
+        if self._thinking is None:
+            if self._format is not None:
+                self._thinking = (None,)
+            else:
+                def render(messages: list[dict], gen: bool, **kw: Any) -> str:
+                    return self.render(messages, add_generation_prompt=gen, **kw)
+                self._thinking = (template_thinking(self._source, render, self.caps["tool_calls"]),)
+        return self._thinking[0]
 
     @property
     def caps(self) -> dict[str, bool]:
@@ -417,7 +434,12 @@ class ChatTemplate:
         extra = body.get("chat_template_kwargs")
         if extra is not None and not isinstance(extra, dict):
             raise ChatTemplateError("'chat_template_kwargs' must be an object")
+        # llama-server always gives the template enable_thinking: true where the template thinks
+        # (unless --reasoning off), false where it does not, --chat-template-kwargs and the
+        # request's chat_template_kwargs over that (server-context.cpp, server-common.cpp)
         kwargs = {**self.kwargs, **(extra or {})}
+        if self._format is None and "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = self.reasoning != "off" and self.thinking is not None
         for reserved in ("messages", "add_generation_prompt", "tools"):
             kwargs.pop(reserved, None)
         self._reasoning_effort(body.get("reasoning_effort"), kwargs, extra or {})
@@ -523,7 +545,7 @@ def is_jinja(text: str) -> bool:
 
 def template_from_option(option: str | None, model_source: Any, jinja: bool = True, bos_token: str = "",
                          eos_token: str = "", kwargs: dict | None = None,
-                         prefill_assistant: bool = True) -> ChatTemplate:
+                         prefill_assistant: bool = True, reasoning: str = "auto") -> ChatTemplate:
     """The server's chat template from --chat-template (a built-in name or Jinja text; None: the
     model's own), --jinja/--no-jinja and the model's ``tokenizer.chat_template``.
 
@@ -531,7 +553,8 @@ def template_from_option(option: str | None, model_source: Any, jinja: bool = Tr
     resembles, as llama-server does; none resembling it: ChatML with a warning for the model's,
     an error for the option's. Text that is neither a built-in name nor Jinja is an error, never
     a template that renders itself."""
-    common = dict(bos_token=bos_token, eos_token=eos_token, kwargs=kwargs, prefill_assistant=prefill_assistant)
+    common = dict(bos_token=bos_token, eos_token=eos_token, kwargs=kwargs, prefill_assistant=prefill_assistant,
+                  reasoning=reasoning)
     if option is not None:
         name = option.strip()
         if name in BUILTIN:

@@ -565,15 +565,16 @@ def build_parser() -> Parser:
       negatives=("--no-prefill-assistant",), default=True, llama_env="LLAMA_ARG_PREFILL_ASSISTANT",
       help="continue a final assistant message instead of starting a new one")
     a("--reasoning-format", choices=list(REASONING_FORMATS), default="auto", llama_env="LLAMA_ARG_THINK",
-      help="where the model's thinking (<think>...</think>) goes: 'deepseek' and 'auto' put it in "
-           "reasoning_content, 'deepseek-legacy' there and in the content too, 'none' leaves it in the content; "
-           "a request's reasoning_format overrides it")
+      help="where the model's thinking (<think>...</think>) goes under a template that thinks: 'deepseek', "
+           "'auto' and 'deepseek-legacy' put it in reasoning_content, 'none' leaves it in the content (under "
+           "any other template it is content); a request's reasoning_format overrides it")
     a("--skip-chat-parsing", "--no-skip-chat-parsing", dest="skip_chat_parsing", action=Toggle,
       negatives=("--no-skip-chat-parsing",), default=False, llama_env="LLAMA_ARG_SKIP_CHAT_PARSING",
       help="read no tool calls and no reasoning out of chat replies: everything stays in the content")
     a("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto", llama_env="LLAMA_ARG_REASONING",
-      help="thinking in chat replies: 'on' / 'off' render the template with enable_thinking true / false "
-           "(a request's chat_template_kwargs override it), 'auto' leaves the template's default")
+      help="thinking in chat replies: the template gets enable_thinking true where it thinks ('on', "
+           "'auto'), false where it does not or with 'off' (--chat-template-kwargs and a request's "
+           "chat_template_kwargs override it)")
     a("--reasoning-budget", type=int, default=-1, metavar="N", llama_env="LLAMA_ARG_THINK_BUDGET",
       help="tokens a chat reply may spend thinking, after which its end tag is put in: -1 unrestricted, "
            "0 ends it at once; a request's thinking_budget_tokens overrides it")
@@ -682,12 +683,9 @@ def resolve(args: argparse.Namespace) -> None:
 
 
 def template_kwargs(args) -> Optional[dict]:
-    """The chat template's extra variables: --chat-template-kwargs, with enable_thinking set by
-    --reasoning on / off where those do not set it."""
-    kwargs = dict(args.chat_template_kwargs or {})
-    if args.reasoning != "auto":
-        kwargs.setdefault("enable_thinking", args.reasoning == "on")
-    return kwargs or None
+    """The chat template's extra variables: --chat-template-kwargs (--reasoning's enable_thinking
+    is the template's own default, ChatTemplate.render_with_prefill)."""
+    return dict(args.chat_template_kwargs) if args.chat_template_kwargs else None
 
 
 def default_constraint(args) -> Optional["ConstraintSpec"]:

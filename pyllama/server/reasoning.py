@@ -1,6 +1,9 @@
 """Reasoning ("thinking") text of a chat reply: what the model writes between ``<think>`` and
 ``</think>`` goes to ``reasoning_content``, the rest to ``content``, as llama-server does with
-``--reasoning-format deepseek`` (and ``auto``, its default).
+``--reasoning-format deepseek`` (and ``auto``, its default). The server reads it so only under a
+template that thinks (template_thinking.py, as llama-server decides it); under any other the reply
+is read with ``none``, and the server reads ``deepseek-legacy`` as ``deepseek``, as llama-server's
+parsers do.
 
 A reply is read as thinking when it opens with ``<think>`` (whitespace before it allowed), or when
 the prompt already opened the tag (templates such as DeepSeek R1's and Qwen3's end their generation
@@ -51,17 +54,19 @@ def reasoning_tags(family: Optional[str]) -> tuple[str, str]:
     return REASONING_TAGS.get(family or "", (THINK_START, THINK_END))
 
 
-def prompt_opens_thinking(prompt: str, family: Optional[str] = None) -> bool:
-    """Whether a rendered prompt ends inside an opened think tag (the reply starts thinking)."""
-    return prompt.rstrip().endswith(reasoning_tags(family)[0])
+def prompt_opens_thinking(prompt: str, family: Optional[str] = None,
+                          tags: Optional[tuple[str, str]] = None) -> bool:
+    """Whether a rendered prompt ends inside an opened think tag (the reply starts thinking); tags:
+    the template's own (start, end), else the family's."""
+    return prompt.rstrip().endswith((tags or reasoning_tags(family))[0])
 
 
-def thinking_opener(prompt: str, family: Optional[str] = None) -> str:
+def thinking_opener(prompt: str, family: Optional[str] = None, tags: Optional[tuple[str, str]] = None) -> str:
     """The text with which a rendered prompt opens the thinking it leaves open (its start tag and
     what follows), or "" when it leaves none open."""
-    if not prompt_opens_thinking(prompt, family):
+    if not prompt_opens_thinking(prompt, family, tags):
         return ""
-    return prompt[prompt.rstrip().rfind(reasoning_tags(family)[0]):]
+    return prompt[prompt.rstrip().rfind((tags or reasoning_tags(family))[0]):]
 
 
 def split_reasoning(text: str, fmt: str = "deepseek", forced_open: bool = False) -> tuple[Optional[str], str]:

@@ -33,10 +33,8 @@ import argparse
 from string import ascii_letters
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -48,7 +46,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peers import Peers  # noqa: E402
-from tool_format_check import eos_id, free_port, post  # noqa: E402
+from tool_format_check import eos_id, post, start_template_server, stop_template_server  # noqa: E402
 from pyllama.server.chat import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError  # noqa: E402
 from pyllama.server.reasoning import prompt_opens_thinking  # noqa: E402
 from test_tool_calls import scripted_reply  # noqa: E402
@@ -165,22 +163,11 @@ def check(peers: Peers, model: str, name: str, workdir: str) -> list[tuple[str, 
     except ChatTemplateError as exc:
         print(f"  pyllama cannot render it: {exc}")
         return [("(render)", "refused")]
-    port = free_port()
-    log = open(os.path.join(workdir, f"{name}.log"), "w")
-    proc = peers.popen("llama-server", "-m", model, "--jinja", "--chat-template-file", tpl, "--port", str(port),
-                       "-c", "2048", "-np", "1", stdout=log, stderr=subprocess.STDOUT)
+    proc, port, log = start_template_server(peers, model, tpl, os.path.join(workdir, f"{name}.log"), "-c", "2048")
+    if proc is None:
+        return [("(server)", "refused")]
     rows: list[tuple[str, str]] = []
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                if time.time() > deadline or proc.poll() is not None:
-                    print("  llama-server did not start (see", log.name + ")")
-                    return [("(server)", "refused")]
-                time.sleep(0.3)
         eos = eos_id(model)
         for label, text, split in replies(name):
             prefill = prefill_for(port, eos, text, split)
@@ -204,12 +191,7 @@ def check(peers: Peers, model: str, name: str, workdir: str) -> list[tuple[str, 
                         print(f"    pyllama {ours!r}" + ("  (as sent: whitespace around them)" if same else ""))
                     rows.append((tag, "agree" if same else "differ"))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_template_server(proc, log)
     return rows
 
 

@@ -45,7 +45,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -391,29 +391,50 @@ def compare(label: str, theirs: dict, ours: dict) -> list[str]:
     return diff
 
 
+def start_template_server(peers: Peers, model: str, tpl: str, log_path: str,
+                          *args: str) -> tuple[Optional[subprocess.Popen], int, IO]:
+    """llama-server --jinja with the template file `tpl` (and `args`), its output in log_path, once
+    it answers /health: (its process, its port, its log); the process is None when it did not
+    start (said on stdout, its log closed)."""
+    port = free_port()
+    log = open(log_path, "w")
+    proc = peers.popen("llama-server", "-m", model, "--jinja", "--chat-template-file", tpl, "--port", str(port),
+                       "-np", "1", *args, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+            return proc, port, log
+        except (urllib.error.URLError, ConnectionError, OSError):
+            if time.time() > deadline or proc.poll() is not None:
+                print("  llama-server did not start (see", log.name + ")")
+                stop_template_server(proc, log)
+                return None, port, log
+            time.sleep(0.3)
+
+
+def stop_template_server(proc: subprocess.Popen, log: IO) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
 def check_family(peers: Peers, model: str, family: str, workdir: str) -> list[tuple[str, str, list[str]]]:
     """(reply, "agree" / "differ" / "refused", the fields that differ) per reply of the family."""
     tpl = os.path.join(workdir, f"{family}.jinja")
     with open(tpl, "w") as fh:
         fh.write(TEMPLATES[family])
     print(f"{family} (pyllama detects {detect_family(TEMPLATES[family])})")
-    port = free_port()
-    log = open(os.path.join(workdir, f"{family}.log"), "w")
-    proc = peers.popen("llama-server", "-m", model, "--jinja", "--chat-template-file", tpl, "--port", str(port),
-                       "-c", "4096", "--override-kv", "llama.context_length=int:131072", "-np", "1",
-                       stdout=log, stderr=subprocess.STDOUT)
+    proc, port, log = start_template_server(peers, model, tpl, os.path.join(workdir, f"{family}.log"),
+                                            "-c", "4096", "--override-kv", "llama.context_length=int:131072")
+    if proc is None:
+        return [("(server)", "refused", [])]
     results: list[tuple[str, str, list[str]]] = []
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                if time.time() > deadline or proc.poll() is not None:
-                    print("  llama-server did not start (see", log.name + ")")
-                    return [("(server)", "refused", [])]
-                time.sleep(0.3)
         user = [{"role": "user", "content": "Weather in Paris?"}]
         eos = eos_id(model)
         opened = opens_thinking(family, user, [WEATHER])
@@ -470,12 +491,7 @@ def check_family(peers: Peers, model: str, family: str, workdir: str) -> list[tu
                                                                                       opener=opened))
                 results.append(("required call", "differ" if diff else "agree", diff))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_template_server(proc, log)
     return results
 
 

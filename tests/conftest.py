@@ -94,6 +94,17 @@ def tiny_model(model_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    """The tiny model's tokenizer."""
+    from pyllama.runtime.engine import Engine  # noqa: PLC0415
+    engine = Engine(tiny_model, n_threads=1)
+    try:
+        yield engine.tokenizer
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
 def rpc_peer():
     """One `python -m pyllama.rpc_server` for the module's tests."""
     from server_util import RPCServerProcess  # noqa: PLC0415

@@ -27,16 +27,6 @@ def srv(tiny_model):
     assert s.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from pyllama.runtime.engine import Engine
-    engine = Engine(tiny_model, n_threads=1)
-    try:
-        yield engine.tokenizer
-    finally:
-        engine.close()
-
-
 def greedy(srv, n: int = 12) -> tuple[list[int], list[str]]:
     status, doc = srv.post("/completion", {"prompt": "Once upon a time", "n_predict": n, "temperature": 0,
                                            "return_tokens": True, "cache_prompt": False})

@@ -135,16 +135,6 @@ def test_server_reasoning_budget_tokens_and_message(thinking_server):
 
 # --- the budget follows the template: only a template that thinks has one -----------------------
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from pyllama.runtime.engine import Engine
-    engine = Engine(tiny_model, n_threads=1)
-    try:
-        yield engine.tokenizer
-    finally:
-        engine.close()
-
-
 @pytest.mark.parametrize("name, thinks, opened", [("qwen3", True, False), ("deepseek", True, True),
                                                   ("hermes", False, False), ("llama3", False, False),
                                                   ("generic", False, False)])

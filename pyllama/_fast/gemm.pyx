@@ -85,24 +85,32 @@ cdef void _packed_item(void* ctx, int64_t i) noexcept nogil:
     free(pack)
 
 
+cdef const float* _checked_bias(str kernel, const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias,
+                               list keep) except? NULL:
+    """Refuses shapes that do not make out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]); the bias's
+    elements (kept alive in `keep`), or NULL without one."""
+    cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"{kernel}: x has {K} columns, w has {w.shape[1]}")
+    if out.shape[0] != M or out.shape[1] != N:
+        raise ValueError(f"{kernel}: out is {out.shape[0]}x{out.shape[1]}, expected {M}x{N}")
+    if (K > 1 and x.strides[1] != 4) or (N > 1 and out.strides[1] != 4):
+        raise ValueError(f"{kernel}: rows of x and out must be contiguous")
+    cdef const float[::1] b
+    if bias is None:
+        return NULL
+    b = bias
+    if b.shape[0] != N:
+        raise ValueError(f"{kernel}: bias has {b.shape[0]} elements, expected {N}")
+    keep.append(b)
+    return &b[0]
+
+
 cdef int _packed_setup(PackedJob* job, const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias,
                        int n_threads, list keep) except -1:
     """Checks the shapes and fills job; 0 when there is nothing to compute."""
     cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = w.shape[0]
-    if w.shape[1] != K:
-        raise ValueError(f"mul_mat_packed: x has {K} columns, w has {w.shape[1]}")
-    if out.shape[0] != M or out.shape[1] != N:
-        raise ValueError(f"mul_mat_packed: out is {out.shape[0]}x{out.shape[1]}, expected {M}x{N}")
-    if (K > 1 and x.strides[1] != 4) or (N > 1 and out.strides[1] != 4):
-        raise ValueError("mul_mat_packed: rows of x and out must be contiguous")
-    cdef const float[::1] b
-    job.bias = NULL
-    if bias is not None:
-        b = bias
-        if b.shape[0] != N:
-            raise ValueError(f"mul_mat_packed: bias has {b.shape[0]} elements, expected {N}")
-        job.bias = &b[0]
-        keep.append(b)
+    job.bias = _checked_bias("mul_mat_packed", x, w, out, bias, keep)
     if M == 0 or N == 0 or K == 0:
         return 0
     job.x = &x[0, 0]
@@ -166,20 +174,7 @@ cdef int _mm_setup(MmJob* job, const float[:, :] x, const float[:, ::1] w, float
                    list keep) except -1:
     """Checks the shapes and fills job; 0 when there is nothing to compute."""
     cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = w.shape[0]
-    if w.shape[1] != K:
-        raise ValueError(f"mul_mat_t: x has {K} columns, w has {w.shape[1]}")
-    if out.shape[0] != M or out.shape[1] != N:
-        raise ValueError(f"mul_mat_t: out is {out.shape[0]}x{out.shape[1]}, expected {M}x{N}")
-    if (K > 1 and x.strides[1] != 4) or (N > 1 and out.strides[1] != 4):
-        raise ValueError("mul_mat_t: rows of x and out must be contiguous")
-    cdef const float[::1] b
-    job.bias = NULL
-    if bias is not None:
-        b = bias
-        if b.shape[0] != N:
-            raise ValueError(f"mul_mat_t: bias has {b.shape[0]} elements, expected {N}")
-        job.bias = &b[0]
-        keep.append(b)
+    job.bias = _checked_bias("mul_mat_t", x, w, out, bias, keep)
     if M == 0 or N == 0:
         return 0
     job.x = &x[0, 0]

@@ -68,12 +68,11 @@ cdef void _rms_item(void* ctx, int64_t i) noexcept nogil:
         r += 1
 
 
-cdef int _rms_setup(RowsJob* job, const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float eps,
-                    int n_threads) except -1:
-    """Checks the shapes and fills job; 0 when there is nothing to compute."""
+cdef int _rows_job(RowsJob* job, const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float eps,
+                   int n_threads) noexcept:
+    """Fills a norm's job over x's rows (shapes checked by the caller); 0 when there is nothing to
+    compute."""
     cdef Py_ssize_t n = x.shape[0], d = x.shape[1]
-    if w.shape[0] != d or out.shape[0] != n or out.shape[1] != d:
-        raise ValueError(f"rms_norm: shapes x {(n, d)}, w {w.shape[0]}, out {(out.shape[0], out.shape[1])} disagree")
     if n == 0 or d == 0:
         return 0
     job.x = &x[0, 0]
@@ -85,6 +84,15 @@ cdef int _rms_setup(RowsJob* job, const float[:, ::1] x, const float[::1] w, flo
     job.eps = eps
     job.nt = n_threads if n * d >= PARALLEL_MIN_ELEMENTS else 1
     return 1
+
+
+cdef int _rms_setup(RowsJob* job, const float[:, ::1] x, const float[::1] w, float[:, ::1] out, float eps,
+                    int n_threads) except -1:
+    """Checks the shapes and fills job; 0 when there is nothing to compute."""
+    cdef Py_ssize_t n = x.shape[0], d = x.shape[1]
+    if w.shape[0] != d or out.shape[0] != n or out.shape[1] != d:
+        raise ValueError(f"rms_norm: shapes x {(n, d)}, w {w.shape[0]}, out {(out.shape[0], out.shape[1])} disagree")
+    return _rows_job(job, x, w, out, eps, n_threads)
 
 
 cdef int _rms_run(void* ctx, unsigned char* scratch) noexcept nogil:
@@ -127,17 +135,9 @@ cdef int _ln_setup(RowsJob* job, const float[:, ::1] x, const float[::1] w, cons
     if w.shape[0] != d or b.shape[0] != d or out.shape[0] != n or out.shape[1] != d:
         raise ValueError(f"layer_norm: shapes x {(n, d)}, w {w.shape[0]}, b {b.shape[0]}, "
                          f"out {(out.shape[0], out.shape[1])} disagree")
-    if n == 0 or d == 0:
+    if not _rows_job(job, x, w, out, eps, n_threads):
         return 0
-    job.x = &x[0, 0]
-    job.w = &w[0]
     job.b = &b[0]
-    job.out = &out[0, 0]
-    job.n = n
-    job.d = d
-    job.chunks = max(1, RMS_ITEM_ELEMENTS // d)
-    job.eps = eps
-    job.nt = n_threads if n * d >= PARALLEL_MIN_ELEMENTS else 1
     return 1
 
 

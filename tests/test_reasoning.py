@@ -4,6 +4,8 @@ streamed; prompts that open the think tag; chat_template_kwargs (enable_thinking
 template; and a real server whose output a grammar fixes."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pyllama.server.chat import ChatTemplate
@@ -200,3 +202,69 @@ def test_a_template_of_its_own_tags_is_read_in_them(stream):
     text = "<think>\nPlan.\n</think>\n\nHello."  # another tag is text there
     msg = scripted_reply(source, {}, [text], stream).choices[0].message
     assert ((msg.model_extra or {}).get("reasoning_content"), msg.content) == (None, text)
+
+
+# the whitespace llama-server keeps (common/chat-auto-parser-generator.cpp, analyze_reasoning::build_parser:
+# optional(optspace(start) + reasoning(until(trim(end))) + optspace(end)); chat-peg-parser.cpp drops a
+# reasoning of whitespace only): (reply, (start, end) as the template renders them, forced open, opener,
+# tools) -> (reasoning, content)
+QWEN3_TAGS = ("<think>\n", "\n</think>\n\n")
+WHITESPACE_CASES = [
+    # Qwen3's tags: their own newlines are taken where the reply has them, the rest stays
+    ("<think>\nStep 1.\n</think>\n\nParis.", QWEN3_TAGS, False, "", False, ("Step 1.\n", "Paris.")),
+    ("<think>\n\nStep 1.\n\n</think>\n\n\nParis.", QWEN3_TAGS, False, "", False, ("\nStep 1.\n\n", "\nParis.")),
+    ("<think>Step 1.</think>Paris.", QWEN3_TAGS, False, "", False, ("Step 1.", "Paris.")),
+    ("<think>Step 1.</think> \nParis.", QWEN3_TAGS, False, "", False, ("Step 1.", " \nParis.")),
+    # R1's: no whitespace of their own, the reply's all kept
+    ("<think>\nStep 1.\n</think>\n\nParis.", ("<think>", "</think>"), False, "", False,
+     ("\nStep 1.\n", "\n\nParis.")),
+    # a reasoning of whitespace only is dropped
+    ("<think>\n \t\n</think>\n\nParis.", QWEN3_TAGS, False, "", False, (None, "Paris.")),
+    ("<think> \n", ("<think>", "</think>"), False, "", False, (None, "")),
+    # whitespace or text before the start tag: no thinking is read, the reply is content
+    (" <think>x</think>y", ("<think>", "</think>"), False, "", False, (None, " <think>x</think>y")),
+    ("Hi <think>x</think>y", ("<think>", "</think>"), False, "", False, (None, "Hi <think>x</think>y")),
+    # ... except with tools, where llama-server's parser allows whitespace before it
+    (" \n<think>x</think>y", ("<think>", "</think>"), False, "", True, ("x", "y")),
+    # the prompt opened the thinking: read with the reply, as llama-server prepends the generation prompt
+    ("Step 1.\n</think>\n\nParis.", QWEN3_TAGS, True, "<think>\n", False, ("Step 1.\n", "Paris.")),
+    ("Step 1.\n</think>\n\nParis.", ("<think>", "</think>"), True, "<think>\n", False,
+     ("\nStep 1.\n", "\n\nParis.")),
+    ("\nStep 1.</think>Paris.", QWEN3_TAGS, True, "<think>", False, ("Step 1.", "Paris.")),
+    # a reply that opens the thinking the prompt opened: its tag is reasoning text
+    ("<think>\nStep 1.\n</think>\n\nParis.", QWEN3_TAGS, True, "<think>\n", False,
+     ("<think>\nStep 1.\n", "Paris.")),
+    # an unclosed thinking is all reasoning, as written
+    ("<think>\nStep 1.\n", QWEN3_TAGS, False, "", False, ("Step 1.\n", "")),
+]
+
+
+@pytest.mark.parametrize("text, tags, opened, opener, tools, expected", WHITESPACE_CASES)
+def test_whitespace_kept_as_llama_server_keeps_it(text, tags, opened, opener, tools, expected):
+    def read(pieces: list[str]) -> tuple[object, str, list[tuple[str, str]]]:
+        s = ReasoningStream("deepseek", opened, (), *tags, opener=opener, skip_space=tools)
+        out = [s.feed(p) for p in pieces] + [s.finish()]
+        return (s.reasoning or None), s.content, out
+    whole = read([text])
+    assert whole[:2] == expected
+    rng = random.Random(text)
+    for _ in range(30):
+        pieces, at = [], 0
+        while at < len(text):
+            pieces.append(text[at:at + rng.randint(1, 5)])
+            at += len(pieces[-1])
+        reasoning, content, out = read(pieces)
+        # the deltas add up to the whole reply's parts
+        assert ("".join(r for r, _ in out) or None, "".join(c for _, c in out)) == (reasoning, content) == expected
+
+
+def test_streamed_reasoning_is_held_back_no_longer_than_needed():
+    s = ReasoningStream("deepseek", False, (), *QWEN3_TAGS)
+    assert s.feed("<think>\n") == ("", "")
+    assert s.feed("  ") == ("", "")  # whitespace only so far: it may be dropped
+    assert s.feed("Step\n") == ("  Step\n", "")  # sent as it comes, whitespace before the end included
+    assert s.feed("</thi") == ("", "")  # maybe the end tag
+    assert s.feed("nk>\n") == ("", "")  # the end's own newlines may follow
+    assert s.feed("x") == ("", "x")
+    assert s.finish() == ("", "")
+    assert (s.reasoning, s.content) == ("  Step\n", "x")

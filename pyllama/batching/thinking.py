@@ -49,22 +49,22 @@ class ReasoningStream:
     also_ends: markers that end the thinking without closing it, and stay in the content (a
     tool call some models start straight from their thinking, as llama-server reads them);
     forced_open: the prompt opened the thinking, `opener` being how (its start tag on; "": the
-    core tag alone), read as the start of the reply but not returned; trim: the whitespace around
-    the reasoning and before the content is taken out instead (and before the start tag allowed),
-    as the parsers of llama-server's specialized template families mostly read their fixed tags."""
+    core tag alone), read as the start of the reply but not returned; lstrip_reasoning /
+    lstrip_content: the whitespace at the start of the reasoning / of the content after the end tag
+    is taken out, as the parsers of some of llama-server's template families of their own read
+    their fixed tags (``"<think>" + space() + reasoning``, ``reasoning << content``)."""
 
     def __init__(self, fmt: str = "deepseek", forced_open: bool = False, also_ends: tuple[str, ...] = (),
                  start: str = THINK_START, end: str = THINK_END, opener: str = "", skip_space: bool = False,
-                 trim: bool = False) -> None:
+                 lstrip_reasoning: bool = False, lstrip_content: bool = False) -> None:
         self.fmt = fmt
         self._start_lead, self._start, self._start_trail = _edges(start)
         _, self._end, self._end_trail = _edges(end)
         self._ends = (self._end,) + tuple(also_ends)
         self.active = fmt != "none"
         self.legacy = fmt == "deepseek-legacy"
-        self._trim = trim
-        self._skip_space = skip_space or trim
-        self._held = ""  # trim: the reasoning's whitespace so far at its tail, dropped if it ends there
+        self._lstrip_reasoning, self._lstrip_content = lstrip_reasoning, lstrip_content
+        self._skip_space = skip_space
         self._state = "start" if self.active else "content"
         self._buf = ""
         if forced_open and self.active:
@@ -90,16 +90,8 @@ class ReasoningStream:
 
     def _reason(self, text: str, out: list[str], final: bool) -> None:
         """Returns reasoning text, unless all that came so far is whitespace (dropped at the end)."""
-        if self._trim:
-            text = self._held + text
-            if not self._reasoning_seen:
-                text = text.lstrip()
-            body = text.rstrip()
-            self._held = "" if final else text[len(body):]
-            if body:
-                out.append(body)
-                self._reasoning_seen = True
-            return
+        if self._lstrip_reasoning and not self._reasoning_seen:
+            text = text.lstrip()
         if self._reasoning_seen:
             out.append(text)
             return
@@ -152,7 +144,7 @@ class ReasoningStream:
                     if tag == self._end:  # the end tag is dropped; another marker that ends the thinking is content
                         self._buf = self._buf[end + len(tag):]
                         self._state, self._trail = "end-trail", self._end_trail
-                        if self._trim:
+                        if self._lstrip_content:
                             self._state = "end-space"
                     else:
                         self._buf = self._buf[end:]
@@ -166,7 +158,7 @@ class ReasoningStream:
                 self._reason(self._buf[:len(self._buf) - keep], r_out, False)
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
-            if self._state == "end-space":  # trim: the content's leading whitespace is dropped
+            if self._state == "end-space":  # lstrip_content: the content's leading whitespace is dropped
                 self._buf = self._buf.lstrip()
                 if not self._buf:
                     break
@@ -217,7 +209,7 @@ class ThinkingBudget:
         self._end = list(end)
         self._queue: list[int] = []
         self._forced = False
-        self._reader = ReasoningStream("deepseek", forced_open, trim=True)
+        self._reader = ReasoningStream("deepseek", forced_open, skip_space=True)
 
     def replace(self, sampled: int) -> int:
         if not self._forced and self._reader.thinking and self.spent >= self.budget and self._end:

@@ -35,7 +35,8 @@ from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
 from .params import (CompletionParams, check_not_chat, get_int, parse_completion, parse_lora, split_prompts,
                      tokenize_prompt)
-from .reasoning import (REASONING_TAGS, ReasoningStream, budget_end_text, check_format, prompt_opens_thinking,
+from .reasoning import (REASONING_TAGS, TAG_SPACE, ReasoningStream, budget_end_text, check_format,
+                        prompt_opens_thinking,
                         reasoning_tags, thinking_opener)
 from .tool_calls import (CALL_TRIGGERS, ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request,
                          reads_reasoning, thinking_ends)
@@ -377,13 +378,16 @@ class ChatReply:
             # llama-server sets reasoning_in_content for it (server-schema.cpp) but no parser reads
             # that flag: its replies are those of deepseek, whole and streamed
             fmt = "deepseek"
+        # a family's own tags may be read with whitespace taken out (TAG_SPACE); a template's own, as is
+        space = TAG_SPACE.get(spec.family or "", (False, False)) if spec.full_tags is None else (False, False)
         self.thoughts = ReasoningStream("none" if own else fmt, spec.forced_open and spec.thinks,
                                         thinking_ends(spec.family),
                                         *(spec.full_tags or spec.tags or reasoning_tags(spec.family)),
-                                        opener=spec.opener, trim=spec.full_tags is None,
+                                        opener=spec.opener,
                                         # with tools llama-server's parser allows whitespace before
                                         # the thinking (its prefix << parser; chat-auto-parser-generator.cpp)
-                                        skip_space=spec.tools.parse_calls)
+                                        skip_space=spec.tools.parse_calls,
+                                        lstrip_reasoning=space[0], lstrip_content=space[1])
         # some families wrap plain text in markers of their own, taken out even when no call is read
         self.calls = ToolCallStream(spec.family, spec.tools.parallel, spec.tools.tools, fmt,
                                     spec.tools.parse_calls) \

@@ -268,3 +268,21 @@ def test_streamed_reasoning_is_held_back_no_longer_than_needed():
     assert s.feed("x") == ("", "x")
     assert s.finish() == ("", "")
     assert (s.reasoning, s.content) == ("  Step\n", "x")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_family_parser_takes_out_the_whitespace_it_takes_out(stream):
+    # Magistral's parser reads [THINK] reasoning [/THINK] << content: the reasoning as written, the
+    # content from its first non-space (llama-server's common/chat.cpp, as its replies show)
+    s = ReasoningStream("deepseek", False, (), "[THINK]", "[/THINK]", lstrip_content=True)
+    text = "[THINK]\nStep 1.\n[/THINK]\n\nParis."
+    for piece in ([text] if not stream else list(text)):
+        s.feed(piece)
+    s.finish()
+    assert (s.reasoning, s.content) == ("\nStep 1.\n", "Paris.")
+    # Qwen3-Coder's: "<think>" + space() + reasoning, then the content after a space()
+    s = ReasoningStream("deepseek", True, ("<tool_call>",), lstrip_reasoning=True, lstrip_content=True)
+    for piece in (["\nStep 1.\n</think>\n\nParis."] if not stream else list("\nStep 1.\n</think>\n\nParis.")):
+        s.feed(piece)
+    s.finish()
+    assert (s.reasoning, s.content) == ("Step 1.\n", "Paris.")

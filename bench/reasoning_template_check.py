@@ -23,9 +23,9 @@ start tag (without what the prompt put after it), so with reasoning_format none 
 whitespace can differ from the model's text: a limit of the prefill, not of either reader.
 
 Printed per template: whether pyllama finds thinking in it, then per reply and reasoning_format:
-agree, or differ with both readings (content and reasoning compared without the whitespace around
-them, which is shown apart where it differs), or refused when llama-server answers with an error;
-then a summary table.
+agree (content and reasoning the same, whitespace included), whitespace (they differ in whitespace
+only) or differ, with both readings, or refused when llama-server answers with an error; then a
+summary table.
 """
 from __future__ import annotations
 
@@ -185,11 +185,14 @@ def check(peers: Peers, model: str, name: str, workdir: str) -> list[tuple[str, 
                         continue
                     msg = doc["choices"][0]["message"]
                     theirs = {"content": msg.get("content") or "", "reasoning": msg.get("reasoning_content") or ""}
-                    same = {k: v.strip() for k, v in ours.items()} == {k: v.strip() for k, v in theirs.items()}
-                    print(f"  {tag}: {'agree' if same else 'differ'}  {theirs!r}")
+                    # compared exactly, whitespace included; a difference in whitespace only is told apart
+                    loose = {k: "".join(v.split()) for k, v in ours.items()} == \
+                        {k: "".join(v.split()) for k, v in theirs.items()}
+                    verdict = "agree" if ours == theirs else "whitespace" if loose else "differ"
+                    print(f"  {tag}: {verdict}  {theirs!r}")
                     if ours != theirs:
-                        print(f"    pyllama {ours!r}" + ("  (as sent: whitespace around them)" if same else ""))
-                    rows.append((tag, "agree" if same else "differ"))
+                        print(f"    pyllama {ours!r}")
+                    rows.append((tag, verdict))
     finally:
         stop_template_server(proc, log)
     return rows
@@ -228,9 +231,10 @@ def main() -> int:
         peers.close()
     print("\nsummary")
     for name, rows in results.items():
-        n = {k: sum(1 for _, v in rows if v == k) for k in ("agree", "differ", "refused")}
-        bad = [t for t, v in rows if v != "agree"]
-        print(f"  {name:<17} agree {n['agree']}  differ {n['differ']}  refused {n['refused']}  {'; '.join(bad)}")
+        n = {k: sum(1 for _, v in rows if v == k) for k in ("agree", "whitespace", "differ", "refused")}
+        bad = [f"{t} [{v}]" for t, v in rows if v != "agree"]
+        print(f"  {name:<17} agree {n['agree']}  whitespace {n['whitespace']}  differ {n['differ']}  "
+              f"refused {n['refused']}  {'; '.join(bad)}")
     return 0 if all(v == "agree" for rows in results.values() for _, v in rows) else 1
 
 

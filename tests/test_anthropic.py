@@ -158,7 +158,8 @@ def test_thinking_then_text(stream):
     deepseek = FAMILY_TEMPLATES["deepseek"]  # its prompt opens the thinking
     msg = scripted_message(deepseek, {}, ["Warm", "?\n</think>", "\n\nSunny", "."], stream)
     assert [b.type for b in msg.content] == ["thinking", "text"]
-    assert (msg.content[0].thinking, msg.content[1].text) == ("Warm?", "Sunny.")
+    # the whitespace around R1's tags is kept, the prompt's newline after <think> included (llama-server)
+    assert (msg.content[0].thinking, msg.content[1].text) == ("\nWarm?\n", "\n\nSunny.")
     assert msg.stop_reason == "end_turn"
 
 

@@ -111,7 +111,8 @@ def test_thinking_before_the_call():
     """Qwen3.5-style templates (with <think>) put the thinking before the calls."""
     out = qwen35({"tools": TOOLS}, "Paris, then.\n</think>\n\n" + WEATHER, True)
     msg = out.choices[0].message
-    assert reasoning_of(msg) == "Paris, then." and msg.tool_calls[0].function.name == "get_weather"
+    # llama-server's Qwen3-Coder parser drops the whitespace after <think>, not before the end
+    assert reasoning_of(msg) == "Paris, then.\n" and msg.tool_calls[0].function.name == "get_weather"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -127,7 +128,7 @@ def test_a_call_ends_an_unclosed_thinking(stream):
     """Qwen3.5 may start a call straight from its thinking: <tool_call> ends it, as in llama-server."""
     out = qwen35({"tools": TOOLS}, "Paris, then.\n" + WEATHER, stream)
     msg = out.choices[0].message
-    assert reasoning_of(msg) == "Paris, then." and not msg.content
+    assert reasoning_of(msg) == "Paris, then.\n" and not msg.content
     assert [c.function.name for c in msg.tool_calls] == ["get_weather"]
 
 

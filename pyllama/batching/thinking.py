@@ -8,6 +8,9 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 
 
+_SPACE = " \n\r\t"  # what llama-server counts as whitespace in a reasoning it drops (chat-peg-parser.cpp)
+
+
 def _partial_suffix(s: str, tag: str) -> int:
     """How many characters at the end of s are the start of tag."""
     for k in range(min(len(tag) - 1, len(s)), 0, -1):
@@ -16,30 +19,68 @@ def _partial_suffix(s: str, tag: str) -> int:
     return 0
 
 
+def _edges(tag: str) -> tuple[str, str, str]:
+    """(leading whitespace, core, trailing whitespace) of a tag string."""
+    core = tag.strip()
+    if not core:
+        return "", tag, ""
+    i = tag.find(core)
+    return tag[:i], core, tag[i + len(core):]
+
+
 class ReasoningStream:
-    """Splits a reply, piece by piece, into (reasoning, content) increments.
+    """Splits a reply, piece by piece, into (reasoning, content) increments, as llama-server's
+    parser reads a thinking (common/chat-auto-parser-generator.cpp, analyze_reasoning::build_parser:
+    ``optional(optspace(start) + reasoning(until(trim(end))) + optspace(end))``).
+
+    The start and end strings are the template's own, whitespace included (Qwen3: ``<think>\\n`` and
+    ``\\n</think>\\n\\n``): the reply's thinking opens with the start's core tag, each whitespace
+    character around it in the string matched where the reply has it (optspace); the reasoning is
+    the text from there up to the end's core tag, whitespace kept; after that tag only the end
+    string's own trailing whitespace characters are taken out, and the content is the rest as is. A
+    reasoning of whitespace only is dropped. A reply that does not open with the start tag (text or
+    whitespace before it) is all content, unless `skip_space` (the reply may start with whitespace).
 
     :meth:`feed` returns the (reasoning, content) text that can be told apart so far, holding
-    back what may be the start of a tag and trailing whitespace of the reasoning; :meth:`finish`
-    returns the rest. :attr:`reasoning` and :attr:`content` accumulate what was returned.
+    back what may be the start of a tag, a reasoning that is whitespace so far, and the end's
+    trailing whitespace not yet known; :meth:`finish` returns the rest. :attr:`reasoning` and
+    :attr:`content` accumulate what was returned.
 
     also_ends: markers that end the thinking without closing it, and stay in the content (a
     tool call some models start straight from their thinking, as llama-server reads them);
-    start / end: the family's own thinking tags (``[THINK]``, ``<seed:think>``, ...)."""
+    forced_open: the prompt opened the thinking, `opener` being how (its start tag on; "": the
+    core tag alone), read as the start of the reply but not returned; lstrip_reasoning /
+    lstrip_content: the whitespace at the start of the reasoning / of the content after the end tag
+    is taken out, as the parsers of some of llama-server's template families of their own read
+    their fixed tags (``"<think>" + space() + reasoning``, ``reasoning << content``)."""
 
     def __init__(self, fmt: str = "deepseek", forced_open: bool = False, also_ends: tuple[str, ...] = (),
-                 start: str = THINK_START, end: str = THINK_END) -> None:
+                 start: str = THINK_START, end: str = THINK_END, opener: str = "", skip_space: bool = False,
+                 lstrip_reasoning: bool = False, lstrip_content: bool = False) -> None:
         self.fmt = fmt
-        self._start, self._end = start, end
-        self._ends = (end,) + tuple(also_ends)
+        self._start_lead, self._start, self._start_trail = _edges(start)
+        _, self._end, self._end_trail = _edges(end)
+        self._ends = (self._end,) + tuple(also_ends)
         self.active = fmt != "none"
         self.legacy = fmt == "deepseek-legacy"
-        self._state = "think" if forced_open and self.active else ("start" if self.active else "content")
+        self._lstrip_reasoning, self._lstrip_content = lstrip_reasoning, lstrip_content
+        self._skip_space = skip_space
+        self._state = "start" if self.active else "content"
         self._buf = ""
-        self._after_end = False  # just past </think>: leading whitespace of the content is dropped
-        self._reasoning_started = False
+        if forced_open and self.active:
+            # the prompt's own start tag (and what it wrote after it) is read as llama-server reads
+            # it: its parse starts at the generation prompt, so the optional whitespace after the
+            # tag may be the prompt's or the reply's
+            opened = opener if opener.lstrip().startswith(self._start) else self._start
+            self._buf = opened.lstrip()
+            self._skip_space = True
+        self._trail = ""  # the end string's trailing whitespace still to be matched
+        self._pending = ""  # reasoning held back while it is whitespace only
+        self._reasoning_seen = False  # a non-whitespace reasoning character was returned
         self.reasoning = ""
         self.content = ""
+        if self._buf:
+            self._step("", final=False)  # the opened tag is read now, so that the reply starts inside it
 
     def feed(self, piece: str) -> tuple[str, str]:
         return self._step(piece, final=False)
@@ -47,52 +88,83 @@ class ReasoningStream:
     def finish(self) -> tuple[str, str]:
         return self._step("", final=True)
 
+    def _reason(self, text: str, out: list[str], final: bool) -> None:
+        """Returns reasoning text, unless all that came so far is whitespace (dropped at the end)."""
+        if self._lstrip_reasoning and not self._reasoning_seen:
+            text = text.lstrip()
+        if self._reasoning_seen:
+            out.append(text)
+            return
+        self._pending += text
+        if self._pending.strip(_SPACE):
+            out.append(self._pending)
+            self._pending, self._reasoning_seen = "", True
+        elif final:
+            self._pending = ""
+
     def _step(self, piece: str, final: bool) -> tuple[str, str]:
-        r_out, c_out = [], []
+        r_out: list[str] = []
+        c_out: list[str] = []
         if self.legacy and piece:
             c_out.append(piece)
         self._buf += piece
         while True:
             if self._state == "start":
-                lead = self._buf.lstrip()
-                if lead.startswith(self._start):
-                    self._buf = lead[len(self._start):]
-                    self._state = "think"
+                buf = self._buf.lstrip() if self._skip_space else self._buf
+                i = 0
+                for ch in self._start_lead:  # optspace: each leading whitespace character optional
+                    if buf[i:i + 1] == ch:
+                        i += 1
+                if buf[i:].startswith(self._start):
+                    self._buf = buf[i + len(self._start):]
+                    self._state, self._trail = "start-trail", self._start_trail
                     continue
-                if not final and self._start.startswith(lead):
+                if not final and (not buf.strip() and self._skip_space or
+                                  len(buf) <= len(self._start_lead) + len(self._start)
+                                  and self._may_open(buf)):
                     break  # maybe a tag still being written
                 self._state = "content"
                 continue
+            if self._state in ("start-trail", "end-trail"):
+                # optspace: each trailing whitespace character of the tag string is taken where
+                # the text has it, in order
+                while self._trail and self._buf:
+                    if self._buf[0] == self._trail[0]:
+                        self._buf = self._buf[1:]
+                    self._trail = self._trail[1:]
+                if self._trail and not final:
+                    break
+                self._trail = ""
+                self._state = "think" if self._state == "start-trail" else "content"
+                continue
             if self._state == "think":
-                if not self._reasoning_started:
-                    self._buf = self._buf.lstrip()
-                    if not self._buf:
-                        break
-                    self._reasoning_started = True
                 end, tag = self._end_tag()
                 if end >= 0:
-                    r_out.append(self._buf[:end].rstrip())
-                    # the end tag is dropped; another marker that ends the thinking is content
-                    self._buf = self._buf[end + len(self._end):] if tag == self._end else self._buf[end:]
-                    self._state = "content"
-                    self._after_end = True
+                    self._reason(self._buf[:end], r_out, True)
+                    if tag == self._end:  # the end tag is dropped; another marker that ends the thinking is content
+                        self._buf = self._buf[end + len(tag):]
+                        self._state, self._trail = "end-trail", self._end_trail
+                        if self._lstrip_content:
+                            self._state = "end-space"
+                    else:
+                        self._buf = self._buf[end:]
+                        self._state = "content"
                     continue
                 if final:
-                    r_out.append(self._buf.rstrip())
+                    self._reason(self._buf, r_out, True)
                     self._buf = ""
                     break
                 keep = max(_partial_suffix(self._buf, t) for t in self._ends)
-                text = self._buf[:len(self._buf) - keep]
-                emit = text.rstrip()  # trailing whitespace waits: it may come right before the end tag
-                r_out.append(emit)
-                self._buf = self._buf[len(emit):]
+                self._reason(self._buf[:len(self._buf) - keep], r_out, False)
+                self._buf = self._buf[len(self._buf) - keep:]
                 break
-            # content
-            if self._after_end:
+            if self._state == "end-space":  # lstrip_content: the content's leading whitespace is dropped
                 self._buf = self._buf.lstrip()
                 if not self._buf:
                     break
-                self._after_end = False
+                self._state = "content"
+                continue
+            # content
             if not self.legacy:
                 c_out.append(self._buf)
             self._buf = ""
@@ -104,6 +176,14 @@ class ReasoningStream:
         self.content += c
         return r, c
 
+    def _may_open(self, buf: str) -> bool:
+        """Whether buf may still become the start tag (with its optional leading whitespace)."""
+        i = 0
+        for ch in self._start_lead:
+            if buf[i:i + 1] == ch:
+                i += 1
+        return self._start.startswith(buf[i:])
+
     def _end_tag(self) -> tuple[int, str]:
         """(where, which) of the first tag in the buffer that ends the thinking; (-1, "") if none."""
         found = [(k, t) for k, t in ((self._buf.find(t), t) for t in self._ends) if k >= 0]
@@ -112,7 +192,7 @@ class ReasoningStream:
     @property
     def thinking(self) -> bool:
         """Whether the reply is (still) inside its thinking."""
-        return self._state == "think"
+        return self._state in ("start-trail", "think")
 
 
 class ThinkingBudget:
@@ -129,7 +209,7 @@ class ThinkingBudget:
         self._end = list(end)
         self._queue: list[int] = []
         self._forced = False
-        self._reader = ReasoningStream("deepseek", forced_open)
+        self._reader = ReasoningStream("deepseek", forced_open, skip_space=True)
 
     def replace(self, sampled: int) -> int:
         if not self._forced and self._reader.thinking and self.spent >= self.budget and self._end:

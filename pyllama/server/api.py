@@ -35,7 +35,8 @@ from .pipeline_stats import DEFAULT_WINDOW_S, MAX_WINDOW_S, PipelineStats
 from .static import WebUI
 from .params import (CompletionParams, check_not_chat, get_int, parse_completion, parse_lora, split_prompts,
                      tokenize_prompt)
-from .reasoning import (REASONING_TAGS, ReasoningStream, budget_end_text, check_format, prompt_opens_thinking,
+from .reasoning import (REASONING_TAGS, TAG_SPACE, ReasoningStream, budget_end_text, check_format,
+                        prompt_opens_thinking,
                         reasoning_tags, thinking_opener)
 from .tool_calls import (CALL_TRIGGERS, ToolCallStream, ToolChoiceError, ToolSpec, call_grammar, parse_tool_request,
                          reads_reasoning, thinking_ends)
@@ -351,6 +352,9 @@ class ChatOutputSpec:
     thinks: bool = True
     # the template's own thinking tags, where its family has none of its own (None: the family's)
     tags: Optional[tuple[str, str]] = None
+    # the same with the whitespace the template puts around them (Thinking.full), as the reply is read
+    # (llama-server's parser made from its analysis); None: the fixed tags of a family, read trimmed
+    full_tags: Optional[tuple[str, str]] = None
     forced_open: bool = False
     opener: str = ""  # how the prompt opened that thinking (its start tag on), see thinking_opener
     prefill: str = ""  # the continued assistant message's content: the reply starts with it (llama-server)
@@ -374,8 +378,16 @@ class ChatReply:
             # llama-server sets reasoning_in_content for it (server-schema.cpp) but no parser reads
             # that flag: its replies are those of deepseek, whole and streamed
             fmt = "deepseek"
+        # a family's own tags may be read with whitespace taken out (TAG_SPACE); a template's own, as is
+        space = TAG_SPACE.get(spec.family or "", (False, False)) if spec.full_tags is None else (False, False)
         self.thoughts = ReasoningStream("none" if own else fmt, spec.forced_open and spec.thinks,
-                                        thinking_ends(spec.family), *(spec.tags or reasoning_tags(spec.family)))
+                                        thinking_ends(spec.family),
+                                        *(spec.full_tags or spec.tags or reasoning_tags(spec.family)),
+                                        opener=spec.opener,
+                                        # with tools llama-server's parser allows whitespace before
+                                        # the thinking (its prefix << parser; chat-auto-parser-generator.cpp)
+                                        skip_space=spec.tools.parse_calls,
+                                        lstrip_reasoning=space[0], lstrip_content=space[1])
         # some families wrap plain text in markers of their own, taken out even when no call is read
         self.calls = ToolCallStream(spec.family, spec.tools.parallel, spec.tools.tools, fmt,
                                     spec.tools.parse_calls) \
@@ -1345,7 +1357,9 @@ class Api:
         # in those, unless its family has tags of its own or reads its thinking itself (gpt-oss)
         tags = (thinking.start, thinking.end) if thinking is not None and thinking.start and thinking.end and \
             (family or "") not in REASONING_TAGS and not reads_reasoning(family) else None
-        return ChatOutputSpec(family=family, tools=tools, reasoning_format=fmt, thinks=thinking is not None, tags=tags)
+        return ChatOutputSpec(family=family, tools=tools, reasoning_format=fmt, thinks=thinking is not None, tags=tags,
+                              full_tags=thinking.full if tags is not None and thinking is not None
+                              and thinking.end_full else None)
 
     async def _oai(self, task_lists, p: CompletionParams, n_prompt: int, chat: bool,
                    chat_spec: Optional[ChatOutputSpec] = None) -> Response | StreamResponse:

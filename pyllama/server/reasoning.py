@@ -5,10 +5,13 @@ template that thinks (template_thinking.py, as llama-server decides it); under a
 is read with ``none``, and the server reads ``deepseek-legacy`` as ``deepseek``, as llama-server's
 parsers do.
 
-A reply is read as thinking when it opens with ``<think>`` (whitespace before it allowed), or when
+A reply is read as thinking when it opens with ``<think>``, or when
 the prompt already opened the tag (templates such as DeepSeek R1's and Qwen3's end their generation
 prompt with ``<think>``). The thinking ends at ``</think>``; a reply that ends before it is all
-reasoning. Whitespace around the reasoning and right after ``</think>`` is dropped. Formats:
+reasoning. The whitespace is kept as llama-server keeps it (ReasoningStream): the template's tags
+take out only their own whitespace where the reply has it (Qwen3: ``<think>\n``, ``\n</think>\n\n``),
+the newline before ``</think>`` stays in the reasoning, a reasoning of whitespace only is dropped,
+and whitespace before the opening tag makes the reply all content (unless tools are parsed). Formats:
 
 - ``none``: nothing is separated; the tags stay in the content.
 - ``deepseek`` / ``auto``: reasoning in ``reasoning_content``, the tags and thoughts out of the content.
@@ -33,8 +36,18 @@ REASONING_TAGS: dict[str, tuple[str, str]] = {
     "apertus": ("<|inner_prefix|>", "<|inner_suffix|>"),
 }
 
+# the families whose llama-server parser (common/chat.cpp, one of its own) takes whitespace out:
+# (at the reasoning's start, at the content's start after the end tag). Magistral's reads
+# ``optional("[THINK]" + reasoning(until("[/THINK]")) + "[/THINK]") << content``, Qwen3-Coder's (with
+# <think>) ``optional("<think>" + space() + reasoning(until_one_of(...)) + ...)`` then its content
+# after a space(); the other families keep the whitespace, as the parser made from a template's
+# analysis does
+TAG_SPACE: dict[str, tuple[bool, bool]] = {
+    "magistral": (False, True),
+    "qwen3_coder": (True, True),
+}
 
-__all__ = ["REASONING_FORMATS", "ReasoningStream", "budget_end_text", "check_format", "prompt_opens_thinking",
+__all__ = ["REASONING_FORMATS", "TAG_SPACE", "ReasoningStream", "budget_end_text", "check_format", "prompt_opens_thinking",
            "reasoning_tags", "split_reasoning", "thinking_opener"]
 
 REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")

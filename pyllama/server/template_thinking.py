@@ -41,10 +41,19 @@ _MARKER = r"(?:<[^>]*>|\[[^\]]*\])"
 @dataclass(frozen=True)
 class Thinking:
     """A thinking template's tags: where the thinking starts (may be "" where the template shows
-    only its end) and where it ends."""
+    only its end) and where it ends; start_full / end_full: the same with the whitespace the
+    template puts around them (Qwen3: ``<think>\n`` and ``\n</think>\n\n``), which llama-server's
+    parser takes out of a reply where the reply has it and nowhere else ("": as start / end)."""
 
     start: str
     end: str
+    start_full: str = ""
+    end_full: str = ""
+
+    @property
+    def full(self) -> tuple[str, str]:
+        """(start, end) with their whitespace, as a reply is read in them."""
+        return self.start_full or self.start, self.end_full or self.end
 
 
 Render = Callable[..., str]
@@ -62,7 +71,7 @@ def template_thinking(source: str, render: Render, shows_tool_calls: bool) -> Op
     start, end = _patched(source, start, end)
     if end is None:
         return None
-    return Thinking(start.strip(), end.strip())
+    return Thinking(start.strip(), end.strip(), start, end)
 
 
 def _specialized(src: str) -> Optional[Thinking | bool]:

@@ -231,11 +231,11 @@ class _Marked(_Family):
         return Snapshot(self.unwrap("".join(pieces), final), _limit(found, parallel))
 
     def unwrap(self, content: str, final: bool) -> str:
-        if not self.wrappers:
-            return content
+        """The content without the family's response markers; its whitespace is kept as written,
+        as llama-server keeps it."""
         for w in self.wrappers:
             content = content.replace(w, "")
-        return content.strip() if final else content.lstrip()
+        return content
 
 
 class _JsonList(_Marked):

@@ -532,3 +532,16 @@ def test_reasoning_effort_reaches_a_template_that_reads_it():
     plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
     with pytest.raises(ChatTemplateError, match="'reasoning_effort' 'high' is not supported"):
         plain.render_request({"messages": msgs, "reasoning_effort": "high"})
+
+
+def test_tools_are_undefined_without_tools():
+    """As llama.cpp renders a template: `tools` is defined only when the request gives tools, so a
+    template that tests `tools is defined` (Phi-4-mini's) renders a request without them."""
+    src = ("{% if tools is defined %}TOOLS {{ tools | length }};{% endif %}"
+           "{% for m in messages %}{{ m.content }}{% endfor %}")
+    t = ChatTemplate(src)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert t.render(msgs, add_generation_prompt=False) == "hi"
+    assert t.render(msgs, add_generation_prompt=False, tools=[]) == "hi"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    assert t.render(msgs, add_generation_prompt=False, tools=[tool]) == "TOOLS 1;hi"

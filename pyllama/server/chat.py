@@ -385,7 +385,8 @@ class ChatTemplate:
         context.update(kwargs)
         context["messages"] = messages
         context["add_generation_prompt"] = bool(add_generation_prompt)
-        context["tools"] = tools
+        if tools:  # undefined without tools, as llama.cpp renders it (templates test `tools is defined`)
+            context["tools"] = tools
         try:
             return self._template.render(context)
         except ChatTemplateError:

@@ -30,7 +30,7 @@ DEF SMALL_ROWS_MAX = 32
 DEF CHUNK_BLOCKS = 16
 
 
-cdef struct MmJob:
+cdef struct Product:  # out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]), rows ldx and ldo floats apart
     const float* x
     long M, K, ldx
     const float* w
@@ -38,6 +38,10 @@ cdef struct MmJob:
     float* out
     long ldo
     const float* bias
+
+
+cdef struct MmJob:
+    Product p
     long blocks
     int nt
 
@@ -46,7 +50,8 @@ cdef void _mm_item(void* ctx, int64_t c) noexcept nogil:
     cdef MmJob* j = <MmJob*>ctx
     cdef long b0 = c * CHUNK_BLOCKS
     cdef long b1 = b0 + CHUNK_BLOCKS if b0 + CHUNK_BLOCKS < j.blocks else j.blocks
-    pl_mm_t_range(j.x, j.M, j.K, j.ldx, j.w, j.N, j.out, j.ldo, j.bias, b0, b1)
+    cdef Product* q = &j.p
+    pl_mm_t_range(q.x, q.M, q.K, q.ldx, q.w, q.N, q.out, q.ldo, q.bias, b0, b1)
 
 
 # Where mul_mat_packed matched OpenBLAS on two threads (AVX-512, 170 GFLOP/s at 235 rows, K 288 and
@@ -60,13 +65,7 @@ DEF PACKED_ROWS = 128
 
 
 cdef struct PackedJob:
-    const float* x
-    long M, K, ldx
-    const float* w
-    long N
-    float* out
-    long ldo
-    const float* bias
+    Product p
     long panels, parts
     int nt
     int failed
@@ -75,20 +74,21 @@ cdef struct PackedJob:
 cdef void _packed_item(void* ctx, int64_t i) noexcept nogil:
     cdef PackedJob* j = <PackedJob*>ctx
     cdef long p = i // j.parts, part = i % j.parts
-    cdef long m0 = j.M * part // j.parts, m1 = j.M * (part + 1) // j.parts
+    cdef Product* q = &j.p
+    cdef long m0 = q.M * part // j.parts, m1 = q.M * (part + 1) // j.parts
     # the panel's copy: K x panel width floats, the item's own (the pool's threads share nothing)
-    cdef float* pack = <float*>malloc(sizeof(float) * j.K * pl_panel_width())
+    cdef float* pack = <float*>malloc(sizeof(float) * q.K * pl_panel_width())
     if pack == NULL:
         j.failed = 1
         return
-    pl_mm_panel(j.x, j.K, j.ldx, j.w, j.N, j.out, j.ldo, j.bias, p * pl_panel_width(), m0, m1, pack)
+    pl_mm_panel(q.x, q.K, q.ldx, q.w, q.N, q.out, q.ldo, q.bias, p * pl_panel_width(), m0, m1, pack)
     free(pack)
 
 
-cdef const float* _checked_bias(str kernel, const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias,
-                               list keep) except? NULL:
-    """Refuses shapes that do not make out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]); the bias's
-    elements (kept alive in `keep`), or NULL without one."""
+cdef int _product(Product* p, str kernel, const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias,
+                  list keep) except -1:
+    """Refuses shapes that do not make out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]) and fills p
+    (the arrays kept alive in `keep`); 0 when there is nothing to compute (no rows or columns)."""
     cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = w.shape[0]
     if w.shape[1] != K:
         raise ValueError(f"{kernel}: x has {K} columns, w has {w.shape[1]}")
@@ -97,36 +97,38 @@ cdef const float* _checked_bias(str kernel, const float[:, :] x, const float[:, 
     if (K > 1 and x.strides[1] != 4) or (N > 1 and out.strides[1] != 4):
         raise ValueError(f"{kernel}: rows of x and out must be contiguous")
     cdef const float[::1] b
-    if bias is None:
-        return NULL
-    b = bias
-    if b.shape[0] != N:
-        raise ValueError(f"{kernel}: bias has {b.shape[0]} elements, expected {N}")
-    keep.append(b)
-    return &b[0]
+    p.bias = NULL
+    if bias is not None:
+        b = bias
+        if b.shape[0] != N:
+            raise ValueError(f"{kernel}: bias has {b.shape[0]} elements, expected {N}")
+        keep.append(b)
+        p.bias = &b[0]
+    if M == 0 or N == 0:
+        return 0
+    p.x = &x[0, 0]
+    p.M = M
+    p.K = K
+    p.ldx = x.strides[0] // 4
+    p.w = &w[0, 0]
+    p.N = N
+    p.out = &out[0, 0]
+    p.ldo = out.strides[0] // 4
+    keep.extend((x, w, out))
+    return 1
 
 
 cdef int _packed_setup(PackedJob* job, const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias,
                        int n_threads, list keep) except -1:
     """Checks the shapes and fills job; 0 when there is nothing to compute."""
-    cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = w.shape[0]
-    job.bias = _checked_bias("mul_mat_packed", x, w, out, bias, keep)
-    if M == 0 or N == 0 or K == 0:
+    if not _product(&job.p, "mul_mat_packed", x, w, out, bias, keep) or job.p.K == 0:
         return 0
-    job.x = &x[0, 0]
-    job.M = M
-    job.K = K
-    job.ldx = x.strides[0] // 4
-    job.w = &w[0, 0]
-    job.N = N
-    job.out = &out[0, 0]
-    job.ldo = out.strides[0] // 4
+    cdef long M = job.p.M, N = job.p.N
     job.panels = (N + pl_panel_width() - 1) // pl_panel_width()
     # split the rows only where the panels alone leave threads idle: each part reads and packs
     # its panel again
     job.parts = 1 if job.panels >= 8 * n_threads else (M + PACKED_ROWS - 1) // PACKED_ROWS
     job.nt = n_threads if job.panels * job.parts >= 2 else 1
-    keep.extend((x, w, out))
     return 1
 
 
@@ -173,23 +175,13 @@ def small_rows_max() -> int:
 cdef int _mm_setup(MmJob* job, const float[:, :] x, const float[:, ::1] w, float[:, :] out, bias, int n_threads,
                    list keep) except -1:
     """Checks the shapes and fills job; 0 when there is nothing to compute."""
-    cdef Py_ssize_t M = x.shape[0], K = x.shape[1], N = w.shape[0]
-    job.bias = _checked_bias("mul_mat_t", x, w, out, bias, keep)
-    if M == 0 or N == 0:
+    if not _product(&job.p, "mul_mat_t", x, w, out, bias, keep):
         return 0
-    job.x = &x[0, 0]
-    job.M = M
-    job.K = K
-    job.ldx = x.strides[0] // 4
-    job.w = &w[0, 0]
-    job.N = N
-    job.out = &out[0, 0]
-    job.ldo = out.strides[0] // 4
+    cdef long N = job.p.N
     job.blocks = (N + 3) // 4
     # chunks claimed one at a time on the products' pool: a thread the OS is late to run holds
     # nobody up (an OpenMP static schedule waited for it at the barrier)
     job.nt = n_threads if (job.blocks + CHUNK_BLOCKS - 1) // CHUNK_BLOCKS >= 2 else 1
-    keep.extend((x, w, out))
     return 1
 
 

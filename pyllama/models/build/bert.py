@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ...ir.tensor import AttentionParams, DType, Tensor
 from ..hparams import HParams
-from .ops import Node, Op, node, step_inputs
+from .ops import NodeList, Op, step_inputs
 
 if TYPE_CHECKING:
     from ..weights import Weights
@@ -29,18 +29,8 @@ def build_encoder(hp: HParams, w: "Weights", kv: list[tuple[Tensor, Tensor]], n_
     from .llama import ForwardGraph  # (llama.py dispatches here)
     n, e = n_tokens, hp.n_embd
     inputs, select_rows = step_inputs(n, n_outputs, n_cells_listed)
-    nodes: list[Node] = []
-
-    def add(op: Op, shape: tuple[int, ...], name: str, *srcs, params: tuple = (), layer: int) -> Tensor:
-        out = Tensor(F32, shape, name)
-        nodes.append(node(op, out, *srcs, params=params, layer=layer))
-        return out
-
-    def mul_mat(shape: tuple[int, ...], name: str, x: Tensor, wt, bias, *, layer: int) -> Tensor:
-        # a fused q|k|v whose parts the device stores in different types is one MUL_MAT_CAT
-        if isinstance(wt, tuple):
-            return add(Op.MUL_MAT_CAT, shape, name, x, *wt, bias, params=(len(wt),), layer=layer)
-        return add(Op.MUL_MAT, shape, name, x, wt, bias, layer=layer)
+    nodes = NodeList()
+    add, mul_mat = nodes.add, nodes.mul_mat
 
     eps = (hp.rms_eps,)
     x = add(Op.GET_ROWS, (n, e), "inp_tok", w["token_embd"], inputs["inp_tokens"], layer=-1)

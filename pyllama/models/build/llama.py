@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ...ir.tensor import AttentionParams, DType, Tensor
 from ..hparams import HParams
-from .ops import Graph, Node, Op, input_tensor, node, sample_in_cols, sample_out_cols, step_inputs
+from .ops import Graph, Node, NodeList, Op, input_tensor, node, sample_in_cols, sample_out_cols, step_inputs
 from .bert import build_encoder
 from .mla import build_mla_attention
 from .moe import build_moe_ffn
@@ -58,20 +58,8 @@ def build_forward(hp: HParams, w: Weights, kv: list[tuple[Tensor, Tensor]], n_to
         return build_encoder(hp, w, kv, n_tokens, n_outputs, n_cells_listed)
     n, e = n_tokens, hp.n_embd
     inputs, select_rows = step_inputs(n, n_outputs, n_cells_listed)
-    nodes: list[Node] = []
-
-    def add(op: Op, shape: tuple[int, ...], name: str, *srcs, params: tuple = (), layer: int) -> Tensor:
-        out = Tensor(F32, shape, name)
-        nodes.append(node(op, out, *srcs, params=params, layer=layer))
-        return out
-
-    def mul_mat(shape: tuple[int, ...], name: str, x: Tensor, wt, bias: Optional[Tensor] = None, *,
-                layer: int) -> Tensor:
-        """x @ w.T: one MUL_MAT, or one MUL_MAT_CAT when the device stores the weight's fused
-        parts in different types (a quantization mix); one node either way."""
-        if isinstance(wt, tuple):
-            return add(Op.MUL_MAT_CAT, shape, name, x, *wt, bias, params=(len(wt),), layer=layer)
-        return add(Op.MUL_MAT, shape, name, x, wt, bias, layer=layer)
+    nodes = NodeList()
+    add, mul_mat = nodes.add, nodes.mul_mat
 
     def adapted_mul_mat(shape: tuple[int, ...], name: str, x: Tensor, wname: str, bias: Optional[Tensor] = None, *,
                         layer: int) -> Tensor:

@@ -21,7 +21,7 @@ from pyllama.models.lora import lora_adapters
 from pyllama.batching.sampling import SamplingParams
 from pyllama.server import params
 from pyllama.server.options import (UNSUPPORTED, build_parser, default_stop, log_level, parse_args, process_escapes,
-                                    sampling_defaults, settings)
+                                    sampling_defaults, settings, spec_config)
 from server_util import RPCServerProcess, ServerProcess, generated_tokens
 
 LLAMA_VARS = ("LLAMA_ARG_", "PYLLAMA_ARG_", "LLAMA_API_KEY", "LLAMA_LOG_")
@@ -170,12 +170,16 @@ def test_guide_command_line_kv_types_and_threads():
     ("-m M --embeddings", lambda a: a.embedding is True),
     ("-m M -dt 0.1", lambda a: a.defrag_thold == 0.1),
     ("-m M --no-prefill-assistant", lambda a: a.prefill_assistant is False),
-    ("-m M --draft-max 16", lambda a: a.spec_draft_n_max == 16 and a.spec_type == "none"),
+    ("-m M --draft-max 16", lambda a: a.spec_draft_n_max == 16 and a.spec_type == ()),
     ("-m M -md d.gguf -ngld 99 --draft-p-min 0.5 -devd none -td 2 -ctkd q8_0 -cd 512",
      lambda a: (a.model_draft, a.spec_draft_p_min, a.device_draft, a.threads_draft, a.cache_type_k_draft,
                 a.ctx_size_draft) == ("d.gguf", 0.5, "none", 2, "q8_0", 512)),
     ("-m M --spec-type none,ngram-simple --spec-draft-n-max 4 --spec-draft-n-min 2",
-     lambda a: (a.spec_type, a.spec_draft_n_max, a.spec_draft_n_min) == ("ngram-simple", 4, 2)),
+     lambda a: (a.spec_type, a.spec_draft_n_max, a.spec_draft_n_min) == (("ngram-simple",), 4, 2)),
+    ("-m M --spec-type ngram-cache,ngram-map-k --spec-ngram-map-k-size-m 16 --spec-ngram-map-k4v-min-hits 3",
+     lambda a: (spec_config(a).kinds, spec_config(a).map_k.m, spec_config(a).map_k4v.min_hits)
+     == (("ngram-map-k", "ngram-cache"), 16, 3)),
+    ("-m M --spec-default", lambda a: (spec_config(a).kinds, spec_config(a).mod_n_min) == (("ngram-mod",), 48)),
     ("-m M --lora a.gguf,b.gguf --lora-scaled c.gguf:0.5 --lora d.gguf",
      lambda a: lora_adapters(a) == [("a.gguf", 1.0), ("b.gguf", 1.0), ("c.gguf", 0.5), ("d.gguf", 1.0)]),
     ("-m M --lora a.gguf --lora-init-without-apply", lambda a: lora_adapters(a) == [("a.gguf", 0.0)]),
@@ -197,7 +201,7 @@ def test_llama_server_command_lines(line, check):
     ("-m M --mmproj mm.gguf", "--mmproj"),
     ("-m M -ot exps=CPU", "-ot"),
     ("-m M --override-tensor exps=CPU", "--override-tensor"),
-    ("-m M --spec-ngram-map-k-size-m 16", "--spec-ngram-map-k-size-m"),
+    ("-m M --spec-draft-n-cpu-moe 2", "--spec-draft-n-cpu-moe"),
     ("-m M --draft-p-split 0.5", "--draft-p-split"),
     ("-m M -gan 4", "-gan"),
     ("-m M --ssl-key-file k.pem", "--ssl-key-file"),

@@ -9,7 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from pyllama.batching.speculative import NgramModTable, SpecConfig, SpecControl, ngram_simple_draft
+from pyllama.batching.ngram_drafts import NgramModTable, ngram_simple_draft
+from pyllama.batching.speculative import SpecConfig, SpecControl
 from server_util import RPCServerProcess, ServerProcess
 
 # code with repeated lines: the n-gram lookup finds what followed earlier, and random-weight models
@@ -64,7 +65,7 @@ def test_ngram_simple_draft_edges():
     assert ngram_simple_draft(h, 9, 2, 3) == []          # no earlier occurrence
     assert ngram_simple_draft(h[:5], 3, 2, 3) == []      # too short a history for n + m + 1
     with pytest.raises(ValueError):
-        SpecConfig(kind="draft-simple").validate()
+        SpecConfig(kinds=("draft-simple",)).validate()
 
 
 class ReferenceMod:
@@ -231,9 +232,48 @@ def run_both(model: str, *extra: str, spec: tuple = tuple(SPEC)) -> dict:
     return timings
 
 
-@pytest.mark.parametrize("kind", ["ngram-simple", "ngram-mod"])
+SPEC_KINDS = {
+    "ngram-simple": SPEC,
+    "ngram-mod": SPEC_MOD,
+    "ngram-map-k": ["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "3", "--spec-ngram-map-k-size-m", "8"],
+    "ngram-map-k4v": ["--spec-type", "ngram-map-k4v", "--spec-ngram-map-k4v-size-n", "2",
+                      "--spec-ngram-map-k4v-size-m", "4", "--spec-ngram-map-k4v-min-hits", "2"],
+    "ngram-cache": ["--spec-type", "ngram-cache"],
+    # several types: each sequence takes the first that drafts
+    "ngram-map-k4v,ngram-mod": ["--spec-type", "ngram-map-k4v,ngram-mod", "--spec-ngram-map-k4v-size-n", "2",
+                                "--spec-ngram-map-k4v-size-m", "4", *SPEC_MOD[2:]],
+}
+
+
+@pytest.mark.parametrize("kind", list(SPEC_KINDS))
 def test_output_identical_with_ngram_drafts(tiny_model, kind):
-    run_both(tiny_model, spec=tuple(SPEC if kind == "ngram-simple" else SPEC_MOD))
+    run_both(tiny_model, spec=tuple(SPEC_KINDS[kind]))
+
+
+def test_output_identical_with_lookup_caches(tiny_model, tmp_path):
+    """ngram-cache with a static and a dynamic cache written by the lookup_cache command from text."""
+    import subprocess
+    import sys
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(PROMPT * 2)
+    for flag, extra in (("static", ["--static"]), ("dynamic", [])):
+        proc = subprocess.run([sys.executable, "-m", "pyllama.batching.lookup_cache", "-m", tiny_model, "-f",
+                               str(corpus), "-o", str(tmp_path / f"{flag}.bin"), *extra],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "n-grams" in proc.stdout, proc.stderr
+    run_both(tiny_model, spec=("--spec-type", "ngram-cache", "-lcs", str(tmp_path / "static.bin"),
+                               "-lcd", str(tmp_path / "dynamic.bin")))
+
+
+def test_a_bad_lookup_cache_is_refused_in_one_line(tiny_model, tmp_path):
+    import subprocess
+    import sys
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(np.array([5, -1, -1, -1, 1, 7], dtype="<i4").tobytes())  # cut inside its pair
+    proc = subprocess.run([sys.executable, "-m", "pyllama.server", "-m", tiny_model, "--port", "0", "--spec-type",
+                           "ngram-cache", "-lcs", str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert any("bad.bin" in ln and "byte 0" in ln for ln in proc.stderr.splitlines()), proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("order,groups", [("CPU,RPC0", 2), ("RPC0,CPU", 1)])
@@ -252,6 +292,11 @@ def test_output_identical_with_a_draft_model(tiny_model, model_factory, draft_ty
     timings = run_both(tiny_model, spec=("-md", draft, "--spec-draft-n-max", "4"))
     if draft_type == "same":  # every greedy draft token is the target's own choice
         assert timings["draft_n_accepted"] == timings["draft_n"], timings
+
+
+def test_ngram_drafts_before_a_draft_model(tiny_model, model_factory):
+    """-md with --spec-type: the n-gram drafts are asked first, the draft model for the rest."""
+    run_both(tiny_model, spec=("-md", model_factory("tiny", wtype="q8_0"), "--spec-draft-n-max", "4", *SPEC))
 
 
 def test_draft_model_over_a_split_with_two_groups(tiny_model, model_factory):
@@ -328,14 +373,15 @@ def test_request_fields_checked(tiny_model):
 
 @pytest.mark.parametrize("argv,fragment", [
     (["--spec-type", "draft-simple"], "needs a draft model"),
-    (["-m", "x.gguf", "-md", "d.gguf", "--spec-type", "ngram-mod"], "one draft type at a time"),
     (["-m", "x.gguf", "-md", "d.gguf", "-devd", "RPC0"], "runs on the local CPU"),
     (["-m", "x.gguf", "-md", "d.gguf", "--spec-draft-p-min", "1.5"], "must be 0..1"),
     (["-otd", "x=CPU"], "not supported for the draft model"),
     (["--spec-replace", "a", "b"], "does not translate between vocabularies"),
-    (["--spec-type", "ngram-cache"], "not a type pyllama drafts with"),
-    (["--spec-type", "ngram-simple,ngram-mod"], "one type at a time"),
-    (["--spec-ngram-map-k-size-n", "3"], "another draft type or setting is not supported"),
+    (["--spec-type", "ngram-bogus"], "not a type pyllama drafts with"),
+    (["--spec-type", "draft-eagle3"], "not a type pyllama drafts with"),
+    (["-m", "x.gguf", "--spec-type", "ngram-mod", "-lcs", "f.bin"], "read by --spec-type ngram-cache only"),
+    (["-m", "x.gguf", "--spec-type", "ngram-cache", "-lcd", "/nonexistent/f.bin"], "no such file"),
+    (["--spec-ngram-map-k4v-min-hits", "0"], "at least 1"),
     (["--spec-ngram-simple-size-n", "0"], "at least 1"),
     (["--spec-draft-n-max", "-1"], "at least 0"),
 ])

@@ -124,7 +124,7 @@ class BatchCore:
             feeding = any(slot.state in FEEDING for slot in self.slots)
             if 0 < 2 * n <= EXACT_ROWS and not feeding and self.spec.step_drafts(n):
                 wanted = [slot for slot in generating if self.spec.slot_wants(slot)]
-                self.drafter.draft(self.spec.affordable(wanted, n, self.drafter))
+                self.drafter.draft(wanted, lambda slots: self.spec.affordable(slots, n, self.drafter))
         decoded = sum(slot.n_decoded for slot in generating)
         plan = self.scheduler.plan()
         batch, rows = self.runner.build(plan)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
@@ -58,7 +58,9 @@ class ModelDrafter(Drafter):
         self.n_vocab = ctx.hparams.n_vocab
         self.cached: list[list[int]] = [[] for _ in range(ctx.kv.n_seq_max)]  # each draft sequence's tokens
 
-    def draft(self, slots: list[Slot]) -> None:
+    def draft(self, slots: list[Slot], afford: Optional[Callable[[list[Slot]], list[Slot]]] = None) -> None:
+        if afford is not None:
+            slots = afford(slots)
         wanted: list[tuple[Slot, int, int]] = []
         for slot in slots:
             limit, fewest = draft_limit(slot, self.n_max, self.n_min)

@@ -2,11 +2,9 @@
 next step computes them after its sampled token, and each row's logits are sampled in turn: the
 tokens that match the draft are kept, so one step can yield several tokens.
 
-A `Drafter` proposes the drafts: a draft model (draft_model.py), or the sequence's own history
-as llama-server's n-gram drafts read it: `ngram-simple` copies the tokens that followed the last
-earlier occurrence of its last n tokens; `ngram-mod` follows a hash table of the n-grams seen (the
-token that last followed each) from its last n tokens, one token at a time. `SpecControl` decides
-where drafting pays. Verification samples each row with
+A `Drafter` proposes the drafts: a draft model (draft_model.py), the sequence's own history as
+llama-server's n-gram drafts read it (ngram_drafts.py), or both, the n-grams asked first
+(`ChainDrafter`). `SpecControl` decides where drafting pays. Verification samples each row with
 the sequence's own sampler and compares, as llama-server does: a row is sampled exactly as a
 plain decode step would sample it (the same sampler state, one draw per token), so greedy and
 seeded output is the same with and without drafts, as long as each row's logits are the same,
@@ -23,124 +21,57 @@ import numpy as np
 from .sampling import BatchSampler
 from .slot import Slot
 
-SPEC_TYPES = ("none", "ngram-simple", "ngram-mod")
+# llama-server's n-gram types, in the order it asks them for a draft (the first with one wins)
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+SPEC_TYPES = ("none",) + NGRAM_TYPES
+
+
+@dataclass(frozen=True)
+class NgramMapSizes:
+    """--spec-ngram-map-k[4v]-size-n / -size-m / -min-hits (and ngram-simple's, which has no
+    use for min_hits)."""
+    n: int = 12
+    m: int = 48
+    min_hits: int = 1
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """The server's speculative decoding settings (llama-server's --spec-* flags and defaults)."""
-    kind: str = "none"          # "none", "ngram-simple" or "ngram-mod"
+    """The server's n-gram draft settings (llama-server's --spec-* flags and defaults)."""
+    kinds: tuple[str, ...] = ()  # the n-gram types used, in NGRAM_TYPES' order
     ngram_n: int = 12           # --spec-ngram-simple-size-n: the n-gram looked up in the history
     ngram_m: int = 48           # --spec-ngram-simple-size-m: at most this many tokens that followed it
+    map_k: NgramMapSizes = NgramMapSizes()
+    map_k4v: NgramMapSizes = NgramMapSizes()
     mod_n_match: int = 24       # --spec-ngram-mod-n-match: the n-gram hashed
     mod_n_min: int = 48         # --spec-ngram-mod-n-min: a shorter ngram-mod draft is dropped
     mod_n_max: int = 64         # --spec-ngram-mod-n-max
+    lookup_static: str = ""     # -lcs: a static lookup cache for ngram-cache
+    lookup_dynamic: str = ""    # -lcd: a dynamic lookup cache for ngram-cache
     n_max: int = -1             # --spec-draft-n-max: a cap on any draft (-1: none)
     n_min: int = 0              # --spec-draft-n-min: a shorter draft is not verified
 
     @property
     def enabled(self) -> bool:
-        return self.kind != "none"
+        return bool(self.kinds)
+
+    @property
+    def kind(self) -> str:
+        """The types as llama-server lists them ("none" without any)."""
+        return ",".join(self.kinds) or "none"
 
     def validate(self) -> None:
-        if self.kind not in SPEC_TYPES:
-            raise ValueError(f"speculative type {self.kind!r}: one of {', '.join(SPEC_TYPES)}")
-        if min(self.ngram_n, self.ngram_m, self.mod_n_match, self.mod_n_max) < 1:
+        for kind in self.kinds:
+            if kind not in NGRAM_TYPES:
+                raise ValueError(f"speculative type {kind!r}: one of {', '.join(SPEC_TYPES)}")
+        sizes = (self.ngram_n, self.ngram_m, self.mod_n_match, self.mod_n_max, self.map_k.n, self.map_k.m,
+                 self.map_k4v.n, self.map_k4v.m)
+        if min(sizes) < 1:
             raise ValueError("n-gram sizes must be at least 1")
+        if min(self.map_k.min_hits, self.map_k4v.min_hits) < 1:
+            raise ValueError("ngram min hits must be at least 1")
         if self.n_min < 0 or self.mod_n_min < 0:
             raise ValueError("a minimum draft must be >= 0")
-
-
-def ngram_simple_draft(history: np.ndarray, last: int, n: int, m: int) -> list[int]:
-    """llama-server's ngram-simple draft: the history's last n - 1 tokens and `last` (the sampled
-    token, not yet in the history) form the pattern; its latest earlier occurrence that starts
-    after position 0 and ends before the history's last token gives the (at most m) tokens that
-    followed it, when at least n did."""
-    size = int(history.shape[0])
-    if size <= n + m + 1:
-        return []
-    pattern = np.empty(n, dtype=history.dtype)
-    pattern[:n - 1] = history[size - n + 1:]
-    pattern[n - 1] = last
-    # windows starting at 1 .. size - n - 1 (llama.cpp searches backwards over these)
-    windows = np.lib.stride_tricks.sliding_window_view(history[:size - 1], n)[1:size - n]
-    hits = np.flatnonzero((windows == pattern).all(axis=1))
-    if hits.size == 0:
-        return []
-    pos = int(hits[-1]) + 1
-    take = min(m, size - (pos + n))
-    if take < n:
-        return []
-    return history[pos + n:pos + n + take].tolist()
-
-
-_MUL = 6364136223846793005
-_MASK = (1 << 64) - 1
-
-
-class NgramModTable:
-    """llama-server's ngram-mod table: a hash of each n-gram (the polynomial of its tokens with
-    llama.cpp's multiplier, mod 2^64, mod the table's size) gives the token that last followed it;
-    EMPTY (-1) where none did. Fixed size: 4 Mi entries, as llama.cpp's."""
-
-    EMPTY = -1
-
-    def __init__(self, n: int, size: int = 4 * 1024 * 1024):
-        self.n = n
-        self.entries = np.full(size, self.EMPTY, dtype=np.int32)
-        self.used = 0
-        self._pow = pow(_MUL, n - 1, 1 << 64)  # the weight of a window's first token, for rolling
-
-    def reset(self) -> None:
-        self.entries.fill(self.EMPTY)
-        self.used = 0
-
-    def add_all(self, tokens: np.ndarray, start: int, stop: int) -> None:
-        """Adds the n-grams starting at start..stop-1 of `tokens`, each followed by the token after
-        it (in order: a later n-gram with the same hash wins, as llama.cpp's loop)."""
-        if stop <= start:
-            return
-        t = tokens.astype(np.uint64)
-        h = np.zeros(stop - start, dtype=np.uint64)
-        mul = np.uint64(_MUL)
-        with np.errstate(over="ignore"):
-            for i in range(self.n):
-                h = h * mul + t[start + i:stop + i]
-        idx = (h % np.uint64(self.entries.shape[0])).astype(np.int64)
-        values = tokens[start + self.n:stop + self.n]
-        # the last write of each index wins
-        last, first = np.unique(idx[::-1], return_index=True)
-        chosen = values[::-1][first]
-        self.used += int((self.entries[last] == self.EMPTY).sum())
-        self.entries[last] = chosen
-
-    def draft(self, key: list[int], n_max: int) -> list[int]:
-        """Follows the table from `key` (n tokens): each token found extends the key by one."""
-        size = self.entries.shape[0]
-        h = 0
-        for tok in key:
-            h = (h * _MUL + tok) & _MASK
-        window = list(key)
-        out: list[int] = []
-        for _ in range(n_max):
-            token = int(self.entries[h % size])
-            if token == self.EMPTY:
-                break
-            out.append(token)
-            h = ((h - window[len(out) - 1] * self._pow) * _MUL + token) & _MASK
-            window.append(token)
-        return out
-
-
-class _ModSeq:
-    """ngram-mod's record of one request: where its n-grams were added up to, and its streak of
-    poorly accepted drafts."""
-    __slots__ = ("task_id", "i_last", "n_low")
-
-    def __init__(self, task_id: int) -> None:
-        self.task_id = task_id
-        self.i_last = 0
-        self.n_low = 0
 
 
 class Drafter:
@@ -148,7 +79,9 @@ class Drafter:
     (the scheduler then trims them to the step's room); after it, `accepted` learns how much of
     a slot's draft was kept."""
 
-    def draft(self, slots: list[Slot]) -> None:
+    def draft(self, slots: list[Slot], afford: Optional[Callable[[list[Slot]], list[Slot]]] = None) -> None:
+        """Sets the drafts of `slots`; a drafter that must first catch up with a slot's tokens drafts
+        only for those `afford` keeps (SpecControl.affordable)."""
         raise NotImplementedError
 
     def accepted(self, slot: Slot, n_drafted: int, n_accepted: int) -> None:
@@ -181,70 +114,33 @@ def draft_limit(slot: Slot, n_max: int, n_min: int) -> tuple[int, int]:
     return (limit, fewest) if limit >= fewest else (0, 0)
 
 
-class NgramDrafter(Drafter):
-    """Drafts from each sequence's own tokens (ngram-simple or ngram-mod)."""
+class ChainDrafter(Drafter):
+    """n-gram drafts first, then a draft model for the slots none of them drafted for (llama-server's
+    order of types: the draft model last)."""
 
-    def __init__(self, config: SpecConfig):
-        config.validate()
-        self.config = config
-        self.table = NgramModTable(config.mod_n_match) if config.kind == "ngram-mod" else None
-        self._mod: dict[int, _ModSeq] = {}  # slot id -> its request's record
+    def __init__(self, ngrams: Drafter, model: Drafter):
+        self.ngrams, self.model = ngrams, model
+        self._by_model: set[int] = set()  # slots the model drafted for this step
 
-    def draft(self, slots: list[Slot]) -> None:
-        for slot in slots:
-            slot.draft = self.propose(slot)
+    @property
+    def catch_up_s_per_token(self) -> float:  # type: ignore[override]
+        return self.model.catch_up_s_per_token
 
-    def propose(self, slot: Slot) -> list[int]:
-        cfg = self.config
-        limit, fewest = draft_limit(slot, cfg.n_max, cfg.n_min)
-        if not limit:
-            return []
-        task = slot.task
-        assert task is not None
-        history = np.asarray(slot.cache_tokens, dtype=np.int32)
-        if self.table is not None:
-            draft = self._mod_draft(slot, task.id, history)
-        else:
-            draft = ngram_simple_draft(history, slot.next_token, cfg.ngram_n, cfg.ngram_m)
-        draft = draft[:limit]
-        return draft if len(draft) >= fewest else []
-
-    def _mod_draft(self, slot: Slot, task_id: int, history: np.ndarray) -> list[int]:
-        table, cfg = self.table, self.config
-        assert table is not None
-        n = table.n
-        seq = self._mod.get(slot.id)
-        if seq is None or seq.task_id != task_id:  # a new request: its prompt's n-grams go in first
-            seq = self._mod[slot.id] = _ModSeq(task_id)
-            prompt = np.asarray(slot.prompt, dtype=np.int32)
-            if len(prompt) >= n:
-                table.add_all(prompt, 0, len(prompt) - n)
-                seq.i_last = len(prompt) - n
-                if table.used > 0.25 * table.entries.shape[0]:
-                    table.reset()
-        cur = len(history)
-        if cur < n:
-            return []
-        if seq.i_last + 32 < cur:  # the generated tokens' n-grams, in chunks
-            table.add_all(history, seq.i_last, cur - n)
-            seq.i_last = cur - n
-        draft = table.draft(history[cur - n + 1:].tolist() + [slot.next_token], cfg.mod_n_max)
-        return draft if len(draft) >= cfg.mod_n_min else []
+    def draft(self, slots: list[Slot], afford: Optional[Callable[[list[Slot]], list[Slot]]] = None) -> None:
+        self.ngrams.draft(slots)
+        rest = [slot for slot in slots if not slot.draft]
+        self.model.draft(rest, afford)
+        self._by_model = {slot.id for slot in rest if slot.draft}
 
     def accepted(self, slot: Slot, n_drafted: int, n_accepted: int) -> None:
-        """ngram-mod: five drafts in a row of which under a quarter was accepted empty the table
-        (llama.cpp's rule), as its entries then mislead more than they help."""
-        seq = self._mod.get(slot.id)
-        if self.table is None or seq is None or n_drafted <= 0:
-            return
-        if n_accepted < 0.25 * n_drafted:
-            seq.n_low += 1
-            if seq.n_low >= 5:
-                self.table.reset()
-                seq.n_low = 0
-                seq.i_last = 0
-        else:
-            seq.n_low = 0
+        (self.model if slot.id in self._by_model else self.ngrams).accepted(slot, n_drafted, n_accepted)
+
+    def behind(self, slot: Slot) -> int:
+        return self.model.behind(slot)
+
+    def close(self) -> None:
+        self.ngrams.close()
+        self.model.close()
 
 
 def verify(slot: Slot, logits: np.ndarray, sampler: BatchSampler,

@@ -40,10 +40,11 @@ from ..util.loop import install_uvloop
 from .options import (apply_settings, build_parser, check_args, default_constraint, lock_memory,  # noqa: F401
                       default_stop, log_accepted, log_level, lora_adapters, parse_args, resolve, router_mode,
                       sampling_defaults,
-                      spec_config, template_kwargs)
+                      spec_config, spec_kinds, template_kwargs)
 from ..batching.scheduler import EXACT_ROWS
 from ..batching.draft_model import ModelDrafter, open_draft_model
-from ..batching.speculative import Drafter, NgramDrafter, SpecConfig
+from ..batching.ngram_drafts import NgramDrafter, spec_summary
+from ..batching.speculative import ChainDrafter, Drafter, SpecConfig
 from .params import check_generation_defaults, set_default_constraint, set_generation_defaults
 from ..batching.prompt_cache import PromptCache
 from .reconnect import PeerReconnector
@@ -54,16 +55,19 @@ from .split_check import SplitCheck, check_interval
 log = logging.getLogger("pyllama.server")
 
 
-def make_drafter(args, spec: SpecConfig, draft_engine, n_ctx: int, n_seq: int) -> "Drafter | None":
-    """A group's drafter: the draft model's own context (-md), n-gram drafts (--spec-type), or none."""
-    if draft_engine is not None:
-        type_k = CACHE_TYPES[args.cache_type_k_draft or args.cache_type_k]
-        type_v = CACHE_TYPES[args.cache_type_v_draft or args.cache_type_v]
-        ctx = draft_engine.new_context(args.ctx_size_draft or n_ctx, n_seq, args.batch_size, args.ubatch_size,
-                                       args.kv_unified, type_k, type_v)
-        return ModelDrafter(ctx, 3 if args.spec_draft_n_max is None else args.spec_draft_n_max, args.spec_draft_n_min,
-                            args.spec_draft_p_min)
-    return NgramDrafter(spec) if spec.enabled else None
+def make_drafter(args, spec: SpecConfig, draft_engine, n_ctx: int, n_seq: int, n_vocab: int) -> "Drafter | None":
+    """A group's drafter: n-gram drafts (--spec-type), the draft model's own context (-md), both (the
+    n-grams asked first), or none."""
+    ngrams = NgramDrafter(spec, n_vocab) if spec.enabled else None
+    if draft_engine is None:
+        return ngrams
+    type_k = CACHE_TYPES[args.cache_type_k_draft or args.cache_type_k]
+    type_v = CACHE_TYPES[args.cache_type_v_draft or args.cache_type_v]
+    ctx = draft_engine.new_context(args.ctx_size_draft or n_ctx, n_seq, args.batch_size, args.ubatch_size,
+                                   args.kv_unified, type_k, type_v)
+    model = ModelDrafter(ctx, 3 if args.spec_draft_n_max is None else args.spec_draft_n_max, args.spec_draft_n_min,
+                         args.spec_draft_p_min)
+    return model if ngrams is None else ChainDrafter(ngrams, model)
 
 
 def load(state: ServerState) -> None:
@@ -114,19 +118,18 @@ def load(state: ServerState) -> None:
     state.groups = []
     n_ctx_slot = 0
     spec = spec_config(args)
-    state.spec_type = spec.kind
+    state.spec_type = ",".join(spec_kinds(args)) or "none"
     draft_engine = None
+    if spec.enabled:
+        log.info("speculative decoding: %s, verified in steps of at most %d rows%s", spec_summary(spec), EXACT_ROWS,
+                 f", at most {spec.n_max} tokens a draft" if spec.n_max >= 0 else "")
     if args.model_draft:
         draft_engine = open_draft_model(args.model_draft, engine.tokenizer, args.threads_draft or args.threads)
-        state.draft_engine, state.spec_type = draft_engine, "draft-simple"
+        state.draft_engine = draft_engine
         n_draft = 3 if args.spec_draft_n_max is None else args.spec_draft_n_max
-        log.info("speculative decoding: draft model %s on the local CPU, %d tokens a step (p_min %.2f), verified "
-                 "in steps of at most %d rows", args.model_draft, n_draft, args.spec_draft_p_min, EXACT_ROWS)
-    elif spec.enabled:
-        sizes = (f"n = {spec.ngram_n}, m = {spec.ngram_m}" if spec.kind == "ngram-simple" else
-                 f"n_match = {spec.mod_n_match}, n_min = {spec.mod_n_min}, n_max = {spec.mod_n_max}")
-        log.info("speculative decoding: %s (%s%s), verified in steps of at most %d rows", spec.kind, sizes,
-                 f", at most {spec.n_max} a step" if spec.n_max >= 0 else "", EXACT_ROWS)
+        log.info("speculative decoding: draft model %s on the local CPU%s, %d tokens a step (p_min %.2f), verified "
+                 "in steps of at most %d rows", args.model_draft, " after the n-gram drafts" if spec.enabled else "",
+                 n_draft, args.spec_draft_p_min, EXACT_ROWS)
     for g in range(n_groups):
         ctx = engine.new_context(ctx_group, seq_group, args.batch_size, args.ubatch_size, args.kv_unified,
                                  type_k, type_v)
@@ -143,7 +146,8 @@ def load(state: ServerState) -> None:
         state.groups.append(PipelineGroup(g, ctx, slots, engine.tokenizer, state.metrics, on_free=lambda s: None,
                                           n_threads=1, backend_sampling=backend_sampling,
                                           context_shift=args.context_shift, pooling=state.pooling,
-                                          drafter=make_drafter(args, spec, draft_engine, ctx_group, seq_group)))
+                                          drafter=make_drafter(args, spec, draft_engine, ctx_group, seq_group,
+                                                               hp.n_vocab)))
 
     if args.warmup:
         warm_up(state.groups, engine.tokenizer)

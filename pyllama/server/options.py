@@ -30,7 +30,7 @@ from ..util.errors import PyllamaError
 from ..models.gguf_file import kv_override_arg
 from ..models.hparams import add_rope_args
 from ..batching.sampling import SamplingParams, parse_samplers
-from ..batching.speculative import SPEC_TYPES, SpecConfig
+from ..batching.speculative import NGRAM_TYPES, SPEC_TYPES, NgramMapSizes, SpecConfig
 from ..runtime.placement.chunk import QUANT_PIPELINE_CHUNK
 from .params import parse_logit_bias
 
@@ -62,8 +62,7 @@ UNSUPPORTED: dict[str, str] = {
     "--spec-replace": "pyllama does not translate between vocabularies: the draft model must share the target's",
     **{f: _DRAFT for f in ("--draft-p-split", "-hfd", "-hfrd", "--hf-repo-draft", "-otd",
                            "--override-tensor-draft", "-cmoed", "--cpu-moe-draft", "-ncmoed", "--n-cpu-moe-draft",
-                           "--mtp", "--dflash", "--eagle3", "--lookup-cache-static", "-lcs",
-                           "--lookup-cache-dynamic", "-lcd", "-Cd", "--cpu-mask-draft", "-Crd", "--cpu-range-draft",
+                           "--mtp", "--dflash", "--eagle3", "-Cd", "--cpu-mask-draft", "-Crd", "--cpu-range-draft",
                            "--cpu-strict-draft", "--prio-draft", "--poll-draft", "-Cbd", "--cpu-mask-batch-draft",
                            "--cpu-strict-batch-draft", "--prio-batch-draft", "--poll-batch-draft",
                            "--no-spec-draft-backend-sampling")},
@@ -119,17 +118,14 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def spec_types(text: str) -> str:
-    """--spec-type: llama-server takes a comma-separated list; pyllama drafts by n-grams only."""
+def spec_types(text: str) -> tuple[str, ...]:
+    """--spec-type: a comma-separated list, as llama-server takes it; `none` alone or dropped."""
     kinds = [k.strip() for k in text.split(",") if k.strip()] or ["none"]
     for kind in kinds:
         if kind not in SPEC_TYPES + ("draft-simple",):
             raise argparse.ArgumentTypeError(f"'{kind}': not a type pyllama drafts with (types: "
                                              f"{', '.join(SPEC_TYPES)}, draft-simple with -md)")
-    kinds = [k for k in kinds if k != "none"]
-    if len(kinds) > 1:
-        raise argparse.ArgumentTypeError(f"'{text}': one type at a time")
-    return kinds[0] if kinds else "none"
+    return tuple(dict.fromkeys(k for k in kinds if k != "none"))
 
 
 def _flash_attn(text: str) -> str:
@@ -341,21 +337,42 @@ def build_parser() -> Parser:
       help="run every request's sampler chain on the device that holds the output layer (local or an rpc "
            "server that supports it): only token ids come back instead of the logits; default: on when "
            "the output layer is on an rpc server that supports it, off when it is local")
-    a("--spec-type", type=spec_types, default="none", llama_env="LLAMA_ARG_SPEC_TYPE",
-      help="speculative decoding: none; ngram-simple (a sequence drafts the tokens that followed the last earlier "
-           "occurrence of its last n tokens) or ngram-mod (a table of the n-grams seen gives the token that followed "
-           "each, followed from the last n tokens); a step verifies the draft after the sampled token and keeps the "
+    a("--spec-type", type=spec_types, default=(), llama_env="LLAMA_ARG_SPEC_TYPE",
+      help="speculative decoding, a comma-separated list of: none; draft-simple (a draft model, -md, which "
+           "implies it); ngram-simple (a sequence drafts the tokens that followed the last earlier occurrence of its "
+           "last n tokens); ngram-map-k (the same from a map of its n-grams, cut to what the key's last draft had "
+           "accepted); ngram-map-k4v (the most frequent of up to 4 m-grams that followed the key); ngram-mod (a table "
+           "of the n-grams seen gives the token that followed each, followed from the last n tokens); ngram-cache "
+           "(counts of what followed each 1- to 4-gram, with -lcs/-lcd). Each sequence takes the draft of the "
+           "first type, in that order, that has one; a step verifies it after the sampled token and keeps the "
            "tokens its sampler agrees with")
+    a("--spec-default", action="store_true", llama_env=None,
+      help="ngram-mod with n-match 24, n-min 48, n-max 64, as llama-server's default speculative configuration")
     a("--spec-ngram-simple-size-n", type=int_at_least(1), default=12, llama_env=None,
       help="ngram-simple: the n-gram looked up in the sequence's tokens")
     a("--spec-ngram-simple-size-m", type=int_at_least(1), default=48, llama_env=None,
       help="ngram-simple: at most this many tokens that followed it are drafted")
+    a("--spec-ngram-simple-min-hits", type=int_at_least(1), default=1, llama_env=None,
+      help="accepted; ngram-simple drafts on the first hit (as llama-server's, which reads it for nothing)")
+    for name in ("map-k", "map-k4v"):
+        a(f"--spec-ngram-{name}-size-n", type=int_at_least(1), default=12, llama_env=None,
+          help=f"ngram-{name}: the n-gram (key) looked up in the sequence's tokens")
+        a(f"--spec-ngram-{name}-size-m", type=int_at_least(1), default=48, llama_env=None,
+          help=f"ngram-{name}: the m-gram drafted after it")
+        a(f"--spec-ngram-{name}-min-hits", type=int_at_least(1), default=1, llama_env=None,
+          help=f"ngram-{name}: the key's occurrences before it drafts" +
+               (" (llama-server's ngram-map-k reads it for nothing, as here)" if name == "map-k" else ""))
     a("--spec-ngram-mod-n-match", type=int_at_least(1), default=24, llama_env=None,
       help="ngram-mod: the n-gram whose hash looks up the token that followed it")
     a("--spec-ngram-mod-n-min", type=int_at_least(0), default=48, llama_env=None,
       help="ngram-mod: a shorter draft is dropped")
     a("--spec-ngram-mod-n-max", type=int_at_least(1), default=64, llama_env=None,
       help="ngram-mod: at most this many tokens drafted")
+    a("-lcs", "--lookup-cache-static", dest="lookup_cache_static", default=None, metavar="FNAME", llama_env=None,
+      help="ngram-cache: a static lookup cache (bigrams of a corpus, llama.cpp's file layout; written by "
+           "python -m pyllama.batching.lookup_cache --static)")
+    a("-lcd", "--lookup-cache-dynamic", dest="lookup_cache_dynamic", default=None, metavar="FNAME", llama_env=None,
+      help="ngram-cache: a dynamic lookup cache (1- to 4-grams of earlier generations), read, not updated")
     a("--spec-draft-n-max", "--draft-max", "--draft-n", "--draft", dest="spec_draft_n_max", type=int_at_least(0),
       default=None, llama_env="LLAMA_ARG_SPEC_DRAFT_N_MAX",
       help="tokens the draft model drafts per step (default 3); with n-gram drafts, a cap (default none)")
@@ -604,8 +621,10 @@ def build_parser() -> Parser:
 
 
 # the --spec-* flags pyllama has (the others fall under UNSUPPORTED_PREFIXES)
-SPEC_FLAGS = frozenset(("--spec-type", "--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m",
-                        "--spec-ngram-mod-n-match", "--spec-ngram-mod-n-min", "--spec-ngram-mod-n-max",
+SPEC_FLAGS = frozenset(("--spec-type", "--spec-default", "--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m",
+                        "--spec-ngram-simple-min-hits", "--spec-ngram-map-k-size-n", "--spec-ngram-map-k-size-m",
+                        "--spec-ngram-map-k-min-hits", "--spec-ngram-map-k4v-size-n", "--spec-ngram-map-k4v-size-m",
+                        "--spec-ngram-map-k4v-min-hits", "--spec-ngram-mod-n-match", "--spec-ngram-mod-n-min", "--spec-ngram-mod-n-max",
                         "--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-model", "--spec-draft-p-min",
                         "--spec-draft-device", "--spec-draft-ngl", "--spec-draft-threads", "--spec-draft-threads-batch",
                         "--spec-draft-type-k", "--spec-draft-type-v"))
@@ -723,20 +742,41 @@ def default_constraint(args) -> Optional["ConstraintSpec"]:
     return spec
 
 
+def spec_kinds(args) -> tuple[str, ...]:
+    """The speculative types asked for: --spec-type's, with ngram-mod for --spec-default and
+    draft-simple wherever a draft model is given."""
+    kinds = list(args.spec_type)
+    if getattr(args, "spec_default", False) and "ngram-mod" not in kinds:
+        kinds.append("ngram-mod")
+    if args.model_draft and "draft-simple" not in kinds:
+        kinds.append("draft-simple")
+    return tuple(kinds)
+
+
 def spec_config(args) -> SpecConfig:
-    """The server's n-gram drafts from its flags (kind "none" with a draft model or none)."""
-    kind = "none" if args.model_draft or args.spec_type == "draft-simple" else args.spec_type
-    return SpecConfig(kind=kind, ngram_n=args.spec_ngram_simple_size_n, ngram_m=args.spec_ngram_simple_size_m,
-                      mod_n_match=args.spec_ngram_mod_n_match, mod_n_min=args.spec_ngram_mod_n_min,
-                      mod_n_max=args.spec_ngram_mod_n_max,
+    """The server's n-gram drafts from its flags (in llama-server's order of asking; the draft model,
+    if any, is asked after them)."""
+    kinds = spec_kinds(args)
+    if getattr(args, "spec_default", False):
+        match, lo, hi = 24, 48, 64
+    else:
+        match, lo, hi = args.spec_ngram_mod_n_match, args.spec_ngram_mod_n_min, args.spec_ngram_mod_n_max
+    return SpecConfig(kinds=tuple(k for k in NGRAM_TYPES if k in kinds),
+                      ngram_n=args.spec_ngram_simple_size_n, ngram_m=args.spec_ngram_simple_size_m,
+                      map_k=NgramMapSizes(args.spec_ngram_map_k_size_n, args.spec_ngram_map_k_size_m,
+                                          args.spec_ngram_map_k_min_hits),
+                      map_k4v=NgramMapSizes(args.spec_ngram_map_k4v_size_n, args.spec_ngram_map_k4v_size_m,
+                                            args.spec_ngram_map_k4v_min_hits),
+                      mod_n_match=match, mod_n_min=lo, mod_n_max=hi,
+                      lookup_static=args.lookup_cache_static or "", lookup_dynamic=args.lookup_cache_dynamic or "",
                       n_max=-1 if args.spec_draft_n_max is None else args.spec_draft_n_max, n_min=args.spec_draft_n_min)
 
 
 def check_spec_args(args) -> None:
-    """The draft model's flags against the others: one draft type at a time, a local draft."""
+    """The draft model's flags against the others: a local draft; draft-simple needs a model; the
+    lookup caches are read by ngram-cache only."""
+    kinds = spec_kinds(args)
     if args.model_draft:
-        if args.spec_type not in ("none", "draft-simple"):
-            raise PyllamaError(f"-md with --spec-type {args.spec_type}: one draft type at a time")
         if args.device_draft not in (None, "none", "CPU", "cpu"):
             raise PyllamaError(f"-devd {args.device_draft}: the draft model runs on the local CPU (CPU or none)")
         if not 0.0 <= args.spec_draft_p_min <= 1.0:
@@ -744,8 +784,13 @@ def check_spec_args(args) -> None:
         for flag, value in (("-td", args.threads_draft), ("-tbd", args.threads_batch_draft)):
             if value is not None and value < 0:
                 raise PyllamaError(f"{flag} {value}: must be 0 (all cores) or more")
-    elif args.spec_type == "draft-simple":
+    elif "draft-simple" in kinds:
         raise PyllamaError("--spec-type draft-simple needs a draft model (-md FILE)")
+    if (args.lookup_cache_static or args.lookup_cache_dynamic) and "ngram-cache" not in kinds:
+        raise PyllamaError("-lcs/-lcd: the lookup caches are read by --spec-type ngram-cache only")
+    for flag, path in (("-lcs", args.lookup_cache_static), ("-lcd", args.lookup_cache_dynamic)):
+        if path and not os.path.isfile(path):
+            raise PyllamaError(f"{flag} {path}: no such file")
 
 
 def router_mode(args) -> bool:

@@ -217,6 +217,39 @@ def test_magistral_ids_are_nine_characters():
     assert len(cid) == 9 and cid.isalnum()
 
 
+def _read_with_tools(family: str, text: str, tools: list[dict]) -> list[tuple]:
+    """(content, calls) of the reply read whole, streamed by character and in random pieces, with
+    the request's tools."""
+    rng = random.Random(len(text))
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 7)))
+    readings = []
+    for pieces in ([text], list(text), [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]):
+        s = ToolCallStream(family, True, tools)
+        deltas = [d for p in pieces for d in s.feed(p)] + s.finish()
+        content, calls = s.message()
+        d_content, d_calls = _merge(deltas)
+        assert d_content == (content or "") and [c["name"] for c in d_calls] == [c["function"]["name"] for c in calls]
+        readings.append((content, _calls(calls)))
+    return readings
+
+
+# llama-server's Magistral parser: the text up to the first [TOOL_CALLS] is the content, then come
+# calls of the request's tools, each right after the one before; whatever follows them is dropped
+@pytest.mark.parametrize("text, content, calls", [
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}\nDone.', None, [WEATHER]),
+    ("Let me check.[TOOL_CALLS]get_time[ARGS]{}", "Let me check.", []),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', None, [WEATHER]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"} and [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None,
+     [WEATHER]),
+    ("Hi [TOOL_CALLS] not a call", "Hi", []),
+    ('Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "Sure.",
+     [WEATHER, WEATHER]),
+])
+def test_magistral_reads_listed_calls_up_to_the_first_other_text(text, content, calls):
+    for reading in _read_with_tools("magistral", text, [TOOL]):
+        assert reading == (content, calls)
+
+
 @pytest.mark.parametrize("family", sorted(MORE_TEMPLATES))
 def test_detect_family_from_template(family):
     assert detect_family(MORE_TEMPLATES[family]) == family

@@ -287,9 +287,49 @@ class _Apertus(_JsonList):
 
 
 class _Magistral(_Mistral):
-    """The mistral family's calls, each after its own ``[TOOL_CALLS]``; its thinking in ``[THINK]``."""
+    """The mistral family's calls, each after its own ``[TOOL_CALLS]``; its thinking in ``[THINK]``.
+
+    Read as llama-server's Magistral parser reads them: the content is the text before the first
+    ``[TOOL_CALLS]``; from there only calls of the request's tools count, each right after the one
+    before, and the rest of the reply (text after the calls, or a marker that starts no such call)
+    is dropped, as that parser stops there without reading to the end."""
 
     name = "magistral"
+
+    def __init__(self, names: Optional[frozenset[str]] = None) -> None:
+        self.names = names  # None: any name (no request to check against)
+
+    def bind(self, tools: Optional[list[dict]], reasoning_format: str, read_calls: bool) -> "_Magistral":
+        if tools is None:
+            return self
+        return _Magistral(frozenset(t["function"]["name"] for t in tools
+                                    if isinstance(t, dict) and isinstance(t.get("function"), dict)))
+
+    def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
+        part = super().at_marker(s, i, marker, final, memo)
+        if self.names is not None and any(c.name not in self.names for c in part.calls):
+            return _Part(BAD, part.end, [])
+        return part
+
+    def read(self, text: str, final: bool, parallel: bool, memo: Optional[_Memo], calls: bool = True) -> Snapshot:
+        marker = self.markers[0]
+        first = _find(text, marker, 0, memo) if calls else -1
+        if first < 0:
+            if not final and calls:
+                held = _held_marker_prefix(text, self.markers)
+                text = (text[:len(text) - held] if held else text).rstrip()
+            return Snapshot(text, [])
+        found: list[ToolCall] = []
+        pos = first
+        while text.startswith(marker, pos):
+            part = self.at_marker(text, pos, marker, final, memo)
+            if part.status == BAD:
+                break
+            found += part.calls
+            if part.status == PARTIAL:
+                break
+            pos = part.end
+        return Snapshot(text[:first].rstrip(), _limit(found, parallel))
 
 
 _FN_NAME = re.compile(r"[^\s<>\"{}]{1,256}")

@@ -17,6 +17,7 @@ command-r7b    ``<|START_ACTION|>`` (no ``<|START_TEXT|>``) ``<|START_THINKING|>
                                                           ``<|START_RESPONSE|>text<|END_RESPONSE|>``
 granite        ``<|tool_call|>``                           ``<|tool_call|>[{"name": N, "arguments": A}]``,
                                                           ``<think>..</think><response>..</response>``
+                                                          (the response markers stay in the content)
 seed-oss       ``<seed:tool_call>``                        ``<seed:think>..</seed:think>``, ``<seed:tool_call>
                                                           <function=N><parameter=P>V</parameter>
                                                           </function></seed:tool_call>``
@@ -95,7 +96,7 @@ def reads_content(family: Optional[str]) -> bool:
     return family in _READS_CONTENT
 
 
-_READS_CONTENT = frozenset(("functionary-v3.2", "command-r7b", "granite"))
+_READS_CONTENT = frozenset(("functionary-v3.2", "command-r7b"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,9 +257,12 @@ class _JsonList(_Marked):
 
 
 class _Granite(_JsonList):
+    """Granite 3.3's ``<response>`` markers are left in the content, as llama-server leaves them:
+    its parser takes Granite's content as wrapped only after a thinking, a reading it does not
+    apply, so the markers come through as text."""
+
     name = "granite"
     markers = ("<|tool_call|>",)
-    wrappers = ("<response>", "</response>")
 
 
 class _Nemotron2(_JsonList):

@@ -46,9 +46,15 @@ CASES = [
      [("get_weather", {"city": "Paris"})]),
     ("llama3", '{"type": "function", "name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', None,
      [("f", {"a": 1}), ("g", {})]),
-    ("llama3", '<|python_tag|>brave_search.call(query="weather in Paris")', None,
-     [("brave_search", {"query": "weather in Paris"})]),
-    ("llama3", '<|python_tag|>print(6 * 7)', None, [("python", {"code": "print(6 * 7)"})]),
+    # <|python_tag|> is text to llama-server's reading of Llama 3 templates (whose calls are bare
+    # objects): a call after it is read as after any text, and built-in tool calls or code are not calls
+    ("llama3", 'Let me check.<|python_tag|>{"name": "f", "parameters": {}}', "Let me check.<|python_tag|>",
+     [("f", {})]),
+    ("llama3", '<|python_tag|>{"name": "f", "parameters": {}}', "<|python_tag|>", [("f", {})]),
+    ("llama3", '<|python_tag|>brave_search.call(query="weather in Paris")',
+     '<|python_tag|>brave_search.call(query="weather in Paris")', []),
+    ("llama3", '<|python_tag|>print(6 * 7)', '<|python_tag|>print(6 * 7)', []),
+    ("llama3", 'Done.<|python_tag|>', 'Done.<|python_tag|>', []),
     ("llama3", '{"answer": 42}', '{"answer": 42}', []),
     # a call after text, when the calls end the reply (llama-server reads the text up to the
     # first object as content, and the calls from there)

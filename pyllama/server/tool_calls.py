@@ -10,7 +10,8 @@ family   recognised by (in the template source)            what the model writes
 deepseek ``<｜tool▁calls▁begin｜>``                         ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>``
                                                            ``function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```...``
                                                            (R1) or ``NAME<｜tool▁sep｜>ARGS`` (V3.1)
-hermes   ``<tool_call>`` (Hermes 2/3, Qwen 2.5/3, ...)     ``<tool_call>{"name": N, "arguments": A}</tool_call>``
+hermes   ``<tool_call>`` (Hermes 2/3, Qwen 2.5/3, ...)     ``<tool_call>\\n{"name": N, "arguments": A}</tool_call>``
+                                                           (the newline after ``<tool_call>`` is required)
 mistral  ``[TOOL_CALLS]``                                  ``[TOOL_CALLS][{"name": N, "arguments": A, "id": I}]``
                                                            or ``[TOOL_CALLS]NAME[ARGS]ARGS``
 llama3   ``<|start_header_id|>ipython<|end_header_id|>``   ``{"name": N, "parameters": A}`` at the start of
@@ -583,11 +584,20 @@ class _Family:
 
 
 class _Hermes(_Family):
+    """``<tool_call>``, a newline, then the call object: the newline is part of the opening marker,
+    as the family's templates write it and llama-server's parser, derived from them, takes it (a
+    ``<tool_call>`` without it starts no call)."""
+
     name = "hermes"
     markers = ("<tool_call>",)
 
     def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
-        j = _skip_ws(s, i + len(marker))
+        k = i + len(marker)
+        if k >= len(s):
+            return _Part(BAD if final else PARTIAL, len(s), [])
+        if s[k] != "\n":
+            return _Part(BAD, k, [])
+        j = _skip_ws(s, k + 1)
         if j >= len(s):
             return _Part(BAD if final else PARTIAL, len(s), [])
         if s[j] != "{":

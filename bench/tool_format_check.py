@@ -106,6 +106,8 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n" + _hermes_call(_CITY)),
         ("text, call", "Let me check.\n" + _hermes_call(_CITY)),
         ("call, text", _hermes_call(_CITY) + "\nDone."),
+        # no newline after <tool_call>: no call to either server (the newline is part of the
+        # opening marker its templates write)
         ("parallel, no newlines", _hermes_call(_TWO[0]).replace("\n", "") + _hermes_call(_TWO[1]).replace("\n", "")),
         ("unlisted tool", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
     ],
@@ -137,6 +139,9 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("think, call", f"{_THOUGHT}</think>{_DS[0]}{_ds_call(_CITY)}{_DS[4]}"),
         ("text, call", f"{_THOUGHT}\n</think>\n\nLet me check.{_DS[0]}{_ds_call(_CITY)}{_DS[4]}"),
     ],
+    # llama-server has no generic format: a template that shows no calls gets its content-only
+    # parser, so these JSON replies stay text there (and a required call is refused), while
+    # pyllama reads them as its own generic format, which its required-call grammar writes
     "generic": [
         ("plain", '{"response": "It is sunny in Paris."}'),
         ("one call", '{"tool_call": ' + _named("arguments", _CITY) + "}"),
@@ -144,6 +149,9 @@ KNOWN: dict[str, list[tuple[str, str]]] = {
         ("think, call", f"<think>\n{_THOUGHT}\n</think>\n\n" + '{"tool_calls": [' + _named("arguments", _CITY) + "]}"),
         ("bare text", "It is sunny in Paris."),
     ],
+    # llama-server's Functionary v3.2 parser reads content up to a ">>>" but never the ">>>"
+    # itself, so it reads a call only at the very start of a reply: text then a call stays
+    # content there (and so would a second call), which pyllama reads as the format intends
     "functionary-v3.2": [
         ("plain", "all\nIt is sunny in Paris."),
         ("one call", "get_weather\n" + _CITY),

@@ -34,21 +34,35 @@ def ds_r1(name: str, args: str) -> str:
 CASES = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      None, [("get_weather", {"city": "Paris"})]),
-    ("hermes", 'Let me look.\n<tool_call>{"name": "a", "arguments": {"x": [1, {"y": "}"}]}}</tool_call>\n'
-               '<tool_call>{"name": "b", "arguments": {}}</tool_call>',
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "a", "arguments": {"x": [1, {"y": "}"}]}}</tool_call>\n'
+               '<tool_call>\n{"name": "b", "arguments": {}}</tool_call>',
      "Let me look.", [("a", {"x": [1, {"y": "}"}]}), ("b", {})]),
     ("hermes", 'no call here, just <tool text', "no call here, just <tool text", []),
     ("hermes", 'x <tool_call>{"name": f, "arguments": {}}</tool_call>',
      'x <tool_call>{"name": f, "arguments": {}}</tool_call>', []),
     ("hermes", 'x <tool_call>[1, 2]</tool_call>', 'x <tool_call>[1, 2]</tool_call>', []),
-    ("hermes", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ("hermes", '<tool_call>\n{"arguments": {}}</tool_call>', '<tool_call>\n{"arguments": {}}</tool_call>', []),
+    # a call opens with <tool_call> and a newline, as the family's templates write it and
+    # llama-server's parser (derived from them) takes it
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {}}</tool_call>', []),
+    ("hermes", 'Hi <tool_call> {"name": "f", "arguments": {}}</tool_call>',
+     'Hi <tool_call> {"name": "f", "arguments": {}}</tool_call>', []),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><tool_call>\n{"name": "g", "arguments": {}}'
+               '\n</tool_call>', None, [("f", {}), ("g", {})]),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
      [("get_weather", {"city": "Paris"})]),
     ("llama3", '{"type": "function", "name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', None,
      [("f", {"a": 1}), ("g", {})]),
-    ("llama3", '<|python_tag|>brave_search.call(query="weather in Paris")', None,
-     [("brave_search", {"query": "weather in Paris"})]),
-    ("llama3", '<|python_tag|>print(6 * 7)', None, [("python", {"code": "print(6 * 7)"})]),
+    # <|python_tag|> is text to llama-server's reading of Llama 3 templates (whose calls are bare
+    # objects): a call after it is read as after any text, and built-in tool calls or code are not calls
+    ("llama3", 'Let me check.<|python_tag|>{"name": "f", "parameters": {}}', "Let me check.<|python_tag|>",
+     [("f", {})]),
+    ("llama3", '<|python_tag|>{"name": "f", "parameters": {}}', "<|python_tag|>", [("f", {})]),
+    ("llama3", '<|python_tag|>brave_search.call(query="weather in Paris")',
+     '<|python_tag|>brave_search.call(query="weather in Paris")', []),
+    ("llama3", '<|python_tag|>print(6 * 7)', '<|python_tag|>print(6 * 7)', []),
+    ("llama3", 'Done.<|python_tag|>', 'Done.<|python_tag|>', []),
     ("llama3", '{"answer": 42}', '{"answer": 42}', []),
     # a call after text, when the calls end the reply (llama-server reads the text up to the
     # first object as content, and the calls from there)
@@ -134,8 +148,8 @@ def _long_args(n: int) -> str:
 ARGS = _long_args(1200)
 LONG_REPLIES = [
     ("hermes", "Let me look. " * 40 + f'<tool_call>\n{{"name": "write", "arguments": {ARGS}}}\n</tool_call>\n'
-               '<tool_call>{"name": "b", "arguments": {}}</tool_call> and then some words.'),
-    ("hermes", "x " * 30 + f'<tool_call>{{"name": "f", "arguments": {ARGS[:-1]}, oops}}}}</tool_call> tail'),
+               '<tool_call>\n{"name": "b", "arguments": {}}</tool_call> and then some words.'),
+    ("hermes", "x " * 30 + f'<tool_call>\n{{"name": "f", "arguments": {ARGS[:-1]}, oops}}}}</tool_call> tail'),
     ("llama3", f'{{"name": "f", "parameters": {ARGS}}}; {{"name": "g", "parameters": {{}}}}'),
     ("llama3", "Here: " * 20 + f'<|python_tag|>{{"name": "f", "parameters": {ARGS}}}'),
     ("mistral", f'[TOOL_CALLS][{{"name": "f", "arguments": {ARGS}, "id": "abcDEF123"}}, '
@@ -215,7 +229,7 @@ def test_long_reply_character_by_character(family, text):
 
 
 def test_arguments_stream_in_fragments_before_the_call_ends():
-    text = '<tool_call>{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}</tool_call>'
+    text = '<tool_call>\n{"name": "write", "arguments": {"text": "' + "abcdefgh" * 8 + '"}}</tool_call>'
     deltas, _ = _stream("hermes", list(text))
     fragments = [tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", []) if "id" not in tc]
     assert len(fragments) > 10  # the arguments grew while the model wrote them
@@ -228,7 +242,7 @@ def test_arguments_that_go_wrong_after_they_began():
     turn out malformed later leave the whole reply as content in the final message (the
     non-streamed one); a stream has already sent the call's start (as llama-server's stream does)
     and then sends the text as content, so that nothing the model wrote is lost."""
-    text = 'x <tool_call>{"name": "f", "arguments": {oops}}</tool_call>'
+    text = 'x <tool_call>\n{"name": "f", "arguments": {oops}}</tool_call>'
     deltas, s = _stream("hermes", list(text))
     assert s.message() == (text, [])
     content, calls = _merge(deltas)
@@ -237,7 +251,7 @@ def test_arguments_that_go_wrong_after_they_began():
 
 
 def test_no_parallel_calls_keeps_the_first():
-    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    text = '<tool_call>\n{"name": "a", "arguments": {}}</tool_call><tool_call>\n{"name": "b", "arguments": {}}</tool_call>'
     _, s = _stream("hermes", list(text), parallel=False)
     assert _calls(s.message()[1]) == [("a", {})]
 

@@ -41,7 +41,11 @@ CASES = [
      '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": 3}]<|END_ACTION|>', []),
     ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                 '{"name": "now", "arguments": {}}]', None, [WEATHER, ("now", {})]),
-    ("granite", "<response>It is sunny.</response>", "It is sunny.", []),
+    # llama-server leaves Granite's response markers in the content (its parser has no reading
+    # for content that is wrapped only after a thinking)
+    ("granite", "<response>It is sunny.</response>", "<response>It is sunny.</response>", []),
+    ("granite", 'Sure. <response>x</response><|tool_call|>[{"name": "now", "arguments": {}}]',
+     "Sure. <response>x</response>", [("now", {})]),
     ("granite", "Plain <|tool_call|> words", "Plain <|tool_call|> words", []),
     ("magistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}', None,
      [WEATHER, ("now", {})]),
@@ -217,6 +221,39 @@ def test_magistral_ids_are_nine_characters():
     assert len(cid) == 9 and cid.isalnum()
 
 
+def _read_with_tools(family: str, text: str, tools: list[dict]) -> list[tuple]:
+    """(content, calls) of the reply read whole, streamed by character and in random pieces, with
+    the request's tools."""
+    rng = random.Random(len(text))
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 7)))
+    readings = []
+    for pieces in ([text], list(text), [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]):
+        s = ToolCallStream(family, True, tools)
+        deltas = [d for p in pieces for d in s.feed(p)] + s.finish()
+        content, calls = s.message()
+        d_content, d_calls = _merge(deltas)
+        assert d_content == (content or "") and [c["name"] for c in d_calls] == [c["function"]["name"] for c in calls]
+        readings.append((content, _calls(calls)))
+    return readings
+
+
+# llama-server's Magistral parser: the text up to the first [TOOL_CALLS] is the content, then come
+# calls of the request's tools, each right after the one before; whatever follows them is dropped
+@pytest.mark.parametrize("text, content, calls", [
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}\nDone.', None, [WEATHER]),
+    ("Let me check.[TOOL_CALLS]get_time[ARGS]{}", "Let me check.", []),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', None, [WEATHER]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"} and [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None,
+     [WEATHER]),
+    ("Hi [TOOL_CALLS] not a call", "Hi", []),
+    ('Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "Sure.",
+     [WEATHER, WEATHER]),
+])
+def test_magistral_reads_listed_calls_up_to_the_first_other_text(text, content, calls):
+    for reading in _read_with_tools("magistral", text, [TOOL]):
+        assert reading == (content, calls)
+
+
 @pytest.mark.parametrize("family", sorted(MORE_TEMPLATES))
 def test_detect_family_from_template(family):
     assert detect_family(MORE_TEMPLATES[family]) == family
@@ -338,13 +375,23 @@ def test_openai_client_reads_tool_calls(family, stream):
     ("functionary-v3.2", "all\nIt is sunny.", "It is sunny."),
     ("command-r7b", "<|START_THINKING|>Easy.<|END_THINKING|><|START_RESPONSE|>It is sunny.<|END_RESPONSE|>",
      "It is sunny."),
-    ("granite", "<think>Easy.</think><response>It is sunny.</response>", "It is sunny."),
 ])
 def test_replies_without_tools_lose_their_markers(family, text, content, stream):
     for body in ({}, {"tools": [TOOL], "tool_choice": "none"}):
         out = scripted_reply(MORE_TEMPLATES[family], body, list(text), stream)
         assert out.choices[0].message.content == content and not out.choices[0].message.tool_calls
         assert out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_granite_keeps_its_response_markers(stream):
+    """As llama-server reads a Granite 3.3 reply: the thinking is taken out, the response markers
+    stay in the content, with tools or without."""
+    text = "<think>Easy.</think><response>It is sunny.</response>"
+    for body in ({}, {"tools": [TOOL]}, {"tools": [TOOL], "tool_choice": "none"}):
+        out = scripted_reply(MORE_TEMPLATES["granite"], body, list(text), stream)
+        assert out.choices[0].message.content == "<response>It is sunny.</response>"
+        assert _reasoning(out.choices[0].message) == "Easy."
 
 
 @pytest.mark.parametrize("family", sorted(MORE_TEMPLATES))

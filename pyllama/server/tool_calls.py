@@ -10,13 +10,13 @@ family   recognised by (in the template source)            what the model writes
 deepseek ``<｜tool▁calls▁begin｜>``                         ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>``
                                                            ``function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```...``
                                                            (R1) or ``NAME<｜tool▁sep｜>ARGS`` (V3.1)
-hermes   ``<tool_call>`` (Hermes 2/3, Qwen 2.5/3, ...)     ``<tool_call>{"name": N, "arguments": A}</tool_call>``
+hermes   ``<tool_call>`` (Hermes 2/3, Qwen 2.5/3, ...)     ``<tool_call>\\n{"name": N, "arguments": A}</tool_call>``
+                                                           (the newline after ``<tool_call>`` is required)
 mistral  ``[TOOL_CALLS]``                                  ``[TOOL_CALLS][{"name": N, "arguments": A, "id": I}]``
                                                            or ``[TOOL_CALLS]NAME[ARGS]ARGS``
 llama3   ``<|start_header_id|>ipython<|end_header_id|>``   ``{"name": N, "parameters": A}`` at the start of
-                                                           the reply, after text when the calls end the
-                                                           reply, or after ``<|python_tag|>`` (also
-                                                           ``tool.call(key="v")`` and bare code there)
+                                                           the reply, or after text when the calls end
+                                                           the reply (``<|python_tag|>`` is text)
 generic  anything else                                     one JSON object: ``{"tool_calls": [...]}``,
                                                            ``{"tool_call": {...}}`` or ``{"response": text}``
 ======== ================================================ =========================================
@@ -59,7 +59,6 @@ DS_CALLS_END = "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN = "<｜tool▁call▁begin｜>"
 DS_CALL_END = "<｜tool▁call▁end｜>"
 DS_SEP = "<｜tool▁sep｜>"
-PYTHON_TAG = "<|python_tag|>"
 
 
 class ToolChoiceError(ValueError):
@@ -585,11 +584,20 @@ class _Family:
 
 
 class _Hermes(_Family):
+    """``<tool_call>``, a newline, then the call object: the newline is part of the opening marker,
+    as the family's templates write it and llama-server's parser, derived from them, takes it (a
+    ``<tool_call>`` without it starts no call)."""
+
     name = "hermes"
     markers = ("<tool_call>",)
 
     def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
-        j = _skip_ws(s, i + len(marker))
+        k = i + len(marker)
+        if k >= len(s):
+            return _Part(BAD if final else PARTIAL, len(s), [])
+        if s[k] != "\n":
+            return _Part(BAD, k, [])
+        j = _skip_ws(s, k + 1)
         if j >= len(s):
             return _Part(BAD if final else PARTIAL, len(s), [])
         if s[j] != "{":
@@ -612,17 +620,18 @@ def _unfinished(c: ToolCall) -> ToolCall:
     return ToolCall(c.name, c.arguments, c.id, done=False)
 
 
-_BUILTIN_CALL = re.compile(r"(\w+)\.call\((.*)\)\s*$", re.S)
-_KWARG = re.compile(r'\s*(\w+)\s*=\s*("(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?|true|false|True|False|None|null)\s*(?:,|$)')
-
-
 # where a call object may begin after text (llama-server reads the text up to it as content)
 _LLAMA3_OBJECTS = ('{"name"', '{"type"')
 
 
 class _Llama3(_Family):
+    """Calls as llama-server reads them with the parser it derives from Llama 3's templates,
+    which show a call as a bare object: ``<|python_tag|>`` is text to it (so it stays in the
+    content, and what follows it is read as after any text: a built-in tool call or code is no
+    call)."""
+
     name = "llama3"
-    markers = (PYTHON_TAG, *_LLAMA3_OBJECTS)
+    markers = _LLAMA3_OBJECTS
     json_at_start = True
 
     def _objects(self, s: str, i: int, final: bool, memo: Optional[_Memo]) -> _Part:
@@ -651,44 +660,14 @@ class _Llama3(_Family):
         return self._objects(s, i, final, memo)
 
     def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
-        if marker in _LLAMA3_OBJECTS:
-            # calls after text count only when they end the reply, so a call shown inside prose
-            # stays prose; which it is is known at the end, and the call is announced only then
-            part = self._objects(s, i, final, memo)
-            if part.status == BAD or (part.status == DONE and _skip_ws(s, part.end) < len(s)):
-                return _Part(BAD, part.end, [])
-            if not final:
-                return _Part(PARTIAL, len(s), [])
-            return part
-        j = _skip_ws(s, i + len(marker))
-        if j < len(s) and s[j] == "{":
-            return self._objects(s, j, final, memo)
-        if not final:  # code or a built-in tool call: read once the reply is complete
+        # calls after text count only when they end the reply, so a call shown inside prose
+        # stays prose; which it is is known at the end, and the call is announced only then
+        part = self._objects(s, i, final, memo)
+        if part.status == BAD or (part.status == DONE and _skip_ws(s, part.end) < len(s)):
+            return _Part(BAD, part.end, [])
+        if not final:
             return _Part(PARTIAL, len(s), [])
-        rest = s[j:].strip()
-        if not rest:
-            return _Part(BAD, j, [])
-        m = _BUILTIN_CALL.match(rest)
-        if m:
-            args = _builtin_kwargs(m.group(2))
-            if args is not None:
-                return _Part(DONE, len(s), [ToolCall(m.group(1), json.dumps(args, ensure_ascii=False))])
-        return _Part(DONE, len(s), [ToolCall("python", json.dumps({"code": rest}, ensure_ascii=False))])
-
-
-def _builtin_kwargs(text: str) -> Optional[dict]:
-    """key="value", key=3 ... of a built-in tool call, or None when it is not that shape."""
-    out: dict[str, Any] = {}
-    pos, text = 0, text.strip()
-    while pos < len(text):
-        m = _KWARG.match(text, pos)
-        if m is None:
-            return None
-        raw = m.group(2)
-        out[m.group(1)] = {"True": True, "False": False, "None": None}.get(raw) if raw in ("True", "False", "None") \
-            else _loads(raw)
-        pos = m.end()
-    return out
+        return part
 
 
 _MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\]")

@@ -17,6 +17,7 @@ command-r7b    ``<|START_ACTION|>`` (no ``<|START_TEXT|>``) ``<|START_THINKING|>
                                                           ``<|START_RESPONSE|>text<|END_RESPONSE|>``
 granite        ``<|tool_call|>``                           ``<|tool_call|>[{"name": N, "arguments": A}]``,
                                                           ``<think>..</think><response>..</response>``
+                                                          (the response markers stay in the content)
 seed-oss       ``<seed:tool_call>``                        ``<seed:think>..</seed:think>``, ``<seed:tool_call>
                                                           <function=N><parameter=P>V</parameter>
                                                           </function></seed:tool_call>``
@@ -95,7 +96,7 @@ def reads_content(family: Optional[str]) -> bool:
     return family in _READS_CONTENT
 
 
-_READS_CONTENT = frozenset(("functionary-v3.2", "command-r7b", "granite"))
+_READS_CONTENT = frozenset(("functionary-v3.2", "command-r7b"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,9 +257,12 @@ class _JsonList(_Marked):
 
 
 class _Granite(_JsonList):
+    """Granite 3.3's ``<response>`` markers are left in the content, as llama-server leaves them:
+    its parser takes Granite's content as wrapped only after a thinking, a reading it does not
+    apply, so the markers come through as text."""
+
     name = "granite"
     markers = ("<|tool_call|>",)
-    wrappers = ("<response>", "</response>")
 
 
 class _Nemotron2(_JsonList):
@@ -287,9 +291,49 @@ class _Apertus(_JsonList):
 
 
 class _Magistral(_Mistral):
-    """The mistral family's calls, each after its own ``[TOOL_CALLS]``; its thinking in ``[THINK]``."""
+    """The mistral family's calls, each after its own ``[TOOL_CALLS]``; its thinking in ``[THINK]``.
+
+    Read as llama-server's Magistral parser reads them: the content is the text before the first
+    ``[TOOL_CALLS]``; from there only calls of the request's tools count, each right after the one
+    before, and the rest of the reply (text after the calls, or a marker that starts no such call)
+    is dropped, as that parser stops there without reading to the end."""
 
     name = "magistral"
+
+    def __init__(self, names: Optional[frozenset[str]] = None) -> None:
+        self.names = names  # None: any name (no request to check against)
+
+    def bind(self, tools: Optional[list[dict]], reasoning_format: str, read_calls: bool) -> "_Magistral":
+        if tools is None:
+            return self
+        return _Magistral(frozenset(t["function"]["name"] for t in tools
+                                    if isinstance(t, dict) and isinstance(t.get("function"), dict)))
+
+    def at_marker(self, s: str, i: int, marker: str, final: bool, memo: Optional[_Memo] = None) -> _Part:
+        part = super().at_marker(s, i, marker, final, memo)
+        if self.names is not None and any(c.name not in self.names for c in part.calls):
+            return _Part(BAD, part.end, [])
+        return part
+
+    def read(self, text: str, final: bool, parallel: bool, memo: Optional[_Memo], calls: bool = True) -> Snapshot:
+        marker = self.markers[0]
+        first = _find(text, marker, 0, memo) if calls else -1
+        if first < 0:
+            if not final and calls:
+                held = _held_marker_prefix(text, self.markers)
+                text = (text[:len(text) - held] if held else text).rstrip()
+            return Snapshot(text, [])
+        found: list[ToolCall] = []
+        pos = first
+        while text.startswith(marker, pos):
+            part = self.at_marker(text, pos, marker, final, memo)
+            if part.status == BAD:
+                break
+            found += part.calls
+            if part.status == PARTIAL:
+                break
+            pos = part.end
+        return Snapshot(text[:first].rstrip(), _limit(found, parallel))
 
 
 _FN_NAME = re.compile(r"[^\s<>\"{}]{1,256}")

@@ -79,7 +79,8 @@ def replies(name: str) -> list[tuple[str, str, tuple[str, str]]]:
     """(label, the model's text, (its thinking, the rest) as written) of each reply: a thinking
     then an answer, in the template's tags (<think> where it has none), written after the tag
     where the prompt opens it; and an answer without thinking (where the prompt opens the thinking,
-    one that closes it at once)."""
+    one that closes it at once); and a thinking cut off before its end tag (a reply that ran out of
+    tokens while thinking)."""
     start, end = tags(name)
     answer = ANSWERS.get(name, ANSWER)
     prompt = ChatTemplate(TEMPLATES[name]).render_request({"messages": USER})
@@ -87,8 +88,10 @@ def replies(name: str) -> list[tuple[str, str, tuple[str, str]]]:
     thought, rest = f"\n{THOUGHT}\n", f"\n\n{answer}"
     if opened:  # the prompt's tag is followed by a newline already
         thought = thought.lstrip("\n")
-        return [("thinking", thought + end + rest, (thought, rest)), ("plain", end + rest, ("", rest))]
-    return [("thinking", start + thought + end + rest, (thought, rest)), ("plain", answer, ("", answer))]
+        return [("thinking", thought + end + rest, (thought, rest)), ("plain", end + rest, ("", rest)),
+                ("unclosed", thought.rstrip(), (thought.rstrip(), ""))]
+    return [("thinking", start + thought + end + rest, (thought, rest)), ("plain", answer, ("", answer)),
+            ("unclosed", start + thought.rstrip(), (thought.rstrip(), ""))]
 
 
 def prefill_for(port: int, eos: int, text: str, split: tuple[str, str]) -> dict:

@@ -82,14 +82,14 @@ class Graph:
 
 
 def ggml_attention(gr: Graph, q, K, V, n_cells: int, rows: int, scale: float, n_threads: int) -> np.ndarray:
-    """llama.cpp's graph for a step of `rows` tokens; q [rows, H, hd], K/V [n_cells, Hkv, hd]
-    (the step's tokens in the last cells). Returns [rows, H, hd]."""
+    """llama.cpp's graph for a step of `rows` tokens; q [rows, H, hd], K [n_cells, Hkv, hd], V
+    [n_cells, Hkv, hv] (the step's tokens in the last cells). Returns [rows, H, hv]."""
     rows_, H, hd = q.shape
-    Hkv = K.shape[1]
+    Hkv, hv = K.shape[1], V.shape[2]
     n_kv = -(-n_cells // 256) * 256
     Kp = np.zeros((Hkv, n_kv, hd), np.float32)
     Kp[:, :n_cells] = K.transpose(1, 0, 2)
-    Vt = np.zeros((Hkv, hd, n_kv), np.float32)   # v_trans: each dimension's cells in a row
+    Vt = np.zeros((Hkv, hv, n_kv), np.float32)   # v_trans: each dimension's cells in a row
     Vt[:, :, :n_cells] = V.transpose(1, 2, 0)
     mask = np.full((rows, n_kv), -np.inf, np.float32)
     for t in range(rows):
@@ -98,8 +98,8 @@ def ggml_attention(gr: Graph, q, K, V, n_cells: int, rows: int, scale: float, n_
     qt = gr.b.ggml_permute(gr.ctx, gr.tensor(q), 0, 2, 1, 3)   # [hd, rows, H], not contiguous
     kq = gr.b.ggml_mul_mat(gr.ctx, kt, qt)
     kq = gr.b.ggml_soft_max_ext(gr.ctx, kq, gr.tensor(mask), scale, 0.0)
-    kqv = gr.b.ggml_mul_mat(gr.ctx, gr.tensor(Vt), kq)        # [hd, rows, H]
-    return gr.compute(kqv, (H, rows, hd), n_threads).transpose(1, 0, 2)
+    kqv = gr.b.ggml_mul_mat(gr.ctx, gr.tensor(Vt), kq)        # [hv, rows, H]
+    return gr.compute(kqv, (H, rows, hv), n_threads).transpose(1, 0, 2)
 
 
 def pyllama_attention(q, K, V, n_cells: int, rows: int, scale: float) -> np.ndarray:
@@ -139,6 +139,43 @@ def rope_case(gr: Graph, mode: int, hd: int, positions: np.ndarray, base: float,
     return int((kc.view(np.uint32) != want.view(np.uint32)).sum())
 
 
+def mla_case(gr: Graph, n_cells: int, rows: int, H: int, lora: int, rope: int, n_threads: int,
+             rng: np.random.Generator) -> tuple[int, int, float]:
+    """DeepSeek's latent attention core (llama.cpp's MLA path without flash attention): one KV head
+    whose rows are lora + rope values, the values the rows' first lora; ggml's KQ, soft_max_ext and
+    KQV (V made contiguous from the transposed view) against ops.mla_attend. (differing, total, max |diff|)."""
+    width = lora + rope
+    q = (2 * rng.standard_normal((rows, H, width))).astype(np.float32)
+    K = rng.standard_normal((n_cells, 1, width)).astype(np.float32)
+    scale = float(np.float32(1 / np.sqrt(192)))
+    want = ggml_attention(gr, q, K, K[:, :, :lora].copy(), n_cells, rows, scale, n_threads)  # [rows, H, lora]
+    cells = np.arange(n_cells, dtype=np.int32)
+    ranges = np.array([[0, n_cells - rows + t + 1] for t in range(rows)], np.int32)
+    got = np.zeros((rows, H * lora), np.float32)
+    if not ops.mla_attend(q.reshape(rows, -1), K.reshape(n_cells, width).copy(), cells, ranges, H, width, lora,
+                          scale, got):
+        raise SystemExit("ops.mla_attend took no ggml steps for these widths")
+    got = got.reshape(rows, H, lora)
+    return int((got.view(np.uint32) != want.view(np.uint32)).sum()), got.size, float(np.abs(got - want).max())
+
+
+def rope_yarn_case(gr: Graph, n_dims: int, positions: np.ndarray, base: float, freq_scale: float, ext: float,
+                   attn_factor: float, n_ctx_orig: int) -> int:
+    """Elements of rotated rows [n, 3 heads, n_dims] that differ from ggml's rope_ext in the normal
+    mode with these YaRN parameters (beta_fast 32, beta_slow 1), against ops.rope_rows."""
+    rng = np.random.default_rng(7)
+    n = len(positions)
+    x = rng.standard_normal((n, 3, n_dims)).astype(np.float32)
+    gr.b.ggml_rope_ext.argtypes = [P, P, P, P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                                   ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float]
+    r = gr.b.ggml_rope_ext(gr.ctx, gr.tensor(x), gr.tensor(positions.astype(np.int32), I32), None, n_dims, 0,
+                           n_ctx_orig, base, freq_scale, ext, attn_factor, 32.0, 1.0)
+    want = gr.compute(r, x.shape, 1)
+    got = x.copy()
+    ops.rope_rows(got, positions.astype(np.int32), base, freq_scale, ext, attn_factor, 32.0, 1.0, n_ctx_orig)
+    return int((got.view(np.uint32) != want.view(np.uint32)).sum())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", required=True, help="llama.cpp's folder (bin/libggml-*.so)")
@@ -148,6 +185,8 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--heads", default="4,2", help="query heads, kv heads")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mla", default="12,256,32",
+                    help="latent attention too: query heads, latent width, rope width ('' for none)")
     args = ap.parse_args()
     if not ops.GGML_F32_ATTENTION:
         print("ggml_attention: this build keeps the general attention kernel (not an AVX-512 build)", file=sys.stderr)
@@ -176,6 +215,22 @@ def main() -> int:
                 bad |= differ > 0
                 print(f"attention cells {n_cells:4d} rows {rows}: outputs differing {differ} of {got.size}"
                       f"  max |diff| {np.abs(got - want).max():.2e}", flush=True)
+        if args.mla:
+            mh, lora, rope = (int(v) for v in args.mla.split(","))
+            for n_cells in (int(v) for v in args.cells.split(",")):
+                for rows in (int(v) for v in args.rows.split(",")):
+                    if rows <= n_cells:
+                        d, total, worst = mla_case(gr, n_cells, rows, mh, lora, rope, args.threads, rng)
+                        bad |= d > 0
+                        print(f"latent attention cells {n_cells:4d} rows {rows}: outputs differing {d} of {total}"
+                              f"  max |diff| {worst:.2e}", flush=True)
+            for freq_scale, ext, attn_factor, n_orig in ((1.0, 0.0, 1.0, 0), (0.025, 1.0, 0.71, 4096),
+                                                         (0.25, 1.0, 1.0, 4096)):
+                d = rope_yarn_case(gr, rope, np.array([0, 1, 5, 100, 4095, 70000]), 10000.0, freq_scale, ext,
+                                   attn_factor, n_orig)
+                bad |= d > 0
+                print(f"rope_rows freq_scale {freq_scale} ext_factor {ext} attn_factor {attn_factor}: "
+                      f"elements differing {d}", flush=True)
         for mode, name in ((0, "normal"), (2, "neox")):
             for freq_scale in (1.0, 0.25):
                 d = rope_case(gr, mode, hd, np.array([0, 1, 5, 100, 4095, 70000]), 10000.0, freq_scale)

@@ -34,15 +34,16 @@ def reduce16(v: np.ndarray) -> np.ndarray:
 
 
 def vec_dot_f32(x: np.ndarray, y: np.ndarray) -> np.float32:
-    """ggml_vec_dot_f32 on AVX-512: 4 accumulators of 16 lanes over steps of 64, then the tail."""
+    """ggml_vec_dot_f32 on AVX-512: 4 accumulators of 16 lanes over steps of 64, then the tail one
+    element at a time, each product rounded before it is added."""
     n = len(x)
     np_ = n & ~63
     s = np.zeros((4, 16), f32)
     for i in range(0, np_, 64):
         s = fma(x[i:i + 64].reshape(4, 16), y[i:i + 64].reshape(4, 16), s)
     total = reduce16((s[0] + s[2]) + (s[1] + s[3]))
-    for i in range(np_, n):
-        total = fma(x[i], y[i], total)
+    for i in range(np_, n):  # the tail's `sumf += x[i]*y[i]`: llama.cpp's build rounds the product first
+        total = f32(total + f32(x[i] * y[i]))  # (bench/ggml_attention.py --head-dim 96 against its library)
     return f32(total)
 
 
@@ -70,7 +71,7 @@ def ggml_head(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, lanes: 
     for blk in padded.reshape(-1, 16):
         total += float(reduce16(blk))
     p = e * f32(1.0 / total)
-    acc = np.zeros((lanes, hd), f32)
+    acc = np.zeros((lanes, V.shape[1]), f32)  # V rows may be narrower than K's (latent attention)
     for j in range(n):
         acc[j % lanes] = fma(V[j], p[j], acc[j % lanes])
     if lanes == 64:
@@ -174,3 +175,95 @@ def test_rope_angles_are_ggml_float_chain(mode, freq_scale, factors):
         got = np.stack([row[0::2], row[1::2]], axis=1) if mode == 0 else \
             np.stack([row[:n_rot // 2], row[n_rot // 2:]], axis=1)
         np.testing.assert_array_equal(got, want, err_msg=f"position {p}")
+
+
+@pytest.mark.skipif(not ops.GGML_F32_ATTENTION, reason="this build keeps the general attention kernel")
+@pytest.mark.parametrize("n_cells", [1, 13, 70])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_latent_attention_is_ggml_float_steps(n_cells, rows):
+    """DeepSeek's latent attention over an F32 cache (ops.mla_attend): one KV head whose rows are
+    latent + rope values (288 here: a tail of 32 after the steps of 64), the values each row's first
+    256; every head's output is ggml's KQ, soft_max_ext and KQV steps (16 lanes in a step of several
+    rows, 64 in a step of one)."""
+    rng = np.random.default_rng(n_cells * 10 + rows)
+    H, lora, width = 12, 256, 288
+    scale = float(f32(1 / np.sqrt(192)))
+    cache = rng.standard_normal((n_cells + rows, width)).astype(f32)
+    query = (2 * rng.standard_normal((rows, H * width))).astype(f32)
+    first = n_cells - 1
+    cells = np.arange(first + rows, dtype=np.int32)
+    ranges = np.array([[0, first + t + 1] for t in range(rows)], np.int32)
+    out = np.zeros((rows, H * lora), f32)
+    assert ops.mla_attend(query, cache, cells, ranges, H, width, lora, scale, out)
+    lanes = 64 if rows == 1 else 16
+    for t in range(rows):
+        listed = cells[:ranges[t, 1]]
+        for h in range(H):
+            want = ggml_head(query[t, h * width:(h + 1) * width], cache[listed], cache[listed, :lora], scale, lanes)
+            np.testing.assert_array_equal(out[t, h * lora:(h + 1) * lora], want, err_msg=f"token {t} head {h}")
+
+
+def test_latent_attention_refuses_what_it_cannot_take():
+    cache = np.zeros((4, 288), f32)
+    out = np.zeros((1, 2 * 256), f32)
+    q = np.zeros((1, 2 * 288), f32)
+    cells = np.arange(4, dtype=np.int32)
+    with pytest.raises(ValueError, match="outside"):
+        ops.mla_attend(q, cache, cells, np.array([[0, 5]], np.int32), 2, 288, 256, 0.1, out)
+    with pytest.raises(ValueError, match="outside the cache"):
+        ops.mla_attend(q, cache, np.array([0, 9], np.int32), np.array([[0, 2]], np.int32), 2, 288, 256, 0.1, out)
+    with pytest.raises(ValueError, match="shapes"):
+        ops.mla_attend(q, cache, cells, np.array([[0, 2]], np.int32), 3, 288, 256, 0.1, out)
+    # widths without ggml's vector steps: nothing done, the caller computes it otherwise
+    assert not ops.mla_attend(np.zeros((1, 40), f32), np.zeros((4, 20), f32), cells, np.array([[0, 2]], np.int32),
+                              2, 20, 8, 0.1, np.zeros((1, 16), f32))
+
+
+_libm.logf.restype = _libm.expf.restype = ctypes.c_float
+_libm.logf.argtypes = _libm.expf.argtypes = [ctypes.c_float]
+
+
+def rope_yarn_cache(pos: int, n_dims: int, base: float, freq_scale: float, ext: float, attn_factor: float,
+                    n_ctx_orig: int, beta_fast: float = 32.0, beta_slow: float = 1.0) -> np.ndarray:
+    """ggml_rope_cache_init with rope_yarn, in float as llama.cpp's build computes it: [cos, sin] per pair."""
+    pi = f32(np.pi)
+
+    def corr(beta: float) -> np.float32:
+        return f32(f32(n_dims * _libm.logf(f32(f32(n_ctx_orig) / f32(f32(beta) * f32(2) * pi))))
+                   / f32(f32(2) * _libm.logf(f32(base))))
+    low = max(f32(0), f32(np.floor(corr(beta_fast))))
+    high = min(f32(n_dims - 1), f32(np.ceil(corr(beta_slow))))
+    theta_scale = f32(_libm.powf(f32(base), f32(-2.0) / f32(n_dims)))
+    mscale = f32(attn_factor)
+    if ext != 0:
+        mscale = f32(mscale * fma(f32(0.1), _libm.logf(f32(f32(1) / f32(freq_scale))), f32(1)))
+    theta = f32(pos)
+    out = []
+    for i in range(n_dims // 2):
+        interp = f32(f32(freq_scale) * theta)
+        th = interp
+        if ext != 0:
+            y = f32(f32(f32(i) - low) / max(f32(0.001), f32(high - low)))
+            ramp = f32(f32(1 - min(f32(1), max(f32(0), y))) * f32(ext))
+            th = fma(interp, f32(1 - ramp), f32(theta * ramp))
+        out.append((f32(_libm.cosf(th) * mscale), f32(_libm.sinf(th) * mscale)))
+        theta = f32(theta * theta_scale)
+    return np.array(out, f32)
+
+
+@pytest.mark.parametrize("freq_scale,ext,attn_factor,n_orig", [(1.0, 0.0, 1.0, 0), (0.025, 1.0, 0.71, 4096),
+                                                               (0.25, 1.0, 1.0, 4096)],
+                         ids=["plain", "yarn-40", "yarn-4"])
+def test_rope_rows_angles_are_ggml_float_chain(freq_scale, ext, attn_factor, n_orig):
+    """ops.rope_rows (latent attention's RoPE) on (1, 0) pairs gives each pair's (cos, sin) times
+    the magnitude scale: ggml's rope_yarn angles, YaRN's ramp and mscale included."""
+    n_dims = 32
+    positions = np.array([0, 1, 7, 100, 4095, 70000], np.int32)
+    x = np.zeros((len(positions), 2, n_dims), f32)
+    x[:, :, 0::2] = 1
+    ops.rope_rows(x, positions, 10000.0, freq_scale, ext, attn_factor, 32.0, 1.0, n_orig)
+    for row, p in zip(x, positions):
+        want = rope_yarn_cache(int(p), n_dims, 10000.0, freq_scale, ext, attn_factor, n_orig)
+        for h in range(2):
+            np.testing.assert_array_equal(np.stack([row[h, 0::2], row[h, 1::2]], axis=1), want,
+                                          err_msg=f"position {p}")

@@ -12,7 +12,7 @@ nobody up (no barrier). Which thread computes an item never changes its result.
 kernel as a NativeStep (plan.pyx) for a bound graph; attention's per-step data (the cells, the
 lists, the ids) is still checked at every run.
 """
-from libc.math cimport fabs, fmaf, powf, sqrt, sqrtf, tanh
+from libc.math cimport ceilf, fabs, floorf, fmaf, logf, powf, sqrt, sqrtf, tanh
 from libc.stdint cimport int64_t
 from libc.stdlib cimport malloc, free
 
@@ -220,6 +220,12 @@ cdef extern from "vec_math.h" nogil:
                         float scale, int lanes, float *scores, long long L, float *acc, float *out)
     void pv_rope_cache(float pos, int half, float theta_scale, float freq_scale, const float *factors, float mscale,
                        float *cs)
+    void pv_rope_cache_yarn(float pos, int half, float theta_scale, float freq_scale, float low, float high,
+                            float ext_factor, float mscale, float *cs)
+    void pv_ggml_attend_kv(const float *q, int G, int hk, int hd, const unsigned char *kc, long long k_row,
+                           long long k_off, const unsigned char *vc, long long v_row, long long v_off,
+                           const int *cells, long long n, float scale, int lanes, float *scores, long long L,
+                           float *acc, float *out)
     void pv_attend_qk(const float *q, int G, int hd, const unsigned char *kc, long long k_row, long long head_bytes,
                       int kt, const int *cells, long long n, float scale, float *scores, long long L,
                       const unsigned char *vc, long long v_row, long long v_head_bytes, int vt)
@@ -833,3 +839,74 @@ def bind_attention(checked, const float[:, ::1] qkv, k_cache, v_cache,
                        k_type, v_type, softcap, n_swa, rope_mscale, rope_freqs, keep, sinks, alibi):
         return None
     return bound(s, _attn_step, keep)
+
+
+# --- DeepSeek's latent attention (backend/cpu/mla.py): its RoPE and its attention in ggml's steps ---
+
+def rope_rows(float[:, :, ::1] x, const int[::1] pos, double freq_base, double freq_scale, double ext_factor,
+              double attn_factor, double beta_fast, double beta_slow, int n_ctx_orig):
+    """x [n, heads, n_dims] rotated in place by ggml's rope_ext in the normal mode (adjacent pairs),
+    YaRN included, in its float steps: the angles of pv_rope_cache_yarn (the corrected dimensions
+    floorf / ceilf of ggml's float formula) and the pairs rotated as _rope."""
+    cdef Py_ssize_t n = x.shape[0], H = x.shape[1], t, h
+    cdef int n_dims = <int>x.shape[2], half = n_dims // 2
+    if pos.shape[0] != n or n_dims % 2 or n_dims <= 0 or not freq_base > 0 or not freq_scale > 0:
+        raise ValueError(f"rope_rows: {n} rows of {H} x {n_dims} at {pos.shape[0]} positions, base {freq_base}, "
+                         f"scale {freq_scale}")
+    if n == 0:
+        return
+    cdef float low = 0, high = 0, base = <float>freq_base, pi = <float>3.14159265358979323846
+    if ext_factor != 0:
+        low = floorf(n_dims * logf(n_ctx_orig / (<float>beta_fast * 2 * pi)) / (2 * logf(base)))
+        high = ceilf(n_dims * logf(n_ctx_orig / (<float>beta_slow * 2 * pi)) / (2 * logf(base)))
+        low = low if low > 0 else 0
+        high = high if high < n_dims - 1 else n_dims - 1
+    cdef float theta_scale = powf(base, (<float>-2.0) / (<float>n_dims))
+    cdef float* cs = <float*>malloc(sizeof(float) * (n_dims + 2))
+    if cs == NULL:
+        raise MemoryError()
+    with nogil:
+        for t in range(n):
+            pv_rope_cache_yarn(<float>pos[t], half, theta_scale, <float>freq_scale, low, high, <float>ext_factor,
+                               <float>attn_factor, cs)
+            for h in range(H):
+                _rope(&x[t, h, 0], cs, n_dims, 0)
+    free(cs)
+
+
+def mla_attend(const float[:, ::1] query, k_cache, const int[::1] cells, const int[:, ::1] ranges, int n_head,
+               int width, int lora, float scale, float[:, ::1] latents) -> bool:
+    """Latent attention's core over an F32 cache in ggml's steps (pv_ggml_attend_kv): for token t,
+    query[t] (n_head rows of width: the absorbed query and its rotated part) against the cache rows
+    of its listed cells (width floats each), the values the first `lora` floats of the same rows,
+    into latents[t] (n_head rows of lora). False (nothing done) where this build or these widths
+    have no such steps: the caller computes it otherwise."""
+    if not pv_ggml_attend_ok(width, 0, 0) or lora % 16 or lora > width:
+        return False
+    cdef unsigned char[:, ::1] kc = _cache_bytes(k_cache)
+    cdef Py_ssize_t n = query.shape[0], n_cells = kc.shape[0], n_listed = cells.shape[0], t, i, r0, r1, L, max_len = 0
+    if (query.shape[1] != <Py_ssize_t>n_head * width or latents.shape[0] != n or
+            latents.shape[1] != <Py_ssize_t>n_head * lora or kc.shape[1] != 4 * width or ranges.shape[0] != n):
+        raise ValueError("mla_attend: shapes do not match the heads, widths and cache rows")
+    for t in range(n):
+        r0, r1 = ranges[t, 0], ranges[t, 1]
+        if r0 < 0 or r1 < 1 or r0 + r1 > n_listed:
+            raise ValueError(f"mla_attend: token {t} attends to cells [{r0}, {r0 + r1}) outside the list")
+        for i in range(r0, r0 + r1):
+            if cells[i] < 0 or cells[i] >= n_cells:
+                raise ValueError(f"mla_attend: listed cell {cells[i]} outside the cache of {n_cells}")
+        max_len = r1 if r1 > max_len else max_len
+    if n == 0:
+        return True
+    L = (max_len + 63) // 64 * 64
+    cdef int lanes = GGML_KQV_LANES_ONE_ROW if n == 1 else GGML_KQV_LANES_ROWS
+    cdef float* scratch = <float*>malloc(sizeof(float) * (n_head * L + 64 * lora))
+    if scratch == NULL:
+        raise MemoryError()
+    with nogil:
+        for t in range(n):
+            r0, r1 = ranges[t, 0], ranges[t, 1]
+            pv_ggml_attend_kv(&query[t, 0], n_head, width, lora, &kc[0, 0], 4 * width, 0, &kc[0, 0], 4 * width, 0,
+                              &cells[r0], r1, scale, lanes, scratch, L, scratch + n_head * L, &latents[t, 0])
+    free(scratch)
+    return True

@@ -5,6 +5,8 @@
 #define PYLLAMA_PINNED_SUM_H
 
 #define PIN_VEC(v) __asm__("" : "+v"(v))
+/* a scalar float pinned likewise: a product so pinned is rounded before it is added (no FMA) */
+#define PIN_SCALAR(f) __asm__("" : "+x"(f))
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

@@ -412,6 +412,32 @@ static void pv_rope_cache(float pos, int half, float theta_scale, float freq_sca
     }
 }
 
+/* pv_rope_cache with YaRN as ggml's rope_yarn: pair i's angle mixes the interpolated freq_scale *
+ * theta and the extrapolated theta by ramp(i) * ext_factor, ramp(i) = 1 - clamp((i - low) / max(0.001,
+ * high - low), 0, 1) over ggml's corrected dimensions low, high; with ext_factor != 0 mscale is
+ * multiplied by 1 + 0.1 * logf(1 / freq_scale). All in float, as ggml. */
+__attribute__((noinline, optimize("no-associative-math", "fp-contract=off")))
+static void pv_rope_cache_yarn(float pos, int half, float theta_scale, float freq_scale, float low, float high,
+                               float ext_factor, float mscale, float *cs) {
+    float theta = pos;
+    /* ggml's float steps as GCC contracts them: a * b + c and a * b + c * d with the first product fused */
+    if (ext_factor != 0.0f) mscale *= fmaf(0.1f, logf(1.0f / freq_scale), 1.0f);
+    for (int i = 0; i < half; i++) {
+        const float interp = freq_scale * theta;
+        float th = interp;
+        if (ext_factor != 0.0f) {
+            const float y = ((float)(2 * i) / 2 - low) / fmaxf(0.001f, high - low);
+            const float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
+            th = fmaf(interp, 1 - ramp, theta * ramp);
+        }
+        float s, c;
+        sincosf(th, &s, &c);
+        cs[2 * i] = c * mscale;
+        cs[2 * i + 1] = s * mscale;
+        theta *= theta_scale;
+    }
+}
+
 /* ggml's F32 attention steps without flash attention (KQ = mul_mat(K, Q), soft_max_ext with the
  * scale and the mask, KQV = mul_mat(V^T, KQ)) on an AVX-512 machine, for one kv head's G query
  * heads over n cells, cell j of the list at the place j of ggml's KV view:
@@ -425,7 +451,9 @@ static void pv_rope_cache(float pos, int half, float theta_scale, float freq_sca
  *   cells, the one-row step's kernel) or as llamafile's tinyBLAS (lanes = 16: one accumulator of 16
  *   cells, the kernel of a step of several rows), each lane a chain of fused multiply-adds in cell
  *   order, reduced as above. Cells past n (the view's padding) add nothing.
- * scores: G * L floats (L >= n rounded up to 64); acc: 64 * hd floats. hd a multiple of 16. */
+ * q: G rows of hk (the K rows' width, the dot's length); out: G rows of hd (the V rows' width: V
+ * may be the first hd values of each K row, as latent attention reads it). scores: G * L floats (L >=
+ * n rounded up to 64); acc: 64 * hd floats. hk and hd multiples of 16. */
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define PV_GGML_ATTEND 1
 /* the same tree over 16 vectors (vector l = lane l), 16 results at once */
@@ -460,7 +488,11 @@ static inline __attribute__((always_inline)) float pv_ggml_dot_f32(const float *
     PIN_VEC(s0);
     PIN_VEC(s1);
     float sum = pinned_reduce16(_mm512_add_ps(s0, s1));
-    for (int i = np; i < n; i++) sum = fmaf(x[i], y[i], sum);
+    for (int i = np; i < n; i++) {  /* ggml's `sumf += x[i]*y[i]`: the product rounded, then added */
+        float prod = x[i] * y[i];
+        PIN_SCALAR(prod);
+        sum += prod;
+    }
     return sum;
 }
 /* p[j] = exp(s[j] - max) / sum as ggml_vec_soft_max_f32 and the scaling after it, in place over
@@ -482,20 +514,20 @@ static void pv_ggml_softmax(float *s, long long n) {
     for (long long j = 0; j < n; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
 }
 __attribute__((noinline, optimize("no-associative-math", "fp-contract=off")))
-static void pv_ggml_attend(const float *q, int G, int hd, const unsigned char *kc, long long k_row,
-                           long long k_off, const unsigned char *vc, long long v_row, long long v_off,
-                           const int *cells, long long n, float scale, int lanes, float *scores, long long L,
-                           float *acc, float *out) {
+static void pv_ggml_attend_kv(const float *q, int G, int hk, int hd, const unsigned char *kc, long long k_row,
+                              long long k_off, const unsigned char *vc, long long v_row, long long v_off,
+                              const int *cells, long long n, float scale, int lanes, float *scores, long long L,
+                              float *acc, float *out) {
     /* K rows a few cells ahead, each V row as its K row is read (a token's cells are rows apart
      * in the cache, too short a run for the hardware prefetcher) */
     for (long long j = 0; j < n && j < PV_PREFETCH_CELLS; j++)
-        pv_prefetch_slice(kc + (long long)cells[j] * k_row + k_off, 4 * hd);
+        pv_prefetch_slice(kc + (long long)cells[j] * k_row + k_off, 4 * hk);
     for (long long j = 0; j < n; j++) {
         const float *k = (const float *)(kc + (long long)cells[j] * k_row + k_off);
         if (j + PV_PREFETCH_CELLS < n)
-            pv_prefetch_slice(kc + (long long)cells[j + PV_PREFETCH_CELLS] * k_row + k_off, 4 * hd);
+            pv_prefetch_slice(kc + (long long)cells[j + PV_PREFETCH_CELLS] * k_row + k_off, 4 * hk);
         pv_prefetch_slice(vc + (long long)cells[j] * v_row + v_off, 4 * hd);
-        for (int g = 0; g < G; g++) scores[g * L + j] = pv_ggml_dot_f32(k, q + (long long)g * hd, hd) * scale;
+        for (int g = 0; g < G; g++) scores[g * L + j] = pv_ggml_dot_f32(k, q + (long long)g * hk, hk) * scale;
     }
     for (int g = 0; g < G; g++) {
         float *p = scores + g * L;
@@ -541,6 +573,13 @@ static void pv_ggml_attend(const float *q, int G, int hd, const unsigned char *k
         for (int d = 0; d < hd; d += 16) _mm512_storeu_ps(out + (long long)g * hd + d, pv_reduce16_rows(acc + d, hd));
     }
 }
+/* ggml's steps for the common case: K and V rows of one width */
+static inline void pv_ggml_attend(const float *q, int G, int hd, const unsigned char *kc, long long k_row,
+                                  long long k_off, const unsigned char *vc, long long v_row, long long v_off,
+                                  const int *cells, long long n, float scale, int lanes, float *scores, long long L,
+                                  float *acc, float *out) {
+    pv_ggml_attend_kv(q, G, hd, hd, kc, k_row, k_off, vc, v_row, v_off, cells, n, scale, lanes, scores, L, acc, out);
+}
 static inline int pv_ggml_attend_ok(int hd, int kt, int vt) { return hd % 16 == 0 && kt == 0 && vt == 0; }
 #else
 #define PV_GGML_ATTEND 0
@@ -551,6 +590,13 @@ static inline void pv_ggml_attend(const float *q, int G, int hd, const unsigned 
                                   float *acc, float *out) {
     (void)q; (void)G; (void)hd; (void)kc; (void)k_row; (void)k_off; (void)vc; (void)v_row; (void)v_off;
     (void)cells; (void)n; (void)scale; (void)lanes; (void)scores; (void)L; (void)acc; (void)out;
+}
+static inline void pv_ggml_attend_kv(const float *q, int G, int hk, int hd, const unsigned char *kc, long long k_row,
+                                     long long k_off, const unsigned char *vc, long long v_row, long long v_off,
+                                     const int *cells, long long n, float scale, int lanes, float *scores, long long L,
+                                     float *acc, float *out) {
+    (void)hk;
+    pv_ggml_attend(q, G, hd, kc, k_row, k_off, vc, v_row, v_off, cells, n, scale, lanes, scores, L, acc, out);
 }
 #endif
 

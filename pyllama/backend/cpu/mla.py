@@ -3,60 +3,23 @@
 The step follows llama.cpp's MLA path with the "absorbed" weights: each token's latent (RMS-normed
 by kv_norm) and its rotated k_pe are written as one cache row of lora + rope values, the query's
 no-RoPE part goes through k_b into the latent space, every head attends over the same rows (one
-KV head), and v_b maps each head's weighted latent to its output. RoPE is ggml's rope_ext in the
-normal mode (adjacent pairs) with its YaRN ramp computed here from the op's parameters, in float32
-and ggml's order (the angle multiplied pair after pair by base^(-2 / n_rot)).
+KV head), and v_b maps each head's weighted latent to its output.
 
-It is numpy, vectorised over heads and cells, one token's attention at a time; the per-head
-products with k_b and v_b run the quantized-product kernels (qmatmul.mul_mat_q) on the weights'
-file bytes, so a quantized k_b or v_b rounds its activations as ggml's MUL_MAT does.
+Every step takes ggml's float steps, so that the values are its bits: the norm is ggml's rms_norm
+and mul (ops.rms_norm), RoPE its rope_ext in the normal mode with YaRN (ops.rope_rows), the
+per-head products with k_b and v_b the quantized-product kernels on the weights' file bytes (a
+quantized k_b or v_b rounds its activations as ggml's MUL_MAT does), and over an F32 cache the
+attention ggml's KQ, soft_max_ext and KQV steps (ops.mla_attend, as the F32 path of ATTENTION).
+That matters beyond the last bits: on a model with quantized weights a last-bit difference can
+change how a later activation rounds to its 8-bit blocks. Over other cache types the attention is
+numpy, one token at a time.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
 from ..._fast import ops, qmatmul
 from ...ir.tensor import MlaParams
-
-
-def rope_cos_sin(pos: np.ndarray, n_dims: int, p: MlaParams) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [n, n_dims / 2] (float32) of ggml's rope_ext (its YaRN included) at positions pos."""
-    base, freq_scale, ext = np.float32(p.freq_base), np.float32(p.freq_scale), float(p.ext_factor)
-    theta_scale = np.float32(base ** np.float32(-2.0 / n_dims))
-    low = high = 0.0
-    mscale = np.float32(p.attn_factor)
-    if ext != 0:
-        def corr_dim(n_rot: float) -> float:
-            return n_dims * math.log(p.n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(p.freq_base))
-        low = max(0.0, math.floor(corr_dim(p.beta_fast)))
-        high = min(n_dims - 1.0, math.ceil(corr_dim(p.beta_slow)))
-        mscale = np.float32(mscale * np.float32(1.0 + 0.1 * math.log(1.0 / float(freq_scale))))
-    theta = pos.astype(np.float32)
-    cos = np.empty((len(pos), n_dims // 2), np.float32)
-    sin = np.empty_like(cos)
-    for i in range(n_dims // 2):
-        interp = freq_scale * theta
-        if ext != 0:
-            ramp = np.float32((1.0 - min(1.0, max(0.0, (i - low) / max(0.001, high - low)))) * ext)
-            angle = interp * (np.float32(1) - ramp) + theta * ramp
-        else:
-            angle = interp
-        cos[:, i] = np.cos(angle) * mscale
-        sin[:, i] = np.sin(angle) * mscale
-        theta = (theta * theta_scale).astype(np.float32)
-    return cos, sin
-
-
-def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [n, heads, d] rotated in adjacent pairs (ggml's normal mode); cos, sin [n, d / 2]."""
-    a, b = x[..., 0::2], x[..., 1::2]
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = np.empty_like(x)
-    out[..., 0::2] = a * c - b * s
-    out[..., 1::2] = a * s + b * c
-    return out
 
 
 def mla_attention(q: np.ndarray, kv: np.ndarray, k_cache: np.ndarray, k_type: int, pos: np.ndarray,
@@ -94,14 +57,14 @@ def mla_attention(q: np.ndarray, kv: np.ndarray, k_cache: np.ndarray, k_type: in
         used[r0:r0 + r1] = True
     if np.any((cells[used] < 0) | (cells[used] >= n_cells)):
         raise ValueError("MLA_ATTENTION: a listed cell outside the cache")  # (before anything is written)
-    cos, sin = rope_cos_sin(pos, rope, params)
-    # the cache rows: the latent RMS-normed (sum of squares in double, as ggml) times kv_norm, k_pe rotated
-    lat = kv[:, :lora]
-    ss = np.einsum("ij,ij->i", lat.astype(np.float64), lat.astype(np.float64))
-    inv = (np.float32(1) / np.sqrt((ss / lora).astype(np.float32) + np.float32(params.norm_eps))).astype(np.float32)
+    # the cache rows: the latent RMS-normed times kv_norm (ggml's rms_norm and mul), k_pe rotated
     rows = np.empty((n, width), np.float32)
-    rows[:, :lora] = (lat * inv[:, None]) * kv_norm
-    rows[:, lora:] = _rope(kv[:, None, lora:], cos, sin)[:, 0]
+    latent = np.empty((n, lora), np.float32)
+    ops.rms_norm(np.ascontiguousarray(kv[:, :lora]), np.ascontiguousarray(kv_norm), latent, float(params.norm_eps))
+    rows[:, :lora] = latent
+    k_pe = np.ascontiguousarray(kv[:, None, lora:])
+    _rope_rows(k_pe, pos, params)
+    rows[:, lora:] = k_pe[:, 0]
     stored = np.empty((n, k_cache.shape[1]), np.uint8)
     ops.kv_store(k_type, rows, stored)
     k_cache[kv_idx] = stored
@@ -110,20 +73,33 @@ def mla_attention(q: np.ndarray, kv: np.ndarray, k_cache: np.ndarray, k_type: in
     query = np.empty((n, H, width), np.float32)
     for h in range(H):  # each head's no-rope part through its k_b [lora, nope]
         qmatmul.mul_mat_q(np.ascontiguousarray(qh[:, h, :nope]), k_b[h], k_b_type, query[:, h, :lora])
-    query[:, :, lora:] = _rope(qh[:, :, nope:], cos, sin)
+    q_pe = np.ascontiguousarray(qh[:, :, nope:])
+    _rope_rows(q_pe, pos, params)
+    query[:, :, lora:] = q_pe
     scale = np.float32(params.scale)
     latents = np.empty((n, H, lora), np.float32)
-    for t in range(n):
-        r0, r1 = int(ranges[t, 0]), int(ranges[t, 1])
-        listed = cells[r0:r0 + r1]
-        keys = np.empty((len(listed), width), np.float32)
-        ops.kv_load_rows(k_type, np.ascontiguousarray(k_cache[listed]), keys)
-        scores = (query[t] @ keys.T) * scale                        # [H, C]
-        scores = np.exp(scores - scores.max(axis=1, keepdims=True))
-        probs = scores / scores.sum(axis=1, keepdims=True)
-        latents[t] = probs @ keys[:, :lora]                          # [H, lora]
+    if not (k_type == 0 and ops.mla_attend(query.reshape(n, H * width), k_cache, np.ascontiguousarray(cells, np.int32),
+                                           np.ascontiguousarray(ranges, np.int32), H, width, lora, float(scale),
+                                           latents.reshape(n, H * lora))):
+        # another cache type (or a build without ggml's F32 steps): numpy, one token at a time
+        for t in range(n):
+            r0, r1 = int(ranges[t, 0]), int(ranges[t, 1])
+            listed = cells[r0:r0 + r1]
+            keys = np.empty((len(listed), width), np.float32)
+            ops.kv_load_rows(k_type, np.ascontiguousarray(k_cache[listed]), keys)
+            scores = (query[t] @ keys.T) * scale                        # [H, C]
+            scores = np.exp(scores - scores.max(axis=1, keepdims=True))
+            probs = scores / scores.sum(axis=1, keepdims=True)
+            latents[t] = probs @ keys[:, :lora]                          # [H, lora]
     for h in range(H):  # each head's weighted latent through its v_b [v, lora]
         qmatmul.mul_mat_q(np.ascontiguousarray(latents[:, h]), v_b[h], v_b_type, out[:, h * v_dim:(h + 1) * v_dim])
 
 
-__all__ = ["mla_attention", "rope_cos_sin"]
+def _rope_rows(x: np.ndarray, pos: np.ndarray, p: MlaParams) -> None:
+    """x [n, heads, rope] rotated in place by ggml's rope_ext (normal mode, YaRN as the parameters say)."""
+    ops.rope_rows(x, np.ascontiguousarray(pos, np.int32), float(p.freq_base), float(p.freq_scale),
+                  float(p.ext_factor), float(p.attn_factor), float(p.beta_fast), float(p.beta_slow),
+                  int(p.n_ctx_orig))
+
+
+__all__ = ["mla_attention"]

@@ -195,6 +195,50 @@ def _poison_rows(packed: np.ndarray, experts) -> np.ndarray:
     return out
 
 
+def _ggml_router_weights(logits: np.ndarray, ids: np.ndarray, gating: int, norm: bool, scale: float) -> np.ndarray:
+    """The chosen experts' weights in ggml's float steps (build_moe_ffn on the CPU): sigmoid as
+    1 / (1 + expf(-x)) in float, or soft_max (ggml's vector exp in blocks of 16, expf for the rest,
+    the sum in double, times (float)(1 / sum)); the chosen ones' sum in double, rounded, clamped,
+    each divided by it in float; times scale in float."""
+    from test_attention_ggml import _libm, ggml_exp, reduce16
+    f32 = np.float32
+    out = np.zeros(ids.shape, f32)
+    for t, row in enumerate(logits):
+        if gating == 2:
+            p = np.array([f32(f32(1) / f32(f32(1) + _libm.expf(f32(-v)))) for v in row], f32)
+        else:
+            mx = row.max()
+            n16 = len(row) // 16 * 16
+            e = np.empty_like(row)
+            total = 0.0
+            for b in range(0, n16, 16):
+                e[b:b + 16] = ggml_exp(row[b:b + 16] - mx)
+                total += float(reduce16(e[b:b + 16]))
+            for i in range(n16, len(row)):
+                e[i] = _libm.expf(f32(row[i] - mx))
+                total += float(e[i])
+            p = e * f32(1.0 / total)
+        w = p[ids[t]]
+        if norm:
+            s = f32(sum(float(v) for v in w))
+            w = (w / max(s, f32(6.103515625e-5))).astype(f32)
+        if scale not in (0.0, 1.0):
+            w = (w * f32(scale)).astype(f32)
+        out[t] = w
+    return out
+
+
+@pytest.mark.parametrize("gating,n_exp", [(1, 8), (1, 60), (2, 64)], ids=["softmax-8", "softmax-60", "sigmoid-64"])
+def test_router_weights_are_ggml_float_steps(gating, n_exp):
+    """Each token's weights bit for bit as llama.cpp's graph computes them: on a model with
+    quantized experts a last-bit difference can change how the next layer's activations round."""
+    rng = np.random.default_rng(n_exp)
+    logits = (3 * rng.standard_normal((5, n_exp))).astype(np.float32)
+    for norm, scale in ((True, 1.0), (True, 2.5), (False, 1.0)):
+        ids, wts = moe.route(logits, 4, norm, scale, gating)
+        np.testing.assert_array_equal(wts, _ggml_router_weights(logits, ids, gating, norm, scale))
+
+
 def test_routing_and_the_shared_expert():
     rng = np.random.default_rng(5)
     n, e, n_exp, k = 4, 64, 6, 2

@@ -29,6 +29,11 @@ from pyllama._fast.qmatmul cimport (PQ_MAX_NR, pool_run, pq_dot_rows, pq_get_tra
                                      pq_tile_bytes, pq_traits)
 from pyllama._fast import qmatmul
 
+cdef extern from "moe_route.h" nogil:
+    void pv_moe_probs(int gating, const float *x, float *p, int64_t n)
+    void pv_moe_weights(float *w, int k, int norm, float norm_min, float scale)
+    void pv_moe_mix(float *out, const float *const *rows, const float *w, int k, int64_t e)
+
 cdef extern from "ggml_x8.h" nogil:
     int pq_have_x8()
     int pq_x8_block_bytes(int t)
@@ -239,7 +244,7 @@ cdef void _route(const float *logits, int64_t n, int64_t n_exp, int k, bint norm
     id); their weights p (divided by their sum when norm) times scale. p: 3 * n_exp floats."""
     cdef int64_t t, x, per = n_exp // n_group if n_group > 0 else n_exp
     cdef int j, gi, gj
-    cdef float mx, s, sw
+    cdef float mx
     cdef double ds
     cdef float *sel = p + n_exp
     cdef float *gs = p + 2 * n_exp
@@ -248,23 +253,11 @@ cdef void _route(const float *logits, int64_t n, int64_t n_exp, int k, bint norm
     cdef const float *lg
     for t in range(n):
         lg = logits + t * n_exp
-        if gating == GATING_SIGMOID:
-            for x in range(n_exp):
-                p[x] = 1.0 / (1.0 + expf(-lg[x]))
-        elif gating == GATING_SOFTMAX_WEIGHT:
+        if gating == GATING_SOFTMAX_WEIGHT:
             for x in range(n_exp):
                 p[x] = lg[x]
-        else:
-            mx = lg[0]
-            for x in range(1, n_exp):
-                if lg[x] > mx:
-                    mx = lg[x]
-            s = 0.0
-            for x in range(n_exp):
-                p[x] = expf(lg[x] - mx)
-                s = s + p[x]
-            for x in range(n_exp):
-                p[x] = p[x] / s
+        else:  # ggml's sigmoid or soft_max, in its float steps
+            pv_moe_probs(gating, lg, p, n_exp)
         for x in range(n_exp):
             sel[x] = p[x] + bias[x] if bias != NULL else p[x]
         if n_group > 1:
@@ -281,11 +274,9 @@ cdef void _route(const float *logits, int64_t n, int64_t n_exp, int k, bint norm
                 if gj == n_group_used:
                     for x in range(gi * per, (gi + 1) * per):
                         sel[x] = -INFINITY
-        sw = 0.0
         for j in range(k):
             ids[t * k + j] = _top(sel, n_exp, ids + t * k, j)
             wts[t * k + j] = p[ids[t * k + j]]
-            sw = sw + wts[t * k + j]
         if gating == GATING_SOFTMAX_WEIGHT:  # the chosen logits' softmax (ggml's: its sum in double)
             mx = wts[t * k]  # the first chosen is the largest
             ds = 0.0
@@ -294,14 +285,7 @@ cdef void _route(const float *logits, int64_t n, int64_t n_exp, int k, bint norm
                 ds = ds + wts[t * k + j]
             for j in range(k):
                 wts[t * k + j] = wts[t * k + j] * <float>(1.0 / ds)
-            sw = 1.0
-        if norm:
-            if sw < NORM_MIN:
-                sw = NORM_MIN
-            for j in range(k):
-                wts[t * k + j] = wts[t * k + j] / sw
-        for j in range(k):
-            wts[t * k + j] = wts[t * k + j] * scale
+        pv_moe_weights(wts + t * k, k, norm and gating != GATING_SOFTMAX_WEIGHT, NORM_MIN, scale)
 
 
 cdef const float *_routing_setup(int64_t n_exp, int gating, probs_b, int n_group, int n_group_used,
@@ -582,7 +566,8 @@ cdef int64_t _moe_compute(const MoeArgs *a, uint8_t *mem) noexcept nogil:
     cdef Item *items_b = NULL
     cdef int64_t na = 0, nb = 0, t, xx, r, c, used = 0
     cdef int j
-    cdef float wv, gsum, sg
+    cdef float gsum, sg
+    cdef const float **mix_rows = <const float **>malloc(sizeof(float *) * n_used)
     cdef const float *xp = a.x
     cdef const float *lp = a.logits
     cdef float *op = a.out
@@ -631,7 +616,7 @@ cdef int64_t _moe_compute(const MoeArgs *a, uint8_t *mem) noexcept nogil:
     jb.gate_b, jb.up_b, jb.down_b, jb.act = a.gate_b, a.up_b, a.down_b, a.act
     items_a = _items(first, n_exp, f, a.gate_rb + a.up_rb, n_threads, 8 if a.x8_gu else 1, &na)
     items_b = _items(first, n_exp, e, a.down_rb, n_threads, 8 if a.x8_down else 1, &nb)
-    if items_a != NULL and items_b != NULL:
+    if items_a != NULL and items_b != NULL and mix_rows != NULL:
         jb.items = items_a
         pool_run(_threads(n_threads, used * f * (a.gate_rb + a.up_rb) * ((R // used + 3) // 4)), na,
                  _gate_up_item_x8 if a.x8_gu else _gate_up_item, &jb)
@@ -642,15 +627,11 @@ cdef int64_t _moe_compute(const MoeArgs *a, uint8_t *mem) noexcept nogil:
         jb.items = items_b
         pool_run(_threads(n_threads, used * e * a.down_rb * ((R // used + 3) // 4)), nb,
                  _down_item_x8 if a.x8_down else _down_item, &jb)
-        # the weighted sum in each token's top-k order, then the shared expert
+        # the weighted sum in each token's top-k order (ggml's mul, then its adds), then the shared expert
         for t in range(n):
-            for c in range(e):
-                op[t * e + c] = 0.0
             for j in range(n_used):
-                wv = wts[t * n_used + j]
-                r = slot_row[t * n_used + j]
-                for c in range(e):
-                    op[t * e + c] += wv * y[r * e + c]
+                mix_rows[j] = y + slot_row[t * n_used + j] * e
+            pv_moe_mix(op + t * e, mix_rows, wts + t * n_used, n_used, e)
             if sp != NULL:
                 sg = 1.0
                 if sgp != NULL:
@@ -662,7 +643,8 @@ cdef int64_t _moe_compute(const MoeArgs *a, uint8_t *mem) noexcept nogil:
                     op[t * e + c] += sg * sp[t * e + c]
     free(items_a)
     free(items_b)
-    if na < 0 or nb < 0 or items_a == NULL or items_b == NULL:
+    free(mix_rows)
+    if na < 0 or nb < 0 or items_a == NULL or items_b == NULL or mix_rows == NULL:
         return -1
     return used
 

@@ -121,3 +121,23 @@ def test_the_op_refuses_bad_inputs_before_writing_the_cache():
         with pytest.raises(ValueError, match="MLA_ATTENTION"):
             mla_attention(**{**fresh, **bad})
         assert not fresh["k_cache"].any()
+
+
+@pytest.mark.unit
+def test_score_scale_is_llama_cpp_float_steps():
+    """1 / sqrtf(96) in float is one ulp below double 1 / sqrt(96) rounded: llama.cpp's kq_scale is
+    the former, and a scale one ulp off moves every attention score."""
+    import types
+
+    from pyllama.models.build.mla import mla_scales
+    hp = types.SimpleNamespace(rope_attn_factor=1.0, rope_scaling="none", rope_scale=1.0, yarn_log_mul=0.0,
+                               mla_nope=64, n_rot=32)
+    attn_factor, scale = mla_scales(hp)
+    assert attn_factor == 1.0
+    want = np.float32(1) / np.sqrt(np.float32(96))
+    assert np.float32(scale).view(np.uint32) == want.view(np.uint32)
+    assert np.float32(scale) != np.float32(1 / np.sqrt(96.0))
+    # YaRN (DeepSeek V3's factor 40, yarn_log_multiplier 0.1): mscale^2 / sqrt(96), all in float
+    hp.rope_scaling, hp.rope_scale, hp.yarn_log_mul = "yarn", 0.025, 0.1
+    attn_factor, yarn_scale = mla_scales(hp)
+    assert 0.7 < attn_factor < 0.75 and 1.07 * scale < yarn_scale < 1.08 * scale  # mscale^2 = (1 + 0.01 ln 40)^2

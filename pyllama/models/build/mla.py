@@ -8,8 +8,11 @@ v_b back to each head's values. attn_output follows in the layer as for every ar
 """
 from __future__ import annotations
 
-import math
+import ctypes
+import ctypes.util
 from typing import TYPE_CHECKING, Callable
+
+import numpy as np
 
 from ...ir.tensor import MlaParams, Op, Tensor
 from ..hparams import HParams
@@ -18,29 +21,43 @@ if TYPE_CHECKING:
     from ..weights import Weights
 
 
-def mla_scales(hp: HParams) -> tuple[float, float]:
-    """(RoPE's attn_factor, the attention's score scale) as llama.cpp sets them for deepseek2:
-    with YaRN, llama.cpp's context makes attn_factor mscale(factor, m) / mscale(factor, m_all)
-    over ggml's own 1 + 0.1 ln(factor) (m_all = yarn_log_multiplier / 0.1, m = m_all, or 1 where
-    m_all is 1), and the score scale carries (1 + 0.1 m_all ln(factor))^2 / sqrt(nope + rope)."""
-    head_k = hp.mla_nope + hp.n_rot
-    attn_factor = hp.rope_attn_factor
-    mscale = 1.0
-    if hp.rope_scaling == "yarn" and hp.rope_scale < 1.0:
-        factor = 1.0 / hp.rope_scale
+_libm = ctypes.CDLL(ctypes.util.find_library("m"))
+_libm.logf.restype = ctypes.c_float
+_libm.logf.argtypes = [ctypes.c_float]
+f32 = np.float32
 
-        def get_mscale(m: float) -> float:
-            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-        if hp.yarn_log_mul:
-            m = hp.yarn_log_mul if hp.yarn_log_mul != 1.0 else 1.0
-            yarn = get_mscale(m) / get_mscale(hp.yarn_log_mul)
+
+def _logf(x: float) -> np.float32:
+    """C's logf: llama.cpp's scales take it, and its last bit is not always double log's rounded."""
+    return f32(_libm.logf(f32(x)))
+
+
+def mla_scales(hp: HParams) -> tuple[float, float]:
+    """(RoPE's attn_factor, the attention's score scale) as llama.cpp sets them for deepseek2, in
+    its float steps (a scale one ulp off moves every score): with YaRN, llama.cpp's context makes
+    attn_factor mscale(factor, m) / mscale(factor, m_all) over ggml's own 1 + 0.1 ln(factor) (m_all
+    = yarn_log_multiplier, m = m_all, or 1 where m_all is 1), and the score scale carries
+    (1 + 0.1 m_all ln(factor))^2 / sqrtf(nope + rope)."""
+    one, tenth = f32(1), f32(0.1)
+    attn_factor = f32(hp.rope_attn_factor)
+    mscale = one
+    if hp.rope_scaling == "yarn" and hp.rope_scale < 1.0:
+        freq_scale = f32(hp.rope_scale)
+        factor = one / freq_scale
+
+        def get_mscale(m: float) -> np.float32:
+            return one if factor <= one else f32(tenth * f32(m)) * _logf(factor) + one
+        log_mul = f32(hp.yarn_log_mul)
+        if log_mul != 0:
+            yarn = get_mscale(log_mul if log_mul != one else one) / get_mscale(log_mul)
         else:
-            yarn = get_mscale(1.0)
-        yarn /= 1.0 + 0.1 * math.log(factor)
-        attn_factor = yarn * hp.rope_attn_factor
-        org = attn_factor * (1.0 + 0.1 * math.log(factor))
-        mscale = org * (1.0 + 0.1 * hp.yarn_log_mul * math.log(factor))
-    return attn_factor, mscale * mscale / math.sqrt(head_k)
+            yarn = get_mscale(one)
+        yarn = yarn * (one / (one + tenth * _logf(factor)))
+        attn_factor = yarn * f32(hp.rope_attn_factor)
+        org = attn_factor * (one + tenth * _logf(one / freq_scale))
+        mscale = org * (one + f32(tenth * log_mul) * _logf(one / freq_scale))
+    head_k = f32(hp.mla_nope + hp.n_rot)
+    return float(attn_factor), float(f32(f32(one * mscale) * mscale) / np.sqrt(head_k))
 
 
 def build_mla_attention(add: Callable[..., Tensor], mul_mat: Callable[..., Tensor], hp: HParams, w: "Weights",

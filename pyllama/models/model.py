@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ..util.errors import ModelFileError
 from ..ir.tensor import WEIGHT_TYPES
-from .gguf_file import GGUFFile, TensorInfo
+from .gguf_file import GGUFFile
 from .hparams import HParams, read_hparams
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..backend.base import Backend, Buffer, DType, Tensor, nbytes_of
 from ..backend.layout import dequantize_f32
-from ..util.errors import ModelFileError, PyllamaError, UnsupportedOpError
+from ..util.errors import ModelFileError, UnsupportedOpError
 from ..ir.tensor import FAMILY_OPS, AttentionParams, Node, Op, family_node
 from .build.llama import build_forward
 from .lora import lora_weights

@@ -1103,7 +1103,7 @@ def call_grammar(family: str, spec: ToolSpec, special: Callable[[str], Optional[
     elif family == "hermes":
         json_rule("call", {"anyOf": object_calls("arguments")})
         block = f'{lit("<tool_call>")} "\\n" call "\\n" {lit("</tool_call>")}'
-        rules.insert(0, f'start: block ("\\n" block)*' if many else "start: block")
+        rules.insert(0, 'start: block ("\\n" block)*' if many else "start: block")
         rules.insert(1, f"block: {block}")
     elif family == "llama3":
         json_rule("call", {"anyOf": object_calls("parameters")})

@@ -3,7 +3,7 @@ is read whole, any other (an event stream, chunked) is relayed chunk by chunk as
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, Optional, Union
+from typing import Callable, Optional, Union
 from urllib.parse import urlencode
 
 import httptools

@@ -239,6 +239,41 @@ def test_router_weights_are_ggml_float_steps(gating, n_exp):
         np.testing.assert_array_equal(wts, _ggml_router_weights(logits, ids, gating, norm, scale))
 
 
+@pytest.mark.parametrize("f", [256, 96])
+def test_expert_ffn_is_the_dense_ops_bit_for_bit(f):
+    """Each token's output is exactly what the dense ops give for its chosen experts: gate and up
+    (Q8_0) by mul_mat_q, SWIGLU by ops.swiglu (ggml's swiglu, its vector exp: the experts' scalar
+    expf gave other last bits in about half the values, which a quantized down product's rounding
+    of its input can turn into a whole quantization step), down (F32 here, so that every hidden bit
+    shows) by mul_mat_q, then ggml's mixture (each output times its weight, added in order)."""
+    from pyllama._fast import ops
+    rng = np.random.default_rng(f)
+    n, e, n_exp, k = 24, 256, 8, 4
+    x = rng.standard_normal((n, e)).astype(np.float32)
+    logits = (3 * rng.standard_normal((n, n_exp))).astype(np.float32)
+    g, _ = _experts(rng, QT.Q8_0, n_exp, f, e)
+    u, _ = _experts(rng, QT.Q8_0, n_exp, f, e)
+    d, _ = _experts(rng, QT.F32, n_exp, e, f)  # F32: the hidden values reach the output unrounded
+    out = np.zeros((n, e), np.float32)
+    moe.moe_ffn(x, logits, g, int(QT.Q8_0), u, int(QT.Q8_0), d, int(QT.F32), out, k, True, 1.0, None, None, 1)
+    ids, wts = moe.route(logits, k, True, 1.0)
+    t8 = int(QT.Q8_0)
+    for t in range(n):
+        want = None
+        for j in range(k):
+            xe = int(ids[t, j])
+            gu = np.zeros((1, 2 * f), np.float32)
+            qmatmul.mul_mat_q(x[t:t + 1], g[xe].reshape(f, -1), t8, gu[:, :f])
+            qmatmul.mul_mat_q(x[t:t + 1], u[xe].reshape(f, -1), t8, gu[:, f:])
+            h = np.zeros((1, f), np.float32)
+            ops.swiglu(gu, h)
+            y = np.zeros((1, e), np.float32)
+            qmatmul.mul_mat_q(h, d[xe].reshape(e, -1), int(QT.F32), y)
+            term = (y[0] * wts[t, j]).astype(np.float32)
+            want = term if want is None else (want + term).astype(np.float32)
+        np.testing.assert_array_equal(out[t], want, err_msg=f"token {t}")
+
+
 def test_routing_and_the_shared_expert():
     rng = np.random.default_rng(5)
     n, e, n_exp, k = 4, 64, 6, 2

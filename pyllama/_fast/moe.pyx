@@ -30,6 +30,7 @@ from pyllama._fast.qmatmul cimport (PQ_MAX_NR, pool_run, pq_dot_rows, pq_get_tra
 from pyllama._fast import qmatmul
 
 cdef extern from "moe_route.h" nogil:
+    float pv_silu_mul_at(float g, float u, int64_t j, int64_t n)
     void pv_moe_probs(int gating, const float *x, float *p, int64_t n)
     void pv_moe_weights(float *w, int k, int norm, float norm_min, float scale)
     void pv_moe_mix(float *out, const float *const *rows, const float *w, int k, int64_t e)
@@ -101,7 +102,7 @@ cdef inline float _glu(const MoeJob *jb, float g, float u, int64_t x, int64_t j)
         elif u < -OAI_LIMIT:
             u = -OAI_LIMIT
         return g / (1.0 + expf(<float>OAI_ALPHA * (-g))) * (u + 1.0)
-    return g / (1.0 + expf(-g)) * u
+    return pv_silu_mul_at(g, u, j, jb.f)  # ggml's swiglu over the row, as the SWIGLU op computes it
 
 
 cdef void _gate_up_item(void *ctx, int64_t it) noexcept nogil:

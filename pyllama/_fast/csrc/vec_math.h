@@ -331,6 +331,26 @@ static inline void pv_silu_mul(const float *g, const float *u, float *out, int64
     for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* Element j of pv_silu_mul's result over a row of n: ggml's vector exp where j lies in a whole
+ * vector of the row (the lanes do not mix), expf in the row's tail; for kernels that produce a
+ * row's values one at a time (the MoE FFN's experts). */
+__attribute__((noinline, optimize("no-associative-math", "fp-contract=off")))
+static float pv_silu_mul_at(float g, float u, int64_t j, int64_t n) {
+#if PV_GGML_EXP_LANES == 16
+    if (j < n - n % 16) {
+        const float e = _mm_cvtss_f32(_mm512_castps512_ps128(pv_ggml_exp16(_mm512_set1_ps(0.0f - g))));
+        return g / (1.0f + e) * u;
+    }
+#elif PV_GGML_EXP_LANES == 8
+    if (j < n - n % 8) {
+        const float e = _mm_cvtss_f32(_mm256_castps256_ps128(pv_ggml_exp8(_mm256_set1_ps(0.0f - g))));
+        return g / (1.0f + e) * u;
+    }
+#endif
+    (void)j; (void)n;
+    return g / (1.0f + expf(-g)) * u;
+}
+
 /* out = gelu(g) * u, or gelu(g) where u is NULL, gelu in its tanh form written as a logistic:
  * 0.5 (1 + tanh(z)) = 1 / (1 + exp(-2 z)), z = sqrt(2 / pi) (g + 0.044715 g^3), so that it takes
  * ggml's vector exp (a libm tanh per element was a third of a GeGLU encoder's step) and 1 + tanh(z)

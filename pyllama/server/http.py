@@ -331,6 +331,8 @@ def origin_allowed(origin: str, allowed: Sequence[str]) -> bool:
 _CONN_CLOSE = b"Connection: close\r\n"
 _CONN_KEEP = b"Connection: keep-alive\r\n"
 # events reach the client as they are written, not when a proxy (nginx) has filled its buffer
+# chunks a stream writes without waiting before it lets the event loop run (see _write_stream)
+_YIELD_EVERY = 16
 _NO_PROXY_BUFFERING = b"X-Accel-Buffering: no\r\n"
 _NO_BODY_STATUS = frozenset((204, 304))
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -880,17 +882,27 @@ class _Connection(asyncio.Protocol):
                 self._ping_interval = interval
                 self._ping_handle = self._loop.call_later(interval, self._ping, chunked)
             try:
+                unpaused = 0
                 async for chunk in chunks:
                     if not chunk:
                         continue  # an empty chunk would end the chunked body
                     if isinstance(chunk, str):
                         chunk = chunk.encode("utf-8")
-                    if self._closed:
+                    # a failed write closes the transport at once, but connection_lost (which sets
+                    # _closed) only runs when the loop gets control
+                    if self._closed or t.is_closing():
                         return False
                     t.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
                     self._last_chunk = self._loop.time()
                     if self._write_paused:
+                        unpaused = 0
                         await self._drain()
+                    else:
+                        unpaused += 1
+                        if unpaused % _YIELD_EVERY == 0:
+                            # a producer that never awaits would otherwise hold the loop: no other
+                            # connection served, no disconnect seen
+                            await asyncio.sleep(0)
             except asyncio.CancelledError:
                 if self._srv._closing and not self._closed and resp.content_type.startswith("text/event-stream"):
                     # cut by shutdown: say so, and end the body properly, so that a client can tell

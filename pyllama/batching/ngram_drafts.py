@@ -13,6 +13,7 @@ speculative.NGRAM_TYPES) that proposes one, and that type learns how much of it 
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Generic, Optional, TypeVar
 
 import numpy as np
@@ -242,6 +243,12 @@ class _Cache(_Proposer):
                            self.static)
 
 
+@functools.lru_cache(maxsize=4)
+def _lookup_file(path: str, n_vocab: int) -> NgramCounts:
+    """A lookup cache file, read once for every pipeline group's drafter (they only read it)."""
+    return NgramCounts.load(path, n_vocab)
+
+
 def make_proposer(kind: str, config: SpecConfig, n_vocab: int) -> _Proposer:
     if kind == "ngram-simple":
         return _Simple(config.ngram_n, config.ngram_m)
@@ -251,8 +258,8 @@ def make_proposer(kind: str, config: SpecConfig, n_vocab: int) -> _Proposer:
     if kind == "ngram-mod":
         return _Mod(config.mod_n_match, config.mod_n_min, config.mod_n_max)
     if kind == "ngram-cache":
-        static = NgramCounts.load(config.lookup_static, n_vocab) if config.lookup_static else None
-        dynamic = NgramCounts.load(config.lookup_dynamic, n_vocab) if config.lookup_dynamic else None
+        static = _lookup_file(config.lookup_static, n_vocab) if config.lookup_static else None
+        dynamic = _lookup_file(config.lookup_dynamic, n_vocab) if config.lookup_dynamic else None
         return _Cache(static, dynamic)
     raise ValueError(f"speculative type {kind!r}")
 
